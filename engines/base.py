@@ -1,0 +1,107 @@
+"""The training-engine interface: the only way a training role (actor, critic, reference, SFT)
+touches a model.
+
+Batch layout (a TensorDict, batch dimension 0 = samples):
+    input_ids       [B, T]  prompt (left-padded) followed by response (right-padded), T = P + R
+    attention_mask  [B, T]  1 on real tokens
+    position_ids    [B, T]  optional; derived from attention_mask when absent
+    responses       [B, R]  the response tokens (the last R columns of input_ids)
+    response_mask   [B, R]  1 on response tokens that count (loss / outputs)
+plus whatever the loss function reads (advantages, old_log_probs, ...), all [B, R] or [B].
+
+The loss contract. `forward_backward_batch` calls `loss_fn(micro_batch, outputs, counts)` once per
+micro-batch. `outputs` holds [mb, R] tensors aligned with `micro_batch["responses"]`: "log_probs"
+(always), "entropy" (when asked), "values" (value-head engines). `counts` are global: summed over the
+whole batch of this call and over every data-parallel rank. The loss function normalises by them, so
+the sum of its losses over micro-batches and ranks is the loss of the global batch, and gradients do
+not depend on the micro-batch split, dynamic batching or the dp size. The metrics it returns are
+additive in the same way (already divided by global counts); the engine sums them over micro-batches
+and ranks, so a logged loss is on the scale of the loss that was back-propagated.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDict
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Sizes of the global batch of one forward_backward_batch call, summed over all dp ranks."""
+
+    tokens: int  # sum of response_mask
+    sequences: int  # number of samples (rows)
+    response_width: int  # R, the padded response length (the constant of seq-mean-token-sum-norm)
+
+
+LossFn = Callable[[TensorDict, dict[str, torch.Tensor], GlobalCounts], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass
+class EngineOutput:
+    """Per-sample outputs in the batch's original order, and metrics summed over micro-batches and ranks."""
+
+    outputs: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. "log_probs": [B, R]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class TrainEngine(ABC):
+    """A sharded model with its optimizer and LR schedule. See the module docstring for the contract."""
+
+    dp_rank: int
+    dp_size: int
+    is_collect_rank: bool
+
+    @abstractmethod
+    def initialize(self) -> None:
+        """Build the model (and optimizer, scheduler) from the configured HF folder, sharded."""
+
+    @abstractmethod
+    def train_mode(self) -> AbstractContextManager[None]:
+        """Onload what is offloaded and set train mode; offload again on exit when configured."""
+
+    @abstractmethod
+    def eval_mode(self) -> AbstractContextManager[None]:
+        """Onload parameters and set eval mode; offload again on exit when configured."""
+
+    @abstractmethod
+    def forward_backward_batch(
+        self,
+        batch: TensorDict,
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        compute_entropy: bool = False,
+    ) -> EngineOutput:
+        """Run the batch in micro-batches; back-propagate `loss_fn` unless forward_only."""
+
+    @abstractmethod
+    def optimizer_zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def optimizer_step(self) -> float:
+        """Clip and step; returns the global grad norm before clipping. A non-finite norm skips the step."""
+
+    @abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the schedule; returns the new learning rate."""
+
+    @abstractmethod
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF state-dict name, full tensor), one parameter at a time, gathered lazily."""
+
+    @abstractmethod
+    def to(self, device: str, model: bool = True, optimizer: bool = True) -> None:
+        """Move parameters and/or optimizer state (offload to 'cpu', onload to the compute device)."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: str, step: int) -> None:
+        """Model, optimizer, scheduler, step and RNG, atomically (temporary folder, then rename)."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str) -> int:
+        """Restore what save_checkpoint wrote; returns the step."""

@@ -1,0 +1,151 @@
+"""Small causal language models that Tandem builds itself, in Hugging Face format.
+
+No model can be downloaded here, so tests, benchmarks and the demo build their own: a
+character-level tokenizer (printable ASCII plus newline, and end-of-text / chat special tokens) and
+a randomly initialised Qwen2- or Llama-architecture model, written as config.json, tokenizer.json
+and model.safetensors, and loaded back through the ordinary `from_pretrained` path.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, IM_START, IM_END]
+
+# A chat template in the Qwen style, for tests of the chat-template path of the data loader.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class TinyModelSpec(BaseModel):
+    """Shape of a built-in model. The defaults give a ~0.1M-parameter Qwen2 for unit tests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    arch: str = Field("qwen2", description="'qwen2' or 'llama'")
+    hidden_size: int = Field(64, gt=0)
+    num_layers: int = Field(2, gt=0)
+    num_heads: int = Field(4, gt=0)
+    num_kv_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    max_position_embeddings: int = Field(512, gt=0)
+    tie_word_embeddings: bool = False
+    chat_template: bool = Field(False, description="give the tokenizer a Qwen-style chat template")
+    seed: int = 0
+
+
+BUILTIN_MODELS: dict[str, TinyModelSpec] = {
+    "tiny-qwen2": TinyModelSpec(),
+    "tiny-llama": TinyModelSpec(arch="llama"),
+    "tiny-qwen2-chat": TinyModelSpec(chat_template=True),
+    # ~1M parameters: big enough to learn the built-in arithmetic task on a CPU in minutes.
+    "qwen2-1m": TinyModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384),
+    # ~20M parameters: the benchmark size.
+    "qwen2-20m": TinyModelSpec(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1536),
+}
+
+
+def _gpt2_bytes() -> list[str]:
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def build_tokenizer(chat_template: bool = False):  # -> PreTrainedTokenizerFast
+    """A character-level tokenizer: every printable ASCII character and newline is one token.
+
+    It is a byte-level BPE with no merges, the same family as Qwen2's tokenizer, so that
+    transformers loads it identically whichever tokenizer class it picks for the architecture.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = _gpt2_bytes()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for byte in list(range(32, 127)) + [ord("\n")]:
+        vocab[alphabet[byte]] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+    )
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _model_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
+    )
+    if spec.arch == "qwen2":
+        return Qwen2Config(**common)
+    if spec.arch == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"unknown tiny-model arch '{spec.arch}': use 'qwen2' or 'llama'")
+
+
+def build_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False) -> Path:
+    """Write a randomly initialised model and its tokenizer to `path` (HF format); returns the path.
+
+    Idempotent: an existing folder built from the same spec is left as it is.
+    """
+    from transformers import AutoModelForCausalLM
+
+    spec = spec or TinyModelSpec()
+    path = Path(path)
+    marker = path / "tandem_spec.json"
+    if not overwrite and marker.exists() and json.loads(marker.read_text()) == spec.model_dump():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.chat_template)
+    config = _model_config(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    marker.write_text(json.dumps(spec.model_dump(), indent=2))
+    return path
+
+
+def build_builtin_model(name: str, root: str | Path, overwrite: bool = False) -> Path:
+    """Build the named built-in model under `root/name`."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model '{name}'; choose one of {sorted(BUILTIN_MODELS)}")
+    return build_tiny_model(Path(root) / name, BUILTIN_MODELS[name], overwrite=overwrite)

@@ -1,0 +1,95 @@
+"""Workers declare how their methods are dispatched; the controller executes the declaration.
+
+`@register(Dispatch.MESH, mesh="actor")` only attaches a `MethodSpec` to the function: it imports
+nothing from the controller. A `Worker` instance owns its mesh registry: for each mesh name it
+serves ("actor", "rollout", ...) it records its data-parallel rank and whether its output is the one
+collected for that dp rank. Two workers in one process (colocated roles) each have their own.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+SPEC_ATTR = "__tandem_dispatch__"
+
+
+class Dispatch(enum.Enum):
+    """How a worker-group call fans out to ranks and how results come back."""
+
+    ONE_TO_ALL = "one_to_all"  # same arguments to every rank; a list of results in rank order
+    ALL_TO_ALL = "all_to_all"  # list arguments of length world_size are scattered; list of results
+    RANK_ZERO = "rank_zero"  # runs on rank 0 only; its result
+    MESH = "mesh"  # a Batch split by the mesh's dp size; collect ranks gathered by dp rank
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """The declarative dispatch spec that `register` attaches to a worker method."""
+
+    mode: Dispatch
+    mesh: str | None = None
+    blocking: bool = True
+
+
+def register(mode: Dispatch, mesh: str | None = None, blocking: bool = True) -> Callable[[F], F]:
+    """Mark a worker method as callable through a worker group, with its dispatch mode."""
+    if mode is Dispatch.MESH and not mesh:
+        raise ValueError("Dispatch.MESH needs a mesh name, e.g. register(Dispatch.MESH, mesh='actor')")
+    if mode is not Dispatch.MESH and mesh is not None:
+        raise ValueError(f"mesh={mesh!r} only applies to Dispatch.MESH, not {mode.name}")
+    spec = MethodSpec(mode=mode, mesh=mesh, blocking=blocking)
+
+    def decorate(fn: F) -> F:
+        setattr(fn, SPEC_ATTR, spec)
+        return fn
+
+    return decorate
+
+
+def registered_methods(cls: type) -> dict[str, MethodSpec]:
+    """Every method of `cls` (inherited ones included) that carries a dispatch spec."""
+    found: dict[str, MethodSpec] = {}
+    for name in dir(cls):
+        spec = getattr(getattr(cls, name, None), SPEC_ATTR, None)
+        if isinstance(spec, MethodSpec):
+            found[name] = spec
+    return found
+
+
+@dataclass(frozen=True)
+class MeshEntry:
+    dp_rank: int
+    is_collect: bool
+
+
+class Worker:
+    """Base class of every Ray worker role. Rank and world size come from the worker group's env."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self._meshes: dict[str, MeshEntry] = {}
+
+    def register_mesh(self, name: str, dp_rank: int, is_collect: bool) -> None:
+        """Declare this worker's dp rank in mesh `name` and whether its output is collected."""
+        if name in self._meshes:
+            raise ValueError(f"mesh '{name}' is already registered on rank {self.rank}")
+        if dp_rank < 0:
+            raise ValueError(f"mesh '{name}': dp_rank must be >= 0, got {dp_rank}")
+        self._meshes[name] = MeshEntry(int(dp_rank), bool(is_collect))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def mesh_info(self, name: str) -> tuple[int, bool]:
+        """(dp_rank, is_collect) of this worker in mesh `name`."""
+        entry = self._meshes.get(name)
+        if entry is None:
+            raise KeyError(
+                f"rank {self.rank} has no mesh '{name}' registered (it has: {sorted(self._meshes) or 'none'})"
+            )
+        return entry.dp_rank, entry.is_collect

@@ -1,0 +1,216 @@
+"""The Batch protocol: the currency between the controller and the workers.
+
+A `Batch` is three aligned things: `tensors`, a TensorDict whose batch dimension 0 is the sample
+axis; `non_tensors`, numpy object arrays of the same length (raw prompts, ground truths, uids); and
+`meta`, a dict of per-batch settings (temperature, global step, ...). Every operation keeps the
+three aligned, and every operation that produces several batches deep-copies `meta` into each, so
+that mutating one chunk's settings never reaches another chunk or the source.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
+
+
+def _as_object_array(values: Any) -> np.ndarray:
+    """A 1-D numpy object array holding `values` one per row (lists stay lists, not new axes)."""
+    if isinstance(values, np.ndarray) and values.dtype == object and values.ndim == 1:
+        return values
+    values = list(values)
+    out = np.empty(len(values), dtype=object)
+    out[:] = values
+    return out
+
+
+def _index_array(index: Index, length: int) -> np.ndarray | slice:
+    if isinstance(index, slice):
+        return index
+    if isinstance(index, torch.Tensor):
+        index = index.cpu().numpy()
+    array = np.asarray(index)
+    if array.dtype == bool:
+        if array.shape != (length,):
+            raise IndexError(f"boolean index has shape {array.shape}, expected ({length},)")
+        return np.nonzero(array)[0]
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+        raise IndexError(f"index must be a slice or a 1-D integer/boolean array, got {array!r}")
+    return array
+
+
+@dataclass
+class Batch:
+    """Aligned tensors, non-tensor arrays and per-batch settings; see the module docstring."""
+
+    tensors: TensorDict
+    non_tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensors, TensorDict):
+            raise TypeError(f"Batch.tensors must be a TensorDict, got {type(self.tensors).__name__}")
+        if len(self.tensors.batch_size) != 1:
+            raise ValueError(f"Batch.tensors needs exactly one batch dimension, got {self.tensors.batch_size}")
+        self.non_tensors = {k: _as_object_array(v) for k, v in self.non_tensors.items()}
+        n = len(self)
+        for key, array in self.non_tensors.items():
+            if len(array) != n:
+                raise ValueError(f"non-tensor '{key}' has {len(array)} rows but the batch has {n}")
+
+    # ---- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(
+        cls,
+        tensors: dict[str, torch.Tensor] | None = None,
+        non_tensors: dict[str, Iterable[Any]] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Batch:
+        """Build a batch from plain dicts; the length comes from the tensors, else the non-tensors."""
+        tensors = tensors or {}
+        non_tensors = {k: _as_object_array(v) for k, v in (non_tensors or {}).items()}
+        if tensors:
+            n = next(iter(tensors.values())).shape[0]
+        elif non_tensors:
+            n = len(next(iter(non_tensors.values())))
+        else:
+            n = 0
+        return cls(TensorDict(tensors, batch_size=[n]), non_tensors, dict(meta or {}))
+
+    # ---- basic protocol -----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self.tensors.batch_size[0])
+
+    def __getitem__(self, index: Index) -> Batch:
+        if isinstance(index, int):
+            index = slice(index, index + 1) if index != -1 else slice(index, None)
+        rows = _index_array(index, len(self))
+        tensor_rows = rows if isinstance(rows, slice) else torch.as_tensor(rows, dtype=torch.long)
+        return Batch(
+            self.tensors[tensor_rows],
+            {k: v[rows] for k, v in self.non_tensors.items()},
+            copy.deepcopy(self.meta),
+        )
+
+    def keys(self) -> list[str]:
+        return list(self.tensors.keys()) + list(self.non_tensors.keys())
+
+    # ---- splitting and joining ----------------------------------------------------------------
+
+    def chunk(self, n: int) -> list[Batch]:
+        """Split into `n` equal chunks; a length not divisible by `n` is an error, never a truncation."""
+        if n <= 0:
+            raise ValueError(f"chunk count must be positive, got {n}")
+        if len(self) % n != 0:
+            raise ValueError(
+                f"cannot chunk a batch of {len(self)} rows into {n} equal chunks; "
+                f"pad it first with pad_to_multiple({n})"
+            )
+        size = len(self) // n
+        return [self[i * size : (i + 1) * size] for i in range(n)]
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        """Join batches row-wise; their keys must match. `meta` comes from the first batch."""
+        if not batches:
+            raise ValueError("cannot concat an empty list of batches")
+        first = batches[0]
+        for other in batches[1:]:
+            if set(other.tensors.keys()) != set(first.tensors.keys()):
+                raise ValueError(
+                    f"cannot concat batches with different tensor keys: "
+                    f"{sorted(first.tensors.keys())} vs {sorted(other.tensors.keys())}"
+                )
+            if set(other.non_tensors) != set(first.non_tensors):
+                raise ValueError(
+                    f"cannot concat batches with different non-tensor keys: "
+                    f"{sorted(first.non_tensors)} vs {sorted(other.non_tensors)}"
+                )
+        tensors = torch.cat([b.tensors for b in batches], dim=0)
+        non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors}
+        return Batch(tensors, non_tensors, copy.deepcopy(first.meta))
+
+    def union(self, other: Batch) -> Batch:
+        """Merge the keys of two batches of the same rows; a shared key must hold equal values."""
+        if len(self) != len(other):
+            raise ValueError(f"cannot union batches of {len(self)} and {len(other)} rows")
+        tensors = self.tensors.clone(recurse=False)
+        for key, value in other.tensors.items():
+            if key in tensors.keys() and not torch.equal(tensors[key], value):
+                raise ValueError(f"union: tensor '{key}' differs between the two batches")
+            tensors[key] = value
+        non_tensors = dict(self.non_tensors)
+        for key, value in other.non_tensors.items():
+            if key in non_tensors and not _object_arrays_equal(non_tensors[key], value):
+                raise ValueError(f"union: non-tensor '{key}' differs between the two batches")
+            non_tensors[key] = value
+        meta = copy.deepcopy(self.meta)
+        for key, value in other.meta.items():
+            if key in meta and meta[key] != value:
+                raise ValueError(f"union: meta '{key}' differs between the two batches ({meta[key]!r} vs {value!r})")
+            meta[key] = copy.deepcopy(value)
+        return Batch(tensors, non_tensors, meta)
+
+    def select(self, keys: Iterable[str]) -> Batch:
+        """Keep only the named tensor and non-tensor keys; an unknown key is an error."""
+        keys = list(keys)
+        missing = [k for k in keys if k not in self.tensors.keys() and k not in self.non_tensors]
+        if missing:
+            raise KeyError(f"select: no such keys {missing}; the batch has {sorted(self.keys())}")
+        tensor_keys = [k for k in keys if k in self.tensors.keys()]
+        return Batch(
+            self.tensors.select(*tensor_keys) if tensor_keys else TensorDict({}, batch_size=[len(self)]),
+            {k: v for k, v in self.non_tensors.items() if k in keys},
+            copy.deepcopy(self.meta),
+        )
+
+    def repeat(self, n: int, interleave: bool = True) -> Batch:
+        """Repeat every row `n` times: interleaved gives a a b b, otherwise a b a b."""
+        if n <= 0:
+            raise ValueError(f"repeat count must be positive, got {n}")
+        base = np.arange(len(self))
+        rows = np.repeat(base, n) if interleave else np.tile(base, n)
+        return self[rows]
+
+    def pad_to_multiple(self, k: int) -> tuple[Batch, int]:
+        """Append copies of the first rows until the length divides by `k`; returns (batch, pad)."""
+        if k <= 0:
+            raise ValueError(f"pad multiple must be positive, got {k}")
+        if len(self) == 0:
+            raise ValueError("cannot pad an empty batch: there is no row to repeat")
+        pad = (-len(self)) % k
+        if pad == 0:
+            return self, 0
+        rows = np.arange(pad) % len(self)
+        return Batch.concat([self, self[rows]]), pad
+
+    def unpad(self, pad: int) -> Batch:
+        """Drop the `pad` rows that pad_to_multiple appended."""
+        if pad < 0 or pad > len(self):
+            raise ValueError(f"cannot remove {pad} padding rows from a batch of {len(self)}")
+        return self if pad == 0 else self[: len(self) - pad]
+
+    def to(self, device: str | torch.device) -> Batch:
+        return Batch(self.tensors.to(device), self.non_tensors, self.meta)
+
+
+def _object_arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    if len(a) != len(b):
+        return False
+    return all(_values_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _values_equal(x: Any, y: Any) -> bool:
+    result = x == y
+    if isinstance(result, np.ndarray):
+        return bool(result.all())
+    return bool(result)
