@@ -33,6 +33,7 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 clean:
 	rm -rf $(VENV) .tandem .pytest_cache .ruff_cache *.egg-info

@@ -52,14 +52,20 @@ BUILTIN_MODELS: dict[str, TinyModelSpec] = {
     "tiny-llama": TinyModelSpec(arch="llama"),
     "tiny-qwen2-chat": TinyModelSpec(chat_template=True),
     # ~1M parameters: big enough to learn the built-in arithmetic task on a CPU in minutes.
-    "qwen2-1m": TinyModelSpec(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384),
+    "qwen2-1m": TinyModelSpec(
+        hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384
+    ),
     # ~20M parameters: the benchmark size.
-    "qwen2-20m": TinyModelSpec(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1536),
+    "qwen2-20m": TinyModelSpec(
+        hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1536
+    ),
 }
 
 
 def _gpt2_bytes() -> list[str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

@@ -58,7 +58,9 @@ class Batch:
         if not isinstance(self.tensors, TensorDict):
             raise TypeError(f"Batch.tensors must be a TensorDict, got {type(self.tensors).__name__}")
         if len(self.tensors.batch_size) != 1:
-            raise ValueError(f"Batch.tensors needs exactly one batch dimension, got {self.tensors.batch_size}")
+            raise ValueError(
+                f"Batch.tensors needs exactly one batch dimension, got {self.tensors.batch_size}"
+            )
         self.non_tensors = {k: _as_object_array(v) for k, v in self.non_tensors.items()}
         n = len(self)
         for key, array in self.non_tensors.items():
@@ -156,7 +158,9 @@ class Batch:
         meta = copy.deepcopy(self.meta)
         for key, value in other.meta.items():
             if key in meta and meta[key] != value:
-                raise ValueError(f"union: meta '{key}' differs between the two batches ({meta[key]!r} vs {value!r})")
+                raise ValueError(
+                    f"union: meta '{key}' differs between the two batches ({meta[key]!r} vs {value!r})"
+                )
             meta[key] = copy.deepcopy(value)
         return Batch(tensors, non_tensors, meta)
 
