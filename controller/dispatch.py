@@ -1,0 +1,90 @@
+"""How one worker-group call fans out to ranks and how results come back.
+
+Pure planning and collection functions: given the ranks' mesh registrations (`MeshLayout`), split a
+Batch by the mesh's data-parallel size and gather the collect ranks' outputs ordered by dp rank.
+The Ray calls themselves live in worker_group.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from workers.batch import Batch
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Each global rank's (dp rank, is_collect) in one named mesh."""
+
+    name: str
+    dp_rank: tuple[int, ...]  # indexed by global rank
+    is_collect: tuple[bool, ...]
+
+    @classmethod
+    def from_info(cls, name: str, info: Sequence[tuple[int, bool]]) -> MeshLayout:
+        """Validate the registrations of all ranks: dp ranks 0..D-1, exactly one collect rank each."""
+        layout = cls(name, tuple(int(d) for d, _ in info), tuple(bool(c) for _, c in info))
+        dp_size = layout.dp_size
+        if sorted(set(layout.dp_rank)) != list(range(dp_size)):
+            raise ValueError(
+                f"mesh '{name}': dp ranks must be 0..{dp_size - 1} with none missing, got {list(layout.dp_rank)}"
+            )
+        for dp in range(dp_size):
+            collectors = [r for r in range(len(info)) if layout.dp_rank[r] == dp and layout.is_collect[r]]
+            if len(collectors) != 1:
+                raise ValueError(
+                    f"mesh '{name}': dp rank {dp} must have exactly one collect rank, has ranks {collectors}"
+                )
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return len(self.dp_rank)
+
+    @property
+    def dp_size(self) -> int:
+        return len(set(self.dp_rank))
+
+    def collect_ranks(self) -> list[int]:
+        """Global ranks whose output is gathered, ordered by their dp rank."""
+        collectors = [r for r in range(self.world_size) if self.is_collect[r]]
+        return sorted(collectors, key=lambda r: self.dp_rank[r])
+
+
+def split_for_mesh(layout: MeshLayout, batch: Batch) -> tuple[list[Batch], int]:
+    """Pad `batch` to a multiple of the dp size and split it: one chunk per dp rank, and the pad."""
+    if not isinstance(batch, Batch):
+        raise TypeError(
+            f"a MESH call on mesh '{layout.name}' takes a Batch first, got {type(batch).__name__}"
+        )
+    padded, pad = batch.pad_to_multiple(layout.dp_size)
+    return padded.chunk(layout.dp_size), pad
+
+
+def collect_from_mesh(layout: MeshLayout, outputs_by_rank: Sequence[Any], pad: int) -> Any:
+    """Gather the collect ranks' outputs by dp rank; Batches are concatenated and unpadded."""
+    gathered = [outputs_by_rank[r] for r in layout.collect_ranks()]
+    if all(isinstance(out, Batch) for out in gathered):
+        return Batch.concat(gathered).unpad(pad)
+    return gathered
+
+
+def scatter_all_to_all(world_size: int, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    """Per-rank (args, kwargs): every list/tuple argument must have one entry per rank."""
+
+    def pick(value: Any, rank: int, what: str) -> Any:
+        if not isinstance(value, list | tuple) or len(value) != world_size:
+            raise ValueError(
+                f"ALL_TO_ALL argument {what} must be a list of {world_size} values, one per rank"
+            )
+        return value[rank]
+
+    return [
+        (
+            tuple(pick(a, r, f"#{i}") for i, a in enumerate(args)),
+            {k: pick(v, r, f"'{k}'") for k, v in kwargs.items()},
+        )
+        for r in range(world_size)
+    ]

@@ -1,0 +1,37 @@
+"""Shared fixtures: a real local Ray cluster started by the tests, and tiny HF models built locally."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray with 8 logical CPUs (the 2 real cores are time-shared), started once per session."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=8,
+            num_gpus=0,
+            include_dashboard=False,
+            namespace="tandem-tests",
+            runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}},
+            logging_level="warning",
+        )
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny-qwen2 model (87k parameters), built once per session in HF format."""
+    from engines.tiny_models import build_builtin_model
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return build_builtin_model("tiny-qwen2", tmp_path_factory.mktemp("models"))

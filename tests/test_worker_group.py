@@ -1,0 +1,252 @@
+"""Worker groups on a real local Ray: mesh dispatch and collection, errors, dead actors, fused roles."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from controller.dispatch import MeshLayout
+from controller.resource_pool import ResourcePool
+from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups
+from workers.base import Dispatch, Worker, register
+from workers.batch import Batch
+
+
+class MeshWorker(Worker):
+    """Registers two meshes from per-rank tables, records what each MESH call received."""
+
+    def __init__(self, layouts: dict[str, list[tuple[int, bool]]]) -> None:
+        super().__init__()
+        for name, table in layouts.items():
+            dp, collect = table[self.rank]
+            self.register_mesh(name, dp, collect)
+        self.received: dict[str, list[int]] = {}
+
+    def _echo(self, mesh: str, batch: Batch) -> Batch:
+        rows = batch.tensors["row"].tolist()
+        self.received[mesh] = rows
+        n = len(batch)
+        return Batch.from_dict(
+            tensors={
+                "row": batch.tensors["row"],
+                "doubled": batch.tensors["row"] * 2,
+                "rank": torch.full((n,), self.rank),
+            },
+            non_tensors={"text": [f"{t}!" for t in batch.non_tensors["text"]]},
+        )
+
+    @register(Dispatch.MESH, mesh="train")
+    def train_step(self, batch: Batch) -> Batch:
+        return self._echo("train", batch)
+
+    @register(Dispatch.MESH, mesh="infer")
+    def infer_step(self, batch: Batch, scale: int = 1) -> Batch:
+        out = self._echo("infer", batch)
+        out.tensors["doubled"] = out.tensors["doubled"] * scale
+        return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    def get_received(self) -> dict[str, list[int]]:
+        return self.received
+
+    @register(Dispatch.ALL_TO_ALL)
+    def add(self, value: int) -> int:
+        return value + self.rank
+
+    @register(Dispatch.RANK_ZERO)
+    def who(self) -> tuple[int, int]:
+        return self.rank, self.world_size
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on(self, bad_rank: int) -> int:
+        if self.rank == bad_rank:
+            raise ValueError(f"rank {self.rank} refuses")
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def env(self) -> dict[str, str]:
+        return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def make_batch(n: int) -> Batch:
+    return Batch.from_dict(
+        tensors={"row": torch.arange(n)}, non_tensors={"text": [f"r{i}" for i in range(n)]}
+    )
+
+
+# "train": dp=2 x tp=2 (ranks 0,1 -> dp 0; 2,3 -> dp 1; tp rank 0 collects); "infer": dp=4.
+IN_ORDER = {
+    "train": [(0, True), (0, False), (1, True), (1, False)],
+    "infer": [(0, True), (1, True), (2, True), (3, True)],
+}
+# The same shapes with dp ranks in an order unlike the global rank order, and tp rank 1 collecting.
+SHUFFLED = {
+    "train": [(1, False), (1, True), (0, False), (0, True)],
+    "infer": [(2, True), (0, True), (3, True), (1, True)],
+}
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster):
+    pool = ResourcePool(bundles=4, cpus_per_bundle=1.0)
+    yield pool
+    pool.remove()
+
+
+def expected_rows(n: int, dp_size: int) -> list[list[int]]:
+    """Rows each dp rank receives after padding with leading rows up to a multiple of dp_size."""
+    padded = list(range(n)) + list(range((-n) % dp_size))
+    size = len(padded) // dp_size
+    return [padded[d * size : (d + 1) * size] for d in range(dp_size)]
+
+
+@pytest.fixture(scope="module")
+def groups(pool):
+    """One 4-rank group per layout table, shared by the tests of this module."""
+    made = {
+        "in-order": RayWorkerGroup(pool, MeshWorker, IN_ORDER, group_name="in-order", share=0.25),
+        "shuffled": RayWorkerGroup(pool, MeshWorker, SHUFFLED, group_name="shuffled", share=0.25),
+    }
+    yield made
+    for group in made.values():
+        group.shutdown()
+
+
+@pytest.mark.parametrize("name,layouts", [("in-order", IN_ORDER), ("shuffled", SHUFFLED)])
+def test_mesh_dispatch_routes_rows_and_collects_by_dp_rank(groups, name, layouts):
+    group = groups[name]
+    for n in (8, 7, 5):
+        batch = make_batch(n)
+        for mesh, method in (("train", group.train_step), ("infer", group.infer_step)):
+            out = method(batch)
+            table = layouts[mesh]
+            dp_size = len({dp for dp, _ in table})
+            # Output order equals input order, padding removed, nothing lost or duplicated.
+            assert out.tensors["row"].tolist() == list(range(n))
+            assert out.tensors["doubled"].tolist() == [2 * i for i in range(n)]
+            assert out.non_tensors["text"].tolist() == [f"r{i}!" for i in range(n)]
+            # Only collect ranks are gathered: each row came from the collect rank of its dp shard.
+            rows_of_dp = expected_rows(n, dp_size)
+            collector = {dp: r for r, (dp, c) in enumerate(table) if c}
+            expected_rank = [collector[dp] for dp in range(dp_size) for _ in rows_of_dp[dp]][:n]
+            assert out.tensors["rank"].tolist() == expected_rank, (mesh, n)
+        received = group.get_received()
+        for mesh in ("train", "infer"):
+            table = layouts[mesh]
+            rows_of_dp = expected_rows(n, len({dp for dp, _ in table}))
+            for rank, (dp, _) in enumerate(table):
+                assert received[rank][mesh] == rows_of_dp[dp], (mesh, rank, n)
+        # tp peers (same dp rank in "train") received identical inputs.
+        peers: dict[int, list[int]] = {}
+        for rank, (dp, _) in enumerate(layouts["train"]):
+            peers.setdefault(dp, []).append(rank)
+        for ranks in peers.values():
+            assert received[ranks[0]]["train"] == received[ranks[1]]["train"]
+    assert group.mesh_layout("train").dp_size == 2 and group.mesh_layout("infer").dp_size == 4
+
+
+def test_other_dispatch_modes_and_env(groups):
+    group = groups["in-order"]
+    assert group.add([10, 20, 30, 40]) == [10, 21, 32, 43]
+    assert group.who() == (0, 4)
+    out = group.infer_step(make_batch(4), scale=3)  # extra args reach every rank
+    assert out.tensors["doubled"].tolist() == [0, 6, 12, 18]
+    envs = group.env()
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"}
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1
+    with pytest.raises(ValueError, match="list of 4 values"):
+        group.add([1, 2])
+    with pytest.raises(TypeError, match="takes a Batch"):
+        group.train_step({"row": [1]})
+
+
+def test_exception_on_one_rank_names_the_rank_and_method(groups):
+    group = groups["shuffled"]
+    with pytest.raises(
+        WorkerGroupError, match=r"worker group 'shuffled', rank 2, method 'fail_on'.*ValueError"
+    ):
+        group.fail_on(2)
+    assert group.fail_on(-1) == [0, 1, 2, 3]  # the group still serves after a rank raised
+
+
+def test_no_call_waits_past_its_timeout(groups):
+    group = groups["shuffled"]
+    group.call_timeout_s = 1.0
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError, match="did not answer within 1s"):
+            group.sleep(3)
+        assert time.monotonic() - start < 3
+    finally:
+        group.call_timeout_s = 60.0
+    assert group.sleep(0) == [0, 1, 2, 3]  # the late calls drain; the group is usable again
+
+
+def test_dead_actor_fails_the_next_call_quickly(pool, ray_cluster):
+    group = RayWorkerGroup(pool, MeshWorker, IN_ORDER, group_name="doomed", share=0.25)
+    try:
+        ray_cluster.kill(group.actors[1], no_restart=True)
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError, match=r"'doomed', rank 1, method 'get_received'.*died"):
+            group.get_received()
+        assert time.monotonic() - start < 30
+    finally:
+        group.shutdown()
+
+
+class CriticRole(Worker):
+    """A second role with its own mesh registration: dp ranks reversed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_mesh("train", self.world_size - 1 - self.rank, True)
+
+    @register(Dispatch.MESH, mesh="train")
+    def score(self, batch: Batch) -> Batch:
+        return Batch.from_dict(
+            tensors={
+                "row": batch.tensors["row"],
+                "rank": torch.full((len(batch),), self.rank),
+                "pid": torch.full((len(batch),), os.getpid()),
+            }
+        )
+
+
+class ActorRole(CriticRole):
+    def __init__(self) -> None:
+        Worker.__init__(self)
+        self.register_mesh("train", self.rank, True)
+
+
+def test_fused_roles_share_processes_but_not_meshes(pool):
+    groups = fused_groups(
+        pool, {"actor": RoleSpec(ActorRole), "critic": RoleSpec(CriticRole)}, group_name="fused", share=0.25
+    )
+    try:
+        actor, critic = groups["actor"], groups["critic"]
+        a, c = actor.score(make_batch(4)), critic.score(make_batch(4))
+        assert a.tensors["row"].tolist() == c.tensors["row"].tolist() == [0, 1, 2, 3]
+        assert a.tensors["rank"].tolist() == [0, 1, 2, 3]
+        assert c.tensors["rank"].tolist() == [3, 2, 1, 0]  # the critic's own registry: dp reversed
+        assert sorted(a.tensors["pid"].tolist()) == sorted(c.tensors["pid"].tolist())  # same processes
+        assert actor.name == "fused/actor" and critic.mesh_layout("train").dp_rank == (3, 2, 1, 0)
+    finally:
+        groups["actor"].shutdown()
+
+
+def test_mesh_layout_validation():
+    with pytest.raises(ValueError, match="dp ranks must be 0..1"):
+        MeshLayout.from_info("m", [(0, True), (2, True)])
+    with pytest.raises(ValueError, match="dp rank 0 must have exactly one collect rank"):
+        MeshLayout.from_info("m", [(0, True), (0, True)])
+    layout = MeshLayout.from_info("m", [(1, True), (1, False), (0, False), (0, True)])
+    assert layout.collect_ranks() == [3, 0] and layout.dp_size == 2
