@@ -1,0 +1,193 @@
+"""JobSpec: everything a job is, as one validated model.
+
+The REST payload, the YAML/JSON example files and the CLI flags are this same model. Every section
+forbids unknown keys, so a typo is a 422 that names the field, and the defaults run on a laptop: a
+GRPO job on the built-in arithmetic task with a ~1M-parameter model, on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(Section):
+    """The policy model: a local HF folder, or a built-in tiny model built on demand."""
+
+    path: str | None = Field(None, description="local Hugging Face folder (config.json, tokenizer, safetensors)")
+    builtin: str | None = Field(None, description="name of a built-in model, e.g. 'qwen2-1m'")
+    critic_path: str | None = Field(None, description="critic body (PPO); defaults to the policy's folder")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.path is None) == (self.builtin is None):
+            raise ValueError("give exactly one of model.path or model.builtin")
+        return self
+
+
+class DataSpec(Section):
+    """Prompt data (RL) or prompt/response pairs (SFT), from local JSONL or Parquet files."""
+
+    train_path: str | None = Field(None, description="JSONL or Parquet; None with builtin_task")
+    val_path: str | None = None
+    builtin_task: str | None = Field("arithmetic", description="generate a built-in task's data instead")
+    prompt_key: str = "prompt"
+    response_key: str = Field("response", description="SFT only")
+    ground_truth_key: str = "ground_truth"
+    extra_key: str | None = "extra"
+    max_prompt_length: int = Field(64, gt=0, description="longer prompts are dropped and counted")
+    shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSpec:
+        if self.train_path is None and self.builtin_task is None:
+            raise ValueError("give data.train_path or data.builtin_task")
+        return self
+
+
+class RewardSpec(Section):
+    """A rule reward ('builtin:NAME', 'module:function' or 'path/file.py:function') or a reward model."""
+
+    function: str | None = Field("builtin:arithmetic", description="rule reward function")
+    model_path: str | None = Field(None, description="sequence-classification reward model folder")
+    num_workers: int = Field(0, ge=0, description="processes for rule rewards; 0 = in the controller")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardSpec:
+        if (self.function is None) == (self.model_path is None):
+            raise ValueError("give exactly one of reward.function or reward.model_path")
+        return self
+
+
+class RolloutSpec(Section):
+    """Generation: backend, sampling, and memory behaviour in the colocated worker."""
+
+    backend: Literal["hf", "sglang"] = "hf"
+    n: int = Field(8, ge=1, description="samples per prompt (the GRPO group size)")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1 disables top-k")
+    max_new_tokens: int = Field(8, gt=0)
+    tensor_parallel_size: int = Field(1, ge=1)
+    bucket_mb: int = Field(512, gt=0, description="weight-sync bucket size")
+    free_cache_after_generate: bool = Field(True, description="release rollout memory between generations")
+    offload_trainer_during_rollout: bool = False
+
+
+class OptimSpec(Section):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class AlgorithmSpec(Section):
+    """Advantages, losses and the PPO update's mini-batches and epochs."""
+
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] | None = Field(
+        None, description="defaults from the method"
+    )
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(1.0, ge=0, le=1)
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    clip_ratio_low: float = Field(0.2, ge=0)
+    clip_ratio_high: float = Field(0.2, ge=0)
+    clip_ratio_c: float = Field(3.0, gt=1)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
+    kl_in_reward: bool = False
+    kl_reward_coef: float = Field(0.001, ge=0)
+    ppo_mini_batch_size: int | None = Field(None, gt=0, description="samples per optimizer step; None = all")
+    ppo_epochs: int = Field(1, ge=1)
+    micro_batch_size: int | None = Field(None, gt=0, description="samples per micro-batch (fixed)")
+    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="dynamic micro-batching budget")
+    critic_lr: float = Field(1e-5, gt=0)
+    vf_clip: float = Field(0.2, ge=0)
+
+
+class TrainerSpec(Section):
+    total_steps: int = Field(20, gt=0)
+    prompts_per_step: int = Field(16, gt=0)
+    epochs: int = Field(1, ge=1, description="SFT: passes over the data")
+    val_every: int = Field(5, ge=0, description="0 disables validation")
+    val_size: int = Field(64, gt=0, description="validation prompts per evaluation")
+    seed: int = 0
+
+
+class CheckpointSpec(Section):
+    every: int = Field(5, ge=0, description="steps between checkpoints; 0 = only at the end")
+    keep_last: int = Field(2, ge=1)
+    export_hf: bool = Field(True, description="write an HF folder of the final policy")
+    resume_from: str | None = Field(None, description="a checkpoint folder to start from")
+
+
+class ResourcesSpec(Section):
+    workers: int = Field(1, ge=1, description="ranks (processes) of the colocated worker group")
+    cpus_per_worker: float = Field(1.0, gt=0)
+    gpus_per_worker: float = Field(0.0, ge=0)
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
+
+
+class JobSpec(Section):
+    """One job: what to train, on what, how, on which resources."""
+
+    method: Method = "grpo"
+    model: ModelSpec = Field(default_factory=lambda: ModelSpec(builtin="qwen2-1m"))
+    data: DataSpec = Field(default_factory=DataSpec)
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    optim: OptimSpec = Field(default_factory=OptimSpec)
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.method == "ppo" and self.algorithm.advantage not in (None, "gae"):
+            raise ValueError("method 'ppo' uses GAE: leave algorithm.advantage unset or 'gae'")
+        if self.rollout.tensor_parallel_size > 1 and self.rollout.backend == "hf":
+            raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.backend 'sglang'")
+        if self.resources.workers % self.rollout.tensor_parallel_size:
+            raise ValueError("resources.workers must be a multiple of rollout.tensor_parallel_size")
+        return self
+
+    @property
+    def advantage_estimator(self) -> str:
+        """The estimator this job uses: explicit, else implied by the method."""
+        if self.algorithm.advantage:
+            return self.algorithm.advantage
+        return {"ppo": "gae", "grpo": "grpo", "rloo": "rloo"}.get(self.method, self.method)
+
+    def merged(self, overrides: dict[str, Any]) -> JobSpec:
+        """A new spec with nested overrides applied (fork), validated as a whole."""
+        return JobSpec.model_validate(_deep_merge(self.model_dump(), overrides))
+
+
+def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
