@@ -1,0 +1,61 @@
+"""Turning a per-token loss matrix into one scalar that is additive over micro-batches.
+
+Every mode divides by a *global* constant from `GlobalCounts` (the whole batch of one
+`forward_backward_batch` call, over every dp rank), never by a count of the micro-batch at hand.
+Each mode is therefore a sum of per-row terms over one fixed denominator: summing the results over
+any split of the rows gives the whole-batch value, and so do the gradients. The modes differ in how
+much weight a token gets:
+
+    token-mean               sum_{i,t} m_it l_it / N_tokens
+                             every valid token weighs the same; long answers weigh more in total.
+    seq-mean-token-sum       sum_i (sum_t m_it l_it) / N_seqs
+                             a sequence's tokens are summed, then sequences averaged.
+    seq-mean-token-mean      sum_i (sum_t m_it l_it / sum_t m_it) / N_seqs
+                             every sequence weighs the same, whatever its length (GRPO paper).
+    seq-mean-token-sum-norm  sum_{i,t} m_it l_it / (N_seqs * R)
+                             a constant normaliser, free of any length bias (Dr.GRPO).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+
+from engines.base import GlobalCounts
+
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGG_MODES: tuple[str, ...] = get_args(AggMode)
+
+
+def check_agg_mode(mode: str) -> None:
+    """Raise a ValueError naming the choices when `mode` is not an aggregation mode."""
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
+
+
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, counts: GlobalCounts) -> torch.Tensor:
+    """Reduce `loss_mat` [mb, R] over the valid tokens `mask` [mb, R] to a scalar (see the module doc)."""
+    mask = mask.to(loss_mat.dtype)
+    masked = loss_mat * mask
+    if mode == "token-mean":
+        # max(.., 1): a global batch with no valid token yields 0, not NaN.
+        return masked.sum() / max(counts.tokens, 1)
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / max(counts.sequences, 1)
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+        return per_seq.sum() / max(counts.sequences, 1)
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / max(counts.sequences * counts.response_width, 1)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
+
+
+def token_fraction(flags: torch.Tensor, mask: torch.Tensor, counts: GlobalCounts) -> float:
+    """The share of the global batch's valid tokens where `flags` holds (additive over micro-batches)."""
+    return float((flags.to(mask.dtype) * mask).sum()) / max(counts.tokens, 1)
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor, counts: GlobalCounts) -> float:
+    """The global token mean of `values`, as this micro-batch's additive share of it."""
+    return float((values.detach() * mask.to(values.dtype)).sum()) / max(counts.tokens, 1)

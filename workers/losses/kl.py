@@ -1,0 +1,39 @@
+"""Per-token estimators of KL(pi || pi_ref) from the log-probs of the sampled tokens.
+
+With d = log pi(y) - log pi_ref(y) for a token y sampled from pi (Schulman's "approximating KL"):
+
+    k1 = d                      unbiased, high variance, can be negative on a single token
+    k2 = d^2 / 2                biased, low variance, always >= 0
+    k3 = exp(-d) - 1 + d        unbiased and always >= 0 ("low_var_kl"); clamped to [-10, 10]
+
+All three are exactly 0 where the two policies agree. They serve both as a loss term (the actor's
+KL to the reference) and as a reward penalty (KL in the reward, on the controller).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+
+KLType = Literal["k1", "k2", "k3"]
+KL_TYPES: tuple[str, ...] = get_args(KLType)
+_ALIASES = {"low_var_kl": "k3", "kl": "k1", "mse": "k2"}
+
+# exp of a log-ratio past this overflows in bf16/fp16; the clamp only bites for absurd policies.
+_MAX_LOG_RATIO = 20.0
+_K3_BOUND = 10.0
+
+
+def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """The per-token KL estimate of `kl_type` (k1, k2, k3 or the alias low_var_kl); same shape as inputs."""
+    kind = _ALIASES.get(kl_type, kl_type)
+    diff = log_probs - ref_log_probs
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff.square()
+    if kind == "k3":
+        neg = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return (neg.exp() - neg - 1.0).clamp(-_K3_BOUND, _K3_BOUND)
+    raise ValueError(f"unknown KL estimator {kl_type!r}; choose one of {', '.join(KL_TYPES)} (or low_var_kl)")

@@ -1,0 +1,178 @@
+"""Policy-gradient losses for the actor: PPO (clipped), GSPO and CISPO, plus entropy and KL terms.
+
+Each objective maps per-token log-probs to a per-token loss matrix, with the tokens where a clip is
+active flagged for the metrics. Writing r = exp(log pi - log pi_old) and A for the advantage:
+
+    ppo    max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), and where A < 0 additionally capped at
+           -A c (dual clip): a very large ratio on a bad token cannot blow the loss up.
+    gspo   the same clipped form, but r is the sequence ratio s_i = exp(mean_t log(pi/pi_old)) over
+           the valid tokens of sequence i, in its token-level form s_it = sg[s_i] pi_t / sg[pi_t]:
+           the value of s_i, the gradient of each token's own log-prob.
+    cispo  -sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi: the IS weight is clipped and detached,
+           so no token loses its gradient (unlike PPO, where a clipped token contributes none).
+
+`make_policy_loss` aggregates the matrix with the configured mode (see aggregation.py), subtracts
+entropy_coeff * entropy and adds kl_loss_coef * KL(pi || pi_ref), following engines/base.py's loss
+contract: everything is divided by the global counts, so losses and metrics add up over
+micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Literal, NamedTuple
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tensordict import TensorDict
+
+from engines.base import GlobalCounts, LossFn
+from workers.losses.aggregation import AggMode, aggregate, check_agg_mode, token_fraction, token_mean
+from workers.losses.kl import KLType, kl_estimate
+
+# Bounds the log-ratio before exp: beyond it the ratio is clipped anyway, and exp would overflow.
+_MAX_LOG_RATIO = 20.0
+
+
+class PolicyLossConfig(BaseModel):
+    """The actor loss. Field names match controller.spec.AlgorithmSpec, so the controller can build
+    it with `PolicyLossConfig(**spec.algorithm.model_dump(include=set(PolicyLossConfig.model_fields)))`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy_loss: Literal["ppo", "gspo", "cispo"] = Field("ppo", description="the per-token objective")
+    clip_ratio_low: float = Field(0.2, ge=0, description="lower clip: ratios below 1 - this are clipped")
+    clip_ratio_high: float = Field(0.2, ge=0, description="upper clip: ratios above 1 + this are clipped")
+    clip_ratio_c: float = Field(3.0, gt=1, description="PPO dual clip: cap of the loss where A < 0")
+    loss_agg_mode: AggMode = Field("token-mean", description="how token losses become one scalar")
+    entropy_coeff: float = Field(0.0, description="weight of the entropy bonus (needs outputs['entropy'])")
+    use_kl_loss: bool = Field(False, description="add KL(pi || pi_ref) as a loss (needs ref_log_probs)")
+    kl_loss_coef: float = Field(0.001, ge=0, description="weight of the KL loss")
+    kl_loss_type: KLType = Field("k3", description="KL estimator: k1, k2 or k3 (low-variance)")
+
+
+class TokenPolicyLoss(NamedTuple):
+    loss: torch.Tensor  # [mb, R] per-token loss, not yet masked
+    clipped: torch.Tensor  # [mb, R] bool: the ratio clip is active
+    dual_clipped: torch.Tensor  # [mb, R] bool: PPO's dual clip (-A c) is active
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A r, -A clip(r)) and where the clipped branch wins (the token then has no gradient)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def ppo_token_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+) -> TokenPolicyLoss:
+    """PPO's clipped objective with asymmetric clip and dual clip (see the module doc)."""
+    ratio = (log_probs - old_log_probs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    loss, clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+    cap = -advantages * clip_ratio_c
+    dual_clipped = (advantages < 0) & (loss > cap)
+    return TokenPolicyLoss(torch.where(dual_clipped, cap, loss), clipped, dual_clipped)
+
+
+def gspo_token_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> TokenPolicyLoss:
+    """GSPO-token: the clipped objective on the length-normalised sequence ratio (see the module doc).
+
+    The GSPO paper uses loss_agg_mode 'seq-mean-token-mean' and very small clip ranges (3e-4, 4e-4)."""
+    m = mask.to(log_probs.dtype)
+    seq_log_ratio = ((log_probs - old_log_probs) * m).sum(-1) / m.sum(-1).clamp(min=1)
+    # Clamp only the detached value, so that every token keeps its own gradient.
+    seq_value = seq_log_ratio.detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).unsqueeze(-1)
+    ratio = (seq_value + log_probs - log_probs.detach()).exp()
+    loss, clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+    return TokenPolicyLoss(loss, clipped, torch.zeros_like(clipped))
+
+
+def cispo_token_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> TokenPolicyLoss:
+    """CISPO: REINFORCE weighted by the clipped, detached IS ratio (see the module doc)."""
+    ratio = (log_probs - old_log_probs).detach().clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
+    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = (ratio < 1.0 - clip_ratio_low) | (ratio > 1.0 + clip_ratio_high)
+    return TokenPolicyLoss(-advantages * weight * log_probs, clipped, torch.zeros_like(clipped))
+
+
+TokenObjective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], TokenPolicyLoss]
+
+
+def make_token_objective(cfg: PolicyLossConfig) -> TokenObjective:
+    """The per-token objective of `cfg.policy_loss`, with its clip ranges bound."""
+    clips = {"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high}
+    objectives: dict[str, TokenObjective] = {
+        "ppo": partial(ppo_token_loss, clip_ratio_c=cfg.clip_ratio_c, **clips),
+        "gspo": partial(gspo_token_loss, **clips),
+        "cispo": partial(cispo_token_loss, **clips),
+    }
+    if cfg.policy_loss not in objectives:
+        raise ValueError(f"unknown policy_loss {cfg.policy_loss!r}; choose one of {', '.join(objectives)}")
+    return objectives[cfg.policy_loss]
+
+
+def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
+    """The actor's LossFn. Reads micro_batch response_mask, old_log_probs, advantages (and
+    ref_log_probs with use_kl_loss), outputs log_probs (and entropy). Metrics: actor/pg_loss,
+    actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy, actor/kl_loss."""
+    objective = make_token_objective(cfg)
+    check_agg_mode(cfg.loss_agg_mode)  # fail at construction, not at the first micro-batch
+
+    def policy_loss(
+        micro_batch: TensorDict, outputs: dict[str, torch.Tensor], counts: GlobalCounts
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = micro_batch["response_mask"]
+        log_probs, old_log_probs = outputs["log_probs"], micro_batch["old_log_probs"]
+        terms = objective(log_probs, old_log_probs, micro_batch["advantages"], mask)
+        pg_loss = aggregate(terms.loss, mask, cfg.loss_agg_mode, counts)
+        metrics = {
+            "actor/pg_loss": float(pg_loss.detach()),
+            "actor/pg_clipfrac": token_fraction(terms.clipped, mask, counts),
+            "actor/pg_clipfrac_lower": token_fraction(terms.dual_clipped, mask, counts),
+            "actor/ppo_kl": token_mean(old_log_probs - log_probs, mask, counts),
+        }
+        loss = pg_loss
+        if "entropy" in outputs:
+            entropy = aggregate(outputs["entropy"], mask, cfg.loss_agg_mode, counts)
+            metrics["actor/entropy"] = float(entropy.detach())
+            loss = loss - cfg.entropy_coeff * entropy
+        elif cfg.entropy_coeff != 0:
+            raise ValueError("entropy_coeff needs outputs['entropy']: run with compute_entropy=True")
+        if cfg.use_kl_loss:
+            if "ref_log_probs" not in micro_batch.keys():
+                raise KeyError("use_kl_loss needs 'ref_log_probs' in the batch: compute reference log-probs")
+            kl = aggregate(
+                kl_estimate(log_probs, micro_batch["ref_log_probs"], cfg.kl_loss_type),
+                mask,
+                cfg.loss_agg_mode,
+                counts,
+            )
+            metrics["actor/kl_loss"] = float(kl.detach())
+            loss = loss + cfg.kl_loss_coef * kl
+        return loss, metrics
+
+    return policy_loss

@@ -1,0 +1,22 @@
+"""Supervised fine-tuning: the cross-entropy of the response tokens, -log pi(y_t), aggregated."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from engines.base import GlobalCounts, LossFn
+from workers.losses.aggregation import aggregate, check_agg_mode
+
+
+def make_sft_loss(agg_mode: str = "token-mean") -> LossFn:
+    """The SFT LossFn. Reads micro_batch response_mask and outputs log_probs. Metric: sft/loss."""
+    check_agg_mode(agg_mode)  # fail at construction, not at the first micro-batch
+
+    def sft_loss(
+        micro_batch: TensorDict, outputs: dict[str, torch.Tensor], counts: GlobalCounts
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = aggregate(-outputs["log_probs"], micro_batch["response_mask"], agg_mode, counts)
+        return loss, {"sft/loss": float(loss.detach())}
+
+    return sft_loss
