@@ -76,8 +76,13 @@ class TrainEngine(ABC):
         loss_fn: LossFn | None,
         forward_only: bool = False,
         compute_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> EngineOutput:
-        """Run the batch in micro-batches; back-propagate `loss_fn` unless forward_only."""
+        """Run the batch in micro-batches; back-propagate `loss_fn` unless forward_only.
+
+        Log-probs are of logits / temperature, so that they match the sampling distribution of a
+        rollout at that temperature.
+        """
 
     @abstractmethod
     def optimizer_zero_grad(self) -> None: ...

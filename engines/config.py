@@ -1,0 +1,109 @@
+"""Configuration of a training engine: one small validated model per concern.
+
+`EngineConfig` is what a training role hands to `FSDPEngine`: where the model is, how it is sharded
+and offloaded, how it is optimised and scheduled, and how a batch is cut into micro-batches.
+Every section forbids unknown keys and checks what it can on construction, so a bad value fails
+where it was written rather than deep inside a training step.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FSDPConfig(_Section):
+    """How parameters are sharded and where they live between uses."""
+
+    reshard_after_forward: bool = Field(
+        True, description="free the gathered parameters of a layer after its forward (ZeRO-3); False = ZeRO-2"
+    )
+    param_offload: bool = Field(False, description="keep parameter shards on the CPU outside train/eval mode")
+    optimizer_offload: bool = Field(False, description="keep optimizer state on the CPU outside train mode")
+
+
+class OptimizerConfig(_Section):
+    """AdamW with global-norm gradient clipping."""
+
+    lr: float = Field(1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; None disables clipping")
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimizerConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must each be in [0, 1), got {self.betas}")
+        return self
+
+
+class SchedulerConfig(_Section):
+    """Learning-rate schedule: constant, or linear warmup then cosine decay to min_lr_ratio * lr."""
+
+    kind: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float | None = Field(None, ge=0, lt=1, description="overrides warmup_steps when set")
+    total_steps: int = Field(1, gt=0, description="optimizer steps the cosine decays over")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+    @property
+    def resolved_warmup_steps(self) -> int:
+        if self.warmup_ratio is not None:
+            return int(self.warmup_ratio * self.total_steps)
+        return self.warmup_steps
+
+
+class MicroBatchConfig(_Section):
+    """Either a fixed number of samples per micro-batch, or a token budget (dynamic batching)."""
+
+    micro_batch_size: int | None = Field(None, gt=0, description="samples per micro-batch")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, description="dynamic: at most this many real tokens per micro-batch, balanced"
+    )
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> MicroBatchConfig:
+        if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
+            raise ValueError(
+                "micro_batch.micro_batch_size and micro_batch.max_tokens_per_micro_batch are exclusive: "
+                "give a fixed size or a token budget, not both"
+            )
+        return self
+
+
+class EngineConfig(_Section):
+    """Everything an FSDP training engine needs; defaults train a tiny model on a laptop CPU."""
+
+    model_path: str = Field(
+        ..., description="local Hugging Face folder (config.json, safetensors, tokenizer)"
+    )
+    role: Literal["policy", "value"] = Field("policy", description="value: a scalar head for the critic")
+    trainable: bool = Field(True, description="False: forward only, no optimizer (the reference model)")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="compute dtype; auto: bf16 on CUDA, fp32 on CPU. Master weights stay fp32"
+    )
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    optim: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    micro_batch: MicroBatchConfig = Field(default_factory=MicroBatchConfig)
+    gradient_checkpointing: bool = False
+    logprob_chunk_tokens: int = Field(
+        1024, gt=0, description="tokens per chunk of the vocabulary projection, bounds fp32 logits memory"
+    )
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _offload_needs_something_to_offload(self) -> EngineConfig:
+        if self.fsdp.optimizer_offload and not self.trainable:
+            raise ValueError(
+                "fsdp.optimizer_offload is set on an engine with trainable=False, which has no optimizer"
+            )
+        return self

@@ -1,0 +1,71 @@
+"""Process-group set-up for the engines: gloo on CPU, NCCL (plus gloo for CPU tensors) on CUDA.
+
+The worker group sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a process started by hand
+(a test, a benchmark) gets a single-rank group on a free local port. Several engines in one
+process (actor, reference, critic) share the one default group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("engine device 'cuda' was asked for but torch sees no CUDA device")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
+    """Initialise the default process group once per process."""
+    if dist.is_initialized():
+        return
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(_free_port())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"  # gloo too: offloaded (CPU) tensors are gathered as well
+    else:
+        backend = "gloo"
+    dist.init_process_group(
+        backend=backend,
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def data_parallel_mesh(device: torch.device) -> DeviceMesh:
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few numbers over all ranks (in float64, so token counts stay exact)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.tolist()
+
+
+def all_reduce_max(value: int, device: torch.device) -> int:
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())

@@ -1,0 +1,379 @@
+"""FSDPEngine: the TrainEngine of DESIGN.md §4.1 on PyTorch FSDP2 (`fully_shard`).
+
+Build order (`initialize`): process group → model in fp32 on the CPU → one FSDP unit per decoder
+layer, then the root → optimizer → LR schedule → offload if configured. Master weights stay fp32;
+on CUDA the compute runs in bf16 with fp32 gradient reduction (MixedPrecisionPolicy).
+
+A call of `forward_backward_batch` cuts the rank's batch into micro-batches, packs each without
+padding, and hands the loss function per-token outputs on the [mb, R] response grid together with
+the global counts. The loss is normalised by those global counts, so the ranks' gradients are summed
+(divide factor 1), and gradient reduction runs once, on the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from tensordict import TensorDict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from engines import checkpoint as ckpt
+from engines.base import EngineOutput, GlobalCounts, LossFn, TrainEngine
+from engines.config import EngineConfig
+from engines.distributed import (
+    all_reduce_max,
+    all_reduce_sum,
+    data_parallel_mesh,
+    init_distributed,
+    resolve_device,
+)
+from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model
+from engines.microbatch import dynamic_micro_batches, fixed_micro_batches
+from engines.packing import pack, response_columns, unpack
+
+REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
+
+
+class FSDPEngine(TrainEngine):
+    """A policy (causal LM) or value model sharded with FSDP2 over all ranks of the process group."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.compute_dtype = self._compute_dtype()
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.skipped_steps = 0
+        self._offloaded = {"model": False, "optimizer": False}
+
+    # ---- build ---------------------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        init_distributed(self.device)
+        self.mesh = data_parallel_mesh(self.device)
+        self.dp_rank, self.dp_size = dist.get_rank(), dist.get_world_size()
+        self.is_collect_rank = True
+        torch.manual_seed(self.config.seed)  # the value head's initialisation
+        self.model = self._build_model()
+        self._shard(self.model)
+        if self.config.trainable:
+            self.optimizer = self._build_optimizer()
+            self.scheduler = self._build_scheduler(self.optimizer)
+        self._offload_as_configured()
+
+    def _compute_dtype(self) -> torch.dtype:
+        if self.config.dtype == "auto":
+            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.config.dtype]
+
+    def _attn_implementation(self) -> str:
+        if self.config.attn_implementation != "auto":
+            return self.config.attn_implementation
+        if self.device.type == "cuda":
+            try:
+                import flash_attn  # noqa: F401
+
+                return "flash_attention_2"
+            except ImportError:
+                pass
+        return "sdpa"
+
+    def _build_model(self) -> torch.nn.Module:
+        self.attn_implementation = self._attn_implementation()
+        is_value = self.config.role == "value"
+        hf_model = load_hf_model(self.config.model_path, self.attn_implementation, value_head=is_value)
+        if self.config.gradient_checkpointing:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = ValueModel(hf_model) if is_value else PolicyModel(hf_model, self.config.logprob_chunk_tokens)
+        if not self.config.trainable:
+            model.requires_grad_(False)
+        self.hf_config = hf_model.config
+        return model
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        mp_policy = None
+        if self.compute_dtype != torch.float32:
+            # bf16 compute, fp32 gradient reduction: summing many ranks' bf16 gradients loses bits.
+            mp_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        kwargs = {"mesh": self.mesh, "reshard_after_forward": self.config.fsdp.reshard_after_forward}
+        if mp_policy is not None:
+            kwargs["mp_policy"] = mp_policy
+        inner = model.lm if isinstance(model, PolicyModel) else model
+        for layer in decoder_layers(inner):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        # Losses are normalised by global counts, so rank gradients must be summed, not averaged.
+        # Plain SUM collectives: gloo has no PREMUL_SUM, and a divide factor of 1 needs none.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.config.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+    def _build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        s = self.config.scheduler
+        warmup, total = s.resolved_warmup_steps, s.total_steps
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if s.kind == "constant":
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    # ---- modes and placement -----------------------------------------------------------------
+
+    @contextmanager
+    def train_mode(self) -> Iterator[None]:
+        self._onload(optimizer=self.optimizer is not None)
+        self.model.train()
+        try:
+            yield
+        finally:
+            self._offload_as_configured()
+
+    @contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        self._onload(optimizer=False)
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self._offload_as_configured()
+
+    def _onload(self, optimizer: bool) -> None:
+        onload_optimizer = optimizer and self._offloaded["optimizer"]
+        if self._offloaded["model"] or onload_optimizer:
+            self.to(str(self.device), model=self._offloaded["model"], optimizer=onload_optimizer)
+
+    def _offload_as_configured(self) -> None:
+        f = self.config.fsdp
+        optimizer = f.optimizer_offload and self.optimizer is not None
+        if f.param_offload or optimizer:
+            self.to("cpu", model=f.param_offload, optimizer=optimizer)
+            # On a CPU engine the move is a no-op, but the state is tracked the same way.
+            self._offloaded["model"] |= f.param_offload
+            self._offloaded["optimizer"] |= optimizer
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True) -> None:
+        target = torch.device(device)
+        offloading = target.type == "cpu" and self.device.type != "cpu"
+        if model:
+            self.model.to(target)
+            self._offloaded["model"] = offloading
+        if optimizer and self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.to(target, non_blocking=True)
+            self._offloaded["optimizer"] = offloading
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            if offloading:
+                torch.cuda.empty_cache()
+
+    # ---- compute -----------------------------------------------------------------------------
+
+    def forward_backward_batch(
+        self,
+        batch: TensorDict,
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        compute_entropy: bool = False,
+        temperature: float = 1.0,
+    ) -> EngineOutput:
+        missing = [k for k in REQUIRED_KEYS if k not in batch.keys()]
+        if missing:
+            raise KeyError(f"forward_backward_batch needs batch keys {missing} (see engines/base.py)")
+        if not forward_only and (loss_fn is None or self.optimizer is None):
+            raise ValueError("a backward pass needs a loss_fn and a trainable engine; use forward_only=True")
+        batch = batch.to(self.device)
+        width = batch["response_mask"].shape[1]
+        counts = self._global_counts(batch, width)
+        plan = self._plan(batch["attention_mask"].sum(1).tolist())
+        sharded: FSDPModule = self.model  # type: ignore[assignment]
+        pieces: list[dict[str, torch.Tensor]] = []
+        metrics: dict[str, float] = {}
+        for i, index in enumerate(plan):
+            micro = batch[torch.tensor(index, device=self.device)]
+            if not forward_only:
+                sharded.set_requires_gradient_sync(i == len(plan) - 1)
+            with torch.set_grad_enabled(not forward_only):
+                outputs = self._forward_micro(micro, width, compute_entropy, temperature)
+                if loss_fn is not None:
+                    loss, loss_metrics = loss_fn(micro, outputs, counts)
+                    if not forward_only:
+                        loss.backward()
+                    for key, value in {"loss": float(loss.detach()), **loss_metrics}.items():
+                        metrics[key] = metrics.get(key, 0.0) + float(value)
+            pieces.append({k: v.detach() for k, v in outputs.items()})
+        return EngineOutput(self._in_original_order(pieces, plan), self._sum_over_ranks(metrics))
+
+    def _global_counts(self, batch: TensorDict, width: int) -> GlobalCounts:
+        tokens, sequences = all_reduce_sum(
+            [float(batch["response_mask"].sum()), float(batch.batch_size[0])], self.device
+        )
+        return GlobalCounts(int(tokens), int(sequences), all_reduce_max(width, self.device))
+
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        mb = self.config.micro_batch
+        if mb.max_tokens_per_micro_batch is not None:
+            return dynamic_micro_batches(
+                lengths, mb.max_tokens_per_micro_batch, lambda k: all_reduce_max(k, self.device)
+            )
+        plan = fixed_micro_batches(len(lengths), mb.micro_batch_size)
+        if all_reduce_max(len(plan), self.device) != len(plan):
+            raise ValueError("every data-parallel rank must get the same number of samples per call")
+        return plan
+
+    def _forward_micro(
+        self, micro: TensorDict, width: int, compute_entropy: bool, temperature: float
+    ) -> dict[str, torch.Tensor]:
+        packed = pack(micro["input_ids"], micro["attention_mask"])
+        # flash-attention finds sequence boundaries from the restarting positions; SDPA needs a mask.
+        mask = None if self.attn_implementation == "flash_attention_2" else packed.block_causal_mask()
+        flat = self.model(
+            packed.input_ids, packed.position_ids, mask, packed.targets, temperature, compute_entropy
+        )
+        mask_r = micro["response_mask"].to(torch.float32)
+        return {k: response_columns(unpack(v, packed), width) * mask_r for k, v in flat.items()}
+
+    @staticmethod
+    def _in_original_order(pieces: list[dict[str, torch.Tensor]], plan: list[list[int]]) -> dict:
+        order = torch.tensor([i for index in plan for i in index])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return {
+            k: torch.cat([p[k] for p in pieces])[inverse.to(pieces[0][k].device)].cpu() for k in pieces[0]
+        }
+
+    def _sum_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        if not metrics:
+            return {}
+        keys = sorted(metrics)
+        return dict(zip(keys, all_reduce_sum([metrics[k] for k in keys], self.device), strict=True))
+
+    # ---- optimisation ------------------------------------------------------------------------
+
+    def optimizer_zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> float:
+        clip = self.config.optim.grad_clip
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip or float("inf"), foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1  # a non-finite gradient would poison the Adam moments
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def lr_scheduler_step(self) -> float:
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Change the base learning rate (a hyper-parameter edit); the schedule's factor still applies."""
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = group["lr"] / base * lr if base else lr
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
+
+    # ---- weights out -------------------------------------------------------------------------
+
+    def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors one at a time, gathered lazily; every rank must iterate in step."""
+        if self._offloaded["model"]:
+            raise RuntimeError("parameters are offloaded: read them inside train_mode() or eval_mode()")
+        to_hf = type(self.model).hf_name
+        for name, tensor in self.model.state_dict().items():
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield to_hf(name), full.detach()
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def _state(self) -> dict:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def save_checkpoint(self, path: str, step: int) -> None:
+        self._onload(optimizer=self.optimizer is not None)
+        with ckpt.atomic_folder(path, self.dp_rank == 0, dist.barrier) as folder:
+            dcp.save(self._state(), checkpoint_id=str(folder))
+            torch.save(ckpt.rng_state(), folder / f"rng_rank{self.dp_rank}.pt")
+            if self.dp_rank == 0:
+                extra = {"scheduler": self.scheduler.state_dict() if self.scheduler else None}
+                torch.save({**extra, "skipped_steps": self.skipped_steps}, folder / "trainer_state.pt")
+                ckpt.write_meta(folder, {"step": step, "dp_size": self.dp_size, "role": self.config.role})
+        self._offload_as_configured()
+
+    def load_checkpoint(self, path: str) -> int:
+        folder = ckpt.resolve_checkpoint(path)
+        meta = ckpt.read_meta(folder)
+        self._onload(optimizer=self.optimizer is not None)
+        state = self._state()
+        dcp.load(state, checkpoint_id=str(folder))
+        if self.optimizer is None:
+            set_state_dict(self.model, (), model_state_dict=state["model"], optim_state_dict={})
+        else:
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+        extra = torch.load(folder / "trainer_state.pt", weights_only=False)
+        if self.scheduler is not None and extra["scheduler"] is not None:
+            self.scheduler.load_state_dict(extra["scheduler"])
+        self.skipped_steps = extra["skipped_steps"]
+        rng_file = folder / f"rng_rank{self.dp_rank}.pt"
+        if rng_file.exists():
+            ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
+        self._offload_as_configured()
+        return int(meta["step"])
+
+    def export_hf(self, path: str) -> None:
+        """Write the full weights as a Hugging Face folder that `from_pretrained` loads (policy only)."""
+        if self.config.role != "policy":
+            raise ValueError("export_hf writes causal LMs; a value model has no HF causal-LM form")
+        from safetensors.torch import save_file
+
+        self._onload(optimizer=False)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.model, options=options)
+        with ckpt.atomic_folder(path, self.dp_rank == 0, dist.barrier) as folder:
+            if self.dp_rank == 0:
+                tensors = {PolicyModel.hf_name(k): v.contiguous() for k, v in full.items()}
+                if getattr(self.hf_config, "tie_word_embeddings", False):
+                    tensors.pop("lm_head.weight", None)
+                save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+                self.hf_config.save_pretrained(folder)
+                ckpt.copy_tokenizer_files(self.config.model_path, folder)
+                ckpt.write_meta(folder, {"step": -1, "kind": "hf_export"})
+        self._offload_as_configured()

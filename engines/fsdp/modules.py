@@ -1,0 +1,118 @@
+"""The modules an FSDP engine shards: a causal LM that returns response log-probs, and a value model.
+
+Both wrap a Hugging Face model and become the root FSDP unit, so that one root forward gathers the
+root-level parameters (embeddings, final norm, output projection) before the chunked log-prob
+computation reads the output projection's weight directly. `hf_name` maps their state-dict names
+back to the Hugging Face names a rollout engine or `from_pretrained` expects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engines.logprobs import token_log_probs
+
+POLICY_PREFIX = "lm."
+
+
+class ModelLoadError(ValueError):
+    """The model folder is missing, unreadable, or holds the wrong kind of model."""
+
+
+def load_hf_model(path: str, attn_implementation: str, value_head: bool) -> nn.Module:
+    """A causal LM (or, for a value model, its decoder body) in fp32 from a local HF folder."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder '{path}' does not exist")
+    if not (folder / "config.json").exists():
+        raise ModelLoadError(
+            f"model folder '{path}' has no config.json: it is not a Hugging Face model folder"
+        )
+    config = AutoConfig.from_pretrained(folder)
+    loader = AutoModel if value_head else AutoModelForCausalLM
+    try:
+        return loader.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn_implementation)
+    except ValueError as err:
+        raise ModelLoadError(
+            f"model folder '{path}' ({config.model_type}) cannot be loaded as a causal LM: {err}"
+        ) from err
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer blocks, each of which becomes its own FSDP unit."""
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ModelLoadError(f"{type(model).__name__} has no decoder layer list (expected .model.layers)")
+    return layers
+
+
+class PolicyModel(nn.Module):
+    """Causal LM whose forward returns per-token next-token log-probs (and entropy) of a packed row."""
+
+    def __init__(self, lm: nn.Module, chunk_tokens: int) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        hidden = self.lm.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state[0]
+        head = self.lm.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ModelLoadError("output projections with a bias are not supported")
+        log_probs, entropy = token_log_probs(
+            hidden, head.weight, targets, temperature, with_entropy, self.chunk_tokens
+        )
+        out = {"log_probs": log_probs}
+        if entropy is not None:
+            out["entropy"] = entropy
+        return out
+
+    @staticmethod
+    def hf_name(name: str) -> str:
+        return name.removeprefix(POLICY_PREFIX)
+
+
+class ValueModel(nn.Module):
+    """A decoder body with a scalar head on the last hidden state: one value per token."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.model = body  # named `model` so decoder_layers() and HF-style names work unchanged
+        self.value_head = nn.Linear(body.config.hidden_size, 1)
+        nn.init.normal_(self.value_head.weight, std=0.02)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        hidden = self.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        ).last_hidden_state[0]
+        # clone: FSDP hooks its output, and a view of it would lose the pre-backward hook.
+        return {"values": self.value_head(hidden).squeeze(-1).float().clone()}
+
+    @staticmethod
+    def hf_name(name: str) -> str:
+        return name

@@ -1,0 +1,70 @@
+"""Cutting one rank's batch into micro-batches.
+
+Two ways: a fixed number of samples per micro-batch (contiguous slices), or dynamic batching under a
+token budget. Dynamic batching balances the real-token load: sequences are placed longest first
+into the currently lightest of k bins (LPT scheduling), and k grows until every bin fits the
+budget. Every data-parallel rank must run the same number of micro-batches, because each forward
+of a sharded model is a collective: `agree` (an all-reduce MAX over the dp group, supplied by the
+engine) makes the ranks settle on the largest k any of them needs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+
+
+class MicroBatchError(ValueError):
+    """The micro-batch configuration cannot serve this batch."""
+
+
+def fixed_micro_batches(num_samples: int, micro_batch_size: int | None) -> list[list[int]]:
+    """Contiguous index slices of `micro_batch_size` samples (the whole batch when None)."""
+    if num_samples <= 0:
+        raise MicroBatchError("cannot cut an empty batch into micro-batches")
+    size = micro_batch_size or num_samples
+    return [list(range(start, min(start + size, num_samples))) for start in range(0, num_samples, size)]
+
+
+def balanced_partition(lengths: Sequence[int], bins: int) -> list[list[int]]:
+    """Longest-first greedy assignment of sample indices to `bins` bins of near-equal token sums.
+
+    Each bin's indices come back sorted, and bins are ordered by their first index, so the plan is
+    deterministic for a given input.
+    """
+    if not 0 < bins <= len(lengths):
+        raise MicroBatchError(f"cannot split {len(lengths)} samples into {bins} non-empty micro-batches")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    heap = [(0, b) for b in range(bins)]  # (load, bin id)
+    members: list[list[int]] = [[] for _ in range(bins)]
+    for i in order:
+        load, b = heapq.heappop(heap)
+        members[b].append(i)
+        heapq.heappush(heap, (load + lengths[i], b))
+    return sorted((sorted(m) for m in members), key=lambda m: m[0])
+
+
+def dynamic_micro_batches(
+    lengths: Sequence[int], max_tokens: int, agree: Callable[[int], int] = lambda k: k
+) -> list[list[int]]:
+    """Balanced micro-batches of at most `max_tokens` real tokens, the same count on every rank."""
+    longest = max(lengths)
+    if longest > max_tokens:
+        raise MicroBatchError(
+            f"max_tokens_per_micro_batch={max_tokens} is smaller than the longest sequence ({longest} tokens): "
+            "raise the budget to at least the prompt length plus the response length"
+        )
+    bins = max(1, math.ceil(sum(lengths) / max_tokens))
+    while True:
+        plan = balanced_partition(lengths, min(bins, len(lengths)))
+        if max(sum(lengths[i] for i in mb) for mb in plan) <= max_tokens:
+            break
+        bins += 1
+    agreed = agree(len(plan))
+    if agreed > len(lengths):
+        raise MicroBatchError(
+            f"another data-parallel rank needs {agreed} micro-batches but this rank has only "
+            f"{len(lengths)} samples; give every rank the same number of samples"
+        )
+    return balanced_partition(lengths, agreed) if agreed != len(plan) else plan

@@ -1,0 +1,87 @@
+"""The rollout-engine interface: how a worker generates responses and receives new weights.
+
+A rollout engine lives in the same process as the training engine. It gets its weights once from
+the model folder and afterwards only through `update_weights`, a stream of (HF name, full tensor)
+pairs; `weight_version` counts those updates, and every Completion carries the version that
+produced it, so the trainer can tell how stale a sample is.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """How to sample. `n` completions per prompt, returned prompt-major (all of prompt 0, then 1...)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int = Field(16, gt=0, description="hard cap on generated tokens per completion")
+    temperature: float = Field(1.0, ge=0, description="0 means greedy decoding")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1 disables it")
+    top_k: int = Field(-1, description="keep the k most likely tokens; -1 (or 0) disables it")
+    stop_token_ids: list[int] = Field(default_factory=list, description="besides the model's EOS")
+    n: int = Field(1, ge=1, description="completions per prompt")
+    seed: int | None = Field(None, description="makes sampling reproducible")
+
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class Completion:
+    """One generated continuation.
+
+    `log_probs[i]` is the log-probability of `token_ids[i]` under the distribution the token was
+    sampled from: the model's logits divided by the temperature (temperature 0: divided by 1),
+    then restricted to the top-k / top-p set and renormalised. With temperature 1 and no top-k /
+    top-p it is the plain model log-probability, which the trainer recomputes exactly.
+    A stop token that ended the completion is included in `token_ids` (and its log-prob).
+    """
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: FinishReason
+    weight_version: int = 0
+    prompt_index: int = 0  # which input prompt it continues
+    extras: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutEngineError(RuntimeError):
+    """A rollout engine was used in a state that cannot serve the call (e.g. memory released)."""
+
+
+class RolloutEngine(ABC):
+    """Batched generation plus in-process weight updates. See the module docstring."""
+
+    weight_version: int = 0
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """`len(prompts) * params.n` completions, prompt-major."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a (partial) stream of HF-named full tensors; call `finish_update` after the last."""
+
+    @abstractmethod
+    def finish_update(self) -> int:
+        """Mark the end of one whole sync (several update_weights buckets): bumps weight_version."""
+
+    @abstractmethod
+    def release_memory(self) -> None:
+        """Drop what can be rebuilt (KV cache; on GPU also weights); generate raises until resumed."""
+
+    @abstractmethod
+    def resume_memory(self) -> None:
+        """Undo release_memory."""
+
+    @property
+    @abstractmethod
+    def is_released(self) -> bool: ...

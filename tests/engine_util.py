@@ -1,0 +1,121 @@
+"""Shared pieces of the training-engine tests: a batch in the engine's layout, reference losses in
+the four aggregation modes, and an unsharded Hugging Face reference computed the plain padded way."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from engines.base import GlobalCounts
+
+MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def make_batch(batch_size: int = 6, prompt_len: int = 5, resp_len: int = 7, seed: int = 0) -> TensorDict:
+    """Left-padded prompts and right-padded responses of different lengths, plus advantages."""
+    g = torch.Generator().manual_seed(seed)
+    width = prompt_len + resp_len
+    ids = torch.randint(4, 99, (batch_size, width), generator=g)
+    mask = torch.ones(batch_size, width, dtype=torch.long)
+    for row in range(batch_size):
+        mask[row, : row % prompt_len] = 0  # left padding of the prompt
+        cut = resp_len - (row * 2) % resp_len
+        mask[row, prompt_len + max(cut, 1) :] = 0  # right padding of the response (at least 1 token)
+    ids = ids * mask  # pad id 0
+    return TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "responses": ids[:, prompt_len:],
+            "response_mask": mask[:, prompt_len:].clone(),
+            "advantages": torch.randn(batch_size, resp_len, generator=g),
+        },
+        batch_size=[batch_size],
+    )
+
+
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, counts: GlobalCounts) -> torch.Tensor:
+    """The four aggregation modes, normalised by global counts (the engine's loss contract)."""
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        return (loss_mat * mask).sum() / counts.tokens
+    if mode == "seq-mean-token-sum":
+        return (loss_mat * mask).sum(1).sum() / counts.sequences
+    if mode == "seq-mean-token-mean":
+        return ((loss_mat * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / counts.sequences
+    if mode == "seq-mean-token-sum-norm":
+        return (loss_mat * mask).sum() / (counts.sequences * counts.response_width)
+    raise ValueError(mode)
+
+
+def pg_loss(mode: str):
+    """A plain policy-gradient loss: -advantage * log_prob, aggregated in `mode`."""
+
+    def loss_fn(micro: TensorDict, outputs: dict, counts: GlobalCounts):
+        loss = aggregate(-micro["advantages"] * outputs["log_probs"], micro["response_mask"], mode, counts)
+        return loss, {"pg_loss": float(loss.detach())}
+
+    return loss_fn
+
+
+def reference_log_probs(model, batch: TensorDict) -> torch.Tensor:
+    """Response log-probs from one padded forward of an unsharded HF model: [B, R]."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
+    log_probs = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    width = batch["response_mask"].shape[1]
+    return log_probs[:, -width:] * batch["response_mask"]
+
+
+def reference_loss(model, batch: TensorDict, mode: str) -> torch.Tensor:
+    rm = batch["response_mask"]
+    counts = GlobalCounts(int(rm.sum()), rm.shape[0], rm.shape[1])
+    return aggregate(-batch["advantages"] * reference_log_probs(model, batch), rm, mode, counts)
+
+
+def full_grads(engine) -> dict[str, torch.Tensor]:
+    """Full (unsharded) gradients of an FSDP engine, by Hugging Face name."""
+    out = {}
+    for name, param in engine.model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        out[type(engine.model).hf_name(name)] = grad.detach().clone()
+    return out
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)) for k in a)
+
+
+def rank_main(
+    rank: int, world: int, port: int, model_dir: str, mode: str, split: dict, out_file: str
+) -> None:
+    """One process of a multi-rank engine run: grads and outputs of this rank's half of the batch."""
+    import os
+
+    import torch.distributed as dist
+
+    from engines.config import EngineConfig
+    from engines.fsdp.engine import FSDPEngine
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    batch = make_batch()
+    shard = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
+    engine = FSDPEngine(EngineConfig(model_path=model_dir, micro_batch=split, optim={"lr": 1e-2}))
+    engine.initialize()
+    with engine.train_mode():
+        out = engine.forward_backward_batch(shard, pg_loss(mode))
+        grads = full_grads(engine)
+        norm = engine.optimizer_step()
+    params = dict(engine.get_per_tensor_param())
+    if rank == 0:
+        torch.save({"grads": grads, "metrics": out.metrics, "norm": norm, "params": params}, out_file)
+    dist.barrier()
+    dist.destroy_process_group()

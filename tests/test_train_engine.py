@@ -1,0 +1,308 @@
+"""The FSDP2 training engine on CPU: gradient invariance, packing, optimisation, checkpoints, weights out.
+
+References are computed another way: an unsharded Hugging Face model run on the padded batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engines import checkpoint as ckpt
+from engines.config import EngineConfig, MicroBatchConfig
+from engines.fsdp.engine import FSDPEngine
+from engines.fsdp.modules import ModelLoadError
+from engines.microbatch import MicroBatchError
+from tests.engine_util import (
+    MODES,
+    full_grads,
+    make_batch,
+    max_rel_diff,
+    pg_loss,
+    reference_log_probs,
+    reference_loss,
+)
+
+SPLITS = {
+    "mbs1": MicroBatchConfig(micro_batch_size=1),
+    "mbs2": MicroBatchConfig(micro_batch_size=2),
+    "whole": MicroBatchConfig(),
+    "dynamic": MicroBatchConfig(max_tokens_per_micro_batch=24),
+}
+
+
+def make_engine(model_dir, **overrides) -> FSDPEngine:
+    engine = FSDPEngine(EngineConfig(model_path=str(model_dir), **overrides))
+    engine.initialize()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+
+
+def reference_grads(model, batch, mode) -> tuple[float, dict[str, torch.Tensor]]:
+    model = copy.deepcopy(model)
+    loss = reference_loss(model, batch, mode)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_do_not_depend_on_the_micro_batch_split(tiny_model_dir, hf_reference, mode):
+    batch = make_batch()
+    ref_loss, ref = reference_grads(hf_reference, batch, mode)
+    for split_name, split in SPLITS.items():
+        engine = make_engine(tiny_model_dir, micro_batch=split)
+        with engine.train_mode():
+            out = engine.forward_backward_batch(batch, pg_loss(mode))
+            grads = full_grads(engine)
+        assert max_rel_diff(grads, ref) <= 1e-5, f"{mode}/{split_name}"
+        # The logged loss is the whole-batch loss, whatever the split.
+        assert out.metrics["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-7), f"{mode}/{split_name}"
+        assert out.metrics["pg_loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+
+
+def test_dynamic_batching_respects_the_budget_and_keeps_order(tiny_model_dir, hf_reference):
+    batch = make_batch(batch_size=8)
+    engine = make_engine(tiny_model_dir, micro_batch=MicroBatchConfig(max_tokens_per_micro_batch=20))
+    lengths = batch["attention_mask"].sum(1).tolist()
+    plan = engine._plan(lengths)
+    assert len(plan) > 1 and all(sum(lengths[i] for i in mb) <= 20 for mb in plan)
+    assert sorted(i for mb in plan for i in mb) == list(range(8))
+    with engine.eval_mode():
+        out = engine.forward_backward_batch(batch, None, forward_only=True)
+    with torch.no_grad():
+        ref = reference_log_probs(hf_reference, batch)
+    assert (out.outputs["log_probs"] - ref).abs().max() <= 1e-5
+
+
+def test_packed_log_probs_equal_a_padded_forward(tiny_model_dir, hf_reference):
+    batch = make_batch(batch_size=5, seed=3)
+    engine = make_engine(tiny_model_dir)
+    with engine.eval_mode():
+        out = engine.forward_backward_batch(batch, None, forward_only=True, compute_entropy=True)
+    with torch.no_grad():
+        ref = reference_log_probs(hf_reference, batch)
+    assert (out.outputs["log_probs"] - ref).abs().max() <= 1e-5
+    # Packed sequences are isolated: the same row alone gives the same log-probs.
+    with engine.eval_mode():
+        alone = engine.forward_backward_batch(batch[2:3], None, forward_only=True)
+    assert (alone.outputs["log_probs"][0] - out.outputs["log_probs"][2]).abs().max() <= 1e-5
+    entropy = out.outputs["entropy"]
+    assert entropy.shape == ref.shape and (entropy[batch["response_mask"].bool()] > 0).all()
+
+
+def test_chunked_log_probs_match_unchunked(tiny_model_dir):
+    batch = make_batch(seed=5)
+    a = make_engine(tiny_model_dir, logprob_chunk_tokens=7)
+    b = make_engine(tiny_model_dir, logprob_chunk_tokens=4096)
+    with a.eval_mode(), b.eval_mode():
+        la = a.forward_backward_batch(batch, None, forward_only=True).outputs["log_probs"]
+        lb = b.forward_backward_batch(batch, None, forward_only=True).outputs["log_probs"]
+    assert (la - lb).abs().max() <= 1e-6
+
+
+def test_temperature_scales_the_logits(tiny_model_dir, hf_reference):
+    batch = make_batch(seed=2)
+    engine = make_engine(tiny_model_dir)
+    with engine.eval_mode():
+        out = engine.forward_backward_batch(batch, None, forward_only=True, temperature=0.7)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        logits = hf_reference(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0)
+        ).logits
+        lp = torch.log_softmax(logits[:, :-1] / 0.7, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ref = lp[:, -7:] * batch["response_mask"]
+    assert (out.outputs["log_probs"] - ref).abs().max() <= 1e-5
+
+
+def test_optimizer_steps_reduce_the_loss_and_report_the_true_grad_norm(tiny_model_dir, hf_reference):
+    batch = make_batch()
+    engine = make_engine(tiny_model_dir, optim={"lr": 1e-2, "grad_clip": 0.5})
+    _, ref = reference_grads(hf_reference, batch, "token-mean")
+    expected_norm = float(torch.nn.utils.get_total_norm(list(ref.values())))
+    losses = []
+    with engine.train_mode():
+        for step in range(4):
+            losses.append(engine.forward_backward_batch(batch, pg_loss("token-mean")).metrics["loss"])
+            norm = engine.optimizer_step()
+            if step == 0:
+                assert norm == pytest.approx(expected_norm, rel=1e-5)
+            assert engine.lr_scheduler_step() == pytest.approx(1e-2)
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+def test_non_finite_gradients_skip_the_update(tiny_model_dir):
+    batch = make_batch()
+    engine = make_engine(tiny_model_dir)
+    before = {n: t.clone() for n, t in engine.get_per_tensor_param()}
+
+    def nan_loss(micro, outputs, counts):
+        return outputs["log_probs"].sum() * float("nan"), {}
+
+    with engine.train_mode():
+        engine.forward_backward_batch(batch, nan_loss)
+        assert math.isnan(engine.optimizer_step())
+    assert engine.skipped_steps == 1
+    after = dict(engine.get_per_tensor_param())
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_cosine_schedule_with_warmup(tiny_model_dir):
+    sched = {"kind": "cosine", "warmup_steps": 2, "total_steps": 10, "min_lr_ratio": 0.1}
+    engine = make_engine(tiny_model_dir, optim={"lr": 1.0}, scheduler=sched)
+    lrs = [engine.learning_rate] + [engine.lr_scheduler_step() for _ in range(10)]
+    assert lrs[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert lrs[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 4 / 8)))
+    assert lrs[10] == pytest.approx(0.1)
+
+
+def test_per_tensor_params_rebuild_the_model(tiny_model_dir, tmp_path):
+    batch = make_batch()
+    engine = make_engine(tiny_model_dir, optim={"lr": 1e-2})
+    with engine.train_mode():
+        engine.forward_backward_batch(batch, pg_loss("token-mean"))
+        engine.optimizer_step()
+    fresh = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    streamed = dict(engine.get_per_tensor_param())
+    assert set(streamed) == set(fresh.state_dict())
+    fresh.load_state_dict(streamed)
+    with engine.eval_mode():
+        mine = engine.forward_backward_batch(batch, None, forward_only=True).outputs["log_probs"]
+    with torch.no_grad():
+        theirs = reference_log_probs(fresh, batch)
+    assert (mine - theirs).abs().max() <= 1e-5
+    # And the HF export loads through from_pretrained with the same weights.
+    engine.export_hf(str(tmp_path / "export"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32)
+    assert all(torch.equal(exported.state_dict()[k], streamed[k]) for k in streamed)
+    assert (tmp_path / "export" / "tokenizer.json").exists()
+
+
+def _train(engine, batch, steps):
+    with engine.train_mode():
+        for _ in range(steps):
+            engine.forward_backward_batch(batch, pg_loss("token-mean"))
+            engine.optimizer_step()
+            engine.lr_scheduler_step()
+
+
+def _optimizer_tensors(engine):
+    out = {}
+    for i, state in enumerate(engine.optimizer.state.values()):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                out[f"{i}.{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value.clone()
+    return out
+
+
+def test_checkpoint_resume_is_bitwise_and_saves_are_atomic(tiny_model_dir, tmp_path, monkeypatch):
+    batch = make_batch()
+    sched = {"kind": "cosine", "warmup_steps": 1, "total_steps": 8}
+    engine = make_engine(tiny_model_dir, optim={"lr": 1e-2}, scheduler=sched)
+    _train(engine, batch, 3)
+    path = tmp_path / "step_3"
+    engine.save_checkpoint(str(path), step=3)
+    _train(engine, batch, 2)
+    expected_params, expected_optim = dict(engine.get_per_tensor_param()), _optimizer_tensors(engine)
+
+    resumed = make_engine(tiny_model_dir, optim={"lr": 1e-2}, scheduler=sched)
+    assert resumed.load_checkpoint(str(path)) == 3
+    _train(resumed, batch, 2)
+    got_params, got_optim = dict(resumed.get_per_tensor_param()), _optimizer_tensors(resumed)
+    assert all(torch.equal(got_params[k], expected_params[k]) for k in expected_params)
+    assert got_optim.keys() == expected_optim.keys()
+    assert all(torch.equal(got_optim[k], expected_optim[k]) for k in expected_optim)
+    assert resumed.learning_rate == engine.learning_rate
+
+    # A save that dies half-way leaves the previous checkpoint in place and loadable.
+    def crash(*args, **kwargs):
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr("engines.fsdp.engine.dcp.save", crash)
+    with pytest.raises(OSError, match="injected"):
+        engine.save_checkpoint(str(path), step=5)
+    monkeypatch.undo()
+    assert make_engine(tiny_model_dir).load_checkpoint(str(path)) == 3
+    # A crash between the two renames of the swap: only <path>.old is left, and it is found.
+    path.rename(path.with_name("step_3.old"))
+    assert ckpt.resolve_checkpoint(path).name == "step_3.old"
+    assert make_engine(tiny_model_dir).load_checkpoint(str(path)) == 3
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in (1, 5, 12, 30):
+        ckpt.step_dir(tmp_path, step).mkdir()
+    deleted = ckpt.prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in deleted) == ["step_00000001", "step_00000005"]
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [12, 30]
+
+
+def test_offload_runs_the_same_path_and_gives_the_same_result(tiny_model_dir):
+    batch = make_batch()
+    plain = make_engine(tiny_model_dir, optim={"lr": 1e-2})
+    offloaded = make_engine(
+        tiny_model_dir, optim={"lr": 1e-2}, fsdp={"param_offload": True, "optimizer_offload": True}
+    )
+    _train(plain, batch, 2)
+    _train(offloaded, batch, 2)
+    assert offloaded._offloaded == {"model": True, "optimizer": True}
+    with pytest.raises(RuntimeError, match="offloaded"):
+        next(offloaded.get_per_tensor_param())
+    with offloaded.eval_mode():
+        got = dict(offloaded.get_per_tensor_param())
+    want = dict(plain.get_per_tensor_param())
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_value_model_trains_towards_its_targets(tiny_model_dir):
+    batch = make_batch()
+    engine = make_engine(tiny_model_dir, role="value", optim={"lr": 1e-2})
+    target = torch.full_like(batch["advantages"], 0.5)
+
+    def value_loss(micro, outputs, counts):
+        err = (outputs["values"] - 0.5) ** 2 * micro["response_mask"]
+        return err.sum() / counts.tokens, {}
+
+    losses = []
+    with engine.train_mode():
+        for _ in range(5):
+            out = engine.forward_backward_batch(batch, value_loss)
+            losses.append(out.metrics["loss"])
+            engine.optimizer_step()
+    assert out.outputs["values"].shape == target.shape
+    assert losses[-1] < losses[0] * 0.5, losses
+
+
+def test_reference_engine_is_forward_only(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, trainable=False)
+    assert engine.optimizer is None
+    with pytest.raises(ValueError, match="forward_only"):
+        engine.forward_backward_batch(make_batch(), pg_loss("token-mean"))
+
+
+def test_configuration_errors_are_specific(tiny_model_dir, tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        make_engine(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        make_engine(tmp_path / "empty")
+    with pytest.raises(ValueError, match="exclusive"):
+        MicroBatchConfig(micro_batch_size=2, max_tokens_per_micro_batch=100)
+    with pytest.raises(ValueError, match="no optimizer"):
+        EngineConfig(model_path=str(tiny_model_dir), trainable=False, fsdp={"optimizer_offload": True})
+    engine = make_engine(tiny_model_dir, micro_batch=MicroBatchConfig(max_tokens_per_micro_batch=4))
+    with pytest.raises(MicroBatchError, match="smaller than the longest sequence"):
+        with engine.eval_mode():
+            engine.forward_backward_batch(make_batch(), None, forward_only=True)
