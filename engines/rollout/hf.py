@@ -1,0 +1,282 @@
+"""The embedded rollout engine: a transformers causal LM with our own batched decode loop.
+
+Prompts of different lengths are left-padded into one batch. The attention mask marks the padding
+and the position ids restart at 0 on each row's first real token, so a row's tokens see exactly
+what they would see alone: greedy batched output equals one-by-one output. The prompt is run once
+(prefill) into a `DynamicCache`; afterwards every step feeds one token per row. A row that has
+stopped keeps being fed the pad token (the batch moves in lock-step) and its outputs are ignored.
+
+Sampling follows the `Completion` contract in base.py: logits / temperature, then top-k, then
+top-p, then renormalise; the sampled token's log-probability is read from that same distribution,
+so with temperature 1 and no filtering it is the plain model log-probability the trainer
+recomputes. Randomness comes from a private `torch.Generator`, never from the global RNG.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """'auto' (or None): bfloat16 on CUDA, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}': choose 'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def read_special_token_ids(model_path: str | Path) -> tuple[list[int], int]:
+    """(EOS ids, pad id) of an HF folder: generation_config.json first, then config.json.
+
+    Read from the JSON files rather than by loading the tokenizer, which is slow and not needed.
+    The pad id falls back to the first EOS id, the usual convention for models without a pad token.
+    """
+    eos: int | list[int] | None = None
+    pad: int | None = None
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / name
+        if not path.exists():
+            continue
+        cfg = json.loads(path.read_text())
+        eos = eos if eos is not None else cfg.get("eos_token_id")
+        pad = pad if pad is not None else cfg.get("pad_token_id")
+    if eos is None:
+        raise ValueError(
+            f"model folder '{model_path}' names no eos_token_id in generation_config.json or config.json"
+        )
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    return eos_ids, eos_ids[0] if pad is None else pad
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k set, then outside the top-p (nucleus) set.
+
+    `logits` is [B, V], already divided by the temperature. top_k <= 0 and top_p >= 1 disable.
+    """
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass of the tokens before it already reaches top_p; the first
+        # (most likely) token is always kept because the mass before it is 0.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row from [B, V] logits; returns (tokens [B], their log-probs [B])."""
+    temperature = params.temperature if params.temperature > 0 else 1.0
+    scaled = filter_logits(logits.float() / temperature, params.top_k, params.top_p)
+    log_probs = scaled.log_softmax(dim=-1)
+    if params.temperature == 0:
+        tokens = scaled.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids [B, P], attention_mask [B, P]) with every row right-aligned."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Batched generation with a transformers model held in this process. See the module docstring."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        device: str = "cpu",
+        dtype: str | torch.dtype | None = "auto",
+        eos_token_ids: list[int] | None = None,
+        pad_token_id: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype, device)
+        folder_eos, folder_pad = read_special_token_ids(model_path)
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else folder_eos
+        self.pad_token_id = pad_token_id if pad_token_id is not None else folder_pad
+        self.model = self._load_model(str(model_path))
+        self.weight_version = 0
+        self._released = False
+        self._targets = self._update_targets()
+
+    def _load_model(self, model_path: str) -> torch.nn.Module:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation="sdpa")
+        model.to(self.device)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+    def _update_targets(self) -> dict[str, torch.Tensor]:
+        # remove_duplicate=False keeps both names of a tied weight (embed_tokens / lm_head), so a
+        # stream may carry either or both; they point at the same storage.
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        return targets
+
+    # ---- generation -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self._released:
+            raise RolloutEngineError(
+                "HF rollout engine memory is released: call resume_memory() before generate()"
+            )
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token; got an empty prompt")
+        rows = [prompt for prompt in prompts for _ in range(params.n)]
+        generator = torch.Generator(device=self.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        tokens, log_probs, lengths, stopped = self._decode(rows, params, generator)
+        return [
+            Completion(
+                token_ids=tokens[i, : lengths[i]].tolist(),
+                log_probs=log_probs[i, : lengths[i]].tolist(),
+                finish_reason="stop" if stopped[i] else "length",
+                weight_version=self.weight_version,
+                prompt_index=i // params.n,
+            )
+            for i in range(len(rows))
+        ]
+
+    def _decode(
+        self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
+        """The decode loop: ([B, N] tokens, [B, N] log-probs, lengths, stopped flags)."""
+        batch, steps = len(rows), params.max_new_tokens
+        input_ids, prompt_mask = left_pad(rows, self.pad_token_id, self.device)
+        # The prompt mask then ones for every step, allocated once; step t reads the first P + t + 1 columns.
+        mask = torch.cat([prompt_mask, torch.ones((batch, steps), dtype=torch.long, device=self.device)], 1)
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        stop_ids = torch.tensor(
+            sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device
+        )
+        out_tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=self.device)
+        out_log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+
+        cache = DynamicCache(config=self.model.config)
+        width = input_ids.shape[1]
+        logits = self._forward(input_ids, mask[:, :width], positions, cache)
+        next_position = positions[:, -1:] + 1
+        for step in range(steps):
+            token, log_prob = sample_next(logits, params, generator)
+            token = token.masked_fill(done, self.pad_token_id)
+            out_tokens[:, step] = token
+            out_log_probs[:, step] = log_prob.masked_fill(done, 0.0)
+            lengths += (~done).long()
+            hit_stop = torch.isin(token, stop_ids) & ~done
+            stopped |= hit_stop
+            done |= hit_stop
+            if step == steps - 1 or bool(done.all()):
+                break
+            logits = self._forward(token[:, None], mask[:, : width + step + 1], next_position, cache)
+            next_position = next_position + 1
+        del cache
+        return out_tokens.cpu(), out_log_probs.cpu(), lengths.tolist(), stopped.tolist()
+
+    def _forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        """Logits [B, V] of the last position; appends the new keys/values to `cache`."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,  # only the last position's logits are needed
+        )
+        return out.logits[:, -1, :]
+
+    # ---- weights ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each (HF name, full tensor) into the live parameter or buffer, in place.
+
+        Each tensor is checked before it is copied; a bad one raises and leaves the tensors
+        before it already loaded (the caller re-syncs the whole model after an error).
+        """
+        for name, tensor in named_tensors:
+            target = self._targets.get(name)
+            if target is None:
+                raise KeyError(
+                    f"weight '{name}' is not a parameter or buffer of the rollout model "
+                    f"({type(self.model).__name__}); expected HF state-dict names such as "
+                    f"'{next(iter(self._targets))}'"
+                )
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"weight '{name}' has shape {tuple(tensor.shape)} but the rollout model's is "
+                    f"{tuple(target.shape)}"
+                )
+            target.data.copy_(tensor)
+
+    def finish_update(self) -> int:
+        self.weight_version += 1
+        return self.weight_version
+
+    # ---- memory -----------------------------------------------------------------------------
+
+    def release_memory(self) -> None:
+        """The KV cache lives only inside generate(), so on CPU there is nothing more to free.
+
+        On CUDA the weights move to host memory (they are the only thing of size left) and the
+        allocator's cache is returned to the device.
+        """
+        if self._released:
+            return
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            self._targets = self._update_targets()  # .to() replaces buffer tensors
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._released = True
+
+    def resume_memory(self) -> None:
+        if not self._released:
+            return
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+            self._targets = self._update_targets()
+        self._released = False
+
+    @property
+    def is_released(self) -> bool:
+        return self._released

@@ -1,0 +1,272 @@
+"""The production GPU rollout engine: an adapter over sglang's in-process `Engine`.
+
+sglang runs its scheduler in subprocesses on the same GPU as the trainer. This adapter only
+translates: our SamplingParams into sglang's sampling-params dicts, sglang's output dicts into
+Completions, and a stream of (HF name, tensor) pairs into byte-bounded buckets for its
+`update_weights_from_tensor` (CUDA IPC handles on the same GPU, so a bucket is not copied). Memory
+is released and resumed through its memory-occupation API (needs `enable_memory_saver`), and the
+prefix cache is flushed once per sync, after the last bucket, not after each one.
+
+The translations are pure functions so that they are tested where sglang cannot be installed. The
+formats follow sgl-project/sglang: `Engine.generate` / `update_weights_from_tensor` /
+`release_memory_occupation` in python/sglang/srt/entrypoints/engine.py, the output dict built in
+TokenizerManager._handle_batch_output (python/sglang/srt/managers/tokenizer_manager.py: with
+`skip_tokenizer_init` it is {"output_ids", "meta_info"}; meta_info["output_token_logprobs"] is a
+list of (logprob, token_id, text-or-None)), finish reasons from the FINISH_* classes' to_json in
+python/sglang/srt/managers/schedule_batch.py ({"type": "stop", "matched": id} / {"type": "length",
+"length": n} / {"type": "abort", "message": ...}), and sampling-param names from
+python/sglang/srt/sampling/sampling_params.py.
+
+Log-prob caveat: sglang reports the log-probability under the temperature-scaled distribution
+before top-k / top-p truncation (or before temperature with SGLANG_RETURN_ORIGINAL_LOGPROB). With
+top-k / top-p set that differs from the Completion contract, which renormalises over the kept set.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
+
+INSTALL_HINT = "pip install 'tandem-rl[sglang]' on a GPU machine"
+
+# HF buffers that are not weights: sglang's load_weights computes these itself.
+SKIPPED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def probe_sglang() -> str | None:
+    """None when sglang imports; otherwise a message saying what is missing and how to get it."""
+    try:
+        importlib.import_module("sglang")
+    except Exception as exc:  # a broken install raises more than ImportError
+        return f"rollout backend 'sglang' needs the sglang package: {INSTALL_HINT} (import failed: {exc})"
+    return None
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+
+
+def expand_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """Each prompt repeated n times, prompt-major: the order of the Completions we return.
+
+    We repeat rather than pass sglang's own `n`, so one output dict maps to one Completion.
+    """
+    return [list(prompt) for prompt in prompts for _ in range(n)]
+
+
+def to_sglang_sampling_params(params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> dict[str, Any]:
+    """One request's sampling params in sglang's names (n is handled by expand_prompts)."""
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,  # sglang turns 0 into greedy (top_k = 1) itself
+        "top_p": params.top_p,
+        "top_k": params.top_k if params.top_k > 0 else -1,  # sglang's "whole vocabulary"
+        # The EOS ids are listed too: with skip_tokenizer_init sglang knows no tokenizer EOS.
+        "stop_token_ids": sorted(set(params.stop_token_ids) | set(eos_token_ids)),
+        "no_stop_trim": True,  # keep the stop token in the output, as the Completion contract says
+    }
+    if params.temperature == 0:
+        out["top_k"] = 1
+    return out
+
+
+def sampling_params_per_row(
+    params: SamplingParams, num_rows: int, eos_token_ids: Iterable[int] = ()
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """One dict for the batch, or one per row when seeded (each row its own seed, else copies of a
+    prompt would all draw the same sample). sglang applies `sampling_seed` in its deterministic
+    sampling mode."""
+    base = to_sglang_sampling_params(params, eos_token_ids)
+    if params.seed is None:
+        return base
+    return [{**base, "sampling_seed": params.seed + row} for row in range(num_rows)]
+
+
+# ---- outputs ----------------------------------------------------------------------------------
+
+
+def finish_reason_from_sglang(finish: dict[str, Any] | None) -> FinishReason:
+    """sglang's meta_info["finish_reason"] dict to ours; an abort or a missing reason raises."""
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind in ("stop", "length"):
+        return kind
+    if kind == "abort":
+        raise RolloutEngineError(f"sglang aborted a request: {finish.get('message', 'no message')}")
+    raise RolloutEngineError(f"sglang returned an unfinished or unknown finish_reason: {finish!r}")
+
+
+def completion_from_sglang(output: dict[str, Any], prompt_index: int, weight_version: int) -> Completion:
+    """One sglang output dict (generated with return_logprob=True) as a Completion.
+
+    Token ids and log-probs are both read from meta_info["output_token_logprobs"], whose entries
+    are (logprob, token_id, text-or-None) tuples (lists after a JSON round trip).
+    """
+    meta = output["meta_info"]
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise RolloutEngineError(
+            "sglang output has no output_token_logprobs: call generate with return_logprob=True"
+        )
+    token_ids = [int(entry[1]) for entry in entries]
+    output_ids = output.get("output_ids")
+    if output_ids is not None and list(output_ids) != token_ids:
+        raise RolloutEngineError(
+            f"sglang output_ids ({len(output_ids)} tokens) disagree with output_token_logprobs "
+            f"({len(token_ids)} tokens)"
+        )
+    return Completion(
+        token_ids=token_ids,
+        log_probs=[float(entry[0]) for entry in entries],
+        finish_reason=finish_reason_from_sglang(meta.get("finish_reason")),
+        weight_version=weight_version,
+        prompt_index=prompt_index,
+    )
+
+
+# ---- weights ----------------------------------------------------------------------------------
+
+
+def is_sglang_weight(name: str) -> bool:
+    """sglang takes HF checkpoint names as they are (it fuses q/k/v and gate/up itself); only
+    non-weight buffers are left out."""
+    return not name.endswith(SKIPPED_WEIGHT_SUFFIXES)
+
+
+def bucket_named_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group a stream into lists of at most `bucket_bytes` bytes; a larger tensor travels alone.
+
+    Lazy: only one bucket is held at a time, so a full state dict never is.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def check_sglang_result(result: Any, action: str) -> None:
+    """sglang's update / memory calls answer (success, message) or an object with .success."""
+    if isinstance(result, tuple) and len(result) >= 1 and isinstance(result[0], bool):
+        success, message = result[0], result[1] if len(result) > 1 else ""
+    elif hasattr(result, "success"):
+        success, message = bool(result.success), getattr(result, "message", "")
+    else:
+        return  # calls that answer None or a plain value succeeded if they did not raise
+    if not success:
+        raise RolloutEngineError(f"sglang {action} failed: {message}")
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+
+class SGLangRolloutEngine(RolloutEngine):
+    """An in-process sglang Engine on one GPU (or a tensor-parallel group starting at base_gpu_id)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cuda",
+        dtype: str = "auto",
+        *,
+        tp_size: int = 1,
+        base_gpu_id: int = 0,
+        mem_fraction_static: float = 0.5,
+        bucket_mb: int = 512,
+        seed: int = 0,
+        eos_token_ids: list[int] | None = None,
+        **server_args: Any,
+    ) -> None:
+        if not device.startswith("cuda"):
+            raise ValueError(
+                f"rollout backend 'sglang' runs on CUDA only, not on device '{device}': use backend 'hf'"
+            )
+        problem = probe_sglang()
+        if problem is not None:
+            raise ImportError(problem)
+        from sglang.srt.entrypoints.engine import Engine  # lazy: pulls in CUDA kernels
+
+        from engines.rollout.hf import read_special_token_ids  # lazy: probing needs no transformers
+
+        self.eos_token_ids = (
+            eos_token_ids if eos_token_ids is not None else read_special_token_ids(model_path)[0]
+        )
+        self.bucket_bytes = bucket_mb * 1024 * 1024
+        self.device = torch.device("cuda", base_gpu_id)
+        self.weight_version = 0
+        self._released = False
+        self._engine = Engine(
+            model_path=model_path,
+            dtype=dtype,
+            tp_size=tp_size,
+            base_gpu_id=base_gpu_id,
+            mem_fraction_static=mem_fraction_static,
+            enable_memory_saver=True,  # needed by release/resume_memory_occupation
+            skip_tokenizer_init=True,  # token ids in, token ids out
+            random_seed=seed,
+            **server_args,
+        )
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self._released:
+            raise RolloutEngineError(
+                "sglang rollout engine memory is released: call resume_memory() before generate()"
+            )
+        if not prompts:
+            return []
+        rows = expand_prompts(prompts, params.n)
+        outputs = self._engine.generate(
+            input_ids=rows,
+            sampling_params=sampling_params_per_row(params, len(rows), self.eos_token_ids),
+            return_logprob=True,
+        )
+        return [
+            completion_from_sglang(output, prompt_index=i // params.n, weight_version=self.weight_version)
+            for i, output in enumerate(outputs)
+        ]
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # Tensors go over as CUDA IPC handles, so they must live on the engine's GPU.
+        stream = ((n, t.detach().to(self.device)) for n, t in named_tensors if is_sglang_weight(n))
+        for bucket in bucket_named_tensors(stream, self.bucket_bytes):
+            result = self._engine.update_weights_from_tensor(
+                named_tensors=bucket, load_format=None, flush_cache=False
+            )
+            check_sglang_result(result, f"update_weights_from_tensor ({len(bucket)} tensors)")
+
+    def finish_update(self) -> int:
+        # Cached prefixes hold keys/values of the old weights.
+        check_sglang_result(self._engine.flush_cache(), "flush_cache")
+        self.weight_version += 1
+        return self.weight_version
+
+    def release_memory(self) -> None:
+        if not self._released:
+            check_sglang_result(self._engine.release_memory_occupation(), "release_memory_occupation")
+            self._released = True
+
+    def resume_memory(self) -> None:
+        if self._released:
+            check_sglang_result(self._engine.resume_memory_occupation(), "resume_memory_occupation")
+            self._released = False
+
+    @property
+    def is_released(self) -> bool:
+        return self._released
+
+    def shutdown(self) -> None:
+        """Stop sglang's subprocesses."""
+        self._engine.shutdown()
