@@ -1,0 +1,53 @@
+"""The critic: a value-head FSDP engine that scores every response token and learns the returns.
+
+It registers only the "actor" mesh (the FSDP data-parallel layout), so it can live in its own
+actors on the same bundles as the hybrid worker (a fractional share of each bundle), or be fused
+into the same processes as another role.
+"""
+
+from __future__ import annotations
+
+from engines.config import EngineConfig
+from engines.fsdp.engine import FSDPEngine
+from workers.base import Dispatch, Worker, register
+from workers.batch import Batch
+from workers.training import train_on_batch
+
+
+class CriticWorker(Worker):
+    def __init__(self, config: EngineConfig | dict) -> None:
+        super().__init__()
+        cfg = EngineConfig.model_validate(config).model_copy(update={"role": "value"})
+        self.critic = FSDPEngine(cfg)
+        self.critic.initialize()
+        self.register_mesh("actor", dp_rank=self.critic.dp_rank, is_collect=self.critic.is_collect_rank)
+
+    @register(Dispatch.MESH, mesh="actor")
+    def compute_values(self, batch: Batch) -> Batch:
+        """values [B, R]: the critic's estimate before each response token."""
+        with self.critic.eval_mode():
+            out = self.critic.forward_backward_batch(batch.tensors, None, forward_only=True)
+        tensors = batch.tensors.clone(recurse=False)
+        tensors["values"] = out.outputs["values"]
+        return Batch(tensors, batch.non_tensors, batch.meta)
+
+    @register(Dispatch.MESH, mesh="actor")
+    def update_critic(
+        self, batch: Batch, vf_clip: float | None, agg_mode: str, schedule: dict
+    ) -> dict[str, float]:
+        from workers.losses import make_value_loss
+
+        return train_on_batch(self.critic, batch, make_value_loss(vf_clip, agg_mode), schedule, "critic")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str, step: int) -> None:
+        self.critic.save_checkpoint(f"{path}/critic", step)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> int:
+        return self.critic.load_checkpoint(f"{path}/critic")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_hyperparameters(self, lr: float | None = None) -> None:
+        if lr is not None:
+            self.critic.set_learning_rate(lr)

@@ -1,0 +1,278 @@
+"""The hybrid actor-rollout-ref worker: in one process, a training engine beside a rollout engine.
+
+Per rank: the actor `FSDPEngine`, an optional reference `FSDPEngine` (forward only), and a rollout
+engine holding its own copy of the policy. Weights move from the actor to the rollout engine in
+this process, bucketed through the engines' own APIs (`engines/weights.py`); nothing else copies
+them.
+
+Meshes: "actor" is the FSDP data-parallel layout (every rank its own dp rank, every rank
+collected); "rollout" groups `tensor_parallel_size` consecutive ranks into one rollout replica
+(dp rank = rank // tp, collected on tp rank 0). With tp = 1 the two coincide.
+
+Generation layout. The controller sends a Batch whose non_tensors["prompt_ids"] hold token-id lists
+(one row per sample: prompts already repeated n times) and whose meta holds "sampling" (the
+SamplingParams fields) and "max_prompt_length". Outputs have fixed widths, so that the chunks of
+all dp ranks concatenate: input_ids = prompt left-padded to P = max_prompt_length, then the
+response right-padded to R = max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from tensordict import TensorDict
+
+from engines.config import EngineConfig
+from engines.fsdp.engine import FSDPEngine
+from engines.rollout import SamplingParams, build_rollout_engine
+from engines.weights import WeightSync
+from workers.base import Dispatch, Worker, register
+from workers.batch import Batch
+from workers.training import train_on_batch
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    backend: str = Field("hf", description="'hf' (embedded, CPU or GPU) or 'sglang' (GPU)")
+    tensor_parallel_size: int = Field(1, ge=1)
+    dtype: str = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU")
+    bucket_mb: float = Field(512, gt=0, description="weight-sync bucket size")
+    free_cache_after_generate: bool = Field(True, description="release rollout memory after generating")
+    offload_trainer_during_rollout: bool = Field(
+        False, description="move trainer state to CPU while generating"
+    )
+    engine_kwargs: dict = Field(
+        default_factory=dict, description="extra rollout-engine constructor arguments"
+    )
+
+    @model_validator(mode="after")
+    def _hf_is_single_device(self) -> RolloutConfig:
+        if self.backend == "hf" and self.tensor_parallel_size != 1:
+            raise ValueError("rollout backend 'hf' runs on one device: tensor_parallel_size must be 1")
+        return self
+
+
+class HybridWorkerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    actor: EngineConfig
+    ref: EngineConfig | None = Field(None, description="reference model for KL; None = no reference")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+
+def rollout_mesh_coords(rank: int, tp: int) -> tuple[int, bool]:
+    """(dp rank, is_collect) of a global rank in the rollout mesh of tensor-parallel size `tp`."""
+    return rank // tp, rank % tp == 0
+
+
+class ActorRolloutRefWorker(Worker):
+    """One rank of the colocated actor + reference + rollout group. See the module docstring."""
+
+    def __init__(self, config: HybridWorkerConfig | dict) -> None:
+        super().__init__()
+        self.config = HybridWorkerConfig.model_validate(config)
+        if self.world_size % self.config.rollout.tensor_parallel_size:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of rollout tensor_parallel_size "
+                f"{self.config.rollout.tensor_parallel_size}"
+            )
+        self.actor = FSDPEngine(self.config.actor)
+        self.actor.initialize()
+        self.ref: FSDPEngine | None = None
+        if self.config.ref is not None:
+            self.ref = FSDPEngine(self.config.ref.model_copy(update={"trainable": False}))
+            self.ref.initialize()
+        rc = self.config.rollout
+        self.rollout = build_rollout_engine(
+            rc.backend,
+            self.config.actor.model_path,
+            device=str(self.actor.device),
+            dtype=rc.dtype,
+            **rc.engine_kwargs,
+        )
+        self.weight_sync = WeightSync(rc.bucket_mb, dtype=getattr(self.rollout, "dtype", None))
+        self.register_mesh("actor", dp_rank=self.actor.dp_rank, is_collect=self.actor.is_collect_rank)
+        dp, collect = rollout_mesh_coords(self.rank, rc.tensor_parallel_size)
+        self.register_mesh("rollout", dp_rank=dp, is_collect=collect)
+        if rc.free_cache_after_generate:
+            self.rollout.release_memory()
+
+    # ---- generation --------------------------------------------------------------------------
+
+    @register(Dispatch.MESH, mesh="rollout")
+    def generate_sequences(self, batch: Batch) -> Batch:
+        """Sample one response per row; returns the batch with the fixed-width training layout."""
+        params = SamplingParams.model_validate({**batch.meta["sampling"], "n": 1})
+        if params.seed is not None:  # replicas must not draw the same samples; tp peers must
+            replica, _ = rollout_mesh_coords(self.rank, self.config.rollout.tensor_parallel_size)
+            params = params.model_copy(update={"seed": params.seed + 7919 * replica})
+        prompts = [list(map(int, p)) for p in batch.non_tensors["prompt_ids"]]
+        width = int(batch.meta.get("max_prompt_length") or max(len(p) for p in prompts))
+        self._before_rollout()
+        try:
+            completions = self.rollout.generate(prompts, params)
+        finally:
+            self._after_rollout()
+        return Batch(
+            _rollout_tensors(prompts, completions, width, params.max_new_tokens, self._pad_id()),
+            batch.non_tensors,
+            batch.meta,
+        )
+
+    def _pad_id(self) -> int:
+        return int(getattr(self.rollout, "pad_token_id", 0) or 0)
+
+    def _before_rollout(self) -> None:
+        if self.config.rollout.offload_trainer_during_rollout:
+            self.actor.to("cpu")
+        if self.rollout.is_released:
+            self.rollout.resume_memory()
+
+    def _after_rollout(self) -> None:
+        if self.config.rollout.free_cache_after_generate:
+            self.rollout.release_memory()
+        if self.config.rollout.offload_trainer_during_rollout:
+            self.actor.to(str(self.actor.device))
+
+    # ---- log-probs and updates ---------------------------------------------------------------
+
+    @register(Dispatch.MESH, mesh="actor")
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """old_log_probs (and entropy) of the responses under the current actor."""
+        with self.actor.eval_mode():
+            out = self.actor.forward_backward_batch(
+                batch.tensors, None, forward_only=True, compute_entropy=True, temperature=_temperature(batch)
+            )
+        return _with_outputs(
+            batch, {"old_log_probs": out.outputs["log_probs"], "entropy": out.outputs["entropy"]}
+        )
+
+    @register(Dispatch.MESH, mesh="actor")
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        if self.ref is None:
+            raise RuntimeError("this worker group has no reference model: set a ref engine config to use KL")
+        with self.ref.eval_mode():
+            out = self.ref.forward_backward_batch(
+                batch.tensors, None, forward_only=True, temperature=_temperature(batch)
+            )
+        return _with_outputs(batch, {"ref_log_probs": out.outputs["log_probs"]})
+
+    @register(Dispatch.MESH, mesh="actor")
+    def update_actor(self, batch: Batch, loss_config: dict, schedule: dict) -> dict[str, float]:
+        """PPO-style update: `schedule` gives mini_batch_size (global), epochs, shuffle, seed."""
+        from workers.losses import PolicyLossConfig, make_policy_loss
+
+        cfg = PolicyLossConfig.model_validate(loss_config)
+        loss_fn = make_policy_loss(cfg)
+        entropy = cfg.entropy_coeff != 0
+        metrics = train_on_batch(
+            self.actor,
+            batch,
+            loss_fn,
+            schedule,
+            "actor",
+            compute_entropy=entropy,
+            temperature=_temperature(batch),
+        )
+        return metrics
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's weights into this rank's rollout engine; returns the sync's metrics."""
+        with self.actor.eval_mode():
+            if self.rollout.is_released:
+                self.rollout.resume_memory()
+            stats = self.weight_sync.sync(self.actor, self.rollout)
+            if self.config.rollout.free_cache_after_generate:
+                self.rollout.release_memory()
+        return stats.metrics()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_version(self) -> int:
+        return self.rollout.weight_version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_hyperparameters(self, lr: float | None = None) -> None:
+        if lr is not None:
+            self.actor.set_learning_rate(lr)
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str, step: int) -> None:
+        self.actor.save_checkpoint(f"{path}/actor", step)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> int:
+        """Restore the actor and bring the rollout engine to the restored weights."""
+        step = self.actor.load_checkpoint(f"{path}/actor")
+        self.sync_weights()
+        return step
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf(self, path: str) -> None:
+        self.actor.export_hf(path)
+
+    # ---- test and debugging hooks ---------------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout_state_dict(self) -> dict[str, torch.Tensor]:
+        """The rollout engine's current weights (CPU copies), for checks that a sync landed."""
+        model = getattr(self.rollout, "model", None)
+        if model is None:
+            raise RuntimeError(f"rollout backend '{self.config.rollout.backend}' does not expose its weights")
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def actor_state_dict(self) -> dict[str, torch.Tensor]:
+        with self.actor.eval_mode():
+            return {k: v.cpu().clone() for k, v in self.actor.get_per_tensor_param()}
+
+
+def _temperature(batch: Batch) -> float:
+    sampling = batch.meta.get("sampling") or {}
+    temperature = float(sampling.get("temperature", 1.0))
+    return temperature if temperature > 0 else 1.0  # greedy: log-probs of the plain model
+
+
+def _with_outputs(batch: Batch, outputs: dict[str, torch.Tensor]) -> Batch:
+    tensors = batch.tensors.clone(recurse=False)
+    for key, value in outputs.items():
+        tensors[key] = value
+    return Batch(tensors, batch.non_tensors, batch.meta)
+
+
+def _rollout_tensors(
+    prompts: list[list[int]], completions: list, width: int, new_tokens: int, pad: int
+) -> TensorDict:
+    """Prompt left-padded to `width`, response right-padded to `new_tokens`, with masks and log-probs."""
+    rows = len(prompts)
+    input_ids = torch.full((rows, width + new_tokens), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    log_probs = torch.zeros(rows, new_tokens)
+    versions = torch.zeros(rows, dtype=torch.long)
+    for i, (prompt, comp) in enumerate(zip(prompts, completions, strict=True)):
+        if len(prompt) > width:
+            raise ValueError(f"prompt of {len(prompt)} tokens is longer than max_prompt_length={width}")
+        tokens = comp.token_ids[:new_tokens]
+        input_ids[i, width - len(prompt) : width] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[i, width - len(prompt) : width] = 1
+        if tokens:
+            input_ids[i, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            attention_mask[i, width : width + len(tokens)] = 1
+            log_probs[i, : len(tokens)] = torch.tensor(comp.log_probs[: len(tokens)])
+        versions[i] = comp.weight_version
+    responses = input_ids[:, width:].clone()
+    response_mask = attention_mask[:, width:].clone()
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "responses": responses,
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
+            "weight_version": versions,
+        },
+        batch_size=[rows],
+    )

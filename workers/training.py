@@ -1,0 +1,67 @@
+"""One role's update on a batch: mini-batches and epochs over the engine interface.
+
+The global mini-batch size (samples per optimizer step, over all dp ranks) is split evenly across
+ranks; each epoch visits this rank's rows in a seeded random order (or in order without shuffling).
+Every mini-batch is one `forward_backward_batch` (which micro-batches inside) and one
+`optimizer_step`; the learning-rate schedule advances once per call, i.e. once per RL step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from engines.base import LossFn, TrainEngine
+from workers.batch import Batch
+
+
+def mini_batches(num_rows: int, dp_size: int, schedule: dict) -> list[list[int]]:
+    """Index lists of this rank's mini-batches, all epochs in order."""
+    global_size = schedule.get("mini_batch_size") or num_rows * dp_size
+    if global_size % dp_size:
+        raise ValueError(f"mini_batch_size {global_size} must be a multiple of the dp size {dp_size}")
+    local = global_size // dp_size
+    if num_rows % local:
+        raise ValueError(
+            f"this rank holds {num_rows} samples, not a multiple of its mini-batch share {local} "
+            f"(mini_batch_size {global_size} over {dp_size} ranks)"
+        )
+    plan: list[list[int]] = []
+    for epoch in range(int(schedule.get("epochs", 1))):
+        if schedule.get("shuffle", True):
+            gen = torch.Generator().manual_seed(int(schedule.get("seed", 0)) * 1000 + epoch)
+            order = torch.randperm(num_rows, generator=gen).tolist()
+        else:
+            order = list(range(num_rows))
+        plan.extend(order[i : i + local] for i in range(0, num_rows, local))
+    return plan
+
+
+def train_on_batch(
+    engine: TrainEngine,
+    batch: Batch,
+    loss_fn: LossFn,
+    schedule: dict,
+    prefix: str,
+    compute_entropy: bool = False,
+    temperature: float = 1.0,
+) -> dict[str, float]:
+    """Run every mini-batch of every epoch; metrics are averaged over the optimizer steps."""
+    sums: dict[str, float] = defaultdict(float)
+    plan = mini_batches(len(batch), engine.dp_size, schedule)
+    with engine.train_mode():
+        lr = engine.learning_rate
+        for index in plan:
+            rows = batch.tensors[torch.tensor(index)]
+            out = engine.forward_backward_batch(
+                rows, loss_fn, compute_entropy=compute_entropy, temperature=temperature
+            )
+            for key, value in out.metrics.items():
+                sums[key if "/" in key else f"{prefix}/{key}"] += value
+            sums[f"{prefix}/grad_norm"] += engine.optimizer_step()
+        engine.lr_scheduler_step()
+    metrics = {key: value / len(plan) for key, value in sums.items()}
+    metrics[f"{prefix}/lr"] = lr
+    metrics[f"{prefix}/optimizer_steps"] = float(len(plan))
+    return metrics
