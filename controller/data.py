@@ -1,0 +1,372 @@
+"""Prompt data: files of rows become tokenized datasets, and datasets become resumable batches.
+
+Rows come from controller/data_files.py (local JSONL, JSON or Parquet) and field names are
+configurable. A row's prompt is a string or a list of chat messages; when the tokenizer has a chat
+template the prompt is rendered through it (a string becomes one user turn) with the generation
+prompt appended, else the string is tokenized as it is. Prompts longer than `max_prompt_length`
+tokens are dropped and counted, so the trainer can report how many.
+
+`PromptDataset` gives RL batches: left-padded prompt `input_ids` / `attention_mask`, and the
+non-tensors "prompt", "prompt_ids", "ground_truth", "extra" and "uid" (the row index: GRPO groups
+the n samples of one prompt by it). `SFTDataset` gives prompt/response pairs in the training
+engine's layout (engines/base.py): prompt left-padded, response right-padded and ending with EOS.
+
+`PromptLoader` batches either dataset. Epoch e visits the rows in a permutation drawn from
+(seed, e) alone, so its state is just (epoch, position in the epoch): a resumed job continues with
+exactly the batches an uninterrupted one would have seen, neither skipping nor repeating a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from controller.data_files import DataError, read_records
+from controller.spec import DataSpec
+from controller.tasks import write_task_files
+from workers.batch import Batch
+
+# ---- datasets ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One kept row, tokenized. `index` is its position among the kept rows (and its uid)."""
+
+    index: int
+    text: str  # what the model sees: the rendered chat template, or the raw prompt
+    ids: list[int]
+    ground_truth: Any
+    extra: dict | None
+    response_text: str | None = None  # SFT only
+    response_ids: list[int] | None = None  # SFT only, ends with EOS
+
+
+class PromptDataset:
+    """Tokenized prompt rows for RL; see the module docstring."""
+
+    def __init__(
+        self,
+        records: Sequence[tuple[str, dict[str, Any]]],
+        tokenizer: Any,
+        *,
+        prompt_key: str = "prompt",
+        ground_truth_key: str = "ground_truth",
+        extra_key: str | None = "extra",
+        max_prompt_length: int | None = None,
+        chat_template: bool | None = None,
+        source: str = "<rows>",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_key, self.ground_truth_key, self.extra_key = prompt_key, ground_truth_key, extra_key
+        self.max_prompt_length = max_prompt_length
+        self.source = source
+        self.use_chat_template = _decide_chat_template(tokenizer, chat_template, source)
+        self.pad_id = _pad_id(tokenizer, source)
+        self.filtered: dict[str, int] = {}
+        if not records:
+            raise DataError(f"{source}: the data set has no rows")
+        texts = [self._render(record, where) for where, record in records]
+        # One batched call: the Rust tokenizer encodes a list far faster than row by row. A chat
+        # template renders its own special tokens, so the tokenizer must not add them again.
+        ids = tokenizer(texts, add_special_tokens=not self.use_chat_template)["input_ids"]
+        self.rows: list[PromptRow] = []
+        for (where, record), text, prompt_ids in zip(records, texts, ids, strict=True):
+            if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+                self._count("prompt_too_long")
+                continue
+            row = self._make_row(len(self.rows), where, record, text, list(prompt_ids))
+            if row is not None:
+                self.rows.append(row)
+        self.num_records = len(records)
+        if not self.rows:
+            raise DataError(f"{source}: all {len(records)} rows were filtered out ({self.filtered})")
+
+    @classmethod
+    def from_file(cls, path: str | Path, tokenizer: Any, **options: Any) -> PromptDataset:
+        return cls(read_records(path), tokenizer, source=str(path), **options)
+
+    @property
+    def num_filtered(self) -> int:
+        return sum(self.filtered.values())
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counts for the trainer's "data loaded" event: rows read, kept, and filtered by cause."""
+        return {
+            "rows": self.num_records,
+            "kept": len(self.rows),
+            **{f"filtered_{k}": v for k, v in self.filtered.items()},
+        }
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> PromptRow:
+        return self.rows[index]
+
+    def head(self, n: int) -> Batch:
+        """The first `n` rows in file order (validation uses them, unshuffled)."""
+        return self.make_batch(range(min(n, len(self))))
+
+    def make_batch(self, indices: Sequence[int]) -> Batch:
+        rows = [self.rows[i] for i in indices]
+        input_ids, attention_mask = _pad([r.ids for r in rows], self.pad_id, left=True)
+        return Batch.from_dict(
+            {"input_ids": input_ids, "attention_mask": attention_mask},
+            self._non_tensors(rows),
+        )
+
+    # ---- building rows --------------------------------------------------------------------------
+
+    def _render(self, record: dict[str, Any], where: str) -> str:
+        if self.prompt_key not in record:
+            raise DataError(
+                f"{self.source} {where}: missing the prompt key '{self.prompt_key}' (keys: {sorted(record)})"
+            )
+        prompt = record[self.prompt_key]
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+            messages = prompt
+        else:
+            raise DataError(
+                f"{self.source} {where}: '{self.prompt_key}' must be a string or a list of chat messages "
+                f"({{'role', 'content'}}), got {type(prompt).__name__}"
+            )
+        if self.use_chat_template:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if not isinstance(prompt, str):
+            raise DataError(
+                f"{self.source} {where}: the prompt is a list of chat messages but the tokenizer has no "
+                "chat template: give plain-string prompts or a tokenizer with a chat template"
+            )
+        return prompt
+
+    def _make_row(
+        self, index: int, where: str, record: dict[str, Any], text: str, ids: list[int]
+    ) -> PromptRow | None:
+        extra = record.get(self.extra_key) if self.extra_key else None
+        if extra is not None and not isinstance(extra, dict):
+            raise DataError(
+                f"{self.source} {where}: '{self.extra_key}' must be an object, got {type(extra).__name__}"
+            )
+        return PromptRow(index, text, ids, record.get(self.ground_truth_key), extra)
+
+    def _count(self, cause: str) -> None:
+        self.filtered[cause] = self.filtered.get(cause, 0) + 1
+
+    def _non_tensors(self, rows: list[PromptRow]) -> dict[str, list[Any]]:
+        return {
+            "prompt": [r.text for r in rows],
+            "prompt_ids": [list(r.ids) for r in rows],  # copies: consumers may not alias the dataset
+            "ground_truth": [r.ground_truth for r in rows],
+            "extra": [r.extra for r in rows],
+            "uid": [str(r.index) for r in rows],
+        }
+
+
+class SFTDataset(PromptDataset):
+    """Prompt/response pairs for supervised fine-tuning, in the training engine's layout.
+
+    The response is tokenized without special tokens and the tokenizer's EOS appended, so the model
+    learns to stop. Pairs whose response (with EOS) exceeds `max_response_length` are dropped and
+    counted as "response_too_long".
+    """
+
+    def __init__(
+        self,
+        records: Sequence[tuple[str, dict[str, Any]]],
+        tokenizer: Any,
+        *,
+        response_key: str = "response",
+        max_response_length: int | None = None,
+        **options: Any,
+    ) -> None:
+        self.response_key = response_key
+        self.max_response_length = max_response_length
+        self.eos_id = tokenizer.eos_token_id
+        if self.eos_id is None:
+            raise DataError(f"{options.get('source', '<rows>')}: SFT needs a tokenizer with an EOS token")
+        super().__init__(records, tokenizer, **options)
+
+    @classmethod
+    def from_file(cls, path: str | Path, tokenizer: Any, **options: Any) -> SFTDataset:
+        return cls(read_records(path), tokenizer, source=str(path), **options)
+
+    def _make_row(
+        self, index: int, where: str, record: dict[str, Any], text: str, ids: list[int]
+    ) -> PromptRow | None:
+        response = record.get(self.response_key)
+        if not isinstance(response, str):
+            problem = "missing" if response is None else f"a {type(response).__name__}, not a string"
+            raise DataError(f"{self.source} {where}: the response key '{self.response_key}' is {problem}")
+        response_ids = self.tokenizer(response, add_special_tokens=False)["input_ids"] + [self.eos_id]
+        if self.max_response_length is not None and len(response_ids) > self.max_response_length:
+            self._count("response_too_long")
+            return None
+        row = super()._make_row(index, where, record, text, ids)
+        assert row is not None
+        return PromptRow(row.index, text, ids, row.ground_truth, row.extra, response, response_ids)
+
+    def make_batch(self, indices: Sequence[int]) -> Batch:
+        rows = [self.rows[i] for i in indices]
+        prompt_ids, prompt_mask = _pad([r.ids for r in rows], self.pad_id, left=True)
+        responses, response_mask = _pad([r.response_ids or [] for r in rows], self.pad_id, left=False)
+        non_tensors = self._non_tensors(rows)
+        non_tensors["response"] = [r.response_text for r in rows]
+        tensors = {
+            "input_ids": torch.cat([prompt_ids, responses], dim=1),
+            "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+            "responses": responses,
+            "response_mask": response_mask,
+        }
+        return Batch.from_dict(tensors, non_tensors)
+
+
+def _decide_chat_template(tokenizer: Any, requested: bool | None, source: str) -> bool:
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if requested and not has_template:
+        raise DataError(f"{source}: chat_template=True but the tokenizer has no chat template")
+    return has_template if requested is None else requested
+
+
+def _pad_id(tokenizer: Any, source: str) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise DataError(f"{source}: the tokenizer has neither a pad nor an EOS token to pad with")
+    return int(pad)
+
+
+def _pad(sequences: Sequence[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L] ids and mask, L = the longest sequence, padded on the left or the right."""
+    width = max((len(s) for s in sequences), default=0)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if not seq:
+            continue
+        cols = slice(width - len(seq), width) if left else slice(0, len(seq))
+        ids[i, cols] = torch.tensor(seq, dtype=torch.long)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+# ---- batching ---------------------------------------------------------------------------------
+
+
+class BatchSource(Protocol):
+    def __len__(self) -> int: ...
+
+    def make_batch(self, indices: Sequence[int]) -> Batch: ...
+
+
+class PromptLoader:
+    """Endless, resumable batches of `batch_size` rows from a PromptDataset or SFTDataset.
+
+    Epochs roll over by themselves. With drop_last (the default: RL steps want full batches) the
+    rows left at the end of an epoch that do not fill a batch are skipped in that epoch; they come
+    up at other positions in other epochs' permutations.
+    """
+
+    def __init__(
+        self,
+        dataset: BatchSource,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if drop_last and batch_size > len(dataset):
+            raise DataError(
+                f"a batch of {batch_size} rows needs a data set at least as large; it has {len(dataset)}"
+            )
+        self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.epoch, self.position = 0, 0
+        self._order_epoch, self._order = -1, np.arange(0)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(len(self.dataset), self.batch_size)
+        return full if self.drop_last or rest == 0 else full + 1
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The row order of `epoch`, a function of (seed, epoch) alone."""
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def __iter__(self) -> PromptLoader:
+        return self
+
+    def __next__(self) -> Batch:
+        remaining = len(self.dataset) - self.position
+        if remaining <= 0 or (self.drop_last and remaining < self.batch_size):
+            self.epoch, self.position = self.epoch + 1, 0
+        if self._order_epoch != self.epoch:
+            self._order_epoch, self._order = self.epoch, self.order(self.epoch)
+        indices = self._order[self.position : self.position + self.batch_size]
+        self.position += len(indices)
+        return self.dataset.make_batch(indices.tolist())
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_rows": len(self.dataset),
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved state: the saved seed is restored, the data set must be the same size."""
+        if state["num_rows"] != len(self.dataset):
+            raise DataError(
+                f"cannot resume the data loader: the saved state is for {state['num_rows']} rows, "
+                f"the data set now has {len(self.dataset)}; resume with the same data and filters"
+            )
+        self.epoch, self.position, self.seed = int(state["epoch"]), int(state["position"]), int(state["seed"])
+        self._order_epoch = -1
+
+
+# ---- from a job spec --------------------------------------------------------------------------
+
+
+def resolve_data_files(spec: DataSpec, workdir: str | Path, seed: int = 0) -> tuple[Path, Path | None]:
+    """The train and val files of a job: the user's, or a built-in task's written under `workdir`."""
+    if spec.train_path is not None:
+        return Path(spec.train_path), Path(spec.val_path) if spec.val_path else None
+    assert spec.builtin_task is not None  # DataSpec guarantees one of the two
+    return write_task_files(spec.builtin_task, Path(workdir) / "data" / spec.builtin_task, seed=seed)
+
+
+def build_dataset(
+    path: str | Path,
+    tokenizer: Any,
+    spec: DataSpec,
+    sft: bool = False,
+    max_response_length: int | None = None,
+) -> PromptDataset:
+    """A PromptDataset (or SFTDataset) from a file, with the spec's field names and length limit."""
+    options: dict[str, Any] = dict(
+        prompt_key=spec.prompt_key,
+        ground_truth_key=spec.ground_truth_key,
+        extra_key=spec.extra_key,
+        max_prompt_length=spec.max_prompt_length,
+    )
+    if sft:
+        return SFTDataset.from_file(
+            path,
+            tokenizer,
+            response_key=spec.response_key,
+            max_response_length=max_response_length,
+            **options,
+        )
+    return PromptDataset.from_file(path, tokenizer, **options)

@@ -1,0 +1,420 @@
+"""Rule rewards: functions that score a response, addressed by a reference string, run on the controller.
+
+A reward function has the signature
+
+    fn(prompt: str, response: str, ground_truth: Any, extra: dict | None) -> float | dict
+
+and returns either a score or a dict with a "score" key plus extra numeric metrics (logged as
+"reward/<name>/mean"). The contract on the signature: the function must accept being called with
+exactly those four positional arguments. So (prompt, response, ground_truth, extra) qualifies, as
+does one with further parameters that all have defaults, or *args; (prompt, response) does not.
+Responses are the decoded completion text, normally without special tokens.
+
+References:
+    "builtin:NAME"               a function of this module (see BUILTIN_REWARDS)
+    "package.module:function"    an importable module ("module:Class.method" reaches nested names)
+    "path/to/file.py:function"   a Python file, loaded by path
+
+`load_reward_fn` resolves and validates a reference; the API calls it at job submission, so a bad
+reference is a clear error before any GPU is held. `RewardScorer` scores a batch: a sample whose
+function raises, or returns a non-number or NaN, scores 0.0 and counts in "reward/errors" while the
+rest go on. Large batches can be scored by a pool of spawned processes; each process re-resolves the
+reference itself, so nothing but the reference string and plain data crosses the process boundary.
+
+This module imports neither torch nor Ray at the top: spawned scoring processes import it and
+should start quickly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import multiprocessing
+import numbers
+import re
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from controller.tasks.arithmetic import arithmetic_reward
+
+if TYPE_CHECKING:
+    import torch
+
+RewardFn = Callable[[str, str, Any, dict | None], float | dict[str, float]]
+EXPECTED_SIGNATURE = "(prompt, response, ground_truth, extra)"
+
+
+class RewardFunctionError(ValueError):
+    """A reward reference that cannot be resolved into a usable function."""
+
+
+# ---- built-in rewards -------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+|\d)(?:[eE][-+]?\d+)?")
+
+
+def exact_match(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> float:
+    """1.0 when the stripped response equals the stripped ground truth."""
+    return float(response.strip() == str(ground_truth).strip())
+
+
+def numeric_match(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> float:
+    """1.0 when the last number in the response is within tolerance of the ground truth.
+
+    Tolerance: |x - y| <= max(abs_tol, rel_tol * |y|), 1e-6 each unless `extra` gives
+    "abs_tol" / "rel_tol". A response without a number scores 0.0; a ground truth that is not a
+    number is an error of the data (it raises).
+    """
+    truth = _to_number(ground_truth)
+    numbers = _NUMBER.findall(response)
+    if not numbers:
+        return 0.0
+    guess = _to_number(numbers[-1])
+    extra = extra or {}
+    tolerance = max(float(extra.get("abs_tol", 1e-6)), float(extra.get("rel_tol", 1e-6)) * abs(truth))
+    return float(abs(guess - truth) <= tolerance)
+
+
+def _to_number(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"ground truth {value!r} is a bool, not a number")
+    if isinstance(value, int | float):
+        return float(value)
+    return float(str(value).strip().replace(",", ""))
+
+
+def math_verify(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> float:
+    """1.0 when math-verify judges the response's final answer equivalent to the ground truth.
+
+    math-verify bounds its sympy work with signal.alarm, which only works on the main thread; off it
+    (a threaded Ray actor, say) it raises. So the timeouts are used on the main thread and turned
+    off elsewhere; a scorer with num_workers > 0 runs each function on its process's main thread.
+    """
+    from math_verify import parse, verify  # imported on first use: it pulls in sympy (slow)
+
+    seconds = 5 if threading.current_thread() is threading.main_thread() else None
+    truth = str(ground_truth).strip()
+    gold = parse(truth, parsing_timeout=seconds)
+    if not gold and "$" not in truth and "\\boxed" not in truth:
+        gold = parse(f"${truth}$", parsing_timeout=seconds)  # a bare LaTeX answer such as \frac{1}{2}
+    if not gold:
+        raise ValueError(f"math-verify could not parse the ground truth {truth!r}")
+    guess = parse(response, parsing_timeout=seconds)
+    return float(bool(guess) and verify(gold, guess, timeout_seconds=seconds))
+
+
+def format_boxed(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> float:
+    """1.0 when the response contains \\boxed{...} with balanced braces and something inside."""
+    start = response.find("\\boxed{")
+    while start != -1:
+        depth, i = 1, start + len("\\boxed{")
+        while i < len(response) and depth:
+            depth += {"{": 1, "}": -1}.get(response[i], 0)
+            i += 1
+        if depth == 0 and response[start + len("\\boxed{") : i - 1].strip():
+            return 1.0
+        start = response.find("\\boxed{", start + 1)
+    return 0.0
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "numeric_match": numeric_match,
+    "math_verify": math_verify,
+    "format_boxed": format_boxed,
+    "arithmetic": arithmetic_reward,
+}
+
+
+# ---- resolving references ---------------------------------------------------------------------
+
+
+def load_reward_fn(ref: str) -> RewardFn:
+    """Resolve `ref` into a validated reward function; raises RewardFunctionError saying why not."""
+    if not isinstance(ref, str) or ":" not in ref:
+        raise RewardFunctionError(
+            f"reward function reference {ref!r} is malformed: "
+            "expected 'builtin:NAME', 'module:function' or 'path/to/file.py:function'"
+        )
+    source, _, name = ref.rpartition(":")
+    if not source or not name:
+        raise RewardFunctionError(
+            f"reward function {ref!r} is malformed: both sides of ':' must be non-empty"
+        )
+    if source == "builtin":
+        if name not in BUILTIN_REWARDS:
+            raise RewardFunctionError(
+                f"reward function {ref!r} is not a built-in; choose one of "
+                + ", ".join(f"'builtin:{n}'" for n in sorted(BUILTIN_REWARDS))
+            )
+        return BUILTIN_REWARDS[name]
+    module = _load_file(ref, source) if _is_path(source) else _import_module(ref, source)
+    fn = _get_attribute(ref, module, source, name)
+    _check_signature(ref, fn)
+    return fn
+
+
+def _is_path(source: str) -> bool:
+    return source.endswith(".py") or "/" in source or "\\" in source
+
+
+def _import_module(ref: str, module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except Exception as exc:  # an import runs arbitrary code: any failure is the user's to see
+        raise RewardFunctionError(f"reward function '{ref}' could not be imported: {_describe(exc)}") from exc
+
+
+def _load_file(ref: str, source: str) -> Any:
+    path = Path(source).expanduser().resolve()
+    if not path.is_file():
+        raise RewardFunctionError(
+            f"reward function '{ref}' could not be imported: no such file {str(path)!r}"
+        )
+    # One module name per file path, so two files both called rewards.py do not collide. The file
+    # is executed afresh on every load: the API process is long-lived and users edit their files.
+    module_name = "tandem_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardFunctionError(
+            f"reward function '{ref}' could not be imported: {path} is not a Python file"
+        )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise RewardFunctionError(f"reward function '{ref}' could not be imported: {_describe(exc)}") from exc
+    return module
+
+
+def _get_attribute(ref: str, module: Any, source: str, name: str) -> Any:
+    target, owner = module, source
+    for part in name.split("."):
+        if not hasattr(target, part):
+            raise RewardFunctionError(
+                f"reward function '{ref}' not found: '{owner}' has no attribute '{part}'"
+            )
+        target, owner = getattr(target, part), f"{owner}:{part}" if owner == source else f"{owner}.{part}"
+    return target
+
+
+def _check_signature(ref: str, fn: Any) -> None:
+    if inspect.isclass(fn):
+        raise RewardFunctionError(f"reward function '{ref}' is a class, not a function")
+    if not callable(fn):
+        raise RewardFunctionError(f"reward function '{ref}' is not callable (type {type(fn).__name__})")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without introspectable signatures: trust them; failures count per sample
+    try:
+        signature.bind("prompt", "response", "ground_truth", None)
+    except TypeError:
+        raise RewardFunctionError(
+            f"reward function '{ref}' has signature {signature}; expected {EXPECTED_SIGNATURE}"
+        ) from None
+
+
+def _describe(exc: BaseException) -> str:
+    # ImportError messages read well alone ("No module named 'x'"); others need their type.
+    return str(exc) if isinstance(exc, ImportError) and str(exc) else f"{type(exc).__name__}: {exc}"
+
+
+# ---- scoring a batch --------------------------------------------------------------------------
+
+# What one sample's scoring gives back: (score, extra metrics, error message or None).
+SampleResult = tuple[float, dict[str, float], str | None]
+
+
+@dataclass
+class RewardResult:
+    """Scores of a batch, in input order, and what to log about them."""
+
+    scores: torch.Tensor  # [N] float32; 0.0 where scoring failed
+    metrics: dict[str, float]  # "reward/<name>/mean" per extra metric, "reward/errors"
+    errors: int  # samples whose function raised or returned a non-number / NaN
+    error_messages: list[str] = field(default_factory=list)  # the first few, "sample i: ..."
+
+
+class RewardScorer:
+    """Scores batches with one reward function, serially or in a pool of spawned processes.
+
+    The pool is used when num_workers > 0 and a batch has more than `parallel_threshold` rows; it
+    is started on first use and kept for later batches. Each pool call waits at most `timeout_s`:
+    samples that are not scored by then count as errors and the pool is replaced. (The serial path
+    cannot interrupt a function that hangs: it runs in the caller's thread.)
+    """
+
+    MAX_ERROR_MESSAGES = 5
+
+    def __init__(
+        self, ref: str, num_workers: int = 0, parallel_threshold: int = 64, timeout_s: float | None = 300.0
+    ) -> None:
+        self.ref = _canonical_ref(ref)
+        self.fn = load_reward_fn(self.ref)
+        self.num_workers = num_workers
+        self.parallel_threshold = parallel_threshold
+        self.timeout_s = timeout_s
+        self._pool: ProcessPoolExecutor | None = None
+
+    def score(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[Any] | None = None,
+        extras: Sequence[dict | None] | None = None,
+    ) -> RewardResult:
+        n = len(responses)
+        rows = list(
+            zip(
+                list(prompts),
+                list(responses),
+                [None] * n if ground_truths is None else list(ground_truths),
+                [None] * n if extras is None else list(extras),
+                strict=True,  # a length mismatch is a bug upstream: fail, never truncate
+            )
+        )
+        if self.num_workers > 0 and n > self.parallel_threshold:
+            results = self._score_in_pool(rows)
+        else:
+            results = [_score_one(self.fn, *row) for row in rows]
+        return _summarise(results, self.MAX_ERROR_MESSAGES)
+
+    def close(self) -> None:
+        """Stop the process pool, if one was started."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _score_in_pool(self, rows: list[tuple]) -> list[SampleResult]:
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(
+                self.num_workers,
+                mp_context=multiprocessing.get_context("spawn"),  # fork would copy the controller's threads
+                initializer=_init_worker,
+                initargs=(self.ref,),
+            )
+        # A few chunks per process: fewer round trips than one sample per task, still balanced.
+        size = max(1, math.ceil(len(rows) / (self.num_workers * 4)))
+        chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
+        futures = [self._pool.submit(_score_chunk, chunk) for chunk in chunks]
+        done, _ = wait(futures, timeout=self.timeout_s)
+        results: list[SampleResult] = []
+        broken = False
+        for future, chunk in zip(futures, chunks, strict=True):
+            if future not in done:
+                broken = True
+                results += [(0.0, {}, f"timed out after {self.timeout_s}s in the reward pool")] * len(chunk)
+            elif future.exception() is not None:
+                broken = True
+                error = f"the reward pool failed: {_describe(future.exception())}"
+                results += [(0.0, {}, error)] * len(chunk)
+            else:
+                results += future.result()
+        if broken:
+            self._kill_pool()
+        return results
+
+    def _kill_pool(self) -> None:
+        # A hung function never returns, so shutdown() alone would leave its process running.
+        # ProcessPoolExecutor has no public way to stop workers before Python 3.14.
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        terminate = getattr(pool, "terminate_workers", None)
+        if terminate is not None:
+            terminate()
+            return
+        for process in list(getattr(pool, "_processes", {}).values()):
+            process.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _canonical_ref(ref: str) -> str:
+    """The reference with a file path made absolute, so a worker process resolves the same file."""
+    if isinstance(ref, str) and ":" in ref:
+        source, _, name = ref.rpartition(":")
+        if source != "builtin" and _is_path(source):
+            return f"{Path(source).expanduser().resolve()}:{name}"
+    return ref
+
+
+def _score_one(
+    fn: RewardFn, prompt: str, response: str, ground_truth: Any, extra: dict | None
+) -> SampleResult:
+    try:
+        out = fn(prompt, response, ground_truth, extra)
+    except Exception as exc:
+        return 0.0, {}, _describe(exc)
+    metrics: dict[str, float] = {}
+    if isinstance(out, dict):
+        if "score" not in out:
+            return 0.0, {}, f"returned a dict without a 'score' key (keys: {sorted(out)})"
+        metrics = {
+            k: v for k, v in ((k, _as_float(v)) for k, v in out.items() if k != "score") if v is not None
+        }
+        out = out["score"]
+    score = _as_float(out)
+    if score is None:
+        return 0.0, {}, f"returned {out!r}; expected a finite number or a dict with a 'score' key"
+    return score, metrics, None
+
+
+def _as_float(value: Any) -> float | None:
+    """A finite float, or None for anything else (strings, None, NaN, inf, arrays)."""
+    if isinstance(value, numbers.Real):
+        result = float(value)
+    elif getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy / torch scalars
+        return _as_float(value.item())
+    else:
+        return None
+    return result if math.isfinite(result) else None
+
+
+def _summarise(results: list[SampleResult], max_messages: int) -> RewardResult:
+    import torch  # here, not at the top: spawned scoring processes never need it
+
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    messages = []
+    for i, (_, metrics, error) in enumerate(results):
+        if error is not None and len(messages) < max_messages:
+            messages.append(f"sample {i}: {error}")
+        for key, value in metrics.items():
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    errors = sum(error is not None for _, _, error in results)
+    log = {f"reward/{key}/mean": sums[key] / counts[key] for key in sorted(sums)}
+    log["reward/errors"] = float(errors)
+    scores = torch.tensor([score for score, _, _ in results], dtype=torch.float32)
+    return RewardResult(scores, log, errors, messages)
+
+
+# The function a pool process scores with, resolved once per process from the reference string.
+_WORKER_FN: RewardFn | None = None
+
+
+def _init_worker(ref: str) -> None:
+    global _WORKER_FN
+    _WORKER_FN = load_reward_fn(ref)
+
+
+def _score_chunk(rows: list[tuple]) -> list[SampleResult]:
+    assert _WORKER_FN is not None, "reward pool process was not initialised"
+    return [_score_one(_WORKER_FN, *row) for row in rows]

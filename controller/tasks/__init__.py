@@ -1,0 +1,53 @@
+"""Built-in tasks: synthetic data sets with a rule reward, addressed by name in `DataSpec.builtin_task`.
+
+A task generates deterministic, disjoint train/val splits and names the rule reward that scores it
+("builtin:arithmetic" for the arithmetic task). Jobs do not read a task's rows from memory: the
+controller writes them to JSONL (`write_task_files`) and loads those files through the same path as
+user data, so the built-in demo exercises the real data loader.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from controller.tasks.arithmetic import ArithmeticTask
+
+
+class Task(Protocol):
+    name: str
+    reward_function: str  # the reward reference that scores this task, e.g. "builtin:arithmetic"
+    default_train_size: int
+    default_val_size: int
+
+    def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]: ...
+
+    def write_jsonl(
+        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
+    ) -> tuple[Path, Path]: ...
+
+
+BUILTIN_TASKS: dict[str, Task] = {
+    "arithmetic": ArithmeticTask(),
+    "arithmetic-3digit": ArithmeticTask(digits=3, name="arithmetic-3digit"),
+    "arithmetic-mixed": ArithmeticTask(operations=("+", "-", "*"), name="arithmetic-mixed"),
+}
+
+
+def get_task(name: str) -> Task:
+    """The built-in task called `name`; an unknown name raises a ValueError listing the choices."""
+    try:
+        return BUILTIN_TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown built-in task '{name}'; choose one of {sorted(BUILTIN_TASKS)}") from None
+
+
+def write_task_files(
+    name: str,
+    directory: str | Path,
+    train_size: int | None = None,
+    val_size: int | None = None,
+    seed: int = 0,
+) -> tuple[Path, Path]:
+    """Write the task's train.jsonl and val.jsonl under `directory`; returns their paths."""
+    return get_task(name).write_jsonl(directory, train_size, val_size, seed)

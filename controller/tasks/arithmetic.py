@@ -1,0 +1,181 @@
+"""The built-in arithmetic task: short problems with an answer a rule can check.
+
+A prompt is an expression followed by "=", e.g. "23+58=", and the answer is its value, "81". With
+the defaults (two-digit operands, addition) the problems fit the character-level tokenizer in a
+handful of tokens, a ~1M-parameter model learns much of the task from a short SFT run on a CPU, and
+the carries leave room for RL to push the accuracy higher.
+
+Train and val are disjoint by construction: every problem is assigned to one split by a stable hash
+of its text (blake2b, not Python's salted `hash`), so no val prompt can ever appear in train, for
+any seed or size. Within a split, rows are distinct problems drawn in an order fixed by the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Decoders may keep special tokens in the text; the answer ends at the first of them.
+_END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|pad|>")
+_ANSWER = re.compile(r"-?\d+")
+_OPERATIONS = ("+", "-", "*")
+# Problem spaces up to this size are enumerated exactly; larger ones are sampled by rejection.
+_ENUMERATE_LIMIT = 200_000
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    """Integer problems `a OP b=`; see the module docstring."""
+
+    digits: int = 2
+    operations: tuple[str, ...] = ("+",)
+    val_fraction: float = 0.1
+    default_train_size: int = 5000
+    default_val_size: int = 500
+    name: str = "arithmetic"
+    reward_function: str = "builtin:arithmetic"
+
+    def __post_init__(self) -> None:
+        if self.digits < 1:
+            raise ValueError(f"arithmetic digits must be >= 1, got {self.digits}")
+        unknown = [op for op in self.operations if op not in _OPERATIONS]
+        if unknown or not self.operations:
+            raise ValueError(
+                f"arithmetic operations must be a non-empty subset of {_OPERATIONS}, got {unknown}"
+            )
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+
+    # ---- problems -----------------------------------------------------------------------------
+
+    @property
+    def operand_range(self) -> tuple[int, int]:
+        """Inclusive bounds: exactly `digits` digits (0-9 for one digit)."""
+        low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
+        return low, 10**self.digits - 1
+
+    @property
+    def space_size(self) -> int:
+        low, high = self.operand_range
+        return (high - low + 1) ** 2 * len(self.operations)
+
+    def split_of(self, prompt: str) -> str:
+        """'val' or 'train', fixed by the problem's text alone."""
+        digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
+        return "val" if int.from_bytes(digest, "big") / 2**64 < self.val_fraction else "train"
+
+    def problem(self, a: int, op: str, b: int) -> dict[str, str]:
+        if op == "-" and a < b:  # keep answers non-negative: fewer characters to learn
+            a, b = b, a
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        answer = str(value)
+        return {"prompt": f"{a}{op}{b}=", "ground_truth": answer, "response": answer}
+
+    def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
+        """`size` distinct problems of `split` ("train" or "val"), in an order fixed by `seed`.
+
+        Rows have "prompt", "ground_truth" and "response" (the answer alone; SFT trains on it).
+        """
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if size < 0:
+            raise ValueError(f"split size must be >= 0, got {size}")
+        # The seed and split both feed the stream, so train and val orders are unrelated.
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        if self.space_size <= _ENUMERATE_LIMIT:
+            pool = [row for row in self._all_problems() if self.split_of(row["prompt"]) == split]
+            if size > len(pool):
+                raise ValueError(
+                    f"the {split} split of {self.describe()} has only {len(pool)} distinct problems; "
+                    f"asked for {size}: lower the size or raise the digits"
+                )
+            return rng.sample(pool, size)
+        return self._sample_distinct(split, size, rng)
+
+    def describe(self) -> str:
+        return f"{self.digits}-digit arithmetic ({''.join(self.operations)})"
+
+    def _all_problems(self) -> Iterator[dict[str, str]]:
+        low, high = self.operand_range
+        seen: set[str] = set()
+        for op in self.operations:
+            for a in range(low, high + 1):
+                for b in range(low, high + 1):
+                    row = self.problem(a, op, b)
+                    if row["prompt"] not in seen:  # a-b and b-a collapse into one problem
+                        seen.add(row["prompt"])
+                        yield row
+
+    def _sample_distinct(self, split: str, size: int, rng: random.Random) -> list[dict[str, str]]:
+        if size > self.space_size // 4:
+            raise ValueError(f"{size} {split} rows is too many for {self.describe()}: sample fewer")
+        low, high = self.operand_range
+        rows: dict[str, dict[str, str]] = {}
+        while len(rows) < size:
+            row = self.problem(rng.randint(low, high), rng.choice(self.operations), rng.randint(low, high))
+            if row["prompt"] not in rows and self.split_of(row["prompt"]) == split:
+                rows[row["prompt"]] = row
+        return list(rows.values())
+
+    # ---- files --------------------------------------------------------------------------------
+
+    def write_jsonl(
+        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
+    ) -> tuple[Path, Path]:
+        """Write train.jsonl and val.jsonl under `directory`, so jobs read the task like user data."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for split, size in (
+            ("train", self.default_train_size if train_size is None else train_size),
+            ("val", self.default_val_size if val_size is None else val_size),
+        ):
+            path = directory / f"{split}.jsonl"
+            _write_rows(path, self.make_split(split, size, seed))
+            paths.append(path)
+        return paths[0], paths[1]
+
+
+def score_answer(response: str, ground_truth: Any) -> dict[str, float]:
+    """The task's rule: the leading integer of the response (cut at the end-of-text token) vs the truth."""
+    text = extract_answer_text(response)
+    match = _ANSWER.match(text)
+    answer = match.group() if match else ""
+    correct = bool(answer) and answer == str(ground_truth).strip()
+    well_formed = _ANSWER.fullmatch(text) is not None
+    return {"score": float(correct), "format": float(well_formed)}
+
+
+def extract_answer_text(response: str) -> str:
+    """The response up to its first end marker, stripped of surrounding whitespace."""
+    for marker in _END_MARKERS:
+        response = response.split(marker, 1)[0]
+    return response.strip()
+
+
+def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    # Write to a temporary name and rename: a reader never sees half a file.
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)
+
+
+DEFAULT_TASK = ArithmeticTask()
+
+
+def make_split(split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
+    """Rows of the default task (2-digit addition); see `ArithmeticTask.make_split`."""
+    return DEFAULT_TASK.make_split(split, size, seed)
+
+
+def arithmetic_reward(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> dict:
+    """The reward behind "builtin:arithmetic": {"score": 0 or 1, "format": 0 or 1}."""
+    return score_answer(response, ground_truth)

@@ -1,0 +1,216 @@
+"""Rule rewards: the built-ins, loading user functions by reference, and scoring batches."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from controller.rewards import RewardFunctionError, RewardScorer, load_reward_fn
+
+USER_MODULE = """
+import math
+
+def score(prompt, response, ground_truth, extra):
+    return {"score": float(response == ground_truth), "length": len(response), "note": "not a number"}
+
+def with_default(prompt, response, ground_truth, extra=None, scale=2.0):
+    return scale * float(response == ground_truth)
+
+def flaky(prompt, response, ground_truth, extra):
+    if response == "boom":
+        raise RuntimeError("bad sample")
+    return 1.0
+
+def odd_returns(prompt, response, ground_truth, extra):
+    return {"nan": math.nan, "str": "yes", "none": None, "nokey": {"value": 1.0}}.get(response, 0.5)
+
+def two_args(a, b):
+    return 0.0
+
+not_callable = 42
+
+class Scorer:
+    pass
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """An importable module `tandem_user_rewards` (on sys.path, as a pip-installed one would be)."""
+    (tmp_path / "tandem_user_rewards.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "tandem_user_rewards"
+
+
+# ---- built-ins --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ref", "response", "truth", "expected"),
+    [
+        ("builtin:exact_match", " Paris\n", "Paris", 1.0),
+        ("builtin:exact_match", "paris", "Paris", 0.0),
+        ("builtin:numeric_match", "so the total is 1,234.0 dollars", 1234, 1.0),
+        ("builtin:numeric_match", "first 3, then 4", "4", 1.0),  # the last number counts
+        ("builtin:numeric_match", "first 4, then 3", "4", 0.0),
+        ("builtin:numeric_match", "-0.5", "-0.5000000001", 1.0),
+        ("builtin:numeric_match", "no number here", "4", 0.0),
+        ("builtin:math_verify", "The answer is \\boxed{1/2}", "0.5", 1.0),
+        ("builtin:math_verify", "\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("builtin:math_verify", "The answer is \\boxed{1/3}", "0.5", 0.0),
+        ("builtin:math_verify", "I do not know", "0.5", 0.0),
+        ("builtin:format_boxed", "so \\boxed{x^{2}} done", None, 1.0),
+        ("builtin:format_boxed", "so \\boxed{} done", None, 0.0),
+        ("builtin:format_boxed", "so \\boxed{x^{2} done", None, 0.0),
+        ("builtin:format_boxed", "the answer is 4", None, 0.0),
+        ("builtin:arithmetic", "81<|endoftext|>", "81", {"score": 1.0, "format": 1.0}),
+        ("builtin:arithmetic", "18", "81", {"score": 0.0, "format": 1.0}),
+    ],
+)
+def test_builtin_rewards(ref, response, truth, expected):
+    assert load_reward_fn(ref)("prompt", response, truth, None) == expected
+
+
+def test_numeric_match_tolerance_from_extra():
+    fn = load_reward_fn("builtin:numeric_match")
+    assert fn("", "3.14", "3.14159", None) == 0.0
+    assert fn("", "3.14", "3.14159", {"abs_tol": 0.01}) == 1.0
+
+
+def test_math_verify_works_off_the_main_thread():
+    # math-verify's own timeouts use signal.alarm, which raises off the main thread.
+    fn, out = load_reward_fn("builtin:math_verify"), []
+    thread = threading.Thread(target=lambda: out.append(fn("", "\\boxed{1/2}", "0.5", None)))
+    thread.start()
+    thread.join(timeout=60)
+    assert out == [1.0]
+
+
+# ---- user functions and bad references --------------------------------------------------------
+
+
+def test_user_function_from_module_logs_its_extra_metrics(user_module):
+    scorer = RewardScorer(f"{user_module}:score")
+    result = scorer.score(["p"] * 3, ["a", "bb", "c"], ["a", "bb", "x"], None)
+    assert result.scores.tolist() == [1.0, 1.0, 0.0]
+    assert result.metrics["reward/length/mean"] == pytest.approx(4 / 3)
+    assert "reward/note/mean" not in result.metrics  # non-numeric extras are not logged
+    assert result.metrics["reward/errors"] == 0.0 and result.errors == 0
+
+
+def test_user_function_from_file_path(tmp_path, monkeypatch):
+    path = tmp_path / "sub" / "my_rewards.py"
+    path.parent.mkdir()
+    path.write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    for ref in (f"{path}:with_default", "sub/my_rewards.py:with_default"):
+        assert load_reward_fn(ref)("p", "x", "x", None) == 2.0
+    # The API process lives long: an edited file is read again on the next load.
+    path.write_text("def with_default(prompt, response, ground_truth, extra):\n    return 3.0\n")
+    assert load_reward_fn(f"{path}:with_default")("p", "x", "x", None) == 3.0
+
+
+def test_raising_function_scores_zero_for_that_sample_only(user_module):
+    result = RewardScorer(f"{user_module}:flaky").score(["p"] * 4, ["a", "boom", "b", "c"], [None] * 4)
+    assert result.scores.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert result.errors == 1 and result.metrics["reward/errors"] == 1.0
+    assert result.error_messages == ["sample 1: RuntimeError: bad sample"]
+
+
+def test_non_numbers_and_nan_count_as_errors(user_module):
+    responses = ["nan", "str", "none", "nokey", "fine"]
+    result = RewardScorer(f"{user_module}:odd_returns").score(["p"] * 5, responses, [None] * 5)
+    assert result.scores.dtype == torch.float32
+    assert result.scores.tolist() == [0.0, 0.0, 0.0, 0.0, 0.5]
+    assert result.errors == 4 and not any(math.isnan(s) for s in result.scores.tolist())
+
+
+@pytest.mark.parametrize(
+    ("suffix", "message"),
+    [
+        (
+            "tandem_no_such_module:score",
+            "reward function 'tandem_no_such_module:score' could not be imported: "
+            "No module named 'tandem_no_such_module'",
+        ),
+        (
+            "{mod}:missing",
+            "reward function '{mod}:missing' not found: '{mod}' has no attribute 'missing'",
+        ),
+        (
+            "{mod}:two_args",
+            "reward function '{mod}:two_args' has signature (a, b); expected (prompt, response, ground_truth, extra)",
+        ),
+        ("{mod}:not_callable", "reward function '{mod}:not_callable' is not callable (type int)"),
+        ("{mod}:Scorer", "reward function '{mod}:Scorer' is a class, not a function"),
+        ("builtin:nope", "reward function 'builtin:nope' is not a built-in"),
+        ("no_colon", "is malformed"),
+        ("missing_dir/rewards.py:score", "could not be imported: no such file"),
+    ],
+)
+def test_bad_references_give_specific_messages(user_module, suffix, message):
+    ref, message = suffix.format(mod=user_module), message.format(mod=user_module)
+    with pytest.raises(RewardFunctionError) as info:
+        load_reward_fn(ref)
+    assert message in str(info.value)
+
+
+def test_module_that_fails_on_import(tmp_path):
+    path = tmp_path / "broken.py"
+    path.write_text("raise KeyError('setting')\n")
+    with pytest.raises(RewardFunctionError, match=r"could not be imported: KeyError: 'setting'"):
+        load_reward_fn(f"{path}:score")
+
+
+# ---- parallel scoring -------------------------------------------------------------------------
+
+
+def test_parallel_scoring_equals_serial_in_order(tmp_path):
+    path = tmp_path / "rewards_for_pool.py"
+    path.write_text(
+        textwrap.dedent(
+            """
+            import os
+
+            def score(prompt, response, ground_truth, extra):
+                if response == "raise":
+                    raise ValueError("no")
+                return {"score": (int(response) * 7 + int(ground_truth)) % 11 / 10, "pid": os.getpid()}
+            """
+        )
+    )
+    n = 200
+    responses = [str(i) if i % 37 else "raise" for i in range(n)]
+    truths = [i % 5 for i in range(n)]
+    args = (["p"] * n, responses, truths, [None] * n)
+    serial = RewardScorer(f"{path}:score").score(*args)
+    with RewardScorer(f"{path}:score", num_workers=2, parallel_threshold=10) as scorer:
+        parallel = scorer.score(*args)
+        again = scorer.score(*args)  # the pool is reused
+    assert torch.equal(serial.scores, parallel.scores) and torch.equal(serial.scores, again.scores)
+    assert parallel.errors == serial.errors == 6
+    assert parallel.error_messages == serial.error_messages
+    # The work really ran elsewhere: the mean pid differs from this process's.
+    assert parallel.metrics["reward/pid/mean"] != serial.metrics["reward/pid/mean"]
+
+
+def test_a_hanging_function_times_out_in_the_pool(tmp_path):
+    path = tmp_path / "slow_rewards.py"
+    path.write_text(
+        "import time\n\ndef score(p, r, g, e):\n    time.sleep(600 if r == 'hang' else 0)\n    return 1.0\n"
+    )
+    responses = ["hang"] + ["ok"] * 39
+    with RewardScorer(f"{path}:score", num_workers=2, parallel_threshold=10, timeout_s=10) as scorer:
+        result = scorer.score(["p"] * 40, responses, [None] * 40)
+        assert scorer._pool is None  # replaced: the hung process was terminated
+    assert result.scores[0] == 0.0 and result.scores[-1] == 1.0
+    assert 1 <= result.errors < 40 and "timed out after 10" in result.error_messages[0]
+
+
+def test_score_rejects_mismatched_lengths():
+    with pytest.raises(ValueError):
+        RewardScorer("builtin:exact_match").score(["p", "q"], ["a"], ["a", "b"])
