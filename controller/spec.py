@@ -21,10 +21,14 @@ class Section(BaseModel):
 class ModelSpec(Section):
     """The policy model: a local HF folder, or a built-in tiny model built on demand."""
 
-    path: str | None = Field(None, description="local Hugging Face folder (config.json, tokenizer, safetensors)")
+    path: str | None = Field(
+        None, description="local Hugging Face folder (config.json, tokenizer, safetensors)"
+    )
     builtin: str | None = Field(None, description="name of a built-in model, e.g. 'qwen2-1m'")
     critic_path: str | None = Field(None, description="critic body (PPO); defaults to the policy's folder")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bf16 on GPU, fp32 on CPU")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="auto: bf16 on GPU, fp32 on CPU"
+    )
     gradient_checkpointing: bool = False
 
     @model_validator(mode="after")
@@ -106,15 +110,18 @@ class AlgorithmSpec(Section):
     clip_ratio_low: float = Field(0.2, ge=0)
     clip_ratio_high: float = Field(0.2, ge=0)
     clip_ratio_c: float = Field(3.0, gt=1)
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = Field(0.001, ge=0)
     kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False
     kl_reward_coef: float = Field(0.001, ge=0)
+    kl_target: float | None = Field(
+        None, gt=0, description="adaptive KL-in-reward: the target KL; None = fixed"
+    )
     ppo_mini_batch_size: int | None = Field(None, gt=0, description="samples per optimizer step; None = all")
     ppo_epochs: int = Field(1, ge=1)
     micro_batch_size: int | None = Field(None, gt=0, description="samples per micro-batch (fixed)")
@@ -169,6 +176,19 @@ class JobSpec(Section):
             raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.backend 'sglang'")
         if self.resources.workers % self.rollout.tensor_parallel_size:
             raise ValueError("resources.workers must be a multiple of rollout.tensor_parallel_size")
+        # Every rank must get the same number of real samples: padded rows would be trained on.
+        samples = self.trainer.prompts_per_step * (1 if self.method == "sft" else self.rollout.n)
+        if samples % self.resources.workers:
+            raise ValueError(
+                f"trainer.prompts_per_step x rollout.n = {samples} samples per step must be a multiple of "
+                f"resources.workers = {self.resources.workers}"
+            )
+        mini = self.algorithm.ppo_mini_batch_size
+        if mini is not None and (samples % mini or mini % self.resources.workers):
+            raise ValueError(
+                f"algorithm.ppo_mini_batch_size = {mini} must divide the {samples} samples of a step and be a "
+                f"multiple of resources.workers = {self.resources.workers}"
+            )
         return self
 
     @property

@@ -177,6 +177,13 @@ class ActorRolloutRefWorker(Worker):
         )
         return metrics
 
+    @register(Dispatch.MESH, mesh="actor")
+    def update_sft(self, batch: Batch, agg_mode: str, schedule: dict) -> dict[str, float]:
+        """Supervised fine-tuning on prompt/response rows: cross-entropy on the response tokens."""
+        from workers.losses import make_sft_loss
+
+        return train_on_batch(self.actor, batch, make_sft_loss(agg_mode), schedule, "sft")
+
     @register(Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's weights into this rank's rollout engine; returns the sync's metrics."""

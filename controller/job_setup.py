@@ -1,0 +1,162 @@
+"""Everything a job builds before its first step: model folder, tokenizer, data, reward, workers.
+
+`JobSetup.build` runs the build order once (model → tokenizer → data → reward → worker groups) and
+then serves the trainer: the next prompt batch with its sampling settings, the next SFT batch, the
+validation batch, the policy-loss configuration, and hyper-parameter edits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controller.data import PromptLoader, build_dataset, resolve_data_files
+from controller.models import resolve_model_path
+from controller.rewards import RewardScorer
+from controller.roles import JobGroups, needs_reference, start_groups
+from controller.sink import JobSink
+from controller.spec import JobSpec
+from workers.batch import Batch
+
+# Hyper-parameters that may change while a job runs, and where each lives in the JobSpec.
+HYPERPARAMETERS: dict[str, tuple[str, str]] = {
+    "lr": ("optim", "lr"),
+    "critic_lr": ("algorithm", "critic_lr"),
+    "entropy_coeff": ("algorithm", "entropy_coeff"),
+    "kl_loss_coef": ("algorithm", "kl_loss_coef"),
+    "kl_reward_coef": ("algorithm", "kl_reward_coef"),
+    "clip_ratio_low": ("algorithm", "clip_ratio_low"),
+    "clip_ratio_high": ("algorithm", "clip_ratio_high"),
+    "clip_ratio_c": ("algorithm", "clip_ratio_c"),
+    "temperature": ("rollout", "temperature"),
+    "top_p": ("rollout", "top_p"),
+    "top_k": ("rollout", "top_k"),
+}
+
+POLICY_LOSS_FIELDS = (
+    "policy_loss",
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "loss_agg_mode",
+    "entropy_coeff",
+    "use_kl_loss",
+    "kl_loss_coef",
+    "kl_loss_type",
+)
+
+
+def hyperparameter_overrides(changes: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat edits {"lr": 1e-4} as nested JobSpec overrides; an unknown name raises KeyError naming it."""
+    nested: dict[str, dict[str, Any]] = {}
+    for name, value in changes.items():
+        if name not in HYPERPARAMETERS:
+            raise KeyError(
+                f"'{name}' cannot be changed while a job runs; changeable: {sorted(HYPERPARAMETERS)}"
+            )
+        section, field = HYPERPARAMETERS[name]
+        nested.setdefault(section, {})[field] = value
+    return nested
+
+
+@dataclass
+class JobSetup:
+    spec: JobSpec
+    model_path: str
+    tokenizer: Any
+    loader: PromptLoader
+    val_batch: Batch | None
+    scorer: RewardScorer
+    groups: JobGroups
+
+    @classmethod
+    def build(cls, spec: JobSpec, workdir: Path, sink: JobSink, name: str) -> JobSetup:
+        from transformers import AutoTokenizer
+
+        model_path = resolve_model_path(spec.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        train_file, val_file = resolve_data_files(spec.data, workdir, seed=spec.trainer.seed)
+        sft = spec.method == "sft"
+        train = build_dataset(
+            train_file, tokenizer, spec.data, sft=sft, max_response_length=spec.rollout.max_new_tokens
+        )
+        if train.num_filtered:
+            sink.event(
+                "data_filtered",
+                f"{train.num_filtered} training prompts longer than "
+                f"{spec.data.max_prompt_length} tokens were dropped",
+                **train.stats(),
+            )
+        loader = PromptLoader(
+            train, spec.trainer.prompts_per_step, seed=spec.trainer.seed, shuffle=spec.data.shuffle
+        )
+        val_batch = None
+        if val_file is not None and spec.trainer.val_every:
+            val = build_dataset(val_file, tokenizer, spec.data)
+            val_batch = val.make_batch(list(range(min(spec.trainer.val_size, len(val)))))
+            val_batch.meta.update(
+                {
+                    "sampling": {**_sampling(spec, seed=0), "temperature": 0.0},
+                    "max_prompt_length": spec.data.max_prompt_length,
+                }
+            )
+        scorer = RewardScorer(spec.reward.function, spec.reward.num_workers)
+        sink.event(
+            "building", f"starting {spec.resources.workers} worker(s) for {spec.method} on {model_path}"
+        )
+        groups = start_groups(spec, model_path, name)
+        sink.event("started", "worker groups are up", workers=spec.resources.workers)
+        return cls(spec, model_path, tokenizer, loader, val_batch, scorer, groups)
+
+    @property
+    def uses_reference(self) -> bool:
+        return needs_reference(self.spec)
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    def next_prompts(self, step: int) -> Batch:
+        """The step's prompts, each repeated rollout.n times (interleaved, so a group is contiguous)."""
+        batch = next(self.loader).repeat(self.spec.rollout.n, interleave=True)
+        # The seed is a function of the step alone, so a resumed job samples what it would have.
+        batch.meta.update(
+            {
+                "sampling": _sampling(self.spec, seed=self.spec.trainer.seed * 1_000_003 + step),
+                "max_prompt_length": self.spec.data.max_prompt_length,
+                "step": step,
+            }
+        )
+        return batch
+
+    def next_sft_batch(self) -> Batch:
+        return next(self.loader)
+
+    def policy_loss_config(self) -> dict[str, Any]:
+        return self.spec.algorithm.model_dump(include=set(POLICY_LOSS_FIELDS))
+
+    def apply_hyperparameters(self, spec: JobSpec, changes: dict[str, Any]) -> JobSpec:
+        """A validated spec with the edits; learning rates go to the workers now."""
+        new = spec.merged(hyperparameter_overrides(changes))
+        if "lr" in changes:
+            self.groups.actor.set_hyperparameters(lr=new.optim.lr)
+        if "critic_lr" in changes and self.groups.critic is not None:
+            self.groups.critic.set_hyperparameters(lr=new.algorithm.critic_lr)
+        self.spec = new
+        return new
+
+    def shutdown(self) -> None:
+        self.scorer.close()
+        self.groups.shutdown()
+
+
+def _sampling(spec: JobSpec, seed: int) -> dict[str, Any]:
+    r = spec.rollout
+    return {
+        "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature,
+        "top_p": r.top_p,
+        "top_k": r.top_k,
+        "seed": seed,
+    }

@@ -1,0 +1,115 @@
+"""From a JobSpec to running worker groups: engine configs for each role, placed on one pool.
+
+The job's ranks are one `ResourcePool` (one bundle per rank). The hybrid actor-rollout-ref worker
+takes the bundles; a critic (PPO with GAE) is colocated on the same bundles in its own actors,
+each group taking half of every bundle's CPUs and GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from controller.resource_pool import ResourcePool
+from controller.spec import JobSpec
+from controller.worker_group import RayWorkerGroup
+from engines.config import EngineConfig
+from workers.critic import CriticWorker
+from workers.hybrid import ActorRolloutRefWorker, HybridWorkerConfig, RolloutConfig
+
+
+def needs_reference(spec: JobSpec) -> bool:
+    return spec.method != "sft" and (spec.algorithm.use_kl_loss or spec.algorithm.kl_in_reward)
+
+
+def needs_critic(spec: JobSpec) -> bool:
+    return spec.method != "sft" and spec.advantage_estimator == "gae"
+
+
+def engine_config(spec: JobSpec, model_path: str, lr: float, trainable: bool = True) -> EngineConfig:
+    o, a = spec.optim, spec.algorithm
+    return EngineConfig(
+        model_path=model_path,
+        trainable=trainable,
+        dtype=spec.model.dtype,
+        gradient_checkpointing=spec.model.gradient_checkpointing,
+        optim={"lr": lr, "betas": o.betas, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip},
+        scheduler={
+            "kind": o.schedule,
+            "warmup_steps": o.warmup_steps,
+            "total_steps": spec.trainer.total_steps,
+            "min_lr_ratio": o.min_lr_ratio,
+        },
+        micro_batch={
+            "micro_batch_size": a.micro_batch_size,
+            "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
+        },
+        seed=spec.trainer.seed,
+    )
+
+
+def hybrid_config(spec: JobSpec, model_path: str) -> HybridWorkerConfig:
+    r = spec.rollout
+    return HybridWorkerConfig(
+        actor=engine_config(spec, model_path, spec.optim.lr),
+        ref=engine_config(spec, model_path, spec.optim.lr, trainable=False)
+        if needs_reference(spec)
+        else None,
+        rollout=RolloutConfig(
+            backend=r.backend,
+            tensor_parallel_size=r.tensor_parallel_size,
+            bucket_mb=r.bucket_mb,
+            free_cache_after_generate=r.free_cache_after_generate,
+            offload_trainer_during_rollout=r.offload_trainer_during_rollout,
+        ),
+    )
+
+
+@dataclass
+class JobGroups:
+    """The job's placement and the worker groups on it."""
+
+    pool: ResourcePool
+    actor: RayWorkerGroup
+    critic: RayWorkerGroup | None
+
+    def shutdown(self) -> None:
+        for group in (self.critic, self.actor):
+            if group is not None:
+                group.shutdown()
+        self.pool.remove()
+
+
+def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: float = 3600.0) -> JobGroups:
+    res = spec.resources
+    pool = ResourcePool(
+        res.workers,
+        cpus_per_bundle=res.cpus_per_worker,
+        gpus_per_bundle=res.gpus_per_worker or None,
+        strategy=res.placement_strategy,
+        name=f"{name}-pool",
+    )
+    share = 0.5 if needs_critic(spec) else 1.0
+    try:
+        actor = RayWorkerGroup(
+            pool,
+            ActorRolloutRefWorker,
+            hybrid_config(spec, model_path).model_dump(),
+            group_name=f"{name}-actor",
+            share=share,
+            call_timeout_s=call_timeout_s,
+        )
+        critic = None
+        if needs_critic(spec):
+            critic_path = spec.model.critic_path or model_path
+            critic = RayWorkerGroup(
+                pool,
+                CriticWorker,
+                engine_config(spec, critic_path, spec.algorithm.critic_lr).model_dump(),
+                group_name=f"{name}-critic",
+                share=share,
+                call_timeout_s=call_timeout_s,
+            )
+    except Exception:
+        pool.remove()
+        raise
+    return JobGroups(pool, actor, critic)

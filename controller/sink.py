@@ -1,0 +1,57 @@
+"""Where a job's record goes: events (what happened), per-step metrics, and progress.
+
+The trainer only talks to a `JobSink`. `JsonlSink` appends to events.jsonl and metrics.jsonl in
+the job's folder (the embedded default and what `make run` shows); the service plugs in a sink
+that writes to its job store. A sink never raises into the training loop for a display problem.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger("tandem.job")
+
+
+class JobSink(Protocol):
+    def event(self, kind: str, message: str, **data: Any) -> None: ...
+
+    def metrics(self, step: int, values: dict[str, float]) -> None: ...
+
+    def progress(self, step: int, total: int, values: dict[str, float]) -> None: ...
+
+
+class JsonlSink:
+    """Appends events and metrics as JSON lines under `folder`; keeps them in memory too."""
+
+    def __init__(self, folder: str | Path, echo: bool = False) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        self.events: list[dict[str, Any]] = []
+        self.history: list[dict[str, Any]] = []
+
+    def _append(self, name: str, record: dict[str, Any]) -> None:
+        with (self.folder / name).open("a") as f:
+            f.write(json.dumps(record, default=str) + "\n")
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        record = {"time": time.time(), "kind": kind, "message": message, "data": data}
+        self.events.append(record)
+        self._append("events.jsonl", record)
+        log.info("%s: %s", kind, message)
+        if self.echo:
+            print(f"[{kind}] {message}", flush=True)
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        record = {"time": time.time(), "step": step, "values": values}
+        self.history.append(record)
+        self._append("metrics.jsonl", record)
+
+    def progress(self, step: int, total: int, values: dict[str, float]) -> None:
+        if self.echo:
+            shown = ", ".join(f"{k}={v:.3f}" for k, v in values.items())
+            print(f"step {step}/{total} {shown}", flush=True)

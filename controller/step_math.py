@@ -1,0 +1,112 @@
+"""The controller-side arithmetic of one RL step: rewards into advantages, and the step's metrics.
+
+Pure functions over Batches; the remote calls stay in controller/trainer.py so that the loop reads
+like DESIGN.md §5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from controller.advantages import compute_advantages, scores_to_token_rewards
+from controller.kl_reward import apply_kl_penalty
+from controller.rewards import RewardScorer
+from controller.spec import JobSpec
+from workers.batch import Batch
+
+
+def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
+    responses, mask = batch.tensors["responses"], batch.tensors["response_mask"].bool()
+    return [
+        tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
+        for row, m in zip(responses, mask, strict=True)
+    ]
+
+
+def score(
+    batch: Batch, scorer: RewardScorer, tokenizer: Any
+) -> tuple[torch.Tensor, dict[str, float], list[str]]:
+    """Sequence scores [B] from the rule reward, its metrics, and the decoded responses."""
+    texts = decode_responses(batch, tokenizer)
+    extras = [e if isinstance(e, dict) else None for e in batch.non_tensors.get("extra", [None] * len(batch))]
+    result = scorer.score(
+        list(batch.non_tensors["prompt"]),
+        texts,
+        list(batch.non_tensors.get("ground_truth", [None] * len(batch))),
+        extras,
+    )
+    return result.scores.float(), result.metrics, texts
+
+
+def with_tensors(batch: Batch, **tensors: torch.Tensor) -> Batch:
+    out = batch.tensors.clone(recurse=False)
+    for key, value in tensors.items():
+        out[key] = value
+    return Batch(out, batch.non_tensors, batch.meta)
+
+
+def add_advantages(
+    batch: Batch, scores: torch.Tensor, spec: JobSpec, kl_coef: float
+) -> tuple[Batch, dict[str, float]]:
+    """Token rewards (with the KL penalty when it is in the reward), then the job's estimator."""
+    t, a = batch.tensors, spec.algorithm
+    mask = t["response_mask"]
+    rewards = scores_to_token_rewards(scores, mask)
+    metrics: dict[str, float] = {}
+    if a.kl_in_reward:
+        rewards, batch_kl = apply_kl_penalty(
+            rewards, t["old_log_probs"], t["ref_log_probs"], mask, kl_coef, a.kl_loss_type
+        )
+        metrics.update({"actor/reward_kl_penalty": batch_kl, "actor/reward_kl_penalty_coeff": kl_coef})
+    advantages, returns = compute_advantages(
+        spec.advantage_estimator,
+        rewards,
+        mask,
+        values=t.get("values", None),
+        uids=batch.non_tensors.get("uid"),
+        gamma=a.gamma,
+        lam=a.lam,
+        norm_by_std=a.norm_adv_by_std,
+    )
+    batch = with_tensors(batch, token_level_rewards=rewards, advantages=advantages, returns=returns)
+    return batch, metrics
+
+
+def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    picked = values[mask.bool()]
+    if picked.numel() == 0:
+        return {}
+    return {
+        f"{name}/mean": float(picked.mean()),
+        f"{name}/max": float(picked.max()),
+        f"{name}/min": float(picked.min()),
+    }
+
+
+def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> dict[str, float]:
+    """Scores, advantages, lengths and rollout/trainer agreement of one step's batch."""
+    t = batch.tensors
+    mask = t["response_mask"]
+    lengths = mask.sum(1).float()
+    prompt_lengths = t["attention_mask"].sum(1).float() - lengths
+    ones = torch.ones_like(scores, dtype=torch.bool)
+    metrics = {
+        **_masked_stats("critic/score", scores, ones),
+        **_masked_stats("critic/rewards", t["token_level_rewards"].sum(1), ones),
+        **_masked_stats("critic/advantages", t["advantages"], mask),
+        **_masked_stats("critic/returns", t["returns"], mask),
+        **_masked_stats("response_length", lengths, ones),
+        "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+        "prompt_length/mean": float(prompt_lengths.mean()),
+    }
+    if "values" in t.keys():
+        metrics.update(_masked_stats("critic/values", t["values"], mask))
+    if "old_log_probs" in t.keys():
+        gap = (t["rollout_log_probs"] - t["old_log_probs"]).abs()[mask.bool()]
+        metrics["rollout/log_prob_diff_max"] = float(gap.max()) if gap.numel() else 0.0
+        metrics["rollout/log_prob_diff_mean"] = float(gap.mean()) if gap.numel() else 0.0
+    if "entropy" in t.keys():
+        metrics["actor/rollout_entropy"] = float(t["entropy"][mask.bool()].mean())
+    return metrics

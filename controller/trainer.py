@@ -1,0 +1,234 @@
+"""The single controller of one job: the RL step of DESIGN.md §5, and SFT with the same workers.
+
+`Trainer.run()` builds the job (model, data, rewards, worker groups), resumes from a checkpoint
+when there is one, then loops: one `step()` per iteration, validation every `val_every` steps, a
+checkpoint every `checkpoint.every` steps, an HF export at the end. `step()` is the RL step, every
+remote call visible; `sft_step()` is its supervised sibling.
+
+Control comes in through `control`: the service (or a test) can ask the loop to stop at the next
+step boundary ("pause" saves a checkpoint first) and queue hyper-parameter changes that apply at
+the start of the next step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from controller import checkpoints
+from controller.job_setup import JobSetup
+from controller.kl_reward import make_kl_controller
+from controller.sink import JobSink
+from controller.spec import JobSpec
+from controller.step_math import add_advantages, batch_metrics, score
+
+
+class StopRequested(Exception):
+    """Raised inside the loop when the controller was asked to pause or cancel."""
+
+
+class TrainerControl:
+    """Thread-safe requests from outside the loop: stop (pause | cancel) and hyper-parameter edits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.stop_reason: str | None = None
+        self._pending: dict[str, Any] = {}
+        self.checkpoint_now = False
+
+    def request_stop(self, reason: str) -> None:
+        with self._lock:
+            self.stop_reason = reason
+
+    def set_hyperparameters(self, values: dict[str, Any]) -> None:
+        with self._lock:
+            self._pending.update(values)
+
+    def take_hyperparameters(self) -> dict[str, Any]:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        return pending
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job") -> None:
+        self.spec, self.workdir, self.sink, self.name = spec, Path(workdir), sink, name
+        self.control = TrainerControl()
+        self.step_index = 0
+        self.kl = make_kl_controller(spec.algorithm.kl_reward_coef, spec.algorithm.kl_target)
+        self._timings: dict[str, float] = {}
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, float]:
+        """Train to total_steps (or until stopped); returns the last step's metrics."""
+        self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name)
+        last: dict[str, float] = {}
+        try:
+            self._resume()
+            total = self.spec.trainer.total_steps
+            if self.step_index == 0 and self.spec.trainer.val_every:
+                self.sink.metrics(0, self.validate())
+            while self.step_index < total:
+                self._apply_hyperparameters()
+                self.step_index += 1
+                last = self.sft_step() if self.spec.method == "sft" else self.step()
+                if self.spec.trainer.val_every and (
+                    self._due(self.spec.trainer.val_every) or self.step_index == total
+                ):
+                    last.update(self.validate())
+                self.sink.metrics(self.step_index, last)
+                self.sink.progress(self.step_index, total, _headline(last))
+                if self._due(self.spec.checkpoint.every) or self.control.checkpoint_now:
+                    self.save_checkpoint()
+                self._check_stop()
+            self.finish()
+        finally:
+            self.job.shutdown()
+        return last
+
+    def step(self) -> dict[str, float]:
+        """One RL step: generate, score, log-probs, advantages, update, sync."""
+        spec, actor, critic = self.spec, self.job.groups.actor, self.job.groups.critic
+        self._timings = {}
+        with self._timed("step"):
+            prompts = self.job.next_prompts(self.step_index)
+            with self._timed("gen"):
+                batch = actor.generate_sequences(prompts)
+            with self._timed("reward"):
+                scores, metrics, _ = score(batch, self.job.scorer, self.job.tokenizer)
+            with self._timed("old_log_prob"):
+                batch = actor.compute_log_prob(batch)
+            if self.job.uses_reference:
+                with self._timed("ref"):
+                    batch = actor.compute_ref_log_prob(batch)
+            if critic is not None:
+                with self._timed("values"):
+                    batch = critic.compute_values(batch)
+            with self._timed("adv"):
+                batch, adv_metrics = add_advantages(batch, scores, spec, self.kl.value)
+            if critic is not None:
+                with self._timed("update_critic"):
+                    metrics.update(
+                        critic.update_critic(
+                            batch, spec.algorithm.vf_clip, spec.algorithm.loss_agg_mode, self._schedule()
+                        )[0]
+                    )
+            with self._timed("update_actor"):
+                metrics.update(actor.update_actor(batch, self.job.policy_loss_config(), self._schedule())[0])
+            with self._timed("sync"):
+                metrics.update(actor.sync_weights()[0])
+        if spec.algorithm.kl_in_reward:
+            self.kl.update(adv_metrics["actor/reward_kl_penalty"], len(batch))
+        metrics.update(adv_metrics)
+        metrics.update(batch_metrics(batch, scores, spec.rollout.max_new_tokens))
+        return self._finish_metrics(metrics, batch)
+
+    def sft_step(self) -> dict[str, float]:
+        """One supervised step on prompt/response pairs, then a sync so validation sees it."""
+        actor = self.job.groups.actor
+        self._timings = {}
+        with self._timed("step"):
+            batch = self.job.next_sft_batch()
+            with self._timed("update_actor"):
+                metrics = actor.update_sft(batch, self.spec.algorithm.loss_agg_mode, self._schedule())[0]
+            with self._timed("sync"):
+                metrics.update(actor.sync_weights()[0])
+        return self._finish_metrics(metrics, batch)
+
+    def validate(self) -> dict[str, float]:
+        """Greedy answers to the validation prompts: val/score/mean and val/accuracy."""
+        if self.job.val_batch is None:
+            return {}
+        with self._timed("validate"):
+            batch = self.job.groups.actor.generate_sequences(self.job.val_batch)
+            scores, metrics, _ = score(batch, self.job.scorer, self.job.tokenizer)
+        out = {f"val/{k}": v for k, v in metrics.items()}
+        out.update(
+            {"val/score/mean": float(scores.mean()), "val/accuracy": float((scores >= 1.0).float().mean())}
+        )
+        self.sink.event(
+            "validation", f"step {self.step_index}: val accuracy {out['val/accuracy']:.3f}", **out
+        )
+        return out
+
+    # ---- checkpoints and the end ---------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        self.control.checkpoint_now = False
+        folder = checkpoints.save(self, self.step_index)
+        self.sink.event("checkpoint", f"saved step {self.step_index}", path=str(folder), step=self.step_index)
+        return folder
+
+    def _resume(self) -> None:
+        folder = checkpoints.find_resume_folder(self.spec, self.workdir)
+        if folder is not None:
+            self.step_index = checkpoints.load(self, folder)
+            self.sink.event(
+                "resumed", f"resumed from step {self.step_index}", path=str(folder), step=self.step_index
+            )
+
+    def finish(self) -> None:
+        if self.spec.checkpoint.every == 0 or not self._due(self.spec.checkpoint.every):
+            self.save_checkpoint()
+        if self.spec.checkpoint.export_hf:
+            export = self.workdir / "export"
+            self.job.groups.actor.export_hf(str(export))
+            self.sink.event("exported", f"HF model written to {export}", path=str(export))
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _schedule(self) -> dict[str, Any]:
+        a = self.spec.algorithm
+        return {
+            "mini_batch_size": a.ppo_mini_batch_size,
+            "epochs": a.ppo_epochs,
+            "shuffle": True,
+            "seed": self.step_index,
+        }
+
+    def _due(self, every: int) -> bool:
+        return every > 0 and self.step_index % every == 0
+
+    def _check_stop(self) -> None:
+        reason = self.control.stop_reason
+        if reason is None or self.step_index >= self.spec.trainer.total_steps:
+            return
+        if reason == "pause" and not self._due(self.spec.checkpoint.every):
+            self.save_checkpoint()
+        raise StopRequested(reason)
+
+    def _apply_hyperparameters(self) -> None:
+        changes = self.control.take_hyperparameters()
+        if changes:
+            self.spec = self.job.apply_hyperparameters(self.spec, changes)
+            if "kl_reward_coef" in changes:
+                self.kl = make_kl_controller(
+                    self.spec.algorithm.kl_reward_coef, self.spec.algorithm.kl_target
+                )
+            self.sink.event("hyperparameters", f"applied at step {self.step_index + 1}: {changes}", **changes)
+
+    @contextmanager
+    def _timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timings[phase] = self._timings.get(phase, 0.0) + time.perf_counter() - start
+
+    def _finish_metrics(self, metrics: dict[str, float], batch: Any) -> dict[str, float]:
+        metrics.update({f"timing_s/{k}": v for k, v in self._timings.items()})
+        tokens = float(batch.tensors["attention_mask"].sum())
+        metrics["perf/total_num_tokens"] = tokens
+        metrics["perf/throughput"] = tokens / max(self._timings.get("step", 0.0), 1e-9)
+        metrics["training/step"] = float(self.step_index)
+        metrics["training/epoch"] = float(self.job.epoch)
+        return metrics
+
+
+def _headline(metrics: dict[str, float]) -> dict[str, float]:
+    keys = ("critic/score/mean", "sft/loss", "val/accuracy", "timing_s/step")
+    return {k: metrics[k] for k in keys if k in metrics}
