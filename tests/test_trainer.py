@@ -1,0 +1,158 @@
+"""The RL loop end to end on a real local Ray with the tiny arithmetic task: GRPO and PPO run,
+metrics are finite, weights change and the rollout version advances; a resumed job reproduces
+the next step exactly; hyper-parameter edits and stop requests act at step boundaries."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from controller.sink import JsonlSink
+from controller.spec import JobSpec
+from controller.trainer import StopRequested, Trainer
+
+# Metrics that measure time, or count syncs since the process started, legitimately differ on resume.
+NONDETERMINISTIC = (
+    "timing_s/",
+    "perf/throughput",
+    "weight_sync/seconds",
+    "weight_sync/gbps",
+    "weight_sync/version",
+)
+
+
+def digit_reward(prompt: str, response: str, ground_truth, extra) -> dict:
+    """A reward a random tiny model already earns sometimes (so advantages are not all zero)."""
+    digits = sum(ch.isdigit() for ch in response)
+    return {"score": digits / max(len(response), 1), "digits": float(digits)}
+
+
+def job_spec(method: str = "grpo", **overrides) -> JobSpec:
+    base = {
+        "method": method,
+        "reward": {"function": "tests.test_trainer:digit_reward"},
+        "model": {"builtin": "tiny-qwen2"},
+        "trainer": {"total_steps": 3, "prompts_per_step": 4, "val_every": 2, "val_size": 8},
+        "rollout": {"n": 4, "max_new_tokens": 4},
+        "optim": {"lr": 1e-3},
+        "checkpoint": {"every": 2, "keep_last": 2},
+    }
+    return JobSpec.model_validate(base).merged(overrides)
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+
+
+def run(spec: JobSpec, workdir) -> tuple[Trainer, JsonlSink, dict]:
+    sink = JsonlSink(workdir)
+    trainer = Trainer(spec, workdir, sink, name=workdir.name)
+    return trainer, sink, trainer.run()
+
+
+def comparable(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if not k.startswith(NONDETERMINISTIC)}
+
+
+@pytest.fixture(scope="module")
+def grpo_run(ray_cluster, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("grpo")
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("TANDEM_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+    try:
+        return (workdir, *run(job_spec(), workdir))
+    finally:
+        monkey.undo()
+
+
+def test_grpo_runs_end_to_end(grpo_run):
+    workdir, trainer, sink, last = grpo_run
+    steps = [r["step"] for r in sink.history]
+    assert steps == [0, 1, 2, 3]  # step 0 is the validation before training
+    for key in (
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "critic/score/mean",
+        "response_length/mean",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "timing_s/step",
+        "perf/throughput",
+        "weight_sync/gbps",
+        "val/accuracy",
+        "rollout/log_prob_diff_max",
+    ):
+        assert key in last, key
+    assert all(math.isfinite(v) for v in last.values())
+    assert [r["values"]["weight_sync/version"] for r in sink.history[1:]] == [1.0, 2.0, 3.0]
+    # The rollout engine samples what the trainer scores: same weights, same log-probs.
+    assert all(r["values"]["rollout/log_prob_diff_max"] < 1e-4 for r in sink.history[1:])
+    initial = load_file(str(trainer.job.model_path) + "/model.safetensors")
+    exported = load_file(str(workdir / "export" / "model.safetensors"))
+    assert any(not torch.equal(initial[k], exported[k]) for k in initial)
+    kinds = [e["kind"] for e in sink.events]
+    assert kinds.count("checkpoint") == 2 and "exported" in kinds  # steps 2 and 3 (the end)
+
+
+def test_resumed_job_reproduces_the_next_step(grpo_run, tmp_path):
+    workdir, _, sink, _ = grpo_run
+    step3 = next(r["values"] for r in sink.history if r["step"] == 3)
+    resumed_spec = job_spec(checkpoint={"resume_from": str(workdir / "checkpoints" / "step_00000002")})
+    _, resumed_sink, last = run(resumed_spec, tmp_path / "resumed")
+    assert [r["step"] for r in resumed_sink.history] == [3]
+    assert "resumed" in [e["kind"] for e in resumed_sink.events]
+    assert comparable(last) == comparable(step3)
+
+
+def test_ppo_with_a_critic_runs(ray_cluster, tmp_path):
+    spec = job_spec("ppo", trainer={"total_steps": 2, "val_every": 0}, checkpoint={"every": 0})
+    _, sink, last = run(spec, tmp_path)
+    for key in (
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/vpred_mean",
+        "critic/values/mean",
+        "actor/pg_loss",
+    ):
+        assert key in last and math.isfinite(last[key]), key
+    assert (tmp_path / "checkpoints" / "step_00000002" / "critic").is_dir()
+
+
+def test_hyperparameter_edits_and_pause_act_at_step_boundaries(ray_cluster, tmp_path):
+    spec = job_spec(trainer={"total_steps": 5, "val_every": 0}, checkpoint={"every": 0})
+    sink = JsonlSink(tmp_path)
+    trainer = Trainer(spec, tmp_path, sink, name="control")
+    original_progress = sink.progress
+
+    def steer(step, total, values):
+        original_progress(step, total, values)
+        if step == 1:
+            trainer.control.set_hyperparameters({"lr": 5e-4, "temperature": 0.7})
+        if step == 3:
+            trainer.control.request_stop("pause")
+
+    sink.progress = steer
+    with pytest.raises(StopRequested, match="pause"):
+        trainer.run()
+    lrs = [r["values"]["actor/lr"] for r in sink.history]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[1] == pytest.approx(5e-4)
+    edits = [e for e in sink.events if e["kind"] == "hyperparameters"]
+    assert len(edits) == 1 and edits[0]["data"] == {"lr": 5e-4, "temperature": 0.7}
+    assert trainer.spec.rollout.temperature == 0.7
+    # Paused after step 3 with a checkpoint; a new trainer on the same folder continues at step 4.
+    assert [r["step"] for r in sink.history] == [1, 2, 3]
+    assert (tmp_path / "checkpoints" / "step_00000003" / "trainer_state.json").exists()
+    resumed = Trainer(spec, tmp_path, JsonlSink(tmp_path / "again"), name="control2")
+    resumed.run()
+    assert resumed.step_index == 5
+
+
+def test_unknown_hyperparameter_is_named():
+    from controller.job_setup import hyperparameter_overrides
+
+    with pytest.raises(KeyError, match="'max_new_tokens' cannot be changed"):
+        hyperparameter_overrides({"max_new_tokens": 3})
