@@ -2,8 +2,9 @@
 
 No model can be downloaded here, so tests, benchmarks and the demo build their own: a
 character-level tokenizer (printable ASCII plus newline, and end-of-text / chat special tokens) and
-a randomly initialised Qwen2- or Llama-architecture model, written as config.json, tokenizer.json
-and model.safetensors, and loaded back through the ordinary `from_pretrained` path.
+a randomly initialised Qwen2- or Llama-architecture model (a causal LM, or a one-label sequence
+classifier to serve as a reward model), written as config.json, tokenizer.json and
+model.safetensors, and loaded back through the ordinary `from_pretrained` path.
 """
 
 from __future__ import annotations
@@ -130,23 +131,43 @@ def build_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, overwr
 
     Idempotent: an existing folder built from the same spec is left as it is.
     """
-    from transformers import AutoModelForCausalLM
+    return _build(path, spec or TinyModelSpec(), "causal-lm", overwrite)
 
-    spec = spec or TinyModelSpec()
+
+def build_tiny_reward_model(
+    path: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False
+) -> Path:
+    """Write a randomly initialised sequence classifier with one label (a reward model) and the same
+    tokenizer to `path` (HF format); returns the path. Idempotent like `build_tiny_model`.
+
+    Its config carries pad_token_id, so transformers' own pooling can find each row's last token.
+    """
+    return _build(path, spec or TinyModelSpec(), "reward", overwrite)
+
+
+def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) -> Path:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     path = Path(path)
     marker = path / "tandem_spec.json"
-    if not overwrite and marker.exists() and json.loads(marker.read_text()) == spec.model_dump():
+    # The causal-LM marker stays the bare spec, so folders built before the reward head still match.
+    wanted = spec.model_dump() if head == "causal-lm" else {**spec.model_dump(), "head": head}
+    if not overwrite and marker.exists() and json.loads(marker.read_text()) == wanted:
         return path
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.chat_template)
     config = _model_config(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
     torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    if head == "reward":
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    marker.write_text(json.dumps(spec.model_dump(), indent=2))
+    marker.write_text(json.dumps(wanted, indent=2))
     return path
 
 
