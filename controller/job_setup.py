@@ -67,7 +67,7 @@ class JobSetup:
     tokenizer: Any
     loader: PromptLoader
     val_batch: Batch | None
-    scorer: RewardScorer
+    scorer: RewardScorer | None  # None when a reward model scores the job
     groups: JobGroups
 
     @classmethod
@@ -101,7 +101,7 @@ class JobSetup:
                     "max_prompt_length": spec.data.max_prompt_length,
                 }
             )
-        scorer = RewardScorer(spec.reward.function, spec.reward.num_workers)
+        scorer = RewardScorer(spec.reward.function, spec.reward.num_workers) if spec.reward.function else None
         sink.event(
             "building", f"starting {spec.resources.workers} worker(s) for {spec.method} on {model_path}"
         )
@@ -147,7 +147,8 @@ class JobSetup:
         return new
 
     def shutdown(self) -> None:
-        self.scorer.close()
+        if self.scorer is not None:
+            self.scorer.close()
         self.groups.shutdown()
 
 

@@ -1,8 +1,8 @@
 """From a JobSpec to running worker groups: engine configs for each role, placed on one pool.
 
 The job's ranks are one `ResourcePool` (one bundle per rank). The hybrid actor-rollout-ref worker
-takes the bundles; a critic (PPO with GAE) is colocated on the same bundles in its own actors,
-each group taking half of every bundle's CPUs and GPUs.
+takes the bundles; a critic (PPO with GAE) and a reward model (when the job scores with one) are
+colocated on the same bundles in their own actors, the groups splitting every bundle evenly.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from controller.worker_group import RayWorkerGroup
 from engines.config import EngineConfig
 from workers.critic import CriticWorker
 from workers.hybrid import ActorRolloutRefWorker, HybridWorkerConfig, RolloutConfig
+from workers.reward_model import RewardModelWorker
 
 
 def needs_reference(spec: JobSpec) -> bool:
@@ -71,9 +72,10 @@ class JobGroups:
     pool: ResourcePool
     actor: RayWorkerGroup
     critic: RayWorkerGroup | None
+    reward: RayWorkerGroup | None = None
 
     def shutdown(self) -> None:
-        for group in (self.critic, self.actor):
+        for group in (self.reward, self.critic, self.actor):
             if group is not None:
                 group.shutdown()
         self.pool.remove()
@@ -88,7 +90,8 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
         strategy=res.placement_strategy,
         name=f"{name}-pool",
     )
-    share = 0.5 if needs_critic(spec) else 1.0
+    # Colocated groups split every bundle evenly.
+    share = 1.0 / (1 + needs_critic(spec) + (spec.reward.model_path is not None))
     try:
         actor = RayWorkerGroup(
             pool,
@@ -109,7 +112,17 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
                 share=share,
                 call_timeout_s=call_timeout_s,
             )
+        reward = None
+        if spec.reward.model_path is not None:
+            reward = RayWorkerGroup(
+                pool,
+                RewardModelWorker,
+                {"model_path": spec.reward.model_path},
+                group_name=f"{name}-reward",
+                share=share,
+                call_timeout_s=call_timeout_s,
+            )
     except Exception:
         pool.remove()
         raise
-    return JobGroups(pool, actor, critic)
+    return JobGroups(pool, actor, critic, reward)

@@ -99,7 +99,7 @@ class Trainer:
             with self._timed("gen"):
                 batch = actor.generate_sequences(prompts)
             with self._timed("reward"):
-                scores, metrics, _ = score(batch, self.job.scorer, self.job.tokenizer)
+                batch, scores, metrics = self._rewards(batch)
             with self._timed("old_log_prob"):
                 batch = actor.compute_log_prob(batch)
             if self.job.uses_reference:
@@ -145,7 +145,7 @@ class Trainer:
             return {}
         with self._timed("validate"):
             batch = self.job.groups.actor.generate_sequences(self.job.val_batch)
-            scores, metrics, _ = score(batch, self.job.scorer, self.job.tokenizer)
+            batch, scores, metrics = self._rewards(batch)
         out = {f"val/{k}": v for k, v in metrics.items()}
         out.update(
             {"val/score/mean": float(scores.mean()), "val/accuracy": float((scores >= 1.0).float().mean())}
@@ -154,6 +154,14 @@ class Trainer:
             "validation", f"step {self.step_index}: val accuracy {out['val/accuracy']:.3f}", **out
         )
         return out
+
+    def _rewards(self, batch: Any) -> tuple[Any, Any, dict[str, float]]:
+        """Sequence scores from the reward model when the job has one, else from the rule function."""
+        if self.job.groups.reward is not None:
+            batch = self.job.groups.reward.compute_rm_score(batch)
+            return batch, batch.tensors["rm_scores"].float(), {}
+        scores, metrics, _ = score(batch, self.job.scorer, self.job.tokenizer)
+        return batch, scores, metrics
 
     # ---- checkpoints and the end ---------------------------------------------------------------
 

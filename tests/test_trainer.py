@@ -151,6 +151,21 @@ def test_hyperparameter_edits_and_pause_act_at_step_boundaries(ray_cluster, tmp_
     assert resumed.step_index == 5
 
 
+def test_a_reward_model_scores_the_job(ray_cluster, tmp_path):
+    from engines.tiny_models import build_tiny_reward_model
+
+    rm = build_tiny_reward_model(tmp_path / "rm")
+    spec = job_spec(
+        reward={"function": None, "model_path": str(rm)},
+        trainer={"total_steps": 1, "val_every": 0},
+        checkpoint={"every": 0, "export_hf": False},
+    )
+    _, _, last = run(spec, tmp_path / "job")
+    # A random classifier gives every sample a different non-zero score.
+    assert last["critic/score/max"] > last["critic/score/min"]
+    assert "reward/errors" not in last
+
+
 def test_unknown_hyperparameter_is_named():
     from controller.job_setup import hyperparameter_overrides
 
