@@ -106,7 +106,7 @@ class JobSetup:
             "building", f"starting {spec.resources.workers} worker(s) for {spec.method} on {model_path}"
         )
         groups = start_groups(spec, model_path, name)
-        sink.event("started", "worker groups are up", workers=spec.resources.workers)
+        sink.event("workers_started", "worker groups are up", workers=spec.resources.workers)
         return cls(spec, model_path, tokenizer, loader, val_batch, scorer, groups)
 
     @property

@@ -1,0 +1,133 @@
+"""The job's single controller as a Ray actor: it runs the Trainer, and the service steers it.
+
+The actor is threaded: `run()` occupies one thread for the whole job while `drain()` (new events,
+metrics, logs and checkpoints, polled by the service), `request_stop()` and `set_hyperparameters()`
+answer on the others. A crash inside the job is caught and returned as a "failed" result with its
+traceback, so the service records why; the actor dying outright is seen by the service as well.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from controller.spec import JobSpec
+from controller.trainer import StopRequested, Trainer
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class BufferSink:
+    """A JobSink that keeps records until the service drains them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: deque = deque()
+        self._metrics: deque = deque()
+        self._checkpoints: deque = deque()
+        self.step = 0
+        self.total = 0
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        with self._lock:
+            self._events.append((time.time(), kind, message, data))
+            if kind == "checkpoint":
+                self._checkpoints.append((data["step"], data["path"]))
+        logging.getLogger("tandem.job").info("[%s] %s", kind, message)
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        with self._lock:
+            self._metrics.append((time.time(), step, values))
+
+    def progress(self, step: int, total: int, values: dict[str, float]) -> None:
+        self.step, self.total = step, total
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        logging.getLogger("tandem.job").info("step %d/%d %s", step, total, shown)
+
+    def drain(self) -> dict[str, list]:
+        with self._lock:
+            out = {
+                "events": list(self._events),
+                "metrics": list(self._metrics),
+                "checkpoints": list(self._checkpoints),
+            }
+            self._events.clear()
+            self._metrics.clear()
+            self._checkpoints.clear()
+        return out
+
+
+class _LogBuffer(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(level=logging.INFO)
+        self.setFormatter(logging.Formatter(LOG_FORMAT))
+        self._lock_lines = threading.Lock()
+        self.lines: deque = deque(maxlen=100_000)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._lock_lines:
+            self.lines.append((record.created, record.levelname, self.format(record)))
+
+    def drain(self) -> list[tuple[float, str, str]]:
+        with self._lock_lines:
+            out = list(self.lines)
+            self.lines.clear()
+        return out
+
+
+class JobController:
+    """Ray actor body (created with max_concurrency > 1 by the service)."""
+
+    def __init__(self, job_id: str, spec: dict[str, Any], workdir: str) -> None:
+        self.job_id, self.workdir = job_id, Path(workdir)
+        self.spec = JobSpec.model_validate(spec)
+        self.sink = BufferSink()
+        self.logs = _LogBuffer()
+        root = logging.getLogger()
+        root.addHandler(self.logs)
+        root.setLevel(logging.INFO)
+        self.trainer = Trainer(self.spec, self.workdir, self.sink, name=job_id)
+
+    def run(self) -> dict[str, Any]:
+        log = logging.getLogger("tandem.job")
+        log.info(
+            "job %s: %s on %s, %d steps",
+            self.job_id,
+            self.spec.method,
+            self.spec.model,
+            self.spec.trainer.total_steps,
+        )
+        try:
+            self.trainer.run()
+            return {"status": "succeeded", "step": self.trainer.step_index}
+        except StopRequested as stop:
+            status = "paused" if str(stop) == "pause" else "cancelled"
+            log.info("job %s %s at step %d", self.job_id, status, self.trainer.step_index)
+            return {"status": status, "step": self.trainer.step_index}
+        except Exception as err:  # the job fails; the service stays up and records why
+            log.error("job %s failed:\n%s", self.job_id, traceback.format_exc())
+            return {
+                "status": "failed",
+                "step": self.trainer.step_index,
+                "error": f"{type(err).__name__}: {err}",
+            }
+
+    def drain(self) -> dict[str, Any]:
+        out = self.sink.drain()
+        out["logs"] = self.logs.drain()
+        out["step"] = self.trainer.step_index
+        return out
+
+    def request_stop(self, reason: str) -> None:
+        self.trainer.control.request_stop(reason)
+
+    def set_hyperparameters(self, changes: dict[str, Any]) -> None:
+        self.trainer.control.set_hyperparameters(changes)
+
+    def checkpoint_now(self) -> None:
+        self.trainer.control.checkpoint_now = True

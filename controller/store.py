@@ -1,0 +1,374 @@
+"""The job store: jobs, their events, per-step metrics, log lines, checkpoints and API tokens, in SQLite.
+
+One database file (WAL mode, so readers never block the writer), opened per thread. Every job row
+keeps its spec, state, progress and the latest metrics; events, metrics and logs are append-only
+with increasing ids, which double as the Last-Event-ID of the live streams. Nothing is deleted when
+a job fails or is cancelled: only DELETE on a terminal job removes its rows.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    method TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    step INTEGER NOT NULL DEFAULT 0,
+    total_steps INTEGER NOT NULL,
+    latest_metrics TEXT NOT NULL DEFAULT '{}',
+    error TEXT,
+    parent_id TEXT,
+    workdir TEXT NOT NULL,
+    idempotency_key TEXT UNIQUE,
+    request_hash TEXT,
+    stop_reason TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
+CREATE TABLE IF NOT EXISTS metrics (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    time REAL NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS metrics_job ON metrics(job_id, step);
+CREATE TABLE IF NOT EXISTS logs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    time REAL NOT NULL,
+    level TEXT NOT NULL,
+    line TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS logs_job ON logs(job_id, id);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    time REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE,
+    scopes TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+"""
+
+ACTIVE = ("queued", "running", "pausing", "cancelling")
+TERMINAL = ("succeeded", "failed", "cancelled")
+JOB_COLUMNS = (
+    "id, seq, status, method, spec, metadata, created_at, started_at, finished_at, step, total_steps, "
+    "latest_metrics, error, parent_id, workdir, idempotency_key, request_hash, stop_reason"
+)
+
+
+@dataclass
+class JobRecord:
+    id: str
+    seq: int
+    status: str
+    method: str
+    spec: dict[str, Any]
+    metadata: dict[str, str]
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    step: int
+    total_steps: int
+    latest_metrics: dict[str, float]
+    error: str | None
+    parent_id: str | None
+    workdir: str
+    idempotency_key: str | None = None
+    request_hash: str | None = None
+    stop_reason: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> JobRecord:
+        values = dict(row)
+        for key in ("spec", "metadata", "latest_metrics"):
+            values[key] = json.loads(values[key])
+        return cls(**values)
+
+
+class JobStore:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._write_lock = threading.Lock()
+        with self._write_lock:
+            self._db().executescript(SCHEMA)  # executescript manages its own transaction
+
+    def _db(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        with self._write_lock:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    # ---- jobs ----------------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        spec: dict[str, Any],
+        workdir_root: Path,
+        idempotency_key: str | None = None,
+        request_hash: str | None = None,
+        parent_id: str | None = None,
+    ) -> JobRecord:
+        job_id = "job-" + uuid.uuid4().hex[:12]
+        now = time.time()
+        with self._tx() as db:
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
+            db.execute(
+                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    job_id, seq, "queued", spec["method"], json.dumps(spec), json.dumps(spec.get("metadata", {})),
+                    now, None, None, 0, spec["trainer"]["total_steps"], "{}", None, parent_id,
+                    str(Path(workdir_root) / job_id), idempotency_key, request_hash, None,
+                ),
+            )  # fmt: skip
+        self.add_event(job_id, "created", "job created and queued")
+        return self.get_job(job_id)
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        row = self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        return JobRecord.from_row(row) if row else None
+
+    def job_by_idempotency_key(self, key: str) -> JobRecord | None:
+        row = (
+            self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE idempotency_key = ?", (key,)).fetchone()
+        )
+        return JobRecord.from_row(row) if row else None
+
+    def list_jobs(
+        self,
+        status: list[str] | None = None,
+        metadata: dict[str, str] | None = None,
+        after: str | None = None,
+        limit: int = 20,
+    ) -> tuple[list[JobRecord], bool]:
+        """Newest first; `after` is a job id cursor. Returns (page, has_more)."""
+        where, args = [], []
+        if status:
+            where.append(f"status IN ({','.join('?' * len(status))})")
+            args.extend(status)
+        for key, value in (metadata or {}).items():
+            where.append("json_extract(metadata, ?) = ?")
+            args.extend([f"$.{key}", value])
+        if after is not None:
+            cursor = self.get_job(after)
+            if cursor is None:
+                raise KeyError(after)
+            where.append("seq < ?")
+            args.append(cursor.seq)
+        sql = f"SELECT {JOB_COLUMNS} FROM jobs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = self._db().execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        return [JobRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
+
+    def jobs_in(self, statuses: tuple[str, ...]) -> list[JobRecord]:
+        rows = (
+            self._db()
+            .execute(
+                f"SELECT {JOB_COLUMNS} FROM jobs WHERE status IN ({','.join('?' * len(statuses))}) ORDER BY seq",
+                statuses,
+            )
+            .fetchall()
+        )
+        return [JobRecord.from_row(r) for r in rows]
+
+    def update_job(self, job_id: str, **values: Any) -> None:
+        for key in ("spec", "metadata", "latest_metrics"):
+            if key in values:
+                values[key] = json.dumps(values[key])
+        sets = ", ".join(f"{k} = ?" for k in values)
+        with self._tx() as db:
+            db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), job_id))
+
+    def transition(self, job_id: str, allowed_from: tuple[str, ...], to: str, **values: Any) -> bool:
+        """Move a job to `to` only if it is in one of `allowed_from`; True when it moved."""
+        sets = ", ".join(["status = ?"] + [f"{k} = ?" for k in values])
+        with self._tx() as db:
+            cur = db.execute(
+                f"UPDATE jobs SET {sets} WHERE id = ? AND status IN ({','.join('?' * len(allowed_from))})",
+                (to, *values.values(), job_id, *allowed_from),
+            )
+            return cur.rowcount == 1
+
+    def delete_job(self, job_id: str) -> None:
+        with self._tx() as db:
+            for table in ("events", "metrics", "logs", "checkpoints"):
+                db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
+            db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def counts_by_status(self) -> dict[str, int]:
+        rows = self._db().execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        return {r[0]: r[1] for r in rows}
+
+    # ---- events, metrics, logs, checkpoints ----------------------------------------------------
+
+    def add_event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None,
+                  at: float | None = None) -> int:  # fmt: skip
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO events (job_id, time, kind, message, data) VALUES (?,?,?,?,?)",
+                (job_id, at or time.time(), kind, message, json.dumps(data or {}, default=str)),
+            )
+            return int(cur.lastrowid)
+
+    def events(self, job_id: str, after_id: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        rows = (
+            self._db()
+            .execute(
+                "SELECT id, time, kind, message, data FROM events WHERE job_id = ? AND id > ? ORDER BY id LIMIT ?",
+                (job_id, after_id, limit),
+            )
+            .fetchall()
+        )
+        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+    def add_metrics(self, job_id: str, step: int, values: dict[str, float], at: float | None = None) -> int:
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO metrics (job_id, step, time, data) VALUES (?,?,?,?)",
+                (job_id, step, at or time.time(), json.dumps(values)),
+            )
+            db.execute(
+                "UPDATE jobs SET step = MAX(step, ?), latest_metrics = ? WHERE id = ?",
+                (step, json.dumps(values), job_id),
+            )
+            return int(cur.lastrowid)
+
+    def metrics(
+        self,
+        job_id: str,
+        keys: list[str] | None = None,
+        step_min: int | None = None,
+        step_max: int | None = None,
+        after_id: int = 0,
+        limit: int = 10_000,
+    ) -> list[dict[str, Any]]:
+        sql = "SELECT id, step, time, data FROM metrics WHERE job_id = ? AND id > ?"
+        args: list[Any] = [job_id, after_id]
+        if step_min is not None:
+            sql += " AND step >= ?"
+            args.append(step_min)
+        if step_max is not None:
+            sql += " AND step <= ?"
+            args.append(step_max)
+        rows = self._db().execute(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
+        out = []
+        for r in rows:
+            values = json.loads(r["data"])
+            if keys:
+                values = {k: v for k, v in values.items() if k in keys}
+            out.append({"id": r["id"], "step": r["step"], "time": r["time"], "values": values})
+        return out
+
+    def add_logs(self, job_id: str, lines: list[tuple[float, str, str]]) -> None:
+        if not lines:
+            return
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO logs (job_id, time, level, line) VALUES (?,?,?,?)",
+                [(job_id, t, level, line) for t, level, line in lines],
+            )
+
+    def logs(self, job_id: str, after_id: int = 0, tail: int | None = None, limit: int = 1000) -> list[dict]:
+        if tail is not None:
+            rows = (
+                self._db()
+                .execute(
+                    "SELECT id, time, level, line FROM logs WHERE job_id = ? ORDER BY id DESC LIMIT ?",
+                    (job_id, tail),
+                )
+                .fetchall()[::-1]
+            )
+        else:
+            rows = (
+                self._db()
+                .execute(
+                    "SELECT id, time, level, line FROM logs WHERE job_id = ? AND id > ? ORDER BY id LIMIT ?",
+                    (job_id, after_id, limit),
+                )
+                .fetchall()
+            )
+        return [dict(r) for r in rows]
+
+    def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO checkpoints (job_id, step, path, time) VALUES (?,?,?,?)",
+                (job_id, step, path, time.time()),
+            )
+
+    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        rows = (
+            self._db()
+            .execute("SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,))
+            .fetchall()
+        )
+        return [dict(r) for r in rows if Path(r["path"], "trainer_state.json").exists()]
+
+    # ---- API tokens ----------------------------------------------------------------------------
+
+    def add_token(self, name: str, token_hash: str, scopes: list[str]) -> str:
+        token_id = "tok-" + uuid.uuid4().hex[:10]
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO tokens (id, name, hash, scopes, created_at) VALUES (?,?,?,?,?)",
+                (token_id, name, token_hash, json.dumps(scopes), time.time()),
+            )
+        return token_id
+
+    def tokens(self) -> list[dict[str, Any]]:
+        rows = self._db().execute("SELECT id, name, hash, scopes FROM tokens").fetchall()
+        return [{**dict(r), "scopes": json.loads(r["scopes"])} for r in rows]
