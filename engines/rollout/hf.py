@@ -106,6 +106,20 @@ def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[
     return ids.to(device), mask.to(device)
 
 
+@torch.no_grad()
+def own_weights(model: torch.nn.Module) -> None:
+    """Give every parameter its own, 64-byte aligned storage (buffers are computed at init).
+
+    On CPU, from_pretrained leaves the weights as views into a copy-on-write mmap of the
+    safetensors file, at the file's offsets (40 bytes off a cache line for qwen2-20m). Every weight
+    sync copies into them: misaligned, those copies ran ~1.3x slower, and the first sync also
+    page-faulted the whole file in (up to ~10x a warm sync; bench/RESULTS.md, weight sync).
+    Tied weights share one Parameter, so they stay tied.
+    """
+    for param in model.parameters():
+        param.data = param.data.clone()
+
+
 class HFRolloutEngine(RolloutEngine):
     """Batched generation with a transformers model held in this process. See the module docstring."""
 
@@ -130,6 +144,8 @@ class HFRolloutEngine(RolloutEngine):
     def _load_model(self, model_path: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation="sdpa")
         model.to(self.device)
+        if self.device.type == "cpu":
+            own_weights(model)
         model.eval()
         model.requires_grad_(False)
         return model
