@@ -2,11 +2,17 @@
 
 Worker groups are placements of one pool: each group starts one actor per bundle and takes a
 fraction (`share`) of the bundle's CPUs and GPUs, so several groups can be colocated on the same
-bundles. Ranks follow the bundles ordered by node (node IP, then bundle index), so a job's ranks land
-on the same nodes in the same order every time the pool is rebuilt on the same cluster.
+bundles. Ranks follow the bundles grouped by node, nodes ordered by (IP, node id): a job's ranks land
+on the same nodes in the same order every time the pool is rebuilt on the same cluster, and the ranks
+of one node are neighbours (so LOCAL_RANK is the rank's position among them).
+
+The placement strategy is Ray's: PACK (few nodes, best effort), SPREAD (many nodes, best effort),
+STRICT_PACK (one node) or STRICT_SPREAD (one bundle per node).
 """
 
 from __future__ import annotations
+
+import ipaddress
 
 import ray
 from ray.util.placement_group import (
@@ -16,11 +22,36 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from controller.spec import ResourcesSpec
+
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 class ResourcePoolError(RuntimeError):
     """The pool's placement group could not be created or scheduled."""
+
+
+def _ip_sort_key(ip: str) -> tuple[int, int, str]:
+    """Numeric order for IP addresses ("10.0.0.9" before "10.0.0.10", IPv4 before IPv6); others last."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return (1, 0, ip)
+    return (0, (address.version << 128) | int(address), ip)
+
+
+def rank_order(node_of_bundle: dict[int, str], ip_of_node: dict[str, str]) -> list[int]:
+    """Bundle indices in rank order: by node IP, then node id, then bundle index.
+
+    The node id breaks ties between nodes that share an IP (several raylets on one host, as in the
+    multi-node tests), so the bundles of one node are always contiguous ranks.
+    """
+
+    def key(bundle: int) -> tuple[tuple[int, int, str], str, int]:
+        node = node_of_bundle[bundle]
+        return (_ip_sort_key(ip_of_node.get(node, "")), node, bundle)
+
+    return sorted(node_of_bundle, key=key)
 
 
 class ResourcePool:
@@ -55,6 +86,20 @@ class ResourcePool:
         self._wait_ready(ready_timeout_s)
         self.bundle_order: list[int] = self._bundles_by_node()
 
+    @classmethod
+    def for_resources(
+        cls, resources: ResourcesSpec, name: str = "", ready_timeout_s: float = 120.0
+    ) -> ResourcePool:
+        """The pool a job's `resources` section asks for (gpus_per_worker 0: GPUs if the cluster has them)."""
+        return cls(
+            resources.workers,
+            cpus_per_bundle=resources.cpus_per_worker,
+            gpus_per_bundle=resources.gpus_per_worker or None,
+            strategy=resources.placement_strategy,
+            name=name,
+            ready_timeout_s=ready_timeout_s,
+        )
+
     @property
     def use_gpu(self) -> bool:
         return self.gpus_per_bundle > 0
@@ -71,16 +116,27 @@ class ResourcePool:
             ) from None
 
     def _bundles_by_node(self) -> list[int]:
-        """Bundle indices sorted by (node IP, bundle index): the rank order."""
         table = placement_group_table(self.placement_group)
-        node_of_bundle: dict[int, str] = table["bundles_to_node_id"]
-        ip_of_node = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        return sorted(node_of_bundle, key=lambda b: (ip_of_node.get(node_of_bundle[b], ""), b))
+        return rank_order(table["bundles_to_node_id"], _node_ips())
 
     def node_of_rank(self) -> list[str]:
         """Node id of each rank's bundle, in rank order."""
         table = placement_group_table(self.placement_group)
         return [table["bundles_to_node_id"][b] for b in self.bundle_order]
 
+    def node_ip_of_rank(self) -> list[str]:
+        """Node IP of each rank's bundle, in rank order."""
+        ips = _node_ips()
+        return [ips.get(node, "") for node in self.node_of_rank()]
+
+    def local_ranks(self) -> list[tuple[int, int]]:
+        """(LOCAL_RANK, LOCAL_WORLD_SIZE) of each rank: its place among the ranks on its node."""
+        nodes = self.node_of_rank()
+        return [(nodes[:rank].count(node), nodes.count(node)) for rank, node in enumerate(nodes)]
+
     def remove(self) -> None:
         remove_placement_group(self.placement_group)
+
+
+def _node_ips() -> dict[str, str]:
+    return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}

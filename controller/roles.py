@@ -82,14 +82,7 @@ class JobGroups:
 
 
 def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: float = 3600.0) -> JobGroups:
-    res = spec.resources
-    pool = ResourcePool(
-        res.workers,
-        cpus_per_bundle=res.cpus_per_worker,
-        gpus_per_bundle=res.gpus_per_worker or None,
-        strategy=res.placement_strategy,
-        name=f"{name}-pool",
-    )
+    pool = ResourcePool.for_resources(spec.resources, name=f"{name}-pool")
     # Colocated groups split every bundle evenly.
     share = 1.0 / (1 + needs_critic(spec) + (spec.reward.model_path is not None))
     try:

@@ -149,8 +149,14 @@ class CheckpointSpec(Section):
 class ResourcesSpec(Section):
     workers: int = Field(1, ge=1, description="ranks (processes) of the colocated worker group")
     cpus_per_worker: float = Field(1.0, gt=0)
-    gpus_per_worker: float = Field(0.0, ge=0)
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
+    gpus_per_worker: float = Field(
+        0.0, ge=0, description="0: one GPU per worker when the cluster has GPUs, none otherwise"
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="Ray placement of the workers' bundles: PACK (few nodes), SPREAD (many nodes), "
+        "STRICT_PACK (one node), STRICT_SPREAD (one worker per node)",
+    )
 
 
 class JobSpec(Section):

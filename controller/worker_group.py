@@ -99,13 +99,16 @@ class _Hosts:
             ).remote(rank, world)
             for rank, bundle in enumerate(pool.bundle_order)
         ]
+        # The rendezvous lives on rank 0's node: ask rank 0's own actor for its node IP and a free port.
         master_addr, master_port = ray.get(self.actors[0].node_address.remote(), timeout=start_timeout_s)
+        local = pool.local_ranks()
         starts = [
             actor.start.remote(
                 {
                     "RANK": str(rank),
                     "WORLD_SIZE": str(world),
-                    "LOCAL_WORLD_SIZE": str(world),
+                    "LOCAL_RANK": str(local[rank][0]),
+                    "LOCAL_WORLD_SIZE": str(local[rank][1]),
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
                     "TANDEM_GROUP": name,
