@@ -66,8 +66,11 @@ def load(trainer: Trainer, folder: Path) -> int:
     state = json.loads((folder / STATE_FILE).read_text())
     groups = trainer.job.groups
     groups.actor.load_checkpoint(str(folder))
+    # The spec's learning rate wins over the checkpoint's: an edit made while paused, or a fork's override.
+    groups.actor.set_hyperparameters(lr=trainer.spec.optim.lr)
     if groups.critic is not None:
         groups.critic.load_checkpoint(str(folder))
+        groups.critic.set_hyperparameters(lr=trainer.spec.algorithm.critic_lr)
     trainer.job.loader.load_state_dict(state["loader"])
     trainer.kl.value = state["kl_coef"]
     return int(state["step"])

@@ -120,7 +120,7 @@ class JobController:
     def drain(self) -> dict[str, Any]:
         out = self.sink.drain()
         out["logs"] = self.logs.drain()
-        out["step"] = self.trainer.step_index
+        out["step"] = self.trainer.completed_steps
         return out
 
     def request_stop(self, reason: str) -> None:

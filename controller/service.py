@@ -64,9 +64,15 @@ class Service:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._requeue_on_pause: set[str] = set()  # jobs paused by a service shutdown, not by a user
+        self._draining = False
         self.started_at = time.time()
 
     # ---- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def start(self) -> None:
         self._recover()
@@ -85,12 +91,15 @@ class Service:
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Pause every running job (each checkpoints at its next step boundary), then stop."""
+        self._draining = True  # start nothing new; the loop keeps collecting until the jobs paused
         with self._lock:
             for job_id, run in self.running.items():
-                self.store.add_event(
-                    job_id, "service_shutdown", "the service is stopping: checkpointing the job"
-                )
-                run.actor.request_stop.remote("pause")
+                if self.store.transition(job_id, ("running",), "pausing"):
+                    self._requeue_on_pause.add(job_id)
+                    self.store.add_event(
+                        job_id, "service_shutdown", "the service is stopping: checkpointing the job"
+                    )
+                    run.actor.request_stop.remote("pause")
         deadline = time.time() + timeout_s
         while self.running and time.time() < deadline:
             time.sleep(self.poll_s)
@@ -257,6 +266,8 @@ class Service:
         return total.get("CPU", 0) - used_cpu, total.get("GPU", 0) - used_gpu
 
     def _schedule(self) -> None:
+        if self._draining:
+            return
         for job in self.store.jobs_in(("queued",)):
             cpus, gpus = job_needs(job.spec)
             free_cpu, free_gpu = self._free()
@@ -297,6 +308,7 @@ class Service:
         for step, path in out["checkpoints"]:
             self.store.add_checkpoint(job_id, step, path)
         self.store.add_logs(job_id, out["logs"])
+        self.store.bump_step(job_id, out["step"])
 
     def _settle(self, job_id: str, run: RunningJob) -> None:
         try:
@@ -305,7 +317,13 @@ class Service:
             result = {"status": "failed", "error": f"the job's controller died: {type(err).__name__}: {err}"}
         status = result["status"]
         now = time.time()
-        if status == "paused":
+        if status == "paused" and job_id in self._requeue_on_pause:
+            self._requeue_on_pause.discard(job_id)
+            self.store.transition(job_id, ("pausing", "running"), "queued")
+            self.store.add_event(
+                job_id, "requeued", f"checkpointed at step {result['step']}; resumes when the service starts"
+            )
+        elif status == "paused":
             self.store.transition(job_id, ("pausing", "running"), "paused")
             self.store.add_event(job_id, "paused", f"paused at step {result['step']}")
         elif status == "failed":

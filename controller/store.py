@@ -243,6 +243,11 @@ class JobStore:
             )
             return cur.rowcount == 1
 
+    def bump_step(self, job_id: str, step: int) -> None:
+        """Raise the job's step to `step` (a resumed job starts past 0 before its first metrics)."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET step = MAX(step, ?) WHERE id = ?", (step, job_id))
+
     def delete_job(self, job_id: str) -> None:
         with self._tx() as db:
             for table in ("events", "metrics", "logs", "checkpoints"):

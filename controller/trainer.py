@@ -57,7 +57,8 @@ class Trainer:
     def __init__(self, spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job") -> None:
         self.spec, self.workdir, self.sink, self.name = spec, Path(workdir), sink, name
         self.control = TrainerControl()
-        self.step_index = 0
+        self.step_index = 0  # the step being run, or the last one run
+        self.completed_steps = 0  # steps whose metrics have been recorded (or restored from a checkpoint)
         self.kl = make_kl_controller(spec.algorithm.kl_reward_coef, spec.algorithm.kl_target)
         self._timings: dict[str, float] = {}
 
@@ -81,6 +82,7 @@ class Trainer:
                 ):
                     last.update(self.validate())
                 self.sink.metrics(self.step_index, last)
+                self.completed_steps = self.step_index
                 self.sink.progress(self.step_index, total, _headline(last))
                 if self._due(self.spec.checkpoint.every) or self.control.checkpoint_now:
                     self.save_checkpoint()
@@ -174,7 +176,7 @@ class Trainer:
     def _resume(self) -> None:
         folder = checkpoints.find_resume_folder(self.spec, self.workdir)
         if folder is not None:
-            self.step_index = checkpoints.load(self, folder)
+            self.step_index = self.completed_steps = checkpoints.load(self, folder)
             self.sink.event(
                 "resumed", f"resumed from step {self.step_index}", path=str(folder), step=self.step_index
             )

@@ -1,0 +1,77 @@
+"""Bearer tokens with read and write scopes, stored as SHA-256 hashes and compared in constant time.
+
+Tokens are 32 random bytes, so a plain hash is enough at rest (no password stretching needed).
+The first start of a service creates an admin token (read + write), writes it to
+`$TANDEM_HOME/admin_token` with mode 600, and keeps only its hash; TANDEM_ADMIN_TOKEN, when set,
+is registered instead (for a Kubernetes Secret).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from fastapi import Request
+
+from api.errors import APIError
+from controller.store import JobStore
+
+SCOPES = ("read", "write")
+CHALLENGE = {"WWW-Authenticate": 'Bearer realm="tandem"'}
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_token() -> str:
+    return "tdm_" + secrets.token_urlsafe(32)
+
+
+def ensure_admin_token(store: JobStore, home: Path) -> Path:
+    """Register the admin token once; returns the file that holds it."""
+    path = home / "admin_token"
+    given = os.environ.get("TANDEM_ADMIN_TOKEN")
+    known = {t["hash"] for t in store.tokens()}
+    if given:
+        if hash_token(given) not in known:
+            store.add_token("admin (TANDEM_ADMIN_TOKEN)", hash_token(given), list(SCOPES))
+        return path
+    if path.exists() and hash_token(path.read_text().strip()) in known:
+        return path
+    token = new_token()
+    store.add_token("admin", hash_token(token), list(SCOPES))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return path
+
+
+class Authenticator:
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    def scopes_of(self, token: str) -> list[str] | None:
+        digest = hash_token(token)
+        found = None
+        for record in self.store.tokens():  # every hash is compared: the time does not leak a match
+            if hmac.compare_digest(record["hash"], digest):
+                found = record["scopes"]
+        return found
+
+    def require(self, request: Request, scope: str) -> None:
+        header = request.headers.get("authorization", "")
+        kind, _, token = header.partition(" ")
+        if kind.lower() != "bearer" or not token:
+            raise APIError(401, "missing bearer token: send 'Authorization: Bearer <token>'", "Authorization",
+                           "missing_token", CHALLENGE)  # fmt: skip
+        scopes = self.scopes_of(token.strip())
+        if scopes is None:
+            raise APIError(401, "invalid bearer token", "Authorization", "invalid_token", CHALLENGE)
+        if scope not in scopes:
+            raise APIError(
+                403, f"this token lacks the '{scope}' scope", "Authorization", "insufficient_scope"
+            )

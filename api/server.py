@@ -1,0 +1,64 @@
+"""`tandem serve`: the long-lived Ray driver that serves the API.
+
+It starts a local Ray cluster, or joins one (`--ray-address auto | ray://host:10001`, or RAY_ADDRESS),
+opens the job store under TANDEM_HOME, makes sure an admin token exists, and serves the API with
+uvicorn. On SIGTERM or Ctrl-C uvicorn stops taking requests, then every running job is paused
+(each saves a checkpoint at its next step boundary) and is resumed by the next start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ray
+import uvicorn
+
+from api.app import create_app
+from api.auth import ensure_admin_token
+from controller.models import tandem_home
+from controller.service import Service
+
+log = logging.getLogger("tandem.server")
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> None:
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray.init(address=address, namespace="tandem", runtime_env=env, logging_level="warning")
+    else:
+        ray.init(num_cpus=num_cpus, namespace="tandem", runtime_env=env, include_dashboard=False,
+                 logging_level="warning")  # fmt: skip
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    home: str | Path | None = None,
+    ray_address: str | None = None,
+    num_cpus: int | None = None,
+    shutdown_timeout_s: float = 300.0,
+) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    home = Path(home) if home else tandem_home()
+    init_ray(ray_address, num_cpus)
+    service = Service(home)
+    service.start()
+    token_file = ensure_admin_token(service.store, home)
+    app = create_app(service)
+    url = f"http://{host}:{port}"
+    print(f"Tandem is serving on {url}  (dashboard {url}/, API docs {url}/docs)", flush=True)
+    print(f"Admin token: {token_file} (or TANDEM_ADMIN_TOKEN); job store: {service.store.path}", flush=True)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    )
+    try:
+        server.run()
+    finally:
+        log.info("stopping: pausing running jobs so they resume from a checkpoint")
+        service.shutdown(timeout_s=shutdown_timeout_s)
+        ray.shutdown()
