@@ -66,6 +66,7 @@ class Service:
         self._thread: threading.Thread | None = None
         self._requeue_on_pause: set[str] = set()  # jobs paused by a service shutdown, not by a user
         self._draining = False
+        self._asked_autoscaler = False
         self.started_at = time.time()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -272,8 +273,29 @@ class Service:
             cpus, gpus = job_needs(job.spec)
             free_cpu, free_gpu = self._free()
             if cpus > free_cpu + 1e-9 or gpus > free_gpu + 1e-9:
+                self._ask_autoscaler(job)
                 return  # strict order: the oldest queued job goes first
             self._launch(job, cpus, gpus)
+        if self._asked_autoscaler:  # nothing waits any more: withdraw the request
+            self._ask_autoscaler(None)
+
+    def _ask_autoscaler(self, job: JobRecord | None) -> None:
+        """Tell Ray's autoscaler (where there is one) what the waiting job needs, so nodes are added;
+        None withdraws the request."""
+        bundles: list[dict[str, float]] = []
+        if job is not None:
+            res = job.spec["resources"]
+            bundle = {"CPU": res["cpus_per_worker"]}
+            if res["gpus_per_worker"]:
+                bundle["GPU"] = res["gpus_per_worker"]
+            bundles = [bundle] * res["workers"]
+        self._asked_autoscaler = job is not None
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=bundles)
+        except Exception:  # no autoscaler on a local cluster: nothing to ask
+            log.debug("autoscaler request for %s not delivered", job.id, exc_info=True)
 
     def _launch(self, job: JobRecord, cpus: float, gpus: float) -> None:
         if not self.store.transition(job.id, ("queued",), "running", started_at=time.time(), error=None):
