@@ -127,6 +127,12 @@ class AlgorithmSpec(Section):
     micro_batch_size: int | None = Field(None, gt=0, description="samples per micro-batch (fixed)")
     max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="dynamic micro-batching budget")
     critic_lr: float = Field(1e-5, gt=0)
+    recompute_old_log_probs: bool = Field(
+        False,
+        description="always run a separate forward pass for old log-probs; by default it is skipped when the "
+        "update is one on-policy step (one mini-batch, one epoch, no KL in the reward), where it is exactly "
+        "the current policy's",
+    )
     vf_clip: float = Field(0.2, ge=0)
 
 

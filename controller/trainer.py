@@ -102,8 +102,9 @@ class Trainer:
                 batch = actor.generate_sequences(prompts)
             with self._timed("reward"):
                 batch, scores, metrics = self._rewards(batch)
-            with self._timed("old_log_prob"):
-                batch = actor.compute_log_prob(batch)
+            if self._needs_old_log_probs(len(batch)):
+                with self._timed("old_log_prob"):
+                    batch = actor.compute_log_prob(batch)
             if self.job.uses_reference:
                 with self._timed("ref"):
                     batch = actor.compute_ref_log_prob(batch)
@@ -190,6 +191,13 @@ class Trainer:
             self.sink.event("exported", f"HF model written to {export}", path=str(export))
 
     # ---- helpers -------------------------------------------------------------------------------
+
+    def _needs_old_log_probs(self, samples: int) -> bool:
+        """False when the update is a single on-policy step: the first forward of update_actor then
+        gives exactly the old log-probs, and a separate pass would compute the same numbers again."""
+        a = self.spec.algorithm
+        single_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, samples)
+        return a.recompute_old_log_probs or not single_step or a.kl_in_reward
 
     def _schedule(self) -> dict[str, Any]:
         a = self.spec.algorithm

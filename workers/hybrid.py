@@ -165,6 +165,8 @@ class ActorRolloutRefWorker(Worker):
 
         cfg = PolicyLossConfig.model_validate(loss_config)
         loss_fn = make_policy_loss(cfg)
+        if "old_log_probs" not in batch.tensors.keys():
+            loss_fn = _old_log_probs_from_current(loss_fn)
         entropy = cfg.entropy_coeff != 0
         metrics = train_on_batch(
             self.actor,
@@ -235,6 +237,26 @@ class ActorRolloutRefWorker(Worker):
     def actor_state_dict(self) -> dict[str, torch.Tensor]:
         with self.actor.eval_mode():
             return {k: v.cpu().clone() for k, v in self.actor.get_per_tensor_param()}
+
+
+def _old_log_probs_from_current(loss_fn):
+    """Wrap a policy loss for a single on-policy step: old log-probs are the current ones, detached.
+
+    Only valid when this forward is the first of the update (one mini-batch, one epoch), so the
+    policy has not moved yet; the trainer decides that. It also reports how far the rollout
+    engine's log-probs are from the trainer's, which the skipped pass would have measured.
+    """
+
+    def wrapped(micro, outputs, counts):
+        current = outputs["log_probs"].detach()
+        micro["old_log_probs"] = current
+        loss, metrics = loss_fn(micro, outputs, counts)
+        if "rollout_log_probs" in micro.keys():
+            gap = (current - micro["rollout_log_probs"]).abs() * micro["response_mask"]
+            metrics["rollout/log_prob_diff_mean"] = float(gap.sum()) / counts.tokens
+        return loss, metrics
+
+    return wrapped
 
 
 def _temperature(batch: Batch) -> float:
