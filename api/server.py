@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from pathlib import Path
 
 import ray
@@ -23,10 +24,13 @@ from controller.service import Service
 log = logging.getLogger("tandem.server")
 
 
-def init_ray(address: str | None, num_cpus: int | None = None) -> None:
+def init_ray(address: str | None, num_cpus: int | None = None, home: Path | None = None) -> None:
     if ray.is_initialized():
         return
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    env_vars = {"TOKENIZERS_PARALLELISM": "false"}
+    if home is not None:  # job actors run in the raylets' environment, not this one: tell them --home
+        env_vars["TANDEM_HOME"] = str(home)
+    env = {"env_vars": env_vars}
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
         ray.init(address=address, namespace="tandem", runtime_env=env, logging_level="warning")
@@ -44,8 +48,8 @@ def serve(
     shutdown_timeout_s: float = 300.0,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    home = Path(home) if home else tandem_home()
-    init_ray(ray_address, num_cpus)
+    home = Path(home).expanduser().resolve() if home else tandem_home()
+    init_ray(ray_address, num_cpus, home)
     service = Service(home)
     service.start()
     token_file = ensure_admin_token(service.store, home)
@@ -58,6 +62,11 @@ def serve(
     )
     try:
         server.run()
+    except SystemExit as stop:
+        # uvicorn stops gracefully on SIGTERM, then re-raises the signal to the handler it found: the Ray
+        # driver's, which exits with code 15. A requested stop is not a failure: exit 0 once jobs paused.
+        if stop.code != signal.SIGTERM:
+            raise
     finally:
         log.info("stopping: pausing running jobs so they resume from a checkpoint")
         service.shutdown(timeout_s=shutdown_timeout_s)

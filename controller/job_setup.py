@@ -13,6 +13,7 @@ from typing import Any
 
 from controller.data import PromptLoader, build_dataset, resolve_data_files
 from controller.models import resolve_model_path
+from controller.resource_pool import describe_placement
 from controller.rewards import RewardScorer
 from controller.roles import JobGroups, needs_reference, start_groups
 from controller.sink import JobSink
@@ -107,6 +108,14 @@ class JobSetup:
         )
         groups = start_groups(spec, model_path, name)
         sink.event("workers_started", "worker groups are up", workers=spec.resources.workers)
+        where = groups.pool.placement()
+        sink.event(
+            "placement",
+            f"{describe_placement(**where)} ({len(set(where['node_ids']))} node(s), "
+            f"{spec.resources.placement_strategy})",
+            strategy=spec.resources.placement_strategy,
+            **where,
+        )
         return cls(spec, model_path, tokenizer, loader, val_batch, scorer, groups)
 
     @property

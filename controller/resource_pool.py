@@ -129,6 +129,11 @@ class ResourcePool:
         ips = _node_ips()
         return [ips.get(node, "") for node in self.node_of_rank()]
 
+    def placement(self) -> dict[str, list[str]]:
+        """Where each rank runs, in rank order: {"node_ids": [...], "node_ips": [...]}."""
+        nodes, ips = self.node_of_rank(), _node_ips()
+        return {"node_ids": nodes, "node_ips": [ips.get(node, "") for node in nodes]}
+
     def local_ranks(self) -> list[tuple[int, int]]:
         """(LOCAL_RANK, LOCAL_WORLD_SIZE) of each rank: its place among the ranks on its node."""
         nodes = self.node_of_rank()
@@ -136,6 +141,17 @@ class ResourcePool:
 
     def remove(self) -> None:
         remove_placement_group(self.placement_group)
+
+
+def describe_placement(node_ids: list[str], node_ips: list[str]) -> str:
+    """'ranks 0-1 on 10.0.0.1, rank 2 on 10.0.0.2': a node's ranks are contiguous (see rank_order)."""
+    parts, first = [], 0
+    for rank in range(1, len(node_ids) + 1):
+        if rank == len(node_ids) or node_ids[rank] != node_ids[first]:
+            ranks = f"rank {first}" if rank - 1 == first else f"ranks {first}-{rank - 1}"
+            parts.append(f"{ranks} on {node_ips[first] or node_ids[first][:8]}")
+            first = rank
+    return ", ".join(parts)
 
 
 def _node_ips() -> dict[str, str]:
