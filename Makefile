@@ -3,12 +3,14 @@ PY        ?= python3
 VENV      := .venv
 BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.installed
+CHROMIUM  := /usr/bin/chromium
+BROWSER   := $(VENV)/.chromium
 PYTEST    := $(BIN)/python -m pytest
 export TANDEM_HOME ?= $(CURDIR)/.tandem
 
 .PHONY: install test test-slow run bench lint clean
 
-install: $(STAMP)
+install: $(STAMP) $(BROWSER)
 
 # torch first: on these machines `pip install torch==2.13.0` resolves to the local CPU build;
 # the project's pin then finds it already satisfied and pulls no CUDA wheels.
@@ -18,6 +20,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# The dashboard's browser tests drive Debian's chromium through playwright's API (playwright's own
+# browser download is never used): apt-get installs it where it is missing, as root or with sudo.
+$(BROWSER): | $(STAMP)
+	@if [ ! -x $(CHROMIUM) ] && command -v apt-get >/dev/null; then \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	fi
+	touch $@
 
 test: install
 	$(PYTEST) -q -m "not slow" tests

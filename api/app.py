@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import Authenticator
+from api.dashboard import mount_dashboard
 from api.errors import APIError, install_error_handlers
 from api.prom import make_registry
 from api.streams import sse, start_id
@@ -283,4 +284,5 @@ def create_app(service: Service) -> FastAPI:
         }
 
     app.state.terminal_states = TERMINAL
+    mount_dashboard(app)
     return app

@@ -1,0 +1,229 @@
+"""The web dashboard in real headless Chromium against a live service (uvicorn, the tests' Ray, SQLite).
+
+One long tiny-qwen2 job is steered from the page in file order: it appears in the table, its reward
+chart grows from the metrics stream, a hyper-parameter edit shows up as events, pause and resume
+change its state, a fork from a checkpoint is cancelled, and the job is cancelled at the end.
+Screenshots go to artifacts/dashboard/. Debian's chromium is driven through playwright's API;
+playwright's own browser download is never used (`make install` installs chromium with apt-get).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.api_util import LiveService, start_service, tiny_job, wait_for
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras")
+expect = sync_api.expect
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "dashboard"
+TERMINAL = ("succeeded", "failed", "cancelled")
+REWARD_POINTS = "Chart.getChart('chart-reward').data.datasets[0].data.length"
+
+
+def chromium_path() -> str:
+    if CHROMIUM.exists():
+        return str(CHROMIUM)
+    if os.environ.get("CI"):
+        pytest.fail(f"{CHROMIUM} is missing: `make install` installs Debian's chromium with apt-get")
+    pytest.skip(f"{CHROMIUM} is missing: run `make install` (apt-get install chromium)")
+
+
+@pytest.fixture(scope="module")
+def live(ray_cluster, tmp_path_factory) -> Iterator[LiveService]:
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("TANDEM_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+    svc = start_service(tmp_path_factory.mktemp("dashboard"))
+    yield svc
+    svc.stop()
+    monkey.undo()
+
+
+@pytest.fixture(scope="module")
+def api(live: LiveService) -> Iterator[httpx.Client]:
+    with live.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def job(api: httpx.Client) -> Iterator[dict]:
+    """A job long enough to steer for the whole module; whatever is still active is cancelled at the end."""
+    spec = tiny_job(
+        trainer={"total_steps": 400, "val_every": 4},
+        algorithm={"entropy_coeff": 1e-3},  # so the entropy chart has the actor's entropy too
+        checkpoint={"every": 2},
+        metadata={"suite": "dashboard"},
+    )
+    created = api.post("/v1/jobs", json=spec)
+    assert created.status_code == 201, created.text
+    yield created.json()
+    for listed in api.get("/v1/jobs", params={"metadata": "suite:dashboard", "limit": 100}).json()["data"]:
+        if listed["status"] not in TERMINAL:
+            api.post(f"/v1/jobs/{listed['id']}/cancel")
+            wait_for(api, listed["id"], TERMINAL, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, live: LiveService) -> Iterator:
+    """One signed-in tab for the module, checked at the end for script errors and token leaks."""
+    context = browser.new_context(viewport={"width": 1440, "height": 900})
+    tab = context.new_page()
+    tab.set_default_timeout(30_000)
+    errors: list[str] = []
+    urls: list[str] = []
+    tab.on("pageerror", lambda err: errors.append(str(err)))
+    tab.on("request", lambda request: urls.append(request.url))
+    yield tab
+    assert not errors, f"script errors on the page: {errors}"
+    assert not [u for u in urls if live.token in u], "the token appeared in a URL"
+    context.close()
+
+
+def wait_until(page, expression: str, timeout_s: float) -> None:
+    """Polls a page expression from outside: the page's CSP forbids the eval wait_for_function uses."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still false after {timeout_s}s: {expression}")
+        page.wait_for_timeout(250)
+
+
+def job_action(page, action: str) -> None:
+    page.locator(f"#job-actions button[data-action='{action}']").click()
+
+
+def test_the_page_and_its_assets_load_without_a_token_and_pin_their_sources(live: LiveService) -> None:
+    index = httpx.get(live.url + "/")
+    assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in index.headers["content-security-policy"]
+    chart = httpx.get(live.url + "/static/vendor/chart.umd.min.js")
+    assert chart.status_code == 200 and "Chart.js v4" in chart.text[:200]
+    config = httpx.get(live.url + "/dashboard/config").json()
+    assert config["hyperparameters"]["lr"] == "optim.lr"
+    assert httpx.get(live.url + "/v1/jobs").status_code == 401  # the data still needs the token
+
+
+def test_a_wrong_token_shows_the_apis_error_on_the_sign_in_form(browser, live: LiveService) -> None:
+    context = browser.new_context()
+    tab = context.new_page()
+    tab.goto(live.url + "/")
+    tab.fill("#token-input", "tdm_not-a-real-token")
+    tab.click("#signin-form button[type=submit]")
+    expect(tab.locator("#signin-error")).to_have_text("invalid bearer token")  # the API's error.message
+    expect(tab.locator("#signin-view")).to_be_visible()
+    assert tab.evaluate("sessionStorage.length") == 0
+    context.close()
+
+
+def test_signing_in_lists_the_running_job(page, live: LiveService, job: dict) -> None:
+    page.goto(live.url + "/")
+    page.fill("#token-input", live.token)
+    page.click("#signin-form button[type=submit]")
+    row = page.locator(f"#job-rows tr[data-job-id='{job['id']}']")
+    expect(row).to_be_visible()
+    expect(row.locator(".badge")).to_have_text("running", timeout=90_000)
+    expect(row).to_contain_text("tiny-qwen2")
+    expect(page.locator("#cl-running")).not_to_have_text("0")
+    assert live.token not in page.url
+    assert page.evaluate("sessionStorage.getItem('tandem.token')") == live.token
+
+
+def test_the_reward_chart_grows_from_the_metrics_stream(page, job: dict) -> None:
+    page.locator(f"#job-rows tr[data-job-id='{job['id']}'] a").first.click()
+    expect(page.locator("#job-title")).to_have_text(job["id"])
+    wait_until(page, f"window.Chart && Chart.getChart('chart-reward') && {REWARD_POINTS} >= 1", 90)
+    seen = page.evaluate(REWARD_POINTS)
+    wait_until(page, f"{REWARD_POINTS} >= {seen + 2}", 60)  # no reload: the stream feeds it
+    expect(page.locator("#metrics-live")).to_have_text("live")
+    timing = page.evaluate("Chart.getChart('chart-timing').data.datasets.filter(d => d.data.length).length")
+    assert timing >= 3  # gen, reward, update_actor, ... stacked
+
+
+def test_a_hyperparameter_edit_from_the_form_shows_up_as_events(page, api: httpx.Client, job: dict) -> None:
+    page.fill("#hp-form input[name='top_k']", "many")
+    page.click("#hp-form button[type=submit]")
+    expect(page.locator("#hp-result")).to_have_text("top_k: 'many' is not a number")
+    page.fill("#hp-form input[name='top_k']", "")
+    page.fill("#hp-form input[name='lr']", "0.0005")
+    page.click("#hp-form button[type=submit]")
+    expect(page.locator("#hp-result")).to_have_text("Requested for the next step: lr = 0.0005")
+    expect(page.locator("#events li[data-kind='hyperparameters_requested']")).to_be_visible()
+    expect(page.locator("#events li[data-kind='hyperparameters']")).to_contain_text("0.0005")  # applied
+    assert api.get(f"/v1/jobs/{job['id']}").json()["spec"]["optim"]["lr"] == 5e-4
+
+
+def test_the_job_page_screenshot(page, job: dict) -> None:
+    wait_until(page, f"{REWARD_POINTS} >= 8", 90)
+    page.wait_for_timeout(300)  # the charts redraw 100 ms after their last point
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "job.png"), full_page=True)
+    assert (ARTIFACTS / "job.png").stat().st_size > 50_000
+
+
+def test_pause_and_resume_from_the_page(page, api: httpx.Client, job: dict) -> None:
+    job_action(page, "pause")
+    expect(page.locator("#job-status")).to_have_text(re.compile("^paus(ing|ed)$"))  # the API answered
+    assert api.get(f"/v1/jobs/{job['id']}").json()["status"] in ("pausing", "paused")
+    assert wait_for(api, job["id"], ("paused",), timeout_s=60)["status"] == "paused"
+    expect(page.locator("#job-status")).to_have_text("paused")
+    expect(page.locator("#events li[data-kind='paused']")).to_be_visible()
+    job_action(page, "resume")
+    expect(page.locator("#job-status")).to_have_text(re.compile("^(queued|running)$"))
+    assert api.get(f"/v1/jobs/{job['id']}").json()["status"] in ("queued", "running")
+    expect(page.locator("#job-status")).to_have_text("running", timeout=60_000)
+
+
+def test_fork_from_a_checkpoint_then_cancel_both_from_the_page(page, api: httpx.Client, job: dict) -> None:
+    page.evaluate(f"location.hash = '#/jobs/{job['id']}'")
+    fork = page.locator("#checkpoint-rows button[data-fork-step]").first
+    expect(fork).to_be_visible()
+    step = int(fork.get_attribute("data-fork-step"))
+    fork.click()
+    page.fill("#fork-step", "9999")  # refused by the API: its message shows in the dialog
+    page.click("#fork-submit")
+    expect(page.locator("#fork-error")).to_contain_text("has no checkpoint at step 9999")
+    page.fill("#fork-step", str(step))
+    page.fill("#fork-overrides", '{"trainer": {"total_steps": 300}}')
+    page.click("#fork-submit")
+    expect(page.locator("#job-facts")).to_contain_text(f"fork of {job['id']}")
+    child_id = page.locator("#job-title").inner_text()
+    child = api.get(f"/v1/jobs/{child_id}").json()
+    assert child["parent_id"] == job["id"] and child["total_steps"] == 300
+    expect(page.locator("#events li[data-kind='forked']")).to_contain_text(f"step {step}")
+    job_action(page, "cancel")
+    page.click("#confirm-yes")
+    expect(page.locator("#job-status")).to_have_text("cancelled", timeout=90_000)
+    page.click("a.back")
+    parent_row = page.locator(f"#job-rows tr[data-job-id='{job['id']}']")
+    parent_row.locator("button[data-action='cancel']").click()
+    page.click("#confirm-yes")
+    expect(parent_row.locator(".badge")).to_have_text("cancelled", timeout=90_000)
+    assert api.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled"
+    page.screenshot(path=str(ARTIFACTS / "jobs.png"), full_page=True)
+
+
+def test_a_diverged_metric_leaves_a_gap_not_a_stalled_chart(page, live: LiveService, job: dict) -> None:
+    store = live.service.store  # the job is cancelled: these rows are the last its stream replays
+    store.add_metrics(job["id"], 9001, {"critic/score/mean": float("nan")})  # sent as a bare NaN
+    store.add_metrics(job["id"], 9002, {"critic/score/mean": 0.5})
+    page.evaluate(f"location.hash = '#/jobs/{job['id']}'")
+    wait_until(page, "Chart.getChart('chart-reward')?.data.datasets[0].data.at(-1)?.x === 9002", 30)
+    expect(page.locator("#metrics-live")).to_have_text("ended")
