@@ -1,9 +1,33 @@
-"""The `tandem` command line: run the service, and build the built-in models."""
+"""The `tandem` command line: run the service, submit and steer jobs over its REST API, build models.
+
+Client commands connect to TANDEM_URL (default http://127.0.0.1:8000) with TANDEM_TOKEN or --token
+(else the admin token in $TANDEM_HOME/admin_token). A spec is validated here before it is sent, so a
+typo is reported with its field at once. Errors are one line on stderr, `tandem: error: ...`, with
+exit code 2 for bad input (a bad field or value) and 1 for everything else.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from api.cli_spec import SpecError, build_spec, deep_merge, parse_assignments, parse_value, validate
+from api.cli_watch import clock, follow, print_events, print_logs
+from api.client import TandemAPIError, TandemClient, TandemError
+
+HINT_401 = "set TANDEM_TOKEN or pass --token; the service's admin token is in $TANDEM_HOME/admin_token"
+METRIC_KEYS = ("critic/score/mean", "val/accuracy", "actor/pg_loss", "sft/loss", "actor/lr", "timing_s/step")
+
+
+class UsageError(Exception):
+    """Bad input found by the CLI itself (exit code 2)."""
+
+
+# ---- service and models (local) ---------------------------------------------------------------
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -18,35 +42,252 @@ def _models_build(args: argparse.Namespace) -> int:
     from engines.tiny_models import BUILTIN_MODELS
 
     if args.name not in BUILTIN_MODELS:
-        print(f"tandem: unknown built-in model '{args.name}'; choose one of {', '.join(sorted(BUILTIN_MODELS))}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        raise UsageError(
+            f"unknown built-in model '{args.name}'; choose one of {', '.join(sorted(BUILTIN_MODELS))}"
+        )
     print(builtin_model_path(args.name))
     return 0
+
+
+# ---- jobs ------------------------------------------------------------------------------------------
+
+
+def _submit(args: argparse.Namespace, client: TandemClient) -> int:
+    if not (args.file or args.method or args.model or args.set) and args.steps is None:
+        raise UsageError("give a spec file and/or flags (--method, --model, --steps, --set key.path=value)")
+    given, spec = build_spec(args.file, args.method, args.model, args.steps, args.set)
+    if args.dry_run:
+        print(json.dumps(spec.model_dump(mode="json"), indent=2))
+        return 0
+    job = client.create_job(given, args.idempotency_key)
+    print(job["id"], flush=True)
+    if args.follow:
+        return follow(client, job["id"])
+    print(f"{job['status']}: follow it with `tandem follow {job['id']}`", file=sys.stderr)
+    return 0
+
+
+def _list(args: argparse.Namespace, client: TandemClient) -> int:
+    jobs = client.list_jobs(args.status, args.limit)["data"]
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    header = ("ID", "STATUS", "METHOD", "MODEL", "STEP", "REWARD", "STARTED", "DURATION")
+    rows = [(j["id"], j["status"], j["method"], j["model"], f"{j['step']}/{j['total_steps']}",
+             _number(j["latest_metrics"].get("critic/score/mean")), clock(j["started_at"]),
+             _duration(j["started_at"], j["finished_at"])) for j in jobs]  # fmt: skip
+    print(table(header, rows) if rows else "no jobs")
+    return 0
+
+
+def _status(args: argparse.Namespace, client: TandemClient) -> int:
+    job = client.get_job(args.job_id)
+    if args.json:
+        print(json.dumps(job, indent=2))
+        return 0
+    facts = {
+        "id": job["id"],
+        "status": job["status"],
+        "method": job["method"],
+        "model": job["model"],
+        "step": f"{job['step']}/{job['total_steps']} ({job['progress']:.0%})",
+        "created": clock(job["created_at"]),
+        "started": clock(job["started_at"]),
+        "finished": clock(job["finished_at"]),
+        "duration": _duration(job["started_at"], job["finished_at"]),
+        "parent": job["parent_id"] or "-",
+        "error": job["error"] or "-",
+    }
+    latest = job["latest_metrics"]
+    facts.update({k: _number(latest[k]) for k in METRIC_KEYS if k in latest})  # `tandem metrics` has all
+    width = max(len(k) for k in facts)
+    print("\n".join(f"{k:<{width}}  {v}" for k, v in facts.items()))
+    return 0
+
+
+def _follow(args: argparse.Namespace, client: TandemClient) -> int:
+    return follow(client, args.job_id)
+
+
+def _logs(args: argparse.Namespace, client: TandemClient) -> int:
+    print_logs(client, args.job_id, args.tail, args.follow)
+    return 0
+
+
+def _events(args: argparse.Namespace, client: TandemClient) -> int:
+    print_events(client, args.job_id, args.follow)
+    return 0
+
+
+def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
+    keys = [k for k in (args.keys or "").split(",") if k] or None
+    rows = client.metrics(args.job_id, keys)["data"]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    present = {k for row in rows for k in row["values"]}
+    columns = keys or [k for k in METRIC_KEYS if k in present]
+    body = [(str(row["step"]), *(_number(row["values"].get(k)) for k in columns)) for row in rows]
+    print(table(("STEP", *columns), body) if body else "no metrics yet")
+    return 0
+
+
+def _lifecycle(action: str) -> Callable[[argparse.Namespace, TandemClient], int]:
+    def run(args: argparse.Namespace, client: TandemClient) -> int:
+        job = getattr(client, action)(args.job_id)
+        print(f"{job['id']}: {job['status']}")
+        return 0
+
+    return run
+
+
+def _fork(args: argparse.Namespace, client: TandemClient) -> int:
+    overrides = parse_assignments(args.set or [])
+    if overrides:  # the child's spec, validated here so a bad override names its field
+        validate(deep_merge(client.get_job(args.job_id)["spec"], overrides))
+    child = client.fork(args.job_id, args.step, overrides)
+    print(child["id"], flush=True)
+    return follow(client, child["id"]) if args.follow else 0
+
+
+def _set(args: argparse.Namespace, client: TandemClient) -> int:
+    changes: dict[str, Any] = {}
+    for item in args.assignments:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"'{item}' must be 'name=value', e.g. lr=1e-4")
+        changes[key] = parse_value(value)
+    client.set_hyperparameters(args.job_id, changes)
+    print(f"{args.job_id}: requested for the next step: " + ", ".join(f"{k}={v}" for k, v in changes.items()))
+    return 0
+
+
+def _checkpoints(args: argparse.Namespace, client: TandemClient) -> int:
+    saved = client.checkpoints(args.job_id)["data"]
+    if args.json:
+        print(json.dumps(saved, indent=2))
+        return 0
+    rows = [(str(c["step"]), clock(c["time"]), c["path"]) for c in saved]
+    print(table(("STEP", "SAVED", "PATH"), rows) if rows else "no checkpoints yet")
+    return 0
+
+
+# ---- formatting ------------------------------------------------------------------------------------
+
+
+def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+    return "\n".join("  ".join(f"{str(c):<{w}}" for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in (header, *rows))  # fmt: skip
+
+
+def _number(value: Any) -> str:
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _duration(start: float | None, end: float | None) -> str:
+    if not start:
+        return "-"
+    seconds = int((end or time.time()) - start)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+# ---- the parser --------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: RL post-training jobs on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
+    conn = argparse.ArgumentParser(add_help=False)
+    conn.add_argument(
+        "--url", default=None, help="the service (default: $TANDEM_URL or http://127.0.0.1:8000)"
+    )
+    conn.add_argument(
+        "--token", default=None, help="bearer token (default: $TANDEM_TOKEN, else the admin token)"
+    )
+
+    def command(name: str, func: Callable, help: str, job: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, parents=[conn])
+        if job:
+            p.add_argument("job_id", metavar="ID")
+        p.set_defaults(func=func, client=True)
+        return p
+
     serve = sub.add_parser("serve", help="run the API service (a long-lived Ray driver)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--home", default=None, help="data directory (default: $TANDEM_HOME or ~/.tandem)")
     serve.add_argument("--ray-address", default=None, help="join a cluster: 'auto' or 'ray://host:10001'")
     serve.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster")
-    serve.set_defaults(func=_serve)
+    serve.set_defaults(func=_serve, client=False)
+
+    p = command("submit", _submit, "submit a job from a spec file (YAML/JSON) and/or flags", job=False)
+    p.add_argument("file", nargs="?", help="a JobSpec as YAML or JSON (see examples/)")
+    p.add_argument("--method", help="sft, grpo, ppo, rloo, reinforce_pp, reinforce_pp_baseline")
+    p.add_argument("--model", help="a built-in model name (e.g. tiny-qwen2) or a local HF folder")
+    p.add_argument("--steps", type=int, help="trainer.total_steps")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="any JobSpec field; repeatable")
+    p.add_argument("--idempotency-key", help="a retried submission with the same key returns the first job")
+    p.add_argument("--dry-run", action="store_true", help="print the validated spec; submit nothing")
+    p.add_argument("-f", "--follow", action="store_true", help="show a progress bar until the job ends")
+    p = command("list", _list, "list jobs, newest first", job=False)
+    p.add_argument("--status", action="append", help="only jobs in this state; repeatable")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    command("status", _status, "a job's state, progress and latest metrics").add_argument(
+        "--json", action="store_true"
+    )
+    command("follow", _follow, "a progress bar until the job ends (exit 0 if it succeeded)")
+    p = command("logs", _logs, "a job's log lines")
+    p.add_argument("--tail", type=int, default=200)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
+    command("events", _events, "a job's events").add_argument("-f", "--follow", action="store_true")
+    p = command("metrics", _metrics, "a job's metrics per step")
+    p.add_argument("--keys", help="comma-separated metric names (default: the headline ones)")
+    p.add_argument("--json", action="store_true")
+    for action in ("cancel", "pause", "resume"):
+        command(action, _lifecycle(action), f"{action} a job")
+    p = command("fork", _fork, "a new job from one of a job's checkpoints, with changes")
+    p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="a JobSpec change; repeatable")
+    p.add_argument("-f", "--follow", action="store_true")
+    p = command("set", _set, "change hyper-parameters of a running job from its next step")
+    p.add_argument("assignments", nargs="+", metavar="NAME=VALUE", help="e.g. lr=1e-4 temperature=0.8")
+    command("checkpoints", _checkpoints, "a job's saved checkpoints").add_argument(
+        "--json", action="store_true"
+    )
+
     models = sub.add_parser("models", help="built-in tiny models").add_subparsers(
         dest="models_command", required=True
     )
     build = models.add_parser("build", help="build a built-in model in HF format; prints its folder")
     build.add_argument("name")
-    build.set_defaults(func=_models_build)
+    build.set_defaults(func=_models_build, client=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        if not args.client:
+            return args.func(args)
+        with TandemClient(args.url, args.token) as client:
+            return args.func(args, client)
+    except (SpecError, UsageError) as err:
+        return _fail(str(err), 2)
+    except TandemAPIError as err:
+        message = err.message if not err.param or err.param in err.message else f"{err.param}: {err.message}"
+        return _fail(message + (f" ({HINT_401})" if err.status == 401 else ""), 2 if err.is_bad_input else 1)
+    except TandemError as err:
+        return _fail(str(err), 1)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"tandem: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,149 @@
+"""A JobSpec from a YAML/JSON file and command-line flags, validated here before it is sent.
+
+The file and the flags build the same model the REST API takes: `--method`, `--model`, `--steps`
+are shorthands, and `--set a.b.c=value` reaches any field (the value is read as JSON when it parses,
+so `1e-4`, `true`, `null` and `[0.9, 0.95]` are typed; anything else is a string). Local files a
+spec names (reward files, data, model folders) are made absolute when they exist: relative to the
+spec file for paths written in it, relative to the working directory for flags. A bad field is a
+`SpecError` naming it, e.g. "trainer.total_steps: Input should be greater than 0".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from controller.spec import JobSpec
+
+# Fields that name local files or folders, as (section, field).
+PATH_FIELDS = (
+    ("model", "path"),
+    ("model", "critic_path"),
+    ("data", "train_path"),
+    ("data", "val_path"),
+    ("reward", "model_path"),
+    ("checkpoint", "resume_from"),
+)
+
+
+class SpecError(ValueError):
+    """A spec that does not validate; the message starts with the field at fault."""
+
+
+def parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def parse_assignments(items: list[str], what: str = "--set") -> dict[str, Any]:
+    """["trainer.total_steps=5", "optim.lr=1e-4"] as nested {"trainer": {"total_steps": 5}, ...}."""
+    nested: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"{what}: '{item}' must be 'key.path=value'")
+        *parents, leaf = key.strip().split(".")
+        node = nested
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SpecError(f"{what}: '{key}' sets a field inside a value set earlier")
+        node[leaf] = parse_value(value)
+    return nested
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_spec_file(path: str | Path) -> dict[str, Any]:
+    file = Path(path)
+    try:
+        loaded = yaml.safe_load(file.read_text())  # JSON is YAML too
+    except OSError as err:
+        raise SpecError(f"spec file '{path}': {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise SpecError(f"spec file '{path}' is not valid YAML or JSON: {err}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise SpecError(
+            f"spec file '{path}' must hold a mapping of JobSpec fields, not {type(loaded).__name__}"
+        )
+    return absolutize_paths(loaded, file.resolve().parent)
+
+
+def absolutize_paths(spec: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A copy whose relative local paths (that exist under `base`) are absolute."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in spec.items()}
+    for section, field in PATH_FIELDS:
+        value = out.get(section, {}).get(field) if isinstance(out.get(section), dict) else None
+        if isinstance(value, str) and (base / value).expanduser().exists():
+            out[section][field] = str((base / value).expanduser().resolve())
+    reward = out.get("reward")
+    if isinstance(reward, dict) and isinstance(reward.get("function"), str):
+        source, sep, name = reward["function"].rpartition(":")
+        if sep and source.endswith(".py") and (base / source).expanduser().is_file():
+            reward["function"] = f"{(base / source).expanduser().resolve()}:{name}"
+    return out
+
+
+def model_override(model: str) -> dict[str, Any]:
+    """`--model`: a folder path (has a '/' or starts with '.' or '~') or a built-in model's name."""
+    if "/" in model or model.startswith((".", "~")):
+        return {"path": model, "builtin": None}
+    return {"builtin": model, "path": None}
+
+
+def build_spec(
+    file: str | None = None,
+    method: str | None = None,
+    model: str | None = None,
+    steps: int | None = None,
+    sets: list[str] | None = None,
+) -> tuple[dict[str, Any], JobSpec]:
+    """The file, then the shorthands, then --set, merged: (what the user gave, validated as a JobSpec).
+
+    What the user gave is what is sent, not the dump with every default filled in, so a CLI and a
+    service of slightly different versions agree on any spec both understand.
+    """
+    raw = load_spec_file(file) if file else {}
+    flags: dict[str, Any] = {}
+    if method:
+        flags["method"] = method
+    if model:
+        flags["model"] = model_override(model)
+    if steps is not None:
+        flags["trainer"] = {"total_steps": steps}
+    flags = deep_merge(flags, parse_assignments(sets or []))
+    merged = deep_merge(raw, absolutize_paths(flags, Path.cwd()))
+    return merged, validate(merged)
+
+
+def validate(raw: dict[str, Any]) -> JobSpec:
+    try:
+        return JobSpec.model_validate(raw)
+    except ValidationError as err:
+        raise SpecError(describe(err)) from None
+
+
+def describe(err: ValidationError) -> str:
+    """The first error as 'field.path: message', the way the API names a field."""
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first.get("loc", ()))
+    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    more = len(err.errors()) - 1
+    suffix = f" (and {more} more)" if more else ""
+    return f"{field}: {message}{suffix}" if field else f"{message}{suffix}"

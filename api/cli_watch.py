@@ -1,0 +1,132 @@
+"""Watching a job from the terminal: a progress bar while it trains, and live logs and events.
+
+`follow` draws a tqdm bar on stderr (step/total, latest reward, validation accuracy, ETA) driven by
+the job's metrics stream, and returns when the job reaches a terminal state: exit code 0 when it
+succeeded, 1 otherwise. The metrics already recorded seed the bar first (no replay), and the ETA
+is the pace of the steps since the last recorded one times the steps left.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from api.client import TandemClient
+
+REWARD_KEYS = ("critic/score/mean", "sft/loss")  # the headline number: RL reward, else SFT loss
+VAL_KEY = "val/accuracy"
+LABELS = {"critic/score/mean": "reward", "sft/loss": "loss", VAL_KEY: "val accuracy"}
+BAR_FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar:24}| {percentage:3.0f}% [{elapsed}{postfix}]"
+
+
+class ProgressView:
+    """The bar, the latest headline numbers, and an ETA from the pace of the steps seen."""
+
+    def __init__(self, job: dict[str, Any], history: list[dict[str, Any]], out: TextIO) -> None:
+        self.values: dict[str, float] = {}
+        for row in history:
+            self.values.update(row["values"])
+        # The pace is measured from the last step already recorded, so the time the job spent
+        # queued or building its workers does not count as the time a step takes.
+        self.since = (history[-1]["step"], history[-1]["time"]) if history else None
+        self.bar = tqdm(total=job["total_steps"], initial=job["step"], desc=f"{job['id']} step",
+                        bar_format=BAR_FORMAT, file=out, dynamic_ncols=True, mininterval=0.2)  # fmt: skip
+        self._show(eta=None)
+
+    def update(self, row: dict[str, Any]) -> None:
+        self.values.update(row["values"])
+        step, at = row["step"], row["time"]
+        if step > self.bar.n:
+            self.bar.update(step - self.bar.n)
+        if self.since is None:
+            self.since = (step, at)
+        first_step, first_at = self.since
+        pace = (at - first_at) / (step - first_step) if step > first_step else None
+        self._show(eta=None if pace is None else pace * (self.bar.total - step))
+
+    def _show(self, eta: float | None) -> None:
+        parts = ["eta " + ("?" if eta is None else tqdm.format_interval(eta))]
+        for key in REWARD_KEYS:
+            if key in self.values:
+                parts.append(f"{'reward' if key.startswith('critic') else 'loss'}={self.values[key]:.3f}")
+                break
+        if VAL_KEY in self.values:
+            parts.append(f"val_acc={self.values[VAL_KEY]:.3f}")
+        self.bar.set_postfix_str(", ".join(parts), refresh=True)
+
+    def close(self, step: int) -> None:
+        if step > self.bar.n:
+            self.bar.update(step - self.bar.n)
+        self._show(eta=0.0 if self.bar.n >= self.bar.total else None)
+        self.bar.close()
+
+
+def follow(client: TandemClient, job_id: str, out: TextIO | None = None) -> int:
+    """Show the job's progress (on stderr by default) until it is terminal; 0 if it succeeded, else 1."""
+    job = client.get_job(job_id)
+    history = client.metrics(job_id)["data"]
+    view = ProgressView(job, history, out or sys.stderr)
+    last_step = job["step"]
+    try:
+        for event in client.stream(job_id, "metrics", after=history[-1]["id"] if history else 0):
+            if event.event == "metrics":
+                view.update(event.data)
+                last_step = max(last_step, event.data["step"])
+    finally:
+        view.close(last_step)
+    job = client.get_job(job_id)
+    print(summary(job), file=sys.stdout if job["status"] == "succeeded" else sys.stderr)
+    return 0 if job["status"] == "succeeded" else 1
+
+
+def summary(job: dict[str, Any]) -> str:
+    line = f"job {job['id']} {job['status']} at step {job['step']}/{job['total_steps']}"
+    latest = job["latest_metrics"]
+    shown = [f"{label} {latest[k]:.4g}" for k, label in LABELS.items() if k in latest]
+    if shown:
+        line += " (" + ", ".join(shown) + ")"
+    if job.get("error"):
+        line += f": {job['error']}"
+    return line
+
+
+def event_line(event: dict[str, Any]) -> str:
+    return f"{clock(event['time'])}  {event['kind']:<26} {event['message']}"
+
+
+def log_line(row: dict[str, Any]) -> str:
+    return row["line"]
+
+
+def print_events(client: TandemClient, job_id: str, live: bool) -> None:
+    """Every event of the job; with `live`, then new ones as they come, until the job ends."""
+    last = 0
+    while True:
+        page = client.events(job_id, after=last)
+        for event in page["data"]:
+            print(event_line(event), flush=True)
+            last = event["id"]
+        if not page["has_more"]:
+            break
+    if live:
+        for sse in client.stream(job_id, "events", after=last):
+            if sse.event != "end":
+                print(event_line(sse.data), flush=True)
+
+
+def print_logs(client: TandemClient, job_id: str, tail: int, live: bool) -> None:
+    """The job's last `tail` log lines; with `live`, then new ones as they come, until the job ends."""
+    rows = client.logs(job_id, tail=tail)["data"]
+    for row in rows:
+        print(log_line(row), flush=True)
+    if live:
+        for sse in client.stream(job_id, "logs", after=rows[-1]["id"] if rows else 0):
+            if sse.event != "end":
+                print(log_line(sse.data), flush=True)
+
+
+def clock(at: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if at else "-"

@@ -1,0 +1,219 @@
+"""A small typed HTTP client for the Tandem REST API, used by the `tandem` CLI and by scripts.
+
+Where to connect and as whom: TANDEM_URL (default http://127.0.0.1:8000) and a bearer token from
+the argument, else TANDEM_TOKEN, else the admin token file the service writes on first start,
+`$TANDEM_HOME/admin_token` (TANDEM_HOME defaults to ~/.tandem). Every call has a timeout. An API
+error raises `TandemAPIError` carrying the status and the error body's message, param and code; a
+service that cannot be reached raises `TandemConnectionError` naming the URL tried. Live views are
+Server-Sent Events: `stream` yields them and reconnects after a dropped connection, resuming from
+the last event id it saw (Last-Event-ID), until the server's `end` event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+# The server sends a heartbeat every 15 s on an idle stream: a minute of silence is a dead connection.
+STREAM_TIMEOUT = httpx.Timeout(connect=5.0, read=60.0, write=10.0, pool=5.0)
+RECONNECT_TRIES = 5
+
+JSON = dict[str, Any]
+
+
+class TandemError(Exception):
+    """Anything the client could not do."""
+
+
+class TandemAPIError(TandemError):
+    """The API answered with an error: `status` is the HTTP status, `param` the field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    @property
+    def is_bad_input(self) -> bool:
+        """The request itself was wrong (a bad field or value), as opposed to a refusal or a fault."""
+        return self.status in (400, 422)
+
+
+class TandemConnectionError(TandemError):
+    """The service could not be reached at `url`."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(
+            f"cannot reach the Tandem service at {url} ({reason}); start it with `tandem serve`, "
+            "or point TANDEM_URL at a running one"
+        )
+        self.url = url
+
+
+@dataclass
+class SSEEvent:
+    """One Server-Sent Event: `data` is the decoded JSON payload."""
+
+    id: int | None
+    event: str
+    data: Any
+
+
+def resolve_token(token: str | None = None) -> str | None:
+    """The token to send: the argument, else TANDEM_TOKEN, else $TANDEM_HOME/admin_token if readable."""
+    if token:
+        return token
+    if os.environ.get("TANDEM_TOKEN"):
+        return os.environ["TANDEM_TOKEN"]
+    home = Path(os.environ.get("TANDEM_HOME") or Path.home() / ".tandem").expanduser()
+    try:
+        return (home / "admin_token").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def parse_sse(lines: Iterable[str]) -> Iterator[SSEEvent]:
+    """Events from the lines of a text/event-stream; comment lines (heartbeats) are skipped."""
+    event_id: int | None = None
+    name, data = "message", []
+    for line in lines:
+        if not line:
+            if data:
+                yield SSEEvent(event_id, name, json.loads("\n".join(data)))
+            event_id, name, data = None, "message", []
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "id" and value.isdigit():
+            event_id = int(value)
+        elif field == "event":
+            name = value
+        elif field == "data":
+            data.append(value)
+
+
+class TandemClient:
+    """The REST API as methods; each returns the decoded JSON body."""
+
+    def __init__(self, url: str | None = None, token: str | None = None) -> None:
+        self.url = (url or os.environ.get("TANDEM_URL") or DEFAULT_URL).rstrip("/")
+        headers = {"User-Agent": "tandem-cli"}
+        resolved = resolve_token(token)
+        if resolved:
+            headers["Authorization"] = f"Bearer {resolved}"
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=TIMEOUT)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> TandemClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- jobs ------------------------------------------------------------------------------------
+
+    def create_job(self, spec: JSON, idempotency_key: str | None = None) -> JSON:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return self._call("POST", "/v1/jobs", json=spec, headers=headers)
+
+    def list_jobs(self, status: list[str] | None = None, limit: int = 20, after: str | None = None) -> JSON:
+        params: dict[str, Any] = {"limit": limit}
+        if status:
+            params["status"] = status
+        if after:
+            params["after"] = after
+        return self._call("GET", "/v1/jobs", params=params)
+
+    def get_job(self, job_id: str) -> JSON:
+        return self._call("GET", f"/v1/jobs/{job_id}")
+
+    def cancel(self, job_id: str) -> JSON:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
+
+    def pause(self, job_id: str) -> JSON:
+        return self._call("POST", f"/v1/jobs/{job_id}/pause")
+
+    def resume(self, job_id: str) -> JSON:
+        return self._call("POST", f"/v1/jobs/{job_id}/resume")
+
+    def fork(self, job_id: str, checkpoint_step: int | None = None, overrides: JSON | None = None) -> JSON:
+        body = {"checkpoint_step": checkpoint_step, "overrides": overrides or {}}
+        return self._call("POST", f"/v1/jobs/{job_id}/fork", json=body)
+
+    def set_hyperparameters(self, job_id: str, changes: JSON) -> JSON:
+        return self._call("PATCH", f"/v1/jobs/{job_id}/hyperparameters", json=changes)
+
+    # ---- what a job produced ---------------------------------------------------------------------
+
+    def events(self, job_id: str, after: int = 0, limit: int = 1000) -> JSON:
+        return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after, "limit": limit})
+
+    def metrics(self, job_id: str, keys: list[str] | None = None) -> JSON:
+        params = {"keys": ",".join(keys)} if keys else None
+        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)
+
+    def logs(self, job_id: str, tail: int = 200) -> JSON:
+        return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"tail": tail})
+
+    def checkpoints(self, job_id: str) -> JSON:
+        return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
+
+    def stream(self, job_id: str, what: str, after: int = 0) -> Iterator[SSEEvent]:
+        """A job's live `events`, `metrics` or `logs`, from after id `after`, ending with the `end` event."""
+        path, last, failures = f"/v1/jobs/{job_id}/{what}/stream", after, 0
+        while True:
+            try:
+                headers = {"Last-Event-ID": str(last), "Accept": "text/event-stream"}
+                with self._http.stream("GET", path, headers=headers, timeout=STREAM_TIMEOUT) as response:
+                    if response.is_error:
+                        response.read()
+                        raise _api_error(response)
+                    for event in parse_sse(response.iter_lines()):
+                        failures = 0
+                        last = event.id if event.id is not None else last
+                        yield event
+                        if event.event == "end":
+                            return
+                reason = "the stream closed before the job ended"
+            except (httpx.TransportError, json.JSONDecodeError) as err:
+                reason = _reason(err)
+            failures += 1
+            if failures >= RECONNECT_TRIES:
+                raise TandemConnectionError(self.url, reason)
+            time.sleep(min(2.0**failures, 10.0) * 0.5)
+
+    # ---- plumbing --------------------------------------------------------------------------------
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> JSON:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as err:
+            raise TandemConnectionError(self.url, _reason(err)) from None
+        if response.is_error:
+            raise _api_error(response)
+        return response.json()
+
+
+def _api_error(response: httpx.Response) -> TandemAPIError:
+    try:
+        error = response.json()["error"]
+        return TandemAPIError(response.status_code, error["message"], error.get("param"), error.get("code"))
+    except (ValueError, KeyError, TypeError):
+        text = response.text.strip()[:200] or response.reason_phrase
+        return TandemAPIError(response.status_code, f"HTTP {response.status_code}: {text}")
+
+
+def _reason(err: Exception) -> str:
+    if isinstance(err, httpx.TimeoutException):
+        return "timed out"
+    return str(err) or type(err).__name__

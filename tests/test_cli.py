@@ -1,0 +1,171 @@
+"""The `tandem` CLI as a user runs it: a subprocess against a live service (uvicorn, the tests' Ray)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.api_util import free_port, start_service, wait_for, wait_for_step
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+# The tiny GRPO example, made tinier: 2 steps of 4 prompts, validation every step on 8 prompts.
+FAST = ["--steps", "2", "--set", "trainer.prompts_per_step=4", "--set", "trainer.val_every=1",
+        "--set", "trainer.val_size=8", "--set", "checkpoint.every=1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def live(ray_cluster, tmp_path_factory):
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("TANDEM_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+    svc = start_service(tmp_path_factory.mktemp("cli-service"))
+    yield svc
+    svc.stop()
+    monkey.undo()
+
+
+@pytest.fixture(scope="module")
+def api(live):
+    with live.client() as client:
+        yield client
+
+
+def tandem(live, *args: str, url: str | None = None, token: str | None = None, timeout: float = 240):
+    env = {**os.environ, "TANDEM_URL": url or (live.url if live else ""), "TANDEM_TOKEN": token or "",
+           "TANDEM_HOME": "/nonexistent"}  # fmt: skip
+    if live and token is None:
+        env["TANDEM_TOKEN"] = live.token
+    return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished(live):
+    """A job submitted from examples/grpo_tiny.yaml and followed to completion."""
+    done = tandem(live, "submit", str(EXAMPLES / "grpo_tiny.yaml"), *FAST, "--follow")
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.splitlines()[0]
+    return job_id, done
+
+
+def test_submit_follow_shows_progress_to_the_last_step(finished):
+    job_id, done = finished
+    assert job_id.startswith("job")
+    assert f"{job_id} step 2/2" in done.stderr and "100%" in done.stderr and "val_acc=" in done.stderr
+    assert f"job {job_id} succeeded at step 2/2" in done.stdout
+
+
+def test_list_and_status(live, finished):
+    job_id, _ = finished
+    listed = tandem(live, "list")
+    assert listed.returncode == 0
+    header, *rows = listed.stdout.splitlines()
+    assert header.split()[:5] == ["ID", "STATUS", "METHOD", "MODEL", "STEP"]
+    row = next(r for r in rows if r.startswith(job_id)).split()
+    assert row[1:5] == ["succeeded", "grpo", "tiny-qwen2", "2/2"]
+    as_json = json.loads(tandem(live, "list", "--status", "succeeded", "--json").stdout)
+    assert job_id in [j["id"] for j in as_json]
+    assert job_id not in tandem(live, "list", "--status", "failed").stdout
+    status = tandem(live, "status", job_id)
+    assert status.returncode == 0
+    facts = dict(line.split(None, 1) for line in status.stdout.splitlines())
+    assert facts["status"] == "succeeded" and facts["step"].startswith("2/2") and "val/accuracy" in facts
+    assert json.loads(tandem(live, "status", job_id, "--json").stdout)["status"] == "succeeded"
+
+
+def test_logs_events_metrics_checkpoints(live, finished):
+    job_id, _ = finished
+    logs = tandem(live, "logs", job_id, "--tail", "50")
+    assert logs.returncode == 0 and "step 2/2" in logs.stdout
+    events = tandem(live, "events", job_id)
+    kinds = [line.split()[2] for line in events.stdout.splitlines()]
+    assert events.returncode == 0 and kinds[0] == "created" and kinds[-1] == "succeeded"
+    followed = tandem(live, "events", job_id, "-f")  # a terminal job's stream ends by itself
+    assert followed.returncode == 0 and followed.stdout == events.stdout
+    assert "step 2/2" in tandem(live, "logs", job_id, "-f").stdout
+    metrics = tandem(live, "metrics", job_id)
+    header, *rows = metrics.stdout.splitlines()
+    assert header.split()[:3] == ["STEP", "critic/score/mean", "val/accuracy"]
+    assert [r.split()[0] for r in rows] == ["0", "1", "2"]  # step 0: validation before training
+    picked = json.loads(tandem(live, "metrics", job_id, "--keys", "actor/lr", "--json").stdout)
+    assert [set(r["values"]) for r in picked if r["step"]] == [{"actor/lr"}, {"actor/lr"}]
+    saved = tandem(live, "checkpoints", job_id)
+    assert saved.returncode == 0 and [r.split()[0] for r in saved.stdout.splitlines()[1:]] == ["1", "2"]
+
+
+def test_steering_a_running_job(live, api):
+    submitted = tandem(live, "submit", "--model", "tiny-qwen2", "--steps", "40", "--set",
+                       "reward.function=tests.test_trainer:digit_reward", "--set", "trainer.val_every=0",
+                       "--set", "trainer.prompts_per_step=4", "--set", "rollout.n=4",
+                       "--set", "checkpoint.keep_last=50", "--set", "checkpoint.every=1")  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    wait_for_step(api, job_id, 1)
+    changed = tandem(live, "set", job_id, "lr=5e-4", "temperature=0.9")
+    assert changed.returncode == 0 and "lr=0.0005" in changed.stdout
+    assert "hyperparameters_requested" in tandem(live, "events", job_id).stdout
+    refused = tandem(live, "set", job_id, "max_new_tokens=9")
+    assert refused.returncode == 2 and "max_new_tokens" in refused.stderr
+    paused = tandem(live, "pause", job_id)
+    assert paused.returncode == 0 and paused.stdout.split()[-1] in ("pausing", "paused")
+    step = wait_for(api, job_id, ("paused",))["step"]
+    bad_fork = tandem(live, "fork", job_id, "--set", "trainer.total_steps=0")
+    assert bad_fork.returncode == 2 and "trainer.total_steps" in bad_fork.stderr
+    forked = tandem(live, "fork", job_id, "--step", str(step), "--set", f"trainer.total_steps={step + 1}")
+    assert forked.returncode == 0, forked.stderr
+    child_id = forked.stdout.strip()
+    assert api.get(f"/v1/jobs/{child_id}").json()["parent_id"] == job_id
+    assert tandem(live, "resume", job_id).stdout.strip() == f"{job_id}: queued"
+    assert tandem(live, "cancel", job_id).stdout.split()[-1] in ("cancelling", "cancelled")
+    assert tandem(live, "cancel", child_id).returncode == 0
+    wait_for(api, job_id, ("cancelled",))
+    followed = tandem(live, "follow", job_id)
+    assert followed.returncode == 1 and f"job {job_id} cancelled" in followed.stderr
+    again = tandem(live, "resume", job_id)
+    assert (
+        again.returncode == 1 and again.stderr.startswith("tandem: error: ") and "cancelled" in again.stderr
+    )
+
+
+def test_a_bad_spec_is_one_line_naming_the_field(live, tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("method: grpo\ntrainer:\n  total_steps: 0\n")
+    bad = tandem(live, "submit", str(spec))
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines() == ["tandem: error: trainer.total_steps: Input should be greater than 0"]
+    typo = tandem(live, "submit", str(spec), "--steps", "3", "--set", "trainer.total_step=3")
+    assert typo.returncode == 2 and "trainer.total_step: Extra inputs are not permitted" in typo.stderr
+    server_side = tandem(
+        live, "submit", "--set", "reward.function=no_such_module:f"
+    )  # checked by the service
+    assert server_side.returncode == 2 and server_side.stderr.startswith("tandem: error: reward.function: ")
+    missing = tandem(live, "status", "job-nope")
+    assert missing.returncode == 1 and "no job 'job-nope'" in missing.stderr
+
+
+def test_connection_and_auth_errors(live):
+    url = f"http://127.0.0.1:{free_port()}"
+    down = tandem(None, "list", url=url, token="x")
+    assert down.returncode == 1 and len(down.stderr.splitlines()) == 1
+    assert f"cannot reach the Tandem service at {url}" in down.stderr and "tandem serve" in down.stderr
+    denied = tandem(live, "list", token="tdm_wrong")
+    assert (
+        denied.returncode == 1 and "invalid bearer token" in denied.stderr and "TANDEM_TOKEN" in denied.stderr
+    )
+
+
+@pytest.mark.parametrize("name", ["grpo_tiny", "ppo_critic", "custom_reward"])
+def test_example_specs_validate(name):
+    from controller.rewards import load_reward_fn
+
+    shown = tandem(None, "submit", str(EXAMPLES / f"{name}.yaml"), "--dry-run", url="http://unused")
+    assert shown.returncode == 0, shown.stderr
+    spec = json.loads(shown.stdout)
+    assert spec["model"]["builtin"] and load_reward_fn(spec["reward"]["function"])
+    if name == "custom_reward":
+        assert spec["reward"]["function"] == f"{EXAMPLES / 'my_reward.py'}:score"
