@@ -31,6 +31,11 @@ class Packed:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
+    def cu_seq_lens(self) -> torch.Tensor:
+        """[S + 1] cumulative sequence lengths on the CPU (sequence i is tokens cu[i]:cu[i+1])."""
+        lengths = torch.bincount(self.seq_ids, minlength=self.shape[0]).cpu()
+        return torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+
     def block_causal_mask(self) -> torch.Tensor:
         """[1, 1, N, N] boolean mask, True = may attend: same sequence and not in the future."""
         same_seq = self.seq_ids[:, None] == self.seq_ids[None, :]

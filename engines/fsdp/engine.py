@@ -30,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from engines import checkpoint as ckpt
+from engines.attention import register as segment_attention_name
 from engines.base import EngineOutput, GlobalCounts, LossFn, TrainEngine
 from engines.config import EngineConfig
 from engines.distributed import (
@@ -80,16 +81,18 @@ class FSDPEngine(TrainEngine):
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.config.dtype]
 
     def _attn_implementation(self) -> str:
-        if self.config.attn_implementation != "auto":
-            return self.config.attn_implementation
-        if self.device.type == "cuda":
+        """flash-attention's varlen kernel on CUDA when installed; else per-sequence SDPA on the packed row."""
+        choice = self.config.attn_implementation
+        if choice == "auto" and self.device.type == "cuda":
             try:
                 import flash_attn  # noqa: F401
 
                 return "flash_attention_2"
             except ImportError:
                 pass
-        return "sdpa"
+        if choice in ("auto", "sdpa"):
+            return segment_attention_name()
+        return choice
 
     def _build_model(self) -> torch.nn.Module:
         self.attn_implementation = self._attn_implementation()
@@ -250,10 +253,18 @@ class FSDPEngine(TrainEngine):
         self, micro: TensorDict, width: int, compute_entropy: bool, temperature: float
     ) -> dict[str, torch.Tensor]:
         packed = pack(micro["input_ids"], micro["attention_mask"])
-        # flash-attention finds sequence boundaries from the restarting positions; SDPA needs a mask.
-        mask = None if self.attn_implementation == "flash_attention_2" else packed.block_causal_mask()
+        # Sequence boundaries: flash-attention reads them from the restarting positions, the
+        # segment attention from cu_seq_lens_q; plain SDPA or eager need the block-diagonal mask.
+        varlen = self.attn_implementation in ("flash_attention_2", segment_attention_name())
+        mask = None if varlen else packed.block_causal_mask()
         flat = self.model(
-            packed.input_ids, packed.position_ids, mask, packed.targets, temperature, compute_entropy
+            packed.input_ids,
+            packed.position_ids,
+            mask,
+            packed.targets,
+            temperature,
+            compute_entropy,
+            cu_seq_lens_q=packed.cu_seq_lens(),
         )
         mask_r = micro["response_mask"].to(torch.float32)
         return {k: response_columns(unpack(v, packed), width) * mask_r for k, v in flat.items()}

@@ -68,9 +68,14 @@ class PolicyModel(nn.Module):
         targets: torch.Tensor,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        cu_seq_lens_q: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         hidden = self.lm.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            cu_seq_lens_q=cu_seq_lens_q,
         ).last_hidden_state[0]
         head = self.lm.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
@@ -106,9 +111,14 @@ class ValueModel(nn.Module):
         targets: torch.Tensor | None = None,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        cu_seq_lens_q: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         hidden = self.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            cu_seq_lens_q=cu_seq_lens_q,
         ).last_hidden_state[0]
         # clone: FSDP hooks its output, and a view of it would lose the pre-backward hook.
         return {"values": self.value_head(hidden).squeeze(-1).float().clone()}
