@@ -2,7 +2,8 @@
 
 Conventions (DESIGN.md §6): lists are {"object": "list", "data", "has_more"} with after/limit
 cursors; errors are {"error": {...}} naming the field at fault; every response carries
-x-request-id; POST /v1/jobs honours Idempotency-Key. Only /healthz and /readyz are open.
+x-request-id; POST /v1/jobs honours Idempotency-Key. Open without a token: /healthz, /readyz and the
+dashboard's static page and assets (they hold no data; the page asks the API with the token).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from pydantic import ValidationError
 
 from controller.job_actor import JobController
 from controller.job_setup import hyperparameter_overrides
@@ -203,11 +204,11 @@ class Service:
             )
         try:
             overrides = hyperparameter_overrides(changes)
-            spec = JobSpec.model_validate(job.spec).merged(overrides)
         except KeyError as err:
             raise ServiceError(
                 str(err.args[0]), 400, next(iter(changes), None), "unknown_hyperparameter"
             ) from None
+        spec = _validated_merge(job.spec, overrides)
         self.store.update_job(job_id, spec=spec.model_dump(mode="json"))
         self.store.add_event(
             job_id, "hyperparameters_requested", f"requested for the next step: {changes}", changes
@@ -234,7 +235,7 @@ class Service:
         if chosen is None:
             raise ServiceError(f"job '{job_id}' has no checkpoint at step {step}; it has {[c['step'] for c in saved]}",
                                404, "checkpoint_step", "not_found")  # fmt: skip
-        spec = JobSpec.model_validate(parent.spec).merged({**overrides, "checkpoint": {
+        spec = _validated_merge(parent.spec, {**overrides, "checkpoint": {
             **overrides.get("checkpoint", {}), "resume_from": chosen["path"]}})  # fmt: skip
         job, _ = self.submit(spec, parent_id=job_id)
         self.store.add_event(
@@ -387,3 +388,15 @@ class Service:
     def checkpoint_dirs(self, job_id: str) -> list[dict[str, Any]]:
         self.get(job_id)
         return self.store.checkpoints(job_id)
+
+
+def _validated_merge(spec: dict[str, Any], overrides: dict[str, Any]) -> JobSpec:
+    """The spec with nested overrides, validated; a bad value is a 422 naming the field."""
+    try:
+        return JobSpec.model_validate(spec).merged(overrides)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise ServiceError(
+            f"{param}: {first['msg']}" if param else first["msg"], 422, param, "invalid_value"
+        ) from None

@@ -9,6 +9,7 @@ a job fails or is cancelled: only DELETE on a terminal job removes its rows.
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -281,6 +282,10 @@ class JobStore:
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
     def add_metrics(self, job_id: str, step: int, values: dict[str, float], at: float | None = None) -> int:
+        # A diverged run logs NaN or inf; JSON has no such numbers, so they are stored as null.
+        values = {
+            k: (v if isinstance(v, int | float) and math.isfinite(v) else None) for k, v in values.items()
+        }
         with self._tx() as db:
             cur = db.execute(
                 "INSERT INTO metrics (job_id, step, time, data) VALUES (?,?,?,?)",

@@ -227,3 +227,20 @@ def test_jobs_survive_a_restart_and_running_ones_resume(live, tmp_path, ray_clus
             wait_for(client, job["id"], ("cancelled",))
     finally:
         second.stop()
+
+
+def test_bad_hyperparameter_values_and_fork_overrides_are_422(api):
+    job = api.post("/v1/jobs", json=tiny_job(metadata={"suite": "bad-values"})).json()
+    api.post(f"/v1/jobs/{job['id']}/pause")
+    bad = api.patch(f"/v1/jobs/{job['id']}/hyperparameters", json={"temperature": -1})
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "rollout.temperature"
+    api.post(f"/v1/jobs/{job['id']}/cancel")
+
+
+def test_non_finite_metrics_are_stored_as_null(live, api):
+    job = api.post("/v1/jobs", json=tiny_job(metadata={"suite": "nan"})).json()
+    api.post(f"/v1/jobs/{job['id']}/pause")
+    live.service.store.add_metrics(job["id"], 1, {"actor/pg_loss": float("nan"), "ok": 1.0})
+    rows = api.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
+    assert rows[-1]["values"] == {"actor/pg_loss": None, "ok": 1.0}
+    api.post(f"/v1/jobs/{job['id']}/cancel")
