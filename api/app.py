@@ -12,6 +12,7 @@ import hashlib
 import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -75,8 +76,15 @@ def job_view(job: JobRecord) -> dict[str, Any]:
         "error": job.error,
         "parent_id": job.parent_id,
         "metadata": job.metadata,
+        "outputs": _outputs(job),
         "spec": spec,
     }
+
+
+def _outputs(job: JobRecord) -> dict[str, str | None]:
+    """Where the job writes on the server: its folder, and the HF export once it exists."""
+    export = Path(job.workdir) / "export"
+    return {"workdir": job.workdir, "export": str(export) if (export / "config.json").exists() else None}
 
 
 def listing(data: list[Any], has_more: bool) -> dict[str, Any]:
