@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NAME = "tandem_segments"
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def segment_attention(
@@ -36,12 +38,15 @@ def segment_attention(
     if repeats > 1:  # grouped-query attention: expand once, not inside every per-sequence call
         key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     p = dropout if module.training else 0.0
-    pieces = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling
-        )
-        for s, e in zip(edges[:-1], edges[1:], strict=True)
-    ]
+    # Not cuDNN: it builds and caches a plan per sequence length, and RL lengths rarely repeat
+    # (measured on an H100: a fresh packed batch 3x slower than a repeated one).
+    with sdpa_kernel(_BACKENDS):
+        pieces = [
+            F.scaled_dot_product_attention(
+                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling
+            )
+            for s, e in zip(edges[:-1], edges[1:], strict=True)
+        ]
     out = torch.cat(pieces, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
