@@ -142,7 +142,20 @@ class TrainerSpec(Section):
     epochs: int = Field(1, ge=1, description="SFT: passes over the data")
     val_every: int = Field(5, ge=0, description="0 disables validation")
     val_size: int = Field(64, gt=0, description="validation prompts per evaluation")
+    stop_at_val_accuracy: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="end the job early, with its checkpoint and export, at the first validation whose "
+        "accuracy reaches this (e.g. an SFT warm start to a modest accuracy); None = run total_steps",
+    )
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _target_needs_validation(self) -> TrainerSpec:
+        if self.stop_at_val_accuracy is not None and not self.val_every:
+            raise ValueError("trainer.stop_at_val_accuracy needs validation: set trainer.val_every > 0")
+        return self
 
 
 class CheckpointSpec(Section):

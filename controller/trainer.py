@@ -65,7 +65,8 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
 
     def run(self) -> dict[str, float]:
-        """Train to total_steps (or until stopped); returns the last step's metrics."""
+        """Train to total_steps (or to trainer.stop_at_val_accuracy, or until stopped); returns the last
+        step's metrics."""
         self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name)
         last: dict[str, float] = {}
         try:
@@ -86,6 +87,8 @@ class Trainer:
                 self.sink.progress(self.step_index, total, _headline(last))
                 if self._due(self.spec.checkpoint.every) or self.control.checkpoint_now:
                     self.save_checkpoint()
+                if self._target_reached(last):
+                    break
                 self._check_stop()
             self.finish()
         finally:
@@ -210,6 +213,19 @@ class Trainer:
 
     def _due(self, every: int) -> bool:
         return every > 0 and self.step_index % every == 0
+
+    def _target_reached(self, metrics: dict[str, float]) -> bool:
+        """Whether this step's validation reached trainer.stop_at_val_accuracy (then the job finishes)."""
+        target, accuracy = self.spec.trainer.stop_at_val_accuracy, metrics.get("val/accuracy")
+        if target is None or accuracy is None or accuracy < target:
+            return False
+        self.sink.event(
+            "target_reached",
+            f"step {self.step_index}: val accuracy {accuracy:.3f} >= {target}: finishing early",
+            step=self.step_index,
+            accuracy=accuracy,
+        )
+        return True
 
     def _check_stop(self) -> None:
         reason = self.control.stop_reason

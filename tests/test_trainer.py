@@ -204,3 +204,26 @@ def test_grpo_learns(ray_cluster, tmp_path):
     scores = [r["values"]["critic/score/mean"] for r in sink.history]
     first, last = sum(scores[:3]) / 3, sum(scores[-3:]) / 3
     assert last > first + 0.2, scores
+
+
+def always_right(prompt: str, response: str, ground_truth, extra) -> dict:
+    return {"score": 1.0}
+
+
+def test_a_reached_val_accuracy_target_finishes_the_job_early(ray_cluster, tmp_path):
+    spec = job_spec(
+        method="sft",
+        reward={"function": "tests.test_trainer:always_right"},
+        trainer={"total_steps": 6, "val_every": 2, "stop_at_val_accuracy": 0.5},
+        checkpoint={"every": 0},
+    )
+    _, sink, last = run(spec, tmp_path)
+    assert [r["step"] for r in sink.history] == [0, 1, 2]
+    assert last["val/accuracy"] == 1.0
+    assert [e["data"]["step"] for e in sink.events if e["kind"] == "target_reached"] == [2]
+    assert (tmp_path / "export" / "config.json").exists()  # finished as at the end: export written
+
+
+def test_a_val_accuracy_target_needs_validation():
+    with pytest.raises(ValueError, match="stop_at_val_accuracy needs validation"):
+        job_spec(trainer={"val_every": 0, "stop_at_val_accuracy": 0.5})
