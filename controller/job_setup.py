@@ -87,7 +87,7 @@ class JobSetup:
                 "data_filtered",
                 f"{train.num_filtered} training prompts longer than "
                 f"{spec.data.max_prompt_length} tokens were dropped",
-                **train.stats(),
+                **train.stats,
             )
         loader = PromptLoader(
             train, spec.trainer.prompts_per_step, seed=spec.trainer.seed, shuffle=spec.data.shuffle
