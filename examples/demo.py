@@ -1,129 +1,119 @@
-"""`make run`: SFT, then GRPO from the SFT model, on the built-in 2-digit addition task, in minutes.
+"""`make run`: the service, and the demo pipeline submitted through its API.
 
-Stage 1 (examples/sft_arithmetic.yaml) trains the ~0.8M-parameter qwen2-1m model on the answers
-("23+58=" -> "81") until its greedy accuracy on 200 held-out problems first reaches 0.3. Stage 2
-(examples/grpo_arithmetic.yaml) starts from stage 1's HF export and learns from the rule reward
-alone (1 for the right answer, else 0) with GRPO, taking the same accuracy past 0.8.
+1. Starts `tandem serve` (a local Ray and the API on http://127.0.0.1:8000, or the next free port).
+2. Submits examples/sft_arithmetic.yaml: SFT warm-starts the built-in ~0.8M-parameter model on 2-digit
+   addition to a modest accuracy. A progress bar follows it (step/total, loss, val accuracy, ETA).
+3. Submits examples/grpo_arithmetic.yaml with model.path set to the SFT job's HF export: GRPO raises
+   the validation accuracy. Followed the same way.
+4. Prints a summary and leaves the service and its dashboard running until Ctrl-C, which stops it
+   gracefully (running jobs checkpoint and resume at the next start).
 
-Both jobs run here, on a local Ray, through the same `Trainer` the service uses; their folders are
-$TANDEM_HOME/jobs/<name> (events.jsonl, metrics.jsonl, checkpoints/, export/), replaced on every
-run. A tqdm bar per job shows the step, the loss or mean reward, the last validation accuracy and
-the time left. The measured curve is in bench/RESULTS.md.
+Everything goes through the REST API with the admin token, as a user's own scripts would.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
+import signal
+import socket
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import ray
+import httpx
 import yaml
-from tqdm import tqdm
 
-from controller.models import tandem_home
-from controller.sink import JsonlSink
-from controller.spec import JobSpec
-from controller.trainer import Trainer
+from api.cli_watch import follow
+from api.client import TandemClient
 
 EXAMPLES = Path(__file__).resolve().parent
+ROOT = EXAMPLES.parent
 
 
-class ProgressSink(JsonlSink):
-    """The job's JSONL record, plus a tqdm bar and the validation-accuracy curve."""
-
-    def __init__(self, folder: Path, label: str, total: int) -> None:
-        super().__init__(folder)
-        self.bar = tqdm(total=total, desc=label, unit="step", dynamic_ncols=True)
-        self.curve: dict[int, float] = {}  # step -> val accuracy
-
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        super().metrics(step, values)
-        if "val/accuracy" in values:
-            self.curve[step] = values["val/accuracy"]
-
-    def progress(self, step: int, total: int, values: dict[str, float]) -> None:
-        shown = {}
-        if "sft/loss" in values:
-            shown["loss"] = f"{values['sft/loss']:.3f}"
-        if "critic/score/mean" in values:
-            shown["reward"] = f"{values['critic/score/mean']:.2f}"
-        if self.curve:
-            shown["val_acc"] = f"{self.curve[max(self.curve)]:.2f}"
-        self.bar.set_postfix(shown, refresh=False)
-        self.bar.update(step - self.bar.n)
-
-    def close(self) -> None:
-        self.bar.total = self.bar.n  # a job that reached its accuracy target ends before total_steps
-        self.bar.close()
+def free_port(preferred: int) -> int:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", preferred))
+            return preferred
+        except OSError:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
 
 
-@dataclass
-class JobResult:
-    workdir: Path
-    curve: dict[int, float]
-    minutes: float
-
-    @property
-    def steps(self) -> int:
-        return max(self.curve)
+def start_service(home: Path, port: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--home", str(home)]
+    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "TANDEM_HOME": str(home)})
 
 
-def load_spec(file: str, **overrides: Any) -> JobSpec:
-    return JobSpec.model_validate(yaml.safe_load((EXAMPLES / file).read_text())).merged(overrides)
+def wait_ready(url: str, server: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"tandem serve exited with code {server.returncode}; see its output above")
+        try:
+            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the service did not become ready within {timeout_s:.0f}s")
 
 
-def run_job(name: str, spec: JobSpec, label: str) -> JobResult:
-    workdir = tandem_home() / "jobs" / name
-    shutil.rmtree(workdir, ignore_errors=True)  # a fresh job, not a resume of the last run's
-    sink = ProgressSink(workdir, label, spec.trainer.total_steps)
-    start = time.perf_counter()
-    try:
-        Trainer(spec, workdir, sink, name=name).run()
-    finally:
-        sink.close()
-    return JobResult(workdir, sink.curve, (time.perf_counter() - start) / 60)
-
-
-def summary(sft: JobResult, grpo: JobResult, minutes: float) -> str:
-    def line(label: str, job: JobResult) -> str:
-        first, last = job.curve[0], job.curve[job.steps]
-        return (
-            f"  {label}: val accuracy {first:.2f} -> {last:.2f} in {job.steps} steps, "
-            f"{job.minutes:.1f} min; export: {job.workdir / 'export'}"
-        )
-
-    return "\n".join(
-        [
-            f"Done in {minutes:.1f} minutes (val accuracy: greedy answers to held-out problems).",
-            line("SFT ", sft),
-            line("GRPO", grpo),
-            f"  Job folders (events.jsonl, metrics.jsonl, checkpoints/, export/): {sft.workdir.parent}",
-        ]
+def run_job(client: TandemClient, spec: dict, title: str) -> dict:
+    job = client.create_job(spec)
+    print(
+        f"\n== {title}: job {job['id']} ({spec['method']}, {spec['trainer']['total_steps']} steps)",
+        flush=True,
     )
+    follow(client, job["id"])
+    job = client.get_job(job["id"])
+    if job["status"] != "succeeded":
+        raise SystemExit(f"{title} ended {job['status']}: {job.get('error')}")
+    return job
 
 
-def main() -> None:
-    print("Tandem demo: SFT then GRPO on 2-digit addition with a ~0.8M-parameter model, on this CPU.")
-    ray.init(
-        num_cpus=os.cpu_count() or 1,
-        include_dashboard=False,
-        logging_level="error",
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(EXAMPLES.parent), "TOKENIZERS_PARALLELISM": "false"}},
-    )
-    start = time.perf_counter()
+def val_curve(client: TandemClient, job_id: str) -> list[tuple[int, float]]:
+    rows = client.metrics(job_id, keys=["val/accuracy"])["data"]
+    return [
+        (r["step"], r["values"]["val/accuracy"]) for r in rows if r["values"].get("val/accuracy") is not None
+    ]
+
+
+def main() -> int:
+    home = Path(os.environ.get("TANDEM_HOME", ROOT / ".tandem")).resolve()
+    port = free_port(int(os.environ.get("TANDEM_PORT", "8000")))
+    url = f"http://127.0.0.1:{port}"
+    os.environ["TANDEM_HOME"] = str(home)  # the client reads the admin token from there
+    server = start_service(home, port)
     try:
-        sft = run_job("sft-arithmetic", load_spec("sft_arithmetic.yaml"), "SFT ")
-        grpo_spec = load_spec("grpo_arithmetic.yaml", model={"path": str(sft.workdir / "export")})
-        grpo = run_job("grpo-arithmetic", grpo_spec, "GRPO")
+        wait_ready(url, server)
+        client = TandemClient(url=url)
+        started = time.time()
+        sft_spec = yaml.safe_load((EXAMPLES / "sft_arithmetic.yaml").read_text())
+        sft = run_job(client, sft_spec, "SFT warm start")
+        grpo_spec = yaml.safe_load((EXAMPLES / "grpo_arithmetic.yaml").read_text())
+        grpo_spec["model"] = {"path": sft["outputs"]["export"]}
+        grpo = run_job(client, grpo_spec, "GRPO from the SFT export")
+        sft_curve, grpo_curve = val_curve(client, sft["id"]), val_curve(client, grpo["id"])
+        print("\n== Summary")
+        print(f"SFT  {sft['id']}: val accuracy {sft_curve[0][1]:.2f} -> {sft_curve[-1][1]:.2f}")
+        print(f"GRPO {grpo['id']}: val accuracy {grpo_curve[0][1]:.2f} -> {grpo_curve[-1][1]:.2f}")
+        print(f"total {(time.time() - started) / 60:.1f} min; GRPO model: {grpo['outputs']['export']}")
+        print(f"\nDashboard: {url}/  (sign in with the token in {home / 'admin_token'})")
+        print("The service keeps running; Ctrl-C stops it.", flush=True)
+        server.wait()
+    except KeyboardInterrupt:
+        pass
     finally:
-        ray.shutdown()
-    print(summary(sft, grpo, (time.perf_counter() - start) / 60))
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

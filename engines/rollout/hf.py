@@ -280,8 +280,7 @@ class HFRolloutEngine(RolloutEngine):
         if self.device.type == "cuda":
             self.model.to("cpu")
             self._targets = self._update_targets()  # .to() replaces buffer tensors
-        gc.collect()
-        if self.device.type == "cuda":
+            gc.collect()  # drop the last references before the cache is emptied (0.3-0.7 s: CUDA only)
             torch.cuda.empty_cache()
         self._released = True
 
