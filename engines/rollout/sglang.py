@@ -25,12 +25,13 @@ top-k / top-p set that differs from the Completion contract, which renormalises 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.weights import iter_buckets as bucket_named_tensors  # one bucketing rule for every engine
 
 INSTALL_HINT = "pip install 'tandem-rl[sglang]' on a GPU machine"
 
@@ -134,28 +135,6 @@ def is_sglang_weight(name: str) -> bool:
     """sglang takes HF checkpoint names as they are (it fuses q/k/v and gate/up itself); only
     non-weight buffers are left out."""
     return not name.endswith(SKIPPED_WEIGHT_SUFFIXES)
-
-
-def bucket_named_tensors(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group a stream into lists of at most `bucket_bytes` bytes; a larger tensor travels alone.
-
-    Lazy: only one bucket is held at a time, so a full state dict never is.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def check_sglang_result(result: Any, action: str) -> None:
