@@ -14,8 +14,11 @@ States: queued → running → succeeded | failed | cancelled; running → pausi
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,13 +238,34 @@ class Service:
         if chosen is None:
             raise ServiceError(f"job '{job_id}' has no checkpoint at step {step}; it has {[c['step'] for c in saved]}",
                                404, "checkpoint_step", "not_found")  # fmt: skip
+        try:
+            snapshot = self._snapshot_checkpoint(Path(chosen["path"]))
+        except FileNotFoundError:
+            raise ServiceError(
+                f"job '{job_id}' pruned its checkpoint at step {chosen['step']} just now; fork from a newer one",
+                409, "checkpoint_step", "checkpoint_pruned",
+            ) from None  # fmt: skip
         spec = _validated_merge(parent.spec, {**overrides, "checkpoint": {
-            **overrides.get("checkpoint", {}), "resume_from": chosen["path"]}})  # fmt: skip
+            **overrides.get("checkpoint", {}), "resume_from": str(snapshot)}})  # fmt: skip
         job, _ = self.submit(spec, parent_id=job_id)
         self.store.add_event(
             job.id, "forked", f"forked from {job_id} at step {chosen['step']}", {"parent": job_id}
         )
         return job
+
+    def _snapshot_checkpoint(self, folder: Path) -> Path:
+        """A private copy (hard links where the file system allows) of a checkpoint to fork from:
+        the parent keeps running and may prune the original before the child starts."""
+        target = self.jobs_root / "fork-sources" / uuid.uuid4().hex[:12] / folder.name
+
+        def link_or_copy(src: str, dst: str) -> None:
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copy2(src, dst)
+
+        shutil.copytree(folder, target, copy_function=link_or_copy)
+        return target
 
     def _tell(self, job_id: str, method: str, *args: Any) -> None:
         with self._lock:

@@ -35,3 +35,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return build_builtin_model("tiny-qwen2", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def live(ray_cluster, tmp_path_factory):
+    """A real service for the module: the Service on the tests' Ray, uvicorn on 127.0.0.1, SQLite."""
+    from tests.api_util import start_service
+
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("TANDEM_HOME", str(tmp_path_factory.getbasetemp() / "home"))
+    svc = start_service(tmp_path_factory.mktemp("service"))
+    yield svc
+    svc.stop()
+    monkey.undo()
+
+
+@pytest.fixture(scope="module")
+def api(live):
+    """An HTTP client of `live` carrying the admin token."""
+    with live.client() as client:
+        yield client

@@ -10,22 +10,6 @@ from tests.api_util import start_service, tiny_job, wait_for, wait_for_step
 
 
 @pytest.fixture(scope="module")
-def live(ray_cluster, tmp_path_factory):
-    monkey = pytest.MonkeyPatch()
-    monkey.setenv("TANDEM_HOME", str(tmp_path_factory.getbasetemp() / "home"))
-    svc = start_service(tmp_path_factory.mktemp("service"))
-    yield svc
-    svc.stop()
-    monkey.undo()
-
-
-@pytest.fixture(scope="module")
-def api(live):
-    with live.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def finished_job(api):
     created = api.post("/v1/jobs", json=tiny_job())
     assert created.status_code == 201, created.text
@@ -201,7 +185,6 @@ def test_reward_validation(api):
 
 
 def test_jobs_survive_a_restart_and_running_ones_resume(live, tmp_path, ray_cluster):
-    from tests.api_util import start_service
 
     first = start_service(tmp_path)
     with first.client() as client:

@@ -10,29 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.api_util import free_port, start_service, wait_for, wait_for_step
+from tests.api_util import free_port, wait_for, wait_for_step
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 # The tiny GRPO example, made tinier: 2 steps of 4 prompts, validation every step on 8 prompts.
 FAST = ["--steps", "2", "--set", "trainer.prompts_per_step=4", "--set", "trainer.val_every=1",
         "--set", "trainer.val_size=8", "--set", "checkpoint.every=1"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def live(ray_cluster, tmp_path_factory):
-    monkey = pytest.MonkeyPatch()
-    monkey.setenv("TANDEM_HOME", str(tmp_path_factory.getbasetemp() / "home"))
-    svc = start_service(tmp_path_factory.mktemp("cli-service"))
-    yield svc
-    svc.stop()
-    monkey.undo()
-
-
-@pytest.fixture(scope="module")
-def api(live):
-    with live.client() as client:
-        yield client
 
 
 def tandem(live, *args: str, url: str | None = None, token: str | None = None, timeout: float = 240):
