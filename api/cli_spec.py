@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from controller.spec import JobSpec
+from controller.spec import JobSpec, deep_merge
 
 # Fields that name local files or folders, as (section, field).
 PATH_FIELDS = (
@@ -56,16 +56,6 @@ def parse_assignments(items: list[str], what: str = "--set") -> dict[str, Any]:
                 raise SpecError(f"{what}: '{key}' sets a field inside a value set earlier")
         node[leaf] = parse_value(value)
     return nested
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def load_spec_file(path: str | Path) -> dict[str, Any]:

@@ -225,14 +225,15 @@ class JobSpec(Section):
 
     def merged(self, overrides: dict[str, Any]) -> JobSpec:
         """A new spec with nested overrides applied (fork), validated as a whole."""
-        return JobSpec.model_validate(_deep_merge(self.model_dump(), overrides))
+        return JobSpec.model_validate(deep_merge(self.model_dump(), overrides))
 
 
-def _deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` applied key by key, recursing into nested dicts."""
     out = dict(base)
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out

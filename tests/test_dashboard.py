@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api_util import LiveService, start_service, tiny_job, wait_for
+from tests.api_util import LiveService, tiny_job, wait_for
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras")
 expect = sync_api.expect
@@ -37,22 +37,6 @@ def chromium_path() -> str:
     if os.environ.get("CI"):
         pytest.fail(f"{CHROMIUM} is missing: `make install` installs Debian's chromium with apt-get")
     pytest.skip(f"{CHROMIUM} is missing: run `make install` (apt-get install chromium)")
-
-
-@pytest.fixture(scope="module")
-def live(ray_cluster, tmp_path_factory) -> Iterator[LiveService]:
-    monkey = pytest.MonkeyPatch()
-    monkey.setenv("TANDEM_HOME", str(tmp_path_factory.getbasetemp() / "home"))
-    svc = start_service(tmp_path_factory.mktemp("dashboard"))
-    yield svc
-    svc.stop()
-    monkey.undo()
-
-
-@pytest.fixture(scope="module")
-def api(live: LiveService) -> Iterator[httpx.Client]:
-    with live.client() as client:
-        yield client
 
 
 @pytest.fixture(scope="module")
