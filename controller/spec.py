@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engines.rollout import ROLLOUT_ENGINES, check_tensor_parallel
 
 Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 
@@ -75,7 +77,11 @@ class RewardSpec(Section):
 class RolloutSpec(Section):
     """Generation: backend, sampling, and memory behaviour in the colocated worker."""
 
-    backend: Literal["hf", "sglang"] = "hf"
+    backend: str = Field(
+        "hf",
+        description="rollout engine, by its name in engines.rollout.ROLLOUT_ENGINES ('hf', 'sglang', ...)",
+        json_schema_extra=lambda schema: schema.update(enum=ROLLOUT_ENGINES.names()),
+    )
     n: int = Field(8, ge=1, description="samples per prompt (the GRPO group size)")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -85,6 +91,17 @@ class RolloutSpec(Section):
     bucket_mb: int = Field(512, gt=0, description="weight-sync bucket size")
     free_cache_after_generate: bool = Field(True, description="release rollout memory between generations")
     offload_trainer_during_rollout: bool = False
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, name: str) -> str:
+        ROLLOUT_ENGINES.entry(name)  # raises naming the choices
+        return name
+
+    @model_validator(mode="after")
+    def _tensor_parallel_supported(self) -> RolloutSpec:
+        check_tensor_parallel(self.backend, self.tensor_parallel_size)
+        return self
 
 
 class OptimSpec(Section):
@@ -197,8 +214,6 @@ class JobSpec(Section):
     def _consistent(self) -> JobSpec:
         if self.method == "ppo" and self.algorithm.advantage not in (None, "gae"):
             raise ValueError("method 'ppo' uses GAE: leave algorithm.advantage unset or 'gae'")
-        if self.rollout.tensor_parallel_size > 1 and self.rollout.backend == "hf":
-            raise ValueError("rollout.tensor_parallel_size > 1 needs rollout.backend 'sglang'")
         if self.resources.workers % self.rollout.tensor_parallel_size:
             raise ValueError("resources.workers must be a multiple of rollout.tensor_parallel_size")
         # Every rank must get the same number of real samples: padded rows would be trained on.

@@ -56,6 +56,7 @@ class TrainEngine(ABC):
     dp_rank: int
     dp_size: int
     is_collect_rank: bool
+    device: torch.device  # the compute device; `to(str(device))` onloads
 
     @abstractmethod
     def initialize(self) -> None:
@@ -95,6 +96,15 @@ class TrainEngine(ABC):
     def lr_scheduler_step(self) -> float:
         """Advance the schedule; returns the new learning rate."""
 
+    @property
+    @abstractmethod
+    def learning_rate(self) -> float:
+        """The current learning rate (schedule applied); 0.0 for an engine without an optimizer."""
+
+    @abstractmethod
+    def set_learning_rate(self, lr: float) -> None:
+        """Change the base learning rate (a hyper-parameter edit); the schedule's factor still applies."""
+
     @abstractmethod
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF state-dict name, full tensor), one parameter at a time, gathered lazily."""
@@ -110,3 +120,7 @@ class TrainEngine(ABC):
     @abstractmethod
     def load_checkpoint(self, path: str) -> int:
         """Restore what save_checkpoint wrote; returns the step."""
+
+    @abstractmethod
+    def export_hf(self, path: str) -> None:
+        """Write the full weights as a Hugging Face folder that `from_pretrained` loads (policy only)."""

@@ -1,6 +1,6 @@
 """Configuration of a training engine: one small validated model per concern.
 
-`EngineConfig` is what a training role hands to `FSDPEngine`: where the model is, how it is sharded
+`EngineConfig` is what a training role hands to its training engine (FSDP by default): where the model is, how it is sharded
 and offloaded, how it is optimised and scheduled, and how a batch is cut into micro-batches.
 Every section forbids unknown keys and checks what it can on construction, so a bad value fails
 where it was written rather than deep inside a training step.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Section(BaseModel):
@@ -83,6 +83,7 @@ class EngineConfig(_Section):
     model_path: str = Field(
         ..., description="local Hugging Face folder (config.json, safetensors, tokenizer)"
     )
+    engine: str = Field("fsdp", description="training engine, by its name in engines.registry.TRAIN_ENGINES")
     role: Literal["policy", "value"] = Field("policy", description="value: a scalar head for the critic")
     trainable: bool = Field(True, description="False: forward only, no optimizer (the reference model)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
@@ -99,6 +100,14 @@ class EngineConfig(_Section):
         1024, gt=0, description="tokens per chunk of the vocabulary projection, bounds fp32 logits memory"
     )
     seed: int = 0
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        from engines.registry import TRAIN_ENGINES
+
+        TRAIN_ENGINES.entry(name)  # raises naming the choices
+        return name
 
     @model_validator(mode="after")
     def _offload_needs_something_to_offload(self) -> EngineConfig:

@@ -8,7 +8,7 @@ into the same processes as another role.
 from __future__ import annotations
 
 from engines.config import EngineConfig
-from engines.fsdp.engine import FSDPEngine
+from engines.registry import build_train_engine
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
 from workers.training import train_on_batch
@@ -18,7 +18,7 @@ class CriticWorker(Worker):
     def __init__(self, config: EngineConfig | dict) -> None:
         super().__init__()
         cfg = EngineConfig.model_validate(config).model_copy(update={"role": "value"})
-        self.critic = FSDPEngine(cfg)
+        self.critic = build_train_engine(cfg)
         self.critic.initialize()
         self.register_mesh("actor", dp_rank=self.critic.dp_rank, is_collect=self.critic.is_collect_rank)
 

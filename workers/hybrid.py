@@ -1,6 +1,6 @@
 """The hybrid actor-rollout-ref worker: in one process, a training engine beside a rollout engine.
 
-Per rank: the actor `FSDPEngine`, an optional reference `FSDPEngine` (forward only), and a rollout
+Per rank: the actor training engine, an optional reference engine (forward only), and a rollout
 engine holding its own copy of the policy. Weights move from the actor to the rollout engine in
 this process, bucketed through the engines' own APIs (`engines/weights.py`); nothing else copies
 them.
@@ -22,9 +22,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tensordict import TensorDict
 
+from engines.base import TrainEngine
 from engines.config import EngineConfig
-from engines.fsdp.engine import FSDPEngine
-from engines.rollout import SamplingParams, build_rollout_engine
+from engines.registry import build_train_engine
+from engines.rollout import SamplingParams, build_rollout_engine, check_tensor_parallel
 from engines.weights import WeightSync
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
@@ -47,9 +48,8 @@ class RolloutConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _hf_is_single_device(self) -> RolloutConfig:
-        if self.backend == "hf" and self.tensor_parallel_size != 1:
-            raise ValueError("rollout backend 'hf' runs on one device: tensor_parallel_size must be 1")
+    def _tensor_parallel_supported(self) -> RolloutConfig:
+        check_tensor_parallel(self.backend, self.tensor_parallel_size)
         return self
 
 
@@ -77,11 +77,11 @@ class ActorRolloutRefWorker(Worker):
                 f"world size {self.world_size} is not a multiple of rollout tensor_parallel_size "
                 f"{self.config.rollout.tensor_parallel_size}"
             )
-        self.actor = FSDPEngine(self.config.actor)
+        self.actor = build_train_engine(self.config.actor)
         self.actor.initialize()
-        self.ref: FSDPEngine | None = None
+        self.ref: TrainEngine | None = None
         if self.config.ref is not None:
-            self.ref = FSDPEngine(self.config.ref.model_copy(update={"trainable": False}))
+            self.ref = build_train_engine(self.config.ref.model_copy(update={"trainable": False}))
             self.ref.initialize()
         rc = self.config.rollout
         self.rollout = build_rollout_engine(
@@ -91,7 +91,7 @@ class ActorRolloutRefWorker(Worker):
             dtype=rc.dtype,
             **rc.engine_kwargs,
         )
-        self.weight_sync = WeightSync(rc.bucket_mb, dtype=getattr(self.rollout, "dtype", None))
+        self.weight_sync = WeightSync(rc.bucket_mb, dtype=self.rollout.dtype)
         self.register_mesh("actor", dp_rank=self.actor.dp_rank, is_collect=self.actor.is_collect_rank)
         dp, collect = rollout_mesh_coords(self.rank, rc.tensor_parallel_size)
         self.register_mesh("rollout", dp_rank=dp, is_collect=collect)
@@ -115,13 +115,10 @@ class ActorRolloutRefWorker(Worker):
         finally:
             self._after_rollout()
         return Batch(
-            _rollout_tensors(prompts, completions, width, params.max_new_tokens, self._pad_id()),
+            _rollout_tensors(prompts, completions, width, params.max_new_tokens, self.rollout.pad_token_id),
             batch.non_tensors,
             batch.meta,
         )
-
-    def _pad_id(self) -> int:
-        return int(getattr(self.rollout, "pad_token_id", 0) or 0)
 
     def _before_rollout(self) -> None:
         if self.config.rollout.offload_trainer_during_rollout:

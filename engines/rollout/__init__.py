@@ -1,8 +1,10 @@
-"""Rollout engines, chosen by name in one place.
+"""Rollout engines, chosen by name through `ROLLOUT_ENGINES` (see engines/registry.py).
 
 `hf` (transformers in this process, CPU or GPU) is always available; `sglang` needs the sglang
 package and a GPU, and is probed before use so that a job asking for it fails early, with a
-message that says what to install, rather than deep inside a worker.
+message that says what to install, rather than deep inside a worker. A new backend is one file
+(a `RolloutEngine`) plus a builder registered here with `@register_rollout_engine("name")`; the
+builder imports its engine lazily, so this package imports without torch.
 """
 
 from __future__ import annotations
@@ -10,41 +12,64 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from engines.registry import Registry
 from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams
 
-BACKENDS = ("hf", "sglang")
-
 __all__ = [
-    "BACKENDS",
+    "ROLLOUT_ENGINES",
     "Completion",
     "RolloutEngine",
     "RolloutEngineError",
     "SamplingParams",
     "available_backends",
     "build_rollout_engine",
+    "check_tensor_parallel",
+    "register_rollout_engine",
 ]
+
+ROLLOUT_ENGINES: Registry[RolloutEngine] = Registry("rollout backend")
+register_rollout_engine = ROLLOUT_ENGINES.register
+
+
+@register_rollout_engine("hf")
+def _build_hf(model_path: str | Path, device: str = "cpu", dtype: str = "auto", **kw: Any) -> RolloutEngine:
+    from engines.rollout.hf import HFRolloutEngine
+
+    return HFRolloutEngine(model_path, device=device, dtype=dtype, **kw)
+
+
+def _probe_sglang() -> str | None:
+    from engines.rollout.sglang import probe_sglang
+
+    return probe_sglang()
+
+
+@register_rollout_engine("sglang", probe=_probe_sglang, tensor_parallel=True)
+def _build_sglang(
+    model_path: str | Path, device: str = "cuda", dtype: str = "auto", **kw: Any
+) -> RolloutEngine:
+    from engines.rollout.sglang import SGLangRolloutEngine
+
+    return SGLangRolloutEngine(str(model_path), device=device, dtype=dtype, **kw)
 
 
 def available_backends() -> dict[str, str | None]:
     """Each backend name mapped to None when usable here, or to the reason it is not."""
-    from engines.rollout.sglang import probe_sglang
-
-    return {"hf": None, "sglang": probe_sglang()}
+    return ROLLOUT_ENGINES.available()
 
 
 def build_rollout_engine(
     backend: str, model_path: str | Path, device: str = "cpu", dtype: str = "auto", **kw: Any
 ) -> RolloutEngine:
     """The named engine, loaded from an HF model folder. Extra keywords go to its constructor."""
-    if backend == "hf":
-        from engines.rollout.hf import HFRolloutEngine
+    return ROLLOUT_ENGINES.build(backend, model_path, device=device, dtype=dtype, **kw)
 
-        return HFRolloutEngine(model_path, device=device, dtype=dtype, **kw)
-    if backend == "sglang":
-        from engines.rollout.sglang import SGLangRolloutEngine, probe_sglang
 
-        problem = probe_sglang()
-        if problem is not None:
-            raise ImportError(problem)
-        return SGLangRolloutEngine(str(model_path), device=device, dtype=dtype, **kw)
-    raise ValueError(f"unknown rollout backend '{backend}': choose one of {list(BACKENDS)}")
+def check_tensor_parallel(backend: str, tensor_parallel_size: int) -> None:
+    """The one tensor-parallel rule: a size above 1 needs a backend registered with tensor_parallel."""
+    if tensor_parallel_size > 1 and not ROLLOUT_ENGINES.entry(backend).tensor_parallel:
+        able = [n for n in ROLLOUT_ENGINES.names() if ROLLOUT_ENGINES.entry(n).tensor_parallel]
+        raise ValueError(
+            f"rollout backend '{backend}' runs on one device: tensor_parallel_size must be 1 "
+            f"(tensor parallelism needs one of {able})"
+        )

@@ -11,10 +11,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:  # torch only in annotations: the backend registry imports without it
+    import torch
 
 
 class SamplingParams(BaseModel):
@@ -58,9 +60,16 @@ class RolloutEngineError(RuntimeError):
 
 
 class RolloutEngine(ABC):
-    """Batched generation plus in-process weight updates. See the module docstring."""
+    """Batched generation plus in-process weight updates. See the module docstring.
+
+    Every engine sets `pad_token_id` (the id that pads prompts and responses in the batches built
+    from its completions) and `dtype` (the dtype `update_weights` expects floating tensors in; None
+    when the engine casts them itself).
+    """
 
     weight_version: int = 0
+    pad_token_id: int = 0
+    dtype: torch.dtype | None = None
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:

@@ -180,9 +180,9 @@ class SGLangRolloutEngine(RolloutEngine):
 
         from engines.rollout.hf import read_special_token_ids  # lazy: probing needs no transformers
 
-        self.eos_token_ids = (
-            eos_token_ids if eos_token_ids is not None else read_special_token_ids(model_path)[0]
-        )
+        folder_eos, self.pad_token_id = read_special_token_ids(model_path)
+        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else folder_eos
+        self.dtype = None  # sglang casts incoming weights to its own dtype
         self.bucket_bytes = bucket_mb * 1024 * 1024
         self.device = torch.device("cuda", base_gpu_id)
         self.weight_version = 0

@@ -1,0 +1,95 @@
+"""Engines are chosen by name: a registry maps each name to a builder.
+
+A new engine is one file (the class, implementing `engines.base.TrainEngine` or
+`engines.rollout.base.RolloutEngine`) plus one registered builder. Builders import their engine
+lazily, so this module and the name lists stay importable without torch, sglang or vllm: the
+JobSpec validates a backend name against a registry in the API process, where no engine is built.
+
+An optional `probe` says, without building anything, why an engine cannot run here (a missing
+package, no GPU): `available()` reports it and `build` refuses with that message, so a job asking
+for it fails early and says what to install.
+
+Two registries exist: `TRAIN_ENGINES` below (selected by `EngineConfig.engine`) and
+`engines.rollout.ROLLOUT_ENGINES` (selected by the rollout config's `backend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from engines.base import TrainEngine
+    from engines.config import EngineConfig
+
+T = TypeVar("T")
+Builder = TypeVar("Builder", bound=Callable[..., Any])
+Probe = Callable[[], "str | None"]
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """One registered engine: its builder, availability probe and capabilities."""
+
+    name: str
+    build: Callable[..., Any]
+    probe: Probe | None = None
+    tensor_parallel: bool = False  # can one replica span several devices (rollout engines)
+
+
+class Registry(Generic[T]):
+    """name -> builder. `kind` names the setting in error messages, e.g. 'rollout backend'."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, EngineEntry] = {}
+
+    def register(
+        self, name: str, *, probe: Probe | None = None, tensor_parallel: bool = False
+    ) -> Callable[[Builder], Builder]:
+        """Decorator: `@REGISTRY.register("name")` over a function that builds the engine."""
+
+        def decorate(builder: Builder) -> Builder:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} '{name}' is already registered")
+            self._entries[name] = EngineEntry(name, builder, probe, tensor_parallel)
+            return builder
+
+        return decorate
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def entry(self, name: str) -> EngineEntry:
+        """The entry of `name`; an unknown name raises ValueError listing the choices."""
+        if name not in self._entries:
+            raise ValueError(f"unknown {self.kind} '{name}': choose one of {self.names()}")
+        return self._entries[name]
+
+    def available(self) -> dict[str, str | None]:
+        """Each name mapped to None when usable here, or to the reason it is not."""
+        return {name: entry.probe() if entry.probe else None for name, entry in self._entries.items()}
+
+    def build(self, name: str, *args: Any, **kwargs: Any) -> T:
+        """Probe, then build the named engine; a failed probe raises ImportError with its reason."""
+        entry = self.entry(name)
+        problem = entry.probe() if entry.probe else None
+        if problem is not None:
+            raise ImportError(problem)
+        return entry.build(*args, **kwargs)
+
+
+TRAIN_ENGINES: Registry[TrainEngine] = Registry("training engine")
+
+
+@TRAIN_ENGINES.register("fsdp")
+def _build_fsdp(config: EngineConfig) -> TrainEngine:
+    from engines.fsdp.engine import FSDPEngine
+
+    return FSDPEngine(config)
+
+
+def build_train_engine(config: EngineConfig) -> TrainEngine:
+    """The training engine `config.engine` names, constructed (call `initialize()` next)."""
+    return TRAIN_ENGINES.build(config.engine, config)
