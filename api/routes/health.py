@@ -1,0 +1,56 @@
+"""Service facts: open liveness/readiness probes, versions, the cluster, Prometheus metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.deps import READ, ServiceDep
+
+VERSION = "0.1.0"
+
+router = APIRouter()
+
+
+@router.get("/healthz", tags=["health"])
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", tags=["health"])
+def readyz(service: ServiceDep) -> JSONResponse:
+    ready = ray.is_initialized() and service.is_alive
+    return JSONResponse({"status": "ready" if ready else "starting"}, 200 if ready else 503)
+
+
+@router.get("/v1/version", dependencies=READ)
+def version() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    from engines.rollout import available_backends
+
+    backends = available_backends()
+    return {
+        "service": VERSION,
+        "ray": ray.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "rollout_backends": {
+            name: {"available": why is None, "reason": why} for name, why in backends.items()
+        },
+    }
+
+
+@router.get("/v1/cluster", dependencies=READ)
+def cluster(service: ServiceDep) -> dict[str, Any]:
+    return service.cluster()
+
+
+@router.get("/metrics", dependencies=READ, include_in_schema=False)
+def prometheus(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,73 @@
+"""What a job produced: its events, metrics and logs (pages and live SSE streams), and checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+
+from api.deps import READ, WRITE, ServiceDep
+from api.streams import sse, start_id
+from api.views import listing
+
+router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["job outputs"])
+
+
+@router.get("/events", dependencies=READ)
+def events(
+    job_id: str, service: ServiceDep, after: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=1000)
+) -> dict[str, Any]:
+    service.get(job_id)
+    rows = service.store.events(job_id, after, limit + 1)
+    return listing(rows[:limit], len(rows) > limit)
+
+
+@router.get("/events/stream", dependencies=READ)
+def events_stream(request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0)):
+    service.get(job_id)
+    return sse(request, service.store, job_id, lambda last: service.store.events(job_id, last, 200),
+               lambda row: row["kind"], start_id(request, after))  # fmt: skip
+
+
+@router.get("/metrics", dependencies=READ)
+def metrics(
+    job_id: str,
+    service: ServiceDep,
+    keys: str | None = Query(None, description="comma-separated metric names"),
+    step_min: int | None = Query(None, ge=0),
+    step_max: int | None = Query(None, ge=0),
+) -> dict[str, Any]:
+    service.get(job_id)
+    wanted = [k for k in (keys or "").split(",") if k] or None
+    return listing(service.store.metrics(job_id, wanted, step_min, step_max), False)
+
+
+@router.get("/metrics/stream", dependencies=READ)
+def metrics_stream(request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0)):
+    service.get(job_id)
+    return sse(request, service.store, job_id, lambda last: service.store.metrics(job_id, after_id=last, limit=200),
+               lambda row: "metrics", start_id(request, after))  # fmt: skip
+
+
+@router.get("/logs", dependencies=READ)
+def logs(job_id: str, service: ServiceDep, tail: int = Query(200, ge=1, le=10_000)) -> dict[str, Any]:
+    service.get(job_id)
+    return listing(service.store.logs(job_id, tail=tail), False)
+
+
+@router.get("/logs/stream", dependencies=READ)
+def logs_stream(request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0)):
+    service.get(job_id)
+    return sse(request, service.store, job_id, lambda last: service.store.logs(job_id, after_id=last, limit=500),
+               lambda row: "log", start_id(request, after))  # fmt: skip
+
+
+@router.get("/checkpoints", dependencies=READ)
+def checkpoints(job_id: str, service: ServiceDep) -> dict[str, Any]:
+    return listing(service.checkpoint_dirs(job_id), False)
+
+
+@router.post("/checkpoints", status_code=202, dependencies=WRITE)
+def checkpoint_now(job_id: str, service: ServiceDep) -> dict[str, Any]:
+    service.checkpoint_now(job_id)
+    return {"id": job_id, "object": "checkpoint_request", "status": "requested"}

@@ -1,0 +1,103 @@
+"""Jobs: submit (with Idempotency-Key), list, read, delete, and steer a job (cancel, pause, resume,
+fork, change hyper-parameters)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from fastapi import APIRouter, Body, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.deps import READ, WRITE, ServiceDep
+from api.errors import APIError
+from api.validation import check_submittable
+from api.views import job_view, listing
+from controller.spec import JobSpec
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+class ForkRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    checkpoint_step: int | None = Field(
+        None, description="the parent's checkpoint to start from; None = latest"
+    )
+    overrides: dict[str, Any] = Field(default_factory=dict, description="JobSpec fields to change, nested")
+
+
+@router.post("", status_code=201, dependencies=WRITE)
+def create_job(
+    request: Request, response: Response, service: ServiceDep, spec: JobSpec = Body(...)
+) -> dict[str, Any]:
+    check_submittable(spec)
+    key = request.headers.get("idempotency-key")
+    body_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    job, created = service.submit(spec, key, body_hash)
+    if not created:
+        response.status_code = 200
+    return job_view(job)
+
+
+@router.get("", dependencies=READ)
+def list_jobs(
+    service: ServiceDep,
+    status: list[str] | None = Query(None, description="filter by status; repeatable"),
+    metadata: list[str] | None = Query(None, description="filter by metadata, 'key:value'; repeatable"),
+    after: str | None = Query(None, description="cursor: the last job id of the previous page"),
+    limit: int = Query(20, ge=1, le=100),
+) -> dict[str, Any]:
+    filters: dict[str, str] = {}
+    for item in metadata or []:
+        key, sep, value = item.partition(":")
+        if not sep:
+            raise APIError(422, f"metadata filter '{item}' must be 'key:value'", "metadata", "invalid_value")
+        filters[key] = value
+    try:
+        jobs, more = service.store.list_jobs(status, filters, after, limit)
+    except KeyError:
+        raise APIError(404, f"cursor job '{after}' does not exist", "after", "not_found") from None
+    return listing([job_view(j) for j in jobs], more)
+
+
+@router.get("/{job_id}", dependencies=READ)
+def get_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
+    return job_view(service.get(job_id))
+
+
+@router.delete("/{job_id}", dependencies=WRITE)
+def delete_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
+    service.delete(job_id)
+    return {"id": job_id, "object": "job", "deleted": True}
+
+
+@router.post("/{job_id}/cancel", dependencies=WRITE)
+def cancel(job_id: str, service: ServiceDep) -> dict[str, Any]:
+    return job_view(service.cancel(job_id))
+
+
+@router.post("/{job_id}/pause", dependencies=WRITE)
+def pause(job_id: str, service: ServiceDep) -> dict[str, Any]:
+    return job_view(service.pause(job_id))
+
+
+@router.post("/{job_id}/resume", dependencies=WRITE)
+def resume(job_id: str, service: ServiceDep) -> dict[str, Any]:
+    return job_view(service.resume(job_id))
+
+
+@router.post("/{job_id}/fork", status_code=201, dependencies=WRITE)
+def fork(
+    job_id: str, service: ServiceDep, body: ForkRequest = Body(default_factory=ForkRequest)
+) -> dict[str, Any]:
+    return job_view(service.fork(job_id, body.checkpoint_step, body.overrides))
+
+
+@router.patch("/{job_id}/hyperparameters", dependencies=WRITE)
+def hyperparameters(
+    job_id: str, service: ServiceDep, changes: dict[str, Any] = Body(..., examples=[{"lr": 1e-4}])
+) -> dict[str, Any]:
+    if not changes:
+        raise APIError(422, "give at least one hyper-parameter to change", None, "empty_body")
+    return job_view(service.set_hyperparameters(job_id, changes))

@@ -1,0 +1,42 @@
+"""How stored records look on the wire: a job, and the list envelope every collection uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from controller.store import JobRecord
+
+
+def job_view(job: JobRecord) -> dict[str, Any]:
+    spec = job.spec
+    model = spec["model"].get("builtin") or spec["model"].get("path")
+    return {
+        "id": job.id,
+        "object": "job",
+        "status": job.status,
+        "method": job.method,
+        "model": model,
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
+        "step": job.step,
+        "total_steps": job.total_steps,
+        "progress": job.step / job.total_steps if job.total_steps else 0.0,
+        "latest_metrics": job.latest_metrics,
+        "error": job.error,
+        "parent_id": job.parent_id,
+        "metadata": job.metadata,
+        "outputs": _outputs(job),
+        "spec": spec,
+    }
+
+
+def _outputs(job: JobRecord) -> dict[str, str | None]:
+    """Where the job writes on the server: its folder, and the HF export once it exists."""
+    export = Path(job.workdir) / "export"
+    return {"workdir": job.workdir, "export": str(export) if (export / "config.json").exists() else None}
+
+
+def listing(data: list[Any], has_more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": data, "has_more": has_more}
