@@ -45,6 +45,7 @@ POLICY_LOSS_FIELDS = (
     "use_kl_loss",
     "kl_loss_coef",
     "kl_loss_type",
+    "rollout_correction",
 )
 
 

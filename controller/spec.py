@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engines.rollout import ROLLOUT_ENGINES, check_tensor_parallel
 
+from workers.loss_config import RolloutCorrectionConfig
+
 Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 
 
@@ -151,6 +153,11 @@ class AlgorithmSpec(Section):
         "the current policy's",
     )
     vf_clip: float = Field(0.2, ge=0)
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="correction for the gap between the rollout engine's and the trainer's log-probs: "
+        "truncated importance weights and rejection of tokens or sequences (off by default)",
+    )
 
 
 class TrainerSpec(Section):

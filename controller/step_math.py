@@ -15,6 +15,8 @@ from controller.kl_reward import apply_kl_penalty
 from controller.rewards import RewardScorer
 from controller.spec import JobSpec
 from workers.batch import Batch
+from workers.loss_config import RolloutCorrectionConfig
+from workers.losses.rollout_correction import apply_rejection
 
 
 def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
@@ -74,6 +76,16 @@ def add_advantages(
     return batch, metrics
 
 
+def reject_mismatched(batch: Batch, cfg: RolloutCorrectionConfig) -> tuple[Batch, dict[str, float]]:
+    """The actor's batch with the rollout correction's rejected tokens out of its loss mask
+    (workers/losses/rollout_correction.py), and the shares rejected; unchanged when rejection is off."""
+    if cfg.rejection == "off":
+        return batch, {}
+    t = batch.tensors
+    mask, metrics = apply_rejection(t["response_mask"], t["old_log_probs"], t["rollout_log_probs"], cfg)
+    return with_tensors(batch, response_mask=mask), metrics
+
+
 def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     picked = values[mask.bool()]
     if picked.numel() == 0:
@@ -86,7 +98,8 @@ def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[s
 
 
 def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> dict[str, float]:
-    """Scores, advantages, lengths and rollout/trainer agreement of one step's batch."""
+    """Scores, advantages and lengths of one step's batch (the policy loss reports the rollout /
+    trainer agreement, rollout/*)."""
     t = batch.tensors
     mask = t["response_mask"]
     lengths = mask.sum(1).float()
@@ -103,10 +116,6 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> di
     }
     if "values" in t.keys():
         metrics.update(_masked_stats("critic/values", t["values"], mask))
-    if "old_log_probs" in t.keys():
-        gap = (t["rollout_log_probs"] - t["old_log_probs"]).abs()[mask.bool()]
-        metrics["rollout/log_prob_diff_max"] = float(gap.max()) if gap.numel() else 0.0
-        metrics["rollout/log_prob_diff_mean"] = float(gap.mean()) if gap.numel() else 0.0
     if "entropy" in t.keys():
         metrics["actor/rollout_entropy"] = float(t["entropy"][mask.bool()].mean())
     return metrics

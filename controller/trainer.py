@@ -23,7 +23,7 @@ from controller.job_setup import JobSetup
 from controller.kl_reward import make_kl_controller
 from controller.sink import JobSink
 from controller.spec import JobSpec
-from controller.step_math import add_advantages, batch_metrics, score
+from controller.step_math import add_advantages, batch_metrics, reject_mismatched, score
 
 
 class StopRequested(Exception):
@@ -123,8 +123,12 @@ class Trainer:
                             batch, spec.algorithm.vf_clip, spec.algorithm.loss_agg_mode, self._schedule()
                         )[0]
                     )
+            actor_batch, rejected = reject_mismatched(batch, spec.algorithm.rollout_correction)
+            metrics.update(rejected)
             with self._timed("update_actor"):
-                metrics.update(actor.update_actor(batch, self.job.policy_loss_config(), self._schedule())[0])
+                metrics.update(
+                    actor.update_actor(actor_batch, self.job.policy_loss_config(), self._schedule())[0]
+                )
             with self._timed("sync"):
                 metrics.update(actor.sync_weights()[0])
         if spec.algorithm.kl_in_reward:
@@ -197,10 +201,12 @@ class Trainer:
 
     def _needs_old_log_probs(self, samples: int) -> bool:
         """False when the update is a single on-policy step: the first forward of update_actor then
-        gives exactly the old log-probs, and a separate pass would compute the same numbers again."""
+        gives exactly the old log-probs, and a separate pass would compute the same numbers again.
+        Rollout rejection needs them before the update: it narrows the loss mask."""
         a = self.spec.algorithm
         single_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, samples)
-        return a.recompute_old_log_probs or not single_step or a.kl_in_reward
+        rejection = a.rollout_correction.rejection != "off"
+        return a.recompute_old_log_probs or not single_step or a.kl_in_reward or rejection
 
     def _schedule(self) -> dict[str, Any]:
         a = self.spec.algorithm

@@ -16,7 +16,8 @@ whole batch of this call and over every data-parallel rank. The loss function no
 the sum of its losses over micro-batches and ranks is the loss of the global batch, and gradients do
 not depend on the micro-batch split, dynamic batching or the dp size. The metrics it returns are
 additive in the same way (already divided by global counts); the engine sums them over micro-batches
-and ranks, so a logged loss is on the scale of the loss that was back-propagated.
+and ranks, so a logged loss is on the scale of the loss that was back-propagated. A metric whose
+name ends in `_max` is a maximum instead: the engine keeps the largest value (`combine_metric`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ class GlobalCounts:
     tokens: int  # sum of response_mask
     sequences: int  # number of samples (rows)
     response_width: int  # R, the padded response length (the constant of seq-mean-token-sum-norm)
+
+
+MAX_SUFFIX = "_max"
+
+
+def combine_metric(metrics: dict[str, float], key: str, value: float) -> None:
+    """Fold one micro-batch's (or mini-batch's) metric into `metrics`: a sum, or for a name ending in
+    `_max` the maximum."""
+    if key.endswith(MAX_SUFFIX):
+        metrics[key] = max(metrics.get(key, float("-inf")), float(value))
+    else:
+        metrics[key] = metrics.get(key, 0.0) + float(value)
 
 
 LossFn = Callable[[TensorDict, dict[str, torch.Tensor], GlobalCounts], tuple[torch.Tensor, dict[str, float]]]

@@ -29,6 +29,9 @@ def make_batch(batch_size: int = 6, prompt_len: int = 5, resp_len: int = 7, seed
             "responses": ids[:, prompt_len:],
             "response_mask": mask[:, prompt_len:].clone(),
             "advantages": torch.randn(batch_size, resp_len, generator=g),
+            # Log-probs of an older trainer and of a rollout engine, for the rollout-corrected loss.
+            "old_log_probs": -torch.rand(batch_size, resp_len, generator=g) * 4,
+            "rollout_log_probs": -torch.rand(batch_size, resp_len, generator=g) * 4,
         },
         batch_size=[batch_size],
     )
@@ -56,6 +59,20 @@ def pg_loss(mode: str):
         return loss, {"pg_loss": float(loss.detach())}
 
     return loss_fn
+
+
+def rollout_corrected_loss():
+    """The actor's PPO loss with token-level truncated IS (a cap that bites on part of the tokens)."""
+    from workers.loss_config import RolloutCorrectionConfig
+    from workers.losses import PolicyLossConfig, make_policy_loss
+
+    correction = RolloutCorrectionConfig(is_weights="token", is_cap=1.5)
+    return make_policy_loss(PolicyLossConfig(clip_ratio_high=0.28, rollout_correction=correction))
+
+
+def loss_for(mode: str):
+    """`pg_loss(mode)` for an aggregation mode, or the rollout-corrected actor loss."""
+    return rollout_corrected_loss() if mode == "rollout-corrected" else pg_loss(mode)
 
 
 def reference_log_probs(model, batch: TensorDict) -> torch.Tensor:
@@ -111,7 +128,7 @@ def rank_main(
     engine = FSDPEngine(EngineConfig(model_path=model_dir, micro_batch=split, optim={"lr": 1e-2}))
     engine.initialize()
     with engine.train_mode():
-        out = engine.forward_backward_batch(shard, pg_loss(mode))
+        out = engine.forward_backward_batch(shard, loss_for(mode))
         grads = full_grads(engine)
         norm = engine.optimizer_step()
     params = dict(engine.get_per_tensor_param())

@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from tensordict import TensorDict
 
 from controller.spec import AlgorithmSpec
-from engines.base import GlobalCounts
+from engines.base import GlobalCounts, combine_metric
+from workers.loss_config import RolloutCorrectionConfig
 from workers.losses import (
     AGG_MODES,
     PolicyLossConfig,
@@ -233,6 +234,7 @@ def random_batch(seed: int) -> tuple[TensorDict, dict[str, torch.Tensor]]:
         response_mask=mask,
         old_log_probs=log_probs + 0.4 * torch.randn(b, r, generator=g, dtype=D),
         ref_log_probs=log_probs + 0.4 * torch.randn(b, r, generator=g, dtype=D),
+        rollout_log_probs=log_probs + 0.6 * torch.randn(b, r, generator=g, dtype=D),
         advantages=torch.randn(b, r, generator=g, dtype=D),
         values=torch.randn(b, r, generator=g, dtype=D),
         returns=torch.randn(b, r, generator=g, dtype=D),
@@ -256,7 +258,7 @@ def split_run(loss_fn, mb: TensorDict, outputs: dict[str, torch.Tensor], size: i
         loss.backward()
         total = total + loss.detach()
         for k, v in m.items():
-            metrics[k] = metrics.get(k, 0.0) + v
+            combine_metric(metrics, k, v)
     return total, metrics, {k: v.grad for k, v in leaves.items()}
 
 
@@ -265,6 +267,13 @@ def loss_fns(mode: str):
     yield "ppo", make_policy_loss(PolicyLossConfig(policy_loss="ppo", clip_ratio_high=0.28, **common))
     yield "gspo", make_policy_loss(PolicyLossConfig(policy_loss="gspo", kl_loss_type="k2", **common))
     yield "cispo", make_policy_loss(PolicyLossConfig(policy_loss="cispo", kl_loss_type="k1", **common))
+    token_tis = RolloutCorrectionConfig(is_weights="token", is_cap=1.5)
+    yield "ppo+token-tis", make_policy_loss(PolicyLossConfig(rollout_correction=token_tis, **common))
+    seq_tis = RolloutCorrectionConfig(is_weights="sequence", is_cap=1.5)
+    yield (
+        "gspo+seq-tis",
+        make_policy_loss(PolicyLossConfig(policy_loss="gspo", rollout_correction=seq_tis, **common)),
+    )
     yield "value", make_value_loss(0.2, mode)
     yield "sft", make_sft_loss(mode)
 
@@ -288,6 +297,8 @@ def test_micro_batch_split_gives_the_whole_batch_loss_gradient_and_metrics(mode:
                     )
         if name != "value":
             assert whole_grads["log_probs"].abs().sum() > 0, name
+        if name.endswith("tis"):  # the cap bites on some tokens, not all
+            assert 0 < whole_metrics["rollout_corr/token_clipped_frac"] < 1, name
 
 
 # ---- config ----------------------------------------------------------------------------------------
@@ -319,3 +330,108 @@ def test_losses_do_not_import_the_controller():
         source = path.read_text()
         assert "import controller" not in source and "from controller" not in source, path
         assert "import ray" not in source, path
+
+
+# ---- rollout correction ----------------------------------------------------------------------------
+
+
+def corrected(**options) -> PolicyLossConfig:
+    return PolicyLossConfig(rollout_correction=RolloutCorrectionConfig(**options))
+
+
+def test_token_tis_weights_each_token_by_its_truncated_ratio():
+    # On-policy PPO (ratio 1), so each token's loss is -A times its IS weight min(rho, 2).
+    log_probs = t([[-1.0, -2.0, -0.5, -1.0]]).requires_grad_()
+    rho = t([[0.5, 3.0, 1.0, 9.0]])  # the last token is masked out
+    mb = batch(
+        response_mask=t([[1, 1, 1, 0]]),
+        old_log_probs=log_probs.detach().clone(),
+        rollout_log_probs=log_probs.detach() - rho.log(),
+        advantages=t([[1.0, 2.0, -1.0, 5.0]]),
+    )
+    loss, metrics = run(
+        make_policy_loss(corrected(is_weights="token", is_cap=2.0)), mb, {"log_probs": log_probs}
+    )
+    assert loss.item() == pytest.approx((-1 * 0.5 - 2 * 2.0 + 1 * 1.0) / 3)
+    assert metrics["rollout_corr/token_clipped_frac"] == pytest.approx(1 / 3)
+    assert metrics["rollout_corr/is_weight_mean"] == pytest.approx((0.5 + 2.0 + 1.0) / 3)
+    assert metrics["rollout/log_prob_diff_max"] == pytest.approx(math.log(3.0))
+    loss.backward()
+    torch.testing.assert_close(log_probs.grad, t([[-0.5 / 3, -4.0 / 3, 1.0 / 3, 0.0]]))
+
+
+def test_sequence_tis_weights_every_token_by_the_truncated_sequence_ratio():
+    log_probs = t([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
+    # Row 0: rho_i = 2 * 0.75 = 1.5 (the masked 5.0 does not count); row 1: 2 * 2 = 4, capped at 2.
+    log_rho = t([[math.log(2.0), math.log(0.75), 5.0], [math.log(2.0), math.log(2.0), 0.0]])
+    mb = batch(
+        response_mask=t([[1, 1, 0], [1, 1, 0]]),
+        old_log_probs=log_probs.clone(),
+        rollout_log_probs=log_probs - log_rho,
+        advantages=torch.ones(2, 3, dtype=D),
+    )
+    loss, metrics = run(
+        make_policy_loss(corrected(is_weights="sequence", is_cap=2.0)), mb, {"log_probs": log_probs}
+    )
+    assert loss.item() == pytest.approx(-(1.5 * 2 + 2.0 * 2) / 4)
+    assert metrics["rollout_corr/token_clipped_frac"] == pytest.approx(2 / 4)
+    assert metrics["rollout_corr/is_weight_mean"] == pytest.approx((1.5 * 2 + 2.0 * 2) / 4)
+
+
+# Ratios rho per token (0 = masked); the band is [0.5, 2].
+REJECTION_RHO = [[1.0, 3.0, 0.4], [2.5, 2.5, 0], [0.9, 0, 0], [1.5, 1.5, 1.5]]
+REJECTION_CASES = {
+    # level: (kept mask, token share rejected, sequence share rejected)
+    "token": ([[1, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]], 4 / 9, 1 / 4),
+    # products 1.2, 6.25, 0.9, 3.375
+    "sequence": ([[1, 1, 1], [0, 0, 0], [1, 0, 0], [0, 0, 0]], 5 / 9, 2 / 4),
+    # geometric means 1.2^(1/3), 2.5, 0.9, 1.5
+    "geometric": ([[1, 1, 1], [0, 0, 0], [1, 0, 0], [1, 1, 1]], 2 / 9, 1 / 4),
+}
+
+
+@pytest.mark.parametrize("level", sorted(REJECTION_CASES))
+def test_rejection_drops_tokens_or_sequences_whose_ratio_leaves_the_band(level: str):
+    from workers.losses.rollout_correction import apply_rejection
+
+    rho = t(REJECTION_RHO)
+    mask = (rho > 0).long()
+    old = -torch.rand(4, 3, generator=torch.Generator().manual_seed(3), dtype=D)
+    rollout = old - torch.where(mask.bool(), rho, torch.ones_like(rho)).log()
+    cfg = RolloutCorrectionConfig(rejection=level, rejection_low=0.5, rejection_high=2.0)
+    keep, metrics = apply_rejection(mask, old, rollout, cfg)
+    expected_keep, token_share, seq_share = REJECTION_CASES[level]
+    assert keep.dtype == mask.dtype and keep.tolist() == expected_keep
+    assert metrics["rollout_corr/token_rejected_frac"] == pytest.approx(token_share)
+    assert metrics["rollout_corr/seq_rejected_frac"] == pytest.approx(seq_share)
+
+
+def test_mismatch_report_hand_values_and_no_correction_by_default():
+    log_probs = t([[-1.0, -2.0, -3.0]])
+    delta = t([[0.5, -1.0, 7.0]])  # the 7.0 is masked out
+    mb = batch(
+        response_mask=t([[1, 1, 0]]),
+        old_log_probs=log_probs.clone(),
+        rollout_log_probs=log_probs - delta,
+        advantages=t([[1.0, 1.0, 1.0]]),
+    )
+    loss, metrics = run(make_policy_loss(PolicyLossConfig()), mb, {"log_probs": log_probs})
+    assert loss.item() == pytest.approx(-1.0)  # uncorrected: -mean(A)
+    assert metrics["rollout/log_prob_diff_mean"] == pytest.approx(1.5 / 2)
+    assert metrics["rollout/log_prob_diff_max"] == pytest.approx(1.0)
+    # KL(rollout || trainer) by k3: mean of rho - 1 - delta.
+    k3 = [math.exp(d) - 1 - d for d in (0.5, -1.0)]
+    assert metrics["rollout/kl_rollout_trainer"] == pytest.approx(sum(k3) / 2)
+    assert not any(k.startswith("rollout_corr/") for k in metrics)
+
+
+def test_rollout_correction_options_are_validated():
+    with pytest.raises(ValidationError, match="is_cap"):
+        RolloutCorrectionConfig(is_cap=0.5)
+    with pytest.raises(ValidationError, match="rejection_low .* must be below"):
+        RolloutCorrectionConfig(rejection_low=1.0, rejection_high=1.0)
+    with pytest.raises(ValidationError, match="rejection"):
+        AlgorithmSpec(rollout_correction={"rejection": "chunk"})
+    with pytest.raises(KeyError, match="rollout_log_probs"):
+        mb = batch(response_mask=t([[1.0]]), old_log_probs=t([[-1.0]]), advantages=t([[1.0]]))
+        run(make_policy_loss(corrected(is_weights="token")), mb, {"log_probs": t([[-1.0]])})

@@ -240,18 +240,13 @@ def _old_log_probs_from_current(loss_fn):
     """Wrap a policy loss for a single on-policy step: old log-probs are the current ones, detached.
 
     Only valid when this forward is the first of the update (one mini-batch, one epoch), so the
-    policy has not moved yet; the trainer decides that. It also reports how far the rollout
-    engine's log-probs are from the trainer's, which the skipped pass would have measured.
+    policy has not moved yet; the trainer decides that. The policy loss then measures the rollout
+    engine's mismatch and applies the rollout correction against these same values.
     """
 
     def wrapped(micro, outputs, counts):
-        current = outputs["log_probs"].detach()
-        micro["old_log_probs"] = current
-        loss, metrics = loss_fn(micro, outputs, counts)
-        if "rollout_log_probs" in micro.keys():
-            gap = (current - micro["rollout_log_probs"]).abs() * micro["response_mask"]
-            metrics["rollout/log_prob_diff_mean"] = float(gap.sum()) / counts.tokens
-        return loss, metrics
+        micro["old_log_probs"] = outputs["log_probs"].detach()
+        return loss_fn(micro, outputs, counts)
 
     return wrapped
 

@@ -8,11 +8,9 @@ Every mini-batch is one `forward_backward_batch` (which micro-batches inside) an
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
-from engines.base import LossFn, TrainEngine
+from engines.base import MAX_SUFFIX, LossFn, TrainEngine, combine_metric
 from workers.batch import Batch
 
 
@@ -48,7 +46,7 @@ def train_on_batch(
     temperature: float = 1.0,
 ) -> dict[str, float]:
     """Run every mini-batch of every epoch; metrics are averaged over the optimizer steps."""
-    sums: dict[str, float] = defaultdict(float)
+    sums: dict[str, float] = {}
     plan = mini_batches(len(batch), engine.dp_size, schedule)
     with engine.train_mode():
         lr = engine.learning_rate
@@ -58,10 +56,11 @@ def train_on_batch(
                 rows, loss_fn, compute_entropy=compute_entropy, temperature=temperature
             )
             for key, value in out.metrics.items():
-                sums[key if "/" in key else f"{prefix}/{key}"] += value
-            sums[f"{prefix}/grad_norm"] += engine.optimizer_step()
+                combine_metric(sums, key if "/" in key else f"{prefix}/{key}", value)
+            combine_metric(sums, f"{prefix}/grad_norm", engine.optimizer_step())
         engine.lr_scheduler_step()
-    metrics = {key: value / len(plan) for key, value in sums.items()}
+    # Averaged over the optimizer steps; maxima (engines/base.py) stay maxima.
+    metrics = {key: value if key.endswith(MAX_SUFFIX) else value / len(plan) for key, value in sums.items()}
     metrics[f"{prefix}/lr"] = lr
     metrics[f"{prefix}/optimizer_steps"] = float(len(plan))
     return metrics

@@ -31,10 +31,11 @@ from torch.distributed.tensor import DTensor
 
 from engines import checkpoint as ckpt
 from engines.attention import register as segment_attention_name
-from engines.base import EngineOutput, GlobalCounts, LossFn, TrainEngine
+from engines.base import MAX_SUFFIX, EngineOutput, GlobalCounts, LossFn, TrainEngine, combine_metric
 from engines.config import EngineConfig
 from engines.distributed import (
     all_reduce_max,
+    all_reduce_max_floats,
     all_reduce_sum,
     data_parallel_mesh,
     init_distributed,
@@ -228,9 +229,9 @@ class FSDPEngine(TrainEngine):
                     if not forward_only:
                         loss.backward()
                     for key, value in {"loss": float(loss.detach()), **loss_metrics}.items():
-                        metrics[key] = metrics.get(key, 0.0) + float(value)
+                        combine_metric(metrics, key, value)
             pieces.append({k: v.detach() for k, v in outputs.items()})
-        return EngineOutput(self._in_original_order(pieces, plan), self._sum_over_ranks(metrics))
+        return EngineOutput(self._in_original_order(pieces, plan), self._reduce_over_ranks(metrics))
 
     def _global_counts(self, batch: TensorDict, width: int) -> GlobalCounts:
         tokens, sequences = all_reduce_sum(
@@ -278,11 +279,18 @@ class FSDPEngine(TrainEngine):
             k: torch.cat([p[k] for p in pieces])[inverse.to(pieces[0][k].device)].cpu() for k in pieces[0]
         }
 
-    def _sum_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        if not metrics:
-            return {}
-        keys = sorted(metrics)
-        return dict(zip(keys, all_reduce_sum([metrics[k] for k in keys], self.device), strict=True))
+    def _reduce_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Sum the metrics over ranks; those named *_max by max (engines/base.py)."""
+        sums = sorted(k for k in metrics if not k.endswith(MAX_SUFFIX))
+        maxima = sorted(k for k in metrics if k.endswith(MAX_SUFFIX))
+        out: dict[str, float] = {}
+        if sums:
+            out.update(zip(sums, all_reduce_sum([metrics[k] for k in sums], self.device), strict=True))
+        if maxima:
+            out.update(
+                zip(maxima, all_reduce_max_floats([metrics[k] for k in maxima], self.device), strict=True)
+            )
+        return out
 
     # ---- optimisation ------------------------------------------------------------------------
 

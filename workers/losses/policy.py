@@ -11,10 +11,12 @@ active flagged for the metrics. Writing r = exp(log pi - log pi_old) and A for t
     cispo  -sg[clip(r, 1 - eps_low, 1 + eps_high)] A log pi: the IS weight is clipped and detached,
            so no token loses its gradient (unlike PPO, where a clipped token contributes none).
 
-`make_policy_loss` aggregates the matrix with the configured mode (see aggregation.py), subtracts
+`make_policy_loss` weights the matrix by the rollout correction's truncated IS weights when they
+are on (rollout_correction.py), aggregates it with the configured mode (see aggregation.py), subtracts
 entropy_coeff * entropy and adds kl_loss_coef * KL(pi || pi_ref), following engines/base.py's loss
 contract: everything is divided by the global counts, so losses and metrics add up over
-micro-batches and ranks.
+micro-batches and ranks. With the rollout engine's log-probs in the batch it also reports the
+train/inference mismatch (rollout/*).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from tensordict import TensorDict
 
 from engines.base import GlobalCounts, LossFn
+from workers.loss_config import RolloutCorrectionConfig
 from workers.losses.aggregation import AggMode, aggregate, check_agg_mode, token_fraction, token_mean
 from workers.losses.kl import KLType, kl_estimate
+from workers.losses.rollout_correction import is_weight_metrics, is_weights, mismatch_metrics
 
 # Bounds the log-ratio before exp: beyond it the ratio is clipped anyway, and exp would overflow.
 _MAX_LOG_RATIO = 20.0
@@ -50,6 +54,11 @@ class PolicyLossConfig(BaseModel):
     use_kl_loss: bool = Field(False, description="add KL(pi || pi_ref) as a loss (needs ref_log_probs)")
     kl_loss_coef: float = Field(0.001, ge=0, description="weight of the KL loss")
     kl_loss_type: KLType = Field("k3", description="KL estimator: k1, k2 or k3 (low-variance)")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="importance weights for the rollout engine / trainer mismatch (the loss applies "
+        "is_weights; rejection is applied to the response mask before the update)",
+    )
 
 
 class TokenPolicyLoss(NamedTuple):
@@ -119,6 +128,27 @@ def cispo_token_loss(
     return TokenPolicyLoss(-advantages * weight * log_probs, clipped, torch.zeros_like(clipped))
 
 
+def _rollout_corrected(
+    token_loss: torch.Tensor,
+    micro_batch: TensorDict,
+    old_log_probs: torch.Tensor,
+    counts: GlobalCounts,
+    correction: RolloutCorrectionConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The token losses times the truncated IS weights (when on), and the mismatch report."""
+    if "rollout_log_probs" not in micro_batch.keys():
+        if correction.is_weights != "off":
+            raise KeyError("rollout_correction.is_weights needs 'rollout_log_probs' in the batch")
+        return token_loss, {}
+    mask, rollout_log_probs = micro_batch["response_mask"], micro_batch["rollout_log_probs"]
+    metrics = mismatch_metrics(old_log_probs, rollout_log_probs, mask, counts)
+    if correction.is_weights != "off":
+        terms = is_weights(old_log_probs, rollout_log_probs, mask, correction.is_weights, correction.is_cap)
+        token_loss = token_loss * terms.weights.to(token_loss.dtype)
+        metrics.update(is_weight_metrics(terms, mask, counts))
+    return token_loss, metrics
+
+
 TokenObjective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], TokenPolicyLoss]
 
 
@@ -137,8 +167,9 @@ def make_token_objective(cfg: PolicyLossConfig) -> TokenObjective:
 
 def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
     """The actor's LossFn. Reads micro_batch response_mask, old_log_probs, advantages (and
-    ref_log_probs with use_kl_loss), outputs log_probs (and entropy). Metrics: actor/pg_loss,
-    actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy, actor/kl_loss."""
+    ref_log_probs with use_kl_loss, rollout_log_probs when present), outputs log_probs (and
+    entropy). Metrics: actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl,
+    actor/entropy, actor/kl_loss, rollout/* and rollout_corr/* (see rollout_correction.py)."""
     objective = make_token_objective(cfg)
     check_agg_mode(cfg.loss_agg_mode)  # fail at construction, not at the first micro-batch
 
@@ -148,13 +179,18 @@ def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
         mask = micro_batch["response_mask"]
         log_probs, old_log_probs = outputs["log_probs"], micro_batch["old_log_probs"]
         terms = objective(log_probs, old_log_probs, micro_batch["advantages"], mask)
-        pg_loss = aggregate(terms.loss, mask, cfg.loss_agg_mode, counts)
-        metrics = {
-            "actor/pg_loss": float(pg_loss.detach()),
-            "actor/pg_clipfrac": token_fraction(terms.clipped, mask, counts),
-            "actor/pg_clipfrac_lower": token_fraction(terms.dual_clipped, mask, counts),
-            "actor/ppo_kl": token_mean(old_log_probs - log_probs, mask, counts),
-        }
+        token_loss, metrics = _rollout_corrected(
+            terms.loss, micro_batch, old_log_probs, counts, cfg.rollout_correction
+        )
+        pg_loss = aggregate(token_loss, mask, cfg.loss_agg_mode, counts)
+        metrics.update(
+            {
+                "actor/pg_loss": float(pg_loss.detach()),
+                "actor/pg_clipfrac": token_fraction(terms.clipped, mask, counts),
+                "actor/pg_clipfrac_lower": token_fraction(terms.dual_clipped, mask, counts),
+                "actor/ppo_kl": token_mean(old_log_probs - log_probs, mask, counts),
+            }
+        )
         loss = pg_loss
         if "entropy" in outputs:
             entropy = aggregate(outputs["entropy"], mask, cfg.loss_agg_mode, counts)

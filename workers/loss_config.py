@@ -1,0 +1,55 @@
+"""Options of the RL losses that JobSpec embeds as they are, so that they are declared once.
+
+Torch-free on purpose: controller/spec.py (and with it the CLI, which never imports torch) reads
+this module, while workers/losses/ holds the arithmetic that the options select.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class RolloutCorrectionConfig(BaseModel):
+    """Importance-sampling correction for the gap between the rollout engine and the trainer.
+
+    The rollout engine (another kernel, another precision, sometimes another library) samples from
+    a policy slightly different from the trainer's, though both hold the same weights. The ratio
+    rho = pi_trainer(y) / pi_rollout(y) measures that gap per token; workers/losses/
+    rollout_correction.py has the formulas and their sources. Everything is off by default.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    is_weights: Literal["off", "token", "sequence"] = Field(
+        "off",
+        description="truncated importance sampling (TIS): multiply each token's policy loss by "
+        "min(rho, is_cap), with rho the token's ratio ('token') or the product of its sequence's "
+        "ratios ('sequence'); works also when the old log-prob pass is skipped",
+    )
+    is_cap: float = Field(
+        2.0, ge=1, description="the cap C of the truncated IS weight min(rho, C) (Yao et al. 2025 use 2)"
+    )
+    rejection: Literal["off", "token", "sequence", "geometric"] = Field(
+        "off",
+        description="masked IS / rejection: drop from the loss the tokens whose ratio leaves "
+        "[rejection_low, rejection_high] ('token'), or whole sequences whose product of ratios "
+        "('sequence') or geometric mean of ratios ('geometric') leaves it; needs the separate old "
+        "log-prob pass, which a job with rejection always runs",
+    )
+    rejection_low: float = Field(0.5, gt=0, le=1, description="lower edge of the accepted ratio band")
+    rejection_high: float = Field(2.0, ge=1, description="upper edge of the accepted ratio band")
+
+    @model_validator(mode="after")
+    def _band_is_not_empty(self) -> RolloutCorrectionConfig:
+        if self.rejection_low >= self.rejection_high:
+            raise ValueError(
+                f"rollout_correction.rejection_low ({self.rejection_low}) must be below "
+                f"rejection_high ({self.rejection_high})"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.is_weights != "off" or self.rejection != "off"
