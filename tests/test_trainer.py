@@ -169,12 +169,24 @@ def test_a_reward_model_scores_the_job(ray_cluster, tmp_path):
 
 def test_skipping_the_old_log_prob_pass_changes_nothing(ray_cluster, tmp_path):
     """One mini-batch, one epoch: old log-probs from the update's own first forward give the same
-    weights as a separate forward pass."""
-    common = {"trainer": {"total_steps": 1, "val_every": 0}, "checkpoint": {"every": 0}}
-    _, _, skipped = run(job_spec(**common), tmp_path / "skip")
-    _, _, recomputed = run(job_spec(**common, algorithm={"recompute_old_log_probs": True}), tmp_path / "full")
+    weights, loss and rollout correction as a separate forward pass. top_k makes the rollout engine
+    sample from a renormalised top-k distribution, a real mismatch the token-level TIS corrects."""
+    common = {
+        "trainer": {"total_steps": 1, "val_every": 0},
+        "checkpoint": {"every": 0},
+        "rollout": {"top_k": 3},
+    }
+    tis = {"rollout_correction": {"is_weights": "token"}}
+    _, _, skipped = run(job_spec(**common, algorithm=tis), tmp_path / "skip")
+    _, _, recomputed = run(
+        job_spec(**common, algorithm={**tis, "recompute_old_log_probs": True}), tmp_path / "full"
+    )
     assert "timing_s/old_log_prob" in recomputed and "timing_s/old_log_prob" not in skipped
-    assert recomputed["rollout/log_prob_diff_max"] < 1e-4
+    # pi_trainer / pi_rollout is the top-k mass, below 1: the weights are active and the same.
+    assert recomputed["rollout/kl_rollout_trainer"] > 0.01
+    assert recomputed["rollout_corr/is_weight_mean"] < 0.99
+    for key in ("rollout/log_prob_diff_mean", "rollout/log_prob_diff_max", "rollout_corr/is_weight_mean"):
+        assert skipped[key] == pytest.approx(recomputed[key], abs=1e-5), key
     a = load_file(str(tmp_path / "skip" / "export" / "model.safetensors"))
     b = load_file(str(tmp_path / "full" / "export" / "model.safetensors"))
     # Within 1% of one Adam step (lr 1e-3): the two forwards agree to ~1e-7, which Adam's first
