@@ -12,7 +12,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engines.rollout import ROLLOUT_ENGINES, check_tensor_parallel
-
 from workers.loss_config import RolloutCorrectionConfig
 
 Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
