@@ -15,6 +15,8 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
 
 from api.auth import Authenticator
 from api.dashboard import mount_dashboard
@@ -28,7 +30,13 @@ ROUTERS = (health.router, jobs.router, job_outputs.router, rewards.router)
 
 
 def create_app(service: Service) -> FastAPI:
-    app = FastAPI(title="Tandem", version=VERSION, description="RL post-training jobs: submit, watch, steer.")
+    app = FastAPI(
+        title="Tandem",
+        version=VERSION,
+        description="RL post-training jobs: submit, watch, steer.",
+        docs_url=None,  # served below from vendored assets: /docs works offline
+        redoc_url=None,
+    )
     install_error_handlers(app)
     registry, latency = make_registry(service.store)
     app.state.service = service
@@ -48,4 +56,20 @@ def create_app(service: Service) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     mount_dashboard(app)
+    mount_docs(app)
     return app
+
+
+def mount_docs(app: FastAPI) -> None:
+    """Swagger UI at /docs from the assets vendored in api/static/vendor (no CDN)."""
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title="Tandem API",
+            swagger_js_url="/static/vendor/swagger-ui-bundle.js",
+            swagger_css_url="/static/vendor/swagger-ui.css",
+            swagger_favicon_url="/static/vendor/swagger-ui-favicon-32x32.png",
+            swagger_ui_parameters={"persistAuthorization": False},
+        )

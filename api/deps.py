@@ -1,30 +1,44 @@
 """What every route depends on: the Service behind the app, and the token scopes it requires.
 
 Routers reach the service and the authenticator through `request.app.state`, so each router module
-is a plain set of functions over one resource and `create_app` only assembles them.
+is a plain set of functions over one resource and `create_app` only assembles them. The bearer
+scheme is declared through FastAPI's HTTPBearer, so the OpenAPI document carries it and Swagger UI's
+"Authorize" button sends the token; the check itself is the Authenticator's (api/auth.py).
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from api.errors import documented
 from controller.service import Service
+
+bearer = HTTPBearer(
+    auto_error=False,
+    description="a token with the route's scope: $TANDEM_HOME/admin_token, or one from `tandem tokens`",
+)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+
+INT64_MAX = 2**63 - 1  # SQLite's integers; larger query values are a 422, not a storage error
 
 
 def get_service(request: Request) -> Service:
     return request.app.state.service
 
 
-def reader(request: Request) -> None:
+def reader(request: Request, _: Credentials) -> None:
     request.app.state.auth.require(request, "read")
 
 
-def writer(request: Request) -> None:
+def writer(request: Request, _: Credentials) -> None:
     request.app.state.auth.require(request, "write")
 
 
 ServiceDep = Annotated[Service, Depends(get_service)]
 READ = [Depends(reader)]
 WRITE = [Depends(writer)]
+AUTH_ERRORS = documented(401, 403, 422)
+BODY_ERRORS = documented(400, 413)

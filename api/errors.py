@@ -1,16 +1,20 @@
 """The API's one error shape: {"error": {"message", "type", "param", "code"}}, with the field at fault.
 
 Validation errors of a request body name the dotted field (`trainer.total_steps`), so a client can
-point at it; service refusals carry their own status, param and code.
+point at it; a body that is not JSON names `body`; service refusals carry their own status, param
+and code. Unknown routes, wrong methods and oversized bodies answer in the same shape, and the
+OpenAPI document describes it (`ErrorResponse`) for every status a route can return.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from controller.service import ServiceError
 
@@ -19,10 +23,39 @@ TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     409: "conflict_error",
+    413: "request_too_large",
     422: "invalid_request_error",
     503: "unavailable_error",
 }
+
+MEANINGS = {
+    400: "The request could not be read",
+    401: "No bearer token, or an unknown one",
+    403: "The token lacks the scope this route needs",
+    404: "No such resource",
+    409: "The resource is in a state that does not allow this",
+    413: "The request body is larger than the service accepts",
+    422: "A field is invalid; `error.param` names it (dotted)",
+    503: "The service is not ready",
+}
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(..., description="what is wrong and what to do")
+    type: str = Field(..., description="the error's class, e.g. invalid_request_error")
+    param: str | None = Field(None, description="the dotted field at fault, e.g. trainer.total_steps")
+    code: str | None = Field(None, description="a stable machine-readable code, e.g. invalid_value")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these statuses, each with the real error schema."""
+    return {status: {"model": ErrorResponse, "description": MEANINGS[status]} for status in statuses}
 
 
 class APIError(Exception):
@@ -41,8 +74,20 @@ def error_body(
 
 
 def _field(loc: tuple) -> str | None:
+    if len(loc) > 1 and loc[0] in ("query", "path", "header"):
+        return str(loc[1])  # a repeated query parameter is named, not its index
     parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
     return ".".join(parts) or None
+
+
+def validation_error(first: dict[str, Any]) -> tuple[str, str | None]:
+    """(message, param) of one pydantic/FastAPI validation error."""
+    if first.get("type") == "json_invalid":  # loc is ("body", character offset): the body is at fault
+        why = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return f"body: the request body is not valid JSON ({why})", "body"
+    param = _field(tuple(first.get("loc", ())))
+    message = first.get("msg", "invalid request")
+    return (f"{param}: {message}" if param else message), param
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -59,14 +104,17 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        param = _field(tuple(first.get("loc", ())))
-        message = first.get("msg", "invalid request")
-        if param:
-            message = f"{param}: {message}"
-        return JSONResponse(error_body(422, message, param, "invalid_value"), 422)
+        message, param = validation_error(first)
+        code = "invalid_json" if param == "body" else "invalid_value"
+        return JSONResponse(error_body(422, message, param, code), 422)
 
-    @app.exception_handler(HTTPException)
-    async def _http(request: Request, err: HTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(err.status_code, str(err.detail)), err.status_code, headers=err.headers
-        )
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        code = {404: "unknown_route", 405: "method_not_allowed"}.get(err.status_code)
+        message = str(err.detail)
+        if err.status_code == 404 and message == "Not Found":
+            message = f"no route {request.url.path}; see /docs for the API"
+        elif err.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        return JSONResponse(error_body(err.status_code, message, None, code), err.status_code,
+                            headers=getattr(err, "headers", None))  # fmt: skip

@@ -180,7 +180,7 @@ def test_reward_validation(api):
     )  # fmt: skip
     assert ok.status_code == 200 and ok.json()["scores"] == [1.0, 0.0]
     bad = api.post("/v1/rewards/validate", json={"function": "nope_mod:f", "rows": [{"response": "x"}]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "function"
+    assert bad.status_code == 422 and bad.json()["error"]["param"] == "function"
     assert "nope_mod" in bad.json()["error"]["message"]
 
 

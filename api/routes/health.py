@@ -9,7 +9,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.deps import READ, ServiceDep
+from api.deps import AUTH_ERRORS, READ, ServiceDep
+from api.errors import documented
 
 VERSION = "0.1.0"
 
@@ -21,13 +22,13 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", tags=["health"])
+@router.get("/readyz", tags=["health"], responses=documented(503))
 def readyz(service: ServiceDep) -> JSONResponse:
     ready = ray.is_initialized() and service.is_alive
     return JSONResponse({"status": "ready" if ready else "starting"}, 200 if ready else 503)
 
 
-@router.get("/v1/version", dependencies=READ)
+@router.get("/v1/version", dependencies=READ, responses=AUTH_ERRORS)
 def version() -> dict[str, Any]:
     import torch
     import transformers
@@ -46,7 +47,7 @@ def version() -> dict[str, Any]:
     }
 
 
-@router.get("/v1/cluster", dependencies=READ)
+@router.get("/v1/cluster", dependencies=READ, responses=AUTH_ERRORS)
 def cluster(service: ServiceDep) -> dict[str, Any]:
     return service.cluster()
 

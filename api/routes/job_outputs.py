@@ -6,16 +6,26 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
-from api.deps import READ, WRITE, ServiceDep
+from api.body_checks import CheckedRoute
+from api.deps import AUTH_ERRORS, INT64_MAX, READ, WRITE, ServiceDep
+from api.errors import documented
 from api.streams import sse, start_id
 from api.views import listing
 
-router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["job outputs"])
+router = APIRouter(
+    prefix="/v1/jobs/{job_id}",
+    tags=["job outputs"],
+    route_class=CheckedRoute,
+    responses={**AUTH_ERRORS, **documented(404)},
+)
 
 
 @router.get("/events", dependencies=READ)
 def events(
-    job_id: str, service: ServiceDep, after: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=1000)
+    job_id: str,
+    service: ServiceDep,
+    after: int = Query(0, ge=0, le=INT64_MAX),
+    limit: int = Query(100, ge=1, le=1000),
 ) -> dict[str, Any]:
     service.get(job_id)
     rows = service.store.events(job_id, after, limit + 1)
@@ -23,7 +33,9 @@ def events(
 
 
 @router.get("/events/stream", dependencies=READ)
-def events_stream(request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0)):
+def events_stream(
+    request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=INT64_MAX)
+):
     service.get(job_id)
     return sse(request, service.store, job_id, lambda last: service.store.events(job_id, last, 200),
                lambda row: row["kind"], start_id(request, after))  # fmt: skip
@@ -34,8 +46,8 @@ def metrics(
     job_id: str,
     service: ServiceDep,
     keys: str | None = Query(None, description="comma-separated metric names"),
-    step_min: int | None = Query(None, ge=0),
-    step_max: int | None = Query(None, ge=0),
+    step_min: int | None = Query(None, ge=0, le=INT64_MAX),
+    step_max: int | None = Query(None, ge=0, le=INT64_MAX),
 ) -> dict[str, Any]:
     service.get(job_id)
     wanted = [k for k in (keys or "").split(",") if k] or None
@@ -43,7 +55,9 @@ def metrics(
 
 
 @router.get("/metrics/stream", dependencies=READ)
-def metrics_stream(request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0)):
+def metrics_stream(
+    request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=INT64_MAX)
+):
     service.get(job_id)
     return sse(request, service.store, job_id, lambda last: service.store.metrics(job_id, after_id=last, limit=200),
                lambda row: "metrics", start_id(request, after))  # fmt: skip
@@ -56,7 +70,9 @@ def logs(job_id: str, service: ServiceDep, tail: int = Query(200, ge=1, le=10_00
 
 
 @router.get("/logs/stream", dependencies=READ)
-def logs_stream(request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0)):
+def logs_stream(
+    request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=INT64_MAX)
+):
     service.get(job_id)
     return sse(request, service.store, job_id, lambda last: service.store.logs(job_id, after_id=last, limit=500),
                lambda row: "log", start_id(request, after))  # fmt: skip
@@ -67,7 +83,7 @@ def checkpoints(job_id: str, service: ServiceDep) -> dict[str, Any]:
     return listing(service.checkpoint_dirs(job_id), False)
 
 
-@router.post("/checkpoints", status_code=202, dependencies=WRITE)
+@router.post("/checkpoints", status_code=202, dependencies=WRITE, responses=documented(409))
 def checkpoint_now(job_id: str, service: ServiceDep) -> dict[str, Any]:
     service.checkpoint_now(job_id)
     return {"id": job_id, "object": "checkpoint_request", "status": "requested"}

@@ -5,29 +5,35 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import READ, WRITE, ServiceDep
-from api.errors import APIError
+from api.body_checks import CheckedRoute
+from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, ServiceDep
+from api.errors import APIError, documented
 from api.validation import check_submittable
 from api.views import job_view, listing
 from controller.spec import JobSpec
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(
+    prefix="/v1/jobs", tags=["jobs"], route_class=CheckedRoute, responses={**AUTH_ERRORS, **documented(404)}
+)
+JobStatus = Literal[
+    "queued", "running", "pausing", "paused", "cancelling", "succeeded", "failed", "cancelled"
+]
 
 
 class ForkRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     checkpoint_step: int | None = Field(
-        None, description="the parent's checkpoint to start from; None = latest"
+        None, ge=0, le=INT64_MAX, description="the parent's checkpoint to start from; None = latest"
     )
     overrides: dict[str, Any] = Field(default_factory=dict, description="JobSpec fields to change, nested")
 
 
-@router.post("", status_code=201, dependencies=WRITE)
+@router.post("", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)})
 def create_job(
     request: Request, response: Response, service: ServiceDep, spec: JobSpec = Body(...)
 ) -> dict[str, Any]:
@@ -43,7 +49,7 @@ def create_job(
 @router.get("", dependencies=READ)
 def list_jobs(
     service: ServiceDep,
-    status: list[str] | None = Query(None, description="filter by status; repeatable"),
+    status: list[JobStatus] | None = Query(None, description="filter by status; repeatable"),
     metadata: list[str] | None = Query(None, description="filter by metadata, 'key:value'; repeatable"),
     after: str | None = Query(None, description="cursor: the last job id of the previous page"),
     limit: int = Query(20, ge=1, le=100),
@@ -66,35 +72,37 @@ def get_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
     return job_view(service.get(job_id))
 
 
-@router.delete("/{job_id}", dependencies=WRITE)
+@router.delete("/{job_id}", dependencies=WRITE, responses=documented(409))
 def delete_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
     service.delete(job_id)
     return {"id": job_id, "object": "job", "deleted": True}
 
 
-@router.post("/{job_id}/cancel", dependencies=WRITE)
+@router.post("/{job_id}/cancel", dependencies=WRITE, responses=documented(409))
 def cancel(job_id: str, service: ServiceDep) -> dict[str, Any]:
     return job_view(service.cancel(job_id))
 
 
-@router.post("/{job_id}/pause", dependencies=WRITE)
+@router.post("/{job_id}/pause", dependencies=WRITE, responses=documented(409))
 def pause(job_id: str, service: ServiceDep) -> dict[str, Any]:
     return job_view(service.pause(job_id))
 
 
-@router.post("/{job_id}/resume", dependencies=WRITE)
+@router.post("/{job_id}/resume", dependencies=WRITE, responses=documented(409))
 def resume(job_id: str, service: ServiceDep) -> dict[str, Any]:
     return job_view(service.resume(job_id))
 
 
-@router.post("/{job_id}/fork", status_code=201, dependencies=WRITE)
+@router.post(
+    "/{job_id}/fork", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)}
+)
 def fork(
     job_id: str, service: ServiceDep, body: ForkRequest = Body(default_factory=ForkRequest)
 ) -> dict[str, Any]:
     return job_view(service.fork(job_id, body.checkpoint_step, body.overrides))
 
 
-@router.patch("/{job_id}/hyperparameters", dependencies=WRITE)
+@router.patch("/{job_id}/hyperparameters", dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)})
 def hyperparameters(
     job_id: str, service: ServiceDep, changes: dict[str, Any] = Body(..., examples=[{"lr": 1e-4}])
 ) -> dict[str, Any]:

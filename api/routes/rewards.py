@@ -7,11 +7,14 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.deps import WRITE
+from api.body_checks import CheckedRoute
+from api.deps import AUTH_ERRORS, BODY_ERRORS, WRITE
 from api.errors import APIError
 from controller.rewards import RewardFunctionError, RewardScorer
 
-router = APIRouter(prefix="/v1/rewards", tags=["rewards"])
+router = APIRouter(
+    prefix="/v1/rewards", tags=["rewards"], route_class=CheckedRoute, responses={**AUTH_ERRORS, **BODY_ERRORS}
+)
 
 
 class RewardRow(BaseModel):
@@ -33,7 +36,7 @@ def validate_reward(body: RewardValidateRequest) -> dict[str, Any]:
     try:
         scorer = RewardScorer(body.function)
     except RewardFunctionError as err:
-        raise APIError(400, str(err), "function", "invalid_reward_function") from None
+        raise APIError(422, f"function: {err}", "function", "invalid_reward_function") from None
     rows = body.rows
     result = scorer.score([r.prompt for r in rows], [r.response for r in rows],
                           [r.ground_truth for r in rows], [r.extra for r in rows])  # fmt: skip
