@@ -127,13 +127,15 @@ class JobSetup:
     def epoch(self) -> int:
         return self.loader.epoch
 
-    def next_prompts(self, step: int) -> Batch:
-        """The step's prompts, each repeated rollout.n times (interleaved, so a group is contiguous)."""
+    def next_prompts(self, step: int, round_index: int = 0) -> Batch:
+        """The step's prompts, each repeated rollout.n times (interleaved, so a group is contiguous);
+        `round_index` counts the extra draws of dynamic sampling within one step."""
         batch = next(self.loader).repeat(self.spec.rollout.n, interleave=True)
-        # The seed is a function of the step alone, so a resumed job samples what it would have.
+        # The seed is a function of the step and round alone, so a resumed job samples what it would have.
+        seed = self.spec.trainer.seed * 1_000_003 + step + round_index * 2**32
         batch.meta.update(
             {
-                "sampling": _sampling(self.spec, seed=self.spec.trainer.seed * 1_000_003 + step),
+                "sampling": _sampling(self.spec, seed=seed),
                 "max_prompt_length": self.spec.data.max_prompt_length,
                 "step": step,
             }

@@ -115,6 +115,43 @@ class OptimSpec(Section):
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
 
+class OverlongSpec(Section):
+    """Responses cut off by rollout.max_new_tokens (controller/overlong.py)."""
+
+    filter: bool = Field(
+        False,
+        description="exclude from the loss the responses whose generation stopped at "
+        "rollout.max_new_tokens (finish reason 'length'); they still count in their group's baseline",
+    )
+    penalty_buffer: int = Field(
+        0,
+        ge=0,
+        description="soft over-long punishment (DAPO): over the last penalty_buffer tokens of "
+        "rollout.max_new_tokens the reward falls linearly from 0 to -penalty_factor; 0 = off",
+    )
+    penalty_factor: float = Field(
+        1.0, ge=0, description="the penalty of a response that uses the whole budget"
+    )
+
+
+class DynamicSamplingSpec(Section):
+    """DAPO dynamic sampling (controller/dynamic_sampling.py)."""
+
+    enabled: bool = Field(
+        False,
+        description="drop the groups whose rollout.n samples all got the same score (no signal for "
+        "group-relative advantages) and generate for more prompts until the step has "
+        "trainer.prompts_per_step groups with signal",
+    )
+    max_rounds: int = Field(
+        4,
+        ge=1,
+        description="generation rounds per step at most, the first included, each of "
+        "trainer.prompts_per_step prompts; when they do not fill the batch, it is topped up with "
+        "dropped groups (whose advantages are zero) and dynamic_sampling/groups_padded counts them",
+    )
+
+
 class AlgorithmSpec(Section):
     """Advantages, losses and the PPO update's mini-batches and epochs."""
 
@@ -156,6 +193,12 @@ class AlgorithmSpec(Section):
         default_factory=RolloutCorrectionConfig,
         description="correction for the gap between the rollout engine's and the trainer's log-probs: "
         "truncated importance weights and rejection of tokens or sequences (off by default)",
+    )
+    overlong: OverlongSpec = Field(
+        default_factory=OverlongSpec, description="filtering and soft punishment of over-long responses"
+    )
+    dynamic_sampling: DynamicSamplingSpec = Field(
+        default_factory=DynamicSamplingSpec, description="DAPO dynamic sampling of signal-bearing groups"
     )
 
 
@@ -235,7 +278,18 @@ class JobSpec(Section):
                 f"algorithm.ppo_mini_batch_size = {mini} must divide the {samples} samples of a step and be a "
                 f"multiple of resources.workers = {self.resources.workers}"
             )
+        self._check_overlong_and_dynamic_sampling()
         return self
+
+    def _check_overlong_and_dynamic_sampling(self) -> None:
+        buffer = self.algorithm.overlong.penalty_buffer
+        if buffer > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong.penalty_buffer = {buffer} must not exceed rollout.max_new_tokens = "
+                f"{self.rollout.max_new_tokens}"
+            )
+        if self.algorithm.dynamic_sampling.enabled and (self.method == "sft" or self.rollout.n < 2):
+            raise ValueError("algorithm.dynamic_sampling needs groups: an RL method with rollout.n >= 2")
 
     @property
     def advantage_estimator(self) -> str:

@@ -49,6 +49,13 @@ def with_tensors(batch: Batch, **tensors: torch.Tensor) -> Batch:
     return Batch(out, batch.non_tensors, batch.meta)
 
 
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """[B] generated tokens per sample: the attended response columns (the loss mask may be narrower,
+    e.g. after over-long filtering)."""
+    width = batch.tensors["response_mask"].shape[1]
+    return batch.tensors["attention_mask"][:, -width:].sum(1)
+
+
 def add_advantages(
     batch: Batch, scores: torch.Tensor, spec: JobSpec, kl_coef: float
 ) -> tuple[Batch, dict[str, float]]:
@@ -102,7 +109,7 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> di
     trainer agreement, rollout/*)."""
     t = batch.tensors
     mask = t["response_mask"]
-    lengths = mask.sum(1).float()
+    lengths = response_lengths(batch).float()
     prompt_lengths = t["attention_mask"].sum(1).float() - lengths
     ones = torch.ones_like(scores, dtype=torch.bool)
     metrics = {

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from controller import checkpoints
+from controller.dynamic_sampling import sample_signal_groups
 from controller.job_setup import JobSetup
 from controller.kl_reward import make_kl_controller
+from controller.overlong import apply_overlong
 from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched, score
@@ -100,11 +102,7 @@ class Trainer:
         spec, actor, critic = self.spec, self.job.groups.actor, self.job.groups.critic
         self._timings = {}
         with self._timed("step"):
-            prompts = self.job.next_prompts(self.step_index)
-            with self._timed("gen"):
-                batch = actor.generate_sequences(prompts)
-            with self._timed("reward"):
-                batch, scores, metrics = self._rewards(batch)
+            batch, scores, metrics = self._sample()
             if self._needs_old_log_probs(len(batch)):
                 with self._timed("old_log_prob"):
                     batch = actor.compute_log_prob(batch)
@@ -164,6 +162,27 @@ class Trainer:
             "validation", f"step {self.step_index}: val accuracy {out['val/accuracy']:.3f}", **out
         )
         return out
+
+    def _sample(self) -> tuple[Any, Any, dict[str, float]]:
+        """The step's scored samples: one round of prompts, or DAPO dynamic sampling's rounds."""
+        ds = self.spec.algorithm.dynamic_sampling
+        if not ds.enabled:
+            return self._generate_and_score(0)
+        return sample_signal_groups(
+            self._generate_and_score, self.spec.trainer.prompts_per_step, self.spec.rollout.n, ds.max_rounds
+        )
+
+    def _generate_and_score(self, round_index: int) -> tuple[Any, Any, dict[str, float]]:
+        """Generate for the next prompts of the loader, score, and apply the over-long options."""
+        prompts = self.job.next_prompts(self.step_index, round_index)
+        with self._timed("gen"):
+            batch = self.job.groups.actor.generate_sequences(prompts)
+        with self._timed("reward"):
+            batch, scores, metrics = self._rewards(batch)
+        batch, scores, overlong = apply_overlong(
+            batch, scores, self.spec.algorithm.overlong, self.spec.rollout.max_new_tokens
+        )
+        return batch, scores, {**metrics, **overlong}
 
     def _rewards(self, batch: Any) -> tuple[Any, Any, dict[str, float]]:
         """Sequence scores from the reward model when the job has one, else from the rule function."""

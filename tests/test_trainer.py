@@ -5,6 +5,7 @@ the next step exactly; hyper-parameter edits and stop requests act at step bound
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -239,3 +240,56 @@ def test_a_reached_val_accuracy_target_finishes_the_job_early(ray_cluster, tmp_p
 def test_a_val_accuracy_target_needs_validation():
     with pytest.raises(ValueError, match="stop_at_val_accuracy needs validation"):
         job_spec(trainer={"val_every": 0, "stop_at_val_accuracy": 0.5})
+
+
+def half_uniform_reward(prompt: str, response: str, ground_truth, extra) -> dict:
+    """About half the prompts score every answer 0.5 (a uniform group, no signal); the others score
+    each answer by a hash of its text, so their groups differ unless all answers are the same."""
+    if zlib.crc32(str(ground_truth).encode()) % 2 == 0:
+        return {"score": 0.5}
+    return {"score": (zlib.crc32(response.encode()) % 1000) / 1000}
+
+
+def test_dynamic_sampling_fills_the_batch_and_resumes_exactly(ray_cluster, tmp_path):
+    options = {
+        "reward": {"function": "tests.test_trainer:half_uniform_reward"},
+        "trainer": {"total_steps": 3, "val_every": 0},
+        "algorithm": {"dynamic_sampling": {"enabled": True, "max_rounds": 8}},
+        "checkpoint": {"every": 2, "export_hf": False},
+    }
+    trainer, sink, _ = run(job_spec(**options), tmp_path / "full")
+    steps = [r["values"] for r in sink.history]
+    for values in steps:
+        assert values["dynamic_sampling/groups_kept"] == 4 and values["dynamic_sampling/groups_padded"] == 0
+        # Every round draws one loader batch (4 prompts); every drawn group is kept or dropped.
+        assert values["dynamic_sampling/prompts_drawn"] == 4 * values["dynamic_sampling/rounds"]
+        assert values["dynamic_sampling/groups_dropped"] <= values["dynamic_sampling/prompts_drawn"] - 4
+    assert sum(v["dynamic_sampling/groups_dropped"] for v in steps) > 0
+    # The loader's position counts exactly the prompts drawn (the task has far more rows than that).
+    drawn = sum(v["dynamic_sampling/prompts_drawn"] for v in steps)
+    state = trainer.job.loader.state_dict()
+    assert (state["epoch"], state["position"]) == (0, drawn)
+    # Resumed from step 2, the job draws the prompts and samples the uninterrupted one did at step 3.
+    resumed_spec = job_spec(**options).merged(
+        {"checkpoint": {"resume_from": str(tmp_path / "full" / "checkpoints" / "step_00000002")}}
+    )
+    resumed, resumed_sink, last = run(resumed_spec, tmp_path / "resumed")
+    assert [r["step"] for r in resumed_sink.history] == [3]
+    assert comparable(last) == comparable(steps[-1])
+    assert resumed.job.loader.state_dict() == trainer.job.loader.state_dict()
+
+
+def test_overlong_responses_are_masked_and_penalised(ray_cluster, tmp_path):
+    """A budget of 2 new tokens: the random tiny model rarely stops that early."""
+    spec = job_spec(
+        trainer={"total_steps": 1, "val_every": 0},
+        rollout={"max_new_tokens": 2},
+        algorithm={"overlong": {"filter": True, "penalty_buffer": 2, "penalty_factor": 1.0}},
+        checkpoint={"every": 0, "export_hf": False},
+    )
+    _, _, last = run(spec, tmp_path)
+    assert last["overlong/truncated_frac"] > 0.5
+    assert last["overlong/masked_frac"] == last["overlong/truncated_frac"]
+    # Budget 2, buffer 2: a response of L tokens loses L / 2.
+    assert last["overlong/penalty_mean"] == pytest.approx(-last["response_length/mean"] / 2, abs=1e-6)
+    assert last["critic/score/min"] <= 0.0  # a digit share <= 1, minus the full penalty of 1

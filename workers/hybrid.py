@@ -267,12 +267,15 @@ def _with_outputs(batch: Batch, outputs: dict[str, torch.Tensor]) -> Batch:
 def _rollout_tensors(
     prompts: list[list[int]], completions: list, width: int, new_tokens: int, pad: int
 ) -> TensorDict:
-    """Prompt left-padded to `width`, response right-padded to `new_tokens`, with masks and log-probs."""
+    """Prompt left-padded to `width`, response right-padded to `new_tokens`, with masks, log-probs,
+    weight versions and the truncation flags."""
     rows = len(prompts)
     input_ids = torch.full((rows, width + new_tokens), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     log_probs = torch.zeros(rows, new_tokens)
     versions = torch.zeros(rows, dtype=torch.long)
+    # 1 where generation stopped at the token budget (finish reason "length"), for over-long handling.
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.long)
     for i, (prompt, comp) in enumerate(zip(prompts, completions, strict=True)):
         if len(prompt) > width:
             raise ValueError(f"prompt of {len(prompt)} tokens is longer than max_prompt_length={width}")
@@ -294,6 +297,7 @@ def _rollout_tensors(
             "response_mask": response_mask,
             "rollout_log_probs": log_probs,
             "weight_version": versions,
+            "truncated": truncated,
         },
         batch_size=[rows],
     )

@@ -1,0 +1,54 @@
+"""Over-long responses: the soft length penalty and the filter, both from DAPO (Yu et al. 2025).
+
+A response that stopped at the token budget L_max = rollout.max_new_tokens (finish reason
+"length") never finished its answer, so its reward says little about the answer itself.
+
+    soft over-long punishment   with a buffer of L_c tokens, a response of |y| tokens gets
+                                R_len(y) = -f * max(0, |y| - (L_max - L_c)) / L_c
+                                added to its score: 0 up to L_max - L_c, then falling linearly to
+                                -f at the budget (DAPO, "Soft Overlong Punishment"; f = 1 there).
+    over-long filtering         the truncated responses are taken out of the loss: their rows of
+                                the response mask become 0, so they weigh nothing and are not
+                                counted in the loss's normaliser (DAPO, "Overlong Filtering").
+                                Their scores still enter their group's baseline.
+
+Scores first, then the filter: the penalty shapes what the advantages see, the filter what the
+update trains on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from controller.spec import OverlongSpec
+from controller.step_math import response_lengths, with_tensors
+from workers.batch import Batch
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float) -> torch.Tensor:
+    """R_len of the module doc for each length [B]; zeros when the buffer is 0."""
+    if buffer == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    excess = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0)
+    return -factor * excess / buffer
+
+
+def apply_overlong(
+    batch: Batch, scores: torch.Tensor, cfg: OverlongSpec, max_new_tokens: int
+) -> tuple[Batch, torch.Tensor, dict[str, float]]:
+    """The penalised scores and the filtered batch, with overlong/truncated_frac (share of samples
+    that hit the budget), overlong/masked_frac and overlong/penalty_mean (when each is on)."""
+    t = batch.tensors
+    truncated = t["truncated"].bool()
+    metrics = {"overlong/truncated_frac": float(truncated.float().mean())}
+    if cfg.penalty_buffer:
+        penalty = overlong_penalty(
+            response_lengths(batch), max_new_tokens, cfg.penalty_buffer, cfg.penalty_factor
+        )
+        scores = scores + penalty.to(scores.dtype)
+        metrics["overlong/penalty_mean"] = float(penalty.mean())
+    if cfg.filter:
+        mask = t["response_mask"] * (~truncated).unsqueeze(1).to(t["response_mask"].dtype)
+        batch = with_tensors(batch, response_mask=mask)
+        metrics["overlong/masked_frac"] = float(truncated.float().mean())
+    return batch, scores, metrics

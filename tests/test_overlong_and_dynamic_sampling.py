@@ -1,0 +1,134 @@
+"""Over-long handling and DAPO dynamic sampling on hand-made batches: the soft penalty's values, the
+filter's mask, and a sampler that keeps signal-bearing groups, pads when rounds run out and keeps
+groups apart by round. The jobs that use them run in tests/test_trainer.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from controller.dynamic_sampling import sample_signal_groups, uniform_groups
+from controller.overlong import apply_overlong, overlong_penalty
+from controller.spec import JobSpec, OverlongSpec
+from workers.batch import Batch
+
+
+def rollout_batch(lengths: list[int], truncated: list[int], width: int = 4, uids=None) -> Batch:
+    """Rows of a 2-token prompt and responses of `lengths` tokens in a response of `width` columns."""
+    response_mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+    attention_mask = torch.cat([torch.ones(len(lengths), 2, dtype=torch.long), response_mask], 1)
+    uids = uids or [str(i) for i in range(len(lengths))]
+    return Batch.from_dict(
+        {
+            "attention_mask": attention_mask,
+            "response_mask": response_mask.clone(),
+            "truncated": torch.tensor(truncated),
+        },
+        {"uid": uids},
+    )
+
+
+def test_soft_overlong_penalty_rises_linearly_over_the_buffer():
+    # Budget 8, buffer 4: no penalty up to 4 tokens, then -1/4 per token down to -factor at 8.
+    lengths = torch.tensor([0, 4, 5, 6, 8])
+    torch.testing.assert_close(overlong_penalty(lengths, 8, 4, 1.0), torch.tensor([0, 0, -0.25, -0.5, -1.0]))
+    torch.testing.assert_close(
+        overlong_penalty(lengths, 8, 4, 0.5), torch.tensor([0, 0, -0.125, -0.25, -0.5])
+    )
+    assert not overlong_penalty(lengths, 8, 0, 1.0).any()  # buffer 0: off
+
+
+def test_overlong_filter_and_penalty_on_a_batch():
+    batch = rollout_batch(lengths=[4, 2, 3, 4], truncated=[1, 0, 0, 0])  # row 3 stopped at its last token
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.5])
+    cfg = OverlongSpec(filter=True, penalty_buffer=2, penalty_factor=1.0)
+    out, penalised, metrics = apply_overlong(batch, scores, cfg, max_new_tokens=4)
+    torch.testing.assert_close(penalised, torch.tensor([0.0, 1.0, -0.5, -0.5]))
+    assert out.tensors["response_mask"].sum(1).tolist() == [0, 2, 3, 4]  # only the truncated row is out
+    assert batch.tensors["response_mask"].sum() == 13  # the input batch is untouched
+    assert metrics == pytest.approx(
+        {"overlong/truncated_frac": 0.25, "overlong/masked_frac": 0.25, "overlong/penalty_mean": -2.5 / 4}
+    )
+    unchanged, same, metrics = apply_overlong(batch, scores, OverlongSpec(), max_new_tokens=4)
+    assert torch.equal(unchanged.tensors["response_mask"], batch.tensors["response_mask"])
+    assert torch.equal(same, scores) and metrics == {"overlong/truncated_frac": 0.25}
+
+
+def test_overlong_options_are_checked_against_the_budget():
+    with pytest.raises(ValueError, match="penalty_buffer = 9 must not exceed rollout.max_new_tokens = 8"):
+        JobSpec.model_validate(
+            {"rollout": {"max_new_tokens": 8}, "algorithm": {"overlong": {"penalty_buffer": 9}}}
+        )
+    with pytest.raises(ValueError, match="dynamic_sampling needs groups"):
+        JobSpec.model_validate({"rollout": {"n": 1}, "algorithm": {"dynamic_sampling": {"enabled": True}}})
+    with pytest.raises(ValueError, match="max_rounds"):
+        JobSpec.model_validate({"algorithm": {"dynamic_sampling": {"max_rounds": 0}}})
+
+
+# ---- dynamic sampling ---------------------------------------------------------------------------
+
+N = 2  # samples per group
+
+
+def rounds_of(group_scores: list[list[list[float]]]):
+    """A draw function replaying rounds of groups of N scores; each group's uid is its prompt id."""
+    calls = []
+
+    def draw(round_index: int):
+        calls.append(round_index)
+        groups = group_scores[round_index]
+        scores = torch.tensor([float(s) for g in groups for s in g])
+        uids = [f"p{round_index}{g}" for g in range(len(groups)) for _ in range(N)]
+        batch = rollout_batch([1] * len(scores), [0] * len(scores), uids=uids)
+        batch.tensors["scores"] = scores
+        return batch, scores, {"reward/mean": float(scores.mean())}
+
+    return draw, calls
+
+
+def test_uniform_groups():
+    assert uniform_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), 2).tolist() == [True, False, True]
+
+
+def test_dynamic_sampling_fills_the_batch_with_signal_bearing_groups():
+    # Round 0: one signal group of three; round 1: two more, of which only one is needed.
+    draw, calls = rounds_of(
+        [
+            [[1, 1], [0, 1], [0, 0]],
+            [[0.5, 0.5], [0.2, 0.8], [0.1, 0.9]],
+        ]
+    )
+    batch, scores, metrics = sample_signal_groups(draw, groups_wanted=2, n=N, max_rounds=5)
+    assert calls == [0, 1]  # stops as soon as the batch is full
+    assert scores.tolist() == pytest.approx([0.0, 1.0, 0.2, 0.8])
+    assert torch.equal(batch.tensors["scores"], scores)  # rows and scores stay aligned
+    assert list(batch.non_tensors["uid"]) == ["p01/0", "p01/0", "p11/1", "p11/1"]
+    assert metrics == pytest.approx(
+        {
+            "reward/mean": (0.5 + 0.5) / 2,
+            "dynamic_sampling/prompts_drawn": 6.0,
+            "dynamic_sampling/groups_dropped": 3.0,
+            "dynamic_sampling/rounds": 2.0,
+            "dynamic_sampling/groups_kept": 2.0,
+            "dynamic_sampling/groups_padded": 0.0,
+        }
+    )
+
+
+def test_dynamic_sampling_pads_with_dropped_groups_when_rounds_run_out():
+    draw, calls = rounds_of([[[1, 1], [0, 1]], [[0, 0], [1, 1]]])
+    batch, scores, metrics = sample_signal_groups(draw, groups_wanted=2, n=N, max_rounds=2)
+    assert calls == [0, 1]
+    assert scores.tolist() == [0.0, 1.0, 1.0, 1.0]  # the signal group, then the first dropped one
+    assert list(batch.non_tensors["uid"]) == ["p01/0", "p01/0", "p00/0", "p00/0"]
+    assert metrics["dynamic_sampling/groups_padded"] == 1.0
+    assert metrics["dynamic_sampling/groups_dropped"] == 3.0
+
+
+def test_a_prompt_drawn_twice_in_one_step_stays_two_groups():
+    def draw(round_index: int):  # the same prompt "7" in both rounds (an epoch rolled over)
+        scores = torch.tensor([0.0, 1.0])
+        return rollout_batch([1, 1], [0, 0], uids=["7", "7"]), scores, {}
+
+    batch, _, _ = sample_signal_groups(draw, groups_wanted=2, n=N, max_rounds=2)
+    assert list(batch.non_tensors["uid"]) == ["7/0", "7/0", "7/1", "7/1"]
