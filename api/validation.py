@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from api.errors import APIError
+from controller.models import BUILTIN_MODEL_NAMES
 from controller.rewards import RewardFunctionError, load_reward_fn
 from controller.spec import JobSpec
 from controller.tasks import BUILTIN_TASKS
+from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from engines.rollout import available_backends
-from engines.tiny_models import BUILTIN_MODELS
 
 
 def _folder(path: str, param: str, what: str) -> None:
@@ -26,9 +27,14 @@ def _file(path: str | None, param: str) -> None:
 
 def check_submittable(spec: JobSpec) -> None:
     m, d, r = spec.model, spec.data, spec.reward
-    if m.builtin is not None and m.builtin not in BUILTIN_MODELS:
+    if m.builtin is not None and m.builtin not in BUILTIN_MODEL_NAMES:
         raise APIError(422, f"model.builtin: unknown built-in model '{m.builtin}'; choose one of "
-                       f"{sorted(BUILTIN_MODELS)}", "model.builtin", "invalid_value")  # fmt: skip
+                       f"{list(BUILTIN_MODEL_NAMES)}", "model.builtin", "invalid_value")  # fmt: skip
+    if m.builtin in PACKAGED_MODELS:
+        try:
+            packaged_gguf(PACKAGED_MODELS[m.builtin])
+        except PackagedModelMissing as err:
+            raise APIError(422, f"model.builtin: {err}", "model.builtin", "extra_not_installed") from None
     if m.path is not None:
         _folder(m.path, "model.path", "Hugging Face model")
     if m.critic_path is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from controller.tasks.arithmetic import ArithmeticTask
+from controller.tasks.word_problems import WordProblemTask
 
 
 class Task(Protocol):
@@ -31,6 +32,8 @@ BUILTIN_TASKS: dict[str, Task] = {
     "arithmetic": ArithmeticTask(),
     "arithmetic-3digit": ArithmeticTask(digits=3, name="arithmetic-3digit"),
     "arithmetic-mixed": ArithmeticTask(operations=("+", "-", "*"), name="arithmetic-mixed"),
+    # Stories for a real chat model (e.g. model.builtin smollm2-135m-instruct), scored by the last number.
+    "word-problems": WordProblemTask(),
 }
 
 

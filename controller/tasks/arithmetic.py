@@ -137,7 +137,7 @@ class ArithmeticTask:
             ("val", self.default_val_size if val_size is None else val_size),
         ):
             path = directory / f"{split}.jsonl"
-            _write_rows(path, self.make_split(split, size, seed))
+            write_rows(path, self.make_split(split, size, seed))
             paths.append(path)
         return paths[0], paths[1]
 
@@ -159,7 +159,7 @@ def extract_answer_text(response: str) -> str:
     return response.strip()
 
 
-def _write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     # Write to a temporary name and rename: a reader never sees half a file.
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
