@@ -19,7 +19,9 @@ from engines.pretrained import PACKAGED_MODELS, build_packaged_model, packaged_g
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"
-MESSAGES = [{"role": "user", "content": "Mia has 23 shells and finds 14 more. How many shells does she have?"}]
+MESSAGES = [
+    {"role": "user", "content": "Mia has 23 shells and finds 14 more. How many shells does she have?"}
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,9 @@ def test_the_folder_reproduces_the_gguf_model(smol_dir):
     model = AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(smol_dir)
     assert "quantization_config" not in json.loads((smol_dir / "config.json").read_text())
-    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     assert tokenizer.decode(ids["input_ids"][0]).count("<|im_start|>") == 3  # system, user, assistant
     with torch.no_grad():
         assert torch.equal(model(**ids).logits, reference(**ids).logits)
@@ -85,7 +89,9 @@ def test_the_export_loads_back_with_its_chat_template(grpo_step, smol_dir):
         assert new.shape == old.shape, name
         moved += int(not torch.equal(new, old))
     assert moved > 0  # the GRPO step changed the weights
-    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    ids = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     with torch.no_grad():
         drift = (model(**ids).logits - original(**ids).logits).abs().max()
     assert 0 < drift < 1.0  # one step at lr 1e-6 moves the logits a little, not a lot

@@ -68,6 +68,8 @@ def test_the_task_is_deterministic_disjoint_and_correct():
 
 def test_a_missing_model_package_names_the_extra():
     assert "smollm2-135m-instruct" in BUILTIN_MODEL_NAMES
-    absent = PackagedModel(package="no-such-pkg", module="no_such_pkg_xyz", gguf_file="m.gguf", description="")
+    absent = PackagedModel(
+        package="no-such-pkg", module="no_such_pkg_xyz", gguf_file="m.gguf", description=""
+    )
     with pytest.raises(PackagedModelMissing, match=r"'no-such-pkg'.*make install-real"):
         packaged_gguf(absent)
