@@ -14,9 +14,10 @@ from controller.advantages import compute_advantages, scores_to_token_rewards
 from controller.kl_reward import apply_kl_penalty
 from controller.rewards import RewardScorer
 from controller.spec import JobSpec
+from engines.base import GlobalCounts
 from workers.batch import Batch
 from workers.loss_config import RolloutCorrectionConfig
-from workers.losses.rollout_correction import apply_rejection
+from workers.losses.rollout_correction import apply_rejection, mismatch_metrics
 
 
 def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
@@ -85,12 +86,16 @@ def add_advantages(
 
 def reject_mismatched(batch: Batch, cfg: RolloutCorrectionConfig) -> tuple[Batch, dict[str, float]]:
     """The actor's batch with the rollout correction's rejected tokens out of its loss mask
-    (workers/losses/rollout_correction.py), and the shares rejected; unchanged when rejection is off."""
+    (workers/losses/rollout_correction.py), the shares rejected, and the mismatch report over the
+    tokens before rejection (the loss can only report on those it keeps); unchanged when off."""
     if cfg.rejection == "off":
         return batch, {}
     t = batch.tensors
-    mask, metrics = apply_rejection(t["response_mask"], t["old_log_probs"], t["rollout_log_probs"], cfg)
-    return with_tensors(batch, response_mask=mask), metrics
+    old, rollout, mask = t["old_log_probs"], t["rollout_log_probs"], t["response_mask"]
+    kept, metrics = apply_rejection(mask, old, rollout, cfg)
+    counts = GlobalCounts(int(mask.sum()), len(batch), mask.shape[1])
+    metrics.update(mismatch_metrics(old, rollout, mask, counts))
+    return with_tensors(batch, response_mask=kept), metrics
 
 
 def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

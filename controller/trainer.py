@@ -121,12 +121,12 @@ class Trainer:
                             batch, spec.algorithm.vf_clip, spec.algorithm.loss_agg_mode, self._schedule()
                         )[0]
                     )
-            actor_batch, rejected = reject_mismatched(batch, spec.algorithm.rollout_correction)
-            metrics.update(rejected)
+            actor_batch, rejection = reject_mismatched(batch, spec.algorithm.rollout_correction)
             with self._timed("update_actor"):
                 metrics.update(
                     actor.update_actor(actor_batch, self.job.policy_loss_config(), self._schedule())[0]
                 )
+            metrics.update(rejection)  # its mismatch report covers the tokens the loss no longer sees
             with self._timed("sync"):
                 metrics.update(actor.sync_weights()[0])
         if spec.algorithm.kl_in_reward:

@@ -293,3 +293,19 @@ def test_overlong_responses_are_masked_and_penalised(ray_cluster, tmp_path):
     # Budget 2, buffer 2: a response of L tokens loses L / 2.
     assert last["overlong/penalty_mean"] == pytest.approx(-last["response_length/mean"] / 2, abs=1e-6)
     assert last["critic/score/min"] <= 0.0  # a digit share <= 1, minus the full penalty of 1
+
+
+def test_rollout_rejection_runs_the_old_log_prob_pass_and_takes_tokens_out_of_the_loss(ray_cluster, tmp_path):
+    """top_k 3 on a near-uniform tiny model: pi_trainer / pi_rollout is the top-3 mass, far below the
+    band's 0.5, so every token is rejected and the update has nothing left to learn from."""
+    spec = job_spec(
+        trainer={"total_steps": 1, "val_every": 0},
+        rollout={"top_k": 3},
+        algorithm={"rollout_correction": {"rejection": "token", "rejection_low": 0.5}},
+        checkpoint={"every": 0, "export_hf": False},
+    )
+    _, _, last = run(spec, tmp_path)
+    assert "timing_s/old_log_prob" in last  # rejection needs the trainer's log-probs before the update
+    assert last["rollout_corr/token_rejected_frac"] == 1.0 and last["rollout_corr/seq_rejected_frac"] == 1.0
+    assert last["actor/pg_loss"] == 0.0 and last["actor/grad_norm"] == 0.0
+    assert last["rollout/log_prob_diff_mean"] > 1.0  # the mismatch is still reported
