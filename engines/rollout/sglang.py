@@ -8,7 +8,8 @@ is released and resumed through its memory-occupation API (needs `enable_memory_
 prefix cache is flushed once per sync, after the last bucket, not after each one.
 
 The translations are pure functions so that they are tested where sglang cannot be installed. The
-formats follow sgl-project/sglang: `Engine.generate` / `update_weights_from_tensor` /
+formats follow sgl-project/sglang at release SGLANG_VERSION (tests/test_sglang_source.py reads
+that release's files and checks every call below against them): `Engine.generate` / `update_weights_from_tensor` /
 `release_memory_occupation` in python/sglang/srt/entrypoints/engine.py, the output dict built in
 TokenizerManager._handle_batch_output (python/sglang/srt/managers/tokenizer_manager.py: with
 `skip_tokenizer_init` it is {"output_ids", "meta_info"}; meta_info["output_token_logprobs"] is a
@@ -16,6 +17,10 @@ list of (logprob, token_id, text-or-None)), finish reasons from the FINISH_* cla
 python/sglang/srt/managers/schedule_batch.py ({"type": "stop", "matched": id} / {"type": "length",
 "length": n} / {"type": "abort", "message": ...}), and sampling-param names from
 python/sglang/srt/sampling/sampling_params.py.
+
+Seeds: sglang reads a request's `sampling_seed` only with `enable_deterministic_inference` (which
+also selects its pytorch sampling backend); without it seeded requests are silently unseeded, so
+the engine is started in that mode unless `deterministic=False`.
 
 Log-prob caveat: sglang reports the log-probability under the temperature-scaled distribution
 before top-k / top-p truncation (or before temperature with SGLANG_RETURN_ORIGINAL_LOGPROB). With
@@ -33,6 +38,8 @@ import torch
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.weights import iter_buckets as bucket_named_tensors  # one bucketing rule for every engine
 
+# The release this adapter is written against; pyproject's sglang extra and the Makefile pin it.
+SGLANG_VERSION = "0.5.23"
 INSTALL_HINT = "pip install 'tandem-rl[sglang]' on a GPU machine"
 
 # HF buffers that are not weights: sglang's load_weights computes these itself.
@@ -166,6 +173,7 @@ class SGLangRolloutEngine(RolloutEngine):
         mem_fraction_static: float = 0.5,
         bucket_mb: int = 512,
         seed: int = 0,
+        deterministic: bool = True,
         eos_token_ids: list[int] | None = None,
         **server_args: Any,
     ) -> None:
@@ -196,6 +204,7 @@ class SGLangRolloutEngine(RolloutEngine):
             enable_memory_saver=True,  # needed by release/resume_memory_occupation
             skip_tokenizer_init=True,  # token ids in, token ids out
             random_seed=seed,
+            enable_deterministic_inference=deterministic,  # else sampling_seed is ignored
             **server_args,
         )
 
