@@ -139,6 +139,10 @@ def test_the_reward_chart_grows_from_the_metrics_stream(page, job: dict) -> None
     expect(page.locator("#metrics-live")).to_have_text("live")
     timing = page.evaluate("Chart.getChart('chart-timing').data.datasets.filter(d => d.data.length).length")
     assert timing >= 3  # gen, reward, update_actor, ... stacked
+    mismatch = page.evaluate(
+        "Chart.getChart('chart-mismatch').data.datasets.filter(d => d.data.length).length"
+    )
+    assert mismatch >= 3  # every step reports |log-prob difference| mean and max and KL(rollout || trainer)
 
 
 def test_a_hyperparameter_edit_from_the_form_shows_up_as_events(page, api: httpx.Client, job: dict) -> None:

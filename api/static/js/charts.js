@@ -25,6 +25,22 @@ export const CHARTS = [
     { key: "actor/rollout_entropy", label: "rollout" },
     { key: "actor/entropy", label: "actor update" },
   ] },
+  // The rollout engine is not the trainer: how far their log-probs are apart, and what the rollout
+  // correction (algorithm.rollout_correction) did about it.
+  { name: "mismatch", title: "Train/inference mismatch", series: [
+    { key: "rollout/log_prob_diff_mean", label: "|Δ log p| mean" },
+    { key: "rollout/log_prob_diff_max", label: "|Δ log p| max" },
+    { key: "rollout/kl_rollout_trainer", label: "KL(rollout‖trainer)" },
+    { key: "rollout_corr/token_clipped_frac", label: "tokens IS-capped" },
+    { key: "rollout_corr/token_rejected_frac", label: "tokens rejected" },
+    { key: "rollout_corr/seq_rejected_frac", label: "sequences rejected" },
+  ] },
+  { name: "sampling", title: "Dynamic sampling and over-long", series: [
+    { key: "dynamic_sampling/prompts_drawn", label: "prompts drawn", axis: "y" },
+    { key: "dynamic_sampling/groups_dropped", label: "groups dropped", axis: "y" },
+    { key: "overlong/truncated_frac", label: "truncated share", axis: "y1" },
+    { key: "overlong/penalty_mean", label: "length penalty", axis: "y1" },
+  ] },
   { name: "length", title: "Response length (tokens)", series: [
     { key: "response_length/mean", label: "mean" },
     { key: "response_length/max", label: "max" },
