@@ -13,6 +13,10 @@ one) and generates and scores it. Rounds stop once enough groups carry a signal,
 short after the last round is topped up with dropped groups, counted in groups_padded, so that the
 step keeps its size (the mini-batch and rank arithmetic depends on it).
 
+"Same score" means the score the advantages see, after the over-long penalty (controller/
+overlong.py): a group whose answers differ only in length still has a signal. (DAPO filters on the
+task accuracy; with a 0/1 reward and no length penalty the two agree.)
+
 A group is its n consecutive rows (prompts are repeated interleaved). Its uid gets the round as a
 suffix: a prompt can come up twice in one step when the loader rolls over to a new epoch, and the
 two groups must stay two groups.

@@ -37,10 +37,12 @@ def apply_overlong(
     batch: Batch, scores: torch.Tensor, cfg: OverlongSpec, max_new_tokens: int
 ) -> tuple[Batch, torch.Tensor, dict[str, float]]:
     """The penalised scores and the filtered batch, with overlong/truncated_frac (share of samples
-    that hit the budget), overlong/masked_frac and overlong/penalty_mean (when each is on)."""
+    that hit the budget, when the rollout flags them), overlong/masked_frac and
+    overlong/penalty_mean (when each is on)."""
     t = batch.tensors
-    truncated = t["truncated"].bool()
-    metrics = {"overlong/truncated_frac": float(truncated.float().mean())}
+    metrics: dict[str, float] = {}
+    if "truncated" in t.keys():
+        metrics["overlong/truncated_frac"] = float(t["truncated"].float().mean())
     if cfg.penalty_buffer:
         penalty = overlong_penalty(
             response_lengths(batch), max_new_tokens, cfg.penalty_buffer, cfg.penalty_factor
@@ -48,7 +50,9 @@ def apply_overlong(
         scores = scores + penalty.to(scores.dtype)
         metrics["overlong/penalty_mean"] = float(penalty.mean())
     if cfg.filter:
-        mask = t["response_mask"] * (~truncated).unsqueeze(1).to(t["response_mask"].dtype)
-        batch = with_tensors(batch, response_mask=mask)
-        metrics["overlong/masked_frac"] = float(truncated.float().mean())
+        if "truncated" not in t.keys():
+            raise KeyError("algorithm.overlong.filter needs the rollout's 'truncated' flags in the batch")
+        keep = (t["truncated"] == 0).unsqueeze(1).to(t["response_mask"].dtype)
+        batch = with_tensors(batch, response_mask=t["response_mask"] * keep)
+        metrics["overlong/masked_frac"] = float(t["truncated"].float().mean())
     return batch, scores, metrics

@@ -139,9 +139,9 @@ class DynamicSamplingSpec(Section):
 
     enabled: bool = Field(
         False,
-        description="drop the groups whose rollout.n samples all got the same score (no signal for "
-        "group-relative advantages) and generate for more prompts until the step has "
-        "trainer.prompts_per_step groups with signal",
+        description="drop the groups whose rollout.n samples all got the same score, after the "
+        "over-long penalty (no signal for group-relative advantages), and generate for more prompts "
+        "until the step has trainer.prompts_per_step groups with signal",
     )
     max_rounds: int = Field(
         4,

@@ -132,3 +132,28 @@ def test_a_prompt_drawn_twice_in_one_step_stays_two_groups():
 
     batch, _, _ = sample_signal_groups(draw, groups_wanted=2, n=N, max_rounds=2)
     assert list(batch.non_tensors["uid"]) == ["7/0", "7/0", "7/1", "7/1"]
+
+
+def test_the_dapo_example_is_a_valid_spec_with_the_options_on():
+    import yaml
+
+    from tests.conftest import REPO
+
+    spec = JobSpec.model_validate(yaml.safe_load((REPO / "examples" / "dapo_tiny.yaml").read_text()))
+    a = spec.algorithm
+    assert a.dynamic_sampling.enabled and a.overlong.penalty_buffer == 4
+    assert a.rollout_correction.is_weights == "token"
+
+
+def test_every_new_algorithm_option_is_described_in_the_schema():
+    """The REST payload is JobSpec, so these descriptions are what the API's OpenAPI schema shows."""
+    defs = JobSpec.model_json_schema()["$defs"]
+    algorithm = defs["AlgorithmSpec"]["properties"]
+    for section, model in (
+        ("rollout_correction", "RolloutCorrectionConfig"),
+        ("overlong", "OverlongSpec"),
+        ("dynamic_sampling", "DynamicSamplingSpec"),
+    ):
+        assert algorithm[section].get("description"), section
+        for name, field in defs[model]["properties"].items():
+            assert field.get("description"), f"{section}.{name}"
