@@ -18,6 +18,7 @@ import uvicorn
 
 from api.app import create_app
 from api.auth import ensure_admin_token
+from api.reaper import watch
 from controller.models import tandem_home
 from controller.service import Service
 
@@ -49,6 +50,7 @@ def serve(
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     home = Path(home).expanduser().resolve() if home else tandem_home()
+    reaper = watch()  # kills what Ray leaves behind once this process is gone, even after SIGKILL
     init_ray(ray_address, num_cpus, home)
     service = Service(home)
     service.start()
@@ -71,3 +73,4 @@ def serve(
         log.info("stopping: pausing running jobs so they resume from a checkpoint")
         service.shutdown(timeout_s=shutdown_timeout_s)
         ray.shutdown()
+        reaper.stdin.close()  # done: the watcher cleans up now

@@ -7,9 +7,9 @@ GRPO job on the built-in arithmetic task with a ~1M-parameter model, on CPU.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from engines.rollout import ROLLOUT_ENGINES, check_tensor_parallel
 from workers.loss_config import RolloutCorrectionConfig
@@ -19,6 +19,19 @@ Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_bas
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+Tag = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=64)]
+JobName = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
+Notes = Annotated[str, StringConstraints(max_length=10_000)]
+
+
+class JobLabels(Section):
+    """What a person calls a job and finds it by; set at submission, changed with PATCH /v1/jobs/{id}."""
+
+    name: JobName | None = Field(None, description="a short human name; need not be unique")
+    tags: list[Tag] = Field(default_factory=list, max_length=32, description="labels to filter by (?tag=)")
+    notes: Notes = Field("", description="free text: why the job exists, what was seen")
 
 
 class ModelSpec(Section):
@@ -244,8 +257,9 @@ class ResourcesSpec(Section):
     )
 
 
-class JobSpec(Section):
-    """One job: what to train, on what, how, on which resources."""
+class JobSpec(JobLabels):
+    """One job: what to train, on what, how, on which resources (and, from JobLabels, its name, tags
+    and notes)."""
 
     method: Method = "grpo"
     model: ModelSpec = Field(default_factory=lambda: ModelSpec(builtin="qwen2-1m"))

@@ -9,7 +9,7 @@ a job fails or is cancelled: only DELETE on a terminal job removes its rows.
 from __future__ import annotations
 
 import json
-import math
+import os
 import sqlite3
 import threading
 import time
@@ -19,6 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from controller.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
+from controller.store_metrics import METRICS_SCHEMA, MetricsQuery, MetricsTable
+
+__all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -39,7 +44,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     workdir TEXT NOT NULL,
     idempotency_key TEXT UNIQUE,
     request_hash TEXT,
-    stop_reason TEXT
+    stop_reason TEXT,
+    name TEXT,
+    tags TEXT NOT NULL DEFAULT '[]',
+    notes TEXT NOT NULL DEFAULT '',
+    active_s REAL NOT NULL DEFAULT 0,
+    run_started_at REAL
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
 CREATE TABLE IF NOT EXISTS events (
@@ -51,14 +61,6 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
-CREATE TABLE IF NOT EXISTS metrics (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    time REAL NOT NULL,
-    data TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS metrics_job ON metrics(job_id, step);
 CREATE TABLE IF NOT EXISTS logs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     job_id TEXT NOT NULL,
@@ -83,12 +85,19 @@ CREATE TABLE IF NOT EXISTS tokens (
 );
 """
 
-ACTIVE = ("queued", "running", "pausing", "cancelling")
-TERMINAL = ("succeeded", "failed", "cancelled")
+ADDED_COLUMNS = {  # columns added since the first schema: a database made before gets them on open
+    "name": "TEXT",
+    "tags": "TEXT NOT NULL DEFAULT '[]'",
+    "notes": "TEXT NOT NULL DEFAULT ''",
+    "active_s": "REAL NOT NULL DEFAULT 0",
+    "run_started_at": "REAL",
+}
 JOB_COLUMNS = (
     "id, seq, status, method, spec, metadata, created_at, started_at, finished_at, step, total_steps, "
-    "latest_metrics, error, parent_id, workdir, idempotency_key, request_hash, stop_reason"
+    "latest_metrics, error, parent_id, workdir, idempotency_key, request_hash, stop_reason, name, tags, notes, "
+    "active_s, run_started_at"
 )
+JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags")
 
 
 @dataclass
@@ -111,24 +120,40 @@ class JobRecord:
     idempotency_key: str | None = None
     request_hash: str | None = None
     stop_reason: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    notes: str = ""
+    active_s: float = 0.0  # seconds spent running, over every run of the job
+    run_started_at: float | None = None  # when the current run started (None when not running)
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
         values = dict(row)
-        for key in ("spec", "metadata", "latest_metrics"):
+        for key in JSON_COLUMNS:
             values[key] = json.loads(values[key])
         return cls(**values)
 
+    def active_seconds(self, now: float | None = None) -> float:
+        """Time spent running, summed over runs: a resume does not reset it."""
+        current = (now or time.time()) - self.run_started_at if self.run_started_at is not None else 0.0
+        return self.active_s + max(current, 0.0)
 
-class JobStore:
+
+class JobStore(MetricsTable):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._write_lock = threading.Lock()
+        _create_private(self.path)
         with self._write_lock:
-            self._db().executescript(SCHEMA)  # executescript manages its own transaction
+            db = self._db()
+            db.executescript(SCHEMA)  # executescript manages its own transaction
+            have = {r["name"] for r in db.execute("PRAGMA table_info(jobs)")}
+            for name, kind in ADDED_COLUMNS.items():
+                if name not in have:
+                    db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+            db.executescript(METRICS_SCHEMA)
 
     def _db(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -168,11 +193,12 @@ class JobStore:
         with self._tx() as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             db.execute(
-                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 23)})",
                 (
-                    job_id, seq, "queued", spec["method"], json.dumps(spec), json.dumps(spec.get("metadata", {})),
-                    now, None, None, 0, spec["trainer"]["total_steps"], "{}", None, parent_id,
-                    str(Path(workdir_root) / job_id), idempotency_key, request_hash, None,
+                    job_id, seq, JobStatus.QUEUED, spec["method"], json.dumps(spec),
+                    json.dumps(spec.get("metadata", {})), now, None, None, 0, spec["trainer"]["total_steps"], "{}",
+                    None, parent_id, str(Path(workdir_root) / job_id), idempotency_key, request_hash, None,
+                    spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None,
                 ),
             )  # fmt: skip
         self.add_event(job_id, "created", "job created and queued")
@@ -194,9 +220,20 @@ class JobStore:
         metadata: dict[str, str] | None = None,
         after: str | None = None,
         limit: int = 20,
+        q: str | None = None,
+        tag: str | None = None,
     ) -> tuple[list[JobRecord], bool]:
-        """Newest first; `after` is a job id cursor. Returns (page, has_more)."""
+        """Newest first; `after` is a job id cursor; `q` a case-insensitive substring of the id, name,
+        tags or notes; `tag` one of the tags. Returns (page, has_more)."""
         where, args = [], []
+        if q:
+            where.append(
+                "instr(lower(id || ' ' || COALESCE(name, '') || ' ' || tags || ' ' || notes), lower(?)) > 0"
+            )
+            args.append(q)
+        if tag:
+            where.append("EXISTS (SELECT 1 FROM json_each(jobs.tags) WHERE value = ?)")
+            args.append(tag)
         if status:
             where.append(f"status IN ({','.join('?' * len(status))})")
             args.extend(status)
@@ -227,22 +264,36 @@ class JobStore:
         return [JobRecord.from_row(r) for r in rows]
 
     def update_job(self, job_id: str, **values: Any) -> None:
-        for key in ("spec", "metadata", "latest_metrics"):
+        for key in JSON_COLUMNS:
             if key in values:
                 values[key] = json.dumps(values[key])
         sets = ", ".join(f"{k} = ?" for k in values)
         with self._tx() as db:
             db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), job_id))
 
-    def transition(self, job_id: str, allowed_from: tuple[str, ...], to: str, **values: Any) -> bool:
-        """Move a job to `to` only if it is in one of `allowed_from`; True when it moved."""
+    def transition(
+        self, job_id: str, allowed_from: tuple[JobStatus, ...], to: JobStatus, **values: Any
+    ) -> bool:
+        """Move a job to `to` only if it is in one of `allowed_from`; True when it moved. Every move
+        must be in job_state.TRANSITIONS. Leaving `running` ends a run: its time is added to active_s."""
+        check_moves(allowed_from, to)
+        if to == JobStatus.RUNNING:
+            values = {"run_started_at": time.time(), **values}
         sets = ", ".join(["status = ?"] + [f"{k} = ?" for k in values])
+        if to not in RUN_HOLDING:
+            sets += ", active_s = active_s + COALESCE(? - run_started_at, 0), run_started_at = NULL"
+            values = {**values, "_now": time.time()}
         with self._tx() as db:
             cur = db.execute(
                 f"UPDATE jobs SET {sets} WHERE id = ? AND status IN ({','.join('?' * len(allowed_from))})",
                 (to, *values.values(), job_id, *allowed_from),
             )
             return cur.rowcount == 1
+
+    def started(self, job_id: str, at: float) -> None:
+        """Record the job's first start (a resumed job keeps it)."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET started_at = COALESCE(started_at, ?) WHERE id = ?", (at, job_id))
 
     def bump_step(self, job_id: str, step: int) -> None:
         """Raise the job's step to `step` (a resumed job starts past 0 before its first metrics)."""
@@ -281,47 +332,13 @@ class JobStore:
         )
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
-    def add_metrics(self, job_id: str, step: int, values: dict[str, float], at: float | None = None) -> int:
-        # A diverged run logs NaN or inf; JSON has no such numbers, so they are stored as null.
-        values = {
-            k: (v if isinstance(v, int | float) and math.isfinite(v) else None) for k, v in values.items()
-        }
-        with self._tx() as db:
-            cur = db.execute(
-                "INSERT INTO metrics (job_id, step, time, data) VALUES (?,?,?,?)",
-                (job_id, step, at or time.time(), json.dumps(values)),
-            )
-            db.execute(
-                "UPDATE jobs SET step = MAX(step, ?), latest_metrics = ? WHERE id = ?",
-                (step, json.dumps(values), job_id),
-            )
-            return int(cur.lastrowid)
-
-    def metrics(
-        self,
-        job_id: str,
-        keys: list[str] | None = None,
-        step_min: int | None = None,
-        step_max: int | None = None,
-        after_id: int = 0,
-        limit: int = 10_000,
-    ) -> list[dict[str, Any]]:
-        sql = "SELECT id, step, time, data FROM metrics WHERE job_id = ? AND id > ?"
-        args: list[Any] = [job_id, after_id]
-        if step_min is not None:
-            sql += " AND step >= ?"
-            args.append(step_min)
-        if step_max is not None:
-            sql += " AND step <= ?"
-            args.append(step_max)
-        rows = self._db().execute(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
-        out = []
-        for r in rows:
-            values = json.loads(r["data"])
-            if keys:
-                values = {k: v for k, v in values.items() if k in keys}
-            out.append({"id": r["id"], "step": r["step"], "time": r["time"], "values": values})
-        return out
+    def metrics(self, job_id: str, keys: list[str] | None = None, step_min: int | None = None,
+                step_max: int | None = None, after_id: int = 0, limit: int = 10_000) -> list[dict[str, Any]]:  # fmt: skip
+        """The series in the first API's terms (kept for its routes until they move to metrics_page)."""
+        if after_id:
+            return self.metrics_since(job_id, after_id, limit)
+        query = MetricsQuery(tuple(keys or ()), step_min, step_max, limit=limit)
+        return self.metrics_page(job_id, query)[0]
 
     def add_logs(self, job_id: str, lines: list[tuple[float, str, str]]) -> None:
         if not lines:
@@ -382,3 +399,10 @@ class JobStore:
     def tokens(self) -> list[dict[str, Any]]:
         rows = self._db().execute("SELECT id, name, hash, scopes FROM tokens").fetchall()
         return [{**dict(r), "scopes": json.loads(r["scopes"])} for r in rows]
+
+
+def _create_private(path: Path) -> None:
+    """The database holds token hashes and every job's data: readable by its owner only (0600).
+    SQLite gives its -wal and -shm files the database file's mode."""
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+    os.chmod(path, 0o600)

@@ -1,9 +1,11 @@
 """The web dashboard in real headless Chromium against a live service (uvicorn, the tests' Ray, SQLite).
 
-One long tiny-qwen2 job is steered from the page in file order: it appears in the table, its reward
-chart grows from the metrics stream, a hyper-parameter edit shows up as events, pause and resume
-change its state, a fork from a checkpoint is cancelled, and the job is cancelled at the end.
-Screenshots go to artifacts/dashboard/. Debian's chromium is driven through playwright's API;
+One long tiny-qwen2 job is shared by the module: it appears in the table, its reward chart grows
+from the metrics stream, a hyper-parameter edit shows up as events, pause and resume change its
+state, a fork from one of its checkpoints is cancelled. Every test brings the page and the job to
+the state it needs itself (signed in, on the job's page, the job running), so each passes alone
+and in any order; tests that cancel a job cancel one of their own. Screenshots go to
+artifacts/dashboard/. Debian's chromium is driven through playwright's API;
 playwright's own browser download is never used (`make install` installs chromium with apt-get).
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api_util import LiveService, tiny_job, wait_for
+from tests.api_util import LiveService, tiny_job, wait_for, wait_for_step
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras")
 expect = sync_api.expect
@@ -94,6 +96,40 @@ def job_action(page, action: str) -> None:
     page.locator(f"#job-actions button[data-action='{action}']").click()
 
 
+def sign_in(page, live: LiveService) -> None:
+    """The tab signed in with the admin token, whatever it showed before."""
+    if not page.url.startswith(live.url):
+        page.goto(live.url + "/")
+    if page.evaluate("sessionStorage.getItem('tandem.token')") != live.token:
+        page.fill("#token-input", live.token)
+        page.click("#signin-form button[type=submit]")
+    expect(page.locator("#signin-view")).to_be_hidden()
+
+
+def open_job(page, live: LiveService, job_id: str) -> None:
+    sign_in(page, live)
+    page.evaluate(f"location.hash = '#/jobs/{job_id}'")
+    expect(page.locator("#job-title")).to_have_text(job_id)
+
+
+def running(api: httpx.Client, job: dict, past_step: int = 0) -> dict:
+    """The shared job running (resumed if a test left it paused) and past `past_step`."""
+    current = api.get(f"/v1/jobs/{job['id']}").json()
+    if current["status"] in ("pausing", "paused"):
+        wait_for(api, job["id"], ("paused",), timeout_s=90)
+        api.post(f"/v1/jobs/{job['id']}/resume")
+    assert wait_for(api, job["id"], ("running", *TERMINAL), timeout_s=120)["status"] == "running"
+    return wait_for_step(api, job["id"], past_step, timeout_s=120)
+
+
+def own_job(api: httpx.Client, suite: str) -> dict:
+    """A job of the test's own that never trains (paused at once), for tests that cancel a job."""
+    created = api.post("/v1/jobs", json=tiny_job(metadata={"suite": suite}))
+    assert created.status_code == 201, created.text
+    api.post(f"/v1/jobs/{created.json()['id']}/pause")
+    return created.json()
+
+
 def test_the_page_and_its_assets_load_without_a_token_and_pin_their_sources(live: LiveService) -> None:
     index = httpx.get(live.url + "/")
     assert index.status_code == 200 and index.headers["content-type"].startswith("text/html")
@@ -117,20 +153,29 @@ def test_a_wrong_token_shows_the_apis_error_on_the_sign_in_form(browser, live: L
     context.close()
 
 
-def test_signing_in_lists_the_running_job(page, live: LiveService, job: dict) -> None:
-    page.goto(live.url + "/")
-    page.fill("#token-input", live.token)
-    page.click("#signin-form button[type=submit]")
-    row = page.locator(f"#job-rows tr[data-job-id='{job['id']}']")
+def test_signing_in_lists_the_running_job(browser, live: LiveService, api: httpx.Client, job: dict) -> None:
+    running(api, job)
+    context = browser.new_context(viewport={"width": 1440, "height": 900})
+    tab = context.new_page()
+    tab.goto(live.url + "/")
+    tab.fill("#token-input", live.token)
+    tab.click("#signin-form button[type=submit]")
+    row = tab.locator(f"#job-rows tr[data-job-id='{job['id']}']")
     expect(row).to_be_visible()
     expect(row.locator(".badge")).to_have_text("running", timeout=90_000)
     expect(row).to_contain_text("tiny-qwen2")
-    expect(page.locator("#cl-running")).not_to_have_text("0")
-    assert live.token not in page.url
-    assert page.evaluate("sessionStorage.getItem('tandem.token')") == live.token
+    expect(tab.locator("#cl-running")).not_to_have_text("0")
+    assert live.token not in tab.url
+    assert tab.evaluate("sessionStorage.getItem('tandem.token')") == live.token
+    context.close()
 
 
-def test_the_reward_chart_grows_from_the_metrics_stream(page, job: dict) -> None:
+def test_the_reward_chart_grows_from_the_metrics_stream(
+    page, live: LiveService, api: httpx.Client, job: dict
+) -> None:
+    running(api, job)
+    sign_in(page, live)
+    page.evaluate("location.hash = '#/jobs'")
     page.locator(f"#job-rows tr[data-job-id='{job['id']}'] a").first.click()
     expect(page.locator("#job-title")).to_have_text(job["id"])
     wait_until(page, f"window.Chart && Chart.getChart('chart-reward') && {REWARD_POINTS} >= 1", 90)
@@ -145,7 +190,11 @@ def test_the_reward_chart_grows_from_the_metrics_stream(page, job: dict) -> None
     assert mismatch >= 3  # every step reports |log-prob difference| mean and max and KL(rollout || trainer)
 
 
-def test_a_hyperparameter_edit_from_the_form_shows_up_as_events(page, api: httpx.Client, job: dict) -> None:
+def test_a_hyperparameter_edit_from_the_form_shows_up_as_events(
+    page, live, api: httpx.Client, job: dict
+) -> None:
+    running(api, job)
+    open_job(page, live, job["id"])
     page.fill("#hp-form input[name='top_k']", "many")
     page.click("#hp-form button[type=submit]")
     expect(page.locator("#hp-result")).to_have_text("top_k: 'many' is not a number")
@@ -153,34 +202,46 @@ def test_a_hyperparameter_edit_from_the_form_shows_up_as_events(page, api: httpx
     page.fill("#hp-form input[name='lr']", "0.0005")
     page.click("#hp-form button[type=submit]")
     expect(page.locator("#hp-result")).to_have_text("Requested for the next step: lr = 0.0005")
-    expect(page.locator("#events li[data-kind='hyperparameters_requested']")).to_be_visible()
-    expect(page.locator("#events li[data-kind='hyperparameters']")).to_contain_text("0.0005")  # applied
+    expect(page.locator("#events li[data-kind='hyperparameters_requested']").last).to_be_visible()
+    expect(page.locator("#events li[data-kind='hyperparameters']").last).to_contain_text("0.0005")  # applied
     assert api.get(f"/v1/jobs/{job['id']}").json()["spec"]["optim"]["lr"] == 5e-4
 
 
-def test_the_job_page_screenshot(page, job: dict) -> None:
-    wait_until(page, f"{REWARD_POINTS} >= 8", 90)
+def test_the_job_page_screenshot(page, live, api: httpx.Client, job: dict) -> None:
+    running(api, job, past_step=8)
+    open_job(page, live, job["id"])
+    wait_until(page, f"window.Chart && Chart.getChart('chart-reward') && {REWARD_POINTS} >= 8", 90)
     page.wait_for_timeout(300)  # the charts redraw 100 ms after their last point
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "job.png"), full_page=True)
     assert (ARTIFACTS / "job.png").stat().st_size > 50_000
 
 
-def test_pause_and_resume_from_the_page(page, api: httpx.Client, job: dict) -> None:
+def test_pause_and_resume_from_the_page(page, live, api: httpx.Client, job: dict) -> None:
+    running(api, job)
+    open_job(page, live, job["id"])
+    expect(page.locator("#job-status")).to_have_text("running")
     job_action(page, "pause")
     expect(page.locator("#job-status")).to_have_text(re.compile("^paus(ing|ed)$"))  # the API answered
     assert api.get(f"/v1/jobs/{job['id']}").json()["status"] in ("pausing", "paused")
     assert wait_for(api, job["id"], ("paused",), timeout_s=60)["status"] == "paused"
     expect(page.locator("#job-status")).to_have_text("paused")
-    expect(page.locator("#events li[data-kind='paused']")).to_be_visible()
+    expect(page.locator("#events li[data-kind='paused']").last).to_be_visible()
     job_action(page, "resume")
     expect(page.locator("#job-status")).to_have_text(re.compile("^(queued|running)$"))
     assert api.get(f"/v1/jobs/{job['id']}").json()["status"] in ("queued", "running")
     expect(page.locator("#job-status")).to_have_text("running", timeout=60_000)
 
 
-def test_fork_from_a_checkpoint_then_cancel_both_from_the_page(page, api: httpx.Client, job: dict) -> None:
-    page.evaluate(f"location.hash = '#/jobs/{job['id']}'")
+def test_fork_from_a_checkpoint_then_cancel_it_from_the_page(
+    page, live, api: httpx.Client, job: dict
+) -> None:
+    running(api, job)
+    deadline = time.monotonic() + 120
+    while not api.get(f"/v1/jobs/{job['id']}/checkpoints").json()["data"]:
+        assert time.monotonic() < deadline, "the job saved no checkpoint"
+        time.sleep(0.5)
+    open_job(page, live, job["id"])
     fork = page.locator("#checkpoint-rows button[data-fork-step]").first
     expect(fork).to_be_visible()
     step = int(fork.get_attribute("data-fork-step"))
@@ -199,19 +260,31 @@ def test_fork_from_a_checkpoint_then_cancel_both_from_the_page(page, api: httpx.
     job_action(page, "cancel")
     page.click("#confirm-yes")
     expect(page.locator("#job-status")).to_have_text("cancelled", timeout=90_000)
-    page.click("a.back")
-    parent_row = page.locator(f"#job-rows tr[data-job-id='{job['id']}']")
-    parent_row.locator("button[data-action='cancel']").click()
+    assert api.get(f"/v1/jobs/{job['id']}").json()["status"] not in TERMINAL  # the parent runs on
+
+
+def test_cancel_from_the_jobs_table(page, live, api: httpx.Client) -> None:
+    mine = own_job(api, "dashboard-cancel")
+    sign_in(page, live)
+    page.evaluate("location.hash = '#/jobs'")
+    row = page.locator(f"#job-rows tr[data-job-id='{mine['id']}']")
+    row.locator("button[data-action='cancel']").click()
     page.click("#confirm-yes")
-    expect(parent_row.locator(".badge")).to_have_text("cancelled", timeout=90_000)
-    assert api.get(f"/v1/jobs/{job['id']}").json()["status"] == "cancelled"
+    expect(row.locator(".badge")).to_have_text("cancelled", timeout=90_000)
+    assert api.get(f"/v1/jobs/{mine['id']}").json()["status"] == "cancelled"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "jobs.png"), full_page=True)
 
 
-def test_a_diverged_metric_leaves_a_gap_not_a_stalled_chart(page, live: LiveService, job: dict) -> None:
-    store = live.service.store  # the job is cancelled: these rows are the last its stream replays
-    store.add_metrics(job["id"], 9001, {"critic/score/mean": float("nan")})  # sent as a bare NaN
-    store.add_metrics(job["id"], 9002, {"critic/score/mean": 0.5})
-    page.evaluate(f"location.hash = '#/jobs/{job['id']}'")
+def test_a_diverged_metric_leaves_a_gap_not_a_stalled_chart(
+    page, live: LiveService, api: httpx.Client
+) -> None:
+    mine = own_job(api, "dashboard-nan")
+    api.post(f"/v1/jobs/{mine['id']}/cancel")
+    wait_for(api, mine["id"], TERMINAL, timeout_s=120)
+    store = live.service.store  # the job ended: these rows are the last its stream replays
+    store.add_metrics(mine["id"], 9001, {"critic/score/mean": float("nan")})  # sent as a bare NaN
+    store.add_metrics(mine["id"], 9002, {"critic/score/mean": 0.5})
+    open_job(page, live, mine["id"])
     wait_until(page, "Chart.getChart('chart-reward')?.data.datasets[0].data.at(-1)?.x === 9002", 30)
     expect(page.locator("#metrics-live")).to_have_text("ended")

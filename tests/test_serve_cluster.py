@@ -12,17 +12,13 @@ test never runs `ray stop`: that stops every Ray process on the machine, not onl
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -30,9 +26,17 @@ import pytest
 
 from controller.resource_pool import describe_placement
 from tests.api_util import TERMINAL, tiny_job, wait_for
+from tests.serve_util import (
+    BIN,
+    Served,
+    cluster_env,
+    free_ports,
+    kill_leftovers,
+    start_logged,
+    stop,
+    wait_until,
+)
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent  # the `ray` and `tandem` scripts of this environment
 WORKER_NODE_IP = "127.0.0.2"  # two raylets on one machine: the second gets its own loopback address
 NODE_PORT_FLAGS = (
     "--node-manager-port",
@@ -44,93 +48,11 @@ NODE_PORT_FLAGS = (
 )
 
 
-@dataclass
-class Served:
-    url: str
-    token: str
-    home: Path
-    process: subprocess.Popen
-    log: Path
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"}, timeout=30)
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct free ports: the sockets are held open together so no port is handed out twice."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def start_logged(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    with log.open("w") as out:  # the child keeps its own handle
-        return subprocess.Popen(
-            args, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
 def ray_start(*args: str) -> list[str]:
     """A `ray start` of one node that stays in the foreground (--block) until it is sent SIGTERM."""
     ports = [a for flag, port in zip(NODE_PORT_FLAGS, free_ports(6), strict=True) for a in (flag, str(port))]
     return [str(BIN / "ray"), "start", "--block", "--num-cpus", "2", "--num-gpus", "0",
             "--object-store-memory", str(200 * 2**20), "--disable-usage-stats", *ports, *args]  # fmt: skip
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout_s: float, logs: list[Path]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.3)
-    tails = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
-    raise AssertionError(f"{what} within {timeout_s:.0f}s\n{tails}")
-
-
-def stop(process: subprocess.Popen, timeout_s: float) -> int:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            return process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-    return process.wait(10)
-
-
-def kill_leftovers(tmp: str) -> None:
-    """SIGKILL any process still naming our temp dir in its command line or environment (RAY_TMPDIR):
-    what a node that died hard left behind. Nothing of another cluster names it."""
-    mine = tmp.encode()
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if mine in (entry / "cmdline").read_bytes() or mine in (entry / "environ").read_bytes():
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
-
-
-def cluster_env(tmp: str) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "RAY_TMPDIR": tmp,
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(32),
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # a stopped node goes at once, without draining
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "PYTHONPATH": str(REPO),
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    for name in ("RAY_ADDRESS", "TANDEM_HOME"):  # the service must learn its home from --home alone
-        env.pop(name, None)
-    return env
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,92 @@
+"""The Ray processes `tandem serve` started die with it, however it dies.
+
+A local Ray cluster is started by the service's own process (ray.init). When that process is
+killed with SIGKILL, Ray's GCS and raylet go with it, but the raylet's DashboardAgent and
+RuntimeEnvAgent are reparented to init and live on. So `serve` starts this small watcher in its
+own session: it notes the service's descendants every second, and when the service is gone (its
+pipe closes) it kills those that are still there. Each process is identified by pid and start time,
+so a pid the system reused is never touched.
+
+Run as `python -m api.reaper PID` with stdin a pipe from PID; `watch(pid)` starts it.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+POLL_S = 1.0
+Proc = tuple[int, int]  # (pid, start time in clock ticks since boot)
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a live process, from /proc/PID/stat."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> set[Proc]:
+    children: dict[int, list[Proc]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        info = _stat(int(entry.name))
+        if info is not None:
+            children.setdefault(info[0], []).append((int(entry.name), info[1]))
+    found: set[Proc] = set()
+    todo = [root]
+    while todo:
+        for proc in children.get(todo.pop(), []):
+            if proc not in found:
+                found.add(proc)
+                todo.append(proc[0])
+    return found
+
+
+def kill_all(procs: set[Proc]) -> int:
+    """SIGKILL each process still alive with the same start time; returns how many were killed."""
+    killed = 0
+    for pid, started in procs:
+        if pid == os.getpid():
+            continue
+        info = _stat(pid)
+        if info is not None and info[1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except OSError:
+                pass
+    return killed
+
+
+def run(pid: int) -> None:
+    seen: set[Proc] = set()
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], POLL_S)
+        if ready and not sys.stdin.buffer.read1(1):  # EOF: the service's end of the pipe closed
+            break
+        if _stat(pid) is None:
+            break
+        seen |= descendants(pid)
+    kill_all(seen)
+
+
+def watch(pid: int | None = None) -> subprocess.Popen:
+    """Start the watcher of `pid` (this process by default); keep the returned handle open."""
+    pid = pid or os.getpid()
+    return subprocess.Popen(
+        [sys.executable, "-m", "api.reaper", str(pid)],
+        stdin=subprocess.PIPE,
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,  # a signal to the service's process group does not reach it
+    )
+
+
+if __name__ == "__main__":
+    run(int(sys.argv[1]))

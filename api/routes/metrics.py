@@ -1,0 +1,105 @@
+"""A job's metric series: pages, downsampled views, a live stream, and a CSV/JSON export.
+
+GET /v1/jobs/{id}/metrics returns one row per step in step order, `{"step", "time", "values"}`:
+- `keys=a,b` picks metrics by name; `actor/*` picks every name starting with `actor/`;
+- `step_min`, `step_max`, `after_step` (strictly after: the cursor of the next page) bound the steps;
+- `last=N` keeps the last N steps, `every=K` the steps divisible by K;
+- `max_points=P` spreads at most P steps evenly over what is left, always keeping the last;
+- `limit` caps the page (`has_more` says whether steps follow; ask again with `after_step`).
+The handlers are plain functions, so FastAPI runs them in its thread pool, each thread with its
+own SQLite connection: a slow read never stops the event loop.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+from api.deps import READ, ServiceDep
+from api.streams import sse, start_id
+from api.views import listing
+from controller.store import MetricsQuery
+
+router = APIRouter(prefix="/v1/jobs/{job_id}/metrics", tags=["metrics"])
+MAX_STEP = 2**62  # SQLite integers are 64-bit: a larger bound is a 422, not a database error
+
+
+def parse_keys(keys: str | None) -> tuple[str, ...]:
+    return tuple(k.strip() for k in (keys or "").split(",") if k.strip())
+
+
+@router.get("", dependencies=READ)
+def metrics(
+    job_id: str,
+    service: ServiceDep,
+    keys: str | None = Query(None, description="comma-separated names; 'prefix/*' matches a prefix"),
+    step_min: int | None = Query(None, ge=0, le=MAX_STEP),
+    step_max: int | None = Query(None, ge=0, le=MAX_STEP),
+    after_step: int | None = Query(None, ge=-1, le=MAX_STEP, description="steps after this one (paging)"),
+    last: int | None = Query(None, ge=0, le=10_000_000, description="only the last N steps"),
+    every: int | None = Query(None, ge=1, le=10_000_000, description="only steps divisible by K"),
+    max_points: int | None = Query(None, ge=1, le=100_000, description="at most P steps, evenly spaced"),
+    limit: int = Query(10_000, ge=1, le=100_000, description="at most this many rows per page"),
+) -> dict[str, Any]:
+    service.get(job_id)
+    query = MetricsQuery(parse_keys(keys), step_min, step_max, after_step, last, every, max_points, limit)
+    rows, more = service.store.metrics_page(job_id, query)
+    return listing(rows, more)
+
+
+@router.get("/stream", dependencies=READ)
+def metrics_stream(request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=MAX_STEP)):
+    service.get(job_id)
+    return sse(request, service.store, job_id, lambda last: service.store.metrics_since(job_id, last, 200),
+               lambda row: "metrics", start_id(request, after))  # fmt: skip
+
+
+@router.get("/export", dependencies=READ)
+def export(
+    job_id: str,
+    service: ServiceDep,
+    format: Literal["csv", "json"] = Query("csv", description="csv: one column per metric; json: a list"),
+    keys: str | None = Query(None, description="comma-separated names; 'prefix/*' matches a prefix"),
+) -> StreamingResponse:
+    service.get(job_id)
+    rows = service.store.export_metrics(job_id, parse_keys(keys))
+    disposition = {"Content-Disposition": f'attachment; filename="{job_id}-metrics.{format}"'}
+    if format == "json":
+        return StreamingResponse(_json_lines(rows), media_type="application/json", headers=disposition)
+    columns = _columns(service, job_id, parse_keys(keys))
+    return StreamingResponse(_csv(rows, columns), media_type="text/csv", headers=disposition)
+
+
+def _columns(service: Any, job_id: str, keys: tuple[str, ...]) -> list[str]:
+    names: set[str] = set()
+    for row in service.store.export_metrics(job_id, keys):
+        names |= row["values"].keys()
+    return sorted(names)
+
+
+def _csv(rows: Iterator[dict[str, Any]], columns: list[str]) -> Iterator[str]:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["step", "time", *columns])
+    for row in rows:
+        values = row["values"]
+        writer.writerow([row["step"], row["time"], *("" if values.get(c) is None else values[c] for c in columns)])
+        if out.tell() > 64_000:
+            yield out.getvalue()
+            out.seek(0)
+            out.truncate()
+    yield out.getvalue()
+
+
+def _json_lines(rows: Iterator[dict[str, Any]]) -> Iterator[str]:
+    """A JSON list written row by row: a long series is never held whole in memory."""
+    yield "["
+    for i, row in enumerate(rows):
+        yield ("," if i else "") + json.dumps({"step": row["step"], "time": row["time"], "values": row["values"]})
+    yield "]"

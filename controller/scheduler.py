@@ -1,0 +1,273 @@
+"""The scheduler: one background thread that runs each job in its own controller actor.
+
+Every `poll_s` it copies what running jobs produced (events, metrics, logs, checkpoints) into the
+store, settles jobs whose run ended, and starts queued jobs, oldest first, while the cluster has
+room for them (a job needs `workers x cpus_per_worker` CPUs and its GPUs). Requests never wait on
+it: the Service changes the store and calls `tell` or `stop`, which only send a message.
+
+A job that starts again after a crash resumes from its last complete checkpoint: at launch the
+store forgets the metrics recorded after that step, so the re-run steps are stored once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from controller import checkpoints
+from controller.job_actor import JobController
+from controller.job_state import RUN_HOLDING, JobStatus
+from controller.store import JobRecord, JobStore
+
+log = logging.getLogger("tandem.scheduler")
+S = JobStatus
+
+
+@dataclass
+class RunningJob:
+    actor: Any
+    run_ref: Any
+    cpus: float
+    gpus: float
+    first_step: int  # the step it resumed from: until it passes it, the job is starting up
+    killed_for: str | None = None  # "cancel" when stopped by killing its actor during start-up
+
+
+def resume_step(job: JobRecord) -> int:
+    """The step a job starts from: its latest complete checkpoint (what the trainer resumes from)."""
+    saved = checkpoints.complete(Path(job.workdir))
+    return saved[-1][0] if saved else 0
+
+
+def job_needs(spec: dict[str, Any]) -> tuple[float, float]:
+    res = spec["resources"]
+    return res["workers"] * res["cpus_per_worker"], res["workers"] * res["gpus_per_worker"]
+
+
+class Scheduler:
+    def __init__(self, store: JobStore, poll_s: float = 0.3, runtime_env: dict | None = None) -> None:
+        self.store = store
+        self.poll_s = poll_s
+        self.runtime_env = runtime_env
+        self.running: dict[str, RunningJob] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._requeue_on_pause: set[str] = set()  # jobs paused by a service shutdown, not by a user
+        self._draining = False
+        self._asked_autoscaler = False
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def start(self) -> None:
+        self._recover()
+        self._thread = threading.Thread(target=self._loop, name="tandem-scheduler", daemon=True)
+        self._thread.start()
+
+    def _recover(self) -> None:
+        for job in self.store.jobs_in((S.RUNNING, S.PAUSING)):
+            self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
+            self.store.truncate_after(job.id, resume_step(job))  # shown at its checkpoint until it runs
+            self.store.add_event(
+                job.id, "requeued", "the service restarted; the job resumes from its last checkpoint"
+            )
+        for job in self.store.jobs_in((S.CANCELLING,)):
+            self.store.transition(job.id, (S.CANCELLING,), S.CANCELLED, finished_at=time.time())
+            self.store.add_event(job.id, "cancelled", "cancelled while the service was down")
+
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        """Pause every running job (each checkpoints at its next step boundary), then stop."""
+        self._draining = True  # start nothing new; the loop keeps collecting until the jobs paused
+        with self._lock:
+            for job_id, run in self.running.items():
+                if self.store.transition(job_id, (S.RUNNING,), S.PAUSING):
+                    self._requeue_on_pause.add(job_id)
+                    self.store.add_event(
+                        job_id, "service_shutdown", "the service is stopping: checkpointing the job"
+                    )
+                    run.actor.request_stop.remote("pause")
+        deadline = time.time() + timeout_s
+        while self.running and time.time() < deadline:
+            time.sleep(self.poll_s)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        with self._lock:
+            for job_id, run in list(self.running.items()):
+                ray.kill(run.actor, no_restart=True)
+                if self.store.transition(job_id, (S.CANCELLING,), S.CANCELLED, finished_at=time.time()):
+                    self.store.add_event(job_id, "cancelled", "cancelled: the service stopped")
+                elif self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.QUEUED):
+                    self.store.add_event(
+                        job_id, "requeued", "the service stopped before the job paused; it resumes later"
+                    )
+            self.running.clear()
+
+    # ---- messages from requests ----------------------------------------------------------------
+
+    def tell(self, job_id: str, method: str, *args: Any) -> None:
+        """Send a message to the job's controller actor, if it runs (never waits for an answer)."""
+        with self._lock:
+            run = self.running.get(job_id)
+        if run is not None:
+            getattr(run.actor, method).remote(*args)
+
+    def stop(self, job_id: str, reason: str) -> None:
+        """Ask a running job to stop ("pause" or "cancel") at its next step boundary. A job cancelled
+        while it is still starting up has nothing to keep: its actor is killed at once."""
+        with self._lock:
+            run = self.running.get(job_id)
+            if run is None:
+                return
+            starting = self.store_step(job_id) <= run.first_step
+            if reason == "cancel" and starting:
+                run.killed_for = "cancel"
+                ray.kill(run.actor, no_restart=True)  # its worker actors and placement group go with it
+                return
+        run.actor.request_stop.remote(reason)
+
+    def store_step(self, job_id: str) -> int:
+        job = self.store.get_job(job_id)
+        return job.step if job is not None else 0
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._collect()
+                self._schedule()
+            except Exception:  # the loop must survive anything a job does
+                log.exception("scheduler iteration failed")
+            self._stop.wait(self.poll_s)
+
+    def free(self) -> tuple[float, float]:
+        total = ray.cluster_resources()
+        with self._lock:
+            used_cpu = sum(r.cpus for r in self.running.values())
+            used_gpu = sum(r.gpus for r in self.running.values())
+        return total.get("CPU", 0) - used_cpu, total.get("GPU", 0) - used_gpu
+
+    def _schedule(self) -> None:
+        if self._draining:
+            return
+        for job in self.store.jobs_in((S.QUEUED,)):
+            cpus, gpus = job_needs(job.spec)
+            free_cpu, free_gpu = self.free()
+            if cpus > free_cpu + 1e-9 or gpus > free_gpu + 1e-9:
+                self._ask_autoscaler(job)
+                return  # strict order: the oldest queued job goes first
+            self._launch(job, cpus, gpus)
+        if self._asked_autoscaler:  # nothing waits any more: withdraw the request
+            self._ask_autoscaler(None)
+
+    def _ask_autoscaler(self, job: JobRecord | None) -> None:
+        """Tell Ray's autoscaler (where there is one) what the waiting job needs, so nodes are added;
+        None withdraws the request."""
+        bundles: list[dict[str, float]] = []
+        if job is not None:
+            res = job.spec["resources"]
+            bundle = {"CPU": res["cpus_per_worker"]}
+            if res["gpus_per_worker"]:
+                bundle["GPU"] = res["gpus_per_worker"]
+            bundles = [bundle] * res["workers"]
+        self._asked_autoscaler = job is not None
+        try:
+            from ray.autoscaler.sdk import request_resources
+
+            request_resources(bundles=bundles)
+        except Exception:  # no autoscaler on a local cluster: nothing to ask
+            log.debug("autoscaler request for %s not delivered", job.id if job else None, exc_info=True)
+
+    def _launch(self, job: JobRecord, cpus: float, gpus: float) -> None:
+        now = time.time()
+        if not self.store.transition(job.id, (S.QUEUED,), S.RUNNING, error=None):
+            return
+        self.store.started(job.id, now)
+        first_step = resume_step(job)
+        self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
+        Path(job.workdir).mkdir(parents=True, exist_ok=True)
+        options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8, "name": f"tandem-{job.id}"}
+        if self.runtime_env:
+            options["runtime_env"] = self.runtime_env
+        actor = ray.remote(JobController).options(**options).remote(job.id, job.spec, job.workdir)
+        with self._lock:
+            self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step)
+        self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
+
+    def _collect(self) -> None:
+        with self._lock:
+            items = list(self.running.items())
+        for job_id, run in items:
+            done = bool(ray.wait([run.run_ref], timeout=0)[0])
+            if run.killed_for is None:
+                self._drain(job_id, run)
+            if done:
+                self._settle(job_id, run)
+
+    def _drain(self, job_id: str, run: RunningJob) -> None:
+        try:
+            out = ray.get(run.actor.drain.remote(), timeout=30)
+        except Exception:  # a dead actor is settled from its run result
+            return
+        for at, kind, message, data in out["events"]:
+            self.store.add_event(job_id, kind, message, data, at=at)
+        for at, step, values in out["metrics"]:
+            self.store.add_metrics(job_id, step, values, at=at)
+        for step, path in out["checkpoints"]:
+            self.store.add_checkpoint(job_id, step, path)
+        self.store.add_logs(job_id, out["logs"])
+        self.store.bump_step(job_id, out["step"])
+
+    def _settle(self, job_id: str, run: RunningJob) -> None:
+        result = self._result(run)
+        status, now = result["status"], time.time()
+        if status == S.PAUSED and job_id in self._requeue_on_pause:
+            self._requeue_on_pause.discard(job_id)
+            self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.QUEUED)
+            self.store.add_event(
+                job_id, "requeued", f"checkpointed at step {result['step']}; resumes when the service starts"
+            )
+        elif status == S.PAUSED:
+            self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.PAUSED)
+            self.store.add_event(job_id, "paused", f"paused at step {result['step']}")
+        elif status == S.FAILED:
+            self.store.transition(job_id, RUN_HOLDING, S.FAILED, finished_at=now, error=result.get("error"))
+            self.store.add_event(job_id, "failed", result.get("error") or "failed")
+        else:  # succeeded, or cancelled at a step boundary or during start-up
+            self.store.transition(job_id, RUN_HOLDING, S(status), finished_at=now)
+            self.store.add_event(
+                job_id, status, result.get("message") or f"{status} at step {result.get('step')}"
+            )
+        ray.kill(run.actor, no_restart=True)
+        _remove_placement_group(f"{job_id}-pool")
+        with self._lock:
+            self.running.pop(job_id, None)
+
+    def _result(self, run: RunningJob) -> dict[str, Any]:
+        if run.killed_for == "cancel":
+            return {"status": "cancelled", "message": "cancelled while it was starting up"}
+        try:
+            return ray.get(run.run_ref, timeout=30)
+        except Exception as err:
+            return {"status": "failed", "error": f"the job's controller died: {type(err).__name__}: {err}"}
+
+
+def _remove_placement_group(name: str) -> None:
+    """A job's placement group outlives a controller actor that was killed or died (its lifetime is
+    the service's Ray driver): remove it, or its CPUs and GPUs stay held."""
+    try:
+        group = ray.util.get_placement_group(name)
+    except ValueError:  # none by that name: the job removed it when it ended
+        return
+    ray.util.remove_placement_group(group)

@@ -1,0 +1,187 @@
+"""A job's metric series in the store: one row per (job, step), read in pages and downsampled.
+
+A row holds every metric of its step as JSON. Writing a step that already has a row replaces it
+(under a new, larger id, so a live stream sees the new values): a job that resumes from a
+checkpoint after a crash re-runs the steps after it, and those steps must not be stored twice.
+`truncate_after` drops what a crashed run recorded past the checkpoint it will resume from.
+
+Reads select keys (exact names, or prefixes written `actor/*`), a step window, the last N steps,
+every K-th step, or at most P evenly spaced steps (always keeping the last).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+METRICS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS metrics (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    time REAL NOT NULL,
+    data TEXT NOT NULL
+);
+DELETE FROM metrics WHERE id NOT IN (SELECT MAX(id) FROM metrics GROUP BY job_id, step);
+DROP INDEX IF EXISTS metrics_job;
+CREATE UNIQUE INDEX IF NOT EXISTS metrics_job_step ON metrics(job_id, step);
+CREATE INDEX IF NOT EXISTS metrics_job_id ON metrics(job_id, id);
+"""
+
+
+@dataclass(frozen=True)
+class MetricsQuery:
+    """Which rows of a job's series to return; every field is optional."""
+
+    keys: tuple[str, ...] = ()  # exact names, or prefixes ending in '*'
+    step_min: int | None = None
+    step_max: int | None = None
+    after_step: int | None = None  # steps strictly after this one (the paging cursor)
+    last: int | None = None  # only the last N steps (after the filters above)
+    every: int | None = None  # only steps divisible by K
+    max_points: int | None = None  # at most P steps, evenly spaced, the last always kept
+    limit: int = 10_000  # a page: at most this many rows, in step order
+
+
+class _Db(Protocol):
+    def _db(self) -> sqlite3.Connection: ...
+
+    def _tx(self) -> AbstractContextManager[sqlite3.Connection]: ...
+
+
+def finite(values: dict[str, Any]) -> dict[str, float | None]:
+    """A diverged run logs NaN or inf; JSON has no such numbers, so they are stored as null."""
+    return {k: (v if isinstance(v, int | float) and math.isfinite(v) else None) for k, v in values.items()}
+
+
+def pick_keys(values: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    if not keys:
+        return values
+    exact = {k for k in keys if not k.endswith("*")}
+    prefixes = tuple(k[:-1] for k in keys if k.endswith("*"))
+    return {k: v for k, v in values.items() if k in exact or (prefixes and k.startswith(prefixes))}
+
+
+def evenly(steps: list[int], points: int) -> list[int]:
+    """At most `points` of `steps`, evenly spaced, first and last kept (the last alone when points=1)."""
+    if len(steps) <= points:
+        return steps
+    if points == 1:
+        return steps[-1:]
+    span = len(steps) - 1
+    return [steps[round(i * span / (points - 1))] for i in range(points)]
+
+
+class MetricsTable:
+    """The metrics part of JobStore (mixed in: it uses the store's connections and write lock)."""
+
+    def add_metrics(
+        self: _Db, job_id: str, step: int, values: dict[str, float], at: float | None = None
+    ) -> int:
+        values = finite(values)
+        with self._tx() as db:
+            db.execute("DELETE FROM metrics WHERE job_id = ? AND step = ?", (job_id, step))
+            cur = db.execute(
+                "INSERT INTO metrics (job_id, step, time, data) VALUES (?,?,?,?)",
+                (job_id, step, at or time.time(), json.dumps(values)),
+            )
+            db.execute(
+                "UPDATE jobs SET step = MAX(step, ?), latest_metrics = ? WHERE id = ?",
+                (step, json.dumps(values), job_id),
+            )
+            return int(cur.lastrowid)
+
+    def truncate_after(self: _Db, job_id: str, step: int) -> None:
+        """Forget what was recorded after `step` (the checkpoint a job resumes from): the job's step
+        and latest metrics go back to that step's."""
+        with self._tx() as db:
+            db.execute("DELETE FROM metrics WHERE job_id = ? AND step > ?", (job_id, step))
+            row = db.execute(
+                "SELECT data FROM metrics WHERE job_id = ? ORDER BY step DESC LIMIT 1", (job_id,)
+            ).fetchone()
+            latest = row["data"] if row else "{}"
+            db.execute("UPDATE jobs SET step = ?, latest_metrics = ? WHERE id = ?", (step, latest, job_id))
+
+    def metrics_since(self: _Db, job_id: str, after_id: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+        """Rows written after row `after_id`, in write order: what a live stream sends next."""
+        rows = (
+            self._db()
+            .execute(
+                "SELECT id, step, time, data FROM metrics WHERE job_id = ? AND id > ? ORDER BY id LIMIT ?",
+                (job_id, after_id, limit),
+            )
+            .fetchall()
+        )
+        return [_row(r, ()) for r in rows]
+
+    def metrics_page(
+        self: _Db, job_id: str, query: MetricsQuery = MetricsQuery()
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """One page of the series in step order, and whether more steps follow it."""
+        steps = self._db().execute(*_step_sql(job_id, query)).fetchall()
+        chosen = [r[0] for r in steps]
+        if query.last is not None:
+            chosen = chosen[-query.last :] if query.last else []
+        if query.max_points is not None:
+            chosen = evenly(chosen, query.max_points)
+        page, more = chosen[: query.limit], len(chosen) > query.limit
+        return [_row(r, query.keys) for r in self._rows_at(job_id, page)], more
+
+    def export_metrics(self: _Db, job_id: str, keys: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
+        """Every row of the series in step order, read in batches (for the export route)."""
+        after = -(2**62)
+        while True:
+            rows = (
+                self._db()
+                .execute(
+                    "SELECT id, step, time, data FROM metrics WHERE job_id = ? AND step > ? ORDER BY step LIMIT 1000",
+                    (job_id, after),
+                )
+                .fetchall()
+            )
+            if not rows:
+                return
+            yield from (_row(r, keys) for r in rows)
+            after = rows[-1]["step"]
+
+    def _rows_at(self: _Db, job_id: str, steps: list[int]) -> list[sqlite3.Row]:
+        out: list[sqlite3.Row] = []
+        for start in range(0, len(steps), 500):  # SQLite caps the number of bound parameters
+            chunk = steps[start : start + 500]
+            out += (
+                self._db()
+                .execute(
+                    f"SELECT id, step, time, data FROM metrics WHERE job_id = ? AND step IN ({','.join('?' * len(chunk))})"
+                    " ORDER BY step",
+                    (job_id, *chunk),
+                )
+                .fetchall()
+            )
+        return out
+
+
+def _step_sql(job_id: str, q: MetricsQuery) -> tuple[str, list[Any]]:
+    sql, args = "SELECT step FROM metrics WHERE job_id = ?", [job_id]
+    for clause, value in (("step >= ?", q.step_min), ("step <= ?", q.step_max), ("step > ?", q.after_step)):
+        if value is not None:
+            sql += f" AND {clause}"
+            args.append(value)
+    if q.every:
+        sql += " AND step % ? = 0"
+        args.append(q.every)
+    return sql + " ORDER BY step", args
+
+
+def _row(r: sqlite3.Row, keys: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        "id": r["id"],
+        "step": r["step"],
+        "time": r["time"],
+        "values": pick_keys(json.loads(r["data"]), keys),
+    }
