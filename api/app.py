@@ -22,11 +22,11 @@ from api.auth import Authenticator
 from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
 from api.prom import make_registry
-from api.routes import health, job_outputs, jobs, rewards
+from api.routes import health, job_outputs, jobs, metrics, rewards
 from api.routes.health import VERSION
 from controller.service import Service
 
-ROUTERS = (health.router, jobs.router, job_outputs.router, rewards.router)
+ROUTERS = (health.router, jobs.router, job_outputs.router, metrics.router, rewards.router)
 
 
 def create_app(service: Service) -> FastAPI:

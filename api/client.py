@@ -126,13 +126,17 @@ class TandemClient:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._call("POST", "/v1/jobs", json=spec, headers=headers)
 
-    def list_jobs(self, status: list[str] | None = None, limit: int = 20, after: str | None = None) -> JSON:
+    def list_jobs(self, status: list[str] | None = None, limit: int = 20, after: str | None = None,
+                  q: str | None = None, tag: str | None = None) -> JSON:  # fmt: skip
         params: dict[str, Any] = {"limit": limit}
-        if status:
-            params["status"] = status
-        if after:
-            params["after"] = after
+        for name, value in (("status", status), ("after", after), ("q", q), ("tag", tag)):
+            if value:
+                params[name] = value
         return self._call("GET", "/v1/jobs", params=params)
+
+    def update_job(self, job_id: str, **labels: Any) -> JSON:
+        """Change a job's name, tags or notes: update_job(job_id, name="x", tags=["a"])."""
+        return self._call("PATCH", f"/v1/jobs/{job_id}", json=labels)
 
     def get_job(self, job_id: str) -> JSON:
         return self._call("GET", f"/v1/jobs/{job_id}")
@@ -158,9 +162,13 @@ class TandemClient:
     def events(self, job_id: str, after: int = 0, limit: int = 1000) -> JSON:
         return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after, "limit": limit})
 
-    def metrics(self, job_id: str, keys: list[str] | None = None) -> JSON:
-        params = {"keys": ",".join(keys)} if keys else None
-        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)
+    def metrics(self, job_id: str, keys: list[str] | None = None, **query: int) -> JSON:
+        """One page of the series; `query` takes the route's other parameters (after_step, last,
+        every, max_points, step_min, step_max, limit)."""
+        params: dict[str, Any] = {k: v for k, v in query.items() if v is not None}
+        if keys:
+            params["keys"] = ",".join(keys)
+        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params or None)
 
     def logs(self, job_id: str, tail: int = 200) -> JSON:
         return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"tail": tail})

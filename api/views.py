@@ -9,11 +9,23 @@ from controller.store import JobRecord
 
 
 def job_view(job: JobRecord) -> dict[str, Any]:
+    """A job with its full spec (GET one, and what every write returns)."""
+    return {**job_summary(job), "spec": job.spec}
+
+
+def job_summary(job: JobRecord) -> dict[str, Any]:
+    """A job as a list shows it: everything but the spec (fetch one job for that).
+
+    `started_at` is the first start (a resume does not move it); `active_seconds` the time spent
+    running over every run, still counting while it runs."""
     spec = job.spec
     model = spec["model"].get("builtin") or spec["model"].get("path")
     return {
         "id": job.id,
         "object": "job",
+        "name": job.name,
+        "tags": job.tags,
+        "notes": job.notes,
         "status": job.status,
         "method": job.method,
         "model": model,
@@ -27,8 +39,8 @@ def job_view(job: JobRecord) -> dict[str, Any]:
         "error": job.error,
         "parent_id": job.parent_id,
         "metadata": job.metadata,
+        "active_seconds": job.active_seconds(),
         "outputs": _outputs(job),
-        "spec": spec,
     }
 
 

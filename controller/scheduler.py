@@ -190,18 +190,19 @@ class Scheduler:
             log.debug("autoscaler request for %s not delivered", job.id if job else None, exc_info=True)
 
     def _launch(self, job: JobRecord, cpus: float, gpus: float) -> None:
-        now = time.time()
-        if not self.store.transition(job.id, (S.QUEUED,), S.RUNNING, error=None):
-            return
-        self.store.started(job.id, now)
-        first_step = resume_step(job)
-        self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
-        Path(job.workdir).mkdir(parents=True, exist_ok=True)
-        options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8, "name": f"tandem-{job.id}"}
-        if self.runtime_env:
-            options["runtime_env"] = self.runtime_env
-        actor = ray.remote(JobController).options(**options).remote(job.id, job.spec, job.workdir)
+        # Under the lock from the status change to the run's registration: a cancel or pause that
+        # sees the job running also finds its actor to tell.
         with self._lock:
+            if not self.store.transition(job.id, (S.QUEUED,), S.RUNNING, error=None):
+                return
+            self.store.started(job.id, time.time())
+            first_step = resume_step(job)
+            self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
+            Path(job.workdir).mkdir(parents=True, exist_ok=True)
+            options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8, "name": f"tandem-{job.id}"}
+            if self.runtime_env:
+                options["runtime_env"] = self.runtime_env
+            actor = ray.remote(JobController).options(**options).remote(job.id, job.spec, job.workdir)
             self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 

@@ -332,14 +332,6 @@ class JobStore(MetricsTable):
         )
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
 
-    def metrics(self, job_id: str, keys: list[str] | None = None, step_min: int | None = None,
-                step_max: int | None = None, after_id: int = 0, limit: int = 10_000) -> list[dict[str, Any]]:  # fmt: skip
-        """The series in the first API's terms (kept for its routes until they move to metrics_page)."""
-        if after_id:
-            return self.metrics_since(job_id, after_id, limit)
-        query = MetricsQuery(tuple(keys or ()), step_min, step_max, limit=limit)
-        return self.metrics_page(job_id, query)[0]
-
     def add_logs(self, job_id: str, lines: list[tuple[float, str, str]]) -> None:
         if not lines:
             return

@@ -12,11 +12,12 @@ from pathlib import Path
 import httpx
 import ray
 
-from tests.api_util import tiny_job, wait_for
+from tests.api_util import TERMINAL, tiny_job, wait_for
 
 
-def paused_job(api: httpx.Client, suite: str, **overrides) -> dict:
-    job = api.post("/v1/jobs", json=tiny_job(metadata={"suite": suite}, **overrides)).json()
+def paused_job(api: httpx.Client, suite: str) -> dict:
+    """Paused before it ran, or (when the scheduler was quicker) at its first step boundary."""
+    job = api.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 1000}, metadata={"suite": suite})).json()
     api.post(f"/v1/jobs/{job['id']}/pause")
     return wait_for(api, job["id"], ("paused",))
 
@@ -39,14 +40,14 @@ def test_a_fork_with_no_steps_left_is_422_and_refused_forks_leave_no_copy(live, 
     fake_checkpoint(live, parent, 5)
     before = fork_sources(live)
     for total in (5, 3):
-        short = api.post(
+        short = api.post(  # nothing to train after step 5
             f"/v1/jobs/{parent['id']}/fork", json={"overrides": {"trainer": {"total_steps": total}}}
         )
         assert short.status_code == 422, short.text
         assert short.json()["error"]["param"] == "trainer.total_steps"
     too_big = api.post(
         f"/v1/jobs/{parent['id']}/fork",
-        json={"overrides": {"trainer": {"total_steps": 9}, "resources": {"workers": 4096}}},
+        json={"overrides": {"trainer": {"total_steps": 9}, "resources": {"cpus_per_worker": 64}}},
     )
     assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "insufficient_resources"
     assert fork_sources(live) == before  # neither refusal left a copied checkpoint behind
@@ -55,8 +56,8 @@ def test_a_fork_with_no_steps_left_is_422_and_refused_forks_leave_no_copy(live, 
     assert child.status_code == 201, child.text
     copy = Path(child.json()["spec"]["checkpoint"]["resume_from"])
     assert copy.parent in fork_sources(live) and (copy / "trainer_state.json").exists()
-    api.post(f"/v1/jobs/{child.json()['id']}/cancel")
-    wait_for(api, child.json()["id"], ("cancelled",))
+    api.post(f"/v1/jobs/{child.json()['id']}/cancel")  # (had it started, the fake checkpoint fails it)
+    wait_for(api, child.json()["id"], TERMINAL)
     assert api.delete(f"/v1/jobs/{child.json()['id']}").status_code == 200
     assert not copy.parent.exists()  # a deleted fork takes its private checkpoint copy with it
     api.post(f"/v1/jobs/{parent['id']}/cancel")

@@ -1,4 +1,5 @@
-"""What a job produced: its events, metrics and logs (pages and live SSE streams), and checkpoints."""
+"""What a job produced: its events and logs (pages and live SSE streams), and checkpoints (its metrics:
+api/routes/metrics.py)."""
 
 from __future__ import annotations
 
@@ -39,28 +40,6 @@ def events_stream(
     service.get(job_id)
     return sse(request, service.store, job_id, lambda last: service.store.events(job_id, last, 200),
                lambda row: row["kind"], start_id(request, after))  # fmt: skip
-
-
-@router.get("/metrics", dependencies=READ)
-def metrics(
-    job_id: str,
-    service: ServiceDep,
-    keys: str | None = Query(None, description="comma-separated metric names"),
-    step_min: int | None = Query(None, ge=0, le=INT64_MAX),
-    step_max: int | None = Query(None, ge=0, le=INT64_MAX),
-) -> dict[str, Any]:
-    service.get(job_id)
-    wanted = [k for k in (keys or "").split(",") if k] or None
-    return listing(service.store.metrics(job_id, wanted, step_min, step_max), False)
-
-
-@router.get("/metrics/stream", dependencies=READ)
-def metrics_stream(
-    request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=INT64_MAX)
-):
-    service.get(job_id)
-    return sse(request, service.store, job_id, lambda last: service.store.metrics(job_id, after_id=last, limit=200),
-               lambda row: "metrics", start_id(request, after))  # fmt: skip
 
 
 @router.get("/logs", dependencies=READ)

@@ -14,7 +14,7 @@ from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, ServiceDep
 from api.errors import APIError, documented
 from api.validation import check_submittable
-from api.views import job_view, listing
+from api.views import job_summary, job_view, listing
 from controller.spec import JobSpec
 
 router = APIRouter(
@@ -53,7 +53,10 @@ def list_jobs(
     metadata: list[str] | None = Query(None, description="filter by metadata, 'key:value'; repeatable"),
     after: str | None = Query(None, description="cursor: the last job id of the previous page"),
     limit: int = Query(20, ge=1, le=100),
+    q: str | None = Query(None, max_length=200, description="substring of the id, name, tags or notes"),
+    tag: str | None = Query(None, max_length=64, description="only jobs with this tag"),
 ) -> dict[str, Any]:
+    """Newest first, as summaries without the spec (GET /v1/jobs/{id} has it)."""
     filters: dict[str, str] = {}
     for item in metadata or []:
         key, sep, value = item.partition(":")
@@ -61,15 +64,36 @@ def list_jobs(
             raise APIError(422, f"metadata filter '{item}' must be 'key:value'", "metadata", "invalid_value")
         filters[key] = value
     try:
-        jobs, more = service.store.list_jobs(status, filters, after, limit)
+        jobs, more = service.store.list_jobs(status, filters, after, limit, q=q, tag=tag)
     except KeyError:
         raise APIError(404, f"cursor job '{after}' does not exist", "after", "not_found") from None
-    return listing([job_view(j) for j in jobs], more)
+    return listing([job_summary(j) for j in jobs], more)
 
 
 @router.get("/{job_id}", dependencies=READ)
 def get_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
     return job_view(service.get(job_id))
+
+
+class LabelsPatch(BaseModel):
+    """The fields to change; those left out keep their value."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str | None = Field(None, description="a short human name; null clears it")
+    tags: list[str] | None = Field(None, description="the whole new list of tags")
+    notes: str | None = Field(None, description="free text")
+
+
+@router.patch("/{job_id}", dependencies=WRITE, responses=BODY_ERRORS)
+def update_job(job_id: str, service: ServiceDep, body: LabelsPatch = Body(...)) -> dict[str, Any]:
+    """Change a job's name, tags or notes, in any status."""
+    changes = body.model_dump(exclude_unset=True)
+    if not changes:
+        raise APIError(422, "give at least one of name, tags, notes", None, "empty_body")
+    for field in ("tags", "notes"):
+        if field in changes and changes[field] is None:
+            raise APIError(422, f"{field} cannot be null: give a value", field, "invalid_value")
+    return job_view(service.update_labels(job_id, changes))
 
 
 @router.delete("/{job_id}", dependencies=WRITE, responses=documented(409))

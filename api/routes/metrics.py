@@ -21,13 +21,20 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from api.deps import READ, ServiceDep
+from api.body_checks import CheckedRoute
+from api.deps import AUTH_ERRORS, INT64_MAX, READ, ServiceDep
+from api.errors import documented
 from api.streams import sse, start_id
 from api.views import listing
 from controller.store import MetricsQuery
 
-router = APIRouter(prefix="/v1/jobs/{job_id}/metrics", tags=["metrics"])
-MAX_STEP = 2**62  # SQLite integers are 64-bit: a larger bound is a 422, not a database error
+router = APIRouter(
+    prefix="/v1/jobs/{job_id}/metrics",
+    tags=["metrics"],
+    route_class=CheckedRoute,
+    responses={**AUTH_ERRORS, **documented(404)},
+)
+MAX_STEP = INT64_MAX - 1  # after_step + 1 must still be a SQLite integer
 
 
 def parse_keys(keys: str | None) -> tuple[str, ...]:
@@ -54,7 +61,9 @@ def metrics(
 
 
 @router.get("/stream", dependencies=READ)
-def metrics_stream(request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=MAX_STEP)):
+def metrics_stream(
+    request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=MAX_STEP)
+):
     service.get(job_id)
     return sse(request, service.store, job_id, lambda last: service.store.metrics_since(job_id, last, 200),
                lambda row: "metrics", start_id(request, after))  # fmt: skip
@@ -89,7 +98,9 @@ def _csv(rows: Iterator[dict[str, Any]], columns: list[str]) -> Iterator[str]:
     writer.writerow(["step", "time", *columns])
     for row in rows:
         values = row["values"]
-        writer.writerow([row["step"], row["time"], *("" if values.get(c) is None else values[c] for c in columns)])
+        writer.writerow(
+            [row["step"], row["time"], *("" if values.get(c) is None else values[c] for c in columns)]
+        )
         if out.tell() > 64_000:
             yield out.getvalue()
             out.seek(0)
@@ -101,5 +112,7 @@ def _json_lines(rows: Iterator[dict[str, Any]]) -> Iterator[str]:
     """A JSON list written row by row: a long series is never held whole in memory."""
     yield "["
     for i, row in enumerate(rows):
-        yield ("," if i else "") + json.dumps({"step": row["step"], "time": row["time"], "values": row["values"]})
+        yield ("," if i else "") + json.dumps(
+            {"step": row["step"], "time": row["time"], "values": row["values"]}
+        )
     yield "]"

@@ -1,0 +1,187 @@
+"""Bounded HTTP load on the API while a job trains: p50/p99 of the job list and a job's metrics.
+
+    python bench/load.py                       # starts its own `tandem serve` (temp home), then stops it
+    python bench/load.py --url http://127.0.0.1:8000 --token tdm_...   # an already running service
+
+It submits a long tiny-qwen2 job, waits until it trains, then measures, in the same run:
+1. a baseline: one client for --baseline-s seconds;
+2. the load: --clients clients for --seconds seconds, each sending its next request as soon as the
+   last one answered (keep-alive connections), alternating GET /v1/jobs and
+   GET /v1/jobs/{id}/metrics (with --metrics-query, the dashboard's downsampled view by default).
+Then it cancels the job and, when it started the service, stops it. Only 127.0.0.1 is accepted.
+Prints JSON lines: one per phase and route with p50/p99 in ms, and the ratio to the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = {
+    "method": "grpo",
+    "model": {"builtin": "tiny-qwen2"},
+    "reward": {"function": "builtin:arithmetic"},
+    "trainer": {"total_steps": 100_000, "prompts_per_step": 4, "val_every": 0},
+    "rollout": {"n": 4, "max_new_tokens": 4},
+    "checkpoint": {"every": 50, "keep_last": 1, "export_hf": False},
+    "metadata": {"suite": "bench-load"},
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def client_loop(
+    url: str, token: str, paths: list[str], until: float, out: dict[str, list[float]]
+) -> None:
+    async with httpx.AsyncClient(
+        base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60
+    ) as http:
+        i = 0
+        while time.monotonic() < until:
+            path = paths[i % len(paths)]
+            start = time.perf_counter()
+            response = await http.get(path)
+            elapsed = time.perf_counter() - start
+            response.raise_for_status()
+            out.setdefault(path.split("?")[0].rsplit("/", 1)[-1], []).append(elapsed)
+            i += 1
+
+
+def measure(url: str, token: str, paths: list[str], clients: int, seconds: float) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+
+    async def main() -> None:
+        until = time.monotonic() + seconds
+        # each client starts on a different route, so both are loaded all the time
+        await asyncio.gather(*(client_loop(url, token, paths[i % 2 :] + paths[: i % 2], until, out)
+                               for i in range(clients)))  # fmt: skip
+
+    asyncio.run(main())
+    return out
+
+
+def summary(phase: str, clients: int, seconds: float, times: dict[str, list[float]]) -> list[dict]:
+    return [
+        {"bench": "api_load", "phase": phase, "route": route, "clients": clients, "requests": len(values),
+         "rps": round(len(values) / seconds, 1), "p50_ms": round(1000 * percentile(values, 0.5), 2),
+         "p99_ms": round(1000 * percentile(values, 0.99), 2)}
+        for route, values in sorted(times.items())
+    ]  # fmt: skip
+
+
+def start_service(home: Path, cpus: int) -> tuple[subprocess.Popen, str, str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    token = "tdm_" + secrets.token_urlsafe(24)
+    env = {**os.environ, "TANDEM_ADMIN_TOKEN": token, "RAY_TMPDIR": str(home), "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    args = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--home", str(home / "home"),
+            "--num-cpus", str(cpus)]  # fmt: skip
+    log = (home / "serve.log").open("w")
+    process = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"tandem serve exited; see {home / 'serve.log'}")
+        try:
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return process, url, token
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    raise SystemExit("tandem serve was not ready within 180 s")
+
+
+def wait_training(http: httpx.Client, job_id: str, steps: int, timeout_s: float = 600) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = http.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in ("failed", "cancelled", "succeeded"):
+            raise SystemExit(f"the job ended before the load: {job['status']} {job['error']}")
+        if job["status"] == "running" and job["step"] >= steps:
+            return job
+        time.sleep(1)
+    raise SystemExit(f"the job did not reach step {steps} in {timeout_s:.0f} s")
+
+
+def run(args: argparse.Namespace, url: str, token: str) -> None:
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as http:
+        job = http.post("/v1/jobs", json=JOB).json()
+        try:
+            wait_training(http, job["id"], args.warm_steps)
+            paths = ["/v1/jobs?limit=20", f"/v1/jobs/{job['id']}/metrics?{args.metrics_query}"]
+            base = summary("baseline", 1, args.baseline_s, measure(url, token, paths, 1, args.baseline_s))
+            loaded = summary(
+                "load", args.clients, args.seconds, measure(url, token, paths, args.clients, args.seconds)
+            )
+            steps = http.get(f"/v1/jobs/{job['id']}").json()["step"]
+        finally:
+            http.post(f"/v1/jobs/{job['id']}/cancel")
+    p99 = {row["route"]: row["p99_ms"] for row in base}
+    p50 = {row["route"]: row["p50_ms"] for row in base}
+    for row in base + loaded:
+        row["p50_ratio"] = round(row["p50_ms"] / p50[row["route"]], 2)
+        row["p99_ratio"] = round(row["p99_ms"] / p99[row["route"]], 2)
+        row["job_steps"], row["load_avg_1m"] = steps, round(os.getloadavg()[0], 2)
+        row["metrics_query"] = args.metrics_query
+        print(json.dumps(row), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--url", help="a running service (127.0.0.1 only); default: start one")
+    parser.add_argument("--token", default=os.environ.get("TANDEM_TOKEN"), help="its admin token")
+    parser.add_argument("--clients", type=int, default=50)
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of the loaded phase")
+    parser.add_argument("--baseline-s", type=float, default=10.0, help="length of the one-client phase")
+    parser.add_argument("--warm-steps", type=int, default=3, help="steps the job runs before the load")
+    parser.add_argument("--metrics-query", default="max_points=300", help="query of the metrics route")
+    parser.add_argument("--cpus", type=int, default=4, help="CPUs of the Ray cluster a started service makes")
+    args = parser.parse_args()
+    if args.clients < 1 or args.seconds <= 0 or args.seconds > 600 or args.clients > 500:
+        raise SystemExit("--clients must be 1..500 and --seconds 0..600: the load is bounded")
+    if args.url:
+        if urlparse(args.url).hostname not in ("127.0.0.1", "localhost"):
+            raise SystemExit("--url must be on 127.0.0.1: this script loads only a local service")
+        if not args.token:
+            raise SystemExit("--token (or TANDEM_TOKEN) is needed with --url")
+        run(args, args.url, args.token)
+        return
+    with tempfile.TemporaryDirectory(prefix="tload-", dir="/tmp") as tmp:
+        process, url, token = start_service(Path(tmp), args.cpus)
+        try:
+            run(args, url, token)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    main()
