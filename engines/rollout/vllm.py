@@ -19,6 +19,8 @@ top-p are off, the usual greedy case).
 Seeds: one request per sample (prompts repeated n times, prompt-major), each with seed + row, so
 copies of a prompt draw different samples and a rerun draws the same ones. Unseeded requests
 draw from the global torch RNG (vLLM's CPU sampler does), seeded ones from private generators.
+Starting the engine also reseeds the process's global RNGs with `seed` (vLLM's worker does it at
+start; in-process that is the trainer's process too), once, before the first step.
 
 Weights go in through vLLM's RL weight-update session (LLM.start_weight_update / update_weights /
 finish_weight_update). Its transfer backends (nccl, CUDA ipc, ...) move tensors between
