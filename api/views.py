@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
+
+from fastapi import Response
 
 from controller.store import JobRecord
 
@@ -52,3 +55,9 @@ def _outputs(job: JobRecord) -> dict[str, str | None]:
 
 def listing(data: list[Any], has_more: bool) -> dict[str, Any]:
     return {"object": "list", "data": data, "has_more": has_more}
+
+
+def json_listing(data: list[Any], has_more: bool) -> Response:
+    """The list envelope, encoded once with json.dumps: for the routes a dashboard polls. FastAPI's
+    own path (validate the dict, walk it, encode it) costs about ten times more on a 200-row page."""
+    return Response(json.dumps(listing(data, has_more)), media_type="application/json")

@@ -14,7 +14,7 @@ from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, ServiceDep
 from api.errors import APIError, documented
 from api.validation import check_submittable
-from api.views import job_summary, job_view, listing
+from api.views import job_summary, job_view, json_listing
 from controller.spec import JobSpec
 
 router = APIRouter(
@@ -46,7 +46,7 @@ def create_job(
     return job_view(job)
 
 
-@router.get("", dependencies=READ)
+@router.get("", dependencies=READ, response_model=dict[str, Any])
 def list_jobs(
     service: ServiceDep,
     status: list[JobStatus] | None = Query(None, description="filter by status; repeatable"),
@@ -55,7 +55,7 @@ def list_jobs(
     limit: int = Query(20, ge=1, le=100),
     q: str | None = Query(None, max_length=200, description="substring of the id, name, tags or notes"),
     tag: str | None = Query(None, max_length=64, description="only jobs with this tag"),
-) -> dict[str, Any]:
+) -> Response:
     """Newest first, as summaries without the spec (GET /v1/jobs/{id} has it)."""
     filters: dict[str, str] = {}
     for item in metadata or []:
@@ -67,7 +67,7 @@ def list_jobs(
         jobs, more = service.store.list_jobs(status, filters, after, limit, q=q, tag=tag)
     except KeyError:
         raise APIError(404, f"cursor job '{after}' does not exist", "after", "not_found") from None
-    return listing([job_summary(j) for j in jobs], more)
+    return json_listing([job_summary(j) for j in jobs], more)
 
 
 @router.get("/{job_id}", dependencies=READ)

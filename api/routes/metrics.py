@@ -18,14 +18,14 @@ import json
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, INT64_MAX, READ, ServiceDep
 from api.errors import documented
 from api.streams import sse, start_id
-from api.views import listing
+from api.views import json_listing
 from controller.store import MetricsQuery
 
 router = APIRouter(
@@ -41,7 +41,7 @@ def parse_keys(keys: str | None) -> tuple[str, ...]:
     return tuple(k.strip() for k in (keys or "").split(",") if k.strip())
 
 
-@router.get("", dependencies=READ)
+@router.get("", dependencies=READ, response_model=dict[str, Any])
 def metrics(
     job_id: str,
     service: ServiceDep,
@@ -53,11 +53,11 @@ def metrics(
     every: int | None = Query(None, ge=1, le=10_000_000, description="only steps divisible by K"),
     max_points: int | None = Query(None, ge=1, le=100_000, description="at most P steps, evenly spaced"),
     limit: int = Query(10_000, ge=1, le=100_000, description="at most this many rows per page"),
-) -> dict[str, Any]:
+) -> Response:
     service.get(job_id)
     query = MetricsQuery(parse_keys(keys), step_min, step_max, after_step, last, every, max_points, limit)
     rows, more = service.store.metrics_page(job_id, query)
-    return listing(rows, more)
+    return json_listing(rows, more)
 
 
 @router.get("/stream", dependencies=READ)
