@@ -11,25 +11,25 @@ app-wide pieces (auth, error shape, request ids and latency, the dashboard).
 
 from __future__ import annotations
 
-import time
-import uuid
-
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 
 from api.auth import Authenticator
 from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
+from api.middleware import BodyLimit, RequestId
 from api.prom import make_registry
-from api.routes import health, job_outputs, jobs, metrics, rewards
+from api.routes import files, health, job_outputs, jobs, metrics, rewards
 from api.routes.health import VERSION
+from api.settings import ServeSettings
+from api.validation import Checker
 from controller.service import Service
 
-ROUTERS = (health.router, jobs.router, job_outputs.router, metrics.router, rewards.router)
+ROUTERS = (health.router, jobs.router, job_outputs.router, metrics.router, rewards.router, files.router)
 
 
-def create_app(service: Service) -> FastAPI:
+def create_app(service: Service, settings: ServeSettings | None = None) -> FastAPI:
     app = FastAPI(
         title="Tandem",
         version=VERSION,
@@ -42,17 +42,15 @@ def create_app(service: Service) -> FastAPI:
     app.state.service = service
     app.state.auth = Authenticator(service.store)
     app.state.registry = registry
+    app.state.settings = settings = settings or ServeSettings()
+    app.state.checker = Checker(settings, service.home, service.files)
 
-    @app.middleware("http")
-    async def request_id(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or "req_" + uuid.uuid4().hex[:16]
-        start = time.perf_counter()
-        response = await call_next(request)
-        response.headers["x-request-id"] = rid
-        path = getattr(request.scope.get("route"), "path", "unmatched")
-        latency.labels(request.method, path, str(response.status_code)).observe(time.perf_counter() - start)
-        return response
+    def body_limit(scope: dict) -> int:
+        upload = scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files"
+        return settings.max_upload_bytes if upload else settings.max_body_bytes
 
+    app.add_middleware(RequestId, latency=latency)
+    app.add_middleware(BodyLimit, limit_for=body_limit)  # outermost: refuses before anything reads
     for router in ROUTERS:
         app.include_router(router)
     mount_dashboard(app)

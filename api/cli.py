@@ -32,8 +32,15 @@ class UsageError(Exception):
 
 def _serve(args: argparse.Namespace) -> int:
     from api.server import serve
+    from api.settings import MiB, ServeSettings
 
-    serve(args.host, args.port, args.home, args.ray_address, args.num_cpus)
+    settings = ServeSettings(
+        max_body_bytes=int(args.max_body_mb * MiB),
+        max_upload_bytes=int(args.max_upload_mb * MiB),
+        user_code_timeout_s=args.user_code_timeout,
+        allowed_paths=args.allow_path,
+    )
+    serve(args.host, args.port, args.home, args.ray_address, args.num_cpus, settings=settings)
     return 0
 
 
@@ -175,6 +182,26 @@ def _checkpoints(args: argparse.Namespace, client: TandemClient) -> int:
     return 0
 
 
+def _files_upload(args: argparse.Namespace, client: TandemClient) -> int:
+    for path in args.paths:
+        record = client.upload_file(path)
+        print(f"{record['id']}  {record['filename']}  {record['bytes']} bytes", flush=True)
+    return 0
+
+
+def _files_list(args: argparse.Namespace, client: TandemClient) -> int:
+    found = client.list_files()["data"]
+    rows = [(f["id"], f["filename"], str(f["bytes"]), f["purpose"], clock(f["created_at"])) for f in found]
+    print(table(("ID", "NAME", "BYTES", "PURPOSE", "UPLOADED"), rows) if rows else "no files")
+    return 0
+
+
+def _files_delete(args: argparse.Namespace, client: TandemClient) -> int:
+    client.delete_file(args.file_id)
+    print(f"{args.file_id} deleted")
+    return 0
+
+
 # ---- formatting ------------------------------------------------------------------------------------
 
 
@@ -223,6 +250,23 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--home", default=None, help="data directory (default: $TANDEM_HOME or ~/.tandem)")
     serve.add_argument("--ray-address", default=None, help="join a cluster: 'auto' or 'ray://host:10001'")
     serve.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster")
+    serve.add_argument(
+        "--allow-path",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a server folder specs may name (repeatable); default: the home and examples/",
+    )
+    serve.add_argument(
+        "--max-body-mb", type=float, default=1.0, help="largest JSON request body (413 beyond)"
+    )
+    serve.add_argument("--max-upload-mb", type=float, default=512.0, help="largest file upload (413 beyond)")
+    serve.add_argument(
+        "--user-code-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a reward function or environment gets to import and be checked",
+    )
     serve.set_defaults(func=_serve, client=False)
 
     p = command("submit", _submit, "submit a job from a spec file (YAML/JSON) and/or flags", job=False)
@@ -260,6 +304,19 @@ def build_parser() -> argparse.ArgumentParser:
     command("checkpoints", _checkpoints, "a job's saved checkpoints").add_argument(
         "--json", action="store_true"
     )
+
+    files = sub.add_parser(
+        "files", help="upload data and reward modules; specs name them by id"
+    ).add_subparsers(dest="files_command", required=True)
+    p = files.add_parser("upload", parents=[conn], help="upload files; prints each one's id (file-...)")
+    p.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl/.json/.parquet data or a .py module")
+    p.set_defaults(func=_files_upload, client=True)
+    files.add_parser("list", parents=[conn], help="uploaded files").set_defaults(
+        func=_files_list, client=True
+    )
+    p = files.add_parser("delete", parents=[conn], help="delete an uploaded file")
+    p.add_argument("file_id", metavar="ID")
+    p.set_defaults(func=_files_delete, client=True)
 
     models = sub.add_parser("models", help="built-in tiny models").add_subparsers(
         dest="models_command", required=True

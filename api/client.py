@@ -200,6 +200,28 @@ class TandemClient:
                 raise TandemConnectionError(self.url, reason)
             time.sleep(min(2.0**failures, 10.0) * 0.5)
 
+    # ---- files -----------------------------------------------------------------------------------
+
+    def upload_file(self, path: str | Path) -> JSON:
+        """Upload a data file or a .py module; returns its record (its `id` is what specs name)."""
+        path = Path(path)
+
+        def chunks() -> Iterator[bytes]:
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    yield chunk
+
+        headers = {"content-type": "application/octet-stream"}
+        return self._call(
+            "POST", "/v1/files", params={"filename": path.name}, content=chunks(), headers=headers
+        )
+
+    def list_files(self) -> JSON:
+        return self._call("GET", "/v1/files")
+
+    def delete_file(self, file_id: str) -> JSON:
+        return self._call("DELETE", f"/v1/files/{file_id}")
+
     # ---- plumbing --------------------------------------------------------------------------------
 
     def _call(self, method: str, path: str, **kwargs: Any) -> JSON:

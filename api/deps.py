@@ -14,6 +14,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.errors import documented
+from api.validation import Checker
 from controller.service import Service
 
 bearer = HTTPBearer(
@@ -29,6 +30,10 @@ def get_service(request: Request) -> Service:
     return request.app.state.service
 
 
+def get_checker(request: Request) -> Checker:
+    return request.app.state.checker
+
+
 def reader(request: Request, _: Credentials) -> None:
     request.app.state.auth.require(request, "read")
 
@@ -38,6 +43,7 @@ def writer(request: Request, _: Credentials) -> None:
 
 
 ServiceDep = Annotated[Service, Depends(get_service)]
+CheckerDep = Annotated[Checker, Depends(get_checker)]
 READ = [Depends(reader)]
 WRITE = [Depends(writer)]
 AUTH_ERRORS = documented(401, 403, 422)

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from controller.files import FileError
 from controller.service import ServiceError
 
 TYPES = {
@@ -101,6 +102,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _service_error(request: Request, err: ServiceError) -> JSONResponse:
         return JSONResponse(error_body(err.status, str(err), err.param, err.code), err.status)
 
+    @app.exception_handler(FileError)
+    async def _file_error(request: Request, err: FileError) -> JSONResponse:
+        code = "not_found" if err.status == 404 else "invalid_value"
+        return JSONResponse(error_body(err.status, str(err), err.param, code), err.status)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
@@ -116,5 +122,6 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.url.path}; see /docs for the API"
         elif err.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
-        return JSONResponse(error_body(err.status_code, message, None, code), err.status_code,
+        param, code = getattr(err, "param", None), getattr(err, "code", code)
+        return JSONResponse(error_body(err.status_code, message, param, code), err.status_code,
                             headers=getattr(err, "headers", None))  # fmt: skip

@@ -19,6 +19,7 @@ import uvicorn
 from api.app import create_app
 from api.auth import ensure_admin_token
 from api.reaper import watch
+from api.settings import ServeSettings
 from controller.models import tandem_home
 from controller.service import Service
 
@@ -47,6 +48,7 @@ def serve(
     ray_address: str | None = None,
     num_cpus: int | None = None,
     shutdown_timeout_s: float = 300.0,
+    settings: ServeSettings | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     home = Path(home).expanduser().resolve() if home else tandem_home()
@@ -55,7 +57,7 @@ def serve(
     service = Service(home)
     service.start()
     token_file = ensure_admin_token(service.store, home)
-    app = create_app(service)
+    app = create_app(service, settings)
     url = f"http://{host}:{port}"
     print(f"Tandem is serving on {url}  (dashboard {url}/, API docs {url}/docs)", flush=True)
     print(f"Admin token: {token_file} (or TANDEM_ADMIN_TOKEN); job store: {service.store.path}", flush=True)

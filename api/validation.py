@@ -1,58 +1,121 @@
 """Checks at submission that a JobSpec's references resolve here, so a job fails at the door, with
-the field named, rather than minutes later inside a worker."""
+the field named, rather than minutes later inside a worker.
+
+Server paths in a spec must lie under a root the operator allows (`ServeSettings.path_roots`); a path
+elsewhere is refused without saying whether it exists. Reward functions are user code: they are
+imported and checked in a child process (controller/user_code.py), never here.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from api.errors import APIError
+from api.settings import ServeSettings
+from controller.files import FileError, FileStore
 from controller.models import BUILTIN_MODEL_NAMES
-from controller.rewards import RewardFunctionError, load_reward_fn
+from controller.rewards import RewardFunctionError, is_path_reference, load_reward_fn
 from controller.spec import JobSpec
 from controller.tasks import BUILTIN_TASKS
+from controller.user_code import check_callable_in_subprocess
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from engines.rollout import available_backends
 
 
-def _folder(path: str, param: str, what: str) -> None:
-    if not (Path(path).expanduser() / "config.json").exists():
-        raise APIError(422, f"{param}: '{path}' is not a {what} folder on the server (no config.json)", param,
-                       "not_found")  # fmt: skip
+class Checker:
+    """The submission checks of one service: its home, allowed roots and limits."""
 
+    def __init__(self, settings: ServeSettings, home: Path, files: FileStore) -> None:
+        self.settings = settings
+        self.roots = settings.path_roots(home)
+        self.files = files
 
-def _file(path: str | None, param: str) -> None:
-    if path is not None and not Path(path).expanduser().is_file():
-        raise APIError(422, f"{param}: no file '{path}' on the server", param, "not_found")
+    def allowed(self, path: str, param: str) -> Path:
+        """`path` resolved, when it lies under an allowed root; else a 422 that reveals nothing about it."""
+        resolved = Path(path).expanduser().resolve()
+        if not any(resolved.is_relative_to(root) for root in self.roots):
+            raise APIError(422, f"{param}: '{path}' is outside the folders this service may read; upload the "
+                           "file (POST /v1/files) or ask the operator to allow its folder (tandem serve "
+                           "--allow-path)", param, "path_not_allowed")  # fmt: skip
+        return resolved
 
+    def folder(self, path: str, param: str, what: str) -> None:
+        if not (self.allowed(path, param) / "config.json").exists():
+            raise APIError(422, f"{param}: '{path}' is not a {what} folder on the server (no config.json)", param,
+                           "not_found")  # fmt: skip
 
-def check_submittable(spec: JobSpec) -> None:
-    m, d, r = spec.model, spec.data, spec.reward
-    if m.builtin is not None and m.builtin not in BUILTIN_MODEL_NAMES:
-        raise APIError(422, f"model.builtin: unknown built-in model '{m.builtin}'; choose one of "
-                       f"{list(BUILTIN_MODEL_NAMES)}", "model.builtin", "invalid_value")  # fmt: skip
-    if m.builtin in PACKAGED_MODELS:
+    def file(self, path: str | None, param: str) -> None:
+        if path is not None and not self.allowed(path, param).is_file():
+            raise APIError(422, f"{param}: no file '{path}' on the server", param, "not_found")
+
+    def reward_source(self, ref: str, param: str) -> str:
+        """The reference with an upload id resolved; a file it names must be under an allowed root."""
         try:
-            packaged_gguf(PACKAGED_MODELS[m.builtin])
-        except PackagedModelMissing as err:
-            raise APIError(422, f"model.builtin: {err}", "model.builtin", "extra_not_installed") from None
-    if m.path is not None:
-        _folder(m.path, "model.path", "Hugging Face model")
-    if m.critic_path is not None:
-        _folder(m.critic_path, "model.critic_path", "Hugging Face model")
-    if d.train_path is None and d.builtin_task not in BUILTIN_TASKS:
-        raise APIError(422, f"data.builtin_task: unknown task '{d.builtin_task}'; choose one of "
-                       f"{sorted(BUILTIN_TASKS)}", "data.builtin_task", "invalid_value")  # fmt: skip
-    _file(d.train_path, "data.train_path")
-    _file(d.val_path, "data.val_path")
-    if r.function is not None and spec.method != "sft":
-        try:
-            load_reward_fn(r.function)
-        except RewardFunctionError as err:
+            ref = self.files.resolve_refs({"reward": {"function": ref}})["reward"]["function"]
+        except FileError as err:
             raise APIError(
-                422, f"reward.function: {err}", "reward.function", "invalid_reward_function"
+                422, f"{param}: {err}".replace("reward.function: ", ""), param, "not_found"
             ) from None
-    if r.model_path is not None:
-        _folder(r.model_path, "reward.model_path", "reward model")
-    why = available_backends().get(spec.rollout.backend)
-    if why is not None:
-        raise APIError(422, f"rollout.backend: {why}", "rollout.backend", "backend_unavailable")
+        if is_path_reference(ref):
+            self.allowed(ref.rpartition(":")[0], param)
+        return ref
+
+    def reward_function(self, ref: str, param: str = "reward.function") -> None:
+        self.reward_source(ref, param)
+        if ref.startswith("builtin:"):  # the service's own functions: no user code runs
+            try:
+                load_reward_fn(ref)
+            except RewardFunctionError as err:
+                raise APIError(422, f"{param}: {err}", param, "invalid_reward_function") from None
+            return
+        why = check_callable_in_subprocess(ref, "reward", self.settings.user_code_timeout_s)
+        if why is not None:
+            raise APIError(422, f"{param}: {why}", param, "invalid_reward_function")
+
+    def metadata(self, metadata: dict[str, str]) -> None:
+        s = self.settings
+        if len(metadata) > s.metadata_max_keys:
+            raise APIError(422, f"metadata: {len(metadata)} keys; at most {s.metadata_max_keys} are allowed",
+                           "metadata", "too_many_keys")  # fmt: skip
+        for key, value in metadata.items():
+            if len(key) > s.metadata_max_key_chars:
+                raise APIError(422, f"metadata: key '{key[:32]}...' is longer than {s.metadata_max_key_chars} "
+                               "characters", "metadata", "too_long")  # fmt: skip
+            if len(value) > s.metadata_max_value_chars:
+                raise APIError(422, f"metadata.{key}: {len(value)} characters; at most "
+                               f"{s.metadata_max_value_chars} are allowed", f"metadata.{key}", "too_long")  # fmt: skip
+
+    def submittable(self, spec: JobSpec) -> None:
+        """Refuse, with the field named, a spec whose references do not resolve here (uploads by id)."""
+        try:
+            spec = JobSpec.model_validate(self.files.resolve_refs(spec.model_dump()))
+        except FileError as err:
+            raise APIError(422, str(err), err.param, "not_found") from None
+        m, d, r = spec.model, spec.data, spec.reward
+        self.metadata(spec.metadata)
+        if m.builtin is not None and m.builtin not in BUILTIN_MODEL_NAMES:
+            raise APIError(422, f"model.builtin: unknown built-in model '{m.builtin}'; choose one of "
+                           f"{list(BUILTIN_MODEL_NAMES)}", "model.builtin", "invalid_value")  # fmt: skip
+        if m.builtin in PACKAGED_MODELS:
+            try:
+                packaged_gguf(PACKAGED_MODELS[m.builtin])
+            except PackagedModelMissing as err:
+                raise APIError(422, f"model.builtin: {err}", "model.builtin", "extra_not_installed") from None
+        if m.path is not None:
+            self.folder(m.path, "model.path", "Hugging Face model")
+        if m.critic_path is not None:
+            self.folder(m.critic_path, "model.critic_path", "Hugging Face model")
+        if d.train_path is None and d.builtin_task not in BUILTIN_TASKS:
+            raise APIError(422, f"data.builtin_task: unknown task '{d.builtin_task}'; choose one of "
+                           f"{sorted(BUILTIN_TASKS)}", "data.builtin_task", "invalid_value")  # fmt: skip
+        self.file(d.train_path, "data.train_path")
+        self.file(d.val_path, "data.val_path")
+        if spec.checkpoint.resume_from is not None:
+            self.allowed(spec.checkpoint.resume_from, "checkpoint.resume_from")
+        if r.function is not None and spec.method != "sft":
+            self.reward_function(r.function)
+        if r.model_path is not None:
+            self.folder(r.model_path, "reward.model_path", "reward model")
+        why = available_backends().get(spec.rollout.backend)
+        if why is not None:
+            raise APIError(422, f"rollout.backend: {why}", "rollout.backend", "backend_unavailable")

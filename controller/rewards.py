@@ -164,6 +164,12 @@ def load_reward_fn(ref: str) -> RewardFn:
     return fn
 
 
+def is_path_reference(ref: str) -> bool:
+    """Whether `ref` names a Python file ('path/file.py:function') rather than a module."""
+    source = ref.rpartition(":")[0]
+    return source != "builtin" and _is_path(source)
+
+
 def _is_path(source: str) -> bool:
     return source.endswith(".py") or "/" in source or "\\" in source
 
@@ -389,9 +395,27 @@ def _as_float(value: Any) -> float | None:
     return result if math.isfinite(result) else None
 
 
+def score_rows(ref: str, rows: list[dict[str, Any]], max_messages: int = 5) -> dict[str, Any]:
+    """Score plain rows ({prompt, response, ground_truth, extra}) with `ref`, as plain data.
+
+    What `POST /v1/rewards/validate` runs, in a child process (controller/user_code.py)."""
+    fn = load_reward_fn(_canonical_ref(ref))
+    results = [_score_one(fn, r.get("prompt", ""), r["response"], r.get("ground_truth"), r.get("extra"))
+               for r in rows]  # fmt: skip
+    scores, log, errors, messages = _summary(results, max_messages)
+    return {"scores": scores, "metrics": log, "errors": errors, "error_messages": messages}
+
+
 def _summarise(results: list[SampleResult], max_messages: int) -> RewardResult:
     import torch  # here, not at the top: spawned scoring processes never need it
 
+    scores, log, errors, messages = _summary(results, max_messages)
+    return RewardResult(torch.tensor(scores, dtype=torch.float32), log, errors, messages)
+
+
+def _summary(
+    results: list[SampleResult], max_messages: int
+) -> tuple[list[float], dict[str, float], int, list[str]]:
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     messages = []
@@ -404,8 +428,7 @@ def _summarise(results: list[SampleResult], max_messages: int) -> RewardResult:
     errors = sum(error is not None for _, _, error in results)
     log = {f"reward/{key}/mean": sums[key] / counts[key] for key in sorted(sums)}
     log["reward/errors"] = float(errors)
-    scores = torch.tensor([score for score, _, _ in results], dtype=torch.float32)
-    return RewardResult(scores, log, errors, messages)
+    return [score for score, _, _ in results], log, errors, messages
 
 
 # The function a pool process scores with, resolved once per process from the reference string.

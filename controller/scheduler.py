@@ -21,6 +21,7 @@ from typing import Any
 import ray
 
 from controller import checkpoints
+from controller.files import FileError, FileStore
 from controller.job_actor import JobController
 from controller.job_state import RUN_HOLDING, JobStatus
 from controller.store import JobRecord, JobStore
@@ -51,8 +52,15 @@ def job_needs(spec: dict[str, Any]) -> tuple[float, float]:
 
 
 class Scheduler:
-    def __init__(self, store: JobStore, poll_s: float = 0.3, runtime_env: dict | None = None) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        poll_s: float = 0.3,
+        runtime_env: dict | None = None,
+        files: FileStore | None = None,
+    ) -> None:
         self.store = store
+        self.files = files
         self.poll_s = poll_s
         self.runtime_env = runtime_env
         self.running: dict[str, RunningJob] = {}
@@ -196,13 +204,19 @@ class Scheduler:
             if not self.store.transition(job.id, (S.QUEUED,), S.RUNNING, error=None):
                 return
             self.store.started(job.id, time.time())
+            try:  # upload ids -> stored paths, now that it starts
+                spec = self.files.resolve_refs(job.spec) if self.files else job.spec
+            except FileError as err:
+                self.store.transition(job.id, (S.RUNNING,), S.FAILED, finished_at=time.time(), error=str(err))
+                self.store.add_event(job.id, "failed", str(err))
+                return
             first_step = resume_step(job)
             self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
             Path(job.workdir).mkdir(parents=True, exist_ok=True)
             options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8, "name": f"tandem-{job.id}"}
             if self.runtime_env:
                 options["runtime_env"] = self.runtime_env
-            actor = ray.remote(JobController).options(**options).remote(job.id, job.spec, job.workdir)
+            actor = ray.remote(JobController).options(**options).remote(job.id, spec, job.workdir)
             self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 from pydantic import ValidationError
 
+from controller.files import FileStore
 from controller.job_setup import hyperparameter_overrides
 from controller.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from controller.scheduler import Scheduler, job_needs
@@ -44,7 +45,8 @@ class Service:
         self.home = Path(home)
         self.jobs_root = self.home / "jobs"
         self.store = JobStore(self.home / "tandem.db")
-        self.scheduler = Scheduler(self.store, poll_s, runtime_env)
+        self.files = FileStore(self.home / "files")
+        self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.files)
         self.started_at = time.time()
 
     @property
@@ -79,14 +81,21 @@ class Service:
         return job, True
 
     def check_fits_cluster(self, spec: JobSpec) -> None:
-        """A job larger than the whole cluster would queue forever: refuse it (400, resources.workers)."""
+        """A job the cluster could never hold is refused now, not left queued or failed in Ray later."""
         cpus, gpus = job_needs(spec.model_dump())
         total = ray.cluster_resources()
         if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):
             raise ServiceError(
-                f"the job needs {cpus:g} CPUs and {gpus:g} GPUs; the whole cluster has {total.get('CPU', 0):g} CPUs "
-                f"and {total.get('GPU', 0):g} GPUs",
-                400, "resources.workers", "insufficient_resources",
+                f"resources: the job needs {cpus:g} CPUs and {gpus:g} GPUs (workers x per-worker); the whole "
+                f"cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs",
+                422, "resources", "insufficient_resources",
+            )  # fmt: skip
+        per_worker = spec.resources.cpus_per_worker
+        largest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+        if per_worker is not None and per_worker > largest:
+            raise ServiceError(
+                f"resources.cpus_per_worker: {per_worker:g} CPUs; the largest node has {largest:g}",
+                422, "resources.cpus_per_worker", "insufficient_resources",
             )  # fmt: skip
 
     def get(self, job_id: str) -> JobRecord:
@@ -173,6 +182,10 @@ class Service:
             raise _invalid_state(job, "only a running job can checkpoint now")
         self.scheduler.tell(job_id, "checkpoint_now")
         self.store.add_event(job_id, "checkpoint_requested", "a checkpoint is saved after the current step")
+
+    def merged_spec(self, job_id: str, overrides: dict[str, Any]) -> JobSpec:
+        """The job's spec with `overrides` applied and validated (what a fork would run)."""
+        return _validated_merge(self.get(job_id).spec, overrides)
 
     def fork(self, job_id: str, step: int | None, overrides: dict[str, Any]) -> JobRecord:
         chosen = self._fork_point(job_id, step)

@@ -7,18 +7,45 @@ GRPO job on the built-in arithmetic task with a ~1M-parameter model, on CPU.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from engines.rollout import ROLLOUT_ENGINES, check_tensor_parallel
 from workers.loss_config import RolloutCorrectionConfig
+
+MAX_SAMPLES = 1 << 20  # prompts, samples or rows per step: far beyond any machine's memory
 
 Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Unknown keys, NaN/infinity and `true` for a number are refused: a value the job cannot use
+    fails here, at submission, naming its field (every number also has bounds)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            kinds = _kinds(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
+
+
+def _kinds(annotation: Any) -> set[Any]:
+    args = get_args(annotation)
+    return {annotation} if not args else set().union(*(_kinds(a) for a in args))
 
 
 Tag = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=64)]
@@ -64,7 +91,9 @@ class DataSpec(Section):
     response_key: str = Field("response", description="SFT only")
     ground_truth_key: str = "ground_truth"
     extra_key: str | None = "extra"
-    max_prompt_length: int = Field(64, gt=0, description="longer prompts are dropped and counted")
+    max_prompt_length: int = Field(
+        64, gt=0, le=1_048_576, description="longer prompts are dropped and counted"
+    )
     shuffle: bool = True
 
     @model_validator(mode="after")
@@ -79,7 +108,7 @@ class RewardSpec(Section):
 
     function: str | None = Field("builtin:arithmetic", description="rule reward function")
     model_path: str | None = Field(None, description="sequence-classification reward model folder")
-    num_workers: int = Field(0, ge=0, description="processes for rule rewards; 0 = in the controller")
+    num_workers: int = Field(0, ge=0, le=256, description="processes for rule rewards; 0 = in the controller")
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardSpec:
@@ -96,13 +125,13 @@ class RolloutSpec(Section):
         description="rollout engine, by its name in engines.rollout.ROLLOUT_ENGINES ('hf', 'sglang', ...)",
         json_schema_extra=lambda schema: schema.update(enum=ROLLOUT_ENGINES.names()),
     )
-    n: int = Field(8, ge=1, description="samples per prompt (the GRPO group size)")
-    temperature: float = Field(1.0, ge=0)
+    n: int = Field(8, ge=1, le=4096, description="samples per prompt (the GRPO group size)")
+    temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="-1 disables top-k")
-    max_new_tokens: int = Field(8, gt=0)
-    tensor_parallel_size: int = Field(1, ge=1)
-    bucket_mb: int = Field(512, gt=0, description="weight-sync bucket size")
+    top_k: int = Field(-1, ge=-1, le=1_000_000, description="-1 disables top-k")
+    max_new_tokens: int = Field(8, gt=0, le=1_048_576)
+    tensor_parallel_size: int = Field(1, ge=1, le=1024)
+    bucket_mb: int = Field(512, gt=0, le=1_048_576, description="weight-sync bucket size")
     free_cache_after_generate: bool = Field(True, description="release rollout memory between generations")
     offload_trainer_during_rollout: bool = False
 
@@ -119,11 +148,11 @@ class RolloutSpec(Section):
 
 
 class OptimSpec(Section):
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(1e-5, gt=0, le=10)
+    weight_decay: float = Field(0.0, ge=0, le=100)
     betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0)
-    warmup_steps: int = Field(0, ge=0)
+    grad_clip: float = Field(1.0, gt=0, le=1e6)
+    warmup_steps: int = Field(0, ge=0, le=100_000_000)
     schedule: Literal["constant", "cosine"] = "constant"
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
@@ -175,33 +204,39 @@ class AlgorithmSpec(Section):
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    clip_ratio_low: float = Field(0.2, ge=0)
-    clip_ratio_high: float = Field(0.2, ge=0)
-    clip_ratio_c: float = Field(3.0, gt=1)
+    clip_ratio_low: float = Field(0.2, ge=0, le=100)
+    clip_ratio_high: float = Field(0.2, ge=0, le=100)
+    clip_ratio_c: float = Field(3.0, gt=1, le=1e6)
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = Field(0.0, ge=-100, le=100)
     use_kl_loss: bool = False
-    kl_loss_coef: float = Field(0.001, ge=0)
+    kl_loss_coef: float = Field(0.001, ge=0, le=1e6)
     kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False
-    kl_reward_coef: float = Field(0.001, ge=0)
+    kl_reward_coef: float = Field(0.001, ge=0, le=1e6)
     kl_target: float | None = Field(
         None, gt=0, description="adaptive KL-in-reward: the target KL; None = fixed"
     )
-    ppo_mini_batch_size: int | None = Field(None, gt=0, description="samples per optimizer step; None = all")
-    ppo_epochs: int = Field(1, ge=1)
-    micro_batch_size: int | None = Field(None, gt=0, description="samples per micro-batch (fixed)")
-    max_tokens_per_micro_batch: int | None = Field(None, gt=0, description="dynamic micro-batching budget")
-    critic_lr: float = Field(1e-5, gt=0)
+    ppo_mini_batch_size: int | None = Field(
+        None, gt=0, le=MAX_SAMPLES, description="samples per optimizer step; None = all"
+    )
+    ppo_epochs: int = Field(1, ge=1, le=1000)
+    micro_batch_size: int | None = Field(
+        None, gt=0, le=MAX_SAMPLES, description="samples per micro-batch (fixed)"
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None, gt=0, le=1 << 40, description="dynamic micro-batching budget"
+    )
+    critic_lr: float = Field(1e-5, gt=0, le=10)
     recompute_old_log_probs: bool = Field(
         False,
         description="always run a separate forward pass for old log-probs; by default it is skipped when the "
         "update is one on-policy step (one mini-batch, one epoch, no KL in the reward), where it is exactly "
         "the current policy's",
     )
-    vf_clip: float = Field(0.2, ge=0)
+    vf_clip: float = Field(0.2, ge=0, le=1e6)
     rollout_correction: RolloutCorrectionConfig = Field(
         default_factory=RolloutCorrectionConfig,
         description="correction for the gap between the rollout engine's and the trainer's log-probs: "
@@ -216,11 +251,11 @@ class AlgorithmSpec(Section):
 
 
 class TrainerSpec(Section):
-    total_steps: int = Field(20, gt=0)
-    prompts_per_step: int = Field(16, gt=0)
-    epochs: int = Field(1, ge=1, description="SFT: passes over the data")
-    val_every: int = Field(5, ge=0, description="0 disables validation")
-    val_size: int = Field(64, gt=0, description="validation prompts per evaluation")
+    total_steps: int = Field(20, gt=0, le=100_000_000)
+    prompts_per_step: int = Field(16, gt=0, le=MAX_SAMPLES)
+    epochs: int = Field(1, ge=1, le=100_000, description="SFT: passes over the data")
+    val_every: int = Field(5, ge=0, le=100_000_000, description="0 disables validation")
+    val_size: int = Field(64, gt=0, le=MAX_SAMPLES, description="validation prompts per evaluation")
     stop_at_val_accuracy: float | None = Field(
         None,
         gt=0,
@@ -228,7 +263,7 @@ class TrainerSpec(Section):
         description="end the job early, with its checkpoint and export, at the first validation whose "
         "accuracy reaches this (e.g. an SFT warm start to a modest accuracy); None = run total_steps",
     )
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32, description="seeds numpy too, whose seeds are 32-bit")
 
     @model_validator(mode="after")
     def _target_needs_validation(self) -> TrainerSpec:
@@ -238,23 +273,30 @@ class TrainerSpec(Section):
 
 
 class CheckpointSpec(Section):
-    every: int = Field(5, ge=0, description="steps between checkpoints; 0 = only at the end")
-    keep_last: int = Field(2, ge=1)
+    every: int = Field(5, ge=0, le=100_000_000, description="steps between checkpoints; 0 = only at the end")
+    keep_last: int = Field(2, ge=1, le=10_000)
     export_hf: bool = Field(True, description="write an HF folder of the final policy")
     resume_from: str | None = Field(None, description="a checkpoint folder to start from")
 
 
 class ResourcesSpec(Section):
-    workers: int = Field(1, ge=1, description="ranks (processes) of the colocated worker group")
-    cpus_per_worker: float = Field(1.0, gt=0)
+    workers: int = Field(1, ge=1, le=4096, description="ranks (processes) of the colocated worker group")
+    cpus_per_worker: float = Field(1.0, ge=0.01, le=4096, description="at least 0.01 (Ray's resolution)")
     gpus_per_worker: float = Field(
-        0.0, ge=0, description="0: one GPU per worker when the cluster has GPUs, none otherwise"
+        0.0, ge=0, le=1024, description="0: one GPU per worker when the cluster has GPUs, none otherwise"
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK",
         description="Ray placement of the workers' bundles: PACK (few nodes), SPREAD (many nodes), "
         "STRICT_PACK (one node), STRICT_SPREAD (one worker per node)",
     )
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _gpu_share(cls, value: float) -> float:
+        if 0 < value < 0.01:
+            raise ValueError("give 0 or at least 0.01 GPUs per worker")
+        return value
 
 
 class JobSpec(JobLabels):
@@ -281,6 +323,9 @@ class JobSpec(JobLabels):
             raise ValueError("resources.workers must be a multiple of rollout.tensor_parallel_size")
         # Every rank must get the same number of real samples: padded rows would be trained on.
         samples = self.trainer.prompts_per_step * (1 if self.method == "sft" else self.rollout.n)
+        if samples > MAX_SAMPLES:
+            raise ValueError(f"trainer.prompts_per_step x rollout.n = {samples} samples per step; at most "
+                             f"{MAX_SAMPLES} are allowed")  # fmt: skip
         if samples % self.resources.workers:
             raise ValueError(
                 f"trainer.prompts_per_step x rollout.n = {samples} samples per step must be a multiple of "

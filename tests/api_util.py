@@ -13,6 +13,7 @@ import uvicorn
 
 from api.app import create_app
 from api.auth import ensure_admin_token
+from api.settings import ServeSettings
 from controller.service import Service
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -42,13 +43,17 @@ class LiveService:
         self.service.shutdown(timeout_s=60)
 
 
-def start_service(home: Path, poll_s: float = 0.2) -> LiveService:
+def start_service(
+    home: Path, poll_s: float = 0.2, settings: ServeSettings | None = None, schedule: bool = True
+) -> LiveService:
+    """`schedule=False`: the scheduler is not started, so submitted jobs stay queued (for fuzzing)."""
     service = Service(home, poll_s=poll_s)
-    service.start()
+    if schedule:
+        service.start()
     token = ensure_admin_token(service.store, home).read_text().strip()
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Config(create_app(service, settings), host="127.0.0.1", port=port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -56,7 +61,7 @@ def start_service(home: Path, poll_s: float = 0.2) -> LiveService:
     deadline = time.time() + 30
     while time.time() < deadline:
         try:
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+            if httpx.get(url + ("/readyz" if schedule else "/healthz"), timeout=2).status_code == 200:
                 break
         except httpx.HTTPError:
             pass
@@ -70,7 +75,7 @@ def tiny_job(**overrides) -> dict:
     spec = {
         "method": "grpo",
         "model": {"builtin": "tiny-qwen2"},
-        "reward": {"function": "tests.test_trainer:digit_reward"},
+        "reward": {"function": "tests.reward_fns:digit_reward"},
         "trainer": {"total_steps": 3, "prompts_per_step": 4, "val_every": 0},
         "rollout": {"n": 4, "max_new_tokens": 4},
         "optim": {"lr": 1e-3},

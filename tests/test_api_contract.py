@@ -102,3 +102,27 @@ def test_swagger_ui_is_served_without_a_cdn(live):
     bundle = httpx.get(live.url + "/static/vendor/swagger-ui-bundle.js")
     assert bundle.status_code == 200 and "SwaggerUIBundle" in bundle.text
     assert httpx.get(live.url + "/static/vendor/swagger-ui.css").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "patch,param",
+    [
+        ({"resources": {"cpus_per_worker": 5e-324}}, "resources.cpus_per_worker"),
+        ({"resources": {"gpus_per_worker": 0.001}}, "resources.gpus_per_worker"),
+        ({"trainer": {"seed": 2**40}}, "trainer.seed"),
+        ({"trainer": {"prompts_per_step": 10**9}}, "trainer.prompts_per_step"),
+        ({"rollout": {"max_new_tokens": 10**9}}, "rollout.max_new_tokens"),
+        ({"algorithm": {"max_tokens_per_micro_batch": True}}, "algorithm.max_tokens_per_micro_batch"),
+        ({"rollout": {"n": True}}, "rollout.n"),
+        ({"resources": {"workers": 64}, "trainer": {"prompts_per_step": 64}}, "resources"),
+    ],
+)
+def test_values_that_would_fail_later_are_422_at_submission(api, patch, param):
+    error = _error(api.post("/v1/jobs", json=tiny_job(**patch)), 422)
+    assert error["param"] == param, error
+
+
+def test_non_finite_numbers_are_422(api):
+    body = '{"model": {"builtin": "tiny-qwen2"}, "optim": {"lr": 1e999}}'
+    error = _error(api.post("/v1/jobs", content=body, headers={"content-type": "application/json"}), 422)
+    assert error["param"] == "optim.lr" and "finite" in error["message"]

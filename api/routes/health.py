@@ -8,9 +8,9 @@ import ray
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from api.deps import AUTH_ERRORS, READ, ServiceDep
-from api.errors import documented
 
 VERSION = "0.1.0"
 
@@ -22,7 +22,15 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", tags=["health"], responses=documented(503))
+class Readiness(BaseModel):
+    status: str
+
+
+@router.get(
+    "/readyz",
+    tags=["health"],
+    responses={503: {"model": Readiness, "description": "Ray or the scheduler is not up"}},
+)
 def readyz(service: ServiceDep) -> JSONResponse:
     ready = ray.is_initialized() and service.is_alive
     return JSONResponse({"status": "ready" if ready else "starting"}, 200 if ready else 503)

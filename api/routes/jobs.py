@@ -11,9 +11,8 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, ServiceDep
+from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, CheckerDep, ServiceDep
 from api.errors import APIError, documented
-from api.validation import check_submittable
 from api.views import job_summary, job_view, json_listing
 from controller.spec import JobSpec
 
@@ -35,9 +34,9 @@ class ForkRequest(BaseModel):
 
 @router.post("", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)})
 def create_job(
-    request: Request, response: Response, service: ServiceDep, spec: JobSpec = Body(...)
+    request: Request, response: Response, service: ServiceDep, checker: CheckerDep, spec: JobSpec = Body(...)
 ) -> dict[str, Any]:
-    check_submittable(spec)
+    checker.submittable(spec)
     key = request.headers.get("idempotency-key")
     body_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     job, created = service.submit(spec, key, body_hash)
@@ -121,8 +120,12 @@ def resume(job_id: str, service: ServiceDep) -> dict[str, Any]:
     "/{job_id}/fork", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)}
 )
 def fork(
-    job_id: str, service: ServiceDep, body: ForkRequest = Body(default_factory=ForkRequest)
+    job_id: str,
+    service: ServiceDep,
+    checker: CheckerDep,
+    body: ForkRequest = Body(default_factory=ForkRequest),
 ) -> dict[str, Any]:
+    checker.submittable(service.merged_spec(job_id, body.overrides))
     return job_view(service.fork(job_id, body.checkpoint_step, body.overrides))
 
 

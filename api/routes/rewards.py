@@ -8,9 +8,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, BODY_ERRORS, WRITE
+from api.deps import AUTH_ERRORS, BODY_ERRORS, WRITE, CheckerDep
 from api.errors import APIError
-from controller.rewards import RewardFunctionError, RewardScorer
+from controller.user_code import UserCodeError, run_isolated
 
 router = APIRouter(
     prefix="/v1/rewards", tags=["rewards"], route_class=CheckedRoute, responses={**AUTH_ERRORS, **BODY_ERRORS}
@@ -32,18 +32,13 @@ class RewardValidateRequest(BaseModel):
 
 
 @router.post("/validate", dependencies=WRITE)
-def validate_reward(body: RewardValidateRequest) -> dict[str, Any]:
+def validate_reward(body: RewardValidateRequest, checker: CheckerDep) -> dict[str, Any]:
+    """Score the rows with the function, in a child process: user code never runs in the API."""
+    ref = checker.reward_source(body.function, "function")
+    rows = [row.model_dump() for row in body.rows]
     try:
-        scorer = RewardScorer(body.function)
-    except RewardFunctionError as err:
+        result = run_isolated("controller.rewards:score_rows", [ref, rows],
+                              checker.settings.user_code_timeout_s, f"reward function '{body.function}'")  # fmt: skip
+    except UserCodeError as err:
         raise APIError(422, f"function: {err}", "function", "invalid_reward_function") from None
-    rows = body.rows
-    result = scorer.score([r.prompt for r in rows], [r.response for r in rows],
-                          [r.ground_truth for r in rows], [r.extra for r in rows])  # fmt: skip
-    return {
-        "function": body.function,
-        "scores": result.scores.tolist(),
-        "metrics": result.metrics,
-        "errors": result.errors,
-        "error_messages": result.error_messages,
-    }
+    return {"function": body.function, **result}

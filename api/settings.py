@@ -1,0 +1,31 @@
+"""What the operator can tune about the API (`tandem serve` options): request limits, the time user
+code gets to import, and the server folders a spec may name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
+MiB = 1024 * 1024
+
+
+class ServeSettings(BaseModel):
+    max_body_bytes: int = Field(1 * MiB, gt=0, description="largest JSON request body; more is a 413")
+    max_upload_bytes: int = Field(512 * MiB, gt=0, description="largest file upload (POST /v1/files)")
+    metadata_max_keys: int = Field(16, ge=0, description="job metadata: at most this many keys")
+    metadata_max_key_chars: int = Field(64, gt=0, description="job metadata: longest key")
+    metadata_max_value_chars: int = Field(512, gt=0, description="job metadata: longest value")
+    user_code_timeout_s: float = Field(
+        30.0, gt=0, description="time a reward function or environment gets to import and be checked"
+    )
+    allowed_paths: list[Path] | None = Field(
+        None,
+        description="server folders a spec may name besides the service home; None = the repo's examples/",
+    )
+
+    def path_roots(self, home: Path) -> list[Path]:
+        """The folders (resolved) under which a spec may name server paths."""
+        extra = [EXAMPLES_DIR] if self.allowed_paths is None else self.allowed_paths
+        return [Path(p).expanduser().resolve() for p in [home, *extra]]

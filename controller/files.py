@@ -1,0 +1,129 @@
+"""Uploaded files: data (JSONL, JSON, Parquet) and Python modules (reward functions, environments)
+kept under the service's home, so a remote user never needs a path on the server.
+
+A file is `$TANDEM_HOME/files/<id>/<filename>` plus `meta.json`; its id is `file-` and 12 hex
+digits. A spec names an upload by its id where it would name a server path:
+
+    data.train_path: "file-0123456789ab"
+    reward.function: "file-0123456789ab:score"      (an uploaded .py file and a function in it)
+
+The spec keeps the id; `resolve_refs` replaces ids with stored paths when a job is checked and when
+it starts, so a file deleted in between fails the job with the id named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+FILE_ID = re.compile(r"^file-[0-9a-f]{12}$")
+DATA_SUFFIXES = (".jsonl", ".jsonlines", ".json", ".parquet", ".pq")
+CODE_SUFFIXES = (".py",)
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# the spec fields that may name an upload, and whether the value is "ref:function"
+REF_FIELDS = {("data", "train_path"): False, ("data", "val_path"): False, ("reward", "function"): True}
+
+
+class FileError(ValueError):
+    """An upload or a file reference that cannot be used; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 422) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+@dataclass
+class FileRecord:
+    id: str
+    filename: str
+    bytes: int
+    purpose: str  # "data" or "code"
+    created_at: float
+    object: str = "file"
+
+
+def check_filename(filename: str) -> str:
+    """The upload's purpose ("data" or "code") from its name; a FileError for any other name."""
+    if not SAFE_NAME.match(filename):
+        raise FileError(f"filename: '{filename[:64]}' must be a plain name of letters, digits, '.', '_' or '-'",
+                        "filename")  # fmt: skip
+    suffix = Path(filename).suffix.lower()
+    if suffix in DATA_SUFFIXES:
+        return "data"
+    if suffix in CODE_SUFFIXES:
+        return "code"
+    raise FileError(f"filename: '{filename}' must end in one of {', '.join(DATA_SUFFIXES + CODE_SUFFIXES)}",
+                    "filename")  # fmt: skip
+
+
+class FileStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    async def save(self, filename: str, chunks: AsyncIterator[bytes]) -> FileRecord:
+        """Store a stream as a new file (written off the event loop); removed again if the stream fails."""
+        purpose = check_filename(filename)
+        file_id = "file-" + uuid.uuid4().hex[:12]
+        folder = self.root / file_id
+        folder.mkdir(parents=True, mode=0o700)
+        size = 0
+        try:
+            with (folder / filename).open("wb") as out:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    await anyio.to_thread.run_sync(out.write, chunk)
+            if size == 0:
+                raise FileError("body: the upload is empty", "body")
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        record = FileRecord(file_id, filename, size, purpose, time.time())
+        (folder / "meta.json").write_text(json.dumps(asdict(record)))
+        return record
+
+    def get(self, file_id: str) -> FileRecord:
+        meta = self.root / file_id / "meta.json" if FILE_ID.match(file_id) else None
+        if meta is None or not meta.is_file():
+            raise FileError(f"no file '{file_id[:64]}'", "file_id", 404)
+        return FileRecord(**json.loads(meta.read_text()))
+
+    def path(self, file_id: str) -> Path:
+        record = self.get(file_id)
+        return self.root / record.id / record.filename
+
+    def records(self) -> list[FileRecord]:
+        if not self.root.is_dir():
+            return []
+        found = [self.get(p.name) for p in self.root.iterdir() if (p / "meta.json").is_file()]
+        return sorted(found, key=lambda r: r.created_at, reverse=True)
+
+    def delete(self, file_id: str) -> None:
+        self.get(file_id)
+        shutil.rmtree(self.root / file_id)
+
+    def resolve_refs(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """A copy of a spec dict with every upload id replaced by its stored path."""
+        out = {
+            section: dict(values) if isinstance(values, dict) else values for section, values in spec.items()
+        }
+        for (section, key), has_function in REF_FIELDS.items():
+            value = (out.get(section) or {}).get(key)
+            if not isinstance(value, str):
+                continue
+            ref, sep, function = value.partition(":") if has_function else (value, "", "")
+            if FILE_ID.match(ref):
+                try:
+                    out[section][key] = str(self.path(ref)) + sep + function
+                except FileError:
+                    raise FileError(f"{section}.{key}: no uploaded file '{ref}' (GET /v1/files lists them)",
+                                    f"{section}.{key}") from None  # fmt: skip
+        return out
