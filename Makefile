@@ -9,7 +9,7 @@ PYTEST    := $(BIN)/python -m pytest
 comma     := ,
 export TANDEM_HOME ?= $(CURDIR)/.tandem
 
-.PHONY: install install-real test test-slow run bench lint clean
+.PHONY: install install-real test test-slow run bench bench-trl lint clean
 
 install: $(STAMP) $(BROWSER)
 
@@ -60,7 +60,12 @@ run: install
 	$(BIN)/python -m examples.demo
 
 bench: install
-	@for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+	@for f in $(filter-out bench/vs_trl.py,$(wildcard bench/*.py)); do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+# Tandem against TRL's GRPOTrainer on this machine (bench/vs_trl.py); TRL comes from the `bench` extra.
+bench-trl: install
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python bench/vs_trl.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -23,6 +23,7 @@ from ray.util.placement_group import (
 )
 
 from controller.spec import ResourcesSpec
+from engines.threads import physical_cores
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -93,7 +94,7 @@ class ResourcePool:
         """The pool a job's `resources` section asks for (gpus_per_worker 0: GPUs if the cluster has them)."""
         return cls(
             resources.workers,
-            cpus_per_bundle=resources.cpus_per_worker,
+            cpus_per_bundle=cpus_per_worker(resources.workers, resources.cpus_per_worker),
             gpus_per_bundle=resources.gpus_per_worker or None,
             strategy=resources.placement_strategy,
             name=name,
@@ -141,6 +142,21 @@ class ResourcePool:
 
     def remove(self) -> None:
         remove_placement_group(self.placement_group)
+
+
+def cpus_per_worker(workers: int, asked: float | None) -> float:
+    """The CPUs of a worker's bundle: what the spec asks for, else (None) the auto default.
+
+    Auto: the largest node's CPUs, capped by the physical cores (of this machine: on a cluster of
+    unlike nodes, give resources.cpus_per_worker), split evenly over the workers, at least 1. A
+    one-worker job on a 2-core machine gets 2 CPUs, and so 2 torch threads; on a Ray that
+    advertises more CPUs than there are cores, a job still takes only the cores, so that several
+    jobs run side by side instead of waiting for CPUs their threads could not use.
+    """
+    if asked is not None:
+        return float(asked)
+    largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=1.0)
+    return float(max(1, min(int(largest), physical_cores()) // workers))
 
 
 def describe_placement(node_ids: list[str], node_ips: list[str]) -> str:

@@ -24,6 +24,7 @@ from controller import checkpoints
 from controller.files import FileError, FileStore
 from controller.job_actor import JobController
 from controller.job_state import RUN_HOLDING, JobStatus
+from controller.resource_pool import cpus_per_worker
 from controller.store import JobRecord, JobStore
 
 log = logging.getLogger("tandem.scheduler")
@@ -48,7 +49,8 @@ def resume_step(job: JobRecord) -> int:
 
 def job_needs(spec: dict[str, Any]) -> tuple[float, float]:
     res = spec["resources"]
-    return res["workers"] * res["cpus_per_worker"], res["workers"] * res["gpus_per_worker"]
+    cpus = cpus_per_worker(res["workers"], res.get("cpus_per_worker"))
+    return res["workers"] * cpus, res["workers"] * res["gpus_per_worker"]
 
 
 class Scheduler:
@@ -185,7 +187,7 @@ class Scheduler:
         bundles: list[dict[str, float]] = []
         if job is not None:
             res = job.spec["resources"]
-            bundle = {"CPU": res["cpus_per_worker"]}
+            bundle = {"CPU": cpus_per_worker(res["workers"], res.get("cpus_per_worker"))}
             if res["gpus_per_worker"]:
                 bundle["GPU"] = res["gpus_per_worker"]
             bundles = [bundle] * res["workers"]

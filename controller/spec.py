@@ -227,7 +227,11 @@ class AlgorithmSpec(Section):
         None, gt=0, le=MAX_SAMPLES, description="samples per micro-batch (fixed)"
     )
     max_tokens_per_micro_batch: int | None = Field(
-        None, gt=0, le=1 << 40, description="dynamic micro-batching budget"
+        None,
+        gt=0,
+        le=1 << 40,
+        description="dynamic micro-batching budget; with micro_batch_size also None, a budget chosen from the "
+        "model's hidden size and the device",
     )
     critic_lr: float = Field(1e-5, gt=0, le=10)
     recompute_old_log_probs: bool = Field(
@@ -281,7 +285,14 @@ class CheckpointSpec(Section):
 
 class ResourcesSpec(Section):
     workers: int = Field(1, ge=1, le=4096, description="ranks (processes) of the colocated worker group")
-    cpus_per_worker: float = Field(1.0, ge=0.01, le=4096, description="at least 0.01 (Ray's resolution)")
+    cpus_per_worker: float | None = Field(
+        None,
+        ge=0.01,
+        le=4096,
+        description="CPUs per worker, at least 0.01 (Ray's resolution); a rank runs that many torch threads, "
+        "up to the physical cores. None: the largest node's CPUs split over the workers, at most its "
+        "physical cores",
+    )
     gpus_per_worker: float = Field(
         0.0, ge=0, le=1024, description="0: one GPU per worker when the cluster has GPUs, none otherwise"
     )

@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from controller.dispatch import MeshLayout, collect_from_mesh, scatter_all_to_all, split_for_mesh
 from controller.resource_pool import ResourcePool
+from engines.threads import set_torch_threads
 from workers.base import Dispatch, MethodSpec, registered_methods
 
 DEFAULT_ROLE = "main"
@@ -60,8 +61,11 @@ class WorkerHost:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def start(self, env: dict[str, str], roles: dict[str, RoleSpec]) -> None:
+    def start(self, env: dict[str, str], roles: dict[str, RoleSpec], bundle_cpus: float = 1.0) -> None:
         os.environ.update(env)
+        # Ray leaves an actor one OpenMP thread per CPU it asked for, and colocated groups ask for a
+        # share of the bundle; they take turns, so each uses the whole bundle (up to the cores).
+        set_torch_threads(bundle_cpus, int(env.get("LOCAL_WORLD_SIZE", "1")))
         for name, spec in roles.items():
             self.roles[name] = spec.cls(*spec.args, **spec.kwargs)
 
@@ -114,6 +118,7 @@ class _Hosts:
                     "TANDEM_GROUP": name,
                 },
                 roles,
+                pool.cpus_per_bundle,
             )
             for rank, actor in enumerate(self.actors)
         ]

@@ -1,12 +1,18 @@
-"""Attention over a packed row without a dense N x N mask: one causal SDPA call per sequence.
+"""Attention over a packed row without a dense N x N mask: one batched causal SDPA call per layer.
 
 The packed forward lays the sequences of a micro-batch end to end. A block-diagonal mask over that
 row is correct but costs (sum of lengths)^2 attention work, several times the padded batch's
 sum of squared lengths; measured on CPU it made a training step ~1.7x slower than a padded loop.
 With flash-attention the varlen kernel does the right thing; without it, this function, registered
-with transformers as the "tandem_segments" attention implementation, runs causal SDPA on each
-sequence's slice. The sequence boundaries arrive as
-the `cu_seq_lens_q` keyword that transformers passes down to every attention call.
+with transformers as the "tandem_segments" attention implementation, scatters the packed q/k/v
+into a right-padded [sequences, heads, longest, dim] layout, runs one causal SDPA call over it and
+gathers the real tokens back. Right padding keeps causal attention exact: a real token only sees
+the real tokens before it in its own sequence; the padded queries' outputs are never read. The
+projections and MLPs around it stay packed. The sequence boundaries arrive as the `cu_seq_lens_q`
+keyword that transformers passes down to every attention call.
+
+One call per layer replaced one call per sequence per layer (2,000+ small calls, forward and
+backward, for 128 sequences x 8 layers); see bench/RESULTS.md for what it measured.
 """
 
 from __future__ import annotations
@@ -17,6 +23,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NAME = "tandem_segments"
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def padded_index(edges: list[int], device: torch.device) -> tuple[torch.Tensor, int]:
+    """(index [N] of each packed token in the flattened [S * longest] padded grid, longest)."""
+    lengths = torch.tensor([e - s for s, e in zip(edges[:-1], edges[1:], strict=True)])
+    longest = int(lengths.max())
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    starts = torch.tensor(edges[:-1])
+    index = seq * longest + torch.arange(edges[-1] - edges[0]) - (starts[seq] - edges[0])
+    return index.to(device), longest
 
 
 def segment_attention(
@@ -34,21 +50,24 @@ def segment_attention(
     if bounds is None:
         raise ValueError(f"attention '{NAME}' needs cu_seq_lens_q (the packed sequence boundaries)")
     edges = bounds.tolist() if isinstance(bounds, torch.Tensor) else list(bounds)
-    repeats = query.shape[1] // key.shape[1]
-    if repeats > 1:  # grouped-query attention: expand once, not inside every per-sequence call
-        key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+    index, longest = padded_index(edges, query.device)
+    sequences = len(edges) - 1
+
+    def to_padded(x: torch.Tensor) -> torch.Tensor:  # [1, h, N, D] -> [S, h, longest, D]
+        tokens = x[0].transpose(0, 1)  # [N, h, D]
+        grid = tokens.new_zeros(sequences * longest, *tokens.shape[1:]).index_copy(0, index, tokens)
+        return grid.view(sequences, longest, *tokens.shape[1:]).transpose(1, 2)
+
+    q, k, v = to_padded(query), to_padded(key), to_padded(value)
     p = dropout if module.training else 0.0
-    # Not cuDNN: it builds and caches a plan per sequence length, and RL lengths rarely repeat
+    # Not cuDNN: it builds and caches a plan per shape, and RL lengths rarely repeat
     # (measured on an H100: a fresh packed batch 3x slower than a repeated one).
     with sdpa_kernel(_BACKENDS):
-        pieces = [
-            F.scaled_dot_product_attention(
-                query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], dropout_p=p, is_causal=True, scale=scaling
-            )
-            for s, e in zip(edges[:-1], edges[1:], strict=True)
-        ]
-    out = torch.cat(pieces, dim=2)
-    return out.transpose(1, 2).contiguous(), None
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=p, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    out = out.transpose(1, 2).reshape(sequences * longest, *out.shape[1::2])  # [S * longest, H, D]
+    return out.index_select(0, index)[None], None
 
 
 def register() -> str:

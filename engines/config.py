@@ -60,7 +60,11 @@ class SchedulerConfig(_Section):
 
 
 class MicroBatchConfig(_Section):
-    """Either a fixed number of samples per micro-batch, or a token budget (dynamic batching)."""
+    """Either a fixed number of samples per micro-batch, or a token budget (dynamic batching).
+
+    With neither, dynamic batching under an automatic budget (`engines.microbatch.auto_token_budget`:
+    from the model's hidden size and the device), never below the longest sequence.
+    """
 
     micro_batch_size: int | None = Field(None, gt=0, description="samples per micro-batch")
     max_tokens_per_micro_batch: int | None = Field(

@@ -14,6 +14,18 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
+# Auto token budget: TOKEN_BUDGET_SCALE[device] / hidden_size real tokens per micro-batch. On CPU a
+# whole-rank micro-batch was the slowest choice measured (its activations fall out of the caches):
+# qwen2-20m (hidden 512) ran best near 2048 tokens (bench/RESULTS.md). On CUDA the scale only keeps
+# activation memory bounded as models grow (32k tokens at hidden 1024, 8k at 4096).
+TOKEN_BUDGET_SCALE = {"cpu": 2048 * 512, "cuda": 32768 * 1024}
+
+
+def auto_token_budget(hidden_size: int, device_type: str) -> int:
+    """The default `max_tokens_per_micro_batch` when a config sets neither it nor a fixed size."""
+    scale = TOKEN_BUDGET_SCALE.get(device_type, TOKEN_BUDGET_SCALE["cpu"])
+    return max(1, scale // max(1, hidden_size))
+
 
 class MicroBatchError(ValueError):
     """The micro-batch configuration cannot serve this batch."""

@@ -16,7 +16,7 @@ from engines import checkpoint as ckpt
 from engines.config import EngineConfig, MicroBatchConfig
 from engines.fsdp.engine import FSDPEngine
 from engines.fsdp.modules import ModelLoadError
-from engines.microbatch import MicroBatchError
+from engines.microbatch import TOKEN_BUDGET_SCALE, MicroBatchError, auto_token_budget
 from tests.engine_util import (
     MODES,
     full_grads,
@@ -30,7 +30,7 @@ from tests.engine_util import (
 SPLITS = {
     "mbs1": MicroBatchConfig(micro_batch_size=1),
     "mbs2": MicroBatchConfig(micro_batch_size=2),
-    "whole": MicroBatchConfig(),
+    "auto": MicroBatchConfig(),  # the auto token budget: the whole batch for this tiny model
     "dynamic": MicroBatchConfig(max_tokens_per_micro_batch=24),
 }
 
@@ -82,6 +82,21 @@ def test_dynamic_batching_respects_the_budget_and_keeps_order(tiny_model_dir, hf
     with torch.no_grad():
         ref = reference_log_probs(hf_reference, batch)
     assert (out.outputs["log_probs"] - ref).abs().max() <= 1e-5
+
+
+def test_without_a_split_the_budget_comes_from_model_size(tiny_model_dir, monkeypatch):
+    assert auto_token_budget(512, "cpu") == 2048 and auto_token_budget(1024, "cpu") == 1024
+    assert auto_token_budget(64, "cuda") > auto_token_budget(64, "cpu")
+    engine = make_engine(tiny_model_dir)  # no micro_batch settings
+    lengths = make_batch(batch_size=8)["attention_mask"].sum(1).tolist()
+    assert engine._plan(lengths) == [list(range(8))]  # hidden 64: the whole batch fits the budget
+    monkeypatch.setitem(TOKEN_BUDGET_SCALE, "cpu", 20 * 64)  # as if the model were 13x wider
+    plan = engine._plan(lengths)
+    assert len(plan) > 1 and all(sum(lengths[i] for i in mb) <= 20 for mb in plan)
+    assert sorted(i for mb in plan for i in mb) == list(range(8))
+    monkeypatch.setitem(TOKEN_BUDGET_SCALE, "cpu", 1)  # never below the longest sequence
+    plan = engine._plan(lengths)
+    assert max(sum(lengths[i] for i in mb) for mb in plan) == max(lengths) and len(plan) > 2
 
 
 def test_packed_log_probs_equal_a_padded_forward(tiny_model_dir, hf_reference):

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from controller.dispatch import MeshLayout
-from controller.resource_pool import ResourcePool
+from controller.resource_pool import ResourcePool, cpus_per_worker
 from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups
+from engines.threads import physical_cores
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
 
@@ -250,3 +251,25 @@ def test_mesh_layout_validation():
         MeshLayout.from_info("m", [(0, True), (0, True)])
     layout = MeshLayout.from_info("m", [(1, True), (1, False), (0, False), (0, True)])
     assert layout.collect_ranks() == [3, 0] and layout.dp_size == 2
+
+
+class ThreadsWorker(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+
+def test_auto_cpus_take_the_cores_and_ranks_use_them_as_threads(ray_cluster):
+    """The test Ray advertises 8 CPUs on fewer cores: a job without resources takes the cores, not
+    the 8, and its rank runs that many torch threads (Ray alone would leave it one per CPU asked)."""
+    cores = physical_cores()
+    assert cpus_per_worker(1, None) == min(8, cores)
+    assert cpus_per_worker(2, None) == max(1, min(8, cores) // 2)
+    assert cpus_per_worker(3, 1.5) == 1.5  # an explicit request is kept
+    pool = ResourcePool(bundles=1, cpus_per_bundle=cpus_per_worker(1, None))
+    try:
+        group = RayWorkerGroup(pool, ThreadsWorker, group_name="threads", share=0.5)
+        assert group.threads() == [min(8, cores)]  # share 0.5 asks Ray for 1 CPU when cores = 2
+        group.shutdown()
+    finally:
+        pool.remove()

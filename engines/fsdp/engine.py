@@ -42,7 +42,7 @@ from engines.distributed import (
     resolve_device,
 )
 from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model
-from engines.microbatch import dynamic_micro_batches, fixed_micro_batches
+from engines.microbatch import auto_token_budget, dynamic_micro_batches, fixed_micro_batches
 from engines.packing import pack, response_columns, unpack
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
@@ -241,10 +241,11 @@ class FSDPEngine(TrainEngine):
 
     def _plan(self, lengths: list[int]) -> list[list[int]]:
         mb = self.config.micro_batch
-        if mb.max_tokens_per_micro_batch is not None:
-            return dynamic_micro_batches(
-                lengths, mb.max_tokens_per_micro_batch, lambda k: all_reduce_max(k, self.device)
-            )
+        budget = mb.max_tokens_per_micro_batch
+        if budget is None and mb.micro_batch_size is None:  # neither set: a budget from model and device
+            budget = max(auto_token_budget(self.hf_config.hidden_size, self.device.type), max(lengths))
+        if budget is not None:
+            return dynamic_micro_batches(lengths, budget, lambda k: all_reduce_max(k, self.device))
         plan = fixed_micro_batches(len(lengths), mb.micro_batch_size)
         if all_reduce_max(len(plan), self.device) != len(plan):
             raise ValueError("every data-parallel rank must get the same number of samples per call")

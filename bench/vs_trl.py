@@ -1,0 +1,235 @@
+"""Seconds per GRPO step: TRL's GRPOTrainer against Tandem, same model, data and settings.
+
+Both sides train the same built-in model folder (engines/tiny_models.py) on the same 2-digit
+addition prompts (written once as train.jsonl), with the same group size, max new tokens, learning
+rate, temperature 1 and no KL term (TRL beta 0; Tandem has no KL by default), one optimizer step per
+GRPO step. Each side runs with the defaults a user gets: TRL's GRPOTrainer on the CPU, and a
+Tandem job with no resources or micro-batch settings in its spec, on a default local Ray.
+
+The sides alternate, each run in a fresh process (TRL, Tandem, TRL, Tandem, ...), so a change in the
+machine's load hits both. A step's time is the wall time between the ends of consecutive steps;
+the first step of every process (warm-up) is dropped. Prints JSON lines: one per run, then one
+summary per shape with each side's median s/step and the ratio Tandem / TRL, and the load average.
+
+    python bench/vs_trl.py [--shapes small,large] [--steps 6] [--rounds 2]
+
+TRL comes from the optional `bench` extra (`pip install -e '.[bench]'`; `make bench-trl`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# shape name -> (built-in model, max new tokens), the two shapes of issue 17.
+SHAPES = {"small": ("qwen2-1m", 8), "large": ("qwen2-20m", 32)}
+
+
+def write_prompts(folder: Path, rows: int) -> Path:
+    from controller.tasks.arithmetic import ArithmeticTask
+
+    train, _ = ArithmeticTask().write_jsonl(folder, train_size=rows, val_size=1, seed=0)
+    return train
+
+
+def step_intervals(ends: list[float]) -> list[float]:
+    """Seconds of each step after the first (the first includes warm-up)."""
+    return [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
+
+
+# ---- the TRL side ------------------------------------------------------------------------------
+
+
+def run_trl(args: argparse.Namespace) -> list[float]:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from controller.tasks.arithmetic import arithmetic_reward
+
+    rows = [json.loads(line) for line in Path(args.train).read_text().splitlines()]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
+
+    def reward(
+        prompts: list[str], completions: list[str], ground_truth: list[str], **_: object
+    ) -> list[float]:
+        return [
+            float(arithmetic_reward(p, c, g)["score"])
+            for p, c, g in zip(prompts, completions, ground_truth, strict=True)
+        ]
+
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, *_: object, **__: object) -> None:
+            ends.append(time.perf_counter())
+
+    samples = args.prompts * args.n
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="vs-trl-"),
+        per_device_train_batch_size=samples,
+        gradient_accumulation_steps=1,
+        num_generations=args.n,
+        max_completion_length=args.max_new_tokens,
+        learning_rate=args.lr,
+        beta=0.0,
+        temperature=1.0,
+        max_steps=args.steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        shuffle_dataset=False,
+        disable_tqdm=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
+    trainer.train()
+    return step_intervals(ends)
+
+
+# ---- the Tandem side ---------------------------------------------------------------------------
+
+
+def run_tandem(args: argparse.Namespace) -> list[float]:
+    import ray
+
+    from controller.sink import JsonlSink
+    from controller.spec import JobSpec
+    from controller.trainer import Trainer
+
+    class ClockSink(JsonlSink):
+        def __init__(self, folder: Path) -> None:
+            super().__init__(folder)
+            self.ends: list[float] = []
+
+        def metrics(self, step: int, values: dict[str, float]) -> None:
+            self.ends.append(time.perf_counter())
+            super().metrics(step, values)
+
+    spec = JobSpec.model_validate(
+        {
+            "method": "grpo",
+            "model": {"path": args.model_dir},
+            "data": {"train_path": args.train, "builtin_task": None, "shuffle": False},
+            "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "val_every": 0},
+            "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
+            "optim": {"lr": args.lr},
+            "checkpoint": {"every": 0, "export_hf": False},
+        }
+    )
+    ray.init(
+        include_dashboard=False, logging_level="error", runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}
+    )
+    try:
+        workdir = Path(tempfile.mkdtemp(prefix="vs-tandem-"))
+        sink = ClockSink(workdir)
+        Trainer(spec, workdir, sink, name="vs-trl").run()
+    finally:
+        ray.shutdown()
+    return step_intervals(sink.ends)
+
+
+# ---- the driver --------------------------------------------------------------------------------
+
+
+def run_side(side: str, args: argparse.Namespace, model_dir: Path, train: Path, max_new_tokens: int) -> dict:
+    command = [
+        sys.executable, __file__, "--side", side, "--model-dir", str(model_dir), "--train", str(train),
+        "--max-new-tokens", str(max_new_tokens), "--steps", str(args.steps), "--n", str(args.n),
+        "--prompts", str(args.prompts), "--lr", str(args.lr),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"side"')]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{side} run failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--shapes", default="small,large", help=f"comma-separated, from {sorted(SHAPES)}")
+    parser.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is dropped)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating TRL/Tandem pairs per shape")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--side", choices=("trl", "tandem"), help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--train", help=argparse.SUPPRESS)
+    parser.add_argument("--max-new-tokens", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.side:  # a child process: one run of one side
+        steps = run_trl(args) if args.side == "trl" else run_tandem(args)
+        print(json.dumps({"side": args.side, "step_s": [round(s, 4) for s in steps]}), flush=True)
+        return
+
+    from engines.tiny_models import build_builtin_model
+
+    work = Path(tempfile.mkdtemp(prefix="vs-trl-bench-"))
+    train = write_prompts(work, args.steps * args.prompts)
+    for shape in args.shapes.split(","):
+        model_name, max_new_tokens = SHAPES[shape]
+        model_dir = build_builtin_model(model_name, work / "models")
+        times: dict[str, list[float]] = {"trl": [], "tandem": []}
+        loads = []
+        for round_index in range(args.rounds):
+            for side in ("trl", "tandem"):
+                run = run_side(side, args, model_dir, train, max_new_tokens)
+                times[side] += run["step_s"]
+                loads.append(os.getloadavg()[0])
+                line = {"bench": "vs_trl", "shape": shape, "round": round_index, "side": side}
+                line.update(step_s_median=round(statistics.median(run["step_s"]), 4), step_s=run["step_s"])
+                print(json.dumps(line), flush=True)
+        trl, tandem = statistics.median(times["trl"]), statistics.median(times["tandem"])
+        summary = {
+            "bench": "vs_trl",
+            "shape": shape,
+            "model": model_name,
+            "params": parameter_count(model_dir),
+            "prompts": args.prompts,
+            "n": args.n,
+            "max_new_tokens": max_new_tokens,
+            "steps_timed_per_side": len(times["trl"]),
+            "trl_s_per_step": round(trl, 4),
+            "tandem_s_per_step": round(tandem, 4),
+            "ratio_tandem_vs_trl": round(tandem / trl, 3),
+            "load_avg_1m": [round(x, 2) for x in loads],
+        }
+        print(json.dumps(summary), flush=True)
+
+
+def parameter_count(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+if __name__ == "__main__":
+    main()
