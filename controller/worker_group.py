@@ -27,6 +27,12 @@ from engines.threads import set_torch_threads
 from workers.base import Dispatch, MethodSpec, registered_methods
 
 DEFAULT_ROLE = "main"
+# OpenMP threads that wait for work sleep instead of spinning. A rank runs as many torch threads as
+# its cores (engines/threads.py); when other processes share those cores (several jobs, or a busy
+# machine), spinning threads starve the one doing the work: a qwen2-1m update measured 31 s with
+# spinning vs 0.7 s passive on a 2-core machine at load ~30 (bench/RESULTS.md). libgomp reads this
+# when it loads, so it goes in the actor's environment; Ray merges it into the job's env_vars.
+_RANK_ENV = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
 
 
 class WorkerGroupError(RuntimeError):
@@ -100,6 +106,7 @@ class _Hosts:
                     placement_group=pool.placement_group, placement_group_bundle_index=bundle
                 ),
                 name=None,
+                runtime_env=_RANK_ENV,
             ).remote(rank, world)
             for rank, bundle in enumerate(pool.bundle_order)
         ]
