@@ -20,13 +20,21 @@ from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
 from api.middleware import BodyLimit, RequestId
 from api.prom import make_registry
-from api.routes import files, health, job_outputs, jobs, metrics, rewards
+from api.routes import files, health, job_outputs, jobs, metrics, rewards, samples
 from api.routes.health import VERSION
 from api.settings import ServeSettings
 from api.validation import Checker
 from controller.service import Service
 
-ROUTERS = (health.router, jobs.router, job_outputs.router, metrics.router, rewards.router, files.router)
+ROUTERS = (
+    health.router,
+    jobs.router,
+    job_outputs.router,
+    metrics.router,
+    samples.router,
+    rewards.router,
+    files.router,
+)
 
 
 def create_app(service: Service, settings: ServeSettings | None = None) -> FastAPI:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from api.cli_samples import add_samples_parser
 from api.cli_spec import SpecError, build_spec, deep_merge, parse_assignments, parse_value, validate
 from api.cli_watch import clock, follow, print_events, print_logs
 from api.client import TandemAPIError, TandemClient, TandemError
@@ -304,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("checkpoints", _checkpoints, "a job's saved checkpoints").add_argument(
         "--json", action="store_true"
     )
+    add_samples_parser(command)
 
     files = sub.add_parser(
         "files", help="upload data and reward modules; specs name them by id"

@@ -82,11 +82,12 @@ def absolutize_paths(spec: dict[str, Any], base: Path) -> dict[str, Any]:
         value = out.get(section, {}).get(field) if isinstance(out.get(section), dict) else None
         if isinstance(value, str) and (base / value).expanduser().exists():
             out[section][field] = str((base / value).expanduser().resolve())
-    reward = out.get("reward")
-    if isinstance(reward, dict) and isinstance(reward.get("function"), str):
-        source, sep, name = reward["function"].rpartition(":")
-        if sep and source.endswith(".py") and (base / source).expanduser().is_file():
-            reward["function"] = f"{(base / source).expanduser().resolve()}:{name}"
+    for section, field in (("reward", "function"), ("rollout", "environment")):  # 'file.py:name' refs
+        part = out.get(section)
+        if isinstance(part, dict) and isinstance(part.get(field), str):
+            source, sep, name = part[field].rpartition(":")
+            if sep and source.endswith(".py") and (base / source).expanduser().is_file():
+                part[field] = f"{(base / source).expanduser().resolve()}:{name}"
     return out
 
 

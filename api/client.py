@@ -176,6 +176,10 @@ class TandemClient:
     def checkpoints(self, job_id: str) -> JSON:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
+    def samples(self, job_id: str, step: int | None = None, limit: int = 20, after: int = 0) -> JSON:
+        params = {"limit": limit, "after": after, **({"step": step} if step is not None else {})}
+        return self._call("GET", f"/v1/jobs/{job_id}/samples", params=params)
+
     def stream(self, job_id: str, what: str, after: int = 0) -> Iterator[SSEEvent]:
         """A job's live `events`, `metrics` or `logs`, from after id `after`, ending with the `end` event."""
         path, last, failures = f"/v1/jobs/{job_id}/{what}/stream", after, 0

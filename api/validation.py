@@ -12,6 +12,7 @@ from pathlib import Path
 
 from api.errors import APIError
 from api.settings import ServeSettings
+from controller.environment_check import environment_problem
 from controller.files import FileError, FileStore
 from controller.models import BUILTIN_MODEL_NAMES
 from controller.rewards import RewardFunctionError, is_path_reference, load_reward_fn
@@ -116,6 +117,22 @@ class Checker:
             self.reward_function(r.function)
         if r.model_path is not None:
             self.folder(r.model_path, "reward.model_path", "reward model")
+        self.environment(spec)
         why = available_backends().get(spec.rollout.backend)
         if why is not None:
             raise APIError(422, f"rollout.backend: {why}", "rollout.backend", "backend_unavailable")
+
+    def environment(self, spec: JobSpec) -> None:
+        """rollout.environment: imported and checked in a child process (workers/environments/loader.py)."""
+        ref, param = spec.rollout.environment, "rollout.environment"
+        if ref is None:
+            return
+        if spec.method == "sft":
+            raise APIError(422, f"{param}: SFT jobs do not roll out; remove the environment", param,
+                           "invalid_value")  # fmt: skip
+        source = ref.rpartition(":")[0]
+        if source.endswith(".py") or "/" in source:
+            self.allowed(source, param)
+        problem = environment_problem(ref, self.settings.user_code_timeout_s)
+        if problem is not None:
+            raise APIError(422, f"{param}: {problem}", param, "invalid_environment")

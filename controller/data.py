@@ -45,6 +45,7 @@ class PromptRow:
     extra: dict | None
     response_text: str | None = None  # SFT only
     response_ids: list[int] | None = None  # SFT only, ends with EOS
+    raw_prompt: Any = None  # the row's prompt as given (string or messages): environments reset from it
 
 
 class PromptDataset:
@@ -156,7 +157,9 @@ class PromptDataset:
             raise DataError(
                 f"{self.source} {where}: '{self.extra_key}' must be an object, got {type(extra).__name__}"
             )
-        return PromptRow(index, text, ids, record.get(self.ground_truth_key), extra)
+        return PromptRow(
+            index, text, ids, record.get(self.ground_truth_key), extra, raw_prompt=record[self.prompt_key]
+        )
 
     def _count(self, cause: str) -> None:
         self.filtered[cause] = self.filtered.get(cause, 0) + 1
@@ -164,6 +167,7 @@ class PromptDataset:
     def _non_tensors(self, rows: list[PromptRow]) -> dict[str, list[Any]]:
         return {
             "prompt": [r.text for r in rows],
+            "raw_prompt": [r.raw_prompt for r in rows],
             "prompt_ids": [list(r.ids) for r in rows],  # copies: consumers may not alias the dataset
             "ground_truth": [r.ground_truth for r in rows],
             "extra": [r.extra for r in rows],

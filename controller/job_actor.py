@@ -30,6 +30,7 @@ class BufferSink:
         self._events: deque = deque()
         self._metrics: deque = deque()
         self._checkpoints: deque = deque()
+        self._samples: deque = deque()
         self.step = 0
         self.total = 0
 
@@ -44,6 +45,10 @@ class BufferSink:
         with self._lock:
             self._metrics.append((time.time(), step, values))
 
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._samples.append((time.time(), step, rows))
+
     def progress(self, step: int, total: int, values: dict[str, float]) -> None:
         self.step, self.total = step, total
         shown = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
@@ -55,7 +60,9 @@ class BufferSink:
                 "events": list(self._events),
                 "metrics": list(self._metrics),
                 "checkpoints": list(self._checkpoints),
+                "samples": list(self._samples),
             }
+            self._samples.clear()
             self._events.clear()
             self._metrics.clear()
             self._checkpoints.clear()

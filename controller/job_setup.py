@@ -101,6 +101,7 @@ class JobSetup:
                 {
                     "sampling": {**_sampling(spec, seed=0), "temperature": 0.0},
                     "max_prompt_length": spec.data.max_prompt_length,
+                    "environment": _environment(spec),
                 }
             )
         scorer = RewardScorer(spec.reward.function, spec.reward.num_workers) if spec.reward.function else None
@@ -137,6 +138,7 @@ class JobSetup:
             {
                 "sampling": _sampling(self.spec, seed=seed),
                 "max_prompt_length": self.spec.data.max_prompt_length,
+                "environment": _environment(self.spec),
                 "step": step,
             }
         )
@@ -172,4 +174,17 @@ def _sampling(spec: JobSpec, seed: int) -> dict[str, Any]:
         "top_p": r.top_p,
         "top_k": r.top_k,
         "seed": seed,
+    }
+
+
+def _environment(spec: JobSpec) -> dict[str, Any] | None:
+    """The multi-turn settings the workers need (workers/multiturn.py), or None for single-turn."""
+    r = spec.rollout
+    if r.environment is None:
+        return None
+    return {
+        "ref": r.environment,
+        "max_turns": r.max_turns,
+        "max_response_tokens": r.max_response_tokens,
+        "step_timeout_s": r.env_step_timeout_s,
     }

@@ -243,6 +243,8 @@ class Scheduler:
             self.store.add_metrics(job_id, step, values, at=at)
         for step, path in out["checkpoints"]:
             self.store.add_checkpoint(job_id, step, path)
+        for at, step, rows in out["samples"]:
+            self.store.add_samples(job_id, step, rows, at=at)
         self.store.add_logs(job_id, out["logs"])
         self.store.bump_step(job_id, out["step"])
 

@@ -1,7 +1,7 @@
 """Where a job's record goes: events (what happened), per-step metrics, and progress.
 
-The trainer only talks to a `JobSink`. `JsonlSink` appends to events.jsonl and metrics.jsonl in
-the job's folder (the embedded default and what `make run` shows); the service plugs in a sink
+The trainer only talks to a `JobSink`. `JsonlSink` appends to events.jsonl, metrics.jsonl and
+samples.jsonl in the job's folder (the embedded default and what `make run` shows); the service plugs in a sink
 that writes to its job store. A sink never raises into the training loop for a display problem.
 """
 
@@ -22,6 +22,8 @@ class JobSink(Protocol):
     def metrics(self, step: int, values: dict[str, float]) -> None: ...
 
     def progress(self, step: int, total: int, values: dict[str, float]) -> None: ...
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
 
 
 class JsonlSink:
@@ -50,6 +52,10 @@ class JsonlSink:
         record = {"time": time.time(), "step": step, "values": values}
         self.history.append(record)
         self._append("metrics.jsonl", record)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A step's sampled trajectories (controller/trajectory_view.py), one line per step."""
+        self._append("samples.jsonl", {"time": time.time(), "step": step, "samples": rows})
 
     def progress(self, step: int, total: int, values: dict[str, float]) -> None:
         if self.echo:

@@ -134,6 +134,16 @@ class RolloutSpec(Section):
     bucket_mb: int = Field(512, gt=0, le=1_048_576, description="weight-sync bucket size")
     free_cache_after_generate: bool = Field(True, description="release rollout memory between generations")
     offload_trainer_during_rollout: bool = False
+    environment: str | None = Field(
+        None,
+        description="multi-turn: 'builtin:NAME', 'module:Class' or 'path/file.py:Class' "
+        "(workers/environments/base.py); None = one response per prompt",
+    )
+    max_turns: int = Field(4, ge=1, description="multi-turn: assistant turns per trajectory")
+    max_response_tokens: int = Field(
+        256, gt=0, description="multi-turn: token budget of a trajectory after its first prompt"
+    )
+    env_step_timeout_s: float = Field(10.0, gt=0, description="multi-turn: time limit of one step")
 
     @field_validator("backend")
     @classmethod
@@ -268,6 +278,9 @@ class TrainerSpec(Section):
         "accuracy reaches this (e.g. an SFT warm start to a modest accuracy); None = run total_steps",
     )
     seed: int = Field(0, ge=0, lt=2**32, description="seeds numpy too, whose seeds are 32-bit")
+    samples_per_step: int = Field(
+        4, ge=0, le=64, description="trajectories stored per step for the samples view; 0 = none"
+    )
 
     @model_validator(mode="after")
     def _target_needs_validation(self) -> TrainerSpec:

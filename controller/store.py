@@ -76,6 +76,14 @@ CREATE TABLE IF NOT EXISTS checkpoints (
     time REAL NOT NULL,
     PRIMARY KEY (job_id, step)
 );
+CREATE TABLE IF NOT EXISTS samples (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    time REAL NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS samples_job ON samples(job_id, step, id);
 CREATE TABLE IF NOT EXISTS tokens (
     id TEXT PRIMARY KEY,
     name TEXT NOT NULL,
@@ -302,7 +310,7 @@ class JobStore(MetricsTable):
 
     def delete_job(self, job_id: str) -> None:
         with self._tx() as db:
-            for table in ("events", "metrics", "logs", "checkpoints"):
+            for table in ("events", "metrics", "logs", "checkpoints", "samples"):
                 db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
@@ -331,6 +339,25 @@ class JobStore(MetricsTable):
             .fetchall()
         )
         return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+
+    def add_samples(
+        self, job_id: str, step: int, rows: list[dict[str, Any]], at: float | None = None
+    ) -> None:
+        """One row per sampled trajectory of a step (controller/trajectory_view.py)."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO samples (job_id, step, time, data) VALUES (?,?,?,?)",
+                [(job_id, step, at or time.time(), json.dumps(r, default=str)) for r in rows],
+            )
+
+    def samples(self, job_id: str, step: int | None = None, after_id: int = 0, limit: int = 20) -> list[dict]:
+        """Stored samples in insertion order, optionally of one step; `after_id` is the cursor."""
+        sql, args = "SELECT id, step, time, data FROM samples WHERE job_id = ? AND id > ?", [job_id, after_id]
+        if step is not None:
+            sql += " AND step = ?"
+            args.append(step)
+        rows = self._db().execute(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
+        return [{"id": r["id"], "step": r["step"], "time": r["time"], **json.loads(r["data"])} for r in rows]
 
     def add_logs(self, job_id: str, lines: list[tuple[float, str, str]]) -> None:
         if not lines:

@@ -26,6 +26,7 @@ from controller.overlong import apply_overlong
 from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched, score
+from controller.trajectory_view import multiturn_metrics, step_samples
 
 
 class StopRequested(Exception):
@@ -133,6 +134,11 @@ class Trainer:
             self.kl.update(adv_metrics["actor/reward_kl_penalty"], len(batch))
         metrics.update(adv_metrics)
         metrics.update(batch_metrics(batch, scores, spec.rollout.max_new_tokens))
+        if spec.trainer.samples_per_step:
+            self.sink.samples(
+                self.step_index,
+                step_samples(batch, scores, self.job.tokenizer, spec.trainer.samples_per_step),
+            )
         return self._finish_metrics(metrics, batch)
 
     def sft_step(self) -> dict[str, float]:
@@ -185,7 +191,9 @@ class Trainer:
         return batch, scores, {**metrics, **overlong}
 
     def _rewards(self, batch: Any) -> tuple[Any, Any, dict[str, float]]:
-        """Sequence scores from the reward model when the job has one, else from the rule function."""
+        """Sequence scores: the environment's (multi-turn), else the reward model's, else the rule's."""
+        if "env_rewards" in batch.tensors.keys():
+            return batch, batch.tensors["env_rewards"].float(), multiturn_metrics(batch)
         if self.job.groups.reward is not None:
             batch = self.job.groups.reward.compute_rm_score(batch)
             return batch, batch.tensors["rm_scores"].float(), {}

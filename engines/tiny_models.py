@@ -56,6 +56,10 @@ BUILTIN_MODELS: dict[str, TinyModelSpec] = {
     "qwen2-1m": TinyModelSpec(
         hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384
     ),
+    # qwen2-1m with the chat template: multi-turn environments (tools, games) on a CPU.
+    "qwen2-1m-chat": TinyModelSpec(
+        hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, chat_template=True
+    ),
     # ~20M parameters: the benchmark size.
     "qwen2-20m": TinyModelSpec(
         hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1536

@@ -153,3 +153,15 @@ def test_example_specs_validate(name):
     assert spec["model"]["builtin"] and load_reward_fn(spec["reward"]["function"])
     if name == "custom_reward":
         assert spec["reward"]["function"] == f"{EXAMPLES / 'my_reward.py'}:score"
+
+
+@pytest.mark.parametrize("name", ["grpo_calculator", "grpo_guess_number", "custom_env"])
+def test_environment_example_specs_validate(name):
+    from controller.environment_check import environment_problem
+
+    shown = tandem(None, "submit", str(EXAMPLES / f"{name}.yaml"), "--dry-run", url="http://unused")
+    assert shown.returncode == 0, shown.stderr
+    spec = json.loads(shown.stdout)
+    assert environment_problem(spec["rollout"]["environment"]) is None
+    if name == "custom_env":
+        assert spec["rollout"]["environment"] == f"{EXAMPLES / 'my_env.py'}:RhymeEnv"

@@ -18,8 +18,9 @@ def test_make_split_is_deterministic_and_seed_dependent():
 @pytest.mark.parametrize("name", sorted(BUILTIN_TASKS))
 def test_train_and_val_are_disjoint_for_every_seed(name):
     task = get_task(name)
-    val = {row["prompt"] for seed in range(3) for row in task.make_split("val", 300, seed)}
-    train = {row["prompt"] for seed in range(3) for row in task.make_split("train", 2000, seed)}
+    # json.dumps: a prompt may be a list of chat messages (the calculator's tool-use traces)
+    val = {json.dumps(row["prompt"]) for seed in range(3) for row in task.make_split("val", 300, seed)}
+    train = {json.dumps(row["prompt"]) for seed in range(3) for row in task.make_split("train", 2000, seed)}
     assert val and train and not val & train
 
 

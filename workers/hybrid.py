@@ -97,6 +97,7 @@ class ActorRolloutRefWorker(Worker):
         self.register_mesh("rollout", dp_rank=dp, is_collect=collect)
         if rc.free_cache_after_generate:
             self.rollout.release_memory()
+        self._chat_delta = None  # built on the first multi-turn generation
 
     # ---- generation --------------------------------------------------------------------------
 
@@ -107,6 +108,8 @@ class ActorRolloutRefWorker(Worker):
         if params.seed is not None:  # replicas must not draw the same samples; tp peers must
             replica, _ = rollout_mesh_coords(self.rank, self.config.rollout.tensor_parallel_size)
             params = params.model_copy(update={"seed": params.seed + 7919 * replica})
+        if batch.meta.get("environment"):
+            return self._generate_trajectories(batch, params)
         prompts = [list(map(int, p)) for p in batch.non_tensors["prompt_ids"]]
         width = int(batch.meta.get("max_prompt_length") or max(len(p) for p in prompts))
         self._before_rollout()
@@ -119,6 +122,43 @@ class ActorRolloutRefWorker(Worker):
             batch.non_tensors,
             batch.meta,
         )
+
+    def _generate_trajectories(self, batch: Batch, params: SamplingParams) -> Batch:
+        """Multi-turn: one trajectory per row with its environment (workers/multiturn.py)."""
+        from workers.multiturn import (
+            EnvironmentConfig,
+            MultiTurnRollout,
+            trajectory_non_tensors,
+            trajectory_tensors,
+        )
+
+        config = EnvironmentConfig.model_validate(batch.meta["environment"])
+        if self._chat_delta is None:
+            from transformers import AutoTokenizer
+
+            from workers.chat_delta import ChatDelta
+
+            self._chat_delta = ChatDelta(AutoTokenizer.from_pretrained(self.config.actor.model_path))
+        nt = batch.non_tensors
+        rows = [
+            {"prompt": p, "ground_truth": g, "extra": e}
+            for p, g, e in zip(
+                nt.get("raw_prompt", nt["prompt"]),
+                nt.get("ground_truth", [None] * len(batch)),
+                nt.get("extra", [None] * len(batch)),
+                strict=True,
+            )
+        ]
+        width = int(batch.meta["max_prompt_length"])
+        self._before_rollout()
+        try:
+            trajectories = MultiTurnRollout(self.rollout, self._chat_delta, config).run(rows, params, width)
+        finally:
+            self._after_rollout()
+        tensors = trajectory_tensors(
+            trajectories, width, config.max_response_tokens, self.rollout.pad_token_id
+        )
+        return Batch(tensors, {**batch.non_tensors, **trajectory_non_tensors(trajectories)}, batch.meta)
 
     def _before_rollout(self) -> None:
         if self.config.rollout.offload_trainer_during_rollout:

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Protocol
 
 from controller.tasks.arithmetic import ArithmeticTask
+from controller.tasks.calculator import CalculatorTracesTask
+from controller.tasks.guess_number import GuessNumberTask, GuessNumberTracesTask
 from controller.tasks.word_problems import WordProblemTask
 
 
@@ -34,6 +36,11 @@ BUILTIN_TASKS: dict[str, Task] = {
     "arithmetic-mixed": ArithmeticTask(operations=("+", "-", "*"), name="arithmetic-mixed"),
     # Stories for a real chat model (e.g. model.builtin smollm2-135m-instruct), scored by the last number.
     "word-problems": WordProblemTask(),
+    # For rollout.environment "builtin:calculator": 3-digit products, a tool call away.
+    "calculator": ArithmeticTask(digits=3, operations=("*",), name="calculator"),
+    "calculator-traces": CalculatorTracesTask(),  # SFT warm start for "calculator"
+    "guess_number": GuessNumberTask(),
+    "guess_number-traces": GuessNumberTracesTask(),  # SFT warm start for "guess_number"
 }
 
 

@@ -5,6 +5,7 @@
 
 import { get, patch, query, stream } from "./api.js";
 import { MetricCharts } from "./charts.js";
+import { SamplesPanel } from "./samples.js";
 import {
   $, allowed, el, forkDialog, formatDuration, formatTime, jobAction, jobDuration, showError, statusBadge,
 } from "./ui.js";
@@ -36,6 +37,7 @@ export class JobView {
     this.controller = null;
     this.timer = null;
     this.hyperparameters = {};
+    this.samples = new SamplesPanel($("samples"));
     this.configLoaded = fetch("/dashboard/config").then((r) => r.json())
       .then((config) => { this.hyperparameters = config.hyperparameters; })
       .catch(() => {});
@@ -61,6 +63,7 @@ export class JobView {
     $("hp-result").hidden = true;
     for (const pill of ["metrics-live", "events-live", "logs-live"]) Object.assign($(pill), { textContent: "connecting", className: "live" });
     this.charts = new MetricCharts($("charts"));
+    this.samples.show(jobId);
     await this.configLoaded;
     if (!(await this.refresh())) return;
     this.buildHyperparameterForm();
@@ -87,6 +90,7 @@ export class JobView {
       const job = await get(jobPath(jobId));
       if (jobId !== this.jobId) return false;
       this.render(job);
+      this.samples.follow(job.step);
       if (TERMINAL.includes(job.status)) {
         clearInterval(this.timer);
         this.timer = null;

@@ -1,0 +1,27 @@
+"""A job's stored trajectory samples (controller/trajectory_view.py): a cursor list, per step or all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query
+
+from api.deps import READ, ServiceDep
+from api.views import listing
+
+router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["job outputs"])
+
+
+@router.get("/samples", dependencies=READ)
+def samples(
+    job_id: str,
+    service: ServiceDep,
+    step: int | None = Query(None, ge=0, description="only this step's samples"),
+    after: int = Query(0, ge=0, description="cursor: the last sample id of the previous page"),
+    limit: int = Query(20, ge=1, le=200),
+) -> dict[str, Any]:
+    """Each sample: prompt, turns (role, content), reward, finish_reason, token counts and the
+    response as spans of trained (sampled) and untrained (observation / template) tokens."""
+    service.get(job_id)
+    rows = service.store.samples(job_id, step, after, limit + 1)
+    return listing(rows[:limit], len(rows) > limit)

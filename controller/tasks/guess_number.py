@@ -1,0 +1,93 @@
+"""The built-in guessing-game task: rows for `builtin:guess_number` (workers/environments/guess_number.py).
+
+A row's prompt states a range of `span` numbers ("Guess 17-32."), its ground truth is the secret
+in that range and its extra says within how many turns a solve earns the full reward (binary
+search needs log2(span) guesses; one more is allowed). Ranges start anywhere in 1..`max_low`; a
+range belongs to train or val by a stable hash of its prompt, so the splits never share a game.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controller.tasks.splits import write_splits
+
+
+@dataclass(frozen=True)
+class GuessNumberTask:
+    span: int = 16
+    max_low: int = 84
+    val_fraction: float = 0.15
+    default_train_size: int = 2000
+    default_val_size: int = 64
+    name: str = "guess_number"
+    reward_function: str = "builtin:arithmetic"  # unused: the environment scores the game
+
+    def split_of(self, prompt: str) -> str:
+        digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
+        return "val" if int.from_bytes(digest, "big") / 2**64 < self.val_fraction else "train"
+
+    def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, Any]]:
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        lows = [low for low in range(1, self.max_low + 1) if self.split_of(self._prompt(low)) == split]
+        within = math.ceil(math.log2(self.span)) + 1
+        rows = []
+        for _ in range(size):
+            low = rng.choice(lows)
+            secret = rng.randint(low, low + self.span - 1)
+            rows.append(
+                {"prompt": self._prompt(low), "ground_truth": str(secret), "extra": {"solve_within": within}}
+            )
+        return rows
+
+    def _prompt(self, low: int) -> str:
+        return f"Guess {low}-{low + self.span - 1}."
+
+    def write_jsonl(
+        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
+    ) -> tuple[Path, Path]:
+        return write_splits(self, directory, train_size, val_size, seed)
+
+
+@dataclass(frozen=True)
+class GuessNumberTracesTask:
+    """SFT rows of random-guess games: the format (one number per turn, inside the range) without
+    the strategy, so that RL has the strategy (use the hints) left to learn."""
+
+    game: GuessNumberTask = GuessNumberTask()
+    default_train_size: int = 2000
+    default_val_size: int = 64
+    name: str = "guess_number-traces"
+    reward_function: str = "builtin:arithmetic"
+
+    def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, Any]]:
+        rng = random.Random(f"{self.name}:{split}:{seed}")
+        rows: list[dict[str, Any]] = []
+        for game in self.game.make_split(split, size, seed):
+            low = int(game["prompt"].split()[1].split("-")[0])
+            secret, conversation = int(game["ground_truth"]), [{"role": "user", "content": game["prompt"]}]
+            for _ in range(3):  # up to three turns of each game
+                guess = rng.randint(low, low + self.game.span - 1)
+                rows.append(
+                    {"prompt": list(conversation), "response": f"{guess}<|im_end|>", "ground_truth": ""}
+                )
+                if guess == secret:
+                    break
+                hint = "higher" if secret > guess else "lower"
+                conversation += [
+                    {"role": "assistant", "content": str(guess)},
+                    {"role": "user", "content": hint},
+                ]
+        return rows[:size] if size < len(rows) else rows
+
+    def write_jsonl(
+        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
+    ) -> tuple[Path, Path]:
+        return write_splits(self, directory, train_size, val_size, seed)

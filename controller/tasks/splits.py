@@ -1,0 +1,29 @@
+"""Writing a task's train and val splits as JSONL, the one way every built-in task does it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from controller.tasks.arithmetic import _write_rows
+
+
+class _Splits(Protocol):
+    default_train_size: int
+    default_val_size: int
+
+    def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, Any]]: ...
+
+
+def write_splits(
+    task: _Splits, directory: str | Path, train_size: int | None, val_size: int | None, seed: int
+) -> tuple[Path, Path]:
+    """train.jsonl and val.jsonl of `task` under `directory` (default sizes when None)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    train, val = directory / "train.jsonl", directory / "val.jsonl"
+    _write_rows(
+        train, task.make_split("train", task.default_train_size if train_size is None else train_size, seed)
+    )
+    _write_rows(val, task.make_split("val", task.default_val_size if val_size is None else val_size, seed))
+    return train, val

@@ -1,0 +1,102 @@
+"""What a step's trajectories look like from outside: multi-turn metrics and stored samples.
+
+`multiturn_metrics` summarises a multi-turn batch (workers/multiturn.py) under "multiturn/":
+turns, tool calls, environment failures, truncation, and response tokens per turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from workers.batch import Batch
+
+
+def multiturn_metrics(batch: Batch) -> dict[str, float]:
+    t, nt = batch.tensors, batch.non_tensors
+    turns = t["num_turns"].float()
+    finish = np.asarray(nt["finish_reason"], dtype=object)
+    sampled = t["response_mask"].sum(1).float()
+    count = max(len(batch), 1)
+    return {
+        "multiturn/num_turns/mean": float(turns.mean()),
+        "multiturn/num_turns/max": float(turns.max()),
+        "multiturn/tool_calls/mean": float(t["tool_calls"].float().mean()),
+        "multiturn/env_errors": float((finish == "env_error").sum()),
+        "multiturn/env_timeouts": float((finish == "env_timeout").sum()),
+        "multiturn/truncated_ratio": float(np.isin(finish, ["max_turns", "budget"]).sum()) / count,
+        "multiturn/response_tokens_per_turn": float((sampled / turns.clamp(min=1)).mean()),
+        "multiturn/reward/mean": float(t["env_rewards"].float().mean()),
+    }
+
+
+MAX_TEXT = 2000  # characters kept of any one text field of a stored sample
+
+
+def step_samples(batch: Batch, scores: Any, tokenizer: Any, count: int) -> list[dict[str, Any]]:
+    """The first `count` trajectories of a step, readable: prompt, turns, reward, tokens trained on.
+
+    Single-turn rows get the same shape: the prompt and one assistant turn.
+    """
+    t, nt = batch.tensors, batch.non_tensors
+    width = t["response_mask"].shape[1]
+    out = []
+    for i in range(min(count, len(batch))):
+        real = t["attention_mask"][i, -width:].bool()
+        response = t["responses"][i][real].tolist()
+        trained = t["response_mask"][i][real].tolist()
+        messages = nt["messages"][i] if "messages" in nt else None
+        prompt, turns = _prompt_and_turns(messages, nt["prompt"][i], tokenizer, response)
+        out.append(
+            {
+                "index": i,
+                "uid": str(nt["uid"][i]) if "uid" in nt else str(i),
+                "prompt": _cut(prompt),
+                "turns": [{"role": m["role"], "content": _cut(m["content"])} for m in turns],
+                "reward": float(scores[i]),
+                "finish_reason": _finish_reason(nt, i, response, trained, width, tokenizer),
+                "tokens": {
+                    "prompt": int(t["attention_mask"][i].sum()) - len(response),
+                    "response": len(response),
+                    "trained": int(sum(trained)),
+                },
+                "spans": _spans(response, trained, tokenizer),
+            }
+        )
+    return out
+
+
+def _prompt_and_turns(
+    messages: Any, prompt_text: str, tokenizer: Any, response: list[int]
+) -> tuple[str, list]:
+    if messages is None:  # single-turn
+        text = tokenizer.decode(response, skip_special_tokens=True)
+        return str(prompt_text), [{"role": "assistant", "content": text}]
+    messages = list(messages)
+    first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+    prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages[:first])
+    return prompt, messages[first:]
+
+
+def _finish_reason(nt: dict, i: int, response: list[int], trained: list[int], width: int, tok: Any) -> str:
+    if "finish_reason" in nt:
+        return str(nt["finish_reason"][i])
+    ends = {tok.eos_token_id, *getattr(tok, "all_special_ids", [])}
+    return "stop" if response and response[-1] in ends else "length" if len(response) >= width else "stop"
+
+
+def _spans(response: list[int], trained: list[int], tokenizer: Any) -> list[dict[str, Any]]:
+    """Consecutive runs of trained (sampled) and untrained (observation / template) tokens, as text."""
+    spans: list[dict[str, Any]] = []
+    start = 0
+    for k in range(1, len(response) + 1):
+        if k == len(response) or trained[k] != trained[start]:
+            text = tokenizer.decode(response[start:k], skip_special_tokens=False)
+            spans.append({"trained": bool(trained[start]), "tokens": k - start, "text": _cut(text)})
+            start = k
+    return spans
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"

@@ -1,0 +1,37 @@
+"""The built-in guessing game ("builtin:guess_number"): find a secret number from higher/lower hints.
+
+reset: the row's prompt (e.g. "Guess 17-32."), the secret is the row's ground truth. Each assistant
+turn should be a number; the environment answers "higher", "lower" (the secret is higher / lower
+than the guess) or "a number please" for a turn without one. A correct guess ends the game with
+reward 1 if it came within `solve_within` turns (from extra, default 5: binary search over 16
+numbers needs at most 4 guesses, and one more is allowed), else 0.5. So a policy earns more by halving the range than by guessing at random,
+and RL can improve its strategy over turns.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_GUESS = re.compile(r"-?\d+")
+
+
+class GuessNumberEnv:
+    """One game; see the module docstring."""
+
+    def reset(self, row: dict[str, Any]) -> str:
+        self.secret = int(row["ground_truth"])
+        self.solve_within = int((row.get("extra") or {}).get("solve_within", 5))
+        self.turns = 0
+        prompt = row["prompt"]
+        return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+
+    def step(self, assistant_text: str) -> tuple[str | None, float, bool, dict[str, Any]]:
+        self.turns += 1
+        match = _GUESS.search(assistant_text)
+        if match is None:
+            return "a number please", 0.0, False, {}
+        guess = int(match.group())
+        if guess == self.secret:
+            return None, 1.0 if self.turns <= self.solve_within else 0.5, True, {"solved": True}
+        return ("higher" if self.secret > guess else "lower"), 0.0, False, {}

@@ -1,0 +1,219 @@
+"""Multi-turn rollouts: trajectories of model turns and environment observations, turn by turn.
+
+`MultiTurnRollout.run` takes the rows a worker was sent and returns one `Trajectory` per row. Per
+turn it makes one batched `RolloutEngine.generate` call over all live trajectories (the engine
+contract of engines/rollout/base.py, so any backend serves it); then it steps their environments
+concurrently in a thread pool, each step with a time limit; a trajectory that is done, failed or
+out of turns or tokens drops out. Observations are appended as token deltas (workers/chat_delta.py),
+so the sampled tokens stay exactly as sampled. The environment interface is in
+workers/environments/base.py.
+
+`trajectory_tensors` lays trajectories out like single-turn rollouts: the first prompt left-padded
+to the prompt width, everything after it right-padded to `max_response_tokens`. response_mask is 1
+on sampled tokens only, so every loss and advantage estimator trains on them alone; attention_mask
+covers observation tokens too, so the trainer's log-probs are computed on the same sequence.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from tensordict import TensorDict
+
+from engines.rollout import RolloutEngine, SamplingParams
+from workers.chat_delta import ChatDelta
+from workers.environments.base import StepResult, as_messages
+from workers.environments.loader import load_environment_class
+
+TRUNCATED = ("max_turns", "budget")
+FAILED = ("env_error", "env_timeout")
+
+
+class EnvironmentConfig(BaseModel):
+    """What the controller sends in batch.meta["environment"]."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ref: str = Field(description="environment reference: 'builtin:NAME', 'module:Class', 'file.py:Class'")
+    max_turns: int = Field(4, ge=1, description="assistant turns per trajectory")
+    max_response_tokens: int = Field(256, gt=0, description="budget of all tokens after the first prompt")
+    step_timeout_s: float = Field(10.0, gt=0, description="time limit of one reset or step call")
+    threads: int = Field(32, ge=1, description="environment steps run at once")
+
+
+@dataclass
+class Trajectory:
+    """One conversation: the first prompt's tokens, then everything after it with its loss mask."""
+
+    env: Any
+    prompt_ids: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 sampled, 0 observation / template
+    log_probs: list[float] = field(default_factory=list)
+    messages: list[dict[str, str]] = field(default_factory=list)
+    reward: float = 0.0
+    finish_reason: str | None = None  # done | max_turns | budget | env_error | env_timeout
+    turns: int = 0
+    tool_calls: int = 0
+    weight_version: int = 0
+    error: str = ""
+
+    def append(self, ids: list[int], sampled: bool, log_probs: list[float] | None = None) -> None:
+        self.tokens += ids
+        self.loss_mask += [int(sampled)] * len(ids)
+        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+
+    def fail(self, reason: str, error: str) -> None:
+        self.finish_reason, self.reward, self.error = reason, 0.0, error
+
+
+class MultiTurnRollout:
+    """Runs trajectories for one worker's rows; see the module docstring."""
+
+    def __init__(self, engine: RolloutEngine, delta: ChatDelta, config: EnvironmentConfig) -> None:
+        self.engine, self.delta, self.config = engine, delta, config
+        self.env_class = load_environment_class(config.ref)
+
+    def run(self, rows: list[dict[str, Any]], params: SamplingParams, prompt_width: int) -> list[Trajectory]:
+        trajectories = [Trajectory(env=None) for _ in rows]
+        pool = ThreadPoolExecutor(max_workers=min(self.config.threads, max(len(rows), 1)))
+        try:
+            self._reset(pool, trajectories, rows, prompt_width)
+            turn = 0
+            while live := [t for t in trajectories if t.finish_reason is None]:
+                self._generate(live, params, turn)
+                self._step(pool, [t for t in live if t.finish_reason is None])
+                turn += 1
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # a hung step must not hold the worker
+        return trajectories
+
+    def _reset(
+        self, pool: ThreadPoolExecutor, trajectories: list[Trajectory], rows: list, width: int
+    ) -> None:
+        def reset(row: dict[str, Any]) -> tuple[Any, list[dict[str, str]]]:
+            env = self.env_class()
+            return env, as_messages(env.reset(row))
+
+        deadline = time.monotonic() + self.config.step_timeout_s
+        futures = [pool.submit(reset, row) for row in rows]
+        for traj, future in zip(trajectories, futures, strict=True):
+            outcome = self._result(traj, future, deadline)
+            if outcome is None:
+                traj.prompt_ids = self.delta.prompt_ids([{"role": "user", "content": ""}])
+                continue
+            traj.env, traj.messages = outcome
+            traj.prompt_ids = self.delta.prompt_ids(traj.messages)
+            if len(traj.prompt_ids) > width:
+                raise ValueError(
+                    f"the environment's first observation is {len(traj.prompt_ids)} tokens, longer than "
+                    f"data.max_prompt_length={width}"
+                )
+
+    def _generate(self, live: list[Trajectory], params: SamplingParams, turn: int) -> None:
+        budget = self.config.max_response_tokens
+        left = [budget - len(t.tokens) for t in live]
+        turn_params = params.model_copy(
+            update={
+                "max_new_tokens": min(params.max_new_tokens, max(left)),
+                "stop_token_ids": sorted({*params.stop_token_ids, *self._turn_end()}),
+                "seed": None if params.seed is None else params.seed + 104_729 * turn,
+            }
+        )
+        completions = self.engine.generate([t.prompt_ids + t.tokens for t in live], turn_params)
+        for traj, room, comp in zip(live, left, completions, strict=True):
+            ids, lps = list(comp.token_ids[:room]), list(comp.log_probs[:room])
+            traj.append(ids, sampled=True, log_probs=lps)
+            traj.weight_version = comp.weight_version
+            traj.turns += 1
+            traj.messages.append({"role": "assistant", "content": self.delta.assistant_text(ids)})
+            if len(comp.token_ids) > room or (len(traj.tokens) >= budget and comp.finish_reason == "length"):
+                traj.finish_reason = "budget"
+
+    def _turn_end(self) -> list[int]:
+        return [] if self.delta.turn_end_id is None else [self.delta.turn_end_id]
+
+    def _step(self, pool: ThreadPoolExecutor, live: list[Trajectory]) -> None:
+        deadline = time.monotonic() + self.config.step_timeout_s
+        futures = [pool.submit(_step_env, t.env, t.messages[-1]["content"]) for t in live]
+        for traj, future in zip(live, futures, strict=True):
+            result = self._result(traj, future, deadline)
+            if result is None:
+                continue
+            traj.reward += result.reward
+            traj.tool_calls += int(bool(result.info.get("tool_call")))
+            if result.done or not result.messages:
+                traj.finish_reason = "done"
+            elif traj.turns >= self.config.max_turns:
+                traj.finish_reason = "max_turns"
+            else:
+                ids = self.delta.observation_ids(result.messages, traj.tokens[-1] if traj.tokens else None)
+                if len(traj.tokens) + len(ids) >= self.config.max_response_tokens:
+                    traj.finish_reason = "budget"  # no room left for another assistant token
+                    continue
+                traj.append(ids, sampled=False)
+                traj.messages += result.messages
+
+    def _result(self, traj: Trajectory, future: Future, deadline: float) -> Any:
+        """The call's value, or None after marking the trajectory failed (error or time-out).
+
+        All calls of a turn start together (the pool has a thread per trajectory up to
+        `threads`), so one deadline from submission is each call's time limit."""
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            traj.fail("env_timeout", f"no answer within {self.config.step_timeout_s} s")
+        except Exception as exc:  # user code: any failure ends this trajectory only
+            traj.fail("env_error", f"{type(exc).__name__}: {exc}")
+        return None
+
+
+def _step_env(env: Any, text: str) -> StepResult:
+    return StepResult.from_return(env.step(text))
+
+
+def trajectory_tensors(
+    trajectories: list[Trajectory], prompt_width: int, response_width: int, pad: int
+) -> TensorDict:
+    """The fixed-width training layout of trajectories (see the module docstring)."""
+    rows = len(trajectories)
+    input_ids = torch.full((rows, prompt_width + response_width), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros(rows, response_width, dtype=torch.long)
+    log_probs = torch.zeros(rows, response_width)
+    for i, t in enumerate(trajectories):
+        p, n = len(t.prompt_ids), len(t.tokens)
+        input_ids[i, prompt_width - p : prompt_width] = torch.tensor(t.prompt_ids, dtype=torch.long)
+        attention_mask[i, prompt_width - p : prompt_width + n] = 1
+        if n:
+            input_ids[i, prompt_width : prompt_width + n] = torch.tensor(t.tokens, dtype=torch.long)
+            response_mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.long)
+            log_probs[i, :n] = torch.tensor(t.log_probs)
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "responses": input_ids[:, prompt_width:].clone(),
+            "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
+            "weight_version": torch.tensor([t.weight_version for t in trajectories], dtype=torch.long),
+            "env_rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
+            "num_turns": torch.tensor([t.turns for t in trajectories], dtype=torch.long),
+            "tool_calls": torch.tensor([t.tool_calls for t in trajectories], dtype=torch.long),
+        },
+        batch_size=[rows],
+    )
+
+
+def trajectory_non_tensors(trajectories: list[Trajectory]) -> dict[str, list[Any]]:
+    return {
+        "finish_reason": [t.finish_reason for t in trajectories],
+        "messages": [t.messages for t in trajectories],
+        "env_error": [t.error for t in trajectories],
+    }
