@@ -112,6 +112,8 @@ def test_truncation_by_turns_and_by_budget_is_marked(engine, delta):
     )
     assert [t.finish_reason for t in by_budget] == ["budget"] * 2
     assert all(len(t.tokens) <= 20 for t in by_budget)
+    td = trajectory_tensors(by_turns + by_budget[:1], WIDTH, 400, pad=0)
+    assert td["truncated"].tolist() == [1, 1, 1]
 
 
 def test_a_failing_or_hanging_step_ends_only_its_trajectory(engine, delta):

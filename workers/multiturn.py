@@ -206,6 +206,8 @@ def trajectory_tensors(
             "env_rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             "num_turns": torch.tensor([t.turns for t in trajectories], dtype=torch.long),
             "tool_calls": torch.tensor([t.tool_calls for t in trajectories], dtype=torch.long),
+            # 1 where the turn or token budget ended the trajectory (over-long handling reads it).
+            "truncated": torch.tensor([t.finish_reason in TRUNCATED for t in trajectories], dtype=torch.long),
         },
         batch_size=[rows],
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from controller.tasks.arithmetic import _write_rows
+from controller.tasks.arithmetic import write_rows
 
 
 class _Splits(Protocol):
@@ -22,8 +22,8 @@ def write_splits(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     train, val = directory / "train.jsonl", directory / "val.jsonl"
-    _write_rows(
+    write_rows(
         train, task.make_split("train", task.default_train_size if train_size is None else train_size, seed)
     )
-    _write_rows(val, task.make_split("val", task.default_val_size if val_size is None else val_size, seed))
+    write_rows(val, task.make_split("val", task.default_val_size if val_size is None else val_size, seed))
     return train, val
