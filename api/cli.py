@@ -1,7 +1,8 @@
 """The `tandem` command line: run the service, submit and steer jobs over its REST API, build models.
 
-Client commands connect to TANDEM_URL (default http://127.0.0.1:8000) with TANDEM_TOKEN or --token
-(else the admin token in $TANDEM_HOME/admin_token). A spec is validated here before it is sent, so a
+Client commands connect to --url, else TANDEM_URL, else the service running on this TANDEM_HOME (its
+URL is in $TANDEM_HOME/service.json), else http://127.0.0.1:8000, with --token or TANDEM_TOKEN (else
+the admin token in $TANDEM_HOME/admin_token). A spec is validated here before it is sent, so a
 typo is reported with its field at once. Errors are one line on stderr, `tandem: error: ...`, with
 exit code 2 for bad input (a bad field or value) and 1 for everything else.
 """
@@ -21,6 +22,8 @@ from api.cli_watch import clock, follow, print_events, print_logs
 from api.client import TandemAPIError, TandemClient, TandemError
 
 HINT_401 = "set TANDEM_TOKEN or pass --token; the service's admin token is in $TANDEM_HOME/admin_token"
+JOB_PREFIX = "job-"
+FULL_ID_LENGTH = len("job-") + 12  # job- and 12 hex digits (controller/store.py)
 METRIC_KEYS = ("critic/score/mean", "val/accuracy", "actor/pg_loss", "sft/loss", "actor/lr", "timing_s/step")
 
 
@@ -66,9 +69,9 @@ def _models_build(args: argparse.Namespace) -> int:
 def _submit(args: argparse.Namespace, client: TandemClient) -> int:
     if not (args.file or args.method or args.model or args.set) and args.steps is None:
         raise UsageError("give a spec file and/or flags (--method, --model, --steps, --set key.path=value)")
-    given, spec = build_spec(args.file, args.method, args.model, args.steps, args.set)
-    if args.dry_run:
-        print(json.dumps(spec.model_dump(mode="json"), indent=2))
+    given, _ = build_spec(args.file, args.method, args.model, args.steps, args.set)
+    if args.dry_run:  # the service's own checks (models, files, reward function, cluster size)
+        print(json.dumps(client.validate_job(given)["spec"], indent=2))
         return 0
     job = client.create_job(given, args.idempotency_key)
     print(job["id"], flush=True)
@@ -131,8 +134,8 @@ def _events(args: argparse.Namespace, client: TandemClient) -> int:
 
 
 def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
-    keys = [k for k in (args.keys or "").split(",") if k] or None
-    rows = client.metrics(args.job_id, keys)["data"]
+    keys = [k.strip() for k in (args.keys or "").split(",") if k.strip()] or None
+    rows = thin(client.metrics(args.job_id, keys)["data"], args.every, args.last)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -141,6 +144,13 @@ def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
     body = [(str(row["step"]), *(_number(row["values"].get(k)) for k in columns)) for row in rows]
     print(table(("STEP", *columns), body) if body else "no metrics yet")
     return 0
+
+
+def thin(rows: list[dict[str, Any]], every: int | None, last: int | None) -> list[dict[str, Any]]:
+    """The rows of steps that are multiples of `every` (and the latest row), then the last `last` of them."""
+    if every:
+        rows = [r for i, r in enumerate(rows) if r["step"] % every == 0 or i == len(rows) - 1]
+    return rows[-last:] if last else rows
 
 
 def _lifecycle(action: str) -> Callable[[argparse.Namespace, TandemClient], int]:
@@ -203,6 +213,33 @@ def _files_delete(args: argparse.Namespace, client: TandemClient) -> int:
     return 0
 
 
+def resolve_job_id(client: TandemClient, given: str) -> str:
+    """A job id from a unique prefix of it, with or without `job-`; a full id is taken as it is."""
+    prefix = given if given.startswith(JOB_PREFIX) else JOB_PREFIX + given
+    if len(prefix) >= FULL_ID_LENGTH:
+        return given
+    found, after = [], None
+    while True:
+        page = client.list_jobs(limit=100, after=after)
+        found += [j["id"] for j in page["data"] if j["id"].startswith(prefix)]
+        if not page["has_more"] or not page["data"]:
+            break
+        after = page["data"][-1]["id"]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise TandemError(f"no job '{given}': no job id starts with it; `tandem list` shows them")
+    shown = ", ".join(found[:10]) + (f" and {len(found) - 10} more" if len(found) > 10 else "")
+    raise UsageError(f"job id prefix '{given}' is ambiguous: it matches {shown}")
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 # ---- formatting ------------------------------------------------------------------------------------
 
 
@@ -228,26 +265,36 @@ def _duration(start: float | None, end: float | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: RL post-training jobs on Ray.")
+    # allow_abbrev=False: `--step` must not quietly mean `--steps`.
+    parser = argparse.ArgumentParser(
+        prog="tandem", description="Tandem: RL post-training jobs on Ray.", allow_abbrev=False
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    conn = argparse.ArgumentParser(add_help=False)
+    conn = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     conn.add_argument(
-        "--url", default=None, help="the service (default: $TANDEM_URL or http://127.0.0.1:8000)"
+        "--url",
+        default=None,
+        help="the service (default: $TANDEM_URL, else the one running on $TANDEM_HOME, else :8000)",
     )
     conn.add_argument(
         "--token", default=None, help="bearer token (default: $TANDEM_TOKEN, else the admin token)"
     )
 
     def command(name: str, func: Callable, help: str, job: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, parents=[conn])
+        p = sub.add_parser(name, help=help, description=help, parents=[conn], allow_abbrev=False)
         if job:
             p.add_argument("job_id", metavar="ID")
-        p.set_defaults(func=func, client=True)
+        p.set_defaults(func=func, client=True, subparser=p)
         return p
 
-    serve = sub.add_parser("serve", help="run the API service (a long-lived Ray driver)")
+    serve = sub.add_parser("serve", help="run the API service (a long-lived Ray driver)", allow_abbrev=False)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="default: $TANDEM_PORT or 8000, or a free port if that is taken",
+    )
     serve.add_argument("--home", default=None, help="data directory (default: $TANDEM_HOME or ~/.tandem)")
     serve.add_argument("--ray-address", default=None, help="join a cluster: 'auto' or 'ray://host:10001'")
     serve.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster")
@@ -268,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a reward function or environment gets to import and be checked",
     )
-    serve.set_defaults(func=_serve, client=False)
+    serve.set_defaults(func=_serve, client=False, subparser=serve)
 
     p = command("submit", _submit, "submit a job from a spec file (YAML/JSON) and/or flags", job=False)
     p.add_argument("file", nargs="?", help="a JobSpec as YAML or JSON (see examples/)")
@@ -293,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     command("events", _events, "a job's events").add_argument("-f", "--follow", action="store_true")
     p = command("metrics", _metrics, "a job's metrics per step")
     p.add_argument("--keys", help="comma-separated metric names (default: the headline ones)")
+    p.add_argument("--last", type=positive, metavar="N", help="only the last N rows")
+    p.add_argument(
+        "--every", type=positive, metavar="N", help="only steps that are multiples of N (and the latest)"
+    )
     p.add_argument("--json", action="store_true")
     for action in ("cancel", "pause", "resume"):
         command(action, _lifecycle(action), f"{action} a job")
@@ -320,21 +371,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file_id", metavar="ID")
     p.set_defaults(func=_files_delete, client=True)
 
-    models = sub.add_parser("models", help="built-in tiny models").add_subparsers(
+    models = sub.add_parser("models", help="built-in tiny models", allow_abbrev=False).add_subparsers(
         dest="models_command", required=True
     )
-    build = models.add_parser("build", help="build a built-in model in HF format; prints its folder")
+    build = models.add_parser(
+        "build", help="build a built-in model in HF format; prints its folder", allow_abbrev=False
+    )
     build.add_argument("name")
-    build.set_defaults(func=_models_build, client=False)
+    build.set_defaults(func=_models_build, client=False, subparser=build)
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse; an unknown flag is reported with the usage of the subcommand it was given to."""
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:
+        parser = getattr(args, "subparser", None) or build_parser()
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         if not args.client:
             return args.func(args)
         with TandemClient(args.url, args.token) as client:
+            if getattr(args, "job_id", None):
+                args.job_id = resolve_job_id(client, args.job_id)
             return args.func(args, client)
     except (SpecError, UsageError) as err:
         return _fail(str(err), 2)

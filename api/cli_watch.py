@@ -3,7 +3,9 @@
 `follow` draws a tqdm bar on stderr (step/total, latest reward, validation accuracy, ETA) driven by
 the job's metrics stream, and returns when the job reaches a terminal state: exit code 0 when it
 succeeded, 1 otherwise. The metrics already recorded seed the bar first (no replay), and the ETA
-is the pace of the steps since the last recorded one times the steps left.
+is the pace of the steps since the last recorded one times the steps left. A job that ends before
+its last step says why, e.g. "stopped at step 480/600: val accuracy 0.310 reached
+trainer.stop_at_val_accuracy 0.3".
 """
 
 from __future__ import annotations
@@ -78,12 +80,39 @@ def follow(client: TandemClient, job_id: str, out: TextIO | None = None) -> int:
     finally:
         view.close(last_step)
     job = client.get_job(job_id)
-    print(summary(job), file=sys.stdout if job["status"] == "succeeded" else sys.stderr)
+    print(
+        summary(job, early_stop(client, job)), file=sys.stdout if job["status"] == "succeeded" else sys.stderr
+    )
     return 0 if job["status"] == "succeeded" else 1
 
 
-def summary(job: dict[str, Any]) -> str:
+def early_stop(client: TandemClient, job: dict[str, Any]) -> str | None:
+    """Why a job that succeeded before its last step stopped there (its `target_reached` event)."""
+    if job["status"] != "succeeded" or job["step"] >= job["total_steps"]:
+        return None
+    reached = [e for e in _all_events(client, job["id"]) if e["kind"] == "target_reached"]
+    if not reached:
+        return None
+    target = job["spec"]["trainer"].get("stop_at_val_accuracy")
+    accuracy = reached[-1]["data"].get("accuracy")
+    return (f"stopped at step {job['step']}/{job['total_steps']}: val accuracy {accuracy:.3f} reached "
+            f"trainer.stop_at_val_accuracy {target}")  # fmt: skip
+
+
+def _all_events(client: TandemClient, job_id: str) -> list[dict[str, Any]]:
+    events, last = [], 0
+    while True:
+        page = client.events(job_id, after=last)
+        events += page["data"]
+        if not page["has_more"] or not page["data"]:
+            return events
+        last = page["data"][-1]["id"]
+
+
+def summary(job: dict[str, Any], stopped: str | None = None) -> str:
     line = f"job {job['id']} {job['status']} at step {job['step']}/{job['total_steps']}"
+    if stopped:
+        line = f"job {job['id']} {job['status']}, {stopped}"
     latest = job["latest_metrics"]
     shown = [f"{label} {latest[k]:.4g}" for k, label in LABELS.items() if k in latest]
     if shown:
@@ -104,13 +133,9 @@ def log_line(row: dict[str, Any]) -> str:
 def print_events(client: TandemClient, job_id: str, live: bool) -> None:
     """Every event of the job; with `live`, then new ones as they come, until the job ends."""
     last = 0
-    while True:
-        page = client.events(job_id, after=last)
-        for event in page["data"]:
-            print(event_line(event), flush=True)
-            last = event["id"]
-        if not page["has_more"]:
-            break
+    for event in _all_events(client, job_id):
+        print(event_line(event), flush=True)
+        last = event["id"]
     if live:
         for sse in client.stream(job_id, "events", after=last):
             if sse.event != "end":

@@ -1,8 +1,9 @@
 """A small typed HTTP client for the Tandem REST API, used by the `tandem` CLI and by scripts.
 
-Where to connect and as whom: TANDEM_URL (default http://127.0.0.1:8000) and a bearer token from
-the argument, else TANDEM_TOKEN, else the admin token file the service writes on first start,
-`$TANDEM_HOME/admin_token` (TANDEM_HOME defaults to ~/.tandem). Every call has a timeout. An API
+Where to connect and as whom: the URL from the argument, else TANDEM_URL, else the one the running
+service recorded in `$TANDEM_HOME/service.json` (api/service_record.py), else http://127.0.0.1:8000;
+a bearer token from the argument, else TANDEM_TOKEN, else the admin token file the service writes
+on first start, `$TANDEM_HOME/admin_token` (TANDEM_HOME defaults to ~/.tandem). Every call has a timeout. An API
 error raises `TandemAPIError` carrying the status and the error body's message, param and code; a
 service that cannot be reached raises `TandemConnectionError` naming the URL tried. Live views are
 Server-Sent Events: `stream` yields them and reconnects after a dropped connection, resuming from
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from api.service_record import read_record
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)
@@ -67,15 +70,26 @@ class SSEEvent:
     data: Any
 
 
+def client_home() -> Path:
+    return Path(os.environ.get("TANDEM_HOME") or Path.home() / ".tandem").expanduser()
+
+
+def resolve_url(url: str | None = None) -> str:
+    """The service to call: the argument, else TANDEM_URL, else the home's running service, else 8000."""
+    if url or os.environ.get("TANDEM_URL"):
+        return (url or os.environ["TANDEM_URL"]).rstrip("/")
+    record = read_record(client_home())
+    return (record["url"] if record else DEFAULT_URL).rstrip("/")
+
+
 def resolve_token(token: str | None = None) -> str | None:
     """The token to send: the argument, else TANDEM_TOKEN, else $TANDEM_HOME/admin_token if readable."""
     if token:
         return token
     if os.environ.get("TANDEM_TOKEN"):
         return os.environ["TANDEM_TOKEN"]
-    home = Path(os.environ.get("TANDEM_HOME") or Path.home() / ".tandem").expanduser()
     try:
-        return (home / "admin_token").read_text().strip() or None
+        return (client_home() / "admin_token").read_text().strip() or None
     except OSError:
         return None
 
@@ -104,7 +118,7 @@ class TandemClient:
     """The REST API as methods; each returns the decoded JSON body."""
 
     def __init__(self, url: str | None = None, token: str | None = None) -> None:
-        self.url = (url or os.environ.get("TANDEM_URL") or DEFAULT_URL).rstrip("/")
+        self.url = resolve_url(url)
         headers = {"User-Agent": "tandem-cli"}
         resolved = resolve_token(token)
         if resolved:
@@ -125,6 +139,10 @@ class TandemClient:
     def create_job(self, spec: JSON, idempotency_key: str | None = None) -> JSON:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._call("POST", "/v1/jobs", json=spec, headers=headers)
+
+    def validate_job(self, spec: JSON) -> JSON:
+        """The service's checks of a submission, nothing created: {"valid": true, "spec": {...}} or an error."""
+        return self._call("POST", "/v1/jobs/validate", json=spec)
 
     def list_jobs(self, status: list[str] | None = None, limit: int = 20, after: str | None = None,
                   q: str | None = None, tag: str | None = None) -> JSON:  # fmt: skip

@@ -2,8 +2,14 @@
 
 It starts a local Ray cluster, or joins one (`--ray-address auto | ray://host:10001`, or RAY_ADDRESS),
 opens the job store under TANDEM_HOME, makes sure an admin token exists, and serves the API with
-uvicorn. On SIGTERM or Ctrl-C uvicorn stops taking requests, then every running job is paused
-(each saves a checkpoint at its next step boundary) and is resumed by the next start.
+uvicorn on port 8000 (or TANDEM_PORT), or on a free port when that one is taken and no --port was
+given. Its URL is
+recorded in $TANDEM_HOME/service.json (api/service_record.py), where the CLI finds it; one home
+has one service. On SIGTERM or Ctrl-C uvicorn stops taking requests, then every running job is
+paused (each saves a checkpoint at its next step boundary) and is resumed by the next start.
+
+Ray's workers do not print to this terminal (`log_to_driver=False`): a job's worker output goes to
+the job's log (controller/worker_output.py), read with `tandem logs JOB`.
 """
 
 from __future__ import annotations
@@ -19,11 +25,13 @@ import uvicorn
 from api.app import create_app
 from api.auth import ensure_admin_token
 from api.reaper import watch
+from api.service_record import choose_port, read_record, remove_record, write_record
 from api.settings import ServeSettings
 from controller.models import tandem_home
 from controller.service import Service
 
 log = logging.getLogger("tandem.server")
+DEFAULT_PORT = 8000
 
 
 def init_ray(address: str | None, num_cpus: int | None = None, home: Path | None = None) -> None:
@@ -32,18 +40,20 @@ def init_ray(address: str | None, num_cpus: int | None = None, home: Path | None
     env_vars = {"TOKENIZERS_PARALLELISM": "false"}
     if home is not None:  # job actors run in the raylets' environment, not this one: tell them --home
         env_vars["TANDEM_HOME"] = str(home)
-    env = {"env_vars": env_vars}
+    # Workers' stdout/stderr (progress bars of model loading, warnings) belong in the job's log, not
+    # in the terminal that runs the service: they are not forwarded to this driver.
+    common = {"namespace": "tandem", "runtime_env": {"env_vars": env_vars}, "logging_level": "warning",
+              "log_to_driver": False}  # fmt: skip
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
-        ray.init(address=address, namespace="tandem", runtime_env=env, logging_level="warning")
+        ray.init(address=address, **common)
     else:
-        ray.init(num_cpus=num_cpus, namespace="tandem", runtime_env=env, include_dashboard=False,
-                 logging_level="warning")  # fmt: skip
+        ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
 
 
 def serve(
     host: str = "127.0.0.1",
-    port: int = 8000,
+    port: int | None = None,
     home: str | Path | None = None,
     ray_address: str | None = None,
     num_cpus: int | None = None,
@@ -52,18 +62,30 @@ def serve(
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     home = Path(home).expanduser().resolve() if home else tandem_home()
+    running = read_record(home)
+    if running:
+        raise SystemExit(
+            f"tandem serve: a service already runs on {home} at {running['url']} (pid {running['pid']}); "
+            "stop it first, or give another --home"
+        )
+    if port is None:
+        preferred = int(os.environ.get("TANDEM_PORT") or DEFAULT_PORT)
+        port = choose_port(host, preferred)
+        if port != preferred:
+            print(f"port {preferred} is taken: serving on {port} instead", flush=True)
     reaper = watch()  # kills what Ray leaves behind once this process is gone, even after SIGKILL
     init_ray(ray_address, num_cpus, home)
     service = Service(home)
     service.start()
     token_file = ensure_admin_token(service.store, home)
     app = create_app(service, settings)
-    url = f"http://{host}:{port}"
+    url = f"http://{_client_host(host)}:{port}"
     print(f"Tandem is serving on {url}  (dashboard {url}/, API docs {url}/docs)", flush=True)
     print(f"Admin token: {token_file} (or TANDEM_ADMIN_TOKEN); job store: {service.store.path}", flush=True)
     server = uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
     )
+    write_record(home, url)
     try:
         server.run()
     except SystemExit as stop:
@@ -76,3 +98,9 @@ def serve(
         service.shutdown(timeout_s=shutdown_timeout_s)
         ray.shutdown()
         reaper.stdin.close()  # done: the watcher cleans up now
+        remove_record(home)
+
+
+def _client_host(host: str) -> str:
+    """The host a local client dials: a wildcard bind address is reached on the loopback."""
+    return {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(host, host)

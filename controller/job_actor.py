@@ -9,6 +9,7 @@ traceback, so the service records why; the actor dying outright is seen by the s
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
@@ -18,6 +19,9 @@ from typing import Any
 
 from controller.spec import JobSpec
 from controller.trainer import StopRequested, Trainer
+from controller.worker_output import ENV as WORKER_OUTPUT_ENV
+from controller.worker_output import FILENAME as WORKER_OUTPUT_FILE
+from controller.worker_output import OutputTail
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -98,6 +102,10 @@ class JobController:
         root = logging.getLogger()
         root.addHandler(self.logs)
         root.setLevel(logging.INFO)
+        # This actor's process is the job's alone: its workers inherit where to write their output.
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        os.environ[WORKER_OUTPUT_ENV] = str(self.workdir / WORKER_OUTPUT_FILE)
+        self.worker_output = OutputTail(self.workdir / WORKER_OUTPUT_FILE)
         self.trainer = Trainer(self.spec, self.workdir, self.sink, name=job_id)
 
     def run(self) -> dict[str, Any]:
@@ -126,7 +134,7 @@ class JobController:
 
     def drain(self) -> dict[str, Any]:
         out = self.sink.drain()
-        out["logs"] = self.logs.drain()
+        out["logs"] = self.logs.drain() + self.worker_output.read()
         out["step"] = self.trainer.completed_steps
         return out
 

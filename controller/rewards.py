@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.tasks.arithmetic import arithmetic_reward
+from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
 
 if TYPE_CHECKING:
@@ -132,6 +132,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math_verify": math_verify,
     "format_boxed": format_boxed,
     "arithmetic": arithmetic_reward,
+    "arithmetic_partial": arithmetic_partial_reward,
     "word_problems": word_problem_reward,
 }
 

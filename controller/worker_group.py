@@ -23,6 +23,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from controller.dispatch import MeshLayout, collect_from_mesh, scatter_all_to_all, split_for_mesh
 from controller.resource_pool import ResourcePool
+from controller.worker_output import ENV as WORKER_OUTPUT_ENV
+from controller.worker_output import redirect_output
 from engines.threads import set_torch_threads
 from workers.base import Dispatch, MethodSpec, registered_methods
 
@@ -72,6 +74,8 @@ class WorkerHost:
         # Ray leaves an actor one OpenMP thread per CPU it asked for, and colocated groups ask for a
         # share of the bundle; they take turns, so each uses the whole bundle (up to the cores).
         set_torch_threads(bundle_cpus, int(env.get("LOCAL_WORLD_SIZE", "1")))
+        if env.get(WORKER_OUTPUT_ENV):  # a service job: output goes to the job's log
+            redirect_output(env[WORKER_OUTPUT_ENV])
         for name, spec in roles.items():
             self.roles[name] = spec.cls(*spec.args, **spec.kwargs)
 
@@ -123,6 +127,7 @@ class _Hosts:
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
                     "TANDEM_GROUP": name,
+                    WORKER_OUTPUT_ENV: os.environ.get(WORKER_OUTPUT_ENV, ""),
                 },
                 roles,
                 pool.cpus_per_bundle,

@@ -1,6 +1,9 @@
 """`make run`: the service, and the demo pipeline submitted through its API.
 
-1. Starts `tandem serve` (a local Ray and the API on http://127.0.0.1:8000, or the next free port).
+1. Starts `tandem serve` on TANDEM_HOME (default ~/.tandem, the CLI's home too): a local Ray and the
+   API on http://127.0.0.1:8000, or a free port when 8000 is taken. The service records its URL in
+   $TANDEM_HOME/service.json, so `tandem list` in another terminal finds it. A service already
+   running on that home is used as it is (and left running).
 2. Submits examples/sft_arithmetic.yaml: SFT warm-starts the built-in ~0.8M-parameter model on 2-digit
    addition to a modest accuracy. A progress bar follows it (step/total, loss, val accuracy, ETA).
 3. Submits examples/grpo_arithmetic.yaml with model.path set to the SFT job's HF export: GRPO raises
@@ -13,9 +16,9 @@ Everything goes through the REST API with the admin token, as a user's own scrip
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,35 +28,29 @@ import httpx
 import yaml
 
 from api.cli_watch import follow
-from api.client import TandemClient
+from api.client import TandemClient, client_home
+from api.service_record import read_record
 
 EXAMPLES = Path(__file__).resolve().parent
 ROOT = EXAMPLES.parent
 
 
-def free_port(preferred: int) -> int:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", preferred))
-            return preferred
-        except OSError:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
-
-
-def start_service(home: Path, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--home", str(home)]
+def start_service(home: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "api.cli", "serve", "--home", str(home)]  # port: TANDEM_PORT or 8000
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "TANDEM_HOME": str(home)})
 
 
-def wait_ready(url: str, server: subprocess.Popen, timeout_s: float = 180) -> None:
+def wait_ready(home: Path, server: subprocess.Popen, timeout_s: float = 300) -> str:
+    """The URL the new service recorded in its home, once it answers /readyz."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if server.poll() is not None:
             raise SystemExit(f"tandem serve exited with code {server.returncode}; see its output above")
+        record = read_record(home)
         try:
-            if httpx.get(url + "/readyz", timeout=5).status_code == 200:
-                return
+            if record and record["pid"] == server.pid:
+                if httpx.get(record["url"] + "/readyz", timeout=5).status_code == 200:
+                    return record["url"]
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -80,33 +77,44 @@ def val_curve(client: TandemClient, job_id: str) -> list[tuple[int, float]]:
     ]
 
 
-def main() -> int:
-    home = Path(os.environ.get("TANDEM_HOME", ROOT / ".tandem")).resolve()
-    port = free_port(int(os.environ.get("TANDEM_PORT", "8000")))
-    url = f"http://127.0.0.1:{port}"
-    os.environ["TANDEM_HOME"] = str(home)  # the client reads the admin token from there
-    server = start_service(home, port)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m examples.demo", description="make run: SFT, then GRPO")
+    parser.add_argument("--seed", type=int, default=0, help="trainer.seed of both jobs (data order)")
+    parser.add_argument("--exit", action="store_true", help="stop the service after the summary")
+    args = parser.parse_args(argv)
+    seed = args.seed
+    home = client_home().resolve()
+    os.environ["TANDEM_HOME"] = str(home)  # the service's home, and where the client finds URL and token
+    running = read_record(home)
+    server = None if running else start_service(home)
     try:
-        wait_ready(url, server)
+        url = running["url"] if running else wait_ready(home, server)
+        if running:
+            print(f"Using the service already running on {home}: {url} (pid {running['pid']})", flush=True)
         client = TandemClient(url=url)
         started = time.time()
         sft_spec = yaml.safe_load((EXAMPLES / "sft_arithmetic.yaml").read_text())
+        sft_spec["trainer"]["seed"] = seed
         sft = run_job(client, sft_spec, "SFT warm start")
         grpo_spec = yaml.safe_load((EXAMPLES / "grpo_arithmetic.yaml").read_text())
         grpo_spec["model"] = {"path": sft["outputs"]["export"]}
+        grpo_spec["trainer"]["seed"] = seed
         grpo = run_job(client, grpo_spec, "GRPO from the SFT export")
         sft_curve, grpo_curve = val_curve(client, sft["id"]), val_curve(client, grpo["id"])
-        print("\n== Summary")
-        print(f"SFT  {sft['id']}: val accuracy {sft_curve[0][1]:.2f} -> {sft_curve[-1][1]:.2f}")
-        print(f"GRPO {grpo['id']}: val accuracy {grpo_curve[0][1]:.2f} -> {grpo_curve[-1][1]:.2f}")
+        print(f"\n== Summary (seed {seed})")
+        print(f"SFT  {sft['id']}: val accuracy {sft_curve[0][1]:.3f} -> {sft_curve[-1][1]:.3f}")
+        print(f"GRPO {grpo['id']}: val accuracy {grpo_curve[0][1]:.3f} -> {grpo_curve[-1][1]:.3f}")
         print(f"total {(time.time() - started) / 60:.1f} min; GRPO model: {grpo['outputs']['export']}")
         print(f"\nDashboard: {url}/  (sign in with the token in {home / 'admin_token'})")
+        print(f"In another terminal: .venv/bin/tandem list   (it finds {url} through {home})")
+        if server is None or args.exit:
+            return 0
         print("The service keeps running; Ctrl-C stops it.", flush=True)
         server.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        if server.poll() is None:
+        if server is not None and server.poll() is None:
             server.send_signal(signal.SIGTERM)
             try:
                 server.wait(timeout=300)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api_util import free_port, wait_for, wait_for_step
+from tests.api_util import free_port, tiny_job, wait_for, wait_for_step
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
@@ -128,8 +128,8 @@ def test_a_bad_spec_is_one_line_naming_the_field(live, tmp_path):
         live, "submit", "--set", "reward.function=no_such_module:f"
     )  # checked by the service
     assert server_side.returncode == 2 and server_side.stderr.startswith("tandem: error: reward.function: ")
-    missing = tandem(live, "status", "job-nope")
-    assert missing.returncode == 1 and "no job 'job-nope'" in missing.stderr
+    missing = tandem(live, "status", "job-0123456789ab")
+    assert missing.returncode == 1 and "no job 'job-0123456789ab'" in missing.stderr
 
 
 def test_connection_and_auth_errors(live):
@@ -144,10 +144,10 @@ def test_connection_and_auth_errors(live):
 
 
 @pytest.mark.parametrize("name", ["grpo_tiny", "ppo_critic", "custom_reward"])
-def test_example_specs_validate(name):
+def test_example_specs_validate(live, name):
     from controller.rewards import load_reward_fn
 
-    shown = tandem(None, "submit", str(EXAMPLES / f"{name}.yaml"), "--dry-run", url="http://unused")
+    shown = tandem(live, "submit", str(EXAMPLES / f"{name}.yaml"), "--dry-run")
     assert shown.returncode == 0, shown.stderr
     spec = json.loads(shown.stdout)
     assert spec["model"]["builtin"] and load_reward_fn(spec["reward"]["function"])
@@ -156,12 +156,81 @@ def test_example_specs_validate(name):
 
 
 @pytest.mark.parametrize("name", ["grpo_calculator", "grpo_guess_number", "custom_env"])
-def test_environment_example_specs_validate(name):
+def test_environment_example_specs_validate(live, name):
     from controller.environment_check import environment_problem
 
-    shown = tandem(None, "submit", str(EXAMPLES / f"{name}.yaml"), "--dry-run", url="http://unused")
+    shown = tandem(live, "submit", str(EXAMPLES / f"{name}.yaml"), "--dry-run")
     assert shown.returncode == 0, shown.stderr
     spec = json.loads(shown.stdout)
     assert environment_problem(spec["rollout"]["environment"]) is None
     if name == "custom_env":
         assert spec["rollout"]["environment"] == f"{EXAMPLES / 'my_env.py'}:RhymeEnv"
+
+
+def test_dry_run_runs_the_services_checks_and_creates_nothing(live, api):
+    before = len(api.get("/v1/jobs", params={"limit": 100}).json()["data"])
+    bad_model = tandem(live, "submit", str(EXAMPLES / "grpo_tiny.yaml"), "--model", "tiny-qwen3", "--dry-run")
+    assert bad_model.returncode == 2
+    assert bad_model.stderr.startswith("tandem: error: model.builtin: unknown built-in model 'tiny-qwen3'")
+    real = tandem(live, "submit", str(EXAMPLES / "grpo_tiny.yaml"), "--model", "tiny-qwen3")
+    assert real.returncode == 2 and real.stderr == bad_model.stderr  # the same check, the same words
+    too_big = tandem(live, "submit", "--dry-run", "--set", "resources.workers=500")
+    assert too_big.returncode == 2 and "resources.workers" in too_big.stderr
+    good = tandem(live, "submit", str(EXAMPLES / "grpo_tiny.yaml"), "--steps", "7", "--dry-run")
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["trainer"]["total_steps"] == 7
+    assert len(api.get("/v1/jobs", params={"limit": 100}).json()["data"]) == before
+
+
+def test_a_mistyped_flag_shows_that_subcommands_usage(live, finished):
+    job_id, _ = finished
+    typo = tandem(live, "metrics", job_id, "--lsat", "2")
+    assert typo.returncode == 2
+    assert typo.stderr.startswith("usage: tandem metrics ")
+    assert "tandem metrics: error: unrecognized arguments: --lsat 2" in typo.stderr
+    # no abbreviations: `--step` is not `--steps`
+    short = tandem(live, "submit", str(EXAMPLES / "grpo_tiny.yaml"), "--step", "3", "--dry-run")
+    assert short.returncode == 2 and short.stderr.startswith("usage: tandem submit ")
+    assert "unrecognized arguments: --step" in short.stderr
+
+
+def test_job_ids_by_unique_prefix(live, api, finished):
+    job_id, _ = finished
+    other = api.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 1})).json()["id"]
+    for given in (job_id, job_id[:-3], job_id.removeprefix("job-")[:9]):
+        shown = tandem(live, "status", given, "--json")
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["id"] == job_id
+    common = os.path.commonprefix([job_id, other])
+    ambiguous = tandem(live, "status", common)
+    assert ambiguous.returncode == 2
+    assert f"job id prefix '{common}' is ambiguous" in ambiguous.stderr
+    assert job_id in ambiguous.stderr and other in ambiguous.stderr
+    unknown = tandem(live, "events", "job-zzz")
+    assert unknown.returncode == 1 and "no job 'job-zzz'" in unknown.stderr
+    wait_for(api, other, ("succeeded", "failed"))
+
+
+def test_metrics_last_every_keys(live, finished):
+    job_id, _ = finished
+    last = tandem(live, "metrics", job_id, "--last", "2")
+    assert [r.split()[0] for r in last.stdout.splitlines()[1:]] == ["1", "2"]
+    every = tandem(live, "metrics", job_id, "--every", "2", "--keys", "actor/lr,val/accuracy")
+    header, *rows = every.stdout.splitlines()
+    assert header.split() == ["STEP", "actor/lr", "val/accuracy"]
+    assert [r.split()[0] for r in rows] == ["0", "2"]
+    one = json.loads(tandem(live, "metrics", job_id, "--last", "1", "--keys", "actor/lr", "--json").stdout)
+    assert [(r["step"], set(r["values"])) for r in one] == [(2, {"actor/lr"})]
+    bad = tandem(live, "metrics", job_id, "--last", "0")
+    assert bad.returncode == 2 and "--last" in bad.stderr
+
+
+def test_a_job_that_stops_early_says_why(live):
+    stopped = tandem(live, "submit", str(EXAMPLES / "grpo_tiny.yaml"), "--steps", "5",
+                     "--set", "reward.function=tests.test_trainer:always_right", "--set", "trainer.val_every=1",
+                     "--set", "trainer.val_size=4", "--set", "trainer.prompts_per_step=2",
+                     "--set", "trainer.stop_at_val_accuracy=0.5", "--set", "checkpoint.every=0", "--follow")  # fmt: skip
+    assert stopped.returncode == 0, stopped.stderr
+    assert "succeeded, stopped at step 1/5: val accuracy 1.000 reached trainer.stop_at_val_accuracy 0.5" in (
+        stopped.stdout
+    )

@@ -45,6 +45,14 @@ def create_job(
     return job_view(job)
 
 
+@router.post("/validate", dependencies=WRITE, responses=BODY_ERRORS)
+def validate_job(service: ServiceDep, checker: CheckerDep, spec: JobSpec = Body(...)) -> dict[str, Any]:
+    """The checks of `POST /v1/jobs`, without creating a job (`tandem submit --dry-run`)."""
+    checker.submittable(spec)
+    service.check_fits_cluster(spec)
+    return {"object": "job_spec", "valid": True, "spec": spec.model_dump(mode="json")}
+
+
 @router.get("", dependencies=READ, response_model=dict[str, Any])
 def list_jobs(
     service: ServiceDep,

@@ -152,6 +152,22 @@ def score_answer(response: str, ground_truth: Any) -> dict[str, float]:
     return {"score": float(correct), "format": float(well_formed)}
 
 
+def score_partial(response: str, ground_truth: Any) -> dict[str, float]:
+    """A shaped version of the rule for models that cannot answer yet: 1.0 for the right answer, else
+    0.1 for starting with an integer, 0.1 more for nothing after it, and up to 0.3 for the answer's
+    digits in their places (counted from the units). The exact "score" of `score_answer` is kept as
+    "correct", so a job still reports how many answers are right."""
+    exact = score_answer(response, ground_truth)
+    if exact["score"] == 1.0:
+        return {**exact, "correct": 1.0}
+    match = _ANSWER.match(extract_answer_text(response))
+    if match is None:
+        return {"score": 0.0, "format": 0.0, "correct": 0.0}
+    answer, truth = match.group(), str(ground_truth).strip()
+    in_place = sum(a == b for a, b in zip(answer[::-1], truth[::-1], strict=False)) / max(len(truth), 1)
+    return {"score": 0.1 + 0.1 * exact["format"] + 0.3 * in_place, "format": exact["format"], "correct": 0.0}
+
+
 def extract_answer_text(response: str) -> str:
     """The response up to its first end marker, stripped of surrounding whitespace."""
     for marker in _END_MARKERS:
@@ -179,3 +195,10 @@ def make_split(split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
 def arithmetic_reward(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> dict:
     """The reward behind "builtin:arithmetic": {"score": 0 or 1, "format": 0 or 1}."""
     return score_answer(response, ground_truth)
+
+
+def arithmetic_partial_reward(
+    prompt: str, response: str, ground_truth: Any, extra: dict | None = None
+) -> dict:
+    """The reward behind "builtin:arithmetic_partial": partial credit (`score_partial`)."""
+    return score_partial(response, ground_truth)

@@ -1,0 +1,91 @@
+"""Where the running service is: `$TANDEM_HOME/service.json`, so that every client of one home finds it.
+
+`tandem serve` writes {"url", "pid", "home", "started_at"} there once it has a port, and removes it on
+a clean exit. The CLI, the client and `make run` read it when TANDEM_URL is not set, so a service on
+a port other than 8000 is still found without flags. A record whose process is gone (the service
+was killed) is stale: it is ignored and a new service may replace it. One home has one service:
+a second `tandem serve` on a home whose service is alive refuses to start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+RECORD = "service.json"
+
+
+def record_path(home: Path) -> Path:
+    return Path(home) / RECORD
+
+
+def write_record(home: Path, url: str) -> Path:
+    """Record this process as the home's service at `url` (written whole, then renamed)."""
+    path = record_path(home)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"url": url, "pid": os.getpid(), "home": str(home), "started_at": time.time()}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(body) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_record(home: Path) -> dict[str, Any] | None:
+    """The live service's record, or None when there is none, it is unreadable, or its process is gone."""
+    try:
+        record = json.loads(record_path(home).read_text())
+        pid, url = int(record["pid"]), str(record["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return {**record, "pid": pid, "url": url} if pid_alive(pid) else None
+
+
+def remove_record(home: Path) -> None:
+    """Remove the record if it is this process's (a newer service's record is left alone)."""
+    path = record_path(home)
+    try:
+        if int(json.loads(path.read_text())["pid"]) == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:  # Linux: a process that exited but was not reaped yet still answers kill(pid, 0)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def choose_port(host: str, preferred: int) -> int:
+    """`preferred` when it is free, else a free port the system picks."""
+    if port_free(host, preferred):
+        return preferred
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
