@@ -32,6 +32,7 @@ from controller.service import Service
 
 log = logging.getLogger("tandem.server")
 DEFAULT_PORT = 8000
+RAY_START_TRIES = 3  # a local Ray gives its node 30 s to start, which a loaded 2-core machine can miss
 
 
 def init_ray(address: str | None, num_cpus: int | None = None, home: Path | None = None) -> None:
@@ -45,10 +46,19 @@ def init_ray(address: str | None, num_cpus: int | None = None, home: Path | None
     common = {"namespace": "tandem", "runtime_env": {"env_vars": env_vars}, "logging_level": "warning",
               "log_to_driver": False}  # fmt: skip
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address:
-        ray.init(address=address, **common)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
+    for attempt in range(1, RAY_START_TRIES + 1):
+        try:
+            if address:
+                ray.init(address=address, **common)
+            else:
+                ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
+            return
+        except Exception as err:  # Ray raises a bare Exception when its node is slow to come up
+            if "timed out during startup" not in str(err) or attempt == RAY_START_TRIES:
+                raise
+            log.warning("Ray's node did not start within Ray's 30 s (a busy machine?): trying again (%d/%d)",
+                        attempt + 1, RAY_START_TRIES)  # fmt: skip
+            ray.shutdown()
 
 
 def serve(

@@ -2,17 +2,21 @@
 # The REST API with nothing but curl: submit a job, watch it, pause, resume, fork it from a
 # checkpoint, change a hyper-parameter while it runs, cancel it.
 #
-#   tandem serve &                         # in another terminal: the service on 127.0.0.1:8000
+#   tandem serve &                         # in another terminal (or `make run`)
 #   bash examples/walkthrough.sh
 #
-# TANDEM_URL (default http://127.0.0.1:8000) and TANDEM_TOKEN (default: the admin token the service
-# wrote to $TANDEM_HOME/admin_token, TANDEM_HOME defaulting to ~/.tandem). JSON fields are picked
+# TANDEM_URL (default: the URL the running service recorded in $TANDEM_HOME/service.json, else
+# http://127.0.0.1:8000) and TANDEM_TOKEN (default: the admin token the service wrote to
+# $TANDEM_HOME/admin_token), TANDEM_HOME defaulting to ~/.tandem. JSON fields are picked
 # with python3 so jq is not needed. Every wait is bounded (WAIT_S, default 180 s) and the jobs are
 # tiny, so the script finishes on its own in a minute or two on a laptop.
 set -euo pipefail
 
-URL="${TANDEM_URL:-http://127.0.0.1:8000}"
-TOKEN="${TANDEM_TOKEN:-$(cat "${TANDEM_HOME:-$HOME/.tandem}/admin_token" 2>/dev/null || true)}"
+HOME_DIR="${TANDEM_HOME:-$HOME/.tandem}"
+# The running service recorded its URL (port included) in the home.
+RECORDED="$(sed -n 's/.*"url": "\([^"]*\)".*/\1/p' "$HOME_DIR/service.json" 2>/dev/null || true)"
+URL="${TANDEM_URL:-${RECORDED:-http://127.0.0.1:8000}}"
+TOKEN="${TANDEM_TOKEN:-$(cat "$HOME_DIR/admin_token" 2>/dev/null || true)}"
 WAIT_S="${WAIT_S:-180}"
 if [ -z "$TOKEN" ]; then
   echo "no token: set TANDEM_TOKEN (the service's admin token is in \$TANDEM_HOME/admin_token)" >&2
