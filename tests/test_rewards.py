@@ -69,6 +69,17 @@ def user_module(tmp_path, monkeypatch):
         ("builtin:format_boxed", "the answer is 4", None, 0.0),
         ("builtin:arithmetic", "81<|endoftext|>", "81", {"score": 1.0, "format": 1.0}),
         ("builtin:arithmetic", "18", "81", {"score": 0.0, "format": 1.0}),
+        # partial credit: 0.1 for a leading number, 0.1 for nothing after it, 0.3 x digits in place
+        (
+            "builtin:arithmetic_partial",
+            "81<|endoftext|>",
+            "81",
+            {"score": 1.0, "format": 1.0, "correct": 1.0},
+        ),
+        ("builtin:arithmetic_partial", "71", "81", {"score": 0.35, "format": 1.0, "correct": 0.0}),
+        ("builtin:arithmetic_partial", "1+x", "81", {"score": 0.25, "format": 0.0, "correct": 0.0}),
+        ("builtin:arithmetic_partial", "18", "81", {"score": 0.2, "format": 1.0, "correct": 0.0}),
+        ("builtin:arithmetic_partial", "x81", "81", {"score": 0.0, "format": 0.0, "correct": 0.0}),
     ],
 )
 def test_builtin_rewards(ref, response, truth, expected):
