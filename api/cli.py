@@ -135,7 +135,10 @@ def _events(args: argparse.Namespace, client: TandemClient) -> int:
 
 def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
     keys = [k.strip() for k in (args.keys or "").split(",") if k.strip()] or None
-    rows = thin(client.metrics(args.job_id, keys)["data"], args.every, args.last)
+    rows = client.metrics(args.job_id, keys)["data"]
+    if keys:  # the steps that recorded any of them (validation metrics only every val_every steps)
+        rows = [r for r in rows if any(r["values"].get(k) is not None for k in keys)]
+    rows = thin(rows, args.every, args.last)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import ray
 import uvicorn
@@ -46,12 +47,17 @@ def init_ray(address: str | None, num_cpus: int | None = None, home: Path | None
     common = {"namespace": "tandem", "runtime_env": {"env_vars": env_vars}, "logging_level": "warning",
               "log_to_driver": False}  # fmt: skip
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address:
+        ray_init(address=address, **common)
+    else:
+        ray_init(num_cpus=num_cpus, include_dashboard=False, **common)
+
+
+def ray_init(**kwargs: Any) -> None:
+    """`ray.init`, tried again when a local node misses Ray's fixed 30 s start window (a busy machine)."""
     for attempt in range(1, RAY_START_TRIES + 1):
         try:
-            if address:
-                ray.init(address=address, **common)
-            else:
-                ray.init(num_cpus=num_cpus, include_dashboard=False, **common)
+            ray.init(**kwargs)
             return
         except Exception as err:  # Ray raises a bare Exception when its node is slow to come up
             if "timed out during startup" not in str(err) or attempt == RAY_START_TRIES:

@@ -35,8 +35,9 @@ EXAMPLES = Path(__file__).resolve().parent
 ROOT = EXAMPLES.parent
 
 
-def start_service(home: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "api.cli", "serve", "--home", str(home)]  # port: TANDEM_PORT or 8000
+def start_service(home: Path, extra: list[str] | None = None) -> subprocess.Popen:
+    # The port: TANDEM_PORT or 8000, or a free one; the service records it in the home.
+    command = [sys.executable, "-m", "api.cli", "serve", "--home", str(home), *(extra or [])]
     return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "TANDEM_HOME": str(home)})
 
 

@@ -15,8 +15,10 @@ def ray_cluster():
     """A local Ray with 8 logical CPUs (the 2 real cores are time-shared), started once per session."""
     import ray
 
+    from api.server import ray_init
+
     if not ray.is_initialized():
-        ray.init(
+        ray_init(
             num_cpus=8,
             num_gpus=0,
             include_dashboard=False,

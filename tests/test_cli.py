@@ -19,7 +19,7 @@ FAST = ["--steps", "2", "--set", "trainer.prompts_per_step=4", "--set", "trainer
         "--set", "trainer.val_size=8", "--set", "checkpoint.every=1"]  # fmt: skip
 
 
-def tandem(live, *args: str, url: str | None = None, token: str | None = None, timeout: float = 240):
+def tandem(live, *args: str, url: str | None = None, token: str | None = None, timeout: float = 600):
     env = {**os.environ, "TANDEM_URL": url or (live.url if live else ""), "TANDEM_TOKEN": token or "",
            "TANDEM_HOME": "/nonexistent"}  # fmt: skip
     if live and token is None:
