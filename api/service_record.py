@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 RECORD = "service.json"
 
 
@@ -42,6 +44,17 @@ def read_record(home: Path) -> dict[str, Any] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return {**record, "pid": pid, "url": url} if pid_alive(pid) else None
+
+
+def ready_url(home: Path, pid: int | None = None) -> str | None:
+    """The URL of the home's live service (of process `pid`, if given) once it answers /readyz, else None."""
+    record = read_record(home)
+    if record is None or (pid is not None and record["pid"] != pid):
+        return None
+    try:
+        return record["url"] if httpx.get(record["url"] + "/readyz", timeout=5).status_code == 200 else None
+    except httpx.HTTPError:
+        return None
 
 
 def remove_record(home: Path) -> None:

@@ -24,12 +24,11 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import yaml
 
 from api.cli_watch import follow
 from api.client import TandemClient, client_home
-from api.service_record import read_record
+from api.service_record import read_record, ready_url
 
 EXAMPLES = Path(__file__).resolve().parent
 ROOT = EXAMPLES.parent
@@ -47,13 +46,9 @@ def wait_ready(home: Path, server: subprocess.Popen, timeout_s: float = 300) -> 
     while time.time() < deadline:
         if server.poll() is not None:
             raise SystemExit(f"tandem serve exited with code {server.returncode}; see its output above")
-        record = read_record(home)
-        try:
-            if record and record["pid"] == server.pid:
-                if httpx.get(record["url"] + "/readyz", timeout=5).status_code == 200:
-                    return record["url"]
-        except httpx.HTTPError:
-            pass
+        url = ready_url(home, server.pid)
+        if url:
+            return url
         time.sleep(0.5)
     raise SystemExit(f"the service did not become ready within {timeout_s:.0f}s")
 

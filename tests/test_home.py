@@ -18,10 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from api.service_record import choose_port, read_record, record_path, remove_record, write_record
+from api.service_record import (
+    choose_port,
+    read_record,
+    ready_url,
+    record_path,
+    remove_record,
+    write_record,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,12 +113,8 @@ def _wait_ready(home: Path, server: subprocess.Popen, log: Path, timeout_s: floa
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert server.poll() is None, f"tandem serve exited:\n{log.read_text()[-3000:]}"
-        record = read_record(home)
-        if record:
-            try:
-                if httpx.get(record["url"] + "/readyz", timeout=5).status_code == 200:
-                    return record["url"]
-            except httpx.HTTPError:
-                pass
+        url = ready_url(home, server.pid)
+        if url:
+            return url
         time.sleep(0.3)
     raise AssertionError(f"tandem serve was not ready within {timeout_s:.0f}s:\n{log.read_text()[-3000:]}")
