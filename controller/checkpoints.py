@@ -1,7 +1,8 @@
 """A job's checkpoints: the workers' engine states plus the trainer's own state, under one step folder.
 
 Layout: `<workdir>/checkpoints/step_<N>/{actor,critic}/...` written by the workers (each atomically),
-then `trainer_state.json` (step, data position, KL coefficient), written last through a rename:
+then `trainer_state.json` (`Trainer.state_dict()`: step, data position, KL coefficient), written last
+through a rename:
 a step folder without it is incomplete and never resumed from. Retention keeps the newest
 `checkpoint.keep_last` complete folders.
 """
@@ -11,13 +12,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from controller.spec import JobSpec
 from engines import checkpoint as ckpt
 
 if TYPE_CHECKING:
-    from controller.trainer import Trainer
+    from controller.roles import JobGroups
 
 STATE_FILE = "trainer_state.json"
 
@@ -31,20 +32,17 @@ def complete(workdir: Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in ckpt.list_checkpoints(root(workdir)) if (p / STATE_FILE).exists()]
 
 
-def save(trainer: Trainer, step: int) -> Path:
-    folder = ckpt.step_dir(root(trainer.workdir), step)
+def save(workdir: Path, step: int, groups: JobGroups, trainer_state: dict[str, Any], keep_last: int) -> Path:
+    """The workers' engine states, then the trainer's state (last, by rename); prunes old folders."""
+    folder = ckpt.step_dir(root(workdir), step)
     if folder.exists():
         shutil.rmtree(folder)  # a leftover of an interrupted save of the same step
     folder.mkdir(parents=True)
-    groups = trainer.job.groups
-    groups.actor.save_checkpoint(str(folder), step)
-    if groups.critic is not None:
-        groups.critic.save_checkpoint(str(folder), step)
-    state = {"step": step, "loader": trainer.job.loader.state_dict(), "kl_coef": trainer.kl.value}
+    groups.save_checkpoint(str(folder), step)
     tmp = folder / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
+    tmp.write_text(json.dumps(trainer_state, indent=2))
     tmp.replace(folder / STATE_FILE)
-    for _step, old in complete(trainer.workdir)[: -trainer.spec.checkpoint.keep_last]:
+    for _step, old in complete(workdir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return folder
 
@@ -62,15 +60,8 @@ def find_resume_folder(spec: JobSpec, workdir: Path) -> Path | None:
     return None
 
 
-def load(trainer: Trainer, folder: Path) -> int:
+def load(folder: Path, groups: JobGroups) -> dict[str, Any]:
+    """Restore the workers' engine states from `folder`; returns the trainer's state saved with them."""
     state = json.loads((folder / STATE_FILE).read_text())
-    groups = trainer.job.groups
-    groups.actor.load_checkpoint(str(folder))
-    # The spec's learning rate wins over the checkpoint's: an edit made while paused, or a fork's override.
-    groups.actor.set_hyperparameters(lr=trainer.spec.optim.lr)
-    if groups.critic is not None:
-        groups.critic.load_checkpoint(str(folder))
-        groups.critic.set_hyperparameters(lr=trainer.spec.algorithm.critic_lr)
-    trainer.job.loader.load_state_dict(state["loader"])
-    trainer.kl.value = state["kl_coef"]
-    return int(state["step"])
+    groups.load_checkpoint(str(folder))
+    return state

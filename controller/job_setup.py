@@ -2,7 +2,7 @@
 
 `JobSetup.build` runs the build order once (model → tokenizer → data → reward → worker groups) and
 then serves the trainer: the next prompt batch with its sampling settings, the next SFT batch, the
-validation batch, the policy-loss configuration, and hyper-parameter edits.
+validation batch, and hyper-parameter edits.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from controller.rewards import RewardScorer
 from controller.roles import JobGroups, needs_reference, start_groups
 from controller.sink import JobSink
 from controller.spec import JobSpec
-from workers.batch import Batch
+from workers.batch import Batch, put_sampling
 
 # Hyper-parameters that may change while a job runs, and where each lives in the JobSpec.
 HYPERPARAMETERS: dict[str, tuple[str, str]] = {
@@ -34,19 +34,6 @@ HYPERPARAMETERS: dict[str, tuple[str, str]] = {
     "top_p": ("rollout", "top_p"),
     "top_k": ("rollout", "top_k"),
 }
-
-POLICY_LOSS_FIELDS = (
-    "policy_loss",
-    "clip_ratio_low",
-    "clip_ratio_high",
-    "clip_ratio_c",
-    "loss_agg_mode",
-    "entropy_coeff",
-    "use_kl_loss",
-    "kl_loss_coef",
-    "kl_loss_type",
-    "rollout_correction",
-)
 
 
 def hyperparameter_overrides(changes: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -97,12 +84,9 @@ class JobSetup:
         if val_file is not None and spec.trainer.val_every:
             val = build_dataset(val_file, tokenizer, spec.data)
             val_batch = val.make_batch(list(range(min(spec.trainer.val_size, len(val)))))
+            put_sampling(val_batch, spec.rollout.sampling_params(seed=0, greedy=True))
             val_batch.meta.update(
-                {
-                    "sampling": {**_sampling(spec, seed=0), "temperature": 0.0},
-                    "max_prompt_length": spec.data.max_prompt_length,
-                    "environment": _environment(spec),
-                }
+                {"max_prompt_length": spec.data.max_prompt_length, "environment": _environment(spec)}
             )
         scorer = RewardScorer(spec.reward.function, spec.reward.num_workers) if spec.reward.function else None
         sink.event(
@@ -134,9 +118,9 @@ class JobSetup:
         batch = next(self.loader).repeat(self.spec.rollout.n, interleave=True)
         # The seed is a function of the step and round alone, so a resumed job samples what it would have.
         seed = self.spec.trainer.seed * 1_000_003 + step + round_index * 2**32
+        put_sampling(batch, self.spec.rollout.sampling_params(seed=seed))
         batch.meta.update(
             {
-                "sampling": _sampling(self.spec, seed=seed),
                 "max_prompt_length": self.spec.data.max_prompt_length,
                 "environment": _environment(self.spec),
                 "step": step,
@@ -147,16 +131,13 @@ class JobSetup:
     def next_sft_batch(self) -> Batch:
         return next(self.loader)
 
-    def policy_loss_config(self) -> dict[str, Any]:
-        return self.spec.algorithm.model_dump(include=set(POLICY_LOSS_FIELDS))
-
     def apply_hyperparameters(self, spec: JobSpec, changes: dict[str, Any]) -> JobSpec:
         """A validated spec with the edits; learning rates go to the workers now."""
         new = spec.merged(hyperparameter_overrides(changes))
         if "lr" in changes:
-            self.groups.actor.set_hyperparameters(lr=new.optim.lr)
+            self.groups.actor.set_learning_rate(new.optim.lr)
         if "critic_lr" in changes and self.groups.critic is not None:
-            self.groups.critic.set_hyperparameters(lr=new.algorithm.critic_lr)
+            self.groups.critic.set_learning_rate(new.algorithm.critic_lr)
         self.spec = new
         return new
 
@@ -164,17 +145,6 @@ class JobSetup:
         if self.scorer is not None:
             self.scorer.close()
         self.groups.shutdown()
-
-
-def _sampling(spec: JobSpec, seed: int) -> dict[str, Any]:
-    r = spec.rollout
-    return {
-        "max_new_tokens": r.max_new_tokens,
-        "temperature": r.temperature,
-        "top_p": r.top_p,
-        "top_k": r.top_k,
-        "seed": seed,
-    }
 
 
 def _environment(spec: JobSpec) -> dict[str, Any] | None:

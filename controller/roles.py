@@ -1,21 +1,26 @@
-"""From a JobSpec to running worker groups: engine configs for each role, placed on one pool.
+"""From a JobSpec to running worker groups: each role's typed config, on one pool.
 
 The job's ranks are one `ResourcePool` (one bundle per rank). The hybrid actor-rollout-ref worker
 takes the bundles; a critic (PPO with GAE) and a reward model (when the job scores with one) are
-colocated on the same bundles in their own actors, the groups splitting every bundle evenly.
+colocated on the same bundles in their own actors, the groups splitting every bundle evenly. Each
+worker receives its config model (workers/config.py, engines/config.py), built from the JobSpec
+sections that inherit its fields, and the trainer talks to each group through its typed surface
+(controller/groups.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controller.groups import ActorGroup, CriticGroup, RewardGroup
 from controller.resource_pool import ResourcePool
 from controller.spec import JobSpec
 from controller.worker_group import RayWorkerGroup
-from engines.config import EngineConfig
+from engines.config import EngineConfig, fields_of
+from workers.config import HybridWorkerConfig, RolloutConfig
 from workers.critic import CriticWorker
-from workers.hybrid import ActorRolloutRefWorker, HybridWorkerConfig, RolloutConfig
-from workers.reward_model import RewardModelWorker
+from workers.hybrid import ActorRolloutRefWorker
+from workers.reward_model import RewardModelConfig, RewardModelWorker
 
 
 def needs_reference(spec: JobSpec) -> bool:
@@ -27,41 +32,25 @@ def needs_critic(spec: JobSpec) -> bool:
 
 
 def engine_config(spec: JobSpec, model_path: str, lr: float, trainable: bool = True) -> EngineConfig:
-    o, a = spec.optim, spec.algorithm
     return EngineConfig(
         model_path=model_path,
         trainable=trainable,
         dtype=spec.model.dtype,
         gradient_checkpointing=spec.model.gradient_checkpointing,
-        optim={"lr": lr, "betas": o.betas, "weight_decay": o.weight_decay, "grad_clip": o.grad_clip},
-        scheduler={
-            "kind": o.schedule,
-            "warmup_steps": o.warmup_steps,
-            "total_steps": spec.trainer.total_steps,
-            "min_lr_ratio": o.min_lr_ratio,
-        },
-        micro_batch={
-            "micro_batch_size": a.micro_batch_size,
-            "max_tokens_per_micro_batch": a.max_tokens_per_micro_batch,
-        },
+        optim=spec.optim.optimizer_config(lr),
+        scheduler=spec.optim.scheduler_config(spec.trainer.total_steps),
+        micro_batch=spec.algorithm.micro_batch_config(),
         seed=spec.trainer.seed,
     )
 
 
 def hybrid_config(spec: JobSpec, model_path: str) -> HybridWorkerConfig:
-    r = spec.rollout
     return HybridWorkerConfig(
         actor=engine_config(spec, model_path, spec.optim.lr),
         ref=engine_config(spec, model_path, spec.optim.lr, trainable=False)
         if needs_reference(spec)
         else None,
-        rollout=RolloutConfig(
-            backend=r.backend,
-            tensor_parallel_size=r.tensor_parallel_size,
-            bucket_mb=r.bucket_mb,
-            free_cache_after_generate=r.free_cache_after_generate,
-            offload_trainer_during_rollout=r.offload_trainer_during_rollout,
-        ),
+        rollout=fields_of(spec.rollout, RolloutConfig, dtype=spec.model.dtype),
     )
 
 
@@ -70,9 +59,26 @@ class JobGroups:
     """The job's placement and the worker groups on it."""
 
     pool: ResourcePool
-    actor: RayWorkerGroup
-    critic: RayWorkerGroup | None
-    reward: RayWorkerGroup | None = None
+    actor: ActorGroup
+    critic: CriticGroup | None
+    reward: RewardGroup | None = None
+
+    def save_checkpoint(self, folder: str, step: int) -> None:
+        """Every training role writes its engine state under `folder` (actor/, critic/)."""
+        self.actor.save_checkpoint(folder, step)
+        if self.critic is not None:
+            self.critic.save_checkpoint(folder, step)
+
+    def load_checkpoint(self, folder: str) -> None:
+        self.actor.load_checkpoint(folder)
+        if self.critic is not None:
+            self.critic.load_checkpoint(folder)
+
+    def set_learning_rates(self, spec: JobSpec) -> None:
+        """The spec's learning rates, now (an edit, or over a checkpoint's)."""
+        self.actor.set_learning_rate(spec.optim.lr)
+        if self.critic is not None:
+            self.critic.set_learning_rate(spec.algorithm.critic_lr)
 
     def shutdown(self) -> None:
         for group in (self.reward, self.critic, self.actor):
@@ -85,35 +91,24 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
     pool = ResourcePool.for_resources(spec.resources, name=f"{name}-pool")
     # Colocated groups split every bundle evenly.
     share = 1.0 / (1 + needs_critic(spec) + (spec.reward.model_path is not None))
-    try:
-        actor = RayWorkerGroup(
-            pool,
-            ActorRolloutRefWorker,
-            hybrid_config(spec, model_path).model_dump(),
-            group_name=f"{name}-actor",
-            share=share,
-            call_timeout_s=call_timeout_s,
+
+    def start(worker_cls: type, config: object, role: str) -> RayWorkerGroup:
+        return RayWorkerGroup(
+            pool, worker_cls, config, group_name=f"{name}-{role}", share=share, call_timeout_s=call_timeout_s
         )
+
+    try:
+        actor = ActorGroup(start(ActorRolloutRefWorker, hybrid_config(spec, model_path), "actor"))
         critic = None
         if needs_critic(spec):
-            critic_path = spec.model.critic_path or model_path
-            critic = RayWorkerGroup(
-                pool,
-                CriticWorker,
-                engine_config(spec, critic_path, spec.algorithm.critic_lr).model_dump(),
-                group_name=f"{name}-critic",
-                share=share,
-                call_timeout_s=call_timeout_s,
+            critic_config = engine_config(
+                spec, spec.model.critic_path or model_path, spec.algorithm.critic_lr
             )
+            critic = CriticGroup(start(CriticWorker, critic_config, "critic"))
         reward = None
         if spec.reward.model_path is not None:
-            reward = RayWorkerGroup(
-                pool,
-                RewardModelWorker,
-                {"model_path": spec.reward.model_path},
-                group_name=f"{name}-reward",
-                share=share,
-                call_timeout_s=call_timeout_s,
+            reward = RewardGroup(
+                start(RewardModelWorker, RewardModelConfig(model_path=spec.reward.model_path), "reward")
             )
     except Exception:
         pool.remove()

@@ -3,6 +3,13 @@
 The REST payload, the YAML/JSON example files and the CLI flags are this same model. Every section
 forbids unknown keys, so a typo is a 422 that names the field, and the defaults run on a laptop: a
 GRPO job on the built-in arithmetic task with a ~1M-parameter model, on CPU.
+
+A setting that a lower layer also uses is declared once, in that layer's model, and inherited here:
+`optim` from engines.config.OptimizerConfig / WarmupDecay, `algorithm` from
+workers.loss_config.PolicyLossConfig and engines.config.MicroBatchConfig, `rollout` from
+workers.config.RolloutOptions and engines.rollout.SamplingKnobs. Their validators run on submission,
+and the section methods (`optimizer_config`, `policy_loss_config`, `sampling_params`, ...) hand the
+lower layers their own model, typed. See docs/ARCHITECTURE.md, "Configuration".
 """
 
 from __future__ import annotations
@@ -19,8 +26,18 @@ from pydantic import (
     model_validator,
 )
 
-from engines.rollout import ROLLOUT_ENGINES, check_tensor_parallel
-from workers.loss_config import RolloutCorrectionConfig
+from engines.config import (
+    Dtype,
+    MicroBatchConfig,
+    OptimizerConfig,
+    ScheduleKind,
+    SchedulerConfig,
+    WarmupDecay,
+    fields_of,
+)
+from engines.rollout.base import SamplingKnobs, SamplingParams
+from workers.config import RolloutOptions, UpdateSchedule
+from workers.loss_config import PolicyLossConfig
 
 MAX_SAMPLES = 1 << 20  # prompts, samples or rows per step: far beyond any machine's memory
 
@@ -69,8 +86,8 @@ class ModelSpec(Section):
     )
     builtin: str | None = Field(None, description="name of a built-in model, e.g. 'qwen2-1m'")
     critic_path: str | None = Field(None, description="critic body (PPO); defaults to the policy's folder")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="auto: bf16 on GPU, fp32 on CPU"
+    dtype: Dtype = Field(
+        "auto", description="auto: bf16 on GPU, fp32 on CPU; the trainer's and the rollout's"
     )
     gradient_checkpointing: bool = False
 
@@ -117,54 +134,43 @@ class RewardSpec(Section):
         return self
 
 
-class RolloutSpec(Section):
-    """Generation: backend, sampling, and memory behaviour in the colocated worker."""
+class RolloutSpec(Section, RolloutOptions, SamplingKnobs):
+    """Generation: backend and memory behaviour in the colocated worker (workers.config.RolloutOptions),
+    sampling (engines.rollout.SamplingKnobs), and the group size and response length of the job."""
 
-    backend: str = Field(
-        "hf",
-        description="rollout engine, by its name in engines.rollout.ROLLOUT_ENGINES ('hf', 'sglang', ...)",
-        json_schema_extra=lambda schema: schema.update(enum=ROLLOUT_ENGINES.names()),
-    )
     n: int = Field(8, ge=1, le=4096, description="samples per prompt (the GRPO group size)")
-    temperature: float = Field(1.0, ge=0, le=100)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, le=1_000_000, description="-1 disables top-k")
-    max_new_tokens: int = Field(8, gt=0, le=1_048_576)
-    tensor_parallel_size: int = Field(1, ge=1, le=1024)
-    bucket_mb: int = Field(512, gt=0, le=1_048_576, description="weight-sync bucket size")
-    free_cache_after_generate: bool = Field(True, description="release rollout memory between generations")
-    offload_trainer_during_rollout: bool = False
+    max_new_tokens: int = Field(
+        8, gt=0, le=1_048_576, description="hard cap on generated tokens per response"
+    )
     environment: str | None = Field(
         None,
         description="multi-turn: 'builtin:NAME', 'module:Class' or 'path/file.py:Class' "
         "(workers/environments/base.py); None = one response per prompt",
     )
-    max_turns: int = Field(4, ge=1, description="multi-turn: assistant turns per trajectory")
+    max_turns: int = Field(4, ge=1, le=1024, description="multi-turn: assistant turns per trajectory")
     max_response_tokens: int = Field(
-        256, gt=0, description="multi-turn: token budget of a trajectory after its first prompt"
+        256, gt=0, le=1_048_576, description="multi-turn: token budget of a trajectory after its first prompt"
     )
-    env_step_timeout_s: float = Field(10.0, gt=0, description="multi-turn: time limit of one step")
+    env_step_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="multi-turn: time limit of one environment step"
+    )
 
-    @field_validator("backend")
-    @classmethod
-    def _known_backend(cls, name: str) -> str:
-        ROLLOUT_ENGINES.entry(name)  # raises naming the choices
-        return name
-
-    @model_validator(mode="after")
-    def _tensor_parallel_supported(self) -> RolloutSpec:
-        check_tensor_parallel(self.backend, self.tensor_parallel_size)
-        return self
+    def sampling_params(self, seed: int | None, greedy: bool = False) -> SamplingParams:
+        """One completion per (already repeated) prompt, with this section's settings."""
+        overrides: dict[str, Any] = {"temperature": 0.0} if greedy else {}
+        return fields_of(self, SamplingParams, n=1, seed=seed, **overrides)
 
 
-class OptimSpec(Section):
-    lr: float = Field(1e-5, gt=0, le=10)
-    weight_decay: float = Field(0.0, ge=0, le=100)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(1.0, gt=0, le=1e6)
-    warmup_steps: int = Field(0, ge=0, le=100_000_000)
-    schedule: Literal["constant", "cosine"] = "constant"
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+class OptimSpec(Section, OptimizerConfig, WarmupDecay):
+    """The actor's optimizer (engines.config.OptimizerConfig) and learning-rate schedule."""
+
+    schedule: ScheduleKind = "constant"
+
+    def optimizer_config(self, lr: float) -> OptimizerConfig:
+        return fields_of(self, OptimizerConfig, lr=lr)
+
+    def scheduler_config(self, total_steps: int) -> SchedulerConfig:
+        return fields_of(self, SchedulerConfig, kind=self.schedule, total_steps=total_steps)
 
 
 class OverlongSpec(Section):
@@ -204,8 +210,9 @@ class DynamicSamplingSpec(Section):
     )
 
 
-class AlgorithmSpec(Section):
-    """Advantages, losses and the PPO update's mini-batches and epochs."""
+class AlgorithmSpec(Section, PolicyLossConfig, MicroBatchConfig):
+    """Advantages, losses (workers.loss_config.PolicyLossConfig, rollout_correction included) and the PPO update's mini-batches, epochs
+    and micro-batches (engines.config.MicroBatchConfig)."""
 
     advantage: Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] | None = Field(
         None, description="defaults from the method"
@@ -213,17 +220,6 @@ class AlgorithmSpec(Section):
     norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(1.0, ge=0, le=1)
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    clip_ratio_low: float = Field(0.2, ge=0, le=100)
-    clip_ratio_high: float = Field(0.2, ge=0, le=100)
-    clip_ratio_c: float = Field(3.0, gt=1, le=1e6)
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
-    entropy_coeff: float = Field(0.0, ge=-100, le=100)
-    use_kl_loss: bool = False
-    kl_loss_coef: float = Field(0.001, ge=0, le=1e6)
-    kl_loss_type: Literal["k1", "k2", "k3"] = "k3"
     kl_in_reward: bool = False
     kl_reward_coef: float = Field(0.001, ge=0, le=1e6)
     kl_target: float | None = Field(
@@ -233,16 +229,6 @@ class AlgorithmSpec(Section):
         None, gt=0, le=MAX_SAMPLES, description="samples per optimizer step; None = all"
     )
     ppo_epochs: int = Field(1, ge=1, le=1000)
-    micro_batch_size: int | None = Field(
-        None, gt=0, le=MAX_SAMPLES, description="samples per micro-batch (fixed)"
-    )
-    max_tokens_per_micro_batch: int | None = Field(
-        None,
-        gt=0,
-        le=1 << 40,
-        description="dynamic micro-batching budget; with micro_batch_size also None, a budget chosen from the "
-        "model's hidden size and the device",
-    )
     critic_lr: float = Field(1e-5, gt=0, le=10)
     recompute_old_log_probs: bool = Field(
         False,
@@ -251,17 +237,22 @@ class AlgorithmSpec(Section):
         "the current policy's",
     )
     vf_clip: float = Field(0.2, ge=0, le=1e6)
-    rollout_correction: RolloutCorrectionConfig = Field(
-        default_factory=RolloutCorrectionConfig,
-        description="correction for the gap between the rollout engine's and the trainer's log-probs: "
-        "truncated importance weights and rejection of tokens or sequences (off by default)",
-    )
     overlong: OverlongSpec = Field(
         default_factory=OverlongSpec, description="filtering and soft punishment of over-long responses"
     )
     dynamic_sampling: DynamicSamplingSpec = Field(
         default_factory=DynamicSamplingSpec, description="DAPO dynamic sampling of signal-bearing groups"
     )
+
+    def policy_loss_config(self) -> PolicyLossConfig:
+        return fields_of(self, PolicyLossConfig)
+
+    def micro_batch_config(self) -> MicroBatchConfig:
+        return fields_of(self, MicroBatchConfig)
+
+    def update_schedule(self, seed: int) -> UpdateSchedule:
+        """The mini-batches and epochs of one update, the row order seeded by `seed` (the step)."""
+        return UpdateSchedule(mini_batch_size=self.ppo_mini_batch_size, epochs=self.ppo_epochs, seed=seed)
 
 
 class TrainerSpec(Section):

@@ -1,4 +1,4 @@
-"""The single controller of one job: the RL step of DESIGN.md §5, and SFT with the same workers.
+"""The single controller of one job: the RL step (docs/ARCHITECTURE.md), and SFT with the same workers.
 
 `Trainer.run()` builds the job (model, data, rewards, worker groups), resumes from a checkpoint
 when there is one, then loops: one `step()` per iteration, validation every `val_every` steps, a
@@ -27,6 +27,7 @@ from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched, score
 from controller.trajectory_view import multiturn_metrics, step_samples
+from workers.config import UpdateSchedule
 
 
 class StopRequested(Exception):
@@ -120,16 +121,16 @@ class Trainer:
                     metrics.update(
                         critic.update_critic(
                             batch, spec.algorithm.vf_clip, spec.algorithm.loss_agg_mode, self._schedule()
-                        )[0]
+                        )
                     )
             actor_batch, rejection = reject_mismatched(batch, spec.algorithm.rollout_correction)
             with self._timed("update_actor"):
                 metrics.update(
-                    actor.update_actor(actor_batch, self.job.policy_loss_config(), self._schedule())[0]
+                    actor.update_actor(actor_batch, spec.algorithm.policy_loss_config(), self._schedule())
                 )
             metrics.update(rejection)  # its mismatch report covers the tokens the loss no longer sees
             with self._timed("sync"):
-                metrics.update(actor.sync_weights()[0])
+                metrics.update(actor.sync_weights())
         if spec.algorithm.kl_in_reward:
             self.kl.update(adv_metrics["actor/reward_kl_penalty"], len(batch))
         metrics.update(adv_metrics)
@@ -148,9 +149,9 @@ class Trainer:
         with self._timed("step"):
             batch = self.job.next_sft_batch()
             with self._timed("update_actor"):
-                metrics = actor.update_sft(batch, self.spec.algorithm.loss_agg_mode, self._schedule())[0]
+                metrics = actor.update_sft(batch, self.spec.algorithm.loss_agg_mode, self._schedule())
             with self._timed("sync"):
-                metrics.update(actor.sync_weights()[0])
+                metrics.update(actor.sync_weights())
         return self._finish_metrics(metrics, batch)
 
     def validate(self) -> dict[str, float]:
@@ -202,16 +203,29 @@ class Trainer:
 
     # ---- checkpoints and the end ---------------------------------------------------------------
 
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's own resumable state (the workers checkpoint theirs): step, data position, KL."""
+        return {"step": self.step_index, "loader": self.job.loader.state_dict(), "kl_coef": self.kl.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_index = self.completed_steps = int(state["step"])
+        self.job.loader.load_state_dict(state["loader"])
+        self.kl.value = state["kl_coef"]
+
     def save_checkpoint(self) -> Path:
         self.control.checkpoint_now = False
-        folder = checkpoints.save(self, self.step_index)
+        folder = checkpoints.save(
+            self.workdir, self.step_index, self.job.groups, self.state_dict(), self.spec.checkpoint.keep_last
+        )
         self.sink.event("checkpoint", f"saved step {self.step_index}", path=str(folder), step=self.step_index)
         return folder
 
     def _resume(self) -> None:
         folder = checkpoints.find_resume_folder(self.spec, self.workdir)
         if folder is not None:
-            self.step_index = self.completed_steps = checkpoints.load(self, folder)
+            self.load_state_dict(checkpoints.load(folder, self.job.groups))
+            # The spec's learning rates win over the checkpoint's: an edit made while paused, or a fork's.
+            self.job.groups.set_learning_rates(self.spec)
             self.sink.event(
                 "resumed", f"resumed from step {self.step_index}", path=str(folder), step=self.step_index
             )
@@ -235,14 +249,8 @@ class Trainer:
         rejection = a.rollout_correction.rejection != "off"
         return a.recompute_old_log_probs or not single_step or a.kl_in_reward or rejection
 
-    def _schedule(self) -> dict[str, Any]:
-        a = self.spec.algorithm
-        return {
-            "mini_batch_size": a.ppo_mini_batch_size,
-            "epochs": a.ppo_epochs,
-            "shuffle": True,
-            "seed": self.step_index,
-        }
+    def _schedule(self) -> UpdateSchedule:
+        return self.spec.algorithm.update_schedule(seed=self.step_index)
 
     def _due(self, every: int) -> bool:
         return every > 0 and self.step_index % every == 0

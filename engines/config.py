@@ -1,16 +1,35 @@
 """Configuration of a training engine: one small validated model per concern.
 
-`EngineConfig` is what a training role hands to its training engine (FSDP by default): where the model is, how it is sharded
-and offloaded, how it is optimised and scheduled, and how a batch is cut into micro-batches.
-Every section forbids unknown keys and checks what it can on construction, so a bad value fails
-where it was written rather than deep inside a training step.
+`EngineConfig` is what a training role hands to its training engine (chosen by `engine`, FSDP by
+default): where the model is, how it is sharded and offloaded, how it is optimised and scheduled,
+and how a batch is cut into micro-batches. Every section forbids unknown keys and checks what it
+can on construction, so a bad value fails where it was written rather than deep inside a training
+step.
+
+These are the lowest-layer declarations of their settings: the JobSpec sections of
+controller/spec.py inherit them (JobSpec.optim from OptimizerConfig and WarmupDecay,
+JobSpec.algorithm from MicroBatchConfig) and rebuild the engine's models with `fields_of`, so a
+bound or a cross-field rule written here is checked when a job is submitted. This module imports
+neither torch nor Ray.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engines.registry import TRAIN_ENGINES
+
+Dtype = Literal["auto", "float32", "bfloat16"]
+ScheduleKind = Literal["constant", "cosine"]
+M = TypeVar("M", bound=BaseModel)
+
+
+def fields_of(source: BaseModel, cls: type[M], **values: Any) -> M:
+    """A `cls` from the fields `source` shares with it (it inherits them), plus `values`, validated."""
+    shared = {n: getattr(source, n) for n in cls.model_fields if n in type(source).model_fields}
+    return cls.model_validate({**shared, **values})
 
 
 class _Section(BaseModel):
@@ -30,11 +49,13 @@ class FSDPConfig(_Section):
 class OptimizerConfig(_Section):
     """AdamW with global-norm gradient clipping."""
 
-    lr: float = Field(1e-5, gt=0)
+    lr: float = Field(1e-5, gt=0, le=10)
     betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=100)
     eps: float = Field(1e-8, gt=0)
-    grad_clip: float | None = Field(1.0, gt=0, description="max global grad norm; None disables clipping")
+    grad_clip: float | None = Field(
+        1.0, gt=0, le=1e6, description="max global grad norm; None disables clipping"
+    )
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> OptimizerConfig:
@@ -43,14 +64,19 @@ class OptimizerConfig(_Section):
         return self
 
 
-class SchedulerConfig(_Section):
+class WarmupDecay(_Section):
+    """The schedule's shape: warmup length and the floor the cosine decays to."""
+
+    warmup_steps: int = Field(0, ge=0, le=100_000_000)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the final lr as a fraction of lr")
+
+
+class SchedulerConfig(WarmupDecay):
     """Learning-rate schedule: constant, or linear warmup then cosine decay to min_lr_ratio * lr."""
 
-    kind: Literal["constant", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    kind: ScheduleKind = "constant"
     warmup_ratio: float | None = Field(None, ge=0, lt=1, description="overrides warmup_steps when set")
     total_steps: int = Field(1, gt=0, description="optimizer steps the cosine decays over")
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
 
     @property
     def resolved_warmup_steps(self) -> int:
@@ -66,16 +92,16 @@ class MicroBatchConfig(_Section):
     from the model's hidden size and the device), never below the longest sequence.
     """
 
-    micro_batch_size: int | None = Field(None, gt=0, description="samples per micro-batch")
+    micro_batch_size: int | None = Field(None, gt=0, le=1 << 20, description="samples per micro-batch")
     max_tokens_per_micro_batch: int | None = Field(
-        None, gt=0, description="dynamic: at most this many real tokens per micro-batch, balanced"
+        None, gt=0, le=1 << 40, description="dynamic: at most this many real tokens per micro-batch, balanced"
     )
 
     @model_validator(mode="after")
     def _at_most_one(self) -> MicroBatchConfig:
         if self.micro_batch_size is not None and self.max_tokens_per_micro_batch is not None:
             raise ValueError(
-                "micro_batch.micro_batch_size and micro_batch.max_tokens_per_micro_batch are exclusive: "
+                "micro_batch_size and max_tokens_per_micro_batch are exclusive: "
                 "give a fixed size or a token budget, not both"
             )
         return self
@@ -91,7 +117,7 @@ class EngineConfig(_Section):
     role: Literal["policy", "value"] = Field("policy", description="value: a scalar head for the critic")
     trainable: bool = Field(True, description="False: forward only, no optimizer (the reference model)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+    dtype: Dtype = Field(
         "auto", description="compute dtype; auto: bf16 on CUDA, fp32 on CPU. Master weights stay fp32"
     )
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
@@ -108,10 +134,7 @@ class EngineConfig(_Section):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, name: str) -> str:
-        from engines.registry import TRAIN_ENGINES
-
-        TRAIN_ENGINES.entry(name)  # raises naming the choices
-        return name
+        return TRAIN_ENGINES.check(name)
 
     @model_validator(mode="after")
     def _offload_needs_something_to_offload(self) -> EngineConfig:

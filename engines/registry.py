@@ -67,6 +67,11 @@ class Registry(Generic[T]):
             raise ValueError(f"unknown {self.kind} '{name}': choose one of {self.names()}")
         return self._entries[name]
 
+    def check(self, name: str) -> str:
+        """`name` when registered (a validator's body); else the ValueError of `entry`."""
+        self.entry(name)
+        return name
+
     def available(self) -> dict[str, str | None]:
         """Each name mapped to None when usable here, or to the reason it is not."""
         return {name: entry.probe() if entry.probe else None for name, entry in self._entries.items()}

@@ -2,7 +2,8 @@
 
 A `Batch` is three aligned things: `tensors`, a TensorDict whose batch dimension 0 is the sample
 axis; `non_tensors`, numpy object arrays of the same length (raw prompts, ground truths, uids); and
-`meta`, a dict of per-batch settings (temperature, global step, ...). Every operation keeps the
+`meta`, a dict of per-batch settings (sampling, global step, ...; typed ones through the helpers at
+the end of this file). Every operation keeps the
 three aligned, and every operation that produces several batches deep-copies `meta` into each, so
 that mutating one chunk's settings never reaches another chunk or the source.
 """
@@ -17,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import TensorDict
+
+from engines.rollout.base import SamplingParams
 
 Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
 
@@ -218,3 +221,21 @@ def _values_equal(x: Any, y: Any) -> bool:
     if isinstance(result, np.ndarray):
         return bool(result.all())
     return bool(result)
+
+
+# ---- typed settings in meta ------------------------------------------------------------------
+
+SAMPLING_KEY = "sampling"
+
+
+def put_sampling(batch: Batch, params: SamplingParams) -> None:
+    """Attach how the batch is (or was) sampled: generate_sequences reads it, and so do the log-prob
+    passes after it (the temperature the sampling distribution used)."""
+    batch.meta[SAMPLING_KEY] = params
+
+
+def sampling_of(batch: Batch) -> SamplingParams | None:
+    """The batch's sampling settings, typed (a plain dict, e.g. from a script, is validated); None
+    when the batch was never sampled (SFT)."""
+    raw = batch.meta.get(SAMPLING_KEY)
+    return None if raw is None else SamplingParams.model_validate(raw)

@@ -11,6 +11,7 @@ from engines.config import EngineConfig
 from engines.registry import build_train_engine
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
+from workers.config import UpdateSchedule
 from workers.training import train_on_batch
 
 
@@ -33,7 +34,7 @@ class CriticWorker(Worker):
 
     @register(Dispatch.MESH, mesh="actor")
     def update_critic(
-        self, batch: Batch, vf_clip: float | None, agg_mode: str, schedule: dict
+        self, batch: Batch, vf_clip: float | None, agg_mode: str, schedule: UpdateSchedule | dict
     ) -> dict[str, float]:
         from workers.losses import make_value_loss
 

@@ -10,8 +10,8 @@ collected); "rollout" groups `tensor_parallel_size` consecutive ranks into one r
 (dp rank = rank // tp, collected on tp rank 0). With tp = 1 the two coincide.
 
 Generation layout. The controller sends a Batch whose non_tensors["prompt_ids"] hold token-id lists
-(one row per sample: prompts already repeated n times) and whose meta holds "sampling" (the
-SamplingParams fields) and "max_prompt_length". Outputs have fixed widths, so that the chunks of
+(one row per sample: prompts already repeated n times) and whose meta holds the SamplingParams
+(`workers.batch.put_sampling`) and "max_prompt_length". Outputs have fixed widths, so that the chunks of
 all dp ranks concatenate: input_ids = prompt left-padded to P = max_prompt_length, then the
 response right-padded to R = max_new_tokens.
 """
@@ -19,46 +19,17 @@ response right-padded to R = max_new_tokens.
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tensordict import TensorDict
 
 from engines.base import TrainEngine
-from engines.config import EngineConfig
 from engines.registry import build_train_engine
-from engines.rollout import SamplingParams, build_rollout_engine, check_tensor_parallel
+from engines.rollout import build_rollout_engine
 from engines.weights import WeightSync
 from workers.base import Dispatch, Worker, register
-from workers.batch import Batch
+from workers.batch import Batch, sampling_of
+from workers.config import HybridWorkerConfig, RolloutConfig, UpdateSchedule
+from workers.loss_config import PolicyLossConfig
 from workers.training import train_on_batch
-
-
-class RolloutConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    backend: str = Field("hf", description="'hf' (embedded, CPU or GPU) or 'sglang' (GPU)")
-    tensor_parallel_size: int = Field(1, ge=1)
-    dtype: str = Field("auto", description="auto: bf16 on CUDA, fp32 on CPU")
-    bucket_mb: float = Field(512, gt=0, description="weight-sync bucket size")
-    free_cache_after_generate: bool = Field(True, description="release rollout memory after generating")
-    offload_trainer_during_rollout: bool = Field(
-        False, description="move trainer state to CPU while generating"
-    )
-    engine_kwargs: dict = Field(
-        default_factory=dict, description="extra rollout-engine constructor arguments"
-    )
-
-    @model_validator(mode="after")
-    def _tensor_parallel_supported(self) -> RolloutConfig:
-        check_tensor_parallel(self.backend, self.tensor_parallel_size)
-        return self
-
-
-class HybridWorkerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    actor: EngineConfig
-    ref: EngineConfig | None = Field(None, description="reference model for KL; None = no reference")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
 
 def rollout_mesh_coords(rank: int, tp: int) -> tuple[int, bool]:
@@ -83,7 +54,7 @@ class ActorRolloutRefWorker(Worker):
         if self.config.ref is not None:
             self.ref = build_train_engine(self.config.ref.model_copy(update={"trainable": False}))
             self.ref.initialize()
-        rc = self.config.rollout
+        rc: RolloutConfig = self.config.rollout
         self.rollout = build_rollout_engine(
             rc.backend,
             self.config.actor.model_path,
@@ -104,7 +75,12 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.MESH, mesh="rollout")
     def generate_sequences(self, batch: Batch) -> Batch:
         """Sample one response per row; returns the batch with the fixed-width training layout."""
-        params = SamplingParams.model_validate({**batch.meta["sampling"], "n": 1})
+        params = sampling_of(batch)
+        if params is None:
+            raise ValueError(
+                "generate_sequences needs the batch's sampling settings (workers.batch.put_sampling)"
+            )
+        params = params.model_copy(update={"n": 1})
         if params.seed is not None:  # replicas must not draw the same samples; tp peers must
             replica, _ = rollout_mesh_coords(self.rank, self.config.rollout.tensor_parallel_size)
             params = params.model_copy(update={"seed": params.seed + 7919 * replica})
@@ -196,9 +172,11 @@ class ActorRolloutRefWorker(Worker):
         return _with_outputs(batch, {"ref_log_probs": out.outputs["log_probs"]})
 
     @register(Dispatch.MESH, mesh="actor")
-    def update_actor(self, batch: Batch, loss_config: dict, schedule: dict) -> dict[str, float]:
-        """PPO-style update: `schedule` gives mini_batch_size (global), epochs, shuffle, seed."""
-        from workers.losses import PolicyLossConfig, make_policy_loss
+    def update_actor(
+        self, batch: Batch, loss_config: PolicyLossConfig | dict, schedule: UpdateSchedule | dict
+    ) -> dict[str, float]:
+        """PPO-style update; the metrics are global (the engine sums them over ranks)."""
+        from workers.losses import make_policy_loss
 
         cfg = PolicyLossConfig.model_validate(loss_config)
         loss_fn = make_policy_loss(cfg)
@@ -217,7 +195,7 @@ class ActorRolloutRefWorker(Worker):
         return metrics
 
     @register(Dispatch.MESH, mesh="actor")
-    def update_sft(self, batch: Batch, agg_mode: str, schedule: dict) -> dict[str, float]:
+    def update_sft(self, batch: Batch, agg_mode: str, schedule: UpdateSchedule | dict) -> dict[str, float]:
         """Supervised fine-tuning on prompt/response rows: cross-entropy on the response tokens."""
         from workers.losses import make_sft_loss
 
@@ -292,8 +270,8 @@ def _old_log_probs_from_current(loss_fn):
 
 
 def _temperature(batch: Batch) -> float:
-    sampling = batch.meta.get("sampling") or {}
-    temperature = float(sampling.get("temperature", 1.0))
+    params = sampling_of(batch)
+    temperature = params.temperature if params is not None else 1.0
     return temperature if temperature > 0 else 1.0  # greedy: log-probs of the plain model
 
 

@@ -10,6 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLType = Literal["k1", "k2", "k3"]
+
 
 class RolloutCorrectionConfig(BaseModel):
     """Importance-sampling correction for the gap between the rollout engine and the trainer.
@@ -53,3 +56,31 @@ class RolloutCorrectionConfig(BaseModel):
     @property
     def enabled(self) -> bool:
         return self.is_weights != "off" or self.rejection != "off"
+
+
+class PolicyLossConfig(BaseModel):
+    """The actor loss (workers/losses/policy.py). JobSpec.algorithm inherits these fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy_loss: Literal["ppo", "gspo", "cispo"] = Field("ppo", description="the per-token objective")
+    clip_ratio_low: float = Field(
+        0.2, ge=0, le=100, description="lower clip: ratios below 1 - this are clipped"
+    )
+    clip_ratio_high: float = Field(
+        0.2, ge=0, le=100, description="upper clip: ratios above 1 + this are clipped"
+    )
+    clip_ratio_c: float = Field(3.0, gt=1, le=1e6, description="PPO dual clip: cap of the loss where A < 0")
+    loss_agg_mode: AggMode = Field("token-mean", description="how token losses become one scalar")
+    entropy_coeff: float = Field(
+        0.0, ge=-100, le=100, description="weight of the entropy bonus (needs outputs['entropy'])"
+    )
+    use_kl_loss: bool = Field(False, description="add KL(pi || pi_ref) as a loss (needs ref_log_probs)")
+    kl_loss_coef: float = Field(0.001, ge=0, le=1e6, description="weight of the KL loss")
+    kl_loss_type: KLType = Field("k3", description="KL estimator: k1, k2 or k3 (low-variance)")
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="correction for the gap between the rollout engine's and the trainer's log-probs: "
+        "truncated importance weights (applied by the loss) and rejection of tokens or sequences "
+        "(applied to the response mask before the update); off by default",
+    )

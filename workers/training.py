@@ -12,11 +12,12 @@ import torch
 
 from engines.base import MAX_SUFFIX, LossFn, TrainEngine, combine_metric
 from workers.batch import Batch
+from workers.config import UpdateSchedule
 
 
-def mini_batches(num_rows: int, dp_size: int, schedule: dict) -> list[list[int]]:
+def mini_batches(num_rows: int, dp_size: int, schedule: UpdateSchedule) -> list[list[int]]:
     """Index lists of this rank's mini-batches, all epochs in order."""
-    global_size = schedule.get("mini_batch_size") or num_rows * dp_size
+    global_size = schedule.mini_batch_size or num_rows * dp_size
     if global_size % dp_size:
         raise ValueError(f"mini_batch_size {global_size} must be a multiple of the dp size {dp_size}")
     local = global_size // dp_size
@@ -26,9 +27,9 @@ def mini_batches(num_rows: int, dp_size: int, schedule: dict) -> list[list[int]]
             f"(mini_batch_size {global_size} over {dp_size} ranks)"
         )
     plan: list[list[int]] = []
-    for epoch in range(int(schedule.get("epochs", 1))):
-        if schedule.get("shuffle", True):
-            gen = torch.Generator().manual_seed(int(schedule.get("seed", 0)) * 1000 + epoch)
+    for epoch in range(schedule.epochs):
+        if schedule.shuffle:
+            gen = torch.Generator().manual_seed(schedule.seed * 1000 + epoch)
             order = torch.randperm(num_rows, generator=gen).tolist()
         else:
             order = list(range(num_rows))
@@ -40,14 +41,17 @@ def train_on_batch(
     engine: TrainEngine,
     batch: Batch,
     loss_fn: LossFn,
-    schedule: dict,
+    schedule: UpdateSchedule | dict,
     prefix: str,
     compute_entropy: bool = False,
     temperature: float = 1.0,
 ) -> dict[str, float]:
-    """Run every mini-batch of every epoch; metrics are averaged over the optimizer steps."""
+    """Run every mini-batch of every epoch; metrics are averaged over the optimizer steps.
+
+    The engine has already reduced each step's metrics over micro-batches and dp ranks (the loss
+    contract of engines/base.py), so every rank returns the same, global, metrics."""
     sums: dict[str, float] = {}
-    plan = mini_batches(len(batch), engine.dp_size, schedule)
+    plan = mini_batches(len(batch), engine.dp_size, UpdateSchedule.model_validate(schedule))
     with engine.train_mode():
         lr = engine.learning_rate
         for index in plan:

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from engines.registry import Registry
-from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingKnobs, SamplingParams
 
 __all__ = [
     "ROLLOUT_ENGINES",
     "Completion",
     "RolloutEngine",
     "RolloutEngineError",
+    "SamplingKnobs",
     "SamplingParams",
     "available_backends",
     "build_rollout_engine",

@@ -19,15 +19,22 @@ if TYPE_CHECKING:  # torch only in annotations: the backend registry imports wit
     import torch
 
 
-class SamplingParams(BaseModel):
-    """How to sample. `n` completions per prompt, returned prompt-major (all of prompt 0, then 1...)."""
+class SamplingKnobs(BaseModel):
+    """The sampling settings a job chooses (JobSpec.rollout inherits them)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int = Field(16, gt=0, description="hard cap on generated tokens per completion")
-    temperature: float = Field(1.0, ge=0, description="0 means greedy decoding")
+    temperature: float = Field(1.0, ge=0, le=100, description="0 means greedy decoding")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass; 1 disables it")
-    top_k: int = Field(-1, description="keep the k most likely tokens; -1 (or 0) disables it")
+    top_k: int = Field(
+        -1, ge=-1, le=1_000_000, description="keep the k most likely tokens; -1 (or 0) disables it"
+    )
+
+
+class SamplingParams(SamplingKnobs):
+    """How to sample. `n` completions per prompt, returned prompt-major (all of prompt 0, then 1...)."""
+
+    max_new_tokens: int = Field(16, gt=0, description="hard cap on generated tokens per completion")
     stop_token_ids: list[int] = Field(default_factory=list, description="besides the model's EOS")
     n: int = Field(1, ge=1, description="completions per prompt")
     seed: int | None = Field(None, description="makes sampling reproducible")

@@ -12,11 +12,12 @@ KL to the reference) and as a reward penalty (KL in the reward, on the controlle
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-KLType = Literal["k1", "k2", "k3"]
+from workers.loss_config import KLType
+
 KL_TYPES: tuple[str, ...] = get_args(KLType)
 _ALIASES = {"low_var_kl": "k3", "kl": "k1", "mse": "k2"}
 

@@ -23,42 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tensordict import TensorDict
 
 from engines.base import GlobalCounts, LossFn
-from workers.loss_config import RolloutCorrectionConfig
-from workers.losses.aggregation import AggMode, aggregate, check_agg_mode, token_fraction, token_mean
-from workers.losses.kl import KLType, kl_estimate
+from workers.loss_config import PolicyLossConfig, RolloutCorrectionConfig
+from workers.losses.aggregation import aggregate, check_agg_mode, token_fraction, token_mean
+from workers.losses.kl import kl_estimate
 from workers.losses.rollout_correction import is_weight_metrics, is_weights, mismatch_metrics
 
 # Bounds the log-ratio before exp: beyond it the ratio is clipped anyway, and exp would overflow.
 _MAX_LOG_RATIO = 20.0
-
-
-class PolicyLossConfig(BaseModel):
-    """The actor loss. Field names match controller.spec.AlgorithmSpec, so the controller can build
-    it with `PolicyLossConfig(**spec.algorithm.model_dump(include=set(PolicyLossConfig.model_fields)))`."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    policy_loss: Literal["ppo", "gspo", "cispo"] = Field("ppo", description="the per-token objective")
-    clip_ratio_low: float = Field(0.2, ge=0, description="lower clip: ratios below 1 - this are clipped")
-    clip_ratio_high: float = Field(0.2, ge=0, description="upper clip: ratios above 1 + this are clipped")
-    clip_ratio_c: float = Field(3.0, gt=1, description="PPO dual clip: cap of the loss where A < 0")
-    loss_agg_mode: AggMode = Field("token-mean", description="how token losses become one scalar")
-    entropy_coeff: float = Field(0.0, description="weight of the entropy bonus (needs outputs['entropy'])")
-    use_kl_loss: bool = Field(False, description="add KL(pi || pi_ref) as a loss (needs ref_log_probs)")
-    kl_loss_coef: float = Field(0.001, ge=0, description="weight of the KL loss")
-    kl_loss_type: KLType = Field("k3", description="KL estimator: k1, k2 or k3 (low-variance)")
-    rollout_correction: RolloutCorrectionConfig = Field(
-        default_factory=RolloutCorrectionConfig,
-        description="importance weights for the rollout engine / trainer mismatch (the loss applies "
-        "is_weights; rejection is applied to the response mask before the update)",
-    )
 
 
 class TokenPolicyLoss(NamedTuple):

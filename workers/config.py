@@ -1,0 +1,75 @@
+"""The workers' configuration: what a worker is built with, and the typed arguments of its calls.
+
+These models import neither torch nor Ray, so `controller/spec.py` builds the JobSpec sections on
+them (a JobSpec section inherits the fields it shares with a model here) and every setting is
+declared, bounded and validated once. The controller hands the workers these models, never dicts;
+a worker also accepts the equivalent dict (tests and scripts), validated by the same model. The
+loss options (PolicyLossConfig, RolloutCorrectionConfig) live beside them in workers/loss_config.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engines.config import Dtype, EngineConfig
+from engines.rollout import ROLLOUT_ENGINES, check_tensor_parallel
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UpdateSchedule(_Config):
+    """How one update call walks its batch (workers/training.py): mini-batches, epochs, order."""
+
+    mini_batch_size: int | None = Field(
+        None, gt=0, description="samples per optimizer step over all dp ranks; None = the whole batch"
+    )
+    epochs: int = Field(1, ge=1, description="passes over the batch")
+    shuffle: bool = Field(True, description="visit rows in a seeded random order each epoch")
+    seed: int = Field(0, description="seed of the row order (the controller passes the step)")
+
+
+class RolloutOptions(_Config):
+    """How the colocated worker runs its rollout engine. JobSpec.rollout inherits these fields."""
+
+    backend: str = Field(
+        "hf",
+        description="rollout engine, by its name in engines.rollout.ROLLOUT_ENGINES ('hf', 'sglang', ...)",
+        json_schema_extra=lambda schema: schema.update(enum=ROLLOUT_ENGINES.names()),
+    )
+    tensor_parallel_size: int = Field(1, ge=1, le=1024, description="devices one rollout replica spans")
+    bucket_mb: float = Field(512, gt=0, le=1_048_576, description="weight-sync bucket size")
+    free_cache_after_generate: bool = Field(True, description="release rollout memory between generations")
+    offload_trainer_during_rollout: bool = Field(
+        False, description="move trainer state to CPU while generating"
+    )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, name: str) -> str:
+        return ROLLOUT_ENGINES.check(name)
+
+    @model_validator(mode="after")
+    def _tensor_parallel_supported(self) -> Any:
+        check_tensor_parallel(self.backend, self.tensor_parallel_size)
+        return self
+
+
+class RolloutConfig(RolloutOptions):
+    """What the hybrid worker builds its rollout engine with."""
+
+    dtype: Dtype = Field("auto", description="the policy's compute dtype; auto: bf16 on CUDA, fp32 on CPU")
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra rollout-engine constructor arguments"
+    )
+
+
+class HybridWorkerConfig(_Config):
+    """The hybrid actor-rollout-ref worker (workers/hybrid.py)."""
+
+    actor: EngineConfig
+    ref: EngineConfig | None = Field(None, description="reference model for KL; None = no reference")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
