@@ -1,6 +1,6 @@
 """The REST control plane: FastAPI routers over the Service, under /v1, with bearer-token auth.
 
-Conventions (DESIGN.md §6): lists are {"object": "list", "data", "has_more"} with after/limit
+Conventions (docs/ARCHITECTURE.md §5): lists are {"object": "list", "data", "has_more"} with after/limit
 cursors; errors are {"error": {...}} naming the field at fault; every response carries
 x-request-id; POST /v1/jobs honours Idempotency-Key. Open without a token: /healthz, /readyz and the
 dashboard's static page and assets (they hold no data; the page asks the API with the token).

@@ -1,7 +1,7 @@
 """The controller-side arithmetic of one RL step: rewards into advantages, and the step's metrics.
 
 Pure functions over Batches; the remote calls stay in controller/trainer.py so that the loop reads
-like DESIGN.md §5.
+like the RL step of docs/ARCHITECTURE.md §4.
 """
 
 from __future__ import annotations

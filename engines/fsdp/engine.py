@@ -1,4 +1,4 @@
-"""FSDPEngine: the TrainEngine of DESIGN.md §4.1 on PyTorch FSDP2 (`fully_shard`).
+"""FSDPEngine: the TrainEngine of engines/base.py (docs/ARCHITECTURE.md §3.4) on PyTorch FSDP2 (`fully_shard`).
 
 Build order (`initialize`): process group → model in fp32 on the CPU → one FSDP unit per decoder
 layer, then the root → optimizer → LR schedule → offload if configured. Master weights stay fp32;
