@@ -23,7 +23,7 @@ from tensordict import TensorDict
 
 from engines.base import TrainEngine
 from engines.registry import build_train_engine
-from engines.rollout import build_rollout_engine
+from engines.rollout import SamplingParams, build_rollout_engine
 from engines.weights import WeightSync
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch, sampling_of
