@@ -6,18 +6,25 @@ from typing import Any
 
 from fastapi import APIRouter, Query
 
-from api.deps import READ, ServiceDep
+from api.body_checks import CheckedRoute
+from api.deps import AUTH_ERRORS, INT64_MAX, READ, ServiceDep
+from api.errors import documented
 from api.views import listing
 
-router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["job outputs"])
+router = APIRouter(
+    prefix="/v1/jobs/{job_id}",
+    tags=["job outputs"],
+    route_class=CheckedRoute,
+    responses={**AUTH_ERRORS, **documented(404)},
+)
 
 
 @router.get("/samples", dependencies=READ)
 def samples(
     job_id: str,
     service: ServiceDep,
-    step: int | None = Query(None, ge=0, description="only this step's samples"),
-    after: int = Query(0, ge=0, description="cursor: the last sample id of the previous page"),
+    step: int | None = Query(None, ge=0, le=INT64_MAX, description="only this step's samples"),
+    after: int = Query(0, ge=0, le=INT64_MAX, description="cursor: the last sample id of the previous page"),
     limit: int = Query(20, ge=1, le=200),
 ) -> dict[str, Any]:
     """Each sample: prompt, turns (role, content), reward, finish_reason, token counts and the
