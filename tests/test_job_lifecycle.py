@@ -49,7 +49,7 @@ def test_a_fork_with_no_steps_left_is_422_and_refused_forks_leave_no_copy(live, 
         f"/v1/jobs/{parent['id']}/fork",
         json={"overrides": {"trainer": {"total_steps": 9}, "resources": {"cpus_per_worker": 64}}},
     )
-    assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "insufficient_resources"
+    assert too_big.status_code == 422 and too_big.json()["error"]["code"] == "insufficient_resources"
     assert fork_sources(live) == before  # neither refusal left a copied checkpoint behind
 
     child = api.post(f"/v1/jobs/{parent['id']}/fork", json={"overrides": {"trainer": {"total_steps": 9}}})

@@ -35,7 +35,7 @@ from tests.serve_util import (
     wait_until,
 )
 
-TOTAL, EVERY = 12, 4
+TOTAL, EVERY = 30, 10  # the kill lands ~2 steps past a checkpoint, 8 steps before the next
 
 
 def start_serve(root: Path, env: dict[str, str], token: str, name: str) -> Served:
