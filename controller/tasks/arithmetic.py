@@ -129,17 +129,7 @@ class ArithmeticTask:
         self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
     ) -> tuple[Path, Path]:
         """Write train.jsonl and val.jsonl under `directory`, so jobs read the task like user data."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        paths = []
-        for split, size in (
-            ("train", self.default_train_size if train_size is None else train_size),
-            ("val", self.default_val_size if val_size is None else val_size),
-        ):
-            path = directory / f"{split}.jsonl"
-            write_rows(path, self.make_split(split, size, seed))
-            paths.append(path)
-        return paths[0], paths[1]
+        return write_splits(self, directory, train_size, val_size, seed)
 
 
 def score_answer(response: str, ground_truth: Any) -> dict[str, float]:
@@ -173,6 +163,23 @@ def extract_answer_text(response: str) -> str:
     for marker in _END_MARKERS:
         response = response.split(marker, 1)[0]
     return response.strip()
+
+
+def write_splits(
+    task: Any, directory: str | Path, train_size: int | None, val_size: int | None, seed: int
+) -> tuple[Path, Path]:
+    """Write a task's train.jsonl and val.jsonl (sizes default to the task's) under `directory`."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, size in (
+        ("train", task.default_train_size if train_size is None else train_size),
+        ("val", task.default_val_size if val_size is None else val_size),
+    ):
+        path = directory / f"{split}.jsonl"
+        write_rows(path, task.make_split(split, size, seed))
+        paths.append(path)
+    return paths[0], paths[1]
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.tasks.arithmetic import ArithmeticTask, extract_answer_text, write_rows
+from controller.tasks.arithmetic import ArithmeticTask, extract_answer_text, write_splits
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eli", "Ana", "Ben", "Kim")
 THINGS = ("apples", "shells", "stickers", "marbles", "books", "coins", "pencils", "cards", "stamps", "eggs")
@@ -79,12 +79,7 @@ class WordProblemTask:
         self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
     ) -> tuple[Path, Path]:
         """Write train.jsonl and val.jsonl under `directory`."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        train, val = directory / "train.jsonl", directory / "val.jsonl"
-        write_rows(train, self.make_split("train", train_size or self.default_train_size, seed))
-        write_rows(val, self.make_split("val", val_size or self.default_val_size, seed))
-        return train, val
+        return write_splits(self, directory, train_size, val_size, seed)
 
 
 def extract_final_number(response: str) -> str | None:
