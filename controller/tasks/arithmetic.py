@@ -13,13 +13,14 @@ any seed or size. Within a split, rows are distinct problems drawn in an order f
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from controller.tasks.splits import write_splits
 
 # Decoders may keep special tokens in the text; the answer ends at the first of them.
 _END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|pad|>")
@@ -163,32 +164,6 @@ def extract_answer_text(response: str) -> str:
     for marker in _END_MARKERS:
         response = response.split(marker, 1)[0]
     return response.strip()
-
-
-def write_splits(
-    task: Any, directory: str | Path, train_size: int | None, val_size: int | None, seed: int
-) -> tuple[Path, Path]:
-    """Write a task's train.jsonl and val.jsonl (sizes default to the task's) under `directory`."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for split, size in (
-        ("train", task.default_train_size if train_size is None else train_size),
-        ("val", task.default_val_size if val_size is None else val_size),
-    ):
-        path = directory / f"{split}.jsonl"
-        write_rows(path, task.make_split(split, size, seed))
-        paths.append(path)
-    return paths[0], paths[1]
-
-
-def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    # Write to a temporary name and rename: a reader never sees half a file.
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(path)
 
 
 DEFAULT_TASK = ArithmeticTask()

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Protocol
-
-from controller.tasks.arithmetic import write_rows
 
 
 class _Splits(Protocol):
@@ -27,3 +26,12 @@ def write_splits(
     )
     write_rows(val, task.make_split("val", task.default_val_size if val_size is None else val_size, seed))
     return train, val
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """`rows` as JSONL at `path`, written under a temporary name and renamed: no reader sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controller.tasks.arithmetic import ArithmeticTask, extract_answer_text, write_splits
+from controller.tasks.arithmetic import ArithmeticTask, extract_answer_text
+from controller.tasks.splits import write_splits
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eli", "Ana", "Ben", "Kim")
 THINGS = ("apples", "shells", "stickers", "marbles", "books", "coins", "pencils", "cards", "stamps", "eggs")
