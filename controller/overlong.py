@@ -1,7 +1,11 @@
 """Over-long responses: the soft length penalty and the filter, both from DAPO (Yu et al. 2025).
 
-A response that stopped at the token budget L_max = rollout.max_new_tokens (finish reason
-"length") never finished its answer, so its reward says little about the answer itself.
+A response that stopped at its token budget L_max never finished its answer, so its reward says
+little about the answer itself. L_max is rollout.max_new_tokens for one response (finish reason
+"length"); for a multi-turn trajectory it is rollout.max_response_tokens, the budget of all its
+tokens after the first prompt (its turns and the observations between them), and its length |y| is
+counted the same way (truncated: finish reason "budget" or "max_turns"). `RolloutSpec.response_budget`
+says which.
 
     soft over-long punishment   with a buffer of L_c tokens, a response of |y| tokens gets
                                 R_len(y) = -f * max(0, |y| - (L_max - L_c)) / L_c
@@ -26,7 +30,8 @@ from workers.batch import Batch
 
 
 def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float) -> torch.Tensor:
-    """R_len of the module doc for each length [B]; zeros when the buffer is 0."""
+    """R_len of the module doc for each length [B], with L_max = max_new_tokens; zeros when the
+    buffer is 0."""
     if buffer == 0:
         return torch.zeros(lengths.shape, dtype=torch.float32)
     excess = (lengths.float() - (max_new_tokens - buffer)).clamp(min=0)
@@ -38,7 +43,8 @@ def apply_overlong(
 ) -> tuple[Batch, torch.Tensor, dict[str, float]]:
     """The penalised scores and the filtered batch, with overlong/truncated_frac (share of samples
     that hit the budget, when the rollout flags them), overlong/masked_frac and
-    overlong/penalty_mean (when each is on)."""
+    overlong/penalty_mean (when each is on). `max_new_tokens` is the samples' budget L_max:
+    `RolloutSpec.response_budget`, a trajectory's max_response_tokens when multi-turn."""
     t = batch.tensors
     metrics: dict[str, float] = {}
     if "truncated" in t.keys():

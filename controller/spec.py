@@ -155,6 +155,17 @@ class RolloutSpec(Section, RolloutOptions, SamplingKnobs):
         10.0, gt=0, le=3600, description="multi-turn: time limit of one environment step"
     )
 
+    @property
+    def response_budget_field(self) -> str:
+        """The field that bounds a sample's tokens after its first prompt: a multi-turn trajectory's
+        max_response_tokens (all its turns and the observations between them), else max_new_tokens."""
+        return "max_response_tokens" if self.environment is not None else "max_new_tokens"
+
+    @property
+    def response_budget(self) -> int:
+        """The value of `response_budget_field` (over-long handling and the length clip ratio use it)."""
+        return getattr(self, self.response_budget_field)
+
     def sampling_params(self, seed: int | None, greedy: bool = False) -> SamplingParams:
         """One completion per (already repeated) prompt, with this section's settings."""
         overrides: dict[str, Any] = {"temperature": 0.0} if greedy else {}
@@ -174,18 +185,21 @@ class OptimSpec(Section, OptimizerConfig, WarmupDecay):
 
 
 class OverlongSpec(Section):
-    """Responses cut off by rollout.max_new_tokens (controller/overlong.py)."""
+    """Responses cut off by their token budget (controller/overlong.py): rollout.max_new_tokens, or
+    for a multi-turn trajectory rollout.max_response_tokens."""
 
     filter: bool = Field(
         False,
-        description="exclude from the loss the responses whose generation stopped at "
-        "rollout.max_new_tokens (finish reason 'length'); they still count in their group's baseline",
+        description="exclude from the loss the responses whose generation stopped at the budget "
+        "(finish reason 'length'; multi-turn: 'budget' or 'max_turns'); they still count in their "
+        "group's baseline",
     )
     penalty_buffer: int = Field(
         0,
         ge=0,
-        description="soft over-long punishment (DAPO): over the last penalty_buffer tokens of "
-        "rollout.max_new_tokens the reward falls linearly from 0 to -penalty_factor; 0 = off",
+        description="soft over-long punishment (DAPO): over the last penalty_buffer tokens of the budget "
+        "(rollout.max_new_tokens; multi-turn: rollout.max_response_tokens) the reward falls linearly "
+        "from 0 to -penalty_factor; 0 = off",
     )
     penalty_factor: float = Field(
         1.0, ge=0, description="the penalty of a response that uses the whole budget"
@@ -357,10 +371,10 @@ class JobSpec(JobLabels):
 
     def _check_overlong_and_dynamic_sampling(self) -> None:
         buffer = self.algorithm.overlong.penalty_buffer
-        if buffer > self.rollout.max_new_tokens:
+        if buffer > self.rollout.response_budget:
             raise ValueError(
-                f"algorithm.overlong.penalty_buffer = {buffer} must not exceed rollout.max_new_tokens = "
-                f"{self.rollout.max_new_tokens}"
+                f"algorithm.overlong.penalty_buffer = {buffer} must not exceed "
+                f"rollout.{self.rollout.response_budget_field} = {self.rollout.response_budget}"
             )
         if self.algorithm.dynamic_sampling.enabled and (self.method == "sft" or self.rollout.n < 2):
             raise ValueError("algorithm.dynamic_sampling needs groups: an RL method with rollout.n >= 2")

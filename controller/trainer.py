@@ -134,7 +134,7 @@ class Trainer:
         if spec.algorithm.kl_in_reward:
             self.kl.update(adv_metrics["actor/reward_kl_penalty"], len(batch))
         metrics.update(adv_metrics)
-        metrics.update(batch_metrics(batch, scores, spec.rollout.max_new_tokens))
+        metrics.update(batch_metrics(batch, scores, spec.rollout.response_budget))
         if spec.trainer.samples_per_step:
             self.sink.samples(
                 self.step_index,
@@ -187,7 +187,7 @@ class Trainer:
         with self._timed("reward"):
             batch, scores, metrics = self._rewards(batch)
         batch, scores, overlong = apply_overlong(
-            batch, scores, self.spec.algorithm.overlong, self.spec.rollout.max_new_tokens
+            batch, scores, self.spec.algorithm.overlong, self.spec.rollout.response_budget
         )
         return batch, scores, {**metrics, **overlong}
 

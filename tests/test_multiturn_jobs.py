@@ -49,3 +49,21 @@ def test_environment_job_runs_and_records_multiturn_metrics(
     assert last["critic/score/mean"] == pytest.approx(last["multiturn/reward/mean"])
     assert math.isfinite(last["actor/pg_loss"]) and math.isfinite(last["actor/grad_norm"])
     assert "val/multiturn/num_turns/mean" in last
+
+
+def test_the_overlong_penalty_of_a_trajectory_uses_its_response_token_budget(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """Buffer = budget = max_response_tokens 48: a trajectory of L tokens after its prompt loses
+    exactly L / 48, so the mean penalty is -response_length/mean / 48 (measured against
+    max_new_tokens = 6 it would be -(L + 42) / 48, and the spec would refuse the buffer)."""
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    spec = env_spec("builtin:guess_number", "guess_number").merged(
+        {
+            "trainer": {"total_steps": 1, "val_every": 0},
+            "algorithm": {"overlong": {"penalty_buffer": 48, "penalty_factor": 1.0}},
+        }
+    )
+    last = Trainer(spec, tmp_path / "job", JsonlSink(tmp_path / "job"), name="overlong").run()
+    assert last["response_length/mean"] > 6  # several turns: longer than one response's budget
+    assert last["overlong/penalty_mean"] == pytest.approx(-last["response_length/mean"] / 48, abs=1e-6)

@@ -157,3 +157,56 @@ def test_every_new_algorithm_option_is_described_in_the_schema():
         assert algorithm[section].get("description"), section
         for name, field in defs[model]["properties"].items():
             assert field.get("description"), f"{section}.{name}"
+
+
+# ---- multi-turn trajectories: the budget is the trajectory's own --------------------------------
+
+
+def multiturn_spec(**overlong) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "model": {"builtin": "tiny-qwen2-chat"},
+            "data": {"builtin_task": "guess_number"},
+            "rollout": {
+                "environment": "builtin:guess_number",
+                "max_new_tokens": 6,
+                "max_response_tokens": 40,
+            },
+            "algorithm": {"overlong": overlong},
+        }
+    )
+
+
+def test_a_trajectory_is_penalised_against_its_response_token_budget_not_max_new_tokens():
+    """Three trajectories of 12, 34 and 40 tokens after their prompt (sampled turns and observations
+    alike), budget 40, buffer 10: lengths up to 30 go free, then -1/10 per token. Measured against
+    max_new_tokens = 6, every one of them would have been far past its budget."""
+    from workers.multiturn import Trajectory, trajectory_tensors
+
+    spec = multiturn_spec(penalty_buffer=10, penalty_factor=1.0, filter=True)
+    assert (spec.rollout.response_budget_field, spec.rollout.response_budget) == ("max_response_tokens", 40)
+    trajectories = []
+    for n, finish in ((12, "done"), (34, "max_turns"), (40, "budget")):
+        traj = Trajectory(env=None, prompt_ids=[5, 6, 7], finish_reason=finish, reward=1.0)
+        traj.append([1] * (n // 2), sampled=True, log_probs=[-1.0] * (n // 2))
+        traj.append([2] * (n - n // 2), sampled=False)  # observations count towards the budget
+        trajectories.append(traj)
+    batch = Batch(trajectory_tensors(trajectories, prompt_width=4, response_width=40, pad=0))
+    out, penalised, metrics = apply_overlong(
+        batch, batch.tensors["env_rewards"], spec.algorithm.overlong, spec.rollout.response_budget
+    )
+    torch.testing.assert_close(penalised, torch.tensor([1.0, 1.0 - 0.4, 1.0 - 1.0]))
+    assert out.tensors["response_mask"].sum(1).tolist() == [6, 0, 0]  # truncated by turns or budget
+    assert metrics == pytest.approx(
+        {"overlong/truncated_frac": 2 / 3, "overlong/masked_frac": 2 / 3, "overlong/penalty_mean": -1.4 / 3}
+    )
+
+
+def test_the_penalty_buffer_of_a_multiturn_job_is_checked_against_its_trajectory_budget():
+    assert multiturn_spec(penalty_buffer=40).algorithm.overlong.penalty_buffer == 40  # > max_new_tokens 6
+    with pytest.raises(
+        ValueError, match="penalty_buffer = 41 must not exceed rollout.max_response_tokens = 40"
+    ):
+        multiturn_spec(penalty_buffer=41)
+    single = JobSpec.model_validate({"rollout": {"max_new_tokens": 8, "max_response_tokens": 40}})
+    assert (single.rollout.response_budget_field, single.rollout.response_budget) == ("max_new_tokens", 8)
