@@ -2,8 +2,9 @@
 the field named, rather than minutes later inside a worker.
 
 Server paths in a spec must lie under a root the operator allows (`ServeSettings.path_roots`); a path
-elsewhere is refused without saying whether it exists. Reward functions are user code: they are
-imported and checked in a child process (controller/user_code.py), never here.
+elsewhere is refused without saying whether it exists. Reward functions and environments are user
+code: they are imported and checked in a child process (controller/user_code.py), never here; only
+the built-in ones are looked up in this process.
 """
 
 from __future__ import annotations
@@ -12,15 +13,14 @@ from pathlib import Path
 
 from api.errors import APIError
 from api.settings import ServeSettings
-from controller.environment_check import environment_problem
 from controller.files import FileError, FileStore
 from controller.models import BUILTIN_MODEL_NAMES
-from controller.rewards import RewardFunctionError, is_path_reference, load_reward_fn
 from controller.spec import JobSpec
 from controller.tasks import BUILTIN_TASKS
-from controller.user_code import check_callable_in_subprocess
+from controller.user_code import check_callable_in_subprocess, check_here
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from engines.rollout import available_backends
+from workers.references import is_path_reference
 
 
 class Checker:
@@ -63,15 +63,20 @@ class Checker:
 
     def reward_function(self, ref: str, param: str = "reward.function") -> None:
         self.reward_source(ref, param)
-        if ref.startswith("builtin:"):  # the service's own functions: no user code runs
+        self.user_code(ref, "reward", param, "invalid_reward_function")
+
+    def user_code(self, ref: str, kind: str, param: str, code: str) -> None:
+        """A 422 with `code` when `ref` is not a usable `kind` (controller/user_code.py CHECKERS)."""
+        if ref.startswith("builtin:"):  # the service's own code: checked here, no user code runs
             try:
-                load_reward_fn(ref)
-            except RewardFunctionError as err:
-                raise APIError(422, f"{param}: {err}", param, "invalid_reward_function") from None
-            return
-        why = check_callable_in_subprocess(ref, "reward", self.settings.user_code_timeout_s)
+                check_here(kind, ref)
+                why = None
+            except ValueError as err:
+                why = str(err)
+        else:
+            why = check_callable_in_subprocess(ref, kind, self.settings.user_code_timeout_s)
         if why is not None:
-            raise APIError(422, f"{param}: {why}", param, "invalid_reward_function")
+            raise APIError(422, f"{param}: {why}", param, code)
 
     def metadata(self, metadata: dict[str, str]) -> None:
         s = self.settings
@@ -130,9 +135,6 @@ class Checker:
         if spec.method == "sft":
             raise APIError(422, f"{param}: SFT jobs do not roll out; remove the environment", param,
                            "invalid_value")  # fmt: skip
-        source = ref.rpartition(":")[0]
-        if source.endswith(".py") or "/" in source:
-            self.allowed(source, param)
-        problem = environment_problem(ref, self.settings.user_code_timeout_s)
-        if problem is not None:
-            raise APIError(422, f"{param}: {problem}", param, "invalid_environment")
+        if is_path_reference(ref):
+            self.allowed(ref.rpartition(":")[0], param)
+        self.user_code(ref, "environment", param, "invalid_environment")

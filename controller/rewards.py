@@ -27,15 +27,11 @@ should start quickly.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import multiprocessing
 import numbers
 import re
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, wait
@@ -45,12 +41,14 @@ from typing import TYPE_CHECKING, Any
 
 from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
+from workers.references import describe_exception, is_path_source, resolve_reference, split_reference
 
 if TYPE_CHECKING:
     import torch
 
 RewardFn = Callable[[str, str, Any, dict | None], float | dict[str, float]]
 EXPECTED_SIGNATURE = "(prompt, response, ground_truth, extra)"
+REFERENCE_FORMS = "'builtin:NAME', 'module:function' or 'path/to/file.py:function'"
 
 
 class RewardFunctionError(ValueError):
@@ -142,16 +140,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 def load_reward_fn(ref: str) -> RewardFn:
     """Resolve `ref` into a validated reward function; raises RewardFunctionError saying why not."""
-    if not isinstance(ref, str) or ":" not in ref:
-        raise RewardFunctionError(
-            f"reward function reference {ref!r} is malformed: "
-            "expected 'builtin:NAME', 'module:function' or 'path/to/file.py:function'"
-        )
-    source, _, name = ref.rpartition(":")
-    if not source or not name:
-        raise RewardFunctionError(
-            f"reward function {ref!r} is malformed: both sides of ':' must be non-empty"
-        )
+    source, name = split_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError)
     if source == "builtin":
         if name not in BUILTIN_REWARDS:
             raise RewardFunctionError(
@@ -159,62 +148,9 @@ def load_reward_fn(ref: str) -> RewardFn:
                 + ", ".join(f"'builtin:{n}'" for n in sorted(BUILTIN_REWARDS))
             )
         return BUILTIN_REWARDS[name]
-    module = _load_file(ref, source) if _is_path(source) else _import_module(ref, source)
-    fn = _get_attribute(ref, module, source, name)
+    fn = resolve_reference(ref, "reward function", RewardFunctionError)
     _check_signature(ref, fn)
     return fn
-
-
-def is_path_reference(ref: str) -> bool:
-    """Whether `ref` names a Python file ('path/file.py:function') rather than a module."""
-    source = ref.rpartition(":")[0]
-    return source != "builtin" and _is_path(source)
-
-
-def _is_path(source: str) -> bool:
-    return source.endswith(".py") or "/" in source or "\\" in source
-
-
-def _import_module(ref: str, module_name: str) -> Any:
-    try:
-        return importlib.import_module(module_name)
-    except Exception as exc:  # an import runs arbitrary code: any failure is the user's to see
-        raise RewardFunctionError(f"reward function '{ref}' could not be imported: {_describe(exc)}") from exc
-
-
-def _load_file(ref: str, source: str) -> Any:
-    path = Path(source).expanduser().resolve()
-    if not path.is_file():
-        raise RewardFunctionError(
-            f"reward function '{ref}' could not be imported: no such file {str(path)!r}"
-        )
-    # One module name per file path, so two files both called rewards.py do not collide. The file
-    # is executed afresh on every load: the API process is long-lived and users edit their files.
-    module_name = "tandem_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise RewardFunctionError(
-            f"reward function '{ref}' could not be imported: {path} is not a Python file"
-        )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise RewardFunctionError(f"reward function '{ref}' could not be imported: {_describe(exc)}") from exc
-    return module
-
-
-def _get_attribute(ref: str, module: Any, source: str, name: str) -> Any:
-    target, owner = module, source
-    for part in name.split("."):
-        if not hasattr(target, part):
-            raise RewardFunctionError(
-                f"reward function '{ref}' not found: '{owner}' has no attribute '{part}'"
-            )
-        target, owner = getattr(target, part), f"{owner}:{part}" if owner == source else f"{owner}.{part}"
-    return target
 
 
 def _check_signature(ref: str, fn: Any) -> None:
@@ -232,11 +168,6 @@ def _check_signature(ref: str, fn: Any) -> None:
         raise RewardFunctionError(
             f"reward function '{ref}' has signature {signature}; expected {EXPECTED_SIGNATURE}"
         ) from None
-
-
-def _describe(exc: BaseException) -> str:
-    # ImportError messages read well alone ("No module named 'x'"); others need their type.
-    return str(exc) if isinstance(exc, ImportError) and str(exc) else f"{type(exc).__name__}: {exc}"
 
 
 # ---- scoring a batch --------------------------------------------------------------------------
@@ -332,7 +263,7 @@ class RewardScorer:
                 results += [(0.0, {}, f"timed out after {self.timeout_s}s in the reward pool")] * len(chunk)
             elif future.exception() is not None:
                 broken = True
-                error = f"the reward pool failed: {_describe(future.exception())}"
+                error = f"the reward pool failed: {describe_exception(future.exception())}"
                 results += [(0.0, {}, error)] * len(chunk)
             else:
                 results += future.result()
@@ -359,7 +290,7 @@ def _canonical_ref(ref: str) -> str:
     """The reference with a file path made absolute, so a worker process resolves the same file."""
     if isinstance(ref, str) and ":" in ref:
         source, _, name = ref.rpartition(":")
-        if source != "builtin" and _is_path(source):
+        if source != "builtin" and is_path_source(source):
             return f"{Path(source).expanduser().resolve()}:{name}"
     return ref
 
@@ -370,7 +301,7 @@ def _score_one(
     try:
         out = fn(prompt, response, ground_truth, extra)
     except Exception as exc:
-        return 0.0, {}, _describe(exc)
+        return 0.0, {}, describe_exception(exc)
     metrics: dict[str, float] = {}
     if isinstance(out, dict):
         if "score" not in out:

@@ -4,7 +4,7 @@ Importing a user's module runs arbitrary code: it may raise SystemExit, call os.
 forever, or print megabytes. The API process must survive all of that, so it never imports user
 code itself: `run_isolated` calls a function by import path in a fresh Python process with a time
 limit and gets back plain JSON, and `check_callable_in_subprocess` uses it to check a reference
-("module:function", "path/file.py:function") the way the job will load it.
+("module:name", "path/file.py:name", resolved by workers/references.py) the way the job will load it.
 
 Each kind of user code names the in-process checker the child runs (`CHECKERS`): a function that
 takes the reference string and raises ValueError saying what is wrong. Add a kind there.
@@ -28,6 +28,7 @@ from typing import Any
 # kind -> (checker "module:function", what to call it in messages)
 CHECKERS: dict[str, tuple[str, str]] = {
     "reward": ("controller.rewards:load_reward_fn", "reward function"),
+    "environment": ("workers.environments.loader:load_environment_class", "environment"),
 }
 DEFAULT_TIMEOUT_S = 30.0
 STDERR_TAIL = 600
