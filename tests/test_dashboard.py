@@ -31,6 +31,7 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-b
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "dashboard"
 TERMINAL = ("succeeded", "failed", "cancelled")
 REWARD_POINTS = "Chart.getChart('chart-reward').data.datasets[0].data.length"
+FILLED = "Chart.getChart('chart-{}').data.datasets.filter(d => d.data.length).length"
 
 
 def chromium_path() -> str:
@@ -46,7 +47,6 @@ def job(api: httpx.Client) -> Iterator[dict]:
     """A job long enough to steer for the whole module; whatever is still active is cancelled at the end."""
     spec = tiny_job(
         trainer={"total_steps": 400, "val_every": 4},
-        algorithm={"entropy_coeff": 1e-3},  # so the entropy chart has the actor's entropy too
         checkpoint={"every": 2},
         metadata={"suite": "dashboard"},
     )
@@ -288,3 +288,148 @@ def test_a_diverged_metric_leaves_a_gap_not_a_stalled_chart(
     open_job(page, live, mine["id"])
     wait_until(page, "Chart.getChart('chart-reward')?.data.datasets[0].data.at(-1)?.x === 9002", 30)
     expect(page.locator("#metrics-live")).to_have_text("ended")
+
+
+def default_view(page) -> None:
+    """The chart toolbar back to raw, linear, step x, not zoomed (the view is shared by the page)."""
+    page.locator("#smoothing").fill("0")
+    page.locator("#log-scale").set_checked(False)
+    page.select_option("#x-axis", "step")
+    if page.locator("#zoom-reset").is_visible():
+        page.click("#zoom-reset")
+
+
+def charted_job(page, live: LiveService, api: httpx.Client, job: dict, points: int = 2) -> None:
+    running(api, job, past_step=points)
+    open_job(page, live, job["id"])
+    default_view(page)
+    wait_until(page, f"window.Chart && Chart.getChart('chart-reward') && {REWARD_POINTS} >= {points}", 90)
+
+
+def test_every_default_chart_has_an_axis_title_and_entropy_is_recorded(
+    page, live: LiveService, api: httpx.Client, job: dict
+) -> None:
+    charted_job(page, live, api, job)
+    titles = page.evaluate(
+        "[...document.querySelectorAll('#charts canvas')].map(c => Chart.getChart(c).options.scales.y.title.text)"
+    )
+    assert len(titles) >= 12 and all(titles), titles
+    wait_until(page, f"{FILLED.format('entropy')} >= 1", 30)  # actor/entropy with entropy_coeff 0
+    assert page.evaluate(f"{FILLED.format('grad')}") >= 1
+    validation = page.evaluate("Chart.getChart('chart-validation').data.datasets.map(d => d.yAxisID)")
+    assert validation == ["y", "y1"]  # val accuracy and val score on their own axes
+
+
+def test_picking_a_metric_adds_a_chart_with_points(
+    page, live: LiveService, api: httpx.Client, job: dict
+) -> None:
+    charted_job(page, live, api, job)
+    page.focus("#metric-picker")  # the picker lists the keys recorded so far
+    groups = page.eval_on_selector_all("#metric-picker optgroup", "gs => gs.map(g => g.label)")
+    assert {"actor/", "critic/", "timing_s/"} <= set(groups)
+    page.select_option("#metric-picker", "critic/advantages/max")
+    card = page.locator("[data-chart='m-critic_advantages_max']")
+    expect(card).to_be_visible()
+    wait_until(page, f"{FILLED.format('m-critic_advantages_max')} === 1", 30)
+    card.locator("button.remove").click()
+    expect(card).to_have_count(0)
+
+
+def test_smoothing_log_scale_wall_clock_and_zoom_change_the_charts(
+    page, live: LiveService, api: httpx.Client, job: dict
+) -> None:
+    charted_job(page, live, api, job, points=6)
+    data = "Chart.getChart('chart-length').data.datasets[0].data"
+    raw = page.evaluate(f"{data}.map(p => p.y)")
+    page.locator("#smoothing").fill("0.9")
+    page.wait_for_timeout(200)
+    smoothed = page.evaluate(f"{data}.map(p => p.y)")
+    assert smoothed[0] == raw[0] and len(smoothed) >= len(raw)
+    page.locator("#log-scale").set_checked(True)
+    assert page.evaluate("Chart.getChart('chart-reward').options.scales.y.type") == "logarithmic"
+    page.locator("#log-scale").set_checked(False)
+    page.select_option("#x-axis", "time")
+    x_title = page.evaluate("Chart.getChart('chart-length').options.scales.x.title.text")
+    assert x_title.startswith("wall-clock")
+    assert page.evaluate(f"{data}[0].x") == 0  # seconds since the first step
+    page.select_option("#x-axis", "step")
+    box = page.locator("#chart-length").bounding_box()
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * 0.3, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.6, y, steps=4)
+    page.mouse.up()
+    expect(page.locator("#zoom-reset")).to_be_visible()
+    low, high = page.evaluate(
+        "[Chart.getChart('chart-reward').options.scales.x.min, Chart.getChart('chart-reward').options.scales.x.max]"
+    )
+    assert low < high
+    page.click("#zoom-reset")
+    assert page.evaluate("Chart.getChart('chart-reward').options.scales.x.max") is None
+    default_view(page)
+
+
+def test_another_job_overlaid_on_the_charts(page, live: LiveService, api: httpx.Client, job: dict) -> None:
+    other = own_job(api, "dashboard-overlay")
+    api.post(f"/v1/jobs/{other['id']}/cancel")
+    wait_for(api, other["id"], TERMINAL, timeout_s=120)
+    for step in (1, 2, 3):
+        live.service.store.add_metrics(other["id"], step, {"critic/score/mean": 0.1 * step})
+    charted_job(page, live, api, job)
+    page.fill("#compare-input", other["id"])
+    page.click("#compare-form button[type=submit]")
+    expect(page.locator(f"#compare-list [data-compare='{other['id']}']")).to_be_visible()
+    overlay = f"Chart.getChart('chart-reward').data.datasets.find(d => d.other === '{other['id']}' && d.key === 'critic/score/mean')"
+    wait_until(page, f"{overlay}?.data.length === 3", 30)
+    assert page.evaluate(REWARD_POINTS) >= 2  # the job's own line is still there
+    page.locator(f"#compare-list [data-compare='{other['id']}'] button").click()
+    wait_until(page, f"!{overlay}", 10)
+
+
+def test_a_hyperparameter_change_marks_the_charts(
+    page, live: LiveService, api: httpx.Client, job: dict
+) -> None:
+    charted_job(page, live, api, job)
+    changed = api.patch(f"/v1/jobs/{job['id']}/hyperparameters", json={"lr": 0.0004})
+    assert changed.status_code == 200, changed.text
+    marked = "Chart.getChart('chart-reward').options.plugins.markers.items.filter(m => m.label === 'hyperparameters').length"
+    wait_until(page, f"{marked} >= 1", 90)
+    page.select_option("#event-filter", "")
+    expect(page.locator("#events li[data-kind='checkpoint']").first).to_be_visible(timeout=60_000)
+    page.select_option("#event-filter", "main")  # checkpoints and validations no longer flood the feed
+    expect(page.locator("#events li[data-kind='checkpoint']").first).to_be_hidden()
+    expect(page.locator("#events li[data-kind='hyperparameters']").last).to_be_visible()
+
+
+def test_events_filter_name_tags_notes_search_and_export(
+    page, live: LiveService, api: httpx.Client, job: dict, tmp_path: Path
+) -> None:
+    mine = own_job(api, "dashboard-meta")
+    api.post(f"/v1/jobs/{mine['id']}/cancel")
+    wait_for(api, mine["id"], TERMINAL, timeout_s=120)
+    live.service.store.add_metrics(mine["id"], 1, {"critic/score/mean": 0.25})
+    open_job(page, live, mine["id"])
+    page.fill("#meta-form input[name='name']", "blue-heron")
+    page.fill("#meta-form input[name='tags']", "sweep, lr-test")
+    page.fill("#meta-form textarea[name='notes']", "try a smaller lr")
+    page.click("#meta-form button[type=submit]")
+    expect(page.locator("#meta-result")).to_have_text("saved")
+    saved = api.get(f"/v1/jobs/{mine['id']}").json()
+    assert (saved["name"], saved["tags"], saved["notes"]) == (
+        "blue-heron",
+        ["sweep", "lr-test"],
+        "try a smaller lr",
+    )
+    expect(page.locator("#job-facts")).to_contain_text("blue-heron")
+    with page.expect_download() as download:
+        page.click("#export-csv")
+    csv_path = tmp_path / "metrics.csv"
+    download.value.save_as(csv_path)
+    lines = csv_path.read_text().splitlines()
+    assert lines[0] == "step,time,critic/score/mean" and lines[1].startswith("1,")
+    page.select_option("#event-filter", "main")
+    page.evaluate("location.hash = '#/jobs'")
+    page.fill("#job-search", "blue-her")
+    expect(page.locator(f"#job-rows tr[data-job-id='{mine['id']}']")).to_contain_text("#lr-test")
+    expect(page.locator("#job-rows tr")).to_have_count(1)
+    page.fill("#job-search", "")

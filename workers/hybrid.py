@@ -182,14 +182,15 @@ class ActorRolloutRefWorker(Worker):
         loss_fn = make_policy_loss(cfg)
         if "old_log_probs" not in batch.tensors.keys():
             loss_fn = _old_log_probs_from_current(loss_fn)
-        entropy = cfg.entropy_coeff != 0
+        # Entropy is always computed so the dashboard's Entropy chart has actor/entropy; it joins the
+        # loss only with a non-zero entropy_coeff.
         metrics = train_on_batch(
             self.actor,
             batch,
             loss_fn,
             schedule,
             "actor",
-            compute_entropy=entropy,
+            compute_entropy=True,
             temperature=_temperature(batch),
         )
         return metrics

@@ -172,7 +172,8 @@ def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
         if "entropy" in outputs:
             entropy = aggregate(outputs["entropy"], mask, cfg.loss_agg_mode, counts)
             metrics["actor/entropy"] = float(entropy.detach())
-            loss = loss - cfg.entropy_coeff * entropy
+            if cfg.entropy_coeff != 0:
+                loss = loss - cfg.entropy_coeff * entropy
         elif cfg.entropy_coeff != 0:
             raise ValueError("entropy_coeff needs outputs['entropy']: run with compute_entropy=True")
         if cfg.use_kl_loss:

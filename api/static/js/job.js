@@ -4,8 +4,11 @@
 // seconds until it is terminal. Leaving the page aborts every stream and timer.
 
 import { get, patch, query, stream } from "./api.js";
+import { ChartControls } from "./chart_controls.js";
 import { MetricCharts } from "./charts.js";
 import { SamplesPanel } from "./samples.js";
+import { Compare } from "./compare.js";
+import { exportMetrics, saveMeta, showMeta } from "./job_meta.js";
 import {
   $, allowed, el, forkDialog, formatDuration, formatTime, jobAction, jobDuration, showError, statusBadge,
 } from "./ui.js";
@@ -14,6 +17,10 @@ const POLL_MS = 2000;
 const TERMINAL = ["succeeded", "failed", "cancelled"];
 const MAX_EVENTS = 500;
 const MAX_LOG_LINES = 1000;
+// Kinds the default event filter hides (they arrive every few steps), and kinds marked on charts.
+const FREQUENT = ["checkpoint", "validation"];
+const MARKED = { hyperparameters: "#7c3aed", paused: "#d97706", resumed: "#16a34a", forked: "#db2777",
+  started: "#64748b" };
 
 const jobPath = (id, rest = "") => `/v1/jobs/${encodeURIComponent(id)}${rest}`;
 
@@ -44,6 +51,17 @@ export class JobView {
     for (const button of $("job-actions").querySelectorAll("button")) {
       button.addEventListener("click", () => this.act(button.dataset.action));
     }
+    this.controls = new ChartControls(() => this.charts);
+    this.compare = new Compare(() => this.charts);
+    this.markers = [];
+    $("event-filter").addEventListener("change", () => this.filterEvents());
+    $("meta-form").addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const job = await saveMeta(this.jobId);
+      if (job) this.render(job);
+    });
+    $("export-csv").addEventListener("click", () => exportMetrics(this.jobId, "csv"));
+    $("export-json").addEventListener("click", () => exportMetrics(this.jobId, "json"));
     $("hp-form").addEventListener("submit", (event) => {
       event.preventDefault();
       this.applyHyperparameters();
@@ -57,6 +75,7 @@ export class JobView {
     const { signal } = this.controller;
     document.title = `${jobId} · Tandem`;
     $("job-title").textContent = jobId;
+    $("meta-form").reset();
     $("events").replaceChildren();
     $("logs").replaceChildren();
     $("job-spec").textContent = "";
@@ -64,8 +83,13 @@ export class JobView {
     for (const pill of ["metrics-live", "events-live", "logs-live"]) Object.assign($(pill), { textContent: "connecting", className: "live" });
     this.charts = new MetricCharts($("charts"));
     this.samples.show(jobId);
+    this.charts = new MetricCharts($("charts"), (range) => this.controls.zoom(range));
+    this.markers = [];
+    $("meta-result").hidden = true;
     await this.configLoaded;
     if (!(await this.refresh())) return;
+    showMeta(this.job);
+    this.compare.reset(this.job);
     this.buildHyperparameterForm();
     this.refreshCheckpoints();
     this.follow("metrics", "metrics-live", (frame) => this.charts.add(frame.data), signal);
@@ -104,8 +128,11 @@ export class JobView {
 
   render(job) {
     this.job = job;
+    showMeta(job);
     $("job-status").replaceWith(Object.assign(statusBadge(job.status), { id: "job-status" }));
     const facts = [
+      job.name ? el("span", { class: "job-name" }, job.name) : null,
+      ...(job.tags || []).map((tag) => el("span", { class: "tag" }, `#${tag}`)),
       el("span", {}, el("b", {}, job.method), " · ", job.model),
       el("span", {}, "created ", formatTime(job.created_at)),
       el("span", {}, "started ", formatTime(job.started_at)),
@@ -115,7 +142,7 @@ export class JobView {
       facts.push(el("span", {}, "fork of ", el("a", { href: `#/jobs/${encodeURIComponent(job.parent_id)}` }, job.parent_id)));
     }
     for (const [key, value] of Object.entries(job.metadata || {})) facts.push(el("span", { class: "tag" }, `${key}: ${value}`));
-    $("job-facts").replaceChildren(...facts);
+    $("job-facts").replaceChildren(...facts.filter(Boolean));
     $("job-progress").style.width = `${Math.round(100 * job.progress)}%`;
     $("job-step").textContent = `step ${job.step} / ${job.total_steps}`;
     for (const button of $("job-actions").querySelectorAll("button")) {
@@ -155,8 +182,21 @@ export class JobView {
     const item = el("li", { "data-kind": event.kind },
       el("time", {}, formatTime(event.time)), el("span", { class: `kind kind-${event.kind}` }, event.kind),
       el("span", { class: "message" }, event.message));
+    item.hidden = this.hiddenKind(event.kind);
     appendPinned($("events"), [item], MAX_EVENTS);
+    if (MARKED[event.kind] && this.charts) {
+      this.markers.push({ time: event.time, step: event.data?.step, label: event.kind, color: MARKED[event.kind] });
+      this.charts.setMarkers(this.markers);
+    }
     if (event.kind === "checkpoint") this.refreshCheckpoints();
+  }
+
+  hiddenKind(kind) {
+    return $("event-filter").value === "main" && FREQUENT.includes(kind);
+  }
+
+  filterEvents() {
+    for (const item of $("events").children) item.hidden = this.hiddenKind(item.dataset.kind);
   }
 
   // The log's last lines first, then the stream from just after them.

@@ -30,8 +30,10 @@ function actionButtons(job, onDone) {
 function jobRow(job, onDone) {
   const reward = job.latest_metrics ? job.latest_metrics["critic/score/mean"] : undefined;
   const parent = job.parent_id ? el("div", { class: "sub" }, "fork of ", jobLink(job.parent_id)) : null;
+  const name = job.name ? el("div", { class: "job-name" }, job.name) : null;
+  const tags = (job.tags || []).length ? el("div", { class: "sub" }, job.tags.map((t) => `#${t}`).join(" ")) : null;
   return el("tr", { "data-job-id": job.id },
-    el("td", {}, jobLink(job.id), parent),
+    el("td", { title: job.notes || undefined }, name, jobLink(job.id), tags, parent),
     el("td", {}, statusBadge(job.status)),
     el("td", {}, job.method),
     el("td", { class: "model", title: job.model }, job.model),
@@ -53,6 +55,14 @@ export class JobsView {
       this.refresh();
     });
     $("auto-refresh").addEventListener("change", () => this.schedule());
+    let typing = null;
+    $("job-search").addEventListener("input", () => {
+      clearTimeout(typing);
+      typing = setTimeout(() => {
+        this.pages = 1;
+        this.refresh();
+      }, 250);
+    });
     $("jobs-more").addEventListener("click", () => {
       this.pages += 1;
       this.refresh();
@@ -97,7 +107,8 @@ export class JobsView {
     let after;
     let more = false;
     for (let page = 0; page < this.pages; page += 1) {
-      const listing = await get(`/v1/jobs${query({ status, limit: PAGE_SIZE, after })}`);
+      const q = $("job-search").value.trim() || undefined;
+      const listing = await get(`/v1/jobs${query({ status, q, limit: PAGE_SIZE, after })}`);
       data.push(...listing.data);
       more = listing.has_more;
       if (!more || !listing.data.length) break;
