@@ -185,6 +185,12 @@ def test_entropy_bonus_and_kl_loss_terms():
     assert metrics["actor/entropy"] == pytest.approx(ent)
     assert metrics["actor/kl_loss"] == pytest.approx(kl)
     assert loss.item() == pytest.approx(pg - 0.01 * ent + 0.1 * kl)
+    # With no entropy bonus the entropy is still reported (the dashboard's Entropy chart) but not in the loss.
+    loss, metrics = run(
+        make_policy_loss(PolicyLossConfig()), mb, {"log_probs": log_probs, "entropy": entropy}
+    )
+    assert metrics["actor/entropy"] == pytest.approx(ent)
+    assert loss.item() == pytest.approx(pg)
 
 
 def test_missing_inputs_are_clear_errors():
