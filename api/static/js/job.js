@@ -81,9 +81,8 @@ export class JobView {
     $("job-spec").textContent = "";
     $("hp-result").hidden = true;
     for (const pill of ["metrics-live", "events-live", "logs-live"]) Object.assign($(pill), { textContent: "connecting", className: "live" });
-    this.charts = new MetricCharts($("charts"));
-    this.samples.show(jobId);
     this.charts = new MetricCharts($("charts"), (range) => this.controls.zoom(range));
+    this.samples.show(jobId);
     this.markers = [];
     $("meta-result").hidden = true;
     await this.configLoaded;
