@@ -252,7 +252,9 @@ def test_fork_from_a_checkpoint_then_cancel_it_from_the_page(
     page.fill("#fork-step", str(step))
     page.fill("#fork-overrides", '{"trainer": {"total_steps": 300}}')
     page.click("#fork-submit")
-    expect(page.locator("#job-facts")).to_contain_text(f"fork of {job['id']}")
+    expect(page.locator("#job-facts")).to_contain_text(
+        f"fork of {job['id']}", timeout=60_000
+    )  # a loaded machine
     child_id = page.locator("#job-title").inner_text()
     child = api.get(f"/v1/jobs/{child_id}").json()
     assert child["parent_id"] == job["id"] and child["total_steps"] == 300
@@ -292,6 +294,7 @@ def test_a_diverged_metric_leaves_a_gap_not_a_stalled_chart(
 
 def default_view(page) -> None:
     """The chart toolbar back to raw, linear, step x, not zoomed (the view is shared by the page)."""
+    page.evaluate("document.querySelectorAll('dialog[open]').forEach(d => d.close())")  # left by another test
     page.locator("#smoothing").fill("0")
     page.locator("#log-scale").set_checked(False)
     page.select_option("#x-axis", "step")
