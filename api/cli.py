@@ -135,10 +135,7 @@ def _events(args: argparse.Namespace, client: TandemClient) -> int:
 
 def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
     keys = [k.strip() for k in (args.keys or "").split(",") if k.strip()] or None
-    rows = client.metrics(args.job_id, keys)["data"]
-    if keys:  # the steps that recorded any of them (validation metrics only every val_every steps)
-        rows = [r for r in rows if any(r["values"].get(k) is not None for k in keys)]
-    rows = thin(rows, args.every, args.last)
+    rows = metric_rows(client, args.job_id, keys, args.every, args.last)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -149,10 +146,20 @@ def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
     return 0
 
 
-def thin(rows: list[dict[str, Any]], every: int | None, last: int | None) -> list[dict[str, Any]]:
-    """The rows of steps that are multiples of `every` (and the latest row), then the last `last` of them."""
-    if every:
-        rows = [r for i, r in enumerate(rows) if r["step"] % every == 0 or i == len(rows) - 1]
+def metric_rows(
+    client: TandemClient, job_id: str, keys: list[str] | None, every: int | None, last: int | None
+) -> list[dict[str, Any]]:
+    """The rows `tandem metrics` prints, chosen by the server: the steps that are multiples of
+    `every` plus the latest step, then the last `last` of them. With `keys`, only the steps that
+    recorded one of them count (validation metrics exist only every val_every steps), so that
+    filter runs here and `last` with it."""
+    server_last = None if keys else last
+    rows = client.metrics(job_id, keys, every=every, last=server_last)["data"]
+    if every:  # the latest step too, so that the table ends where the job is
+        latest = client.metrics(job_id, keys, last=1)["data"]
+        rows += [r for r in latest if not rows or r["step"] > rows[-1]["step"]]
+    if keys:
+        rows = [r for r in rows if any(r["values"].get(k) is not None for k in keys)]
     return rows[-last:] if last else rows
 
 

@@ -357,6 +357,7 @@ def test_smoothing_log_scale_wall_clock_and_zoom_change_the_charts(
     seconds = page.evaluate(f"{data}.map(p => p.x)")  # seconds since the job's first recorded row
     assert 0 <= seconds[0] < seconds[-1] and seconds == sorted(seconds)
     page.select_option("#x-axis", "step")
+    page.locator("#chart-length").scroll_into_view_if_needed()  # the mouse only reaches the viewport
     box = page.locator("#chart-length").bounding_box()
     y = box["y"] + box["height"] / 2
     page.mouse.move(box["x"] + box["width"] * 0.3, y)

@@ -178,10 +178,12 @@ export class MetricCharts {
         const source = set.other ? this.others.get(set.other) : this.series;
         set.data = project(source.points(set.key), source.t0);
       }
-      chart.options = options(spec, (min, max) => this.onZoom([min, max]));
-      chart.options.plugins.markers.items = this.markers
+      // Complete before it is assigned: until update(), chart.options still reads the old options.
+      const opts = options(spec, (min, max) => this.onZoom([min, max]));
+      opts.plugins.markers.items = this.markers
         .map((m) => ({ ...m, x: view.x === "time" ? m.time - this.series.t0 : m.step ?? stepOf(m.time) }))
         .filter((m) => m.x !== undefined && Number.isFinite(m.x));
+      chart.options = opts;
       const filled = chart.data.datasets.filter((d) => d.data.length);
       empty.hidden = filled.length > 0;
       empty.textContent = this.series.byKey.size ? "not reported by this job" : "waiting for the first step…";
