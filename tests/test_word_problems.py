@@ -50,8 +50,9 @@ def test_format_score_rewards_the_requested_answer_line():
     assert word_problem_reward("", "23 + 14 = 37", "37") == {"score": 1.0, "format": 0.0}
 
 
-def test_the_task_is_deterministic_disjoint_and_correct():
-    task = get_task("word-problems")
+@pytest.mark.parametrize(("name", "largest"), [("word-problems", 99), ("word-problems-easy", 9)])
+def test_the_task_is_deterministic_disjoint_and_correct(name, largest):
+    task = get_task(name)
     train, again = task.make_split("train", 300, seed=1), task.make_split("train", 300, seed=1)
     val = task.make_split("val", 50, seed=1)
     assert train == again and train != task.make_split("train", 300, seed=2)
@@ -61,6 +62,7 @@ def test_the_task_is_deterministic_disjoint_and_correct():
         assert row["prompt"].endswith(INSTRUCTION)
         numbers = [int(w) for w in row["prompt"].replace("?", " ").replace(".", " ").split() if w.isdigit()]
         a, b = numbers
+        assert max(a, b) <= largest
         assert int(row["ground_truth"]) in (a + b, abs(a - b), a * b)
         assert int(row["ground_truth"]) >= 0
     assert load_reward_fn(task.reward_function) is word_problem_reward

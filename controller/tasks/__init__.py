@@ -36,6 +36,9 @@ BUILTIN_TASKS: dict[str, Task] = {
     "arithmetic-mixed": ArithmeticTask(operations=("+", "-", "*"), name="arithmetic-mixed"),
     # Stories for a real chat model (e.g. model.builtin smollm2-135m-instruct), scored by the last number.
     "word-problems": WordProblemTask(),
+    # One-digit numbers and factors up to 5: what a 135M model gets right often enough (about a
+    # quarter greedy) for GRPO groups to hold right and wrong answers.
+    "word-problems-easy": WordProblemTask(low=1, high=9, factor_high=5, name="word-problems-easy"),
     # For rollout.environment "builtin:calculator": 3-digit products, a tool call away.
     "calculator": ArithmeticTask(digits=3, operations=("*",), name="calculator"),
     "calculator-traces": CalculatorTracesTask(),  # SFT warm start for "calculator"

@@ -43,8 +43,12 @@ _ANSWER_IS = re.compile(rf"answer\s*(?:is|:|=)?\s*[:=]?\s*\$?\s*({_NUM})", re.IG
 
 @dataclass(frozen=True)
 class WordProblemTask:
-    """Stories over two-digit numbers (addition, subtraction) and one-digit factors (multiplication)."""
+    """Stories over numbers from `low` to `high` (addition, subtraction) and factors from 2 to
+    `factor_high` times 2 to 9 (multiplication); by default two-digit numbers."""
 
+    low: int = 10
+    high: int = 99
+    factor_high: int = 12
     val_fraction: float = 0.1
     default_train_size: int = 2000
     default_val_size: int = 128
@@ -69,8 +73,8 @@ class WordProblemTask:
         while len(rows) < size:
             story = rng.randrange(len(STORIES))
             multiply = STORIES[story][1] == "*"
-            a = rng.randint(2, 12) if multiply else rng.randint(10, 99)
-            b = rng.randint(2, 9) if multiply else rng.randint(10, 99)
+            a = rng.randint(2, self.factor_high) if multiply else rng.randint(self.low, self.high)
+            b = rng.randint(2, 9) if multiply else rng.randint(self.low, self.high)
             row = self.problem(story, a, b, rng.choice(NAMES), rng.choice(THINGS))
             if row["prompt"] not in rows and splitter.split_of(row["prompt"]) == split:
                 rows[row["prompt"]] = row
