@@ -20,9 +20,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
 from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.kv_cache import full_attention_only, preallocated_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -106,6 +107,41 @@ def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[
     return ids.to(device), mask.to(device)
 
 
+# Finished rows are dropped from the batch once they are at least 1 / DROP_FINISHED_AT of it: each
+# drop copies the KV cache, so dropping every row the moment it stops would cost more than it saves.
+DROP_FINISHED_AT = 4
+
+
+class DecodeMask:
+    """The attention mask of each decode step, from the prompts' padding.
+
+    Step t attends to the first P + t + 1 positions: the left-padded prompt, then every token
+    generated so far. With `plain` the model gets that 2D mask and builds its own masks (layers
+    with sliding windows need that). Otherwise the model gets the 4D padding mask transformers
+    would have built, [B, 1, 1, P + t + 1] (a 4D mask is used as given), or None when no row in
+    the batch is padded, so a step skips mask building and attention runs unmasked.
+    """
+
+    def __init__(self, prompt_mask: torch.Tensor, steps: int, plain: bool) -> None:
+        ones = torch.ones((prompt_mask.shape[0], steps), dtype=prompt_mask.dtype, device=prompt_mask.device)
+        self.plain = plain
+        self._set(torch.cat([prompt_mask, ones], 1))
+
+    def _set(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+        self.padded = not bool(mask.all())
+        self.mask_4d = mask.bool()[:, None, None, :]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (the rows still decoding)."""
+        self._set(self.mask[rows])
+
+    def at(self, length: int) -> torch.Tensor | None:
+        if self.plain:
+            return self.mask[:, :length]
+        return self.mask_4d[..., :length] if self.padded else None
+
+
 @torch.no_grad()
 def own_weights(model: torch.nn.Module) -> None:
     """Give every parameter its own, 64-byte aligned storage (buffers are computed at init).
@@ -137,6 +173,8 @@ class HFRolloutEngine(RolloutEngine):
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else folder_eos
         self.pad_token_id = pad_token_id if pad_token_id is not None else folder_pad
         self.model = self._load_model(str(model_path))
+        # Models with sliding-window (or other non-full) attention layers keep transformers' own cache and masks.
+        self._plain_mask = not full_attention_only(self.model.config)
         self.weight_version = 0
         self._released = False
         self._targets = self._update_targets()
@@ -192,41 +230,73 @@ class HFRolloutEngine(RolloutEngine):
     ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
         """The decode loop: ([B, N] tokens, [B, N] log-probs, lengths, stopped flags)."""
         batch, steps = len(rows), params.max_new_tokens
-        input_ids, prompt_mask = left_pad(rows, self.pad_token_id, self.device)
-        # The prompt mask then ones for every step, allocated once; step t reads the first P + t + 1 columns.
-        mask = torch.cat([prompt_mask, torch.ones((batch, steps), dtype=torch.long, device=self.device)], 1)
-        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
         stop_ids = torch.tensor(
             sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device
         )
         out_tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=self.device)
         out_log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
 
-        cache = DynamicCache(config=self.model.config)
-        width = input_ids.shape[1]
-        logits = self._forward(input_ids, mask[:, :width], positions, cache)
+        logits, cache, prompt_mask, positions = self._prefill(rows, steps)
+        width = prompt_mask.shape[1]
+        steps_mask = DecodeMask(prompt_mask, steps, self._plain_mask)
+        live = torch.arange(batch, device=self.device)  # the original row of each row still in the batch
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)  # finished, not yet dropped
         next_position = positions[:, -1:] + 1
         for step in range(steps):
             token, log_prob = sample_next(logits, params, generator)
-            token = token.masked_fill(done, self.pad_token_id)
-            out_tokens[:, step] = token
-            out_log_probs[:, step] = log_prob.masked_fill(done, 0.0)
-            lengths += (~done).long()
+            active = live[~done]
+            out_tokens[active, step] = token[~done]
+            out_log_probs[active, step] = log_prob[~done]
+            lengths[active] += 1
             hit_stop = torch.isin(token, stop_ids) & ~done
-            stopped |= hit_stop
+            stopped[live[hit_stop]] = True
             done |= hit_stop
             if step == steps - 1 or bool(done.all()):
                 break
-            logits = self._forward(token[:, None], mask[:, : width + step + 1], next_position, cache)
+            if int(done.sum()) * DROP_FINISHED_AT >= len(done):  # drop the finished rows
+                keep = (~done).nonzero().squeeze(1)
+                live, token, next_position, done = live[keep], token[keep], next_position[keep], done[keep]
+                steps_mask.select(keep)
+                cache.batch_select_indices(keep)
+            token = token.masked_fill(done, self.pad_token_id)
+            logits = self._forward(token[:, None], steps_mask.at(width + step + 1), next_position, cache)
             next_position = next_position + 1
         del cache
         return out_tokens.cpu(), out_log_probs.cpu(), lengths.tolist(), stopped.tolist()
 
+    def _prefill(
+        self, rows: list[list[int]], steps: int
+    ) -> tuple[torch.Tensor, Cache, torch.Tensor, torch.Tensor]:
+        """Run the prompts once: (last logits [B, V], the cache, prompt mask [B, P], positions [B, P]).
+
+        A prompt repeated in several rows (the n samples of a group) is run once and its keys,
+        values and logits are copied to its rows: the rows' numbers are those of a batch of
+        distinct prompts, at 1/n of the prefill's compute.
+        """
+        distinct: dict[tuple[int, ...], int] = {}
+        row_of = [distinct.setdefault(tuple(row), len(distinct)) for row in rows]
+        input_ids, prompt_mask = left_pad([list(p) for p in distinct], self.pad_token_id, self.device)
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        capacity = input_ids.shape[1] + steps
+        if self._plain_mask:
+            cache: Cache = DynamicCache(config=self.model.config)
+        else:
+            cache = preallocated_cache(self.model.config, capacity)
+        logits = self._forward(input_ids, prompt_mask, positions, cache)
+        if len(distinct) < len(rows):
+            index = torch.tensor(row_of, device=self.device)
+            cache.batch_select_indices(index)
+            logits, prompt_mask, positions = logits[index], prompt_mask[index], positions[index]
+        return logits, cache, prompt_mask, positions
+
     def _forward(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: Cache,
     ) -> torch.Tensor:
         """Logits [B, V] of the last position; appends the new keys/values to `cache`."""
         out = self.model(
