@@ -2,9 +2,11 @@
 
 Prompts of different lengths are left-padded into one batch. The attention mask marks the padding
 and the position ids restart at 0 on each row's first real token, so a row's tokens see exactly
-what they would see alone: greedy batched output equals one-by-one output. The prompt is run once
-(prefill) into a `DynamicCache`; afterwards every step feeds one token per row. A row that has
-stopped keeps being fed the pad token (the batch moves in lock-step) and its outputs are ignored.
+what they would see alone: greedy batched output equals one-by-one output. Each distinct prompt is
+run once (prefill; the n samples of a group share it) into a preallocated KV cache
+(engines/rollout/kv_cache.py); afterwards every step feeds one token per row, with the padding
+mask built once for the whole generation. A row that has stopped keeps being fed the pad token (its
+outputs are ignored) until the stopped rows are a quarter of the batch; then they are dropped.
 
 Sampling follows the `Completion` contract in base.py: logits / temperature, then top-k, then
 top-p, then renormalise; the sampled token's log-probability is read from that same distribution,
