@@ -1,9 +1,10 @@
-"""A complete user environment: the model must say a word that rhymes with the row's prompt.
+"""Two complete user environments: a tutor that lets the model retry a sum (examples/custom_env.yaml
+learns with it) and a rhyme game that needs a model which knows words.
 
-Use it in a job spec as
+Use one in a job spec as
 
     rollout:
-      environment: examples/my_env.py:RhymeEnv   # a path on the server, or "my_package.envs:RhymeEnv"
+      environment: examples/my_env.py:TutorEnv   # a path on the server, or "my_package.envs:TutorEnv"
       max_turns: 3
       max_response_tokens: 128
 
@@ -17,7 +18,34 @@ the trajectory with score 0 (counted in multiturn/env_errors and multiturn/env_t
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+LEADING_INTEGER = re.compile(r"\s*(-?\d+)")
+
+
+class TutorEnv:
+    """Rows of the built-in arithmetic task ({"prompt": "23+58=", "ground_truth": "81"}). The model
+    answers; a wrong answer gets "No, try again." and another turn. A right answer scores 1/tries.
+    A wrong one scores a little, so that a model which cannot add yet learns the shape of an answer:
+    0.1 for starting with an integer and 0.2 for the answer's digits in their places (from the
+    units), so that three wrong turns (at most 0.9) never reach one right one."""
+
+    def reset(self, row: dict[str, Any]) -> str:
+        self.truth = str(row["ground_truth"]).strip()
+        self.tries = 0
+        return f"What is {str(row['prompt']).rstrip('=')}?"
+
+    def step(self, assistant_text: str) -> tuple[str | None, float, bool, dict[str, Any]]:
+        self.tries += 1
+        found = LEADING_INTEGER.match(assistant_text)
+        if found and found.group(1) == self.truth:
+            return None, 1.0 / self.tries, True, {"solved": True}
+        if not found:
+            return "No, try again.", 0.0, False, {}
+        answer = found.group(1)
+        in_place = sum(a == b for a, b in zip(answer[::-1], self.truth[::-1])) / len(self.truth)
+        return "No, try again.", 0.1 + 0.2 * in_place, False, {}
 
 
 class RhymeEnv:

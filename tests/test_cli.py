@@ -165,7 +165,7 @@ def test_environment_example_specs_validate(name):
     spec = build_spec(str(EXAMPLES / f"{name}.yaml"))[1].model_dump(mode="json")
     assert check_callable_in_subprocess(spec["rollout"]["environment"], "environment") is None
     if name == "custom_env":
-        assert spec["rollout"]["environment"] == f"{EXAMPLES / 'my_env.py'}:RhymeEnv"
+        assert spec["rollout"]["environment"] == f"{EXAMPLES / 'my_env.py'}:TutorEnv"
 
 
 def test_dry_run_runs_the_services_checks_and_creates_nothing(live, api):
