@@ -44,7 +44,7 @@ class TutorEnv:
         if not found:
             return "No, try again.", 0.0, False, {}
         answer = found.group(1)
-        in_place = sum(a == b for a, b in zip(answer[::-1], self.truth[::-1])) / len(self.truth)
+        in_place = sum(a == b for a, b in zip(answer[::-1], self.truth[::-1], strict=False)) / len(self.truth)
         return "No, try again.", 0.1 + 0.2 * in_place, False, {}
 
 

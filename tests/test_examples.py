@@ -42,7 +42,14 @@ def rise(history: list[dict], key: str) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize(
-    ("name", "margin"), [("grpo_tiny", 0.1), ("custom_reward", 0.1), ("ppo_critic", 0.1), ("dapo_tiny", 0.1), ("custom_env", 0.1)]
+    ("name", "margin"),
+    [
+        ("grpo_tiny", 0.1),
+        ("custom_reward", 0.1),
+        ("ppo_critic", 0.1),
+        ("dapo_tiny", 0.1),
+        ("custom_env", 0.1),
+    ],
 )
 def test_example_reward_rises(ray_cluster, tmp_path, name, margin):
     history = run_example(name, tmp_path, checkpoint={"every": 0, "export_hf": False})
