@@ -115,6 +115,11 @@ def test_swagger_ui_is_served_without_a_cdn(live):
         ({"algorithm": {"max_tokens_per_micro_batch": True}}, "algorithm.max_tokens_per_micro_batch"),
         ({"rollout": {"n": True}}, "rollout.n"),
         ({"resources": {"workers": 64}, "trainer": {"prompts_per_step": 64}}, "resources"),
+        ({"algorithm": {"rollout_correction": {"is_cap": 1e7}}}, "algorithm.rollout_correction.is_cap"),
+        (
+            {"algorithm": {"rollout_correction": {"rejection_high": 1e7}}},
+            "algorithm.rollout_correction.rejection_high",
+        ),
     ],
 )
 def test_values_that_would_fail_later_are_422_at_submission(api, patch, param):
@@ -122,7 +127,14 @@ def test_values_that_would_fail_later_are_422_at_submission(api, patch, param):
     assert error["param"] == param, error
 
 
-def test_non_finite_numbers_are_422(api):
-    body = '{"model": {"builtin": "tiny-qwen2"}, "optim": {"lr": 1e999}}'
+@pytest.mark.parametrize(
+    "section,param",
+    [('"optim": {"lr": 1e999}', "optim.lr"),
+     ('"algorithm": {"rollout_correction": {"is_cap": 1e999}}', "algorithm.rollout_correction.is_cap"),
+     ('"algorithm": {"rollout_correction": {"rejection_high": 1e999}}',
+      "algorithm.rollout_correction.rejection_high")],
+)  # fmt: skip
+def test_non_finite_numbers_are_422(api, section, param):
+    body = '{"model": {"builtin": "tiny-qwen2"}, ' + section + "}"
     error = _error(api.post("/v1/jobs", content=body, headers={"content-type": "application/json"}), 422)
-    assert error["param"] == "optim.lr" and "finite" in error["message"]
+    assert error["param"] == param and "finite" in error["message"]

@@ -23,7 +23,7 @@ class RolloutCorrectionConfig(BaseModel):
     rollout_correction.py has the formulas and their sources. Everything is off by default.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     is_weights: Literal["off", "token", "sequence"] = Field(
         "off",
@@ -32,7 +32,10 @@ class RolloutCorrectionConfig(BaseModel):
         "ratios ('sequence'); works also when the old log-prob pass is skipped",
     )
     is_cap: float = Field(
-        2.0, ge=1, description="the cap C of the truncated IS weight min(rho, C) (Yao et al. 2025 use 2)"
+        2.0,
+        ge=1,
+        le=1e6,
+        description="the cap C of the truncated IS weight min(rho, C) (Yao et al. 2025 use 2)",
     )
     rejection: Literal["off", "token", "sequence", "geometric"] = Field(
         "off",
@@ -42,7 +45,7 @@ class RolloutCorrectionConfig(BaseModel):
         "log-prob pass, which a job with rejection always runs",
     )
     rejection_low: float = Field(0.5, gt=0, le=1, description="lower edge of the accepted ratio band")
-    rejection_high: float = Field(2.0, ge=1, description="upper edge of the accepted ratio band")
+    rejection_high: float = Field(2.0, ge=1, le=1e6, description="upper edge of the accepted ratio band")
 
     @model_validator(mode="after")
     def _band_is_not_empty(self) -> RolloutCorrectionConfig:
