@@ -20,6 +20,7 @@ from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
 from api.middleware import BodyLimit, RequestId
 from api.prom import make_registry
+from api.read_cache import ReadCache
 from api.routes import files, health, job_outputs, jobs, metrics, rewards, samples
 from api.routes.health import VERSION
 from api.settings import ServeSettings
@@ -48,7 +49,8 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     install_error_handlers(app)
     registry, latency = make_registry(service.store)
     app.state.service = service
-    app.state.auth = Authenticator(service.store)
+    app.state.read_cache = ReadCache(service.store)
+    app.state.auth = Authenticator(app.state.read_cache)
     app.state.registry = registry
     app.state.settings = settings = settings or ServeSettings()
     app.state.checker = Checker(settings, service.home, service.files)

@@ -3,7 +3,8 @@
 Tokens are 32 random bytes, so a plain hash is enough at rest (no password stretching needed).
 The first start of a service creates an admin token (read + write), writes it to
 `$TANDEM_HOME/admin_token` with mode 600, and keeps only its hash; TANDEM_ADMIN_TOKEN, when set,
-is registered instead (for a Kubernetes Secret).
+is registered instead (for a Kubernetes Secret). The check reads the stored hashes through the
+read cache (api/read_cache.py): once per change of the store, not once per request.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from fastapi import Request
 
 from api.errors import APIError
+from api.read_cache import ReadCache
 from controller.store import JobStore
 
 SCOPES = ("read", "write")
@@ -51,24 +53,26 @@ def ensure_admin_token(store: JobStore, home: Path) -> Path:
 
 
 class Authenticator:
-    def __init__(self, store: JobStore) -> None:
-        self.store = store
+    """Checks a request's bearer token against the stored hashes, read once per change of the store."""
 
-    def scopes_of(self, token: str) -> list[str] | None:
+    def __init__(self, cache: ReadCache) -> None:
+        self.cache = cache
+
+    async def scopes_of(self, token: str) -> list[str] | None:
         digest = hash_token(token)
         found = None
-        for record in self.store.tokens():  # every hash is compared: the time does not leak a match
-            if hmac.compare_digest(record["hash"], digest):
+        for record in await self.cache.get("tokens", self.cache.store.tokens):
+            if hmac.compare_digest(record["hash"], digest):  # every hash is compared: no timing leak
                 found = record["scopes"]
         return found
 
-    def require(self, request: Request, scope: str) -> None:
+    async def require(self, request: Request, scope: str) -> None:
         header = request.headers.get("authorization", "")
         kind, _, token = header.partition(" ")
         if kind.lower() != "bearer" or not token:
             raise APIError(401, "missing bearer token: send 'Authorization: Bearer <token>'", "Authorization",
                            "missing_token", CHALLENGE)  # fmt: skip
-        scopes = self.scopes_of(token.strip())
+        scopes = await self.scopes_of(token.strip())
         if scopes is None:
             raise APIError(401, "invalid bearer token", "Authorization", "invalid_token", CHALLENGE)
         if scope not in scopes:

@@ -14,6 +14,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.errors import documented
+from api.read_cache import ReadCache
 from api.validation import Checker
 from controller.service import Service
 
@@ -26,23 +27,30 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
 INT64_MAX = 2**63 - 1  # SQLite's integers; larger query values are a 422, not a storage error
 
 
-def get_service(request: Request) -> Service:
+# async, though they do not wait: FastAPI runs a plain function dependency in its thread pool,
+# a thread hop per dependency per request.
+async def get_service(request: Request) -> Service:
     return request.app.state.service
 
 
-def get_checker(request: Request) -> Checker:
+async def get_checker(request: Request) -> Checker:
     return request.app.state.checker
 
 
-def reader(request: Request, _: Credentials) -> None:
-    request.app.state.auth.require(request, "read")
+async def get_read_cache(request: Request) -> ReadCache:
+    return request.app.state.read_cache
 
 
-def writer(request: Request, _: Credentials) -> None:
-    request.app.state.auth.require(request, "write")
+async def reader(request: Request, _: Credentials) -> None:
+    await request.app.state.auth.require(request, "read")
+
+
+async def writer(request: Request, _: Credentials) -> None:
+    await request.app.state.auth.require(request, "write")
 
 
 ServiceDep = Annotated[Service, Depends(get_service)]
+ReadCacheDep = Annotated[ReadCache, Depends(get_read_cache)]
 CheckerDep = Annotated[Checker, Depends(get_checker)]
 READ = [Depends(reader)]
 WRITE = [Depends(writer)]

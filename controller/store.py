@@ -4,6 +4,9 @@ One database file (WAL mode, so readers never block the writer), opened per thre
 keeps its spec, state, progress and the latest metrics; events, metrics and logs are append-only
 with increasing ids, which double as the Last-Event-ID of the live streams. Nothing is deleted when
 a job fails or is cancelled: only DELETE on a terminal job removes its rows.
+
+`version` counts committed writes. The service is the only writer of its home's store (one home
+has one service), so an unchanged version means unchanged rows: the API's read cache relies on it.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class JobStore(MetricsTable):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._write_lock = threading.Lock()
+        self.version = 0  # bumped after every committed write: readers' caches compare it (api/read_cache.py)
         _create_private(self.path)
         with self._write_lock:
             db = self._db()
@@ -185,6 +189,8 @@ class JobStore(MetricsTable):
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+            # after the commit, never before: a reader that sees the new version reads the new rows
+            self.version += 1
 
     # ---- jobs ----------------------------------------------------------------------------------
 

@@ -11,9 +11,9 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, CheckerDep, ServiceDep
+from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, CheckerDep, ReadCacheDep, ServiceDep
 from api.errors import APIError, documented
-from api.views import job_summary, job_view, json_listing
+from api.views import EncodedSummary, job_view, json_response, listing_json
 from controller.spec import JobSpec
 
 router = APIRouter(
@@ -54,8 +54,9 @@ def validate_job(service: ServiceDep, checker: CheckerDep, spec: JobSpec = Body(
 
 
 @router.get("", dependencies=READ, response_model=dict[str, Any])
-def list_jobs(
+async def list_jobs(
     service: ServiceDep,
+    cache: ReadCacheDep,
     status: list[JobStatus] | None = Query(None, description="filter by status; repeatable"),
     metadata: list[str] | None = Query(None, description="filter by metadata, 'key:value'; repeatable"),
     after: str | None = Query(None, description="cursor: the last job id of the previous page"),
@@ -70,11 +71,17 @@ def list_jobs(
         if not sep:
             raise APIError(422, f"metadata filter '{item}' must be 'key:value'", "metadata", "invalid_value")
         filters[key] = value
-    try:
-        jobs, more = service.store.list_jobs(status, filters, after, limit, q=q, tag=tag)
-    except KeyError:
-        raise APIError(404, f"cursor job '{after}' does not exist", "after", "not_found") from None
-    return json_listing([job_summary(j) for j in jobs], more)
+
+    def read() -> tuple[list[EncodedSummary], bool]:
+        try:
+            jobs, more = service.store.list_jobs(status, filters, after, limit, q=q, tag=tag)
+        except KeyError:
+            raise APIError(404, f"cursor job '{after}' does not exist", "after", "not_found") from None
+        return [EncodedSummary.of(j) for j in jobs], more
+
+    page = ("jobs", tuple(status or ()), tuple(filters.items()), after, limit, q, tag)
+    summaries, more = await cache.get(page, read)
+    return json_response(listing_json([s.json() for s in summaries], more))
 
 
 @router.get("/{job_id}", dependencies=READ)

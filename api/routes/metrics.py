@@ -6,8 +6,9 @@ GET /v1/jobs/{id}/metrics returns one row per step in step order, `{"step", "tim
 - `last=N` keeps the last N steps, `every=K` the steps divisible by K;
 - `max_points=P` spreads at most P steps evenly over what is left, always keeping the last;
 - `limit` caps the page (`has_more` says whether steps follow; ask again with `after_step`).
-The handlers are plain functions, so FastAPI runs them in its thread pool, each thread with its
-own SQLite connection: a slow read never stops the event loop.
+The page is read in a worker thread (its own SQLite connection): a slow read never stops the event
+loop; the encoded page is kept until the store changes (api/read_cache.py). The other handlers are
+plain functions, which FastAPI runs in its thread pool.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, INT64_MAX, READ, ServiceDep
+from api.deps import AUTH_ERRORS, INT64_MAX, READ, ReadCacheDep, ServiceDep
 from api.errors import documented
 from api.streams import sse, start_id
-from api.views import json_listing
+from api.views import json_response, listing_json
 from controller.store import MetricsQuery
 
 router = APIRouter(
@@ -42,9 +43,10 @@ def parse_keys(keys: str | None) -> tuple[str, ...]:
 
 
 @router.get("", dependencies=READ, response_model=dict[str, Any])
-def metrics(
+async def metrics(
     job_id: str,
     service: ServiceDep,
+    cache: ReadCacheDep,
     keys: str | None = Query(None, description="comma-separated names; 'prefix/*' matches a prefix"),
     step_min: int | None = Query(None, ge=0, le=MAX_STEP),
     step_max: int | None = Query(None, ge=0, le=MAX_STEP),
@@ -54,10 +56,13 @@ def metrics(
     max_points: int | None = Query(None, ge=1, le=100_000, description="at most P steps, evenly spaced"),
     limit: int = Query(10_000, ge=1, le=100_000, description="at most this many rows per page"),
 ) -> Response:
-    service.get(job_id)
     query = MetricsQuery(parse_keys(keys), step_min, step_max, after_step, last, every, max_points, limit)
-    rows, more = service.store.metrics_page(job_id, query)
-    return json_listing(rows, more)
+
+    def read() -> bytes:
+        service.get(job_id)
+        return listing_json(*service.store.metrics_page_json(job_id, query))
+
+    return json_response(await cache.get(("metrics", job_id, query), read))
 
 
 @router.get("/stream", dependencies=READ)

@@ -1,0 +1,74 @@
+"""What the hot read routes computed, kept until the job store changes.
+
+A dashboard, or fifty of them, polls the job list and a job's metrics far more often than a
+training job writes. The first request for a page reads SQLite in a worker thread; the next ones,
+until the store's next committed write (`JobStore.version`, bumped after every commit by this
+process, the only writer of its home), are answered from memory on the event loop, without a
+thread hop or a query. Requests that miss together share one read (a write during the read leaves
+the entry stale on arrival, so the next request reads again). Values are treated as immutable.
+
+Entries are bounded in number and, for encoded bodies, in bytes; the least recently used go first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from controller.store import JobStore
+
+
+class ReadCache:
+    def __init__(self, store: JobStore, max_entries: int = 256, max_bytes: int = 64 << 20) -> None:
+        self.store = store
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        # key -> (store version, value, size in bytes)
+        self._entries: OrderedDict[Hashable, tuple[int, Any, int]] = OrderedDict()
+        self._bytes = 0
+        self._reading: dict[tuple[Hashable, int], asyncio.Task] = {}
+
+    async def get(self, key: Hashable, read: Callable[[], Any]) -> Any:
+        """The value cached under `key` for the store's current version, else `read()`'s (in a thread)."""
+        version = self.store.version
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] == version:
+            self._entries.move_to_end(key)
+            return entry[1]
+        task = self._reading.get((key, version))
+        if task is None:
+            task = asyncio.ensure_future(self._read(key, version, read))
+            task.add_done_callback(_retrieve)
+            self._reading[(key, version)] = task
+        # shielded: a client that goes away does not cancel the read the others wait for
+        return await asyncio.shield(task)
+
+    async def _read(self, key: Hashable, version: int, read: Callable[[], Any]) -> Any:
+        try:
+            value = await run_in_threadpool(read)
+        finally:
+            del self._reading[(key, version)]
+        self._put(key, version, value)
+        return value
+
+    def _put(self, key: Hashable, version: int, value: Any) -> None:
+        size = len(value) if isinstance(value, bytes) else 0
+        if size > self.max_bytes // 4:
+            return  # one huge page would push out everything else
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= old[2]
+        self._entries[key] = (version, value, size)
+        self._bytes += size
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            _, (_, _, dropped) = self._entries.popitem(last=False)
+            self._bytes -= dropped
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A read whose every requester went away: its error is theirs, not an unretrieved one."""
+    if not task.cancelled():
+        task.exception()
