@@ -9,7 +9,7 @@ including a row's EOS. One JSON line per (model, mode): tokens/s of each, the ra
 greedy whether they produced the same tokens. `--no-vllm` leaves vLLM out (it is left out by
 itself where it is not installed).
 
-    .venv/bin/python bench/rollout.py [--models qwen2-1m qwen2-20m] [--threads 1] [--device cuda]
+    .venv/bin/python bench/rollout.py [--models qwen2-1m qwen2-20m FOLDER] [--threads 1] [--device cuda]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -64,7 +65,7 @@ def count_hf_tokens(generated: torch.Tensor, eos_ids: list[int]) -> tuple[int, l
 
 def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
     batch, new_tokens, repeats = args.batch, args.new_tokens, args.repeats
-    folder = build_builtin_model(name, root)
+    folder = Path(name) if Path(name).is_dir() else build_builtin_model(name, root)  # a model folder too
     engine = HFRolloutEngine(folder, device=args.device, dtype="auto")  # fp32 on CPU, bf16 on CUDA
     model = engine.model  # the same weights for both
     prompts = random_prompts(batch, model.config.vocab_size)
@@ -135,7 +136,9 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", nargs="+", default=["qwen2-1m", "qwen2-20m"])
+    parser.add_argument(
+        "--models", nargs="+", default=["qwen2-1m", "qwen2-20m"], help="built-in names or model folders"
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
