@@ -75,7 +75,7 @@ def test_trajectory_tokens_equal_the_rendering_of_the_whole_conversation(engine,
         rendered = delta.encode(delta.tokenizer.apply_chat_template(messages, tokenize=False))
         ours = traj.prompt_ids + traj.tokens
         ended = runs[-1] and runs[-1][-1] == delta.turn_end_id
-        closing = delta.encode(delta.assistant_suffix[1:] if ended else delta.assistant_suffix)
+        closing = delta.encode(delta.assistant_suffix)[1 if ended else 0 :]  # tokens, not characters
         assert ours + closing == rendered
         # Sampled tokens carry their log-probs; template and observation tokens carry 0 and mask 0.
         sampled = torch.tensor(traj.loss_mask, dtype=torch.bool)
