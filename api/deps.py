@@ -1,9 +1,9 @@
 """What every route depends on: the Service behind the app, and the token scopes it requires.
 
 Routers reach the service and the authenticator through `request.app.state`, so each router module
-is a plain set of functions over one resource and `create_app` only assembles them. The bearer
-scheme is declared through FastAPI's HTTPBearer, so the OpenAPI document carries it and Swagger UI's
-"Authorize" button sends the token; the check itself is the Authenticator's (api/auth.py).
+is a plain set of functions over one resource and `create_app` only assembles them. A route's
+scope is a `TokenScope`, declared as FastAPI's bearer scheme, so the OpenAPI document carries it and
+Swagger UI's "Authorize" button sends the token; the check itself is the Authenticator's (api/auth.py).
 """
 
 from __future__ import annotations
@@ -11,18 +11,30 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, Request, Security
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 
 from api.errors import documented
 from api.read_cache import ReadCache
 from api.validation import Checker
 from controller.service import Service
 
-bearer = HTTPBearer(
-    auto_error=False,
-    description="a token with the route's scope: $TANDEM_HOME/admin_token, or one from `tandem tokens`",
-)
-Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+
+class TokenScope(HTTPBearer):
+    """A route's token check, declared as FastAPI's bearer scheme (the OpenAPI document carries it;
+    Swagger UI's "Authorize" button sends the token). The check is the Authenticator's, from the
+    header: FastAPI's own HTTPBearer would build a credentials model on every request first."""
+
+    def __init__(self, scope: str) -> None:
+        super().__init__(
+            auto_error=False,
+            scheme_name="HTTPBearer",
+            description="a token with the route's scope: $TANDEM_HOME/admin_token, or one from `tandem tokens`",
+        )
+        self.scope = scope
+
+    async def __call__(self, request: Request) -> None:
+        await request.app.state.auth.require(request, self.scope)
+
 
 INT64_MAX = 2**63 - 1  # SQLite's integers; larger query values are a 422, not a storage error
 
@@ -41,18 +53,10 @@ async def get_read_cache(request: Request) -> ReadCache:
     return request.app.state.read_cache
 
 
-async def reader(request: Request, _: Credentials) -> None:
-    await request.app.state.auth.require(request, "read")
-
-
-async def writer(request: Request, _: Credentials) -> None:
-    await request.app.state.auth.require(request, "write")
-
-
 ServiceDep = Annotated[Service, Depends(get_service)]
 ReadCacheDep = Annotated[ReadCache, Depends(get_read_cache)]
 CheckerDep = Annotated[Checker, Depends(get_checker)]
-READ = [Depends(reader)]
-WRITE = [Depends(writer)]
+READ = [Security(TokenScope("read"))]
+WRITE = [Security(TokenScope("write"))]
 AUTH_ERRORS = documented(401, 403, 422)
 BODY_ERRORS = documented(400, 413)
