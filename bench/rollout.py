@@ -9,13 +9,14 @@ including a row's EOS. One JSON line per (model, mode): tokens/s of each, the ra
 greedy whether they produced the same tokens. `--no-vllm` leaves vLLM out (it is left out by
 itself where it is not installed).
 
-    .venv/bin/python bench/rollout.py [--models qwen2-1m qwen2-20m FOLDER] [--threads 1] [--device cuda]
+    .venv/bin/python bench/rollout.py [--models qwen2-1m qwen2-20m FOLDER] [--group 8] [--threads 1] [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,22 +37,28 @@ def random_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(4, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def best_times(runs: list[Callable[[], object]], repeats: int, device: str) -> list[tuple[float, object]]:
-    """(best wall time, last result) of each run, after one warm-up each.
+def best_times(
+    runs: list[Callable[[], object]], repeats: int, device: str
+) -> list[tuple[float, float, object]]:
+    """(best wall time, best process CPU time, last result) of each run, after one warm-up each.
 
-    The runs alternate, so a neighbour's load on the shared cores falls on both alike.
+    The runs alternate, so a neighbour's load on the shared cores falls on both alike. CPU time
+    (this process, all its threads) is the steadier figure on a busy machine: a preempted run's
+    wall time grows, its CPU time much less.
     """
     sync = torch.cuda.synchronize if device.startswith("cuda") else lambda: None
     results = [run() for run in runs]
     best = [float("inf")] * len(runs)
+    best_cpu = [float("inf")] * len(runs)
     for _ in range(repeats):
         for i, run in enumerate(runs):
             sync()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             results[i] = run()
             sync()
             best[i] = min(best[i], time.perf_counter() - start)
-    return list(zip(best, results, strict=True))
+            best_cpu[i] = min(best_cpu[i], time.process_time() - cpu)
+    return list(zip(best, best_cpu, results, strict=True))
 
 
 def count_hf_tokens(generated: torch.Tensor, eos_ids: list[int]) -> tuple[int, list[list[int]]]:
@@ -68,7 +75,8 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
     folder = Path(name) if Path(name).is_dir() else build_builtin_model(name, root)  # a model folder too
     engine = HFRolloutEngine(folder, device=args.device, dtype="auto")  # fp32 on CPU, bf16 on CUDA
     model = engine.model  # the same weights for both
-    prompts = random_prompts(batch, model.config.vocab_size)
+    distinct = random_prompts(max(1, batch // args.group), model.config.vocab_size)
+    prompts = [p for p in distinct for _ in range(args.group)]  # a GRPO batch: each prompt `group` times
     input_ids, attention_mask = left_pad(prompts, engine.pad_token_id, engine.device)
     params_count = sum(p.numel() for p in model.parameters())
     vllm: RolloutEngine | None = None
@@ -101,7 +109,9 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
             return vllm.generate(prompts, params)
 
         runs = [ours, plain] + ([with_vllm] if vllm is not None else [])
-        (ours_s, completions), (hf_s, generated), *rest = best_times(runs, repeats, args.device)
+        (ours_s, ours_cpu, completions), (hf_s, hf_cpu, generated), *rest = best_times(
+            runs, repeats, args.device
+        )
         ours_tokens = sum(len(c.token_ids) for c in completions)
         hf_tokens, hf_rows = count_hf_tokens(generated, engine.eos_token_ids)
         line = {
@@ -109,7 +119,8 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
             "model": name,
             "params": params_count,
             "mode": mode,
-            "batch": batch,
+            "batch": len(prompts),
+            "group": args.group,
             "new_tokens": new_tokens,
             "device": args.device,
             "dtype": str(engine.dtype).removeprefix("torch."),
@@ -117,11 +128,15 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
             "tandem_tokens_per_s": round(ours_tokens / ours_s, 1),
             "hf_generate_tokens_per_s": round(hf_tokens / hf_s, 1),
             "ratio": round((ours_tokens / ours_s) / (hf_tokens / hf_s), 3),
+            "tandem_cpu_s": round(ours_cpu, 4),
+            "hf_generate_cpu_s": round(hf_cpu, 4),
+            "ratio_cpu": round((ours_tokens / ours_cpu) / (hf_tokens / hf_cpu), 3),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
         }
         if not sampled:
             line["greedy_outputs_equal"] = [c.token_ids for c in completions] == hf_rows
         if rest:
-            (vllm_s, vllm_completions) = rest[0]
+            (vllm_s, _, vllm_completions) = rest[0]
             vllm_tokens = sum(len(c.token_ids) for c in vllm_completions)
             line["vllm_tokens_per_s"] = round(vllm_tokens / vllm_s, 1)
             line["vllm_vs_tandem_ratio"] = round((vllm_tokens / vllm_s) / (ours_tokens / ours_s), 3)
@@ -142,6 +157,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--group", type=int, default=1, help="rows per distinct prompt (GRPO's n)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="leave the vLLM engine out")
