@@ -141,7 +141,8 @@ def test_the_dapo_example_is_a_valid_spec_with_the_options_on():
 
     spec = JobSpec.model_validate(yaml.safe_load((REPO / "examples" / "dapo_tiny.yaml").read_text()))
     a = spec.algorithm
-    assert a.dynamic_sampling.enabled and a.overlong.penalty_buffer == 4
+    assert a.dynamic_sampling.enabled and a.overlong.penalty_buffer == 2 and a.overlong.penalty_factor == 0.5
+    assert spec.rollout.max_new_tokens == 6  # the buffer is the last 2 of 6 new tokens
     assert a.rollout_correction.is_weights == "token"
 
 
