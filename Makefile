@@ -57,7 +57,7 @@ $(VENV)/.real: $(STAMP)
 	touch $@
 
 test: install
-	$(PYTEST) -q -m "not slow" tests
+	$(PYTEST) -q -m "not slow" --durations=30 tests
 
 test-slow: install install-real
 	$(PYTEST) -q -m slow tests
