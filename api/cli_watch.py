@@ -119,6 +119,9 @@ def summary(job: dict[str, Any], stopped: str | None = None) -> str:
         line += " (" + ", ".join(shown) + ")"
     if job.get("error"):
         line += f": {job['error']}"
+    export = (job.get("outputs") or {}).get("export")
+    if export:  # the next stage's `--model`, e.g. GRPO after SFT
+        line += f"\nexport: {export}"
     return line
 
 

@@ -42,6 +42,8 @@ def test_submit_follow_shows_progress_to_the_last_step(finished):
     assert job_id.startswith("job")
     assert f"{job_id} step 2/2" in done.stderr and "100%" in done.stderr and "val_acc=" in done.stderr
     assert f"job {job_id} succeeded at step 2/2" in done.stdout
+    export = Path(done.stdout.split("\nexport: ")[1].strip())  # the next stage's --model
+    assert export.name == "export" and (export / "config.json").is_file() and job_id in str(export)
 
 
 def test_list_and_status(live, finished):
