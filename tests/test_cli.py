@@ -31,7 +31,8 @@ def tandem(live, *args: str, url: str | None = None, token: str | None = None, t
 @pytest.fixture(scope="module")
 def finished(live):
     """A job submitted from examples/grpo_tiny.yaml and followed to completion."""
-    done = tandem(live, "submit", str(EXAMPLES / "grpo_tiny.yaml"), *FAST, "--follow")
+    export = ["--set", "checkpoint.export_hf=true"]  # the example exports nothing; the summary names it
+    done = tandem(live, "submit", str(EXAMPLES / "grpo_tiny.yaml"), *FAST, *export, "--follow")
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.splitlines()[0]
     return job_id, done
