@@ -7,6 +7,10 @@ Batch layout (a TensorDict, batch dimension 0 = samples):
     position_ids    [B, T]  optional; derived from attention_mask when absent
     responses       [B, R]  the response tokens (the last R columns of input_ids)
     response_mask   [B, R]  1 on response tokens that count (loss / outputs)
+    needs_backward  [B]     optional bool; False marks a row whose loss is known to have zero gradient
+                            (a zero advantage on every token of a plain policy loss): the engine runs
+                            it forward only. Its outputs and metrics are unchanged, and so is the
+                            gradient, which it never contributed to.
 plus whatever the loss function reads (advantages, old_log_probs, ...), all [B, R] or [B].
 
 The loss contract. `forward_backward_batch` calls `loss_fn(micro_batch, outputs, counts)` once per
@@ -41,6 +45,7 @@ class GlobalCounts:
 
 
 MAX_SUFFIX = "_max"
+NEEDS_BACKWARD = "needs_backward"  # the optional batch key of the module docstring
 
 
 def combine_metric(metrics: dict[str, float], key: str, value: float) -> None:

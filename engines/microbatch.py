@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 # Auto token budget: TOKEN_BUDGET_SCALE[device] / hidden_size real tokens per micro-batch. On CPU a
 # whole-rank micro-batch was the slowest choice measured (its activations fall out of the caches):
@@ -80,3 +81,58 @@ def dynamic_micro_batches(
             f"{len(lengths)} samples; give every rank the same number of samples"
         )
     return balanced_partition(lengths, agreed) if agreed != len(plan) else plan
+
+
+class SplitPlan(NamedTuple):
+    """Micro-batches of one call when some rows need no backward (see `split_by_backward`)."""
+
+    backward: list[list[int]]  # micro-batches that run forward and backward
+    forward: list[list[int]]  # micro-batches of rows whose gradient is known to be zero: forward only
+    idle_forwards: int  # forwards this rank runs, outputs unused, to keep step with the other ranks
+
+
+def split_by_backward(
+    lengths: Sequence[int],
+    needs_backward: Sequence[bool],
+    plan: Callable[[list[int]], list[list[int]]],
+    agree: Callable[[int], int] = lambda k: k,
+) -> SplitPlan:
+    """Plan the rows that need a backward and the rows that do not as separate micro-batches.
+
+    `plan(lengths)` cuts one subset into micro-batches (indices into that subset) without
+    consulting the other ranks. Every forward of a sharded model is a collective, so the ranks then
+    agree (`agree`: the maximum over the dp group) on the number of backward micro-batches and of
+    forward-only ones. A rank short of backward rows moves rows from its forward-only set (their
+    gradient is zero, so a backward through them adds nothing); a rank short of forward-only rows
+    runs idle forwards. When no rank has a row to back-propagate, no backward runs at all.
+    """
+    backward = [i for i, b in enumerate(needs_backward) if b]
+    forward = sorted((i for i, b in enumerate(needs_backward) if not b), key=lambda i: (lengths[i], i))
+    agreed_backward = agree(len(plan([lengths[i] for i in backward])) if backward else 0)
+    while len(backward) < agreed_backward and forward:
+        backward.append(forward.pop(0))  # the shortest first: the cheapest extra backward
+    backward.sort()
+    forward.sort()
+    back_plan = _agreed_partition(backward, lengths, plan, agreed_backward)
+    local_forward = len(plan([lengths[i] for i in forward])) if forward else 0
+    agreed_forward = agree(local_forward)
+    forward_plan = _agreed_partition(forward, lengths, plan, min(agreed_forward, len(forward)))
+    return SplitPlan(back_plan, forward_plan, agreed_forward - len(forward_plan))
+
+
+def _agreed_partition(
+    rows: list[int], lengths: Sequence[int], plan: Callable[[list[int]], list[list[int]]], count: int
+) -> list[list[int]]:
+    """`rows` in `count` micro-batches: the local plan when it has that many, else balanced bins."""
+    if count == 0:
+        return []
+    if len(rows) < count:
+        raise MicroBatchError(
+            f"another data-parallel rank needs {count} micro-batches but this rank has only "
+            f"{len(rows)} samples; give every rank the same number of samples"
+        )
+    sub = [lengths[i] for i in rows]
+    local = plan(sub)
+    if len(local) != count:
+        local = balanced_partition(sub, count)
+    return [[rows[j] for j in mb] for mb in local]

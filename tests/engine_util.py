@@ -71,8 +71,22 @@ def rollout_corrected_loss():
 
 
 def loss_for(mode: str):
-    """`pg_loss(mode)` for an aggregation mode, or the rollout-corrected actor loss."""
+    """`pg_loss(mode)` for an aggregation mode, or the actor's loss: rollout-corrected, or plain for
+    the batch with forward-only rows."""
+    if mode == "forward-only-rows":
+        from workers.losses import PolicyLossConfig, make_policy_loss
+
+        return make_policy_loss(PolicyLossConfig())
     return rollout_corrected_loss() if mode == "rollout-corrected" else pg_loss(mode)
+
+
+def with_zero_advantage_rows(batch: TensorDict, rows: list[int]) -> TensorDict:
+    """`batch` with no advantage on `rows`, marked (engines.base.NEEDS_BACKWARD) to run forward only."""
+    batch = batch.clone()
+    batch["advantages"][rows] = 0.0
+    batch["needs_backward"] = torch.ones(len(batch), dtype=torch.bool)
+    batch["needs_backward"][rows] = False
+    return batch
 
 
 def reference_log_probs(model, batch: TensorDict) -> torch.Tensor:
@@ -124,6 +138,8 @@ def rank_main(
         {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     )
     batch = make_batch()
+    if mode == "forward-only-rows":  # rank 0's half has no row to back-propagate
+        batch = with_zero_advantage_rows(batch, [0, 1, 2])
     shard = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
     engine = FSDPEngine(EngineConfig(model_path=model_dir, micro_batch=split, optim={"lr": 1e-2}))
     engine.initialize()

@@ -1,5 +1,6 @@
 """1 rank vs 2 FSDP ranks (two gloo processes): the same global batch gives the same gradients and
-metrics, for the aggregation modes and for the rollout-corrected actor loss."""
+metrics, for the aggregation modes, for the rollout-corrected actor loss, and when one rank's rows
+all run forward only (engines.base.NEEDS_BACKWARD) while the other's back-propagate."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def _run(world: int, model_dir, mode: str, split: dict, tmp_path) -> dict:
         ("seq-mean-token-mean", {}),
         ("seq-mean-token-sum-norm", {"max_tokens_per_micro_batch": 24}),
         ("rollout-corrected", {"micro_batch_size": 2}),
+        ("forward-only-rows", {"max_tokens_per_micro_batch": 24}),
     ],
 )
 def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path, mode, split):

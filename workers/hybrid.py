@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from engines.base import TrainEngine
+from engines.base import NEEDS_BACKWARD, TrainEngine
 from engines.registry import build_train_engine
 from engines.rollout import SamplingParams, build_rollout_engine
 from engines.weights import WeightSync
@@ -176,12 +176,16 @@ class ActorRolloutRefWorker(Worker):
         self, batch: Batch, loss_config: PolicyLossConfig | dict, schedule: UpdateSchedule | dict
     ) -> dict[str, float]:
         """PPO-style update; the metrics are global (the engine sums them over ranks)."""
-        from workers.losses import make_policy_loss
+        from workers.losses import make_policy_loss, rows_with_gradient
 
         cfg = PolicyLossConfig.model_validate(loss_config)
         loss_fn = make_policy_loss(cfg)
         if "old_log_probs" not in batch.tensors.keys():
             loss_fn = _old_log_probs_from_current(loss_fn)
+        # Rows with a zero advantage everywhere run forward only (metrics), never backward.
+        with_gradient = rows_with_gradient(cfg, batch.tensors)
+        if with_gradient is not None:
+            batch = _with_outputs(batch, {NEEDS_BACKWARD: with_gradient})
         # Entropy is always computed so the dashboard's Entropy chart has actor/entropy; it joins the
         # loss only with a non-zero entropy_coeff.
         metrics = train_on_batch(

@@ -31,7 +31,15 @@ from torch.distributed.tensor import DTensor
 
 from engines import checkpoint as ckpt
 from engines.attention import register as segment_attention_name
-from engines.base import MAX_SUFFIX, EngineOutput, GlobalCounts, LossFn, TrainEngine, combine_metric
+from engines.base import (
+    MAX_SUFFIX,
+    NEEDS_BACKWARD,
+    EngineOutput,
+    GlobalCounts,
+    LossFn,
+    TrainEngine,
+    combine_metric,
+)
 from engines.config import EngineConfig
 from engines.distributed import (
     all_reduce_max,
@@ -42,7 +50,13 @@ from engines.distributed import (
     resolve_device,
 )
 from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model
-from engines.microbatch import auto_token_budget, dynamic_micro_batches, fixed_micro_batches
+from engines.microbatch import (
+    SplitPlan,
+    auto_token_budget,
+    dynamic_micro_batches,
+    fixed_micro_batches,
+    split_by_backward,
+)
 from engines.packing import pack, response_columns, unpack
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
@@ -129,7 +143,11 @@ class FSDPEngine(TrainEngine):
     def _build_optimizer(self) -> torch.optim.Optimizer:
         o = self.config.optim
         params = [p for p in self.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        # fused: one kernel over all parameters instead of a dozen foreach ops, each dispatched
+        # through DTensor: 25 -> 5 ms a step at 1M parameters on CPU, 150 -> 45 ms at 20M.
+        return torch.optim.AdamW(
+            params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True
+        )
 
     def _build_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         s = self.config.scheduler
@@ -214,24 +232,43 @@ class FSDPEngine(TrainEngine):
         batch = batch.to(self.device)
         width = batch["response_mask"].shape[1]
         counts = self._global_counts(batch, width)
-        plan = self._plan(batch["attention_mask"].sum(1).tolist())
+        lengths = batch["attention_mask"].sum(1).tolist()
+        if forward_only or NEEDS_BACKWARD not in batch.keys():
+            split = SplitPlan(self._plan(lengths), [], 0)
+        else:
+            split = split_by_backward(lengths, batch[NEEDS_BACKWARD].tolist(), self._local_plan, self._agree)
         sharded: FSDPModule = self.model  # type: ignore[assignment]
         pieces: list[dict[str, torch.Tensor]] = []
         metrics: dict[str, float] = {}
-        for i, index in enumerate(plan):
+        backward = not forward_only
+        for i, index in enumerate(split.backward + split.forward):
             micro = batch[torch.tensor(index, device=self.device)]
-            if not forward_only:
-                sharded.set_requires_gradient_sync(i == len(plan) - 1)
-            with torch.set_grad_enabled(not forward_only):
+            with_grad = backward and i < len(split.backward)
+            if with_grad:
+                sharded.set_requires_gradient_sync(i == len(split.backward) - 1)
+            with torch.set_grad_enabled(with_grad):
                 outputs = self._forward_micro(micro, width, compute_entropy, temperature)
                 if loss_fn is not None:
                     loss, loss_metrics = loss_fn(micro, outputs, counts)
-                    if not forward_only:
+                    if with_grad:
                         loss.backward()
                     for key, value in {"loss": float(loss.detach()), **loss_metrics}.items():
                         combine_metric(metrics, key, value)
             pieces.append({k: v.detach() for k, v in outputs.items()})
+        for _ in range(split.idle_forwards):  # in step with ranks that have more forward-only rows
+            with torch.no_grad():
+                self._forward_micro(batch[:1], width, compute_entropy, temperature)
+        if backward and not split.backward:
+            self._zero_gradients()
+        plan = split.backward + split.forward
         return EngineOutput(self._in_original_order(pieces, plan), self._reduce_over_ranks(metrics))
+
+    def _zero_gradients(self) -> None:
+        """The gradient of a call where no row has one: exactly zero, as a backward would have left
+        it. The optimizer step still runs on it (Adam's moments move the weights on a zero gradient)."""
+        for param in self.model.parameters():
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
 
     def _global_counts(self, batch: TensorDict, width: int) -> GlobalCounts:
         tokens, sequences = all_reduce_sum(
@@ -239,17 +276,32 @@ class FSDPEngine(TrainEngine):
         )
         return GlobalCounts(int(tokens), int(sequences), all_reduce_max(width, self.device))
 
-    def _plan(self, lengths: list[int]) -> list[list[int]]:
+    def _budget(self, lengths: list[int]) -> int | None:
+        """The token budget of dynamic batching; None for fixed-size micro-batches."""
         mb = self.config.micro_batch
-        budget = mb.max_tokens_per_micro_batch
-        if budget is None and mb.micro_batch_size is None:  # neither set: a budget from model and device
-            budget = max(auto_token_budget(self.hf_config.hidden_size, self.device.type), max(lengths))
+        if mb.max_tokens_per_micro_batch is None and mb.micro_batch_size is None:
+            # Neither set: a budget from model and device, never below the longest sequence.
+            return max(auto_token_budget(self.hf_config.hidden_size, self.device.type), max(lengths))
+        return mb.max_tokens_per_micro_batch
+
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        budget = self._budget(lengths)
         if budget is not None:
-            return dynamic_micro_batches(lengths, budget, lambda k: all_reduce_max(k, self.device))
-        plan = fixed_micro_batches(len(lengths), mb.micro_batch_size)
-        if all_reduce_max(len(plan), self.device) != len(plan):
+            return dynamic_micro_batches(lengths, budget, self._agree)
+        plan = fixed_micro_batches(len(lengths), self.config.micro_batch.micro_batch_size)
+        if self._agree(len(plan)) != len(plan):
             raise ValueError("every data-parallel rank must get the same number of samples per call")
         return plan
+
+    def _local_plan(self, lengths: list[int]) -> list[list[int]]:
+        """This rank's micro-batches of `lengths`, before the ranks agree on a count."""
+        budget = self._budget(lengths)
+        if budget is not None:
+            return dynamic_micro_batches(lengths, budget)
+        return fixed_micro_batches(len(lengths), self.config.micro_batch.micro_batch_size)
+
+    def _agree(self, count: int) -> int:
+        return all_reduce_max(count, self.device)
 
     def _forward_micro(
         self, micro: TensorDict, width: int, compute_entropy: bool, temperature: float

@@ -16,6 +16,7 @@ from workers.losses.policy import (
     make_policy_loss,
     make_token_objective,
     ppo_token_loss,
+    rows_with_gradient,
 )
 from workers.losses.sft import make_sft_loss
 from workers.losses.value import make_value_loss
@@ -37,4 +38,5 @@ __all__ = [
     "make_token_objective",
     "make_value_loss",
     "ppo_token_loss",
+    "rows_with_gradient",
 ]

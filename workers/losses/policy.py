@@ -190,3 +190,17 @@ def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
         return loss, metrics
 
     return policy_loss
+
+
+def rows_with_gradient(cfg: PolicyLossConfig, micro_batch: TensorDict) -> torch.Tensor | None:
+    """[B] bool: the rows whose policy loss can have a non-zero gradient; None when all can.
+
+    Every objective above is the advantage times a factor per token, and the rollout correction
+    only multiplies it by a weight, so a row whose advantage is exactly 0 on every valid token
+    contributes exactly 0 to the gradient (GRPO: a group whose samples all scored the same). The
+    entropy bonus and the KL loss do not vanish with the advantage: with either, every row counts.
+    """
+    if cfg.entropy_coeff != 0 or cfg.use_kl_loss:
+        return None
+    mask = micro_batch["response_mask"].bool()
+    return (micro_batch["advantages"].ne(0) & mask).any(dim=-1)
