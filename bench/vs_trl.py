@@ -8,10 +8,17 @@ Tandem job with no resources or micro-batch settings in its spec, on a default l
 
 The sides alternate, each run in a fresh process (TRL, Tandem, TRL, Tandem, ...), so a change in the
 machine's load hits both. A step's time is the wall time between the ends of consecutive steps;
-the first step of every process (warm-up) is dropped. Prints JSON lines: one per run, then one
-summary per shape with each side's median s/step and the ratio Tandem / TRL, and the load average.
+the first step of every process (warm-up) is dropped. Prints JSON lines: one per run (a Tandem
+run adds its median phase times and the share of rows without advantage), then one summary per
+shape with each side's median s/step and the ratio Tandem / TRL, and the load average.
 
-    python bench/vs_trl.py [--shapes small,large] [--steps 6] [--rounds 2]
+The reward: `arithmetic` (default) scores 1 for the right sum, else 0. A model that cannot add yet
+scores 0 on every sample, so every GRPO group has zero advantage and no gradient; Tandem runs such
+rows forward only (TRL back-propagates them), so the update costs about a forward. `digits` scores
+the share of digit characters in the response, which differs within almost every group: every row
+then has a gradient, and the comparison is of the full update.
+
+    python bench/vs_trl.py [--shapes small,large] [--steps 6] [--rounds 2] [--reward digits]
 
 TRL comes from the optional `bench` extra (`pip install -e '.[bench]'`; `make bench-trl`).
 """
@@ -43,6 +50,23 @@ def write_prompts(folder: Path, rows: int) -> Path:
     return train
 
 
+def digit_share(prompt: str, response: str, ground_truth: object, extra: dict | None = None) -> dict:
+    """The `digits` reward: the share of the response's characters that are digits."""
+    return {"score": sum(c.isdigit() for c in response) / max(len(response), 1)}
+
+
+REWARDS = {"arithmetic": "builtin:arithmetic", "digits": f"{Path(__file__).resolve()}:digit_share"}
+
+
+def reward_function(name: str):
+    """The reward as a Python function (the TRL side)."""
+    if name == "digits":
+        return digit_share
+    from controller.tasks.arithmetic import arithmetic_reward
+
+    return arithmetic_reward
+
+
 def step_intervals(ends: list[float]) -> list[float]:
     """Seconds of each step after the first (the first includes warm-up)."""
     return [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
@@ -56,8 +80,7 @@ def run_trl(args: argparse.Namespace) -> list[float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from controller.tasks.arithmetic import arithmetic_reward
-
+    score_fn = reward_function(args.reward)
     rows = [json.loads(line) for line in Path(args.train).read_text().splitlines()]
     dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
 
@@ -65,7 +88,7 @@ def run_trl(args: argparse.Namespace) -> list[float]:
         prompts: list[str], completions: list[str], ground_truth: list[str], **_: object
     ) -> list[float]:
         return [
-            float(arithmetic_reward(p, c, g)["score"])
+            float(score_fn(p, c, g)["score"])
             for p, c, g in zip(prompts, completions, ground_truth, strict=True)
         ]
 
@@ -112,7 +135,17 @@ def run_trl(args: argparse.Namespace) -> list[float]:
 # ---- the Tandem side ---------------------------------------------------------------------------
 
 
-def run_tandem(args: argparse.Namespace) -> list[float]:
+# Tandem's per-step metrics whose medians a run reports beside its step times.
+TANDEM_METRICS = (
+    "timing_s/gen",
+    "timing_s/update_actor",
+    "timing_s/sync",
+    "timing_s/step",
+    "critic/advantages/zero_rows",
+)
+
+
+def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
     import ray
 
     from controller.sink import JsonlSink
@@ -123,22 +156,34 @@ def run_tandem(args: argparse.Namespace) -> list[float]:
         def __init__(self, folder: Path) -> None:
             super().__init__(folder)
             self.ends: list[float] = []
+            self.values: list[dict[str, float]] = []
 
         def metrics(self, step: int, values: dict[str, float]) -> None:
             self.ends.append(time.perf_counter())
+            self.values.append(values)
             super().metrics(step, values)
 
-    spec = JobSpec.model_validate(
-        {
-            "method": "grpo",
-            "model": {"path": args.model_dir},
-            "data": {"train_path": args.train, "builtin_task": None, "shuffle": False},
-            "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "val_every": 0},
-            "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
-            "optim": {"lr": args.lr},
-            "checkpoint": {"every": 0, "export_hf": False},
-        }
-    )
+    spec = {
+        "method": "grpo",
+        "model": {"path": args.model_dir},
+        "data": {"train_path": args.train, "builtin_task": None, "shuffle": False},
+        "reward": {"function": REWARDS[args.reward]},
+        "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "val_every": 0},
+        "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
+        "optim": {"lr": args.lr},
+        "checkpoint": {"every": 0, "export_hf": False},
+    }
+    for item in args.tandem_set:  # a lever to measure, e.g. resources.workers=2 (not the defaults)
+        path, value = item.split("=", 1)
+        *parents, leaf = path.split(".")
+        section = spec
+        for key in parents:
+            section = section.setdefault(key, {})
+        try:
+            section[leaf] = json.loads(value)
+        except ValueError:
+            section[leaf] = value  # a plain string
+    spec = JobSpec.model_validate(spec)
     ray.init(
         include_dashboard=False, logging_level="error", runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}
     )
@@ -148,7 +193,13 @@ def run_tandem(args: argparse.Namespace) -> list[float]:
         Trainer(spec, workdir, sink, name="vs-trl").run()
     finally:
         ray.shutdown()
-    return step_intervals(sink.ends)
+    later = sink.values[1:]  # the first step's include warm-up, as its time does
+    medians = {
+        k: round(statistics.median(v[k] for v in later), 4)
+        for k in TANDEM_METRICS
+        if later and all(k in v for v in later)
+    }
+    return step_intervals(sink.ends), medians
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -158,8 +209,8 @@ def run_side(side: str, args: argparse.Namespace, model_dir: Path, train: Path, 
     command = [
         sys.executable, __file__, "--side", side, "--model-dir", str(model_dir), "--train", str(train),
         "--max-new-tokens", str(max_new_tokens), "--steps", str(args.steps), "--n", str(args.n),
-        "--prompts", str(args.prompts), "--lr", str(args.lr),
-    ]  # fmt: skip
+        "--prompts", str(args.prompts), "--lr", str(args.lr), "--reward", args.reward,
+    ] + [f"--tandem-set={item}" for item in args.tandem_set]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"side"')]
@@ -178,6 +229,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--reward", choices=sorted(REWARDS), default="arithmetic", help="see above")
+    parser.add_argument(
+        "--tandem-set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="change the Tandem job's spec (a lever to measure; the goal is about the defaults)",
+    )
     parser.add_argument("--side", choices=("trl", "tandem"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--train", help=argparse.SUPPRESS)
@@ -185,8 +244,9 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.side:  # a child process: one run of one side
-        steps = run_trl(args) if args.side == "trl" else run_tandem(args)
-        print(json.dumps({"side": args.side, "step_s": [round(s, 4) for s in steps]}), flush=True)
+        steps, medians = (run_trl(args), {}) if args.side == "trl" else run_tandem(args)
+        line = {"side": args.side, "step_s": [round(s, 4) for s in steps], "medians": medians}
+        print(json.dumps(line), flush=True)
         return
 
     from engines.tiny_models import build_builtin_model
@@ -205,6 +265,7 @@ def main() -> None:
                 loads.append(os.getloadavg()[0])
                 line = {"bench": "vs_trl", "shape": shape, "round": round_index, "side": side}
                 line.update(step_s_median=round(statistics.median(run["step_s"]), 4), step_s=run["step_s"])
+                line.update(run["medians"])
                 print(json.dumps(line), flush=True)
         trl, tandem = statistics.median(times["trl"]), statistics.median(times["tandem"])
         summary = {
@@ -215,6 +276,8 @@ def main() -> None:
             "prompts": args.prompts,
             "n": args.n,
             "max_new_tokens": max_new_tokens,
+            "reward": args.reward,
+            "tandem_set": args.tandem_set,
             "steps_timed_per_side": len(times["trl"]),
             "trl_s_per_step": round(trl, 4),
             "tandem_s_per_step": round(tandem, 4),

@@ -124,6 +124,11 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> di
         **_masked_stats("critic/returns", t["returns"], mask),
         **_masked_stats("response_length", lengths, ones),
         "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+        # Rows with no advantage on any valid token: no policy gradient (GRPO: a group that all
+        # scored the same); the actor update runs them forward only (workers.losses.rows_with_gradient).
+        "critic/advantages/zero_rows": float(
+            (t["advantages"].ne(0) & mask.bool()).any(1).logical_not().float().mean()
+        ),
         "prompt_length/mean": float(prompt_lengths.mean()),
     }
     if "values" in t.keys():

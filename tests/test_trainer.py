@@ -87,6 +87,11 @@ def test_grpo_runs_end_to_end(grpo_run):
     # The rollout engine samples what the trainer scores: same weights, same log-probs.
     assert all(r["values"]["rollout/log_prob_diff_mean"] < 1e-5 for r in sink.history[1:])
     assert "timing_s/old_log_prob" not in last  # one on-policy step: the separate pass is skipped
+    for record in sink.history[1:]:  # rows without advantage run forward only: no gradient from them
+        values = record["values"]
+        assert 0.0 <= values["critic/advantages/zero_rows"] <= 1.0
+        if values["critic/advantages/zero_rows"] == 1.0:
+            assert values["actor/grad_norm"] == 0.0
     initial = load_file(str(trainer.job.model_path) + "/model.safetensors")
     exported = load_file(str(workdir / "export" / "model.safetensors"))
     assert any(not torch.equal(initial[k], exported[k]) for k in initial)
