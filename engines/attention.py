@@ -11,6 +11,9 @@ the real tokens before it in its own sequence; the padded queries' outputs are n
 projections and MLPs around it stay packed. The sequence boundaries arrive as the `cu_seq_lens_q`
 keyword that transformers passes down to every attention call.
 
+With a `shared_prompt` layout (engines/shared_prompt.py) the segments are a group's prompt, stored
+once, and its responses, each of which reads the prompt's keys and values as well as its own.
+
 One call per layer replaced one call per sequence per layer (2,000+ small calls, forward and
 backward, for 128 sequences x 8 layers); see bench/RESULTS.md for what it measured.
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from engines.shared_prompt import SharedPromptPack
 
 NAME = "tandem_segments"
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -46,6 +51,9 @@ def segment_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, N, D], key/value [1, Hkv, N, D] → output [1, N, H, D]."""
+    shared = kwargs.get("shared_prompt")
+    if shared is not None:
+        return _shared_prompt_attention(module, query, key, value, shared, dropout, scaling), None
     bounds = kwargs.get("cu_seq_lens_q")
     if bounds is None:
         raise ValueError(f"attention '{NAME}' needs cu_seq_lens_q (the packed sequence boundaries)")
@@ -68,6 +76,43 @@ def segment_attention(
         )
     out = out.transpose(1, 2).reshape(sequences * longest, *out.shape[1::2])  # [S * longest, H, D]
     return out.index_select(0, index)[None], None
+
+
+def _shared_prompt_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: SharedPromptPack,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention over the segments of engines/shared_prompt.py: a response segment reads its
+    group's prompt, stored once, through `key_index`; index_select's backward sums the gradients of
+    every response into that one copy."""
+    segments, longest = layout.query_index.shape
+    keys = layout.key_index.shape[1]
+
+    def gather(x: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+        tokens = x[0].transpose(0, 1)  # [N, h, D]
+        picked = tokens.index_select(0, index.reshape(-1))
+        return picked.view(segments, length, *tokens.shape[1:]).transpose(1, 2)  # [S, h, length, D]
+
+    q = gather(query, layout.query_index, longest)
+    k, v = gather(key, layout.key_index, keys), gather(value, layout.key_index, keys)
+    p = dropout if module.training else 0.0
+    with sdpa_kernel(_BACKENDS):
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=layout.key_mask,
+            dropout_p=p,
+            scale=scaling,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+    out = out.transpose(1, 2).reshape(segments * longest, *out.shape[1::2])  # [S * Lq, H, D]
+    return out.index_select(0, layout.token_slot)[None]
 
 
 def register() -> str:

@@ -126,6 +126,11 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     micro_batch: MicroBatchConfig = Field(default_factory=MicroBatchConfig)
     gradient_checkpointing: bool = False
+    share_prompts: bool = Field(
+        True,
+        description="run a prompt that repeats in a micro-batch (a GRPO group) once, its responses reading "
+        "its keys and values (engines/shared_prompt.py); with the packed-row SDPA attention, not flash-attention",
+    )
     logprob_chunk_tokens: int = Field(
         1024, gt=0, description="tokens per chunk of the vocabulary projection, bounds fp32 logits memory"
     )

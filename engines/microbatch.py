@@ -59,28 +59,65 @@ def balanced_partition(lengths: Sequence[int], bins: int) -> list[list[int]]:
 
 
 def dynamic_micro_batches(
-    lengths: Sequence[int], max_tokens: int, agree: Callable[[int], int] = lambda k: k
+    lengths: Sequence[int],
+    max_tokens: int,
+    agree: Callable[[int], int] = lambda k: k,
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> list[list[int]]:
-    """Balanced micro-batches of at most `max_tokens` real tokens, the same count on every rank."""
+    """Balanced micro-batches of at most `max_tokens` real tokens, the same count on every rank.
+
+    With `groups` (rows that share a prompt, engines/shared_prompt.py), a group that fits the budget
+    is kept in one micro-batch, so that its prompt runs once; the budget still counts every row's
+    prompt, as if unshared.
+    """
     longest = max(lengths)
     if longest > max_tokens:
         raise MicroBatchError(
             f"max_tokens_per_micro_batch={max_tokens} is smaller than the longest sequence ({longest} tokens): "
             "raise the budget to at least the prompt length plus the response length"
         )
+    units = _units(lengths, max_tokens, groups)
     bins = max(1, math.ceil(sum(lengths) / max_tokens))
     while True:
-        plan = balanced_partition(lengths, min(bins, len(lengths)))
+        plan = unit_partition(lengths, units, min(bins, len(units)))
         if max(sum(lengths[i] for i in mb) for mb in plan) <= max_tokens:
             break
         bins += 1
     agreed = agree(len(plan))
+    if agreed == len(plan):
+        return plan
     if agreed > len(lengths):
         raise MicroBatchError(
             f"another data-parallel rank needs {agreed} micro-batches but this rank has only "
             f"{len(lengths)} samples; give every rank the same number of samples"
         )
-    return balanced_partition(lengths, agreed) if agreed != len(plan) else plan
+    return (
+        unit_partition(lengths, units, agreed)
+        if agreed <= len(units)
+        else balanced_partition(lengths, agreed)
+    )
+
+
+def _units(
+    lengths: Sequence[int], max_tokens: int, groups: Sequence[Sequence[int]] | None
+) -> list[list[int]]:
+    """What the planner places whole: each group that fits the budget, every other row alone."""
+    if groups is None:
+        return [[i] for i in range(len(lengths))]
+    units: list[list[int]] = []
+    for group in groups:
+        if sum(lengths[i] for i in group) <= max_tokens:
+            units.append(list(group))
+        else:
+            units.extend([i] for i in group)
+    return units
+
+
+def unit_partition(lengths: Sequence[int], units: list[list[int]], bins: int) -> list[list[int]]:
+    """`balanced_partition` of whole units (lists of sample indices), expanded to sample indices."""
+    loads = [sum(lengths[i] for i in unit) for unit in units]
+    plan = [sorted(i for u in members for i in units[u]) for members in balanced_partition(loads, bins)]
+    return sorted(plan, key=lambda mb: mb[0])
 
 
 class SplitPlan(NamedTuple):
@@ -99,7 +136,7 @@ def split_by_backward(
 ) -> SplitPlan:
     """Plan the rows that need a backward and the rows that do not as separate micro-batches.
 
-    `plan(lengths)` cuts one subset into micro-batches (indices into that subset) without
+    `plan(rows)` cuts a subset of the rows into micro-batches (lists of row indices) without
     consulting the other ranks. Every forward of a sharded model is a collective, so the ranks then
     agree (`agree`: the maximum over the dp group) on the number of backward micro-batches and of
     forward-only ones. A rank short of backward rows moves rows from its forward-only set (their
@@ -108,14 +145,13 @@ def split_by_backward(
     """
     backward = [i for i, b in enumerate(needs_backward) if b]
     forward = sorted((i for i, b in enumerate(needs_backward) if not b), key=lambda i: (lengths[i], i))
-    agreed_backward = agree(len(plan([lengths[i] for i in backward])) if backward else 0)
+    agreed_backward = agree(len(plan(backward)) if backward else 0)
     while len(backward) < agreed_backward and forward:
         backward.append(forward.pop(0))  # the shortest first: the cheapest extra backward
     backward.sort()
     forward.sort()
     back_plan = _agreed_partition(backward, lengths, plan, agreed_backward)
-    local_forward = len(plan([lengths[i] for i in forward])) if forward else 0
-    agreed_forward = agree(local_forward)
+    agreed_forward = agree(len(plan(forward)) if forward else 0)
     forward_plan = _agreed_partition(forward, lengths, plan, min(agreed_forward, len(forward)))
     return SplitPlan(back_plan, forward_plan, agreed_forward - len(forward_plan))
 
@@ -131,8 +167,7 @@ def _agreed_partition(
             f"another data-parallel rank needs {count} micro-batches but this rank has only "
             f"{len(rows)} samples; give every rank the same number of samples"
         )
-    sub = [lengths[i] for i in rows]
-    local = plan(sub)
-    if len(local) != count:
-        local = balanced_partition(sub, count)
-    return [[rows[j] for j in mb] for mb in local]
+    local = plan(rows)
+    if len(local) == count:
+        return local
+    return [[rows[j] for j in mb] for mb in balanced_partition([lengths[i] for i in rows], count)]

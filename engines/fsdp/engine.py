@@ -58,6 +58,7 @@ from engines.microbatch import (
     split_by_backward,
 )
 from engines.packing import pack, response_columns, unpack
+from engines.shared_prompt import pack_shared, prompt_groups
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
 
@@ -233,10 +234,16 @@ class FSDPEngine(TrainEngine):
         width = batch["response_mask"].shape[1]
         counts = self._global_counts(batch, width)
         lengths = batch["attention_mask"].sum(1).tolist()
+        groups = self._prompt_groups(batch, width)
         if forward_only or NEEDS_BACKWARD not in batch.keys():
-            split = SplitPlan(self._plan(lengths), [], 0)
+            split = SplitPlan(self._plan(lengths, groups), [], 0)
         else:
-            split = split_by_backward(lengths, batch[NEEDS_BACKWARD].tolist(), self._local_plan, self._agree)
+            split = split_by_backward(
+                lengths,
+                batch[NEEDS_BACKWARD].tolist(),
+                lambda rows: self._local_plan(rows, lengths, groups),
+                self._agree,
+            )
         sharded: FSDPModule = self.model  # type: ignore[assignment]
         pieces: list[dict[str, torch.Tensor]] = []
         metrics: dict[str, float] = {}
@@ -284,21 +291,31 @@ class FSDPEngine(TrainEngine):
             return max(auto_token_budget(self.hf_config.hidden_size, self.device.type), max(lengths))
         return mb.max_tokens_per_micro_batch
 
-    def _plan(self, lengths: list[int]) -> list[list[int]]:
+    def _plan(self, lengths: list[int], groups: list[list[int]] | None = None) -> list[list[int]]:
         budget = self._budget(lengths)
         if budget is not None:
-            return dynamic_micro_batches(lengths, budget, self._agree)
+            return dynamic_micro_batches(lengths, budget, self._agree, groups)
         plan = fixed_micro_batches(len(lengths), self.config.micro_batch.micro_batch_size)
         if self._agree(len(plan)) != len(plan):
             raise ValueError("every data-parallel rank must get the same number of samples per call")
         return plan
 
-    def _local_plan(self, lengths: list[int]) -> list[list[int]]:
-        """This rank's micro-batches of `lengths`, before the ranks agree on a count."""
-        budget = self._budget(lengths)
-        if budget is not None:
-            return dynamic_micro_batches(lengths, budget)
-        return fixed_micro_batches(len(lengths), self.config.micro_batch.micro_batch_size)
+    def _local_plan(
+        self, rows: list[int], lengths: list[int], groups: list[list[int]] | None
+    ) -> list[list[int]]:
+        """Micro-batches of a subset of the rows, before the ranks agree on a count."""
+        sub = [lengths[i] for i in rows]
+        budget = self._budget(sub)
+        if budget is None:
+            local = fixed_micro_batches(len(rows), self.config.micro_batch.micro_batch_size)
+        else:
+            position = {row: j for j, row in enumerate(rows)}
+            sub_groups = None
+            if groups is not None:
+                sub_groups = [[position[i] for i in g if i in position] for g in groups]
+                sub_groups = [g for g in sub_groups if g]
+            local = dynamic_micro_batches(sub, budget, groups=sub_groups)
+        return [[rows[j] for j in mb] for mb in local]
 
     def _agree(self, count: int) -> int:
         return all_reduce_max(count, self.device)
@@ -306,6 +323,9 @@ class FSDPEngine(TrainEngine):
     def _forward_micro(
         self, micro: TensorDict, width: int, compute_entropy: bool, temperature: float
     ) -> dict[str, torch.Tensor]:
+        groups = self._prompt_groups(micro, width)
+        if groups is not None:
+            return self._forward_shared(micro, width, groups, compute_entropy, temperature)
         packed = pack(micro["input_ids"], micro["attention_mask"])
         # Sequence boundaries: flash-attention reads them from the restarting positions, the
         # segment attention from cu_seq_lens_q; plain SDPA or eager need the block-diagonal mask.
@@ -322,6 +342,39 @@ class FSDPEngine(TrainEngine):
         )
         mask_r = micro["response_mask"].to(torch.float32)
         return {k: response_columns(unpack(v, packed), width) * mask_r for k, v in flat.items()}
+
+    def _prompt_groups(self, micro: TensorDict, width: int) -> list[list[int]] | None:
+        """The rows grouped by prompt, when some prompt repeats and can be shared."""
+        if not self.config.share_prompts or self.attn_implementation != segment_attention_name():
+            return None
+        groups = prompt_groups(micro["input_ids"], micro["attention_mask"], width)
+        return groups if groups is not None and len(groups) < len(micro) else None
+
+    def _forward_shared(
+        self,
+        micro: TensorDict,
+        width: int,
+        groups: list[list[int]],
+        compute_entropy: bool,
+        temperature: float,
+    ) -> dict[str, torch.Tensor]:
+        """One copy of each prompt (engines/shared_prompt.py); outputs land on the [mb, R] grid."""
+        packed = pack_shared(micro["input_ids"], micro["attention_mask"], width, groups)
+        flat = self.model(
+            packed.input_ids,
+            packed.position_ids,
+            None,
+            packed.targets,
+            temperature,
+            compute_entropy,
+            shared_prompt=packed,
+        )
+        mask_r = micro["response_mask"].to(torch.float32)
+        rows = len(micro)
+        return {
+            k: v.new_zeros(rows * width).index_put((packed.grid_index,), v).view(rows, width) * mask_r
+            for k, v in flat.items()
+        }
 
     @staticmethod
     def _in_original_order(pieces: list[dict[str, torch.Tensor]], plan: list[list[int]]) -> dict:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from engines.logprobs import token_log_probs
+from engines.shared_prompt import SharedPromptPack
 
 POLICY_PREFIX = "lm."
 
@@ -52,6 +53,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _layout_kwargs(cu_seq_lens_q: torch.Tensor | None, shared_prompt: SharedPromptPack | None) -> dict:
+    """What the attention function needs to know about the packed row (transformers passes it down)."""
+    if shared_prompt is not None:
+        return {"shared_prompt": shared_prompt}
+    return {"cu_seq_lens_q": cu_seq_lens_q}
+
+
 class PolicyModel(nn.Module):
     """Causal LM whose forward returns per-token next-token log-probs (and entropy) of a packed row."""
 
@@ -69,14 +77,18 @@ class PolicyModel(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         cu_seq_lens_q: torch.Tensor | None = None,
+        shared_prompt: SharedPromptPack | None = None,
     ) -> dict[str, torch.Tensor]:
+        """Per packed token; with `shared_prompt`, per response token (its `select`, `targets`)."""
         hidden = self.lm.model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,
-            cu_seq_lens_q=cu_seq_lens_q,
+            **_layout_kwargs(cu_seq_lens_q, shared_prompt),
         ).last_hidden_state[0]
+        if shared_prompt is not None:
+            hidden, targets = hidden.index_select(0, shared_prompt.select), shared_prompt.targets
         head = self.lm.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ModelLoadError("output projections with a bias are not supported")
@@ -112,14 +124,17 @@ class ValueModel(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         cu_seq_lens_q: torch.Tensor | None = None,
+        shared_prompt: SharedPromptPack | None = None,
     ) -> dict[str, torch.Tensor]:
         hidden = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
             use_cache=False,
-            cu_seq_lens_q=cu_seq_lens_q,
+            **_layout_kwargs(cu_seq_lens_q, shared_prompt),
         ).last_hidden_state[0]
+        if shared_prompt is not None:
+            hidden = hidden.index_select(0, shared_prompt.select)
         # clone: FSDP hooks its output, and a view of it would lose the pre-backward hook.
         return {"values": self.value_head(hidden).squeeze(-1).float().clone()}
 
