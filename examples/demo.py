@@ -9,7 +9,8 @@
 3. Submits examples/grpo_arithmetic.yaml with model.path set to the SFT job's HF export: GRPO raises
    the validation accuracy. Followed the same way.
 4. Prints a summary and leaves the service and its dashboard running until Ctrl-C, which stops it
-   gracefully (running jobs checkpoint and resume at the next start).
+   gracefully (running jobs checkpoint and resume at the next start). SIGTERM and SIGHUP (`kill`, a
+   CI timeout, a closed terminal) stop it the same way: the service never outlives the demo.
 
 Everything goes through the REST API with the admin token, as a user's own scripts would.
 """
@@ -73,12 +74,19 @@ def val_curve(client: TandemClient, job_id: str) -> list[tuple[int, float]]:
     ]
 
 
+def _stop(signum: int, _frame: object) -> None:
+    """SIGTERM/SIGHUP end the demo through its `finally`, which stops the service it started."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m examples.demo", description="make run: SFT, then GRPO")
     parser.add_argument("--seed", type=int, default=0, help="trainer.seed of both jobs (data order)")
     parser.add_argument("--exit", action="store_true", help="stop the service after the summary")
     args = parser.parse_args(argv)
     seed = args.seed
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop)
     home = client_home().resolve()
     os.environ["TANDEM_HOME"] = str(home)  # the service's home, and where the client finds URL and token
     running = read_record(home)

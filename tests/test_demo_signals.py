@@ -1,0 +1,47 @@
+"""`make run` (examples/demo.py) never leaves its service behind.
+
+The demo starts `tandem serve` as its child. Ctrl-C reaches both through the terminal's process
+group; a SIGTERM (`kill`, a CI timeout) or SIGHUP (a closed terminal) reaches the demo alone, and
+before the demo handled them its service kept running, holding port 8000 and the home. Here the
+demo is started as `make run` starts it, signalled once its service answers, and the service must
+then stop on its own: process gone, record gone, port closed.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import tempfile
+
+import pytest
+
+from api.service_record import pid_alive, read_record, record_path
+from tests.serve_util import cluster_env, free_ports, kill_leftovers, start_logged, wait_until
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM])
+def test_a_signalled_demo_stops_the_service_it_started(tmp_path, signum):
+    tmp = tempfile.mkdtemp(prefix="tdemo-")  # short: Ray's socket paths live under it
+    home, log = tmp_path / "home", tmp_path / "demo.log"
+    (port,) = free_ports(1)
+    env = {**cluster_env(tmp), "TANDEM_HOME": str(home), "TANDEM_PORT": str(port)}
+    demo = start_logged([sys.executable, "-m", "examples.demo"], env, log)
+    try:
+        wait_until(lambda: read_record(home) is not None and port_open(port), "the demo's service answered",
+                   240, [log])  # fmt: skip
+        server_pid = read_record(home)["pid"]
+        assert server_pid != demo.pid and pid_alive(server_pid)
+        demo.send_signal(signum)
+        assert demo.wait(300) == 128 + signum, log.read_text()[-3000:]
+        wait_until(lambda: not pid_alive(server_pid), "the service exited", 120, [log])
+        assert not port_open(port) and not record_path(home).exists()
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        kill_leftovers(tmp)
