@@ -122,10 +122,9 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)) for k in a)
 
 
-def rank_main(
-    rank: int, world: int, port: int, model_dir: str, mode: str, split: dict, out_file: str
-) -> None:
-    """One process of a multi-rank engine run: grads and outputs of this rank's half of the batch."""
+def rank_main(rank: int, world: int, port: int, model_dir: str, cases: list, out_file: str) -> None:
+    """One process of a multi-rank engine run. For each (mode, split) case a fresh engine takes this
+    rank's half of the batch; rank 0 saves every case's grads, metrics, grad norm and updated params."""
     import os
 
     import torch.distributed as dist
@@ -137,18 +136,21 @@ def rank_main(
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     )
-    batch = make_batch()
-    if mode == "forward-only-rows":  # rank 0's half has no row to back-propagate
-        batch = with_zero_advantage_rows(batch, [0, 1, 2])
-    shard = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
-    engine = FSDPEngine(EngineConfig(model_path=model_dir, micro_batch=split, optim={"lr": 1e-2}))
-    engine.initialize()
-    with engine.train_mode():
-        out = engine.forward_backward_batch(shard, loss_for(mode))
-        grads = full_grads(engine)
-        norm = engine.optimizer_step()
-    params = dict(engine.get_per_tensor_param())
+    results = {}
+    for mode, split in cases:
+        batch = make_batch()
+        if mode == "forward-only-rows":  # rank 0's half has no row to back-propagate
+            batch = with_zero_advantage_rows(batch, [0, 1, 2])
+        shard = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
+        engine = FSDPEngine(EngineConfig(model_path=model_dir, micro_batch=split, optim={"lr": 1e-2}))
+        engine.initialize()
+        with engine.train_mode():
+            out = engine.forward_backward_batch(shard, loss_for(mode))
+            grads = full_grads(engine)
+            norm = engine.optimizer_step()
+        params = dict(engine.get_per_tensor_param())
+        results[mode] = {"grads": grads, "metrics": out.metrics, "norm": norm, "params": params}
     if rank == 0:
-        torch.save({"grads": grads, "metrics": out.metrics, "norm": norm, "params": params}, out_file)
+        torch.save(results, out_file)
     dist.barrier()
     dist.destroy_process_group()

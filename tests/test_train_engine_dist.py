@@ -19,27 +19,31 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(world: int, model_dir, mode: str, split: dict, tmp_path) -> dict:
-    out = tmp_path / f"world{world}-{mode}.pt"
-    mp.spawn(
-        rank_main, args=(world, _free_port(), str(model_dir), mode, split, str(out)), nprocs=world, join=True
-    )
+CASES = [
+    ("token-mean", {"micro_batch_size": 1}),
+    ("seq-mean-token-mean", {}),
+    ("seq-mean-token-sum-norm", {"max_tokens_per_micro_batch": 24}),
+    ("rollout-corrected", {"micro_batch_size": 2}),
+    ("forward-only-rows", {"max_tokens_per_micro_batch": 24}),
+]
+
+
+def _run(world: int, model_dir, out) -> dict:
+    """Every case in one spawn of `world` processes (one engine per case): the processes' start-up,
+    not the cases, is what costs."""
+    mp.spawn(rank_main, args=(world, _free_port(), str(model_dir), CASES, str(out)), nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 
-@pytest.mark.parametrize(
-    "mode,split",
-    [
-        ("token-mean", {"micro_batch_size": 1}),
-        ("seq-mean-token-mean", {}),
-        ("seq-mean-token-sum-norm", {"max_tokens_per_micro_batch": 24}),
-        ("rollout-corrected", {"micro_batch_size": 2}),
-        ("forward-only-rows", {"max_tokens_per_micro_batch": 24}),
-    ],
-)
-def test_two_ranks_match_one_rank(tiny_model_dir, tmp_path, mode, split):
-    one = _run(1, tiny_model_dir, mode, split, tmp_path)
-    two = _run(2, tiny_model_dir, mode, split, tmp_path)
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory) -> tuple[dict, dict]:
+    tmp = tmp_path_factory.mktemp("dist")
+    return _run(1, tiny_model_dir, tmp / "world1.pt"), _run(2, tiny_model_dir, tmp / "world2.pt")
+
+
+@pytest.mark.parametrize("mode", [mode for mode, _ in CASES])
+def test_two_ranks_match_one_rank(runs, mode):
+    one, two = runs[0][mode], runs[1][mode]
     assert max_rel_diff(two["grads"], one["grads"]) <= 1e-5
     # Every metric, sums and maxima alike (the mismatch report's rollout/log_prob_diff_max).
     assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-5, abs=1e-7)
