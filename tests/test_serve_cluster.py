@@ -78,7 +78,7 @@ def served() -> Iterator[Served]:
             except OSError:
                 return False
 
-        wait_until(gcs_up, "the Ray head's GCS did not open its port", 90, [head_log])
+        wait_until(gcs_up, "the Ray head's GCS did not open its port", 240, [head_log])
         node = ray_start("--address", address, "--node-ip-address", WORKER_NODE_IP)
         processes.append(start_logged(node, env, node_log))
         serve = [str(BIN / "tandem"), "serve", "--ray-address", address, "--port", str(api_port),
@@ -93,7 +93,7 @@ def served() -> Iterator[Served]:
             except httpx.HTTPError:
                 return False
 
-        wait_until(ready, "tandem serve was not ready", 90, [serve_log, node_log])
+        wait_until(ready, "tandem serve was not ready", 240, [serve_log, node_log])
         yield Served(url, token, root / "home", serving, serve_log)
     finally:
         for process in reversed(processes):  # the service, then the second node, the head last
