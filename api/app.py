@@ -6,7 +6,8 @@ x-request-id; POST /v1/jobs honours Idempotency-Key. Open without a token: /heal
 dashboard's static page and assets (they hold no data; the page asks the API with the token).
 
 Each resource is one router module under api/routes/; this module only assembles them with the
-app-wide pieces (auth, error shape, request ids and latency, the dashboard).
+app-wide pieces (auth, error shape, request ids and latency, repeated hot reads answered before
+FastAPI (api/hot_reads.py), the dashboard).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.responses import HTMLResponse
 from api.auth import Authenticator
 from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
+from api.hot_reads import HotReadPath, HotReads
 from api.middleware import BodyLimit, RequestId
 from api.prom import make_registry
 from api.read_cache import ReadCache
@@ -51,6 +53,7 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     app.state.service = service
     app.state.read_cache = ReadCache(service.store)
     app.state.auth = Authenticator(app.state.read_cache)
+    app.state.hot_reads = HotReads(app.state.read_cache, app.state.auth)
     app.state.registry = registry
     app.state.settings = settings = settings or ServeSettings()
     app.state.checker = Checker(settings, service.home, service.files)
@@ -59,6 +62,7 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         upload = scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files"
         return settings.max_upload_bytes if upload else settings.max_body_bytes
 
+    app.add_middleware(HotReadPath, hot=app.state.hot_reads)  # innermost: inside RequestId
     app.add_middleware(RequestId, latency=latency)
     app.add_middleware(BodyLimit, limit_for=body_limit)  # outermost: refuses before anything reads
     for router in ROUTERS:

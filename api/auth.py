@@ -14,11 +14,12 @@ import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 from fastapi import Request
 
 from api.errors import APIError
-from api.read_cache import ReadCache
+from api.read_cache import MISSING, ReadCache
 from controller.store import JobStore
 
 SCOPES = ("read", "write")
@@ -59,23 +60,41 @@ class Authenticator:
         self.cache = cache
 
     async def scopes_of(self, token: str) -> list[str] | None:
-        digest = hash_token(token)
-        found = None
-        for record in await self.cache.get("tokens", self.cache.store.tokens):
-            if hmac.compare_digest(record["hash"], digest):  # every hash is compared: no timing leak
-                found = record["scopes"]
-        return found
+        return _scopes(await self.cache.get("tokens", "tokens", self.cache.store.tokens), token)
+
+    def cached_scopes(self, header: str) -> Any:
+        """The scopes of an Authorization header's bearer token from the cached token table, without
+        waiting: None for no or an unknown token, MISSING when the table is not cached."""
+        token = bearer_token(header)
+        if token is None:
+            return None
+        records = self.cache.peek("tokens", "tokens")
+        return records if records is MISSING else _scopes(records, token)
 
     async def require(self, request: Request, scope: str) -> None:
-        header = request.headers.get("authorization", "")
-        kind, _, token = header.partition(" ")
-        if kind.lower() != "bearer" or not token:
+        token = bearer_token(request.headers.get("authorization", ""))
+        if token is None:
             raise APIError(401, "missing bearer token: send 'Authorization: Bearer <token>'", "Authorization",
                            "missing_token", CHALLENGE)  # fmt: skip
-        scopes = await self.scopes_of(token.strip())
+        scopes = await self.scopes_of(token)
         if scopes is None:
             raise APIError(401, "invalid bearer token", "Authorization", "invalid_token", CHALLENGE)
         if scope not in scopes:
             raise APIError(
                 403, f"this token lacks the '{scope}' scope", "Authorization", "insufficient_scope"
             )
+
+
+def bearer_token(header: str) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header, None when it is not one."""
+    kind, _, token = header.partition(" ")
+    return token.strip() if kind.lower() == "bearer" and token else None
+
+
+def _scopes(records: list[dict[str, Any]], token: str) -> list[str] | None:
+    digest = hash_token(token)
+    found = None
+    for record in records:
+        if hmac.compare_digest(record["hash"], digest):  # every hash is compared: no timing leak
+            found = record["scopes"]
+    return found

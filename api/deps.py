@@ -14,7 +14,7 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPBearer
 
 from api.errors import documented
-from api.read_cache import ReadCache
+from api.hot_reads import HotReads
 from api.validation import Checker
 from controller.service import Service
 
@@ -49,12 +49,12 @@ async def get_checker(request: Request) -> Checker:
     return request.app.state.checker
 
 
-async def get_read_cache(request: Request) -> ReadCache:
-    return request.app.state.read_cache
+async def get_hot_reads(request: Request) -> HotReads:
+    return request.app.state.hot_reads
 
 
 ServiceDep = Annotated[Service, Depends(get_service)]
-ReadCacheDep = Annotated[ReadCache, Depends(get_read_cache)]
+HotReadsDep = Annotated[HotReads, Depends(get_hot_reads)]
 CheckerDep = Annotated[Checker, Depends(get_checker)]
 READ = [Security(TokenScope("read"))]
 WRITE = [Security(TokenScope("write"))]

@@ -1,9 +1,10 @@
-"""What the hot read routes computed, kept until the job store changes.
+"""What the hot read routes computed, kept until the rows they came from change.
 
 A dashboard, or fifty of them, polls the job list and a job's metrics far more often than a
 training job writes. The first request for a page reads SQLite in a worker thread; the next ones,
-until the store's next committed write (`JobStore.version`, bumped after every commit by this
-process, the only writer of its home), are answered from memory on the event loop, without a
+until the store's next committed write to the page's topic (`JobStore.changes`: the jobs table for
+the job list, one job's series for its metrics pages, the tokens table for the token check; this
+process is the only writer of its home), are answered from memory on the event loop, without a
 thread hop or a query. Requests that miss together share one read (a write during the read leaves
 the entry stale on arrival, so the next request reads again). Values are treated as immutable.
 
@@ -21,23 +22,33 @@ from starlette.concurrency import run_in_threadpool
 
 from controller.store import JobStore
 
+MISSING = object()  # peek's answer when nothing valid is cached
+
 
 class ReadCache:
     def __init__(self, store: JobStore, max_entries: int = 256, max_bytes: int = 64 << 20) -> None:
         self.store = store
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        # key -> (store version, value, size in bytes)
+        # key -> (changes of its topic when it was read, value, size in bytes)
         self._entries: OrderedDict[Hashable, tuple[int, Any, int]] = OrderedDict()
         self._bytes = 0
         self._reading: dict[tuple[Hashable, int], asyncio.Task] = {}
+        self.reads = 0  # reads made (misses), for benchmarks
 
-    async def get(self, key: Hashable, read: Callable[[], Any]) -> Any:
-        """The value cached under `key` for the store's current version, else `read()`'s (in a thread)."""
-        version = self.store.version
+    def peek(self, key: Hashable, topic: str) -> Any:
+        """The value cached under `key` while `topic` is unchanged since it was read, else MISSING."""
         entry = self._entries.get(key)
-        if entry is not None and entry[0] == version:
-            self._entries.move_to_end(key)
-            return entry[1]
+        if entry is None or entry[0] != self.store.changes(topic):
+            return MISSING
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    async def get(self, key: Hashable, topic: str, read: Callable[[], Any]) -> Any:
+        """The value cached under `key` while `topic`'s rows are unchanged, else `read()`'s (in a thread)."""
+        value = self.peek(key, topic)
+        if value is not MISSING:
+            return value
+        version = self.store.changes(topic)
         task = self._reading.get((key, version))
         if task is None:
             task = asyncio.ensure_future(self._read(key, version, read))
@@ -47,6 +58,7 @@ class ReadCache:
         return await asyncio.shield(task)
 
     async def _read(self, key: Hashable, version: int, read: Callable[[], Any]) -> Any:
+        self.reads += 1
         try:
             value = await run_in_threadpool(read)
         finally:

@@ -5,8 +5,10 @@ keeps its spec, state, progress and the latest metrics; events, metrics and logs
 with increasing ids, which double as the Last-Event-ID of the live streams. Nothing is deleted when
 a job fails or is cancelled: only DELETE on a terminal job removes its rows.
 
-`version` counts committed writes. The service is the only writer of its home's store (one home
-has one service), so an unchanged version means unchanged rows: the API's read cache relies on it.
+`changes(topic)` counts the committed writes that changed a topic's rows: a table ("jobs", "tokens",
+...), or one job's metric series (`metrics_topic(job_id)`). The service is the only writer of its
+home's store (one home has one service), so an unchanged count means unchanged rows: the API's read
+cache relies on it. A write that changes no row counts nowhere.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from controller.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
-from controller.store_metrics import METRICS_SCHEMA, MetricsQuery, MetricsTable
+from controller.store_metrics import METRICS_SCHEMA, MetricsQuery, MetricsTable, metrics_topic
 
-__all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery"]
+__all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery", "metrics_topic"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -156,7 +158,7 @@ class JobStore(MetricsTable):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         self._write_lock = threading.Lock()
-        self.version = 0  # bumped after every committed write: readers' caches compare it (api/read_cache.py)
+        self._changes: dict[str, int] = {}  # topic -> committed writes that changed it (api/read_cache.py)
         _create_private(self.path)
         with self._write_lock:
             db = self._db()
@@ -178,10 +180,18 @@ class JobStore(MetricsTable):
             self._local.conn = conn
         return conn
 
+    def changes(self, topic: str) -> int:
+        """How many committed writes changed `topic`'s rows so far (a table name, or `metrics_topic`)."""
+        return self._changes.get(topic, 0)
+
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, *topics: str) -> Iterator[sqlite3.Connection]:
+        """A write transaction over `topics`: every topic whose rows it may change must be named."""
+        if not topics:
+            raise TypeError("a write names the topics it changes: readers' caches depend on them")
         db = self._db()
         with self._write_lock:
+            before = db.total_changes
             db.execute("BEGIN IMMEDIATE")
             try:
                 yield db
@@ -189,8 +199,10 @@ class JobStore(MetricsTable):
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
-            # after the commit, never before: a reader that sees the new version reads the new rows
-            self.version += 1
+            # after the commit, never before: a reader that sees the new count reads the new rows
+            if db.total_changes != before:
+                for topic in topics:
+                    self._changes[topic] = self._changes.get(topic, 0) + 1
 
     # ---- jobs ----------------------------------------------------------------------------------
 
@@ -204,7 +216,7 @@ class JobStore(MetricsTable):
     ) -> JobRecord:
         job_id = "job-" + uuid.uuid4().hex[:12]
         now = time.time()
-        with self._tx() as db:
+        with self._tx("jobs") as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             db.execute(
                 f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 23)})",
@@ -282,7 +294,7 @@ class JobStore(MetricsTable):
             if key in values:
                 values[key] = json.dumps(values[key])
         sets = ", ".join(f"{k} = ?" for k in values)
-        with self._tx() as db:
+        with self._tx("jobs") as db:
             db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), job_id))
 
     def transition(
@@ -297,7 +309,7 @@ class JobStore(MetricsTable):
         if to not in RUN_HOLDING:
             sets += ", active_s = active_s + COALESCE(? - run_started_at, 0), run_started_at = NULL"
             values = {**values, "_now": time.time()}
-        with self._tx() as db:
+        with self._tx("jobs") as db:
             cur = db.execute(
                 f"UPDATE jobs SET {sets} WHERE id = ? AND status IN ({','.join('?' * len(allowed_from))})",
                 (to, *values.values(), job_id, *allowed_from),
@@ -306,16 +318,17 @@ class JobStore(MetricsTable):
 
     def started(self, job_id: str, at: float) -> None:
         """Record the job's first start (a resumed job keeps it)."""
-        with self._tx() as db:
+        with self._tx("jobs") as db:
             db.execute("UPDATE jobs SET started_at = COALESCE(started_at, ?) WHERE id = ?", (at, job_id))
 
     def bump_step(self, job_id: str, step: int) -> None:
         """Raise the job's step to `step` (a resumed job starts past 0 before its first metrics)."""
-        with self._tx() as db:
-            db.execute("UPDATE jobs SET step = MAX(step, ?) WHERE id = ?", (step, job_id))
+        with self._tx("jobs") as db:  # no row changes when the step is already there: readers keep theirs
+            db.execute("UPDATE jobs SET step = ? WHERE id = ? AND step < ?", (step, job_id, step))
 
     def delete_job(self, job_id: str) -> None:
-        with self._tx() as db:
+        tables = ("events", "logs", "checkpoints", "samples")
+        with self._tx("jobs", metrics_topic(job_id), *tables) as db:
             for table in ("events", "metrics", "logs", "checkpoints", "samples"):
                 db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
@@ -328,7 +341,7 @@ class JobStore(MetricsTable):
 
     def add_event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None,
                   at: float | None = None) -> int:  # fmt: skip
-        with self._tx() as db:
+        with self._tx("events") as db:
             cur = db.execute(
                 "INSERT INTO events (job_id, time, kind, message, data) VALUES (?,?,?,?,?)",
                 (job_id, at or time.time(), kind, message, json.dumps(data or {}, default=str)),
@@ -350,7 +363,7 @@ class JobStore(MetricsTable):
         self, job_id: str, step: int, rows: list[dict[str, Any]], at: float | None = None
     ) -> None:
         """One row per sampled trajectory of a step (controller/trajectory_view.py)."""
-        with self._tx() as db:
+        with self._tx("samples") as db:
             db.executemany(
                 "INSERT INTO samples (job_id, step, time, data) VALUES (?,?,?,?)",
                 [(job_id, step, at or time.time(), json.dumps(r, default=str)) for r in rows],
@@ -368,7 +381,7 @@ class JobStore(MetricsTable):
     def add_logs(self, job_id: str, lines: list[tuple[float, str, str]]) -> None:
         if not lines:
             return
-        with self._tx() as db:
+        with self._tx("logs") as db:
             db.executemany(
                 "INSERT INTO logs (job_id, time, level, line) VALUES (?,?,?,?)",
                 [(job_id, t, level, line) for t, level, line in lines],
@@ -396,7 +409,7 @@ class JobStore(MetricsTable):
         return [dict(r) for r in rows]
 
     def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
-        with self._tx() as db:
+        with self._tx("checkpoints") as db:
             db.execute(
                 "INSERT OR REPLACE INTO checkpoints (job_id, step, path, time) VALUES (?,?,?,?)",
                 (job_id, step, path, time.time()),
@@ -414,7 +427,7 @@ class JobStore(MetricsTable):
 
     def add_token(self, name: str, token_hash: str, scopes: list[str]) -> str:
         token_id = "tok-" + uuid.uuid4().hex[:10]
-        with self._tx() as db:
+        with self._tx("tokens") as db:
             db.execute(
                 "INSERT INTO tokens (id, name, hash, scopes, created_at) VALUES (?,?,?,?,?)",
                 (token_id, name, token_hash, json.dumps(scopes), time.time()),

@@ -52,7 +52,13 @@ class MetricsQuery:
 class _Db(Protocol):
     def _db(self) -> sqlite3.Connection: ...
 
-    def _tx(self) -> AbstractContextManager[sqlite3.Connection]: ...
+    def _tx(self, *topics: str) -> AbstractContextManager[sqlite3.Connection]: ...
+
+
+def metrics_topic(job_id: str) -> str:
+    """The store's change topic of one job's series (JobStore.changes): a row written to one job's
+    series leaves the cached pages of every other series valid."""
+    return "metrics:" + job_id
 
 
 def finite(values: dict[str, Any]) -> dict[str, float | None]:
@@ -85,7 +91,7 @@ class MetricsTable:
         self: _Db, job_id: str, step: int, values: dict[str, float], at: float | None = None
     ) -> int:
         values = finite(values)
-        with self._tx() as db:
+        with self._tx(metrics_topic(job_id), "jobs") as db:  # the job's step and latest metrics too
             db.execute("DELETE FROM metrics WHERE job_id = ? AND step = ?", (job_id, step))
             cur = db.execute(
                 "INSERT INTO metrics (job_id, step, time, data) VALUES (?,?,?,?)",
@@ -100,7 +106,7 @@ class MetricsTable:
     def truncate_after(self: _Db, job_id: str, step: int) -> None:
         """Forget what was recorded after `step` (the checkpoint a job resumes from): the job's step
         and latest metrics go back to that step's."""
-        with self._tx() as db:
+        with self._tx(metrics_topic(job_id), "jobs") as db:
             db.execute("DELETE FROM metrics WHERE job_id = ? AND step > ?", (job_id, step))
             row = db.execute(
                 "SELECT data FROM metrics WHERE job_id = ? ORDER BY step DESC LIMIT 1", (job_id,)

@@ -1,9 +1,10 @@
-"""The hot read routes answer from memory until the store changes: every write shows in the next read.
+"""The hot read routes answer from memory until their rows change: every write shows in the next read.
 
 GET /v1/jobs, GET /v1/jobs/{id}/metrics and the token check keep what they read (api/read_cache.py)
-until the job store's next commit. These tests read (so the cache holds the page), write through
-the API or into the store as the scheduler does, and assert the next read carries the written
-values. The service runs without its scheduler (jobs stay queued; no Ray needed): jobs are put in
+until the job store's next commit to their topic (the jobs table, the job's series, the tokens
+table). These tests read (so the cache holds the page), write through the API or into the store as
+the scheduler does, and assert the next read carries the written values, and that a write to one
+topic leaves the others' pages cached. The service runs without its scheduler (jobs stay queued; no Ray needed): jobs are put in
 its store as `Service.submit` does.
 """
 
@@ -21,7 +22,7 @@ from api.errors import APIError
 from api.read_cache import ReadCache
 from api.views import EncodedSummary, job_summary
 from controller.spec import JobSpec
-from controller.store import JobStore, MetricsQuery
+from controller.store import JobStore, MetricsQuery, metrics_topic
 from tests.api_util import start_service, tiny_job
 
 
@@ -106,12 +107,12 @@ def test_misses_together_share_one_read_and_a_write_forces_another(tmp_path):
         return b"page %d" % len(reads)
 
     async def many() -> list[bytes]:
-        return await asyncio.gather(*(cache.get("page", read) for _ in range(20)))
+        return await asyncio.gather(*(cache.get("page", "tokens", read) for _ in range(20)))
 
     assert asyncio.run(many()) == [b"page 1"] * 20 and len(reads) == 1
-    assert asyncio.run(cache.get("page", read)) == b"page 1"
-    store.add_token("t", "hash", ["read"])  # any committed write
-    assert asyncio.run(cache.get("page", read)) == b"page 2" and len(reads) == 2
+    assert asyncio.run(cache.get("page", "tokens", read)) == b"page 1"
+    store.add_token("t", "hash", ["read"])  # a committed write to the page's topic
+    assert asyncio.run(cache.get("page", "tokens", read)) == b"page 2" and len(reads) == 2
 
 
 def test_an_error_is_not_kept(tmp_path):
@@ -125,8 +126,8 @@ def test_an_error_is_not_kept(tmp_path):
         return answer
 
     with pytest.raises(APIError):
-        asyncio.run(cache.get("job", read))
-    assert asyncio.run(cache.get("job", read)) == b"found"
+        asyncio.run(cache.get("job", "jobs", read))
+    assert asyncio.run(cache.get("job", "jobs", read)) == b"found"
 
 
 def test_entries_are_bounded(tmp_path):
@@ -137,11 +138,46 @@ def test_entries_are_bounded(tmp_path):
         return lambda: reads.append(key) or b"x" * size
 
     for key in ("a", "b", "c", "a"):  # "a" was evicted by "c": read again
-        asyncio.run(cache.get(key, reader(key, 4)))
+        asyncio.run(cache.get(key, "jobs", reader(key, 4)))
     assert reads == ["a", "b", "c", "a"]
-    asyncio.run(cache.get("big", reader("big", 11)))  # over a quarter of max_bytes: not kept
-    asyncio.run(cache.get("big", reader("big", 11)))
+    asyncio.run(cache.get("big", "jobs", reader("big", 11)))  # over a quarter of max_bytes: not kept
+    asyncio.run(cache.get("big", "jobs", reader("big", 11)))
     assert reads[-2:] == ["big", "big"]
+
+
+def test_a_write_changes_only_its_topics(tmp_path):
+    store = JobStore(tmp_path / "t.db")
+    spec = JobSpec.model_validate(tiny_job()).model_dump(mode="json")
+    a, b = (store.create_job(spec, tmp_path).id for _ in range(2))
+    topics = ("jobs", metrics_topic(a), metrics_topic(b), "tokens", "events", "logs")
+
+    def changed(write) -> set[str]:
+        before = {t: store.changes(t) for t in topics}
+        write()
+        return {t for t in topics if store.changes(t) != before[t]}
+
+    assert changed(lambda: store.add_metrics(a, 1, {"loss": 1.0})) == {"jobs", metrics_topic(a)}
+    assert changed(lambda: store.bump_step(a, 1)) == set()  # already at step 1: no row changed
+    assert changed(lambda: store.bump_step(a, 4)) == {"jobs"} and store.get_job(a).step == 4
+    assert changed(lambda: store.add_event(a, "note", "hello")) == {"events"}
+    assert changed(lambda: store.add_logs(a, [(1.0, "INFO", "line")])) == {"logs"}
+    assert changed(lambda: store.add_token("t", "h", ["read"])) == {"tokens"}
+    assert changed(lambda: store.truncate_after(b, 0)) == {"jobs", metrics_topic(b)}
+    assert changed(lambda: store.delete_job(b)) == {"jobs", metrics_topic(b), "events", "logs"}
+
+
+def test_metrics_written_to_one_job_leave_the_other_pages_cached(unscheduled, client):
+    writing, watched = new_job(unscheduled), new_job(unscheduled)
+    store, cache = unscheduled.service.store, unscheduled.server.config.app.state.read_cache
+    store.add_metrics(watched, 1, {"loss": 0.5})
+    page = client.get(f"/v1/jobs/{watched}/metrics").json()["data"]
+    listed(client, writing)
+    reads = cache.reads
+    store.add_metrics(writing, 1, {"loss": 2.0})  # as the scheduler writes a training job's step
+    assert client.get(f"/v1/jobs/{watched}/metrics").json()["data"] == page
+    assert cache.reads == reads  # the watched series and the token table were not read again
+    assert listed(client, writing)["latest_metrics"] == {"loss": 2.0}
+    assert cache.reads == reads + 1  # the job list was: the writing job's step changed it
 
 
 # ---- the encodings the cache keeps are what json.dumps makes -------------------------------------

@@ -11,9 +11,9 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, CheckerDep, ReadCacheDep, ServiceDep
+from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, CheckerDep, HotReadsDep, ServiceDep
 from api.errors import APIError, documented
-from api.views import EncodedSummary, job_view, json_response, listing_json
+from api.views import EncodedSummary, job_view, listing_json
 from controller.spec import JobSpec
 
 router = APIRouter(
@@ -55,8 +55,9 @@ def validate_job(service: ServiceDep, checker: CheckerDep, spec: JobSpec = Body(
 
 @router.get("", dependencies=READ, response_model=dict[str, Any])
 async def list_jobs(
+    request: Request,
     service: ServiceDep,
-    cache: ReadCacheDep,
+    hot: HotReadsDep,
     status: list[JobStatus] | None = Query(None, description="filter by status; repeatable"),
     metadata: list[str] | None = Query(None, description="filter by metadata, 'key:value'; repeatable"),
     after: str | None = Query(None, description="cursor: the last job id of the previous page"),
@@ -80,8 +81,13 @@ async def list_jobs(
         return [EncodedSummary.of(j) for j in jobs], more
 
     page = ("jobs", tuple(status or ()), tuple(filters.items()), after, limit, q, tag)
-    summaries, more = await cache.get(page, read)
-    return json_response(listing_json([s.json() for s in summaries], more))
+    return await hot.answer(request, page, "jobs", read, render_page)
+
+
+def render_page(page: tuple[list[EncodedSummary], bool]) -> bytes:
+    """A cached list page as sent: each summary with its live fields (running time, export)."""
+    summaries, more = page
+    return listing_json([s.json() for s in summaries], more)
 
 
 @router.get("/{job_id}", dependencies=READ)

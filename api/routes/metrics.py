@@ -7,8 +7,9 @@ GET /v1/jobs/{id}/metrics returns one row per step in step order, `{"step", "tim
 - `max_points=P` spreads at most P steps evenly over what is left, always keeping the last;
 - `limit` caps the page (`has_more` says whether steps follow; ask again with `after_step`).
 The page is read in a worker thread (its own SQLite connection): a slow read never stops the event
-loop; the encoded page is kept until the store changes (api/read_cache.py). The other handlers are
-plain functions, which FastAPI runs in its thread pool.
+loop; the encoded page is kept until the job's series changes (api/read_cache.py), and a repeated
+query is answered before FastAPI (api/hot_reads.py). The other handlers are plain functions, which
+FastAPI runs in its thread pool.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, INT64_MAX, READ, ReadCacheDep, ServiceDep
+from api.deps import AUTH_ERRORS, INT64_MAX, READ, HotReadsDep, ServiceDep
 from api.errors import documented
 from api.streams import sse, start_id
-from api.views import json_response, listing_json
-from controller.store import MetricsQuery
+from api.views import listing_json
+from controller.store import MetricsQuery, metrics_topic
 
 router = APIRouter(
     prefix="/v1/jobs/{job_id}/metrics",
@@ -44,9 +45,10 @@ def parse_keys(keys: str | None) -> tuple[str, ...]:
 
 @router.get("", dependencies=READ, response_model=dict[str, Any])
 async def metrics(
+    request: Request,
     job_id: str,
     service: ServiceDep,
-    cache: ReadCacheDep,
+    hot: HotReadsDep,
     keys: str | None = Query(None, description="comma-separated names; 'prefix/*' matches a prefix"),
     step_min: int | None = Query(None, ge=0, le=MAX_STEP),
     step_max: int | None = Query(None, ge=0, le=MAX_STEP),
@@ -62,7 +64,11 @@ async def metrics(
         service.get(job_id)
         return listing_json(*service.store.metrics_page_json(job_id, query))
 
-    return json_response(await cache.get(("metrics", job_id, query), read))
+    return await hot.answer(request, ("metrics", job_id, query), metrics_topic(job_id), read, _as_is)
+
+
+def _as_is(page: bytes) -> bytes:
+    return page  # a metrics page is cached encoded: it has no live fields
 
 
 @router.get("/stream", dependencies=READ)
