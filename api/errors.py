@@ -27,6 +27,7 @@ TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     503: "unavailable_error",
 }

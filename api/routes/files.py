@@ -1,8 +1,9 @@
 """Files: upload data (JSONL, JSON, Parquet) and Python modules, list, read, delete them.
 
-An upload is the raw request body with the file's name as a query parameter, so it streams to disk
-within the upload size limit and needs no multipart parser:
+An upload is a form with one file field, `file`, or the raw request body with the file's name as a
+query parameter; both stream to disk within the upload size limit:
 
+    curl -H "Authorization: Bearer $TOKEN" -F file=@train.jsonl "$URL/v1/files"
     curl -H "Authorization: Bearer $TOKEN" --data-binary @train.jsonl \\
          -H 'Content-Type: application/octet-stream' "$URL/v1/files?filename=train.jsonl"
 
@@ -18,16 +19,26 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, ServiceDep
-from api.errors import documented
+from api.errors import APIError, documented
+from api.multipart_upload import FIELD, is_multipart, multipart_file
 from api.views import listing
-from controller.files import check_filename
+from controller.files import FileError, check_filename
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses={**AUTH_ERRORS, **documented(404)})
 
 UPLOAD_BODY = {
     "requestBody": {
         "required": True,
-        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+        "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {FIELD: {"type": "string", "format": "binary"}},
+                    "required": [FIELD],
+                }
+            },
+        },
     }
 }
 
@@ -36,10 +47,27 @@ UPLOAD_BODY = {
 async def upload(
     request: Request,
     service: ServiceDep,
-    filename: str = Query(..., max_length=128, description="the file's name; its suffix says what it is"),
+    filename: str | None = Query(
+        None,
+        max_length=128,
+        description="the file's name, its suffix says what it is (a form: its file's name)",
+    ),
 ) -> dict[str, Any]:
-    check_filename(filename)
-    return asdict(await service.files.save(filename, request.stream()))
+    if is_multipart(request):
+        sent_as, chunks = await multipart_file(request)
+        name, field = filename or sent_as, FIELD
+    elif filename is None:
+        raise APIError(422, "filename: give the file's name, ?filename=train.jsonl, or send a form "
+                       f"(curl -F {FIELD}=@train.jsonl)", "filename", "invalid_value")  # fmt: skip
+    else:
+        name, field, chunks = filename, "body", request.stream()
+    check_filename(name)
+    try:
+        return asdict(await service.files.save(name, chunks))
+    except FileError as err:
+        if err.param != "body" or field == "body":
+            raise
+        raise FileError(str(err).replace("body:", f"{field}:", 1), field) from None
 
 
 @router.get("", dependencies=READ)
