@@ -6,11 +6,13 @@ the job list or of a job's metrics is answered as plain ASGI when all of these h
 - the route itself answered this exact path and query string before: it validated them and told
   this table which cached page they name (`HotReads.answer`);
 - the bearer token is in the cached token table with the read scope (the same check as the route's);
-- that page is cached and its topic unchanged since (api/read_cache.py).
+When the page changed since (a training job writes a metrics row several times a second), the
+route's own read of it, learned with the query, is shared through the cache as the route would
+(one read for every request waiting on it), instead of passing each waiting request through FastAPI.
 Anything else goes to FastAPI untouched: a query not seen yet, a bad one, a missing, unknown or
-under-scoped token, a page not cached. So validation and auth errors are FastAPI's, and a hit's body
-is the route's own rendering of the same cached value (its live fields computed per request), with the
-route's headers. The middleware sits inside RequestId: a hit carries x-request-id and is timed under
+under-scoped token, a read that fails (FastAPI reads again and answers the error). So validation,
+auth and read errors are FastAPI's, and a hot answer's body is the route's own rendering of the
+value the route would have read (live fields computed per request), with the route's headers. The middleware sits inside RequestId: a hit carries x-request-id and is timed under
 its route's label.
 """
 
@@ -32,10 +34,11 @@ Render = Callable[[Any], bytes]
 
 @dataclass(frozen=True)
 class Learned:
-    """What a path and query string name: a cached page, its topic, how the route renders it."""
+    """What a path and query string name: a cached page, its topic, how the route reads and renders it."""
 
     key: Hashable
     topic: str
+    read: Callable[[], Any]
     render: Render
     route: Any  # the matched APIRoute: the latency metric's label
 
@@ -56,10 +59,10 @@ class HotReads:
         where = (request.scope["path"], request.scope["query_string"])
         if where not in self._learned and len(self._learned) >= self.max_queries:
             del self._learned[next(iter(self._learned))]  # the oldest learned
-        self._learned[where] = Learned(key, topic, render, request.scope.get("route"))
+        self._learned[where] = Learned(key, topic, read, render, request.scope.get("route"))
         return json_response(render(value))
 
-    def hit(self, scope: Scope) -> bytes | None:
+    async def hit(self, scope: Scope) -> bytes | None:
         """The body to send for this request, or None to let FastAPI answer it."""
         if scope["method"] != "GET":
             return None
@@ -68,7 +71,10 @@ class HotReads:
             return None
         value = self.cache.peek(learned.key, learned.topic)
         if value is MISSING:
-            return None
+            try:
+                value = await self.cache.get(learned.key, learned.topic, learned.read)
+            except Exception:
+                return None  # FastAPI reads again and answers the error as the route does
         scope["route"] = learned.route
         self.hits += 1
         return learned.render(value)
@@ -86,7 +92,7 @@ class HotReadPath:
         self.app, self.hot = app, hot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = self.hot.hit(scope) if scope["type"] == "http" else None
+        body = await self.hot.hit(scope) if scope["type"] == "http" else None
         if body is None:
             await self.app(scope, receive, send)
             return
