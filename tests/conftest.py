@@ -57,3 +57,13 @@ def api(live):
     """An HTTP client of `live` carrying the admin token."""
     with live.client() as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def unscheduled(tmp_path_factory):
+    """A real service without its scheduler, for the module: no Ray, jobs stay queued (reads, auth)."""
+    from tests.api_util import start_service
+
+    svc = start_service(tmp_path_factory.mktemp("unscheduled"), schedule=False)
+    yield svc
+    svc.stop()

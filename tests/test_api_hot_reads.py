@@ -17,16 +17,9 @@ import pytest
 
 from api.auth import hash_token, new_token
 from controller.spec import JobSpec
-from tests.api_util import start_service, tiny_job
+from tests.api_util import tiny_job
 
 SENT_PER_REQUEST = ("x-request-id", "date")
-
-
-@pytest.fixture(scope="module")
-def unscheduled(tmp_path_factory):
-    svc = start_service(tmp_path_factory.mktemp("hot-reads"), schedule=False)
-    yield svc
-    svc.stop()
 
 
 @pytest.fixture

@@ -23,14 +23,7 @@ from api.read_cache import ReadCache
 from api.views import EncodedSummary, job_summary
 from controller.spec import JobSpec
 from controller.store import JobStore, MetricsQuery, metrics_topic
-from tests.api_util import start_service, tiny_job
-
-
-@pytest.fixture(scope="module")
-def unscheduled(tmp_path_factory):
-    svc = start_service(tmp_path_factory.mktemp("read-cache"), schedule=False)
-    yield svc
-    svc.stop()
+from tests.api_util import tiny_job
 
 
 @pytest.fixture
