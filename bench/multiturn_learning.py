@@ -7,8 +7,13 @@ per validation: greedy success rate, mean turns and tool calls per trajectory.
 guess_number: GRPO with `builtin:guess_number` from the same kind of start (the SFT stage teaches
 the format on random-guess games), printed the same way: reward and turns per game.
 
+--example NAME runs an example spec from examples/ as it is (no SFT stage; examples/grpo_guess_number
+learns the game from random weights) and prints the same lines, plus the train reward and turns
+per window of 10 steps.
+
     .venv/bin/python bench/multiturn_learning.py --env calculator [--sft-steps 300 --grpo-steps 60]
     .venv/bin/python bench/multiturn_learning.py --env calculator --init SFT_EXPORT --lr 1e-3 --warmup 10
+    .venv/bin/python bench/multiturn_learning.py --example grpo_guess_number [--seed 1]
 
 Prints JSON lines; bench/RESULTS.md keeps the measured curves, tests/test_multiturn_learning.py
 asserts the calculator's (slow).
@@ -88,6 +93,40 @@ def run(spec: JobSpec, workdir: Path, label: str) -> list[dict]:
     return sink.history
 
 
+def print_curve(history: list[dict], label: str) -> None:
+    for record in history:
+        v = record["values"]
+        if "val/accuracy" in v:
+            print(json.dumps({"env": label, "step": record["step"], "val_accuracy": v["val/accuracy"],
+                              "val_reward": v["val/score/mean"],
+                              "val_turns": v.get("val/multiturn/num_turns/mean"),
+                              "val_tool_calls": v.get("val/multiturn/tool_calls/mean"),
+                              "train_reward": v.get("critic/score/mean")}), flush=True)  # fmt: skip
+
+
+def print_windows(history: list[dict], label: str, window: int = 10) -> None:
+    """Mean train reward and turns per game over each window of steps."""
+    steps = [r["values"] for r in history if "critic/score/mean" in r["values"]]
+    for start in range(0, len(steps), window):
+        chunk = steps[start : start + window]
+        reward, turns = (round(sum(v[key] for v in chunk) / len(chunk), 3)
+                         for key in ("critic/score/mean", "multiturn/num_turns/mean"))  # fmt: skip
+        print(json.dumps({"env": label, "steps": f"{start + 1}-{start + len(chunk)}",
+                          "train_reward": reward, "turns": turns}), flush=True)  # fmt: skip
+
+
+def run_example(name: str, seed: int, workdir: Path) -> None:
+    from api.cli_spec import load_spec_file
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = JobSpec.model_validate(load_spec_file(examples / f"{name}.yaml")).merged(
+        {"trainer": {"seed": seed}, "checkpoint": {"every": 0, "export_hf": False}}
+    )
+    history = run(spec, workdir / name, name)
+    print_curve(history, name)
+    print_windows(history, name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--env", choices=sorted(SETUPS), default="calculator")
@@ -98,6 +137,8 @@ def main() -> None:
     parser.add_argument("--sft-lr", type=float, default=None, help="default: the setup's, else 2e-3")
     parser.add_argument("--warmup", type=int, default=0, help="GRPO learning-rate warmup steps")
     parser.add_argument("--init", default=None, help="start GRPO from this HF folder (an earlier SFT export)")
+    parser.add_argument("--example", default=None, help="run examples/NAME.yaml as it is instead")
+    parser.add_argument("--seed", type=int, default=0, help="trainer.seed of --example")
     parser.add_argument("--workdir", default="/tmp/tandem-multiturn-bench")
     args = parser.parse_args()
     os.environ.setdefault("TANDEM_HOME", str(Path(args.workdir) / "home"))
@@ -105,6 +146,9 @@ def main() -> None:
     import ray
 
     ray.init(namespace="tandem-bench", logging_level="warning")
+    if args.example:
+        run_example(args.example, args.seed, Path(args.workdir))
+        return
     init = args.init
     if init is None:
         steps, lr = args.sft_steps or setup.get("sft_steps", 300), args.sft_lr or setup.get("sft_lr", 2e-3)
@@ -113,14 +157,7 @@ def main() -> None:
         init = str(root / "sft" / "export")
     history = run(grpo_spec(setup, init, args.grpo_steps, args.val_every, args.lr, args.warmup),
                   root / "grpo", f"{args.env}-grpo")  # fmt: skip
-    for record in history:
-        v = record["values"]
-        if "val/accuracy" in v:
-            print(json.dumps({"env": args.env, "step": record["step"], "val_accuracy": v["val/accuracy"],
-                              "val_reward": v["val/score/mean"],
-                              "val_turns": v.get("val/multiturn/num_turns/mean"),
-                              "val_tool_calls": v.get("val/multiturn/tool_calls/mean"),
-                              "train_reward": v.get("critic/score/mean")}), flush=True)  # fmt: skip
+    print_curve(history, args.env)
 
 
 if __name__ == "__main__":

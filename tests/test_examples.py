@@ -61,3 +61,20 @@ def test_sft_arithmetic_accuracy_rises(ray_cluster, tmp_path):
     history = run_example("sft_arithmetic", tmp_path)
     accuracy = [r["values"]["val/accuracy"] for r in history if "val/accuracy" in r["values"]]
     assert accuracy[0] < 0.05 and accuracy[-1] > 0.2, accuracy
+
+
+def hint_ignoring_score(span: int = 8, solve_within: int = 4, max_turns: int = 6) -> float:
+    """The expected score of guessing uniformly in 1..span every turn, whatever the hints say."""
+    solved_at = [(1 - 1 / span) ** (turn - 1) / span for turn in range(1, max_turns + 1)]
+    return sum(solved_at[:solve_within]) + 0.5 * sum(solved_at[solve_within:])
+
+
+@pytest.mark.timeout(1800)  # beyond pyproject's 600 s per test: ~60 steps of 6-turn games
+def test_guess_number_learns_to_use_the_hints(ray_cluster, tmp_path):
+    """From random weights: the score rises, and ends above anything a policy that ignores the
+    hints can score (0.482), so the rise is not the format alone."""
+    history = run_example("grpo_guess_number", tmp_path, checkpoint={"every": 0, "export_hf": False})
+    first, last = rise(history, "critic/score/mean")
+    scores = [round(r["values"].get("critic/score/mean", -1), 3) for r in history]
+    assert last > first + 0.2, scores
+    assert last > hint_ignoring_score() + 0.1, scores

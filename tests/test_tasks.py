@@ -15,13 +15,24 @@ def test_make_split_is_deterministic_and_seed_dependent():
     assert make_split("train", 200, seed=3) != make_split("train", 200, seed=4)
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN_TASKS))
+ONE_GAME = {"guess_number-1to8"}  # one range that both splits play: the secret is never shown
+
+
+@pytest.mark.parametrize("name", sorted(set(BUILTIN_TASKS) - ONE_GAME))
 def test_train_and_val_are_disjoint_for_every_seed(name):
     task = get_task(name)
     # json.dumps: a prompt may be a list of chat messages (the calculator's tool-use traces)
     val = {json.dumps(row["prompt"]) for seed in range(3) for row in task.make_split("val", 300, seed)}
     train = {json.dumps(row["prompt"]) for seed in range(3) for row in task.make_split("train", 2000, seed)}
     assert val and train and not val & train
+
+
+def test_the_one_range_game_plays_every_secret_in_both_splits():
+    for split in ("train", "val"):
+        rows = get_task("guess_number-1to8").make_split(split, 200)
+        assert {row["prompt"] for row in rows} == {"Guess 1-8."}
+        assert {int(row["ground_truth"]) for row in rows} == set(range(1, 9))
+        assert all(row["extra"] == {"solve_within": 4} for row in rows)  # binary search's worst case
 
 
 def test_rows_are_distinct_correct_and_answer_only():

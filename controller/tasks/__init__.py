@@ -44,6 +44,8 @@ BUILTIN_TASKS: dict[str, Task] = {
     "calculator-traces": CalculatorTracesTask(),  # SFT warm start for "calculator"
     "guess_number": GuessNumberTask(),
     "guess_number-traces": GuessNumberTracesTask(),  # SFT warm start for "guess_number"
+    # One range of 8 ("Guess 1-8."): a game a tiny chat model learns from random weights.
+    "guess_number-1to8": GuessNumberTask(span=8, max_low=1, name="guess_number-1to8"),
 }
 
 

@@ -1,9 +1,11 @@
 """The built-in guessing-game task: rows for `builtin:guess_number` (workers/environments/guess_number.py).
 
 A row's prompt states a range of `span` numbers ("Guess 17-32."), its ground truth is the secret
-in that range and its extra says within how many turns a solve earns the full reward (binary
-search needs log2(span) guesses; one more is allowed). Ranges start anywhere in 1..`max_low`; a
-range belongs to train or val by a stable hash of its prompt, so the splits never share a game.
+in that range and its extra says within how many turns a solve earns the full reward: log2(span)
++ 1, the most guesses binary search needs when span is a power of two. Ranges start anywhere in
+1..`max_low`; a range belongs to train or val by a stable hash of its prompt, so the splits never
+share a game. With `max_low` 1 there is one range ("Guess 1-8."), and both splits play it: the
+secret is never shown, so validation measures the policy's strategy, not recall.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class GuessNumberTask:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
         rng = random.Random(f"{self.name}:{split}:{seed}")
         lows = [low for low in range(1, self.max_low + 1) if self.split_of(self._prompt(low)) == split]
+        if self.max_low == 1:
+            lows = [1]
         within = math.ceil(math.log2(self.span)) + 1
         rows = []
         for _ in range(size):
