@@ -5,7 +5,8 @@ rate): an SFT warm start on the environment's traces task, then multi-turn GRPO 
 environment, and asserts that the mean training reward of the last ten GRPO steps beats the first
 ten's by the stated margin, about half the rise measured in bench/RESULTS.md ("Multi-turn
 environments learning on a CPU"; calculator: 0.684 -> 0.763). guess_number is not here: it does not
-learn in the bench's setup yet (RESULTS.md says why). Slow: ~30 minutes on two busy cores.
+learn in the bench's SFT setup (RESULTS.md says why); tests/test_examples.py runs its example, which
+learns the game's format from random weights. Slow: ~30 minutes on two busy cores.
 """
 
 from __future__ import annotations
