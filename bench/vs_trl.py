@@ -135,14 +135,9 @@ def run_trl(args: argparse.Namespace) -> list[float]:
 # ---- the Tandem side ---------------------------------------------------------------------------
 
 
-# Tandem's per-step metrics whose medians a run reports beside its step times.
-TANDEM_METRICS = (
-    "timing_s/gen",
-    "timing_s/update_actor",
-    "timing_s/sync",
-    "timing_s/step",
-    "critic/advantages/zero_rows",
-)
+# Tandem's per-step metrics whose medians a run reports beside its step times: every phase time
+# (timing_s/*) and the share of rows without advantage.
+ZERO_ROWS = "critic/advantages/zero_rows"
 
 
 def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
@@ -194,10 +189,9 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     finally:
         ray.shutdown()
     later = sink.values[1:]  # the first step's include warm-up, as its time does
+    keys = sorted(k for k in (later[0] if later else {}) if k.startswith("timing_s/") or k == ZERO_ROWS)
     medians = {
-        k: round(statistics.median(v[k] for v in later), 4)
-        for k in TANDEM_METRICS
-        if later and all(k in v for v in later)
+        k: round(statistics.median(v[k] for v in later), 4) for k in keys if all(k in v for v in later)
     }
     return step_intervals(sink.ends), medians
 
