@@ -13,6 +13,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 # Auto token budget: TOKEN_BUDGET_SCALE[device] / hidden_size real tokens per micro-batch. On CPU a
@@ -171,3 +172,69 @@ def _agreed_partition(
     if len(local) == count:
         return local
     return [[rows[j] for j in mb] for mb in balanced_partition([lengths[i] for i in rows], count)]
+
+
+@dataclass
+class MicroBatchPlanner:
+    """One rank's micro-batch plan for an engine call, from the engine's micro-batch settings.
+
+    `micro_batch_size` and `max_tokens` are `MicroBatchConfig`'s fields; with neither, the budget is
+    `auto_token_budget(hidden_size, device_type)`, read at every call, never below the longest
+    sequence. `agree` is the engine's all-reduce MAX over the dp group.
+    """
+
+    micro_batch_size: int | None
+    max_tokens: int | None
+    hidden_size: int
+    device_type: str
+    agree: Callable[[int], int]
+
+    def budget(self, lengths: Sequence[int]) -> int | None:
+        """The token budget of dynamic batching; None for fixed-size micro-batches."""
+        if self.max_tokens is None and self.micro_batch_size is None:
+            return max(auto_token_budget(self.hidden_size, self.device_type), max(lengths))
+        return self.max_tokens
+
+    def plan(self, lengths: Sequence[int], groups: list[list[int]] | None = None) -> list[list[int]]:
+        """Micro-batches of all rows, the same count on every rank."""
+        budget = self.budget(lengths)
+        if budget is not None:
+            return dynamic_micro_batches(lengths, budget, self.agree, groups)
+        plan = fixed_micro_batches(len(lengths), self.micro_batch_size)
+        if self.agree(len(plan)) != len(plan):
+            raise MicroBatchError("every data-parallel rank must get the same number of samples per call")
+        return plan
+
+    def split(
+        self,
+        lengths: Sequence[int],
+        needs_backward: Sequence[bool] | None,
+        groups: list[list[int]] | None = None,
+    ) -> SplitPlan:
+        """All rows as backward micro-batches (`needs_backward` None), or split by `split_by_backward`."""
+        if needs_backward is None:
+            return SplitPlan(self.plan(lengths, groups), [], 0)
+        return split_by_backward(
+            lengths, needs_backward, lambda rows: self.local_plan(rows, lengths, groups), self.agree
+        )
+
+    def local_plan(
+        self, rows: list[int], lengths: Sequence[int], groups: list[list[int]] | None
+    ) -> list[list[int]]:
+        """Micro-batches of a subset of the rows, before the ranks agree on a count."""
+        sub = [lengths[i] for i in rows]
+        budget = self.budget(sub)
+        if budget is None:
+            local = fixed_micro_batches(len(rows), self.micro_batch_size)
+        else:
+            local = dynamic_micro_batches(sub, budget, groups=_groups_within(rows, groups))
+        return [[rows[j] for j in mb] for mb in local]
+
+
+def _groups_within(rows: list[int], groups: list[list[int]] | None) -> list[list[int]] | None:
+    """`groups` restricted to `rows`, as positions in `rows`; groups with no row left are dropped."""
+    if groups is None:
+        return None
+    position = {row: j for j, row in enumerate(rows)}
+    within = [[position[i] for i in g if i in position] for g in groups]
+    return [g for g in within if g]

@@ -74,7 +74,7 @@ def test_dynamic_batching_respects_the_budget_and_keeps_order(tiny_model_dir, hf
     batch = make_batch(batch_size=8)
     engine = make_engine(tiny_model_dir, micro_batch=MicroBatchConfig(max_tokens_per_micro_batch=20))
     lengths = batch["attention_mask"].sum(1).tolist()
-    plan = engine._plan(lengths)
+    plan = engine.planner.plan(lengths)
     assert len(plan) > 1 and all(sum(lengths[i] for i in mb) <= 20 for mb in plan)
     assert sorted(i for mb in plan for i in mb) == list(range(8))
     with engine.eval_mode():
@@ -89,13 +89,13 @@ def test_without_a_split_the_budget_comes_from_model_size(tiny_model_dir, monkey
     assert auto_token_budget(64, "cuda") > auto_token_budget(64, "cpu")
     engine = make_engine(tiny_model_dir)  # no micro_batch settings
     lengths = make_batch(batch_size=8)["attention_mask"].sum(1).tolist()
-    assert engine._plan(lengths) == [list(range(8))]  # hidden 64: the whole batch fits the budget
+    assert engine.planner.plan(lengths) == [list(range(8))]  # hidden 64: the whole batch fits the budget
     monkeypatch.setitem(TOKEN_BUDGET_SCALE, "cpu", 20 * 64)  # as if the model were 13x wider
-    plan = engine._plan(lengths)
+    plan = engine.planner.plan(lengths)
     assert len(plan) > 1 and all(sum(lengths[i] for i in mb) <= 20 for mb in plan)
     assert sorted(i for mb in plan for i in mb) == list(range(8))
     monkeypatch.setitem(TOKEN_BUDGET_SCALE, "cpu", 1)  # never below the longest sequence
-    plan = engine._plan(lengths)
+    plan = engine.planner.plan(lengths)
     assert max(sum(lengths[i] for i in mb) for mb in plan) == max(lengths) and len(plan) > 2
 
 

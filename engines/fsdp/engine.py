@@ -50,13 +50,7 @@ from engines.distributed import (
     resolve_device,
 )
 from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model
-from engines.microbatch import (
-    SplitPlan,
-    auto_token_budget,
-    dynamic_micro_batches,
-    fixed_micro_batches,
-    split_by_backward,
-)
+from engines.microbatch import MicroBatchPlanner
 from engines.packing import pack, response_columns, unpack
 from engines.shared_prompt import pack_shared, prompt_groups
 
@@ -86,6 +80,14 @@ class FSDPEngine(TrainEngine):
         torch.manual_seed(self.config.seed)  # the value head's initialisation
         self.model = self._build_model()
         self._shard(self.model)
+        mb = self.config.micro_batch
+        self.planner = MicroBatchPlanner(
+            mb.micro_batch_size,
+            mb.max_tokens_per_micro_batch,
+            self.hf_config.hidden_size,
+            self.device.type,
+            self._agree,
+        )
         if self.config.trainable:
             self.optimizer = self._build_optimizer()
             self.scheduler = self._build_scheduler(self.optimizer)
@@ -235,15 +237,10 @@ class FSDPEngine(TrainEngine):
         counts = self._global_counts(batch, width)
         lengths = batch["attention_mask"].sum(1).tolist()
         groups = self._prompt_groups(batch, width)
-        if forward_only or NEEDS_BACKWARD not in batch.keys():
-            split = SplitPlan(self._plan(lengths, groups), [], 0)
-        else:
-            split = split_by_backward(
-                lengths,
-                batch[NEEDS_BACKWARD].tolist(),
-                lambda rows: self._local_plan(rows, lengths, groups),
-                self._agree,
-            )
+        needs_backward = None
+        if not forward_only and NEEDS_BACKWARD in batch.keys():
+            needs_backward = batch[NEEDS_BACKWARD].tolist()
+        split = self.planner.split(lengths, needs_backward, groups)
         sharded: FSDPModule = self.model  # type: ignore[assignment]
         pieces: list[dict[str, torch.Tensor]] = []
         metrics: dict[str, float] = {}
@@ -282,40 +279,6 @@ class FSDPEngine(TrainEngine):
             [float(batch["response_mask"].sum()), float(batch.batch_size[0])], self.device
         )
         return GlobalCounts(int(tokens), int(sequences), all_reduce_max(width, self.device))
-
-    def _budget(self, lengths: list[int]) -> int | None:
-        """The token budget of dynamic batching; None for fixed-size micro-batches."""
-        mb = self.config.micro_batch
-        if mb.max_tokens_per_micro_batch is None and mb.micro_batch_size is None:
-            # Neither set: a budget from model and device, never below the longest sequence.
-            return max(auto_token_budget(self.hf_config.hidden_size, self.device.type), max(lengths))
-        return mb.max_tokens_per_micro_batch
-
-    def _plan(self, lengths: list[int], groups: list[list[int]] | None = None) -> list[list[int]]:
-        budget = self._budget(lengths)
-        if budget is not None:
-            return dynamic_micro_batches(lengths, budget, self._agree, groups)
-        plan = fixed_micro_batches(len(lengths), self.config.micro_batch.micro_batch_size)
-        if self._agree(len(plan)) != len(plan):
-            raise ValueError("every data-parallel rank must get the same number of samples per call")
-        return plan
-
-    def _local_plan(
-        self, rows: list[int], lengths: list[int], groups: list[list[int]] | None
-    ) -> list[list[int]]:
-        """Micro-batches of a subset of the rows, before the ranks agree on a count."""
-        sub = [lengths[i] for i in rows]
-        budget = self._budget(sub)
-        if budget is None:
-            local = fixed_micro_batches(len(rows), self.config.micro_batch.micro_batch_size)
-        else:
-            position = {row: j for j, row in enumerate(rows)}
-            sub_groups = None
-            if groups is not None:
-                sub_groups = [[position[i] for i in g if i in position] for g in groups]
-                sub_groups = [g for g in sub_groups if g]
-            local = dynamic_micro_batches(sub, budget, groups=sub_groups)
-        return [[rows[j] for j in mb] for mb in local]
 
     def _agree(self, count: int) -> int:
         return all_reduce_max(count, self.device)
