@@ -15,8 +15,8 @@ per window of 10 steps.
     .venv/bin/python bench/multiturn_learning.py --env calculator --init SFT_EXPORT --lr 1e-3 --warmup 10
     .venv/bin/python bench/multiturn_learning.py --example grpo_guess_number [--seed 1]
 
-Prints JSON lines; bench/RESULTS.md keeps the measured curves, tests/test_multiturn_learning.py
-asserts the calculator's (slow).
+Prints JSON lines; bench/RESULTS.md keeps the measured curves, tests/test_examples.py
+runs examples/sft_calculator.yaml and grpo_calculator.yaml (this setup) and asserts the curve (slow).
 """
 
 from __future__ import annotations

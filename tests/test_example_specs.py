@@ -1,8 +1,10 @@
-"""The calculator example's two specs are the setup whose learning curve bench/RESULTS.md records.
+"""The examples against the runs that back their stated curves.
 
-bench/multiturn_learning.py --env calculator measured it (SFT 300 steps, then GRPO 60 steps) and
-tests/test_multiturn_learning.py asserts it (slow). What a user submits from examples/ must be that
-setup, field for field, apart from labels, stored samples and where checkpoints go.
+The calculator example's two specs are the setup whose learning curve bench/RESULTS.md records:
+bench/multiturn_learning.py --env calculator measured it (SFT 300 steps, then GRPO 60 steps), and
+tests/test_examples.py runs the two example files and asserts it (slow). What a user submits from
+examples/ must be that setup, field for field, apart from labels, stored samples and where
+checkpoints go. And every example has a learning test in tests/test_examples.py.
 """
 
 from __future__ import annotations
@@ -34,3 +36,15 @@ def test_grpo_calculator_with_the_export_is_the_benchs_grpo_stage(tmp_path):
     bench = grpo_spec(SETUPS["calculator"], export, steps=60, val_every=10)
     assert spec.model.path == export and spec.model.builtin is None
     assert comparable(spec.model_dump()) == comparable(bench.model_dump())
+
+
+def test_every_example_has_a_learning_test():
+    """A new example is not done until tests/test_examples.py runs it and asserts what it learns."""
+    from tests import test_examples
+
+    examples = sorted(path.stem for path in EXAMPLES.glob("*.yaml"))
+    missing = [name for name in examples if name not in test_examples.LEARNING_TESTS]
+    assert not missing, (
+        f"examples without a learning test in tests/test_examples.py LEARNING_TESTS: {missing}"
+    )
+    assert sorted(test_examples.LEARNING_TESTS) == examples  # and none listed that is gone
