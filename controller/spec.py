@@ -308,8 +308,8 @@ class ResourcesSpec(Section):
         ge=0.01,
         le=4096,
         description="CPUs per worker, at least 0.01 (Ray's resolution); a rank runs that many torch threads, "
-        "up to the physical cores. None: the largest node's CPUs split over the workers, at most its "
-        "physical cores",
+        "up to the physical cores (one for a model of hidden size below 256, engines/threads.py). None: "
+        "the largest node's CPUs split over the workers, at most its physical cores",
     )
     gpus_per_worker: float = Field(
         0.0, ge=0, le=1024, description="0: one GPU per worker when the cluster has GPUs, none otherwise"

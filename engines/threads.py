@@ -5,10 +5,16 @@ here a rank computes on one core whatever its bundle holds. A rank uses the CPUs
 never more threads than the physical cores it can share with the other ranks of its node: on a
 node that advertises more logical CPUs than it has cores (hyper-threads, or a Ray started with
 num_cpus above the core count), extra OpenMP threads only contend for the same cores.
+
+A small model is the exception: it computes on one thread (`limit_threads_for_model`). Its ops
+(a [128, 128] x [128, 384] matmul, a norm over 16k numbers) take microseconds, so waking a second
+OpenMP thread for each costs more than the thread computes, and the core stays free for the
+controller and Ray.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -45,5 +51,34 @@ def threads_for_rank(bundle_cpus: float, ranks_on_node: int = 1) -> int:
 def set_torch_threads(bundle_cpus: float, ranks_on_node: int = 1) -> int:
     """Set torch's intra-op thread count for this rank (see `threads_for_rank`); returns it."""
     threads = threads_for_rank(bundle_cpus, ranks_on_node)
+    torch.set_num_threads(threads)
+    return threads
+
+
+# Models narrower than this compute on one thread. Measured on 2 cores (bench/RESULTS.md, issue 17):
+# at hidden 128 (qwen2-1m) one thread generated and updated faster than two passively waiting
+# threads; at hidden 512 (qwen2-20m) two threads were ~1.4x faster than one.
+ONE_THREAD_BELOW_HIDDEN = 256
+
+
+def threads_for_model(threads: int, hidden_size: int | None) -> int:
+    """`threads`, or 1 for a model of hidden size below ONE_THREAD_BELOW_HIDDEN (None: unknown)."""
+    if hidden_size is not None and hidden_size < ONE_THREAD_BELOW_HIDDEN:
+        return 1
+    return threads
+
+
+def hidden_size_of(model_path: str | Path) -> int | None:
+    """The hidden size in an HF folder's config.json (a multimodal model's text_config), or None."""
+    path = Path(model_path) / "config.json"
+    if not path.exists():
+        return None
+    config = json.loads(path.read_text())
+    return config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
+
+
+def limit_threads_for_model(model_path: str | Path) -> int:
+    """Lower torch's thread count to one for a small model (see the module docstring); returns it."""
+    threads = threads_for_model(torch.get_num_threads(), hidden_size_of(model_path))
     torch.set_num_threads(threads)
     return threads

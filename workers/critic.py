@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from engines.config import EngineConfig
 from engines.registry import build_train_engine
+from engines.threads import limit_threads_for_model
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
 from workers.config import UpdateSchedule
@@ -21,6 +22,7 @@ class CriticWorker(Worker):
         cfg = EngineConfig.model_validate(config).model_copy(update={"role": "value"})
         self.critic = build_train_engine(cfg)
         self.critic.initialize()
+        limit_threads_for_model(cfg.model_path)  # a small model: one thread (engines/threads.py)
         self.register_mesh("actor", dp_rank=self.critic.dp_rank, is_collect=self.critic.is_collect_rank)
 
     @register(Dispatch.MESH, mesh="actor")

@@ -18,12 +18,15 @@ response right-padded to R = max_new_tokens.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 from tensordict import TensorDict
 
 from engines.base import NEEDS_BACKWARD, TrainEngine
 from engines.registry import build_train_engine
 from engines.rollout import SamplingParams, build_rollout_engine
+from engines.threads import limit_threads_for_model
 from engines.weights import WeightSync
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch, sampling_of
@@ -63,6 +66,7 @@ class ActorRolloutRefWorker(Worker):
             **rc.engine_kwargs,
         )
         self.weight_sync = WeightSync(rc.bucket_mb, dtype=self.rollout.dtype)
+        limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
         self.register_mesh("actor", dp_rank=self.actor.dp_rank, is_collect=self.actor.is_collect_rank)
         dp, collect = rollout_mesh_coords(self.rank, rc.tensor_parallel_size)
         self.register_mesh("rollout", dp_rank=dp, is_collect=collect)
@@ -293,34 +297,47 @@ def _rollout_tensors(
     """Prompt left-padded to `width`, response right-padded to `new_tokens`, with masks, log-probs,
     weight versions and the truncation flags."""
     rows = len(prompts)
+    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    if rows and int(prompt_lengths.max()) > width:
+        raise ValueError(
+            f"prompt of {int(prompt_lengths.max())} tokens is longer than max_prompt_length={width}"
+        )
+    tokens = [c.token_ids[:new_tokens] for c in completions]
+    token_lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
     input_ids = torch.full((rows, width + new_tokens), pad, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
+    _place_rows(input_ids, prompts, width - prompt_lengths)
+    _place_rows(input_ids, tokens, torch.full((rows,), width))
+    columns = torch.arange(width + new_tokens)
+    attention_mask = (
+        (columns >= (width - prompt_lengths)[:, None]) & (columns < (width + token_lengths)[:, None])
+    ).long()
     log_probs = torch.zeros(rows, new_tokens)
-    versions = torch.zeros(rows, dtype=torch.long)
+    _place_rows(log_probs, [c.log_probs[: len(t)] for c, t in zip(completions, tokens, strict=True)])
     # 1 where generation stopped at the token budget (finish reason "length"), for over-long handling.
     truncated = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.long)
-    for i, (prompt, comp) in enumerate(zip(prompts, completions, strict=True)):
-        if len(prompt) > width:
-            raise ValueError(f"prompt of {len(prompt)} tokens is longer than max_prompt_length={width}")
-        tokens = comp.token_ids[:new_tokens]
-        input_ids[i, width - len(prompt) : width] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[i, width - len(prompt) : width] = 1
-        if tokens:
-            input_ids[i, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            attention_mask[i, width : width + len(tokens)] = 1
-            log_probs[i, : len(tokens)] = torch.tensor(comp.log_probs[: len(tokens)])
-        versions[i] = comp.weight_version
-    responses = input_ids[:, width:].clone()
-    response_mask = attention_mask[:, width:].clone()
     return TensorDict(
         {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
-            "responses": responses,
-            "response_mask": response_mask,
+            "responses": input_ids[:, width:].clone(),
+            "response_mask": attention_mask[:, width:].clone(),
             "rollout_log_probs": log_probs,
-            "weight_version": versions,
+            "weight_version": torch.tensor([c.weight_version for c in completions], dtype=torch.long),
             "truncated": truncated,
         },
         batch_size=[rows],
     )
+
+
+def _place_rows(out: torch.Tensor, rows: list[list], starts: torch.Tensor | None = None) -> None:
+    """Write row i of `rows` into out[i, starts[i] : starts[i] + len(rows[i])] (starts: 0), with one
+    indexed copy for the whole batch rather than a copy per row."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    total = int(lengths.sum())
+    if total == 0:
+        return
+    row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    column = torch.arange(total) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    if starts is not None:
+        column += starts[row]
+    out[row, column] = torch.tensor(list(chain.from_iterable(rows)), dtype=out.dtype)

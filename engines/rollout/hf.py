@@ -216,10 +216,12 @@ class HFRolloutEngine(RolloutEngine):
         else:
             generator.manual_seed(params.seed)
         tokens, log_probs, lengths, stopped = self._decode(rows, params, generator)
+        # Whole tensors to lists once: a slice and a .tolist() per row cost ~10x more.
+        tokens_rows, log_prob_rows = tokens.tolist(), log_probs.tolist()
         return [
             Completion(
-                token_ids=tokens[i, : lengths[i]].tolist(),
-                log_probs=log_probs[i, : lengths[i]].tolist(),
+                token_ids=tokens_rows[i][: lengths[i]],
+                log_probs=log_prob_rows[i][: lengths[i]],
                 finish_reason="stop" if stopped[i] else "length",
                 weight_version=self.weight_version,
                 prompt_index=i // params.n,
