@@ -44,6 +44,12 @@ SETUPS = {
     "guess_number": {"sft_task": "guess_number-traces", "task": "guess_number", "max_turns": 8,
                      "max_new_tokens": 4, "budget": 256, "loss_agg_mode": "seq-mean-token-mean",
                      "sft_steps": 150, "sft_lr": 5e-4},
+    # "Guess 1-8." with full reward for a solve within 3 turns; the warm start guesses inside the
+    # interval the hints leave, GRPO is left the strategy (halve the interval).
+    "guess_number-1to8": {"sft_task": "guess_number-1to8-traces", "task": "guess_number-1to8-in3",
+                          "environment": "guess_number", "model": "tiny-qwen2-chat", "max_turns": 4,
+                          "max_new_tokens": 1, "budget": 128, "loss_agg_mode": "seq-mean-token-mean",
+                          "sft_max_new_tokens": 3, "sft_steps": 200, "sft_lr": 5e-3},
 }  # fmt: skip
 
 
@@ -51,9 +57,12 @@ def sft_spec(setup: dict, steps: int, lr: float = 2e-3) -> JobSpec:
     return JobSpec.model_validate(
         {
             "method": "sft",
-            "model": {"builtin": "qwen2-1m-chat"},
+            "model": {"builtin": setup.get("model", "qwen2-1m-chat")},
             "data": {"builtin_task": setup["sft_task"], "max_prompt_length": 128},
-            "rollout": {"max_new_tokens": setup["max_new_tokens"], "free_cache_after_generate": False},
+            "rollout": {
+                "max_new_tokens": setup.get("sft_max_new_tokens", setup["max_new_tokens"]),
+                "free_cache_after_generate": False,
+            },
             "optim": {"lr": lr},
             "trainer": {"total_steps": steps, "prompts_per_step": 64, "val_every": 0},
             "checkpoint": {"every": 0},
@@ -70,7 +79,7 @@ def grpo_spec(
             "model": {"path": model_path},
             "data": {"builtin_task": setup["task"], "max_prompt_length": 64},
             "rollout": {
-                "environment": f"builtin:{setup['task']}",
+                "environment": f"builtin:{setup.get('environment', setup['task'])}",
                 "max_turns": setup["max_turns"],
                 "max_response_tokens": setup["budget"],
                 "max_new_tokens": setup["max_new_tokens"],
@@ -80,7 +89,7 @@ def grpo_spec(
             "optim": {"lr": lr, "warmup_steps": warmup},
             "algorithm": {"loss_agg_mode": setup.get("loss_agg_mode", "token-mean")},
             "trainer": {"total_steps": steps, "prompts_per_step": 16, "val_every": val_every, "val_size": 64},
-            "checkpoint": {"every": 0, "export_hf": False},
+            "checkpoint": {"every": 0},
         }
     )
 
@@ -138,7 +147,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=0, help="GRPO learning-rate warmup steps")
     parser.add_argument("--init", default=None, help="start GRPO from this HF folder (an earlier SFT export)")
     parser.add_argument("--example", default=None, help="run examples/NAME.yaml as it is instead")
-    parser.add_argument("--seed", type=int, default=0, help="trainer.seed of --example")
+    parser.add_argument("--seed", type=int, default=0, help="trainer.seed of every stage")
     parser.add_argument("--workdir", default="/tmp/tandem-multiturn-bench")
     args = parser.parse_args()
     os.environ.setdefault("TANDEM_HOME", str(Path(args.workdir) / "home"))
@@ -149,15 +158,22 @@ def main() -> None:
     if args.example:
         run_example(args.example, args.seed, Path(args.workdir))
         return
+    seeded = {"trainer": {"seed": args.seed}}
     init = args.init
     if init is None:
         steps, lr = args.sft_steps or setup.get("sft_steps", 300), args.sft_lr or setup.get("sft_lr", 2e-3)
-        history = run(sft_spec(setup, steps, lr), root / "sft", f"{args.env}-sft")
+        history = run(sft_spec(setup, steps, lr).merged(seeded), root / "sft", f"{args.env}-sft")
         print(json.dumps({"stage": "sft", "final_loss": history[-1]["values"].get("sft/loss")}), flush=True)
         init = str(root / "sft" / "export")
-    history = run(grpo_spec(setup, init, args.grpo_steps, args.val_every, args.lr, args.warmup),
-                  root / "grpo", f"{args.env}-grpo")  # fmt: skip
+    spec = grpo_spec(setup, init, args.grpo_steps, args.val_every, args.lr, args.warmup).merged(seeded)
+    history = run(spec, root / "grpo", f"{args.env}-grpo")
     print_curve(history, args.env)
+    print_windows(history, args.env)
+    if args.env == "guess_number-1to8":  # the strategy before and after GRPO, measured by playing
+        from bench.guess_number_policy import play
+
+        for stage, folder in (("sft", init), ("grpo", str(root / "grpo" / "export"))):
+            print(json.dumps({"stage": stage, **play(folder, seed=args.seed)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ def test_make_split_is_deterministic_and_seed_dependent():
     assert make_split("train", 200, seed=3) != make_split("train", 200, seed=4)
 
 
-ONE_GAME = {"guess_number-1to8"}  # one range that both splits play: the secret is never shown
+# one range that both splits play: the secret is never shown
+ONE_GAME = {"guess_number-1to8", "guess_number-1to8-in3", "guess_number-1to8-traces"}
 
 
 @pytest.mark.parametrize("name", sorted(set(BUILTIN_TASKS) - ONE_GAME))
@@ -33,6 +34,30 @@ def test_the_one_range_game_plays_every_secret_in_both_splits():
         assert {row["prompt"] for row in rows} == {"Guess 1-8."}
         assert {int(row["ground_truth"]) for row in rows} == set(range(1, 9))
         assert all(row["extra"] == {"solve_within": 4} for row in rows)  # binary search's worst case
+    rows = get_task("guess_number-1to8-in3").make_split("train", 50)
+    assert all(row["extra"] == {"solve_within": 3} for row in rows)
+
+
+def test_the_one_range_traces_guess_at_random_inside_the_interval_the_hints_leave():
+    rows = get_task("guess_number-1to8-traces").make_split("train", 4000)
+    first_guesses = []
+    for row in rows:
+        low, high, turns = 1, 8, row["prompt"][1:]
+        for guess, hint in zip(turns[::2], turns[1::2], strict=True):
+            assert low <= int(guess["content"]) <= high and hint["content"] in ("higher", "lower")
+            low, high = (
+                (int(guess["content"]) + 1, high)
+                if hint["content"] == "higher"
+                else (low, int(guess["content"]) - 1)
+            )
+        guess = int(row["response"].removesuffix("<|im_end|>"))
+        assert low <= guess <= high, row
+        assert len(turns) // 2 < 4  # at most the GRPO stage's 4 turns
+        if not turns:
+            first_guesses.append(guess)
+    # uniform, not binary search: every first guess about equally often (1/8 each, ~1300 games)
+    shares = [first_guesses.count(g) / len(first_guesses) for g in range(1, 9)]
+    assert all(abs(share - 1 / 8) < 0.03 for share in shares), shares
 
 
 def test_rows_are_distinct_correct_and_answer_only():

@@ -46,6 +46,17 @@ BUILTIN_TASKS: dict[str, Task] = {
     "guess_number-traces": GuessNumberTracesTask(),  # SFT warm start for "guess_number"
     # One range of 8 ("Guess 1-8."): a game a tiny chat model learns from random weights.
     "guess_number-1to8": GuessNumberTask(span=8, max_low=1, name="guess_number-1to8"),
+    # The same game with the full reward only for a solve within 3 turns (binary search: 7 of 8
+    # secrets), so that halving the interval scores clearly more than guessing inside it at random.
+    "guess_number-1to8-in3": GuessNumberTask(span=8, max_low=1, solve_within=3, name="guess_number-1to8-in3"),
+    # SFT warm start for it: games that guess uniformly inside the interval the hints leave.
+    "guess_number-1to8-traces": GuessNumberTracesTask(
+        game=GuessNumberTask(span=8, max_low=1, name="guess_number-1to8"),
+        turns=4,  # the GRPO stage's max_turns
+        inside_hints=True,
+        default_train_size=20_000,  # rows: an SFT run of 200 x 64 sees each at most once, none memorised
+        name="guess_number-1to8-traces",
+    ),
 }
 
 
