@@ -209,6 +209,41 @@ class Batch:
     def to(self, device: str | torch.device) -> Batch:
         return Batch(self.tensors.to(device), self.non_tensors, self.meta)
 
+    def __reduce__(self) -> tuple:
+        """Pickling (how Ray sends a Batch) carries the CPU tensors as numpy arrays, whose bytes
+        pickle protocol 5 ships out of band; torch's own pickling writes every storage through
+        torch.save. 128 rows x 8 tensors: 0.76 + 0.94 ms to pickle and unpickle, 0.05 + 0.02 ms."""
+        arrays = {key: _to_wire(value) for key, value in self.tensors.items()}
+        size = list(self.tensors.batch_size)
+        return (_from_wire, (arrays, size, self.tensors.device, self.non_tensors, self.meta))
+
+
+# Tensor dtypes that numpy holds as they are; others (bfloat16, ...) go through torch's pickling.
+_NUMPY_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool,
+}  # fmt: skip
+
+
+def _to_wire(value: Any) -> Any:
+    """A CPU tensor as a numpy array sharing its memory; anything else unchanged."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.dtype in _NUMPY_DTYPES
+        and not (value.requires_grad or value.is_conj() or value.is_neg())
+    ):
+        return value.numpy()
+    return value
+
+
+def _from_wire(arrays: dict[str, Any], size: list[int], device: Any, non_tensors: dict, meta: dict) -> Batch:
+    # np.array copies: Ray hands back read-only arrays in its object store, and tensors are written.
+    tensors = {
+        k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in arrays.items()
+    }
+    return Batch(TensorDict(tensors, batch_size=size, device=device), non_tensors, meta)
+
 
 def _object_arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
     if len(a) != len(b):
