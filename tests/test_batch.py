@@ -132,6 +132,9 @@ def test_pickling_keeps_every_tensor_and_gives_writable_copies(protocol):
     batch.tensors["bf16"] = torch.randn(6, 3).to(torch.bfloat16)  # no numpy dtype: torch pickles it
     batch.tensors["strided"] = torch.arange(36).view(6, 6)[:, ::2]  # a non-contiguous view
     batch.tensors["flags"] = torch.tensor([True, False] * 3)
+    # int64 travels narrowed to the type its values fit: int8 (x), int32 (ids), none (wide)
+    batch.tensors["ids"] = torch.tensor([-70_000, 0, 1, 2, 3, 151_000])
+    batch.tensors["wide"] = torch.tensor([2**40, -(2**40), 0, 1, 2, 3])
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(batch, protocol=protocol, buffer_callback=buffers.append if protocol >= 5 else None)
     if protocol >= 5:  # the numeric tensors travelled out of band, as Ray sends them

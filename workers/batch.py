@@ -212,7 +212,10 @@ class Batch:
     def __reduce__(self) -> tuple:
         """Pickling (how Ray sends a Batch) carries the CPU tensors as numpy arrays, whose bytes
         pickle protocol 5 ships out of band; torch's own pickling writes every storage through
-        torch.save. 128 rows x 8 tensors: 0.76 + 0.94 ms to pickle and unpickle, 0.05 + 0.02 ms."""
+        torch.save. 128 rows x 8 tensors: 0.76 + 0.94 ms to pickle and unpickle, 0.05 + 0.02 ms.
+        Integer tensors travel in the narrowest integer type that holds their values (token ids
+        of a small vocabulary, masks): Ray keeps an object above 100 KB in its shared-memory
+        store, ~3 ms more a call than one sent inside the call."""
         arrays = {key: _to_wire(value) for key, value in self.tensors.items()}
         size = list(self.tensors.batch_size)
         return (_from_wire, (arrays, size, self.tensors.device, self.non_tensors, self.meta))
@@ -223,26 +226,37 @@ _NUMPY_DTYPES = {
     torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool,
 }  # fmt: skip
+_NARROW_INTS = (torch.int8, torch.int16, torch.int32)
 
 
 def _to_wire(value: Any) -> Any:
-    """A CPU tensor as a numpy array sharing its memory; anything else unchanged."""
-    if (
+    """A CPU tensor as (numpy array, dtype name), integers narrowed; anything else unchanged."""
+    if not (
         isinstance(value, torch.Tensor)
         and value.device.type == "cpu"
         and value.dtype in _NUMPY_DTYPES
         and not (value.requires_grad or value.is_conj() or value.is_neg())
     ):
-        return value.numpy()
-    return value
+        return value
+    dtype = str(value.dtype).removeprefix("torch.")
+    if value.dtype == torch.int64 and value.numel():
+        low, high = value.min().item(), value.max().item()
+        narrow = next(
+            (t for t in _NARROW_INTS if torch.iinfo(t).min <= low and high <= torch.iinfo(t).max), None
+        )
+        if narrow is not None:
+            value = value.to(narrow)
+    return value.numpy(), dtype
 
 
 def _from_wire(arrays: dict[str, Any], size: list[int], device: Any, non_tensors: dict, meta: dict) -> Batch:
-    # np.array copies: Ray hands back read-only arrays in its object store, and tensors are written.
-    tensors = {
-        k: torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in arrays.items()
-    }
+    tensors = {k: _from_array(*v) if isinstance(v, tuple) else v for k, v in arrays.items()}
     return Batch(TensorDict(tensors, batch_size=size, device=device), non_tensors, meta)
+
+
+def _from_array(array: np.ndarray, dtype: str) -> torch.Tensor:
+    # np.array copies: Ray hands back read-only arrays in its object store, and tensors are written.
+    return torch.from_numpy(np.array(array)).to(getattr(torch, dtype))
 
 
 def _object_arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
