@@ -7,16 +7,22 @@ per validation: greedy success rate, mean turns and tool calls per trajectory.
 guess_number: GRPO with `builtin:guess_number` from the same kind of start (the SFT stage teaches
 the format on random-guess games), printed the same way: reward and turns per game.
 
---example NAME runs an example spec from examples/ as it is (no SFT stage; examples/grpo_guess_number
-learns the game from random weights) and prints the same lines, plus the train reward and turns
-per window of 10 steps.
+guess_number-1to8: "Guess 1-8." with the full reward only for a solve within 3 turns.
+tiny-qwen2-chat is fine-tuned on games that guess at random inside the interval the hints leave
+("guess_number-1to8-traces"), then GRPO is left the strategy. Printed besides: train reward and
+turns per 10 steps, the share of stored games opening with 4 or 5, and both exports played 800
+times (bench/guess_number_policy.py: first guesses, share of guesses inside the interval, score).
+
+--example NAME runs an example spec from examples/ as it is (no SFT stage) and prints the same
+lines, plus the train reward and turns per window of 10 steps.
 
     .venv/bin/python bench/multiturn_learning.py --env calculator [--sft-steps 300 --grpo-steps 60]
     .venv/bin/python bench/multiturn_learning.py --env calculator --init SFT_EXPORT --lr 1e-3 --warmup 10
-    .venv/bin/python bench/multiturn_learning.py --example grpo_guess_number [--seed 1]
+    .venv/bin/python bench/multiturn_learning.py --env guess_number-1to8 --val-every 25 [--seed 1]
 
 Prints JSON lines; bench/RESULTS.md keeps the measured curves, tests/test_examples.py
-runs examples/sft_calculator.yaml and grpo_calculator.yaml (this setup) and asserts the curve (slow).
+runs examples/sft_calculator.yaml and grpo_calculator.yaml, sft_guess_number.yaml and
+grpo_guess_number.yaml (these setups) and asserts the curves (slow).
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ SETUPS = {
     "guess_number-1to8": {"sft_task": "guess_number-1to8-traces", "task": "guess_number-1to8-in3",
                           "environment": "guess_number", "model": "tiny-qwen2-chat", "max_turns": 4,
                           "max_new_tokens": 1, "budget": 128, "loss_agg_mode": "seq-mean-token-mean",
-                          "sft_max_new_tokens": 3, "sft_steps": 200, "sft_lr": 5e-3},
+                          "sft_max_new_tokens": 3, "sft_steps": 300, "sft_lr": 5e-3,
+                          "grpo_steps": 300, "grpo_lr": 2e-3},
 }  # fmt: skip
 
 
@@ -124,6 +131,17 @@ def print_windows(history: list[dict], label: str, window: int = 10) -> None:
                           "train_reward": reward, "turns": turns}), flush=True)  # fmt: skip
 
 
+def print_first_guesses(folder: Path, label: str, window: int = 50) -> None:
+    """The share of the stored games (trainer.samples_per_step a step) opening with 4 or 5, per window."""
+    records = [json.loads(line) for line in (folder / "samples.jsonl").open()]
+    for start in range(0, len(records), window):
+        games = [g for r in records[start : start + window] for g in r["samples"] if g["turns"]]
+        middle = sum(g["turns"][0]["content"].strip() in ("4", "5") for g in games)
+        print(json.dumps({"env": label, "steps": f"{start + 1}-{min(start + window, len(records))}",
+                          "stored_games": len(games), "first_guess_4_or_5": round(middle / max(len(games), 1), 3)}),
+              flush=True)  # fmt: skip
+
+
 def run_example(name: str, seed: int, workdir: Path) -> None:
     from api.cli_spec import load_spec_file
 
@@ -140,9 +158,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--env", choices=sorted(SETUPS), default="calculator")
     parser.add_argument("--sft-steps", type=int, default=None, help="default: the setup's, else 300")
-    parser.add_argument("--grpo-steps", type=int, default=60)
+    parser.add_argument("--grpo-steps", type=int, default=None, help="default: the setup's, else 60")
     parser.add_argument("--val-every", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=5e-4, help="GRPO learning rate")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="GRPO learning rate; default: the setup's, else 5e-4"
+    )
     parser.add_argument("--sft-lr", type=float, default=None, help="default: the setup's, else 2e-3")
     parser.add_argument("--warmup", type=int, default=0, help="GRPO learning-rate warmup steps")
     parser.add_argument("--init", default=None, help="start GRPO from this HF folder (an earlier SFT export)")
@@ -165,13 +185,15 @@ def main() -> None:
         history = run(sft_spec(setup, steps, lr).merged(seeded), root / "sft", f"{args.env}-sft")
         print(json.dumps({"stage": "sft", "final_loss": history[-1]["values"].get("sft/loss")}), flush=True)
         init = str(root / "sft" / "export")
-    spec = grpo_spec(setup, init, args.grpo_steps, args.val_every, args.lr, args.warmup).merged(seeded)
+    steps, lr = args.grpo_steps or setup.get("grpo_steps", 60), args.lr or setup.get("grpo_lr", 5e-4)
+    spec = grpo_spec(setup, init, steps, args.val_every, lr, args.warmup).merged(seeded)
     history = run(spec, root / "grpo", f"{args.env}-grpo")
     print_curve(history, args.env)
     print_windows(history, args.env)
     if args.env == "guess_number-1to8":  # the strategy before and after GRPO, measured by playing
         from bench.guess_number_policy import play
 
+        print_first_guesses(root / "grpo", args.env)
         for stage, folder in (("sft", init), ("grpo", str(root / "grpo" / "export"))):
             print(json.dumps({"stage": stage, **play(folder, seed=args.seed)}), flush=True)
 

@@ -55,4 +55,5 @@ def test_the_reference_points_of_the_examples():
     assert exact_scores(3, 4) == pytest.approx(
         {"ignoring_hints": 0.372, "random_inside": 0.732, "binary_search": 0.9375}, abs=5e-4
     )
-    assert exact_scores(4, 6)["ignoring_hints"] == pytest.approx(0.4825, abs=5e-4)  # grpo_guess_number
+    # the from-scratch example of bench/RESULTS.md (solve within 4 of 6 turns) reached this, not beyond
+    assert exact_scores(4, 6)["ignoring_hints"] == pytest.approx(0.4825, abs=5e-4)
