@@ -35,23 +35,48 @@ EXAMPLES = Path(__file__).resolve().parent
 ROOT = EXAMPLES.parent
 
 
+def service_log(home: Path) -> Path:
+    """Where the demo's service writes its output: the terminal shows the demo's progress only."""
+    return home / "logs" / "service.log"
+
+
 def start_service(home: Path, extra: list[str] | None = None) -> subprocess.Popen:
     # The port: TANDEM_PORT or 8000, or a free one; the service records it in the home.
     command = [sys.executable, "-m", "api.cli", "serve", "--home", str(home), *(extra or [])]
-    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, "TANDEM_HOME": str(home)})
+    log = service_log(home)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**os.environ, "TANDEM_HOME": str(home)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def wait_ready(home: Path, server: subprocess.Popen, timeout_s: float = 300) -> str:
     """The URL the new service recorded in its home, once it answers /readyz."""
     deadline = time.time() + timeout_s
+    log = service_log(home)
     while time.time() < deadline:
         if server.poll() is not None:
-            raise SystemExit(f"tandem serve exited with code {server.returncode}; see its output above")
+            raise SystemExit(
+                f"tandem serve exited with code {server.returncode}. The end of {log}:\n{log_tail(log)}"
+            )
         url = ready_url(home, server.pid)
         if url:
+            print(f"Service started on {url}; its output goes to {log}", flush=True)
             return url
         time.sleep(0.5)
-    raise SystemExit(f"the service did not become ready within {timeout_s:.0f}s")
+    raise SystemExit(
+        f"the service did not become ready within {timeout_s:.0f}s. The end of {log}:\n{log_tail(log)}"
+    )
 
 
 def run_job(client: TandemClient, spec: dict, title: str) -> dict:

@@ -4,7 +4,9 @@ The demo starts `tandem serve` as its child. Ctrl-C reaches both through the ter
 group; a SIGTERM (`kill`, a CI timeout) or SIGHUP (a closed terminal) reaches the demo alone, and
 before the demo handled them its service kept running, holding port 8000 and the home. Here the
 demo is started as `make run` starts it, signalled once its service answers, and the service must
-then stop on its own: process gone, record gone, port closed.
+then stop on its own: process gone, record gone, port closed. The service's own output (its
+banner, and triton's "nanobind: leaked" lines at its exit) goes to the home's logs/service.log, not
+to the demo's terminal.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import tempfile
 
 from api.service_record import pid_alive, read_record, record_path
+from examples.demo import service_log
 from tests.serve_util import cluster_env, free_ports, kill_leftovers, start_logged, wait_until
 
 
@@ -39,6 +42,9 @@ def test_a_terminated_demo_stops_the_service_it_started(tmp_path):
         assert demo.wait(300) == 128 + signum, log.read_text()[-3000:]
         wait_until(lambda: not pid_alive(server_pid), "the service exited", 120, [log])
         assert not port_open(port) and not record_path(home).exists()
+        terminal, service = log.read_text(), service_log(home).read_text()
+        assert "Tandem is serving on" in service and "Tandem is serving on" not in terminal, terminal
+        assert f"its output goes to {service_log(home)}" in terminal and "nanobind" not in terminal, terminal
     finally:
         if demo.poll() is None:
             demo.kill()
