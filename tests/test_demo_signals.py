@@ -34,8 +34,8 @@ def test_a_terminated_demo_stops_the_service_it_started(tmp_path):
     env = {**cluster_env(tmp), "TANDEM_HOME": str(home), "TANDEM_PORT": str(port)}
     demo = start_logged([sys.executable, "-m", "examples.demo"], env, log)
     try:
-        wait_until(lambda: read_record(home) is not None and port_open(port), "the demo's service answered",
-                   240, [log])  # fmt: skip
+        wait_until(lambda: read_record(home) is not None and port_open(port) and "its output goes to" in log.read_text(),
+                   "the demo saw its service answer", 240, [log])  # fmt: skip
         server_pid = read_record(home)["pid"]
         assert server_pid != demo.pid and pid_alive(server_pid)
         demo.send_signal(signum)
