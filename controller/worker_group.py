@@ -25,6 +25,7 @@ from controller.dispatch import MeshLayout, collect_from_mesh, scatter_all_to_al
 from controller.resource_pool import ResourcePool
 from controller.worker_output import ENV as WORKER_OUTPUT_ENV
 from controller.worker_output import redirect_output
+from engines.host_memory import keep_freed_memory
 from engines.threads import set_torch_threads
 from workers.base import Dispatch, MethodSpec, registered_methods
 
@@ -74,6 +75,7 @@ class WorkerHost:
         # Ray leaves an actor one OpenMP thread per CPU it asked for, and colocated groups ask for a
         # share of the bundle; they take turns, so each uses the whole bundle (up to the cores).
         set_torch_threads(bundle_cpus, int(env.get("LOCAL_WORLD_SIZE", "1")))
+        keep_freed_memory()  # no mmap / munmap of every step's tensors (engines/host_memory.py)
         if env.get(WORKER_OUTPUT_ENV):  # a service job: output goes to the job's log
             redirect_output(env[WORKER_OUTPUT_ENV])
         for name, spec in roles.items():

@@ -225,3 +225,29 @@ def test_a_hanging_function_times_out_in_the_pool(tmp_path):
 def test_score_rejects_mismatched_lengths():
     with pytest.raises(ValueError):
         RewardScorer("builtin:exact_match").score(["p", "q"], ["a"], ["a", "b"])
+
+
+def test_decode_responses_keeps_only_the_sampled_tokens_of_each_row(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from controller.step_math import decode_responses
+    from workers.batch import Batch
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = ["12+7", "abc", "x=4"]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in rows]
+    width = max(len(r) for r in ids) + 2
+    responses = torch.full((3, width), tokenizer.pad_token_id)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for i, row in enumerate(ids):
+        responses[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
+    responses[1, 1] = ids[0][0]  # a token the mask leaves out (an environment's, in a multi-turn row)
+    mask[1, 1] = 0
+    batch = Batch.from_dict({"responses": responses, "response_mask": mask})
+    texts = decode_responses(batch, tokenizer)
+    assert texts == [
+        "12+7",
+        tokenizer.decode([ids[1][0]] + ids[1][2:], skip_special_tokens=True),
+        "x=4",
+    ]

@@ -5,7 +5,8 @@ and the position ids restart at 0 on each row's first real token, so a row's tok
 what they would see alone: greedy batched output equals one-by-one output. Each distinct prompt is
 run once (prefill; the n samples of a group share it) into a preallocated KV cache
 (engines/rollout/kv_cache.py); afterwards every step feeds one token per row, with the padding
-mask built once for the whole generation. A row that has stopped keeps being fed the pad token (its
+mask built once for the whole generation. For Qwen2 and Llama models in float32 a decode step runs
+as a few fused operations on the model's own weights (engines/rollout/fused_decode.py). A row that has stopped keeps being fed the pad token (its
 outputs are ignored) until the stopped rows are a quarter of the batch; then they are dropped.
 
 Sampling follows the `Completion` contract in base.py: logits / temperature, then top-k, then
@@ -25,6 +26,7 @@ import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
 from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.fused_decode import FusedDecoder
 from engines.rollout.kv_cache import full_attention_only, preallocated_cache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -177,6 +179,8 @@ class HFRolloutEngine(RolloutEngine):
         self.model = self._load_model(str(model_path))
         # Models with sliding-window (or other non-full) attention layers keep transformers' own cache and masks.
         self._plain_mask = not full_attention_only(self.model.config)
+        # The fused decode step where it computes exactly the model's forward, else None.
+        self._fused = None if self._plain_mask else FusedDecoder.build(self.model)
         self.weight_version = 0
         self._released = False
         self._targets = self._update_targets()
@@ -265,7 +269,7 @@ class HFRolloutEngine(RolloutEngine):
                 steps_mask.select(keep)
                 cache.batch_select_indices(keep)
             token = token.masked_fill(done, self.pad_token_id)
-            logits = self._forward(token[:, None], steps_mask.at(width + step + 1), next_position, cache)
+            logits = self._step(token[:, None], steps_mask.at(width + step + 1), next_position, cache)
             next_position = next_position + 1
         del cache
         return out_tokens.cpu(), out_log_probs.cpu(), lengths.tolist(), stopped.tolist()
@@ -294,6 +298,14 @@ class HFRolloutEngine(RolloutEngine):
             cache.batch_select_indices(index)
             logits, prompt_mask, positions = logits[index], prompt_mask[index], positions[index]
         return logits, cache, prompt_mask, positions
+
+    def _step(
+        self, tokens: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: Cache
+    ) -> torch.Tensor:
+        """One decode step (one token per row): the fused step where there is one."""
+        if self._fused is not None:
+            return self._fused.step(tokens, positions, cache, mask)
+        return self._forward(tokens, mask, positions, cache)
 
     def _forward(
         self,
@@ -353,7 +365,7 @@ class HFRolloutEngine(RolloutEngine):
             return
         if self.device.type == "cuda":
             self.model.to("cpu")
-            self._targets = self._update_targets()  # .to() replaces buffer tensors
+            self._refresh_after_move()
             gc.collect()  # drop the last references before the cache is emptied (0.3-0.7 s: CUDA only)
             torch.cuda.empty_cache()
         self._released = True
@@ -363,8 +375,15 @@ class HFRolloutEngine(RolloutEngine):
             return
         if self.device.type == "cuda":
             self.model.to(self.device)
-            self._targets = self._update_targets()
+            self._refresh_after_move()
         self._released = False
+
+    def _refresh_after_move(self) -> None:
+        """.to() gave the parameters and buffers new tensors: point the weight targets at them and
+        fuse the decode step's buffers again (the old ones would keep the device memory alive)."""
+        self._targets = self._update_targets()
+        if self._fused is not None:
+            self._fused.fuse()
 
     @property
     def is_released(self) -> bool:

@@ -1,0 +1,53 @@
+"""Keep freed host memory in the process instead of handing it back to the kernel at every free.
+
+glibc's malloc serves a block of 128 KiB or more (its threshold rises with what is freed, up to
+32 MiB) with a fresh mmap and returns it with munmap when it is freed. A training or decoding step
+on the CPU allocates thousands of tensors of that size (a [1090, 384] float32 activation is 1.6 MiB)
+and frees them at once, so every step maps, zero-fills and unmaps the same memory again: at
+qwen2-1m a rank took 3,700-5,400 minor page faults a step, and its step ran ~20% slower than with the
+memory kept (bench/RESULTS.md, issue 17). `keep_freed_memory` tells malloc to serve blocks below
+MMAP_THRESHOLD from its heap and to keep up to TRIM_THRESHOLD of free memory at the heap's top, so
+the next step reuses pages that are already mapped (~100 faults a step).
+
+The cost is memory: a rank holds up to TRIM_THRESHOLD more than it uses at the moment, and blocks
+above MMAP_THRESHOLD (a large model's weights and gradients) are mapped and unmapped as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import resource
+from functools import cache
+
+# mallopt parameter numbers, from glibc's malloc.h.
+M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
+M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest allowed value on 64-bit
+TRIM_THRESHOLD = 256 * 1024 * 1024
+TOP_PAD = 64 * 1024 * 1024
+
+
+@cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name)
+    return libc if hasattr(libc, "mallopt") else None  # musl and others have no mallopt
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's malloc to keep freed memory (see the module docstring); False where not glibc."""
+    libc = _libc()
+    if libc is None:
+        return False
+    settings = ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
+    return all(libc.mallopt(param, value) == 1 for param, value in settings)
+
+
+def minor_page_faults() -> int:
+    """This process's minor page faults so far (memory mapped in without a disk read)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

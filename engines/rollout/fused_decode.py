@@ -1,0 +1,127 @@
+"""One decode step of a Qwen2 or Llama model in a few fused operations (the hf engine's decode loop).
+
+A decode step feeds one token per row. Through transformers' modules that step is ~20 operator
+calls per layer (separate q, k and v projections, separate gate and up projections, RMSNorm as
+five element-wise ops, rotary embedding as seven), and on a small model on the CPU the calls, not
+their arithmetic, are most of the time. `FusedDecoder.step` computes the same step with one
+projection for q, k and v, one for gate and up, `F.rms_norm`, and attention for the one query as two
+matmuls: ~0.75x the time of transformers' step at qwen2-1m, 128 rows (bench/RESULTS.md, issue 17).
+
+The fused weights are the model's own: `fuse` allocates one [q; k; v] and one [gate; up] buffer per
+layer and turns each projection's parameter into a view of its rows, so a weight sync that copies
+into `q_proj.weight` writes the fused buffer, and the transformers modules (the prefill still runs
+through them) keep working on the same numbers.
+
+Only float32 models of the two architectures below, every layer full attention, are served; for
+anything else `FusedDecoder.build` returns None and the engine keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engines.rollout.kv_cache import full_attention_only
+
+SUPPORTED = {"Qwen2ForCausalLM", "LlamaForCausalLM"}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _fused_rows(linears: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
+    """One buffer holding the `name` tensors (weight or bias) of `linears` stacked on dim 0; each
+    linear's tensor becomes a view of its rows. None when the linears have no such tensor."""
+    parts = [getattr(layer, name) for layer in linears]
+    if all(p is None for p in parts):
+        return None
+    fused = torch.cat([p.detach() for p in parts])
+    start = 0
+    for part in parts:
+        part.data = fused[start : start + part.shape[0]]
+        start += part.shape[0]
+    return fused
+
+
+class FusedDecoder:
+    """The decode step of one model (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        config = model.config
+        attention = model.model.layers[0].self_attn
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.scaling = attention.head_dim, attention.scaling
+        self.intermediate = config.intermediate_size
+        self.eps = config.rms_norm_eps
+        self.layers: list[tuple] = []
+        self.fuse()
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> FusedDecoder | None:
+        """The decoder for `model`, or None where this step would not be exactly its forward."""
+        config = model.config
+        if type(model).__name__ not in SUPPORTED or model.dtype != torch.float32:
+            return None
+        if not full_attention_only(config) or getattr(config, "hidden_act", None) != "silu":
+            return None
+        if getattr(config, "mlp_bias", False):
+            return None
+        return cls(model)
+
+    def fuse(self) -> None:
+        """(Re)build the fused buffers from the model's current parameters; call again after the
+        parameters are replaced (`model.to(device)`)."""
+        self.layers = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+            self.layers.append(
+                (
+                    layer.input_layernorm.weight,
+                    _fused_rows(qkv, "weight"),
+                    _fused_rows(qkv, "bias"),
+                    attn.o_proj,
+                    layer.post_attention_layernorm.weight,
+                    _fused_rows([mlp.gate_proj, mlp.up_proj], "weight"),
+                    mlp.down_proj.weight,
+                )
+            )
+
+    def step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Logits [B, V] for `tokens` [B, 1] at `positions` [B, 1]; appends to `cache`'s layers.
+
+        `mask` is the bool [B, 1, 1, past + 1] padding mask (True = attend), or None for no padding.
+        """
+        body = self.model.model
+        hidden = body.embed_tokens(tokens)  # [B, 1, H]
+        rows, width = hidden.shape[0], hidden.shape[-1]
+        cos, sin = body.rotary_emb(hidden, positions)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D], against [B, heads, 1, D]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        for (norm_in, qkv_w, qkv_b, o_proj, norm_post, gate_up_w, down_w), layer in zip(
+            self.layers, cache.layers, strict=True
+        ):
+            x = F.rms_norm(hidden, (width,), norm_in, self.eps)
+            q, k, v = F.linear(x, qkv_w, qkv_b).split((heads * dim, kv_heads * dim, kv_heads * dim), -1)
+            q = q.view(rows, heads, 1, dim)
+            k = k.view(rows, kv_heads, 1, dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys, values = layer.update(k, v.view(rows, kv_heads, 1, dim))
+            # Grouped-query attention for one query: the heads sharing a kv head form its rows.
+            scores = torch.matmul(q.view(rows, kv_heads, heads // kv_heads, dim), keys.transpose(-1, -2))
+            scores = scores * self.scaling
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.matmul(scores.softmax(-1), values).view(rows, 1, heads * dim)
+            hidden = hidden + o_proj(out)
+            x = F.rms_norm(hidden, (width,), norm_post, self.eps)
+            gate, up = F.linear(x, gate_up_w).split(self.intermediate, -1)
+            hidden = hidden + F.linear(F.silu(gate) * up, down_w)
+        hidden = F.rms_norm(hidden, (width,), body.norm.weight, self.eps)
+        return self.model.lm_head(hidden)[:, -1, :]
