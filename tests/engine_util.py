@@ -154,3 +154,43 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, cases: list, out
         torch.save(results, out_file)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def checkpoint_rank_main(rank: int, world: int, port: int, model_dir: str, folder: str, mode: str) -> None:
+    """One process of a checkpoint run across world sizes. `save`: train one step on the whole
+    batch's share of this rank, save a checkpoint, and rank 0 writes the updated weights beside it.
+    `load`: a fresh engine loads the checkpoint and rank 0 writes its weights and the Adam step."""
+    import os
+
+    import torch.distributed as dist
+
+    from engines.config import EngineConfig
+    from engines.fsdp.engine import FSDPEngine
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    engine = FSDPEngine(EngineConfig(model_path=model_dir, optim={"lr": 1e-2}))
+    engine.initialize()
+    if mode == "save":
+        batch = make_batch()
+        shard = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
+        with engine.train_mode():
+            engine.forward_backward_batch(shard, loss_for("token-mean"))
+            engine.optimizer_step()
+        engine.save_checkpoint(folder, step=1)
+    else:
+        assert engine.load_checkpoint(folder) == 1
+    params = {k: v.clone() for k, v in engine.get_per_tensor_param()}
+    # The Adam moments must have come along: one more identical step moves the weights identically.
+    with engine.train_mode():
+        engine.forward_backward_batch(
+            make_batch(seed=1)[rank * 6 // world : (rank + 1) * 6 // world], loss_for("token-mean")
+        )
+        engine.optimizer_step()
+    after = {k: v.clone() for k, v in engine.get_per_tensor_param()}
+    if rank == 0:
+        torch.save({"params": params, "after": after, "sharded": engine.sharded}, f"{folder}.{mode}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
