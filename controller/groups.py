@@ -15,6 +15,7 @@ Results across ranks are reduced here, explicitly:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from controller.worker_group import RayWorkerGroup
@@ -104,6 +105,11 @@ class ActorGroup(CheckpointedGroup):
     def sync_weights(self) -> dict[str, float]:
         """Trainer -> rollout engine on every rank; rank 0's weight_sync/* measurements."""
         return rank_zero(self._call("sync_weights"))
+
+    def start_sync_weights(self) -> Callable[[], dict[str, float]]:
+        """`sync_weights` started without waiting; call the result to wait for its measurements."""
+        pending = self.group.submit("sync_weights")
+        return lambda: rank_zero(pending.result())
 
     def export_hf(self, folder: str) -> None:
         self._call("export_hf", folder)

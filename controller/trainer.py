@@ -130,7 +130,18 @@ class Trainer:
                 )
             metrics.update(rejection)  # its mismatch report covers the tokens the loss no longer sees
             with self._timed("sync"):
-                metrics.update(actor.sync_weights())
+                sync_done = actor.start_sync_weights()
+            # The step's own records are written while the ranks load the new weights.
+            self._record_step(metrics, adv_metrics, batch, scores)
+            with self._timed("sync"):
+                metrics.update(sync_done())
+        return self._finish_metrics(metrics, batch)
+
+    def _record_step(
+        self, metrics: dict[str, float], adv_metrics: dict[str, float], batch: Any, scores: Any
+    ) -> None:
+        """The step's batch metrics, KL controller update and stored samples (controller work only)."""
+        spec = self.spec
         if spec.algorithm.kl_in_reward:
             self.kl.update(adv_metrics["actor/reward_kl_penalty"], len(batch))
         metrics.update(adv_metrics)
@@ -140,7 +151,6 @@ class Trainer:
                 self.step_index,
                 step_samples(batch, scores, self.job.tokenizer, spec.trainer.samples_per_step),
             )
-        return self._finish_metrics(metrics, batch)
 
     def sft_step(self) -> dict[str, float]:
         """One supervised step on prompt/response pairs, then a sync so validation sees it."""

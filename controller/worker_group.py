@@ -226,6 +226,14 @@ class RayWorkerGroup:
             self._layouts[mesh] = MeshLayout.from_info(mesh, info)
         return self._layouts[mesh]
 
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start a registered method without waiting; `result()` collects it as the blocking call
+        would (the same dispatch, collection and timeout), so the controller can work meanwhile."""
+        spec = registered_methods(self.worker_cls).get(method)
+        if spec is None:
+            raise AttributeError(f"{self.worker_cls.__name__} registers no method '{method}'")
+        return self._submit(method, spec, args, kwargs)
+
     def shutdown(self) -> None:
         """Kill the actors (every role view over them goes with them)."""
         self._hosts.kill()

@@ -170,6 +170,21 @@ def test_other_dispatch_modes_and_env(groups):
         group.train_step({"row": [1]})
 
 
+def test_a_submitted_call_runs_while_the_controller_works_and_collects_alike(groups):
+    group = groups["in-order"]
+    start = time.monotonic()
+    pending = group.submit("sleep", 0.5)
+    submitted = time.monotonic() - start
+    assert submitted < 0.4  # submit returned before the ranks finished sleeping
+    assert pending.result() == [0, 1, 2, 3]  # collected as the blocking call collects
+    out = group.submit("infer_step", make_batch(4), scale=3).result()
+    assert out.tensors["doubled"].tolist() == [0, 6, 12, 18]
+    with pytest.raises(WorkerGroupError, match=r"rank 1, method 'fail_on'"):
+        group.submit("fail_on", 1).result()
+    with pytest.raises(AttributeError, match="registers no method 'nope'"):
+        group.submit("nope")
+
+
 def test_exception_on_one_rank_names_the_rank_and_method(groups):
     group = groups["shuffled"]
     with pytest.raises(
