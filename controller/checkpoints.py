@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,13 +33,22 @@ def complete(workdir: Path) -> list[tuple[int, Path]]:
     return [(s, p) for s, p in ckpt.list_checkpoints(root(workdir)) if (p / STATE_FILE).exists()]
 
 
-def save(workdir: Path, step: int, groups: JobGroups, trainer_state: dict[str, Any], keep_last: int) -> Path:
-    """The workers' engine states, then the trainer's state (last, by rename); prunes old folders."""
+def save(
+    workdir: Path,
+    step: int,
+    groups: JobGroups,
+    trainer_state: dict[str, Any],
+    keep_last: int,
+    before_commit: Callable[[], None] = lambda: None,
+) -> Path:
+    """The workers' engine states, then `before_commit()` (the job's records up to this step are
+    stored), then the trainer's state (last, by rename); prunes old folders."""
     folder = ckpt.step_dir(root(workdir), step)
     if folder.exists():
         shutil.rmtree(folder)  # a leftover of an interrupted save of the same step
     folder.mkdir(parents=True)
     groups.save_checkpoint(str(folder), step)
+    before_commit()
     tmp = folder / (STATE_FILE + ".tmp")
     tmp.write_text(json.dumps(trainer_state, indent=2))
     tmp.replace(folder / STATE_FILE)

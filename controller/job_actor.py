@@ -27,20 +27,32 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class BufferSink:
-    """A JobSink that keeps records until the service drains them."""
+    """A JobSink that keeps records until the service drains them.
+
+    Each record gets a sequence number; the service says which it has stored (`committed`) after it
+    wrote a drain to its store. `flush` waits for that: a checkpoint is committed only once every
+    record up to it is stored, so a service killed at any moment never resumes a job from a
+    checkpoint whose steps it has no record of.
+    """
+
+    FLUSH_TIMEOUT_S = 120.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._stored = threading.Condition(self._lock)
         self._events: deque = deque()
         self._metrics: deque = deque()
         self._checkpoints: deque = deque()
         self._samples: deque = deque()
+        self._appended = 0  # records appended so far (events, metrics, samples)
+        self._committed = 0  # of those, how many the service has stored
         self.step = 0
         self.total = 0
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         with self._lock:
             self._events.append((time.time(), kind, message, data))
+            self._appended += 1
             if kind == "checkpoint":
                 self._checkpoints.append((data["step"], data["path"]))
         logging.getLogger("tandem.job").info("[%s] %s", kind, message)
@@ -48,10 +60,31 @@ class BufferSink:
     def metrics(self, step: int, values: dict[str, float]) -> None:
         with self._lock:
             self._metrics.append((time.time(), step, values))
+            self._appended += 1
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         with self._lock:
             self._samples.append((time.time(), step, rows))
+            self._appended += 1
+
+    def flush(self) -> None:
+        """Wait until the service has stored every record appended so far (or FLUSH_TIMEOUT_S passed:
+        then say so and go on, rather than hold the job)."""
+        with self._lock:
+            target = self._appended
+            if not self._stored.wait_for(lambda: self._committed >= target, self.FLUSH_TIMEOUT_S):
+                logging.getLogger("tandem.job").warning(
+                    "the service stored %d of %d records within %.0f s; committing the checkpoint anyway",
+                    self._committed,
+                    target,
+                    self.FLUSH_TIMEOUT_S,
+                )
+
+    def committed(self, seq: int) -> None:
+        """The service stored every record up to `seq` (the `seq` a drain returned)."""
+        with self._lock:
+            self._committed = max(self._committed, seq)
+            self._stored.notify_all()
 
     def progress(self, step: int, total: int, values: dict[str, float]) -> None:
         self.step, self.total = step, total
@@ -65,6 +98,7 @@ class BufferSink:
                 "metrics": list(self._metrics),
                 "checkpoints": list(self._checkpoints),
                 "samples": list(self._samples),
+                "seq": self._appended,
             }
             self._samples.clear()
             self._events.clear()
@@ -137,6 +171,10 @@ class JobController:
         out["logs"] = self.logs.drain() + self.worker_output.read()
         out["step"] = self.trainer.completed_steps
         return out
+
+    def committed(self, seq: int) -> None:
+        """The service stored what drain() returned up to `seq`."""
+        self.sink.committed(seq)
 
     def request_stop(self, reason: str) -> None:
         self.trainer.control.request_stop(reason)

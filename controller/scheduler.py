@@ -88,12 +88,23 @@ class Scheduler:
         for job in self.store.jobs_in((S.RUNNING, S.PAUSING)):
             self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
             self.store.truncate_after(job.id, resume_step(job))  # shown at its checkpoint until it runs
+            self._record_checkpoints_on_disk(job)
             self.store.add_event(
                 job.id, "requeued", "the service restarted; the job resumes from its last checkpoint"
             )
         for job in self.store.jobs_in((S.CANCELLING,)):
             self.store.transition(job.id, (S.CANCELLING,), S.CANCELLED, finished_at=time.time())
             self.store.add_event(job.id, "cancelled", "cancelled while the service was down")
+
+    def _record_checkpoints_on_disk(self, job: JobRecord) -> None:
+        """A checkpoint committed just before the service died may not be in the store yet."""
+        known = {c["step"] for c in self.store.checkpoints(job.id)}
+        for step, folder in checkpoints.complete(Path(job.workdir)):
+            if step not in known:
+                self.store.add_checkpoint(job.id, step, str(folder))
+                self.store.add_event(
+                    job.id, "checkpoint", f"saved step {step}", {"path": str(folder), "step": step}
+                )
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Pause every running job (each checkpoints at its next step boundary), then stop."""
@@ -241,12 +252,13 @@ class Scheduler:
             self.store.add_event(job_id, kind, message, data, at=at)
         for at, step, values in out["metrics"]:
             self.store.add_metrics(job_id, step, values, at=at)
-        for step, path in out["checkpoints"]:
-            self.store.add_checkpoint(job_id, step, path)
         for at, step, rows in out["samples"]:
             self.store.add_samples(job_id, step, rows, at=at)
+        for step, path in out["checkpoints"]:
+            self.store.add_checkpoint(job_id, step, path)
         self.store.add_logs(job_id, out["logs"])
         self.store.bump_step(job_id, out["step"])
+        run.actor.committed.remote(out["seq"])  # the job may now commit a checkpoint past these records
 
     def _settle(self, job_id: str, run: RunningJob) -> None:
         result = self._result(run)

@@ -25,6 +25,11 @@ class JobSink(Protocol):
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
 
+    def flush(self) -> None:
+        """Return once every record so far is stored where it outlives this process (a checkpoint is
+        committed after it)."""
+        ...
+
 
 class JsonlSink:
     """Appends events and metrics as JSON lines under `folder`; keeps them in memory too."""
@@ -56,6 +61,9 @@ class JsonlSink:
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         """A step's sampled trajectories (controller/trajectory_view.py), one line per step."""
         self._append("samples.jsonl", {"time": time.time(), "step": step, "samples": rows})
+
+    def flush(self) -> None:
+        """Nothing to wait for: each record is written (and its file closed) when it is made."""
 
     def progress(self, step: int, total: int, values: dict[str, float]) -> None:
         if self.echo:

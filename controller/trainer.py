@@ -225,7 +225,12 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         self.control.checkpoint_now = False
         folder = checkpoints.save(
-            self.workdir, self.step_index, self.job.groups, self.state_dict(), self.spec.checkpoint.keep_last
+            self.workdir,
+            self.step_index,
+            self.job.groups,
+            self.state_dict(),
+            self.spec.checkpoint.keep_last,
+            before_commit=self.sink.flush,  # never a checkpoint ahead of the job's stored record
         )
         self.sink.event("checkpoint", f"saved step {self.step_index}", path=str(folder), step=self.step_index)
         return folder

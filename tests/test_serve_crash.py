@@ -35,7 +35,8 @@ from tests.serve_util import (
     wait_until,
 )
 
-TOTAL, EVERY = 30, 10  # the kill lands ~2 steps past a checkpoint, 8 steps before the next
+TOTAL, EVERY = 16, 6  # the kill lands 1-2 steps past a checkpoint, 4 steps (1.6 s or more) before the next
+PACED = "tests.reward_fns:paced_digit_reward"  # 0.4 s a step at least, however fast the engines are
 
 
 def start_serve(root: Path, env: dict[str, str], token: str, name: str) -> Served:
@@ -78,16 +79,30 @@ def alive(procs: set[tuple[int, int]]) -> set[tuple[int, int]]:
     return {p for p in procs if (info := _stat(p[0])) is not None and info[1] == p[1]}
 
 
+def recorded_step(db: Path, job_id: str) -> int:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5) as conn:
+        return conn.execute("SELECT MAX(step) FROM metrics WHERE job_id = ?", (job_id,)).fetchone()[0] or 0
+
+
 def test_kill_9_mid_job_then_restart_stores_each_step_once(crash_dir):
     root, env = crash_dir
     token = "tdm_" + secrets.token_urlsafe(24)
     first = start_serve(root, env, token, "first")
-    spec = tiny_job(reward={"function": "builtin:arithmetic"}, trainer={"total_steps": TOTAL},
+    spec = tiny_job(reward={"function": PACED}, trainer={"total_steps": TOTAL},
                     checkpoint={"every": EVERY, "keep_last": 5}, metadata={"suite": "crash"})  # fmt: skip
     try:
         with first.client() as client:
             job = client.post("/v1/jobs", json=spec).json()
-            wait_for_step(client, job["id"], EVERY + 2, timeout_s=240)
+            wait_for_step(client, job["id"], EVERY, timeout_s=240)
+        db = root / "home" / "tandem.db"
+        # The kill follows the store, not the API's view of it: as soon as a step past the checkpoint
+        # is recorded.
+        wait_until(
+            lambda: recorded_step(db, job["id"]) > EVERY,
+            "no step past the checkpoint was recorded",
+            60,
+            [first.log],
+        )
         ray_processes = descendants(first.process.pid)
         assert any(
             b"DashboardAgent" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid, _ in alive(ray_processes)
@@ -99,9 +114,7 @@ def test_kill_9_mid_job_then_restart_stores_each_step_once(crash_dir):
         stop(first.process, 10)
     wait_until(lambda: not alive(ray_processes), "Ray processes outlived the killed service", 20, [first.log])
     resume_from = checkpoints.complete(Path(job["outputs"]["workdir"]))[-1][0]
-    db = root / "home" / "tandem.db"
-    with sqlite3.connect(db) as conn:
-        recorded = conn.execute("SELECT MAX(step) FROM metrics WHERE job_id = ?", (job["id"],)).fetchone()[0]
+    recorded = recorded_step(db, job["id"])
     assert recorded > resume_from, "the kill came before any step past the checkpoint was recorded"
 
     second = start_serve(root, env, token, "second")
