@@ -134,7 +134,9 @@ def test_pagination_and_filters(api):
 
 
 def test_pause_resume_hyperparameters_fork_and_cancel(api):
-    job = api.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 30}, metadata={"suite": "steer"})).json()
+    job = api.post(
+        "/v1/jobs", json=tiny_job(trainer={"total_steps": 3000}, metadata={"suite": "steer"})
+    ).json()
     wait_for_step(api, job["id"], 1)
     patched = api.patch(f"/v1/jobs/{job['id']}/hyperparameters", json={"lr": 5e-4})
     assert patched.status_code == 200 and patched.json()["spec"]["optim"]["lr"] == 5e-4
@@ -194,7 +196,7 @@ def test_jobs_survive_a_restart_and_running_ones_resume(live, tmp_path, ray_clus
 
     first = start_service(tmp_path)
     with first.client() as client:
-        job = client.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 40})).json()
+        job = client.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 4000})).json()
         wait_for_step(client, job["id"], 2)
     first.stop()  # pauses the running job: it checkpoints at its step boundary
     second = start_service(tmp_path)

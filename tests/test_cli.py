@@ -86,7 +86,7 @@ def test_logs_events_metrics_checkpoints(live, finished):
 
 
 def test_steering_a_running_job(live, api):
-    submitted = tandem(live, "submit", "--model", "tiny-qwen2", "--steps", "40", "--set",
+    submitted = tandem(live, "submit", "--model", "tiny-qwen2", "--steps", "4000", "--set",
                        "reward.function=tests.reward_fns:digit_reward", "--set", "trainer.val_every=0",
                        "--set", "trainer.prompts_per_step=4", "--set", "rollout.n=4",
                        "--set", "checkpoint.keep_last=50", "--set", "checkpoint.every=1")  # fmt: skip

@@ -46,7 +46,7 @@ def chromium_path() -> str:
 def job(api: httpx.Client) -> Iterator[dict]:
     """A job long enough to steer for the whole module; whatever is still active is cancelled at the end."""
     spec = tiny_job(
-        trainer={"total_steps": 400, "val_every": 4},
+        trainer={"total_steps": 20_000, "val_every": 4},  # never reached: cancelled at the end
         checkpoint={"every": 2},
         metadata={"suite": "dashboard"},
     )
@@ -250,14 +250,14 @@ def test_fork_from_a_checkpoint_then_cancel_it_from_the_page(
     page.click("#fork-submit")
     expect(page.locator("#fork-error")).to_contain_text("has no checkpoint at step 9999")
     page.fill("#fork-step", str(step))
-    page.fill("#fork-overrides", '{"trainer": {"total_steps": 300}}')
+    page.fill("#fork-overrides", '{"trainer": {"total_steps": 3000}}')
     page.click("#fork-submit")
     expect(page.locator("#job-facts")).to_contain_text(
         f"fork of {job['id']}", timeout=60_000
     )  # a loaded machine
     child_id = page.locator("#job-title").inner_text()
     child = api.get(f"/v1/jobs/{child_id}").json()
-    assert child["parent_id"] == job["id"] and child["total_steps"] == 300
+    assert child["parent_id"] == job["id"] and child["total_steps"] == 3000
     expect(page.locator("#events li[data-kind='forked']")).to_contain_text(f"step {step}")
     job_action(page, "cancel")
     page.click("#confirm-yes")
