@@ -30,7 +30,8 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-b
                  "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "dashboard"
 TERMINAL = ("succeeded", "failed", "cancelled")
-REWARD_POINTS = "Chart.getChart('chart-reward').data.datasets[0].data.length"
+# A chart can exist before its datasets do: every read below tolerates that.
+REWARD_POINTS = "(Chart.getChart('chart-reward')?.data.datasets[0]?.data.length ?? 0)"
 FILLED = "Chart.getChart('chart-{}').data.datasets.filter(d => d.data.length).length"
 
 
@@ -288,7 +289,7 @@ def test_a_diverged_metric_leaves_a_gap_not_a_stalled_chart(
     store.add_metrics(mine["id"], 9001, {"critic/score/mean": float("nan")})  # sent as a bare NaN
     store.add_metrics(mine["id"], 9002, {"critic/score/mean": 0.5})
     open_job(page, live, mine["id"])
-    wait_until(page, "Chart.getChart('chart-reward')?.data.datasets[0].data.at(-1)?.x === 9002", 30)
+    wait_until(page, "Chart.getChart('chart-reward')?.data.datasets[0]?.data.at(-1)?.x === 9002", 30)
     expect(page.locator("#metrics-live")).to_have_text("ended")
 
 
