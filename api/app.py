@@ -27,7 +27,7 @@ from api.routes import files, health, job_outputs, jobs, metrics, rewards, sampl
 from api.routes.health import VERSION
 from api.settings import ServeSettings
 from api.validation import Checker
-from controller.service import Service
+from service.service import Service
 
 ROUTERS = (
     health.router,

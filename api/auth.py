@@ -20,7 +20,7 @@ from fastapi import Request
 
 from api.errors import APIError
 from api.read_cache import MISSING, ReadCache
-from controller.store import JobStore
+from service.store import JobStore
 
 SCOPES = ("read", "write")
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="tandem"'}

@@ -23,7 +23,7 @@ from api.client import TandemAPIError, TandemClient, TandemError
 
 HINT_401 = "set TANDEM_TOKEN or pass --token; the service's admin token is in $TANDEM_HOME/admin_token"
 JOB_PREFIX = "job-"
-FULL_ID_LENGTH = len("job-") + 12  # job- and 12 hex digits (controller/store.py)
+FULL_ID_LENGTH = len("job-") + 12  # job- and 12 hex digits (service/store.py)
 METRIC_KEYS = ("critic/score/mean", "val/accuracy", "actor/pg_loss", "sft/loss", "actor/lr", "timing_s/step")
 
 

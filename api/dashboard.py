@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
-from controller.job_setup import HYPERPARAMETERS
+from controller.hyperparameters import HYPERPARAMETERS
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 

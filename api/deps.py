@@ -16,7 +16,7 @@ from fastapi.security import HTTPBearer
 from api.errors import documented
 from api.hot_reads import HotReads
 from api.validation import Checker
-from controller.service import Service
+from service.service import Service
 
 
 class TokenScope(HTTPBearer):

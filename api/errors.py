@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controller.files import FileError
-from controller.service import ServiceError
+from service.files import FileError
+from service.service import ServiceError
 
 TYPES = {
     400: "invalid_request_error",

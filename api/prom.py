@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from controller.store import ACTIVE, JobStore
+from service.store import ACTIVE, JobStore
 
 STATES = ("queued", "running", "pausing", "paused", "cancelling", "succeeded", "failed", "cancelled")
 PER_JOB = {

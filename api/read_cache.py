@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from controller.store import JobStore
+from service.store import JobStore
 
 MISSING = object()  # peek's answer when nothing valid is cached
 

@@ -30,7 +30,7 @@ from api.reaper import watch
 from api.service_record import choose_port, read_record, remove_record, write_record
 from api.settings import ServeSettings
 from controller.models import tandem_home
-from controller.service import Service
+from service.service import Service
 
 log = logging.getLogger("tandem.server")
 DEFAULT_PORT = 8000

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from controller.store import TERMINAL, JobStore
+from service.store import TERMINAL, JobStore
 
 POLL_S = 0.5
 HEARTBEAT_S = 15.0

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from api.errors import APIError
 from api.settings import ServeSettings
-from controller.files import FileError, FileStore
 from controller.models import BUILTIN_MODEL_NAMES
 from controller.spec import JobSpec
 from controller.tasks import BUILTIN_TASKS
 from controller.user_code import check_callable_in_subprocess, check_here
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from engines.rollout import available_backends
+from service.files import FileError, FileStore
 from workers.references import is_path_reference
 
 

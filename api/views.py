@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import Response
 
-from controller.store import JobRecord
+from service.store import JobRecord
 
 
 def job_view(job: JobRecord) -> dict[str, Any]:

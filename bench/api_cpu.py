@@ -26,8 +26,8 @@ import uvloop
 
 from api.app import create_app
 from api.auth import ensure_admin_token
-from controller.service import Service
 from controller.spec import JobSpec
+from service.service import Service
 
 JOB = {"method": "grpo", "model": {"builtin": "tiny-qwen2"}, "reward": {"function": "builtin:arithmetic"},
        "trainer": {"total_steps": 100_000}, "metadata": {"suite": "bench-api-cpu"}}  # fmt: skip

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controller.spec import JobSpec
-from engines import checkpoint as ckpt
+from engines.checkpoint_paths import list_checkpoints, step_dir
 
 if TYPE_CHECKING:
     from controller.roles import JobGroups
@@ -30,7 +30,7 @@ def root(workdir: Path) -> Path:
 
 def complete(workdir: Path) -> list[tuple[int, Path]]:
     """(step, folder) of the complete checkpoints of a job, oldest first."""
-    return [(s, p) for s, p in ckpt.list_checkpoints(root(workdir)) if (p / STATE_FILE).exists()]
+    return [(s, p) for s, p in list_checkpoints(root(workdir)) if (p / STATE_FILE).exists()]
 
 
 def save(
@@ -43,7 +43,7 @@ def save(
 ) -> Path:
     """The workers' engine states, then `before_commit()` (the job's records up to this step are
     stored), then the trainer's state (last, by rename); prunes old folders."""
-    folder = ckpt.step_dir(root(workdir), step)
+    folder = step_dir(root(workdir), step)
     if folder.exists():
         shutil.rmtree(folder)  # a leftover of an interrupted save of the same step
     folder.mkdir(parents=True)

@@ -13,6 +13,7 @@ STRICT_PACK (one node) or STRICT_SPREAD (one bundle per node).
 from __future__ import annotations
 
 import ipaddress
+from typing import Any
 
 import ray
 from ray.util.placement_group import (
@@ -157,6 +158,14 @@ def cpus_per_worker(workers: int, asked: float | None) -> float:
         return float(asked)
     largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=1.0)
     return float(max(1, min(int(largest), physical_cores()) // workers))
+
+
+def job_needs(spec: dict[str, Any]) -> tuple[float, float, list[dict[str, float]]]:
+    """(CPUs, GPUs, bundles) that a job holds while it runs: one bundle per worker."""
+    res = spec["resources"]
+    cpus = cpus_per_worker(res["workers"], res.get("cpus_per_worker"))
+    bundle = {"CPU": cpus, **({"GPU": float(res["gpus_per_worker"])} if res["gpus_per_worker"] else {})}
+    return res["workers"] * cpus, res["workers"] * res["gpus_per_worker"], [bundle] * res["workers"]
 
 
 def describe_placement(node_ids: list[str], node_ips: list[str]) -> str:

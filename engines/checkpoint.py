@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,24 +19,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
+from engines.checkpoint_paths import list_checkpoints
+
 META_FILE = "engine_meta.json"
 FORMAT_VERSION = 1
 # Files of a model folder that are weights; everything else (tokenizer, templates) is copied on export.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
-
-
-def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step_{step:08d}"
-
-
-def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """(step, folder) of the complete checkpoints under `root`, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
-    return sorted(found)
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

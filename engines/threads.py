@@ -18,8 +18,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
-
 _TOPOLOGY = Path("/sys/devices/system/cpu")
 
 
@@ -51,6 +49,8 @@ def threads_for_rank(bundle_cpus: float, ranks_on_node: int = 1) -> int:
 def set_torch_threads(bundle_cpus: float, ranks_on_node: int = 1) -> int:
     """Set torch's intra-op thread count for this rank (see `threads_for_rank`); returns it."""
     threads = threads_for_rank(bundle_cpus, ranks_on_node)
+    import torch  # here, not at the top: the service reads physical_cores without torch
+
     torch.set_num_threads(threads)
     return threads
 
@@ -79,6 +79,8 @@ def hidden_size_of(model_path: str | Path) -> int | None:
 
 def limit_threads_for_model(model_path: str | Path) -> int:
     """Lower torch's thread count to one for a small model (see the module docstring); returns it."""
+    import torch
+
     threads = threads_for_model(torch.get_num_threads(), hidden_size_of(model_path))
     torch.set_num_threads(threads)
     return threads

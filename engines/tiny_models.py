@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -150,6 +149,8 @@ def build_tiny_reward_model(
 
 
 def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) -> Path:
+    # torch and transformers here, not at the top: the service lists the built-in names without them.
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     path = Path(path)

@@ -14,7 +14,7 @@ import uvicorn
 from api.app import create_app
 from api.auth import ensure_admin_token
 from api.settings import ServeSettings
-from controller.service import Service
+from service.service import Service
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 

@@ -22,7 +22,7 @@ from api.errors import APIError
 from api.read_cache import ReadCache
 from api.views import EncodedSummary, job_summary
 from controller.spec import JobSpec
-from controller.store import JobStore, MetricsQuery, metrics_topic
+from service.store import JobStore, MetricsQuery, metrics_topic
 from tests.api_util import tiny_job
 
 

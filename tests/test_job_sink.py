@@ -14,10 +14,10 @@ from pathlib import Path
 
 from controller import checkpoints
 from controller.job_actor import BufferSink
-from controller.job_state import JobStatus
-from controller.scheduler import Scheduler
-from controller.store import JobStore
-from engines.checkpoint import step_dir
+from engines.checkpoint_paths import step_dir
+from service.job_state import JobStatus
+from service.scheduler import Scheduler
+from service.store import JobStore
 from tests.api_util import tiny_job
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.job_state import ACTIVE, TERMINAL, TRANSITIONS, JobStatus, allowed
-from controller.store import JobStore
+from service.job_state import ACTIVE, TERMINAL, TRANSITIONS, JobStatus, allowed
+from service.store import JobStore
 from tests.api_util import tiny_job
 
 S = JobStatus

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from controller.store import JobStore, MetricsQuery
-from controller.store_metrics import evenly, pick_keys
+from service.store import JobStore, MetricsQuery
+from service.store_metrics import evenly, pick_keys
 from tests.api_util import tiny_job
 
 STEPS = list(range(0, 101))  # step 0 (validation) to 100

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from engines.rollout.base import RolloutEngineError, SamplingParams
-from engines.rollout.sglang import SGLANG_VERSION, SGLangRolloutEngine, finish_reason_from_sglang
+from engines.rollout.probes import SGLANG_VERSION
+from engines.rollout.sglang import SGLangRolloutEngine, finish_reason_from_sglang
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = Path(sys.prefix) / "sglang-source"

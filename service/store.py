@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
-from controller.store_metrics import METRICS_SCHEMA, MetricsQuery, MetricsTable, metrics_topic
+from service.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
+from service.store_metrics import METRICS_SCHEMA, MetricsQuery, MetricsTable, metrics_topic
 
 __all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery", "metrics_topic"]
 

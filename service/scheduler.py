@@ -20,12 +20,10 @@ from typing import Any
 
 import ray
 
-from controller import checkpoints
-from controller.files import FileError, FileStore
-from controller.job_actor import JobController
-from controller.job_state import RUN_HOLDING, JobStatus
-from controller.resource_pool import cpus_per_worker
-from controller.store import JobRecord, JobStore
+from service.files import FileError, FileStore
+from service.job_state import RUN_HOLDING, JobStatus
+from service.store import JobRecord, JobStore
+from service.workloads import RL_JOB, Workload, WorkloadActor, resume_step
 
 log = logging.getLogger("tandem.scheduler")
 S = JobStatus
@@ -41,18 +39,6 @@ class RunningJob:
     killed_for: str | None = None  # "cancel" when stopped by killing its actor during start-up
 
 
-def resume_step(job: JobRecord) -> int:
-    """The step a job starts from: its latest complete checkpoint (what the trainer resumes from)."""
-    saved = checkpoints.complete(Path(job.workdir))
-    return saved[-1][0] if saved else 0
-
-
-def job_needs(spec: dict[str, Any]) -> tuple[float, float]:
-    res = spec["resources"]
-    cpus = cpus_per_worker(res["workers"], res.get("cpus_per_worker"))
-    return res["workers"] * cpus, res["workers"] * res["gpus_per_worker"]
-
-
 class Scheduler:
     def __init__(
         self,
@@ -60,8 +46,10 @@ class Scheduler:
         poll_s: float = 0.3,
         runtime_env: dict | None = None,
         files: FileStore | None = None,
+        workload: Workload = RL_JOB,
     ) -> None:
         self.store = store
+        self.workload = workload  # what the jobs table holds; a second kind brings its own table
         self.files = files
         self.poll_s = poll_s
         self.runtime_env = runtime_env
@@ -87,7 +75,9 @@ class Scheduler:
     def _recover(self) -> None:
         for job in self.store.jobs_in((S.RUNNING, S.PAUSING)):
             self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
-            self.store.truncate_after(job.id, resume_step(job))  # shown at its checkpoint until it runs
+            self.store.truncate_after(
+                job.id, resume_step(self.workload, job.workdir)
+            )  # shown at its checkpoint until it runs
             self._record_checkpoints_on_disk(job)
             self.store.add_event(
                 job.id, "requeued", "the service restarted; the job resumes from its last checkpoint"
@@ -99,7 +89,7 @@ class Scheduler:
     def _record_checkpoints_on_disk(self, job: JobRecord) -> None:
         """A checkpoint committed just before the service died may not be in the store yet."""
         known = {c["step"] for c in self.store.checkpoints(job.id)}
-        for step, folder in checkpoints.complete(Path(job.workdir)):
+        for step, folder in self.workload.committed_checkpoints(Path(job.workdir)):
             if step not in known:
                 self.store.add_checkpoint(job.id, step, str(folder))
                 self.store.add_event(
@@ -183,7 +173,8 @@ class Scheduler:
         if self._draining:
             return
         for job in self.store.jobs_in((S.QUEUED,)):
-            cpus, gpus = job_needs(job.spec)
+            needs = self.workload.needs(job.spec)
+            cpus, gpus = needs.cpus, needs.gpus
             free_cpu, free_gpu = self.free()
             if cpus > free_cpu + 1e-9 or gpus > free_gpu + 1e-9:
                 self._ask_autoscaler(job)
@@ -195,13 +186,7 @@ class Scheduler:
     def _ask_autoscaler(self, job: JobRecord | None) -> None:
         """Tell Ray's autoscaler (where there is one) what the waiting job needs, so nodes are added;
         None withdraws the request."""
-        bundles: list[dict[str, float]] = []
-        if job is not None:
-            res = job.spec["resources"]
-            bundle = {"CPU": cpus_per_worker(res["workers"], res.get("cpus_per_worker"))}
-            if res["gpus_per_worker"]:
-                bundle["GPU"] = res["gpus_per_worker"]
-            bundles = [bundle] * res["workers"]
+        bundles = self.workload.needs(job.spec).bundles if job is not None else []
         self._asked_autoscaler = job is not None
         try:
             from ray.autoscaler.sdk import request_resources
@@ -223,13 +208,17 @@ class Scheduler:
                 self.store.transition(job.id, (S.RUNNING,), S.FAILED, finished_at=time.time(), error=str(err))
                 self.store.add_event(job.id, "failed", str(err))
                 return
-            first_step = resume_step(job)
+            first_step = resume_step(self.workload, job.workdir)
             self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
             Path(job.workdir).mkdir(parents=True, exist_ok=True)
             options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8, "name": f"tandem-{job.id}"}
             if self.runtime_env:
                 options["runtime_env"] = self.runtime_env
-            actor = ray.remote(JobController).options(**options).remote(job.id, spec, job.workdir)
+            actor = (
+                ray.remote(WorkloadActor)
+                .options(**options)
+                .remote(self.workload.runner, job.id, spec, job.workdir)
+            )
             self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 

@@ -1,8 +1,8 @@
 """The service's request side: what the API asks of jobs, checked against the job store.
 
 Requests only change the store and send a message to the job's controller actor through the
-Scheduler (controller/scheduler.py), which runs the jobs; no request waits on a job. Status changes
-follow the one table in controller/job_state.py.
+Scheduler (service/scheduler.py), which runs the jobs; no request waits on a job. Status changes
+follow the one table in service/job_state.py.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 import ray
 from pydantic import ValidationError
 
-from controller.files import FileStore
-from controller.job_setup import hyperparameter_overrides
-from controller.job_state import RUN_HOLDING, TERMINAL, JobStatus
-from controller.scheduler import Scheduler, job_needs
+from controller.hyperparameters import hyperparameter_overrides
 from controller.spec import JobLabels, JobSpec
-from controller.store import JobRecord, JobStore
+from service.files import FileStore
+from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
+from service.scheduler import Scheduler
+from service.store import JobRecord, JobStore
 
 log = logging.getLogger("tandem.service")
 S = JobStatus
@@ -82,7 +82,8 @@ class Service:
 
     def check_fits_cluster(self, spec: JobSpec) -> None:
         """A job the cluster could never hold is refused now, not left queued or failed in Ray later."""
-        cpus, gpus = job_needs(spec.model_dump())
+        needs = self.scheduler.workload.needs(spec.model_dump())
+        cpus, gpus = needs.cpus, needs.gpus
         total = ray.cluster_resources()
         if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):
             raise ServiceError(

