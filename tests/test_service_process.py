@@ -21,7 +21,9 @@ def test_the_api_process_never_imports_torch(crash_dir):  # noqa: F811
     served = start_serve(root, env, "tdm_" + secrets.token_hex(16), "serve")
     try:
         with served.client() as api:
-            assert {m: api.get("/v1/service").json()["modules"][m] for m in HEAVY} == dict.fromkeys(HEAVY, False)
+            assert {m: api.get("/v1/service").json()["modules"][m] for m in HEAVY} == dict.fromkeys(
+                HEAVY, False
+            )
             spec = tiny_job(trainer={"total_steps": 2})
             assert api.post("/v1/jobs/validate", json=spec).status_code == 200
             job = api.post("/v1/jobs", json=spec).json()
