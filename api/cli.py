@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from api.cli_keys import add_keys_parser
 from api.cli_samples import add_samples_parser
 from api.cli_spec import SpecError, build_spec, deep_merge, parse_assignments, parse_value, validate
 from api.cli_watch import clock, follow, print_events, print_logs
@@ -380,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = files.add_parser("delete", parents=[conn], help="delete an uploaded file")
     p.add_argument("file_id", metavar="ID")
     p.set_defaults(func=_files_delete, client=True)
+
+    add_keys_parser(sub, conn)
 
     models = sub.add_parser("models", help="built-in tiny models", allow_abbrev=False).add_subparsers(
         dest="models_command", required=True

@@ -80,9 +80,8 @@ class HotReads:
         return learned.render(value)
 
     def _may_read(self, scope: Scope) -> bool:
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scopes = self.auth.cached_scopes(header.decode("latin-1"))
-        return scopes is not MISSING and scopes is not None and "read" in scopes
+        caller = self.auth.cached_caller(scope["headers"])
+        return caller is not MISSING and caller is not None and "read" in caller.scopes
 
 
 class HotReadPath:

@@ -1,4 +1,4 @@
-"""The job store: jobs, their events, per-step metrics, log lines, checkpoints and API tokens, in SQLite.
+"""The job store: jobs, their events, per-step metrics, log lines, checkpoints and API keys, in SQLite.
 
 One database file (WAL mode, so readers never block the writer), opened per thread. Every job row
 keeps its spec, state, progress and the latest metrics; events, metrics and logs are append-only
@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from controller.audit import AUDIT_SCHEMA, AuditTable
 from controller.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
+from controller.keys import KeyTable, migrate_keys
 from controller.store_metrics import METRICS_SCHEMA, MetricsQuery, MetricsTable, metrics_topic
 
 __all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery", "metrics_topic"]
@@ -89,13 +91,6 @@ CREATE TABLE IF NOT EXISTS samples (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS samples_job ON samples(job_id, step, id);
-CREATE TABLE IF NOT EXISTS tokens (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    hash TEXT NOT NULL UNIQUE,
-    scopes TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
 """
 
 ADDED_COLUMNS = {  # columns added since the first schema: a database made before gets them on open
@@ -152,7 +147,7 @@ class JobRecord:
         return self.active_s + max(current, 0.0)
 
 
-class JobStore(MetricsTable):
+class JobStore(MetricsTable, KeyTable, AuditTable):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +163,8 @@ class JobStore(MetricsTable):
                 if name not in have:
                     db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
             db.executescript(METRICS_SCHEMA)
+            migrate_keys(db)
+            db.executescript(AUDIT_SCHEMA)
 
     def _db(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -422,21 +419,6 @@ class JobStore(MetricsTable):
             .fetchall()
         )
         return [dict(r) for r in rows if Path(r["path"], "trainer_state.json").exists()]
-
-    # ---- API tokens ----------------------------------------------------------------------------
-
-    def add_token(self, name: str, token_hash: str, scopes: list[str]) -> str:
-        token_id = "tok-" + uuid.uuid4().hex[:10]
-        with self._tx("tokens") as db:
-            db.execute(
-                "INSERT INTO tokens (id, name, hash, scopes, created_at) VALUES (?,?,?,?,?)",
-                (token_id, name, token_hash, json.dumps(scopes), time.time()),
-            )
-        return token_id
-
-    def tokens(self) -> list[dict[str, Any]]:
-        rows = self._db().execute("SELECT id, name, hash, scopes FROM tokens").fetchall()
-        return [{**dict(r), "scopes": json.loads(r["scopes"])} for r in rows]
 
 
 def _create_private(path: Path) -> None:
