@@ -46,15 +46,19 @@ class AuditTrail:
                 sent["status"] = message["status"]
                 sent["json"] = any(k == b"content-type" and v.startswith(b"application/json")
                                    for k, v in message.get("headers", []))  # fmt: skip
-            elif message["type"] == "http.response.body" and len(sent["body"]) <= KEPT_BYTES * 16:
-                sent["body"] += message.get("body", b"")
+            elif message["type"] == "http.response.body":
+                if len(sent["body"]) <= KEPT_BYTES * 16:
+                    sent["body"] += message.get("body", b"")
+                if not message.get("more_body", False):  # recorded before the client has the answer
+                    await self._record(scope, sent, bytes(request))
             await send(message)
 
         await self.app(scope, kept_receive, watched)
+
+    async def _record(self, scope: Scope, sent: dict[str, Any], request: bytes) -> None:
         caller = scope.get("state", {}).get("caller")
         if caller is not None and 200 <= sent["status"] < 300:
-            entry = _entry(scope, caller, sent, bytes(request))
-            await run_in_threadpool(self.store.add_audit, entry)
+            await run_in_threadpool(self.store.add_audit, _entry(scope, caller, sent, request))
 
 
 def _entry(scope: Scope, caller: Any, sent: dict[str, Any], request: bytes) -> AuditEntry:

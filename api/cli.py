@@ -87,8 +87,8 @@ def _list(args: argparse.Namespace, client: TandemClient) -> int:
     if args.json:
         print(json.dumps(jobs, indent=2))
         return 0
-    header = ("ID", "STATUS", "METHOD", "MODEL", "STEP", "REWARD", "STARTED", "DURATION")
-    rows = [(j["id"], j["status"], j["method"], j["model"], f"{j['step']}/{j['total_steps']}",
+    header = ("ID", "STATUS", "OWNER", "METHOD", "MODEL", "STEP", "REWARD", "STARTED", "DURATION")
+    rows = [(j["id"], j["status"], j["owner"], j["method"], j["model"], f"{j['step']}/{j['total_steps']}",
              _number(j["latest_metrics"].get("critic/score/mean")), clock(j["started_at"]),
              _duration(j["started_at"], j["finished_at"])) for j in jobs]  # fmt: skip
     print(table(header, rows) if rows else "no jobs")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request, Security
+from fastapi import Depends, Query, Request, Security
 from fastapi.security import HTTPBearer
 
 from api.auth import Caller
@@ -63,6 +63,10 @@ ServiceDep = Annotated[Service, Depends(get_service)]
 HotReadsDep = Annotated[HotReads, Depends(get_hot_reads)]
 CheckerDep = Annotated[Checker, Depends(get_checker)]
 CallerDep = Annotated[Caller, Depends(get_caller)]
+# a list's owner filter: an admin's choice (None: everyone's); any other caller sees its own only
+OwnerQuery = Annotated[
+    str | None, Query(max_length=64, description="admins: only this owner's (others see their own only)")
+]
 READ = [Security(TokenScope("read"))]
 WRITE = [Security(TokenScope("write"))]
 ADMIN = [Security(TokenScope("admin"))]  # the admin token only

@@ -27,7 +27,7 @@ from typing import Any
 
 from controller.audit import AUDIT_SCHEMA, AuditTable
 from controller.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
-from controller.keys import KeyTable, migrate_keys
+from controller.keys import ADMIN_OWNER, KeyTable, migrate_keys
 from controller.store_metrics import METRICS_SCHEMA, MetricsQuery, MetricsTable, metrics_topic
 
 __all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery", "metrics_topic"]
@@ -99,11 +99,12 @@ ADDED_COLUMNS = {  # columns added since the first schema: a database made befor
     "notes": "TEXT NOT NULL DEFAULT ''",
     "active_s": "REAL NOT NULL DEFAULT 0",
     "run_started_at": "REAL",
+    "owner": "TEXT NOT NULL DEFAULT 'admin'",  # jobs made before owners existed are the admin's
 }
 JOB_COLUMNS = (
     "id, seq, status, method, spec, metadata, created_at, started_at, finished_at, step, total_steps, "
     "latest_metrics, error, parent_id, workdir, idempotency_key, request_hash, stop_reason, name, tags, notes, "
-    "active_s, run_started_at"
+    "active_s, run_started_at, owner"
 )
 JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags")
 
@@ -133,6 +134,7 @@ class JobRecord:
     notes: str = ""
     active_s: float = 0.0  # seconds spent running, over every run of the job
     run_started_at: float | None = None  # when the current run started (None when not running)
+    owner: str = ADMIN_OWNER  # the owner of the key that submitted (or forked) it
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
@@ -210,18 +212,19 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         idempotency_key: str | None = None,
         request_hash: str | None = None,
         parent_id: str | None = None,
+        owner: str = ADMIN_OWNER,
     ) -> JobRecord:
         job_id = "job-" + uuid.uuid4().hex[:12]
         now = time.time()
         with self._tx("jobs") as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             db.execute(
-                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 23)})",
+                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 24)})",
                 (
                     job_id, seq, JobStatus.QUEUED, spec["method"], json.dumps(spec),
                     json.dumps(spec.get("metadata", {})), now, None, None, 0, spec["trainer"]["total_steps"], "{}",
                     None, parent_id, str(Path(workdir_root) / job_id), idempotency_key, request_hash, None,
-                    spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None,
+                    spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None, owner,
                 ),
             )  # fmt: skip
         self.add_event(job_id, "created", "job created and queued")
@@ -245,10 +248,14 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         limit: int = 20,
         q: str | None = None,
         tag: str | None = None,
+        owner: str | None = None,
     ) -> tuple[list[JobRecord], bool]:
         """Newest first; `after` is a job id cursor; `q` a case-insensitive substring of the id, name,
-        tags or notes; `tag` one of the tags. Returns (page, has_more)."""
+        tags or notes; `tag` one of the tags; `owner` only that owner's jobs. Returns (page, has_more)."""
         where, args = [], []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
         if q:
             where.append(
                 "instr(lower(id || ' ' || COALESCE(name, '') || ' ' || tags || ' ' || notes), lower(?)) > 0"
@@ -265,7 +272,7 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
             args.extend([f"$.{key}", value])
         if after is not None:
             cursor = self.get_job(after)
-            if cursor is None:
+            if cursor is None or (owner is not None and cursor.owner != owner):
                 raise KeyError(after)
             where.append("seq < ?")
             args.append(cursor.seq)

@@ -18,7 +18,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
-from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, ServiceDep
+from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, CallerDep, OwnerQuery, ServiceDep
 from api.errors import APIError, documented
 from api.multipart_upload import FIELD, is_multipart, multipart_file
 from api.views import listing
@@ -47,6 +47,7 @@ UPLOAD_BODY = {
 async def upload(
     request: Request,
     service: ServiceDep,
+    caller: CallerDep,
     filename: str | None = Query(
         None,
         max_length=128,
@@ -63,7 +64,7 @@ async def upload(
         name, field, chunks = filename, "body", request.stream()
     check_filename(name)
     try:
-        return asdict(await service.files.save(name, chunks))
+        return asdict(await service.files.save(name, chunks, caller.owner))
     except FileError as err:
         if err.param != "body" or field == "body":
             raise
@@ -71,16 +72,18 @@ async def upload(
 
 
 @router.get("", dependencies=READ)
-def list_files(service: ServiceDep) -> dict[str, Any]:
-    return listing([asdict(r) for r in service.files.records()], False)
+def list_files(service: ServiceDep, caller: CallerDep, owner: OwnerQuery = None) -> dict[str, Any]:
+    """The caller's own uploads (an admin's: everyone's, or `owner`'s), newest first."""
+    return listing([asdict(r) for r in service.files.records(caller.viewing(owner))], False)
 
 
 @router.get("/{file_id}", dependencies=READ)
-def get_file(file_id: str, service: ServiceDep) -> dict[str, Any]:
-    return asdict(service.files.get(file_id))
+def get_file(file_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    return asdict(service.files.get(file_id, caller.sees))
 
 
 @router.delete("/{file_id}", dependencies=WRITE)
-def delete_file(file_id: str, service: ServiceDep) -> dict[str, Any]:
-    service.files.delete(file_id)
-    return {"id": file_id, "object": "file", "deleted": True}
+def delete_file(file_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    owner = service.files.get(file_id, caller.sees).owner
+    service.files.delete(file_id, caller.sees)
+    return {"id": file_id, "object": "file", "deleted": True, "owner": owner}

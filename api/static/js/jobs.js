@@ -35,6 +35,7 @@ function jobRow(job, onDone) {
   return el("tr", { "data-job-id": job.id },
     el("td", { title: job.notes || undefined }, name, jobLink(job.id), tags, parent),
     el("td", {}, statusBadge(job.status)),
+    el("td", { class: "owner" }, job.owner),
     el("td", {}, job.method),
     el("td", { class: "model", title: job.model }, job.model),
     el("td", { class: "step" }, progressBar(job), el("span", { class: "num" }, `${job.step}/${job.total_steps}`)),
