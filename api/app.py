@@ -24,7 +24,7 @@ from api.hot_reads import HotReadPath, HotReads
 from api.middleware import BodyLimit, RequestId
 from api.prom import make_registry
 from api.read_cache import ReadCache
-from api.routes import audit, files, health, job_outputs, jobs, keys, metrics, rewards, samples
+from api.routes import audit, files, health, job_outputs, jobs, keys, metrics, rewards, samples, usage
 from api.routes.health import VERSION
 from api.settings import ServeSettings
 from api.validation import Checker
@@ -39,6 +39,7 @@ ROUTERS = (
     rewards.router,
     files.router,
     keys.router,
+    usage.router,
     audit.router,
 )
 

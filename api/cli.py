@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from api.cli_keys import add_keys_parser
+from api.cli_quotas import add_quota_flags, quota_settings
 from api.cli_samples import add_samples_parser
 from api.cli_spec import SpecError, build_spec, deep_merge, parse_assignments, parse_value, validate
 from api.cli_watch import clock, follow, print_events, print_logs
@@ -44,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_upload_bytes=int(args.max_upload_mb * MiB),
         user_code_timeout_s=args.user_code_timeout,
         allowed_paths=args.allow_path,
+        **quota_settings(args),
     )
     serve(args.host, args.port, args.home, args.ray_address, args.num_cpus, settings=settings)
     return 0
@@ -326,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a reward function or environment gets to import and be checked",
     )
+    add_quota_flags(serve)
     serve.set_defaults(func=_serve, client=False, subparser=serve)
 
     p = command("submit", _submit, "submit a job from a spec file (YAML/JSON) and/or flags", job=False)

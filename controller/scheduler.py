@@ -1,9 +1,12 @@
 """The scheduler: one background thread that runs each job in its own controller actor.
 
 Every `poll_s` it copies what running jobs produced (events, metrics, logs, checkpoints) into the
-store, settles jobs whose run ended, and starts queued jobs, oldest first, while the cluster has
-room for them (a job needs `workers x cpus_per_worker` CPUs and its GPUs). Requests never wait on
-it: the Service changes the store and calls `tell` or `stop`, which only send a message.
+store, settles jobs whose run ended, and starts queued jobs while the cluster has room for them (a
+job needs `workers x cpus_per_worker` CPUs and its GPUs). Queued jobs go in fair order between
+owners (`fair_order`): one owner's ten queued jobs do not starve another's one. An owner at its
+quota of running jobs, CPUs or GPUs (controller/quotas.py) is passed over until one of its jobs
+ends. Requests never wait on it: the Service changes the store and calls `tell` or `stop`, which only
+send a message.
 
 A job that starts again after a crash resumes from its last complete checkpoint: at launch the
 store forgets the metrics recorded after that step, so the re-run steps are stored once.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from controller import checkpoints
 from controller.files import FileError, FileStore
 from controller.job_actor import JobController
 from controller.job_state import RUN_HOLDING, JobStatus
+from controller.quotas import QuotaBook, Usage, may_run
 from controller.resource_pool import cpus_per_worker
 from controller.store import JobRecord, JobStore
 
@@ -38,6 +43,7 @@ class RunningJob:
     cpus: float
     gpus: float
     first_step: int  # the step it resumed from: until it passes it, the job is starting up
+    owner: str = "admin"
     killed_for: str | None = None  # "cancel" when stopped by killing its actor during start-up
 
 
@@ -53,6 +59,25 @@ def job_needs(spec: dict[str, Any]) -> tuple[float, float]:
     return res["workers"] * cpus, res["workers"] * res["gpus_per_worker"]
 
 
+def fair_order(
+    queued: list[JobRecord], running: dict[str, int], served: dict[str, int] | None = None
+) -> list[JobRecord]:
+    """The order in which queued jobs may start: in rounds, each round taking every owner's oldest
+    job not yet taken; within a round, the owner with fewer jobs running first, then the owner
+    served least recently (`served`: owner -> the number of its latest start; never served first),
+    then the older job. So A's ten queued jobs and B's one go A1, B1, A2, ..., even when A1 ends
+    before B1 could start."""
+    served = served or {}
+    by_owner: dict[str, list[JobRecord]] = defaultdict(list)
+    for job in sorted(queued, key=lambda j: j.seq):
+        by_owner[job.owner].append(job)
+    order: list[JobRecord] = []
+    for turn in range(max((len(jobs) for jobs in by_owner.values()), default=0)):
+        batch = [jobs[turn] for jobs in by_owner.values() if turn < len(jobs)]
+        order += sorted(batch, key=lambda j: (running.get(j.owner, 0), served.get(j.owner, -1), j.seq))
+    return order
+
+
 class Scheduler:
     def __init__(
         self,
@@ -60,9 +85,11 @@ class Scheduler:
         poll_s: float = 0.3,
         runtime_env: dict | None = None,
         files: FileStore | None = None,
+        quotas: QuotaBook | None = None,
     ) -> None:
         self.store = store
         self.files = files
+        self.quotas = quotas or QuotaBook()
         self.poll_s = poll_s
         self.runtime_env = runtime_env
         self.running: dict[str, RunningJob] = {}
@@ -72,6 +99,8 @@ class Scheduler:
         self._requeue_on_pause: set[str] = set()  # jobs paused by a service shutdown, not by a user
         self._draining = False
         self._asked_autoscaler = False
+        self._served: dict[str, int] = {}  # owner -> the number of its latest start (fair_order)
+        self._starts = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -182,15 +211,40 @@ class Scheduler:
     def _schedule(self) -> None:
         if self._draining:
             return
-        for job in self.store.jobs_in((S.QUEUED,)):
+        used = self.owner_usage()
+        running = {o: u.running_jobs for o, u in used.items()}
+        for job in fair_order(self.store.jobs_in((S.QUEUED,)), running, self._served):
             cpus, gpus = job_needs(job.spec)
+            if not may_run(self.quotas.of(job.owner), used[job.owner], cpus, gpus):
+                continue  # its owner is at its quota: the job waits, other owners' jobs go ahead
             free_cpu, free_gpu = self.free()
             if cpus > free_cpu + 1e-9 or gpus > free_gpu + 1e-9:
                 self._ask_autoscaler(job)
-                return  # strict order: the oldest queued job goes first
+                return  # strict order: no later job jumps the one that waits for room
             self._launch(job, cpus, gpus)
+            self._starts += 1
+            self._served[job.owner] = self._starts
+            mine = used[job.owner]
+            mine.running_jobs, mine.cpus, mine.gpus = (
+                mine.running_jobs + 1,
+                mine.cpus + cpus,
+                mine.gpus + gpus,
+            )
         if self._asked_autoscaler:  # nothing waits any more: withdraw the request
             self._ask_autoscaler(None)
+
+    def owner_usage(self) -> defaultdict[str, Usage]:
+        """Jobs, CPUs and GPUs each owner's running jobs hold now (what the quotas cap)."""
+        used: defaultdict[str, Usage] = defaultdict(lambda: Usage(""))
+        with self._lock:
+            for run in self.running.values():
+                mine = used[run.owner]
+                mine.running_jobs, mine.cpus, mine.gpus = (
+                    mine.running_jobs + 1,
+                    mine.cpus + run.cpus,
+                    mine.gpus + run.gpus,
+                )
+        return used
 
     def _ask_autoscaler(self, job: JobRecord | None) -> None:
         """Tell Ray's autoscaler (where there is one) what the waiting job needs, so nodes are added;
@@ -230,7 +284,7 @@ class Scheduler:
             if self.runtime_env:
                 options["runtime_env"] = self.runtime_env
             actor = ray.remote(JobController).options(**options).remote(job.id, spec, job.workdir)
-            self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step)
+            self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step, job.owner)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 
     def _collect(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -22,9 +23,11 @@ from controller.files import FileStore
 from controller.job_setup import hyperparameter_overrides
 from controller.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from controller.keys import ADMIN_OWNER
+from controller.quotas import QuotaBook, QuotaError, Usage, check_storage, check_submission
 from controller.scheduler import Scheduler, job_needs
 from controller.spec import JobLabels, JobSpec
 from controller.store import JobRecord, JobStore
+from controller.usage import measure
 
 log = logging.getLogger("tandem.service")
 S = JobStatus
@@ -34,20 +37,28 @@ FORK_SOURCES = "fork-sources"
 class ServiceError(Exception):
     """A request the service refuses: `status` is the HTTP status, `param` the field at fault."""
 
-    def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
-    ) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers
+
+
+def quota_refusal(err: QuotaError) -> ServiceError:
+    """A QuotaError as the API says it: 429 with Retry-After, or 403, naming the quota."""
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None
+    return ServiceError(str(err), err.status, f"quota.{err.name}", "quota_exceeded", headers)
 
 
 class Service:
-    def __init__(self, home: str | Path, poll_s: float = 0.3, runtime_env: dict | None = None) -> None:
+    def __init__(self, home: str | Path, poll_s: float = 0.3, runtime_env: dict | None = None,
+                 quotas: QuotaBook | None = None) -> None:  # fmt: skip
         self.home = Path(home)
         self.jobs_root = self.home / "jobs"
         self.store = JobStore(self.home / "tandem.db")
         self.files = FileStore(self.home / "files")
-        self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.files)
+        self.quotas = quotas or QuotaBook()
+        self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.files, self.quotas)
+        self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
         self.started_at = time.time()
 
     @property
@@ -77,11 +88,31 @@ class Service:
                         "idempotency_conflict",
                     )  # fmt: skip
                 return existing, False
-        self.check_fits_cluster(spec)
-        job = self.store.create_job(
-            spec.model_dump(mode="json"), self.jobs_root, idempotency_key, request_hash, parent_id, owner
-        )
+        with self._admit:
+            self.check_quota(owner, *job_needs(spec.model_dump()))
+            self.check_fits_cluster(spec)
+            job = self.store.create_job(
+                spec.model_dump(mode="json"), self.jobs_root, idempotency_key, request_hash, parent_id, owner
+            )
         return job, True
+
+    def check_quota(self, owner: str, cpus: float = 0.0, gpus: float = 0.0) -> None:
+        """Refuse one more queued job of `owner` (needing `cpus` and `gpus` to run) beyond its quota
+        (429 or 403, naming the quota)."""
+        try:
+            check_submission(self.quotas.of(owner), self.usage(owner), cpus, gpus)
+        except QuotaError as err:
+            raise quota_refusal(err) from None
+
+    def usage(self, owner: str) -> Usage:
+        return measure(self.store, self.files, owner)
+
+    def check_storage(self, owner: str, adding: int = 0) -> None:
+        """Refuse an upload of `adding` bytes beyond the owner's stored bytes (403)."""
+        try:
+            check_storage(self.quotas.of(owner), self.usage(owner), adding)
+        except QuotaError as err:
+            raise quota_refusal(err) from None
 
     def check_fits_cluster(self, spec: JobSpec) -> None:
         """A job the cluster could never hold is refused now, not left queued or failed in Ray later."""
@@ -137,8 +168,13 @@ class Service:
 
     def resume(self, job_id: str, sees: str | None = None) -> JobRecord:
         job = self.get(job_id, sees)
-        if not self.store.transition(job_id, (S.PAUSED,), S.QUEUED):
-            raise _invalid_state(job, "only a paused job can be resumed")
+        with self._admit:
+            if job.status == S.PAUSED:  # queued again: within the owner's queued jobs
+                self.check_quota(
+                    job.owner, {**job.spec, "resources": {**job.spec["resources"], "workers": 0}}
+                )
+            if not self.store.transition(job_id, (S.PAUSED,), S.QUEUED):
+                raise _invalid_state(job, "only a paused job can be resumed")
         self.store.add_event(job_id, "resumed", "queued again; it continues from its last checkpoint")
         return self.get(job_id, sees)
 

@@ -282,6 +282,13 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         rows = self._db().execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
         return [JobRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
 
+    def jobs_of(self, owner: str) -> list[JobRecord]:
+        rows = self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owner = ? ORDER BY seq", (owner,))
+        return [JobRecord.from_row(r) for r in rows.fetchall()]
+
+    def job_owners(self) -> list[str]:
+        return [r[0] for r in self._db().execute("SELECT DISTINCT owner FROM jobs").fetchall()]
+
     def jobs_in(self, statuses: tuple[str, ...]) -> list[JobRecord]:
         rows = (
             self._db()

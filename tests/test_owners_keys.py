@@ -57,7 +57,7 @@ def test_a_revoked_key_is_refused_at_once_on_every_path(unscheduled, admin):
         for _ in range(2):  # the second is answered before FastAPI (api/hot_reads.py)
             assert carol.get("/v1/jobs", params={"limit": 7}).status_code == 200
         assert admin.delete(f"/v1/keys/{made['id']}").json()["state"] == "revoked"
-        for url in ("/v1/jobs?limit=7", "/v1/files", "/v1/cluster"):
+        for url in ("/v1/jobs?limit=7", "/v1/files", "/v1/usage"):
             refused = carol.get(url)
             assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_token"), url
     again = admin.delete(f"/v1/keys/{made['id']}")

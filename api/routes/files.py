@@ -23,6 +23,7 @@ from api.errors import APIError, documented
 from api.multipart_upload import FIELD, is_multipart, multipart_file
 from api.views import listing
 from controller.files import FileError, check_filename
+from controller.service import ServiceError
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses={**AUTH_ERRORS, **documented(404)})
 
@@ -63,12 +64,19 @@ async def upload(
     else:
         name, field, chunks = filename, "body", request.stream()
     check_filename(name)
+    service.check_storage(caller.owner, adding=1)  # an owner at its stored bytes can add nothing
     try:
-        return asdict(await service.files.save(name, chunks, caller.owner))
+        record = await service.files.save(name, chunks, caller.owner)
     except FileError as err:
         if err.param != "body" or field == "body":
             raise
         raise FileError(str(err).replace("body:", f"{field}:", 1), field) from None
+    try:
+        service.check_storage(caller.owner)
+    except ServiceError:  # past the owner's stored bytes with this file: it is not kept
+        service.files.delete(record.id)
+        raise
+    return asdict(record)
 
 
 @router.get("", dependencies=READ)

@@ -43,7 +43,7 @@ class ForkRequest(BaseModel):
     overrides: dict[str, Any] = Field(default_factory=dict, description="JobSpec fields to change, nested")
 
 
-@router.post("", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)})
+@router.post("", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409, 429)})
 def create_job(
     request: Request,
     response: Response,
@@ -158,13 +158,13 @@ def pause(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]
     return job_view(service.pause(job_id, caller.sees))
 
 
-@router.post("/{job_id}/resume", dependencies=WRITE, responses=documented(409))
+@router.post("/{job_id}/resume", dependencies=WRITE, responses=documented(409, 429))
 def resume(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
     return job_view(service.resume(job_id, caller.sees))
 
 
 @router.post(
-    "/{job_id}/fork", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)}
+    "/{job_id}/fork", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409, 429)}
 )
 def fork(
     job_id: str,
