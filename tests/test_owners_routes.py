@@ -72,9 +72,10 @@ def operations(app) -> list[tuple[str, str, str | None]]:
     ]
 
 
-def call(client: httpx.Client, method: str, url: str, body) -> tuple[int, dict | None]:
-    """Status and JSON body; a live stream is read up to its first event, then closed."""
-    with client.stream(method, url, json=body, timeout=30) as response:
+def call(client: httpx.Client, method: str, url: str, body, request_id: str = "") -> tuple[int, dict | None]:
+    """Status and JSON body; a live stream is not read, only opened."""
+    headers = {"x-request-id": request_id} if request_id else None
+    with client.stream(method, url, json=body, headers=headers, timeout=30) as response:
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             return response.status_code, None
         response.read()
@@ -92,7 +93,7 @@ def alices_things(svc, admin, alice) -> dict[str, str]:
 def test_every_operation_with_a_path_parameter_is_a_404_for_another_owner(unscheduled, owners):
     admin, alice, bob = owners
     app = unscheduled.server.config.app
-    walked = 0
+    walked = audited = 0
     for method, path, scope in operations(app):
         if "{" not in path:
             assert (method, path) in UNSCOPED, f"{method} {path}: a new route without a path parameter; say in " \
@@ -118,12 +119,17 @@ def test_every_operation_with_a_path_parameter_is_a_404_for_another_owner(unsche
             unscheduled.service.files.records("alice"),
         )
         assert after == before, f"{method} {path}: bob's refused request changed alice's work"
-        status, error = call(alice, method, url, body)
+        rid = f"req-walk-{walked}"
+        status, error = call(alice, method, url, body, rid)
         assert status < 500 and not (status == 404 and error["error"]["param"] in things), (
             f"{method} {path}: alice could not reach her own resource ({status}: {error})"
         )
+        if method != "GET" and status < 300:  # an accepted write is in the audit log
+            entries = admin.get("/v1/audit", params={"owner": "alice", "limit": 5}).json()["data"]
+            assert [e["request_id"] for e in entries][:1] == [rid], f"{method} {path}: not audited"
+            audited += 1
         walked += 1
-    assert walked >= 20
+    assert walked >= 20 and audited >= 4
 
 
 def test_lists_searches_and_filters_hold_only_the_callers_work(unscheduled, owners):
