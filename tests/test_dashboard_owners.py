@@ -14,7 +14,9 @@ from tests.owners_util import make_key, owned_job
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extras")
 expect = sync_api.expect
 
-from tests.test_dashboard import CHROMIUM_ARGS, chromium_path  # noqa: E402
+from tests.test_dashboard import browser as chromium  # noqa: E402  (its module-scoped headless Chromium)
+
+browser = chromium  # the fixture, under the name the tests ask for
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +27,6 @@ def two_owners(ray_cluster, tmp_path_factory) -> Iterator[tuple]:
     jobs = {name: owned_job(svc, name, checkpoint=False) for name in ("alice", "bob")}
     yield svc, keys, jobs
     svc.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator:
-    with sync_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 def signed_in(browser, url: str, key: str):
