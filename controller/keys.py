@@ -47,8 +47,13 @@ class _Db(Protocol):
     def _tx(self, *topics: str) -> AbstractContextManager[sqlite3.Connection]: ...
 
 
+RESERVED_OWNERS = ("default",)  # PUT /v1/quotas/default names the default quota
+
+
 def check_owner(name: str, param: str = "owner") -> str:
     """An owner's name, or a ValueError saying what a name may hold."""
+    if name in RESERVED_OWNERS:
+        raise ValueError(f"{param}: '{name}' is reserved (it names the default quota); choose another name")
     if not isinstance(name, str) or not OWNER_NAME.match(name):
         raise ValueError(
             f"{param}: '{str(name)[:64]}' must be 1-64 letters, digits, '.', '_', '@' or '-', starting "

@@ -9,28 +9,16 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 
 from api.cli import main
-from tests.api_util import LiveService
+from tests.owners_util import as_key, make_key
 
 
 @pytest.fixture
 def admin(unscheduled):
     with unscheduled.client() as http:
         yield http
-
-
-def make_key(admin: httpx.Client, owner: str, **fields) -> dict:
-    made = admin.post("/v1/keys", json={"owner": owner, **fields})
-    assert made.status_code == 201, made.text
-    return made.json()
-
-
-def as_key(svc: LiveService, key: str, header: str = "bearer") -> httpx.Client:
-    headers = {"Authorization": f"Bearer {key}"} if header == "bearer" else {"X-API-Key": key}
-    return httpx.Client(base_url=svc.url, headers=headers, timeout=30)
 
 
 def test_a_key_is_shown_once_and_works_as_a_bearer_token_or_x_api_key(unscheduled, admin):
@@ -105,6 +93,18 @@ def test_the_cli_prints_the_key_alone_on_its_last_line_and_never_lists_it(unsche
     assert main(["keys", "list", "--token", key, "--url", unscheduled.url]) != 0  # not the admin's
 
 
+def test_a_read_only_admin_key_reads_keys_but_cannot_make_one(unscheduled, admin):
+    from api.auth import hash_token, new_token
+
+    token = new_token()
+    unscheduled.service.store.add_token("old reader", hash_token(token), ["read"], "admin", admin=True)
+    with as_key(unscheduled, token) as reader:
+        assert reader.get("/v1/keys").status_code == 200
+        refused = reader.post("/v1/keys", json={"owner": "mallory"})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (403, "insufficient_scope")
+    assert admin.post("/v1/keys", json={"owner": "default"}).json()["error"]["param"] == "owner"  # reserved
+
+
 def test_key_changes_are_in_the_audit_log_with_the_request_id(unscheduled, admin):
     made = admin.post("/v1/keys", json={"owner": "frank"}, headers={"x-request-id": "req-audit-key"})
     revoked = admin.delete(f"/v1/keys/{made.json()['id']}", headers={"x-request-id": "req-audit-revoke"})
@@ -117,3 +117,28 @@ def test_key_changes_are_in_the_audit_log_with_the_request_id(unscheduled, admin
     admin_key = next(k for k in admin.get("/v1/keys").json()["data"] if k["admin"])
     assert {e["key_id"] for e in entries} == {admin_key["id"]} and {e["owner"] for e in entries} == {"admin"}
     assert made.json()["key"] not in str(admin.get("/v1/audit").json())
+
+
+def test_a_store_made_before_owners_gives_its_rows_and_keys_to_the_admin(tmp_path):
+    """Open a database with the tables as they were before owners (no owner columns): its jobs are
+    the admin's, and its keys keep seeing everything, but a read-only one cannot write keys."""
+    import json
+    import sqlite3
+
+    from api.auth import hash_token
+    from controller.keys import KEYS_SCHEMA
+    from controller.store import SCHEMA, JobStore
+
+    path = tmp_path / "tandem.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(SCHEMA + KEYS_SCHEMA)
+        db.execute("INSERT INTO jobs (id, seq, status, method, spec, created_at, total_steps, workdir) "
+                   "VALUES ('job-000000000001', 1, 'succeeded', 'grpo', '{}', 1.0, 3, '/tmp/x')")  # fmt: skip
+        db.execute(
+            "INSERT INTO tokens VALUES ('tok-1', 'reader', ?, ?, 1.0)",
+            (hash_token("old"), json.dumps(["read"])),
+        )
+    store = JobStore(path)
+    assert store.get_job("job-000000000001").owner == "admin"
+    (old,) = store.tokens()
+    assert (old["owner"], old["admin"], old["expires_at"], old["revoked_at"]) == ("admin", True, None, None)
