@@ -2,11 +2,10 @@
 every route: a POST, PUT, PATCH or DELETE answered with a 2xx by a route that identified its caller.
 
 Recording in one ASGI layer rather than in each route means a write route added later is audited
-without being told to (tests/test_owners_routes.py checks every write route of the OpenAPI document
-does). The row names the caller's owner and key id, the route's name as the action, the resource
+without being told to (the route walk of tests/test_owners_routes.py checks accepted writes are). The row names the caller's owner and key id, the route's name as the action, the resource
 (the path's id, else the `id` of the JSON answer: what a create made) and its owner (the answer's
-`owner`), the request id the response carries, and a small JSON request body (at most 4 KiB: a
-hyper-parameter change, a label patch, a fork's overrides; never an upload).
+`owner`), the request id the response carries, and a small JSON request body (at most 4 KiB, sent as
+application/json: a hyper-parameter change, a label patch, a fork's overrides; never an upload).
 """
 
 from __future__ import annotations
@@ -34,10 +33,11 @@ class AuditTrail:
             return
         sent: dict[str, Any] = {"status": 0, "body": b"", "json": False}
         request = bytearray()
+        is_json = dict(scope["headers"]).get(b"content-type", b"").startswith(b"application/json")
 
         async def kept_receive() -> Message:
             message = await receive()
-            if message["type"] == "http.request" and len(request) <= KEPT_BYTES:
+            if message["type"] == "http.request" and is_json and len(request) <= KEPT_BYTES:
                 request.extend(message.get("body", b"")[: KEPT_BYTES + 1])
             return message
 

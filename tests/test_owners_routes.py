@@ -206,6 +206,10 @@ def test_every_write_is_in_the_audit_log_with_its_owner_key_and_request_id(unsch
         ("alice", "cancel", rid, "alice")
     ]
     assert entries[0]["key_id"].startswith("key-")
+    uploaded = upload(alice, "tiny.jsonl", b'{"secret": "data"}\n')["id"]  # small, and JSON itself
+    (entry,) = admin.get("/v1/audit", params={"target": uploaded}).json()["data"]
+    assert (entry["action"], entry["target_owner"]) == ("upload", "alice")
+    assert "secret" not in str(entry) and entry["data"] == {"query": "filename=tiny.jsonl"}  # never the file
     assert alice.get("/v1/audit").status_code == 403
     assert {
         e["owner"] for e in admin.get("/v1/audit", params={"owner": "bob", "limit": 1000}).json()["data"]
