@@ -51,6 +51,8 @@ class HotReads:
     def __init__(self, cache: ReadCache, auth: Authenticator, max_queries: int = 4096) -> None:
         self.cache, self.auth, self.max_queries = cache, auth, max_queries
         self._learned: dict[tuple[str, bytes, str | None], Learned] = {}
+        # (path, query) learned for some viewer: a GET of any other goes on to FastAPI unchecked
+        self._queries: set[tuple[str, bytes]] = set()
         self.hits = 0  # requests answered here, for tests and benchmarks
 
     async def answer(
@@ -62,11 +64,14 @@ class HotReads:
         if where not in self._learned and len(self._learned) >= self.max_queries:
             del self._learned[next(iter(self._learned))]  # the oldest learned
         self._learned[where] = Learned(key, topic, read, render, request.scope.get("route"))
+        if len(self._queries) >= 2 * self.max_queries:  # forget the evicted ones now and then
+            self._queries = {(path, query) for path, query, _ in self._learned}
+        self._queries.add(where[:2])
         return json_response(render(value))
 
     async def hit(self, scope: Scope) -> bytes | None:
         """The body to send for this request, or None to let FastAPI answer it."""
-        if scope["method"] != "GET":
+        if scope["method"] != "GET" or (scope["path"], scope["query_string"]) not in self._queries:
             return None
         caller = self.auth.cached_caller(scope["headers"])
         if caller is MISSING or caller is None or "read" not in caller.scopes:
