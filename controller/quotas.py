@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from controller.keys import ADMIN_OWNER
 
@@ -85,7 +85,11 @@ class QuotaBook:
                 raw = yaml.safe_load(text) or {}
             else:
                 raw = json.loads(text)
-        quotas = QuotaFile.model_validate(raw)
+        try:
+            quotas = QuotaFile.model_validate(raw)
+        except ValidationError as err:  # one line naming the field, as a serve flag's error would
+            first = err.errors()[0]
+            raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
         given = {k: v for k, v in (default or {}).items() if v is not None}
         if given:
             quotas.default = quotas.default.model_copy(

@@ -130,3 +130,13 @@ def test_queued_jobs_start_in_rounds_by_owner_and_an_owner_at_its_quota_waits(un
     assert may_run(Quota(running_jobs=1), Usage("fair-a"), 1, 0)
     assert not may_run(Quota(running_jobs=1), Usage("fair-a", running_jobs=1), 1, 0)
     assert not may_run(Quota(cpus=2), Usage("fair-a", cpus=1.5), 1, 0)
+
+
+def test_serve_refuses_a_bad_quotas_file_before_starting_anything(tmp_path):
+    from api.server import serve
+
+    bad = tmp_path / "quotas.json"
+    bad.write_text('{"default": {"queued_jobs": -1}}')
+    for path, why in ((bad, "queued_jobs"), (tmp_path / "missing.json", "No such file")):
+        with pytest.raises(SystemExit, match=f"quotas file {path}: .*{why}"):
+            serve(home=tmp_path / "home", port=0, settings=ServeSettings(quotas_file=path))
