@@ -97,7 +97,7 @@ class Authenticator:
     async def caller_of(self, token: str) -> Caller | None:
         return _caller(await self.cache.get("tokens", "tokens", self.cache.store.tokens), token)
 
-    def cached_caller(self, headers: list[tuple[bytes, bytes]]) -> Any:
+    def cached_caller(self, headers: list[tuple[bytes, bytes]]) -> Caller | None | object:
         """The caller of a request's raw headers from the cached key table, without waiting: None for
         no or an unknown key, MISSING when the table is not cached."""
         token = token_of(lambda name: next((v.decode("latin-1") for k, v in headers if k == name), ""))
@@ -118,9 +118,8 @@ class Authenticator:
         if scope == "admin":
             if not caller.admin:
                 raise APIError(403, "this route needs the admin token", "Authorization", "insufficient_scope")
-            scope = (
-                "read" if request.method in ("GET", "HEAD") else "write"
-            )  # an old read-only admin key reads only
+            # and the method's scope: a read-only admin key (made before owners) reads only
+            scope = "read" if request.method in ("GET", "HEAD") else "write"
         if scope not in caller.scopes:
             raise APIError(
                 403, f"this token lacks the '{scope}' scope", "Authorization", "insufficient_scope"
