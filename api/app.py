@@ -16,6 +16,7 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 
+from api.audit import AuditTrail
 from api.auth import Authenticator
 from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
@@ -23,7 +24,7 @@ from api.hot_reads import HotReadPath, HotReads
 from api.middleware import BodyLimit, RequestId
 from api.prom import make_registry
 from api.read_cache import ReadCache
-from api.routes import files, health, job_outputs, jobs, metrics, rewards, samples
+from api.routes import audit, files, health, job_outputs, jobs, keys, metrics, rewards, samples, usage
 from api.routes.health import VERSION
 from api.settings import ServeSettings
 from api.validation import Checker
@@ -37,6 +38,9 @@ ROUTERS = (
     samples.router,
     rewards.router,
     files.router,
+    keys.router,
+    usage.router,
+    audit.router,
 )
 
 
@@ -63,6 +67,7 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         return settings.max_upload_bytes if upload else settings.max_body_bytes
 
     app.add_middleware(HotReadPath, hot=app.state.hot_reads)  # innermost: inside RequestId
+    app.add_middleware(AuditTrail, store=service.store)  # inside RequestId: it records the request id
     app.add_middleware(RequestId, latency=latency)
     app.add_middleware(BodyLimit, limit_for=body_limit)  # outermost: refuses before anything reads
     for router in ROUTERS:

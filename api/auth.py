@@ -1,10 +1,14 @@
-"""Bearer tokens with read and write scopes, stored as SHA-256 hashes and compared in constant time.
+"""API keys: who a request is (its key's owner) and what it may do (scopes), checked in constant time.
 
-Tokens are 32 random bytes, so a plain hash is enough at rest (no password stretching needed).
-The first start of a service creates an admin token (read + write), writes it to
-`$TANDEM_HOME/admin_token` with mode 600, and keeps only its hash; TANDEM_ADMIN_TOKEN, when set,
-is registered instead (for a Kubernetes Secret). The check reads the stored hashes through the
-read cache (api/read_cache.py): once per change of the store, not once per request.
+A key is sent as `Authorization: Bearer <key>` or as `X-API-Key: <key>` (what the tinker SDK sends).
+Keys are 32 random bytes, so a plain SHA-256 hash is enough at rest (no password stretching). New
+keys start with `tml-` (the tinker SDK refuses any other prefix); older `tdm_` tokens keep working.
+The first start of a service creates the admin token (read + write, sees every owner's work), writes
+it to `$TANDEM_HOME/admin_token` with mode 600, and keeps only its hash; TANDEM_ADMIN_TOKEN, when
+set, is registered instead (for a Kubernetes Secret). Other keys are made by an admin (`tandem keys
+create --owner NAME`, service/keys.py). The check reads the stored hashes through the read cache
+(api/read_cache.py), once per change of the key table: a revoked key is refused from the next
+request on, and an expired one from the moment it expires.
 """
 
 from __future__ import annotations
@@ -13,17 +17,42 @@ import hashlib
 import hmac
 import os
 import secrets
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from api.errors import APIError
 from api.read_cache import MISSING, ReadCache
+from service.keys import ADMIN_OWNER
 from service.store import JobStore
 
 SCOPES = ("read", "write")
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="tandem"'}
+KEY_PREFIX = "tml-"
+TOUCH_EVERY_S = 60.0  # last_used_at is written at most this often per key
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: its key's id and owner, scopes, and whether it is the admin's."""
+
+    key_id: str
+    owner: str
+    scopes: tuple[str, ...]
+    admin: bool
+
+    @property
+    def sees(self) -> str | None:
+        """The owner whose work this caller sees; None for an admin (everyone's)."""
+        return None if self.admin else self.owner
+
+    def viewing(self, owner: str | None) -> str | None:
+        """The owner filter of a read: an admin's `?owner=`, anyone else's own name."""
+        return owner if self.admin else self.owner
 
 
 def hash_token(token: str) -> str:
@@ -31,7 +60,12 @@ def hash_token(token: str) -> str:
 
 
 def new_token() -> str:
+    """The admin token's form (`tdm_`); keys made for owners use `new_key`."""
     return "tdm_" + secrets.token_urlsafe(32)
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
 def ensure_admin_token(store: JobStore, home: Path) -> Path:
@@ -41,12 +75,12 @@ def ensure_admin_token(store: JobStore, home: Path) -> Path:
     known = {t["hash"] for t in store.tokens()}
     if given:
         if hash_token(given) not in known:
-            store.add_token("admin (TANDEM_ADMIN_TOKEN)", hash_token(given), list(SCOPES))
+            store.add_token("admin (TANDEM_ADMIN_TOKEN)", hash_token(given), list(SCOPES), ADMIN_OWNER, True)
         return path
     if path.exists() and hash_token(path.read_text().strip()) in known:
         return path
     token = new_token()
-    store.add_token("admin", hash_token(token), list(SCOPES))
+    store.add_token("admin", hash_token(token), list(SCOPES), ADMIN_OWNER, True)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(token + "\n")
     path.chmod(0o600)
@@ -54,47 +88,69 @@ def ensure_admin_token(store: JobStore, home: Path) -> Path:
 
 
 class Authenticator:
-    """Checks a request's bearer token against the stored hashes, read once per change of the store."""
+    """Checks a request's key against the stored hashes, read once per change of the key table."""
 
     def __init__(self, cache: ReadCache) -> None:
         self.cache = cache
+        self._touched: dict[str, float] = {}  # key id -> when last_used_at was last written
 
-    async def scopes_of(self, token: str) -> list[str] | None:
-        return _scopes(await self.cache.get("tokens", "tokens", self.cache.store.tokens), token)
+    async def caller_of(self, token: str) -> Caller | None:
+        return _caller(await self.cache.get("tokens", "tokens", self.cache.store.tokens), token)
 
-    def cached_scopes(self, header: str) -> Any:
-        """The scopes of an Authorization header's bearer token from the cached token table, without
-        waiting: None for no or an unknown token, MISSING when the table is not cached."""
-        token = bearer_token(header)
+    def cached_caller(self, headers: list[tuple[bytes, bytes]]) -> Caller | None | object:
+        """The caller of a request's raw headers from the cached key table, without waiting: None for
+        no or an unknown key, MISSING when the table is not cached."""
+        token = token_of(lambda name: next((v.decode("latin-1") for k, v in headers if k == name), ""))
         if token is None:
             return None
         records = self.cache.peek("tokens", "tokens")
-        return records if records is MISSING else _scopes(records, token)
+        return records if records is MISSING else _caller(records, token)
 
-    async def require(self, request: Request, scope: str) -> None:
-        token = bearer_token(request.headers.get("authorization", ""))
+    async def require(self, request: Request, scope: str) -> Caller:
+        """The request's caller, kept in `request.state.caller`; a 401 or 403 when it may not."""
+        token = token_of(lambda name: request.headers.get(name.decode(), ""))
         if token is None:
-            raise APIError(401, "missing bearer token: send 'Authorization: Bearer <token>'", "Authorization",
-                           "missing_token", CHALLENGE)  # fmt: skip
-        scopes = await self.scopes_of(token)
-        if scopes is None:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
+                           "Authorization", "missing_token", CHALLENGE)  # fmt: skip
+        caller = await self.caller_of(token)
+        if caller is None:
             raise APIError(401, "invalid bearer token", "Authorization", "invalid_token", CHALLENGE)
-        if scope not in scopes:
+        if scope == "admin":
+            if not caller.admin:
+                raise APIError(403, "this route needs the admin token", "Authorization", "insufficient_scope")
+            # and the method's scope: a read-only admin key (made before owners) reads only
+            scope = "read" if request.method in ("GET", "HEAD") else "write"
+        if scope not in caller.scopes:
             raise APIError(
                 403, f"this token lacks the '{scope}' scope", "Authorization", "insufficient_scope"
             )
+        request.state.caller = caller
+        await self._touch(caller.key_id)
+        return caller
+
+    async def _touch(self, key_id: str) -> None:
+        now = time.time()
+        if now - self._touched.get(key_id, 0.0) >= TOUCH_EVERY_S:
+            self._touched[key_id] = now
+            await run_in_threadpool(self.cache.store.touch_key, key_id, now)
 
 
-def bearer_token(header: str) -> str | None:
-    """The token of an `Authorization: Bearer <token>` header, None when it is not one."""
-    kind, _, token = header.partition(" ")
-    return token.strip() if kind.lower() == "bearer" and token else None
+def token_of(header: Any) -> str | None:
+    """The key a request sends: its `Authorization: Bearer` token, else its `X-API-Key`."""
+    kind, _, token = header(b"authorization").partition(" ")
+    if kind.lower() == "bearer" and token.strip():
+        return token.strip()
+    return header(b"x-api-key").strip() or None
 
 
-def _scopes(records: list[dict[str, Any]], token: str) -> list[str] | None:
+def _caller(records: list[dict[str, Any]], token: str) -> Caller | None:
     digest = hash_token(token)
     found = None
     for record in records:
         if hmac.compare_digest(record["hash"], digest):  # every hash is compared: no timing leak
-            found = record["scopes"]
-    return found
+            found = record
+    if found is None or found["revoked_at"] is not None:
+        return None
+    if found["expires_at"] is not None and found["expires_at"] <= time.time():
+        return None
+    return Caller(found["id"], found["owner"], tuple(found["scopes"]), found["admin"])

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from api.cli_keys import add_keys_parser
+from api.cli_quotas import add_quota_flags, quota_settings
 from api.cli_samples import add_samples_parser
 from api.cli_spec import SpecError, build_spec, deep_merge, parse_assignments, parse_value, validate
 from api.cli_watch import clock, follow, print_events, print_logs
@@ -43,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_upload_bytes=int(args.max_upload_mb * MiB),
         user_code_timeout_s=args.user_code_timeout,
         allowed_paths=args.allow_path,
+        **quota_settings(args),
     )
     serve(args.host, args.port, args.home, args.ray_address, args.num_cpus, settings=settings)
     return 0
@@ -86,8 +89,8 @@ def _list(args: argparse.Namespace, client: TandemClient) -> int:
     if args.json:
         print(json.dumps(jobs, indent=2))
         return 0
-    header = ("ID", "STATUS", "METHOD", "MODEL", "STEP", "REWARD", "STARTED", "DURATION")
-    rows = [(j["id"], j["status"], j["method"], j["model"], f"{j['step']}/{j['total_steps']}",
+    header = ("ID", "STATUS", "OWNER", "METHOD", "MODEL", "STEP", "REWARD", "STARTED", "DURATION")
+    rows = [(j["id"], j["status"], j["owner"], j["method"], j["model"], f"{j['step']}/{j['total_steps']}",
              _number(j["latest_metrics"].get("critic/score/mean")), clock(j["started_at"]),
              _duration(j["started_at"], j["finished_at"])) for j in jobs]  # fmt: skip
     print(table(header, rows) if rows else "no jobs")
@@ -325,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds a reward function or environment gets to import and be checked",
     )
+    add_quota_flags(serve)
     serve.set_defaults(func=_serve, client=False, subparser=serve)
 
     p = command("submit", _submit, "submit a job from a spec file (YAML/JSON) and/or flags", job=False)
@@ -380,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = files.add_parser("delete", parents=[conn], help="delete an uploaded file")
     p.add_argument("file_id", metavar="ID")
     p.set_defaults(func=_files_delete, client=True)
+
+    add_keys_parser(sub, conn)
 
     models = sub.add_parser("models", help="built-in tiny models", allow_abbrev=False).add_subparsers(
         dest="models_command", required=True

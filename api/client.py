@@ -244,6 +244,31 @@ class TandemClient:
     def delete_file(self, file_id: str) -> JSON:
         return self._call("DELETE", f"/v1/files/{file_id}")
 
+    # ---- keys, usage and quotas, the audit log (admin) -------------------------------------------
+
+    def create_key(self, owner: str, scope: str = "write", expires_days: float | None = None,
+                   name: str = "") -> JSON:  # fmt: skip
+        """A new key for `owner`: the answer's `key` is the only time it is shown."""
+        body = {"owner": owner, "scope": scope, "expires_days": expires_days, "name": name}
+        return self._call("POST", "/v1/keys", json=body)
+
+    def list_keys(self, owner: str | None = None) -> JSON:
+        return self._call("GET", "/v1/keys", params={"owner": owner} if owner else None)
+
+    def revoke_key(self, key_id: str) -> JSON:
+        return self._call("DELETE", f"/v1/keys/{key_id}")
+
+    def usage(self, owner: str | None = None) -> JSON:
+        return self._call("GET", "/v1/usage", params={"owner": owner} if owner else None)
+
+    def audit(self, limit: int = 100, after: int | None = None, owner: str | None = None) -> JSON:
+        params = {
+            "limit": limit,
+            **({"after": after} if after else {}),
+            **({"owner": owner} if owner else {}),
+        }
+        return self._call("GET", "/v1/audit", params=params)
+
     # ---- plumbing --------------------------------------------------------------------------------
 
     def _call(self, method: str, path: str, **kwargs: Any) -> JSON:

@@ -1,18 +1,20 @@
-"""What every route depends on: the Service behind the app, and the token scopes it requires.
+"""What every route depends on: the Service behind the app, the token scopes it requires, and the caller.
 
 Routers reach the service and the authenticator through `request.app.state`, so each router module
 is a plain set of functions over one resource and `create_app` only assembles them. A route's
 scope is a `TokenScope`, declared as FastAPI's bearer scheme, so the OpenAPI document carries it and
-Swagger UI's "Authorize" button sends the token; the check itself is the Authenticator's (api/auth.py).
+Swagger UI's "Authorize" button sends the token; the check itself is the Authenticator's (api/auth.py),
+which leaves the request's `Caller` (its key's owner) for the route: `CallerDep`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request, Security
+from fastapi import Depends, Query, Request, Security
 from fastapi.security import HTTPBearer
 
+from api.auth import Caller
 from api.errors import documented
 from api.hot_reads import HotReads
 from api.validation import Checker
@@ -28,7 +30,7 @@ class TokenScope(HTTPBearer):
         super().__init__(
             auto_error=False,
             scheme_name="HTTPBearer",
-            description="a token with the route's scope: $TANDEM_HOME/admin_token, or one from `tandem tokens`",
+            description="a key with the route's scope: $TANDEM_HOME/admin_token, or one from `tandem keys create`",
         )
         self.scope = scope
 
@@ -53,10 +55,20 @@ async def get_hot_reads(request: Request) -> HotReads:
     return request.app.state.hot_reads
 
 
+async def get_caller(request: Request) -> Caller:
+    return request.state.caller  # set by the route's TokenScope, which FastAPI solves first
+
+
 ServiceDep = Annotated[Service, Depends(get_service)]
 HotReadsDep = Annotated[HotReads, Depends(get_hot_reads)]
 CheckerDep = Annotated[Checker, Depends(get_checker)]
+CallerDep = Annotated[Caller, Depends(get_caller)]
+# a list's owner filter: an admin's choice (None: everyone's); any other caller sees its own only
+OwnerQuery = Annotated[
+    str | None, Query(max_length=64, description="admins: only this owner's (others see their own only)")
+]
 READ = [Security(TokenScope("read"))]
 WRITE = [Security(TokenScope("write"))]
+ADMIN = [Security(TokenScope("admin"))]  # the admin token only
 AUTH_ERRORS = documented(401, 403, 422)
 BODY_ERRORS = documented(400, 413)

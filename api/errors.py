@@ -29,17 +29,19 @@ TYPES = {
     413: "request_too_large",
     415: "invalid_request_error",
     422: "invalid_request_error",
+    429: "rate_limit_error",
     503: "unavailable_error",
 }
 
 MEANINGS = {
     400: "The request could not be read",
     401: "No bearer token, or an unknown one",
-    403: "The token lacks the scope this route needs",
+    403: "The key lacks the scope this route needs, or a hard quota of its owner is reached",
     404: "No such resource",
     409: "The resource is in a state that does not allow this",
     413: "The request body is larger than the service accepts",
     422: "A field is invalid; `error.param` names it (dotted)",
+    429: "A quota of the owner is reached for now (`error.param` names it); Retry-After says when to retry",
     503: "The service is not ready",
 }
 
@@ -101,7 +103,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, err: ServiceError) -> JSONResponse:
-        return JSONResponse(error_body(err.status, str(err), err.param, err.code), err.status)
+        return JSONResponse(
+            error_body(err.status, str(err), err.param, err.code), err.status, headers=err.headers
+        )
 
     @app.exception_handler(FileError)
     async def _file_error(request: Request, err: FileError) -> JSONResponse:

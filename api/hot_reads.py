@@ -5,7 +5,9 @@ dependencies and query parameters (~80% of ~0.4 ms), far more than the answer it
 the job list or of a job's metrics is answered as plain ASGI when all of these hold:
 - the route itself answered this exact path and query string before: it validated them and told
   this table which cached page they name (`HotReads.answer`);
-- the bearer token is in the cached token table with the read scope (the same check as the route's);
+- the key is in the cached key table, unexpired, with the read scope (the same check as the route's);
+- the route learned the query for the same viewer: learned queries are keyed by the owner whose work
+  the caller sees (None for an admin), so a page read for one owner is never another's answer;
 When the page changed since (a training job writes a metrics row several times a second), the
 route's own read of it, learned with the query, is shared through the cache as the route would
 (one read for every request waiting on it), instead of passing each waiting request through FastAPI.
@@ -48,7 +50,9 @@ class HotReads:
 
     def __init__(self, cache: ReadCache, auth: Authenticator, max_queries: int = 4096) -> None:
         self.cache, self.auth, self.max_queries = cache, auth, max_queries
-        self._learned: dict[tuple[str, bytes], Learned] = {}
+        self._learned: dict[tuple[str, bytes, str | None], Learned] = {}
+        # (path, query) learned for some viewer: a GET of any other goes on to FastAPI unchecked
+        self._queries: set[tuple[str, bytes]] = set()
         self.hits = 0  # requests answered here, for tests and benchmarks
 
     async def answer(
@@ -56,18 +60,24 @@ class HotReads:
     ) -> Response:
         """A route's answer: the cached value (read on a miss), rendered; the query is learned."""
         value = await self.cache.get(key, topic, read)
-        where = (request.scope["path"], request.scope["query_string"])
+        where = (request.scope["path"], request.scope["query_string"], request.state.caller.sees)
         if where not in self._learned and len(self._learned) >= self.max_queries:
             del self._learned[next(iter(self._learned))]  # the oldest learned
         self._learned[where] = Learned(key, topic, read, render, request.scope.get("route"))
+        if len(self._queries) >= 2 * self.max_queries:  # forget the evicted ones now and then
+            self._queries = {(path, query) for path, query, _ in self._learned}
+        self._queries.add(where[:2])
         return json_response(render(value))
 
     async def hit(self, scope: Scope) -> bytes | None:
         """The body to send for this request, or None to let FastAPI answer it."""
-        if scope["method"] != "GET":
+        if scope["method"] != "GET" or (scope["path"], scope["query_string"]) not in self._queries:
             return None
-        learned = self._learned.get((scope["path"], scope["query_string"]))
-        if learned is None or not self._may_read(scope):
+        caller = self.auth.cached_caller(scope["headers"])
+        if caller is MISSING or caller is None or "read" not in caller.scopes:
+            return None
+        learned = self._learned.get((scope["path"], scope["query_string"], caller.sees))
+        if learned is None:
             return None
         value = self.cache.peek(learned.key, learned.topic)
         if value is MISSING:
@@ -78,11 +88,6 @@ class HotReads:
         scope["route"] = learned.route
         self.hits += 1
         return learned.render(value)
-
-    def _may_read(self, scope: Scope) -> bool:
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-        scopes = self.auth.cached_scopes(header.decode("latin-1"))
-        return scopes is not MISSING and scopes is not None and "read" in scopes
 
 
 class HotReadPath:

@@ -92,6 +92,7 @@ class RequestId:
             return
         given = dict(scope["headers"]).get(b"x-request-id")
         rid = given or ("req_" + uuid.uuid4().hex[:16]).encode()
+        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")  # the audit log's (api/audit.py)
         start = time.perf_counter()
 
         async def tagged(message: Message) -> None:

@@ -90,9 +90,14 @@ def serve(
         port = choose_port(host, preferred)
         if port != preferred:
             print(f"port {preferred} is taken: serving on {port} instead", flush=True)
+    settings = settings or ServeSettings()
+    try:
+        quotas = settings.quota_book()
+    except (OSError, ValueError) as err:  # a missing or invalid quotas file: say so before starting anything
+        raise SystemExit(f"tandem serve: quotas file {settings.quotas_file}: {err}") from None
     reaper = watch()  # kills what Ray leaves behind once this process is gone, even after SIGKILL
     init_ray(ray_address, num_cpus, home)
-    service = Service(home)
+    service = Service(home, quotas=quotas)
     service.start()
     token_file = ensure_admin_token(service.store, home)
     app = create_app(service, settings)

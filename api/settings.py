@@ -1,11 +1,13 @@
 """What the operator can tune about the API (`tandem serve` options): request limits, the time user
-code gets to import, and the server folders a spec may name."""
+code gets to import, the server folders a spec may name, and owners' quotas (service/quotas.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from pydantic import BaseModel, Field
+
+from service.quotas import Quota, QuotaBook
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 MiB = 1024 * 1024
@@ -24,6 +26,16 @@ class ServeSettings(BaseModel):
         None,
         description="server folders a spec may name besides the service home; None = the repo's examples/",
     )
+
+    quotas_file: Path | None = Field(
+        None, description="a quotas file (JSON or YAML): {default: {...}, owners: {NAME: {...}}}"
+    )
+    default_quota: Quota = Field(
+        default_factory=Quota, description="every owner's quota but the admin's (over the file's default)"
+    )
+
+    def quota_book(self) -> QuotaBook:
+        return QuotaBook.load(self.quotas_file, self.default_quota.model_dump(exclude_unset=True))
 
     def path_roots(self, home: Path) -> list[Path]:
         """The folders (resolved) under which a spec may name server paths."""

@@ -49,10 +49,11 @@ class Checker:
         if path is not None and not self.allowed(path, param).is_file():
             raise APIError(422, f"{param}: no file '{path}' on the server", param, "not_found")
 
-    def reward_source(self, ref: str, param: str) -> str:
-        """The reference with an upload id resolved; a file it names must be under an allowed root."""
+    def reward_source(self, ref: str, param: str, sees: str | None = None) -> str:
+        """The reference with an upload id (of `sees`'s) resolved; a file it names must be under an
+        allowed root."""
         try:
-            ref = self.files.resolve_refs({"reward": {"function": ref}})["reward"]["function"]
+            ref = self.files.resolve_refs({"reward": {"function": ref}}, sees)["reward"]["function"]
         except FileError as err:
             raise APIError(
                 422, f"{param}: {err}".replace("reward.function: ", ""), param, "not_found"
@@ -62,7 +63,7 @@ class Checker:
         return ref
 
     def reward_function(self, ref: str, param: str = "reward.function") -> None:
-        self.reward_source(ref, param)
+        self.reward_source(ref, param)  # upload ids are resolved already (submittable)
         self.user_code(ref, "reward", param, "invalid_reward_function")
 
     def user_code(self, ref: str, kind: str, param: str, code: str) -> None:
@@ -91,10 +92,11 @@ class Checker:
                 raise APIError(422, f"metadata.{key}: {len(value)} characters; at most "
                                f"{s.metadata_max_value_chars} are allowed", f"metadata.{key}", "too_long")  # fmt: skip
 
-    def submittable(self, spec: JobSpec) -> None:
-        """Refuse, with the field named, a spec whose references do not resolve here (uploads by id)."""
+    def submittable(self, spec: JobSpec, sees: str | None = None) -> None:
+        """Refuse, with the field named, a spec whose references do not resolve here (uploads by id,
+        of the submitter's own when `sees` names them)."""
         try:
-            spec = JobSpec.model_validate(self.files.resolve_refs(spec.model_dump()))
+            spec = JobSpec.model_validate(self.files.resolve_refs(spec.model_dump(), sees))
         except FileError as err:
             raise APIError(422, str(err), err.param, "not_found") from None
         m, d, r = spec.model, spec.data, spec.reward

@@ -32,6 +32,7 @@ def stored_summary(job: JobRecord) -> dict[str, Any]:
     return {
         "id": job.id,
         "object": "job",
+        "owner": job.owner,
         "name": job.name,
         "tags": job.tags,
         "notes": job.notes,

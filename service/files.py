@@ -9,6 +9,10 @@ digits. A spec names an upload by its id where it would name a server path:
 
 The spec keeps the id; `resolve_refs` replaces ids with stored paths when a job is checked and when
 it starts, so a file deleted in between fails the job with the id named.
+
+A file belongs to the owner of the key that uploaded it (`meta.json`'s `owner`; files uploaded before
+owners existed are the admin's). Every read takes `sees`, the caller's owner (None for an admin):
+another owner's file is "no file" to it, in a listing, a read, a delete and a spec's reference alike.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
+from service.keys import ADMIN_OWNER
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{12}$")
 DATA_SUFFIXES = (".jsonl", ".jsonlines", ".json", ".parquet", ".pq")
@@ -49,6 +55,7 @@ class FileRecord:
     purpose: str  # "data" or "code"
     created_at: float
     object: str = "file"
+    owner: str = ADMIN_OWNER
 
 
 def check_filename(filename: str) -> str:
@@ -69,7 +76,7 @@ class FileStore:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    async def save(self, filename: str, chunks: AsyncIterator[bytes]) -> FileRecord:
+    async def save(self, filename: str, chunks: AsyncIterator[bytes], owner: str = ADMIN_OWNER) -> FileRecord:
         """Store a stream as a new file (written off the event loop); removed again if the stream fails."""
         purpose = check_filename(filename)
         file_id = "file-" + uuid.uuid4().hex[:12]
@@ -86,32 +93,35 @@ class FileStore:
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
-        record = FileRecord(file_id, filename, size, purpose, time.time())
+        record = FileRecord(file_id, filename, size, purpose, time.time(), owner=owner)
         (folder / "meta.json").write_text(json.dumps(asdict(record)))
         return record
 
-    def get(self, file_id: str) -> FileRecord:
+    def get(self, file_id: str, sees: str | None = None) -> FileRecord:
         meta = self.root / file_id / "meta.json" if FILE_ID.match(file_id) else None
-        if meta is None or not meta.is_file():
+        record = FileRecord(**json.loads(meta.read_text())) if meta is not None and meta.is_file() else None
+        if record is None or (sees is not None and record.owner != sees):
             raise FileError(f"no file '{file_id[:64]}'", "file_id", 404)
-        return FileRecord(**json.loads(meta.read_text()))
+        return record
 
-    def path(self, file_id: str) -> Path:
-        record = self.get(file_id)
+    def path(self, file_id: str, sees: str | None = None) -> Path:
+        record = self.get(file_id, sees)
         return self.root / record.id / record.filename
 
-    def records(self) -> list[FileRecord]:
+    def records(self, sees: str | None = None) -> list[FileRecord]:
         if not self.root.is_dir():
             return []
         found = [self.get(p.name) for p in self.root.iterdir() if (p / "meta.json").is_file()]
+        found = [r for r in found if sees is None or r.owner == sees]
         return sorted(found, key=lambda r: r.created_at, reverse=True)
 
-    def delete(self, file_id: str) -> None:
-        self.get(file_id)
+    def delete(self, file_id: str, sees: str | None = None) -> None:
+        self.get(file_id, sees)
         shutil.rmtree(self.root / file_id)
 
-    def resolve_refs(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """A copy of a spec dict with every upload id replaced by its stored path."""
+    def resolve_refs(self, spec: dict[str, Any], sees: str | None = None) -> dict[str, Any]:
+        """A copy of a spec dict with every upload id replaced by its stored path; with `sees`, only
+        that owner's uploads resolve."""
         out = {
             section: dict(values) if isinstance(values, dict) else values for section, values in spec.items()
         }
@@ -122,7 +132,7 @@ class FileStore:
             ref, sep, function = value.partition(":") if has_function else (value, "", "")
             if FILE_ID.match(ref):
                 try:
-                    out[section][key] = str(self.path(ref)) + sep + function
+                    out[section][key] = str(self.path(ref, sees)) + sep + function
                 except FileError:
                     raise FileError(f"{section}.{key}: no uploaded file '{ref}' (GET /v1/files lists them)",
                                     f"{section}.{key}") from None  # fmt: skip

@@ -1,9 +1,12 @@
 """The scheduler: one background thread that runs each job in its own controller actor.
 
 Every `poll_s` it copies what running jobs produced (events, metrics, logs, checkpoints) into the
-store, settles jobs whose run ended, and starts queued jobs, oldest first, while the cluster has
-room for them (a job needs `workers x cpus_per_worker` CPUs and its GPUs). Requests never wait on
-it: the Service changes the store and calls `tell` or `stop`, which only send a message.
+store, settles jobs whose run ended, and starts queued jobs while the cluster has room for them (a
+job needs `workers x cpus_per_worker` CPUs and its GPUs). Queued jobs go in fair order between
+owners (`fair_order`): one owner's ten queued jobs do not starve another's one. An owner at its
+quota of running jobs, CPUs or GPUs (service/quotas.py) is passed over until one of its jobs
+ends. Requests never wait on it: the Service changes the store and calls `tell` or `stop`, which only
+send a message.
 
 A job that starts again after a crash resumes from its last complete checkpoint: at launch the
 store forgets the metrics recorded after that step, so the re-run steps are stored once.
@@ -14,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,7 @@ import ray
 
 from service.files import FileError, FileStore
 from service.job_state import RUN_HOLDING, JobStatus
+from service.quotas import QuotaBook, Usage, may_run
 from service.store import JobRecord, JobStore
 from service.workloads import RL_JOB, Workload, WorkloadActor, resume_step
 
@@ -36,7 +41,27 @@ class RunningJob:
     cpus: float
     gpus: float
     first_step: int  # the step it resumed from: until it passes it, the job is starting up
+    owner: str = "admin"
     killed_for: str | None = None  # "cancel" when stopped by killing its actor during start-up
+
+
+def fair_order(
+    queued: list[JobRecord], running: dict[str, int], served: dict[str, int] | None = None
+) -> list[JobRecord]:
+    """The order in which queued jobs may start: in rounds, each round taking every owner's oldest
+    job not yet taken; within a round, the owner with fewer jobs running first, then the owner
+    served least recently (`served`: owner -> the number of its latest start; never served first),
+    then the older job. So A's ten queued jobs and B's one go A1, B1, A2, ..., even when A1 ends
+    before B1 could start."""
+    served = served or {}
+    by_owner: dict[str, list[JobRecord]] = defaultdict(list)
+    for job in sorted(queued, key=lambda j: j.seq):
+        by_owner[job.owner].append(job)
+    order: list[JobRecord] = []
+    for turn in range(max((len(jobs) for jobs in by_owner.values()), default=0)):
+        batch = [jobs[turn] for jobs in by_owner.values() if turn < len(jobs)]
+        order += sorted(batch, key=lambda j: (running.get(j.owner, 0), served.get(j.owner, -1), j.seq))
+    return order
 
 
 class Scheduler:
@@ -46,11 +71,14 @@ class Scheduler:
         poll_s: float = 0.3,
         runtime_env: dict | None = None,
         files: FileStore | None = None,
+        quotas: QuotaBook | None = None,
         workload: Workload = RL_JOB,
     ) -> None:
         self.store = store
         self.workload = workload  # what the jobs table holds; a second kind brings its own table
+        self.workload = workload  # what the jobs table holds; a second kind brings its own table
         self.files = files
+        self.quotas = quotas or QuotaBook()
         self.poll_s = poll_s
         self.runtime_env = runtime_env
         self.running: dict[str, RunningJob] = {}
@@ -60,6 +88,8 @@ class Scheduler:
         self._requeue_on_pause: set[str] = set()  # jobs paused by a service shutdown, not by a user
         self._draining = False
         self._asked_autoscaler = False
+        self._served: dict[str, int] = {}  # owner -> the number of its latest start (fair_order)
+        self._starts = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -172,16 +202,41 @@ class Scheduler:
     def _schedule(self) -> None:
         if self._draining:
             return
-        for job in self.store.jobs_in((S.QUEUED,)):
+        used = self.owner_usage()
+        running = {o: u.running_jobs for o, u in used.items()}
+        for job in fair_order(self.store.jobs_in((S.QUEUED,)), running, self._served):
             needs = self.workload.needs(job.spec)
             cpus, gpus = needs.cpus, needs.gpus
+            if not may_run(self.quotas.of(job.owner), used[job.owner], cpus, gpus):
+                continue  # its owner is at its quota: the job waits, other owners' jobs go ahead
             free_cpu, free_gpu = self.free()
             if cpus > free_cpu + 1e-9 or gpus > free_gpu + 1e-9:
                 self._ask_autoscaler(job)
-                return  # strict order: the oldest queued job goes first
+                return  # strict order: no later job jumps the one that waits for room
             self._launch(job, cpus, gpus)
+            self._starts += 1
+            self._served[job.owner] = self._starts
+            mine = used[job.owner]
+            mine.running_jobs, mine.cpus, mine.gpus = (
+                mine.running_jobs + 1,
+                mine.cpus + cpus,
+                mine.gpus + gpus,
+            )
         if self._asked_autoscaler:  # nothing waits any more: withdraw the request
             self._ask_autoscaler(None)
+
+    def owner_usage(self) -> defaultdict[str, Usage]:
+        """Jobs, CPUs and GPUs each owner's running jobs hold now (what the quotas cap)."""
+        used: defaultdict[str, Usage] = defaultdict(lambda: Usage(""))
+        with self._lock:
+            for run in self.running.values():
+                mine = used[run.owner]
+                mine.running_jobs, mine.cpus, mine.gpus = (
+                    mine.running_jobs + 1,
+                    mine.cpus + run.cpus,
+                    mine.gpus + run.gpus,
+                )
+        return used
 
     def _ask_autoscaler(self, job: JobRecord | None) -> None:
         """Tell Ray's autoscaler (where there is one) what the waiting job needs, so nodes are added;
@@ -219,7 +274,7 @@ class Scheduler:
                 .options(**options)
                 .remote(self.workload.runner, job.id, spec, job.workdir)
             )
-            self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step)
+            self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step, job.owner)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 
     def _collect(self) -> None:

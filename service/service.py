@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -18,12 +19,15 @@ from typing import Any
 import ray
 from pydantic import ValidationError
 
-from controller.hyperparameters import hyperparameter_overrides
+from controller.job_setup import hyperparameter_overrides
 from controller.spec import JobLabels, JobSpec
 from service.files import FileStore
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
+from service.keys import ADMIN_OWNER
+from service.quotas import QuotaBook, QuotaError, Usage, check_storage, check_submission
 from service.scheduler import Scheduler
 from service.store import JobRecord, JobStore
+from service.usage import measure
 
 log = logging.getLogger("tandem.service")
 S = JobStatus
@@ -33,20 +37,28 @@ FORK_SOURCES = "fork-sources"
 class ServiceError(Exception):
     """A request the service refuses: `status` is the HTTP status, `param` the field at fault."""
 
-    def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
-    ) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers
+
+
+def quota_refusal(err: QuotaError) -> ServiceError:
+    """A QuotaError as the API says it: 429 with Retry-After, or 403, naming the quota."""
+    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None
+    return ServiceError(str(err), err.status, f"quota.{err.name}", "quota_exceeded", headers)
 
 
 class Service:
-    def __init__(self, home: str | Path, poll_s: float = 0.3, runtime_env: dict | None = None) -> None:
+    def __init__(self, home: str | Path, poll_s: float = 0.3, runtime_env: dict | None = None,
+                 quotas: QuotaBook | None = None) -> None:  # fmt: skip
         self.home = Path(home)
         self.jobs_root = self.home / "jobs"
         self.store = JobStore(self.home / "tandem.db")
         self.files = FileStore(self.home / "files")
-        self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.files)
+        self.quotas = quotas or QuotaBook()
+        self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.files, self.quotas)
+        self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
         self.started_at = time.time()
 
     @property
@@ -63,9 +75,11 @@ class Service:
     # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, spec: JobSpec, idempotency_key: str | None = None, request_hash: str | None = None,
-               parent_id: str | None = None) -> tuple[JobRecord, bool]:  # fmt: skip
-        """Queue a job; returns (job, created). The same idempotency key and body return the first job."""
+               parent_id: str | None = None, owner: str = ADMIN_OWNER) -> tuple[JobRecord, bool]:  # fmt: skip
+        """Queue a job for `owner`; returns (job, created). The same idempotency key and body return the
+        first job. Idempotency keys are per owner: another owner's same key is another request."""
         if idempotency_key:
+            idempotency_key = idempotency_key if owner == ADMIN_OWNER else f"{owner}/{idempotency_key}"
             existing = self.store.job_by_idempotency_key(idempotency_key)
             if existing is not None:
                 if existing.request_hash != request_hash:
@@ -74,11 +88,32 @@ class Service:
                         "idempotency_conflict",
                     )  # fmt: skip
                 return existing, False
-        self.check_fits_cluster(spec)
-        job = self.store.create_job(
-            spec.model_dump(mode="json"), self.jobs_root, idempotency_key, request_hash, parent_id
-        )
+        with self._admit:
+            needs = self.scheduler.workload.needs(spec.model_dump())
+            self.check_quota(owner, needs.cpus, needs.gpus)
+            self.check_fits_cluster(spec)
+            job = self.store.create_job(
+                spec.model_dump(mode="json"), self.jobs_root, idempotency_key, request_hash, parent_id, owner
+            )
         return job, True
+
+    def check_quota(self, owner: str, cpus: float = 0.0, gpus: float = 0.0) -> None:
+        """Refuse one more queued job of `owner` (needing `cpus` and `gpus` to run) beyond its quota
+        (429 or 403, naming the quota)."""
+        try:
+            check_submission(self.quotas.of(owner), self.usage(owner), cpus, gpus)
+        except QuotaError as err:
+            raise quota_refusal(err) from None
+
+    def usage(self, owner: str) -> Usage:
+        return measure(self.store, self.files, owner, self.scheduler.workload)
+
+    def check_storage(self, owner: str, adding: int = 0) -> None:
+        """Refuse an upload of `adding` bytes beyond the owner's stored bytes (403)."""
+        try:
+            check_storage(self.quotas.of(owner), self.usage(owner), adding)
+        except QuotaError as err:
+            raise quota_refusal(err) from None
 
     def check_fits_cluster(self, spec: JobSpec) -> None:
         """A job the cluster could never hold is refused now, not left queued or failed in Ray later."""
@@ -99,14 +134,16 @@ class Service:
                 422, "resources.cpus_per_worker", "insufficient_resources",
             )  # fmt: skip
 
-    def get(self, job_id: str) -> JobRecord:
+    def get(self, job_id: str, sees: str | None = None) -> JobRecord:
+        """The job, when `sees` (the caller's owner; None for an admin) may see it; else a 404 that does
+        not say whether it exists."""
         job = self.store.get_job(job_id)
-        if job is None:
+        if job is None or (sees is not None and job.owner != sees):
             raise ServiceError(f"no job '{job_id}'", 404, "job_id", "not_found")
         return job
 
-    def cancel(self, job_id: str) -> JobRecord:
-        job = self.get(job_id)
+    def cancel(self, job_id: str, sees: str | None = None) -> JobRecord:
+        job = self.get(job_id, sees)
         if self.store.transition(job_id, (S.QUEUED, S.PAUSED), S.CANCELLED, finished_at=time.time()):
             self.store.add_event(job_id, "cancelled", "cancelled before it ran again")
         elif self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.CANCELLING):
@@ -116,10 +153,10 @@ class Service:
             self.scheduler.stop(job_id, "cancel")
         elif job.status != S.CANCELLING:
             raise _invalid_state(job, "only an active or paused job can be cancelled")
-        return self.get(job_id)
+        return self.get(job_id, sees)
 
-    def pause(self, job_id: str) -> JobRecord:
-        job = self.get(job_id)
+    def pause(self, job_id: str, sees: str | None = None) -> JobRecord:
+        job = self.get(job_id, sees)
         if self.store.transition(job_id, (S.QUEUED,), S.PAUSED):
             self.store.add_event(job_id, "paused", "paused before it started")
         elif self.store.transition(job_id, (S.RUNNING,), S.PAUSING):
@@ -129,27 +166,32 @@ class Service:
             self.scheduler.stop(job_id, "pause")
         elif job.status not in (S.PAUSING, S.PAUSED):
             raise _invalid_state(job, "only a queued or running job can be paused")
-        return self.get(job_id)
+        return self.get(job_id, sees)
 
-    def resume(self, job_id: str) -> JobRecord:
-        job = self.get(job_id)
-        if not self.store.transition(job_id, (S.PAUSED,), S.QUEUED):
-            raise _invalid_state(job, "only a paused job can be resumed")
+    def resume(self, job_id: str, sees: str | None = None) -> JobRecord:
+        job = self.get(job_id, sees)
+        with self._admit:
+            if job.status == S.PAUSED:  # queued again: within the owner's queued jobs
+                self.check_quota(
+                    job.owner, {**job.spec, "resources": {**job.spec["resources"], "workers": 0}}
+                )
+            if not self.store.transition(job_id, (S.PAUSED,), S.QUEUED):
+                raise _invalid_state(job, "only a paused job can be resumed")
         self.store.add_event(job_id, "resumed", "queued again; it continues from its last checkpoint")
-        return self.get(job_id)
+        return self.get(job_id, sees)
 
-    def delete(self, job_id: str) -> None:
+    def delete(self, job_id: str, sees: str | None = None) -> None:
         """Forget a finished job: its rows, its folder, and the checkpoint copy it was forked from."""
-        job = self.get(job_id)
+        job = self.get(job_id, sees)
         if job.status not in TERMINAL:
             raise _invalid_state(job, "cancel it before deleting it")
         self.store.delete_job(job_id)
         shutil.rmtree(job.workdir, ignore_errors=True)
         self._remove_fork_source(job.spec["checkpoint"].get("resume_from"))
 
-    def update_labels(self, job_id: str, labels: dict[str, Any]) -> JobRecord:
+    def update_labels(self, job_id: str, labels: dict[str, Any], sees: str | None = None) -> JobRecord:
         """Change a job's name, tags or notes (any status); `labels` holds only the fields to change."""
-        job = self.get(job_id)
+        job = self.get(job_id, sees)
         current = {"name": job.name, "tags": job.tags, "notes": job.notes}
         try:
             merged = JobLabels.model_validate({**current, **labels})
@@ -157,10 +199,10 @@ class Service:
             raise _invalid_value(err) from None
         changed = {k: v for k, v in merged.model_dump().items() if k in labels}
         self.store.update_job(job_id, **changed, spec={**job.spec, **changed})
-        return self.get(job_id)
+        return self.get(job_id, sees)
 
-    def set_hyperparameters(self, job_id: str, changes: dict[str, Any]) -> JobRecord:
-        job = self.get(job_id)
+    def set_hyperparameters(self, job_id: str, changes: dict[str, Any], sees: str | None = None) -> JobRecord:
+        job = self.get(job_id, sees)
         if job.status in TERMINAL:
             raise _invalid_state(job, "it has no next step")
         try:
@@ -175,22 +217,24 @@ class Service:
             job_id, "hyperparameters_requested", f"requested for the next step: {changes}", changes
         )
         self.scheduler.tell(job_id, "set_hyperparameters", changes)
-        return self.get(job_id)
+        return self.get(job_id, sees)
 
-    def checkpoint_now(self, job_id: str) -> None:
-        job = self.get(job_id)
+    def checkpoint_now(self, job_id: str, sees: str | None = None) -> None:
+        job = self.get(job_id, sees)
         if job.status != S.RUNNING:
             raise _invalid_state(job, "only a running job can checkpoint now")
         self.scheduler.tell(job_id, "checkpoint_now")
         self.store.add_event(job_id, "checkpoint_requested", "a checkpoint is saved after the current step")
 
-    def merged_spec(self, job_id: str, overrides: dict[str, Any]) -> JobSpec:
+    def merged_spec(self, job_id: str, overrides: dict[str, Any], sees: str | None = None) -> JobSpec:
         """The job's spec with `overrides` applied and validated (what a fork would run)."""
-        return _validated_merge(self.get(job_id).spec, overrides)
+        return _validated_merge(self.get(job_id, sees).spec, overrides)
 
-    def fork(self, job_id: str, step: int | None, overrides: dict[str, Any]) -> JobRecord:
+    def fork(self, job_id: str, step: int | None, overrides: dict[str, Any], sees: str | None = None,
+             owner: str = ADMIN_OWNER) -> JobRecord:  # fmt: skip
+        """A new job of `owner` (the forking key's) from one of the job's checkpoints."""
+        parent = self.get(job_id, sees)
         chosen = self._fork_point(job_id, step)
-        parent = self.get(job_id)
         spec = _validated_merge(parent.spec, overrides)
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(
@@ -206,7 +250,7 @@ class Service:
             ) from None  # fmt: skip
         try:
             spec = spec.merged({"checkpoint": {"resume_from": str(snapshot)}})
-            job, _ = self.submit(spec, parent_id=job_id)
+            job, _ = self.submit(spec, parent_id=job_id, owner=owner)
         except BaseException:  # refused (the cluster cannot hold it, ...): the copy has no owner
             self._remove_fork_source(str(snapshot))
             raise
@@ -216,7 +260,6 @@ class Service:
         return job
 
     def _fork_point(self, job_id: str, step: int | None) -> dict[str, Any]:
-        self.get(job_id)
         saved = self.store.checkpoints(job_id)
         if not saved:
             raise ServiceError(
@@ -277,8 +320,8 @@ class Service:
             },  # fmt: skip
         }
 
-    def checkpoint_dirs(self, job_id: str) -> list[dict[str, Any]]:
-        self.get(job_id)
+    def checkpoint_dirs(self, job_id: str, sees: str | None = None) -> list[dict[str, Any]]:
+        self.get(job_id, sees)
         return self.store.checkpoints(job_id)
 
 

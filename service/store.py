@@ -1,4 +1,4 @@
-"""The job store: jobs, their events, per-step metrics, log lines, checkpoints and API tokens, in SQLite.
+"""The job store: jobs, their events, per-step metrics, log lines, checkpoints and API keys, in SQLite.
 
 One database file (WAL mode, so readers never block the writer), opened per thread. Every job row
 keeps its spec, state, progress and the latest metrics; events, metrics and logs are append-only
@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from service.audit import AUDIT_SCHEMA, AuditTable
 from service.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
+from service.keys import ADMIN_OWNER, KeyTable, migrate_keys
 from service.store_metrics import METRICS_SCHEMA, MetricsQuery, MetricsTable, metrics_topic
 
 __all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery", "metrics_topic"]
@@ -89,13 +91,6 @@ CREATE TABLE IF NOT EXISTS samples (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS samples_job ON samples(job_id, step, id);
-CREATE TABLE IF NOT EXISTS tokens (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    hash TEXT NOT NULL UNIQUE,
-    scopes TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
 """
 
 ADDED_COLUMNS = {  # columns added since the first schema: a database made before gets them on open
@@ -104,11 +99,12 @@ ADDED_COLUMNS = {  # columns added since the first schema: a database made befor
     "notes": "TEXT NOT NULL DEFAULT ''",
     "active_s": "REAL NOT NULL DEFAULT 0",
     "run_started_at": "REAL",
+    "owner": "TEXT NOT NULL DEFAULT 'admin'",  # jobs made before owners existed are the admin's
 }
 JOB_COLUMNS = (
     "id, seq, status, method, spec, metadata, created_at, started_at, finished_at, step, total_steps, "
     "latest_metrics, error, parent_id, workdir, idempotency_key, request_hash, stop_reason, name, tags, notes, "
-    "active_s, run_started_at"
+    "active_s, run_started_at, owner"
 )
 JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags")
 
@@ -138,6 +134,7 @@ class JobRecord:
     notes: str = ""
     active_s: float = 0.0  # seconds spent running, over every run of the job
     run_started_at: float | None = None  # when the current run started (None when not running)
+    owner: str = ADMIN_OWNER  # the owner of the key that submitted (or forked) it
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
@@ -152,7 +149,7 @@ class JobRecord:
         return self.active_s + max(current, 0.0)
 
 
-class JobStore(MetricsTable):
+class JobStore(MetricsTable, KeyTable, AuditTable):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,6 +165,8 @@ class JobStore(MetricsTable):
                 if name not in have:
                     db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
             db.executescript(METRICS_SCHEMA)
+            migrate_keys(db)
+            db.executescript(AUDIT_SCHEMA)
 
     def _db(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -213,18 +212,19 @@ class JobStore(MetricsTable):
         idempotency_key: str | None = None,
         request_hash: str | None = None,
         parent_id: str | None = None,
+        owner: str = ADMIN_OWNER,
     ) -> JobRecord:
         job_id = "job-" + uuid.uuid4().hex[:12]
         now = time.time()
         with self._tx("jobs") as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             db.execute(
-                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 23)})",
+                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 24)})",
                 (
                     job_id, seq, JobStatus.QUEUED, spec["method"], json.dumps(spec),
                     json.dumps(spec.get("metadata", {})), now, None, None, 0, spec["trainer"]["total_steps"], "{}",
                     None, parent_id, str(Path(workdir_root) / job_id), idempotency_key, request_hash, None,
-                    spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None,
+                    spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None, owner,
                 ),
             )  # fmt: skip
         self.add_event(job_id, "created", "job created and queued")
@@ -248,10 +248,14 @@ class JobStore(MetricsTable):
         limit: int = 20,
         q: str | None = None,
         tag: str | None = None,
+        owner: str | None = None,
     ) -> tuple[list[JobRecord], bool]:
         """Newest first; `after` is a job id cursor; `q` a case-insensitive substring of the id, name,
-        tags or notes; `tag` one of the tags. Returns (page, has_more)."""
+        tags or notes; `tag` one of the tags; `owner` only that owner's jobs. Returns (page, has_more)."""
         where, args = [], []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
         if q:
             where.append(
                 "instr(lower(id || ' ' || COALESCE(name, '') || ' ' || tags || ' ' || notes), lower(?)) > 0"
@@ -268,7 +272,7 @@ class JobStore(MetricsTable):
             args.extend([f"$.{key}", value])
         if after is not None:
             cursor = self.get_job(after)
-            if cursor is None:
+            if cursor is None or (owner is not None and cursor.owner != owner):
                 raise KeyError(after)
             where.append("seq < ?")
             args.append(cursor.seq)
@@ -277,6 +281,13 @@ class JobStore(MetricsTable):
             sql += " WHERE " + " AND ".join(where)
         rows = self._db().execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
         return [JobRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
+
+    def jobs_of(self, owner: str) -> list[JobRecord]:
+        rows = self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owner = ? ORDER BY seq", (owner,))
+        return [JobRecord.from_row(r) for r in rows.fetchall()]
+
+    def job_owners(self) -> list[str]:
+        return [r[0] for r in self._db().execute("SELECT DISTINCT owner FROM jobs").fetchall()]
 
     def jobs_in(self, statuses: tuple[str, ...]) -> list[JobRecord]:
         rows = (
@@ -422,21 +433,6 @@ class JobStore(MetricsTable):
             .fetchall()
         )
         return [dict(r) for r in rows if Path(r["path"], "trainer_state.json").exists()]
-
-    # ---- API tokens ----------------------------------------------------------------------------
-
-    def add_token(self, name: str, token_hash: str, scopes: list[str]) -> str:
-        token_id = "tok-" + uuid.uuid4().hex[:10]
-        with self._tx("tokens") as db:
-            db.execute(
-                "INSERT INTO tokens (id, name, hash, scopes, created_at) VALUES (?,?,?,?,?)",
-                (token_id, name, token_hash, json.dumps(scopes), time.time()),
-            )
-        return token_id
-
-    def tokens(self) -> list[dict[str, Any]]:
-        rows = self._db().execute("SELECT id, name, hash, scopes FROM tokens").fetchall()
-        return [{**dict(r), "scopes": json.loads(r["scopes"])} for r in rows]
 
 
 def _create_private(path: Path) -> None:

@@ -47,7 +47,7 @@ def start_service(
     home: Path, poll_s: float = 0.2, settings: ServeSettings | None = None, schedule: bool = True
 ) -> LiveService:
     """`schedule=False`: the scheduler is not started, so submitted jobs stay queued (for fuzzing)."""
-    service = Service(home, poll_s=poll_s)
+    service = Service(home, poll_s=poll_s, quotas=settings.quota_book() if settings else None)
     if schedule:
         service.start()
     token = ensure_admin_token(service.store, home).read_text().strip()

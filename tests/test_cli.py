@@ -52,9 +52,9 @@ def test_list_and_status(live, finished):
     listed = tandem(live, "list")
     assert listed.returncode == 0
     header, *rows = listed.stdout.splitlines()
-    assert header.split()[:5] == ["ID", "STATUS", "METHOD", "MODEL", "STEP"]
+    assert header.split()[:6] == ["ID", "STATUS", "OWNER", "METHOD", "MODEL", "STEP"]
     row = next(r for r in rows if r.startswith(job_id)).split()
-    assert row[1:5] == ["succeeded", "grpo", "tiny-qwen2", "2/2"]
+    assert row[1:6] == ["succeeded", "admin", "grpo", "tiny-qwen2", "2/2"]
     as_json = json.loads(tandem(live, "list", "--status", "succeeded", "--json").stdout)
     assert job_id in [j["id"] for j in as_json]
     assert job_id not in tandem(live, "list", "--status", "failed").stdout

@@ -18,11 +18,12 @@ from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
-from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, ServiceDep
+from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, CallerDep, OwnerQuery, ServiceDep
 from api.errors import APIError, documented
 from api.multipart_upload import FIELD, is_multipart, multipart_file
 from api.views import listing
 from service.files import FileError, check_filename
+from service.service import ServiceError
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses={**AUTH_ERRORS, **documented(404)})
 
@@ -47,6 +48,7 @@ UPLOAD_BODY = {
 async def upload(
     request: Request,
     service: ServiceDep,
+    caller: CallerDep,
     filename: str | None = Query(
         None,
         max_length=128,
@@ -62,25 +64,34 @@ async def upload(
     else:
         name, field, chunks = filename, "body", request.stream()
     check_filename(name)
+    service.check_storage(caller.owner, adding=1)  # an owner at its stored bytes can add nothing
     try:
-        return asdict(await service.files.save(name, chunks))
+        record = await service.files.save(name, chunks, caller.owner)
     except FileError as err:
         if err.param != "body" or field == "body":
             raise
         raise FileError(str(err).replace("body:", f"{field}:", 1), field) from None
+    try:
+        service.check_storage(caller.owner)
+    except ServiceError:  # past the owner's stored bytes with this file: it is not kept
+        service.files.delete(record.id)
+        raise
+    return asdict(record)
 
 
 @router.get("", dependencies=READ)
-def list_files(service: ServiceDep) -> dict[str, Any]:
-    return listing([asdict(r) for r in service.files.records()], False)
+def list_files(service: ServiceDep, caller: CallerDep, owner: OwnerQuery = None) -> dict[str, Any]:
+    """The caller's own uploads (an admin's: everyone's, or `owner`'s), newest first."""
+    return listing([asdict(r) for r in service.files.records(caller.viewing(owner))], False)
 
 
 @router.get("/{file_id}", dependencies=READ)
-def get_file(file_id: str, service: ServiceDep) -> dict[str, Any]:
-    return asdict(service.files.get(file_id))
+def get_file(file_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    return asdict(service.files.get(file_id, caller.sees))
 
 
 @router.delete("/{file_id}", dependencies=WRITE)
-def delete_file(file_id: str, service: ServiceDep) -> dict[str, Any]:
-    service.files.delete(file_id)
-    return {"id": file_id, "object": "file", "deleted": True}
+def delete_file(file_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    owner = service.files.get(file_id, caller.sees).owner
+    service.files.delete(file_id, caller.sees)
+    return {"id": file_id, "object": "file", "deleted": True, "owner": owner}

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, INT64_MAX, READ, WRITE, ServiceDep
+from api.deps import AUTH_ERRORS, INT64_MAX, READ, WRITE, CallerDep, ServiceDep
 from api.errors import documented
 from api.streams import sse, start_id
 from api.views import listing
@@ -25,44 +25,55 @@ router = APIRouter(
 def events(
     job_id: str,
     service: ServiceDep,
+    caller: CallerDep,
     after: int = Query(0, ge=0, le=INT64_MAX),
     limit: int = Query(100, ge=1, le=1000),
 ) -> dict[str, Any]:
-    service.get(job_id)
+    service.get(job_id, caller.sees)
     rows = service.store.events(job_id, after, limit + 1)
     return listing(rows[:limit], len(rows) > limit)
 
 
 @router.get("/events/stream", dependencies=READ)
 def events_stream(
-    request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=INT64_MAX)
+    request: Request,
+    job_id: str,
+    service: ServiceDep,
+    caller: CallerDep,
+    after: int = Query(0, ge=0, le=INT64_MAX),
 ):
-    service.get(job_id)
+    service.get(job_id, caller.sees)
     return sse(request, service.store, job_id, lambda last: service.store.events(job_id, last, 200),
                lambda row: row["kind"], start_id(request, after))  # fmt: skip
 
 
 @router.get("/logs", dependencies=READ)
-def logs(job_id: str, service: ServiceDep, tail: int = Query(200, ge=1, le=10_000)) -> dict[str, Any]:
-    service.get(job_id)
+def logs(
+    job_id: str, service: ServiceDep, caller: CallerDep, tail: int = Query(200, ge=1, le=10_000)
+) -> dict[str, Any]:
+    service.get(job_id, caller.sees)
     return listing(service.store.logs(job_id, tail=tail), False)
 
 
 @router.get("/logs/stream", dependencies=READ)
 def logs_stream(
-    request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=INT64_MAX)
+    request: Request,
+    job_id: str,
+    service: ServiceDep,
+    caller: CallerDep,
+    after: int = Query(0, ge=0, le=INT64_MAX),
 ):
-    service.get(job_id)
+    service.get(job_id, caller.sees)
     return sse(request, service.store, job_id, lambda last: service.store.logs(job_id, after_id=last, limit=500),
                lambda row: "log", start_id(request, after))  # fmt: skip
 
 
 @router.get("/checkpoints", dependencies=READ)
-def checkpoints(job_id: str, service: ServiceDep) -> dict[str, Any]:
-    return listing(service.checkpoint_dirs(job_id), False)
+def checkpoints(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    return listing(service.checkpoint_dirs(job_id, caller.sees), False)
 
 
 @router.post("/checkpoints", status_code=202, dependencies=WRITE, responses=documented(409))
-def checkpoint_now(job_id: str, service: ServiceDep) -> dict[str, Any]:
-    service.checkpoint_now(job_id)
+def checkpoint_now(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    service.checkpoint_now(job_id, caller.sees)
     return {"id": job_id, "object": "checkpoint_request", "status": "requested"}

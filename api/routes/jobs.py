@@ -11,7 +11,18 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, BODY_ERRORS, INT64_MAX, READ, WRITE, CheckerDep, HotReadsDep, ServiceDep
+from api.deps import (
+    AUTH_ERRORS,
+    BODY_ERRORS,
+    INT64_MAX,
+    READ,
+    WRITE,
+    CallerDep,
+    CheckerDep,
+    HotReadsDep,
+    OwnerQuery,
+    ServiceDep,
+)
 from api.errors import APIError, documented
 from api.views import EncodedSummary, job_view, listing_json
 from controller.spec import JobSpec
@@ -32,23 +43,31 @@ class ForkRequest(BaseModel):
     overrides: dict[str, Any] = Field(default_factory=dict, description="JobSpec fields to change, nested")
 
 
-@router.post("", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)})
+@router.post("", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409, 429)})
 def create_job(
-    request: Request, response: Response, service: ServiceDep, checker: CheckerDep, spec: JobSpec = Body(...)
+    request: Request,
+    response: Response,
+    service: ServiceDep,
+    checker: CheckerDep,
+    caller: CallerDep,
+    spec: JobSpec = Body(...),
 ) -> dict[str, Any]:
-    checker.submittable(spec)
+    """Queue a job; it belongs to the key's owner. Uploaded files it names must be the owner's."""
+    checker.submittable(spec, caller.sees)
     key = request.headers.get("idempotency-key")
     body_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
-    job, created = service.submit(spec, key, body_hash)
+    job, created = service.submit(spec, key, body_hash, owner=caller.owner)
     if not created:
         response.status_code = 200
     return job_view(job)
 
 
 @router.post("/validate", dependencies=WRITE, responses=BODY_ERRORS)
-def validate_job(service: ServiceDep, checker: CheckerDep, spec: JobSpec = Body(...)) -> dict[str, Any]:
+def validate_job(
+    service: ServiceDep, checker: CheckerDep, caller: CallerDep, spec: JobSpec = Body(...)
+) -> dict[str, Any]:
     """The checks of `POST /v1/jobs`, without creating a job (`tandem submit --dry-run`)."""
-    checker.submittable(spec)
+    checker.submittable(spec, caller.sees)
     service.check_fits_cluster(spec)
     return {"object": "job_spec", "valid": True, "spec": spec.model_dump(mode="json")}
 
@@ -58,6 +77,8 @@ async def list_jobs(
     request: Request,
     service: ServiceDep,
     hot: HotReadsDep,
+    caller: CallerDep,
+    owner: OwnerQuery = None,
     status: list[JobStatus] | None = Query(None, description="filter by status; repeatable"),
     metadata: list[str] | None = Query(None, description="filter by metadata, 'key:value'; repeatable"),
     after: str | None = Query(None, description="cursor: the last job id of the previous page"),
@@ -65,22 +86,24 @@ async def list_jobs(
     q: str | None = Query(None, max_length=200, description="substring of the id, name, tags or notes"),
     tag: str | None = Query(None, max_length=64, description="only jobs with this tag"),
 ) -> Response:
-    """Newest first, as summaries without the spec (GET /v1/jobs/{id} has it)."""
+    """Newest first, as summaries without the spec (GET /v1/jobs/{id} has it): the caller's own jobs
+    (an admin's: everyone's, or `owner`'s)."""
     filters: dict[str, str] = {}
     for item in metadata or []:
         key, sep, value = item.partition(":")
         if not sep:
             raise APIError(422, f"metadata filter '{item}' must be 'key:value'", "metadata", "invalid_value")
         filters[key] = value
+    owner = caller.viewing(owner)
 
     def read() -> tuple[list[EncodedSummary], bool]:
         try:
-            jobs, more = service.store.list_jobs(status, filters, after, limit, q=q, tag=tag)
+            jobs, more = service.store.list_jobs(status, filters, after, limit, q=q, tag=tag, owner=owner)
         except KeyError:
             raise APIError(404, f"cursor job '{after}' does not exist", "after", "not_found") from None
         return [EncodedSummary.of(j) for j in jobs], more
 
-    page = ("jobs", tuple(status or ()), tuple(filters.items()), after, limit, q, tag)
+    page = ("jobs", tuple(status or ()), tuple(filters.items()), after, limit, q, tag, owner)
     return await hot.answer(request, page, "jobs", read, render_page)
 
 
@@ -91,8 +114,8 @@ def render_page(page: tuple[list[EncodedSummary], bool]) -> bytes:
 
 
 @router.get("/{job_id}", dependencies=READ)
-def get_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
-    return job_view(service.get(job_id))
+def get_job(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    return job_view(service.get(job_id, caller.sees))
 
 
 class LabelsPatch(BaseModel):
@@ -105,7 +128,9 @@ class LabelsPatch(BaseModel):
 
 
 @router.patch("/{job_id}", dependencies=WRITE, responses=BODY_ERRORS)
-def update_job(job_id: str, service: ServiceDep, body: LabelsPatch = Body(...)) -> dict[str, Any]:
+def update_job(
+    job_id: str, service: ServiceDep, caller: CallerDep, body: LabelsPatch = Body(...)
+) -> dict[str, Any]:
     """Change a job's name, tags or notes, in any status."""
     changes = body.model_dump(exclude_unset=True)
     if not changes:
@@ -113,47 +138,53 @@ def update_job(job_id: str, service: ServiceDep, body: LabelsPatch = Body(...)) 
     for field in ("tags", "notes"):
         if field in changes and changes[field] is None:
             raise APIError(422, f"{field} cannot be null: give a value", field, "invalid_value")
-    return job_view(service.update_labels(job_id, changes))
+    return job_view(service.update_labels(job_id, changes, caller.sees))
 
 
 @router.delete("/{job_id}", dependencies=WRITE, responses=documented(409))
-def delete_job(job_id: str, service: ServiceDep) -> dict[str, Any]:
-    service.delete(job_id)
-    return {"id": job_id, "object": "job", "deleted": True}
+def delete_job(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    owner = service.get(job_id, caller.sees).owner
+    service.delete(job_id, caller.sees)
+    return {"id": job_id, "object": "job", "deleted": True, "owner": owner}
 
 
 @router.post("/{job_id}/cancel", dependencies=WRITE, responses=documented(409))
-def cancel(job_id: str, service: ServiceDep) -> dict[str, Any]:
-    return job_view(service.cancel(job_id))
+def cancel(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    return job_view(service.cancel(job_id, caller.sees))
 
 
 @router.post("/{job_id}/pause", dependencies=WRITE, responses=documented(409))
-def pause(job_id: str, service: ServiceDep) -> dict[str, Any]:
-    return job_view(service.pause(job_id))
+def pause(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    return job_view(service.pause(job_id, caller.sees))
 
 
-@router.post("/{job_id}/resume", dependencies=WRITE, responses=documented(409))
-def resume(job_id: str, service: ServiceDep) -> dict[str, Any]:
-    return job_view(service.resume(job_id))
+@router.post("/{job_id}/resume", dependencies=WRITE, responses=documented(409, 429))
+def resume(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    return job_view(service.resume(job_id, caller.sees))
 
 
 @router.post(
-    "/{job_id}/fork", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)}
+    "/{job_id}/fork", status_code=201, dependencies=WRITE, responses={**BODY_ERRORS, **documented(409, 429)}
 )
 def fork(
     job_id: str,
     service: ServiceDep,
     checker: CheckerDep,
+    caller: CallerDep,
     body: ForkRequest = Body(default_factory=ForkRequest),
 ) -> dict[str, Any]:
-    checker.submittable(service.merged_spec(job_id, body.overrides))
-    return job_view(service.fork(job_id, body.checkpoint_step, body.overrides))
+    """A new job of the caller's own from a checkpoint of a job it can see."""
+    checker.submittable(service.merged_spec(job_id, body.overrides, caller.sees), caller.sees)
+    return job_view(service.fork(job_id, body.checkpoint_step, body.overrides, caller.sees, caller.owner))
 
 
 @router.patch("/{job_id}/hyperparameters", dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)})
 def hyperparameters(
-    job_id: str, service: ServiceDep, changes: dict[str, Any] = Body(..., examples=[{"lr": 1e-4}])
+    job_id: str,
+    service: ServiceDep,
+    caller: CallerDep,
+    changes: dict[str, Any] = Body(..., examples=[{"lr": 1e-4}]),
 ) -> dict[str, Any]:
     if not changes:
         raise APIError(422, "give at least one hyper-parameter to change", None, "empty_body")
-    return job_view(service.set_hyperparameters(job_id, changes))
+    return job_view(service.set_hyperparameters(job_id, changes, caller.sees))

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, INT64_MAX, READ, HotReadsDep, ServiceDep
+from api.deps import AUTH_ERRORS, INT64_MAX, READ, CallerDep, HotReadsDep, ServiceDep
 from api.errors import documented
 from api.streams import sse, start_id
 from api.views import listing_json
@@ -48,6 +48,7 @@ async def metrics(
     request: Request,
     job_id: str,
     service: ServiceDep,
+    caller: CallerDep,
     hot: HotReadsDep,
     keys: str | None = Query(None, description="comma-separated names; 'prefix/*' matches a prefix"),
     step_min: int | None = Query(None, ge=0, le=MAX_STEP),
@@ -61,10 +62,13 @@ async def metrics(
     query = MetricsQuery(parse_keys(keys), step_min, step_max, after_step, last, every, max_points, limit)
 
     def read() -> bytes:
-        service.get(job_id)
+        service.get(job_id, caller.sees)
         return listing_json(*service.store.metrics_page_json(job_id, query))
 
-    return await hot.answer(request, ("metrics", job_id, query), metrics_topic(job_id), read, _as_is)
+    # the viewer is part of the key: a page read for its owner is never answered to another owner
+    return await hot.answer(
+        request, ("metrics", job_id, query, caller.sees), metrics_topic(job_id), read, _as_is
+    )
 
 
 def _as_is(page: bytes) -> bytes:
@@ -73,9 +77,13 @@ def _as_is(page: bytes) -> bytes:
 
 @router.get("/stream", dependencies=READ)
 def metrics_stream(
-    request: Request, job_id: str, service: ServiceDep, after: int = Query(0, ge=0, le=MAX_STEP)
+    request: Request,
+    job_id: str,
+    service: ServiceDep,
+    caller: CallerDep,
+    after: int = Query(0, ge=0, le=MAX_STEP),
 ):
-    service.get(job_id)
+    service.get(job_id, caller.sees)
     return sse(request, service.store, job_id, lambda last: service.store.metrics_since(job_id, last, 200),
                lambda row: "metrics", start_id(request, after))  # fmt: skip
 
@@ -84,10 +92,11 @@ def metrics_stream(
 def export(
     job_id: str,
     service: ServiceDep,
+    caller: CallerDep,
     format: Literal["csv", "json"] = Query("csv", description="csv: one column per metric; json: a list"),
     keys: str | None = Query(None, description="comma-separated names; 'prefix/*' matches a prefix"),
 ) -> StreamingResponse:
-    service.get(job_id)
+    service.get(job_id, caller.sees)
     rows = service.store.export_metrics(job_id, parse_keys(keys))
     disposition = {"Content-Disposition": f'attachment; filename="{job_id}-metrics.{format}"'}
     if format == "json":

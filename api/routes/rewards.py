@@ -8,7 +8,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, BODY_ERRORS, WRITE, CheckerDep
+from api.deps import AUTH_ERRORS, BODY_ERRORS, WRITE, CallerDep, CheckerDep
 from api.errors import APIError
 from controller.user_code import UserCodeError, run_isolated
 
@@ -32,9 +32,10 @@ class RewardValidateRequest(BaseModel):
 
 
 @router.post("/validate", dependencies=WRITE)
-def validate_reward(body: RewardValidateRequest, checker: CheckerDep) -> dict[str, Any]:
-    """Score the rows with the function, in a child process: user code never runs in the API."""
-    ref = checker.reward_source(body.function, "function")
+def validate_reward(body: RewardValidateRequest, checker: CheckerDep, caller: CallerDep) -> dict[str, Any]:
+    """Score the rows with the function, in a child process: user code never runs in the API. An
+    uploaded module must be the caller's."""
+    ref = checker.reward_source(body.function, "function", caller.sees)
     rows = [row.model_dump() for row in body.rows]
     try:
         result = run_isolated("controller.rewards:score_rows", [ref, rows],

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 
 from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, INT64_MAX, READ, ServiceDep
+from api.deps import AUTH_ERRORS, INT64_MAX, READ, CallerDep, ServiceDep
 from api.errors import documented
 from api.views import listing
 
@@ -23,12 +23,13 @@ router = APIRouter(
 def samples(
     job_id: str,
     service: ServiceDep,
+    caller: CallerDep,
     step: int | None = Query(None, ge=0, le=INT64_MAX, description="only this step's samples"),
     after: int = Query(0, ge=0, le=INT64_MAX, description="cursor: the last sample id of the previous page"),
     limit: int = Query(20, ge=1, le=200),
 ) -> dict[str, Any]:
     """Each sample: prompt, turns (role, content), reward, finish_reason, token counts and the
     response as spans of trained (sampled) and untrained (observation / template) tokens."""
-    service.get(job_id)
+    service.get(job_id, caller.sees)
     rows = service.store.samples(job_id, step, after, limit + 1)
     return listing(rows[:limit], len(rows) > limit)

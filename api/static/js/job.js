@@ -133,6 +133,7 @@ export class JobView {
       job.name ? el("span", { class: "job-name" }, job.name) : null,
       ...(job.tags || []).map((tag) => el("span", { class: "tag" }, `#${tag}`)),
       el("span", {}, el("b", {}, job.method), " · ", job.model),
+      el("span", { id: "job-owner" }, "owner ", el("b", {}, job.owner)),
       el("span", {}, "created ", formatTime(job.created_at)),
       el("span", {}, "started ", formatTime(job.started_at)),
       el("span", {}, "duration ", formatDuration(jobDuration(job))),

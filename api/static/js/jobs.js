@@ -2,7 +2,7 @@
 
 import { get, query } from "./api.js";
 import {
-  $, allowed, el, formatDuration, formatNumber, formatTime, jobAction, jobDuration, progressBar,
+  $, allowed, el, formatBytes, formatDuration, formatNumber, formatTime, jobAction, jobDuration, progressBar,
   showError, statusBadge,
 } from "./ui.js";
 
@@ -35,6 +35,7 @@ function jobRow(job, onDone) {
   return el("tr", { "data-job-id": job.id },
     el("td", { title: job.notes || undefined }, name, jobLink(job.id), tags, parent),
     el("td", {}, statusBadge(job.status)),
+    el("td", { class: "owner" }, job.owner),
     el("td", {}, job.method),
     el("td", { class: "model", title: job.model }, job.model),
     el("td", { class: "step" }, progressBar(job), el("span", { class: "num" }, `${job.step}/${job.total_steps}`)),
@@ -88,9 +89,10 @@ export class JobsView {
     if (this.loading) return;
     this.loading = true;
     try {
-      const [jobs, cluster] = await Promise.all([this.fetchJobs(), get("/v1/cluster")]);
+      const [jobs, cluster, usage] = await Promise.all([this.fetchJobs(), get("/v1/cluster"), get("/v1/usage")]);
       this.renderJobs(jobs);
       this.renderCluster(cluster);
+      this.renderUsage(usage.data);
       $("jobs-updated").textContent = `updated ${formatTime(Date.now() / 1000)}`;
     } catch (err) {
       if (err.status !== 401) showError(err);
@@ -121,6 +123,18 @@ export class JobsView {
     $("job-rows").replaceChildren(...data.map((job) => jobRow(job, () => this.refresh())));
     $("jobs-empty").hidden = data.length > 0;
     $("jobs-more").hidden = !more;
+  }
+
+  // Each owner's use against its quota (the caller's own; an admin's: every owner's).
+  renderUsage(rows) {
+    const of = (used, limit, format = formatNumber) => (limit == null ? format(used) : `${format(used)} / ${format(limit)}`);
+    $("usage-rows").replaceChildren(...rows.map((u) => el("tr", { "data-owner": u.owner },
+      el("td", {}, u.owner),
+      el("td", { class: "num" }, of(u.running_jobs, u.quota.running_jobs)),
+      el("td", { class: "num" }, of(u.queued_jobs, u.quota.queued_jobs)),
+      el("td", { class: "num" }, of(u.cpus, u.quota.cpus)),
+      el("td", { class: "num" }, of(u.gpus, u.quota.gpus)),
+      el("td", { class: "num" }, of(u.stored_bytes.total, u.quota.stored_bytes, formatBytes)))));
   }
 
   renderCluster(cluster) {

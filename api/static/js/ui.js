@@ -50,6 +50,17 @@ export function formatNumber(value) {
   return String(Number(value.toPrecision(4)));
 }
 
+export function formatBytes(bytes) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1024 && unit < units.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  return `${unit ? value.toFixed(1) : value} ${units[unit]}`;
+}
+
 export function statusBadge(status) {
   return el("span", { class: `badge status-${status}` }, status);
 }

@@ -1,0 +1,91 @@
+"""The audit log: one row per write the API accepted, with who made it and the request's id.
+
+A row holds the time, the owner and key id of the caller, the action (the route's name: `create_job`,
+`cancel`, `upload`, `create_key`, ...), the method and path, the resource it touched (the path's id,
+or the id of what it created), the resource's owner, and the request id the response carried
+(`x-request-id`). Rows are only added: nothing edits or deletes them, not even deleting a job.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+AUDIT_SCHEMA = """
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    owner TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    action TEXT NOT NULL,
+    method TEXT NOT NULL,
+    path TEXT NOT NULL,
+    target TEXT,
+    target_owner TEXT,
+    status INTEGER NOT NULL,
+    request_id TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS audit_owner ON audit(owner, id);
+"""
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    owner: str
+    key_id: str
+    action: str
+    method: str
+    path: str
+    target: str | None
+    target_owner: str | None
+    status: int
+    request_id: str
+    data: dict[str, Any]
+
+
+class _Db(Protocol):
+    def _db(self) -> sqlite3.Connection: ...
+
+    def _tx(self, *topics: str) -> AbstractContextManager[sqlite3.Connection]: ...
+
+
+class AuditTable:
+    """The store's audit log (mixed into JobStore)."""
+
+    def add_audit(self: _Db, entry: AuditEntry, at: float | None = None) -> int:
+        e = entry
+        with self._tx("audit") as db:
+            cur = db.execute(
+                "INSERT INTO audit (time, owner, key_id, action, method, path, target, target_owner, status, "
+                "request_id, data) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (at or time.time(), e.owner, e.key_id, e.action, e.method, e.path, e.target, e.target_owner,
+                 e.status, e.request_id, json.dumps(e.data, default=str)),
+            )  # fmt: skip
+            return int(cur.lastrowid)
+
+    def audit(
+        self: _Db,
+        before: int | None = None,
+        limit: int = 100,
+        owner: str | None = None,
+        action: str | None = None,
+        target: str | None = None,
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first; `before` is the cursor (the last id of the previous page). (page, has_more)."""
+        where, args = [], []
+        for column, value in (("owner", owner), ("action", action), ("target", target)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        if before is not None:
+            where.append("id < ?")
+            args.append(before)
+        sql = "SELECT * FROM audit" + (" WHERE " + " AND ".join(where) if where else "")
+        rows = self._db().execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        page = [{"object": "audit_entry", **dict(r), "data": json.loads(r["data"])} for r in rows[:limit]]
+        return page, len(rows) > limit

@@ -1,0 +1,139 @@
+"""API keys in the store: each belongs to an owner, has scopes, may expire, and can be revoked.
+
+Only a key's SHA-256 hash is kept (api/auth.py makes and checks them). The `tokens` table holds
+every key, old and new: the admin token (`admin` = 1, owner "admin") sees every owner's work; any
+other key sees its owner's only. Keys made before owners existed belong to "admin" and keep seeing
+everything, as they did. A revoked key keeps its row (the audit log names it) with `revoked_at`.
+
+`last_used_at` is written at most once a minute per key, under its own change topic
+("key_usage"), so that the cached token table (topic "tokens") is not re-read on every request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import time
+import uuid
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+KEYS_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tokens (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE,
+    scopes TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+"""
+# columns added since the first schema; keys made before them belong to admin and see everything
+KEY_COLUMNS_ADDED = {
+    "owner": "TEXT NOT NULL DEFAULT 'admin'",
+    "admin": "INTEGER NOT NULL DEFAULT 1",
+    "expires_at": "REAL",
+    "revoked_at": "REAL",
+    "last_used_at": "REAL",
+}
+KEY_FIELDS = "id, name, hash, scopes, created_at, owner, admin, expires_at, revoked_at, last_used_at"
+ADMIN_OWNER = "admin"
+OWNER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
+
+
+class _Db(Protocol):
+    def _db(self) -> sqlite3.Connection: ...
+
+    def _tx(self, *topics: str) -> AbstractContextManager[sqlite3.Connection]: ...
+
+
+RESERVED_OWNERS = ("default",)  # PUT /v1/quotas/default names the default quota
+
+
+def check_owner(name: str, param: str = "owner") -> str:
+    """An owner's name, or a ValueError saying what a name may hold."""
+    if name in RESERVED_OWNERS:
+        raise ValueError(f"{param}: '{name}' is reserved (it names the default quota); choose another name")
+    if not isinstance(name, str) or not OWNER_NAME.match(name):
+        raise ValueError(
+            f"{param}: '{str(name)[:64]}' must be 1-64 letters, digits, '.', '_', '@' or '-', starting "
+            "with a letter or digit"
+        )
+    return name
+
+
+def migrate_keys(db: sqlite3.Connection) -> None:
+    db.executescript(KEYS_SCHEMA)
+    have = {r["name"] for r in db.execute("PRAGMA table_info(tokens)")}
+    for name, kind in KEY_COLUMNS_ADDED.items():
+        if name not in have:
+            db.execute(f"ALTER TABLE tokens ADD COLUMN {name} {kind}")
+
+
+class KeyTable:
+    """The store's API keys (mixed into JobStore)."""
+
+    def add_token(
+        self: _Db,
+        name: str,
+        token_hash: str,
+        scopes: list[str],
+        owner: str = ADMIN_OWNER,
+        admin: bool = False,
+        expires_at: float | None = None,
+    ) -> str:
+        token_id = "key-" + uuid.uuid4().hex[:12]
+        with self._tx("tokens") as db:
+            db.execute(
+                f"INSERT INTO tokens ({KEY_FIELDS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (token_id, name, token_hash, json.dumps(scopes), time.time(), owner, int(admin), expires_at,
+                 None, None),
+            )  # fmt: skip
+        return token_id
+
+    def tokens(self: _Db) -> list[dict[str, Any]]:
+        """Every key with its hash (the token check reads these); revoked ones included."""
+        rows = self._db().execute(f"SELECT {KEY_FIELDS} FROM tokens ORDER BY created_at").fetchall()
+        return [_record(r) for r in rows]
+
+    def key(self, key_id: str) -> dict[str, Any] | None:
+        return next((k for k in self.tokens() if k["id"] == key_id), None)
+
+    def revoke_key(self: _Db, key_id: str) -> bool:
+        """Revoke a key now; False when there is no such key or it was revoked already."""
+        with self._tx("tokens") as db:
+            cur = db.execute(
+                "UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id)
+            )
+            return cur.rowcount == 1
+
+    def touch_key(self: _Db, key_id: str, at: float) -> None:
+        with self._tx("key_usage") as db:
+            db.execute("UPDATE tokens SET last_used_at = ? WHERE id = ?", (at, key_id))
+
+    def key_owners(self: _Db) -> list[str]:
+        rows = self._db().execute("SELECT DISTINCT owner FROM tokens WHERE revoked_at IS NULL").fetchall()
+        return [r[0] for r in rows]
+
+
+def _record(row: sqlite3.Row) -> dict[str, Any]:
+    return {**dict(row), "scopes": json.loads(row["scopes"]), "admin": bool(row["admin"])}
+
+
+def public_key(record: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """A key as the API lists it: never its hash."""
+    now = now or time.time()
+    expired = record["expires_at"] is not None and record["expires_at"] <= now
+    state = "revoked" if record["revoked_at"] else "expired" if expired else "active"
+    fields = (
+        "id",
+        "name",
+        "owner",
+        "scopes",
+        "admin",
+        "created_at",
+        "last_used_at",
+        "expires_at",
+        "revoked_at",
+    )
+    return {"object": "key", **{f: record[f] for f in fields}, "state": state}

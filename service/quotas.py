@@ -1,0 +1,170 @@
+"""Quotas per owner, set by the operator, and what each owner uses now.
+
+A `Quota` caps an owner's running jobs, queued jobs, CPUs and GPUs in use (by its running jobs) and
+stored bytes (uploads, checkpoints, exports); a field left None is unlimited. The `QuotaBook` holds
+a default, which applies to every owner but the admin, and per-owner quotas that replace it; it
+comes from `tandem serve --quota-...` flags or a quotas file (JSON or YAML: `{"default": {...},
+"owners": {"alice": {...}}}`), and an admin changes it live (`PUT /v1/quotas/{owner}`; changes last
+until the service restarts).
+
+What is beyond a quota is refused, and nothing is created:
+- a submission (or fork, or resume) past `queued_jobs` is a 429 with Retry-After: it clears when
+  one of the owner's jobs starts;
+- a submission or upload when `stored_bytes` is reached, or a job that needs more CPUs or GPUs than
+  the owner's quota allows at all, is a 403: it does not clear by waiting;
+- `running_jobs`, `cpus` and `gpus` are kept by the scheduler: an owner's queued job waits while
+  starting it would pass them, and other owners' jobs go ahead (service/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.keys import ADMIN_OWNER
+
+QUEUED_RETRY_AFTER_S = 30  # a queued job usually starts within a few scheduler polls once room frees
+
+
+class Quota(BaseModel):
+    """One owner's limits; None = unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+    running_jobs: int | None = Field(None, ge=0, le=1_000_000, description="jobs running at once")
+    queued_jobs: int | None = Field(None, ge=0, le=1_000_000, description="jobs waiting in the queue at once")
+    cpus: float | None = Field(None, ge=0, le=1e9, description="CPUs held by the owner's running jobs")
+    gpus: float | None = Field(None, ge=0, le=1e9, description="GPUs held by the owner's running jobs")
+    stored_bytes: int | None = Field(
+        None, ge=0, le=2**62, description="bytes of uploads, checkpoints and exports kept for the owner"
+    )
+
+
+class QuotaFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    default: Quota = Field(default_factory=Quota, description="every owner's, but the admin's")
+    owners: dict[str, Quota] = Field(
+        default_factory=dict, description="owners whose quota replaces the default"
+    )
+
+
+class QuotaError(Exception):
+    """A request beyond a quota: 429 (clears by waiting: `retry_after_s`) or 403 (a hard limit)."""
+
+    def __init__(
+        self, owner: str, name: str, limit: float, have: float, retry_after_s: int | None = None
+    ) -> None:
+        clears = f"; retry in {retry_after_s} s" if retry_after_s else "; free some, or ask the operator"
+        super().__init__(f"quota {name}: owner '{owner}' may have at most {limit:g} ({name.replace('_', ' ')}); "
+                         f"it has {have:g}{clears}")  # fmt: skip
+        self.name, self.limit, self.retry_after_s = name, limit, retry_after_s
+        self.status = 429 if retry_after_s else 403
+
+
+class QuotaBook:
+    """The default quota and per-owner quotas, changed live by an admin (thread-safe)."""
+
+    def __init__(self, quotas: QuotaFile | None = None) -> None:
+        self._quotas = quotas or QuotaFile()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | Path | None, default: dict[str, Any] | None = None) -> QuotaBook:
+        """From a quotas file (JSON or YAML), with `default`'s fields (the serve flags) over its default."""
+        raw: dict[str, Any] = {}
+        if path is not None:
+            text = Path(path).read_text()
+            if os.fspath(path).endswith((".yaml", ".yml")):
+                import yaml
+
+                raw = yaml.safe_load(text) or {}
+            else:
+                raw = json.loads(text)
+        try:
+            quotas = QuotaFile.model_validate(raw)
+        except ValidationError as err:  # one line naming the field, as a serve flag's error would
+            first = err.errors()[0]
+            raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+        given = {k: v for k, v in (default or {}).items() if v is not None}
+        if given:
+            quotas.default = quotas.default.model_copy(
+                update=Quota.model_validate(given).model_dump(exclude_unset=True)
+            )
+        return cls(quotas)
+
+    def of(self, owner: str) -> Quota:
+        with self._lock:
+            if owner in self._quotas.owners:
+                return self._quotas.owners[owner]
+            return Quota() if owner == ADMIN_OWNER else self._quotas.default
+
+    def set(self, owner: str | None, quota: Quota | None) -> None:
+        """Replace `owner`'s quota (None: the default); a None quota removes an owner's own."""
+        with self._lock:
+            if owner is None:
+                self._quotas.default = quota or Quota()
+            elif quota is None:
+                self._quotas.owners.pop(owner, None)
+            else:
+                self._quotas.owners[owner] = quota
+
+    def view(self) -> dict[str, Any]:
+        with self._lock:
+            return self._quotas.model_dump()
+
+
+@dataclass
+class Usage:
+    """What one owner uses now."""
+
+    owner: str
+    running_jobs: int = 0
+    queued_jobs: int = 0
+    cpus: float = 0.0
+    gpus: float = 0.0
+    stored: dict[str, int] = field(default_factory=lambda: {"files": 0, "checkpoints": 0, "exports": 0})
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(self.stored.values())
+
+    def view(self, quota: Quota) -> dict[str, Any]:
+        return {
+            "object": "usage", "owner": self.owner, "running_jobs": self.running_jobs,
+            "queued_jobs": self.queued_jobs, "cpus": self.cpus, "gpus": self.gpus,
+            "stored_bytes": {**self.stored, "total": self.stored_bytes}, "quota": quota.model_dump(),
+        }  # fmt: skip
+
+
+def check_submission(quota: Quota, usage: Usage, cpus: float, gpus: float) -> None:
+    """Refuse a new queued job beyond the owner's quota (QuotaError), before anything is made."""
+    if quota.stored_bytes is not None and usage.stored_bytes >= quota.stored_bytes:
+        raise QuotaError(usage.owner, "stored_bytes", quota.stored_bytes, usage.stored_bytes)
+    for name, need in (("cpus", cpus), ("gpus", gpus)):
+        limit = getattr(quota, name)
+        if limit is not None and need > limit:  # it could never start
+            raise QuotaError(usage.owner, name, limit, need)
+    if quota.queued_jobs is not None and usage.queued_jobs >= quota.queued_jobs:
+        raise QuotaError(
+            usage.owner, "queued_jobs", quota.queued_jobs, usage.queued_jobs, QUEUED_RETRY_AFTER_S
+        )
+
+
+def check_storage(quota: Quota, usage: Usage, adding: int = 0) -> None:
+    """Refuse an upload that would pass the owner's stored bytes (403)."""
+    if quota.stored_bytes is not None and usage.stored_bytes + adding > quota.stored_bytes:
+        raise QuotaError(usage.owner, "stored_bytes", quota.stored_bytes, usage.stored_bytes + adding)
+
+
+def may_run(quota: Quota, usage: Usage, cpus: float, gpus: float) -> bool:
+    """Whether the owner may start one more job needing these resources now (the scheduler's check)."""
+    return (
+        (quota.running_jobs is None or usage.running_jobs + 1 <= quota.running_jobs)
+        and (quota.cpus is None or usage.cpus + cpus <= quota.cpus + 1e-9)
+        and (quota.gpus is None or usage.gpus + gpus <= quota.gpus + 1e-9)
+    )

@@ -1,0 +1,144 @@
+"""API keys with owners: made by the admin over the API and the CLI, shown once, listed without the
+key, sent as a bearer token or as X-API-Key (the tinker SDK's header), refused at once when revoked
+or expired (on the hot read path too), and every key change in the audit log.
+
+The service runs without its scheduler (no Ray): nothing here needs a job to run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from api.cli import main
+from tests.owners_util import as_key, make_key
+
+
+@pytest.fixture
+def admin(unscheduled):
+    with unscheduled.client() as http:
+        yield http
+
+
+def test_a_key_is_shown_once_and_works_as_a_bearer_token_or_x_api_key(unscheduled, admin):
+    made = make_key(admin, "alice", scope="write", name="laptop")
+    assert made["key"].startswith("tml-") and made["owner"] == "alice" and made["scopes"] == ["read", "write"]
+    for header in ("bearer", "x-api-key"):
+        with as_key(unscheduled, made["key"], header) as alice:
+            assert alice.get("/v1/jobs").status_code == 200, header
+            refused = alice.get("/v1/keys")  # keys are the admin's business
+            assert refused.status_code == 403 and refused.json()["error"]["code"] == "insufficient_scope"
+    listed = admin.get("/v1/keys", params={"owner": "alice"}).json()["data"]
+    mine = next(k for k in listed if k["id"] == made["id"])
+    assert mine["state"] == "active" and mine["last_used_at"] is not None and mine["name"] == "laptop"
+    assert made["key"] not in str(listed) and "hash" not in mine and "key" not in mine
+    reader = make_key(admin, "alice", scope="read")
+    with as_key(unscheduled, reader["key"]) as alice_reads:
+        assert alice_reads.get("/v1/jobs").status_code == 200
+        assert alice_reads.post("/v1/jobs/job-000000000000/cancel").status_code == 403
+
+
+def test_a_revoked_key_is_refused_at_once_on_every_path(unscheduled, admin):
+    made = make_key(admin, "carol")
+    with as_key(unscheduled, made["key"]) as carol:
+        for _ in range(2):  # the second is answered before FastAPI (api/hot_reads.py)
+            assert carol.get("/v1/jobs", params={"limit": 7}).status_code == 200
+        assert admin.delete(f"/v1/keys/{made['id']}").json()["state"] == "revoked"
+        for url in ("/v1/jobs?limit=7", "/v1/files", "/v1/usage"):
+            refused = carol.get(url)
+            assert (refused.status_code, refused.json()["error"]["code"]) == (401, "invalid_token"), url
+    again = admin.delete(f"/v1/keys/{made['id']}")
+    assert again.status_code == 200 and again.json()["revoked_at"] == pytest.approx(time.time(), abs=60)
+    assert admin.delete("/v1/keys/key-000000000000").status_code == 404
+    admin_key = next(k for k in admin.get("/v1/keys").json()["data"] if k["admin"])
+    assert admin.delete(f"/v1/keys/{admin_key['id']}").status_code == 409  # the admin cannot lock itself out
+
+
+def test_an_expired_key_is_refused_from_the_moment_it_expires(unscheduled, admin):
+    made = make_key(admin, "dave", expires_days=2 / 86_400)  # two seconds
+    with as_key(unscheduled, made["key"]) as dave:
+        for _ in range(2):
+            assert dave.get("/v1/jobs", params={"limit": 9}).status_code == 200
+        time.sleep(max(0.0, made["expires_at"] - time.time()) + 0.05)
+        assert dave.get("/v1/jobs", params={"limit": 9}).status_code == 401  # the learned hot query too
+        assert dave.get("/v1/jobs").status_code == 401
+    listed = admin.get("/v1/keys", params={"owner": "dave"}).json()["data"]
+    assert [k["state"] for k in listed] == ["expired"]
+
+
+def test_bad_key_requests_name_the_field(admin):
+    for body, param in (({"owner": "no spaces"}, "owner"), ({"owner": "x", "scope": "all"}, "scope"),
+                        ({"owner": "x", "expires_days": 0}, "expires_days"), ({}, "owner")):  # fmt: skip
+        refused = admin.post("/v1/keys", json=body)
+        assert (refused.status_code, refused.json()["error"]["param"]) == (422, param), body
+
+
+def test_the_cli_prints_the_key_alone_on_its_last_line_and_never_lists_it(unscheduled, capsys):
+    conn = ["--url", unscheduled.url, "--token", unscheduled.token]
+    assert main(["keys", "create", "--owner", "erin", "--scope", "read", "--expires", "30", *conn]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    key = lines[-1]
+    assert key.startswith("tml-") and " " not in key and all(key not in line for line in lines[:-1])
+    with as_key(unscheduled, key) as erin:
+        assert erin.get("/v1/jobs").status_code == 200
+    assert main(["keys", "list", *conn]) == 0
+    listing = capsys.readouterr().out
+    assert "erin" in listing and key not in listing and "read" in listing
+    key_id = next(line.split()[0] for line in listing.splitlines() if " erin " in line)
+    assert main(["keys", "revoke", key_id, *conn]) == 0
+    assert "revoked" in capsys.readouterr().out
+    with as_key(unscheduled, key) as erin:
+        assert erin.get("/v1/jobs").status_code == 401
+    assert main(["keys", "list", "--token", key, "--url", unscheduled.url]) != 0  # not the admin's
+
+
+def test_a_read_only_admin_key_reads_keys_but_cannot_make_one(unscheduled, admin):
+    from api.auth import hash_token, new_token
+
+    token = new_token()
+    unscheduled.service.store.add_token("old reader", hash_token(token), ["read"], "admin", admin=True)
+    with as_key(unscheduled, token) as reader:
+        assert reader.get("/v1/keys").status_code == 200
+        refused = reader.post("/v1/keys", json={"owner": "mallory"})
+        assert (refused.status_code, refused.json()["error"]["code"]) == (403, "insufficient_scope")
+    assert admin.post("/v1/keys", json={"owner": "default"}).json()["error"]["param"] == "owner"  # reserved
+
+
+def test_key_changes_are_in_the_audit_log_with_the_request_id(unscheduled, admin):
+    made = admin.post("/v1/keys", json={"owner": "frank"}, headers={"x-request-id": "req-audit-key"})
+    revoked = admin.delete(f"/v1/keys/{made.json()['id']}", headers={"x-request-id": "req-audit-revoke"})
+    assert revoked.status_code == 200
+    entries = admin.get("/v1/audit", params={"target": made.json()["id"]}).json()["data"]
+    assert [(e["action"], e["request_id"], e["target_owner"]) for e in entries] == [
+        ("revoke_key", "req-audit-revoke", "frank"),
+        ("create_key", "req-audit-key", "frank"),
+    ]
+    admin_key = next(k for k in admin.get("/v1/keys").json()["data"] if k["admin"])
+    assert {e["key_id"] for e in entries} == {admin_key["id"]} and {e["owner"] for e in entries} == {"admin"}
+    assert made.json()["key"] not in str(admin.get("/v1/audit").json())
+
+
+def test_a_store_made_before_owners_gives_its_rows_and_keys_to_the_admin(tmp_path):
+    """Open a database with the tables as they were before owners (no owner columns): its jobs are
+    the admin's, and its keys keep seeing everything, but a read-only one cannot write keys."""
+    import json
+    import sqlite3
+
+    from api.auth import hash_token
+    from service.keys import KEYS_SCHEMA
+    from service.store import SCHEMA, JobStore
+
+    path = tmp_path / "tandem.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(SCHEMA + KEYS_SCHEMA)
+        db.execute("INSERT INTO jobs (id, seq, status, method, spec, created_at, total_steps, workdir) "
+                   "VALUES ('job-000000000001', 1, 'succeeded', 'grpo', '{}', 1.0, 3, '/tmp/x')")  # fmt: skip
+        db.execute(
+            "INSERT INTO tokens VALUES ('tok-1', 'reader', ?, ?, 1.0)",
+            (hash_token("old"), json.dumps(["read"])),
+        )
+    store = JobStore(path)
+    assert store.get_job("job-000000000001").owner == "admin"
+    (old,) = store.tokens()
+    assert (old["owner"], old["admin"], old["expires_at"], old["revoked_at"]) == ("admin", True, None, None)
