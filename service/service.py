@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from pydantic import ValidationError
 
-from controller.job_setup import hyperparameter_overrides
+from controller.hyperparameters import hyperparameter_overrides
 from controller.spec import JobLabels, JobSpec
 from service.files import FileStore
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
