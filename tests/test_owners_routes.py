@@ -37,6 +37,7 @@ UNSCOPED = {
     ("POST", "/v1/keys"): "admin only",
     ("GET", "/v1/audit"): "admin only",
     ("GET", "/v1/quotas"): "admin only",
+    ("GET", "/v1/service"): "admin only: the API process's pid, memory and loaded modules",
 }
 # a valid body for operations that require one: a body FastAPI refuses would hide the owner check
 BODIES = {

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from api.deps import AUTH_ERRORS, READ, ServiceDep
+from api.deps import ADMIN, AUTH_ERRORS, READ, ServiceDep
 
 VERSION = "0.1.0"
 
@@ -70,7 +70,7 @@ HEAVY_MODULES = (
 )  # fmt: skip
 
 
-@router.get("/v1/service", dependencies=READ, responses=AUTH_ERRORS)
+@router.get("/v1/service", dependencies=ADMIN, responses=AUTH_ERRORS)
 def service_process() -> dict[str, Any]:
     """The API process itself: its pid, resident memory, and which heavy libraries it has loaded."""
     rss = None
