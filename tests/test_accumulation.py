@@ -1,16 +1,12 @@
 """Gradients accumulated over several forward_backward calls (the loss contract of engines/base.py):
 N calls with 1/N of the batch each, told the counts of the whole batch, give the gradient of one
-call with the whole batch, in every aggregation mode, on one rank and on two gloo ranks. And an
-optimizer step with AdamW settings of its own equals a step of an engine configured with them."""
+call with the whole batch, in every aggregation mode (two gloo ranks: tests/test_train_engine_dist.py).
+And an optimizer step with AdamW settings of its own equals a step of an engine configured with them."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from engines.base import GlobalCounts
 from engines.config import EngineConfig, OptimizerConfig
@@ -89,46 +85,3 @@ def test_a_step_with_its_own_adam_settings_equals_a_configured_engine(tiny_model
         assert torch.allclose(after[name], tensor, rtol=0, atol=1e-7), name
     group = told.optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-5, (0.9, 0.999), 0.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, model_dir: str, out_file: str) -> None:
-    """One of two ranks: its half of the batch in two calls, counted as the whole global batch."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    os.environ.update(env)
-    engine = _engine(model_dir)
-    batch = make_batch()
-    counts = GlobalCounts.of([batch])  # the global batch: every call of every rank
-    half = batch[rank * 3 : (rank + 1) * 3]
-    results = {}
-    for mode in MODES:
-        with engine.train_mode():
-            for rows in (half[:1], half[1:]):  # two calls of unequal size
-                engine.forward_backward_batch(rows, pg_loss(mode), counts=counts)
-            results[mode] = full_grads(engine)
-            engine.optimizer_zero_grad()
-    if rank == 0:
-        torch.save(results, out_file)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def test_two_ranks_accumulating_match_one_call_on_one_rank(engine, tiny_model_dir, tmp_path):
-    out = tmp_path / "two_ranks.pt"
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tiny_model_dir), str(out)), nprocs=2, join=True)
-    two = torch.load(out, weights_only=False)
-    batch = make_batch()
-    for mode in MODES:
-        with engine.train_mode():
-            engine.forward_backward_batch(batch, pg_loss(mode))
-            reference = full_grads(engine)
-            engine.optimizer_zero_grad()
-        assert max_rel_diff(two[mode], reference) <= 1e-5, mode
