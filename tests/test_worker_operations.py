@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from controller.dispatch import MeshLayout, split_for_mesh
 from controller.groups import ActorGroup, CheckpointedGroup, CriticGroup, operation
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup
 from engines.base import GlobalCounts
 from engines.config import OptimizerConfig
 from tests.engine_util import make_batch
-from workers.base import Dispatch, Reduce, Worker, register
+from workers.base import Dispatch, Reduce, Worker, register, registered_methods
 from workers.batch import Batch
 from workers.hybrid import ActorRolloutRefWorker
 from workers.loss_config import SFTLossConfig
@@ -79,3 +80,13 @@ def test_surfaces_are_derived_from_the_registered_methods():
         operation(Probe.helper)
     with pytest.raises(TypeError, match="must carry the worker method's name"):
         operation(Probe.ping).__set_name__(CheckpointedGroup, "pong")
+
+
+def test_a_gradient_call_refuses_a_batch_that_padding_would_count_twice():
+    layout = MeshLayout.from_info("actor", [(0, True), (1, True)])
+    batch = Batch(make_batch(batch_size=5))
+    assert registered_methods(ActorRolloutRefWorker)["forward_backward"].pad is False
+    with pytest.raises(ValueError, match="5 rows does not split evenly over the 2 data-parallel"):
+        split_for_mesh(layout, batch, pad=False)
+    chunks, pad = split_for_mesh(layout, batch)  # other MESH methods pad, and drop the pad's outputs
+    assert pad == 1 and [len(chunk) for chunk in chunks] == [3, 3]

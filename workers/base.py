@@ -45,18 +45,24 @@ class MethodSpec:
     mesh: str | None = None
     blocking: bool = True
     reduce: Reduce = Reduce.ALL
+    pad: bool = True  # MESH: a batch may be padded to the dp size with copies of its first rows
 
 
 def register(
-    mode: Dispatch, mesh: str | None = None, blocking: bool = True, reduce: Reduce = Reduce.ALL
+    mode: Dispatch,
+    mesh: str | None = None,
+    blocking: bool = True,
+    reduce: Reduce = Reduce.ALL,
+    pad: bool = True,
 ) -> Callable[[F], F]:
     """Mark a worker method as callable through a worker group, with its dispatch mode and how the
-    typed group surface reduces the ranks' results (`Reduce`)."""
+    typed group surface reduces the ranks' results (`Reduce`). `pad=False`: a MESH method for
+    which a padding row would count (a gradient): a batch must split evenly over the dp ranks."""
     if mode is Dispatch.MESH and not mesh:
         raise ValueError("Dispatch.MESH needs a mesh name, e.g. register(Dispatch.MESH, mesh='actor')")
     if mode is not Dispatch.MESH and mesh is not None:
         raise ValueError(f"mesh={mesh!r} only applies to Dispatch.MESH, not {mode.name}")
-    spec = MethodSpec(mode=mode, mesh=mesh, blocking=blocking, reduce=reduce)
+    spec = MethodSpec(mode=mode, mesh=mesh, blocking=blocking, reduce=reduce, pad=pad)
 
     def decorate(fn: F) -> F:
         setattr(fn, SPEC_ATTR, spec)

@@ -12,7 +12,8 @@ on the "actor" mesh, each in its own train/eval mode, with the loss given by its
 several `forward_backward` calls before one `optim_step` passes the counts of all of them
 (`GlobalCounts.of`, the loss contract of engines/base.py), so the gradient is that of one call
 with the whole batch. A MESH call pads a batch that does not divide by the dp size with copies of
-its first rows, which would count twice: send batches whose length divides by it.
+its first rows, which would count twice here: `forward_backward` is registered with pad=False, and
+the group refuses such a batch, naming the dp size.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class TrainingOperations(Worker):
     def after_load_checkpoint(self) -> None:
         """What the role does once its engine holds restored weights (the hybrid worker syncs them)."""
 
-    @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
+    @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL, pad=False)
     def forward_backward(
         self, batch: Batch, loss: LossSpec, counts: GlobalCounts | None = None
     ) -> dict[str, float]:
