@@ -25,13 +25,14 @@ name ends in `_max` is a maximum instead: the engine keeps the largest value (`c
 
 Gradients accumulated over several calls. Gradients add up from one `forward_backward_batch` to the
 next until `optimizer_step` (which zeroes them), so one optimizer step may take its batch in several
-calls: the RL loop makes one call per mini-batch, a low-level client (the Tinker API) as many as it
-likes. The counts must then be those of the WHOLE accumulated batch, not of one call, or each call
+calls: the RL loop makes one call per step (its mini-batch), a low-level client (the Tinker API) as
+many as it likes. The counts must then be those of the WHOLE accumulated batch, not of one call, or each call
 would be normalised as if it were the whole batch: the caller states them (`counts=`, built with
 `GlobalCounts.of` over every call's rows, on every rank), and the engine hands them to the loss as
 they are instead of counting the call's rows. N calls with 1/N of the batch each then give the
-gradient of one call with the whole batch, in every aggregation mode (tests/test_accumulation.py).
-Without `counts` a call is one whole optimizer batch, as before. Losses that are plain sums (the
+gradient of one call with the whole batch, in every aggregation mode (tests/test_accumulation.py;
+two ranks: tests/test_train_engine_dist.py).
+Without `counts` a call is one whole optimizer batch (the RL loop's case). Losses that are plain sums (the
 Tinker API's built-in losses) do not read the counts and accumulate either way.
 """
 
