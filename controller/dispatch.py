@@ -53,11 +53,18 @@ class MeshLayout:
         return sorted(collectors, key=lambda r: self.dp_rank[r])
 
 
-def split_for_mesh(layout: MeshLayout, batch: Batch) -> tuple[list[Batch], int]:
-    """Pad `batch` to a multiple of the dp size and split it: one chunk per dp rank, and the pad."""
+def split_for_mesh(layout: MeshLayout, batch: Batch, pad: bool = True) -> tuple[list[Batch], int]:
+    """Pad `batch` to a multiple of the dp size and split it: one chunk per dp rank, and the pad.
+    pad=False (a method whose every row counts, e.g. in a gradient) refuses a batch that needs it."""
     if not isinstance(batch, Batch):
         raise TypeError(
             f"a MESH call on mesh '{layout.name}' takes a Batch first, got {type(batch).__name__}"
+        )
+    if not pad and len(batch) % layout.dp_size:
+        raise ValueError(
+            f"a batch of {len(batch)} rows does not split evenly over the {layout.dp_size} data-parallel "
+            f"ranks of mesh '{layout.name}', and padding rows would count twice: send a multiple of "
+            f"{layout.dp_size} rows (several calls can accumulate, engines/base.py)"
         )
     padded, pad = batch.pad_to_multiple(layout.dp_size)
     return padded.chunk(layout.dp_size), pad

@@ -1,140 +1,149 @@
 """Typed surfaces of the job's worker groups: what the trainer may call on each role, and what it gets.
 
 A `RayWorkerGroup` binds a worker's registered methods at run time, so type checkers cannot see
-them; each class here is the role's contract written out, method by method, with its argument and
-result types. The class checks at construction that its worker really registers every method it
-forwards, so a renamed worker method fails when the group starts, not in the middle of a job.
-
-Results across ranks are reduced here, explicitly:
-- MESH calls that return a Batch come back already gathered by dp rank (controller/dispatch.py);
-- update calls return one metrics dict per collected rank; the engine has summed them over
-  micro-batches and dp ranks (the loss contract of engines/base.py), so every rank holds the same
-  global values and `global_metrics` takes rank 0's;
-- a weight sync is timed by each rank on its own; `rank_zero` reports rank 0's measurement.
+them. Each class here names the operations its role offers, each one line derived from the worker
+method itself: `update_actor = operation(ActorRolloutRefWorker.update_actor)` takes that method's
+parameters and returns what its annotation says, reduced over ranks as its `@register` spec
+declares (`workers.base.Reduce`):
+- MESH calls that return a Batch come back gathered by dp rank (controller/dispatch.py);
+- `Reduce.GLOBAL`: results the engine already reduced over ranks (update metrics, the grad norm),
+  identical on every rank, so rank 0's;
+- `Reduce.RANK_ZERO`: a per-rank measurement (a weight sync's timing) or acknowledgement: rank 0's.
+Nothing is restated: no method name as a string, no signature written twice. A group checks at
+construction that its worker registers every operation it offers with the same spec, so a renamed
+or re-declared worker method fails when the group starts, not in the middle of a job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from controller.worker_group import RayWorkerGroup
-from workers.base import registered_methods
-from workers.batch import Batch
-from workers.config import UpdateSchedule
-from workers.loss_config import PolicyLossConfig
+from workers.base import SPEC_ATTR, Dispatch, MethodSpec, Reduce, registered_methods
+from workers.critic import CriticWorker
+from workers.hybrid import ActorRolloutRefWorker
+from workers.operations import TrainingOperations
+from workers.reward_model import RewardModelWorker
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def global_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Metrics the engine already all-reduced: identical on every rank, so rank 0's are the global ones."""
-    return per_rank[0]
+def reduce_results(spec: MethodSpec, results: Any) -> Any:
+    """One result from the ranks' results, as the method's spec declares (module docstring)."""
+    if spec.reduce is Reduce.ALL:
+        return results
+    if spec.mode is Dispatch.RANK_ZERO:
+        return results  # already rank 0's alone
+    return results[0]
 
 
-def rank_zero(per_rank: list[Any]) -> Any:
-    """Rank 0's own result (a per-rank measurement, e.g. how long its weight sync took)."""
-    return per_rank[0]
+class operation(Generic[P, R]):  # noqa: N801 -- used like a decorator, named like one
+    """A group method derived from a registered worker method: the same parameters (less `self`)
+    and the same result, reduced over ranks as the method's spec says."""
+
+    def __init__(self, method: Callable[Concatenate[Any, P], R]) -> None:
+        spec = getattr(method, SPEC_ATTR, None)
+        if not isinstance(spec, MethodSpec):
+            raise TypeError(
+                f"{method.__qualname__} is not a registered worker method (workers.base.register)"
+            )
+        if not spec.blocking:
+            raise TypeError(f"{method.__qualname__} is non-blocking; start it with RoleGroup.start")
+        self.name, self.spec, self.__doc__ = method.__name__, spec, method.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if name != self.name:
+            raise TypeError(f"{owner.__name__}.{name} must carry the worker method's name, {self.name!r}")
+
+    @overload
+    def __get__(self, group: None, owner: type) -> operation[P, R]: ...
+    @overload
+    def __get__(self, group: RoleGroup, owner: type) -> Callable[P, R]: ...
+    def __get__(self, group: RoleGroup | None, owner: type) -> operation[P, R] | Callable[P, R]:
+        if group is None:
+            return self
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            return reduce_results(self.spec, getattr(group.group, self.name)(*args, **kwargs))
+
+        call.__name__, call.__doc__ = self.name, self.__doc__
+        return call
 
 
 class RoleGroup:
-    """A typed view of one role's RayWorkerGroup; subclasses list the methods they forward."""
+    """A typed view of one role's RayWorkerGroup; subclasses declare their `operation`s."""
 
+    # Derived from the class's operations (__init_subclass__), never written by hand.
+    operations: ClassVar[dict[str, operation]] = {}
     methods: ClassVar[tuple[str, ...]] = ()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ops = {n: v for k in reversed(cls.__mro__) for n, v in vars(k).items() if isinstance(v, operation)}
+        cls.operations, cls.methods = ops, tuple(ops)
+
     def __init__(self, group: RayWorkerGroup) -> None:
-        missing = set(self.methods) - set(registered_methods(group.worker_cls))
+        registered = registered_methods(group.worker_cls)
+        missing = sorted(name for name, op in self.operations.items() if registered.get(name) != op.spec)
         if missing:
-            raise TypeError(f"{group.worker_cls.__name__} does not register {sorted(missing)}")
+            raise TypeError(
+                f"{group.worker_cls.__name__} does not register {missing} as {type(self).__name__} expects"
+            )
         self.group = group
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.group, method)(*args, **kwargs)
+    def start(self, op: operation[P, R], *args: P.args, **kwargs: P.kwargs) -> Callable[[], R]:
+        """`op` started without waiting; call the result to wait for it (same timeout, same reduction)."""
+        pending = self.group.submit(op.name, *args, **kwargs)
+        return lambda: reduce_results(op.spec, pending.result())
 
     def shutdown(self) -> None:
         self.group.shutdown()
 
 
 class CheckpointedGroup(RoleGroup):
-    """A training role: its engine state is checkpointed and its learning rate can change."""
+    """A training role (workers/operations.py): the job's checkpoints and live edits, and the
+    fine-grained operations a low-level client drives one by one."""
 
-    methods = ("save_checkpoint", "load_checkpoint", "set_hyperparameters")
-
-    def save_checkpoint(self, folder: str, step: int) -> None:
-        self._call("save_checkpoint", folder, step)
-
-    def load_checkpoint(self, folder: str) -> int:
-        """Restore every rank; returns the checkpoint's step."""
-        return rank_zero(self._call("load_checkpoint", folder))
+    save_checkpoint = operation(TrainingOperations.save_checkpoint)
+    load_checkpoint = operation(TrainingOperations.load_checkpoint)
+    set_hyperparameters = operation(TrainingOperations.set_hyperparameters)
+    forward_backward = operation(TrainingOperations.forward_backward)
+    optim_step = operation(TrainingOperations.optim_step)
+    lr_scheduler_step = operation(TrainingOperations.lr_scheduler_step)
+    forward = operation(TrainingOperations.forward)
+    save_state = operation(TrainingOperations.save_state)
+    load_state = operation(TrainingOperations.load_state)
 
     def set_learning_rate(self, lr: float) -> None:
-        self._call("set_hyperparameters", lr=lr)
+        self.set_hyperparameters(lr=lr)
 
 
 class ActorGroup(CheckpointedGroup):
     """The hybrid actor-rollout-ref worker (workers/hybrid.py)."""
 
-    methods = CheckpointedGroup.methods + (
-        "generate_sequences",
-        "compute_log_prob",
-        "compute_ref_log_prob",
-        "update_actor",
-        "update_sft",
-        "sync_weights",
-        "export_hf",
-    )
-
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """One response per row, sampled with the batch's SamplingParams (rollout mesh)."""
-        return self._call("generate_sequences", prompts)
-
-    def compute_log_prob(self, batch: Batch) -> Batch:
-        """Adds old_log_probs and entropy."""
-        return self._call("compute_log_prob", batch)
-
-    def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        """Adds ref_log_probs."""
-        return self._call("compute_ref_log_prob", batch)
-
-    def update_actor(
-        self, batch: Batch, loss: PolicyLossConfig, schedule: UpdateSchedule
-    ) -> dict[str, float]:
-        return global_metrics(self._call("update_actor", batch, loss, schedule))
-
-    def update_sft(self, batch: Batch, agg_mode: str, schedule: UpdateSchedule) -> dict[str, float]:
-        return global_metrics(self._call("update_sft", batch, agg_mode, schedule))
-
-    def sync_weights(self) -> dict[str, float]:
-        """Trainer -> rollout engine on every rank; rank 0's weight_sync/* measurements."""
-        return rank_zero(self._call("sync_weights"))
+    generate_sequences = operation(ActorRolloutRefWorker.generate_sequences)
+    compute_log_prob = operation(ActorRolloutRefWorker.compute_log_prob)
+    compute_ref_log_prob = operation(ActorRolloutRefWorker.compute_ref_log_prob)
+    update_actor = operation(ActorRolloutRefWorker.update_actor)
+    update_sft = operation(ActorRolloutRefWorker.update_sft)
+    sync_weights = operation(ActorRolloutRefWorker.sync_weights)
+    export_hf = operation(ActorRolloutRefWorker.export_hf)
 
     def start_sync_weights(self) -> Callable[[], dict[str, float]]:
         """`sync_weights` started without waiting; call the result to wait for its measurements."""
-        pending = self.group.submit("sync_weights")
-        return lambda: rank_zero(pending.result())
-
-    def export_hf(self, folder: str) -> None:
-        self._call("export_hf", folder)
+        return self.start(ActorGroup.sync_weights)
 
 
 class CriticGroup(CheckpointedGroup):
     """The value model (workers/critic.py)."""
 
-    methods = CheckpointedGroup.methods + ("compute_values", "update_critic")
-
-    def compute_values(self, batch: Batch) -> Batch:
-        """Adds values [B, R]."""
-        return self._call("compute_values", batch)
-
-    def update_critic(
-        self, batch: Batch, vf_clip: float | None, agg_mode: str, schedule: UpdateSchedule
-    ) -> dict[str, float]:
-        return global_metrics(self._call("update_critic", batch, vf_clip, agg_mode, schedule))
+    compute_values = operation(CriticWorker.compute_values)
+    update_critic = operation(CriticWorker.update_critic)
 
 
 class RewardGroup(RoleGroup):
     """The reward model (workers/reward_model.py)."""
 
-    methods = ("compute_rm_score",)
-
-    def compute_rm_score(self, batch: Batch) -> Batch:
-        """Adds rm_scores [B] (and rm_token_scores [B, R])."""
-        return self._call("compute_rm_score", batch)
+    compute_rm_score = operation(RewardModelWorker.compute_rm_score)

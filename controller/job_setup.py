@@ -19,7 +19,7 @@ from controller.rewards import RewardScorer
 from controller.roles import JobGroups, needs_reference, start_groups
 from controller.sink import JobSink
 from controller.spec import JobSpec
-from workers.batch import Batch, put_sampling
+from workers.batch import Batch, put_environment, put_prompt_length, put_sampling
 
 
 @dataclass
@@ -58,9 +58,8 @@ class JobSetup:
             val = build_dataset(val_file, tokenizer, spec.data)
             val_batch = val.make_batch(list(range(min(spec.trainer.val_size, len(val)))))
             put_sampling(val_batch, spec.rollout.sampling_params(seed=0, greedy=True))
-            val_batch.meta.update(
-                {"max_prompt_length": spec.data.max_prompt_length, "environment": _environment(spec)}
-            )
+            put_prompt_length(val_batch, spec.data.max_prompt_length)
+            put_environment(val_batch, spec.rollout.environment_config())
         scorer = RewardScorer(spec.reward.function, spec.reward.num_workers) if spec.reward.function else None
         sink.event(
             "building", f"starting {spec.resources.workers} worker(s) for {spec.method} on {model_path}"
@@ -92,13 +91,9 @@ class JobSetup:
         # The seed is a function of the step and round alone, so a resumed job samples what it would have.
         seed = self.spec.trainer.seed * 1_000_003 + step + round_index * 2**32
         put_sampling(batch, self.spec.rollout.sampling_params(seed=seed))
-        batch.meta.update(
-            {
-                "max_prompt_length": self.spec.data.max_prompt_length,
-                "environment": _environment(self.spec),
-                "step": step,
-            }
-        )
+        put_prompt_length(batch, self.spec.data.max_prompt_length)
+        put_environment(batch, self.spec.rollout.environment_config())
+        batch.meta["step"] = step
         return batch
 
     def next_sft_batch(self) -> Batch:
@@ -118,16 +113,3 @@ class JobSetup:
         if self.scorer is not None:
             self.scorer.close()
         self.groups.shutdown()
-
-
-def _environment(spec: JobSpec) -> dict[str, Any] | None:
-    """The multi-turn settings the workers need (workers/multiturn.py), or None for single-turn."""
-    r = spec.rollout
-    if r.environment is None:
-        return None
-    return {
-        "ref": r.environment,
-        "max_turns": r.max_turns,
-        "max_response_tokens": r.max_response_tokens,
-        "step_timeout_s": r.env_step_timeout_s,
-    }

@@ -7,7 +7,7 @@ GRPO job on the built-in arithmetic task with a ~1M-parameter model, on CPU.
 A setting that a lower layer also uses is declared once, in that layer's model, and inherited here:
 `optim` from engines.config.OptimizerConfig / WarmupDecay, `algorithm` from
 workers.loss_config.PolicyLossConfig and engines.config.MicroBatchConfig, `rollout` from
-workers.config.RolloutOptions and engines.rollout.SamplingKnobs. Their validators run on submission,
+workers.config.RolloutOptions / EnvironmentOptions and engines.rollout.SamplingKnobs. Their validators run on submission,
 and the section methods (`optimizer_config`, `policy_loss_config`, `sampling_params`, ...) hand the
 lower layers their own model, typed. See docs/ARCHITECTURE.md, "Configuration".
 """
@@ -36,7 +36,7 @@ from engines.config import (
     fields_of,
 )
 from engines.rollout.base import SamplingKnobs, SamplingParams
-from workers.config import RolloutOptions, UpdateSchedule
+from workers.config import EnvironmentConfig, EnvironmentOptions, RolloutOptions, UpdateSchedule
 from workers.loss_config import PolicyLossConfig
 
 MAX_SAMPLES = 1 << 20  # prompts, samples or rows per step: far beyond any machine's memory
@@ -134,25 +134,14 @@ class RewardSpec(Section):
         return self
 
 
-class RolloutSpec(Section, RolloutOptions, SamplingKnobs):
+class RolloutSpec(Section, RolloutOptions, SamplingKnobs, EnvironmentOptions):
     """Generation: backend and memory behaviour in the colocated worker (workers.config.RolloutOptions),
-    sampling (engines.rollout.SamplingKnobs), and the group size and response length of the job."""
+    sampling (engines.rollout.SamplingKnobs), multi-turn environments (workers.config.EnvironmentOptions),
+    and the group size and response length of the job."""
 
     n: int = Field(8, ge=1, le=4096, description="samples per prompt (the GRPO group size)")
     max_new_tokens: int = Field(
         8, gt=0, le=1_048_576, description="hard cap on generated tokens per response"
-    )
-    environment: str | None = Field(
-        None,
-        description="multi-turn: 'builtin:NAME', 'module:Class' or 'path/file.py:Class' "
-        "(workers/environments/base.py); None = one response per prompt",
-    )
-    max_turns: int = Field(4, ge=1, le=1024, description="multi-turn: assistant turns per trajectory")
-    max_response_tokens: int = Field(
-        256, gt=0, le=1_048_576, description="multi-turn: token budget of a trajectory after its first prompt"
-    )
-    env_step_timeout_s: float = Field(
-        10.0, gt=0, le=3600, description="multi-turn: time limit of one environment step"
     )
 
     @property
@@ -165,6 +154,10 @@ class RolloutSpec(Section, RolloutOptions, SamplingKnobs):
     def response_budget(self) -> int:
         """The value of `response_budget_field` (over-long handling and the length clip ratio use it)."""
         return getattr(self, self.response_budget_field)
+
+    def environment_config(self) -> EnvironmentConfig | None:
+        """The multi-turn settings the workers run with; None for single-turn generation."""
+        return None if self.environment is None else fields_of(self, EnvironmentConfig)
 
     def sampling_params(self, seed: int | None, greedy: bool = False) -> SamplingParams:
         """One completion per (already repeated) prompt, with this section's settings."""

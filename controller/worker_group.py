@@ -263,14 +263,14 @@ class RayWorkerGroup:
             refs = [actors[0].execute.remote(self.role, method, (args, kwargs))]
             return PendingCall(self, method, refs, lambda outs: outs[0])
         if spec.mode is Dispatch.MESH:
-            return self._submit_mesh(method, spec.mesh or "", args, kwargs)
+            return self._submit_mesh(method, spec, args, kwargs)
         raise ValueError(f"unknown dispatch mode {spec.mode}")
 
-    def _submit_mesh(self, method: str, mesh: str, args: tuple, kwargs: dict) -> PendingCall:
+    def _submit_mesh(self, method: str, spec: MethodSpec, args: tuple, kwargs: dict) -> PendingCall:
         if not args:
             raise TypeError(f"{self.name}.{method} is a MESH method: pass the Batch as its first argument")
-        layout = self.mesh_layout(mesh)
-        chunks, pad = split_for_mesh(layout, args[0])
+        layout = self.mesh_layout(spec.mesh or "")
+        chunks, pad = split_for_mesh(layout, args[0], pad=spec.pad)
         readers = [layout.dp_rank.count(dp) for dp in range(len(chunks))]
         chunk_refs = [_shared(chunk, n) for chunk, n in zip(chunks, readers, strict=True)]  # tp peers
         rest = _shared((args[1:], kwargs), self.world_size)

@@ -22,17 +22,31 @@ not depend on the micro-batch split, dynamic batching or the dp size. The metric
 additive in the same way (already divided by global counts); the engine sums them over micro-batches
 and ranks, so a logged loss is on the scale of the loss that was back-propagated. A metric whose
 name ends in `_max` is a maximum instead: the engine keeps the largest value (`combine_metric`).
+
+Gradients accumulated over several calls. Gradients add up from one `forward_backward_batch` to the
+next until `optimizer_step` (which zeroes them), so one optimizer step may take its batch in several
+calls: the RL loop makes one call per step (its mini-batch), a low-level client (the Tinker API) as
+many as it likes. The counts must then be those of the WHOLE accumulated batch, not of one call, or each call
+would be normalised as if it were the whole batch: the caller states them (`counts=`, built with
+`GlobalCounts.of` over every call's rows, on every rank), and the engine hands them to the loss as
+they are instead of counting the call's rows. N calls with 1/N of the batch each then give the
+gradient of one call with the whole batch, in every aggregation mode (tests/test_accumulation.py;
+two ranks: tests/test_train_engine_dist.py).
+Without `counts` a call is one whole optimizer batch (the RL loop's case). Losses that are plain sums (the
+Tinker API's built-in losses) do not read the counts and accumulate either way.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDict
+
+from engines.config import OptimizerConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,16 @@ class GlobalCounts:
     tokens: int  # sum of response_mask
     sequences: int  # number of samples (rows)
     response_width: int  # R, the padded response length (the constant of seq-mean-token-sum-norm)
+
+    @classmethod
+    def of(cls, batches: Sequence[TensorDict]) -> GlobalCounts:
+        """The counts of several calls' rows taken together (all of them, over every rank): what a
+        caller that accumulates gradients over those calls passes as `counts` to each."""
+        return cls(
+            tokens=int(sum(int(b["response_mask"].sum()) for b in batches)),
+            sequences=sum(int(b.batch_size[0]) for b in batches),
+            response_width=max(int(b["response_mask"].shape[1]) for b in batches),
+        )
 
 
 MAX_SUFFIX = "_max"
@@ -96,19 +120,25 @@ class TrainEngine(ABC):
         forward_only: bool = False,
         compute_entropy: bool = False,
         temperature: float = 1.0,
+        counts: GlobalCounts | None = None,
     ) -> EngineOutput:
-        """Run the batch in micro-batches; back-propagate `loss_fn` unless forward_only.
+        """Run the batch in micro-batches; back-propagate `loss_fn` unless forward_only. Gradients add
+        to those of earlier calls since the last optimizer step.
 
         Log-probs are of logits / temperature, so that they match the sampling distribution of a
-        rollout at that temperature.
+        rollout at that temperature. `counts`: the global counts of the whole accumulated batch when
+        this call is one of several before an optimizer step (module docstring); None = this call's.
         """
 
     @abstractmethod
     def optimizer_zero_grad(self) -> None: ...
 
     @abstractmethod
-    def optimizer_step(self) -> float:
-        """Clip and step; returns the global grad norm before clipping. A non-finite norm skips the step."""
+    def optimizer_step(self, params: OptimizerConfig | None = None) -> float:
+        """Clip and step; returns the global grad norm before clipping. A non-finite norm skips the step.
+
+        `params`: AdamW's settings for this step only (lr, betas, eps, weight_decay, grad_clip), in
+        place of the engine's configured ones and the schedule's learning rate; None = those."""
 
     @abstractmethod
     def lr_scheduler_step(self) -> float:
@@ -136,8 +166,9 @@ class TrainEngine(ABC):
         """Model, optimizer, scheduler, step and RNG, atomically (temporary folder, then rename)."""
 
     @abstractmethod
-    def load_checkpoint(self, path: str) -> int:
-        """Restore what save_checkpoint wrote; returns the step."""
+    def load_checkpoint(self, path: str, optimizer: bool = True) -> int:
+        """Restore what save_checkpoint wrote; returns the step. optimizer=False restores the weights
+        only, leaving the optimizer state and the schedule as they are."""
 
     @abstractmethod
     def export_hf(self, path: str) -> None:

@@ -124,7 +124,8 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 def rank_main(rank: int, world: int, port: int, model_dir: str, cases: list, out_file: str) -> None:
     """One process of a multi-rank engine run. For each (mode, split) case a fresh engine takes this
-    rank's half of the batch; rank 0 saves every case's grads, metrics, grad norm and updated params."""
+    rank's half of the batch; rank 0 saves every case's grads, metrics, grad norm and updated params,
+    and the grads of the same rows accumulated over two calls."""
     import os
 
     import torch.distributed as dist
@@ -145,11 +146,23 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, cases: list, out
         engine = FSDPEngine(EngineConfig(model_path=model_dir, micro_batch=split, optim={"lr": 1e-2}))
         engine.initialize()
         with engine.train_mode():
+            # First the same rows in two calls of unequal size, told the global batch's counts
+            # (gradient accumulation, engines/base.py); then the case's one call.
+            for rows in (shard[:1], shard[1:]):
+                engine.forward_backward_batch(rows, loss_for(mode), counts=GlobalCounts.of([batch]))
+            accumulated = full_grads(engine)
+            engine.optimizer_zero_grad()
             out = engine.forward_backward_batch(shard, loss_for(mode))
             grads = full_grads(engine)
             norm = engine.optimizer_step()
         params = dict(engine.get_per_tensor_param())
-        results[mode] = {"grads": grads, "metrics": out.metrics, "norm": norm, "params": params}
+        results[mode] = {
+            "grads": grads,
+            "metrics": out.metrics,
+            "norm": norm,
+            "params": params,
+            "accumulated": accumulated,
+        }
     if rank == 0:
         torch.save(results, out_file)
     dist.barrier()

@@ -1,6 +1,7 @@
 """1 rank vs 2 FSDP ranks (two gloo processes): the same global batch gives the same gradients and
 metrics, for the aggregation modes, for the rollout-corrected actor loss, and when one rank's rows
-all run forward only (engines.base.NEEDS_BACKWARD) while the other's back-propagate."""
+all run forward only (engines.base.NEEDS_BACKWARD) while the other's back-propagate; and the same
+gradients when each rank takes its rows in two calls that accumulate."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def _free_port() -> int:
 
 CASES = [
     ("token-mean", {"micro_batch_size": 1}),
+    ("seq-mean-token-sum", {"micro_batch_size": 2}),
     ("seq-mean-token-mean", {}),
     ("seq-mean-token-sum-norm", {"max_tokens_per_micro_batch": 24}),
     ("rollout-corrected", {"micro_batch_size": 2}),
@@ -51,6 +53,15 @@ def test_two_ranks_match_one_rank(runs, mode):
     # After one Adam step (lr 1e-2) both runs hold the same weights within 1% of a step: Adam's first
     # update is ~lr * sign(g), so gradients near zero amplify their 1e-5 relative differences.
     assert max(float((two["params"][k] - one["params"][k]).abs().max()) for k in one["params"]) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", [mode for mode, _ in CASES])
+def test_two_ranks_accumulating_over_calls_match_one_call_on_one_rank(runs, mode):
+    """Each rank's rows in two calls, told the global batch's counts (engines/base.py): the gradient of
+    one call with the whole batch on one rank, in every aggregation mode (tests/test_accumulation.py
+    checks one rank)."""
+    assert max_rel_diff(runs[1][mode]["accumulated"], runs[0][mode]["grads"]) <= 1e-5
+    assert max_rel_diff(runs[0][mode]["accumulated"], runs[0][mode]["grads"]) <= 1e-5
 
 
 @pytest.mark.parametrize("save_world, load_world", [(1, 2), (2, 1)])

@@ -28,6 +28,15 @@ class Dispatch(enum.Enum):
     MESH = "mesh"  # a Batch split by the mesh's dp size; collect ranks gathered by dp rank
 
 
+class Reduce(enum.Enum):
+    """What a typed group surface (controller/groups.py) makes of the ranks' results, so that it
+    returns what the worker method's own annotation says."""
+
+    ALL = "all"  # every rank's result in rank order; a MESH call's Batches come back gathered anyway
+    GLOBAL = "global"  # identical on every rank (the engine reduced it over ranks): rank 0's is global
+    RANK_ZERO = "rank_zero"  # a per-rank measurement or acknowledgement: rank 0's own
+
+
 @dataclass(frozen=True)
 class MethodSpec:
     """The declarative dispatch spec that `register` attaches to a worker method."""
@@ -35,15 +44,25 @@ class MethodSpec:
     mode: Dispatch
     mesh: str | None = None
     blocking: bool = True
+    reduce: Reduce = Reduce.ALL
+    pad: bool = True  # MESH: a batch may be padded to the dp size with copies of its first rows
 
 
-def register(mode: Dispatch, mesh: str | None = None, blocking: bool = True) -> Callable[[F], F]:
-    """Mark a worker method as callable through a worker group, with its dispatch mode."""
+def register(
+    mode: Dispatch,
+    mesh: str | None = None,
+    blocking: bool = True,
+    reduce: Reduce = Reduce.ALL,
+    pad: bool = True,
+) -> Callable[[F], F]:
+    """Mark a worker method as callable through a worker group, with its dispatch mode and how the
+    typed group surface reduces the ranks' results (`Reduce`). `pad=False`: a MESH method for
+    which a padding row would count (a gradient): a batch must split evenly over the dp ranks."""
     if mode is Dispatch.MESH and not mesh:
         raise ValueError("Dispatch.MESH needs a mesh name, e.g. register(Dispatch.MESH, mesh='actor')")
     if mode is not Dispatch.MESH and mesh is not None:
         raise ValueError(f"mesh={mesh!r} only applies to Dispatch.MESH, not {mode.name}")
-    spec = MethodSpec(mode=mode, mesh=mesh, blocking=blocking)
+    spec = MethodSpec(mode=mode, mesh=mesh, blocking=blocking, reduce=reduce, pad=pad)
 
     def decorate(fn: F) -> F:
         setattr(fn, SPEC_ATTR, spec)

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from engines.rollout.base import SamplingParams
+from workers.config import EnvironmentConfig
 
 Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
 
@@ -288,3 +289,32 @@ def sampling_of(batch: Batch) -> SamplingParams | None:
     when the batch was never sampled (SFT)."""
     raw = batch.meta.get(SAMPLING_KEY)
     return None if raw is None else SamplingParams.model_validate(raw)
+
+
+ENVIRONMENT_KEY = "environment"
+PROMPT_LENGTH_KEY = "max_prompt_length"
+
+
+def put_environment(batch: Batch, config: EnvironmentConfig | None) -> None:
+    """Attach the multi-turn settings generate_sequences runs the rows with (None: single-turn)."""
+    batch.meta[ENVIRONMENT_KEY] = config
+
+
+def environment_of(batch: Batch) -> EnvironmentConfig | None:
+    """The batch's multi-turn settings, typed (a dict is validated); None for single-turn rows."""
+    raw = batch.meta.get(ENVIRONMENT_KEY)
+    return None if raw is None else EnvironmentConfig.model_validate(raw)
+
+
+def put_prompt_length(batch: Batch, max_prompt_length: int) -> None:
+    """Attach the prompt width of the rollout layout (data.max_prompt_length): prompts are
+    left-padded to it, so that every rank's chunk has the same columns."""
+    if max_prompt_length <= 0:
+        raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+    batch.meta[PROMPT_LENGTH_KEY] = int(max_prompt_length)
+
+
+def prompt_length_of(batch: Batch) -> int | None:
+    """The batch's prompt width, or None when it has none (then the longest prompt sets it)."""
+    raw = batch.meta.get(PROMPT_LENGTH_KEY)
+    return None if raw is None else int(raw)

@@ -73,3 +73,44 @@ class HybridWorkerConfig(_Config):
     actor: EngineConfig
     ref: EngineConfig | None = Field(None, description="reference model for KL; None = no reference")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+
+class EnvironmentOptions(_Config):
+    """Multi-turn rollouts (workers/multiturn.py). JobSpec.rollout inherits these fields."""
+
+    environment: str | None = Field(
+        None,
+        description="multi-turn: 'builtin:NAME', 'module:Class' or 'path/file.py:Class' "
+        "(workers/environments/base.py); None = one response per prompt",
+    )
+    max_turns: int = Field(4, ge=1, le=1024, description="multi-turn: assistant turns per trajectory")
+    max_response_tokens: int = Field(
+        256, gt=0, le=1_048_576, description="multi-turn: token budget of a trajectory after its first prompt"
+    )
+    env_step_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="multi-turn: time limit of one environment reset or step"
+    )
+
+
+# The names this worker model had before it inherited the JobSpec's: still accepted (scripts, tests).
+_FORMER_ENVIRONMENT_NAMES = {"ref": "environment", "step_timeout_s": "env_step_timeout_s"}
+
+
+class EnvironmentConfig(EnvironmentOptions):
+    """What a worker's multi-turn rollout runs with (`workers.batch.environment_of`): the options of
+    a job with an environment, and how many environment steps a worker runs at once."""
+
+    threads: int = Field(32, ge=1, le=4096, description="environment steps run at once")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_names(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(k in data for k in _FORMER_ENVIRONMENT_NAMES):
+            return {_FORMER_ENVIRONMENT_NAMES.get(k, k): v for k, v in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _has_environment(self) -> EnvironmentConfig:
+        if self.environment is None:
+            raise ValueError("a multi-turn rollout needs an environment reference ('builtin:NAME', ...)")
+        return self

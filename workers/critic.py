@@ -10,18 +10,25 @@ from __future__ import annotations
 from engines.config import EngineConfig
 from engines.registry import build_train_engine
 from engines.threads import limit_threads_for_model
-from workers.base import Dispatch, Worker, register
+from workers.base import Dispatch, Reduce, register
 from workers.batch import Batch
 from workers.config import UpdateSchedule
+from workers.loss_config import ValueLossConfig
+from workers.operations import TrainingOperations, TrainOps, prepare_loss
 from workers.training import train_on_batch
 
 
-class CriticWorker(Worker):
+class CriticWorker(TrainingOperations):
+    """The value model; checkpoints and live edits are the training operations' (workers/operations.py)."""
+
+    checkpoint_name = "critic"
+
     def __init__(self, config: EngineConfig | dict) -> None:
         super().__init__()
         cfg = EngineConfig.model_validate(config).model_copy(update={"role": "value"})
         self.critic = build_train_engine(cfg)
         self.critic.initialize()
+        self.ops = TrainOps(self.critic)  # the fine-grained operations (workers/operations.py)
         limit_threads_for_model(cfg.model_path)  # a small model: one thread (engines/threads.py)
         self.register_mesh("actor", dp_rank=self.critic.dp_rank, is_collect=self.critic.is_collect_rank)
 
@@ -34,23 +41,9 @@ class CriticWorker(Worker):
         tensors["values"] = out.outputs["values"]
         return Batch(tensors, batch.non_tensors, batch.meta)
 
-    @register(Dispatch.MESH, mesh="actor")
+    @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
     def update_critic(
         self, batch: Batch, vf_clip: float | None, agg_mode: str, schedule: UpdateSchedule | dict
     ) -> dict[str, float]:
-        from workers.losses import make_value_loss
-
-        return train_on_batch(self.critic, batch, make_value_loss(vf_clip, agg_mode), schedule, "critic")
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str, step: int) -> None:
-        self.critic.save_checkpoint(f"{path}/critic", step)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> int:
-        return self.critic.load_checkpoint(f"{path}/critic")
-
-    @register(Dispatch.ONE_TO_ALL)
-    def set_hyperparameters(self, lr: float | None = None) -> None:
-        if lr is not None:
-            self.critic.set_learning_rate(lr)
+        loss = prepare_loss(batch, ValueLossConfig(vf_clip=vf_clip, loss_agg_mode=agg_mode))
+        return train_on_batch(self.critic, batch, loss.loss_fn, schedule, "critic")

@@ -11,7 +11,8 @@ collected); "rollout" groups `tensor_parallel_size` consecutive ranks into one r
 
 Generation layout. The controller sends a Batch whose non_tensors["prompt_ids"] hold token-id lists
 (one row per sample: prompts already repeated n times) and whose meta holds the SamplingParams
-(`workers.batch.put_sampling`) and "max_prompt_length". Outputs have fixed widths, so that the chunks of
+(`workers.batch.put_sampling`), the prompt width (`put_prompt_length`) and, for multi-turn rows, the
+environment (`put_environment`). Outputs have fixed widths, so that the chunks of
 all dp ranks concatenate: input_ids = prompt left-padded to P = max_prompt_length, then the
 response right-padded to R = max_new_tokens.
 """
@@ -23,15 +24,16 @@ from itertools import chain
 import torch
 from tensordict import TensorDict
 
-from engines.base import NEEDS_BACKWARD, TrainEngine
+from engines.base import TrainEngine
 from engines.registry import build_train_engine
 from engines.rollout import SamplingParams, build_rollout_engine
 from engines.threads import limit_threads_for_model
 from engines.weights import WeightSync
-from workers.base import Dispatch, Worker, register
-from workers.batch import Batch, sampling_of
-from workers.config import HybridWorkerConfig, RolloutConfig, UpdateSchedule
-from workers.loss_config import PolicyLossConfig
+from workers.base import Dispatch, Reduce, register
+from workers.batch import Batch, environment_of, prompt_length_of, sampling_of
+from workers.config import EnvironmentConfig, HybridWorkerConfig, RolloutConfig, UpdateSchedule
+from workers.loss_config import PolicyLossConfig, SFTLossConfig
+from workers.operations import TrainingOperations, TrainOps, prepare_loss, temperature_of
 from workers.training import train_on_batch
 
 
@@ -40,8 +42,10 @@ def rollout_mesh_coords(rank: int, tp: int) -> tuple[int, bool]:
     return rank // tp, rank % tp == 0
 
 
-class ActorRolloutRefWorker(Worker):
+class ActorRolloutRefWorker(TrainingOperations):
     """One rank of the colocated actor + reference + rollout group. See the module docstring."""
+
+    checkpoint_name = "actor"
 
     def __init__(self, config: HybridWorkerConfig | dict) -> None:
         super().__init__()
@@ -53,6 +57,7 @@ class ActorRolloutRefWorker(Worker):
             )
         self.actor = build_train_engine(self.config.actor)
         self.actor.initialize()
+        self.ops = TrainOps(self.actor)  # the fine-grained operations (workers/operations.py)
         self.ref: TrainEngine | None = None
         if self.config.ref is not None:
             self.ref = build_train_engine(self.config.ref.model_copy(update={"trainable": False}))
@@ -88,10 +93,11 @@ class ActorRolloutRefWorker(Worker):
         if params.seed is not None:  # replicas must not draw the same samples; tp peers must
             replica, _ = rollout_mesh_coords(self.rank, self.config.rollout.tensor_parallel_size)
             params = params.model_copy(update={"seed": params.seed + 7919 * replica})
-        if batch.meta.get("environment"):
-            return self._generate_trajectories(batch, params)
+        environment = environment_of(batch)
+        if environment is not None:
+            return self._generate_trajectories(batch, params, environment)
         prompts = [list(map(int, p)) for p in batch.non_tensors["prompt_ids"]]
-        width = int(batch.meta.get("max_prompt_length") or max(len(p) for p in prompts))
+        width = prompt_length_of(batch) or max(len(p) for p in prompts)
         self._before_rollout()
         try:
             completions = self.rollout.generate(prompts, params)
@@ -103,16 +109,12 @@ class ActorRolloutRefWorker(Worker):
             batch.meta,
         )
 
-    def _generate_trajectories(self, batch: Batch, params: SamplingParams) -> Batch:
+    def _generate_trajectories(
+        self, batch: Batch, params: SamplingParams, config: EnvironmentConfig
+    ) -> Batch:
         """Multi-turn: one trajectory per row with its environment (workers/multiturn.py)."""
-        from workers.multiturn import (
-            EnvironmentConfig,
-            MultiTurnRollout,
-            trajectory_non_tensors,
-            trajectory_tensors,
-        )
+        from workers.multiturn import MultiTurnRollout, trajectory_non_tensors, trajectory_tensors
 
-        config = EnvironmentConfig.model_validate(batch.meta["environment"])
         if self._chat_delta is None:
             from transformers import AutoTokenizer
 
@@ -129,7 +131,9 @@ class ActorRolloutRefWorker(Worker):
                 strict=True,
             )
         ]
-        width = int(batch.meta["max_prompt_length"])
+        width = prompt_length_of(batch)
+        if width is None:
+            raise ValueError("a multi-turn batch needs its prompt width (workers.batch.put_prompt_length)")
         self._before_rollout()
         try:
             trajectories = MultiTurnRollout(self.rollout, self._chat_delta, config).run(rows, params, width)
@@ -159,7 +163,11 @@ class ActorRolloutRefWorker(Worker):
         """old_log_probs (and entropy) of the responses under the current actor."""
         with self.actor.eval_mode():
             out = self.actor.forward_backward_batch(
-                batch.tensors, None, forward_only=True, compute_entropy=True, temperature=_temperature(batch)
+                batch.tensors,
+                None,
+                forward_only=True,
+                compute_entropy=True,
+                temperature=temperature_of(batch),
             )
         return _with_outputs(
             batch, {"old_log_probs": out.outputs["log_probs"], "entropy": out.outputs["entropy"]}
@@ -171,46 +179,34 @@ class ActorRolloutRefWorker(Worker):
             raise RuntimeError("this worker group has no reference model: set a ref engine config to use KL")
         with self.ref.eval_mode():
             out = self.ref.forward_backward_batch(
-                batch.tensors, None, forward_only=True, temperature=_temperature(batch)
+                batch.tensors, None, forward_only=True, temperature=temperature_of(batch)
             )
         return _with_outputs(batch, {"ref_log_probs": out.outputs["log_probs"]})
 
-    @register(Dispatch.MESH, mesh="actor")
+    @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
     def update_actor(
         self, batch: Batch, loss_config: PolicyLossConfig | dict, schedule: UpdateSchedule | dict
     ) -> dict[str, float]:
         """PPO-style update; the metrics are global (the engine sums them over ranks)."""
-        from workers.losses import make_policy_loss, rows_with_gradient
-
-        cfg = PolicyLossConfig.model_validate(loss_config)
-        loss_fn = make_policy_loss(cfg)
-        if "old_log_probs" not in batch.tensors.keys():
-            loss_fn = _old_log_probs_from_current(loss_fn)
-        # Rows with a zero advantage everywhere run forward only (metrics), never backward.
-        with_gradient = rows_with_gradient(cfg, batch.tensors)
-        if with_gradient is not None:
-            batch = _with_outputs(batch, {NEEDS_BACKWARD: with_gradient})
-        # Entropy is always computed so the dashboard's Entropy chart has actor/entropy; it joins the
-        # loss only with a non-zero entropy_coeff.
-        metrics = train_on_batch(
+        loss = prepare_loss(batch, PolicyLossConfig.model_validate(loss_config))
+        rows = Batch(loss.tensors, batch.non_tensors, batch.meta)
+        return train_on_batch(
             self.actor,
-            batch,
-            loss_fn,
+            rows,
+            loss.loss_fn,
             schedule,
             "actor",
-            compute_entropy=True,
-            temperature=_temperature(batch),
+            compute_entropy=loss.compute_entropy,
+            temperature=loss.temperature,
         )
-        return metrics
 
-    @register(Dispatch.MESH, mesh="actor")
+    @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
     def update_sft(self, batch: Batch, agg_mode: str, schedule: UpdateSchedule | dict) -> dict[str, float]:
         """Supervised fine-tuning on prompt/response rows: cross-entropy on the response tokens."""
-        from workers.losses import make_sft_loss
+        loss = prepare_loss(batch, SFTLossConfig(loss_agg_mode=agg_mode))
+        return train_on_batch(self.actor, batch, loss.loss_fn, schedule, "sft")
 
-        return train_on_batch(self.actor, batch, make_sft_loss(agg_mode), schedule, "sft")
-
-    @register(Dispatch.ONE_TO_ALL)
+    @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's weights into this rank's rollout engine; returns the sync's metrics."""
         with self.actor.eval_mode():
@@ -225,25 +221,13 @@ class ActorRolloutRefWorker(Worker):
     def weight_version(self) -> int:
         return self.rollout.weight_version
 
-    @register(Dispatch.ONE_TO_ALL)
-    def set_hyperparameters(self, lr: float | None = None) -> None:
-        if lr is not None:
-            self.actor.set_learning_rate(lr)
+    # ---- checkpoints (save_checkpoint, load_checkpoint: workers/operations.py) -------------------
 
-    # ---- checkpoints ---------------------------------------------------------------------------
-
-    @register(Dispatch.ONE_TO_ALL)
-    def save_checkpoint(self, path: str, step: int) -> None:
-        self.actor.save_checkpoint(f"{path}/actor", step)
-
-    @register(Dispatch.ONE_TO_ALL)
-    def load_checkpoint(self, path: str) -> int:
-        """Restore the actor and bring the rollout engine to the restored weights."""
-        step = self.actor.load_checkpoint(f"{path}/actor")
+    def after_load_checkpoint(self) -> None:
+        """Bring the rollout engine to the restored weights."""
         self.sync_weights()
-        return step
 
-    @register(Dispatch.ONE_TO_ALL)
+    @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
     def export_hf(self, path: str) -> None:
         self.actor.export_hf(path)
 
@@ -261,27 +245,6 @@ class ActorRolloutRefWorker(Worker):
     def actor_state_dict(self) -> dict[str, torch.Tensor]:
         with self.actor.eval_mode():
             return {k: v.cpu().clone() for k, v in self.actor.get_per_tensor_param()}
-
-
-def _old_log_probs_from_current(loss_fn):
-    """Wrap a policy loss for a single on-policy step: old log-probs are the current ones, detached.
-
-    Only valid when this forward is the first of the update (one mini-batch, one epoch), so the
-    policy has not moved yet; the trainer decides that. The policy loss then measures the rollout
-    engine's mismatch and applies the rollout correction against these same values.
-    """
-
-    def wrapped(micro, outputs, counts):
-        micro["old_log_probs"] = outputs["log_probs"].detach()
-        return loss_fn(micro, outputs, counts)
-
-    return wrapped
-
-
-def _temperature(batch: Batch) -> float:
-    params = sampling_of(batch)
-    temperature = params.temperature if params is not None else 1.0
-    return temperature if temperature > 0 else 1.0  # greedy: log-probs of the plain model
 
 
 def _with_outputs(batch: Batch, outputs: dict[str, torch.Tensor]) -> Batch:

@@ -87,3 +87,25 @@ class PolicyLossConfig(BaseModel):
         "truncated importance weights (applied by the loss) and rejection of tokens or sequences "
         "(applied to the response mask before the update); off by default",
     )
+
+
+class SFTLossConfig(BaseModel):
+    """Supervised fine-tuning: the cross-entropy of the response tokens (workers/losses/sft.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    loss_agg_mode: AggMode = Field("token-mean", description="how token losses become one scalar")
+
+
+class ValueLossConfig(BaseModel):
+    """The critic's clipped value loss (workers/losses/value.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    vf_clip: float | None = Field(0.2, ge=0, description="clip of the value update; None = unclipped")
+    loss_agg_mode: AggMode = Field("token-mean", description="how token losses become one scalar")
+
+
+# What a `forward_backward` worker operation takes as its loss (workers/operations.py): the options
+# of one of the built-in losses, built into a LossFn inside the worker (workers.losses.make_loss).
+LossSpec = PolicyLossConfig | SFTLossConfig | ValueLossConfig

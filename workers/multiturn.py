@@ -23,28 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tensordict import TensorDict
 
 from engines.rollout import RolloutEngine, SamplingParams
 from workers.chat_delta import ChatDelta
+from workers.config import EnvironmentConfig
 from workers.environments.base import StepResult, as_messages
 from workers.environments.loader import load_environment_class
 
 TRUNCATED = ("max_turns", "budget")
 FAILED = ("env_error", "env_timeout")
-
-
-class EnvironmentConfig(BaseModel):
-    """What the controller sends in batch.meta["environment"]."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    ref: str = Field(description="environment reference: 'builtin:NAME', 'module:Class', 'file.py:Class'")
-    max_turns: int = Field(4, ge=1, description="assistant turns per trajectory")
-    max_response_tokens: int = Field(256, gt=0, description="budget of all tokens after the first prompt")
-    step_timeout_s: float = Field(10.0, gt=0, description="time limit of one reset or step call")
-    threads: int = Field(32, ge=1, description="environment steps run at once")
 
 
 @dataclass
@@ -78,7 +66,7 @@ class MultiTurnRollout:
 
     def __init__(self, engine: RolloutEngine, delta: ChatDelta, config: EnvironmentConfig) -> None:
         self.engine, self.delta, self.config = engine, delta, config
-        self.env_class = load_environment_class(config.ref)
+        self.env_class = load_environment_class(config.environment)
 
     def run(self, rows: list[dict[str, Any]], params: SamplingParams, prompt_width: int) -> list[Trajectory]:
         trajectories = [Trajectory(env=None) for _ in rows]
@@ -101,7 +89,7 @@ class MultiTurnRollout:
             env = self.env_class()
             return env, as_messages(env.reset(row))
 
-        deadline = time.monotonic() + self.config.step_timeout_s
+        deadline = time.monotonic() + self.config.env_step_timeout_s
         futures = [pool.submit(reset, row) for row in rows]
         for traj, future in zip(trajectories, futures, strict=True):
             outcome = self._result(traj, future, deadline)
@@ -140,7 +128,7 @@ class MultiTurnRollout:
         return [] if self.delta.turn_end_id is None else [self.delta.turn_end_id]
 
     def _step(self, pool: ThreadPoolExecutor, live: list[Trajectory]) -> None:
-        deadline = time.monotonic() + self.config.step_timeout_s
+        deadline = time.monotonic() + self.config.env_step_timeout_s
         futures = [pool.submit(_step_env, t.env, t.messages[-1]["content"]) for t in live]
         for traj, future in zip(live, futures, strict=True):
             result = self._result(traj, future, deadline)
@@ -168,7 +156,7 @@ class MultiTurnRollout:
         try:
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
-            traj.fail("env_timeout", f"no answer within {self.config.step_timeout_s} s")
+            traj.fail("env_timeout", f"no answer within {self.config.env_step_timeout_s} s")
         except Exception as exc:  # user code: any failure ends this trajectory only
             traj.fail("env_error", f"{type(exc).__name__}: {exc}")
         return None

@@ -2,8 +2,9 @@
 
 The global mini-batch size (samples per optimizer step, over all dp ranks) is split evenly across
 ranks; each epoch visits this rank's rows in a seeded random order (or in order without shuffling).
-Every mini-batch is one `forward_backward_batch` (which micro-batches inside) and one
-`optimizer_step`; the learning-rate schedule advances once per call, i.e. once per RL step.
+Every mini-batch is one `forward_backward` (which micro-batches inside) and one `optim_step` of
+the fine-grained operations (workers/operations.py); the learning-rate schedule advances once per
+call, i.e. once per RL step.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from engines.base import MAX_SUFFIX, LossFn, TrainEngine, combine_metric
 from workers.batch import Batch
 from workers.config import UpdateSchedule
+from workers.operations import TrainOps
 
 
 def mini_batches(num_rows: int, dp_size: int, schedule: UpdateSchedule) -> list[list[int]]:
@@ -52,17 +54,18 @@ def train_on_batch(
     contract of engines/base.py), so every rank returns the same, global, metrics."""
     sums: dict[str, float] = {}
     plan = mini_batches(len(batch), engine.dp_size, UpdateSchedule.model_validate(schedule))
+    ops = TrainOps(engine)
     with engine.train_mode():
         lr = engine.learning_rate
         for index in plan:
             rows = batch.tensors[torch.tensor(index)]
-            out = engine.forward_backward_batch(
+            out = ops.forward_backward(
                 rows, loss_fn, compute_entropy=compute_entropy, temperature=temperature
             )
             for key, value in out.metrics.items():
                 combine_metric(sums, key if "/" in key else f"{prefix}/{key}", value)
-            combine_metric(sums, f"{prefix}/grad_norm", engine.optimizer_step())
-        engine.lr_scheduler_step()
+            combine_metric(sums, f"{prefix}/grad_norm", ops.optim_step())
+        ops.lr_scheduler_step()
     # Averaged over the optimizer steps; maxima (engines/base.py) stay maxima.
     metrics = {key: value if key.endswith(MAX_SUFFIX) else value / len(plan) for key, value in sums.items()}
     metrics[f"{prefix}/lr"] = lr

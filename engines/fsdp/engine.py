@@ -46,7 +46,7 @@ from engines.base import (
     TrainEngine,
     combine_metric,
 )
-from engines.config import EngineConfig
+from engines.config import EngineConfig, OptimizerConfig
 from engines.distributed import (
     all_reduce_max,
     all_reduce_max_floats,
@@ -235,6 +235,7 @@ class FSDPEngine(TrainEngine):
         forward_only: bool = False,
         compute_entropy: bool = False,
         temperature: float = 1.0,
+        counts: GlobalCounts | None = None,
     ) -> EngineOutput:
         missing = [k for k in REQUIRED_KEYS if k not in batch.keys()]
         if missing:
@@ -243,7 +244,8 @@ class FSDPEngine(TrainEngine):
             raise ValueError("a backward pass needs a loss_fn and a trainable engine; use forward_only=True")
         batch = batch.to(self.device)
         width = batch["response_mask"].shape[1]
-        counts = self._global_counts(batch, width)
+        if counts is None:  # one call = one optimizer batch; else the caller's (engines/base.py)
+            counts = self._global_counts(batch, width)
         lengths = batch["attention_mask"].sum(1).tolist()
         groups = self._prompt_groups(batch, width)
         needs_backward = None
@@ -375,19 +377,41 @@ class FSDPEngine(TrainEngine):
     def optimizer_zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
-    def optimizer_step(self) -> float:
-        clip = self.config.optim.grad_clip
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip or float("inf"), foreach=True)
+    def optimizer_step(self, params: OptimizerConfig | None = None) -> float:
+        clip = (params or self.config.optim).grad_clip
+        with_grad = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm=clip or float("inf"), foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         grad_norm = float(norm)
         if math.isfinite(grad_norm):
-            self.optimizer.step()
+            with self._step_settings(params):
+                self.optimizer.step()
         else:
             self.skipped_steps += 1  # a non-finite gradient would poison the Adam moments
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    @contextmanager
+    def _step_settings(self, params: OptimizerConfig | None) -> Iterator[None]:
+        """AdamW's settings replaced by `params` for one step, then restored: the schedule owns lr."""
+        if params is None:
+            yield
+            return
+        keys = {
+            "lr": params.lr,
+            "betas": params.betas,
+            "eps": params.eps,
+            "weight_decay": params.weight_decay,
+        }
+        saved = [{k: group[k] for k in keys} for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group.update(keys)
+        try:
+            yield
+        finally:
+            for group, values in zip(self.optimizer.param_groups, saved, strict=True):
+                group.update(values)
 
     def lr_scheduler_step(self) -> float:
         self.scheduler.step()
@@ -435,22 +459,23 @@ class FSDPEngine(TrainEngine):
                 ckpt.write_meta(folder, {"step": step, "dp_size": self.dp_size, "role": self.config.role})
         self._offload_as_configured()
 
-    def load_checkpoint(self, path: str) -> int:
+    def load_checkpoint(self, path: str, optimizer: bool = True) -> int:
         folder = ckpt.resolve_checkpoint(path)
         meta = ckpt.read_meta(folder)
-        self._onload(optimizer=self.optimizer is not None)
-        state = self._state()
+        with_optimizer = optimizer and self.optimizer is not None
+        self._onload(optimizer=with_optimizer)
+        state = self._state() if with_optimizer else {"model": get_model_state_dict(self.model)}
         dcp.load(state, checkpoint_id=str(folder))
-        if self.optimizer is None:
+        if not with_optimizer:
             set_state_dict(self.model, (), model_state_dict=state["model"], optim_state_dict={})
         else:
             set_state_dict(
                 self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
             )
-        extra = torch.load(folder / "trainer_state.pt", weights_only=False)
-        if self.scheduler is not None and extra["scheduler"] is not None:
-            self.scheduler.load_state_dict(extra["scheduler"])
-        self.skipped_steps = extra["skipped_steps"]
+            extra = torch.load(folder / "trainer_state.pt", weights_only=False)
+            if self.scheduler is not None and extra["scheduler"] is not None:
+                self.scheduler.load_state_dict(extra["scheduler"])
+            self.skipped_steps = extra["skipped_steps"]
         rng_file = folder / f"rng_rank{self.dp_rank}.pt"
         if rng_file.exists():
             ckpt.set_rng_state(torch.load(rng_file, weights_only=False))

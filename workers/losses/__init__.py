@@ -6,6 +6,8 @@ can sum them over micro-batches and ranks. aggregation.py holds the reductions, 
 estimators, policy.py the actor objectives (PPO, GSPO, CISPO), value.py the critic, sft.py SFT.
 """
 
+from engines.base import LossFn
+from workers.loss_config import LossSpec, SFTLossConfig, ValueLossConfig
 from workers.losses.aggregation import AGG_MODES, AggMode, aggregate, check_agg_mode
 from workers.losses.kl import KL_TYPES, KLType, kl_estimate
 from workers.losses.policy import (
@@ -21,6 +23,20 @@ from workers.losses.policy import (
 from workers.losses.sft import make_sft_loss
 from workers.losses.value import make_value_loss
 
+
+def make_loss(spec: LossSpec) -> LossFn:
+    """The LossFn of a loss's options (workers.loss_config.LossSpec)."""
+    if isinstance(spec, PolicyLossConfig):
+        return make_policy_loss(spec)
+    if isinstance(spec, SFTLossConfig):
+        return make_sft_loss(spec.loss_agg_mode)
+    if isinstance(spec, ValueLossConfig):
+        return make_value_loss(spec.vf_clip, spec.loss_agg_mode)
+    raise TypeError(
+        f"a loss is given by its options (workers.loss_config.LossSpec), not {type(spec).__name__}"
+    )
+
+
 __all__ = [
     "AGG_MODES",
     "KL_TYPES",
@@ -34,6 +50,7 @@ __all__ = [
     "gspo_token_loss",
     "kl_estimate",
     "make_policy_loss",
+    "make_loss",
     "make_sft_loss",
     "make_token_objective",
     "make_value_loss",
