@@ -51,6 +51,10 @@ def init_ray(address: str | None, num_cpus: int | None = None, home: Path | None
     if address:
         ray_init(address=address, **common)
     else:
+        # A new local cluster: Ray turns its token authentication on by default and warns about it at
+        # every start. Asking for it explicitly keeps it on (the token is ~/.ray/auth_token, made on
+        # first use) without the warning; RAY_AUTH_MODE=disabled set by the user is respected.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         ray_init(num_cpus=num_cpus, include_dashboard=False, **common)
 
 
@@ -115,6 +119,9 @@ def serve(
         log.info("stopping: pausing running jobs so they resume from a checkpoint")
         service.shutdown(timeout_s=shutdown_timeout_s)
         ray.shutdown()
+        # Frozen objects are never freed, so at exit triton's nanobind bindings (imported through
+        # tensordict -> torch._dynamo) printed ~27 "nanobind: leaked ..." lines: give them back.
+        gc.unfreeze()
         reaper.stdin.close()  # done: the watcher cleans up now
         remove_record(home)
 

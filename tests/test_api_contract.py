@@ -29,6 +29,15 @@ def test_unknown_routes_wrong_methods_and_bad_json_use_the_error_shape(live, api
     assert error["param"] == "body" and error["message"].startswith("body:")
 
 
+def test_a_trailing_slash_is_a_404_in_the_error_shape_never_a_redirect(api):
+    """A REST client should not have to follow a 307: FastAPI's redirect_slashes is off."""
+    for path in ("/v1/jobs/abc/", "/v1/jobs/", "/v1/jobs/job-0123456789ab/metrics/", "/v1/files/"):
+        response = api.get(path, follow_redirects=False)
+        assert _error(response, 404)["code"] == "unknown_route", path
+        assert "location" not in response.headers
+    assert api.get("/v1/jobs").status_code == 200
+
+
 def test_bogus_status_filter_is_422(api):
     error = _error(api.get("/v1/jobs", params={"status": "bogus"}), 422)
     assert error["param"] == "status"
