@@ -83,7 +83,7 @@ def photograph(url: str, token: str, job_id: str, out: Path) -> list[Path]:
         page.wait_for_timeout(3000)  # charts draw from the metrics stream
         shots.append(out / "job.png")
         page.screenshot(path=str(shots[-1]))
-        page.locator("#samples").scroll_into_view_if_needed()
+        page.locator("#samples").evaluate("el => el.closest('section').scrollIntoView()")
         page.wait_for_timeout(1000)
         shots.append(out / "samples.png")
         page.screenshot(path=str(shots[-1]))
