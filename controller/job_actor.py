@@ -17,6 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from controller.metric_format import format_metrics
 from controller.spec import JobSpec
 from controller.trainer import StopRequested, Trainer
 from controller.worker_output import ENV as WORKER_OUTPUT_ENV
@@ -88,7 +89,7 @@ class BufferSink:
 
     def progress(self, step: int, total: int, values: dict[str, float]) -> None:
         self.step, self.total = step, total
-        shown = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        shown = format_metrics(values)
         logging.getLogger("tandem.job").info("step %d/%d %s", step, total, shown)
 
     def drain(self) -> dict[str, list]:

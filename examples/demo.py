@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TANDEM_HOME"] = str(home)  # the service's home, and where the client finds URL and token
     running = read_record(home)
     server = None if running else start_service(home)
+    url = None
     try:
         url = running["url"] if running else wait_ready(home, server)
         if running:
@@ -138,18 +139,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"In another terminal: .venv/bin/tandem list   (it finds {url} through {home})")
         if server is None or args.exit:
             return 0
-        print("The service keeps running; Ctrl-C stops it.", flush=True)
+        print("The service keeps running; Ctrl-C stops it (running jobs pause and resume at its next start).",
+              flush=True)  # fmt: skip
         server.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        if server is not None and server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=300)
-            except subprocess.TimeoutExpired:
-                server.kill()
+        if server is not None:
+            stop_service(server, home, url)
     return 0
+
+
+def active_jobs(url: str | None) -> list[dict]:
+    """The jobs a stop will pause (read before the service goes; empty when it cannot answer)."""
+    if url is None:
+        return []
+    try:
+        with TandemClient(url=url) as client:
+            return client.list_jobs(status=["running", "pausing", "queued"], limit=100)["data"]
+    except Exception:  # the service is already going (Ctrl-C reached it too): say what we can
+        return []
+
+
+def stop_service(server: subprocess.Popen, home: Path, url: str | None) -> None:
+    """Stop the service the demo started (it pauses running jobs at a checkpoint) and say so."""
+    jobs = active_jobs(url) if server.poll() is None else []
+    print("\n== Stopping the service: running jobs pause at their next step, with a checkpoint", flush=True)
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    for job in jobs:
+        print(
+            f"paused {job['id']} ({job['method']}; it was at step {job['step']}/{job['total_steps']})",
+            flush=True,
+        )
+    restart = f"`make run`, or `.venv/bin/tandem serve` on {home}"
+    if jobs:
+        print(f"Stopped. The paused jobs resume from their checkpoints when the service starts again: {restart} "
+              "(then `tandem list`).", flush=True)  # fmt: skip
+    else:
+        print(f"Stopped; no job was running. {restart} starts the service again.", flush=True)
 
 
 if __name__ == "__main__":
