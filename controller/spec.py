@@ -42,6 +42,7 @@ from workers.loss_config import PolicyLossConfig
 MAX_SAMPLES = 1 << 20  # prompts, samples or rows per step: far beyond any machine's memory
 
 Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+Tracker = Literal["tensorboard", "wandb", "mlflow"]
 
 
 class Section(BaseModel):
@@ -285,6 +286,23 @@ class TrainerSpec(Section):
     seed: int = Field(0, ge=0, lt=2**32, description="seeds numpy too, whose seeds are 32-bit")
     samples_per_step: int = Field(
         4, ge=0, le=64, description="trajectories stored per step for the samples view; 0 = none"
+    )
+    loggers: list[Tracker] = Field(
+        default_factory=list,
+        max_length=3,
+        description="experiment trackers that also receive every step's metrics, hyper-parameter changes "
+        "and samples, off the step's critical path (controller/trackers/): any of tensorboard (event files "
+        "in the job's folder), wandb (online when logged in, else offline in the job's folder), mlflow",
+    )
+    tracker_project: str = Field(
+        "tandem", min_length=1, max_length=128, description="the W&B project and MLflow experiment of the run"
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2048,
+        description="MLflow tracking URI (a server, or a local folder); default $MLFLOW_TRACKING_URI, "
+        "else mlruns/ in the job's folder",
     )
 
     @model_validator(mode="after")
