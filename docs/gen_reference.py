@@ -49,6 +49,8 @@ def _type(schema: dict, defs: dict) -> str:
             names.append("one of " + ", ".join(f"`{json.dumps(v)}`" for v in option["enum"]))
         elif "const" in option:
             names.append(f"`{json.dumps(option['const'])}`")
+        elif option.get("type") == "array" and "prefixItems" in option:  # a tuple
+            names.append("(" + ", ".join(_type(item, defs) for item in option["prefixItems"]) + ")")
         elif option.get("type") == "array":
             names.append(f"list of {_type(option.get('items', {}), defs)}")
         elif option.get("type") == "object" and "properties" not in option:

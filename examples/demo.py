@@ -4,7 +4,7 @@
    API on http://127.0.0.1:8000, or a free port when 8000 is taken. The service records its URL in
    $TANDEM_HOME/service.json, so `tandem list` in another terminal finds it. A service already
    running on that home is used as it is (and left running).
-2. Submits examples/sft_arithmetic.yaml: SFT warm-starts the built-in ~0.8M-parameter model on 2-digit
+2. Submits examples/sft_arithmetic.yaml: SFT warm-starts the built-in qwen2-1m model (about 0.8M parameters) on 2-digit
    addition to a modest accuracy. A progress bar follows it (step/total, loss, val accuracy, ETA).
 3. Submits examples/grpo_arithmetic.yaml with model.path set to the SFT job's HF export: GRPO raises
    the validation accuracy. Followed the same way.

@@ -65,6 +65,12 @@ def test_the_config_reference_lists_every_jobspec_field_with_its_bounds() -> Non
     assert len(paths) > 80 and "algorithm.overlong.penalty_factor" in paths
     for path in paths:
         assert f"| `{path}` |" in text, path
+    undescribed = [
+        row.split("|")[1].strip()
+        for row in text.splitlines()
+        if row.startswith("| `") and row.endswith("|  |")
+    ]
+    assert not undescribed, f"fields without a description= in their Field(): {undescribed}"
     assert "| `trainer.total_steps` | integer | `20` | > 0, <= 100000000 |" in text
     assert (
         "| `rollout.n` | integer | `8` | >= 1, <= 4096 | samples per prompt (the GRPO group size) |" in text

@@ -36,7 +36,12 @@ class WandbTracker:
         self.run = wandb.init(
             project=info.project, id=info.run_ids.get(self.name) or info.job_id.replace("job-", ""),
             name=info.job_id, resume="allow", dir=str(info.workdir), config=config, tags=tags, mode=mode,
-            reinit="create_new", settings=wandb.Settings(silent=True, console="off"),
+            reinit="create_new", settings=wandb.Settings(
+                # No console capture, system-metrics sampler, git or package scan: they cost CPU that
+                # the job's controller needs, and the job records its own logs and environment.
+                silent=True, console="off", x_disable_stats=True, x_disable_meta=True,
+                x_disable_machine_info=True, x_save_requirements=False, disable_git=True,
+            ),
         )  # fmt: skip
         log.info("wandb: run %s (%s)", self.run.id, mode)
         return self.run.id
