@@ -148,6 +148,16 @@ def test_no_loggers_means_no_wrapper_and_unknown_ones_are_refused(tmp_path: Path
         JobSpec.model_validate({"trainer": {"loggers": ["neptune"]}})
 
 
+def test_a_local_mlflow_folder_outside_the_allowed_ones_is_refused_at_the_door(api) -> None:
+    spec = tiny_job(trainer={"loggers": ["mlflow"], "mlflow_uri": "file:///etc/tandem-mlruns"})
+    refused = api.post("/v1/jobs/validate", json=spec)
+    assert refused.status_code == 422 and refused.json()["error"]["param"] == "trainer.mlflow_uri", (
+        refused.text
+    )
+    spec["trainer"]["mlflow_uri"] = "http://mlflow.example.internal:5000"  # a server: the job's business
+    assert api.post("/v1/jobs/validate", json=spec).status_code == 200
+
+
 def test_a_service_job_logs_to_all_three_trackers(live, api) -> None:
     spec = tiny_job(trainer={"total_steps": 3, "loggers": ALL}, metadata={"suite": "trackers"})
     created = api.post("/v1/jobs", json=spec)
