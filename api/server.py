@@ -124,6 +124,10 @@ def serve(
         if stop.code != signal.SIGTERM:
             raise
     finally:
+        # A second signal (Ctrl-C reaches this process and `make run`, which then sends SIGTERM; or a
+        # second Ctrl-C) must not cut the stop short: jobs would not pause and the record would stay.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _already_stopping)
         log.info("stopping: pausing running jobs so they resume from a checkpoint")
         service.shutdown(timeout_s=shutdown_timeout_s)
         ray.shutdown()
@@ -132,6 +136,10 @@ def serve(
         gc.unfreeze()
         reaper.stdin.close()  # done: the watcher cleans up now
         remove_record(home)
+
+
+def _already_stopping(signum: int, _frame: object) -> None:
+    log.info("%s: already stopping (pausing running jobs first)", signal.Signals(signum).name)
 
 
 def freeze_heap() -> None:

@@ -79,14 +79,22 @@ def wait_ready(home: Path, server: subprocess.Popen, timeout_s: float = 300) -> 
     )
 
 
+# The demo's job that is running now, if any: a stop says it paused, even when the service is
+# already going (Ctrl-C reaches the service too) and cannot be asked.
+FOLLOWING: dict[str, dict] = {}
+
+
 def run_job(client: TandemClient, spec: dict, title: str) -> dict:
     job = client.create_job(spec)
+    FOLLOWING.clear()
+    FOLLOWING[job["id"]] = job
     print(
         f"\n== {title}: job {job['id']} ({spec['method']}, {spec['trainer']['total_steps']} steps)",
         flush=True,
     )
     follow(client, job["id"])
     job = client.get_job(job["id"])
+    FOLLOWING.pop(job["id"], None)
     if job["status"] != "succeeded":
         raise SystemExit(f"{title} ended {job['status']}: {job.get('error')}")
     return job
@@ -151,19 +159,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def active_jobs(url: str | None) -> list[dict]:
-    """The jobs a stop will pause (read before the service goes; empty when it cannot answer)."""
-    if url is None:
-        return []
-    try:
-        with TandemClient(url=url) as client:
-            return client.list_jobs(status=["running", "pausing", "queued"], limit=100)["data"]
-    except Exception:  # the service is already going (Ctrl-C reached it too): say what we can
-        return []
+    """The jobs a stop will pause: the service's list when it still answers, else the demo's own."""
+    if url is not None:
+        try:
+            with TandemClient(url=url) as client:
+                return client.list_jobs(status=["running", "pausing", "queued"], limit=100)["data"]
+        except Exception:  # the service is already going (Ctrl-C reached it too): say what we know
+            pass
+    return [{**job, "step": None} for job in FOLLOWING.values()]  # its step is no longer known
 
 
 def stop_service(server: subprocess.Popen, home: Path, url: str | None) -> None:
     """Stop the service the demo started (it pauses running jobs at a checkpoint) and say so."""
-    jobs = active_jobs(url) if server.poll() is None else []
+    jobs = active_jobs(url if server.poll() is None else None)
     print("\n== Stopping the service: running jobs pause at their next step, with a checkpoint", flush=True)
     if server.poll() is None:
         server.send_signal(signal.SIGTERM)
@@ -172,10 +180,8 @@ def stop_service(server: subprocess.Popen, home: Path, url: str | None) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
     for job in jobs:
-        print(
-            f"paused {job['id']} ({job['method']}; it was at step {job['step']}/{job['total_steps']})",
-            flush=True,
-        )
+        where = "" if job["step"] is None else f"; it was at step {job['step']}/{job['total_steps']}"
+        print(f"paused {job['id']} ({job['method']}{where})", flush=True)
     restart = f"`make run`, or `.venv/bin/tandem serve` on {home}"
     if jobs:
         print(f"Stopped. The paused jobs resume from their checkpoints when the service starts again: {restart} "
