@@ -38,6 +38,12 @@ def test_a_trailing_slash_is_a_404_in_the_error_shape_never_a_redirect(api):
     assert api.get("/v1/jobs").status_code == 200
 
 
+def test_a_path_with_a_nul_byte_is_a_422_naming_the_field_not_a_500(api):
+    for field, body in (("data.train_path", {"data": {"train_path": "a\u0000b.jsonl"}}),
+                        ("trainer.mlflow_uri", {"trainer": {"loggers": ["mlflow"], "mlflow_uri": "runs\u0000"}})):  # fmt: skip
+        assert _error(api.post("/v1/jobs/validate", json=tiny_job(**body)), 422)["param"] == field
+
+
 def test_bogus_status_filter_is_422(api):
     error = _error(api.get("/v1/jobs", params={"status": "bogus"}), 422)
     assert error["param"] == "status"
