@@ -101,6 +101,10 @@ def wandb_tables(workdir: Path) -> list[dict[str, Any]]:
 
 
 def mlflow_client(uri: str):
+    import os
+
     from mlflow.tracking import MlflowClient
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # a local folder, as the tracker wrote it
 
     return MlflowClient(tracking_uri=uri)
