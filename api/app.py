@@ -51,6 +51,8 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         description="RL post-training jobs: submit, watch, steer.",
         docs_url=None,  # served below from vendored assets: /docs works offline
         redoc_url=None,
+        # A REST client should get the route or a 404 in the error shape, never a 307 it must follow.
+        redirect_slashes=False,
     )
     install_error_handlers(app)
     registry, latency = make_registry(service.store)

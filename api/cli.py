@@ -22,6 +22,7 @@ from api.cli_samples import add_samples_parser
 from api.cli_spec import SpecError, build_spec, deep_merge, parse_assignments, parse_value, validate
 from api.cli_watch import clock, follow, print_events, print_logs
 from api.client import TandemAPIError, TandemClient, TandemError
+from controller.metric_format import format_metric
 
 HINT_401 = "set TANDEM_TOKEN or pass --token; the service's admin token is in $TANDEM_HOME/admin_token"
 JOB_PREFIX = "job-"
@@ -91,7 +92,7 @@ def _list(args: argparse.Namespace, client: TandemClient) -> int:
         return 0
     header = ("ID", "STATUS", "OWNER", "METHOD", "MODEL", "STEP", "REWARD", "STARTED", "DURATION")
     rows = [(j["id"], j["status"], j["owner"], j["method"], j["model"], f"{j['step']}/{j['total_steps']}",
-             _number(j["latest_metrics"].get("critic/score/mean")), clock(j["started_at"]),
+             format_metric("critic/score/mean", j["latest_metrics"].get("critic/score/mean")), clock(j["started_at"]),
              _duration(j["started_at"], j["finished_at"])) for j in jobs]  # fmt: skip
     print(table(header, rows) if rows else "no jobs")
     return 0
@@ -116,7 +117,9 @@ def _status(args: argparse.Namespace, client: TandemClient) -> int:
         "error": job["error"] or "-",
     }
     latest = job["latest_metrics"]
-    facts.update({k: _number(latest[k]) for k in METRIC_KEYS if k in latest})  # `tandem metrics` has all
+    facts.update(
+        {k: format_metric(k, latest[k]) for k in METRIC_KEYS if k in latest}
+    )  # `tandem metrics` has all
     width = max(len(k) for k in facts)
     print("\n".join(f"{k:<{width}}  {v}" for k, v in facts.items()))
     return 0
@@ -144,7 +147,7 @@ def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
         return 0
     present = {k for row in rows for k in row["values"]}
     columns = keys or [k for k in METRIC_KEYS if k in present]
-    body = [(str(row["step"]), *(_number(row["values"].get(k)) for k in columns)) for row in rows]
+    body = [(str(row["step"]), *(format_metric(k, row["values"].get(k)) for k in columns)) for row in rows]
     print(table(("STEP", *columns), body) if body else "no metrics yet")
     return 0
 
@@ -260,10 +263,6 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
     return "\n".join("  ".join(f"{str(c):<{w}}" for c, w in zip(r, widths, strict=True)).rstrip()
                      for r in (header, *rows))  # fmt: skip
-
-
-def _number(value: Any) -> str:
-    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _duration(start: float | None, end: float | None) -> str:

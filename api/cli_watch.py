@@ -17,6 +17,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from api.client import TandemClient
+from controller.metric_format import format_metric
 
 REWARD_KEYS = ("critic/score/mean", "sft/loss")  # the headline number: RL reward, else SFT loss
 VAL_KEY = "val/accuracy"
@@ -53,10 +54,10 @@ class ProgressView:
         parts = ["eta " + ("?" if eta is None else tqdm.format_interval(eta))]
         for key in REWARD_KEYS:
             if key in self.values:
-                parts.append(f"{'reward' if key.startswith('critic') else 'loss'}={self.values[key]:.3f}")
+                parts.append(f"{LABELS[key]}={format_metric(key, self.values[key])}")
                 break
         if VAL_KEY in self.values:
-            parts.append(f"val_acc={self.values[VAL_KEY]:.3f}")
+            parts.append(f"val_acc={format_metric(VAL_KEY, self.values[VAL_KEY])}")
         self.bar.set_postfix_str(", ".join(parts), refresh=True)
 
     def close(self, step: int) -> None:
@@ -114,7 +115,7 @@ def summary(job: dict[str, Any], stopped: str | None = None) -> str:
     if stopped:
         line = f"job {job['id']} {job['status']}, {stopped}"
     latest = job["latest_metrics"]
-    shown = [f"{label} {latest[k]:.4g}" for k, label in LABELS.items() if k in latest]
+    shown = [f"{label} {format_metric(k, latest[k])}" for k, label in LABELS.items() if k in latest]
     if shown:
         line += " (" + ", ".join(shown) + ")"
     if job.get("error"):

@@ -51,7 +51,19 @@ def init_ray(address: str | None, num_cpus: int | None = None, home: Path | None
     if address:
         ray_init(address=address, **common)
     else:
+        logging.getLogger(RAY_TOKEN_SETUP_LOGGER).addFilter(drop_token_auth_notice)
         ray_init(num_cpus=num_cpus, include_dashboard=False, **common)
+
+
+# A new local Ray cluster turns its token authentication on (Ray's default; the token is kept in
+# ~/.ray/auth_token) and warns about it at every start. Tandem keeps it on and drops that one notice
+# (docs/troubleshooting.md explains it); Ray's other authentication warnings still show. Setting
+# RAY_AUTH_MODE=token instead would not do: Ray reads its config at import, before serve could set it.
+RAY_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def drop_token_auth_notice(record: logging.LogRecord) -> bool:
+    return "Token authentication is enabled for this Ray cluster" not in record.getMessage()
 
 
 def ray_init(**kwargs: Any) -> None:
@@ -117,11 +129,22 @@ def serve(
         if stop.code != signal.SIGTERM:
             raise
     finally:
+        # A second signal (Ctrl-C reaches this process and `make run`, which then sends SIGTERM; or a
+        # second Ctrl-C) must not cut the stop short: jobs would not pause and the record would stay.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _already_stopping)
         log.info("stopping: pausing running jobs so they resume from a checkpoint")
         service.shutdown(timeout_s=shutdown_timeout_s)
         ray.shutdown()
+        # Frozen objects are never freed, so at exit triton's nanobind bindings (imported through
+        # tensordict -> torch._dynamo) printed ~27 "nanobind: leaked ..." lines: give them back.
+        gc.unfreeze()
         reaper.stdin.close()  # done: the watcher cleans up now
         remove_record(home)
+
+
+def _already_stopping(signum: int, _frame: object) -> None:
+    log.info("%s: already stopping (pausing running jobs first)", signal.Signals(signum).name)
 
 
 def freeze_heap() -> None:

@@ -33,7 +33,12 @@ class Checker:
 
     def allowed(self, path: str, param: str) -> Path:
         """`path` resolved, when it lies under an allowed root; else a 422 that reveals nothing about it."""
-        resolved = Path(path).expanduser().resolve()
+        try:
+            resolved = Path(path).expanduser().resolve()
+        except (ValueError, OSError) as err:  # e.g. an embedded NUL byte: not a path at all (was a 500)
+            raise APIError(
+                422, f"{param}: {path!r} is not a usable path ({err})", param, "invalid_value"
+            ) from None
         if not any(resolved.is_relative_to(root) for root in self.roots):
             raise APIError(422, f"{param}: '{path}' is outside the folders this service may read; upload the "
                            "file (POST /v1/files) or ask the operator to allow its folder (tandem serve "
@@ -125,6 +130,9 @@ class Checker:
         if r.model_path is not None:
             self.folder(r.model_path, "reward.model_path", "reward model")
         self.environment(spec)
+        uri = spec.trainer.mlflow_uri
+        if uri is not None and ("://" not in uri or uri.startswith("file:")):  # a folder the job writes to
+            self.allowed(uri.removeprefix("file://").removeprefix("file:"), "trainer.mlflow_uri")
         why = available_backends().get(spec.rollout.backend)
         if why is not None:
             raise APIError(422, f"rollout.backend: {why}", "rollout.backend", "backend_unavailable")

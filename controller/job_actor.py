@@ -17,7 +17,9 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from controller.metric_format import format_metrics
 from controller.spec import JobSpec
+from controller.trackers import TrackerSink, with_trackers
 from controller.trainer import StopRequested, Trainer
 from controller.worker_output import ENV as WORKER_OUTPUT_ENV
 from controller.worker_output import FILENAME as WORKER_OUTPUT_FILE
@@ -88,7 +90,7 @@ class BufferSink:
 
     def progress(self, step: int, total: int, values: dict[str, float]) -> None:
         self.step, self.total = step, total
-        shown = ", ".join(f"{k}={v:.4g}" for k, v in values.items())
+        shown = format_metrics(values)
         logging.getLogger("tandem.job").info("step %d/%d %s", step, total, shown)
 
     def drain(self) -> dict[str, list]:
@@ -140,7 +142,9 @@ class JobController:
         self.workdir.mkdir(parents=True, exist_ok=True)
         os.environ[WORKER_OUTPUT_ENV] = str(self.workdir / WORKER_OUTPUT_FILE)
         self.worker_output = OutputTail(self.workdir / WORKER_OUTPUT_FILE)
-        self.trainer = Trainer(self.spec, self.workdir, self.sink, name=job_id)
+        # Trackers (trainer.loggers) get a copy of the records from a thread of their own.
+        self.trackers = with_trackers(self.sink, self.spec, self.workdir, job_id)
+        self.trainer = Trainer(self.spec, self.workdir, self.trackers, name=job_id)
 
     def run(self) -> dict[str, Any]:
         log = logging.getLogger("tandem.job")
@@ -165,6 +169,9 @@ class JobController:
                 "step": self.trainer.step_index,
                 "error": f"{type(err).__name__}: {err}",
             }
+        finally:
+            if isinstance(self.trackers, TrackerSink):
+                self.trackers.close()  # each tracker's run ends here; a resumed job continues it
 
     def drain(self) -> dict[str, Any]:
         out = self.sink.drain()

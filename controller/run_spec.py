@@ -53,15 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from controller.sink import JsonlSink
+    from controller.trackers import TrackerSink, with_trackers
     from controller.trainer import Trainer
 
     workdir = Path(args.workdir)
     address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
     ray.init(address=address, namespace="tandem", logging_level="warning")
+    name = args.name or workdir.name
+    sink = with_trackers(JsonlSink(workdir, echo=True), spec, workdir, name)
     try:
-        trainer = Trainer(spec, workdir, JsonlSink(workdir, echo=True), name=args.name or workdir.name)
+        trainer = Trainer(spec, workdir, sink, name=name)
         last = trainer.run()
     finally:
+        if isinstance(sink, TrackerSink):
+            sink.close()
         ray.shutdown()
     print(json.dumps({"status": "succeeded", "step": trainer.step_index, "metrics": last}), flush=True)
     return 0

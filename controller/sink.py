@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from controller.metric_format import format_metrics
+
 log = logging.getLogger("tandem.job")
 
 
@@ -67,5 +69,5 @@ class JsonlSink:
 
     def progress(self, step: int, total: int, values: dict[str, float]) -> None:
         if self.echo:
-            shown = ", ".join(f"{k}={v:.3f}" for k, v in values.items())
+            shown = format_metrics(values)
             print(f"step {step}/{total} {shown}", flush=True)

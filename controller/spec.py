@@ -42,6 +42,7 @@ from workers.loss_config import PolicyLossConfig
 MAX_SAMPLES = 1 << 20  # prompts, samples or rows per step: far beyond any machine's memory
 
 Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+Tracker = Literal["tensorboard", "wandb", "mlflow"]
 
 
 class Section(BaseModel):
@@ -89,7 +90,9 @@ class ModelSpec(Section):
     dtype: Dtype = Field(
         "auto", description="auto: bf16 on GPU, fp32 on CPU; the trainer's and the rollout's"
     )
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="recompute activations in backward: less memory, more compute"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -102,16 +105,22 @@ class DataSpec(Section):
     """Prompt data (RL) or prompt/response pairs (SFT), from local JSONL or Parquet files."""
 
     train_path: str | None = Field(None, description="JSONL or Parquet; None with builtin_task")
-    val_path: str | None = None
+    val_path: str | None = Field(
+        None, description="held-out rows for validation (JSONL or Parquet); default: a split of the task"
+    )
     builtin_task: str | None = Field("arithmetic", description="generate a built-in task's data instead")
-    prompt_key: str = "prompt"
+    prompt_key: str = Field("prompt", description="the column holding the prompt (text or chat messages)")
     response_key: str = Field("response", description="SFT only")
-    ground_truth_key: str = "ground_truth"
-    extra_key: str | None = "extra"
+    ground_truth_key: str = Field(
+        "ground_truth", description="the column passed to the reward as ground_truth"
+    )
+    extra_key: str | None = Field(
+        "extra", description="the column passed to the reward as extra (a dict); None = none"
+    )
     max_prompt_length: int = Field(
         64, gt=0, le=1_048_576, description="longer prompts are dropped and counted"
     )
-    shuffle: bool = True
+    shuffle: bool = Field(True, description="visit the training rows in a seeded random order each epoch")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
@@ -168,7 +177,9 @@ class RolloutSpec(Section, RolloutOptions, SamplingKnobs, EnvironmentOptions):
 class OptimSpec(Section, OptimizerConfig, WarmupDecay):
     """The actor's optimizer (engines.config.OptimizerConfig) and learning-rate schedule."""
 
-    schedule: ScheduleKind = "constant"
+    schedule: ScheduleKind = Field(
+        "constant", description="constant lr after warmup, or cosine decay to min_lr_ratio x lr"
+    )
 
     def optimizer_config(self, lr: float) -> OptimizerConfig:
         return fields_of(self, OptimizerConfig, lr=lr)
@@ -225,25 +236,31 @@ class AlgorithmSpec(Section, PolicyLossConfig, MicroBatchConfig):
         None, description="defaults from the method"
     )
     norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std (False = Dr.GRPO)")
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(1.0, ge=0, le=1)
-    kl_in_reward: bool = False
-    kl_reward_coef: float = Field(0.001, ge=0, le=1e6)
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount per token")
+    lam: float = Field(
+        1.0, ge=0, le=1, description="GAE lambda: bias (0) against variance (1) of the advantages"
+    )
+    kl_in_reward: bool = Field(
+        False, description="subtract kl_reward_coef x KL(policy || reference) from the token rewards"
+    )
+    kl_reward_coef: float = Field(
+        0.001, ge=0, le=1e6, description="weight of the in-reward KL penalty (kl_in_reward)"
+    )
     kl_target: float | None = Field(
         None, gt=0, description="adaptive KL-in-reward: the target KL; None = fixed"
     )
     ppo_mini_batch_size: int | None = Field(
         None, gt=0, le=MAX_SAMPLES, description="samples per optimizer step; None = all"
     )
-    ppo_epochs: int = Field(1, ge=1, le=1000)
-    critic_lr: float = Field(1e-5, gt=0, le=10)
+    ppo_epochs: int = Field(1, ge=1, le=1000, description="passes over a step's batch in the update")
+    critic_lr: float = Field(1e-5, gt=0, le=10, description="the critic's learning rate (PPO)")
     recompute_old_log_probs: bool = Field(
         False,
         description="always run a separate forward pass for old log-probs; by default it is skipped when the "
         "update is one on-policy step (one mini-batch, one epoch, no KL in the reward), where it is exactly "
         "the current policy's",
     )
-    vf_clip: float = Field(0.2, ge=0, le=1e6)
+    vf_clip: float = Field(0.2, ge=0, le=1e6, description="value-loss clip range around the old values (PPO)")
     overlong: OverlongSpec = Field(
         default_factory=OverlongSpec, description="filtering and soft punishment of over-long responses"
     )
@@ -263,8 +280,10 @@ class AlgorithmSpec(Section, PolicyLossConfig, MicroBatchConfig):
 
 
 class TrainerSpec(Section):
-    total_steps: int = Field(20, gt=0, le=100_000_000)
-    prompts_per_step: int = Field(16, gt=0, le=MAX_SAMPLES)
+    total_steps: int = Field(20, gt=0, le=100_000_000, description="training steps of the job")
+    prompts_per_step: int = Field(
+        16, gt=0, le=MAX_SAMPLES, description="prompts a step (RL: x rollout.n samples), or pairs (SFT)"
+    )
     epochs: int = Field(1, ge=1, le=100_000, description="SFT: passes over the data")
     val_every: int = Field(5, ge=0, le=100_000_000, description="0 disables validation")
     val_size: int = Field(64, gt=0, le=MAX_SAMPLES, description="validation prompts per evaluation")
@@ -279,6 +298,23 @@ class TrainerSpec(Section):
     samples_per_step: int = Field(
         4, ge=0, le=64, description="trajectories stored per step for the samples view; 0 = none"
     )
+    loggers: list[Tracker] = Field(
+        default_factory=list,
+        max_length=3,
+        description="experiment trackers that also receive every step's metrics, hyper-parameter changes "
+        "and samples, off the step's critical path (controller/trackers/): any of tensorboard (event files "
+        "in the job's folder), wandb (online when logged in, else offline in the job's folder), mlflow",
+    )
+    tracker_project: str = Field(
+        "tandem", min_length=1, max_length=128, description="the W&B project and MLflow experiment of the run"
+    )
+    mlflow_uri: str | None = Field(
+        None,
+        min_length=1,
+        max_length=2048,
+        description="MLflow tracking URI (a server, or a local folder); default $MLFLOW_TRACKING_URI, "
+        "else mlruns/ in the job's folder",
+    )
 
     @model_validator(mode="after")
     def _target_needs_validation(self) -> TrainerSpec:
@@ -289,7 +325,7 @@ class TrainerSpec(Section):
 
 class CheckpointSpec(Section):
     every: int = Field(5, ge=0, le=100_000_000, description="steps between checkpoints; 0 = only at the end")
-    keep_last: int = Field(2, ge=1, le=10_000)
+    keep_last: int = Field(2, ge=1, le=10_000, description="checkpoints kept; older ones are deleted")
     export_hf: bool = Field(True, description="write an HF folder of the final policy")
     resume_from: str | None = Field(None, description="a checkpoint folder to start from")
 
@@ -325,7 +361,9 @@ class JobSpec(JobLabels):
     """One job: what to train, on what, how, on which resources (and, from JobLabels, its name, tags
     and notes)."""
 
-    method: Method = "grpo"
+    method: Method = Field(
+        "grpo", description="sft, or the RL algorithm (its advantage estimator and loss defaults)"
+    )
     model: ModelSpec = Field(default_factory=lambda: ModelSpec(builtin="qwen2-1m"))
     data: DataSpec = Field(default_factory=DataSpec)
     reward: RewardSpec = Field(default_factory=RewardSpec)
@@ -335,7 +373,9 @@ class JobSpec(JobLabels):
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    metadata: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(
+        default_factory=dict, description="free key/value labels (filter with ?metadata=key:value)"
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

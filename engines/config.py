@@ -49,10 +49,10 @@ class FSDPConfig(_Section):
 class OptimizerConfig(_Section):
     """AdamW with global-norm gradient clipping."""
 
-    lr: float = Field(1e-5, gt=0, le=10)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(0.0, ge=0, le=100)
-    eps: float = Field(1e-8, gt=0)
+    lr: float = Field(1e-5, gt=0, le=10, description="peak learning rate (AdamW)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's moment decay rates, each in [0, 1)")
+    weight_decay: float = Field(0.0, ge=0, le=100, description="AdamW's decoupled weight decay")
+    eps: float = Field(1e-8, gt=0, description="AdamW's denominator epsilon")
     grad_clip: float | None = Field(
         1.0, gt=0, le=1e6, description="max global grad norm; None disables clipping"
     )
@@ -67,7 +67,7 @@ class OptimizerConfig(_Section):
 class WarmupDecay(_Section):
     """The schedule's shape: warmup length and the floor the cosine decays to."""
 
-    warmup_steps: int = Field(0, ge=0, le=100_000_000)
+    warmup_steps: int = Field(0, ge=0, le=100_000_000, description="steps of linear warmup from 0 to lr")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the final lr as a fraction of lr")
 
 

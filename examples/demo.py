@@ -4,7 +4,7 @@
    API on http://127.0.0.1:8000, or a free port when 8000 is taken. The service records its URL in
    $TANDEM_HOME/service.json, so `tandem list` in another terminal finds it. A service already
    running on that home is used as it is (and left running).
-2. Submits examples/sft_arithmetic.yaml: SFT warm-starts the built-in ~0.8M-parameter model on 2-digit
+2. Submits examples/sft_arithmetic.yaml: SFT warm-starts the built-in qwen2-1m model (about 0.8M parameters) on 2-digit
    addition to a modest accuracy. A progress bar follows it (step/total, loss, val accuracy, ETA).
 3. Submits examples/grpo_arithmetic.yaml with model.path set to the SFT job's HF export: GRPO raises
    the validation accuracy. Followed the same way.
@@ -79,14 +79,22 @@ def wait_ready(home: Path, server: subprocess.Popen, timeout_s: float = 300) -> 
     )
 
 
+# The demo's job that is running now, if any: a stop says it paused, even when the service is
+# already going (Ctrl-C reaches the service too) and cannot be asked.
+FOLLOWING: dict[str, dict] = {}
+
+
 def run_job(client: TandemClient, spec: dict, title: str) -> dict:
     job = client.create_job(spec)
+    FOLLOWING.clear()
+    FOLLOWING[job["id"]] = job
     print(
         f"\n== {title}: job {job['id']} ({spec['method']}, {spec['trainer']['total_steps']} steps)",
         flush=True,
     )
     follow(client, job["id"])
     job = client.get_job(job["id"])
+    FOLLOWING.pop(job["id"], None)
     if job["status"] != "succeeded":
         raise SystemExit(f"{title} ended {job['status']}: {job.get('error')}")
     return job
@@ -116,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TANDEM_HOME"] = str(home)  # the service's home, and where the client finds URL and token
     running = read_record(home)
     server = None if running else start_service(home)
+    url = None
     try:
         url = running["url"] if running else wait_ready(home, server)
         if running:
@@ -138,18 +147,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"In another terminal: .venv/bin/tandem list   (it finds {url} through {home})")
         if server is None or args.exit:
             return 0
-        print("The service keeps running; Ctrl-C stops it.", flush=True)
+        print("The service keeps running; Ctrl-C stops it (running jobs pause and resume at its next start).",
+              flush=True)  # fmt: skip
         server.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        if server is not None and server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=300)
-            except subprocess.TimeoutExpired:
-                server.kill()
+        if server is not None:
+            stop_service(server, home, url)
     return 0
+
+
+def active_jobs(url: str | None) -> list[dict]:
+    """The jobs a stop will pause: the service's list when it still answers, else the demo's own."""
+    if url is not None:
+        try:
+            with TandemClient(url=url) as client:
+                return client.list_jobs(status=["running", "pausing", "queued"], limit=100)["data"]
+        except Exception:  # the service is already going (Ctrl-C reached it too): say what we know
+            pass
+    return [{**job, "step": None} for job in FOLLOWING.values()]  # its step is no longer known
+
+
+def stop_service(server: subprocess.Popen, home: Path, url: str | None) -> None:
+    """Stop the service the demo started (it pauses running jobs at a checkpoint) and say so."""
+    jobs = active_jobs(url if server.poll() is None else None)
+    print("\n== Stopping the service: running jobs pause at their next step, with a checkpoint", flush=True)
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+    try:
+        server.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        server.kill()
+    for job in jobs:
+        where = "" if job["step"] is None else f"; it was at step {job['step']}/{job['total_steps']}"
+        print(f"paused {job['id']} ({job['method']}{where})", flush=True)
+    restart = f"`make run`, or `.venv/bin/tandem serve` on {home}"
+    if jobs:
+        print(f"Stopped. The paused jobs resume from their checkpoints when the service starts again: {restart} "
+              "(then `tandem list`).", flush=True)  # fmt: skip
+    else:
+        print(f"Stopped; no job was running. {restart} starts the service again.", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,21 @@ def test_unknown_routes_wrong_methods_and_bad_json_use_the_error_shape(live, api
     assert error["param"] == "body" and error["message"].startswith("body:")
 
 
+def test_a_trailing_slash_is_a_404_in_the_error_shape_never_a_redirect(api):
+    """A REST client should not have to follow a 307: FastAPI's redirect_slashes is off."""
+    for path in ("/v1/jobs/abc/", "/v1/jobs/", "/v1/jobs/job-0123456789ab/metrics/", "/v1/files/"):
+        response = api.get(path, follow_redirects=False)
+        assert _error(response, 404)["code"] == "unknown_route", path
+        assert "location" not in response.headers
+    assert api.get("/v1/jobs").status_code == 200
+
+
+def test_a_path_with_a_nul_byte_is_a_422_naming_the_field_not_a_500(api):
+    for field, body in (("data.train_path", {"data": {"train_path": "a\u0000b.jsonl"}}),
+                        ("trainer.mlflow_uri", {"trainer": {"loggers": ["mlflow"], "mlflow_uri": "runs\u0000"}})):  # fmt: skip
+        assert _error(api.post("/v1/jobs/validate", json=tiny_job(**body)), 422)["param"] == field
+
+
 def test_bogus_status_filter_is_422(api):
     error = _error(api.get("/v1/jobs", params={"status": "bogus"}), 422)
     assert error["param"] == "status"

@@ -1,0 +1,152 @@
+"""Experiment trackers (`trainer.loggers`): a job's records also go to TensorBoard, W&B and MLflow.
+
+`with_trackers(sink, spec, workdir, job_id)` wraps the job's JobSink in a `TrackerSink` when the spec
+asks for trackers. The wrapper hands every record to the job's own sink first, unchanged, then puts
+a copy on a queue; one background thread opens the trackers and feeds them, so a slow or unreachable
+tracker never lengthens a step. A tracker that raises is logged once and disabled; the job goes on.
+`close()` (when the job's run ends) drains the queue within a time limit and closes every tracker.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+from controller.sink import JobSink
+from controller.trackers.base import RunInfo, Tracker, log, read_run_ids, write_run_ids
+
+QUEUE_LIMIT = 10_000  # records waiting for the trackers at most; beyond it new ones are dropped
+CLOSE_TIMEOUT_S = 60.0
+
+
+def make_tracker(name: str) -> Tracker:
+    """The tracker called `name` (a `trainer.loggers` entry); its library is imported when opened."""
+    if name == "tensorboard":
+        from controller.trackers.tensorboard_tracker import TensorBoardTracker
+
+        return TensorBoardTracker()
+    if name == "wandb":
+        from controller.trackers.wandb_tracker import WandbTracker
+
+        return WandbTracker()
+    if name == "mlflow":
+        from controller.trackers.mlflow_tracker import MlflowTracker
+
+        return MlflowTracker()
+    raise ValueError(f"trainer.loggers: unknown tracker '{name}'; choose tensorboard, wandb or mlflow")
+
+
+class TrackerSink:
+    """A JobSink that also sends metrics, hyper-parameter changes and samples to trackers."""
+
+    def __init__(self, inner: JobSink, trackers: list[Tracker], info: RunInfo) -> None:
+        self.inner, self.info = inner, info
+        self.trackers = trackers
+        self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_LIMIT)
+        self.dropped = 0
+        self.thread = threading.Thread(target=self._feed, name="tandem-trackers", daemon=True)
+        self.thread.start()
+
+    # ---- JobSink: the job's own record first, then a copy for the trackers -----------------------
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        self.inner.event(kind, message, **data)
+        if kind == "hyperparameters":
+            self._put("hyperparameters", self._step_of(message), dict(data))
+        elif kind == "checkpoint" and data.get("path"):
+            self._put("checkpoint", data.get("step", 0), data["path"])
+
+    def metrics(self, step: int, values: dict[str, float]) -> None:
+        self.inner.metrics(step, values)
+        self._put("metrics", step, dict(values))
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.inner.samples(step, rows)
+        self._put("samples", step, rows)
+
+    def progress(self, step: int, total: int, values: dict[str, float]) -> None:
+        self.inner.progress(step, total, values)
+
+    def flush(self) -> None:
+        self.inner.flush()  # the trackers are a copy: a checkpoint never waits for them
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Send what is queued, then close every tracker (each run ends; a resume continues it)."""
+        self._put("close", 0, None, block=True)
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            log.warning("trackers: still sending after %.0f s; closing without the rest", timeout_s)
+
+    # ---- the background thread ----------------------------------------------------------------
+
+    def _put(self, kind: str, step: int, payload: Any, block: bool = False) -> None:
+        try:
+            self.queue.put((kind, step, payload), block=block, timeout=5 if block else None)
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1:
+                log.warning(
+                    "trackers: %d records waiting; dropping new ones until they catch up", QUEUE_LIMIT
+                )
+
+    @staticmethod
+    def _step_of(message: str) -> int:
+        """The step a change applies from: the trainer's event says 'applied at step N: ...'."""
+        try:
+            return int(message.split("step ", 1)[1].split(":", 1)[0])
+        except (IndexError, ValueError):
+            return 0
+
+    def _feed(self) -> None:
+        self._call_each("open", self.info, keep_ids=True)
+        while True:
+            kind, step, payload = self.queue.get()
+            if kind == "close":
+                self._call_each("close")
+                return
+            if kind == "checkpoint":  # a fork from this checkpoint will link to these runs
+                self._save_ids(Path(payload))
+            else:
+                self._call_each(kind, step, payload)
+
+    def _call_each(self, method: str, *args: Any, keep_ids: bool = False) -> None:
+        for tracker in list(self.trackers):
+            try:
+                result = getattr(tracker, method)(*args)
+            except Exception as err:  # a tracker's failure is never the job's
+                log.warning("tracker %s failed in %s (%s: %s); it is disabled for this run",
+                            tracker.name, method, type(err).__name__, err)  # fmt: skip
+                self.trackers.remove(tracker)
+                continue
+            if keep_ids:
+                self.info.run_ids[tracker.name] = result
+        if keep_ids:
+            self._save_ids(self.info.workdir)
+
+    def _save_ids(self, folder: Path) -> None:
+        try:
+            write_run_ids(folder, {**self.info.run_ids, "job": self.info.job_id})
+        except OSError as err:  # a checkpoint pruned meanwhile: nothing to link from it
+            log.debug("trackers: could not write run ids to %s: %s", folder, err)
+
+
+def with_trackers(sink: JobSink, spec: Any, workdir: Path, job_id: str) -> JobSink:
+    """`sink`, or a TrackerSink around it when `spec.trainer.loggers` names trackers."""
+    names = list(dict.fromkeys(spec.trainer.loggers))
+    if not names:
+        return sink
+    workdir = Path(workdir)
+    parent = read_run_ids(Path(spec.checkpoint.resume_from)) if spec.checkpoint.resume_from else {}
+    own = read_run_ids(workdir)
+    if own.get("job") not in (None, job_id):
+        own = {}
+    info = RunInfo(
+        job_id=job_id, workdir=workdir, project=spec.trainer.tracker_project,
+        config=spec.model_dump(mode="json"), mlflow_uri=spec.trainer.mlflow_uri,
+        run_ids={k: v for k, v in own.items() if k != "job"},
+        parent_ids={k: v for k, v in parent.items() if k != "job"} if parent.get("job") != job_id else {},
+        parent_job=parent.get("job") if parent.get("job") != job_id else None,
+    )  # fmt: skip
+    return TrackerSink(sink, [make_tracker(name) for name in names], info)
