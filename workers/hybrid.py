@@ -2,7 +2,7 @@
 
 Per rank: the actor training engine, an optional reference engine (forward only), and a rollout
 engine holding its own copy of the policy. Weights move from the actor to the rollout engine in
-this process, bucketed through the engines' own APIs (`engines/weights.py`); nothing else copies
+this process, bucketed through the engines' own APIs (`engines/transfer/`); nothing else copies
 them.
 
 Meshes: "actor" is the FSDP data-parallel layout (every rank its own dp rank, every rank
@@ -27,7 +27,7 @@ from engines.base import NEEDS_BACKWARD, TrainEngine
 from engines.registry import build_train_engine
 from engines.rollout import SamplingParams, build_rollout_engine
 from engines.threads import limit_threads_for_model
-from engines.weights import WeightSync
+from engines.transfer.in_process import InProcessTransfer
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch, sampling_of
 from workers.config import HybridWorkerConfig, RolloutConfig, UpdateSchedule
@@ -65,7 +65,7 @@ class ActorRolloutRefWorker(Worker):
             dtype=rc.dtype,
             **rc.engine_kwargs,
         )
-        self.weight_sync = WeightSync(rc.bucket_mb, dtype=self.rollout.dtype)
+        self.weight_sync = InProcessTransfer(self.rollout, rc.bucket_mb)
         limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
         self.register_mesh("actor", dp_rank=self.actor.dp_rank, is_collect=self.actor.is_collect_rank)
         dp, collect = rollout_mesh_coords(self.rank, rc.tensor_parallel_size)
@@ -216,7 +216,7 @@ class ActorRolloutRefWorker(Worker):
         with self.actor.eval_mode():
             if self.rollout.is_released:
                 self.rollout.resume_memory()
-            stats = self.weight_sync.sync(self.actor, self.rollout)
+            stats = self.weight_sync.transfer(self.actor.get_per_tensor_param())
             if self.config.rollout.free_cache_after_generate:
                 self.rollout.release_memory()
         return stats.metrics()

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
-from engines.weights import iter_buckets as bucket_named_tensors  # one bucketing rule for every engine
+from engines.transfer.base import iter_buckets as bucket_named_tensors  # one bucketing rule for every engine
 
 # The release this adapter is written against; pyproject's sglang extra and the Makefile pin it.
 SGLANG_VERSION = "0.5.23"
