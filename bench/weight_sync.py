@@ -17,6 +17,9 @@ against the model's bytes: streaming holds about one bucket, never the whole sta
 A breakdown line per rank says where a sync's time goes.
 
     .venv/bin/python bench/weight_sync.py [--model qwen2-20m] [--device cpu|cuda] [--iters 10] [--quick]
+
+With --cross-process it runs bench/weight_transfer_cross.py instead: a training rank sending to a
+rollout worker in another process, over both cross-process strategies, against a plain copy.
 """
 
 from __future__ import annotations
@@ -403,6 +406,13 @@ def parse_settings(argv: list[str] | None, model_root: str) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--cross-process" in argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from weight_transfer_cross import main as cross_process
+
+        cross_process([a for a in argv if a != "--cross-process"])
+        return
     with tempfile.TemporaryDirectory() as root:
         settings = parse_settings(argv, root)
         print(f"settings: {json.dumps(asdict(settings))}", file=sys.stderr, flush=True)

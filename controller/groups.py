@@ -10,7 +10,8 @@ Results across ranks are reduced here, explicitly:
 - update calls return one metrics dict per collected rank; the engine has summed them over
   micro-batches and dp ranks (the loss contract of engines/base.py), so every rank holds the same
   global values and `global_metrics` takes rank 0's;
-- a weight sync is timed by each rank on its own; `rank_zero` reports rank 0's measurement.
+- a weight sync is timed by each rank on its own; `rank_zero` reports rank 0's measurement (split,
+  rank 0 is the one that sends).
 """
 
 from __future__ import annotations
@@ -69,11 +70,26 @@ class CheckpointedGroup(RoleGroup):
         self._call("set_hyperparameters", lr=lr)
 
 
+class RolloutGroup(RoleGroup):
+    """The rollout role: in the hybrid worker (workers/hybrid.py) or on its own workers
+    (workers/rollout_role.py, placement 'split')."""
+
+    methods = ("generate_sequences", "weight_version")
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """One response per row, sampled with the batch's SamplingParams (rollout mesh)."""
+        return self._call("generate_sequences", prompts)
+
+    def weight_version(self) -> int:
+        return rank_zero(self._call("weight_version"))
+
+
 class ActorGroup(CheckpointedGroup):
-    """The hybrid actor-rollout-ref worker (workers/hybrid.py)."""
+    """The actor and its rollout: the hybrid worker (workers/hybrid.py), or the training role
+    (workers/actor_role.py) beside a rollout group of its own (`rollout`, placement 'split'), to
+    which its rank 0 sends the weights."""
 
     methods = CheckpointedGroup.methods + (
-        "generate_sequences",
         "compute_log_prob",
         "compute_ref_log_prob",
         "update_actor",
@@ -82,9 +98,14 @@ class ActorGroup(CheckpointedGroup):
         "export_hf",
     )
 
+    def __init__(self, group: RayWorkerGroup, rollout: RayWorkerGroup | None = None) -> None:
+        super().__init__(group)
+        self.rollout = RolloutGroup(rollout or group)
+        self._own_rollout = rollout is not None
+
     def generate_sequences(self, prompts: Batch) -> Batch:
         """One response per row, sampled with the batch's SamplingParams (rollout mesh)."""
-        return self._call("generate_sequences", prompts)
+        return self.rollout.generate_sequences(prompts)
 
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Adds old_log_probs and entropy."""
@@ -113,6 +134,11 @@ class ActorGroup(CheckpointedGroup):
 
     def export_hf(self, folder: str) -> None:
         self._call("export_hf", folder)
+
+    def shutdown(self) -> None:
+        if self._own_rollout:
+            self.rollout.shutdown()
+        super().shutdown()
 
 
 class CriticGroup(CheckpointedGroup):

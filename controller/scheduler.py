@@ -48,9 +48,15 @@ def resume_step(job: JobRecord) -> int:
 
 
 def job_needs(spec: dict[str, Any]) -> tuple[float, float]:
+    """(CPUs, GPUs) of the job's training workers, plus its rollout workers when placed apart."""
     res = spec["resources"]
     cpus = cpus_per_worker(res["workers"], res.get("cpus_per_worker"))
-    return res["workers"] * cpus, res["workers"] * res["gpus_per_worker"]
+    need_cpu, need_gpu = res["workers"] * cpus, res["workers"] * res["gpus_per_worker"]
+    if res.get("placement") == "split":
+        ro = res.get("rollout") or {"workers": 1}
+        need_cpu += ro["workers"] * cpus_per_worker(ro["workers"], ro.get("cpus_per_worker"))
+        need_gpu += ro["workers"] * ro.get("gpus_per_worker", 0.0)
+    return need_cpu, need_gpu
 
 
 class Scheduler:

@@ -21,6 +21,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -29,6 +30,18 @@ NamedTensor = tuple[str, torch.Tensor]
 
 class TransferError(RuntimeError):
     """A weight transfer failed; the message names the receiving worker (group, rank) at fault."""
+
+
+class Receivers(Protocol):
+    """The receiving workers as a cross-process sender sees them (workers/transfer_peers.py builds
+    it over Ray): start a method on every receiver, then wait for their results."""
+
+    def start(self, method: str, *args: Any) -> None:
+        """Start `method(*args)` on every receiver without waiting."""
+
+    def wait(self, timeout_s: float | None = None) -> list[Any]:
+        """The started calls' results in rank order; raises TransferError naming a receiver that
+        failed (group, rank) or did not answer in time."""
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
