@@ -125,7 +125,7 @@ def test_placement_settings_are_validated_and_counted():
         JobSpec.model_validate(
             {
                 "resources": {**SPLIT, "rollout": {"workers": 3}},
-                "rollout": {"backend": "vllm", "tensor_parallel_size": 2},
+                "rollout": {"backend": "sglang", "tensor_parallel_size": 2},
             }
         )
     spec = JobSpec.model_validate(
