@@ -47,10 +47,10 @@ class RolloutOptions(_Config):
         False, description="move trainer state to CPU while generating"
     )
     weight_transfer: Literal["collective", "object_store"] = Field(
-        "collective",
+        "object_store",
         description="how weights reach rollout workers placed apart (resources.placement 'split'): "
-        "'collective' (a torch.distributed group made for it: gloo on CPU, NCCL on GPU) or 'object_store' "
-        "(Ray's); colocated workers always copy in process",
+        "'object_store' (Ray's; the faster on CPU, bench/RESULTS.md) or 'collective' (a torch.distributed "
+        "group made for it: gloo on CPU, NCCL on GPU); colocated workers always copy in process",
     )
 
     @field_validator("backend")
