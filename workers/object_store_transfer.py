@@ -1,21 +1,46 @@
 """The object-store strategy: each bucket is one object in Ray's object store, read by every
 rollout worker.
 
-A bucket is packed into one flat byte array (engines/transfer/packing.py) and `ray.put` once as a
-numpy array, so that every receiver on the node maps the same shared-memory copy without a
-deserialising copy of its own; each receiver applies it by name (`RolloutWorker.receive_bucket`).
+A bucket is `ray.put` once as a list of (name, dtype, shape, uint8 numpy view of the tensor's
+bytes): Ray copies each array once into shared memory (no packing copy before it), and every
+receiver on the node maps that copy without deserialising one of its own (`decode_bucket`), then
+applies it by name (`RolloutWorker.receive_bucket`). Any dtype travels as its bytes, bit for bit.
 The next bucket is gathered and put while the receivers apply the previous one: at most two buckets
 are held. `finish` asks every receiver to close the update and returns its weight version.
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import ray
 import torch
 
 from engines.transfer.base import NamedTensor, WeightTransfer
-from engines.transfer.packing import pack
 from workers.transfer_peers import RolloutPeers
+
+EncodedBucket = list[tuple[str, str, tuple[int, ...], Any]]  # (name, dtype, shape, uint8 ndarray)
+
+
+def encode_bucket(bucket: list[NamedTensor]) -> EncodedBucket:
+    """Each tensor as a uint8 numpy view of its bytes (a copy only off the CPU or if not contiguous)."""
+    return [
+        (
+            name,
+            str(t.dtype).removeprefix("torch."),
+            tuple(t.shape),
+            t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy(),
+        )
+        for name, t in bucket
+    ]
+
+
+def decode_bucket(encoded: EncodedBucket) -> list[NamedTensor]:
+    """The bucket as tensors viewing the (read-only, shared) arrays: copy them, never write them."""
+    with warnings.catch_warnings():  # torch warns that the arrays are not writable
+        warnings.simplefilter("ignore", UserWarning)
+        return [(n, torch.from_numpy(a).view(getattr(torch, d)).view(s)) for n, d, s, a in encoded]
 
 
 class ObjectStoreTransfer(WeightTransfer):
@@ -32,8 +57,7 @@ class ObjectStoreTransfer(WeightTransfer):
         self._in_flight = False
 
     def send(self, bucket: list[NamedTensor]) -> None:
-        header, flat = pack(bucket)
-        ref = ray.put((header, flat.cpu().numpy()))
+        ref = ray.put(encode_bucket(bucket))
         if self._in_flight:
             self.receivers.wait()  # the previous bucket has landed everywhere
         self.receivers.start("receive_bucket", ref)

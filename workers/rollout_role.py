@@ -22,7 +22,6 @@ its own parameters (or the fused decode buffers they are views of) and leaves th
 from __future__ import annotations
 
 import os
-import warnings
 
 import ray
 import torch
@@ -32,10 +31,10 @@ from engines.rollout.base import Completion
 from engines.threads import limit_threads_for_model
 from engines.transfer.base import NamedTensor
 from engines.transfer.collective import TransferGroup
-from engines.transfer.packing import unpack
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch, sampling_of
 from workers.config import RolloutConfig, RolloutWorkerConfig
+from workers.object_store_transfer import decode_bucket
 from workers.rollout_layout import rollout_tensors
 
 
@@ -185,11 +184,8 @@ class RolloutWorker(Worker):
 
     def receive_bucket(self, ref: ray.ObjectRef, timeout_s: float = 300.0) -> None:
         """One object-store bucket (workers/object_store_transfer.py), applied by name."""
-        header, array = ray.get(ref, timeout=timeout_s)
-        with warnings.catch_warnings():  # a read-only shared-memory view: only ever read
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.from_numpy(array)
-        self._apply(unpack(header, flat.to(self.rollout_device)))
+        bucket = decode_bucket(ray.get(ref, timeout=timeout_s))
+        self._apply([(name, t.to(self.rollout_device)) for name, t in bucket])
 
     def finish_transfer(self) -> int:
         """Close one transfer: bump the engine's weight version and return it."""
