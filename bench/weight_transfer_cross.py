@@ -10,7 +10,7 @@ ranks run one each on a small model), interleaved with the transfers. GB/s count
 bytes once; `ratio_vs_copy` is transfer GB/s over copy GB/s (medians), `ratio_vs_copy_best` from
 the best repeat of each. bench/weight_sync.py runs this with --cross-process.
 
-    python bench/weight_transfer_cross.py [--model qwen2-20m] [--iters 5] [--bucket-mb 64] [--quick]
+    python bench/weight_transfer_cross.py [--model qwen2-20m] [--iters 5] [--bucket-mb 512] [--quick]
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="built-in model (default qwen2-20m; --quick: qwen2-1m)")
     parser.add_argument("--iters", type=int, default=None, help="timed repeats (default 5, 3 with --quick)")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--bucket-mb", type=float, default=64)
+    parser.add_argument("--bucket-mb", type=float, default=512, help="the job default, 512")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     args.model = args.model or ("qwen2-1m" if args.quick else "qwen2-20m")

@@ -5,8 +5,8 @@ A bucket is `ray.put` once as a list of (name, dtype, shape, uint8 numpy view of
 bytes): Ray copies each array once into shared memory (no packing copy before it), and every
 receiver on the node maps that copy without deserialising one of its own (`decode_bucket`), then
 applies it by name (`RolloutWorker.receive_bucket`). Any dtype travels as its bytes, bit for bit.
-The next bucket is gathered and put while the receivers apply the previous one: at most two buckets
-are held. `finish` asks every receiver to close the update and returns its weight version.
+The next bucket is gathered and put while the receivers apply the previous one (at most two buckets
+are held), and the last bucket's call also closes the update (one actor call per bucket, none more).
 """
 
 from __future__ import annotations
@@ -51,25 +51,32 @@ class ObjectStoreTransfer(WeightTransfer):
     ) -> None:
         super().__init__(bucket_mb, dtype)
         self.receivers = receivers
+        self._held: ray.ObjectRef | None = None  # put, not yet sent: it may be the last bucket
         self._in_flight = False
 
     def begin(self) -> None:
-        self._in_flight = False
+        self._held, self._in_flight = None, False
 
     def send(self, bucket: list[NamedTensor]) -> None:
         ref = ray.put(encode_bucket(bucket))
-        if self._in_flight:
-            self.receivers.wait()  # the previous bucket has landed everywhere
-        self.receivers.start("receive_bucket", ref)
-        self._in_flight = True
+        if self._held is not None:
+            self._start(self._held, last=False)
+        self._held = ref
 
     def finish(self) -> int:
-        if self._in_flight:
-            self.receivers.wait()
-            self._in_flight = False
-        self.receivers.start("finish_transfer")
+        if self._held is None:  # nothing was sent: only close the update
+            self.receivers.start("finish_transfer")
+            return int(self.receivers.wait()[0])
+        self._start(self._held, last=True)  # the last bucket closes the update in the same call
+        self._held, self._in_flight = None, False
         return int(self.receivers.wait()[0])
 
+    def _start(self, ref: ray.ObjectRef, last: bool) -> None:
+        if self._in_flight:
+            self.receivers.wait()  # the previous bucket has landed everywhere
+        self.receivers.start("receive_bucket", ref, last)
+        self._in_flight = True
+
     def abort(self, error: BaseException) -> BaseException:
-        self._in_flight = False
+        self._held, self._in_flight = None, False
         return error  # RolloutPeers.wait already named the receiver that failed

@@ -14,7 +14,7 @@ no layout.
 
 Weights arrive from a training rank in another process (engines/transfer/): over a transfer group
 (`join_transfer`, then `receive_weights` per transfer) or bucket by bucket from the object store
-(`receive_bucket`, then `finish_transfer`). The sender, not the controller, calls these. A
+(`receive_bucket`, the last one closing the transfer). The sender, not the controller, calls these. A
 transfer may carry any named subset of the model's tensors; the engine copies each by name into
 its own parameters (or the fused decode buffers they are views of) and leaves the rest.
 """
@@ -182,10 +182,12 @@ class RolloutWorker(Worker):
                 return self.finish_transfer()
             self._apply(bucket)
 
-    def receive_bucket(self, ref: ray.ObjectRef, timeout_s: float = 300.0) -> None:
-        """One object-store bucket (workers/object_store_transfer.py), applied by name."""
+    def receive_bucket(self, ref: ray.ObjectRef, last: bool = False, timeout_s: float = 300.0) -> int | None:
+        """One object-store bucket (workers/object_store_transfer.py), applied by name; the `last`
+        one also closes the transfer and returns the new weight version."""
         bucket = decode_bucket(ray.get(ref, timeout=timeout_s))
         self._apply([(name, t.to(self.rollout_device)) for name, t in bucket])
+        return self.finish_transfer() if last else None
 
     def finish_transfer(self) -> int:
         """Close one transfer: bump the engine's weight version and return it."""
