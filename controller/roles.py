@@ -114,15 +114,16 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
         if spec.resources.rollout_workers is None:
             actor = ActorGroup(start(ActorRolloutRefWorker, hybrid_config(spec, model_path), "actor"))
         else:
+            config = hybrid_config(spec, model_path)
             rollout_pool = rollout_pool_of(spec.resources.rollout_workers, spec, name)
             rollout = RayWorkerGroup(
                 rollout_pool,
                 RolloutWorker,
-                RolloutWorkerConfig(model_path=model_path, rollout=hybrid_config(spec, model_path).rollout),
+                RolloutWorkerConfig(model_path=model_path, rollout=config.rollout),
                 group_name=f"{name}-rollout",
                 call_timeout_s=call_timeout_s,
             )
-            training = start(ActorRefWorker, hybrid_config(spec, model_path), "actor")
+            training = start(ActorRefWorker, config, "actor")
             actor = ActorGroup(training, rollout)
             timeout_s = min(call_timeout_s, TRANSFER_TIMEOUT_S)
             strategy = spec.rollout.weight_transfer

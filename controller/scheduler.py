@@ -47,16 +47,26 @@ def resume_step(job: JobRecord) -> int:
     return saved[-1][0] if saved else 0
 
 
-def job_needs(spec: dict[str, Any]) -> tuple[float, float]:
-    """(CPUs, GPUs) of the job's training workers, plus its rollout workers when placed apart."""
+def job_bundles(spec: dict[str, Any]) -> list[dict[str, float]]:
+    """The Ray bundles a job asks for: one per training worker, plus one per rollout worker when the
+    rollout is placed apart (resources.placement 'split')."""
     res = spec["resources"]
-    cpus = cpus_per_worker(res["workers"], res.get("cpus_per_worker"))
-    need_cpu, need_gpu = res["workers"] * cpus, res["workers"] * res["gpus_per_worker"]
+    groups = [res]
     if res.get("placement") == "split":
-        ro = res.get("rollout") or {"workers": 1}
-        need_cpu += ro["workers"] * cpus_per_worker(ro["workers"], ro.get("cpus_per_worker"))
-        need_gpu += ro["workers"] * ro.get("gpus_per_worker", 0.0)
-    return need_cpu, need_gpu
+        groups.append(res.get("rollout") or {"workers": 1})
+    bundles: list[dict[str, float]] = []
+    for group in groups:
+        bundle = {"CPU": cpus_per_worker(group["workers"], group.get("cpus_per_worker"))}
+        if group.get("gpus_per_worker"):
+            bundle["GPU"] = group["gpus_per_worker"]
+        bundles += [bundle] * group["workers"]
+    return bundles
+
+
+def job_needs(spec: dict[str, Any]) -> tuple[float, float]:
+    """(CPUs, GPUs) of all the job's bundles."""
+    bundles = job_bundles(spec)
+    return sum(b["CPU"] for b in bundles), sum(b.get("GPU", 0.0) for b in bundles)
 
 
 class Scheduler:
@@ -201,13 +211,7 @@ class Scheduler:
     def _ask_autoscaler(self, job: JobRecord | None) -> None:
         """Tell Ray's autoscaler (where there is one) what the waiting job needs, so nodes are added;
         None withdraws the request."""
-        bundles: list[dict[str, float]] = []
-        if job is not None:
-            res = job.spec["resources"]
-            bundle = {"CPU": cpus_per_worker(res["workers"], res.get("cpus_per_worker"))}
-            if res["gpus_per_worker"]:
-                bundle["GPU"] = res["gpus_per_worker"]
-            bundles = [bundle] * res["workers"]
+        bundles = job_bundles(job.spec) if job is not None else []
         self._asked_autoscaler = job is not None
         try:
             from ray.autoscaler.sdk import request_resources
