@@ -137,3 +137,11 @@ def test_placement_settings_are_validated_and_counted():
         JobSpec.model_validate({"resources": {"placement": "split"}}).resources.rollout_workers.workers == 1
     )
     assert JobSpec().resources.rollout_workers is None
+
+
+def test_rollout_workers_without_split_are_a_422_naming_the_field(unscheduled):
+    body = {"model": {"builtin": "tiny-qwen2"}, "resources": {"rollout": {"workers": 2}}}
+    with unscheduled.client() as http:
+        response = http.post("/v1/jobs", json=body)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == "resources.rollout"
