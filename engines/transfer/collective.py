@@ -41,6 +41,13 @@ class TransferGroup:
         else:
             raise ValueError(f"unknown transfer backend '{backend}': use 'gloo' or 'nccl'")
         self._store = store  # the sender's store must outlive the group
+        self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # reused across buckets
+
+    def _buffer_of(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of this rank's reused byte buffer, grown when a bucket needs more."""
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buffer[:nbytes]
 
     @staticmethod
     def host_store(host: str, world: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
@@ -66,7 +73,9 @@ class TransferGroup:
 
     def send_bucket(self, bucket: list[NamedTensor] | None) -> None:
         """Rank 0: one bucket (None: the end of the transfer)."""
-        header, flat = pack(bucket) if bucket else (None, None)
+        header, flat = pack(bucket, self._buffer) if bucket else (None, None)
+        if flat is not None and flat.device == self.device and flat.data_ptr() != self._buffer.data_ptr():
+            self._buffer = flat  # the first bucket of this size: keep its buffer for the next ones
         data = encode_header(header, self.device)
         payload = 0 if flat is None else flat.numel()
         self.broadcast(torch.tensor([data.numel(), payload], dtype=torch.int64, device=self.device))
@@ -75,7 +84,8 @@ class TransferGroup:
             self.broadcast(flat.to(self.device))
 
     def receive_bucket(self) -> tuple[list[NamedTensor] | None, torch.Tensor | None]:
-        """Ranks 1..: the next bucket as views into its buffer (returned too), or (None, None) at the end."""
+        """Ranks 1..: the next bucket as views into this rank's reused buffer (returned too), or
+        (None, None) at the end. Apply it before receiving the next one."""
         sizes = torch.empty(2, dtype=torch.int64, device=self.device)
         self.broadcast(sizes)
         data = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
@@ -83,7 +93,7 @@ class TransferGroup:
         header = decode_header(data)
         if header is None:
             return None, None
-        flat = torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.device)
+        flat = self._buffer_of(int(sizes[1]))  # applied (copied out) before the next bucket comes
         self.broadcast(flat)
         return unpack(header, flat), flat
 

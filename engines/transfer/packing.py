@@ -19,15 +19,20 @@ Header = list[tuple[str, str, tuple[int, ...], int]]  # (name, dtype, shape, byt
 ALIGN = 64  # every tensor starts on a 64-byte boundary: viewable as any dtype, and copied at full speed
 
 
-def pack(bucket: list[NamedTensor]) -> tuple[Header, torch.Tensor]:
-    """(header, flat uint8 tensor on the bucket's device) for `bucket`."""
+def pack(bucket: list[NamedTensor], buffer: torch.Tensor | None = None) -> tuple[Header, torch.Tensor]:
+    """(header, flat uint8 tensor on the bucket's device) for `bucket`; written into the front of
+    `buffer` when it is large enough (a reused buffer: fresh pages cost a fault each, on CPU about
+    as much as the copy itself)."""
     header: Header = []
     offset = 0
     for name, t in bucket:
         offset = -(-offset // ALIGN) * ALIGN
         header.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
         offset += t.numel() * t.element_size()
-    flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
+    if buffer is not None and buffer.numel() >= offset and buffer.device == bucket[0][1].device:
+        flat = buffer[:offset]
+    else:
+        flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
     for (_, t), (_, _, _, start) in zip(bucket, header, strict=True):
         nbytes = t.numel() * t.element_size()
         flat[start : start + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
