@@ -47,10 +47,10 @@ class RolloutOptions(_Config):
         False, description="move trainer state to CPU while generating"
     )
     weight_transfer: Literal["collective", "object_store"] = Field(
-        "object_store",
+        "collective",
         description="how weights reach rollout workers placed apart (resources.placement 'split'): "
-        "'object_store' (Ray's; the faster on CPU, bench/RESULTS.md) or 'collective' (a torch.distributed "
-        "group made for it: gloo on CPU, NCCL on GPU); colocated workers always copy in process",
+        "'collective' (a torch.distributed group made for it: gloo on CPU, NCCL on GPU; the faster in split "
+        "jobs, bench/RESULTS.md) or 'object_store' (Ray's); colocated workers always copy in process",
     )
 
     @field_validator("backend")
