@@ -23,7 +23,7 @@ from engines.config import EngineConfig  # noqa: E402
 from engines.fsdp.engine import FSDPEngine  # noqa: E402
 from engines.rollout import SamplingParams, build_rollout_engine  # noqa: E402
 from engines.tiny_models import build_builtin_model  # noqa: E402
-from engines.weights import WeightSync  # noqa: E402
+from engines.transfer.in_process import InProcessTransfer  # noqa: E402
 from tests.engine_util import make_batch, pg_loss, reference_log_probs  # noqa: E402
 
 
@@ -61,9 +61,9 @@ def engine_vs_reference(model_dir: str, dtype: str) -> None:
 
 def sync_and_generate(engine: FSDPEngine, model_dir: str) -> None:
     rollout = build_rollout_engine("hf", model_dir, device="cuda", dtype="bfloat16")
-    sync = WeightSync(bucket_mb=64, dtype=rollout.dtype)
+    sync = InProcessTransfer(rollout, bucket_mb=64)
     with engine.eval_mode():
-        stats = sync.sync(engine, rollout)
+        stats = sync.transfer(engine.get_per_tensor_param())
         trainer = {k: v.to(rollout.dtype) for k, v in engine.get_per_tensor_param()}
     rollout_sd = rollout.model.state_dict()
     equal = all(torch.equal(trainer[k], rollout_sd[k]) for k in trainer)

@@ -1,9 +1,9 @@
-"""Weight-sync bandwidth: WeightSync.sync(FSDPEngine → HFRolloutEngine) against a plain tensor copy.
+"""Weight-sync bandwidth: InProcessTransfer (FSDPEngine → HFRolloutEngine) against a plain tensor copy.
 
 The baseline is the memory-bandwidth ceiling for the same tensor list: one preallocated destination
 per parameter, `dst.copy_(src)`, in the rollout dtype (fp32 on CPU, bf16 on CUDA), in the same
 process and thread count (1 per rank by default: steadier on shared cores), interleaved with the
-syncs so a neighbour's load falls on both alike. A sync is timed as `SyncStats.seconds` (gather,
+syncs so a neighbour's load falls on both alike. A sync is timed as `TransferStats.seconds` (gather,
 cast, bucket, copy into the rollout, version bump). GB/s counts the bytes delivered once (not read
 + write), for both; `ratio_vs_copy` is sync GB/s over copy GB/s (medians), `ratio_vs_copy_best`
 the same from the best repeat of each.
@@ -17,6 +17,9 @@ against the model's bytes: streaming holds about one bucket, never the whole sta
 A breakdown line per rank says where a sync's time goes.
 
     .venv/bin/python bench/weight_sync.py [--model qwen2-20m] [--device cpu|cuda] [--iters 10] [--quick]
+
+With --cross-process it runs bench/weight_transfer_cross.py instead: a training rank sending to a
+rollout worker in another process, over both cross-process strategies, against a plain copy.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import torch.multiprocessing as mp
 if TYPE_CHECKING:
     from engines.fsdp.engine import FSDPEngine
     from engines.rollout.hf import HFRolloutEngine
-    from engines.weights import WeightSync
+    from engines.transfer.in_process import InProcessTransfer
 
 T = TypeVar("T")
 PARTS = ("state_dict", "name_lookup_and_checks")  # breakdown stages timed apart, inside others
@@ -139,7 +142,7 @@ class Stopwatch:
 
 def instrumented_sync(engine: FSDPEngine, rollout: HFRolloutEngine, device: torch.device) -> dict[str, float]:
     """One sync taken apart stage by stage, tensor by tensor: get_per_tensor_param's next tensor
-    (the state dict, then DTensor.full_tensor), WeightSync's cast, update_weights. Inside
+    (the state dict, then DTensor.full_tensor), the transfer's cast, update_weights. Inside
     update_weights, its name lookup and shape check (without the copy) are timed apart by doing
     the same again; so is the state dict that get_per_tensor_param starts with."""
     clock, dtype = Stopwatch(device), rollout.dtype
@@ -180,12 +183,12 @@ def sources_of(engine: FSDPEngine, dtype: torch.dtype) -> list[torch.Tensor]:
 def time_copies_and_syncs(
     engine: FSDPEngine,
     rollout: HFRolloutEngine,
-    syncs: dict[float, WeightSync],
+    syncs: dict[float, InProcessTransfer],
     settings: Settings,
     barrier: Callable[[], None],
 ) -> dict:
     """Copies and syncs interleaved, then one more sync per bucket size for its peak memory."""
-    from engines.weights import tensor_bytes
+    from engines.transfer.base import tensor_bytes
 
     device = engine.device
     # The baseline's (destination, source) pairs: fresh tensors in the rollout dtype.
@@ -204,7 +207,7 @@ def time_copies_and_syncs(
         copy_s.append(seconds)
         for mb, sync in syncs.items():
             barrier()
-            sync_s[mb].append(sync.sync(engine, rollout).seconds)
+            sync_s[mb].append(sync.transfer(engine.get_per_tensor_param()).seconds)
         print(
             f"  rank {os.environ['RANK']} iter {i + 1}: copy {seconds * 1e3:.1f} ms",
             file=sys.stderr,
@@ -215,7 +218,7 @@ def time_copies_and_syncs(
     memory = {}
     for mb, sync in syncs.items():
         barrier()
-        memory[mb] = peak_extra_mib(lambda sync=sync: sync.sync(engine, rollout), device)
+        memory[mb] = peak_extra_mib(lambda sync=sync: sync.transfer(engine.get_per_tensor_param()), device)
     w = settings.warmup
     return {
         "model_bytes": model_bytes,
@@ -239,7 +242,8 @@ def worker(rank: int, world: int, settings: Settings, port: int, out_dir: str) -
     """One rank: a cold first sync, timed copies and syncs, memory, then the breakdown."""
     import torch.distributed as dist
 
-    from engines.weights import WeightSync, tensor_bytes
+    from engines.transfer.base import tensor_bytes
+    from engines.transfer.in_process import InProcessTransfer
 
     torch.set_num_threads(settings.threads)
     os.environ.update(
@@ -257,9 +261,11 @@ def worker(rank: int, world: int, settings: Settings, port: int, out_dir: str) -
         device_sync(engine.device)
         dist.barrier()  # ranks start each measurement together, as they sync together in training
 
-    syncs = {mb: WeightSync(mb, dtype=rollout.dtype) for mb in settings.buckets_mb}
+    syncs = {mb: InProcessTransfer(rollout, mb) for mb in settings.buckets_mb}
     barrier()
-    first = syncs[max(settings.buckets_mb)].sync(engine, rollout)  # the cold one, on fresh weights
+    first = syncs[max(settings.buckets_mb)].transfer(
+        engine.get_per_tensor_param()
+    )  # the cold one, on fresh weights
     result = {
         "tensors": first.tensors,
         "first_sync_s": first.seconds,
@@ -400,6 +406,13 @@ def parse_settings(argv: list[str] | None, model_root: str) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--cross-process" in argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from weight_transfer_cross import main as cross_process
+
+        cross_process([a for a in argv if a != "--cross-process"])
+        return
     with tempfile.TemporaryDirectory() as root:
         settings = parse_settings(argv, root)
         print(f"settings: {json.dumps(asdict(settings))}", file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 
 A `RayWorkerGroup` binds a worker's registered methods at run time, so type checkers cannot see
 them. Each class here names the operations its role offers, each one line derived from the worker
-method itself: `update_actor = operation(ActorRolloutRefWorker.update_actor)` takes that method's
+method itself: `update_actor = operation(ActorRefWorker.update_actor)` takes that method's
 parameters and returns what its annotation says, reduced over ranks as its `@register` spec
 declares (`workers.base.Reduce`):
 - MESH calls that return a Batch come back gathered by dp rank (controller/dispatch.py);
@@ -12,6 +12,9 @@ declares (`workers.base.Reduce`):
 Nothing is restated: no method name as a string, no signature written twice. A group checks at
 construction that its worker registers every operation it offers with the same spec, so a renamed
 or re-declared worker method fails when the group starts, not in the middle of a job.
+
+The actor's group holds its rollout group: the same workers for the hybrid worker, or a rollout
+group of its own (placement 'split'), to which the training rank 0 sends the weights.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 from controller.worker_group import RayWorkerGroup
+from workers.actor_role import ActorRefWorker
 from workers.base import SPEC_ATTR, Dispatch, MethodSpec, Reduce, registered_methods
+from workers.batch import Batch
 from workers.critic import CriticWorker
-from workers.hybrid import ActorRolloutRefWorker
 from workers.operations import TrainingOperations
 from workers.reward_model import RewardModelWorker
+from workers.rollout_role import RolloutWorker
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -120,20 +125,43 @@ class CheckpointedGroup(RoleGroup):
         self.set_hyperparameters(lr=lr)
 
 
-class ActorGroup(CheckpointedGroup):
-    """The hybrid actor-rollout-ref worker (workers/hybrid.py)."""
+class RolloutGroup(RoleGroup):
+    """The rollout role: in the hybrid worker (workers/hybrid.py) or on its own workers
+    (workers/rollout_role.py, placement 'split')."""
 
-    generate_sequences = operation(ActorRolloutRefWorker.generate_sequences)
-    compute_log_prob = operation(ActorRolloutRefWorker.compute_log_prob)
-    compute_ref_log_prob = operation(ActorRolloutRefWorker.compute_ref_log_prob)
-    update_actor = operation(ActorRolloutRefWorker.update_actor)
-    update_sft = operation(ActorRolloutRefWorker.update_sft)
-    sync_weights = operation(ActorRolloutRefWorker.sync_weights)
-    export_hf = operation(ActorRolloutRefWorker.export_hf)
+    generate_sequences = operation(RolloutWorker.generate_sequences)
+    generate = operation(RolloutWorker.generate)
+
+
+class ActorGroup(CheckpointedGroup):
+    """The actor and its rollout: the hybrid worker (workers/hybrid.py), or the training role
+    (workers/actor_role.py) beside a rollout group of its own (`rollout`, placement 'split'), to
+    which its rank 0 sends the weights."""
+
+    compute_log_prob = operation(ActorRefWorker.compute_log_prob)
+    compute_ref_log_prob = operation(ActorRefWorker.compute_ref_log_prob)
+    update_actor = operation(ActorRefWorker.update_actor)
+    update_sft = operation(ActorRefWorker.update_sft)
+    sync_weights = operation(ActorRefWorker.sync_weights)
+    export_hf = operation(ActorRefWorker.export_hf)
+
+    def __init__(self, group: RayWorkerGroup, rollout: RayWorkerGroup | None = None) -> None:
+        super().__init__(group)
+        self.rollout = RolloutGroup(rollout or group)
+        self._own_rollout = rollout is not None
+
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """One response per row, sampled with the batch's SamplingParams (rollout mesh)."""
+        return self.rollout.generate_sequences(prompts)
 
     def start_sync_weights(self) -> Callable[[], dict[str, float]]:
         """`sync_weights` started without waiting; call the result to wait for its measurements."""
         return self.start(ActorGroup.sync_weights)
+
+    def shutdown(self) -> None:
+        if self._own_rollout:
+            self.rollout.shutdown()
+        super().shutdown()
 
 
 class CriticGroup(CheckpointedGroup):

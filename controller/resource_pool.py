@@ -161,11 +161,19 @@ def cpus_per_worker(workers: int, asked: float | None) -> float:
 
 
 def job_needs(spec: dict[str, Any]) -> tuple[float, float, list[dict[str, float]]]:
-    """(CPUs, GPUs, bundles) that a job holds while it runs: one bundle per worker."""
+    """(CPUs, GPUs, bundles) that a job holds while it runs: one bundle per training worker, plus one
+    per rollout worker when the rollout is placed apart (resources.placement 'split')."""
     res = spec["resources"]
-    cpus = cpus_per_worker(res["workers"], res.get("cpus_per_worker"))
-    bundle = {"CPU": cpus, **({"GPU": float(res["gpus_per_worker"])} if res["gpus_per_worker"] else {})}
-    return res["workers"] * cpus, res["workers"] * res["gpus_per_worker"], [bundle] * res["workers"]
+    groups = [res]
+    if res.get("placement") == "split":
+        groups.append(res.get("rollout") or {"workers": 1})
+    bundles: list[dict[str, float]] = []
+    for group in groups:
+        bundle = {"CPU": cpus_per_worker(group["workers"], group.get("cpus_per_worker"))}
+        if group.get("gpus_per_worker"):
+            bundle["GPU"] = float(group["gpus_per_worker"])
+        bundles += [bundle] * group["workers"]
+    return sum(b["CPU"] for b in bundles), sum(b.get("GPU", 0.0) for b in bundles), bundles
 
 
 def describe_placement(node_ids: list[str], node_ips: list[str]) -> str:

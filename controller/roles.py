@@ -1,8 +1,12 @@
-"""From a JobSpec to running worker groups: each role's typed config, on one pool.
+"""From a JobSpec to running worker groups: each role's typed config, on its pool.
 
-The job's ranks are one `ResourcePool` (one bundle per rank). The hybrid actor-rollout-ref worker
-takes the bundles; a critic (PPO with GAE) and a reward model (when the job scores with one) are
-colocated on the same bundles in their own actors, the groups splitting every bundle evenly. Each
+The job's training ranks are one `ResourcePool` (one bundle per rank). Placement 'colocated' (the
+default): the hybrid actor-rollout-ref worker takes the bundles. Placement 'split': the training
+role (actor + reference) takes them, and the rollout role runs on a pool of its own
+(resources.rollout), where the "rollout" mesh then lives; the training group's rank 0 is connected
+to the rollout workers with the strategy of `rollout.weight_transfer`. Either way a critic (PPO
+with GAE) and a reward model (when the job scores with one) are colocated on the training bundles
+in their own actors, the groups splitting every bundle evenly. Each
 worker receives its config model (workers/config.py, engines/config.py), built from the JobSpec
 sections that inherit its fields, and the trainer talks to each group through its typed surface
 (controller/groups.py).
@@ -13,14 +17,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
-from controller.resource_pool import ResourcePool
-from controller.spec import JobSpec
+from controller.resource_pool import ResourcePool, cpus_per_worker
+from controller.spec import JobSpec, RolloutResourcesSpec
 from controller.worker_group import RayWorkerGroup
 from engines.config import EngineConfig, fields_of
-from workers.config import HybridWorkerConfig, RolloutConfig
+from workers.actor_role import ActorRefWorker
+from workers.config import HybridWorkerConfig, RolloutConfig, RolloutWorkerConfig
 from workers.critic import CriticWorker
 from workers.hybrid import ActorRolloutRefWorker
 from workers.reward_model import RewardModelConfig, RewardModelWorker
+from workers.rollout_role import RolloutWorker
+from workers.transfer_choice import RolloutLink
+
+TRANSFER_TIMEOUT_S = 300.0  # one weight transfer to the rollout workers, or forming its group
 
 
 def needs_reference(spec: JobSpec) -> bool:
@@ -62,6 +71,7 @@ class JobGroups:
     actor: ActorGroup
     critic: CriticGroup | None
     reward: RewardGroup | None = None
+    rollout_pool: ResourcePool | None = None  # placement 'split': the rollout workers' own pool
 
     def save_checkpoint(self, folder: str, step: int) -> None:
         """Every training role writes its engine state under `folder` (actor/, critic/)."""
@@ -85,6 +95,8 @@ class JobGroups:
             if group is not None:
                 group.shutdown()
         self.pool.remove()
+        if self.rollout_pool is not None:
+            self.rollout_pool.remove()
 
 
 def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: float = 3600.0) -> JobGroups:
@@ -97,8 +109,27 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
             pool, worker_cls, config, group_name=f"{name}-{role}", share=share, call_timeout_s=call_timeout_s
         )
 
+    rollout_pool = None
     try:
-        actor = ActorGroup(start(ActorRolloutRefWorker, hybrid_config(spec, model_path), "actor"))
+        if spec.resources.rollout_workers is None:
+            actor = ActorGroup(start(ActorRolloutRefWorker, hybrid_config(spec, model_path), "actor"))
+        else:
+            config = hybrid_config(spec, model_path)
+            rollout_pool = rollout_pool_of(spec.resources.rollout_workers, spec, name)
+            rollout = RayWorkerGroup(
+                rollout_pool,
+                RolloutWorker,
+                RolloutWorkerConfig(model_path=model_path, rollout=config.rollout),
+                group_name=f"{name}-rollout",
+                call_timeout_s=call_timeout_s,
+            )
+            training = start(ActorRefWorker, config, "actor")
+            actor = ActorGroup(training, rollout)
+            timeout_s = min(call_timeout_s, TRANSFER_TIMEOUT_S)
+            strategy = spec.rollout.weight_transfer
+            training.connect_rollout(
+                RolloutLink(rollout.actors, rollout.role, rollout.name, strategy, timeout_s)
+            )
         critic = None
         if needs_critic(spec):
             critic_config = engine_config(
@@ -112,5 +143,18 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
             )
     except Exception:
         pool.remove()
+        if rollout_pool is not None:
+            rollout_pool.remove()
         raise
-    return JobGroups(pool, actor, critic, reward)
+    return JobGroups(pool, actor, critic, reward, rollout_pool)
+
+
+def rollout_pool_of(ro: RolloutResourcesSpec, spec: JobSpec, name: str) -> ResourcePool:
+    """The rollout workers' own pool (placement 'split'), with resources.rollout's sizes."""
+    return ResourcePool(
+        ro.workers,
+        cpus_per_bundle=cpus_per_worker(ro.workers, ro.cpus_per_worker),
+        gpus_per_bundle=ro.gpus_per_worker or None,
+        strategy=spec.resources.placement_strategy,
+        name=f"{name}-rollout-pool",
+    )

@@ -330,8 +330,10 @@ class CheckpointSpec(Section):
     resume_from: str | None = Field(None, description="a checkpoint folder to start from")
 
 
-class ResourcesSpec(Section):
-    workers: int = Field(1, ge=1, le=4096, description="ranks (processes) of the colocated worker group")
+class WorkerResources(Section):
+    """How many workers of one group, and what each one gets."""
+
+    workers: int = Field(1, ge=1, le=4096, description="ranks (processes) of the worker group")
     cpus_per_worker: float | None = Field(
         None,
         ge=0.01,
@@ -343,11 +345,6 @@ class ResourcesSpec(Section):
     gpus_per_worker: float = Field(
         0.0, ge=0, le=1024, description="0: one GPU per worker when the cluster has GPUs, none otherwise"
     )
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK",
-        description="Ray placement of the workers' bundles: PACK (few nodes), SPREAD (many nodes), "
-        "STRICT_PACK (one node), STRICT_SPREAD (one worker per node)",
-    )
 
     @field_validator("gpus_per_worker")
     @classmethod
@@ -355,6 +352,44 @@ class ResourcesSpec(Section):
         if 0 < value < 0.01:
             raise ValueError("give 0 or at least 0.01 GPUs per worker")
         return value
+
+
+class RolloutResourcesSpec(WorkerResources):
+    """The rollout role's own workers when resources.placement is 'split' (tensor_parallel_size of
+    them form one replica)."""
+
+
+class ResourcesSpec(WorkerResources):
+    """The training workers (`workers`, `cpus_per_worker`, `gpus_per_worker`) and where the rollout runs."""
+
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="colocated: the rollout engine lives in each training process (the hybrid worker); "
+        "split: the rollout role runs on its own workers (resources.rollout) and weights are sent to them",
+    )
+    rollout: RolloutResourcesSpec | None = Field(
+        None, description="the rollout workers of placement 'split' (default: 1 worker); not with 'colocated'"
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK",
+        description="Ray placement of the workers' bundles: PACK (few nodes), SPREAD (many nodes), "
+        "STRICT_PACK (one node), STRICT_SPREAD (one worker per node)",
+    )
+
+    @field_validator("rollout")
+    @classmethod
+    def _rollout_only_split(cls, value: RolloutResourcesSpec | None, info: ValidationInfo) -> Any:
+        if value is not None and info.data.get("placement") != "split":
+            raise ValueError("rollout workers of their own need placement 'split'; colocated, the rollout "
+                             "engine runs in the training workers")  # fmt: skip
+        return value
+
+    @property
+    def rollout_workers(self) -> RolloutResourcesSpec | None:
+        """The rollout role's own workers (placement 'split'), else None."""
+        if self.placement != "split":
+            return None
+        return self.rollout or RolloutResourcesSpec()
 
 
 class JobSpec(JobLabels):
@@ -381,8 +416,11 @@ class JobSpec(JobLabels):
     def _consistent(self) -> JobSpec:
         if self.method == "ppo" and self.algorithm.advantage not in (None, "gae"):
             raise ValueError("method 'ppo' uses GAE: leave algorithm.advantage unset or 'gae'")
-        if self.resources.workers % self.rollout.tensor_parallel_size:
+        rollout_workers = self.resources.rollout_workers
+        if rollout_workers is None and self.resources.workers % self.rollout.tensor_parallel_size:
             raise ValueError("resources.workers must be a multiple of rollout.tensor_parallel_size")
+        if rollout_workers is not None and rollout_workers.workers % self.rollout.tensor_parallel_size:
+            raise ValueError("resources.rollout.workers must be a multiple of rollout.tensor_parallel_size")
         # Every rank must get the same number of real samples: padded rows would be trained on.
         samples = self.trainer.prompts_per_step * (1 if self.method == "sft" else self.rollout.n)
         if samples > MAX_SAMPLES:

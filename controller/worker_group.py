@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from controller.dispatch import MeshLayout, collect_from_mesh, scatter_all_to_all, split_for_mesh
@@ -28,6 +26,8 @@ from controller.worker_output import redirect_output
 from engines.host_memory import keep_freed_memory
 from engines.threads import set_torch_threads
 from workers.base import Dispatch, MethodSpec, registered_methods
+from workers.remote import WorkerGroupError as WorkerGroupError  # re-exported: callers catch it here
+from workers.remote import wait_all
 
 DEFAULT_ROLE = "main"
 # OpenMP threads that wait for work sleep instead of spinning. A rank runs as many torch threads as
@@ -36,15 +36,6 @@ DEFAULT_ROLE = "main"
 # spinning vs 0.7 s passive on a 2-core machine at load ~30 (bench/RESULTS.md). libgomp reads this
 # when it loads, so it goes in the actor's environment; Ray merges it into the job's env_vars.
 _RANK_ENV = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
-
-
-class WorkerGroupError(RuntimeError):
-    """A worker-group call failed: a rank raised, its actor died, or it did not answer in time."""
-
-    def __init__(self, group: str, method: str, rank: int | None, message: str) -> None:
-        where = f"rank {rank}" if rank is not None else "ranks"
-        super().__init__(f"worker group '{group}', {where}, method '{method}': {message}")
-        self.group, self.method, self.rank = group, method, rank
 
 
 @dataclass
@@ -141,37 +132,6 @@ class _Hosts:
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
-
-
-def wait_all(group: str, method: str, refs: list[ray.ObjectRef], timeout_s: float) -> list[Any]:
-    """Results in rank order; the first failing rank raises at once, nothing waits past the timeout."""
-    pending = {ref: rank for rank, ref in enumerate(refs)}
-    results: list[Any] = [None] * len(refs)
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise WorkerGroupError(
-                group,
-                method,
-                None,
-                f"ranks {sorted(pending.values())} did not answer within {timeout_s:.0f}s",
-            )
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, 5.0))
-        for ref in ready:
-            rank = pending.pop(ref)
-            try:
-                results[rank] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
-            except RayTaskError as err:
-                cause = err.cause if getattr(err, "cause", None) is not None else err
-                raise WorkerGroupError(
-                    group, method, rank, f"raised {type(cause).__name__}: {cause}"
-                ) from err
-            except RayActorError as err:
-                raise WorkerGroupError(group, method, rank, f"the worker actor died ({err})") from err
-            except GetTimeoutError as err:
-                raise WorkerGroupError(group, method, rank, "did not answer in time") from err
-    return results
 
 
 class RayWorkerGroup:

@@ -126,13 +126,17 @@ class Service:
                 f"cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs",
                 422, "resources", "insufficient_resources",
             )  # fmt: skip
-        per_worker = spec.resources.cpus_per_worker
         largest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
-        if per_worker is not None and per_worker > largest:
-            raise ServiceError(
-                f"resources.cpus_per_worker: {per_worker:g} CPUs; the largest node has {largest:g}",
-                422, "resources.cpus_per_worker", "insufficient_resources",
-            )  # fmt: skip
+        rollout = spec.resources.rollout_workers
+        for field, per_worker in (
+            ("resources.cpus_per_worker", spec.resources.cpus_per_worker),
+            ("resources.rollout.cpus_per_worker", rollout.cpus_per_worker if rollout else None),
+        ):
+            if per_worker is not None and per_worker > largest:
+                raise ServiceError(
+                    f"{field}: {per_worker:g} CPUs; the largest node has {largest:g}",
+                    422, field, "insufficient_resources",
+                )  # fmt: skip
 
     def get(self, job_id: str, sees: str | None = None) -> JobRecord:
         """The job, when `sees` (the caller's owner; None for an admin) may see it; else a 404 that does

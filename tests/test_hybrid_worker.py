@@ -13,8 +13,10 @@ import torch
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup
 from workers.batch import Batch
+from workers.config import RolloutConfig
 from workers.critic import CriticWorker
-from workers.hybrid import ActorRolloutRefWorker, RolloutConfig, rollout_mesh_coords
+from workers.hybrid import ActorRolloutRefWorker
+from workers.rollout_role import rollout_mesh_coords
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16], [17, 18, 19]]
 SAMPLING = {"max_new_tokens": 6, "temperature": 1.0, "seed": 3}

@@ -16,7 +16,7 @@ from engines.threads import (
     limit_threads_for_model,
     threads_for_model,
 )
-from workers.hybrid import _rollout_tensors
+from workers.rollout_layout import rollout_tensors as _rollout_tensors
 
 
 def row_by_row(

@@ -9,7 +9,7 @@ loss options (PolicyLossConfig, RolloutCorrectionConfig) live beside them in wor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -46,6 +46,12 @@ class RolloutOptions(_Config):
     offload_trainer_during_rollout: bool = Field(
         False, description="move trainer state to CPU while generating"
     )
+    weight_transfer: Literal["collective", "object_store"] = Field(
+        "collective",
+        description="how weights reach rollout workers placed apart (resources.placement 'split'): "
+        "'collective' (a torch.distributed group made for it: gloo on CPU, NCCL on GPU; the faster in split "
+        "jobs, bench/RESULTS.md) or 'object_store' (Ray's); colocated workers always copy in process",
+    )
 
     @field_validator("backend")
     @classmethod
@@ -68,7 +74,9 @@ class RolloutConfig(RolloutOptions):
 
 
 class HybridWorkerConfig(_Config):
-    """The hybrid actor-rollout-ref worker (workers/hybrid.py)."""
+    """The training role (workers/actor_role.py) and the hybrid actor-rollout-ref worker
+    (workers/hybrid.py): its rollout section says how the rollout engine is built (hybrid) and how
+    weights reach it (both)."""
 
     actor: EngineConfig
     ref: EngineConfig | None = Field(None, description="reference model for KL; None = no reference")
@@ -114,3 +122,10 @@ class EnvironmentConfig(EnvironmentOptions):
         if self.environment is None:
             raise ValueError("a multi-turn rollout needs an environment reference ('builtin:NAME', ...)")
         return self
+
+
+class RolloutWorkerConfig(_Config):
+    """The rollout role on its own workers (workers/rollout_role.py)."""
+
+    model_path: str = Field(description="the policy's HF folder; later weights arrive by transfer")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)

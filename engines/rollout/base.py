@@ -1,9 +1,10 @@
 """The rollout-engine interface: how a worker generates responses and receives new weights.
 
-A rollout engine lives in the same process as the training engine. It gets its weights once from
-the model folder and afterwards only through `update_weights`, a stream of (HF name, full tensor)
-pairs; `weight_version` counts those updates, and every Completion carries the version that
-produced it, so the trainer can tell how stale a sample is.
+A rollout engine gets its weights once from the model folder and afterwards only through
+`update_weights`, a stream of (HF name, full tensor) pairs: the whole model or any named subset of
+it, delivered by a weight-transfer strategy (engines/transfer/) from the training engine in the
+same process or in another one. `weight_version` counts the updates, and every Completion carries
+the version that produced it, so the trainer can tell how stale a sample is.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ import torch
 
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.probes import SGLANG_INSTALL_HINT as INSTALL_HINT
-from engines.weights import iter_buckets as bucket_named_tensors  # one bucketing rule for every engine
+from engines.transfer.base import iter_buckets as bucket_named_tensors  # one bucketing rule for every engine
 
 # The release this adapter is written against; pyproject's sglang extra and the Makefile pin it.
 

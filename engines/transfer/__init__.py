@@ -1,0 +1,1 @@
+"""Weight-transfer strategies (engines/transfer/base.py describes the interface)."""

@@ -1,0 +1,160 @@
+"""Weight transfer: how the trainer's weights reach a rollout engine, as interchangeable strategies.
+
+A strategy is the sending side of one way to move weights, with one small interface:
+`begin()` opens a transfer, `send(bucket)` moves one bucket of (HF name, full tensor) pairs,
+`finish()` closes it and returns the receivers' new weight version; `version` is that version and
+`metrics()` the last transfer's measurements (weight_sync/*). `transfer(named_tensors)` drives one
+whole transfer through them: the stream is cast to the receivers' dtype and cut into buckets of at
+most `bucket_mb` (a larger tensor travels alone), and at no time is more than one bucket held,
+never the whole state dict. The stream may be any named subset of the model's tensors (one layer,
+an adapter): receivers apply what they get by name and leave the rest as it was.
+
+One file per strategy: in_process.py (the rollout engine lives in the same process: today's
+colocated path) and collective.py (a torch.distributed group made for the transfer, from a
+training rank to rollout workers in other processes). A strategy that needs Ray (the object store)
+lives in workers/, since engines/ imports no Ray. workers/transfer_choice.py picks one.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+NamedTensor = tuple[str, torch.Tensor]
+
+
+class TransferError(RuntimeError):
+    """A weight transfer failed; the message names the receiving worker (group, rank) at fault."""
+
+
+class Receivers(Protocol):
+    """The receiving workers as a cross-process sender sees them (workers/transfer_peers.py builds
+    it over Ray): start a method on every receiver, then wait for their results."""
+
+    def start(self, method: str, *args: Any) -> None:
+        """Start `method(*args)` on every receiver without waiting."""
+
+    def wait(self, timeout_s: float | None = None) -> list[Any]:
+        """The started calls' results in rank order; raises TransferError naming a receiver that
+        failed (group, rank) or did not answer in time."""
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:
+    """Group a stream of named tensors into consecutive buckets of at most `bucket_bytes`.
+
+    A tensor larger than the bucket is yielded alone; order is preserved.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    bucket: list[NamedTensor] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor_bytes(tensor)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """One transfer: what moved and how fast. `weight_version` is the receivers' version after it."""
+
+    bytes: int
+    seconds: float
+    buckets: int
+    tensors: int
+    max_bucket_bytes: int
+    weight_version: int
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "weight_sync/seconds": self.seconds,
+            "weight_sync/gbps": self.gbps,
+            "weight_sync/bytes": float(self.bytes),
+            "weight_sync/buckets": float(self.buckets),
+            "weight_sync/version": float(self.weight_version),
+        }
+
+
+class WeightTransfer(ABC):
+    """The sending side of one way to move weights. See the module docstring."""
+
+    name: str = ""
+
+    def __init__(self, bucket_mb: float = 512, dtype: torch.dtype | None = None) -> None:
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.bucket_bytes = int(bucket_mb * 1024 * 1024)
+        self.dtype = dtype  # the receivers' dtype for floating tensors; None: as they come
+        self.last: TransferStats | None = None
+        self._version = 0
+
+    def begin(self) -> None:
+        """Open one transfer (a strategy may tell its receivers to listen)."""
+        return None
+
+    @abstractmethod
+    def send(self, bucket: list[NamedTensor]) -> None:
+        """Move one bucket; the receivers apply it by name."""
+
+    @abstractmethod
+    def finish(self) -> int:
+        """Close the transfer: the receivers bump their weight version, returned here."""
+
+    def abort(self, error: BaseException) -> BaseException:
+        """The error to raise when a transfer failed midway (a strategy names the worker at fault)."""
+        return error
+
+    @property
+    def version(self) -> int:
+        """The receivers' weight version after the last finished transfer."""
+        return self._version
+
+    def metrics(self) -> dict[str, float]:
+        """The last transfer's weight_sync/* measurements ({} before the first)."""
+        return self.last.metrics() if self.last is not None else {}
+
+    def transfer(self, named_tensors: Iterable[NamedTensor]) -> TransferStats:
+        """One whole transfer of `named_tensors` (all of the model's, or a named subset), measured."""
+        start = time.perf_counter()
+        total = buckets = tensors = largest = 0
+        self.begin()
+        try:
+            for bucket in iter_buckets(self._cast(named_tensors), self.bucket_bytes):
+                size = sum(tensor_bytes(t) for _, t in bucket)
+                self.send(bucket)
+                total, buckets, tensors = total + size, buckets + 1, tensors + len(bucket)
+                largest = max(largest, size)
+                del bucket  # let the bucket's tensors go before the next one is gathered
+            self._version = self.finish()
+        except Exception as exc:
+            raise self.abort(exc) from exc
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.last = TransferStats(
+            total, time.perf_counter() - start, buckets, tensors, largest, self._version
+        )
+        return self.last
+
+    def _cast(self, named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:
+        for name, tensor in named_tensors:
+            if self.dtype is not None and tensor.is_floating_point() and tensor.dtype != self.dtype:
+                tensor = tensor.to(self.dtype)
+            yield name, tensor

@@ -1,0 +1,132 @@
+"""The collective strategy: weights broadcast over a torch.distributed group made for the transfer.
+
+The group has one sender (a training rank, rank 0) and the rollout workers (ranks 1..N). It is
+not FSDP's: it has its own rendezvous (a TCPStore the sender hosts on a port of its own) and its
+own process-group object, gloo on CPU and NCCL on GPU, so neither side's default group is joined
+or changed. Each bucket is one flat byte buffer (engines/transfer/packing.py) and three
+broadcasts: its sizes, its header, its bytes; an empty header ends the transfer. Every wait has
+the group's timeout; the receivers' Ray calls report which worker failed.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engines.transfer.base import NamedTensor, Receivers, TransferError, WeightTransfer
+from engines.transfer.packing import decode_header, encode_header, pack, unpack
+
+
+class TransferGroup:
+    """A process group of `world` ranks for weight transfer only (see the module docstring)."""
+
+    def __init__(
+        self, store: dist.Store, rank: int, world: int, backend: str, timeout_s: float, name: str = ""
+    ) -> None:
+        self.rank, self.world, self.backend, self.timeout_s = rank, world, backend, timeout_s
+        self.name = name or f"weight-transfer({backend}, {world} ranks)"
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+        timeout = timedelta(seconds=timeout_s)
+        prefixed = dist.PrefixStore("weight-transfer", store)
+        if backend == "gloo":
+            self.pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+        elif backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world, options)
+        else:
+            raise ValueError(f"unknown transfer backend '{backend}': use 'gloo' or 'nccl'")
+        self._store = store  # the sender's store must outlive the group
+        self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # reused across buckets
+
+    def _buffer_of(self, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of this rank's reused byte buffer, grown when a bucket needs more."""
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buffer[:nbytes]
+
+    @staticmethod
+    def host_store(host: str, world: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
+        """The sender's rendezvous store on a free port of its own; returns it and the port."""
+        store = dist.TCPStore(
+            host, 0, world, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+        return store, store.port
+
+    @classmethod
+    def join(
+        cls, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float
+    ) -> TransferGroup:
+        """A receiver's side: connect to the sender's store and build the group (blocks until all join)."""
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return cls(store, rank, world, backend, timeout_s)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into everyone's, in place; bounded by the group's timeout."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.pg.broadcast([tensor], options).wait(timedelta(seconds=self.timeout_s))
+
+    def send_bucket(self, bucket: list[NamedTensor] | None) -> None:
+        """Rank 0: one bucket (None: the end of the transfer)."""
+        header, flat = pack(bucket, self._buffer) if bucket else (None, None)
+        if flat is not None and flat.device == self.device and flat.data_ptr() != self._buffer.data_ptr():
+            self._buffer = flat  # the first bucket of this size: keep its buffer for the next ones
+        data = encode_header(header, self.device)
+        payload = 0 if flat is None else flat.numel()
+        self.broadcast(torch.tensor([data.numel(), payload], dtype=torch.int64, device=self.device))
+        self.broadcast(data)
+        if flat is not None:
+            self.broadcast(flat.to(self.device))
+
+    def receive_bucket(self) -> tuple[list[NamedTensor] | None, torch.Tensor | None]:
+        """Ranks 1..: the next bucket as views into this rank's reused buffer (returned too), or
+        (None, None) at the end. Apply it before receiving the next one."""
+        sizes = torch.empty(2, dtype=torch.int64, device=self.device)
+        self.broadcast(sizes)
+        data = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
+        self.broadcast(data)
+        header = decode_header(data)
+        if header is None:
+            return None, None
+        flat = self._buffer_of(int(sizes[1]))  # applied (copied out) before the next bucket comes
+        self.broadcast(flat)
+        return unpack(header, flat), flat
+
+
+class CollectiveTransfer(WeightTransfer):
+    """Sender (rank 0 of a TransferGroup) to every receiver at once; see the module docstring."""
+
+    name = "collective"
+
+    def __init__(
+        self,
+        group: TransferGroup,
+        receivers: Receivers,
+        bucket_mb: float = 512,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(bucket_mb, dtype)
+        self.group, self.receivers = group, receivers
+
+    def begin(self) -> None:
+        self.receivers.start("receive_weights")  # each receiver loops over buckets until the end mark
+
+    def send(self, bucket: list[NamedTensor]) -> None:
+        self.group.send_bucket(bucket)
+
+    def finish(self) -> int:
+        self.group.send_bucket(None)
+        return int(self.receivers.wait()[0])
+
+    def abort(self, error: BaseException) -> BaseException:
+        """A failed broadcast: the receivers' calls say which worker died or failed."""
+        try:
+            self.receivers.wait(timeout_s=min(self.group.timeout_s, 30.0))
+        except TransferError as named:
+            return named
+        return TransferError(f"weight transfer over {self.group.name} failed on the sender: {error}")

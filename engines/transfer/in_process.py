@@ -1,0 +1,24 @@
+"""The in-process strategy: the rollout engine lives in the sender's process (the colocated worker).
+
+Each bucket goes straight into `rollout.update_weights` (a copy into the engine's own parameters,
+or its fused decode buffers, which they are views of); `finish` bumps the engine's weight version.
+"""
+
+from __future__ import annotations
+
+from engines.rollout.base import RolloutEngine
+from engines.transfer.base import NamedTensor, WeightTransfer
+
+
+class InProcessTransfer(WeightTransfer):
+    name = "in_process"
+
+    def __init__(self, rollout: RolloutEngine, bucket_mb: float = 512) -> None:
+        super().__init__(bucket_mb, dtype=rollout.dtype)  # cast to what the engine takes
+        self.rollout = rollout
+
+    def send(self, bucket: list[NamedTensor]) -> None:
+        self.rollout.update_weights(bucket)
+
+    def finish(self) -> int:
+        return self.rollout.finish_update()

@@ -1,0 +1,165 @@
+"""The training role: the actor training engine and an optional reference engine (forward only).
+
+`ActorRefWorker` computes log-probs, updates the actor and sends its weights to the rollout role.
+On its own (resources.placement 'split') it sends them to rollout workers in other processes:
+rank 0 sends, through the strategy `workers/transfer_choice.py` picks, and every rank takes part
+in gathering the full tensors (FSDP); the hybrid worker (workers/hybrid.py) composes this role with
+the rollout role in one process and sends in process. Mesh "actor" is the FSDP data-parallel
+layout (every rank its own dp rank, every rank collected).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from engines.base import TrainEngine
+from engines.registry import build_train_engine
+from engines.threads import limit_threads_for_model
+from engines.transfer.base import NamedTensor, WeightTransfer
+from workers.base import Dispatch, Reduce, Worker, register
+from workers.batch import Batch
+from workers.config import HybridWorkerConfig, UpdateSchedule
+from workers.loss_config import PolicyLossConfig, SFTLossConfig
+from workers.operations import TrainingOperations, TrainOps, prepare_loss, temperature_of
+from workers.training import train_on_batch
+from workers.transfer_choice import RolloutLink, connect
+
+
+class ActorRefWorker(TrainingOperations):
+    """One rank of the training group (actor + optional reference). See the module docstring.
+
+    Its fine-grained operations (forward_backward, optim_step, save/load state) and the job's
+    checkpoint and hyper-parameter operations come from `TrainingOperations` (workers/operations.py)."""
+
+    checkpoint_name = "actor"
+
+    def __init__(self, config: HybridWorkerConfig | dict) -> None:
+        Worker.__init__(self)
+        self.config = HybridWorkerConfig.model_validate(config)
+        self.build_training()
+        self.weight_sync: WeightTransfer | None = None  # rank 0, once connect_rollout has run
+        limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
+        self.register_actor_mesh()
+
+    # ---- build steps (the hybrid worker runs them too) ------------------------------------------
+
+    def build_training(self) -> None:
+        self.actor = build_train_engine(self.config.actor)
+        self.actor.initialize()
+        self.ops = TrainOps(self.actor)  # the fine-grained operations (workers/operations.py)
+        self.ref: TrainEngine | None = None
+        if self.config.ref is not None:
+            self.ref = build_train_engine(self.config.ref.model_copy(update={"trainable": False}))
+            self.ref.initialize()
+
+    def register_actor_mesh(self) -> None:
+        self.register_mesh("actor", dp_rank=self.actor.dp_rank, is_collect=self.actor.is_collect_rank)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def connect_rollout(self, link: RolloutLink) -> None:
+        """Rank 0 connects its weight transfer to the rollout workers of `link`; the others only
+        gather (the full tensors are collective over the FSDP ranks)."""
+        if self.rank == 0:
+            dtype = _dtype_of(self.config.rollout.dtype, self.actor.device)
+            self.weight_sync = connect(link, self.config.rollout.bucket_mb, dtype, self.actor.device)
+
+    # ---- log-probs and updates ---------------------------------------------------------------
+
+    @register(Dispatch.MESH, mesh="actor")
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """old_log_probs (and entropy) of the responses under the current actor."""
+        with self.actor.eval_mode():
+            out = self.actor.forward_backward_batch(
+                batch.tensors,
+                None,
+                forward_only=True,
+                compute_entropy=True,
+                temperature=temperature_of(batch),
+            )
+        return _with_outputs(
+            batch, {"old_log_probs": out.outputs["log_probs"], "entropy": out.outputs["entropy"]}
+        )
+
+    @register(Dispatch.MESH, mesh="actor")
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        if self.ref is None:
+            raise RuntimeError("this worker group has no reference model: set a ref engine config to use KL")
+        with self.ref.eval_mode():
+            out = self.ref.forward_backward_batch(
+                batch.tensors, None, forward_only=True, temperature=temperature_of(batch)
+            )
+        return _with_outputs(batch, {"ref_log_probs": out.outputs["log_probs"]})
+
+    @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
+    def update_actor(
+        self, batch: Batch, loss_config: PolicyLossConfig | dict, schedule: UpdateSchedule | dict
+    ) -> dict[str, float]:
+        """PPO-style update; the metrics are global (the engine sums them over ranks)."""
+        loss = prepare_loss(batch, PolicyLossConfig.model_validate(loss_config))
+        rows = Batch(loss.tensors, batch.non_tensors, batch.meta)
+        return train_on_batch(
+            self.actor,
+            rows,
+            loss.loss_fn,
+            schedule,
+            "actor",
+            compute_entropy=loss.compute_entropy,
+            temperature=loss.temperature,
+        )
+
+    @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
+    def update_sft(self, batch: Batch, agg_mode: str, schedule: UpdateSchedule | dict) -> dict[str, float]:
+        """Supervised fine-tuning on prompt/response rows: cross-entropy on the response tokens."""
+        loss = prepare_loss(batch, SFTLossConfig(loss_agg_mode=agg_mode))
+        return train_on_batch(self.actor, batch, loss.loss_fn, schedule, "sft")
+
+    # ---- weights to the rollout role -----------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
+    def sync_weights(self, names: list[str] | None = None) -> dict[str, float]:
+        """Send the actor's weights (all, or the tensors named in `names`) to the rollout role;
+        returns the transfer's measurements ({} on a rank that only gathers)."""
+        with self.actor.eval_mode():
+            stream = self.actor.get_per_tensor_param()
+            if names is not None:
+                wanted = set(names)
+                stream = ((n, t) for n, t in stream if n in wanted)
+            return self._send_weights(stream)
+
+    def _send_weights(self, stream: Iterator[NamedTensor]) -> dict[str, float]:
+        if self.weight_sync is None:
+            for _ in stream:  # gather with the sending rank, keep nothing
+                pass
+            return {}
+        return self.weight_sync.transfer(stream).metrics()
+
+    # ---- checkpoints (save_checkpoint, load_checkpoint: workers/operations.py) -------------------
+
+    def after_load_checkpoint(self) -> None:
+        """Bring the rollout role to the restored weights."""
+        self.sync_weights()
+
+    @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
+    def export_hf(self, path: str) -> None:
+        self.actor.export_hf(path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def actor_state_dict(self) -> dict[str, torch.Tensor]:
+        with self.actor.eval_mode():
+            return {k: v.cpu().clone() for k, v in self.actor.get_per_tensor_param()}
+
+
+def _dtype_of(name: str, device: torch.device) -> torch.dtype | None:
+    """The rollout's weight dtype for a config dtype name ('auto': bf16 on CUDA, fp32 on CPU)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _with_outputs(batch: Batch, outputs: dict[str, torch.Tensor]) -> Batch:
+    tensors = batch.tensors.clone(recurse=False)
+    for key, value in outputs.items():
+        tensors[key] = value
+    return Batch(tensors, batch.non_tensors, batch.meta)

@@ -1,0 +1,64 @@
+"""The fixed-width training layout of generated rows (the batch that generate_sequences returns).
+
+input_ids = prompt left-padded to P = max_prompt_length, then the response right-padded to
+R = max_new_tokens, so that the chunks of all dp ranks concatenate.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+from tensordict import TensorDict
+
+
+def rollout_tensors(
+    prompts: list[list[int]], completions: list, width: int, new_tokens: int, pad: int
+) -> TensorDict:
+    """Prompt left-padded to `width`, response right-padded to `new_tokens`, with masks, log-probs,
+    weight versions and the truncation flags."""
+    rows = len(prompts)
+    prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    if rows and int(prompt_lengths.max()) > width:
+        raise ValueError(
+            f"prompt of {int(prompt_lengths.max())} tokens is longer than max_prompt_length={width}"
+        )
+    tokens = [c.token_ids[:new_tokens] for c in completions]
+    token_lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+    input_ids = torch.full((rows, width + new_tokens), pad, dtype=torch.long)
+    place_rows(input_ids, prompts, width - prompt_lengths)
+    place_rows(input_ids, tokens, torch.full((rows,), width))
+    columns = torch.arange(width + new_tokens)
+    attention_mask = (
+        (columns >= (width - prompt_lengths)[:, None]) & (columns < (width + token_lengths)[:, None])
+    ).long()
+    log_probs = torch.zeros(rows, new_tokens)
+    place_rows(log_probs, [c.log_probs[: len(t)] for c, t in zip(completions, tokens, strict=True)])
+    # 1 where generation stopped at the token budget (finish reason "length"), for over-long handling.
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.long)
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "responses": input_ids[:, width:].clone(),
+            "response_mask": attention_mask[:, width:].clone(),
+            "rollout_log_probs": log_probs,
+            "weight_version": torch.tensor([c.weight_version for c in completions], dtype=torch.long),
+            "truncated": truncated,
+        },
+        batch_size=[rows],
+    )
+
+
+def place_rows(out: torch.Tensor, rows: list[list], starts: torch.Tensor | None = None) -> None:
+    """Write row i of `rows` into out[i, starts[i] : starts[i] + len(rows[i])] (starts: 0), with one
+    indexed copy for the whole batch rather than a copy per row."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    total = int(lengths.sum())
+    if total == 0:
+        return
+    row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+    column = torch.arange(total) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    if starts is not None:
+        column += starts[row]
+    out[row, column] = torch.tensor(list(chain.from_iterable(rows)), dtype=out.dtype)

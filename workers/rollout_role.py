@@ -1,0 +1,230 @@
+"""The rollout role: one rollout engine, generation, and the receiving end of weight transfers.
+
+`RolloutWorker` is the role on its own workers (resources.placement 'split'); the colocated hybrid
+worker (workers/hybrid.py) is this role and the training role in one process. Its mesh "rollout"
+groups `tensor_parallel_size` consecutive ranks into one replica (dp rank = rank // tp, collected
+on tp rank 0).
+
+Generation layout. The controller sends a Batch whose non_tensors["prompt_ids"] hold token-id lists
+(one row per sample: prompts already repeated n times) and whose meta holds the SamplingParams
+(`workers.batch.put_sampling`) and the prompt width (`put_prompt_length`); the result has the
+fixed-width layout of workers/rollout_layout.py. With an environment in the meta
+(`put_environment`) each row is a multi-turn trajectory (workers/multiturn.py). `generate(token ids, SamplingParams)` is the low-level call: completions,
+no layout.
+
+Weights arrive from a training rank in another process (engines/transfer/): over a transfer group
+(`join_transfer`, then `receive_weights` per transfer) or bucket by bucket from the object store
+(`receive_bucket`, the last one closing the transfer). The sender, not the controller, calls these. A
+transfer may carry any named subset of the model's tensors; the engine copies each by name into
+its own parameters (or the fused decode buffers they are views of) and leaves the rest.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+import torch
+
+from engines.rollout import SamplingParams, build_rollout_engine
+from engines.rollout.base import Completion
+from engines.threads import limit_threads_for_model
+from engines.transfer.base import NamedTensor
+from engines.transfer.collective import TransferGroup
+from workers.base import Dispatch, Worker, register
+from workers.batch import Batch, environment_of, prompt_length_of, sampling_of
+from workers.config import EnvironmentConfig, RolloutConfig, RolloutWorkerConfig
+from workers.object_store_transfer import decode_bucket
+from workers.rollout_layout import rollout_tensors
+
+
+def rollout_mesh_coords(rank: int, tp: int) -> tuple[int, bool]:
+    """(dp rank, is_collect) of a global rank in the rollout mesh of tensor-parallel size `tp`."""
+    return rank // tp, rank % tp == 0
+
+
+class RolloutWorker(Worker):
+    """One rank of a rollout group placed on its own workers. See the module docstring."""
+
+    def __init__(self, config: RolloutWorkerConfig | dict) -> None:
+        super().__init__()
+        config = RolloutWorkerConfig.model_validate(config)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.build_rollout(config.rollout, config.model_path, device)
+        limit_threads_for_model(config.model_path)  # a small model: one thread
+        self.register_rollout_mesh()
+        self.settle_rollout_memory()
+
+    # ---- build steps (the hybrid worker runs them too) ------------------------------------------
+
+    def build_rollout(self, rc: RolloutConfig, model_path: str, device: str) -> None:
+        self.rollout_config, self.rollout_model_path = rc, model_path
+        self.rollout = build_rollout_engine(
+            rc.backend, model_path, device=device, dtype=rc.dtype, **rc.engine_kwargs
+        )
+        self._chat_delta = None  # built on the first multi-turn generation
+        self._transfer_group: TransferGroup | None = None
+        self._buckets_received = 0
+        self._exit_after_buckets: int | None = None  # a test hook: die mid-transfer
+
+    def register_rollout_mesh(self) -> None:
+        tp = self.rollout_config.tensor_parallel_size
+        if self.world_size % tp:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of rollout tensor_parallel_size {tp}"
+            )
+        dp, collect = rollout_mesh_coords(self.rank, tp)
+        self.register_mesh("rollout", dp_rank=dp, is_collect=collect)
+
+    def settle_rollout_memory(self) -> None:
+        """Between calls the engine holds no cache (free_cache_after_generate)."""
+        if self.rollout_config.free_cache_after_generate:
+            self.rollout.release_memory()
+
+    # ---- generation --------------------------------------------------------------------------
+
+    @register(Dispatch.MESH, mesh="rollout")
+    def generate_sequences(self, batch: Batch) -> Batch:
+        """Sample one response per row; returns the batch with the fixed-width training layout."""
+        params = sampling_of(batch)
+        if params is None:
+            raise ValueError(
+                "generate_sequences needs the batch's sampling settings (workers.batch.put_sampling)"
+            )
+        params = params.model_copy(update={"n": 1})
+        if params.seed is not None:  # replicas must not draw the same samples; tp peers must
+            replica, _ = rollout_mesh_coords(self.rank, self.rollout_config.tensor_parallel_size)
+            params = params.model_copy(update={"seed": params.seed + 7919 * replica})
+        environment = environment_of(batch)
+        if environment is not None:
+            return self._generate_trajectories(batch, params, environment)
+        prompts = [list(map(int, p)) for p in batch.non_tensors["prompt_ids"]]
+        width = prompt_length_of(batch) or max(len(p) for p in prompts)
+        self._before_rollout()
+        try:
+            completions = self.rollout.generate(prompts, params)
+        finally:
+            self._after_rollout()
+        return Batch(
+            rollout_tensors(prompts, completions, width, params.max_new_tokens, self.rollout.pad_token_id),
+            batch.non_tensors,
+            batch.meta,
+        )
+
+    @register(Dispatch.RANK_ZERO)
+    def generate(self, prompts: list[list[int]], params: SamplingParams | dict) -> list[Completion]:
+        """`len(prompts) * params.n` completions of token-id prompts, prompt-major (one replica)."""
+        params = SamplingParams.model_validate(params)
+        self._before_rollout()
+        try:
+            return self.rollout.generate([list(map(int, p)) for p in prompts], params)
+        finally:
+            self._after_rollout()
+
+    def _generate_trajectories(
+        self, batch: Batch, params: SamplingParams, config: EnvironmentConfig
+    ) -> Batch:
+        """Multi-turn: one trajectory per row with its environment (workers/multiturn.py)."""
+        from workers.multiturn import MultiTurnRollout, trajectory_non_tensors, trajectory_tensors
+
+        if self._chat_delta is None:
+            from transformers import AutoTokenizer
+
+            from workers.chat_delta import ChatDelta
+
+            self._chat_delta = ChatDelta(AutoTokenizer.from_pretrained(self.rollout_model_path))
+        nt = batch.non_tensors
+        rows = [
+            {"prompt": p, "ground_truth": g, "extra": e}
+            for p, g, e in zip(
+                nt.get("raw_prompt", nt["prompt"]),
+                nt.get("ground_truth", [None] * len(batch)),
+                nt.get("extra", [None] * len(batch)),
+                strict=True,
+            )
+        ]
+        width = prompt_length_of(batch)
+        if width is None:
+            raise ValueError("a multi-turn batch needs its prompt width (workers.batch.put_prompt_length)")
+        self._before_rollout()
+        try:
+            trajectories = MultiTurnRollout(self.rollout, self._chat_delta, config).run(rows, params, width)
+        finally:
+            self._after_rollout()
+        tensors = trajectory_tensors(
+            trajectories, width, config.max_response_tokens, self.rollout.pad_token_id
+        )
+        return Batch(tensors, {**batch.non_tensors, **trajectory_non_tensors(trajectories)}, batch.meta)
+
+    def _before_rollout(self) -> None:
+        if self.rollout.is_released:
+            self.rollout.resume_memory()
+
+    def _after_rollout(self) -> None:
+        self.settle_rollout_memory()
+
+    # ---- receiving weights (called by the sending training rank) --------------------------------
+
+    def join_transfer(
+        self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float
+    ) -> None:
+        """Join the sender's transfer group as `rank` (engines/transfer/collective.py)."""
+        self._transfer_group = TransferGroup.join(host, port, rank, world, backend, timeout_s)
+
+    def receive_weights(self) -> int:
+        """One transfer over the group: buckets until the end mark; returns the new weight version."""
+        if self._transfer_group is None:
+            raise RuntimeError(f"rollout rank {self.rank} has not joined a weight-transfer group")
+        while True:
+            bucket, _buffer = self._transfer_group.receive_bucket()
+            if bucket is None:
+                return self.finish_transfer()
+            self._apply(bucket)
+
+    def receive_bucket(self, ref: ray.ObjectRef, last: bool = False, timeout_s: float = 300.0) -> int | None:
+        """One object-store bucket (workers/object_store_transfer.py), applied by name; the `last`
+        one also closes the transfer and returns the new weight version."""
+        bucket = decode_bucket(ray.get(ref, timeout=timeout_s))
+        self._apply([(name, t.to(self.rollout_device)) for name, t in bucket])
+        return self.finish_transfer() if last else None
+
+    def finish_transfer(self) -> int:
+        """Close one transfer: bump the engine's weight version and return it."""
+        version = self.rollout.finish_update()
+        self._buckets_received = 0
+        self.settle_rollout_memory()
+        return version
+
+    def _apply(self, bucket: list[NamedTensor]) -> None:
+        if self.rollout.is_released:
+            self.rollout.resume_memory()
+        self.rollout.update_weights(bucket)
+        self._buckets_received += 1
+        if self._exit_after_buckets is not None and self._buckets_received >= self._exit_after_buckets:
+            os._exit(1)  # the test hook below: this worker dies in the middle of a transfer
+
+    @property
+    def rollout_device(self) -> torch.device:
+        device = getattr(self.rollout, "device", None)
+        return torch.device(device) if device is not None else torch.device("cpu")
+
+    # ---- state, test and debugging hooks ---------------------------------------------------------
+
+    @register(Dispatch.ONE_TO_ALL)
+    def weight_version(self) -> int:
+        return self.rollout.weight_version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def rollout_state_dict(self) -> dict[str, torch.Tensor]:
+        """The rollout engine's current weights (CPU copies), for checks that a sync landed."""
+        model = getattr(self.rollout, "model", None)
+        if model is None:
+            raise RuntimeError(f"rollout backend '{self.rollout_config.backend}' does not expose its weights")
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+    @register(Dispatch.ALL_TO_ALL)
+    def exit_during_next_transfer(self, after_buckets: int | None) -> None:
+        """Test hook (called with one value per rank): this rank's process exits after receiving
+        `after_buckets` buckets of the next transfer (None: never), so a test can check that the
+        sender names the worker that died."""
+        self._exit_after_buckets = after_buckets

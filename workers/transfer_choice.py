@@ -1,0 +1,67 @@
+"""Where a training rank's weight-transfer strategy is chosen: the one place that maps a placement
+and `rollout.weight_transfer` to a strategy object (engines/transfer/base.py's interface).
+
+Colocated, the rollout engine is in the same process: `InProcessTransfer`. Split, the rollout
+workers are other processes: `collective` (a torch.distributed group made for the transfer,
+engines/transfer/collective.py) or `object_store` (Ray's object store,
+workers/object_store_transfer.py). A new strategy is one file plus one branch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from engines.rollout.base import RolloutEngine
+from engines.transfer.base import TransferError, WeightTransfer
+from engines.transfer.collective import CollectiveTransfer, TransferGroup
+from engines.transfer.in_process import InProcessTransfer
+from workers.object_store_transfer import ObjectStoreTransfer
+from workers.transfer_peers import RolloutPeers
+
+
+@dataclass
+class RolloutLink:
+    """What a training rank needs to send weights to a rollout group placed apart from it."""
+
+    actors: list[Any]  # the rollout group's Ray actor handles, in rank order
+    role: str  # the rollout worker's role name inside its host actors
+    group: str  # the rollout group's name, for errors
+    strategy: str  # "collective" or "object_store"
+    timeout_s: float = 300.0
+
+
+def in_process(rollout: RolloutEngine, bucket_mb: float) -> WeightTransfer:
+    return InProcessTransfer(rollout, bucket_mb)
+
+
+def connect(
+    link: RolloutLink, bucket_mb: float, dtype: torch.dtype | None, device: torch.device
+) -> WeightTransfer:
+    """The sending side of `link.strategy`, connected to every rollout worker of the link."""
+    peers = RolloutPeers(link.actors, link.role, link.group, link.timeout_s)
+    if link.strategy == "object_store":
+        return ObjectStoreTransfer(peers, bucket_mb, dtype)
+    if link.strategy == "collective":
+        return CollectiveTransfer(_join_group(peers, device, link.timeout_s), peers, bucket_mb, dtype)
+    raise ValueError(f"unknown weight transfer '{link.strategy}': use 'collective' or 'object_store'")
+
+
+def _join_group(peers: RolloutPeers, device: torch.device, timeout_s: float) -> TransferGroup:
+    """Host the group's rendezvous here (rank 0) and have every rollout worker join it (ranks 1..)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    host, world = ray.util.get_node_ip_address(), 1 + len(peers)
+    store, port = TransferGroup.host_store(host, world, timeout_s)
+    peers.start_each(
+        "join_transfer", [(host, port, 1 + r, world, backend, timeout_s) for r in range(len(peers))]
+    )
+    try:
+        group = TransferGroup(store, 0, world, backend, timeout_s, name=f"weight transfer to '{peers.group}'")
+    except Exception as exc:  # the rendezvous failed: the receivers say which of them is at fault
+        peers.wait(timeout_s=30.0)
+        raise TransferError(f"weight-transfer group to '{peers.group}' could not form: {exc}") from exc
+    peers.wait()
+    return group
