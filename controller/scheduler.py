@@ -6,7 +6,10 @@ room for them (a job needs `workers x cpus_per_worker` CPUs and its GPUs). Reque
 it: the Service changes the store and calls `tell` or `stop`, which only send a message.
 
 A job that starts again after a crash resumes from its last complete checkpoint: at launch the
-store forgets the metrics recorded after that step, so the re-run steps are stored once.
+store forgets the metrics recorded after that step, so the re-run steps are stored once. A job whose
+controller restarts its workers (controller/recovery.py) says so in its drain: the step it went back
+to (the store forgets the later metrics the same way) and the restart under way, which the job's
+API view shows until it resumed.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class Scheduler:
     def _recover(self) -> None:
         for job in self.store.jobs_in((S.RUNNING, S.PAUSING)):
             self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
+            self.store.set_restart(job.id, None)  # a restart under way ended with the service
             self.store.truncate_after(job.id, resume_step(job))  # shown at its checkpoint until it runs
             self._record_checkpoints_on_disk(job)
             self.store.add_event(
@@ -250,6 +254,8 @@ class Scheduler:
             return
         for at, kind, message, data in out["events"]:
             self.store.add_event(job_id, kind, message, data, at=at)
+        if out.get("rewind") is not None:  # the job restarted from a checkpoint: later steps are re-run
+            self.store.truncate_after(job_id, out["rewind"])
         for at, step, values in out["metrics"]:
             self.store.add_metrics(job_id, step, values, at=at)
         for at, step, rows in out["samples"]:
@@ -258,6 +264,7 @@ class Scheduler:
             self.store.add_checkpoint(job_id, step, path)
         self.store.add_logs(job_id, out["logs"])
         self.store.bump_step(job_id, out["step"])
+        self.store.set_restart(job_id, out.get("restart"))
         run.actor.committed.remote(out["seq"])  # the job may now commit a checkpoint past these records
 
     def _settle(self, job_id: str, run: RunningJob) -> None:
@@ -280,6 +287,7 @@ class Scheduler:
             self.store.add_event(
                 job_id, status, result.get("message") or f"{status} at step {result.get('step')}"
             )
+        self.store.set_restart(job_id, None)
         ray.kill(run.actor, no_restart=True)
         _remove_placement_group(f"{job_id}-pool")
         with self._lock:

@@ -54,7 +54,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     tags TEXT NOT NULL DEFAULT '[]',
     notes TEXT NOT NULL DEFAULT '',
     active_s REAL NOT NULL DEFAULT 0,
-    run_started_at REAL
+    run_started_at REAL,
+    restart TEXT NOT NULL DEFAULT 'null'
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
 CREATE TABLE IF NOT EXISTS events (
@@ -104,13 +105,14 @@ ADDED_COLUMNS = {  # columns added since the first schema: a database made befor
     "notes": "TEXT NOT NULL DEFAULT ''",
     "active_s": "REAL NOT NULL DEFAULT 0",
     "run_started_at": "REAL",
+    "restart": "TEXT NOT NULL DEFAULT 'null'",
 }
 JOB_COLUMNS = (
     "id, seq, status, method, spec, metadata, created_at, started_at, finished_at, step, total_steps, "
     "latest_metrics, error, parent_id, workdir, idempotency_key, request_hash, stop_reason, name, tags, notes, "
-    "active_s, run_started_at"
+    "active_s, run_started_at, restart"
 )
-JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags")
+JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags", "restart")
 
 
 @dataclass
@@ -138,6 +140,7 @@ class JobRecord:
     notes: str = ""
     active_s: float = 0.0  # seconds spent running, over every run of the job
     run_started_at: float | None = None  # when the current run started (None when not running)
+    restart: dict[str, Any] | None = None  # while the job's controller restarts its workers (recovery.py)
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
@@ -219,12 +222,13 @@ class JobStore(MetricsTable):
         with self._tx("jobs") as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             db.execute(
-                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 23)})",
+                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 24)})",
                 (
                     job_id, seq, JobStatus.QUEUED, spec["method"], json.dumps(spec),
                     json.dumps(spec.get("metadata", {})), now, None, None, 0, spec["trainer"]["total_steps"], "{}",
                     None, parent_id, str(Path(workdir_root) / job_id), idempotency_key, request_hash, None,
                     spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None,
+                    "null",
                 ),
             )  # fmt: skip
         self.add_event(job_id, "created", "job created and queued")
@@ -325,6 +329,14 @@ class JobStore(MetricsTable):
         """Raise the job's step to `step` (a resumed job starts past 0 before its first metrics)."""
         with self._tx("jobs") as db:  # no row changes when the step is already there: readers keep theirs
             db.execute("UPDATE jobs SET step = ? WHERE id = ? AND step < ?", (step, job_id, step))
+
+    def set_restart(self, job_id: str, restart: dict[str, Any] | None) -> None:
+        """The restart under way (its message, phase, counts), or None once the job resumed or ended."""
+        with self._tx("jobs") as db:  # no row changes when it is the same: readers keep their cache
+            db.execute(
+                "UPDATE jobs SET restart = ? WHERE id = ? AND restart IS NOT ?",
+                (json.dumps(restart), job_id, json.dumps(restart)),
+            )
 
     def delete_job(self, job_id: str) -> None:
         tables = ("events", "logs", "checkpoints", "samples")

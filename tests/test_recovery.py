@@ -1,0 +1,203 @@
+"""Jobs that survive their workers (controller/recovery.py), against a live service on a real Ray.
+
+A worker process is killed with SIGKILL (its pid asked from the job's controller actor) at a step
+drawn from a seed: the job restarts from its last checkpoint, stores every step once, marks what
+the re-run recorded with attempt 2, and ends with the weights of a run that was never interrupted,
+bit for bit (CPU, one rank of one thread). `max_restarts: 0` fails at once; workers killed as soon
+as they start exhaust the restarts and fail the job with every error listed; an error of the job's
+own (a reward that raises) is never retried.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from ray.exceptions import RayActorError
+from safetensors.torch import load_file
+
+from api.cli import shown_status
+from controller.recovery import RestartsExhausted, WorkerLost, worker_lost
+from controller.resource_pool import ResourcePoolError
+from controller.sink import JsonlSink
+from controller.spec import JobSpec
+from controller.trainer import Trainer
+from controller.worker_group import WorkerGroupError
+from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
+
+TOTAL = 5
+
+
+def recovery_job(**overrides) -> dict:
+    base = {
+        "trainer": {"total_steps": TOTAL, "prompts_per_step": 4, "val_every": 0, "restart_backoff_s": 0},
+        "checkpoint": {"every": 2, "keep_last": 2, "export_hf": True},
+        "resources": {"workers": 1, "cpus_per_worker": 1},  # one torch thread: the same sums every run
+        "metadata": {"suite": "recovery"},
+    }
+    spec = tiny_job(**base)
+    for key, value in overrides.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    return spec
+
+
+def controller(job_id: str, timeout_s: float = 60) -> ray.actor.ActorHandle:
+    """The job's controller actor, once the scheduler started it."""
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return ray.get_actor(f"tandem-{job_id}")
+        except ValueError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def worker_pids(job_id: str, timeout_s: float = 120) -> list[int]:
+    """The job's worker processes, asked from its controller actor once its workers are up."""
+    actor = controller(job_id)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        pids = ray.get(actor.worker_pids.remote(), timeout=60)
+        if pids:
+            return [pid for ranks in pids.values() for pid in ranks]
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} started no workers within {timeout_s}s")
+
+
+def final_weights(workdir: str) -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(workdir, "export", "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The same job run straight through, in this process (the trainer the service runs)."""
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    Trainer(JobSpec.model_validate(recovery_job()), workdir, JsonlSink(workdir), name="uninterrupted").run()
+    return final_weights(str(workdir))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(live, api, uninterrupted, seed):
+    kill_after = random.Random(seed).randint(0, TOTAL - 3)  # at least two steps still to run
+    job = api.post("/v1/jobs", json=recovery_job()).json()
+    if kill_after:
+        wait_for_step(api, job["id"], kill_after)
+    (pid,) = worker_pids(job["id"])
+    os.kill(pid, signal.SIGKILL)
+    done = wait_for(api, job["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["restart"] is None and done["latest_metrics"]["job/restarts"] == 1.0
+
+    rows = api.get(f"/v1/jobs/{job['id']}/metrics", params={"limit": 100}).json()["data"]
+    assert [r["step"] for r in rows] == list(range(1, TOTAL + 1))  # every step stored once
+    events = api.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+    (restart,) = [e for e in events if e["kind"] == "restart"]
+    data = restart["data"]
+    assert data["rank"] == 0 and data["cause"] == "died" and data["attempt"] == 2
+    assert data["resume_step"] == data["resume_step"] // 2 * 2 <= kill_after + 1  # a checkpoint step
+    # The rows after the checkpoint are the second attempt's: the first attempt's were replaced.
+    assert [r["values"]["job/restarts"] for r in rows] == [
+        float(r["step"] > data["resume_step"]) for r in rows
+    ]
+    assert restart["message"].startswith("restarting (1/3): worker rank 0 died; resuming from")
+    after = events[events.index(restart) + 1 :]
+    assert [e["kind"] for e in after if e["kind"] == "resumed"] or data["resume_step"] == 0
+    assert all(e["data"].get("attempt") == 2 for e in after if e["kind"] != "succeeded")  # (the service's)
+    samples = api.get(f"/v1/jobs/{job['id']}/samples", params={"limit": 200}).json()["data"]
+    assert {s.get("attempt", 1) for s in samples if s["step"] > data["resume_step"]} >= {2}
+    logs = api.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 2000}).json()["data"]
+    assert any(line["line"].startswith("[attempt 2] ") for line in logs)
+
+    weights = final_weights(done["outputs"]["workdir"])
+    assert weights.keys() == uninterrupted.keys()
+    assert all(torch.equal(weights[k], uninterrupted[k]) for k in weights)  # bitwise, on CPU
+
+
+def test_max_restarts_0_fails_at_once_with_the_error(live, api):
+    job = api.post("/v1/jobs", json=recovery_job(trainer={"max_restarts": 0})).json()
+    (pid,) = worker_pids(job["id"])
+    os.kill(pid, signal.SIGKILL)
+    done = wait_for(api, job["id"], TERMINAL)
+    assert done["status"] == "failed"
+    assert "more than trainer.max_restarts (0)" in done["error"]
+    assert "[attempt 1] worker group" in done["error"] and "the worker actor died" in done["error"]
+    events = api.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+    assert "restart" not in [e["kind"] for e in events]
+
+
+def test_workers_that_die_on_every_start_exhaust_the_restarts(live, api):
+    """Every worker process is killed as soon as it answers: one restart, then the job fails listing
+    both losses. The backoff keeps the restart on view long enough to read it."""
+    job = api.post("/v1/jobs", json=recovery_job(trainer={"max_restarts": 1, "restart_backoff_s": 3})).json()
+    stop = threading.Event()
+    killed: list[int] = []
+
+    def kill_every_worker() -> None:
+        actor = controller(job["id"])
+        while not stop.is_set():
+            try:
+                pids = ray.get(actor.worker_pids.remote(), timeout=30)
+            except Exception:  # the workers are going down, or the job ended
+                pids = {}
+            for pid in [p for ranks in pids.values() for p in ranks if p not in killed]:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_every_worker, daemon=True)
+    killer.start()
+    try:
+        shown = None
+        deadline = time.time() + 120
+        while shown is None and time.time() < deadline:
+            view = api.get(f"/v1/jobs/{job['id']}").json()
+            if view["restart"]:
+                shown = view
+            assert view["status"] not in TERMINAL
+            time.sleep(0.1)
+        assert shown is not None and shown["status"] == "running"
+        assert shown["restart"]["message"] == "restarting (1/1): worker rank 0 died"
+        assert shown_status(shown).startswith("restarting (1/1): worker rank 0 died (")  # tandem status/list
+        done = wait_for(api, job["id"], TERMINAL)
+    finally:
+        stop.set()
+        killer.join(timeout=60)
+    assert done["status"] == "failed" and done["restart"] is None and len(killed) == 2
+    assert "the job lost a worker 2 time(s), more than trainer.max_restarts (1)" in done["error"]
+    assert done["error"].count("the worker actor died") == 2
+    assert "[attempt 1] " in done["error"] and "[attempt 2] " in done["error"]
+
+
+def test_an_error_of_the_job_itself_is_not_retried(ray_cluster, tmp_path):
+    """The rank raises (multi-turn rollouts asked of a model without a chat template): the job's own
+    error, whatever the budget. The ranks are pinged first (a rank may raise because a peer died
+    under it): all answer, so it fails."""
+    spec = JobSpec.model_validate(
+        recovery_job(rollout={"environment": "tests.multiturn_envs:ScriptedEnv"}, trainer={"max_restarts": 3})
+    )
+    sink = JsonlSink(tmp_path)
+    with pytest.raises(WorkerGroupError, match="has none: use a chat model") as failed:
+        Trainer(spec, tmp_path, sink, name="raises").run()
+    assert failed.value.kind == "raised" and failed.value.method == "generate_sequences"
+    assert "restart" not in [e["kind"] for e in sink.events]
+
+
+def test_what_is_retried_and_what_is_not():
+    died = WorkerGroupError("job-actor", "update_actor", 1, "the worker actor died", kind="died")
+    late = WorkerGroupError("job-actor", "generate_sequences", None, "did not answer", kind="timeout")
+    raised = WorkerGroupError("job-actor", "update_actor", 0, "raised ValueError: nan loss")
+    assert worker_lost(died, None).summary == "worker rank 1 died"
+    assert worker_lost(late, None).summary == "a worker did not answer in time"
+    assert worker_lost(RayActorError(), None).cause == "died"
+    assert worker_lost(ResourcePoolError("no room"), None).cause == "could not be placed"
+    for own in (raised, ValueError("bad reward"), FileNotFoundError("no model"), KeyError("lr")):
+        assert worker_lost(own, None) is None
+    losses = [WorkerLost("died", "first"), WorkerLost("died", "second")]
+    assert str(RestartsExhausted(losses, 1)).endswith("[attempt 1] first; [attempt 2] second")
