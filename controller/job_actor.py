@@ -2,8 +2,10 @@
 
 The actor is threaded: `run()` occupies one thread for the whole job while `drain()` (new events,
 metrics, logs and checkpoints, polled by the service), `request_stop()` and `set_hyperparameters()`
-answer on the others. A crash inside the job is caught and returned as a "failed" result with its
-traceback, so the service records why; the actor dying outright is seen by the service as well.
+answer on the others. A lost worker is recovered inside `Trainer.run` (controller/recovery.py): the
+drain then carries the restart under way and the step the job went back to. A crash inside the job
+is caught and returned as a "failed" result with its traceback, so the service records why; the
+actor dying outright is seen by the service as well.
 """
 
 from __future__ import annotations

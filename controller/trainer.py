@@ -28,6 +28,7 @@ from controller.job_setup import JobSetup
 from controller.kl_reward import make_kl_controller
 from controller.overlong import apply_overlong
 from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
+from controller.resource_pool import ResourcePoolError
 from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched, score
@@ -80,11 +81,14 @@ class Trainer:
         """Train to total_steps (or to trainer.stop_at_val_accuracy, or until stopped); returns the last
         step's metrics. A lost worker restarts the job from its last checkpoint, within
         trainer.max_restarts (controller/recovery.py); any other error fails it."""
+        lost: WorkerLost | None = None
         while True:
             try:
+                if lost is not None:
+                    self._recover(lost)
                 return self._run_attempt()
-            except WorkerLost as lost:
-                self._recover(lost)
+            except WorkerLost as err:
+                lost = err
 
     def _run_attempt(self) -> dict[str, float]:
         """One run of the workers: build, resume, the step loop, the end."""
@@ -136,7 +140,10 @@ class Trainer:
         self.sink.rewind(resume)  # the steps after it are recomputed: one metric row per step
         self.step_index = self.completed_steps = resume
         self.kl = make_kl_controller(self.spec.algorithm.kl_reward_coef, self.spec.algorithm.kl_target)
-        self.recovery.wait(self.spec.resources, self.name, lambda: self.control.stop_reason)
+        try:
+            self.recovery.wait(self.spec.resources, self.name, lambda: self.control.stop_reason)
+        except ResourcePoolError as err:  # no room within restart_wait_s: a failed restart, the next one
+            raise WorkerLost("could not be placed", str(err)) from err
         if self.control.stop_reason is not None:
             raise StopRequested(self.control.stop_reason)
         self.sink.attempt = self.recovery.attempt
