@@ -98,7 +98,7 @@ def shown_status(job: dict) -> str:
     """The job's state, or, while its workers restart, what happened: 'restarting (1/3): worker rank 0
     died (waiting for resources)' rather than a job that looks failed or stuck."""
     restart = job.get("restart")
-    if not restart or job["status"] not in ("running", "pausing", "cancelling"):
+    if not restart or job["status"] not in ("queued", "running", "pausing", "cancelling"):
         return job["status"]
     return f"{restart['message']} ({restart['phase']})"
 

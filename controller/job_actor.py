@@ -150,7 +150,7 @@ def mark(line: str, attempt: int) -> str:
 class JobController:
     """Ray actor body (created with max_concurrency > 1 by the service)."""
 
-    def __init__(self, job_id: str, spec: dict[str, Any], workdir: str) -> None:
+    def __init__(self, job_id: str, spec: dict[str, Any], workdir: str, restarts: int = 0) -> None:
         self.job_id, self.workdir = job_id, Path(workdir)
         self.spec = JobSpec.model_validate(spec)
         self.sink = BufferSink()
@@ -162,7 +162,7 @@ class JobController:
         self.workdir.mkdir(parents=True, exist_ok=True)
         os.environ[WORKER_OUTPUT_ENV] = str(self.workdir / WORKER_OUTPUT_FILE)
         self.worker_output = OutputTail(self.workdir / WORKER_OUTPUT_FILE)
-        self.trainer = Trainer(self.spec, self.workdir, self.sink, name=job_id)
+        self.trainer = Trainer(self.spec, self.workdir, self.sink, name=job_id, restarts=restarts)
 
     def run(self) -> dict[str, Any]:
         log = logging.getLogger("tandem.job")
@@ -196,6 +196,9 @@ class JobController:
         out["step"] = self.trainer.completed_steps
         out["restart"] = self.trainer.recovery.status  # None unless a restart is under way
         return out
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def worker_pids(self) -> dict[str, list[int]]:
         """The process id of every rank of the job's worker groups, by role ({} before they start)."""

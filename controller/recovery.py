@@ -96,11 +96,11 @@ class WorkerLost(Exception):
 class RestartsExhausted(RuntimeError):
     """The job lost a worker once more than trainer.max_restarts allows; every loss is listed."""
 
-    def __init__(self, losses: list[WorkerLost], max_restarts: int) -> None:
-        listed = "; ".join(f"[attempt {i}] {lost.error}" for i, lost in enumerate(losses, 1))
+    def __init__(self, losses: list[WorkerLost], max_restarts: int, earlier: int = 0) -> None:
+        listed = "; ".join(f"[attempt {i}] {lost.error}" for i, lost in enumerate(losses, earlier + 1))
         super().__init__(
-            f"the job lost a worker {len(losses)} time(s), more than trainer.max_restarts ({max_restarts}) "
-            f"allows: {listed}"
+            f"the job lost a worker {earlier + len(losses)} time(s), more than trainer.max_restarts "
+            f"({max_restarts}) allows: {listed}"
         )
         self.losses = list(losses)
 
@@ -167,23 +167,26 @@ def worker_pids(groups: JobGroups, timeout_s: float = 30.0) -> dict[str, list[in
 class Recovery:
     """The restart budget and record of one job, and the status shown while a restart is under way."""
 
-    def __init__(self, spec: TrainerSpec) -> None:
+    def __init__(self, spec: TrainerSpec, earlier: int = 0) -> None:
+        """`earlier`: the job's restarts before this run of its controller (the scheduler's, when a
+        controller died, and its predecessors'): the budget is the job's."""
         self.max_restarts, self.backoff_s, self.wait_s = (
             spec.max_restarts,
             spec.restart_backoff_s,
             spec.restart_wait_s,
         )
+        self.earlier = earlier
         self.losses: list[WorkerLost] = []
         self.status: dict[str, Any] | None = None  # set from a loss until the job resumed
 
     @property
     def restarts(self) -> int:
-        return len(self.losses)
+        return self.earlier + len(self.losses)
 
     @property
     def attempt(self) -> int:
         """1 for the first run of the workers, 2 after the first restart, ..."""
-        return len(self.losses) + 1
+        return self.restarts + 1
 
     def begin(
         self, lost: WorkerLost, sink: JobSink, step: int, resume_step: int, checkpoint: Path | None
@@ -194,7 +197,7 @@ class Recovery:
         n, most = self.restarts, self.max_restarts
         if n > most:
             self.status = None
-            raise RestartsExhausted(self.losses, most) from lost
+            raise RestartsExhausted(self.losses, most, self.earlier) from lost
         message = f"restarting ({n}/{most}): {lost.summary}"
         self.status = {
             "message": message,

@@ -233,7 +233,8 @@ class Scheduler:
             options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8, "name": f"tandem-{job.id}"}
             if self.runtime_env:
                 options["runtime_env"] = self.runtime_env
-            actor = ray.remote(JobController).options(**options).remote(job.id, spec, job.workdir)
+            restarts = self.store.count_events(job.id, "restart")  # the budget is the job's, not a run's
+            actor = ray.remote(JobController).options(**options).remote(job.id, spec, job.workdir, restarts)
             self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 
@@ -279,6 +280,8 @@ class Scheduler:
         elif status == S.PAUSED:
             self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.PAUSED)
             self.store.add_event(job_id, "paused", f"paused at step {result['step']}")
+        elif status == S.FAILED and result.get("controller_lost") and self._requeue_lost(job_id, result):
+            pass  # it waits in queued for room, then resumes from its last checkpoint
         elif status == S.FAILED:
             self.store.transition(job_id, RUN_HOLDING, S.FAILED, finished_at=now, error=result.get("error"))
             self.store.add_event(job_id, "failed", result.get("error") or "failed")
@@ -287,11 +290,40 @@ class Scheduler:
             self.store.add_event(
                 job_id, status, result.get("message") or f"{status} at step {result.get('step')}"
             )
-        self.store.set_restart(job_id, None)
+        if self.store.get_job(job_id).status != S.QUEUED:
+            self.store.set_restart(job_id, None)
         ray.kill(run.actor, no_restart=True)
         _remove_placement_group(f"{job_id}-pool")
         with self._lock:
             self.running.pop(job_id, None)
+
+    def _requeue_lost(self, job_id: str, result: dict[str, Any]) -> bool:
+        """A running job whose controller actor died (its process or node) goes back to queued, within
+        trainer.max_restarts (shared with the restarts its controllers made: `restart` events)."""
+        job = self.store.get_job(job_id)
+        most = job.spec["trainer"].get("max_restarts", 3)
+        n = self.store.count_events(job_id, "restart") + 1
+        if self._draining or n > most or not self.store.transition(job_id, (S.RUNNING,), S.QUEUED):
+            return False
+        message, resume = f"restarting ({n}/{most}): the job's controller died", resume_step(job)
+        self.store.add_event(
+            job_id,
+            "restart",
+            f"{message}; it waits in queued for room, then resumes from step {resume}: {result['error']}",
+            {
+                "cause": "controller died",
+                "error": result["error"],
+                "restart": n,
+                "max_restarts": most,
+                "attempt": n + 1,
+                "step": job.step,
+                "resume_step": resume,
+            },  # fmt: skip
+        )
+        self.store.set_restart(
+            job_id, {"message": message, "phase": "queued", "restart": n, "max_restarts": most}
+        )
+        return True
 
     def _result(self, run: RunningJob) -> dict[str, Any]:
         if run.killed_for == "cancel":
@@ -299,7 +331,8 @@ class Scheduler:
         try:
             return ray.get(run.run_ref, timeout=30)
         except Exception as err:
-            return {"status": "failed", "error": f"the job's controller died: {type(err).__name__}: {err}"}
+            error = f"the job's controller died: {type(err).__name__}: {err}"
+            return {"status": "failed", "error": error, "controller_lost": True}
 
 
 def _remove_placement_group(name: str) -> None:

@@ -360,6 +360,14 @@ class JobStore(MetricsTable):
             )
             return int(cur.lastrowid)
 
+    def count_events(self, job_id: str, kind: str) -> int:
+        row = (
+            self._db()
+            .execute("SELECT COUNT(*) FROM events WHERE job_id = ? AND kind = ?", (job_id, kind))
+            .fetchone()
+        )
+        return int(row[0])
+
     def events(self, job_id: str, after_id: int = 0, limit: int = 100) -> list[dict[str, Any]]:
         rows = (
             self._db()

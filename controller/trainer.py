@@ -64,11 +64,15 @@ class TrainerControl:
 
 
 class Trainer:
-    def __init__(self, spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job") -> None:
+    def __init__(
+        self, spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job", restarts: int = 0
+    ) -> None:
+        """`restarts`: the job's restarts before this run (its budget is the job's: trainer.max_restarts)."""
         self.spec, self.workdir, self.name = spec, Path(workdir), name
         self.sink = AttemptSink(sink)  # marks what a restarted attempt records
         self.control = TrainerControl()
-        self.recovery = Recovery(spec.trainer)
+        self.recovery = Recovery(spec.trainer, earlier=restarts)
+        self.sink.attempt = self.recovery.attempt
         self.job: JobSetup | None = None  # the current attempt's model, data and workers
         self.step_index = 0  # the step being run, or the last one run
         self.completed_steps = 0  # steps whose metrics have been recorded (or restored from a checkpoint)

@@ -87,9 +87,9 @@ def uninterrupted(ray_cluster, tmp_path_factory) -> dict[str, torch.Tensor]:
 def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(live, api, uninterrupted, seed):
     kill_after = random.Random(1000 + seed).randint(0, TOTAL - 3)  # 1, 0 (slow: 2, 1, 1, 1); 2+ steps to go
     job = api.post("/v1/jobs", json=recovery_job()).json()
+    (pid,) = worker_pids(job["id"])  # asked first: a busy worker answers between two calls
     if kill_after:
         wait_for_step(api, job["id"], kill_after)
-    (pid,) = worker_pids(job["id"])
     os.kill(pid, signal.SIGKILL)
     done = wait_for(api, job["id"], TERMINAL)
     assert done["status"] == "succeeded", done["error"]
@@ -101,7 +101,8 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(live, api, un
     (restart,) = [e for e in events if e["kind"] == "restart"]
     data = restart["data"]
     assert data["rank"] == 0 and data["cause"] == "died" and data["attempt"] == 2
-    assert data["resume_step"] == data["resume_step"] // 2 * 2 <= kill_after + 1  # a checkpoint step
+    assert data["resume_step"] in (0, 2, 4, TOTAL)  # the start, or a checkpoint (every 2, and the end)
+    assert 0 <= data["step"] - data["resume_step"] <= 2  # it lost at most the steps since that checkpoint
     # The rows after the checkpoint are the second attempt's: the first attempt's were replaced.
     assert [r["values"]["job/restarts"] for r in rows] == [
         float(r["step"] > data["resume_step"]) for r in rows
@@ -201,3 +202,39 @@ def test_what_is_retried_and_what_is_not():
         assert worker_lost(own, None) is None
     losses = [WorkerLost("died", "first"), WorkerLost("died", "second")]
     assert str(RestartsExhausted(losses, 1)).endswith("[attempt 1] first; [attempt 2] second")
+
+
+def test_a_rewind_drops_the_undrained_metrics_after_the_checkpoint_and_tells_the_next_drain():
+    from controller.job_actor import BufferSink
+
+    sink = BufferSink()
+    for step in (1, 2, 3):
+        sink.metrics(step, {"x": float(step)})
+    assert sink.drain()["rewind"] is None
+    for step in (4, 5):
+        sink.metrics(step, {"x": float(step)})
+    sink.rewind(2)  # steps 3-5 are recomputed: 4 and 5 never reach the store, 3 is forgotten there
+    sink.metrics(3, {"x": 30.0})
+    drained = sink.drain()
+    assert drained["rewind"] == 2 and [(s, v["x"]) for _, s, v in drained["metrics"]] == [(3, 30.0)]
+    assert sink.drain()["rewind"] is None
+
+
+@pytest.mark.slow
+def test_a_dead_controller_requeues_the_job_and_it_resumes(live, api, uninterrupted):
+    """The job's controller actor killed (its node lost, say): the scheduler puts the job back in
+    queued, within the same restart budget, and a new controller resumes it from its checkpoint."""
+    job = api.post("/v1/jobs", json=recovery_job()).json()
+    wait_for_step(api, job["id"], 1)
+    os.kill(ray.get(controller(job["id"]).pid.remote(), timeout=60), signal.SIGKILL)
+    done = wait_for(api, job["id"], TERMINAL)
+    assert done["status"] == "succeeded", done["error"]
+    events = api.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
+    (restart,) = [e for e in events if e["kind"] == "restart"]
+    assert restart["data"]["cause"] == "controller died" and restart["data"]["attempt"] == 2
+    assert restart["message"].startswith("restarting (1/3): the job's controller died; it waits in queued")
+    rows = api.get(f"/v1/jobs/{job['id']}/metrics", params={"limit": 100}).json()["data"]
+    assert [r["step"] for r in rows] == list(range(1, TOTAL + 1))
+    assert rows[-1]["values"]["job/restarts"] == 1.0
+    weights = final_weights(done["outputs"]["workdir"])
+    assert all(torch.equal(weights[k], uninterrupted[k]) for k in weights)
