@@ -136,7 +136,7 @@ def test_max_restarts_0_fails_at_once_with_the_error(live, api):
 def test_workers_that_die_on_every_start_exhaust_the_restarts(live, api):
     """Every worker process is killed as soon as it answers: one restart, then the job fails listing
     both losses. The backoff keeps the restart on view long enough to read it."""
-    job = api.post("/v1/jobs", json=recovery_job(trainer={"max_restarts": 1, "restart_backoff_s": 3})).json()
+    job = api.post("/v1/jobs", json=recovery_job(trainer={"max_restarts": 1, "restart_backoff_s": 1})).json()
     stop = threading.Event()
     killed: list[int] = []
 
