@@ -5,7 +5,8 @@ drawn from a seed: the job restarts from its last checkpoint, stores every step 
 the re-run recorded with attempt 2, and ends with the weights of a run that was never interrupted,
 bit for bit (CPU, one rank of one thread). `max_restarts: 0` fails at once; workers killed as soon
 as they start exhaust the restarts and fail the job with every error listed; an error of the job's
-own (a reward that raises) is never retried.
+own (a rank that raised) is never retried. The first seed runs in the service (what the store
+keeps), the others in a Trainer in this process (cheaper: no controller actor to start).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from safetensors.torch import load_file
 
 from api.cli import shown_status
 from controller.recovery import RestartsExhausted, WorkerLost, worker_lost
+from controller.recovery import worker_pids as recovery_worker_pids
 from controller.resource_pool import ResourcePoolError
 from controller.sink import JsonlSink
 from controller.spec import JobSpec
@@ -83,9 +85,16 @@ def uninterrupted(ray_cluster, tmp_path_factory) -> dict[str, torch.Tensor]:
     return final_weights(str(workdir))
 
 
-@pytest.mark.parametrize("seed", [0, 1, *(pytest.param(s, marks=pytest.mark.slow) for s in range(2, 6))])
-def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(live, api, uninterrupted, seed):
-    kill_after = random.Random(1000 + seed).randint(0, TOTAL - 3)  # 1, 0 (slow: 2, 1, 1, 1); 2+ steps to go
+def kill_step(seed: int) -> int:
+    """The step after which the worker is killed: 1 for seed 0, 0 for 1 (slow: 2, 1, 1, 1); two
+    steps or more are still to run."""
+    return random.Random(1000 + seed).randint(0, TOTAL - 3)
+
+
+def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(live, api, uninterrupted):
+    """Seed 0, in the service: the store keeps one row per step, the re-run's rows replace the lost
+    attempt's, and samples, events and logs of the second attempt say so."""
+    kill_after = kill_step(0)
     job = api.post("/v1/jobs", json=recovery_job()).json()
     (pid,) = worker_pids(job["id"])  # asked first: a busy worker answers between two calls
     if kill_after:
@@ -121,16 +130,69 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(live, api, un
     assert all(torch.equal(weights[k], uninterrupted[k]) for k in weights)  # bitwise, on CPU
 
 
-def test_max_restarts_0_fails_at_once_with_the_error(live, api):
-    job = api.post("/v1/jobs", json=recovery_job(trainer={"max_restarts": 0})).json()
-    (pid,) = worker_pids(job["id"])
+class InProcess:
+    """The job's Trainer run in a thread of this process (no controller actor to start: cheaper)."""
+
+    def __init__(self, workdir, **overrides) -> None:
+        self.sink = JsonlSink(workdir)
+        self.trainer = Trainer(
+            JobSpec.model_validate(recovery_job(**overrides)), workdir, self.sink, "inproc"
+        )
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.trainer.run()
+        except BaseException as err:
+            self.error = err
+
+    def pids(self, timeout_s: float = 120) -> list[int]:
+        """The worker processes of the current attempt, once they are up."""
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            job = self.trainer.job
+            if job is not None:
+                return [pid for ranks in recovery_worker_pids(job.groups).values() for pid in ranks]
+            time.sleep(0.05)
+        raise AssertionError(f"no workers within {timeout_s}s")
+
+    def wait(self, timeout_s: float = 300) -> None:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"the job did not end within {timeout_s}s"
+
+
+@pytest.mark.parametrize("seed", [1, *(pytest.param(s, marks=pytest.mark.slow) for s in range(2, 6))])
+def test_a_killed_worker_in_the_trainer_ends_with_the_uninterrupted_weights(
+    ray_cluster, tmp_path, uninterrupted, seed
+):
+    job = InProcess(tmp_path)
+    (pid,) = job.pids()
+    while job.trainer.completed_steps < kill_step(seed) and job.thread.is_alive():
+        time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)
-    done = wait_for(api, job["id"], TERMINAL)
-    assert done["status"] == "failed"
-    assert "more than trainer.max_restarts (0)" in done["error"]
-    assert "[attempt 1] worker group" in done["error"] and "the worker actor died" in done["error"]
-    events = api.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
-    assert "restart" not in [e["kind"] for e in events]
+    job.wait()
+    assert job.error is None, job.error
+    (restart,) = [e for e in job.sink.events if e["kind"] == "restart"]
+    resume = restart["data"]["resume_step"]
+    assert 0 <= restart["data"]["step"] - resume <= 2
+    history = job.sink.history
+    assert [r["step"] for r in history] == list(range(1, TOTAL + 1))  # one row per step
+    assert [r["values"]["job/restarts"] for r in history] == [float(r["step"] > resume) for r in history]
+    weights = final_weights(str(tmp_path))
+    assert all(torch.equal(weights[k], uninterrupted[k]) for k in uninterrupted)  # bitwise, on CPU
+
+
+def test_max_restarts_0_fails_at_once_with_the_error(ray_cluster, tmp_path):
+    job = InProcess(tmp_path, trainer={"max_restarts": 0})
+    (pid,) = job.pids()
+    os.kill(pid, signal.SIGKILL)
+    job.wait()
+    assert isinstance(job.error, RestartsExhausted)
+    assert "more than trainer.max_restarts (0)" in str(job.error)
+    assert "[attempt 1] worker group" in str(job.error) and "the worker actor died" in str(job.error)
+    assert "restart" not in [e["kind"] for e in job.sink.events]
 
 
 def test_workers_that_die_on_every_start_exhaust_the_restarts(live, api):
