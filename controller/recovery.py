@@ -18,8 +18,9 @@ with every error on record. The trainer drives this (`Trainer.run`); this module
 
 The scope of a restart is the whole job: with colocated roles every process holds a training rank,
 so a lost process takes the job's training state with it. A per-role recovery (a split placement's
-rollout worker replaced while the training ranks keep their processes) goes in `Trainer._recover`:
-it would pick the scope from `WorkerLost.group` (the group's role) before falling back to this one.
+rollout worker replaced while the training ranks keep their processes) would handle the loss of a
+rollout group (`WorkerLost.group`) in `Trainer._run_attempt` before its teardown, and fall back to
+this one otherwise (docs/ARCHITECTURE.md §6.1).
 """
 
 from __future__ import annotations

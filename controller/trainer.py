@@ -136,8 +136,8 @@ class Trainer:
     def _recover(self, lost: WorkerLost) -> None:
         """Restart the whole job from its last checkpoint: every role shares the lost process's fate in
         the colocated placement. (A per-role recovery, replacing one group and keeping the others,
-        would choose its scope here from `lost.group`.) Raises RestartsExhausted past the budget,
-        StopRequested when a pause or cancel arrives meanwhile."""
+        handles `lost.group` in `_run_attempt` before its teardown: docs/ARCHITECTURE.md §6.1.)
+        Raises RestartsExhausted past the budget, StopRequested when a pause or cancel arrives."""
         folder = checkpoints.find_resume_folder(self.spec, self.workdir)
         resume = checkpoints.step_of(folder) if folder is not None else 0
         self.recovery.begin(lost, self.sink, self.step_index, resume, folder)
