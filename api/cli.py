@@ -91,11 +91,20 @@ def _list(args: argparse.Namespace, client: TandemClient) -> int:
         print(json.dumps(jobs, indent=2))
         return 0
     header = ("ID", "STATUS", "OWNER", "METHOD", "MODEL", "STEP", "REWARD", "STARTED", "DURATION")
-    rows = [(j["id"], j["status"], j["owner"], j["method"], j["model"], f"{j['step']}/{j['total_steps']}",
+    rows = [(j["id"], shown_status(j), j["owner"], j["method"], j["model"], f"{j['step']}/{j['total_steps']}",
              format_metric("critic/score/mean", j["latest_metrics"].get("critic/score/mean")), clock(j["started_at"]),
              _duration(j["started_at"], j["finished_at"])) for j in jobs]  # fmt: skip
     print(table(header, rows) if rows else "no jobs")
     return 0
+
+
+def shown_status(job: dict) -> str:
+    """The job's state, or, while its workers restart, what happened: 'restarting (1/3): worker rank 0
+    died (waiting for resources)' rather than a job that looks failed or stuck."""
+    restart = job.get("restart")
+    if not restart or job["status"] not in ("queued", "running", "pausing", "cancelling"):
+        return job["status"]
+    return f"{restart['message']} ({restart['phase']})"
 
 
 def _status(args: argparse.Namespace, client: TandemClient) -> int:
@@ -105,7 +114,7 @@ def _status(args: argparse.Namespace, client: TandemClient) -> int:
         return 0
     facts = {
         "id": job["id"],
-        "status": job["status"],
+        "status": shown_status(job),
         "method": job["method"],
         "model": job["model"],
         "step": f"{job['step']}/{job['total_steps']} ({job['progress']:.0%})",

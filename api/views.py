@@ -47,6 +47,7 @@ def stored_summary(job: JobRecord) -> dict[str, Any]:
         "progress": job.step / job.total_steps if job.total_steps else 0.0,
         "latest_metrics": job.latest_metrics,
         "error": job.error,
+        "restart": job.restart,  # while a lost worker is being replaced: {"message": "restarting (1/3): ...", ...}
         "parent_id": job.parent_id,
         "metadata": job.metadata,
     }

@@ -70,6 +70,11 @@ def find_resume_folder(spec: JobSpec, workdir: Path) -> Path | None:
     return None
 
 
+def step_of(folder: Path) -> int:
+    """The step a complete checkpoint folder was saved at."""
+    return int(json.loads((Path(folder) / STATE_FILE).read_text())["step"])
+
+
 def load(folder: Path, groups: JobGroups) -> dict[str, Any]:
     """Restore the workers' engine states from `folder`; returns the trainer's state saved with them."""
     state = json.loads((folder / STATE_FILE).read_text())

@@ -2,8 +2,10 @@
 
 The actor is threaded: `run()` occupies one thread for the whole job while `drain()` (new events,
 metrics, logs and checkpoints, polled by the service), `request_stop()` and `set_hyperparameters()`
-answer on the others. A crash inside the job is caught and returned as a "failed" result with its
-traceback, so the service records why; the actor dying outright is seen by the service as well.
+answer on the others. A lost worker is recovered inside `Trainer.run` (controller/recovery.py): the
+drain then carries the restart under way and the step the job went back to. A crash inside the job
+is caught and returned as a "failed" result with its traceback, so the service records why; the
+actor dying outright is seen by the service as well.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from controller.metric_format import format_metrics
+from controller.recovery import worker_pids
 from controller.spec import JobSpec
 from controller.trackers import TrackerSink, with_trackers
 from controller.trainer import StopRequested, Trainer
@@ -46,6 +50,7 @@ class BufferSink:
         self._metrics: deque = deque()
         self._checkpoints: deque = deque()
         self._samples: deque = deque()
+        self._rewind: int | None = None  # a restart went back to this step: the store forgets later metrics
         self._appended = 0  # records appended so far (events, metrics, samples)
         self._committed = 0  # of those, how many the service has stored
         self.step = 0
@@ -68,6 +73,13 @@ class BufferSink:
         with self._lock:
             self._samples.append((time.time(), step, rows))
             self._appended += 1
+
+    def rewind(self, step: int) -> None:
+        """Metrics of steps after `step` not drained yet are dropped; the next drain tells the service
+        to forget the stored ones before it stores that drain's (the recomputed) rows."""
+        with self._lock:
+            self._metrics = deque(m for m in self._metrics if m[1] <= step)
+            self._rewind = step if self._rewind is None else min(self._rewind, step)
 
     def flush(self) -> None:
         """Wait until the service has stored every record appended so far (or FLUSH_TIMEOUT_S passed:
@@ -100,8 +112,10 @@ class BufferSink:
                 "metrics": list(self._metrics),
                 "checkpoints": list(self._checkpoints),
                 "samples": list(self._samples),
+                "rewind": self._rewind,
                 "seq": self._appended,
             }
+            self._rewind = None
             self._samples.clear()
             self._events.clear()
             self._metrics.clear()
@@ -110,15 +124,18 @@ class BufferSink:
 
 
 class _LogBuffer(logging.Handler):
-    def __init__(self) -> None:
+    """The job's log lines until drained; after a restart each line starts with its attempt."""
+
+    def __init__(self, attempt: Callable[[], int] = lambda: 1) -> None:
         super().__init__(level=logging.INFO)
+        self.attempt = attempt
         self.setFormatter(logging.Formatter(LOG_FORMAT))
         self._lock_lines = threading.Lock()
         self.lines: deque = deque(maxlen=100_000)
 
     def emit(self, record: logging.LogRecord) -> None:
         with self._lock_lines:
-            self.lines.append((record.created, record.levelname, self.format(record)))
+            self.lines.append((record.created, record.levelname, mark(self.format(record), self.attempt())))
 
     def drain(self) -> list[tuple[float, str, str]]:
         with self._lock_lines:
@@ -127,14 +144,19 @@ class _LogBuffer(logging.Handler):
         return out
 
 
+def mark(line: str, attempt: int) -> str:
+    """A log line of a restarted job's attempt 2, 3, ... starts with it; the first attempt's do not."""
+    return f"[attempt {attempt}] {line}" if attempt > 1 else line
+
+
 class JobController:
     """Ray actor body (created with max_concurrency > 1 by the service)."""
 
-    def __init__(self, job_id: str, spec: dict[str, Any], workdir: str) -> None:
+    def __init__(self, job_id: str, spec: dict[str, Any], workdir: str, restarts: int = 0) -> None:
         self.job_id, self.workdir = job_id, Path(workdir)
         self.spec = JobSpec.model_validate(spec)
         self.sink = BufferSink()
-        self.logs = _LogBuffer()
+        self.logs = _LogBuffer(attempt=lambda: self.trainer.recovery.attempt)
         root = logging.getLogger()
         root.addHandler(self.logs)
         root.setLevel(logging.INFO)
@@ -144,7 +166,7 @@ class JobController:
         self.worker_output = OutputTail(self.workdir / WORKER_OUTPUT_FILE)
         # Trackers (trainer.loggers) get a copy of the records from a thread of their own.
         self.trackers = with_trackers(self.sink, self.spec, self.workdir, job_id)
-        self.trainer = Trainer(self.spec, self.workdir, self.trackers, name=job_id)
+        self.trainer = Trainer(self.spec, self.workdir, self.trackers, name=job_id, restarts=restarts)
 
     def run(self) -> dict[str, Any]:
         log = logging.getLogger("tandem.job")
@@ -175,9 +197,20 @@ class JobController:
 
     def drain(self) -> dict[str, Any]:
         out = self.sink.drain()
-        out["logs"] = self.logs.drain() + self.worker_output.read()
+        attempt = self.trainer.recovery.attempt
+        worker_lines = [(at, level, mark(line, attempt)) for at, level, line in self.worker_output.read()]
+        out["logs"] = self.logs.drain() + worker_lines
         out["step"] = self.trainer.completed_steps
+        out["restart"] = self.trainer.recovery.status  # None unless a restart is under way
         return out
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def worker_pids(self) -> dict[str, list[int]]:
+        """The process id of every rank of the job's worker groups, by role ({} before they start)."""
+        job = self.trainer.job
+        return worker_pids(job.groups) if job is not None else {}
 
     def committed(self, seq: int) -> None:
         """The service stored what drain() returned up to `seq`."""

@@ -32,6 +32,11 @@ class JobSink(Protocol):
         committed after it)."""
         ...
 
+    def rewind(self, step: int) -> None:
+        """The job goes back to the checkpoint of `step` (a restart): the metrics of later steps will
+        be recomputed, and their rows replaced, one row per step."""
+        ...
+
 
 class JsonlSink:
     """Appends events and metrics as JSON lines under `folder`; keeps them in memory too."""
@@ -66,6 +71,11 @@ class JsonlSink:
 
     def flush(self) -> None:
         """Nothing to wait for: each record is written (and its file closed) when it is made."""
+
+    def rewind(self, step: int) -> None:
+        """metrics.jsonl keeps every line (a later line of a step supersedes an earlier one); the
+        history in memory keeps one row per step."""
+        self.history = [r for r in self.history if r["step"] <= step]
 
     def progress(self, step: int, total: int, values: dict[str, float]) -> None:
         if self.echo:

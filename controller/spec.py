@@ -315,6 +315,22 @@ class TrainerSpec(Section):
         description="MLflow tracking URI (a server, or a local folder); default $MLFLOW_TRACKING_URI, "
         "else mlruns/ in the job's folder",
     )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        le=1000,
+        description="times the job restarts its workers from its last checkpoint after a worker dies (process "
+        "gone, node lost, a call timed out); an error in the job's own code is never retried; 0 = fail at once",
+    )
+    restart_backoff_s: float = Field(
+        5.0, ge=0, le=3600, description="seconds before the first restart, doubled for each further one"
+    )
+    restart_wait_s: float = Field(
+        600.0,
+        gt=0,
+        le=7 * 86400,
+        description="how long a restart waits for the cluster to have room for the job's workers again",
+    )
 
     @model_validator(mode="after")
     def _target_needs_validation(self) -> TrainerSpec:

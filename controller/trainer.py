@@ -5,6 +5,10 @@ when there is one, then loops: one `step()` per iteration, validation every `val
 checkpoint every `checkpoint.every` steps, an HF export at the end. `step()` is the RL step, every
 remote call visible; `sft_step()` is its supervised sibling.
 
+A worker that dies (process gone, node lost, a call timed out) does not end the job: `run()` tears the
+workers down, starts them again and resumes from the last checkpoint, up to trainer.max_restarts
+times (controller/recovery.py); an error of the job's own fails it at once.
+
 Control comes in through `control`: the service (or a test) can ask the loop to stop at the next
 step boundary ("pause" saves a checkpoint first) and queue hyper-parameter changes that apply at
 the start of the next step.
@@ -23,6 +27,8 @@ from controller.dynamic_sampling import sample_signal_groups
 from controller.job_setup import JobSetup
 from controller.kl_reward import make_kl_controller
 from controller.overlong import apply_overlong
+from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
+from controller.resource_pool import ResourcePoolError
 from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched, score
@@ -58,9 +64,16 @@ class TrainerControl:
 
 
 class Trainer:
-    def __init__(self, spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job") -> None:
-        self.spec, self.workdir, self.sink, self.name = spec, Path(workdir), sink, name
+    def __init__(
+        self, spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job", restarts: int = 0
+    ) -> None:
+        """`restarts`: the job's restarts before this run (its budget is the job's: trainer.max_restarts)."""
+        self.spec, self.workdir, self.name = spec, Path(workdir), name
+        self.sink = AttemptSink(sink)  # marks what a restarted attempt records
         self.control = TrainerControl()
+        self.recovery = Recovery(spec.trainer, earlier=restarts)
+        self.sink.attempt = self.recovery.attempt
+        self.job: JobSetup | None = None  # the current attempt's model, data and workers
         self.step_index = 0  # the step being run, or the last one run
         self.completed_steps = 0  # steps whose metrics have been recorded (or restored from a checkpoint)
         self.kl = make_kl_controller(spec.algorithm.kl_reward_coef, spec.algorithm.kl_target)
@@ -70,11 +83,25 @@ class Trainer:
 
     def run(self) -> dict[str, float]:
         """Train to total_steps (or to trainer.stop_at_val_accuracy, or until stopped); returns the last
-        step's metrics."""
-        self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name)
+        step's metrics. A lost worker restarts the job from its last checkpoint, within
+        trainer.max_restarts (controller/recovery.py); any other error fails it."""
+        lost: WorkerLost | None = None
+        while True:
+            try:
+                if lost is not None:
+                    self._recover(lost)
+                return self._run_attempt()
+            except WorkerLost as err:
+                lost = err
+
+    def _run_attempt(self) -> dict[str, float]:
+        """One run of the workers: build, resume, the step loop, the end."""
+        self.job = None
         last: dict[str, float] = {}
         try:
+            self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name)
             self._resume()
+            self.recovery.resumed()
             total = self.spec.trainer.total_steps
             if self.step_index == 0 and self.spec.trainer.val_every:
                 self.sink.metrics(0, self.validate())
@@ -86,6 +113,7 @@ class Trainer:
                     self._due(self.spec.trainer.val_every) or self.step_index == total
                 ):
                     last.update(self.validate())
+                last["job/restarts"] = float(self.recovery.restarts)
                 self.sink.metrics(self.step_index, last)
                 self.completed_steps = self.step_index
                 self.sink.progress(self.step_index, total, _headline(last))
@@ -95,9 +123,34 @@ class Trainer:
                     break
                 self._check_stop()
             self.finish()
+            return last
+        except Exception as err:
+            lost = worker_lost(err, self.job.groups if self.job is not None else None)
+            if lost is None:
+                raise
+            raise lost from err
         finally:
-            self.job.shutdown()
-        return last
+            if self.job is not None:
+                self.job.shutdown()
+
+    def _recover(self, lost: WorkerLost) -> None:
+        """Restart the whole job from its last checkpoint: every role shares the lost process's fate in
+        the colocated placement. (A per-role recovery, replacing one group and keeping the others,
+        handles `lost.group` in `_run_attempt` before its teardown: docs/ARCHITECTURE.md §6.1.)
+        Raises RestartsExhausted past the budget, StopRequested when a pause or cancel arrives."""
+        folder = checkpoints.find_resume_folder(self.spec, self.workdir)
+        resume = checkpoints.step_of(folder) if folder is not None else 0
+        self.recovery.begin(lost, self.sink, self.step_index, resume, folder)
+        self.sink.rewind(resume)  # the steps after it are recomputed: one metric row per step
+        self.step_index = self.completed_steps = resume
+        self.kl = make_kl_controller(self.spec.algorithm.kl_reward_coef, self.spec.algorithm.kl_target)
+        try:
+            self.recovery.wait(self.spec.resources, self.name, lambda: self.control.stop_reason)
+        except ResourcePoolError as err:  # no room within restart_wait_s: a failed restart, the next one
+            raise WorkerLost("could not be placed", str(err)) from err
+        if self.control.stop_reason is not None:
+            raise StopRequested(self.control.stop_reason)
+        self.sink.attempt = self.recovery.attempt
 
     def step(self) -> dict[str, float]:
         """One RL step: generate, score, log-probs, advantages, update, sync."""

@@ -7,8 +7,9 @@
       │  └──── pausing ──▶ paused ──▶ queued (resume) | cancelled
       └──▶ paused | cancelled (before it ran)
 
-A running or pausing job goes back to queued when the service stops or restarts under it; it resumes
-from its last checkpoint. Every status change in the store goes through `JobStore.transition`,
+A running or pausing job goes back to queued when the service stops or restarts under it, and a
+running one when its controller actor dies (within trainer.max_restarts); it resumes from its last
+checkpoint. Every status change in the store goes through `JobStore.transition`,
 which refuses a move this table does not list.
 """
 

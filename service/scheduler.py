@@ -9,7 +9,10 @@ ends. Requests never wait on it: the Service changes the store and calls `tell` 
 send a message.
 
 A job that starts again after a crash resumes from its last complete checkpoint: at launch the
-store forgets the metrics recorded after that step, so the re-run steps are stored once.
+store forgets the metrics recorded after that step, so the re-run steps are stored once. A job whose
+controller restarts its workers (controller/recovery.py) says so in its drain: the step it went back
+to (the store forgets the later metrics the same way) and the restart under way, which the job's
+API view shows until it resumed.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class Scheduler:
     def _recover(self) -> None:
         for job in self.store.jobs_in((S.RUNNING, S.PAUSING)):
             self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
+            self.store.set_restart(job.id, None)  # a restart under way ended with the service
             self.store.truncate_after(
                 job.id, resume_step(self.workload, job.workdir)
             )  # shown at its checkpoint until it runs
@@ -269,10 +273,11 @@ class Scheduler:
             options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8, "name": f"tandem-{job.id}"}
             if self.runtime_env:
                 options["runtime_env"] = self.runtime_env
+            restarts = self.store.count_events(job.id, "restart")  # the budget is the job's, not a run's
             actor = (
                 ray.remote(WorkloadActor)
                 .options(**options)
-                .remote(self.workload.runner, job.id, spec, job.workdir)
+                .remote(self.workload.runner, job.id, spec, job.workdir, {"restarts": restarts})
             )
             self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step, job.owner)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
@@ -294,6 +299,8 @@ class Scheduler:
             return
         for at, kind, message, data in out["events"]:
             self.store.add_event(job_id, kind, message, data, at=at)
+        if out.get("rewind") is not None:  # the job restarted from a checkpoint: later steps are re-run
+            self.store.truncate_after(job_id, out["rewind"])
         for at, step, values in out["metrics"]:
             self.store.add_metrics(job_id, step, values, at=at)
         for at, step, rows in out["samples"]:
@@ -302,6 +309,7 @@ class Scheduler:
             self.store.add_checkpoint(job_id, step, path)
         self.store.add_logs(job_id, out["logs"])
         self.store.bump_step(job_id, out["step"])
+        self.store.set_restart(job_id, out.get("restart"))
         run.actor.committed.remote(out["seq"])  # the job may now commit a checkpoint past these records
 
     def _settle(self, job_id: str, run: RunningJob) -> None:
@@ -316,6 +324,8 @@ class Scheduler:
         elif status == S.PAUSED:
             self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.PAUSED)
             self.store.add_event(job_id, "paused", f"paused at step {result['step']}")
+        elif status == S.FAILED and result.get("controller_lost") and self._requeue_lost(job_id, result):
+            pass  # it waits in queued for room, then resumes from its last checkpoint
         elif status == S.FAILED:
             self.store.transition(job_id, RUN_HOLDING, S.FAILED, finished_at=now, error=result.get("error"))
             self.store.add_event(job_id, "failed", result.get("error") or "failed")
@@ -324,10 +334,40 @@ class Scheduler:
             self.store.add_event(
                 job_id, status, result.get("message") or f"{status} at step {result.get('step')}"
             )
+        if self.store.get_job(job_id).status != S.QUEUED:
+            self.store.set_restart(job_id, None)
         ray.kill(run.actor, no_restart=True)
         _remove_placement_group(f"{job_id}-pool")
         with self._lock:
             self.running.pop(job_id, None)
+
+    def _requeue_lost(self, job_id: str, result: dict[str, Any]) -> bool:
+        """A running job whose controller actor died (its process or node) goes back to queued, within
+        trainer.max_restarts (shared with the restarts its controllers made: `restart` events)."""
+        job = self.store.get_job(job_id)
+        most = job.spec["trainer"].get("max_restarts", 3)
+        n = self.store.count_events(job_id, "restart") + 1
+        if self._draining or n > most or not self.store.transition(job_id, (S.RUNNING,), S.QUEUED):
+            return False
+        message, resume = f"restarting ({n}/{most}): the job's controller died", resume_step(job)
+        self.store.add_event(
+            job_id,
+            "restart",
+            f"{message}; it waits in queued for room, then resumes from step {resume}: {result['error']}",
+            {
+                "cause": "controller died",
+                "error": result["error"],
+                "restart": n,
+                "max_restarts": most,
+                "attempt": n + 1,
+                "step": job.step,
+                "resume_step": resume,
+            },  # fmt: skip
+        )
+        self.store.set_restart(
+            job_id, {"message": message, "phase": "queued", "restart": n, "max_restarts": most}
+        )
+        return True
 
     def _result(self, run: RunningJob) -> dict[str, Any]:
         if run.killed_for == "cancel":
@@ -335,7 +375,8 @@ class Scheduler:
         try:
             return ray.get(run.run_ref, timeout=30)
         except Exception as err:
-            return {"status": "failed", "error": f"the job's controller died: {type(err).__name__}: {err}"}
+            error = f"the job's controller died: {type(err).__name__}: {err}"
+            return {"status": "failed", "error": error, "controller_lost": True}
 
 
 def _remove_placement_group(name: str) -> None:

@@ -56,7 +56,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     tags TEXT NOT NULL DEFAULT '[]',
     notes TEXT NOT NULL DEFAULT '',
     active_s REAL NOT NULL DEFAULT 0,
-    run_started_at REAL
+    run_started_at REAL,
+    restart TEXT NOT NULL DEFAULT 'null'
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
 CREATE TABLE IF NOT EXISTS events (
@@ -100,13 +101,14 @@ ADDED_COLUMNS = {  # columns added since the first schema: a database made befor
     "active_s": "REAL NOT NULL DEFAULT 0",
     "run_started_at": "REAL",
     "owner": "TEXT NOT NULL DEFAULT 'admin'",  # jobs made before owners existed are the admin's
+    "restart": "TEXT NOT NULL DEFAULT 'null'",
 }
 JOB_COLUMNS = (
     "id, seq, status, method, spec, metadata, created_at, started_at, finished_at, step, total_steps, "
     "latest_metrics, error, parent_id, workdir, idempotency_key, request_hash, stop_reason, name, tags, notes, "
-    "active_s, run_started_at, owner"
+    "active_s, run_started_at, owner, restart"
 )
-JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags")
+JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags", "restart")
 
 
 @dataclass
@@ -135,6 +137,7 @@ class JobRecord:
     active_s: float = 0.0  # seconds spent running, over every run of the job
     run_started_at: float | None = None  # when the current run started (None when not running)
     owner: str = ADMIN_OWNER  # the owner of the key that submitted (or forked) it
+    restart: dict[str, Any] | None = None  # while the job's controller restarts its workers (recovery.py)
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
@@ -219,12 +222,13 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         with self._tx("jobs") as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
             db.execute(
-                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 24)})",
+                f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 25)})",
                 (
                     job_id, seq, JobStatus.QUEUED, spec["method"], json.dumps(spec),
                     json.dumps(spec.get("metadata", {})), now, None, None, 0, spec["trainer"]["total_steps"], "{}",
                     None, parent_id, str(Path(workdir_root) / job_id), idempotency_key, request_hash, None,
                     spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None, owner,
+                    "null",
                 ),
             )  # fmt: skip
         self.add_event(job_id, "created", "job created and queued")
@@ -337,6 +341,14 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         with self._tx("jobs") as db:  # no row changes when the step is already there: readers keep theirs
             db.execute("UPDATE jobs SET step = ? WHERE id = ? AND step < ?", (step, job_id, step))
 
+    def set_restart(self, job_id: str, restart: dict[str, Any] | None) -> None:
+        """The restart under way (its message, phase, counts), or None once the job resumed or ended."""
+        with self._tx("jobs") as db:  # no row changes when it is the same: readers keep their cache
+            db.execute(
+                "UPDATE jobs SET restart = ? WHERE id = ? AND restart IS NOT ?",
+                (json.dumps(restart), job_id, json.dumps(restart)),
+            )
+
     def delete_job(self, job_id: str) -> None:
         tables = ("events", "logs", "checkpoints", "samples")
         with self._tx("jobs", metrics_topic(job_id), *tables) as db:
@@ -358,6 +370,14 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
                 (job_id, at or time.time(), kind, message, json.dumps(data or {}, default=str)),
             )
             return int(cur.lastrowid)
+
+    def count_events(self, job_id: str, kind: str) -> int:
+        row = (
+            self._db()
+            .execute("SELECT COUNT(*) FROM events WHERE job_id = ? AND kind = ?", (job_id, kind))
+            .fetchone()
+        )
+        return int(row[0])
 
     def events(self, job_id: str, after_id: int = 0, limit: int = 100) -> list[dict[str, Any]]:
         rows = (

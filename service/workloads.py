@@ -6,7 +6,8 @@ import path of its runner, the class that does the work. The runner is imported 
 record's own Ray actor (`WorkloadActor`), never in the API process, so the service starts without
 loading torch, transformers or any worker class (bench/api_startup.py measures it).
 
-A runner is constructed as `Runner(record_id, spec_dict, workdir)` and answers the `Runner`
+A runner is constructed as `Runner(record_id, spec_dict, workdir, **options)` (options: what the
+scheduler knows of the record's past, e.g. `restarts` it already used) and answers the `Runner`
 protocol below; every call on it is made by the scheduler or the service, through the actor.
 """
 
@@ -66,9 +67,17 @@ def resume_step(workload: Workload, workdir: str | Path) -> int:
 class WorkloadActor:
     """The body of every record's Ray actor: imports its runner there and forwards the service's calls."""
 
-    def __init__(self, runner: str, record_id: str, spec: dict[str, Any], workdir: str) -> None:
+    def __init__(
+        self,
+        runner: str,
+        record_id: str,
+        spec: dict[str, Any],
+        workdir: str,
+        options: dict[str, Any] | None = None,
+    ) -> None:
         module, _, name = runner.partition(":")
-        self.runner: Runner = getattr(importlib.import_module(module), name)(record_id, spec, workdir)
+        runner_cls = getattr(importlib.import_module(module), name)
+        self.runner: Runner = runner_cls(record_id, spec, workdir, **(options or {}))
 
     def run(self) -> dict[str, Any]:
         return self.runner.run()

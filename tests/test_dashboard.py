@@ -407,6 +407,27 @@ def test_a_hyperparameter_change_marks_the_charts(
     expect(page.locator("#events li[data-kind='hyperparameters']").last).to_be_visible()
 
 
+def test_a_killed_worker_shows_restarting_then_marks_the_charts(
+    page, live: LiveService, api: httpx.Client, job: dict
+) -> None:
+    """SIGKILL to the job's worker: the badge reads 'restarting (1/3): ...' during the restart's 5 s
+    backoff (not a failed job), a red 'restart' marker goes on the charts, and the job runs on."""
+    import os
+    import signal
+
+    import ray
+
+    charted_job(page, live, api, job)
+    pids = ray.get(ray.get_actor(f"tandem-{job['id']}").worker_pids.remote(), timeout=60)
+    os.kill(pids["actor"][0], signal.SIGKILL)
+    expect(page.locator("#job-status")).to_contain_text(
+        "restarting (1/3): worker rank 0 died", timeout=60_000
+    )
+    marked = "Chart.getChart('chart-reward').options.plugins.markers.items.filter(m => m.label === 'restart').length"
+    wait_until(page, f"{marked} >= 1", 90)
+    expect(page.locator("#job-status")).to_have_text("running", timeout=120_000)
+
+
 def test_events_filter_name_tags_notes_search_and_export(
     page, live: LiveService, api: httpx.Client, job: dict, tmp_path: Path
 ) -> None:

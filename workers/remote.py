@@ -15,12 +15,13 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 
 class WorkerGroupError(RuntimeError):
-    """A worker-group call failed: a rank raised, its actor died, or it did not answer in time."""
+    """A worker-group call failed: a rank raised (`kind` "raised"), its actor died ("died"), or it did
+    not answer in time ("timeout"). Job recovery (controller/recovery.py) retries the last two."""
 
-    def __init__(self, group: str, method: str, rank: int | None, message: str) -> None:
+    def __init__(self, group: str, method: str, rank: int | None, message: str, kind: str = "raised") -> None:
         where = f"rank {rank}" if rank is not None else "ranks"
         super().__init__(f"worker group '{group}', {where}, method '{method}': {message}")
-        self.group, self.method, self.rank = group, method, rank
+        self.group, self.method, self.rank, self.kind = group, method, rank, kind
 
 
 def wait_all(group: str, method: str, refs: list[ray.ObjectRef], timeout_s: float) -> list[Any]:
@@ -36,6 +37,7 @@ def wait_all(group: str, method: str, refs: list[ray.ObjectRef], timeout_s: floa
                 method,
                 None,
                 f"ranks {sorted(pending.values())} did not answer within {timeout_s:.0f}s",
+                kind="timeout",
             )
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, 5.0))
         for ref in ready:
@@ -48,7 +50,9 @@ def wait_all(group: str, method: str, refs: list[ray.ObjectRef], timeout_s: floa
                     group, method, rank, f"raised {type(cause).__name__}: {cause}"
                 ) from err
             except RayActorError as err:
-                raise WorkerGroupError(group, method, rank, f"the worker actor died ({err})") from err
+                raise WorkerGroupError(
+                    group, method, rank, f"the worker actor died ({err})", kind="died"
+                ) from err
             except GetTimeoutError as err:
-                raise WorkerGroupError(group, method, rank, "did not answer in time") from err
+                raise WorkerGroupError(group, method, rank, "did not answer in time", kind="timeout") from err
     return results

@@ -20,7 +20,7 @@ const MAX_LOG_LINES = 1000;
 // Kinds the default event filter hides (they arrive every few steps), and kinds marked on charts.
 const FREQUENT = ["checkpoint", "validation"];
 const MARKED = { hyperparameters: "#7c3aed", paused: "#d97706", resumed: "#16a34a", forked: "#db2777",
-  started: "#64748b" };
+  started: "#64748b", restart: "#dc2626" };
 
 const jobPath = (id, rest = "") => `/v1/jobs/${encodeURIComponent(id)}${rest}`;
 
@@ -128,7 +128,7 @@ export class JobView {
   render(job) {
     this.job = job;
     showMeta(job);
-    $("job-status").replaceWith(Object.assign(statusBadge(job.status), { id: "job-status" }));
+    $("job-status").replaceWith(Object.assign(statusBadge(job.status, job.restart), { id: "job-status" }));
     const facts = [
       job.name ? el("span", { class: "job-name" }, job.name) : null,
       ...(job.tags || []).map((tag) => el("span", { class: "tag" }, `#${tag}`)),

@@ -34,7 +34,7 @@ function jobRow(job, onDone) {
   const tags = (job.tags || []).length ? el("div", { class: "sub" }, job.tags.map((t) => `#${t}`).join(" ")) : null;
   return el("tr", { "data-job-id": job.id },
     el("td", { title: job.notes || undefined }, name, jobLink(job.id), tags, parent),
-    el("td", {}, statusBadge(job.status)),
+    el("td", {}, statusBadge(job.status, job.restart)),
     el("td", { class: "owner" }, job.owner),
     el("td", {}, job.method),
     el("td", { class: "model", title: job.model }, job.model),

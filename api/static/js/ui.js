@@ -61,7 +61,13 @@ export function formatBytes(bytes) {
   return `${unit ? value.toFixed(1) : value} ${units[unit]}`;
 }
 
-export function statusBadge(status) {
+// While a lost worker is replaced (job.restart), a running job reads "restarting (1/3): worker rank 0
+// died (waiting for resources)" rather than looking stuck.
+export function statusBadge(status, restart = null) {
+  if (restart && ["queued", "running", "pausing", "cancelling"].includes(status)) {
+    const text = `${restart.message} (${restart.phase})`;
+    return el("span", { class: "badge status-restarting", title: text }, text);
+  }
   return el("span", { class: `badge status-${status}` }, status);
 }
 
