@@ -30,6 +30,26 @@ S = JobStatus
 FORK_SOURCES = "fork-sources"
 
 
+def _same_weights_shape(parent: JobSpec, child: JobSpec) -> None:
+    """A fork resumes the parent's checkpoint: the same base model and, with LoRA, the same adapter
+    shape (a checkpoint of rank-8 adapters cannot load into rank-16 ones)."""
+    for field in ("path", "builtin"):
+        if getattr(parent.model, field) != getattr(child.model, field):
+            raise ServiceError(f"model.{field}: a fork keeps its parent's base model", 422,
+                               f"model.{field}", "invalid_value")  # fmt: skip
+    before, after = parent.model.lora, child.model.lora
+    if (before is None) != (after is None):
+        raise ServiceError("model.lora: a fork keeps its parent's choice of LoRA or full fine-tuning", 422,
+                           "model.lora", "invalid_value")  # fmt: skip
+    if before is None or after is None:
+        return
+    for field in ("rank", "target_modules"):
+        if getattr(before, field) != getattr(after, field):
+            raise ServiceError(f"model.lora.{field}: a fork keeps its parent's adapter shape "
+                               f"({field} = {getattr(before, field)})", 422, f"model.lora.{field}",
+                               "invalid_value")  # fmt: skip
+
+
 class ServiceError(Exception):
     """A request the service refuses: `status` is the HTTP status, `param` the field at fault."""
 
@@ -191,6 +211,7 @@ class Service:
         chosen = self._fork_point(job_id, step)
         parent = self.get(job_id)
         spec = _validated_merge(parent.spec, overrides)
+        _same_weights_shape(JobSpec.model_validate(parent.spec), spec)
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(
                 f"trainer.total_steps = {spec.trainer.total_steps} leaves nothing to train after the checkpoint at "

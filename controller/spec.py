@@ -28,6 +28,7 @@ from pydantic import (
 
 from engines.config import (
     Dtype,
+    LoraConfig,
     MicroBatchConfig,
     OptimizerConfig,
     ScheduleKind,
@@ -90,6 +91,9 @@ class ModelSpec(Section):
         "auto", description="auto: bf16 on GPU, fp32 on CPU; the trainer's and the rollout's"
     )
     gradient_checkpointing: bool = False
+    lora: LoraConfig | None = Field(
+        None, description="train low-rank adapters (LoRA) over the frozen model instead of all its weights"
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
