@@ -111,8 +111,9 @@ class ActorGroup(CheckpointedGroup):
         pending = self.group.submit("sync_weights")
         return lambda: rank_zero(pending.result())
 
-    def export_hf(self, folder: str) -> None:
-        self._call("export_hf", folder)
+    def export_hf(self, folder: str, merged: bool = False) -> None:
+        """The final policy: an HF folder, or with LoRA a PEFT adapter folder (+ `merged/`)."""
+        self._call("export_hf", folder, merged)
 
 
 class CriticGroup(CheckpointedGroup):

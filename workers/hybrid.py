@@ -18,11 +18,13 @@ response right-padded to R = max_new_tokens.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from itertools import chain
 
 import torch
 from tensordict import TensorDict
 
+from engines.adapter_sync import AdapterSync, default_tolerance
 from engines.base import NEEDS_BACKWARD, TrainEngine
 from engines.registry import build_train_engine
 from engines.rollout import SamplingParams, build_rollout_engine
@@ -58,14 +60,21 @@ class ActorRolloutRefWorker(Worker):
             self.ref = build_train_engine(self.config.ref.model_copy(update={"trainable": False}))
             self.ref.initialize()
         rc: RolloutConfig = self.config.rollout
+        lora = self.config.actor.lora
         self.rollout = build_rollout_engine(
             rc.backend,
             self.config.actor.model_path,
             device=str(self.actor.device),
             dtype=rc.dtype,
+            **({"max_lora_rank": lora.rank} if lora is not None else {}),
             **rc.engine_kwargs,
         )
-        self.weight_sync = WeightSync(rc.bucket_mb, dtype=self.rollout.dtype)
+        # LoRA: only the adapter moves, probed after every sync (engines/adapter_sync.py).
+        self.weight_sync = (
+            AdapterSync(default_tolerance(self.rollout.dtype))
+            if lora is not None
+            else WeightSync(rc.bucket_mb, dtype=self.rollout.dtype)
+        )
         limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
         self.register_mesh("actor", dp_rank=self.actor.dp_rank, is_collect=self.actor.is_collect_rank)
         dp, collect = rollout_mesh_coords(self.rank, rc.tensor_parallel_size)
@@ -167,10 +176,14 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.MESH, mesh="actor")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        if self.ref is None:
+        if self.config.actor.lora is not None:  # the reference is the actor's base: adapters off
+            engine, base = self.actor, self.actor.adapters_off()
+        elif self.ref is not None:
+            engine, base = self.ref, nullcontext()
+        else:
             raise RuntimeError("this worker group has no reference model: set a ref engine config to use KL")
-        with self.ref.eval_mode():
-            out = self.ref.forward_backward_batch(
+        with engine.eval_mode(), base:
+            out = engine.forward_backward_batch(
                 batch.tensors, None, forward_only=True, temperature=_temperature(batch)
             )
         return _with_outputs(batch, {"ref_log_probs": out.outputs["log_probs"]})
@@ -244,8 +257,8 @@ class ActorRolloutRefWorker(Worker):
         return step
 
     @register(Dispatch.ONE_TO_ALL)
-    def export_hf(self, path: str) -> None:
-        self.actor.export_hf(path)
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        self.actor.export_hf(path, merged)
 
     # ---- test and debugging hooks ---------------------------------------------------------------
 
