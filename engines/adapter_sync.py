@@ -38,9 +38,14 @@ class ProbedSyncStats(SyncStats):
     """SyncStats plus the probe's largest log-prob difference (rollout engine vs trainer)."""
 
     probe_max_abs_diff: float = 0.0
+    parameters: int = 0  # the adapter's: the job's trainable parameters
 
     def metrics(self) -> dict[str, float]:
-        return {**super().metrics(), "weight_sync/probe_max_abs_diff": self.probe_max_abs_diff}
+        return {
+            **super().metrics(),
+            "weight_sync/probe_max_abs_diff": self.probe_max_abs_diff,
+            "lora/trainable_params": float(self.parameters),
+        }
 
 
 def default_tolerance(dtype: torch.dtype | None) -> float:
@@ -70,7 +75,8 @@ class AdapterSync:
         size = sum(tensor_bytes(t) for _, t in tensors)
         seconds = time.perf_counter() - start
         probe = self.probe(train, rollout)
-        self.last = ProbedSyncStats(size, seconds, 1, len(tensors), size, version, probe)
+        parameters = sum(t.numel() for _, t in tensors)
+        self.last = ProbedSyncStats(size, seconds, 1, len(tensors), size, version, probe, parameters)
         if self.last.probe_max_abs_diff > self.probe_tolerance:
             raise AdapterSyncError(
                 f"after adapter sync {version} the rollout engine ({type(rollout).__name__}) does not serve the "
