@@ -162,6 +162,48 @@ def test_a_sync_that_leaves_the_base_policy_fails_loudly(tiny_model_dir, trained
         AdapterSync(probe_tolerance=1e-3).sync(trained, rollout)
 
 
+def two_rank_main(rank: int, port: int, model_dir: str, out_file: str) -> None:
+    """One of two gloo ranks: two LoRA updates on this rank's half of each batch, micro-batched."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    os.environ.update(env)
+    engine = make_engine(model_dir, micro_batch={"micro_batch_size": 2})
+    with engine.train_mode():
+        for seed in range(2):
+            batch = make_batch(seed=seed)
+            half = batch[rank * len(batch) // 2 : (rank + 1) * len(batch) // 2]
+            engine.forward_backward_batch(half, pg_loss("token-mean"))
+            engine.optimizer_step()
+    adapter = dict(engine.get_per_tensor_param())  # collective: every rank iterates
+    if rank == 0:
+        torch.save(adapter, out_file)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_two_ranks_train_the_same_adapter_as_one(tiny_model_dir, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "two.pt"
+    mp.spawn(two_rank_main, args=(port, str(tiny_model_dir), str(out)), nprocs=2, join=True)
+    two = torch.load(out, weights_only=False)
+    one = make_engine(tiny_model_dir)
+    train_steps(one, 2)
+    expected = dict(one.get_per_tensor_param())
+    assert two.keys() == expected.keys()
+    for name in expected:
+        assert torch.allclose(two[name], expected[name], rtol=1e-4, atol=1e-6), name
+
+
 def _one_row(ids: torch.Tensor, response: int):
     from tensordict import TensorDict
 
