@@ -205,7 +205,10 @@ class Service:
 
     def merged_spec(self, job_id: str, overrides: dict[str, Any]) -> JobSpec:
         """The job's spec with `overrides` applied and validated (what a fork would run)."""
-        return _validated_merge(self.get(job_id).spec, overrides)
+        parent = self.get(job_id).spec
+        spec = _validated_merge(parent, overrides)
+        _same_weights_shape(JobSpec.model_validate(parent), spec)
+        return spec
 
     def fork(self, job_id: str, step: int | None, overrides: dict[str, Any]) -> JobRecord:
         chosen = self._fork_point(job_id, step)
