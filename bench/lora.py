@@ -10,6 +10,7 @@ rollout engine beside it, as the hybrid worker does, then measures:
 - a weight sync into the rollout engine: `WeightSync` (full) or `AdapterSync` (LoRA; its probe is
   timed apart), bytes moved and seconds, median of the repeats.
 
+Last, PEFT's LoRA layer against a minimal own one (`layer_cost`): the reason to use PEFT or not.
 The LoRA child also measures the two ways the hf engine can serve an adapter (engines/rollout/
 lora_merge.py): generation with the adapter merged into its weights (fused decode) against the
 same generation with PEFT's LoRA layers in its forward (transformers' forward), and the base engine
@@ -163,6 +164,59 @@ def serve_ways(args, engine, merged, sampling_params) -> dict:
     return {f"generate_s_{name}": statistics.median(t) for name, t in times.items()}
 
 
+def layer_cost(iters: int, tokens: int = 2048) -> dict:
+    """PEFT's LoRA layer against a minimal own one (`base(x) + s * B(A(x))`), forward + backward of
+    six qwen2-20m-shaped blocks of three adapted layers, alternating which goes first each repeat
+    (the first of a pair ran ~10% slower in either order)."""
+    import torch.nn.functional as F
+    from peft import LoraConfig, inject_adapter_in_model
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.gate_proj = nn.Linear(512, 512), nn.Linear(512, 1536, bias=False)
+            self.down_proj = nn.Linear(1536, 512, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(F.silu(self.gate_proj(self.q_proj(x))))
+
+    class OwnLora(nn.Module):
+        def __init__(self, base: nn.Linear, rank: int = 16, alpha: float = 32) -> None:
+            super().__init__()
+            self.base, self.scaling = base, alpha / rank
+            self.A = nn.Parameter(torch.randn(rank, base.in_features) * 0.01)
+            self.B = nn.Parameter(torch.zeros(base.out_features, rank))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x) + self.scaling * F.linear(F.linear(x, self.A), self.B)
+
+    targets = ("q_proj", "gate_proj", "down_proj")
+    models = {}
+    for kind in ("peft", "own"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[Block() for _ in range(6)]).requires_grad_(False)
+        if kind == "peft":
+            inject_adapter_in_model(LoraConfig(r=16, lora_alpha=32, target_modules=list(targets)), model)
+            for name, param in model.named_parameters():
+                param.requires_grad_("lora_" in name)
+        else:
+            for block in model:
+                for name in targets:
+                    setattr(block, name, OwnLora(getattr(block, name)))
+        models[kind] = model
+    x = torch.randn(tokens, 512)
+    times: dict[str, list[float]] = {kind: [] for kind in models}
+    for i in range(iters + 2):
+        for kind in ("peft", "own") if i % 2 else ("own", "peft"):
+            start = time.perf_counter()
+            models[kind](x).square().mean().backward()
+            if i >= 2:
+                times[kind].append(time.perf_counter() - start)
+    peft_s, own_s = statistics.median(times["peft"]), statistics.median(times["own"])
+    return {"layer_fwd_bwd_s_peft": peft_s, "layer_fwd_bwd_s_own": own_s, "peft_over_own": peft_s / own_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2-20m", help="a built-in model name")
@@ -203,6 +257,8 @@ def main() -> None:
             lora[f"generate_s_{other}"] / lora["generate_s_merged_fused"]
         )
     print(json.dumps({"ratios": ratios, "load_average": os.getloadavg(), "quick": args.quick}), flush=True)
+    torch.set_num_threads(args.threads)
+    print(json.dumps({"lora_layer": layer_cost(2 * args.iters), "load_average": os.getloadavg()}), flush=True)
 
 
 if __name__ == "__main__":
