@@ -144,7 +144,7 @@ class Checker:
         m, lora = spec.model, spec.model.lora
         folder = Path(m.path).expanduser() if m.path else self.home / "models" / str(m.builtin)
         layers = None
-        if (folder / "config.json").exists():
+        if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
             try:
                 layers = linear_layers(folder)
             except (OSError, ValueError) as err:
@@ -156,7 +156,9 @@ class Checker:
             layers = llama_layers(
                 t.hidden_size, t.intermediate_size, t.num_layers, t.num_heads, t.num_kv_heads
             )
-        why = target_errors(lora, module_names(layers) if layers is not None else LLAMA_LINEAR)
+        # A packaged model not built yet is a Llama; a folder without safetensors is left to PEFT at start.
+        names = module_names(layers) if layers is not None else LLAMA_LINEAR if m.builtin else None
+        why = target_errors(lora, names) if names is not None else None
         if why is not None:
             raise APIError(
                 422, f"model.lora.target_modules: {why}", "model.lora.target_modules", "invalid_value"

@@ -135,6 +135,7 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(tiny_model_dir, tmp_pat
 
 def test_the_adapter_sync_serves_the_trainers_policy_on_the_hf_engine(tiny_model_dir, trained):
     rollout = HFRolloutEngine(tiny_model_dir, device="cpu", dtype="float32")
+    assert rollout._fused is not None  # decoding reads the fused q/k/v and gate/up buffers the merge writes
     sync = AdapterSync(probe_tolerance=1e-4)
     stats = sync.sync(trained, rollout)
     adapter_bytes = sum(t.numel() * 4 for _, t in trained.get_per_tensor_param())
