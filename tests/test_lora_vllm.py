@@ -76,6 +76,13 @@ def test_the_adapter_sync_serves_the_trainers_policy_on_vllm(trainer, vllm):
     # The base model's greedy answer is no longer what the engine serves (the adapter is in).
     tuned = vllm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0))[0]
     assert tuned.log_probs != base.log_probs
+    # The next sync replaces the adapter in place (same LoRA id, load_inplace).
+    with trainer.train_mode():
+        trainer.forward_backward_batch(make_batch(seed=9), pg_loss("token-mean"))
+        trainer.optimizer_step()
+    assert AdapterSync(probe_tolerance=ATOL).sync(trainer, vllm).probe_max_abs_diff < ATOL
+    again = vllm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0))[0]
+    assert again.log_probs != tuned.log_probs
 
 
 def test_vllm_loads_the_exported_adapter_folder(trainer, vllm, tmp_path):

@@ -287,7 +287,12 @@ class VLLMRolloutEngine(RolloutEngine):
             self._adapter = AdapterFolder()
         try:
             self._adapter.write(config, named_tensors)
-            self._llm.llm_engine.add_lora(self._adapter.request)
+            engine = self._llm.llm_engine
+            if (
+                not engine.add_lora(self._adapter.request)
+                or self._adapter.request.lora_int_id not in engine.list_loras()
+            ):
+                raise RuntimeError("vLLM did not register the adapter")
         except Exception as exc:
             raise RolloutEngineError(
                 f"vllm could not load the LoRA adapter: {type(exc).__name__}: {exc}"
