@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -508,44 +509,31 @@ class FSDPEngine(TrainEngine):
         with LoRA, a PEFT adapter folder (and, `merged`, the merged model under `path/merged`)."""
         if self.config.role != "policy":
             raise ValueError("export_hf writes causal LMs; a value model has no HF causal-LM form")
-        from safetensors.torch import save_file
-
         self._onload(optimizer=False)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(self.model, options=options)
-        if self.adapted_modules:
-            self._export_adapter(path, full, merged)
-            return
         with ckpt.atomic_folder(path, self.dp_rank == 0, dist.barrier) as folder:
             if self.dp_rank == 0:
-                tensors = {PolicyModel.hf_name(k): v.contiguous() for k, v in full.items()}
-                if getattr(self.hf_config, "tie_word_embeddings", False):
-                    tensors.pop("lm_head.weight", None)
-                save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-                self.hf_config.save_pretrained(folder)
-                ckpt.copy_tokenizer_files(self.config.model_path, folder)
-                ckpt.write_meta(folder, {"step": -1, "kind": "hf_export"})
+                state = {PolicyModel.hf_name(k): v for k, v in full.items()}
+                if self.adapted_modules:  # a PEFT adapter folder, and the merged model beside it
+                    adapter = {lora.peft_name(k): v for k, v in state.items() if lora.is_adapter(k)}
+                    lora.write_adapter(folder, adapter, self.adapter_config())
+                    if merged:
+                        (folder / "merged").mkdir()
+                        self._write_hf(folder / "merged", lora.merged_state(state, self.config.lora.scaling))
+                else:
+                    self._write_hf(folder, state)
+                kind = "lora_export" if self.adapted_modules else "hf_export"
+                ckpt.write_meta(folder, {"step": -1, "kind": kind})
         self._offload_as_configured()
 
-    def _export_adapter(self, path: str, full: dict[str, torch.Tensor], with_merged: bool) -> None:
-        """LoRA: `path` is a PEFT adapter folder; `with_merged` adds `path/merged`, a full HF folder of
-        the base with the adapters merged in."""
+    def _write_hf(self, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+        """A Hugging Face folder: the weights (a tied output projection left out), config, tokenizer."""
         from safetensors.torch import save_file
 
-        state = {PolicyModel.hf_name(k): v for k, v in full.items()}
-        with ckpt.atomic_folder(path, self.dp_rank == 0, dist.barrier) as folder:
-            if self.dp_rank == 0:
-                adapter = {lora.peft_name(k): v for k, v in state.items() if lora.is_adapter(k)}
-                lora.write_adapter(folder, adapter, self.adapter_config())
-                if with_merged:
-                    merged = folder / "merged"
-                    merged.mkdir()
-                    tensors = lora.merged_state(state, self.config.lora.scaling)
-                    if getattr(self.hf_config, "tie_word_embeddings", False):
-                        tensors.pop("lm_head.weight", None)
-                    tensors = {k: v.float().contiguous() for k, v in tensors.items()}
-                    save_file(tensors, str(merged / "model.safetensors"), metadata={"format": "pt"})
-                    self.hf_config.save_pretrained(merged)
-                    ckpt.copy_tokenizer_files(self.config.model_path, merged)
-                ckpt.write_meta(folder, {"step": -1, "kind": "lora_export"})
-        self._offload_as_configured()
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            tensors.pop("lm_head.weight", None)
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        self.hf_config.save_pretrained(folder)
+        ckpt.copy_tokenizer_files(self.config.model_path, folder)
