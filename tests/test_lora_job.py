@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tests.api_util import tiny_job, wait_for
+from tests.test_cli import tandem
 
 LORA = {"rank": 4, "alpha": 8.0}
 
@@ -62,7 +63,7 @@ def test_bad_adapters_are_422_naming_the_field_and_store_nothing(api, other_base
     assert len(api.get("/v1/jobs", params={"limit": 100}).json()["data"]) == before
 
 
-def test_an_sft_adapter_seeds_a_lora_grpo_job_with_kl_that_syncs_and_exports_its_adapter(api):
+def test_an_sft_adapter_seeds_a_lora_grpo_job_with_kl_that_syncs_and_exports_its_adapter(live, api):
     sft = lora_job(
         method="sft",
         trainer={"total_steps": 2, "prompts_per_step": 4, "val_every": 0},
@@ -97,6 +98,8 @@ def test_an_sft_adapter_seeds_a_lora_grpo_job_with_kl_that_syncs_and_exports_its
         "trainable_parameters": 2 * per_block,
         "adapter_bytes": 4 * 2 * per_block,
     }
+    status = tandem(live, "status", job["id"])
+    assert f"rank 4, {2 * per_block} trainable parameters, adapter 0.03 MB" in status.stdout, status.stdout
     export = job["outputs"]["export"]
     assert export is not None
     config = json.loads(open(f"{export}/adapter_config.json").read())
