@@ -165,7 +165,8 @@ class Checker:
             )
         if lora.init_from is not None and layers is not None:
             param = "model.lora.init_from"
-            why = init_from_errors(lora, self.allowed(lora.init_from, param), layers)
+            base_folder = folder if (folder / "config.json").exists() else None
+            why = init_from_errors(lora, self.allowed(lora.init_from, param), layers, base_folder)
             if why is not None:
                 raise APIError(422, f"{param}: {why}", param, "invalid_adapter")
 

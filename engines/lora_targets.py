@@ -103,11 +103,39 @@ def base_module(adapter_name: str) -> tuple[str, str] | None:
     return None
 
 
-def init_from_errors(lora: LoraConfig, init_from: Path, base: Shapes) -> str | None:
+def other_base(init_from: Path, base_folder: Path | None) -> str | None:
+    """Why the adapter's own config names another base model, or None (unknown counts as the same).
+
+    Shapes alone cannot tell two bases of one architecture and size apart; the folder the adapter
+    was trained on can, when its config.json is readable here."""
+    config = init_from / ADAPTER_CONFIG if init_from.is_dir() else None
+    if base_folder is None or config is None or not config.is_file():
+        return None
+    named = json.loads(config.read_text()).get("base_model_name_or_path")
+    trained_on = Path(named) / "config.json" if named else None
+    if trained_on is None or not trained_on.is_file() or not (base_folder / "config.json").is_file():
+        return None
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size")
+    theirs, ours = json.loads(trained_on.read_text()), json.loads((base_folder / "config.json").read_text())
+    differ = [k for k in keys if theirs.get(k) != ours.get(k)]
+    if differ:
+        return (
+            f"the adapter was trained on '{named}', another base model ({differ[0]}: "
+            f"{theirs.get(differ[0])} there, {ours.get(differ[0])} here)"
+        )
+    return None
+
+
+def init_from_errors(
+    lora: LoraConfig, init_from: Path, base: Shapes, base_folder: Path | None = None
+) -> str | None:
     """Why the adapter at `init_from` does not fit this base and rank, or None."""
     file = adapter_file(init_from)
     if not file.is_file():
         return f"'{init_from}' holds no {ADAPTER_FILE}: not a PEFT adapter"
+    why = other_base(init_from, base_folder)
+    if why is not None:
+        return why
     try:
         shapes = safetensors_shapes(file)
     except (OSError, ValueError, struct.error) as err:

@@ -216,3 +216,21 @@ def _one_row(ids: torch.Tensor, response: int):
         },
         batch_size=[1],
     )
+
+
+def test_init_from_is_checked_against_the_base_it_was_trained_on(tiny_model_dir, trained, tmp_path):
+    """Same shapes, another base: tiny-llama has tiny-qwen2's sizes, so only the adapter's own
+    config (base_model_name_or_path) tells them apart."""
+    from engines.config import LoraConfig
+    from engines.lora_targets import init_from_errors, linear_layers
+    from engines.tiny_models import build_builtin_model
+
+    trained.export_hf(str(tmp_path / "adapter"))
+    llama = build_builtin_model("tiny-llama", tmp_path / "models")
+    lora = LoraConfig(**LORA)
+    assert init_from_errors(lora, tmp_path / "adapter", linear_layers(tiny_model_dir), tiny_model_dir) is None
+    why = init_from_errors(lora, tmp_path / "adapter", linear_layers(llama), llama)
+    assert why is not None and "another base model (model_type: qwen2 there, llama here)" in why
+    wrong_rank = LoraConfig(**{**LORA, "rank": 8})
+    why = init_from_errors(wrong_rank, tmp_path / "adapter", linear_layers(tiny_model_dir))
+    assert why is not None and "needs [8, " in why and "model.lora.rank differs" in why
