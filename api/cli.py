@@ -125,6 +125,15 @@ def _status(args: argparse.Namespace, client: TandemClient) -> int:
         "parent": job["parent_id"] or "-",
         "error": job["error"] or "-",
     }
+    lora = job.get("lora")
+    if lora:
+        size = lora["adapter_bytes"]
+        facts["lora"] = (
+            f"rank {lora['rank']}, {lora['trainable_parameters'] or '?'} trainable parameters, "
+            f"adapter {size / 1e6:.2f} MB"
+            if size
+            else f"rank {lora['rank']} (sizes after the first sync)"
+        )
     latest = job["latest_metrics"]
     facts.update(
         {k: format_metric(k, latest[k]) for k in METRIC_KEYS if k in latest}

@@ -17,8 +17,17 @@ from controller.models import BUILTIN_MODEL_NAMES
 from controller.spec import JobSpec
 from controller.tasks import BUILTIN_TASKS
 from controller.user_code import check_callable_in_subprocess, check_here
+from engines.lora_targets import (
+    LLAMA_LINEAR,
+    init_from_errors,
+    linear_layers,
+    llama_layers,
+    module_names,
+    target_errors,
+)
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from engines.rollout import available_backends
+from engines.tiny_models import BUILTIN_MODELS
 from service.files import FileError, FileStore
 from workers.references import is_path_reference
 
@@ -29,6 +38,7 @@ class Checker:
     def __init__(self, settings: ServeSettings, home: Path, files: FileStore) -> None:
         self.settings = settings
         self.roots = settings.path_roots(home)
+        self.home = home
         self.files = files
 
     def allowed(self, path: str, param: str) -> Path:
@@ -130,12 +140,50 @@ class Checker:
         if r.model_path is not None:
             self.folder(r.model_path, "reward.model_path", "reward model")
         self.environment(spec)
-        uri = spec.trainer.mlflow_uri
-        if uri is not None and ("://" not in uri or uri.startswith("file:")):  # a folder the job writes to
-            self.allowed(uri.removeprefix("file://").removeprefix("file:"), "trainer.mlflow_uri")
+        if m.lora is not None:
+            self.lora(spec)
         why = available_backends().get(spec.rollout.backend)
         if why is not None:
             raise APIError(422, f"rollout.backend: {why}", "rollout.backend", "backend_unavailable")
+
+    def lora(self, spec: JobSpec) -> None:
+        """model.lora against the base's linear layers (torch-free: safetensors headers, engines/lora_targets.py)."""
+        m, lora = spec.model, spec.model.lora
+        if spec.resources.placement == "split":
+            raise APIError(
+                422,
+                "resources.placement: 'split' does not take model.lora yet: the adapter-only transfer runs "
+                "in the rollout engine's process (placement 'colocated')",
+                "resources.placement",
+                "unsupported",
+            )
+        folder = Path(m.path).expanduser() if m.path else self.home / "models" / str(m.builtin)
+        layers = None
+        if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):
+            try:
+                layers = linear_layers(folder)
+            except (OSError, ValueError) as err:
+                param = "model.path" if m.path else "model.builtin"
+                raise APIError(422, f"{param}: cannot read the model's weights: {err}", param,
+                               "invalid_model") from None  # fmt: skip
+        elif m.builtin in BUILTIN_MODELS:  # not built yet: its shape is known
+            t = BUILTIN_MODELS[m.builtin]
+            layers = llama_layers(
+                t.hidden_size, t.intermediate_size, t.num_layers, t.num_heads, t.num_kv_heads
+            )
+        # A packaged model not built yet is a Llama; a folder without safetensors is left to PEFT at start.
+        names = module_names(layers) if layers is not None else LLAMA_LINEAR if m.builtin else None
+        why = target_errors(lora, names) if names is not None else None
+        if why is not None:
+            raise APIError(
+                422, f"model.lora.target_modules: {why}", "model.lora.target_modules", "invalid_value"
+            )
+        if lora.init_from is not None and layers is not None:
+            param = "model.lora.init_from"
+            base_folder = folder if (folder / "config.json").exists() else None
+            why = init_from_errors(lora, self.allowed(lora.init_from, param), layers, base_folder)
+            if why is not None:
+                raise APIError(422, f"{param}: {why}", param, "invalid_adapter")
 
     def environment(self, spec: JobSpec) -> None:
         """rollout.environment: imported and checked in a child process (workers/environments/loader.py)."""

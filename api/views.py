@@ -50,6 +50,22 @@ def stored_summary(job: JobRecord) -> dict[str, Any]:
         "restart": job.restart,  # while a lost worker is being replaced: {"message": "restarting (1/3): ...", ...}
         "parent_id": job.parent_id,
         "metadata": job.metadata,
+        "lora": _lora(spec["model"].get("lora"), job.latest_metrics),
+    }
+
+
+def _lora(lora: dict[str, Any] | None, latest: dict[str, float]) -> dict[str, Any] | None:
+    """A LoRA job's adapter: its shape from the spec, its size from the last adapter sync's metrics."""
+    if lora is None:
+        return None
+    trainable = latest.get("lora/trainable_params")
+    size = latest.get("weight_sync/bytes")
+    return {
+        "rank": lora["rank"],
+        "alpha": lora["alpha"],
+        "target_modules": lora["target_modules"],
+        "trainable_parameters": int(trainable) if trainable is not None else None,
+        "adapter_bytes": int(size) if size is not None else None,
     }
 
 
@@ -61,7 +77,8 @@ def live_summary(job: JobRecord) -> dict[str, Any]:
 def _outputs(job: JobRecord) -> dict[str, str | None]:
     """Where the job writes on the server: its folder, and the HF export once it exists."""
     export = os.path.join(job.workdir, "export")  # os.path: ~3x cheaper than pathlib, per job per list
-    return {"workdir": job.workdir, "export": export if os.path.exists(export + "/config.json") else None}
+    done = os.path.exists(export + "/config.json") or os.path.exists(export + "/adapter_config.json")
+    return {"workdir": job.workdir, "export": export if done else None}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,11 +54,12 @@ def engine_config(spec: JobSpec, model_path: str, lr: float, trainable: bool = T
 
 
 def hybrid_config(spec: JobSpec, model_path: str) -> HybridWorkerConfig:
+    actor = engine_config(spec, model_path, spec.optim.lr).model_copy(update={"lora": spec.model.lora})
+    # With LoRA the reference is the actor with its adapters switched off: no second model.
+    separate_ref = needs_reference(spec) and spec.model.lora is None
     return HybridWorkerConfig(
-        actor=engine_config(spec, model_path, spec.optim.lr),
-        ref=engine_config(spec, model_path, spec.optim.lr, trainable=False)
-        if needs_reference(spec)
-        else None,
+        actor=actor,
+        ref=engine_config(spec, model_path, spec.optim.lr, trainable=False) if separate_ref else None,
         rollout=fields_of(spec.rollout, RolloutConfig, dtype=spec.model.dtype),
     )
 
@@ -114,6 +115,8 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
         if spec.resources.rollout_workers is None:
             actor = ActorGroup(start(ActorRolloutRefWorker, hybrid_config(spec, model_path), "actor"))
         else:
+            if spec.model.lora is not None:  # refused at submission (api/validation.py); a direct Trainer too
+                raise ValueError("resources.placement 'split' does not take model.lora yet")
             config = hybrid_config(spec, model_path)
             rollout_pool = rollout_pool_of(spec.resources.rollout_workers, spec, name)
             rollout = RayWorkerGroup(

@@ -28,6 +28,7 @@ from pydantic import (
 
 from engines.config import (
     Dtype,
+    LoraConfig,
     MicroBatchConfig,
     OptimizerConfig,
     ScheduleKind,
@@ -92,6 +93,9 @@ class ModelSpec(Section):
     )
     gradient_checkpointing: bool = Field(
         False, description="recompute activations in backward: less memory, more compute"
+    )
+    lora: LoraConfig | None = Field(
+        None, description="train low-rank adapters (LoRA) over the frozen model instead of all its weights"
     )
 
     @model_validator(mode="after")
@@ -342,7 +346,12 @@ class TrainerSpec(Section):
 class CheckpointSpec(Section):
     every: int = Field(5, ge=0, le=100_000_000, description="steps between checkpoints; 0 = only at the end")
     keep_last: int = Field(2, ge=1, le=10_000, description="checkpoints kept; older ones are deleted")
-    export_hf: bool = Field(True, description="write an HF folder of the final policy")
+    export_hf: bool = Field(
+        True, description="write an HF folder of the final policy (with model.lora: a PEFT adapter folder)"
+    )
+    export_merged: bool = Field(
+        False, description="with model.lora: also write the base with the adapters merged in, export/merged"
+    )
     resume_from: str | None = Field(None, description="a checkpoint folder to start from")
 
 

@@ -303,8 +303,9 @@ class Trainer:
             self.save_checkpoint()
         if self.spec.checkpoint.export_hf:
             export = self.workdir / "export"
-            self.job.groups.actor.export_hf(str(export))
-            self.sink.event("exported", f"HF model written to {export}", path=str(export))
+            self.job.groups.actor.export_hf(str(export), self.spec.checkpoint.export_merged)
+            what = "PEFT adapter" if self.spec.model.lora is not None else "HF model"
+            self.sink.event("exported", f"{what} written to {export}", path=str(export))
 
     # ---- helpers -------------------------------------------------------------------------------
 

@@ -155,7 +155,16 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def get_per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF state-dict name, full tensor), one parameter at a time, gathered lazily."""
+        """(HF state-dict name, full tensor), one parameter at a time, gathered lazily. With LoRA
+        (`adapter_config()` not None) only the adapter's tensors, in PEFT's saved names."""
+
+    def adapter_config(self) -> dict | None:
+        """PEFT's adapter_config.json of the adapter the stream carries; None when it is the whole model."""
+        return None
+
+    def adapters_off(self) -> AbstractContextManager[None]:
+        """Compute as the base model, adapters switched off (the reference policy of a LoRA engine)."""
+        raise RuntimeError(f"{type(self).__name__} has no LoRA adapters to switch off")
 
     @abstractmethod
     def to(self, device: str, model: bool = True, optimizer: bool = True) -> None:
@@ -171,5 +180,6 @@ class TrainEngine(ABC):
         only, leaving the optimizer state and the schedule as they are."""
 
     @abstractmethod
-    def export_hf(self, path: str) -> None:
-        """Write the full weights as a Hugging Face folder that `from_pretrained` loads (policy only)."""
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        """Write the full weights as a Hugging Face folder that `from_pretrained` loads (policy only);
+        with LoRA, a PEFT adapter folder, plus the merged model under `path/merged` when `merged`."""

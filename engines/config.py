@@ -107,6 +107,52 @@ class MicroBatchConfig(_Section):
         return self
 
 
+MAX_LORA_RANK = 1024  # beyond this an adapter is no longer low-rank for any model Tandem trains
+ALL_LINEAR = "all-linear"
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters (LoRA) on the policy's linear layers; the base model stays frozen.
+
+    The update of a target linear layer W is `(alpha / rank) * B @ A` with A [rank, in], B [out, rank]
+    (B starts at zero, so a new adapter starts at the base policy). See docs/ARCHITECTURE.md, "LoRA".
+    """
+
+    rank: int = Field(16, ge=1, le=MAX_LORA_RANK, description="the adapters' rank r")
+    alpha: float = Field(
+        32.0, gt=0, le=1_000_000, description="scaling numerator: the update is (alpha / rank) * B @ A"
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training")
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        ALL_LINEAR,
+        description="'all-linear' (every linear layer but the output projection) or module names, "
+        "e.g. ['q_proj', 'v_proj']",
+    )
+    init_from: str | None = Field(
+        None,
+        description="start from an adapter: a PEFT adapter folder (adapter_config.json, "
+        "adapter_model.safetensors) or an uploaded adapter_model.safetensors (file id)",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list):
+            if not value or len(value) > 256:
+                raise ValueError("give 1 to 256 module names, or 'all-linear'")
+            bad = [
+                v for v in value if not v or len(v) > 128 or not v.replace("_", "").replace(".", "").isalnum()
+            ]
+            if bad:
+                raise ValueError(f"module names are letters, digits, '_' and '.': {bad[:3]}")
+            return sorted(set(value))
+        return value
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class EngineConfig(_Section):
     """Everything an FSDP training engine needs; defaults train a tiny model on a laptop CPU."""
 
@@ -126,6 +172,7 @@ class EngineConfig(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     micro_batch: MicroBatchConfig = Field(default_factory=MicroBatchConfig)
     gradient_checkpointing: bool = False
+    lora: LoraConfig | None = Field(None, description="train low-rank adapters over a frozen base")
     share_prompts: bool = Field(
         True,
         description="run a prompt that repeats in a micro-batch (a GRPO group) once, its responses reading "

@@ -6,6 +6,7 @@ digits. A spec names an upload by its id where it would name a server path:
 
     data.train_path: "file-0123456789ab"
     reward.function: "file-0123456789ab:score"      (an uploaded .py file and a function in it)
+    model.lora.init_from: "file-0123456789ab"       (an uploaded adapter_model.safetensors)
 
 The spec keeps the id; `resolve_refs` replaces ids with stored paths when a job is checked and when
 it starts, so a file deleted in between fails the job with the id named.
@@ -17,6 +18,7 @@ another owner's file is "no file" to it, in a listing, a read, a delete and a sp
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -34,9 +36,15 @@ from service.keys import ADMIN_OWNER
 FILE_ID = re.compile(r"^file-[0-9a-f]{12}$")
 DATA_SUFFIXES = (".jsonl", ".jsonlines", ".json", ".parquet", ".pq")
 CODE_SUFFIXES = (".py",)
+ADAPTER_SUFFIXES = (".safetensors",)  # a LoRA adapter's tensors (model.lora.init_from)
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # the spec fields that may name an upload, and whether the value is "ref:function"
-REF_FIELDS = {("data", "train_path"): False, ("data", "val_path"): False, ("reward", "function"): True}
+REF_FIELDS = {
+    ("data", "train_path"): False,
+    ("data", "val_path"): False,
+    ("reward", "function"): True,
+    ("model", "lora", "init_from"): False,
+}
 
 
 class FileError(ValueError):
@@ -52,7 +60,7 @@ class FileRecord:
     id: str
     filename: str
     bytes: int
-    purpose: str  # "data" or "code"
+    purpose: str  # "data", "code" or "adapter"
     created_at: float
     object: str = "file"
     owner: str = ADMIN_OWNER
@@ -68,7 +76,10 @@ def check_filename(filename: str) -> str:
         return "data"
     if suffix in CODE_SUFFIXES:
         return "code"
-    raise FileError(f"filename: '{filename}' must end in one of {', '.join(DATA_SUFFIXES + CODE_SUFFIXES)}",
+    if suffix in ADAPTER_SUFFIXES:
+        return "adapter"
+    suffixes = DATA_SUFFIXES + CODE_SUFFIXES + ADAPTER_SUFFIXES
+    raise FileError(f"filename: '{filename}' must end in one of {', '.join(suffixes)}",
                     "filename")  # fmt: skip
 
 
@@ -122,18 +133,21 @@ class FileStore:
     def resolve_refs(self, spec: dict[str, Any], sees: str | None = None) -> dict[str, Any]:
         """A copy of a spec dict with every upload id replaced by its stored path; with `sees`, only
         that owner's uploads resolve."""
-        out = {
-            section: dict(values) if isinstance(values, dict) else values for section, values in spec.items()
-        }
-        for (section, key), has_function in REF_FIELDS.items():
-            value = (out.get(section) or {}).get(key)
+        out = copy.deepcopy(spec)
+        for path, has_function in REF_FIELDS.items():
+            *sections, key = path
+            holder = out
+            for section in sections:
+                holder = holder.get(section) if isinstance(holder, dict) else None
+            value = holder.get(key) if isinstance(holder, dict) else None
             if not isinstance(value, str):
                 continue
             ref, sep, function = value.partition(":") if has_function else (value, "", "")
             if FILE_ID.match(ref):
+                field = ".".join(path)
                 try:
-                    out[section][key] = str(self.path(ref, sees)) + sep + function
+                    holder[key] = str(self.path(ref, sees)) + sep + function
                 except FileError:
-                    raise FileError(f"{section}.{key}: no uploaded file '{ref}' (GET /v1/files lists them)",
-                                    f"{section}.{key}") from None  # fmt: skip
+                    raise FileError(f"{field}: no uploaded file '{ref}' (GET /v1/files lists them)",
+                                    field) from None  # fmt: skip
         return out

@@ -34,6 +34,26 @@ S = JobStatus
 FORK_SOURCES = "fork-sources"
 
 
+def _same_weights_shape(parent: JobSpec, child: JobSpec) -> None:
+    """A fork resumes the parent's checkpoint: the same base model and, with LoRA, the same adapter
+    shape (a checkpoint of rank-8 adapters cannot load into rank-16 ones)."""
+    for field in ("path", "builtin"):
+        if getattr(parent.model, field) != getattr(child.model, field):
+            raise ServiceError(f"model.{field}: a fork keeps its parent's base model", 422,
+                               f"model.{field}", "invalid_value")  # fmt: skip
+    before, after = parent.model.lora, child.model.lora
+    if (before is None) != (after is None):
+        raise ServiceError("model.lora: a fork keeps its parent's choice of LoRA or full fine-tuning", 422,
+                           "model.lora", "invalid_value")  # fmt: skip
+    if before is None or after is None:
+        return
+    for field in ("rank", "target_modules"):
+        if getattr(before, field) != getattr(after, field):
+            raise ServiceError(f"model.lora.{field}: a fork keeps its parent's adapter shape "
+                               f"({field} = {getattr(before, field)})", 422, f"model.lora.{field}",
+                               "invalid_value")  # fmt: skip
+
+
 class ServiceError(Exception):
     """A request the service refuses: `status` is the HTTP status, `param` the field at fault."""
 
@@ -232,7 +252,10 @@ class Service:
 
     def merged_spec(self, job_id: str, overrides: dict[str, Any], sees: str | None = None) -> JobSpec:
         """The job's spec with `overrides` applied and validated (what a fork would run)."""
-        return _validated_merge(self.get(job_id, sees).spec, overrides)
+        parent = self.get(job_id, sees).spec
+        spec = _validated_merge(parent, overrides)
+        _same_weights_shape(JobSpec.model_validate(parent), spec)
+        return spec
 
     def fork(self, job_id: str, step: int | None, overrides: dict[str, Any], sees: str | None = None,
              owner: str = ADMIN_OWNER) -> JobRecord:  # fmt: skip
@@ -240,6 +263,7 @@ class Service:
         parent = self.get(job_id, sees)
         chosen = self._fork_point(job_id, step)
         spec = _validated_merge(parent.spec, overrides)
+        _same_weights_shape(JobSpec.model_validate(parent.spec), spec)
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(
                 f"trainer.total_steps = {spec.trainer.total_steps} leaves nothing to train after the checkpoint at "

@@ -141,7 +141,7 @@ def recorded_calls(monkeypatch, tiny_model_dir) -> list[tuple[str, tuple, dict]]
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.entrypoints.engine", module)
     monkeypatch.setattr(RecordingEngine, "calls", [])
-    engine = SGLangRolloutEngine(str(tiny_model_dir), device="cuda", bucket_mb=1)
+    engine = SGLangRolloutEngine(str(tiny_model_dir), device="cuda", bucket_mb=1, max_lora_rank=8)
     engine.device = torch.device("cpu")  # the tensors stay here: the recorder has no GPU to send them to
     engine.generate([[1, 2], [3]], SamplingParams(max_new_tokens=2, n=2, seed=5, top_k=4, top_p=0.9))
     engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, temperature=0))
@@ -149,6 +149,11 @@ def recorded_calls(monkeypatch, tiny_model_dir) -> list[tuple[str, tuple, dict]]
         [("model.embed_tokens.weight", torch.zeros(4, 4)), ("lm_head.weight", torch.zeros(4, 4))]
     )
     engine.finish_update()
+    adapter = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(8, 4))]
+    for _ in range(2):  # the second load unloads the first adapter
+        engine.load_adapter({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, adapter)
+        engine.finish_update()
+    engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))
     engine.release_memory()
     engine.resume_memory()
     engine.shutdown()
@@ -169,7 +174,8 @@ def test_every_engine_call_exists_with_the_parameters_passed(recorded_calls):
     engine_cls = find_class(parse("srt/entrypoints/engine.py"), "Engine")
     names = [name for name, _, _ in recorded_calls]
     for expected in ("__init__", "generate", "update_weights_from_tensor", "flush_cache",
-                     "release_memory_occupation", "resume_memory_occupation", "shutdown"):  # fmt: skip
+                     "release_memory_occupation", "resume_memory_occupation", "shutdown",
+                     "load_lora_adapter_from_tensors", "unload_lora_adapter"):  # fmt: skip
         assert expected in names, f"the adapter never called Engine.{expected}"
     for name, args, kwargs in recorded_calls:
         signature = method_signature(engine_cls, name)
@@ -256,3 +262,16 @@ def test_output_dicts_and_log_prob_entries_have_the_parsed_shape():
         SOURCE / "sglang" / "srt" / "managers" / "scheduler_components" / "output_streamer.py"
     ).read_text()
     assert "finished_reasons.append(req.finished_reason.to_json())" in streamer
+
+
+def test_the_adapter_is_swapped_by_name_and_generate_serves_the_new_one(recorded_calls):
+    lora = [(name, args) for name, args, _ in recorded_calls if "lora" in name]
+    assert [(name, args[0]) for name, args in lora] == [
+        ("load_lora_adapter_from_tensors", "tandem-v2"),
+        ("unload_lora_adapter", "tandem-v2"),
+        ("load_lora_adapter_from_tensors", "tandem-v3"),
+    ]
+    last_generate = [kw for name, _, kw in recorded_calls if name == "generate"][-1]
+    assert last_generate["lora_path"] == ["tandem-v3"]
+    init = next(kw for name, _, kw in recorded_calls if name == "__init__")
+    assert init["enable_lora"] and init["max_lora_rank"] == 8

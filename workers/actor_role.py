@@ -11,6 +11,7 @@ layout (every rank its own dp rank, every rank collected).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 
@@ -84,10 +85,14 @@ class ActorRefWorker(TrainingOperations):
 
     @register(Dispatch.MESH, mesh="actor")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        if self.ref is None:
+        if self.config.actor.lora is not None:  # the reference is the actor's base: adapters off
+            engine, base = self.actor, self.actor.adapters_off()
+        elif self.ref is not None:
+            engine, base = self.ref, nullcontext()
+        else:
             raise RuntimeError("this worker group has no reference model: set a ref engine config to use KL")
-        with self.ref.eval_mode():
-            out = self.ref.forward_backward_batch(
+        with engine.eval_mode(), base:
+            out = engine.forward_backward_batch(
                 batch.tensors, None, forward_only=True, temperature=temperature_of(batch)
             )
         return _with_outputs(batch, {"ref_log_probs": out.outputs["log_probs"]})
@@ -142,8 +147,9 @@ class ActorRefWorker(TrainingOperations):
         self.sync_weights()
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
-    def export_hf(self, path: str) -> None:
-        self.actor.export_hf(path)
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        """The final policy: an HF folder, or with LoRA a PEFT adapter folder (+ `merged/`)."""
+        self.actor.export_hf(path, merged)
 
     @register(Dispatch.ONE_TO_ALL)
     def actor_state_dict(self) -> dict[str, torch.Tensor]:

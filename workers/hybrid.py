@@ -35,8 +35,14 @@ class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
                 f"{rc.tensor_parallel_size}"
             )
         self.build_training()
-        self.build_rollout(rc, self.config.actor.model_path, device=str(self.actor.device))
-        self.weight_sync = in_process(self.rollout, rc.bucket_mb)
+        lora = self.config.actor.lora
+        self.build_rollout(
+            rc,
+            self.config.actor.model_path,
+            device=str(self.actor.device),
+            lora_rank=lora.rank if lora is not None else None,
+        )
+        self.weight_sync = in_process(self.rollout, rc.bucket_mb, self.actor)
         limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
         self.register_actor_mesh()
         self.register_rollout_mesh()

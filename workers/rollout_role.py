@@ -57,10 +57,14 @@ class RolloutWorker(Worker):
 
     # ---- build steps (the hybrid worker runs them too) ------------------------------------------
 
-    def build_rollout(self, rc: RolloutConfig, model_path: str, device: str) -> None:
+    def build_rollout(
+        self, rc: RolloutConfig, model_path: str, device: str, lora_rank: int | None = None
+    ) -> None:
+        """`lora_rank`: the engine serves LoRA adapters up to this rank (vllm, sglang need it up front)."""
         self.rollout_config, self.rollout_model_path = rc, model_path
+        lora = {"max_lora_rank": lora_rank} if lora_rank is not None else {}
         self.rollout = build_rollout_engine(
-            rc.backend, model_path, device=device, dtype=rc.dtype, **rc.engine_kwargs
+            rc.backend, model_path, device=device, dtype=rc.dtype, **lora, **rc.engine_kwargs
         )
         self._chat_delta = None  # built on the first multi-turn generation
         self._transfer_group: TransferGroup | None = None

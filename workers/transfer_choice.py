@@ -1,7 +1,8 @@
 """Where a training rank's weight-transfer strategy is chosen: the one place that maps a placement
 and `rollout.weight_transfer` to a strategy object (engines/transfer/base.py's interface).
 
-Colocated, the rollout engine is in the same process: `InProcessTransfer`. Split, the rollout
+Colocated, the rollout engine is in the same process: `InProcessTransfer`, or with LoRA
+`AdapterTransfer` (the adapter alone, probed after every transfer). Split, the rollout
 workers are other processes: `collective` (a torch.distributed group made for the transfer,
 engines/transfer/collective.py) or `object_store` (Ray's object store,
 workers/object_store_transfer.py). A new strategy is one file plus one branch here.
@@ -15,7 +16,9 @@ from typing import Any
 import ray
 import torch
 
+from engines.base import TrainEngine
 from engines.rollout.base import RolloutEngine
+from engines.transfer.adapter import AdapterTransfer, default_tolerance
 from engines.transfer.base import TransferError, WeightTransfer
 from engines.transfer.collective import CollectiveTransfer, TransferGroup
 from engines.transfer.in_process import InProcessTransfer
@@ -34,7 +37,10 @@ class RolloutLink:
     timeout_s: float = 300.0
 
 
-def in_process(rollout: RolloutEngine, bucket_mb: float) -> WeightTransfer:
+def in_process(rollout: RolloutEngine, bucket_mb: float, train: TrainEngine | None = None) -> WeightTransfer:
+    """Into a rollout engine of this process: the adapter alone when `train` trains LoRA adapters."""
+    if train is not None and train.adapter_config() is not None:
+        return AdapterTransfer(train, rollout, default_tolerance(rollout.dtype))
     return InProcessTransfer(rollout, bucket_mb)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ from engines.distributed import (
     init_distributed,
     resolve_device,
 )
+from engines.fsdp import lora
 from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model
 from engines.microbatch import MicroBatchPlanner
 from engines.packing import pack, response_columns, unpack
@@ -122,6 +124,9 @@ class FSDPEngine(TrainEngine):
         self.attn_implementation = self._attn_implementation()
         is_value = self.config.role == "value"
         hf_model = load_hf_model(self.config.model_path, self.attn_implementation, value_head=is_value)
+        self.adapted_modules: list[str] = []
+        if self.config.lora is not None:
+            self._attach_adapters(hf_model)
         if self.config.gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = ValueModel(hf_model) if is_value else PolicyModel(hf_model, self.config.logprob_chunk_tokens)
@@ -129,6 +134,18 @@ class FSDPEngine(TrainEngine):
             model.requires_grad_(False)
         self.hf_config = hf_model.config
         return model
+
+    def _attach_adapters(self, hf_model: torch.nn.Module) -> None:
+        """LoRA (engines/fsdp/lora.py): adapters fp32, the frozen base in the compute dtype (bf16 on
+        GPU: it has no gradient or optimizer state, so fp32 master copies would buy nothing)."""
+        cfg = self.config.lora
+        self.adapted_modules = lora.attach(hf_model, cfg)
+        if cfg.init_from is not None:
+            lora.load_adapter_weights(hf_model, cfg.init_from)
+        if self.compute_dtype != torch.float32:
+            for param in hf_model.parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to(self.compute_dtype)
 
     def _shard(self, model: torch.nn.Module) -> None:
         self.sharded = not (self.dp_size == 1 and self.compute_dtype == torch.float32)
@@ -435,17 +452,40 @@ class FSDPEngine(TrainEngine):
             raise RuntimeError("parameters are offloaded: read them inside train_mode() or eval_mode()")
         to_hf = type(self.model).hf_name
         for name, tensor in self.model.state_dict().items():
+            if self.adapted_modules and not lora.is_adapter(name):
+                continue  # with LoRA the stream is the adapter (adapter_config() says so)
             if isinstance(tensor, DTensor):
                 # One rank holds the whole tensor: skip the (self-)all-gather, which was 57% of a sync.
                 tensor = tensor.to_local() if self.dp_size == 1 else tensor.full_tensor()
-            yield to_hf(name), tensor.detach()
+            yield (lora.peft_name(to_hf(name)) if self.adapted_modules else to_hf(name)), tensor.detach()
+
+    def adapter_config(self) -> dict | None:
+        """PEFT's adapter_config.json of the adapter `get_per_tensor_param` streams; None: full weights."""
+        if not self.adapted_modules:
+            return None
+        return lora.adapter_config_dict(self.config.lora, self.config.model_path, self.adapted_modules)
+
+    @contextmanager
+    def adapters_off(self) -> Iterator[None]:
+        """Compute as the base model (the reference policy of a LoRA engine)."""
+        if not self.adapted_modules:
+            raise RuntimeError("adapters_off: this engine has no LoRA adapters")
+        with lora.adapters_off(self.model):
+            yield
 
     # ---- checkpoints -------------------------------------------------------------------------
 
+    def _state_options(self) -> StateDictOptions:
+        # LoRA: the adapters and their optimizer state; the frozen base is the model folder's.
+        return StateDictOptions(
+            ignore_frozen_params=bool(self.adapted_modules), strict=not self.adapted_modules
+        )
+
     def _state(self) -> dict:
+        options = self._state_options()
         if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            return {"model": get_model_state_dict(self.model, options=options)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_state, "optim": optim_state}
 
     def save_checkpoint(self, path: str, step: int) -> None:
@@ -464,13 +504,22 @@ class FSDPEngine(TrainEngine):
         meta = ckpt.read_meta(folder)
         with_optimizer = optimizer and self.optimizer is not None
         self._onload(optimizer=with_optimizer)
-        state = self._state() if with_optimizer else {"model": get_model_state_dict(self.model)}
+        options = self._state_options()
+        state = (
+            self._state() if with_optimizer else {"model": get_model_state_dict(self.model, options=options)}
+        )
         dcp.load(state, checkpoint_id=str(folder))
         if not with_optimizer:
-            set_state_dict(self.model, (), model_state_dict=state["model"], optim_state_dict={})
+            set_state_dict(
+                self.model, (), model_state_dict=state["model"], optim_state_dict={}, options=options
+            )
         else:
             set_state_dict(
-                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=options,
             )
             extra = torch.load(folder / "trainer_state.pt", weights_only=False)
             if self.scheduler is not None and extra["scheduler"] is not None:
@@ -482,22 +531,36 @@ class FSDPEngine(TrainEngine):
         self._offload_as_configured()
         return int(meta["step"])
 
-    def export_hf(self, path: str) -> None:
-        """Write the full weights as a Hugging Face folder that `from_pretrained` loads (policy only)."""
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        """Write the full weights as a Hugging Face folder that `from_pretrained` loads (policy only);
+        with LoRA, a PEFT adapter folder (and, `merged`, the merged model under `path/merged`)."""
         if self.config.role != "policy":
             raise ValueError("export_hf writes causal LMs; a value model has no HF causal-LM form")
-        from safetensors.torch import save_file
-
         self._onload(optimizer=False)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(self.model, options=options)
         with ckpt.atomic_folder(path, self.dp_rank == 0, dist.barrier) as folder:
             if self.dp_rank == 0:
-                tensors = {PolicyModel.hf_name(k): v.contiguous() for k, v in full.items()}
-                if getattr(self.hf_config, "tie_word_embeddings", False):
-                    tensors.pop("lm_head.weight", None)
-                save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-                self.hf_config.save_pretrained(folder)
-                ckpt.copy_tokenizer_files(self.config.model_path, folder)
-                ckpt.write_meta(folder, {"step": -1, "kind": "hf_export"})
+                state = {PolicyModel.hf_name(k): v for k, v in full.items()}
+                if self.adapted_modules:  # a PEFT adapter folder, and the merged model beside it
+                    adapter = {lora.peft_name(k): v for k, v in state.items() if lora.is_adapter(k)}
+                    lora.write_adapter(folder, adapter, self.adapter_config())
+                    if merged:
+                        (folder / "merged").mkdir()
+                        self._write_hf(folder / "merged", lora.merged_state(state, self.config.lora.scaling))
+                else:
+                    self._write_hf(folder, state)
+                kind = "lora_export" if self.adapted_modules else "hf_export"
+                ckpt.write_meta(folder, {"step": -1, "kind": kind})
         self._offload_as_configured()
+
+    def _write_hf(self, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+        """A Hugging Face folder: the weights (a tied output projection left out), config, tokenizer."""
+        from safetensors.torch import save_file
+
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            tensors.pop("lm_head.weight", None)
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        self.hf_config.save_pretrained(folder)
+        ckpt.copy_tokenizer_files(self.config.model_path, folder)

@@ -87,6 +87,11 @@ class RolloutEngine(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a (partial) stream of HF-named full tensors; call `finish_update` after the last."""
 
+    def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Serve a LoRA adapter (PEFT's adapter_config.json and PEFT-named tensors, fp32) from the next
+        generate on, instead of the previous one; call `finish_update` after it."""
+        raise RolloutEngineError(f"rollout backend {type(self).__name__} cannot serve LoRA adapters")
+
     @abstractmethod
     def finish_update(self) -> int:
         """Mark the end of one whole sync (several update_weights buckets): bumps weight_version."""

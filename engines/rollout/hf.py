@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache
 from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.fused_decode import FusedDecoder
 from engines.rollout.kv_cache import full_attention_only, preallocated_cache
+from engines.rollout.lora_merge import AdapterMerger
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -170,6 +171,7 @@ class HFRolloutEngine(RolloutEngine):
         dtype: str | torch.dtype | None = "auto",
         eos_token_ids: list[int] | None = None,
         pad_token_id: int | None = None,
+        max_lora_rank: int | None = None,  # merged adapters need no bound (load_adapter)
     ) -> None:
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
@@ -184,6 +186,7 @@ class HFRolloutEngine(RolloutEngine):
         self.weight_version = 0
         self._released = False
         self._targets = self._update_targets()
+        self._merger = AdapterMerger()
 
     def _load_model(self, model_path: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation="sdpa")
@@ -349,6 +352,11 @@ class HFRolloutEngine(RolloutEngine):
                 )
             target.data.copy_(tensor)
 
+    def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Merge the adapter into the weights (engines/rollout/lora_merge.py): decoding, fused or not,
+        runs at the base model's speed."""
+        self._merger.merge(self._targets, config, named_tensors)
+
     def finish_update(self) -> int:
         self.weight_version += 1
         return self.weight_version
@@ -382,6 +390,7 @@ class HFRolloutEngine(RolloutEngine):
         """.to() gave the parameters and buffers new tensors: point the weight targets at them and
         fuse the decode step's buffers again (the old ones would keep the device memory alive)."""
         self._targets = self._update_targets()
+        self._merger.to(next(self.model.parameters()).device)
         if self._fused is not None:
             self._fused.fuse()
 

@@ -10,7 +10,9 @@ prefix cache is flushed once per sync, after the last bucket, not after each one
 The translations are pure functions so that they are tested where sglang cannot be installed. The
 formats follow sgl-project/sglang at release SGLANG_VERSION (tests/test_sglang_source.py reads
 that release's files and checks every call below against them): `Engine.generate` / `update_weights_from_tensor` /
-`release_memory_occupation` in python/sglang/srt/entrypoints/engine.py, the output dict built in
+`release_memory_occupation` / `load_lora_adapter_from_tensors` / `unload_lora_adapter` (LoRA: the
+adapter's tensors and PEFT config, no file; generate's `lora_path` names it) in
+python/sglang/srt/entrypoints/engine.py, the output dict built in
 TokenizerManager._handle_batch_output (python/sglang/srt/managers/tokenizer_manager.py: with
 `skip_tokenizer_init` it is {"output_ids", "meta_info"}; meta_info["output_token_logprobs"] is a
 list of (logprob, token_id, text-or-None)), finish reasons from the FINISH_* classes' to_json in
@@ -148,7 +150,8 @@ def check_sglang_result(result: Any, action: str) -> None:
     if isinstance(result, tuple) and len(result) >= 1 and isinstance(result[0], bool):
         success, message = result[0], result[1] if len(result) > 1 else ""
     elif hasattr(result, "success"):
-        success, message = bool(result.success), getattr(result, "message", "")
+        success = bool(result.success)
+        message = getattr(result, "message", None) or getattr(result, "error_message", "")
     else:
         return  # calls that answer None or a plain value succeeded if they did not raise
     if not success:
@@ -174,6 +177,7 @@ class SGLangRolloutEngine(RolloutEngine):
         seed: int = 0,
         deterministic: bool = True,
         eos_token_ids: list[int] | None = None,
+        max_lora_rank: int | None = None,
         **server_args: Any,
     ) -> None:
         if not device.startswith("cuda"):
@@ -194,6 +198,14 @@ class SGLangRolloutEngine(RolloutEngine):
         self.device = torch.device("cuda", base_gpu_id)
         self.weight_version = 0
         self._released = False
+        self._lora_name: str | None = None  # the adapter served (load_adapter), by its sglang name
+        if max_lora_rank is not None:  # the job trains LoRA: sglang serves its adapter
+            server_args = {
+                **server_args,
+                "enable_lora": True,
+                "max_lora_rank": max_lora_rank,
+                "lora_target_modules": ["all"],  # the adapter's own config says which
+            }
         self._engine = Engine(
             model_path=model_path,
             dtype=dtype,
@@ -219,6 +231,7 @@ class SGLangRolloutEngine(RolloutEngine):
             input_ids=rows,
             sampling_params=sampling_params_per_row(params, len(rows), self.eos_token_ids),
             return_logprob=True,
+            lora_path=None if self._lora_name is None else [self._lora_name] * len(rows),
         )
         return [
             completion_from_sglang(output, prompt_index=i // params.n, weight_version=self.weight_version)
@@ -233,6 +246,17 @@ class SGLangRolloutEngine(RolloutEngine):
                 named_tensors=bucket, load_format=None, flush_cache=False
             )
             check_sglang_result(result, f"update_weights_from_tensor ({len(bucket)} tensors)")
+
+    def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """sglang's `load_lora_adapter_from_tensors` (no file); the previous adapter is unloaded first
+        and each version gets its own name, so no request can run on a half-replaced adapter."""
+        if self._lora_name is not None:
+            check_sglang_result(self._engine.unload_lora_adapter(self._lora_name), "unload_lora_adapter")
+        name = f"tandem-v{self.weight_version + 1}"
+        tensors = {n: t.detach().to(self.device) for n, t in named_tensors}
+        result = self._engine.load_lora_adapter_from_tensors(name, tensors, config)
+        check_sglang_result(result, f"load_lora_adapter_from_tensors ({len(tensors)} tensors)")
+        self._lora_name = name
 
     def finish_update(self) -> int:
         # Cached prefixes hold keys/values of the old weights.

@@ -48,6 +48,7 @@ import torch
 
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.probes import probe_vllm
+from engines.rollout.vllm_lora import AdapterFolder
 
 TRANSFER_BACKEND = "tandem-inproc"
 
@@ -147,6 +148,7 @@ class VLLMRolloutEngine(RolloutEngine):
         kv_cache_gib: int = 1,
         seed: int = 0,
         eos_token_ids: list[int] | None = None,
+        max_lora_rank: int | None = None,
         **llm_args: Any,
     ) -> None:
         problem = probe_vllm()
@@ -162,6 +164,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._released = False
         self._asleep = False
         self._updating = False
+        self._adapter: AdapterFolder | None = None
+        if max_lora_rank is not None:  # the job trains LoRA: vLLM serves its adapter (load_adapter)
+            llm_args = {**llm_args, "enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
         self._llm = self._start(str(model_path), max_model_len, kv_cache_gib, seed, llm_args)
 
     def _start(
@@ -221,7 +226,10 @@ class VLLMRolloutEngine(RolloutEngine):
         ]
         try:
             outputs = self._llm.generate(
-                [{"prompt_token_ids": row} for row in rows], sampling, use_tqdm=False
+                [{"prompt_token_ids": row} for row in rows],
+                sampling,
+                use_tqdm=False,
+                lora_request=self._adapter.request if self._adapter is not None else None,
             )
         except Exception as exc:
             raise RolloutEngineError(f"vllm generate failed: {type(exc).__name__}: {exc}") from exc
@@ -249,6 +257,24 @@ class VLLMRolloutEngine(RolloutEngine):
             raise RolloutEngineError(
                 f"vllm could not load a weight bucket of {len(bucket)} tensors (HF names such as "
                 f"'{bucket[0][0]}'); the rollout model is now part old, part new: sync it again: {exc}"
+            ) from exc
+
+    def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's LoRA support reads an adapter from a folder; the folder is in RAM (/dev/shm) and the
+        adapter replaces the previous one in place (engines/rollout/vllm_lora.py)."""
+        if self._adapter is None:
+            self._adapter = AdapterFolder()
+        try:
+            self._adapter.write(config, named_tensors)
+            engine = self._llm.llm_engine
+            if (
+                not engine.add_lora(self._adapter.request)
+                or self._adapter.request.lora_int_id not in engine.list_loras()
+            ):
+                raise RuntimeError("vLLM did not register the adapter")
+        except Exception as exc:
+            raise RolloutEngineError(
+                f"vllm could not load the LoRA adapter: {type(exc).__name__}: {exc}"
             ) from exc
 
     def finish_update(self) -> int:
@@ -285,5 +311,7 @@ class VLLMRolloutEngine(RolloutEngine):
     def shutdown(self) -> None:
         """Stop the engine core (in this process) and free its memory."""
         llm, self._llm = self._llm, None
+        if self._adapter is not None:
+            self._adapter.remove()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

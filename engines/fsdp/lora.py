@@ -1,0 +1,142 @@
+"""LoRA on the FSDP engine: PEFT's LoRA layers injected into the Hugging Face model, the base frozen.
+
+`attach` puts PEFT's `lora.Linear` around each target layer in place (`peft.inject_adapter_in_model`,
+no PeftModel wrapper, so the engine's PolicyModel, the decoder layers that FSDP shards and the
+packed attention stay as they are) and freezes everything else: the optimizer then holds only the
+adapters, and FSDP2 reduces gradients for them alone. `adapters_off` runs the same model as its
+base (the reference policy without a second model). Names cross the engine boundary in PEFT's saved
+format (`base_model.model.<module>.lora_A.weight`), the one that `PeftModel.from_pretrained`, vLLM
+and the rollout engines read, with the PEFT `adapter_config.json` as the adapter's config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engines.config import ALL_LINEAR, LoraConfig
+from engines.lora_targets import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, adapter_file, base_module
+
+ADAPTER_NAME = "default"  # PEFT's name for a model's single adapter
+
+
+def peft_config(cfg: LoraConfig, base_model_path: str | None = None):  # -> peft.LoraConfig
+    from peft import LoraConfig as PeftLoraConfig
+
+    targets = ALL_LINEAR if cfg.target_modules == ALL_LINEAR else list(cfg.target_modules)
+    return PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_path,
+    )
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def attach(lm: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Inject LoRA layers into `lm` in place and freeze the base; returns the adapted module paths."""
+    from peft import inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    inject_adapter_in_model(peft_config(cfg), lm, adapter_name=ADAPTER_NAME)
+    for name, param in lm.named_parameters():
+        param.requires_grad_(is_adapter(name))
+    return sorted(name for name, m in lm.named_modules() if isinstance(m, LoraLayer))
+
+
+def load_adapter_weights(lm: nn.Module, init_from: str) -> int:
+    """Copy a PEFT adapter's tensors (folder or bare safetensors) into the injected layers; returns
+    how many. Shapes were checked at submission; a mismatch here is still an error, never a skip."""
+    from safetensors.torch import load_file
+
+    params = dict(lm.named_parameters())
+    loaded = 0
+    for name, tensor in load_file(str(adapter_file(Path(init_from)))).items():
+        parsed = base_module(name)
+        if parsed is None:
+            continue
+        module, part = parsed
+        target = params.get(f"{module}.lora_{part}.{ADAPTER_NAME}.weight")
+        if target is None or target.shape != tensor.shape:
+            raise ValueError(
+                f"model.lora.init_from: '{name}' {list(tensor.shape)} has no matching adapter in this model "
+                f"({'no such layer' if target is None else list(target.shape)})"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        loaded += 1
+    return loaded
+
+
+def peft_name(engine_name: str) -> str:
+    """'model.layers.0.q_proj.lora_A.default.weight' -> 'base_model.model.model.layers.0.q_proj.lora_A.weight'."""
+    return PEFT_PREFIX + engine_name.replace(f".{ADAPTER_NAME}.", ".")
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Run `model` as its base: every LoRA layer passes through (PEFT's disable flag)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+            # enable_adapters marks the active adapter trainable again; the base stays frozen.
+
+
+def adapter_config_dict(cfg: LoraConfig, base_model_path: str, modules: list[str]) -> dict:
+    """PEFT's adapter_config.json for this adapter, with the resolved target module names (vLLM
+    needs explicit names, not 'all-linear')."""
+    config = peft_config(cfg, base_model_path).to_dict()
+    config["target_modules"] = sorted({m.rsplit(".", 1)[-1] for m in modules})
+    for key, value in list(config.items()):
+        if isinstance(value, set):
+            config[key] = sorted(value)
+    return config
+
+
+def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """An adapter folder in PEFT's format: adapter_config.json and adapter_model.safetensors."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        str(folder / ADAPTER_FILE),
+        metadata={"format": "pt"},
+    )
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, default=str))
+
+
+def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """An injected model's full state dict (HF names, with `.base_layer.` and LoRA entries) as the
+    plain model's: every adapted layer's weight is W + scaling * B @ A."""
+    out: dict[str, torch.Tensor] = {}
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        parsed = base_module(name)
+        if parsed is not None:
+            pairs.setdefault(parsed[0], {})[parsed[1]] = tensor
+        else:
+            out[name.replace(".base_layer.", ".")] = tensor
+    for module, ab in pairs.items():
+        key = f"{module}.weight"
+        delta = scaling * (ab["B"].double() @ ab["A"].double())
+        out[key] = (out[key].double() + delta).to(out[key].dtype)
+    return out

@@ -1,0 +1,72 @@
+"""LoRA adapters merged into a rollout model's own weights: W = W0 + (alpha / r) * B @ A.
+
+The hf rollout engine serves an adapter by merging it into its weight tensors in place, so its
+decode path (transformers' forward or the fused decode step of engines/rollout/fused_decode.py,
+whose q/k/v and gate/up weights are views of the fused buffers) runs unchanged at the base model's
+speed. `AdapterMerger` keeps a copy of the base weight of every adapted layer, taken the first time
+an adapter touches it, and recomputes each merge from that copy in fp32: merging onto the previous
+merge would accumulate rounding over thousands of syncs (in bf16, within a few). The price is one
+extra copy of the adapted layers' weights; the alternative measured, adapters applied in the
+forward, keeps no copy but slows every decode step (docs/ARCHITECTURE.md, "LoRA").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from engines.lora_targets import base_module
+
+
+def adapter_pairs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+    """{'model.layers.0.self_attn.q_proj': {'A': ..., 'B': ...}} from PEFT-named tensors."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named_tensors:
+        parsed = base_module(name)
+        if parsed is None:
+            raise KeyError(
+                f"'{name}' is not a LoRA tensor (expected PEFT names ending in lora_A/lora_B.weight)"
+            )
+        pairs.setdefault(parsed[0], {})[parsed[1]] = tensor
+    missing = [m for m, ab in pairs.items() if set(ab) != {"A", "B"}]
+    if missing:
+        raise ValueError(f"adapter layer '{missing[0]}' has only one of lora_A / lora_B")
+    return pairs
+
+
+def scaling_of(config: dict) -> float:
+    """alpha / r from a PEFT adapter_config.json (rsLoRA: alpha / sqrt(r))."""
+    rank = config["r"]
+    return config["lora_alpha"] / (rank**0.5 if config.get("use_rslora") else rank)
+
+
+class AdapterMerger:
+    """Merges successive adapters into `weights` (HF name -> live tensor), each onto the base."""
+
+    def __init__(self) -> None:
+        self.base: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def merge(self, weights: dict[str, torch.Tensor], config: dict, named_tensors: Iterable) -> int:
+        """Write base + scaling * B @ A into every adapted layer's weight; returns the layers merged."""
+        scaling = scaling_of(config)
+        pairs = adapter_pairs(named_tensors)
+        for module, ab in pairs.items():
+            key = f"{module}.weight"
+            target = weights.get(key)
+            if target is None:
+                raise KeyError(f"the adapter adapts '{module}', which the rollout model does not have")
+            a, b = ab["A"].to(target.device, torch.float32), ab["B"].to(target.device, torch.float32)
+            if (b.shape[0], a.shape[1]) != tuple(target.shape):
+                raise ValueError(
+                    f"adapter layer '{module}' is [{b.shape[0]}, {a.shape[1]}] but the rollout model's "
+                    f"weight is {list(target.shape)}"
+                )
+            base = self.base.setdefault(key, target.detach().clone())
+            target.copy_(torch.addmm(base.float(), b, a, alpha=scaling))
+        return len(pairs)
+
+    def to(self, device: torch.device | str) -> None:
+        """Follow the weights when the engine moves them (release / resume memory on CUDA)."""
+        self.base = {k: v.to(device) for k, v in self.base.items()}
