@@ -14,6 +14,7 @@ protocol below; every call on it is made by the scheduler or the service, throug
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +58,10 @@ class Runner(Protocol):
 
     def checkpoint_now(self) -> None: ...
 
+    def worker_pids(self) -> dict[str, list[int]]:
+        """The processes of the record's workers by group, in rank order."""
+        ...
+
 
 def resume_step(workload: Workload, workdir: str | Path) -> int:
     """The step a record starts from: its latest committed checkpoint, 0 without one."""
@@ -96,6 +101,14 @@ class WorkloadActor:
 
     def checkpoint_now(self) -> None:
         self.runner.checkpoint_now()
+
+    def pid(self) -> int:
+        """This actor's process: the record's controller (a test kills it to check recovery)."""
+        return os.getpid()
+
+    def worker_pids(self) -> dict[str, list[int]]:
+        """The processes of the record's workers by group, rank order (operators and recovery tests)."""
+        return self.runner.worker_pids()
 
 
 class RLJobWorkload:
