@@ -17,10 +17,9 @@ with every error on record. The trainer drives this (`Trainer.run`); this module
   metric rows of the steps after the checkpoint are replaced (`JobSink.rewind`), one row per step.
 
 The scope of a restart is the whole job: with colocated roles every process holds a training rank,
-so a lost process takes the job's training state with it. A per-role recovery (a split placement's
-rollout worker replaced while the training ranks keep their processes) would handle the loss of a
-rollout group (`WorkerLost.group`) in `Trainer._run_attempt` before its teardown, and fall back to
-this one otherwise (docs/ARCHITECTURE.md §6.1).
+so a lost process takes the job's training state with it. A split placement's rollout worker lost
+alone is replaced without a restart (controller/rollout_recovery.py), within the same budget
+(`Recovery.begin_replacement`); anything else falls back to this one (docs/ARCHITECTURE.md §6.1).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ remote call visible; `sft_step()` is its supervised sibling.
 
 A worker that dies (process gone, node lost, a call timed out) does not end the job: `run()` tears the
 workers down, starts them again and resumes from the last checkpoint, up to trainer.max_restarts
-times (controller/recovery.py); an error of the job's own fails it at once.
+times (controller/recovery.py); a split placement's rollout worker is replaced alone inside the step
+(controller/rollout_recovery.py); an error of the job's own fails it at once.
 
 Control comes in through `control`: the service (or a test) can ask the loop to stop at the next
 step boundary ("pause" saves a checkpoint first) and queue hyper-parameter changes that apply at
@@ -137,10 +138,9 @@ class Trainer:
                 self.job.shutdown()
 
     def _recover(self, lost: WorkerLost) -> None:
-        """Restart the whole job from its last checkpoint: every role shares the lost process's fate in
-        the colocated placement. (A per-role recovery, replacing one group and keeping the others,
-        handles `lost.group` in `_run_attempt` before its teardown: docs/ARCHITECTURE.md §6.1.)
-        Raises RestartsExhausted past the budget, StopRequested when a pause or cancel arrives."""
+        """Restart the whole job from its last checkpoint (a split placement's lost rollout worker was
+        replaced alone before this, `_replace_rollout`). Raises RestartsExhausted past the budget,
+        StopRequested when a pause or cancel arrives."""
         folder = checkpoints.find_resume_folder(self.spec, self.workdir)
         resume = checkpoints.step_of(folder) if folder is not None else 0
         self.recovery.begin(lost, self.sink, self.step_index, resume, folder)
