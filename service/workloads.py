@@ -14,6 +14,7 @@ protocol below; every call on it is made by the scheduler or the service, throug
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -96,6 +97,15 @@ class WorkloadActor:
 
     def checkpoint_now(self) -> None:
         self.runner.checkpoint_now()
+
+    def pid(self) -> int:
+        """This actor's process (a test kills it to lose the record's controller)."""
+        return os.getpid()
+
+    def worker_pids(self) -> dict[str, list[int]]:
+        """The runner's worker processes by role ({} for a runner without any, or before they start)."""
+        pids = getattr(self.runner, "worker_pids", None)
+        return pids() if pids is not None else {}
 
 
 class RLJobWorkload:
