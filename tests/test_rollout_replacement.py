@@ -6,7 +6,9 @@ rollout worker is started and sent the current weights, and step 2 generates its
 training rank keeps its process (same pid before and after), the job succeeds, the replacement is a
 `rollout_replaced` event and `job/rollout_replacements`, no whole-job restart happens, and every
 step's metrics and samples equal those of the same job run without the kill (sampled, seeded: the
-retried step drew the same prompts and the same seeds).
+retried step drew the same prompts and the same seeds). The default transfer strategy (collective)
+runs in `make test`, the object store in the slow suite. A replacement counts against
+trainer.max_restarts but is not a restart; one that failed is taken back (the restart counts it).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import signal
 
 import pytest
 
-from controller.recovery import worker_pids
+from controller.recovery import Recovery, RestartsExhausted, WorkerLost, worker_pids
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
+from controller.spec import JobSpec, TrainerSpec
 from controller.trainer import Trainer
 from tests.test_placement import read_samples
 from tests.test_trainer import job_spec
@@ -27,9 +29,10 @@ NOT_COMPARED = ("timing_s/", "perf/", "weight_sync/", "job/")
 SPLIT = {"placement": "split", "workers": 1, "cpus_per_worker": 1, "rollout": {"workers": 1}}
 
 
-def split_spec() -> JobSpec:
+def split_spec(transfer: str) -> JobSpec:
     return job_spec(
-        rollout={"n": 4, "max_new_tokens": 4},  # sampled (temperature 1) with the step's seeds
+        # sampled (temperature 1) with the step's seeds
+        rollout={"n": 4, "max_new_tokens": 4, "weight_transfer": transfer},
         trainer={"total_steps": 3, "val_every": 0, "samples_per_step": 16, "restart_backoff_s": 0},
         checkpoint={"every": 0, "export_hf": False},
         resources=SPLIT,
@@ -60,9 +63,12 @@ def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
 
 
-def test_a_killed_rollout_worker_is_replaced_while_the_training_rank_keeps_its_process(ray_cluster, tmp_path):
+@pytest.mark.parametrize("transfer", ["collective", pytest.param("object_store", marks=pytest.mark.slow)])
+def test_a_killed_rollout_worker_is_replaced_while_the_training_rank_keeps_its_process(
+    ray_cluster, tmp_path, transfer
+):
     sink = KillRollout(tmp_path / "killed", step=1)
-    trainer = Trainer(split_spec(), tmp_path / "killed", sink, name="rollkill")
+    trainer = Trainer(split_spec(transfer), tmp_path / "killed", sink, name="rollkill")
     sink.trainer = trainer
     trainer.run()
 
@@ -84,7 +90,7 @@ def test_a_killed_rollout_worker_is_replaced_while_the_training_rank_keeps_its_p
 
     # The same job without the kill: the retried step drew the same prompts and seeds.
     plain = JsonlSink(tmp_path / "plain")
-    Trainer(split_spec(), tmp_path / "plain", plain, name="rollplain").run()
+    Trainer(split_spec(transfer), tmp_path / "plain", plain, name="rollplain").run()
     for a, b in zip(plain.history, history, strict=True):
         keys = {k for k in a["values"] if not k.startswith(NOT_COMPARED)}
         assert keys == {k for k in b["values"] if not k.startswith(NOT_COMPARED)}
@@ -93,3 +99,26 @@ def test_a_killed_rollout_worker_is_replaced_while_the_training_rank_keeps_its_p
     samples_a, samples_b = read_samples(plain), read_samples(sink)
     assert len(samples_a) == len(samples_b) == 3 * 16
     assert [s["tokens"] for s in samples_a] == [s["tokens"] for s in samples_b]
+
+
+def test_a_replacement_counts_against_the_restart_budget_but_is_not_a_restart(tmp_path):
+    recovery = Recovery(TrainerSpec(max_restarts=1))
+    lost = WorkerLost("died", "rollout gone", "job-rollout", 0)
+    recovery.begin_replacement(lost)
+    assert recovery.status["message"] == "replacing a rollout worker (1/1): worker rank 0 died"
+    assert recovery.status["phase"] == "replacing rollout worker"
+    sink = JsonlSink(tmp_path)
+    recovery.replaced_rollout(lost, sink, 2, pids=[123])
+    assert recovery.status is None and (recovery.replaced, recovery.restarts, recovery.attempt) == (1, 0, 1)
+    (event,) = sink.events
+    assert event["kind"] == "rollout_replaced" and event["data"]["pids"] == [123]
+    with pytest.raises(RestartsExhausted, match=r"lost a worker 2 time\(s\).*\[attempt 2\] again"):
+        recovery.begin_replacement(WorkerLost("died", "again", "job-rollout", 0))
+
+    # A replacement that failed is taken back: the whole-job restart after it counts the loss once.
+    recovery = Recovery(TrainerSpec(max_restarts=1))
+    recovery.begin_replacement(lost)
+    recovery.replacement_failed()
+    assert (recovery.used, recovery.replaced, recovery.status) == (0, 0, None)
+    recovery.begin(lost, sink, 2, 0, None)
+    assert recovery.status["message"] == "restarting (1/1): worker rank 0 died" and recovery.attempt == 2
