@@ -154,6 +154,15 @@ class ActorGroup(CheckpointedGroup):
         """One response per row, sampled with the batch's SamplingParams (rollout mesh)."""
         return self.rollout.generate_sequences(prompts)
 
+    def set_rollout(self, rollout: RayWorkerGroup) -> None:
+        """A replacement rollout group of its own (placement 'split'; controller/roles.py)."""
+        self.rollout, self._own_rollout = RolloutGroup(rollout), True
+
+    @property
+    def own_rollout(self) -> RayWorkerGroup | None:
+        """The rollout group placed apart (placement 'split'), or None when the workers are hybrid."""
+        return self.rollout.group if self._own_rollout else None
+
     def start_sync_weights(self) -> Callable[[], dict[str, float]]:
         """`sync_weights` started without waiting; call the result to wait for its measurements."""
         return self.start(ActorGroup.sync_weights)

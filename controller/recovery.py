@@ -17,10 +17,9 @@ with every error on record. The trainer drives this (`Trainer.run`); this module
   metric rows of the steps after the checkpoint are replaced (`JobSink.rewind`), one row per step.
 
 The scope of a restart is the whole job: with colocated roles every process holds a training rank,
-so a lost process takes the job's training state with it. A per-role recovery (a split placement's
-rollout worker replaced while the training ranks keep their processes) would handle the loss of a
-rollout group (`WorkerLost.group`) in `Trainer._run_attempt` before its teardown, and fall back to
-this one otherwise (docs/ARCHITECTURE.md §6.1).
+so a lost process takes the job's training state with it. A split placement's rollout worker lost
+alone is replaced without a restart (controller/rollout_recovery.py), within the same budget
+(`Recovery.begin_replacement`); anything else falls back to this one (docs/ARCHITECTURE.md §6.1).
 """
 
 from __future__ import annotations
@@ -132,12 +131,17 @@ def worker_lost(err: BaseException, groups: JobGroups | None) -> WorkerLost | No
 
 
 def worker_groups(groups: JobGroups) -> dict[str, RayWorkerGroup]:
-    """Every worker group of the job by role: the JobGroups fields that hold a role's group."""
-    return {
+    """Every worker group of the job by role: the JobGroups fields that hold a role's group, and
+    "rollout" for a split placement's rollout group (the actor's, placed apart)."""
+    found = {
         f.name: value.group
         for f in dataclasses.fields(groups)
         if isinstance(value := getattr(groups, f.name), RoleGroup)
     }
+    rollout = groups.actor.own_rollout
+    if rollout is not None:
+        found["rollout"] = rollout
+    return found
 
 
 def find_dead(groups: JobGroups, timeout_s: float = PING_TIMEOUT_S) -> list[tuple[str, int, str]]:
@@ -177,11 +181,18 @@ class Recovery:
             spec.restart_wait_s,
         )
         self.earlier = earlier
-        self.losses: list[WorkerLost] = []
+        self.losses: list[WorkerLost] = []  # every loss of this run, restarts and replacements, in order
+        self.replaced = 0  # of them, rollout workers replaced alone (controller/rollout_recovery.py)
         self.status: dict[str, Any] | None = None  # set from a loss until the job resumed
 
     @property
     def restarts(self) -> int:
+        """Restarts of the whole job (`job/restarts`); a rollout worker replaced alone is not one."""
+        return self.earlier + len(self.losses) - self.replaced
+
+    @property
+    def used(self) -> int:
+        """Losses counted against trainer.max_restarts: restarts and rollout replacements."""
         return self.earlier + len(self.losses)
 
     @property
@@ -194,18 +205,14 @@ class Recovery:
     ) -> None:
         """Record the loss (at `step`, the step being run); raise RestartsExhausted when the budget is
         spent, else announce the restart (its event marks the charts at `step`)."""
-        self.losses.append(lost)
-        n, most = self.restarts, self.max_restarts
-        if n > most:
-            self.status = None
-            raise RestartsExhausted(self.losses, most, self.earlier) from lost
+        n, most = self._count(lost)
         message = f"restarting ({n}/{most}): {lost.summary}"
         self.status = {
             "message": message,
             "phase": "backing off",
             "restart": n,
             "max_restarts": most,
-            "attempt": n + 1,
+            "attempt": self.attempt,
             "cause": lost.summary,
             "resume_step": resume_step,
             "since": time.time(),
@@ -217,12 +224,59 @@ class Recovery:
             **lost.record(),
             restart=n,
             max_restarts=most,
-            attempt=n + 1,
+            attempt=self.attempt,
             step=step,
             resume_step=resume_step,
             checkpoint=str(checkpoint) if checkpoint is not None else None,
         )
         log.warning("%s (%s)", message, lost.error)
+
+    def begin_replacement(self, lost: WorkerLost) -> None:
+        """A split placement's rollout worker is being replaced alone: counted against the same
+        budget (RestartsExhausted past it); the status says so until `replaced`."""
+        n, most = self._count(lost)
+        self.replaced += 1
+        self.status = {
+            "message": f"replacing a rollout worker ({n}/{most}): {lost.summary}",
+            "phase": "replacing rollout worker",
+            "restart": n,
+            "max_restarts": most,
+            "attempt": self.attempt,
+            "cause": lost.summary,
+            "since": time.time(),
+        }
+
+    def replaced_rollout(self, lost: WorkerLost, sink: JobSink, step: int, **data: Any) -> None:
+        """The replacement is up with the current weights: a `rollout_replaced` event, status cleared."""
+        n, most = self.used, self.max_restarts
+        message = f"replaced a rollout worker ({n}/{most}): {lost.summary}; the training ranks kept running"
+        sink.event(
+            "rollout_replaced",
+            f"{message}: {lost.error}",
+            **lost.record(),
+            replacement=self.replaced,
+            restart=n,
+            max_restarts=most,
+            step=step,
+            **data,
+        )
+        log.warning("%s (%s)", message, lost.error)
+        self.status = None
+
+    def replacement_failed(self) -> None:
+        """The replacement did not come up: its loss is taken back (the restart after it counts it)."""
+        self.losses.pop()
+        self.replaced -= 1
+        self.status = None
+
+    def _count(self, lost: WorkerLost) -> tuple[int, int]:
+        """Record a loss; (losses counted, max_restarts), or RestartsExhausted past the budget."""
+        self.losses.append(lost)
+        n, most = self.used, self.max_restarts
+        if n > most:
+            self.status = None
+            raise RestartsExhausted(self.losses, most, self.earlier) from lost
+        return n, most
 
     def wait(self, resources: ResourcesSpec, name: str, should_stop: Callable[[], str | None]) -> None:
         """The backoff, then until the cluster can place the job's workers again (bounded); both end

@@ -14,7 +14,7 @@ sections that inherit its fields, and the trainer talks to each group through it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
 from controller.resource_pool import ResourcePool, cpus_per_worker
@@ -73,6 +73,7 @@ class JobGroups:
     critic: CriticGroup | None
     reward: RewardGroup | None = None
     rollout_pool: ResourcePool | None = None  # placement 'split': the rollout workers' own pool
+    rollout_plan: RolloutPlan | None = field(default=None, repr=False)  # placement 'split': to replace it
 
     def save_checkpoint(self, folder: str, step: int) -> None:
         """Every training role writes its engine state under `folder` (actor/, critic/)."""
@@ -90,6 +91,21 @@ class JobGroups:
         self.actor.set_learning_rate(spec.optim.lr)
         if self.critic is not None:
             self.critic.set_learning_rate(spec.algorithm.critic_lr)
+
+    def replace_rollout(self, start_timeout_s: float) -> None:
+        """Placement 'split': a new rollout group on the rollout pool in place of the old one (killed,
+        one of its workers having died), and the training rank 0 connected to it anew. The training
+        ranks keep their processes; the new workers hold the base weights until the next sync."""
+        if self.rollout_pool is None or self.rollout_plan is None:
+            raise RuntimeError("only a split placement's rollout group can be replaced on its own")
+        self.actor.rollout.shutdown()  # the survivors too: the new group is formed whole
+        rollout = start_rollout(self.rollout_pool, self.rollout_plan, start_timeout_s)
+        try:
+            link_rollout(self.actor.group, rollout, self.rollout_plan)
+        except Exception:
+            rollout.shutdown()
+            raise
+        self.actor.set_rollout(rollout)
 
     def shutdown(self) -> None:
         for group in (self.reward, self.critic, self.actor):
@@ -110,7 +126,7 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
             pool, worker_cls, config, group_name=f"{name}-{role}", share=share, call_timeout_s=call_timeout_s
         )
 
-    rollout_pool = None
+    rollout_pool = plan = None
     try:
         if spec.resources.rollout_workers is None:
             actor = ActorGroup(start(ActorRolloutRefWorker, hybrid_config(spec, model_path), "actor"))
@@ -119,20 +135,16 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
                 raise ValueError("resources.placement 'split' does not take model.lora yet")
             config = hybrid_config(spec, model_path)
             rollout_pool = rollout_pool_of(spec.resources.rollout_workers, spec, name)
-            rollout = RayWorkerGroup(
-                rollout_pool,
-                RolloutWorker,
+            plan = RolloutPlan(
                 RolloutWorkerConfig(model_path=model_path, rollout=config.rollout),
-                group_name=f"{name}-rollout",
-                call_timeout_s=call_timeout_s,
+                f"{name}-rollout",
+                spec.rollout.weight_transfer,
+                call_timeout_s,
             )
+            rollout = start_rollout(rollout_pool, plan)
             training = start(ActorRefWorker, config, "actor")
             actor = ActorGroup(training, rollout)
-            timeout_s = min(call_timeout_s, TRANSFER_TIMEOUT_S)
-            strategy = spec.rollout.weight_transfer
-            training.connect_rollout(
-                RolloutLink(rollout.actors, rollout.role, rollout.name, strategy, timeout_s)
-            )
+            link_rollout(training, rollout, plan)
         critic = None
         if needs_critic(spec):
             critic_config = engine_config(
@@ -149,7 +161,38 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
         if rollout_pool is not None:
             rollout_pool.remove()
         raise
-    return JobGroups(pool, actor, critic, reward, rollout_pool)
+    return JobGroups(pool, actor, critic, reward, rollout_pool, plan)
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """How a split placement's rollout group is started and linked: kept to start a replacement."""
+
+    config: RolloutWorkerConfig
+    name: str  # the group's name (errors and events name it)
+    strategy: str  # rollout.weight_transfer
+    call_timeout_s: float
+
+
+def start_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> RayWorkerGroup:
+    """The rollout workers of a split placement, on their own pool."""
+    return RayWorkerGroup(
+        pool,
+        RolloutWorker,
+        plan.config,
+        group_name=plan.name,
+        call_timeout_s=plan.call_timeout_s,
+        start_timeout_s=start_timeout_s,
+    )
+
+
+def link_rollout(training: RayWorkerGroup, rollout: RayWorkerGroup, plan: RolloutPlan) -> None:
+    """Connect the training rank 0 to `rollout` with the plan's strategy (a collective group is formed
+    with its workers; an earlier one is closed first, workers/actor_role.py)."""
+    timeout_s = min(plan.call_timeout_s, TRANSFER_TIMEOUT_S)
+    training.connect_rollout(
+        RolloutLink(rollout.actors, rollout.role, rollout.name, plan.strategy, timeout_s)
+    )
 
 
 def rollout_pool_of(ro: RolloutResourcesSpec, spec: JobSpec, name: str) -> ResourcePool:

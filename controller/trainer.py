@@ -7,7 +7,8 @@ remote call visible; `sft_step()` is its supervised sibling.
 
 A worker that dies (process gone, node lost, a call timed out) does not end the job: `run()` tears the
 workers down, starts them again and resumes from the last checkpoint, up to trainer.max_restarts
-times (controller/recovery.py); an error of the job's own fails it at once.
+times (controller/recovery.py); a split placement's rollout worker is replaced alone inside the step
+(controller/rollout_recovery.py); an error of the job's own fails it at once.
 
 Control comes in through `control`: the service (or a test) can ask the loop to stop at the next
 step boundary ("pause" saves a checkpoint first) and queue hyper-parameter changes that apply at
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from controller.kl_reward import make_kl_controller
 from controller.overlong import apply_overlong
 from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
 from controller.resource_pool import ResourcePoolError
+from controller.rollout_recovery import replace_lost_rollout
 from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched, score
@@ -114,6 +117,7 @@ class Trainer:
                 ):
                     last.update(self.validate())
                 last["job/restarts"] = float(self.recovery.restarts)
+                last["job/rollout_replacements"] = float(self.recovery.replaced)
                 self.sink.metrics(self.step_index, last)
                 self.completed_steps = self.step_index
                 self.sink.progress(self.step_index, total, _headline(last))
@@ -134,10 +138,9 @@ class Trainer:
                 self.job.shutdown()
 
     def _recover(self, lost: WorkerLost) -> None:
-        """Restart the whole job from its last checkpoint: every role shares the lost process's fate in
-        the colocated placement. (A per-role recovery, replacing one group and keeping the others,
-        handles `lost.group` in `_run_attempt` before its teardown: docs/ARCHITECTURE.md §6.1.)
-        Raises RestartsExhausted past the budget, StopRequested when a pause or cancel arrives."""
+        """Restart the whole job from its last checkpoint (a split placement's lost rollout worker was
+        replaced alone before this, `_replace_rollout`). Raises RestartsExhausted past the budget,
+        StopRequested when a pause or cancel arrives."""
         folder = checkpoints.find_resume_folder(self.spec, self.workdir)
         resume = checkpoints.step_of(folder) if folder is not None else 0
         self.recovery.begin(lost, self.sink, self.step_index, resume, folder)
@@ -187,7 +190,7 @@ class Trainer:
             # The step's own records are written while the ranks load the new weights.
             self._record_step(metrics, adv_metrics, batch, scores)
             with self._timed("sync"):
-                metrics.update(sync_done())
+                metrics.update(self._synced(sync_done))
         return self._finish_metrics(metrics, batch)
 
     def _record_step(
@@ -214,7 +217,7 @@ class Trainer:
             with self._timed("update_actor"):
                 metrics = actor.update_sft(batch, self.spec.algorithm.loss_agg_mode, self._schedule())
             with self._timed("sync"):
-                metrics.update(actor.sync_weights())
+                metrics.update(self._synced(actor.sync_weights))
         return self._finish_metrics(metrics, batch)
 
     def validate(self) -> dict[str, float]:
@@ -222,7 +225,7 @@ class Trainer:
         if self.job.val_batch is None:
             return {}
         with self._timed("validate"):
-            batch = self.job.groups.actor.generate_sequences(self.job.val_batch)
+            batch = self._generate(self.job.val_batch)
             batch, scores, metrics = self._rewards(batch)
         out = {f"val/{k}": v for k, v in metrics.items()}
         out.update(
@@ -246,13 +249,37 @@ class Trainer:
         """Generate for the next prompts of the loader, score, and apply the over-long options."""
         prompts = self.job.next_prompts(self.step_index, round_index)
         with self._timed("gen"):
-            batch = self.job.groups.actor.generate_sequences(prompts)
+            batch = self._generate(prompts)
         with self._timed("reward"):
             batch, scores, metrics = self._rewards(batch)
         batch, scores, overlong = apply_overlong(
             batch, scores, self.spec.algorithm.overlong, self.spec.rollout.response_budget
         )
         return batch, scores, {**metrics, **overlong}
+
+    def _generate(self, prompts: Any) -> Any:
+        """The rollout role's responses. A split placement's rollout worker lost on the way is replaced
+        (the training ranks keep running) and the same prompts are generated again: the loader does
+        not move, the sampling seeds are the step's (controller/rollout_recovery.py)."""
+        try:
+            return self.job.groups.actor.generate_sequences(prompts)
+        except Exception as err:
+            self._replace_rollout(err)
+        return self.job.groups.actor.generate_sequences(prompts)
+
+    def _synced(self, wait: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """The weight sync's measurements; a rollout worker lost in it is replaced, and the replacement's
+        transfer of the current weights is the sync."""
+        try:
+            return wait()
+        except Exception as err:
+            return self._replace_rollout(err)
+
+    def _replace_rollout(self, err: Exception) -> dict[str, float]:
+        """Re-raises `err` unless it is a split placement's rollout worker lost alone."""
+        return replace_lost_rollout(
+            err, self.job.groups, self.recovery, self.sink, self.step_index, self.spec.trainer
+        )
 
     def _rewards(self, batch: Any) -> tuple[Any, Any, dict[str, float]]:
         """Sequence scores: the environment's (multi-turn), else the reward model's, else the rule's."""

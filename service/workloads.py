@@ -103,12 +103,13 @@ class WorkloadActor:
         self.runner.checkpoint_now()
 
     def pid(self) -> int:
-        """This actor's process: the record's controller (a test kills it to check recovery)."""
+        """This actor's process (a test kills it to lose the record's controller)."""
         return os.getpid()
 
     def worker_pids(self) -> dict[str, list[int]]:
-        """The processes of the record's workers by group, rank order (operators and recovery tests)."""
-        return self.runner.worker_pids()
+        """The runner's worker processes by role ({} for a runner without any, or before they start)."""
+        pids = getattr(self.runner, "worker_pids", None)
+        return pids() if pids is not None else {}
 
 
 class RLJobWorkload:

@@ -63,6 +63,9 @@ class ActorRefWorker(TrainingOperations):
         """Rank 0 connects its weight transfer to the rollout workers of `link`; the others only
         gather (the full tensors are collective over the FSDP ranks)."""
         if self.rank == 0:
+            if self.weight_sync is not None:  # a replaced rollout group: the old transfer's peers are gone
+                self.weight_sync.close()
+                self.weight_sync = None
             dtype = _dtype_of(self.config.rollout.dtype, self.actor.device)
             self.weight_sync = connect(link, self.config.rollout.bucket_mb, dtype, self.actor.device)
 
@@ -138,7 +141,14 @@ class ActorRefWorker(TrainingOperations):
             for _ in stream:  # gather with the sending rank, keep nothing
                 pass
             return {}
-        return self.weight_sync.transfer(stream).metrics()
+        try:
+            return self.weight_sync.transfer(stream).metrics()
+        except Exception:
+            # Gather the rest with the other ranks (the full tensors are collective), so that a receiver
+            # lost mid-transfer leaves the training ranks in step: its replacement can be sent to.
+            for _ in stream:
+                pass
+            raise
 
     # ---- checkpoints (save_checkpoint, load_checkpoint: workers/operations.py) -------------------
 

@@ -122,6 +122,11 @@ class WeightTransfer(ABC):
         """The error to raise when a transfer failed midway (a strategy names the worker at fault)."""
         return error
 
+    def close(self) -> None:
+        """Let the receivers go (their group replaced): a strategy frees what it holds, never waiting
+        on a receiver that may be dead."""
+        return None
+
     @property
     def version(self) -> int:
         """The receivers' weight version after the last finished transfer."""

@@ -65,6 +65,16 @@ class TransferGroup:
         store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
         return cls(store, rank, world, backend, timeout_s)
 
+    def close(self) -> None:
+        """Abort the group without waiting for its peers (one may be dead: a clean shutdown would wait
+        for it), and drop the store."""
+        try:
+            self.pg.abort()
+        except Exception:  # a backend without abort, or one already broken: dropping it is enough
+            pass
+        del self.pg
+        self._store = None
+
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0's `tensor` into everyone's, in place; bounded by the group's timeout."""
         options = dist.BroadcastOptions()
@@ -122,6 +132,9 @@ class CollectiveTransfer(WeightTransfer):
     def finish(self) -> int:
         self.group.send_bucket(None)
         return int(self.receivers.wait()[0])
+
+    def close(self) -> None:
+        self.group.close()
 
     def abort(self, error: BaseException) -> BaseException:
         """A failed broadcast: the receivers' calls say which worker died or failed."""

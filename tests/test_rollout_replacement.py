@@ -1,0 +1,124 @@
+"""A split placement's rollout worker killed mid-job is replaced alone (controller/rollout_recovery.py).
+
+A GRPO job with `resources.placement: split` (one training rank, one rollout worker) has its rollout
+worker's process killed with SIGKILL once step 1 is recorded: step 2's generation fails, a new
+rollout worker is started and sent the current weights, and step 2 generates its prompts again. The
+training rank keeps its process (same pid before and after), the job succeeds, the replacement is a
+`rollout_replaced` event and `job/rollout_replacements`, no whole-job restart happens, and every
+step's metrics and samples equal those of the same job run without the kill (sampled, seeded: the
+retried step drew the same prompts and the same seeds). The default transfer strategy (collective)
+runs in `make test`, the object store in the slow suite. A replacement counts against
+trainer.max_restarts but is not a restart; one that failed is taken back (the restart counts it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from controller.recovery import Recovery, RestartsExhausted, WorkerLost, worker_pids
+from controller.sink import JsonlSink
+from controller.spec import JobSpec, TrainerSpec
+from controller.trainer import Trainer
+from tests.test_placement import read_samples
+from tests.test_trainer import job_spec
+
+NOT_COMPARED = ("timing_s/", "perf/", "weight_sync/", "job/")
+SPLIT = {"placement": "split", "workers": 1, "cpus_per_worker": 1, "rollout": {"workers": 1}}
+
+
+def split_spec(transfer: str) -> JobSpec:
+    return job_spec(
+        # sampled (temperature 1) with the step's seeds
+        rollout={"n": 4, "max_new_tokens": 4, "weight_transfer": transfer},
+        trainer={"total_steps": 3, "val_every": 0, "samples_per_step": 16, "restart_backoff_s": 0},
+        checkpoint={"every": 0, "export_hf": False},
+        resources=SPLIT,
+    )
+
+
+class KillRollout(JsonlSink):
+    """A real sink that SIGKILLs the rollout worker once step `step` is recorded, and notes every
+    worker's pid then and one step later."""
+
+    def __init__(self, folder, step: int) -> None:
+        super().__init__(folder)
+        self.step = step
+        self.trainer: Trainer | None = None
+        self.pids: dict[int, dict[str, list[int]]] = {}
+
+    def metrics(self, step: int, values: dict) -> None:
+        super().metrics(step, values)
+        if step in (self.step, self.step + 1):
+            self.pids[step] = worker_pids(self.trainer.job.groups)
+        if step == self.step:
+            (pid,) = self.pids[step]["rollout"]
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+
+
+@pytest.mark.parametrize("transfer", ["collective", pytest.param("object_store", marks=pytest.mark.slow)])
+def test_a_killed_rollout_worker_is_replaced_while_the_training_rank_keeps_its_process(
+    ray_cluster, tmp_path, transfer
+):
+    sink = KillRollout(tmp_path / "killed", step=1)
+    trainer = Trainer(split_spec(transfer), tmp_path / "killed", sink, name="rollkill")
+    sink.trainer = trainer
+    trainer.run()
+
+    before, after = sink.pids[1], sink.pids[2]
+    assert after["actor"] == before["actor"]  # the training rank kept its process
+    assert after["rollout"] != before["rollout"]  # the rollout worker is a new one
+    kinds = [e["kind"] for e in sink.events]
+    assert "restart" not in kinds and kinds.count("rollout_replaced") == 1
+    (event,) = [e for e in sink.events if e["kind"] == "rollout_replaced"]
+    data = event["data"]
+    assert (data["cause"], data["group"], data["rank"], data["step"]) == ("died", "rollkill-rollout", 0, 2)
+    assert data["pids"] == after["rollout"] and data["replacement"] == 1
+    assert "method 'generate_sequences'" in data["error"] and "died" in data["error"]
+    assert event["message"].startswith("replaced a rollout worker (1/3): worker rank 0 died")
+    history = sink.history
+    assert [r["step"] for r in history] == [1, 2, 3]  # step 2 retried, recorded once
+    assert [r["values"]["job/rollout_replacements"] for r in history] == [0.0, 1.0, 1.0]
+    assert [r["values"]["job/restarts"] for r in history] == [0.0, 0.0, 0.0]
+
+    # The same job without the kill: the retried step drew the same prompts and seeds.
+    plain = JsonlSink(tmp_path / "plain")
+    Trainer(split_spec(transfer), tmp_path / "plain", plain, name="rollplain").run()
+    for a, b in zip(plain.history, history, strict=True):
+        keys = {k for k in a["values"] if not k.startswith(NOT_COMPARED)}
+        assert keys == {k for k in b["values"] if not k.startswith(NOT_COMPARED)}
+        for key in keys:
+            assert b["values"][key] == pytest.approx(a["values"][key], abs=1e-6, rel=0), key
+    samples_a, samples_b = read_samples(plain), read_samples(sink)
+    assert len(samples_a) == len(samples_b) == 3 * 16
+    assert [s["tokens"] for s in samples_a] == [s["tokens"] for s in samples_b]
+
+
+def test_a_replacement_counts_against_the_restart_budget_but_is_not_a_restart(tmp_path):
+    recovery = Recovery(TrainerSpec(max_restarts=1))
+    lost = WorkerLost("died", "rollout gone", "job-rollout", 0)
+    recovery.begin_replacement(lost)
+    assert recovery.status["message"] == "replacing a rollout worker (1/1): worker rank 0 died"
+    assert recovery.status["phase"] == "replacing rollout worker"
+    sink = JsonlSink(tmp_path)
+    recovery.replaced_rollout(lost, sink, 2, pids=[123])
+    assert recovery.status is None and (recovery.replaced, recovery.restarts, recovery.attempt) == (1, 0, 1)
+    (event,) = sink.events
+    assert event["kind"] == "rollout_replaced" and event["data"]["pids"] == [123]
+    with pytest.raises(RestartsExhausted, match=r"lost a worker 2 time\(s\).*\[attempt 2\] again"):
+        recovery.begin_replacement(WorkerLost("died", "again", "job-rollout", 0))
+
+    # A replacement that failed is taken back: the whole-job restart after it counts the loss once.
+    recovery = Recovery(TrainerSpec(max_restarts=1))
+    recovery.begin_replacement(lost)
+    recovery.replacement_failed()
+    assert (recovery.used, recovery.replaced, recovery.status) == (0, 0, None)
+    recovery.begin(lost, sink, 2, 0, None)
+    assert recovery.status["message"] == "restarting (1/1): worker rank 0 died" and recovery.attempt == 2
