@@ -142,6 +142,9 @@ class Checker:
         self.environment(spec)
         if m.lora is not None:
             self.lora(spec)
+        uri = spec.trainer.mlflow_uri
+        if uri is not None and ("://" not in uri or uri.startswith("file:")):  # a folder the job writes to
+            self.allowed(uri.removeprefix("file://").removeprefix("file:"), "trainer.mlflow_uri")
         why = available_backends().get(spec.rollout.backend)
         if why is not None:
             raise APIError(422, f"rollout.backend: {why}", "rollout.backend", "backend_unavailable")
