@@ -418,7 +418,10 @@ def test_a_killed_worker_shows_restarting_then_marks_the_charts(
     import ray
 
     charted_job(page, live, api, job)
-    pids = ray.get(ray.get_actor(f"tandem-{job['id']}").worker_pids.remote(), timeout=60)
+    controller, deadline = ray.get_actor(f"tandem-{job['id']}"), time.monotonic() + 60
+    while not (pids := ray.get(controller.worker_pids.remote(), timeout=60)).get("actor"):
+        assert time.monotonic() < deadline, "the job's workers were not up within 60 s"
+        time.sleep(0.2)  # between two attempts of the job (a restart) its groups are not there
     os.kill(pids["actor"][0], signal.SIGKILL)
     expect(page.locator("#job-status")).to_contain_text(
         "restarting (1/3): worker rank 0 died", timeout=60_000
