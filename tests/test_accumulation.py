@@ -85,3 +85,26 @@ def test_a_step_with_its_own_adam_settings_equals_a_configured_engine(tiny_model
         assert torch.allclose(after[name], tensor, rtol=0, atol=1e-7), name
     group = told.optimizer.param_groups[0]
     assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-5, (0.9, 0.999), 0.0)
+
+
+def test_an_sft_update_reports_its_loss_once(tiny_model_dir):
+    """sft/loss of an update equals the token-mean cross-entropy of a plain HF forward on the same
+    rows (before the step), not twice it (the engine's `loss` and the SFT loss's own `sft/loss`)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine_util import reference_log_probs
+    from workers.batch import Batch
+    from workers.config import UpdateSchedule
+    from workers.losses import make_sft_loss
+    from workers.training import train_on_batch
+
+    rows = make_batch(seed=3)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        nll = -reference_log_probs(model, rows)
+    expected = float(nll.sum() / rows["response_mask"].sum())
+    schedule = UpdateSchedule(mini_batch_size=None, epochs=1, shuffle=False, seed=0)
+    metrics = train_on_batch(
+        _engine(tiny_model_dir), Batch(rows), make_sft_loss("token-mean"), schedule, "sft"
+    )
+    assert metrics["sft/loss"] == pytest.approx(expected, rel=1e-5)

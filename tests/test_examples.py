@@ -106,11 +106,12 @@ def test_grpo_arithmetic_from_the_sft_export_clears_the_readme_bar(sft_arithmeti
 @pytest.mark.timeout(5400)  # SFT 300 steps then GRPO 60: 8 min at load 6, ~30 under load 20-60
 def test_calculator_pair_learns_the_tool_then_raises_the_reward(ray_cluster, tmp_path):
     """sft_calculator.yaml, then grpo_calculator.yaml --model EXPORT. Measured (bench/RESULTS.md): SFT
-    loss 9.34 -> 0.072; GRPO train reward 0.690 (steps 1-20) -> 0.784 (steps 41-60), greedy val
+    loss 4.67 -> 0.036 (recorded as 9.34 -> 0.072 while sft/loss was logged twice over); GRPO
+    train reward 0.690 (steps 1-20) -> 0.784 (steps 41-60), greedy val
     accuracy 0.750 -> 0.844 on 64 problems, one tool call per trajectory; 8 min at load 6."""
     sft = run_example("sft_calculator", tmp_path / "sft")
     loss = series(sft, "sft/loss")
-    assert loss[0] > 5 and loss[-1] < 0.3, loss[::20]
+    assert loss[0] > 2.5 and loss[-1] < 0.15, loss[::20]  # halves of the thresholds set on the doubled metric
     history = run_example("grpo_calculator", tmp_path / "grpo", model=str(tmp_path / "sft" / "export"))
     accuracy = series(history, "val/accuracy")
     first, last = rise(history, "critic/score/mean")

@@ -63,7 +63,10 @@ def train_on_batch(
                 rows, loss_fn, compute_entropy=compute_entropy, temperature=temperature
             )
             for key, value in out.metrics.items():
-                combine_metric(sums, key if "/" in key else f"{prefix}/{key}", value)
+                name = key if "/" in key else f"{prefix}/{key}"
+                if name != key and name in out.metrics:
+                    continue  # the loss reports its own total under this name (sft/loss): once, not twice
+                combine_metric(sums, name, value)
             combine_metric(sums, f"{prefix}/grad_norm", ops.optim_step())
         ops.lr_scheduler_step()
     # Averaged over the optimizer steps; maxima (engines/base.py) stay maxima.
