@@ -203,7 +203,7 @@ def test_sdk_forward_backward_custom_round_trip_through_cross_entropy():
 
     def custom(_data, logprobs):  # a nonlinear loss: sum of squares weighted by position
         loss = sum(((torch.arange(len(x)) + 1.0) * x**2).sum() for x in logprobs)
-        return loss, {"custom": float(loss)}
+        return loss, {"custom": float(loss.detach())}
 
     result = TrainingClient._compute_custom_loss(data, custom, forward)
     lp_t = [torch.tensor(lp, dtype=torch.float32, requires_grad=True) for lp in lps]
