@@ -129,3 +129,6 @@ class RolloutWorkerConfig(_Config):
 
     model_path: str = Field(description="the policy's HF folder; later weights arrive by transfer")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    lora_rank: int | None = Field(
+        None, description="the job's LoRA rank: adapters up to it arrive by transfer (None: no LoRA)"
+    )
