@@ -50,7 +50,8 @@ class RolloutOptions(_Config):
         "collective",
         description="how weights reach rollout workers placed apart (resources.placement 'split'): "
         "'collective' (a torch.distributed group made for it: gloo on CPU, NCCL on GPU; the faster in split "
-        "jobs, bench/RESULTS.md) or 'object_store' (Ray's); colocated workers always copy in process",
+        "jobs, bench/RESULTS.md) or 'object_store' (Ray's); colocated workers always copy in process; with "
+        "model.lora the adapter alone goes through the object store either way",
     )
 
     @field_validator("backend")
