@@ -131,9 +131,11 @@ def compute_loss(
     total: Tensor | None = None
     outputs: list[dict[str, Tensor]] = []
     for i, (lp, inp) in enumerate(zip(logprobs, inputs, strict=True)):
-        for name in SPECS[loss_fn].required:
+        spec = SPECS[loss_fn]
+        for name in spec.required:
             if name not in inp:
                 raise LossInputError(f"data[{i}].loss_fn_inputs.{name}", "required")
+        for name in inp.keys() & (spec.required.keys() | spec.optional.keys()):
             if tuple(inp[name].shape) != tuple(lp.shape):
                 raise LossInputError(
                     f"data[{i}].loss_fn_inputs.{name}",

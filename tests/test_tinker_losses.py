@@ -168,6 +168,23 @@ def test_per_token_clip_inputs_override_config():
     assert float(loss.detach()) == pytest.approx(ref, abs=TOL)
 
 
+def test_compute_loss_refuses_inputs_that_do_not_match_the_log_probs():
+    lp = torch.zeros(4, requires_grad=True)
+    inp = {
+        "target_tokens": torch.zeros(4, dtype=torch.int64),
+        "logprobs": torch.zeros(4),
+        "advantages": torch.zeros(4),
+        "clip_high_threshold": torch.ones(3),
+    }
+    with pytest.raises(LossInputError) as err:
+        compute_loss("ppo", [lp], [inp], None)
+    assert err.value.field == "data[0].loss_fn_inputs.clip_high_threshold"
+    del inp["advantages"]
+    with pytest.raises(LossInputError) as err:
+        compute_loss("ppo", [lp], [inp], None)
+    assert err.value.field == "data[0].loss_fn_inputs.advantages"
+
+
 def test_top_k_cross_entropy_sums_over_candidates():
     lp = torch.log(torch.tensor([[0.5, 0.2], [0.1, 0.6], [0.3, 0.3]], dtype=torch.float64))
     lp.requires_grad_(True)
