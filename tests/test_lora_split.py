@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from controller.spec import JobSpec
 from engines.lora_targets import linear_layers
 from engines.tiny_models import build_builtin_model
 from engines.transfer.adapter import AdapterSyncError, default_tolerance
@@ -96,3 +97,23 @@ def test_a_split_lora_job_on_vllm_matches_the_colocated_one(ray_cluster, tmp_pat
     assert split.history[0]["values"]["actor/grad_norm"] > 0
     for row in split.history:
         assert row["values"]["weight_sync/probe_max_abs_diff"] <= default_tolerance(torch.float32)
+
+
+def test_the_submission_check_takes_model_lora_with_a_split_placement(tmp_path):
+    """It was a 422 naming resources.placement; now the LoRA checks run as for a colocated job (an
+    unknown target module is still refused, naming model.lora.target_modules)."""
+    from api.errors import APIError
+    from api.settings import ServeSettings
+    from api.validation import Checker
+    from service.files import FileStore
+
+    checker = Checker(ServeSettings(), tmp_path, FileStore(tmp_path / "files"))
+    split = {"placement": "split", "workers": 1, "rollout": {"workers": 2}}
+    spec = JobSpec.model_validate(
+        {"model": {"builtin": "tiny-qwen2", "lora": {"rank": RANK}}, "resources": split}
+    )
+    checker.lora(spec)
+    bad = spec.merged({"model": {"lora": {"target_modules": ["nope_proj"]}}})
+    with pytest.raises(APIError) as err:
+        checker.lora(bad)
+    assert err.value.param == "model.lora.target_modules"
