@@ -152,14 +152,6 @@ class Checker:
     def lora(self, spec: JobSpec) -> None:
         """model.lora against the base's linear layers (torch-free: safetensors headers, engines/lora_targets.py)."""
         m, lora = spec.model, spec.model.lora
-        if spec.resources.placement == "split":
-            raise APIError(
-                422,
-                "resources.placement: 'split' does not take model.lora yet: the adapter-only transfer runs "
-                "in the rollout engine's process (placement 'colocated')",
-                "resources.placement",
-                "unsupported",
-            )
         folder = Path(m.path).expanduser() if m.path else self.home / "models" / str(m.builtin)
         layers = None
         if (folder / "config.json").exists() and any(folder.glob("*.safetensors")):

@@ -131,12 +131,14 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
         if spec.resources.rollout_workers is None:
             actor = ActorGroup(start(ActorRolloutRefWorker, hybrid_config(spec, model_path), "actor"))
         else:
-            if spec.model.lora is not None:  # refused at submission (api/validation.py); a direct Trainer too
-                raise ValueError("resources.placement 'split' does not take model.lora yet")
             config = hybrid_config(spec, model_path)
             rollout_pool = rollout_pool_of(spec.resources.rollout_workers, spec, name)
             plan = RolloutPlan(
-                RolloutWorkerConfig(model_path=model_path, rollout=config.rollout),
+                RolloutWorkerConfig(
+                    model_path=model_path,
+                    rollout=config.rollout,
+                    lora_rank=spec.model.lora.rank if spec.model.lora is not None else None,
+                ),
                 f"{name}-rollout",
                 spec.rollout.weight_transfer,
                 call_timeout_s,

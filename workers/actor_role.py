@@ -19,6 +19,7 @@ from engines.base import TrainEngine
 from engines.registry import build_train_engine
 from engines.threads import limit_threads_for_model
 from engines.transfer.base import NamedTensor, WeightTransfer
+from workers.adapter_transfer import RemoteAdapterTransfer, probe_all_ranks
 from workers.base import Dispatch, Reduce, Worker, register
 from workers.batch import Batch
 from workers.config import HybridWorkerConfig, UpdateSchedule
@@ -35,6 +36,9 @@ class ActorRefWorker(TrainingOperations):
     checkpoint and hyper-parameter operations come from `TrainingOperations` (workers/operations.py)."""
 
     checkpoint_name = "actor"
+    _adapter_remote = (
+        False  # every rank: syncs are adapter-only to rollout workers elsewhere (probe_all_ranks)
+    )
 
     def __init__(self, config: HybridWorkerConfig | dict) -> None:
         Worker.__init__(self)
@@ -62,12 +66,15 @@ class ActorRefWorker(TrainingOperations):
     def connect_rollout(self, link: RolloutLink) -> None:
         """Rank 0 connects its weight transfer to the rollout workers of `link`; the others only
         gather (the full tensors are collective over the FSDP ranks)."""
+        self._adapter_remote = self.actor.adapter_config() is not None
         if self.rank == 0:
             if self.weight_sync is not None:  # a replaced rollout group: the old transfer's peers are gone
                 self.weight_sync.close()
                 self.weight_sync = None
             dtype = _dtype_of(self.config.rollout.dtype, self.actor.device)
-            self.weight_sync = connect(link, self.config.rollout.bucket_mb, dtype, self.actor.device)
+            self.weight_sync = connect(
+                link, self.config.rollout.bucket_mb, dtype, self.actor.device, self.actor
+            )
 
     # ---- log-probs and updates ---------------------------------------------------------------
 
@@ -134,7 +141,24 @@ class ActorRefWorker(TrainingOperations):
             if names is not None:
                 wanted = set(names)
                 stream = ((n, t) for n, t in stream if n in wanted)
+            if self._adapter_remote:
+                return self._send_adapter(stream)
             return self._send_weights(stream)
+
+    def _send_adapter(self, stream: Iterator[NamedTensor]) -> dict[str, float]:
+        """The adapter to rollout workers elsewhere, then the probe, whose trainer half every rank
+        runs (workers/adapter_transfer.py); a failed transfer is raised after it, ranks in step."""
+        transfer = self.weight_sync if isinstance(self.weight_sync, RemoteAdapterTransfer) else None
+        moved, failure = None, None
+        try:
+            self._send_weights(stream)
+            moved = transfer.last if transfer is not None else None
+        except Exception as exc:
+            failure = exc
+        metrics = probe_all_ranks(self.actor, transfer, moved)
+        if failure is not None:
+            raise failure
+        return metrics
 
     def _send_weights(self, stream: Iterator[NamedTensor]) -> dict[str, float]:
         if self.weight_sync is None:

@@ -50,7 +50,8 @@ class RolloutOptions(_Config):
         "collective",
         description="how weights reach rollout workers placed apart (resources.placement 'split'): "
         "'collective' (a torch.distributed group made for it: gloo on CPU, NCCL on GPU; the faster in split "
-        "jobs, bench/RESULTS.md) or 'object_store' (Ray's); colocated workers always copy in process",
+        "jobs, bench/RESULTS.md) or 'object_store' (Ray's); colocated workers always copy in process; with "
+        "model.lora the adapter alone goes through the object store either way",
     )
 
     @field_validator("backend")
@@ -129,3 +130,6 @@ class RolloutWorkerConfig(_Config):
 
     model_path: str = Field(description="the policy's HF folder; later weights arrive by transfer")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    lora_rank: int | None = Field(
+        None, description="the job's LoRA rank: adapters up to it arrive by transfer (None: no LoRA)"
+    )

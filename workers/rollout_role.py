@@ -14,7 +14,8 @@ no layout.
 
 Weights arrive from a training rank in another process (engines/transfer/): over a transfer group
 (`join_transfer`, then `receive_weights` per transfer) or bucket by bucket from the object store
-(`receive_bucket`, the last one closing the transfer). The sender, not the controller, calls these. A
+(`receive_bucket`, the last one closing the transfer); a LoRA adapter arrives whole
+(`receive_adapter`, workers/adapter_transfer.py), followed by the probe's greedy sequence. The sender, not the controller, calls these. A
 transfer may carry any named subset of the model's tensors; the engine copies each by name into
 its own parameters (or the fused decode buffers they are views of) and leaves the rest.
 """
@@ -29,6 +30,7 @@ import torch
 from engines.rollout import SamplingParams, build_rollout_engine
 from engines.rollout.base import Completion
 from engines.threads import limit_threads_for_model
+from engines.transfer.adapter import probe_completion
 from engines.transfer.base import NamedTensor
 from engines.transfer.collective import TransferGroup
 from workers.base import Dispatch, Worker, register
@@ -50,7 +52,7 @@ class RolloutWorker(Worker):
         super().__init__()
         config = RolloutWorkerConfig.model_validate(config)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.build_rollout(config.rollout, config.model_path, device)
+        self.build_rollout(config.rollout, config.model_path, device, lora_rank=config.lora_rank)
         limit_threads_for_model(config.model_path)  # a small model: one thread
         self.register_rollout_mesh()
         self.settle_rollout_memory()
@@ -191,6 +193,27 @@ class RolloutWorker(Worker):
         bucket = decode_bucket(ray.get(ref, timeout=timeout_s))
         self._apply([(name, t.to(self.rollout_device)) for name, t in bucket])
         return self.finish_transfer() if last else None
+
+    def receive_adapter(self, ref: ray.ObjectRef, config: dict, timeout_s: float = 300.0) -> dict:
+        """A LoRA adapter in one object-store object (workers/adapter_transfer.py): loaded as the
+        colocated path loads it, the update closed, then the probe's greedy sequence generated.
+        Returns {"version", "tokens", "log_probs"}."""
+        tensors = [
+            (n, t.to(self.rollout_device, copy=True))
+            for n, t in decode_bucket(ray.get(ref, timeout=timeout_s))
+        ]
+        self._before_rollout()
+        try:
+            self.rollout.load_adapter(config, tensors)
+            version = self.rollout.finish_update()
+            completion = probe_completion(self.rollout)
+        finally:
+            self._after_rollout()
+        return {
+            "version": version,
+            "tokens": list(completion.token_ids),
+            "log_probs": list(completion.log_probs),
+        }
 
     def finish_transfer(self) -> int:
         """Close one transfer: bump the engine's weight version and return it."""

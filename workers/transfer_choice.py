@@ -5,7 +5,8 @@ Colocated, the rollout engine is in the same process: `InProcessTransfer`, or wi
 `AdapterTransfer` (the adapter alone, probed after every transfer). Split, the rollout
 workers are other processes: `collective` (a torch.distributed group made for the transfer,
 engines/transfer/collective.py) or `object_store` (Ray's object store,
-workers/object_store_transfer.py). A new strategy is one file plus one branch here.
+workers/object_store_transfer.py); with LoRA `RemoteAdapterTransfer` (the adapter alone, in one
+object-store object, probed after every transfer: workers/adapter_transfer.py). A new strategy is one file plus one branch here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engines.transfer.adapter import AdapterTransfer, default_tolerance
 from engines.transfer.base import TransferError, WeightTransfer
 from engines.transfer.collective import CollectiveTransfer, TransferGroup
 from engines.transfer.in_process import InProcessTransfer
+from workers.adapter_transfer import RemoteAdapterTransfer
 from workers.object_store_transfer import ObjectStoreTransfer
 from workers.transfer_peers import RolloutPeers
 
@@ -45,10 +47,17 @@ def in_process(rollout: RolloutEngine, bucket_mb: float, train: TrainEngine | No
 
 
 def connect(
-    link: RolloutLink, bucket_mb: float, dtype: torch.dtype | None, device: torch.device
+    link: RolloutLink,
+    bucket_mb: float,
+    dtype: torch.dtype | None,
+    device: torch.device,
+    train: TrainEngine | None = None,
 ) -> WeightTransfer:
-    """The sending side of `link.strategy`, connected to every rollout worker of the link."""
+    """The sending side of `link.strategy`, connected to every rollout worker of the link; the
+    adapter alone (one object-store object, workers/adapter_transfer.py) when `train` trains LoRA."""
     peers = RolloutPeers(link.actors, link.role, link.group, link.timeout_s)
+    if train is not None and train.adapter_config() is not None:
+        return RemoteAdapterTransfer(peers, train.adapter_config(), default_tolerance(dtype))
     if link.strategy == "object_store":
         return ObjectStoreTransfer(peers, bucket_mb, dtype)
     if link.strategy == "collective":

@@ -135,6 +135,19 @@ def check_cpu_head_size(model_path: str) -> None:
 # ---- the engine -------------------------------------------------------------------------------
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's LoRAConfig.max_lora_rank takes
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that serves an adapter of `rank` (4 -> 8)."""
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise RolloutEngineError(
+            f"vllm serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}; this one's is {rank}"
+        )
+    return fits[0]
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """vLLM's offline LLM held in this process. See the module docstring."""
 
@@ -166,7 +179,12 @@ class VLLMRolloutEngine(RolloutEngine):
         self._updating = False
         self._adapter: AdapterFolder | None = None
         if max_lora_rank is not None:  # the job trains LoRA: vLLM serves its adapter (load_adapter)
-            llm_args = {**llm_args, "enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 1}
+            llm_args = {
+                **llm_args,
+                "enable_lora": True,
+                "max_lora_rank": vllm_max_lora_rank(max_lora_rank),
+                "max_loras": 1,
+            }
         self._llm = self._start(str(model_path), max_model_len, kv_cache_gib, seed, llm_args)
 
     def _start(

@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from engines.base import TrainEngine
-from engines.rollout.base import RolloutEngine, SamplingParams
+from engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from engines.transfer.base import NamedTensor, TransferStats, WeightTransfer
 
 PROBE_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]  # plain ids below any model's vocabulary size
@@ -83,13 +83,7 @@ class AdapterTransfer(WeightTransfer):
         moved = super().transfer(named_tensors)
         parameters = moved.bytes // 4  # fp32
         self.last = ProbedSyncStats(**vars(moved), probe_max_abs_diff=self.probe(), parameters=parameters)
-        if self.last.probe_max_abs_diff > self.probe_tolerance:
-            raise AdapterSyncError(
-                f"after adapter sync {self.last.weight_version} the rollout engine ({type(self.rollout).__name__}) "
-                f"does not serve the trainer's adapter: its log-probs of a probe sequence differ from the "
-                f"trainer's by up to {self.last.probe_max_abs_diff:.3g} (tolerance {self.probe_tolerance:g}); "
-                "it would sample another policy than the one being trained"
-            )
+        check_probe(self.last, self.probe_tolerance, f"the rollout engine ({type(self.rollout).__name__})")
         return self.last
 
     def sync(self) -> ProbedSyncStats:
@@ -101,11 +95,33 @@ class AdapterTransfer(WeightTransfer):
         return probe(self.train, self.rollout)
 
 
+def check_probe(stats: ProbedSyncStats, tolerance: float, engine: str) -> None:
+    """Raise AdapterSyncError when the probe's difference is past `tolerance`; `engine` names it."""
+    if stats.probe_max_abs_diff > tolerance:
+        raise AdapterSyncError(
+            f"after adapter sync {stats.weight_version} {engine} does not serve the trainer's adapter: "
+            f"its log-probs of a probe sequence differ from the trainer's by up to "
+            f"{stats.probe_max_abs_diff:.3g} (tolerance {tolerance:g}); it would sample another policy "
+            "than the one being trained"
+        )
+
+
 def probe(train: TrainEngine, rollout: RolloutEngine) -> float:
     """max |rollout log-prob - trainer log-prob| over one short greedy sequence of the rollout engine."""
+    completion = probe_completion(rollout)
+    return probe_difference(train, list(completion.token_ids), list(completion.log_probs))
+
+
+def probe_completion(rollout: RolloutEngine) -> Completion:
+    """The rollout engine's half of the probe: one short greedy sequence and its log-probs (a rollout
+    worker of a split job runs it after loading the adapter, workers/adapter_transfer.py)."""
     params = SamplingParams(max_new_tokens=PROBE_TOKENS, temperature=0, seed=0)
-    completion = rollout.generate([PROBE_PROMPT], params)[0]
-    tokens = list(completion.token_ids)
+    return rollout.generate([PROBE_PROMPT], params)[0]
+
+
+def probe_difference(train: TrainEngine, tokens: list[int], served: list[float]) -> float:
+    """The trainer's half: max |served - trainer log-prob| over `tokens` after PROBE_PROMPT. The
+    forward is collective: every training rank calls it with the same tokens."""
     if not tokens:
         return 0.0
     ids = torch.tensor([PROBE_PROMPT + tokens])
@@ -119,5 +135,5 @@ def probe(train: TrainEngine, rollout: RolloutEngine) -> float:
     )
     with torch.no_grad():
         trainer = train.forward_backward_batch(batch, None, forward_only=True).outputs["log_probs"][0]
-    served = torch.tensor(completion.log_probs[: len(tokens)], dtype=torch.float32)
-    return float((trainer.float().cpu() - served).abs().max())
+    served_t = torch.tensor(served[: len(tokens)], dtype=torch.float32)
+    return float((trainer.float().cpu() - served_t).abs().max())
