@@ -1,7 +1,8 @@
 """Placement 'split': the rollout role on workers of its own, weights sent to them each step.
 
 A GRPO job split (2 training ranks, 1 rollout worker) matches the colocated job step for step with
-the same seed under greedy sampling: the same sampled tokens (the stored samples, token spans
+the same seed under greedy sampling, with advantages normalised over the batch (REINFORCE++) so that
+identical greedy samples in a group still move the weights: the same sampled tokens (the stored samples, token spans
 included), rewards and losses within 1e-5; so does a job with vLLM as the rollout engine. A rollout
 worker that dies in the middle of a transfer is replaced (tests/test_rollout_replacement.py has the
 kill between steps), and the event names it. The spec refuses rollout workers without 'split', naming the field.
@@ -31,6 +32,8 @@ NOT_COMPARED = ("timing_s/", "perf/", "weight_sync/")
 def greedy_spec(**overrides) -> JobSpec:
     return job_spec(
         rollout={"n": 4, "max_new_tokens": 4, "temperature": 0.0},
+        # greedy groups are identical: group-relative advantages would be zero and nothing would move
+        algorithm={"advantage": "reinforce_pp"},
         trainer={"total_steps": 2, "val_every": 0, "samples_per_step": 16},
         checkpoint={"every": 0, "export_hf": False},
         resources={"workers": 2},
@@ -51,6 +54,8 @@ def assert_same_steps(colocated: JsonlSink, split: JsonlSink) -> None:
         for key in keys:
             assert b["values"][key] == pytest.approx(a["values"][key], abs=TOL, rel=0), key
     assert split.history[-1]["values"]["weight_sync/version"] == len(split.history)
+    # the first update moved the weights, so the second step compares generation after a real sync
+    assert split.history[0]["values"]["actor/grad_norm"] > 0
     samples_a, samples_b = read_samples(colocated), read_samples(split)
     assert len(samples_a) == len(samples_b) == 2 * 16
     for a, b in zip(samples_a, samples_b, strict=True):
