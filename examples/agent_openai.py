@@ -60,7 +60,9 @@ def run_tool(call) -> str:
 def solve(url: str, job: str, key: str, problem: dict, group: str, args: argparse.Namespace) -> float:
     """One trajectory: chat with the tool until a final answer (or max_turns), then post the reward."""
     trajectory = f"{group}-{uuid.uuid4().hex[:8]}"
-    client = OpenAI(base_url=f"{url}/v1/jobs/{job}/openai/trajectories/{trajectory}/v1", api_key=key)
+    client = OpenAI(
+        base_url=f"{url}/v1/jobs/{job}/openai/trajectories/{trajectory}/v1", api_key=key, max_retries=30
+    )
     messages = [{"role": "user", "content": problem["prompt"]}]
     answer = ""
     for _ in range(args.max_turns):

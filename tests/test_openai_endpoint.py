@@ -4,13 +4,12 @@ and a job that trains on what agents report. One external job serves the whole m
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 
-import httpx
 import pytest
 from openai import OpenAI
 
+from examples import agent_openai
 from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -31,14 +30,20 @@ def job(live, api):
     created = api.post("/v1/jobs", json=spec)
     assert created.status_code == 201, created.text
     job_id = created.json()["id"]
-    wait_for(api, job_id, ("running",), timeout_s=120)
-    deadline = time.time() + 120
-    while time.time() < deadline:  # the endpoint is up once the workers are
-        if api.get(f"/v1/jobs/{job_id}/trajectories/probe").status_code == 404:
-            break
-        time.sleep(0.5)
+    wait_for_endpoint(api, job_id)
     yield job_id
     api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def wait_for_endpoint(api, job_id: str, timeout_s: float = 180) -> None:
+    """Until the job runs and its endpoint answers (a probe for an unknown trajectory: 404, not 503)."""
+    wait_for(api, job_id, ("running",), timeout_s=timeout_s)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if api.get(f"/v1/jobs/{job_id}/trajectories/probe").status_code == 404:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the endpoint of {job_id} did not come up within {timeout_s} s")
 
 
 def client(live, job_id: str, trajectory: str) -> OpenAI:
@@ -157,6 +162,16 @@ def test_streaming_and_completions(live, api, job, tokenizer):
     assert seg["prompt_ids"] == tokenizer.encode("7+8=", add_special_tokens=False)
     assert done.choices[0].text == tokenizer.decode(sampled_runs(seg)[0], skip_special_tokens=True)
     assert [m.id for m in sdk.models.list().data][0] == job
+    two = client(live, job, "pair").chat.completions.create(
+        model=job, messages=[{"role": "user", "content": "5+5="}], max_tokens=3, n=2, seed=7
+    )
+    assert len(two.choices) == 2 and two.tandem["forks"] == ["pair.1"]
+    fork = record(api, job, "pair.1")["segment_list"][0]
+    assert fork["prompt_ids"] == record(api, job, "pair")["segment_list"][0]["prompt_ids"]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert two.choices[1].message.content == tokenizer.decode(
+        [t for t in sampled_runs(fork)[0] if t != end], skip_special_tokens=True
+    )
 
 
 def test_bad_inputs_are_refused_and_store_nothing(live, api, job):
@@ -191,30 +206,15 @@ def test_bad_inputs_are_refused_and_store_nothing(live, api, job):
     api.post(f"/v1/jobs/{plain}/cancel")
 
 
-def solve(live, job_id: str, tid: str, task: str) -> float:
-    sdk = client(live, job_id, tid)
-    reply = sdk.chat.completions.create(
-        model=job_id, messages=[{"role": "user", "content": "3+4="}], max_tokens=6
-    )
-    text = reply.choices[0].message.content
-    reward = sum(ch.isdigit() for ch in text) / max(len(text), 1)
-    with httpx.Client(headers={"Authorization": f"Bearer {live.token}"}, timeout=60) as http:
-        posted = http.post(f"{live.url}/v1/jobs/{job_id}/trajectories/{tid}/reward",
-                           json={"reward": reward, "task_id": task})  # fmt: skip
-    assert posted.status_code == 200, posted.text
-    return reward
-
-
 def test_concurrent_agents_feed_steps_that_train_on_their_rewards(live, api, job):
-    """Steps 1..STEPS from 8 concurrent agents; each step's scores are the rewards the agents posted,
-    and the trainer's log-probs of the recorded tokens match the rollout engine's (after each sync)."""
+    """Steps 1..STEPS from examples/agent_openai.py's 8 concurrent agents: each step's scores are the
+    rewards the agents posted, and the trainer's log-probs of the recorded tokens match the rollout engine's (after each sync)."""
     for step in range(1, STEPS + 1):
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            futures = [
-                pool.submit(solve, live, job, f"s{step}-{k}", f"s{step}-task{k // GROUP}")
-                for k in range(PER_STEP)
-            ]
-            rewards = [f.result() for f in futures]
+        rewards = agent_openai.main([
+            "--url", live.url, "--job", job, "--key", live.token, "--task", "arithmetic", "--reward", "digits",
+            "--problems", str(PER_STEP // GROUP), "--group-size", str(GROUP), "--agents", "8",
+            "--max-tokens", "6", "--seed", str(step),
+        ])  # fmt: skip
         got = wait_for_step(api, job, step, timeout_s=180)
         assert got["status"] == "running" or step == STEPS, got
         metrics = api.get(
@@ -226,7 +226,9 @@ def test_concurrent_agents_feed_steps_that_train_on_their_rewards(live, api, job
     final = wait_for(api, job, TERMINAL, timeout_s=120)
     assert final["status"] == "succeeded"
     samples = api.get(f"/v1/jobs/{job}/samples", params={"step": STEPS}).json()["data"]
-    assert samples and samples[0]["turns"][0]["role"] == "assistant"
+    assert samples and samples[0]["turns"][0]["role"] == "assistant"  # the calls are the turns
+    shown = samples[0]["trajectory"]  # which agent trajectory, grouped by its task id
+    assert shown["id"].startswith(f"p{STEPS}-") and shown["id"].rsplit("-", 1)[0] == samples[0]["uid"]
     late = api.post(f"/v1/jobs/{job}/openai/v1/chat/completions",
                     json={"model": job, "messages": [{"role": "user", "content": "x"}]})  # fmt: skip
     assert late.status_code == 409 and late.json()["error"]["code"] == "not_running"
