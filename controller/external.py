@@ -70,20 +70,30 @@ class ExternalServer:
     # ---- requests ----------------------------------------------------------------------------
 
     async def chat(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._answer(self._chat, tid or f"traj-{uuid.uuid4().hex[:16]}", body)
+
+    async def completion(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._answer(self._completion, tid or f"traj-{uuid.uuid4().hex[:16]}", body)
+
+    async def _answer(self, handle: Any, tid: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The call's answer; a refused or failed call leaves its trajectory as it was (a trajectory it
+        would have created is not kept)."""
+        known = self.store.trajectories.get(tid)
+        segments = None if known is None else [s.copy() for s in known.segments]
         try:
-            return await self._chat(tid or f"traj-{uuid.uuid4().hex[:16]}", body)
-        except TrajectoryError as err:
-            return {"error": err.as_dict()}
-        except ValueError as err:  # the template refused the messages
+            return await handle(tid, body)
+        except (TrajectoryError, ValueError) as err:
+            traj = self.store.trajectories.get(tid)
+            if traj is not None and traj is not known:
+                del self.store.trajectories[tid]
+            elif traj is not None and traj.state == "open":
+                traj.segments = segments
+            if isinstance(err, TrajectoryError):
+                return {"error": err.as_dict()}
+            # the chat template refused the messages
             return {
                 "error": {"status": 422, "message": str(err), "param": "messages", "code": "invalid_value"}
             }
-
-    async def completion(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return await self._completion(tid or f"traj-{uuid.uuid4().hex[:16]}", body)
-        except TrajectoryError as err:
-            return {"error": err.as_dict()}
 
     async def reward(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
         try:

@@ -46,13 +46,27 @@ class ExternalSource:
         while True:
             rows = ray.get(self.actor.take.remote(), timeout=CALL_TIMEOUT_S)
             if rows is not None:
-                return rows_batch(rows, pad)
+                return rows_batch(whole_ranks(rows, self.spec.resources.workers), pad)
             if stopping():
                 return None
             time.sleep(POLL_S)
 
     def stats(self) -> dict[str, float]:
         return ray.get(self.actor.stats.remote(), timeout=CALL_TIMEOUT_S)
+
+
+def whole_ranks(rows: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
+    """Every rank trains on as many rows: when segments make the count uneven, the earliest segments
+    that are not a trajectory's last are left out (a trajectory's last segment is always kept)."""
+    extra = len(rows) % workers
+    keep = []
+    for i, row in enumerate(rows):
+        later = i + 1 < len(rows) and rows[i + 1]["trajectory_id"] == row["trajectory_id"]
+        if extra and later:
+            extra -= 1
+            continue
+        keep.append(row)
+    return keep
 
 
 def rows_batch(rows: list[dict[str, Any]], pad: int) -> Batch:

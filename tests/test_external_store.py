@@ -75,3 +75,15 @@ def test_a_fork_copies_the_segments_before_the_call():
     assert s.trajectories["a"].segments[0].tokens == [5, 6]
     assert fork.segments[0].tokens == [5, 6, 9, 7] and fork.segments[0].loss_mask == [1, 1, 0, 1]
     assert fork.segments[0].weight_versions == [3, 4]
+
+
+def test_uneven_segments_leave_out_earlier_segments_never_a_last_one():
+    from controller.external_source import whole_ranks
+
+    rows = [
+        {"trajectory_id": t, "segment": k}
+        for t, k in [("a", 0), ("a", 1), ("b", 0), ("c", 0), ("c", 1), ("d", 0)]
+    ]
+    assert whole_ranks(rows, 1) == rows
+    kept = whole_ranks(rows, 4)
+    assert [(r["trajectory_id"], r["segment"]) for r in kept] == [("a", 1), ("b", 0), ("c", 1), ("d", 0)]

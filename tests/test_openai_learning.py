@@ -1,6 +1,7 @@
 """A job fed only by examples/agent_openai.py (the plain `openai` SDK) learns: the digits reward of
-the arithmetic task rises from random weights (slow; tests/test_openai_endpoint.py has the short
-version, three steps trained on what concurrent agents report)."""
+the arithmetic task rises from random weights, 0.118 (steps 1-5) -> 0.983 (steps 26-30) in 3.5 min at
+load 15 (slow; tests/test_openai_endpoint.py has the short version: three steps trained on what
+concurrent agents report)."""
 
 from __future__ import annotations
 
@@ -38,4 +39,4 @@ def test_a_job_fed_by_the_agent_script_raises_its_reward(live, api):
     assert wait_for(api, job, TERMINAL, timeout_s=120)["status"] == "succeeded"
     first, last = sum(means[:5]) / 5, sum(means[-5:]) / 5
     print(f"digits reward: steps 1-5 {first:.3f} -> steps {STEPS - 4}-{STEPS} {last:.3f}")
-    assert last > first + 0.1, means
+    assert last > first + 0.3 and last > 0.5, means  # measured: 0.118 -> 0.983 (load 15)
