@@ -45,6 +45,7 @@ class ExternalServer:
         self._queue: asyncio.Queue | None = None
         self._free: asyncio.Queue | None = None
         self._role = ""
+        self._hosts: list[Any] = []
         self._batcher: asyncio.Task | None = None
         self.requests = 0
         self.engine_calls = 0
@@ -54,7 +55,7 @@ class ExternalServer:
     async def attach(self, hosts: list[Any], role: str) -> None:
         """The rollout replicas to serve from (their WorkerHost actors and the role's name on them);
         called again with new workers after a restart."""
-        self._role = role
+        self._role, self._hosts = role, list(hosts)
         self._free = asyncio.Queue()
         for host in hosts:
             self._free.put_nowait(host)
@@ -66,6 +67,11 @@ class ExternalServer:
 
     async def ready(self) -> bool:
         return self._batcher is not None
+
+    async def replicas(self) -> tuple[list[Any], str]:
+        """The rollout worker actors served from and the role's name on them (bench/agents.py calls
+        their engine directly, beside the endpoint, for its baseline)."""
+        return list(self._hosts), self._role
 
     # ---- requests ----------------------------------------------------------------------------
 
