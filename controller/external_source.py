@@ -28,7 +28,8 @@ CALL_TIMEOUT_S = 60.0
 
 class ExternalSource:
     def __init__(self, job_id: str, spec: JobSpec, model_path: str) -> None:
-        self.spec, self.config = spec, spec.rollout.external_config
+        self.spec, self.config, self.job_id = spec, spec.rollout.external_config, job_id
+        self.agents = None  # rollout.external.agent's pool (controller/external_agents.py)
         self.actor = (
             ray.remote(ExternalServer)
             .options(name=server_name(job_id), get_if_exists=True, num_cpus=0, max_concurrency=10_000)
@@ -40,6 +41,12 @@ class ExternalSource:
         rollout = groups.actor.rollout.group
         tp = self.spec.rollout.tensor_parallel_size
         ray.get(self.actor.attach.remote(rollout.actors[::tp], rollout.role), timeout=CALL_TIMEOUT_S)
+        if self.config.agent is not None and self.agents is None:  # rollout.external.agent: the job's own
+            from controller.external_agents import AgentPool
+
+            c = self.config
+            self.agents = AgentPool(c.agent, self.actor, server_name(self.job_id), self.job_id, c.agent_workers,
+                                    c.agent_timeout_s, c.group_size)  # fmt: skip
 
     def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch:
         """The next step's trajectories, waiting for agents to reward them; returns None when asked to stop."""
@@ -52,7 +59,8 @@ class ExternalSource:
             time.sleep(POLL_S)
 
     def stats(self) -> dict[str, float]:
-        return ray.get(self.actor.stats.remote(), timeout=CALL_TIMEOUT_S)
+        stats = ray.get(self.actor.stats.remote(), timeout=CALL_TIMEOUT_S)
+        return {**stats, **(self.agents.stats() if self.agents is not None else {})}
 
 
 def whole_ranks(rows: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:

@@ -8,7 +8,11 @@ trajectories form complete groups of `group_size` with the same task id.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from workers.references import resolve_reference
 
 
 def server_name(job_id: str) -> str:
@@ -36,6 +40,17 @@ class ExternalSpec(BaseModel):
         description="trajectories open or waiting for a step at once; a call that would open one more is "
         "answered 429 with Retry-After; None = 4 x trajectories_per_step",
     )
+    agent: str | None = Field(
+        None,
+        max_length=2048,
+        description="an agent the job runs itself, in worker processes: 'module:function' or "
+        "'path/file.py:function', called as function(client, model, index) with an openai.OpenAI client "
+        "recording one trajectory; returns the reward or {reward, task_id?, turn_rewards?, metadata?}",
+    )
+    agent_workers: int = Field(2, ge=1, le=256, description="agent calls under way at once (processes)")
+    agent_timeout_s: float = Field(
+        300.0, gt=0, le=86400, description="time limit of one agent call; past it its process is replaced"
+    )
     batch_window_ms: float = Field(
         5.0, ge=0, le=1000, description="how long the endpoint gathers concurrent calls into one engine batch"
     )
@@ -52,3 +67,16 @@ class ExternalSpec(BaseModel):
     @property
     def pending_limit(self) -> int:
         return self.max_pending or 4 * self.trajectories_per_step
+
+
+class AgentError(ValueError):
+    """An agent reference that does not resolve to a usable function."""
+
+
+def load_agent_fn(ref: str) -> Any:
+    """The function `ref` names ('module:function' or 'path/file.py:function'); AgentError says why not.
+    (controller/user_code.py runs it in a child process when a job is submitted.)"""
+    fn = resolve_reference(ref, "agent", AgentError)
+    if not callable(fn):
+        raise AgentError(f"agent '{ref}' is not callable (type {type(fn).__name__})")
+    return fn
