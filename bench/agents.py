@@ -155,6 +155,11 @@ def main() -> None:
         with live.client() as api:
             job = api.post("/v1/jobs", json=spec).json()["id"]
             wait_for(api, job, ("running",), timeout_s=300)
+            deadline = time.time() + 300
+            while api.get(f"/v1/jobs/{job}/trajectories/probe").status_code != 404:  # 503 until it serves
+                if time.time() > deadline:
+                    raise RuntimeError("the job's endpoint did not come up within 300 s")
+                time.sleep(0.5)
             endpoint_run(live, job, 1, 2, args.max_tokens)  # warm: the endpoint is up, the engine has run
             server = ray.get_actor(server_name(job))
             hosts, role = ray.get(server.replicas.remote(), timeout=60)
