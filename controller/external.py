@@ -91,7 +91,7 @@ class ExternalServer:
         except (TrajectoryError, ValueError) as err:
             traj = self.store.trajectories.get(tid)
             if traj is not None and traj is not known:
-                del self.store.trajectories[tid]
+                self.store.forget(tid)
             elif traj is not None and traj.state == "open":
                 traj.segments = segments
             if isinstance(err, TrajectoryError):
@@ -123,7 +123,8 @@ class ExternalServer:
         if chosen is None:
             return None
         rows = [_row(t, k, s) for t in chosen for k, s in enumerate(t.segments)]
-        self.store.forget_consumed()
+        for t in chosen:  # their tokens are in the step's batch now: keep only the ids (a late reward: 409)
+            t.segments = []
         return rows
 
     async def stats(self) -> dict[str, float]:
@@ -309,17 +310,24 @@ class ExternalServer:
         return await future
 
     async def _batch_loop(self) -> None:
-        """Take a free replica, gather what waits (at least batch_window_ms after the first call),
-        send it as one generate per sampling setting, give the replica back when it answered."""
-        queue, free = self._queue, self._free
+        """Gather calls into one batch: from the first, until as many have arrived as the last batch
+        held (agents that got their answers together call again together) or batch_window_ms passed;
+        then take a free replica, add whatever else waits, and send it. A lone agent never waits."""
+        queue, free, loop = self._queue, self._free, asyncio.get_running_loop()
+        expected = 1
         while True:
-            first = await queue.get()
-            await asyncio.sleep(self.config.batch_window_ms / 1000)
+            items = [await queue.get()]
+            deadline = loop.time() + self.config.batch_window_ms / 1000
+            while len(items) < expected and (left := deadline - loop.time()) > 0:
+                try:
+                    items.append(await asyncio.wait_for(queue.get(), left))
+                except asyncio.TimeoutError:
+                    break
             host = await free.get()
-            items = [first]
             while not queue.empty():
                 items.append(queue.get_nowait())
-            asyncio.get_running_loop().create_task(self._run(host, items))
+            expected = len(items)
+            loop.create_task(self._run(host, items))
 
     async def _run(self, host: Any, items: list[tuple]) -> None:
         try:

@@ -52,7 +52,11 @@ class ExternalSpec(BaseModel):
         300.0, gt=0, le=86400, description="time limit of one agent call; past it its process is replaced"
     )
     batch_window_ms: float = Field(
-        5.0, ge=0, le=1000, description="how long the endpoint gathers concurrent calls into one engine batch"
+        50.0,
+        ge=0,
+        le=1000,
+        description="the longest a call waits for others to share its engine batch: calls are gathered until "
+        "as many arrived as the last batch held, or this passed (a lone agent never waits)",
     )
 
     @model_validator(mode="after")

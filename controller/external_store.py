@@ -107,7 +107,10 @@ class TrajectoryStore:
 
     def __init__(self, config: ExternalSpec) -> None:
         self.config = config
-        self.trajectories: dict[str, Trajectory] = {}
+        self.trajectories: dict[str, Trajectory] = {}  # every id this job has seen (lookups, 404 vs 409)
+        self._open: dict[str, Trajectory] = {}  # the working sets: what sweep, pending and take visit
+        self._rewarded: dict[str, Trajectory] = {}
+        self._swept = 0.0
         self.dropped = 0
         self.consumed = 0
         self.new_segments = 0
@@ -130,11 +133,16 @@ class TrajectoryStore:
                 "trajectory_id", "buffer_full", retry_after=1.0,
             )  # fmt: skip
         now = time.time()
-        traj = self.trajectories[tid] = Trajectory(tid, now, now)
+        traj = self.trajectories[tid] = self._open[tid] = Trajectory(tid, now, now)
         return traj
 
+    def forget(self, tid: str) -> None:
+        """A trajectory whose first call failed: as if it had never been named."""
+        self.trajectories.pop(tid, None)
+        self._open.pop(tid, None)
+
     def pending(self) -> int:
-        return sum(t.state in ("open", "rewarded") for t in self.trajectories.values())
+        return len(self._open) + len(self._rewarded)
 
     def fork(self, tid: str, before: list[Segment]) -> Trajectory:
         """Choice k > 0 of a call with n > 1: a trajectory of its own with the parent's segments so far."""
@@ -154,6 +162,7 @@ class TrajectoryStore:
             raise TrajectoryError(409, f"trajectory '{tid}' is already {traj.state}", "trajectory_id",
                                   f"trajectory_{traj.state}")  # fmt: skip
         traj.state, traj.reward, traj.rewarded_at = "rewarded", float(reward), time.time()
+        self._rewarded[tid] = self._open.pop(tid)
         traj.task_id = task_id if task_id is not None else tid
         traj.turn_rewards, traj.metadata = turn_rewards, metadata
         return traj
@@ -161,10 +170,13 @@ class TrajectoryStore:
     def sweep(self, now: float | None = None) -> int:
         """Drop open trajectories whose reward did not come within reward_timeout_s; returns how many."""
         now = time.time() if now is None else now
-        late = [t for t in self.trajectories.values()
-                if t.state == "open" and now - t.last_call > self.config.reward_timeout_s]  # fmt: skip
+        if now - self._swept < 0.5:  # at most twice a second: a sweep visits every open trajectory
+            return 0
+        self._swept = now
+        late = [t for t in self._open.values() if now - t.last_call > self.config.reward_timeout_s]
         for t in late:
             t.state = "dropped"
+            del self._open[t.id]
             t.segments = []  # its tokens are not needed any more
         self.dropped += len(late)
         return len(late)
@@ -177,30 +189,23 @@ class TrajectoryStore:
         self.sweep()
         size, want = self.config.group_size, self.config.trajectories_per_step // self.config.group_size
         by_task: dict[str, list[Trajectory]] = {}
-        for t in sorted(self.trajectories.values(), key=lambda t: t.rewarded_at):
-            if t.state == "rewarded":
-                by_task.setdefault(t.task_id, []).append(t)
+        for t in sorted(self._rewarded.values(), key=lambda t: t.rewarded_at):
+            by_task.setdefault(t.task_id, []).append(t)
         groups = [ts[:size] for ts in by_task.values() if len(ts) >= size]
         if len(groups) < want:
             return None
         chosen = [t for g in groups[:want] for t in g]
         for t in chosen:
             t.state = "consumed"
+            del self._rewarded[t.id]
         self.consumed += len(chosen)
         return chosen
 
     def stats(self) -> dict[str, float]:
-        states = [t.state for t in self.trajectories.values()]
         return {
-            "external/open": float(states.count("open")),
-            "external/rewarded_waiting": float(states.count("rewarded")),
+            "external/open": float(len(self._open)),
+            "external/rewarded_waiting": float(len(self._rewarded)),
             "external/dropped_total": float(self.dropped),
             "external/consumed_total": float(self.consumed),
             "external/new_segments_total": float(self.new_segments),
         }
-
-    def forget_consumed(self) -> None:
-        """A consumed trajectory's tokens are in a step's batch: keep only its id (a late reward is a 409)."""
-        for t in self.trajectories.values():
-            if t.state == "consumed":
-                t.segments = []

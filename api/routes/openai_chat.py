@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Header, Path
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.body_checks import CheckedRoute
@@ -176,7 +176,9 @@ async def _chat(job_id: str, tid: str | None, body: ChatCompletionRequest, servi
     job = external_job(service, job_id, caller.sees)
     check_model(job, body.model)
     out = await call(job_id, "chat", tid, body.model_dump(exclude_none=True))
-    return _sse(_chat_chunks(out, body)) if body.stream else out
+    return (
+        _sse(_chat_chunks(out, body)) if body.stream else JSONResponse(out)
+    )  # a plain dict: no encoder walk
 
 
 async def _completion(
@@ -187,7 +189,7 @@ async def _completion(
     payload = body.model_dump(exclude_none=True)
     payload["logprobs"] = body.logprobs is not None
     out = await call(job_id, "completion", tid, payload)
-    return _sse(_completion_chunks(out, body)) if body.stream else out
+    return _sse(_completion_chunks(out, body)) if body.stream else JSONResponse(out)
 
 
 def _sse(chunks: list[dict[str, Any]]) -> StreamingResponse:
