@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests", type=int, default=4, help="calls per agent")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--window-ms", type=float, default=None, help="rollout.external.batch_window_ms")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the best of each is kept")
     parser.add_argument("--quick", action="store_true", help="2 calls per agent, 2 rounds")
     args = parser.parse_args()
@@ -149,7 +150,8 @@ def main() -> None:
         spec = {
             "method": "grpo", "model": {"path": str(path)},
             "rollout": {"source": "external", "free_cache_after_generate": False,
-                        "external": {"group_size": 1, "trajectories_per_step": 1 << 16, "max_pending": 1 << 20}},
+                        "external": {"group_size": 1, "trajectories_per_step": 1 << 16, "max_pending": 1 << 20,
+                                     **({} if args.window_ms is None else {"batch_window_ms": args.window_ms})}},
             "trainer": {"total_steps": 1, "val_every": 0}, "checkpoint": {"every": 0},
         }  # fmt: skip
         with live.client() as api:
@@ -173,7 +175,7 @@ def main() -> None:
                 d, e = best(direct), best(served)
                 print(json.dumps({
                     "bench": "agents", "model": args.model, "agents": agents, "requests_per_agent": requests,
-                    "max_tokens": args.max_tokens, "rounds": args.rounds, "endpoint": e, "direct": d,
+                    "max_tokens": args.max_tokens, "rounds": args.rounds, "batch_window_ms": args.window_ms or 50.0, "endpoint": e, "direct": d,
                     "tokens_per_s_ratio": e["tokens_per_s"] / d["tokens_per_s"],
                     "requests_per_s_ratio": e["requests_per_s"] / d["requests_per_s"],
                     "load_avg_1m": os.getloadavg()[0],
