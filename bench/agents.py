@@ -175,7 +175,7 @@ def main() -> None:
                 d, e = best(direct), best(served)
                 print(json.dumps({
                     "bench": "agents", "model": args.model, "agents": agents, "requests_per_agent": requests,
-                    "max_tokens": args.max_tokens, "rounds": args.rounds, "batch_window_ms": args.window_ms or 50.0, "endpoint": e, "direct": d,
+                    "max_tokens": args.max_tokens, "rounds": args.rounds, "batch_window_ms": args.window_ms or 250.0, "endpoint": e, "direct": d,
                     "tokens_per_s_ratio": e["tokens_per_s"] / d["tokens_per_s"],
                     "requests_per_s_ratio": e["requests_per_s"] / d["requests_per_s"],
                     "load_avg_1m": os.getloadavg()[0],

@@ -52,7 +52,7 @@ class ExternalSpec(BaseModel):
         300.0, gt=0, le=86400, description="time limit of one agent call; past it its process is replaced"
     )
     batch_window_ms: float = Field(
-        50.0,
+        250.0,
         ge=0,
         le=1000,
         description="the longest a call waits for others to share its engine batch: calls are gathered until "
