@@ -217,6 +217,11 @@ def test_concurrent_agents_feed_steps_that_train_on_their_rewards(live, api, job
         ])  # fmt: skip
         got = wait_for_step(api, job, step, timeout_s=180)
         assert got["status"] == "running" or step == STEPS, got
+        if step < STEPS:  # the next step's calls are sampled with the weights this step synced
+            probe = client(live, job, f"version-{step}").chat.completions.create(
+                model=job, messages=[{"role": "user", "content": "1="}], max_tokens=2
+            )
+            assert probe.tandem["weight_version"] == step
         metrics = api.get(
             f"/v1/jobs/{job}/metrics", params={"keys": "critic/score/mean,rollout/log_prob_diff_max"}
         ).json()
