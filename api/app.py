@@ -24,7 +24,20 @@ from api.hot_reads import HotReadPath, HotReads
 from api.middleware import BodyLimit, RequestId
 from api.prom import make_registry
 from api.read_cache import ReadCache
-from api.routes import audit, files, health, job_outputs, jobs, keys, metrics, rewards, samples, usage
+from api.routes import (
+    audit,
+    files,
+    health,
+    job_outputs,
+    jobs,
+    keys,
+    metrics,
+    openai_chat,
+    openai_trajectories,
+    rewards,
+    samples,
+    usage,
+)
 from api.routes.health import VERSION
 from api.settings import ServeSettings
 from api.validation import Checker
@@ -37,6 +50,8 @@ ROUTERS = (
     metrics.router,
     samples.router,
     rewards.router,
+    openai_chat.router,
+    openai_trajectories.router,
     files.router,
     keys.router,
     usage.router,

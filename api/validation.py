@@ -140,6 +140,7 @@ class Checker:
         if r.model_path is not None:
             self.folder(r.model_path, "reward.model_path", "reward model")
         self.environment(spec)
+        self.agent(spec)
         if m.lora is not None:
             self.lora(spec)
         uri = spec.trainer.mlflow_uri
@@ -191,3 +192,12 @@ class Checker:
         if is_path_reference(ref):
             self.allowed(ref.rpartition(":")[0], param)
         self.user_code(ref, "environment", param, "invalid_environment")
+
+    def agent(self, spec: JobSpec) -> None:
+        """rollout.external.agent: imported and checked in a child process (controller/external_spec.py)."""
+        external, param = spec.rollout.external_config, "rollout.external.agent"
+        if external is None or external.agent is None:
+            return
+        if is_path_reference(external.agent):
+            self.allowed(external.agent.rpartition(":")[0], param)
+        self.user_code(external.agent, "agent", param, "invalid_agent")

@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from controller.external_spec import ExternalSpec
 from engines.config import (
     Dtype,
     LoraConfig,
@@ -156,6 +157,25 @@ class RolloutSpec(Section, RolloutOptions, SamplingKnobs, EnvironmentOptions):
     max_new_tokens: int = Field(
         8, gt=0, le=1_048_576, description="hard cap on generated tokens per response"
     )
+    source: Literal["prompts", "external"] = Field(
+        "prompts",
+        description="prompts: the job samples its data's prompts; external: agents call the job's "
+        "OpenAI-compatible endpoint and report rewards (rollout.external)",
+    )
+    external: ExternalSpec | None = Field(None, description="a job fed by agents (rollout.source external)")
+
+    @model_validator(mode="after")
+    def _external_source(self) -> RolloutSpec:
+        if self.source != "external" and self.external is not None:
+            raise ValueError("rollout.external needs rollout.source: external")
+        if self.source == "external" and self.environment is not None:
+            raise ValueError("rollout.source external runs no environment: remove rollout.environment")
+        return self
+
+    @property
+    def external_config(self) -> ExternalSpec | None:
+        """The external source's settings (its defaults when rollout.external is not given)."""
+        return None if self.source != "external" else self.external or ExternalSpec()
 
     @property
     def response_budget_field(self) -> str:
@@ -448,6 +468,10 @@ class JobSpec(JobLabels):
             raise ValueError("resources.rollout.workers must be a multiple of rollout.tensor_parallel_size")
         # Every rank must get the same number of real samples: padded rows would be trained on.
         samples = self.trainer.prompts_per_step * (1 if self.method == "sft" else self.rollout.n)
+        if self.rollout.external_config is not None:
+            if self.method == "sft":
+                raise ValueError("rollout.source external feeds RL jobs: use an RL method, not sft")
+            samples = self.rollout.external_config.trajectories_per_step
         if samples > MAX_SAMPLES:
             raise ValueError(f"trainer.prompts_per_step x rollout.n = {samples} samples per step; at most "
                              f"{MAX_SAMPLES} are allowed")  # fmt: skip

@@ -81,6 +81,9 @@ class Trainer:
         self.completed_steps = 0  # steps whose metrics have been recorded (or restored from a checkpoint)
         self.kl = make_kl_controller(spec.algorithm.kl_reward_coef, spec.algorithm.kl_target)
         self._timings: dict[str, float] = {}
+        self.external = (
+            None  # rollout.source 'external': the endpoint's actor (controller/external_source.py)
+        )
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -103,6 +106,7 @@ class Trainer:
         last: dict[str, float] = {}
         try:
             self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name)
+            self._serve_external()
             self._resume()
             self.recovery.resumed()
             total = self.spec.trainer.total_steps
@@ -191,6 +195,8 @@ class Trainer:
             self._record_step(metrics, adv_metrics, batch, scores)
             with self._timed("sync"):
                 metrics.update(self._synced(sync_done))
+            if self.external is not None:
+                metrics.update(self.external.stats())
         return self._finish_metrics(metrics, batch)
 
     def _record_step(
@@ -247,9 +253,13 @@ class Trainer:
 
     def _generate_and_score(self, round_index: int) -> tuple[Any, Any, dict[str, float]]:
         """Generate for the next prompts of the loader, score, and apply the over-long options."""
-        prompts = self.job.next_prompts(self.step_index, round_index)
-        with self._timed("gen"):
-            batch = self._generate(prompts)
+        if self.external is not None:
+            with self._timed("gen"):  # waiting for agents' rewarded trajectories
+                batch = self._external_batch()
+        else:
+            prompts = self.job.next_prompts(self.step_index, round_index)
+            with self._timed("gen"):
+                batch = self._generate(prompts)
         with self._timed("reward"):
             batch, scores, metrics = self._rewards(batch)
         batch, scores, overlong = apply_overlong(
@@ -266,6 +276,28 @@ class Trainer:
         except Exception as err:
             self._replace_rollout(err)
         return self.job.groups.actor.generate_sequences(prompts)
+
+    def _serve_external(self) -> None:
+        """rollout.source 'external': start (or find again after a restart) the job's endpoint and
+        point it at this attempt's rollout workers."""
+        if self.spec.rollout.source != "external":
+            return
+        from controller.external_source import ExternalSource
+
+        if self.external is None:
+            self.external = ExternalSource(self.name, self.spec, self.job.model_path)
+        self.external.attach(self.job.groups)
+        self.sink.event("endpoint", "the OpenAI-compatible endpoint serves this job's rollout workers")
+
+    def _external_batch(self) -> Any:
+        """The step's trajectories from agents; a pause or cancel while waiting for them stops the job
+        at the previous step's boundary (a pause checkpoints it)."""
+        pad = self.job.tokenizer.pad_token_id or 0
+        batch = self.external.next_batch(lambda: self.control.stop_reason is not None, pad)
+        if batch is None:
+            self.step_index -= 1
+            self._check_stop()
+        return batch
 
     def _synced(self, wait: Callable[[], dict[str, float]]) -> dict[str, float]:
         """The weight sync's measurements; a rollout worker lost in it is replaced, and the replacement's

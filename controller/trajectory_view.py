@@ -64,6 +64,11 @@ def step_samples(batch: Batch, scores: Any, tokenizer: Any, count: int) -> list[
                 "spans": _spans(response, trained, tokenizer),
             }
         )
+        if "trajectory_id" in nt:  # an agent's (rollout.source external): its calls are the turns
+            out[-1]["trajectory"] = {
+                "id": str(nt["trajectory_id"][i]),
+                "segment": str(nt["segment_reason"][i]),
+            }
     return out
 
 

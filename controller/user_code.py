@@ -29,6 +29,7 @@ from typing import Any
 CHECKERS: dict[str, tuple[str, str]] = {
     "reward": ("controller.rewards:load_reward_fn", "reward function"),
     "environment": ("workers.environments.loader:load_environment_class", "environment"),
+    "agent": ("controller.external_spec:load_agent_fn", "agent"),
 }
 DEFAULT_TIMEOUT_S = 30.0
 STDERR_TAIL = 600

@@ -19,6 +19,7 @@ from bench.guess_number_policy import play
 from controller.sink import JsonlSink
 from controller.trainer import Trainer
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
+from tests import test_openai_learning as openai_learning  # not a test_ name: collected once, there
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -166,4 +167,6 @@ LEARNING_TESTS = {
     "grpo_smollm2": test_grpo_smollm2_validation_accuracy_rises,
     "sft_guess_number": test_guess_number_pair_learns_a_better_strategy_than_its_warm_start,
     "grpo_guess_number": test_guess_number_pair_learns_a_better_strategy_than_its_warm_start,
+    # fed by examples/agent_openai.py through the job's OpenAI-compatible endpoint
+    "agent_openai": openai_learning.test_a_job_fed_by_the_agent_script_raises_its_reward,
 }

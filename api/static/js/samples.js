@@ -57,7 +57,9 @@ function renderSample(sample) {
   const head = el("div", { class: "sample-head" },
     el("b", {}, `#${sample.index}`), ` step ${sample.step} · reward `,
     el("b", { class: "sample-reward" }, Number(sample.reward).toFixed(3)),
-    ` · ${sample.finish_reason} · ${sample.turns.length} turn(s) · trained ${tokens.trained}/${tokens.response} tokens`);
+    ` · ${sample.finish_reason} · ${sample.turns.length} turn(s) · trained ${tokens.trained}/${tokens.response} tokens`,
+    ...(sample.trajectory ? [` · agent trajectory `, el("b", { class: "sample-trajectory" }, sample.trajectory.id),
+      ` (task ${sample.uid}; ${sample.trajectory.segment})`] : []));
   const turns = sample.turns.map((turn) => el("div", { class: `turn turn-${turn.role}` },
     el("span", { class: "role" }, turn.role), el("pre", { class: "content" }, turn.content)));
   return el("article", { class: "sample" }, head,

@@ -1,0 +1,79 @@
+"""From an API request to the job's endpoint actor (controller/external.py), torch-free.
+
+The API checks what it can from the job's record (the caller may see the job, the job runs, it is
+fed externally, the model name is the job's) and forwards the request to the job's
+`ExternalServer` actor, found by name and awaited on the event loop: templating, generation and
+recording happen in the job's processes. Answers that are errors come back as data and are raised
+here in the API's error shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+
+from api.errors import APIError
+from controller.external_spec import server_name
+from service.service import Service
+
+REQUEST_TIMEOUT_S = 900.0  # a call may wait for a training step's update on a colocated worker
+_servers: dict[str, Any] = {}  # job id -> actor handle, for this API process
+
+
+def external_job(service: Service, job_id: str, sees: str | None) -> Any:
+    """The job's record when it can serve calls: 404 unknown, 409 not fed externally or not running."""
+    job = service.get(job_id, sees)
+    if (job.spec.get("rollout") or {}).get("source") != "external":
+        raise APIError(409, f"job '{job_id}' is not fed externally: submit it with rollout.source: external",
+                       "job_id", "not_external")  # fmt: skip
+    if job.status != "running":
+        raise APIError(409, f"job '{job_id}' is {job.status}: its endpoint serves only while it runs",
+                       "job_id", "not_running")  # fmt: skip
+    return job
+
+
+def model_names(job: Any) -> list[str]:
+    """What `model` may say: the job's id (listed by /models), its name, or its model's builtin/path/hub id."""
+    model = job.spec.get("model") or {}
+    names = [job.id, job.name, model.get("builtin"), model.get("path"), model.get("hf_id")]
+    return [n for n in names if n]
+
+
+def check_model(job: Any, model: str) -> None:
+    if model not in model_names(job):
+        raise APIError(404, f"model '{model}' is not served here; this endpoint serves '{job.id}'",
+                       "model", "model_not_found")  # fmt: skip
+
+
+async def call(job_id: str, method: str, *args: Any) -> dict[str, Any]:
+    """`ExternalServer.<method>(*args)` of the job, its error answer raised as an APIError."""
+    server = _servers.get(job_id)
+    if server is None:
+        try:
+            server = await asyncio.to_thread(ray.get_actor, server_name(job_id))
+        except ValueError:
+            raise APIError(503, f"job '{job_id}' is starting: its endpoint is not up yet", None,
+                           "endpoint_starting", {"Retry-After": "2"}) from None  # fmt: skip
+        _servers[job_id] = server
+    try:
+        out = await asyncio.wait_for(getattr(server, method).remote(*args), REQUEST_TIMEOUT_S)
+    except (ray.exceptions.RayActorError, asyncio.TimeoutError) as err:
+        _servers.pop(job_id, None)
+        raise APIError(503, f"job '{job_id}''s endpoint did not answer: {type(err).__name__}", None,
+                       "endpoint_unavailable", {"Retry-After": "2"}) from None  # fmt: skip
+    if (
+        isinstance(out, dict)
+        and "error" in out
+        and isinstance(out["error"], dict)
+        and "status" in out["error"]
+    ):
+        e = out["error"]
+        headers = (
+            {"Retry-After": str(max(1, round(e.get("retry_after") or 1)))}
+            if e["status"] in (429, 503)
+            else None
+        )
+        raise APIError(e["status"], e["message"], e.get("param"), e.get("code"), headers)
+    return out

@@ -1,0 +1,386 @@
+"""The job's OpenAI-compatible endpoint, inside the job: `ExternalServer`, an async Ray actor.
+
+The API process (api/routes/openai_chat.py) checks a request and forwards it to this actor, named
+`tandem-openai-<job id>`, which the trainer starts for a job with `rollout.source: external`. Here:
+
+- templating and tokenizing (workers/chat_serving.py), never in the API process;
+- batching: calls that arrive while a replica is busy, or within `batch_window_ms`, go to that
+  replica's engine as one `generate` (grouped by sampling settings), straight to the rollout worker
+  actors (`RolloutWorker.generate`, one call per replica at a time);
+- recording: every call in its trajectory (controller/external_store.py), token-exact;
+- rewards, and `take()`, which the trainer calls for a step's trajectories.
+
+Errors that are the caller's come back as {"error": {...}} (status, message, param, code) rather than
+raised, so the API answers them in its own shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from typing import Any
+
+from controller.external_spec import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
+from controller.external_store import Segment, TrajectoryError, TrajectoryStore, canonical_message, tools_key
+from workers.chat_serving import content_text, cut_at_stop, strip_stop, tool_call_text
+
+GENERATE_TIMEOUT_S = 900.0  # a call waits for a training step's update on a colocated worker
+
+
+class ExternalServer:
+    """Ray actor body (async: one event loop, many calls at once). See the module docstring."""
+
+    def __init__(self, job_id: str, model_path: str, config: dict[str, Any]) -> None:
+        from transformers import AutoTokenizer
+
+        from workers.chat_serving import ChatRenderer
+
+        self.job_id, self.config = job_id, ExternalSpec.model_validate(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.renderer = ChatRenderer(self.tokenizer)
+        self.store = TrajectoryStore(self.config)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._queue: asyncio.Queue | None = None
+        self._free: asyncio.Queue | None = None
+        self._role = ""
+        self._hosts: list[Any] = []
+        self._batcher: asyncio.Task | None = None
+        self.requests = 0
+        self.engine_calls = 0
+
+    # ---- wiring ------------------------------------------------------------------------------
+
+    async def attach(self, hosts: list[Any], role: str) -> None:
+        """The rollout replicas to serve from (their WorkerHost actors and the role's name on them);
+        called again with new workers after a restart."""
+        self._role, self._hosts = role, list(hosts)
+        self._free = asyncio.Queue()
+        for host in hosts:
+            self._free.put_nowait(host)
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        if self._batcher is not None:
+            self._batcher.cancel()
+        self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
+
+    async def ready(self) -> bool:
+        return self._batcher is not None
+
+    async def replicas(self) -> tuple[list[Any], str]:
+        """The rollout worker actors served from and the role's name on them (bench/agents.py calls
+        their engine directly, beside the endpoint, for its baseline)."""
+        return list(self._hosts), self._role
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    async def chat(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._answer(self._chat, tid or f"traj-{uuid.uuid4().hex[:16]}", body)
+
+    async def completion(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._answer(self._completion, tid or f"traj-{uuid.uuid4().hex[:16]}", body)
+
+    async def _answer(self, handle: Any, tid: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The call's answer; a refused or failed call leaves its trajectory as it was (a trajectory it
+        would have created is not kept)."""
+        known = self.store.trajectories.get(tid)
+        segments = None if known is None else [s.copy() for s in known.segments]
+        try:
+            return await handle(tid, body)
+        except (TrajectoryError, ValueError) as err:
+            traj = self.store.trajectories.get(tid)
+            if traj is not None and traj is not known:
+                self.store.forget(tid)
+            elif traj is not None and traj.state == "open":
+                traj.segments = segments
+            if isinstance(err, TrajectoryError):
+                return {"error": err.as_dict()}
+            # the chat template refused the messages
+            return {
+                "error": {"status": 422, "message": str(err), "param": "messages", "code": "invalid_value"}
+            }
+
+    async def reward(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            t = self.store.reward(
+                tid, body["reward"], body.get("task_id"), body.get("turn_rewards"), body.get("metadata") or {}
+            )
+        except TrajectoryError as err:
+            return {"error": err.as_dict()}
+        return _trajectory_view(t)
+
+    async def trajectory(self, tid: str) -> dict[str, Any]:
+        t = self.store.trajectories.get(tid)
+        if t is None:
+            return {"error": TrajectoryError(404, f"no trajectory '{tid}' in this job", "trajectory_id",
+                                             "not_found").as_dict()}  # fmt: skip
+        return _trajectory_view(t, tokens=True)
+
+    async def take(self) -> list[dict[str, Any]] | None:
+        """A step's trajectories as rows (one per segment), or None while they are not all rewarded."""
+        chosen = self.store.take()
+        if chosen is None:
+            return None
+        rows = [_row(t, k, s) for t in chosen for k, s in enumerate(t.segments)]
+        for t in chosen:  # their tokens are in the step's batch now: keep only the ids (a late reward: 409)
+            t.segments = []
+        return rows
+
+    async def stats(self) -> dict[str, float]:
+        return {**self.store.stats(), "external/requests_total": float(self.requests),
+                "external/engine_calls_total": float(self.engine_calls)}  # fmt: skip
+
+    # ---- chat --------------------------------------------------------------------------------
+
+    async def _chat(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.requests += 1
+        traj = self.store.open(tid)
+        lock = self._locks.setdefault(tid, asyncio.Lock())
+        async with lock:  # calls of one trajectory are recorded in order
+            messages, tools = body["messages"], body.get("tools") or None
+            use_tools = tools is not None and body.get("tool_choice") != "none"
+            shown_tools = tools if use_tools else None
+            segment, delta, reason = self._place_chat(traj, messages, shown_tools)
+            before = [s.copy() for s in traj.segments]
+            prompt = segment.sequence + delta
+            params, stops = self._params(body)
+            completions = await self._generate(prompt, params)
+            choices, forks = [], []
+            added = messages[len(segment.history) :]  # what this call adds to the readable conversation
+            for k, comp in enumerate(completions):
+                target, seg = traj, segment
+                if k > 0:  # choice k of n: a trajectory of its own, `<id>.<k>`
+                    target = self.store.fork(f"{tid}.{k}", before)
+                    seg = target.segments[-1]
+                    forks.append(target.id)
+                ids, stopped = self._cut(comp.token_ids, stops)
+                lps = list(comp.log_probs[: len(ids)])
+                reply = self.renderer.reply(ids, f"call_{uuid.uuid4().hex[:12]}", use_tools)
+                reply["content"] = strip_stop(reply["content"], stops)
+                seg.add_call(delta, ids, lps, comp.weight_version)
+                seg.history = [canonical_message(m) for m in messages] + [canonical_message(reply)]
+                seg.tools_key = tools_key(shown_tools)
+                seg.messages += [_readable(m) for m in added] + [_readable(reply)]
+                seg.tool_calls += len(reply["tool_calls"])
+                ended = stopped or comp.finish_reason == "stop"
+                finish = "tool_calls" if reply["tool_calls"] else ("stop" if ended else "length")
+                seg.finish_reason = "stop" if ended else "length"
+                target.calls += 1
+                target.last_call = time.time()
+                choices.append(self._choice(k, reply, finish, ids, lps, body))
+            if reason is not None and len(traj.segments) > 1:
+                self.store.new_segments += 1
+        usage_out = sum(len(c["_ids"]) for c in choices)
+        for c in choices:
+            c.pop("_ids")
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body["model"],
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": usage_out,
+                "total_tokens": len(prompt) + usage_out,
+            },  # fmt: skip
+            "tandem": {
+                "trajectory_id": tid,
+                "forks": forks,
+                "segment": len(traj.segments) - 1,
+                "new_segment": reason,
+                "weight_version": completions[0].weight_version,
+            },  # fmt: skip
+        }
+
+    def _place_chat(
+        self, traj: Any, messages: list[dict], tools: list[dict] | None
+    ) -> tuple[Segment, list[int], str | None]:
+        """(the segment this call adds to, the prompt delta, why a new segment started or None).
+        A new segment is appended to the trajectory here; its prompt is the whole templated conversation."""
+        last = traj.segments[-1] if traj.segments else None
+        canon = [canonical_message(m) for m in messages]
+        if last is not None and last.kind == "chat" and last.tools_key == tools_key(tools):
+            n = len(last.history)
+            if canon[:n] == last.history:
+                return (
+                    last,
+                    self.renderer.delta_ids(messages[n:], last.tokens[-1] if last.tokens else None),
+                    None,
+                )
+            reason = "the messages rewrite the history of the earlier calls"
+        elif last is not None:
+            reason = "the tools changed" if last.kind == "chat" else "a chat call after completions"
+        else:
+            reason = "first call"
+        segment = Segment(self.renderer.prompt_ids(messages, tools), "chat", reason)
+        traj.segments.append(segment)
+        return segment, [], reason
+
+    def _choice(self, k: int, reply: dict, finish: str, ids: list[int], lps: list[float], body: dict) -> dict:
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": reply["content"] if not reply["tool_calls"] or reply["content"] else None,
+        }
+        if reply["tool_calls"]:
+            message["tool_calls"] = reply["tool_calls"]
+        choice: dict[str, Any] = {"index": k, "message": message, "finish_reason": finish, "_ids": ids}
+        choice["logprobs"] = self._logprobs(ids, lps) if body.get("logprobs") else None
+        return choice
+
+    def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any]:
+        end = self.renderer.turn_end_id
+        pairs = [(i, lp) for i, lp in zip(ids, lps, strict=True) if i != end]
+        return {"content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for (i, lp), t in zip(pairs, self.renderer.token_texts([i for i, _ in pairs]), strict=True)
+        ]}  # fmt: skip
+
+    # ---- completions -------------------------------------------------------------------------
+
+    async def _completion(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.requests += 1
+        traj = self.store.open(tid)
+        async with self._locks.setdefault(tid, asyncio.Lock()):
+            text = body["prompt"]
+            last = traj.segments[-1] if traj.segments else None
+            if last is not None and last.kind == "completion" and text.startswith(last.text):
+                segment, delta = last, self.renderer.delta.encode(text[len(last.text) :])
+            else:
+                reason = "first call" if last is None else "the prompt does not extend the earlier calls"
+                segment = Segment(self.renderer.delta.encode(text), "completion", reason, text=text)
+                segment.messages = [{"role": "user", "content": text}]
+                traj.segments.append(segment)
+                delta = []
+            params, stops = self._params(body)
+            prompt = segment.sequence + delta
+            comps = await self._generate(prompt, params.model_copy(update={"n": 1}))
+            comp = comps[0]
+            ids, stopped = self._cut(comp.token_ids, stops)
+            lps = list(comp.log_probs[: len(ids)])
+            out = self.tokenizer.decode(ids, skip_special_tokens=True)
+            segment.add_call(delta, ids, lps, comp.weight_version)
+            segment.text = text + out
+            segment.messages.append({"role": "assistant", "content": out})
+            traj.calls += 1
+            traj.last_call = time.time()
+        out = strip_stop(out, stops)
+        finish = "stop" if stopped or comp.finish_reason == "stop" else "length"
+        logprobs = None
+        if body.get("logprobs"):
+            logprobs = {"tokens": self.renderer.token_texts(ids), "token_logprobs": lps,
+                        "top_logprobs": None, "text_offset": []}  # fmt: skip
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+            "model": body["model"],
+            "choices": [{"index": 0, "text": out, "finish_reason": finish, "logprobs": logprobs}],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)},
+            "tandem": {"trajectory_id": tid, "weight_version": comp.weight_version},
+        }  # fmt: skip
+
+    # ---- generation --------------------------------------------------------------------------
+
+    def _params(self, body: dict[str, Any]) -> tuple[Any, list[str]]:
+        from engines.rollout import SamplingParams
+
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        end = self.renderer.turn_end_id
+        params = SamplingParams(
+            temperature=body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0,
+            top_p=body.get("top_p") if body.get("top_p") is not None else 1.0,
+            max_new_tokens=body.get("max_completion_tokens") or body.get("max_tokens") or 256,
+            stop_token_ids=[] if end is None else [end],
+            n=body.get("n") or 1,
+            seed=body.get("seed"),
+        )
+        return params, stops
+
+    def _cut(self, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
+        return cut_at_stop(lambda x: self.tokenizer.decode(x, skip_special_tokens=True), list(ids), stops)
+
+    async def _generate(self, prompt: list[int], params: Any) -> list[Any]:
+        if self._queue is None:
+            raise TrajectoryError(
+                503, "the job's rollout workers are not up yet; retry", None, "starting", 1.0
+            )
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put((prompt, params, future))
+        return await future
+
+    async def _batch_loop(self) -> None:
+        """Gather calls into one batch: from the first, until as many have arrived as the last batch
+        held (agents that got their answers together call again together) or batch_window_ms passed;
+        then take a free replica, add whatever else waits, and send it. A lone agent never waits."""
+        queue, free, loop = self._queue, self._free, asyncio.get_running_loop()
+        expected = 1
+        while True:
+            items = [await queue.get()]
+            deadline = loop.time() + self.config.batch_window_ms / 1000
+            while len(items) < expected and (left := deadline - loop.time()) > 0:
+                try:
+                    items.append(await asyncio.wait_for(queue.get(), left))
+                except asyncio.TimeoutError:
+                    break
+            host = await free.get()
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            expected = len(items)
+            loop.create_task(self._run(host, items))
+
+    async def _run(self, host: Any, items: list[tuple]) -> None:
+        try:
+            key = lambda item: item[1].model_dump_json()  # noqa: E731
+            for _, group in itertools.groupby(sorted(items, key=key), key=key):
+                group = list(group)
+                await self._run_group(host, group)
+        finally:
+            self._free.put_nowait(host)
+
+    async def _run_group(self, host: Any, group: list[tuple]) -> None:
+        params = group[0][1]
+        prompts = [g[0] for g in group]
+        try:
+            ref = host.execute.remote(self._role, "generate", ((prompts, params.model_dump()), {}))
+            self.engine_calls += 1
+            completions = await asyncio.wait_for(ref, GENERATE_TIMEOUT_S)
+        except Exception as err:  # every caller of the batch hears it
+            failure = TrajectoryError(503, f"the rollout worker failed: {type(err).__name__}: {err}"[:2000],
+                                      None, "rollout_failed", 5.0)  # fmt: skip
+            for _, _, future in group:
+                if not future.done():
+                    future.set_exception(failure)
+            return
+        for i, (_, _, future) in enumerate(group):
+            if not future.done():
+                future.set_result(completions[i * params.n : (i + 1) * params.n])
+
+
+def _readable(m: dict[str, Any]) -> dict[str, str]:
+    text = content_text(m.get("content"))
+    text += "".join(tool_call_text(c) for c in m.get("tool_calls") or [])
+    return {"role": str(m.get("role")), "content": text}
+
+
+def _trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
+    out = {"id": t.id, "object": "trajectory", "state": t.state, "task_id": t.task_id, "reward": t.reward,
+           "turn_rewards": t.turn_rewards, "metadata": t.metadata, "calls": t.calls,
+           "segments": len(t.segments)}  # fmt: skip
+    if tokens:
+        out["segment_list"] = [
+            {"reason": s.reason, "kind": s.kind, "prompt_ids": s.prompt_ids, "tokens": s.tokens,
+             "loss_mask": s.loss_mask, "log_probs": s.log_probs, "weight_versions": s.weight_versions,
+             "messages": s.messages}
+            for s in t.segments
+        ]  # fmt: skip
+    return out
+
+
+def _row(t: Any, k: int, s: Segment) -> dict[str, Any]:
+    return {
+        "trajectory_id": t.id, "segment": k, "reason": s.reason, "task_id": t.task_id, "reward": t.reward,
+        "prompt_ids": s.prompt_ids, "tokens": s.tokens, "loss_mask": s.loss_mask, "log_probs": s.log_probs,
+        "weight_version": min(s.weight_versions) if s.weight_versions else 0, "calls": len(s.weight_versions),
+        "tool_calls": s.tool_calls, "finish_reason": s.finish_reason, "messages": s.messages,
+    }  # fmt: skip

@@ -1,0 +1,103 @@
+"""The trainer's side of `rollout.source: external`: the endpoint's actor, and a step's batch from it.
+
+`ExternalSource` starts (or, after a restart of the workers, finds again: trajectories survive it)
+the job's `ExternalServer` actor (controller/external.py), points it at the rollout workers of the
+current attempt, and turns a step's rewarded trajectories into the training layout of multi-turn
+rollouts (workers/multiturn.py): one row per segment, the first prompt left-padded, everything after
+it right-padded, response_mask 1 on sampled tokens only, the reward as `env_rewards`, the task id as
+the GRPO group id (`uid`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from controller.external import ExternalServer
+from controller.external_spec import server_name
+from controller.spec import JobSpec
+from workers.batch import Batch
+from workers.multiturn import Trajectory, trajectory_non_tensors, trajectory_tensors
+
+POLL_S = 0.2
+CALL_TIMEOUT_S = 60.0
+
+
+class ExternalSource:
+    def __init__(self, job_id: str, spec: JobSpec, model_path: str) -> None:
+        self.spec, self.config, self.job_id = spec, spec.rollout.external_config, job_id
+        self.agents = None  # rollout.external.agent's pool (controller/external_agents.py)
+        self.actor = (
+            ray.remote(ExternalServer)
+            .options(name=server_name(job_id), get_if_exists=True, num_cpus=0, max_concurrency=10_000)
+            .remote(job_id, model_path, self.config.model_dump())
+        )
+
+    def attach(self, groups: Any) -> None:
+        """Serve from this attempt's rollout replicas (one per tensor-parallel group: its rank 0)."""
+        rollout = groups.actor.rollout.group
+        tp = self.spec.rollout.tensor_parallel_size
+        ray.get(self.actor.attach.remote(rollout.actors[::tp], rollout.role), timeout=CALL_TIMEOUT_S)
+        if self.config.agent is not None and self.agents is None:  # rollout.external.agent: the job's own
+            from controller.external_agents import AgentPool
+
+            c = self.config
+            self.agents = AgentPool(c.agent, self.actor, server_name(self.job_id), self.job_id, c.agent_workers,
+                                    c.agent_timeout_s, c.group_size)  # fmt: skip
+
+    def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch:
+        """The next step's trajectories, waiting for agents to reward them; returns None when asked to stop."""
+        while True:
+            rows = ray.get(self.actor.take.remote(), timeout=CALL_TIMEOUT_S)
+            if rows is not None:
+                return rows_batch(whole_ranks(rows, self.spec.resources.workers), pad)
+            if stopping():
+                return None
+            time.sleep(POLL_S)
+
+    def stats(self) -> dict[str, float]:
+        stats = ray.get(self.actor.stats.remote(), timeout=CALL_TIMEOUT_S)
+        return {**stats, **(self.agents.stats() if self.agents is not None else {})}
+
+
+def whole_ranks(rows: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
+    """Every rank trains on as many rows: when segments make the count uneven, the earliest segments
+    that are not a trajectory's last are left out (a trajectory's last segment is always kept)."""
+    extra = len(rows) % workers
+    keep = []
+    for i, row in enumerate(rows):
+        later = i + 1 < len(rows) and rows[i + 1]["trajectory_id"] == row["trajectory_id"]
+        if extra and later:
+            extra -= 1
+            continue
+        keep.append(row)
+    return keep
+
+
+def rows_batch(rows: list[dict[str, Any]], pad: int) -> Batch:
+    trajectories = []
+    for r in rows:
+        t = Trajectory(env=None, prompt_ids=r["prompt_ids"], tokens=r["tokens"], loss_mask=r["loss_mask"],
+                       log_probs=r["log_probs"], messages=r["messages"], reward=r["reward"],
+                       finish_reason="done" if r["finish_reason"] == "stop" else "budget",
+                       turns=r["calls"], tool_calls=r["tool_calls"], weight_version=r["weight_version"])  # fmt: skip
+        trajectories.append(t)
+    width = max(len(t.prompt_ids) for t in trajectories)
+    response = max(max(len(t.tokens) for t in trajectories), 1)
+    tensors = trajectory_tensors(trajectories, width, response, pad)
+    non_tensors = {
+        **trajectory_non_tensors(trajectories),
+        "uid": [r["task_id"] for r in rows],
+        "prompt": [_first_prompt(r) for r in rows],
+        "trajectory_id": [r["trajectory_id"] for r in rows],
+        "segment_reason": [r["reason"] for r in rows],
+    }
+    return Batch(tensors, non_tensors, {"response_budget": response})
+
+
+def _first_prompt(row: dict[str, Any]) -> str:
+    first = next((k for k, m in enumerate(row["messages"]) if m["role"] == "assistant"), 0)
+    return "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"][:first])

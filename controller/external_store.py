@@ -1,0 +1,211 @@
+"""External trajectories: every call of an agent recorded token-exact, until a step trains on it.
+
+A trajectory is a list of segments. A segment is what the trainer sees as one row: the first
+prompt's tokens exactly as templated, then, per call, the delta that the call's prompt adds (mask 0)
+and the sampled tokens with the rollout engine's log-probs (mask 1). A call whose messages extend the
+previous call's (same messages, then the assistant message that call returned, then new ones) adds
+to the segment; the engine is then given the segment's own tokens, so what the model saw is what is
+recorded. A call that rewrites history (edits, drops or reorders earlier messages, or changes the
+tools) starts a new segment, and `segments[k].reason` says why.
+
+States: open (calls arrive) -> rewarded -> consumed (a step trained on it); open -> dropped (no reward
+within reward_timeout_s after its last call). Nothing here imports torch or Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from controller.external_spec import ExternalSpec
+
+
+class TrajectoryError(Exception):
+    """A request the store refuses: HTTP status, message, the field at fault, a code."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None, code: str, retry_after: float = 0
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.retry_after = status, param, code, retry_after
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "message": str(self), "param": self.param, "code": self.code,
+                "retry_after": self.retry_after}  # fmt: skip
+
+
+@dataclass
+class Segment:
+    prompt_ids: list[int]
+    kind: str  # chat | completion
+    reason: str  # why it started: first call | the history was rewritten | ...
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)  # one per call
+    history: list[Any] = field(default_factory=list)  # canonical messages so far (chat)
+    tools_key: str = ""
+    text: str = ""  # completion: the prompt text and the returned text so far
+    messages: list[dict[str, str]] = field(default_factory=list)  # readable conversation (samples view)
+    finish_reason: str = "stop"
+    tool_calls: int = 0
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+    def add_call(self, delta: list[int], sampled: list[int], log_probs: list[float], version: int) -> None:
+        self.tokens += delta + sampled
+        self.loss_mask += [0] * len(delta) + [1] * len(sampled)
+        self.log_probs += [0.0] * len(delta) + list(log_probs)
+        self.weight_versions.append(version)
+
+    def copy(self) -> Segment:
+        return Segment(**{k: (list(v) if isinstance(v, list) else v) for k, v in vars(self).items()})
+
+
+@dataclass
+class Trajectory:
+    id: str
+    created: float
+    last_call: float
+    segments: list[Segment] = field(default_factory=list)
+    state: str = "open"  # open | rewarded | consumed | dropped
+    task_id: str = ""
+    reward: float = 0.0
+    turn_rewards: list[float] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    calls: int = 0
+    rewarded_at: float = 0.0
+
+
+def canonical_message(m: dict[str, Any]) -> tuple:
+    """What must be equal for a later call's message to be the same as an earlier one."""
+    from workers.chat_serving import content_text
+
+    calls = []
+    for c in m.get("tool_calls") or []:
+        f = c.get("function", {})
+        args = f.get("arguments", "")
+        try:
+            args = json.dumps(json.loads(args) if isinstance(args, str) else args, sort_keys=True)
+        except json.JSONDecodeError:
+            pass
+        calls.append((f.get("name"), args))
+    return (m.get("role"), content_text(m.get("content")).strip() if calls else content_text(m.get("content")),
+            tuple(calls))  # fmt: skip
+
+
+def tools_key(tools: list[dict] | None) -> str:
+    return json.dumps(tools or [], sort_keys=True)
+
+
+class TrajectoryStore:
+    """The job's external trajectories; see the module docstring. Not thread-safe: one event loop."""
+
+    def __init__(self, config: ExternalSpec) -> None:
+        self.config = config
+        self.trajectories: dict[str, Trajectory] = {}  # every id this job has seen (lookups, 404 vs 409)
+        self._open: dict[str, Trajectory] = {}  # the working sets: what sweep, pending and take visit
+        self._rewarded: dict[str, Trajectory] = {}
+        self._swept = 0.0
+        self.dropped = 0
+        self.consumed = 0
+        self.new_segments = 0
+
+    # ---- calls -----------------------------------------------------------------------------
+
+    def open(self, tid: str) -> Trajectory:
+        """The trajectory a call names, created on its first call (429 past rollout.external.max_pending)."""
+        self.sweep()
+        traj = self.trajectories.get(tid)
+        if traj is not None:
+            if traj.state != "open":
+                raise TrajectoryError(409, f"trajectory '{tid}' is {traj.state}: it takes no more calls",
+                                      "trajectory_id", f"trajectory_{traj.state}")  # fmt: skip
+            return traj
+        if self.pending() >= self.config.pending_limit:
+            raise TrajectoryError(
+                429, f"the job holds {self.pending()} trajectories that no step has taken yet "
+                f"(rollout.external.max_pending = {self.config.pending_limit}); retry later",
+                "trajectory_id", "buffer_full", retry_after=1.0,
+            )  # fmt: skip
+        now = time.time()
+        traj = self.trajectories[tid] = self._open[tid] = Trajectory(tid, now, now)
+        return traj
+
+    def forget(self, tid: str) -> None:
+        """A trajectory whose first call failed: as if it had never been named."""
+        self.trajectories.pop(tid, None)
+        self._open.pop(tid, None)
+
+    def pending(self) -> int:
+        return len(self._open) + len(self._rewarded)
+
+    def fork(self, tid: str, before: list[Segment]) -> Trajectory:
+        """Choice k > 0 of a call with n > 1: a trajectory of its own with the parent's segments so far."""
+        traj = self.open(tid)
+        traj.segments = [s.copy() for s in before]
+        return traj
+
+    # ---- rewards ---------------------------------------------------------------------------
+
+    def reward(self, tid: str, reward: float, task_id: str | None, turn_rewards: list[float] | None,
+               metadata: dict[str, Any]) -> Trajectory:  # fmt: skip
+        self.sweep()
+        traj = self.trajectories.get(tid)
+        if traj is None:
+            raise TrajectoryError(404, f"no trajectory '{tid}' in this job", "trajectory_id", "not_found")
+        if traj.state != "open":
+            raise TrajectoryError(409, f"trajectory '{tid}' is already {traj.state}", "trajectory_id",
+                                  f"trajectory_{traj.state}")  # fmt: skip
+        traj.state, traj.reward, traj.rewarded_at = "rewarded", float(reward), time.time()
+        self._rewarded[tid] = self._open.pop(tid)
+        traj.task_id = task_id if task_id is not None else tid
+        traj.turn_rewards, traj.metadata = turn_rewards, metadata
+        return traj
+
+    def sweep(self, now: float | None = None) -> int:
+        """Drop open trajectories whose reward did not come within reward_timeout_s; returns how many."""
+        now = time.time() if now is None else now
+        if now - self._swept < 0.5:  # at most twice a second: a sweep visits every open trajectory
+            return 0
+        self._swept = now
+        late = [t for t in self._open.values() if now - t.last_call > self.config.reward_timeout_s]
+        for t in late:
+            t.state = "dropped"
+            del self._open[t.id]
+            t.segments = []  # its tokens are not needed any more
+        self.dropped += len(late)
+        return len(late)
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def take(self) -> list[Trajectory] | None:
+        """A step's trajectories, whole groups of group_size with the same task id (oldest reward first),
+        or None while fewer than trajectories_per_step are ready. They become 'consumed'."""
+        self.sweep()
+        size, want = self.config.group_size, self.config.trajectories_per_step // self.config.group_size
+        by_task: dict[str, list[Trajectory]] = {}
+        for t in sorted(self._rewarded.values(), key=lambda t: t.rewarded_at):
+            by_task.setdefault(t.task_id, []).append(t)
+        groups = [ts[:size] for ts in by_task.values() if len(ts) >= size]
+        if len(groups) < want:
+            return None
+        chosen = [t for g in groups[:want] for t in g]
+        for t in chosen:
+            t.state = "consumed"
+            del self._rewarded[t.id]
+        self.consumed += len(chosen)
+        return chosen
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "external/open": float(len(self._open)),
+            "external/rewarded_waiting": float(len(self._rewarded)),
+            "external/dropped_total": float(self.dropped),
+            "external/consumed_total": float(self.consumed),
+            "external/new_segments_total": float(self.new_segments),
+        }

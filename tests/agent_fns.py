@@ -1,0 +1,16 @@
+"""Agents the tests' jobs run themselves (rollout.external.agent 'tests.agent_fns:NAME'): light to
+import, as the service checks a reference in a child process."""
+
+from __future__ import annotations
+
+
+def digits_agent(client, model: str, index: int) -> dict:
+    """One call; the share of digits in the answer, grouped by task index."""
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": f"{index}+1="}], max_tokens=4
+    )
+    text = reply.choices[0].message.content or ""
+    return {"reward": sum(ch.isdigit() for ch in text) / max(len(text), 1), "task_id": f"t{index}"}
+
+
+not_a_function = 42

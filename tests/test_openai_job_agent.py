@@ -1,0 +1,40 @@
+"""rollout.external.agent: a job that runs an `openai`-SDK agent function itself, in worker processes,
+and trains on its trajectories (controller/external_agents.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.api_util import TERMINAL, tiny_job, wait_for
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def agent_job(agent: str) -> dict:
+    return tiny_job(
+        model={"builtin": "tiny-qwen2-chat"},
+        rollout={"source": "external", "free_cache_after_generate": False,
+                 "external": {"group_size": 2, "trajectories_per_step": 4, "agent": agent, "agent_workers": 2}},
+        trainer={"total_steps": 1, "val_every": 0, "samples_per_step": 2},
+        checkpoint={"every": 0},
+    )  # fmt: skip
+
+
+def test_a_job_trains_on_the_agent_it_runs(api):
+    job = api.post("/v1/jobs", json=agent_job("tests.agent_fns:digits_agent")).json()["id"]
+    final = wait_for(api, job, TERMINAL, timeout_s=240)
+    assert final["status"] == "succeeded", final
+    rows = api.get(f"/v1/jobs/{job}/metrics", params={"keys": "external/*,critic/score/mean"}).json()["data"]
+    last = rows[-1]["values"]
+    assert last["external/agent_calls_done"] >= 4 and last["external/agent_failures"] == 0
+    assert 0.0 <= last["critic/score/mean"] <= 1.0
+    sample = api.get(f"/v1/jobs/{job}/samples", params={"step": 1}).json()["data"][0]
+    assert sample["trajectory"]["id"].startswith("agent-") and sample["uid"].startswith("t")
+
+
+def test_an_agent_that_is_not_a_function_is_refused_at_submission(api):
+    before = len(api.get("/v1/jobs").json()["data"])
+    refused = api.post("/v1/jobs", json=agent_job("tests.agent_fns:not_a_function"))
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error"]["param"] == "rollout.external.agent"
+    assert len(api.get("/v1/jobs").json()["data"]) == before

@@ -1,0 +1,170 @@
+"""OpenAI chat requests inside a job: templating, tool calls, and the text of sampled tokens.
+
+`ChatRenderer` turns an OpenAI `messages` list (and `tools`) into prompt token ids through the
+model's own chat template, renders the messages a later call adds as a token *delta*
+(workers/chat_delta.py), and turns sampled tokens into an assistant message. Sampled tokens are
+never re-encoded: the text returned is decoded from them, and a trajectory keeps the ids.
+
+Tools. A template that renders `tools` itself (Qwen2.5, Llama 3.1, Hermes ...) gets them as
+`apply_chat_template(tools=...)`; otherwise the tool schemas go into the system message in the
+Hermes/Qwen convention, and an assistant message's `tool_calls` are written into its text as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Tool calls are parsed from the model's
+output in that same convention (the one those templates teach their models).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from workers.chat_delta import ChatDelta
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+TOOLS_HEADER = (
+    "# Tools\nYou may call functions. Their signatures, within <tools></tools>:\n<tools>\n{tools}\n</tools>\n"
+    'Call one as <tool_call>{{"name": <name>, "arguments": <object>}}</tool_call>'
+)
+
+
+def content_text(content: Any) -> str:
+    """A message's content as text: a string, None, or a list of text parts (others are refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(f"content part of type '{part.get('type')}' is not supported: text only")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def tool_call_text(call: dict[str, Any]) -> str:
+    function = call.get("function", {})
+    arguments = function.get("arguments", "{}")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        parsed = arguments
+    return "<tool_call>" + json.dumps({"name": function.get("name"), "arguments": parsed}) + "</tool_call>"
+
+
+def parse_tool_calls(text: str, call_id: str) -> tuple[str, list[dict[str, Any]]]:
+    """(content without the tool-call blocks, OpenAI tool_calls). A block that is not JSON with a
+    'name' stays in the content, as the model wrote it."""
+    calls: list[dict[str, Any]] = []
+
+    def take(match: re.Match) -> str:
+        try:
+            body = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            return match.group(0)
+        arguments = body.get("arguments", {})
+        calls.append(
+            {
+                "id": f"{call_id}_{len(calls)}",
+                "type": "function",
+                "function": {
+                    "name": body["name"],
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+        )
+        return ""
+
+    content = _TOOL_CALL.sub(take, text)
+    return (content.strip() if calls else content), calls
+
+
+class ChatRenderer:
+    """A model's chat template for OpenAI requests; see the module docstring."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.delta = ChatDelta(tokenizer)
+        self.tokenizer = tokenizer
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        self.native_tools = "tools" in template
+        self.native_tool_calls = "tool_calls" in template
+
+    def messages(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[dict]:
+        """The template's messages: text contents, tool calls as the template (or Hermes) wants."""
+        out = []
+        for m in messages:
+            msg: dict[str, Any] = {"role": m["role"], "content": content_text(m.get("content"))}
+            calls = m.get("tool_calls") or []
+            if calls and self.native_tool_calls:
+                msg["tool_calls"] = [_native_call(c) for c in calls]
+            elif calls:
+                msg["content"] = "".join([msg["content"], *(tool_call_text(c) for c in calls)])
+            if m.get("tool_call_id") and self.native_tool_calls:
+                msg["tool_call_id"] = m["tool_call_id"]
+            out.append(msg)
+        if tools and not self.native_tools:
+            header = TOOLS_HEADER.format(tools="\n".join(json.dumps(t, sort_keys=True) for t in tools))
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + header}
+            else:
+                out.insert(0, {"role": "system", "content": header})
+        return out
+
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+        """The whole conversation, templated with the generation prompt."""
+        rendered = self.messages(messages, tools)
+        if tools and self.native_tools:
+            text = self.tokenizer.apply_chat_template(
+                rendered, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+            return self.delta.encode(text)
+        return self.delta.prompt_ids(rendered)
+
+    def delta_ids(self, added: list[dict[str, Any]], last_sampled: int | None) -> list[int]:
+        """The tokens that close the last assistant turn and add `added` (then the generation prompt)."""
+        return self.delta.observation_ids(self.messages(added), last_sampled)
+
+    def reply(self, sampled: list[int], call_id: str, parse_tools: bool) -> dict[str, Any]:
+        """The assistant message of sampled tokens: content decoded from them, tool calls parsed."""
+        text = self.delta.assistant_text(sampled)
+        if not parse_tools:
+            return {"role": "assistant", "content": text, "tool_calls": []}
+        content, calls = parse_tool_calls(text, call_id)
+        return {"role": "assistant", "content": content, "tool_calls": calls}
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i]) for i in ids]
+
+    @property
+    def turn_end_id(self) -> int | None:
+        return self.delta.turn_end_id
+
+
+def _native_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function", {}))
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return {"type": "function", "id": call.get("id"), "function": function}
+
+
+def cut_at_stop(text_of: Any, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
+    """The sampled ids up to and including the token that completes the first stop string (the
+    engine knows stop tokens, not strings); `text_of(ids)` decodes. (ids, whether a stop was hit)."""
+    if not stops:
+        return ids, False
+    for end in range(1, len(ids) + 1):
+        text = text_of(ids[:end])
+        if any(s in text for s in stops):
+            return ids[:end], True
+    return ids, False
+
+
+def strip_stop(text: str, stops: list[str]) -> str:
+    """The text before the first stop string (OpenAI's content leaves the stop string out)."""
+    cut = min((text.index(s) for s in stops if s in text), default=len(text))
+    return text[:cut]
