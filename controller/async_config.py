@@ -38,6 +38,13 @@ class AsyncOptions(BaseModel):
         description="async: samples the buffer holds (generated, not yet trained), at least one step's "
         "prompts_per_step x rollout.n; None = (max_staleness + 1) steps' worth",
     )
+    rollout_lanes: Literal["group", "per_worker"] = Field(
+        "group",
+        description="async: group = one draw at a time, split over the rollout workers (as sync); "
+        "per_worker = each rollout worker generates whole draws of its own, so several draws (and their "
+        "environments' slow steps) are in flight at once; needs max_staleness >= rollout workers - 1 to "
+        "keep them busy",
+    )
     off_policy_correction: OffPolicyCorrection = Field(
         "decoupled",
         description="async: decoupled = PPO clipped against proximal log-probs recomputed by the trainer, "

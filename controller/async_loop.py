@@ -44,12 +44,16 @@ from typing import Any
 import torch
 
 from controller.overlong import apply_overlong
-from controller.rollout_buffer import BufferedRollout, RolloutBuffer
+from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
 from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.trainer import Trainer
+from controller.worker_group import DEFAULT_ROLE
+from workers.remote import wait_all
 
 WAIT_TIMEOUT_S = 3600.0  # a generation call's own timeout bounds the producer; this bounds the waits
+POLL_S = 0.05  # the trainer's wait for a batch checks this often whether a deferred sync can go
+SYNC_GRACE_S = 0.05  # a step's sync waits this long for the generation calls in flight to end
 
 
 def corrected_spec(spec: JobSpec) -> JobSpec:
@@ -89,78 +93,86 @@ def make_trainer(
 
 
 class RolloutTurn:
-    """The rollout workers serve one caller at a time: a generation call, or a weight sync. A waiting
-    sync goes first: the producer starts no new call until it is done."""
+    """The rollout workers serve generation calls (one per lane at a time) or a weight sync, never both:
+    a sync starts only when no call is in flight, and no call starts during a sync."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._busy = False
-        self._syncs_waiting = 0
+        self._calls = 0
+        self._syncing = False
 
     @contextmanager
     def generation(self, timeout_s: float, who: str) -> Iterator[float]:
         """Yields the seconds waited for a sync to finish."""
         start = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._busy and not self._syncs_waiting, timeout_s):
-                raise TimeoutError(f"{who}: the rollout workers were not free within {timeout_s:.0f} s")
-            self._busy = True
+            if not self._cond.wait_for(lambda: not self._syncing, timeout_s):
+                raise TimeoutError(f"{who}: a weight sync did not end within {timeout_s:.0f} s")
+            self._calls += 1
         try:
             yield time.perf_counter() - start
         finally:
-            self._release()
+            with self._cond:
+                self._calls -= 1
+                self._cond.notify_all()
 
-    def acquire_for_sync(self, timeout_s: float, who: str) -> float:
-        """Wait for the generation call in flight; returns the seconds waited (then `release`)."""
-        start = time.perf_counter()
+    def try_sync(self, wait_s: float = 0.0) -> bool:
+        """True (the workers are the sync's until `release`) when no generation call is in flight
+        within `wait_s` seconds."""
         with self._cond:
-            self._syncs_waiting += 1
-            try:
-                if not self._cond.wait_for(lambda: not self._busy, timeout_s):
-                    raise TimeoutError(
-                        f"{who}: its generation call did not end within {timeout_s:.0f} s, the weights wait"
-                    )
-                self._busy = True
-            finally:
-                self._syncs_waiting -= 1
-        return time.perf_counter() - start
+            if not self._cond.wait_for(lambda: self._calls == 0 and not self._syncing, wait_s):
+                return False
+            self._syncing = True
+            return True
 
-    def _release(self) -> None:
+    def release(self) -> None:
         with self._cond:
-            self._busy = False
+            self._syncing = False
             self._cond.notify_all()
-
-    release = _release
 
 
 class RolloutProducer:
-    """The controller thread that keeps the rollout workers generating into the buffer."""
+    """Controller threads ("lanes") that keep the rollout workers generating into the buffer: one lane
+    for the whole group (a draw split over its workers, as sync does), or one per rollout worker
+    (trainer.rollout_lanes), each sending whole draws to its worker, so that several draws' slow
+    environment steps overlap."""
 
-    def __init__(self, trainer: AsyncTrainer, buffer: RolloutBuffer, next_index: int) -> None:
+    def __init__(self, trainer: AsyncTrainer, buffer: RolloutBuffer, next_index: int, skip: set[int]) -> None:
         self.trainer, self.buffer, self.next_index = trainer, buffer, next_index
+        self.skip = skip  # draws trained before the checkpoint that resumed this run
         self.version = buffer.version  # the weights on the rollout workers (set by the trainer's sync)
         self.stop = threading.Event()
-        self.lock = threading.Lock()  # guards next_index, current and loader_states against state_dict
-        self.current: int | None = None  # the draw in flight
-        self.loader_states: dict[int, dict[str, Any]] = {}  # the loader before each untrained draw
+        self.lock = threading.Lock()  # guards the draw state below against state_dict
+        self.in_flight: set[int] = set()
+        self.trained_draws: set[int] = set()
+        self.loader_states: dict[int, dict[str, Any]] = {}  # the loader before each unsettled draw
         self.stats = {"wait_s": 0.0, "busy_s": 0.0, "tokens": 0.0}
-        self.thread = threading.Thread(target=self._run, name=f"rollout-producer-{trainer.name}", daemon=True)
+        group = trainer.job.groups.actor.rollout.group
+        lanes = group.actors if trainer.spec.trainer.rollout_lanes == "per_worker" else [None]
+        self.threads = [
+            threading.Thread(
+                target=self._run, args=(actor, i), name=f"rollout-lane-{i}-{trainer.name}", daemon=True
+            )
+            for i, actor in enumerate(lanes)
+        ]
 
     def start(self) -> None:
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
 
     def close(self, timeout_s: float = 30.0) -> None:
         self.stop.set()
-        self.thread.join(timeout_s)  # a call in flight ends with its workers (the group shuts down next)
+        for thread in self.threads:  # a call in flight ends with its workers (the group shuts down next)
+            thread.join(timeout_s)
 
     def take_stats(self) -> dict[str, float]:
         with self.lock:
             stats, self.stats = self.stats, {"wait_s": 0.0, "busy_s": 0.0, "tokens": 0.0}
         return stats
 
-    def _run(self) -> None:
+    def _run(self, actor: Any, lane: int) -> None:
         samples = self.trainer.batch_samples
-        who = f"rollout workers of job {self.trainer.name}"
+        who = f"rollout workers of job {self.trainer.name}" + ("" if actor is None else f", rank {lane}")
         try:
             while not self.stop.is_set():
                 start = time.perf_counter()
@@ -168,31 +180,44 @@ class RolloutProducer:
                     return
                 waited = time.perf_counter() - start
                 try:
-                    item = self._produce(who)
+                    item = self._produce(actor, who)
                 except BaseException:
                     self.buffer.cancel(samples)
                     raise
                 with self.lock:
                     self.stats["wait_s"] += waited
-                    self.current = None
                 if item is None:
+                    self.buffer.cancel(samples)
                     return
                 self.buffer.put(item)
+                with self.lock:
+                    self.in_flight.discard(item.index)
         except BaseException as err:  # noqa: BLE001 -- handed to the trainer, which raises it
             self.buffer.fail(err)
 
-    def _produce(self, who: str) -> BufferedRollout | None:
-        job, spec = self.trainer.job, self.trainer.spec
+    def _draw(self) -> tuple[int, Any]:
+        """The next draw not trained yet: its index and prompts (the loader's i-th, sync step i's seed)."""
+        job = self.trainer.job
         with self.lock:
-            index, self.current = self.next_index, self.next_index
-            self.loader_states[index] = job.loader.state_dict()
-            prompts = job.next_prompts(index)  # draw i: the loader's i-th prompts, sync step i's seed
-            self.next_index += 1
+            while True:
+                index = self.next_index
+                self.loader_states[index] = job.loader.state_dict()
+                prompts = job.next_prompts(index)
+                self.next_index += 1
+                if index not in self.skip:
+                    self.in_flight.add(index)
+                    return index, prompts
+                self.skip.discard(index)
+                del self.loader_states[index]
+
+    def _produce(self, actor: Any, who: str) -> BufferedRollout | None:
+        spec = self.trainer.spec
+        index, prompts = self._draw()
         if self.stop.is_set():
             return None
         with self.trainer.turn.generation(WAIT_TIMEOUT_S, who) as waited:
             version, start = self.version, time.perf_counter()
-            batch = job.groups.actor.generate_sequences(prompts)
+            batch = self._generate(actor, prompts, who)
             busy = time.perf_counter() - start
         batch, scores, metrics = self.trainer.score(batch)
         batch, scores, overlong = apply_overlong(
@@ -207,18 +232,27 @@ class RolloutProducer:
         payload = (batch, scores, {**metrics, **overlong})
         return BufferedRollout(index, len(batch), version, payload, int(tokens))
 
-    def resume_point(self) -> tuple[int, dict[str, Any]]:
-        """(index, loader state before it) of the oldest draw not yet trained."""
+    def _generate(self, actor: Any, prompts: Any, who: str) -> Any:
+        actors = self.trainer.job.groups.actor
+        if actor is None:
+            return actors.generate_sequences(prompts)
+        group = actors.rollout.group
+        ref = actor.execute.remote(DEFAULT_ROLE, "generate_sequences", ((prompts,), {}))
+        return wait_all(who, "generate_sequences", [ref], group.call_timeout_s)[0]
+
+    def resume_point(self) -> tuple[int, dict[str, Any], list[int]]:
+        """(index, loader state before it) of the oldest draw not trained, and the later ones trained."""
         with self.lock:
-            pending = self.buffer.pending_indices() + ([self.current] if self.current is not None else [])
-            if not pending:
-                return self.next_index, self.trainer.job.loader.state_dict()
-            first = min(pending)
-            return first, self.loader_states[first]
+            first = min([*self.buffer.pending_indices(), *self.in_flight, self.next_index])
+            loader = self.loader_states.get(first) or self.trainer.job.loader.state_dict()
+            return first, loader, sorted(i for i in self.trained_draws if i > first)
 
     def trained(self, index: int) -> None:
         with self.lock:
-            for old in [i for i in self.loader_states if i <= index]:
+            self.trained_draws.add(index)
+            first = min([*self.buffer.pending_indices(), *self.in_flight, self.next_index])
+            self.trained_draws = {i for i in self.trained_draws if i > first}
+            for old in [i for i in self.loader_states if i < first]:
                 del self.loader_states[old]
 
 
@@ -230,8 +264,9 @@ class AsyncTrainer(Trainer):
         self.turn = RolloutTurn()
         self.producer: RolloutProducer | None = None
         self._next_index: int | None = None  # from a checkpoint: the first draw not trained
+        self._skip: set[int] = set()  # from a checkpoint: later draws already trained
+        self._sync_pending = False  # the rollout workers hold older weights than the trainer
         self._score_lock = threading.Lock()  # the scorer's processes serve one thread at a time
-        self._trainer_wait = 0.0
         self._dropped_total = 0
 
     @property
@@ -246,22 +281,30 @@ class AsyncTrainer(Trainer):
             capacity = t.buffer_size or (t.max_staleness + 1) * self.batch_samples
             buffer = RolloutBuffer(self.batch_samples, t.max_staleness, capacity, version=version)
             next_index = self._next_index if self._next_index is not None else self.step_index
-            self.producer = RolloutProducer(self, buffer, next_index)
+            self.producer = RolloutProducer(self, buffer, next_index, set(self._skip))
             self.producer.start()
         return self.producer
 
     def _end_attempt(self) -> None:
         if self.producer is not None:
             self.producer.close()
-        self.producer, self._next_index = None, None
+        self.producer, self._next_index, self._skip = None, None, set()
 
     # ---- the step's sources ----------------------------------------------------------------------
 
     def _sample(self) -> tuple[Any, Any, dict[str, float]]:
         producer = self._ensure_producer()
-        version, start = self.step_index - 1, time.perf_counter()
+        version, start, synced = self.step_index - 1, time.perf_counter(), {}
         with self._timed("wait_rollout"):
-            item, dropped = producer.buffer.take(version, WAIT_TIMEOUT_S, f"trainer of job {self.name}")
+            while True:  # a deferred sync goes out as soon as the rollout workers are free
+                if self._sync_pending and self.turn.try_sync():
+                    synced = self._synced(self._send_weights())
+                try:
+                    item, dropped = producer.buffer.take(version, POLL_S, f"trainer of job {self.name}")
+                    break
+                except BufferTimeout:
+                    if time.perf_counter() - start > WAIT_TIMEOUT_S:
+                        raise
         waited = time.perf_counter() - start
         producer.trained(item.index)
         batch, scores, metrics = item.payload
@@ -272,7 +315,7 @@ class AsyncTrainer(Trainer):
             raise RuntimeError(f"a sample of staleness {int(staleness.max())} reached the update")
         self._dropped_total += sum(d.samples for d in dropped)
         stats = producer.take_stats()
-        metrics = dict(metrics)
+        metrics = {**metrics, **synced}
         metrics.update(
             {
                 "async/buffer_fill": producer.buffer.buffered_samples() / producer.buffer.capacity,
@@ -281,23 +324,27 @@ class AsyncTrainer(Trainer):
                 "async/staleness_mean": float(staleness.float().mean()),
                 "async/staleness_max": float(staleness.max()),
                 "async/draw_index": float(item.index),
-                "async/trainer_wait_s": waited + self._trainer_wait,
+                "async/trainer_wait_s": waited,
                 "async/rollout_wait_s": stats["wait_s"],
                 "perf/rollout_tokens_per_s": stats["tokens"] / max(stats["busy_s"], 1e-9),
             }
         )
         for age in range(self.spec.trainer.max_staleness + 1):  # the histogram of trained samples
             metrics[f"async/staleness_hist/{age}"] = float((staleness == age).sum())
-        self._trainer_wait = 0.0
         return batch, scores, metrics
 
     def _start_sync(self) -> Callable[[], dict[str, float]]:
-        """Wait for the rollout workers' generation call in flight, then send; the producer resumes
-        once the weights are there."""
-        producer = self._ensure_producer()
-        self._trainer_wait += self.turn.acquire_for_sync(
-            WAIT_TIMEOUT_S, f"rollout workers of job {self.name}"
-        )
+        """The step's weights go out now if no generation call is in flight (k = 0: always, the
+        producer waits for them); else later, before the next take, as soon as the workers are free
+        (the newest weights then: a skipped version is never sent)."""
+        self._sync_pending = True
+        if not self.turn.try_sync(SYNC_GRACE_S):
+            return dict
+        return self._send_weights()
+
+    def _send_weights(self) -> Callable[[], dict[str, float]]:
+        """Send the trainer's weights (the turn is the sync's); the producer resumes once they are there."""
+        producer, version = self._ensure_producer(), self.step_index
         try:
             done = super()._start_sync()
         except BaseException:
@@ -306,16 +353,23 @@ class AsyncTrainer(Trainer):
 
         def wait() -> dict[str, float]:
             try:
-                return done()
+                out = done()
+                self._sync_pending = False
+                producer.version = version
+                producer.buffer.set_version(version)
+                return out
             finally:
-                producer.version = self.step_index
-                producer.buffer.set_version(self.step_index)
                 self.turn.release()
 
         return wait
 
     def _generate(self, prompts: Any) -> Any:
-        """Validation's generation takes its turn on the rollout workers."""
+        """Validation's generation: the trainer's weights first (a deferred sync goes now), then its
+        turn on the rollout workers."""
+        if self._sync_pending and self.producer is not None:
+            if not self.turn.try_sync(WAIT_TIMEOUT_S):
+                raise TimeoutError(f"rollout workers of job {self.name}: busy for {WAIT_TIMEOUT_S:.0f} s")
+            self._synced(self._send_weights())
         with self.turn.generation(WAIT_TIMEOUT_S, f"rollout workers of job {self.name}"):
             return super()._generate(prompts)
 
@@ -341,12 +395,17 @@ class AsyncTrainer(Trainer):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self.producer is not None:
-            index, loader = self.producer.resume_point()
+            index, loader, trained = self.producer.resume_point()
         else:
-            index, loader = self._next_index or self.step_index + 1, state["loader"]
-        state.update(loader=loader, draw_index=index)
+            index, loader, trained = (
+                self._next_index or self.step_index + 1,
+                state["loader"],
+                sorted(self._skip),
+            )
+        state.update(loader=loader, draw_index=index, trained_draws=trained)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)  # the loader goes to the oldest untrained draw
         self._next_index = int(state.get("draw_index", self.step_index + 1))
+        self._skip = set(state.get("trained_draws", []))

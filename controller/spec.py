@@ -504,6 +504,9 @@ def check_async(spec: JobSpec, samples: int) -> None:
     if t.buffer_size is not None and t.buffer_size < samples:
         raise field_error(("trainer", "buffer_size"), f"{t.buffer_size} is smaller than one step's "
                           f"prompts_per_step x rollout.n = {samples} samples", t.buffer_size)  # fmt: skip
+    if t.rollout_lanes == "per_worker" and spec.rollout.tensor_parallel_size > 1:
+        raise field_error(("trainer", "rollout_lanes"), "per_worker needs rollout.tensor_parallel_size 1",
+                          t.rollout_lanes)  # fmt: skip
     if spec.method == "sft" or spec.algorithm.dynamic_sampling.enabled:
         raise field_error(("trainer", "mode"), "async is for RL without algorithm.dynamic_sampling", t.mode)
 
