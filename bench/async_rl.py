@@ -2,7 +2,8 @@
 
 (a) latency-bound: multi-turn GRPO on the guessing game whose environment steps take 50-500 ms with a
     long tail (bench/slow_envs.py), tiny-qwen2-chat;
-(b) compute-bound: single-turn GRPO on the built-in arithmetic task, qwen2-1m, no environment.
+(b) compute-bound: single-turn GRPO on the built-in arithmetic task, qwen2-1m, no environment, scored
+    by tests.reward_fns:digit_reward (partial credit).
 
 Every job is split (1 training rank, `--rollout-workers` rollout workers). Sync generates then trains;
 async runs with max_staleness `--k`, the decoupled correction, and one producer lane per rollout
@@ -50,7 +51,13 @@ def job_spec(args: argparse.Namespace, task: str, mode: str) -> dict:
                      "max_turns": 4, "max_response_tokens": 24},
         )  # fmt: skip
     else:
-        spec.update(model={"builtin": "qwen2-1m"}, rollout={"n": args.n, "max_new_tokens": 16})
+        spec.update(
+            model={"builtin": "qwen2-1m"},
+            reward={
+                "function": "tests.reward_fns:digit_reward"
+            },  # partial credit: a short run's reward moves
+            rollout={"n": args.n, "max_new_tokens": 16},
+        )
     return spec
 
 

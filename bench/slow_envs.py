@@ -1,5 +1,6 @@
 """A latency-bound environment for bench/async_rl.py: the guessing game whose every step takes 50-500 ms
-with a long tail, as a tool call or a sandbox would (importable by Ray workers as bench.slow_envs)."""
+with a long tail, as a tool call or a sandbox would, with a small format reward (importable by Ray
+workers as bench.slow_envs)."""
 
 from __future__ import annotations
 
@@ -21,5 +22,8 @@ class SlowGuessNumber(GuessNumberEnv):
         return super().reset(row)
 
     def step(self, assistant_text: str) -> tuple[str | None, float, bool, dict[str, Any]]:
+        """The game's step after the delay, plus 0.1 for a turn that is a guess (a format reward, so
+        that a short run's reward moves)."""
         time.sleep(step_latency_s(self._rng))
-        return super().step(assistant_text)
+        observation, reward, done, info = super().step(assistant_text)
+        return observation, reward + (0.1 if observation != "a number please" else 0.0), done, info

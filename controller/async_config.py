@@ -38,6 +38,15 @@ class AsyncOptions(BaseModel):
         description="async: samples the buffer holds (generated, not yet trained), at least one step's "
         "prompts_per_step x rollout.n; None = (max_staleness + 1) steps' worth",
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="async: generate each draw in segments of segment_tokens, so a weight sync lands between "
+        "segments and unfinished responses go on with the new weights; every token keeps its version, a "
+        "sample's staleness is its oldest token's (single-turn only)",
+    )
+    segment_tokens: int = Field(
+        8, ge=1, le=1_048_576, description="async with partial_rollouts: new tokens per generation call"
+    )
     rollout_lanes: Literal["group", "per_worker"] = Field(
         "group",
         description="async: group = one draw at a time, split over the rollout workers (as sync); "

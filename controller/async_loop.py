@@ -44,11 +44,13 @@ from typing import Any
 import torch
 
 from controller.overlong import apply_overlong
+from controller.partial_rollout import generate_in_segments
 from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
 from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.trainer import Trainer
 from controller.worker_group import DEFAULT_ROLE
+from engines.rollout.hf import read_special_token_ids
 from workers.remote import wait_all
 
 WAIT_TIMEOUT_S = 3600.0  # a generation call's own timeout bounds the producer; this bounds the waits
@@ -96,17 +98,20 @@ class RolloutTurn:
     """The rollout workers serve generation calls (one per lane at a time) or a weight sync, never both:
     a sync starts only when no call is in flight, and no call starts during a sync."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync_first: bool = False) -> None:
+        """`sync_first`: a sync that found calls in flight stops new calls until it went (partial
+        rollouts: their calls are short, and the weights should land mid-draw)."""
         self._cond = threading.Condition()
         self._calls = 0
         self._syncing = False
+        self._sync_first, self._sync_wanted = sync_first, False
 
     @contextmanager
     def generation(self, timeout_s: float, who: str) -> Iterator[float]:
         """Yields the seconds waited for a sync to finish."""
         start = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._syncing, timeout_s):
+            if not self._cond.wait_for(lambda: not self._syncing and not self._sync_wanted, timeout_s):
                 raise TimeoutError(f"{who}: a weight sync did not end within {timeout_s:.0f} s")
             self._calls += 1
         try:
@@ -121,8 +126,9 @@ class RolloutTurn:
         within `wait_s` seconds."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._calls == 0 and not self._syncing, wait_s):
+                self._sync_wanted = self._sync_first
                 return False
-            self._syncing = True
+            self._syncing, self._sync_wanted = True, False
             return True
 
     def release(self) -> None:
@@ -147,6 +153,7 @@ class RolloutProducer:
         self.trained_draws: set[int] = set()
         self.loader_states: dict[int, dict[str, Any]] = {}  # the loader before each unsettled draw
         self.stats = {"wait_s": 0.0, "busy_s": 0.0, "tokens": 0.0}
+        self.pad = read_special_token_ids(trainer.job.model_path)[1]  # the rollout engine's padding
         group = trainer.job.groups.actor.rollout.group
         lanes = group.actors if trainer.spec.trainer.rollout_lanes == "per_worker" else [None]
         self.threads = [
@@ -215,16 +222,28 @@ class RolloutProducer:
         index, prompts = self._draw()
         if self.stop.is_set():
             return None
-        with self.trainer.turn.generation(WAIT_TIMEOUT_S, who) as waited:
-            version, start = self.version, time.perf_counter()
-            batch = self._generate(actor, prompts, who)
-            busy = time.perf_counter() - start
+        if spec.trainer.partial_rollouts:
+            start = time.perf_counter()
+            batch, busy = generate_in_segments(
+                prompts,
+                spec.trainer.segment_tokens,
+                lambda rows, params: self._low_level(actor, rows, params, who),
+                lambda: self.trainer.turn.generation(WAIT_TIMEOUT_S, who),
+                lambda: self.version,
+                self.pad,
+            )
+            waited, version = time.perf_counter() - start - busy, int(batch.tensors["policy_version"].min())
+        else:
+            with self.trainer.turn.generation(WAIT_TIMEOUT_S, who) as waited:
+                version, start = self.version, time.perf_counter()
+                batch = self._generate(actor, prompts, who)
+                busy = time.perf_counter() - start
+            batch.tensors["policy_version"] = torch.full((len(batch),), version, dtype=torch.long)
         batch, scores, metrics = self.trainer.score(batch)
         batch, scores, overlong = apply_overlong(
             batch, scores, spec.algorithm.overlong, spec.rollout.response_budget
         )
         tokens = float(batch.tensors["response_mask"].sum())
-        batch.tensors["policy_version"] = torch.full((len(batch),), version, dtype=torch.long)
         with self.lock:
             self.stats["wait_s"] += waited
             self.stats["busy_s"] += busy
@@ -239,6 +258,14 @@ class RolloutProducer:
         group = actors.rollout.group
         ref = actor.execute.remote(DEFAULT_ROLE, "generate_sequences", ((prompts,), {}))
         return wait_all(who, "generate_sequences", [ref], group.call_timeout_s)[0]
+
+    def _low_level(self, actor: Any, rows: list[list[int]], params: Any, who: str) -> list:
+        """One `generate` call (completions, no layout): on the group's rank 0, or on the lane's worker."""
+        if actor is None:
+            return self.trainer.job.groups.actor.rollout.generate(rows, params)
+        group = self.trainer.job.groups.actor.rollout.group
+        ref = actor.execute.remote(DEFAULT_ROLE, "generate", ((rows, params), {}))
+        return wait_all(who, "generate", [ref], group.call_timeout_s)[0]
 
     def resume_point(self) -> tuple[int, dict[str, Any], list[int]]:
         """(index, loader state before it) of the oldest draw not trained, and the later ones trained."""
@@ -261,7 +288,7 @@ class AsyncTrainer(Trainer):
 
     def __init__(self, spec: JobSpec, *args: Any, **kwargs: Any) -> None:
         super().__init__(corrected_spec(spec), *args, **kwargs)
-        self.turn = RolloutTurn()
+        self.turn = RolloutTurn(sync_first=self.spec.trainer.partial_rollouts)
         self.producer: RolloutProducer | None = None
         self._next_index: int | None = None  # from a checkpoint: the first draw not trained
         self._skip: set[int] = set()  # from a checkpoint: later draws already trained
@@ -329,6 +356,13 @@ class AsyncTrainer(Trainer):
                 "perf/rollout_tokens_per_s": stats["tokens"] / max(stats["busy_s"], 1e-9),
             }
         )
+        if (
+            "token_versions" in batch.tensors.keys()
+        ):  # partial rollouts: rows sampled by more than one version
+            tv = batch.tensors["token_versions"]
+            newest = tv.max(-1).values
+            oldest = tv.masked_fill(tv < 0, torch.iinfo(tv.dtype).max).min(-1).values
+            metrics["async/multi_version_samples"] = float(((newest > oldest) & (newest >= 0)).sum())
         for age in range(self.spec.trainer.max_staleness + 1):  # the histogram of trained samples
             metrics[f"async/staleness_hist/{age}"] = float((staleness == age).sum())
         return batch, scores, metrics

@@ -507,6 +507,9 @@ def check_async(spec: JobSpec, samples: int) -> None:
     if t.rollout_lanes == "per_worker" and spec.rollout.tensor_parallel_size > 1:
         raise field_error(("trainer", "rollout_lanes"), "per_worker needs rollout.tensor_parallel_size 1",
                           t.rollout_lanes)  # fmt: skip
+    if t.partial_rollouts and spec.rollout.environment is not None:
+        raise field_error(("trainer", "partial_rollouts"), "single-turn only (rollout.environment is set)",
+                          t.partial_rollouts)  # fmt: skip
     if spec.method == "sft" or spec.algorithm.dynamic_sampling.enabled:
         raise field_error(("trainer", "mode"), "async is for RL without algorithm.dynamic_sampling", t.mode)
 

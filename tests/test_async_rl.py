@@ -166,3 +166,20 @@ def test_the_decoupled_objective_matches_its_formula_computed_per_token():
     loss, metrics = run(make_policy_loss(cfg), mb, {"log_probs": as_tensor(theta)})
     assert loss.item() == pytest.approx(total / tokens, abs=1e-12)
     assert metrics["rollout_corr/token_clipped_frac"] > 0  # the cap was exercised
+
+
+def test_partial_rollouts_continue_with_new_weights_and_keep_each_tokens_version(ray_cluster, tmp_path):
+    """Segments of one token and a buffer of one batch: draw 2 starts when step 1 takes draw 1 and
+    is generated while step 1 trains, so the sync after step 1 lands in the middle of it and its
+    responses go on with version 1; a response's staleness is its oldest token's, within k, and the
+    decoupled loss trains on them."""
+    spec = small_spec(
+        mode="async", max_staleness=1, partial_rollouts=True, segment_tokens=1, buffer_size=8
+    ).merged({"rollout": {"max_new_tokens": 48}})
+    sink = run_job(spec, tmp_path)
+    rows = [r["values"] for r in sink.history]
+    assert len(rows) == 3
+    assert sum(r.get("async/multi_version_samples", 0.0) for r in rows) > 0
+    assert_within_bound(sink, 1, 8)
+    for values in rows:
+        assert values["rollout_corr/is_weight_mean"] > 0 and abs(values["actor/pg_loss"]) < 1e3
