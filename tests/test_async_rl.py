@@ -86,6 +86,8 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
 
     def pause_after_two(step, total, values):
         progress(step, total, values)
+        if step == 1:
+            trainer.control.set_hyperparameters({"lr": 5e-4})  # reaches the trainer at step 2
         if step == 2:
             trainer.control.request_stop("pause")
 
@@ -97,6 +99,19 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
     # The oldest untrained draw (its data position kept) and the later draws already trained.
     assert state["draw_index"] not in first_draws
     assert set(state["trained_draws"]) == {d for d in first_draws if d > state["draw_index"]}
+
+    assert [r["values"]["actor/lr"] for r in sink.history] == pytest.approx([1e-3, 5e-4])
+
+    # A fork of the paused job (the service's: a new job resuming from its checkpoint, an override on
+    # top) trains the steps after it from the same data position: no draw the parent trained.
+    fork_dir = tmp_path / "fork"
+    fork_spec = spec.merged({"checkpoint": {"resume_from": str(tmp_path / "checkpoints" / "step_00000002")},
+                             "optim": {"lr": 2e-4}})  # fmt: skip
+    fork = run_job(fork_spec, fork_dir)
+    assert [r["step"] for r in fork.history] == [3, 4]
+    fork_draws = [int(r["values"]["async/draw_index"]) for r in fork.history]
+    assert not set(fork_draws) & set(first_draws) and min(fork_draws) >= state["draw_index"]
+    assert [r["values"]["actor/lr"] for r in fork.history] == pytest.approx([2e-4, 2e-4])
 
     again = JsonlSink(tmp_path / "again")
     make_trainer(spec, tmp_path, again, name="second").run()
