@@ -1,7 +1,7 @@
 """Asynchronous RL (trainer.mode 'async'): the rollout workers generate while the training ranks update.
 
 `AsyncTrainer` is the Trainer with one change of source: a step's scored samples come from a bounded
-buffer (controller/rollout_buffer.py) that a producer thread of the controller fills, instead of a
+buffer (controller/rollout_buffer.py) that producer threads of the controller fill, instead of a
 generation inside the step. The rest of the step (log-probs, advantages, update, sync, records,
 checkpoints, recovery) is Trainer.step's.
 
@@ -9,14 +9,15 @@ checkpoints, recovery) is Trainer.step's.
     admit B samples (AReaL's rule, the buffer)        take the oldest batch young enough
     draw prompts i (seed of i), generate on the       (older ones dropped: async/dropped_stale)
       rollout workers, score, put                     log-probs, advantages, update_actor
-    ... next i while the trainer updates ...          sync: wait for the current generation call,
-                                                      send the weights, release the workers
+    ... next i while the trainer updates ...          sync: now if no generation call is in flight,
+                                                      else deferred until the workers are free
 
-Weights reach the rollout workers **between their generation calls**: a rollout worker serves one
-call at a time, so a sync waits for the call in flight (`RolloutTurn`, with a timeout naming the
-worker group), and the producer's next call starts only after the sync. The controller therefore
-knows the version every generation call ran with: the trainer version at the last sync. Versions count
-optimizer steps: step s trains at version s - 1, and a sample of version v has staleness
+Weights reach the rollout workers **between their generation calls** (controller/rollout_turn.py,
+every wait with a timeout naming the worker group): a rollout worker serves one call at a time, so
+a step's sync goes at once when no call is in flight (always with k = 0), else the newest weights go
+as soon as the workers are free (checked while the trainer waits for a batch, and before a
+validation). The controller therefore knows the version every generation call ran with. Versions
+count optimizer steps: step s trains at version s - 1, and a sample of version v has staleness
 s - 1 - v <= trainer.max_staleness (asserted on every trained sample by tests/test_async_rl.py).
 
 k = 0 computes what the sync trainer computes: the buffer admits draw i only once the weights of
@@ -36,8 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ import torch
 from controller.overlong import apply_overlong
 from controller.partial_rollout import generate_in_segments
 from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
+from controller.rollout_turn import RolloutTurn
 from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.trainer import Trainer
@@ -92,49 +93,6 @@ def make_trainer(
     """The job's trainer: the async one for trainer.mode 'async'."""
     cls = AsyncTrainer if spec.trainer.mode == "async" else Trainer
     return cls(spec, workdir, sink, name=name, restarts=restarts)
-
-
-class RolloutTurn:
-    """The rollout workers serve generation calls (one per lane at a time) or a weight sync, never both:
-    a sync starts only when no call is in flight, and no call starts during a sync."""
-
-    def __init__(self, sync_first: bool = False) -> None:
-        """`sync_first`: a sync that found calls in flight stops new calls until it went (partial
-        rollouts: their calls are short, and the weights should land mid-draw)."""
-        self._cond = threading.Condition()
-        self._calls = 0
-        self._syncing = False
-        self._sync_first, self._sync_wanted = sync_first, False
-
-    @contextmanager
-    def generation(self, timeout_s: float, who: str) -> Iterator[float]:
-        """Yields the seconds waited for a sync to finish."""
-        start = time.perf_counter()
-        with self._cond:
-            if not self._cond.wait_for(lambda: not self._syncing and not self._sync_wanted, timeout_s):
-                raise TimeoutError(f"{who}: a weight sync did not end within {timeout_s:.0f} s")
-            self._calls += 1
-        try:
-            yield time.perf_counter() - start
-        finally:
-            with self._cond:
-                self._calls -= 1
-                self._cond.notify_all()
-
-    def try_sync(self, wait_s: float = 0.0) -> bool:
-        """True (the workers are the sync's until `release`) when no generation call is in flight
-        within `wait_s` seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._calls == 0 and not self._syncing, wait_s):
-                self._sync_wanted = self._sync_first
-                return False
-            self._syncing, self._sync_wanted = True, False
-            return True
-
-    def release(self) -> None:
-        with self._cond:
-            self._syncing = False
-            self._cond.notify_all()
 
 
 class RolloutProducer:
