@@ -7,7 +7,10 @@ uses two calls:
                                        # else "full, retry after `wait` seconds" (nothing reserved)
     buffer.put(item)                   # the admitted samples, scored; or buffer.cancel(samples)
 
-`admit(samples, timeout_s, who)` is the blocking form. The trainer calls `take(version)` for the
+`admit(samples, timeout_s, who)` is the blocking form. What AsyncTrainer trains from an item: `payload`
+= (Batch in the training layout of workers/rollout_layout.py with a `policy_version` row tensor, the
+scores tensor, a metrics dict); one item is one step's batch (`samples` = prompts_per_step x n), and
+`version` is the oldest token's weight version (the staleness filter reads it). The trainer calls `take(version)` for the
 next item young enough to train at trainer version `version`.
 
 Admission (AReaL's rule, Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning
