@@ -21,11 +21,14 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from controller.async_config import AsyncOptions
 from controller.external_spec import ExternalSpec
 from engines.config import (
     Dtype,
@@ -303,7 +306,9 @@ class AlgorithmSpec(Section, PolicyLossConfig, MicroBatchConfig):
         return UpdateSchedule(mini_batch_size=self.ppo_mini_batch_size, epochs=self.ppo_epochs, seed=seed)
 
 
-class TrainerSpec(Section):
+class TrainerSpec(Section, AsyncOptions):
+    """The loop: steps, validation, trackers, restarts, and sync or async RL (controller.async_config)."""
+
     total_steps: int = Field(20, gt=0, le=100_000_000, description="training steps of the job")
     prompts_per_step: int = Field(
         16, gt=0, le=MAX_SAMPLES, description="prompts a step (RL: x rollout.n samples), or pairs (SFT)"
@@ -487,6 +492,7 @@ class JobSpec(JobLabels):
                 f"multiple of resources.workers = {self.resources.workers}"
             )
         self._check_overlong_and_dynamic_sampling()
+        check_async(self, samples)
         return self
 
     def _check_overlong_and_dynamic_sampling(self) -> None:
@@ -509,6 +515,37 @@ class JobSpec(JobLabels):
     def merged(self, overrides: dict[str, Any]) -> JobSpec:
         """A new spec with nested overrides applied (fork), validated as a whole."""
         return JobSpec.model_validate(deep_merge(self.model_dump(), overrides))
+
+
+def check_async(spec: JobSpec, samples: int) -> None:
+    """trainer.mode 'async' needs rollout workers of its own and a buffer of at least one step."""
+    t = spec.trainer
+    if t.mode != "async":
+        return
+    if spec.resources.placement != "split":
+        raise field_error(("trainer", "mode"), "async needs resources.placement 'split' (rollout workers of "
+                          "their own, which generate while the training ranks update)", t.mode)  # fmt: skip
+    if t.buffer_size is not None and t.buffer_size < samples:
+        raise field_error(("trainer", "buffer_size"), f"{t.buffer_size} is smaller than one step's "
+                          f"prompts_per_step x rollout.n = {samples} samples", t.buffer_size)  # fmt: skip
+    if t.rollout_lanes == "per_worker" and spec.rollout.tensor_parallel_size > 1:
+        raise field_error(("trainer", "rollout_lanes"), "per_worker needs rollout.tensor_parallel_size 1",
+                          t.rollout_lanes)  # fmt: skip
+    if t.partial_rollouts and spec.rollout.environment is not None:
+        raise field_error(("trainer", "partial_rollouts"), "single-turn only (rollout.environment is set)",
+                          t.partial_rollouts)  # fmt: skip
+    if spec.method == "sft" or spec.algorithm.dynamic_sampling.enabled:
+        raise field_error(("trainer", "mode"), "async is for RL without algorithm.dynamic_sampling", t.mode)
+
+
+def field_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
+    """A validation error located at `loc` (a cross-section rule still names its field in the 422)."""
+    error = PydanticCustomError(
+        "value_error", ".".join(loc) + ": " + message.replace("{", "(").replace("}", ")")
+    )
+    return ValidationError.from_exception_data(
+        "JobSpec", [InitErrorDetails(type=error, loc=loc, input=value)]
+    )
 
 
 def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -138,8 +138,17 @@ class Trainer:
                 raise
             raise lost from err
         finally:
+            self._end_attempt()
             if self.job is not None:
                 self.job.shutdown()
+
+    def _end_attempt(self) -> None:
+        """Before the workers go: a hook (the async trainer stops its rollout producer here)."""
+
+    def _start_sync(self) -> Callable[[], dict[str, float]]:
+        """The step's weight sync, started; call the result to wait (the async trainer first waits
+        for the rollout workers' current generation call, controller/async_loop.py)."""
+        return self.job.groups.actor.start_sync_weights()
 
     def _recover(self, lost: WorkerLost) -> None:
         """Restart the whole job from its last checkpoint (a split placement's lost rollout worker was
@@ -190,7 +199,7 @@ class Trainer:
                 )
             metrics.update(rejection)  # its mismatch report covers the tokens the loss no longer sees
             with self._timed("sync"):
-                sync_done = actor.start_sync_weights()
+                sync_done = self._start_sync()
             # The step's own records are written while the ranks load the new weights.
             self._record_step(metrics, adv_metrics, batch, scores)
             with self._timed("sync"):

@@ -78,7 +78,20 @@ export const CHARTS = [
     { key: "weight_sync/seconds", label: "seconds" },
     { key: "weight_sync/gbps", label: "GB/s", axis: "y1" },
   ] },
-  { name: "throughput", title: "Throughput", y: "tokens / s", series: [{ key: "perf/throughput", label: "tokens/s" }] },
+  { name: "throughput", title: "Throughput", y: "tokens / s", series: [
+    { key: "perf/throughput", label: "step tokens/s" },
+    { key: "perf/rollout_tokens_per_s", label: "rollout tokens/s (async)" },
+    { key: "perf/trainer_tokens_per_s", label: "trainer tokens/s (async)" },
+  ] },
+  // trainer.mode async (controller/async_loop.py): how full the buffer is, what each role waits for,
+  // and the age of the samples each step trained (a stacked histogram, versions behind the trainer).
+  { name: "async", title: "Async: buffer and waits", y: "seconds", y1: "share", series: [
+    { key: "async/trainer_wait_s", label: "trainer waits" },
+    { key: "async/rollout_wait_s", label: "rollout waits" },
+    { key: "async/buffer_fill", label: "buffer fill", axis: "y1", dashed: true },
+  ] },
+  { name: "staleness", title: "Async: staleness of trained samples", y: "samples", kind: "area",
+    series: [0, 1, 2, 3, 4].map((age) => ({ key: `async/staleness_hist/${age}`, label: `${age} behind` })) },
 ];
 
 // A chart for one metric picked by the user: the unit guessed from the name's prefix.

@@ -1,0 +1,200 @@
+"""Asynchronous RL (trainer.mode 'async', controller/async_loop.py): the staleness bound holds on every
+trained sample, k = 0 computes what sync computes, pause/resume trains every draw once, and bad
+settings are 422s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from controller.async_loop import AsyncTrainer, make_trainer
+from controller.sink import JsonlSink
+from controller.spec import JobSpec
+from controller.trainer import StopRequested
+from tests.test_trainer import job_spec
+
+SPLIT = {"placement": "split", "workers": 1, "rollout": {"workers": 1}}
+# Time, throughput, the transfer and the async loop's own bookkeeping differ by design.
+NOT_COMPARED = ("timing_s/", "perf/", "weight_sync/", "async/")
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+
+
+def small_spec(**trainer) -> JobSpec:
+    return job_spec(
+        rollout={"n": 4, "max_new_tokens": 4},
+        trainer={"total_steps": 3, "prompts_per_step": 2, "val_every": 0, "samples_per_step": 8, **trainer},
+        checkpoint={"every": 0, "export_hf": False},
+        resources=SPLIT,
+    )
+
+
+def run_job(spec: JobSpec, workdir) -> JsonlSink:
+    sink = JsonlSink(workdir)
+    make_trainer(spec, workdir, sink, name=workdir.name).run()
+    return sink
+
+
+def samples_of(sink: JsonlSink) -> list[dict]:
+    lines = (sink.folder / "samples.jsonl").read_text().splitlines()
+    return [row for line in lines for row in json.loads(line)["samples"]]
+
+
+def assert_within_bound(sink: JsonlSink, k: int, batch: int) -> None:
+    """Every trained sample's staleness is <= k: the histogram covers 0..k and counts every sample."""
+    for row in sink.history:
+        values = row["values"]
+        assert values["async/staleness_max"] <= k
+        assert sum(values[f"async/staleness_hist/{age}"] for age in range(k + 1)) == batch
+
+
+def test_k0_async_trains_what_sync_trains(ray_cluster, tmp_path):
+    sync = run_job(small_spec(), tmp_path / "sync")
+    asynchronous = run_job(
+        small_spec(mode="async", max_staleness=0, off_policy_correction="none"), tmp_path / "async"
+    )
+    assert [r["step"] for r in asynchronous.history] == [1, 2, 3]
+    assert_within_bound(asynchronous, 0, 8)
+    for a, b in zip(sync.history, asynchronous.history, strict=True):
+        keys = {k for k in a["values"] if not k.startswith(NOT_COMPARED)}
+        assert keys == {k for k in b["values"] if not k.startswith(NOT_COMPARED)}
+        for key in keys:
+            assert b["values"][key] == pytest.approx(a["values"][key], abs=1e-5, rel=0), key
+    for a, b in zip(samples_of(sync), samples_of(asynchronous), strict=True):
+        assert (a["tokens"], a["spans"]) == (b["tokens"], b["spans"])
+        assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
+
+
+def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_cluster, tmp_path):
+    """k = 1, two rollout workers each generating draws of their own, the decoupled correction: draws
+    are generated while a step trains (so some trained samples are one version old), none older; a
+    pause checkpoints, the resumed job regenerates what was in flight, skips what was trained, and
+    trains every draw once, the steps once each."""
+    spec = small_spec(mode="async", max_staleness=1, total_steps=4, rollout_lanes="per_worker").merged(
+        {"resources": {"rollout": {"workers": 2}}}
+    )
+    sink = JsonlSink(tmp_path)
+    trainer = make_trainer(spec, tmp_path, sink, name="first")
+    assert isinstance(trainer, AsyncTrainer)
+    assert trainer.spec.algorithm.recompute_old_log_probs  # the decoupled objective's proximal pass
+    assert trainer.spec.algorithm.rollout_correction.is_weights == "token"
+    progress = sink.progress
+
+    def pause_after_two(step, total, values):
+        progress(step, total, values)
+        if step == 1:
+            trainer.control.set_hyperparameters({"lr": 5e-4})  # reaches the trainer at step 2
+        if step == 2:
+            trainer.control.request_stop("pause")
+
+    sink.progress = pause_after_two
+    with pytest.raises(StopRequested, match="pause"):
+        trainer.run()
+    state = json.loads((tmp_path / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    first_draws = [int(r["values"]["async/draw_index"]) for r in sink.history]
+    # The oldest untrained draw (its data position kept) and the later draws already trained.
+    assert state["draw_index"] not in first_draws
+    assert set(state["trained_draws"]) == {d for d in first_draws if d > state["draw_index"]}
+
+    assert [r["values"]["actor/lr"] for r in sink.history] == pytest.approx([1e-3, 5e-4])
+
+    # A fork of the paused job (the service's: a new job resuming from its checkpoint, an override on
+    # top) trains the steps after it from the same data position: no draw the parent trained.
+    fork_dir = tmp_path / "fork"
+    fork_spec = spec.merged({"checkpoint": {"resume_from": str(tmp_path / "checkpoints" / "step_00000002")},
+                             "optim": {"lr": 2e-4}})  # fmt: skip
+    fork = run_job(fork_spec, fork_dir)
+    assert [r["step"] for r in fork.history] == [3, 4]
+    fork_draws = [int(r["values"]["async/draw_index"]) for r in fork.history]
+    assert not set(fork_draws) & set(first_draws) and min(fork_draws) >= state["draw_index"]
+    assert [r["values"]["actor/lr"] for r in fork.history] == pytest.approx([2e-4, 2e-4])
+
+    again = JsonlSink(tmp_path / "again")
+    make_trainer(spec, tmp_path, again, name="second").run()
+    rows = sink.history + again.history
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    draws = first_draws + [int(r["values"]["async/draw_index"]) for r in again.history]
+    assert draws == sorted(set(draws))  # no draw trained twice
+    assert_within_bound(sink, 1, 8)
+    assert_within_bound(again, 1, 8)
+    assert sum(r["values"]["async/staleness_hist/1"] for r in rows) > 0  # it did run ahead
+    for row in rows:
+        assert row["values"]["rollout_corr/is_weight_mean"] > 0  # the behaviour weight is applied
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"trainer": {"mode": "async"}}, "trainer.mode"),
+        ({"trainer": {"mode": "async", "max_staleness": -1}, "resources": SPLIT}, "trainer.max_staleness"),
+        ({"trainer": {"mode": "async", "buffer_size": 3}, "resources": SPLIT}, "trainer.buffer_size"),
+    ],
+)
+def test_bad_async_settings_are_a_422_naming_the_field(unscheduled, body, param):
+    with unscheduled.client() as http:
+        response = http.post("/v1/jobs", json={"model": {"builtin": "tiny-qwen2"}, **body})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_the_decoupled_objective_matches_its_formula_computed_per_token():
+    """AReaL's decoupled PPO, -min(pi_prox/pi_behav, C) * min(r A, clip(r) A) with r = pi_theta/pi_prox,
+    token-mean: the loss the async spec builds, against the formula in plain Python floats."""
+    import math
+    import random
+
+    import torch
+
+    from controller.async_loop import corrected_spec
+    from tests.test_losses import batch, run
+    from workers.losses.policy import make_policy_loss
+
+    spec = small_spec(mode="async", max_staleness=2)
+    cfg = corrected_spec(spec).algorithm.policy_loss_config()
+    rng = random.Random(0)
+    rows, width, cap, eps = 3, 5, cfg.rollout_correction.is_cap, cfg.clip_ratio_low
+    theta = [[-rng.uniform(0.2, 3) for _ in range(width)] for _ in range(rows)]
+    prox = [[x + rng.uniform(-0.4, 0.4) for x in row] for row in theta]  # r within the dual clip
+    behav = [[x + rng.uniform(-1.5, 1.5) for x in row] for row in prox]  # some weights past the cap
+    adv = [[rng.uniform(-2, 2)] * width for _ in range(rows)]
+    mask = [[1] * width, [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
+    total, tokens = 0.0, 0
+    for i in range(rows):
+        for j in range(width):
+            if not mask[i][j]:
+                continue
+            r, a = math.exp(theta[i][j] - prox[i][j]), adv[i][j]
+            weight = min(math.exp(prox[i][j] - behav[i][j]), cap)
+            total += -weight * min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
+            tokens += 1
+    as_tensor = lambda rows_: torch.tensor(rows_, dtype=torch.float64)  # noqa: E731
+    mb = batch(
+        response_mask=as_tensor(mask),
+        old_log_probs=as_tensor(prox),
+        rollout_log_probs=as_tensor(behav),
+        advantages=as_tensor(adv),
+    )
+    loss, metrics = run(make_policy_loss(cfg), mb, {"log_probs": as_tensor(theta)})
+    assert loss.item() == pytest.approx(total / tokens, abs=1e-12)
+    assert metrics["rollout_corr/token_clipped_frac"] > 0  # the cap was exercised
+
+
+def test_partial_rollouts_continue_with_new_weights_and_keep_each_tokens_version(ray_cluster, tmp_path):
+    """Segments of one token and a buffer of one batch: draw 2 starts when step 1 takes draw 1 and
+    is generated while step 1 trains, so the sync after step 1 lands in the middle of it and its
+    responses go on with version 1; a response's staleness is its oldest token's, within k, and the
+    decoupled loss trains on them."""
+    spec = small_spec(
+        mode="async", max_staleness=1, partial_rollouts=True, segment_tokens=1, buffer_size=8
+    ).merged({"rollout": {"max_new_tokens": 48}})
+    sink = run_job(spec, tmp_path)
+    rows = [r["values"] for r in sink.history]
+    assert len(rows) == 3
+    assert sum(r.get("async/multi_version_samples", 0.0) for r in rows) > 0
+    assert_within_bound(sink, 1, 8)
+    for values in rows:
+        assert values["rollout_corr/is_weight_mean"] > 0 and abs(values["actor/pg_loss"]) < 1e3
