@@ -349,7 +349,10 @@ class Scheduler:
         n = self.store.count_events(job_id, "restart") + 1
         if self._draining or n > most or not self.store.transition(job_id, (S.RUNNING,), S.QUEUED):
             return False
-        message, resume = f"restarting ({n}/{most}): the job's controller died", resume_step(job)
+        message, resume = (
+            f"restarting ({n}/{most}): the job's controller died",
+            resume_step(self.workload, job.workdir),
+        )
         self.store.add_event(
             job_id,
             "restart",
