@@ -80,6 +80,7 @@ class Service:
         self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.files, self.quotas)
         self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
         self.started_at = time.time()
+        self.closers: list[Any] = []  # called at shutdown, e.g. the Tinker API's session hosts (api/app.py)
 
     @property
     def is_alive(self) -> bool:
@@ -90,6 +91,8 @@ class Service:
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Pause every running job (each checkpoints at its next step boundary), then stop."""
+        for close in self.closers:
+            close()
         self.scheduler.shutdown(timeout_s)
 
     # ---- requests ------------------------------------------------------------------------------
