@@ -151,6 +151,8 @@ class Host:
         return batch
 
     def _start_actor(self) -> None:
+        if not ray.is_initialized():  # ray.remote would start a private cluster in the API process
+            raise RuntimeError("Ray is not running in this service (a service started without a cluster)")
         opts: dict[str, Any] = {"num_cpus": self.options.cpus, "max_concurrency": 1}
         if self.runtime_env:
             opts["runtime_env"] = self.runtime_env
