@@ -12,7 +12,9 @@ from api.routes.tinker_common import caller, future_answer, json_body, tinker
 from service import tinker_sampling as sampling
 from service.tinker_sessions import list_checkpoints
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(
+    prefix="/api/v1", tags=["tinker"], include_in_schema=False
+)  # the SDK's protocol: docs/tinker.md
 
 
 @router.post("/create_sampling_session", summary="Tinker: a sampler on a base model or a sampler checkpoint")

@@ -13,7 +13,9 @@ from fastapi.responses import JSONResponse, Response
 from api.routes.tinker_common import caller, json_body, text, tinker, tinker_error_body
 from service.tinker_service import TinkerError
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(
+    prefix="/api/v1", tags=["tinker"], include_in_schema=False
+)  # the SDK's protocol: docs/tinker.md
 LONG_POLL_S = 10.0  # retrieve_future waits this long before `try_again` (the SDK allows 45 s)
 
 # The SDK's feature flags (tinker/types/client_config_response.py): plain API keys, httpx transport,

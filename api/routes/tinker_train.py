@@ -16,7 +16,9 @@ from api.routes.tinker_common import caller, future_answer, json_body, text, tin
 from service.tinker_service import TinkerError
 from service.tinker_wire import WireError, read_forward_backward
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(
+    prefix="/api/v1", tags=["tinker"], include_in_schema=False
+)  # the SDK's protocol: docs/tinker.md
 
 
 @router.post("/create_model", summary="Tinker: a LoRA training model on a served base")
