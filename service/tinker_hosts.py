@@ -151,6 +151,10 @@ class Host:
         return batch
 
     def _start_actor(self) -> None:
+        from engines.tiny_models import BUILTIN_MODELS  # torch-free: names only
+
+        if self.base_model not in BUILTIN_MODELS and not Path(self.base_model, "config.json").is_file():
+            raise FileNotFoundError(f"{self.base_model} is neither a built-in model nor a model folder")
         if not ray.is_initialized():  # ray.remote would start a private cluster in the API process
             raise RuntimeError("Ray is not running in this service (a service started without a cluster)")
         opts: dict[str, Any] = {"num_cpus": self.options.cpus, "max_concurrency": 1}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from service.tinker_futures import Future
-from service.tinker_service import NAME, TinkerError, TinkerService, host_of, not_found
+from service.tinker_service import NAME, TinkerError, TinkerService, host_id, host_of, not_found
 from service.tinker_sessions import (
     METHOD,
     Sampler,
@@ -46,7 +46,7 @@ def save_for_sampler(svc: TinkerService, owner: str, req: dict[str, Any]) -> Fut
     tinker_path = f"tinker://{model.job_id}/sampler_weights/{name}" if name else None
     body = {
         "op": "save_for_sampler",
-        "model_id": model.model_id,
+        "model_id": host_id(model.model_id),
         "name": name or sampler_id.replace(":", "-"),
     }
 
@@ -156,6 +156,8 @@ def asample(svc: TinkerService, owner: str, req: dict[str, Any]) -> tuple[Future
     sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
 
     def record(ok: dict[str, Any]) -> None:
+        if body["prompt_logprobs"]:  # scoring (compute_logprobs), not sampling: no sample rows
+            return
         if sampler.job_id is None or svc.store.get_job(sampler.job_id) is None:
             return
         model = svc.records.model_of_job(sampler.job_id)

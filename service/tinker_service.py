@@ -141,7 +141,7 @@ class TinkerService:
                                   optimizer)  # fmt: skip
             self.records.add_model(model)  # now: a second create_model of this id is refused
         self.store.started(job.id, job.created_at)
-        body = {"op": "create_model", "model_id": model_id, "rank": rank, "seed": lora.get("seed"),
+        body = {"op": "create_model", "model_id": host_id(model_id), "rank": rank, "seed": lora.get("seed"),
                 "train_attn": lora.get("train_attn", True), "train_mlp": lora.get("train_mlp", True),
                 "train_unembed": lora.get("train_unembed", True)}  # fmt: skip
 
@@ -208,7 +208,7 @@ class TinkerService:
             if targets is not None:
                 self.check_tokens(host, [int(t) for t in targets["data"]],
                                   f"forward_backward_input.data[{i}].loss_fn_inputs.target_tokens")  # fmt: skip
-        body = {"op": "forward", "model_id": model.model_id, "data": data, "loss_fn": req["loss_fn"],
+        body = {"op": "forward", "model_id": host_id(model.model_id), "data": data, "loss_fn": req["loss_fn"],
                 "loss_fn_config": req.get("loss_fn_config"), "backward": not forward_only}  # fmt: skip
 
         def record(ok: dict[str, Any]) -> None:
@@ -237,7 +237,7 @@ class TinkerService:
             if not isinstance(value, int | float) or value < low or (high is not None and value >= high):
                 bound = f"[{low}, {high})" if high is not None else f">= {low}"
                 raise TinkerError(400, f"adam_params.{name}: {value} must be {bound}", f"adam_params.{name}")
-        body = {"op": "optim_step", "model_id": model.model_id, "adam": adam}
+        body = {"op": "optim_step", "model_id": host_id(model.model_id), "adam": adam}
 
         def stepped(ok: dict[str, Any]) -> None:
             self._metrics(model, {"train/learning_rate": adam["learning_rate"],
@@ -261,7 +261,12 @@ class TinkerService:
         if folder.exists() and not req.get("overwrite"):
             raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
         tinker_path = f"tinker://{model.job_id}/weights/{name}"
-        body = {"op": "save_state", "model_id": model.model_id, "path": str(folder), "optimizer": True}
+        body = {
+            "op": "save_state",
+            "model_id": host_id(model.model_id),
+            "path": str(folder),
+            "optimizer": True,
+        }
 
         def saved(ok: dict[str, Any]) -> None:
             folder.mkdir(parents=True, exist_ok=True)
@@ -309,7 +314,12 @@ class TinkerService:
             raise TinkerError(400, f"path: {path} is a rank-{job.spec['model']['lora']['rank']} adapter of "
                               f"{job.spec['model']['builtin']}; this model is rank {model.rank} on "
                               f"{model.base_model}", "path")  # fmt: skip
-        body = {"op": "load_state", "model_id": model.model_id, "path": str(folder), "optimizer": optimizer}
+        body = {
+            "op": "load_state",
+            "model_id": host_id(model.model_id),
+            "path": str(folder),
+            "optimizer": optimizer,
+        }
 
         def loaded(ok: dict[str, Any]) -> None:
             self.store.add_event(model.job_id, "resumed", f"loaded {path} ({'with' if optimizer else 'without'} "
@@ -326,9 +336,14 @@ class TinkerService:
             self.records.drop_model(model.model_id)
             self.store.transition(model.job_id, (JobStatus.RUNNING,), JobStatus.SUCCEEDED)
 
-        return self.submit(host_of(self, model), owner, model.model_id, {"op": "drop_model", "model_id": model_id},
+        return self.submit(host_of(self, model), owner, model.model_id, {"op": "drop_model", "model_id": host_id(model_id)},
                            "unload_model", lambda ok: ({"model_id": model_id, "type": "unload_model"}, None),
                            dropped)  # fmt: skip
+
+
+def host_id(model_id: str) -> str:
+    """The id a host knows a model by: the SDK's ids carry ':' (`SESSION:train:N`), the host's may not."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", model_id)
 
 
 def host_of(service: TinkerService, model: TrainingModel) -> Host:

@@ -75,6 +75,13 @@ def test_the_issue_snippet_runs_unchanged(svc, sdk):
     for seq in out.sequences:
         assert 1 <= len(seq.tokens) <= 16 and len(seq.logprobs) == len(seq.tokens)
         assert all(lp <= 0 for lp in seq.logprobs)
+    # compute_logprobs of the snapshot equals the training model's own forward (no step since)
+    tokens = tok.encode("1+1=2", add_special_tokens=False)
+    scored = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})  # fmt: skip
+    trained = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert scored[0] is None and max(abs(a - b) for a, b in zip(scored[1:], trained, strict=True)) <= 1e-5
     # one service: the run is a row of `tandem list` with its owner, per-step metrics and samples
     with svc.client() as admin:
         runs = [
@@ -113,23 +120,42 @@ def test_a_supervised_loop_lowers_the_loss(svc, sdk):
     assert out.metrics["custom:sum"] == pytest.approx(builtin, rel=1e-5)
 
 
-def test_a_short_rl_loop_trains_with_importance_sampling(svc, sdk):
+def test_an_rl_loop_raises_the_reward(svc, sdk):
+    """sample, score, importance_sampling forward_backward, optim_step: the share of digits in the
+    completions (tests/reward_fns.py) rises (measured, seeded: 0.04 -> 0.89 in eight iterations at lr 3e-2)."""
     tc = sdk.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
     tok = tc.get_tokenizer()
-    rewards = rl_loop(tc, tok, ["1+1=", "7*3="], lambda p, r: digit_reward(p, r, None, None)["score"],
-                      iterations=2, group=4, max_tokens=6, lr=1e-2)  # fmt: skip
-    assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
+    rewards = rl_loop(tc, tok, ["1+1=", "7*3=", "9-4=", "2*6="], lambda p, r: digit_reward(p, r, None, None)["score"],
+                      iterations=8, group=8, max_tokens=8, lr=3e-2, seed=0)  # fmt: skip
+    assert rewards[-1] > rewards[0] + 0.3, rewards
 
 
 @pytest.mark.slow
-def test_an_rl_loop_raises_the_reward(svc, sdk):
-    tc = sdk.create_lora_training_client(base_model=BASE, rank=16, seed=0).result()
-    tok = tc.get_tokenizer()
-    rewards = rl_loop(tc, tok, ["1+1=", "7*3=", "9-4=", "2*6="],
-                      lambda p, r: digit_reward(p, r, None, None)["score"],
-                      iterations=25, group=8, max_tokens=8, lr=2e-2)  # fmt: skip
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.2, rewards
+def test_an_rl_loop_raises_the_reward_on_the_builtin_arithmetic_task(
+    ray_cluster, tmp_path_factory, monkeypatch
+):
+    from controller.tasks.arithmetic import arithmetic_partial_reward, make_split
+
+    live = start_service(
+        tmp_path_factory.mktemp("tinker-arith"), settings=ServeSettings(tinker_base_models=["qwen2-1m"])
+    )
+    try:
+        with live.client() as admin:
+            monkeypatch.setenv("TINKER_API_KEY", make_key(admin, "dave")["key"])
+        monkeypatch.setenv("TINKER_BASE_URL", live.url)
+        tc = (
+            tinker.ServiceClient()
+            .create_lora_training_client(base_model="qwen2-1m", rank=16, seed=0)
+            .result()
+        )
+        truth = {r["prompt"]: r["ground_truth"] for r in make_split("train", 16, 0)}
+        rewards = rl_loop(tc, tc.get_tokenizer(), list(truth),
+                          lambda p, r: arithmetic_partial_reward(p, r, truth[p])["score"],
+                          iterations=30, group=8, max_tokens=6, lr=1e-2)  # fmt: skip
+        # measured (load 20): the mean partial credit went 0.016 -> 0.29 in 30 iterations, 81 s
+        assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
+    finally:
+        live.stop()
 
 
 def _session_run(client: tinker.ServiceClient, seed: int, pairs, out: dict, key: str) -> None:
@@ -193,7 +219,7 @@ def test_bad_inputs_are_4xx_naming_the_field_and_store_nothing(svc, sdk, keys):
     assert store.get_job(row.id).step == 0
 
 
-def test_restart_keeps_saved_state_and_names_it(ray_cluster, tmp_path_factory, monkeypatch):
+def _restart(ray_cluster, tmp_path_factory, monkeypatch, resume: bool) -> None:
     home = tmp_path_factory.mktemp("tinker-restart")
     first = _serve(home)
     with first.client() as admin:
@@ -216,10 +242,84 @@ def test_restart_keeps_saved_state_and_names_it(ray_cluster, tmp_path_factory, m
         with pytest.raises(tinker.BadRequestError) as err:
             old.forward(data, "cross_entropy").result()
         assert path in str(err.value)
+        runs = tinker.RestClient(base_url=second.url, api_key=key).list_training_runs().result().training_runs
+        assert [r.model_owner for r in runs] == ["carol"] and runs[0].last_checkpoint.tinker_path == path
+        if not resume:
+            return
         resumed = sc.create_training_client_from_state_with_optimizer(path).result()
         loss_resumed = resumed.forward(data, "cross_entropy").result().metrics["loss:sum"]
         assert math.isclose(loss_resumed, loss_saved, rel_tol=1e-5)
-        runs = tinker.RestClient().list_training_runs().result().training_runs
-        assert {r.model_owner for r in runs} == {"carol"} and len(runs) == 2
+        assert (
+            len(
+                tinker.RestClient(base_url=second.url, api_key=key)
+                .list_training_runs()
+                .result()
+                .training_runs
+            )
+            == 2
+        )
     finally:
         second.stop()
+
+
+def test_after_a_restart_a_call_names_the_last_saved_state(ray_cluster, tmp_path_factory, monkeypatch):
+    _restart(ray_cluster, tmp_path_factory, monkeypatch, resume=False)
+
+
+@pytest.mark.slow
+def test_after_a_restart_training_resumes_from_the_saved_state(ray_cluster, tmp_path_factory, monkeypatch):
+    _restart(ray_cluster, tmp_path_factory, monkeypatch, resume=True)
+
+
+def test_another_owner_gets_404_on_every_route_of_a_live_model(svc, sdk, keys):
+    tc = sdk.create_lora_training_client(base_model=BASE, rank=4).result()
+    path = tc.save_state("mine").result().path
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    sampler_id = sampler._sampling_session_id
+    run_id, model_id = path.split("/")[2], tc.model_id
+    bob = httpx.Client(base_url=svc.url, headers={"X-API-Key": keys["bob"]}, timeout=30)
+    alice = httpx.Client(base_url=svc.url, headers={"X-API-Key": keys["alice"]}, timeout=30)
+    fwd = {"model_id": model_id, "forward_backward_input": {"loss_fn": "cross_entropy", "data": [
+        {"model_input": {"chunks": [{"tokens": [1, 2]}]}, "loss_fn_inputs": {
+            "target_tokens": {"data": [2, 3], "dtype": "int64", "shape": [2]},
+            "weights": {"data": [1.0, 1.0], "dtype": "float32", "shape": [2]}}}]}}  # fmt: skip
+    answers = [
+        bob.post("/api/v1/get_info", json={"model_id": model_id}),
+        bob.post("/api/v1/forward_backward", json=fwd),
+        bob.post("/api/v1/forward", json=fwd),
+        bob.post("/api/v1/optim_step", json={"model_id": model_id, "adam_params": {"learning_rate": 1e-3}}),
+        bob.post("/api/v1/save_weights", json={"model_id": model_id, "path": "theirs"}),
+        bob.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "path": "theirs"}),
+        bob.post("/api/v1/load_weights", json={"model_id": model_id, "path": path, "optimizer": True}),
+        bob.post("/api/v1/unload_model", json={"model_id": model_id}),
+        bob.post(
+            "/api/v1/asample",
+            json={
+                "sampling_session_id": sampler_id,
+                "num_samples": 1,
+                "prompt": {"chunks": [{"tokens": [1]}]},
+                "sampling_params": {},
+            },
+        ),  # fmt: skip
+        bob.get(f"/api/v1/samplers/{sampler_id}"),
+        bob.get(f"/api/v1/training_runs/{run_id}"),
+        bob.get(f"/api/v1/training_runs/{run_id}/checkpoints"),
+        bob.get(f"/api/v1/training_runs/{run_id}/checkpoints/weights/mine/archive"),
+    ]
+    for answer in answers:
+        assert answer.status_code == 404, (answer.request.url, answer.text)
+    bob_session = bob.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+    taken = bob.post("/api/v1/load_weights", json={"session_id": bob_session, "model_seq_id": 0, "path": path,
+                                                   "optimizer": False})  # fmt: skip
+    assert taken.status_code == 404
+    assert bob.get("/api/v1/training_runs").json()["training_runs"] == []
+    # the owner's own archive is the PEFT adapter folder
+    archive = alice.get(f"/api/v1/training_runs/{run_id}/checkpoints/weights/mine/archive")
+    assert archive.status_code == 200
+    import io
+    import tarfile
+
+    names = tarfile.open(fileobj=io.BytesIO(archive.content)).getnames()
+    assert "mine/adapter_config.json" in names and "mine/adapter_model.safetensors" in names, names
+    bob.close()
+    alice.close()

@@ -16,6 +16,7 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from api.auth import hash_token  # noqa: E402
+from api.settings import ServeSettings  # noqa: E402
 from service.tinker_wire import (  # noqa: E402
     read_forward_backward,
     write_forward_backward_output,
@@ -24,10 +25,13 @@ from service.tinker_wire import (  # noqa: E402
 from tests.api_util import start_service  # noqa: E402
 from tests.owners_util import make_key  # noqa: E402
 
+MISSING = "/nonexistent/tinker-base"  # served, but its host cannot start: work fails naming it
+
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    live = start_service(tmp_path_factory.mktemp("tinker-wire"), schedule=False)
+    settings = ServeSettings(tinker_base_models=["tiny-qwen2", "qwen2-1m", MISSING])
+    live = start_service(tmp_path_factory.mktemp("tinker-wire"), schedule=False, settings=settings)
     yield live
     live.stop()
 
@@ -69,9 +73,15 @@ def test_keys_pass_the_sdk_check_and_work_on_tandem_routes(svc, keys):
     assert refused.status_code == 401
 
 
-def test_sdk_capabilities_and_refusals_name_the_field(svc, sdk_env):
+def test_sdk_capabilities_and_refusals_name_the_field(svc, keys, sdk_env):
     sc = tinker.ServiceClient()
-    names = [m.model_name for m in tinker.RestClient().get_server_capabilities().result().supported_models]
+    names = [
+        m.model_name
+        for m in tinker.RestClient(base_url=svc.url, api_key=keys["alice"])
+        .get_server_capabilities()
+        .result()
+        .supported_models
+    ]
     assert "tiny-qwen2" in names and "qwen2-1m" in names
     with pytest.raises(tinker.BadRequestError) as unknown:
         sc.create_lora_training_client(base_model="no-such-model", rank=8).result()
@@ -80,11 +90,14 @@ def test_sdk_capabilities_and_refusals_name_the_field(svc, sdk_env):
         sc.create_lora_training_client(base_model="tiny-qwen2", rank=4096).result()
     assert "lora_config.rank" in str(big.value) and "64" in str(big.value)
     assert tinker_rows(svc) == []  # nothing stored
-    assert tinker.RestClient().list_training_runs().result().training_runs == []
+    assert (
+        tinker.RestClient(base_url=svc.url, api_key=keys["alice"]).list_training_runs().result().training_runs
+        == []
+    )
 
 
-def test_unsupported_calls_answer_at_once_naming_the_feature(svc, sdk_env):
-    rest = tinker.RestClient()
+def test_unsupported_calls_answer_at_once_naming_the_feature(svc, keys, sdk_env):
+    rest = tinker.RestClient(base_url=svc.url, api_key=keys["alice"])
     started = time.monotonic()
     with pytest.raises(tinker.BadRequestError) as err:
         rest.get_weights_info_by_tinker_path("tinker://job-x/weights/a").result()
@@ -94,9 +107,9 @@ def test_unsupported_calls_answer_at_once_naming_the_feature(svc, sdk_env):
 
 def test_a_host_that_cannot_start_fails_the_future_naming_it_and_stores_nothing(svc, sdk_env):
     sc = tinker.ServiceClient()
-    with pytest.raises(tinker.RequestFailedError) as err:  # this service runs without Ray
-        sc.create_lora_training_client(base_model="tiny-qwen2", rank=4).result(timeout=60)
-    assert "session host 'tiny-qwen2'" in str(err.value)
+    with pytest.raises(tinker.RequestFailedError) as err:
+        sc.create_lora_training_client(base_model=MISSING, rank=4).result(timeout=60)
+    assert f"session host '{MISSING}' failed to start" in str(err.value)
     deadline = time.monotonic() + 10
     while tinker_rows(svc) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -108,7 +121,7 @@ def test_owners_never_see_each_others_sessions_futures_or_runs(svc, keys):
         session = alice.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
         assert alice.post("/api/v1/session_heartbeat", json={"session_id": session}).status_code == 200
         made = alice.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
-                                                         "base_model": "tiny-qwen2", "lora_config": {"rank": 4}})  # fmt: skip
+                                                         "base_model": MISSING, "lora_config": {"rank": 4}})  # fmt: skip
         request_id = made.json()["request_id"]
         model_id = f"{session}:train:0"
         bobs = [

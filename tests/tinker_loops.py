@@ -32,13 +32,15 @@ def supervised_loop(tc: tinker.TrainingClient, data: list[types.Datum], steps: i
 
 
 def rl_loop(tc: tinker.TrainingClient, tokenizer, prompts: list[str], reward, iterations: int, group: int,
-            max_tokens: int, lr: float) -> list[float]:  # fmt: skip
+            max_tokens: int, lr: float, seed: int | None = None) -> list[float]:  # fmt: skip
     """Sample a group per prompt, score, centre the rewards per group (GRPO-like advantages), train
     with importance_sampling on the sampled tokens; returns the mean reward of every iteration."""
     means = []
-    for _ in range(iterations):
+    for it in range(iterations):
         sampler = tc.save_weights_and_get_sampling_client().result()
-        params = types.SamplingParams(max_tokens=max_tokens, temperature=1.0)
+        params = types.SamplingParams(
+            max_tokens=max_tokens, temperature=1.0, seed=None if seed is None else seed + it
+        )
         futures = [
             (
                 p,
