@@ -129,17 +129,19 @@ class Host:
             for owner in list(self._queues):
                 keys = self._queues[owner]
                 for key in list(keys):
+                    while keys[key] and keys[key][0].future.cancelled:  # cancelled: dropped, not a turn
+                        keys[key].popleft()
+                    if not keys[key]:
+                        del keys[key]
+                        continue
                     if key in taken:
                         continue
-                    op = keys[key].popleft()
+                    batch.append(keys[key].popleft())
                     if not keys[key]:
                         del keys[key]
                     else:
                         keys.move_to_end(key)  # the owner's next queue goes first next time
                     taken.add(key)
-                    if op.future.cancelled:
-                        continue
-                    batch.append(op)
                     progress = True
                     break
                 if not keys:

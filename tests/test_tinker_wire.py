@@ -222,3 +222,39 @@ def test_protobuf_codec_matches_the_sdks_generated_messages():
     assert [(s.tokens, s.logprobs, s.stop_reason) for s in sample.sequences] == [
         ([5, 6], [-0.5, -0.125], "length"), ([7], [-1.0], "stop")]  # fmt: skip
     assert sample.prompt_logprobs == [None, -2.5]
+
+
+def test_the_dispatcher_takes_turns_between_owners_then_their_sessions(tmp_path):
+    """Host._next_batch alone (no actor): round-robin between owners, then between an owner's
+    queues, one op per queue per batch, in each queue's order; a cancelled op is skipped."""
+    from collections import OrderedDict, deque
+
+    from service.tinker_futures import FutureTable
+    from service.tinker_hosts import Host, HostOptions, Op
+
+    futures = FutureTable()
+    host = Host("tiny-qwen2", tmp_path, futures, HostOptions(max_batch=2))
+    ops = {}
+    for owner, queue, n in (("alice", "a1", 3), ("alice", "a2", 3), ("alice", "a3", 3), ("bob", "b1", 6)):
+        for i in range(n):
+            op = Op(
+                futures.create(owner, "forward"),
+                owner,
+                queue,
+                {"op": "forward", "i": i},
+                lambda ok: ({}, None),
+            )
+            ops[(queue, i)] = op
+            host._queues.setdefault(owner, OrderedDict()).setdefault(queue, deque()).append(op)
+    futures.cancel(ops[("b1", 2)].future)
+    batches = []
+    while host._queues:
+        batches.append([(op.queue, op.body["i"]) for op in host._next_batch()])
+    assert batches[0] == [("a1", 0), ("b1", 0)] and batches[1] == [("a2", 0), ("b1", 1)]
+    assert batches[2] == [("a3", 0), ("b1", 3)]  # b1's op 2 was cancelled
+    bob_first = [i for i, b in enumerate(batches) if ("b1", 5) in b][0]
+    assert bob_first <= 4  # bob's one session gets half the turns, not a quarter
+    for queue in ("a1", "a2", "a3", "b1"):
+        order = [i for b in batches for q, i in b if q == queue]
+        assert order == sorted(order)
+    assert all(len({q for q, _ in b}) == len(b) for b in batches)  # one op per queue per batch
