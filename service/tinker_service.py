@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from service.tinker_sessions import (
     Records,
     TrainingModel,
     checkpoint_folder,
+    last_saved_state,
     lost_message,
     parse_tinker_path,
 )
@@ -32,6 +34,7 @@ from service.tinker_wire import write_forward_backward_output
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 BUILTIN_CONTEXT = 512
+SESSION_TTL_S = 600.0  # a session without a heartbeat for this long ends
 
 
 class TinkerError(Exception):
@@ -58,6 +61,7 @@ class TinkerService:
             for name in base_models
         }  # fmt: skip
         self._admit = threading.Lock()
+        self.session_ttl_s = SESSION_TTL_S
 
     def shutdown(self) -> None:
         for host in self.hosts.values():
@@ -65,7 +69,35 @@ class TinkerService:
 
     # ---- sessions ---------------------------------------------------------------------------------
 
+    def expire_sessions(self) -> list[str]:
+        """Sessions without a heartbeat for `session_ttl_s` end (the SDK beats every 10 s): their
+        models leave the host and their rows are paused, naming the last saved state."""
+        now = time.time()
+        gone = [
+            s for s in list(self.records.sessions.values()) if now - s.last_heartbeat > self.session_ttl_s
+        ]
+        for session in gone:
+            self.records.sessions.pop(session.id, None)
+            for model in [m for m in list(self.records.models.values()) if m.session_id == session.id]:
+                self.records.drop_model(model.model_id)
+                last = last_saved_state(model.job_id, model.workdir) or "none (no save_state)"
+                why = (f"session {session.id} ended: no heartbeat for {self.session_ttl_s:g} s; "
+                       f"the last saved state of training run {model.job_id} is {last}")  # fmt: skip
+                self.store.transition(model.job_id, (JobStatus.RUNNING,), JobStatus.PAUSED, error=why)
+                self.store.add_event(model.job_id, "paused", why)
+                body = {"op": "drop_model", "model_id": host_id(model.model_id)}
+                self.submit(
+                    host_of(self, model),
+                    model.owner,
+                    model.model_id,
+                    body,
+                    "unload_model",
+                    lambda ok: ({}, None),
+                )
+        return [s.id for s in gone]
+
     def create_session(self, owner: str, tags: list[str]) -> ClientSession:
+        self.expire_sessions()
         limit = self.quotas.of(owner).tinker_sessions
         with self._admit:
             have = self.records.live_sessions_of(owner)
@@ -110,8 +142,10 @@ class TinkerService:
         if found is not None:
             return found
         rows, _ = self.store.list_jobs(metadata={"tinker_model_id": model_id}, owner=owner, limit=1)
-        if rows:
-            raise TinkerError(400, lost_message(rows[0].id, Path(rows[0].workdir)), "model_id")
+        if rows:  # its error says why it is gone (a restart, an ended session) and its last saved state
+            raise TinkerError(
+                400, rows[0].error or lost_message(rows[0].id, Path(rows[0].workdir)), "model_id"
+            )
         raise not_found("training model", model_id, "model_id")
 
     def create_model(self, owner: str, req: dict[str, Any], load: dict[str, Any] | None = None) -> Future:

@@ -258,3 +258,17 @@ def test_the_dispatcher_takes_turns_between_owners_then_their_sessions(tmp_path)
         order = [i for b in batches for q, i in b if q == queue]
         assert order == sorted(order)
     assert all(len({q for q, _ in b}) == len(b) for b in batches)  # one op per queue per batch
+
+
+def test_a_session_without_heartbeats_ends(svc, keys):
+    tinker_svc = svc.server.config.app.state.tinker
+    with http(svc, keys["alice"]) as alice:
+        old = alice.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        tinker_svc.session_ttl_s = 0.2
+        try:
+            time.sleep(0.3)
+            alice.post("/api/v1/create_session", json={"tags": []})
+        finally:
+            tinker_svc.session_ttl_s = 600.0
+        gone = alice.post("/api/v1/session_heartbeat", json={"session_id": old})
+    assert gone.status_code == 404 and gone.json()["param"] == "session_id"

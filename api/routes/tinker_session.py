@@ -72,7 +72,9 @@ async def create_session(request: Request) -> dict[str, Any]:
 @router.post("/session_heartbeat", summary="Tinker: keep a client session alive")
 async def heartbeat(request: Request) -> dict[str, Any]:
     who = await caller(request)
-    session = tinker(request).session(text(await json_body(request), "session_id"), who.sees)
+    svc = tinker(request)
+    svc.expire_sessions()
+    session = svc.session(text(await json_body(request), "session_id"), who.sees)
     session.last_heartbeat = time.time()
     return {"type": "session_heartbeat"}
 
