@@ -102,7 +102,7 @@ class TinkerService:
         with self._admit:
             have = self.records.live_sessions_of(owner)
             if limit is not None and have >= limit:
-                raise TinkerError(429, f"quota tinker_sessions: owner '{owner}' may have at most {limit} "
+                raise TinkerError(403, f"quota tinker_sessions: owner '{owner}' may have at most {limit} "
                                   f"sessions; it has {have}", "quota.tinker_sessions")  # fmt: skip
             return self.records.new_session(owner, tags)
 
@@ -167,7 +167,7 @@ class TinkerService:
             limit = self.quotas.of(owner).tinker_models
             have = self.records.live_models_of(owner)
             if limit is not None and have >= limit:
-                raise TinkerError(429, f"quota tinker_models: owner '{owner}' may have at most {limit} live "
+                raise TinkerError(403, f"quota tinker_models: owner '{owner}' may have at most {limit} live "
                                   f"training models; it has {have}", "quota.tinker_models")  # fmt: skip
             job = self.store.create_job(_row_spec(host.base_model, rank, model_id, req), self.home / "jobs",
                                         owner=owner, status=JobStatus.RUNNING)  # fmt: skip

@@ -272,3 +272,14 @@ def test_a_session_without_heartbeats_ends(svc, keys):
             tinker_svc.session_ttl_s = 600.0
         gone = alice.post("/api/v1/session_heartbeat", json={"session_id": old})
     assert gone.status_code == 404 and gone.json()["param"] == "session_id"
+
+
+def test_session_quota_is_refused_at_once_naming_it(svc):
+    with svc.client() as admin:
+        key = make_key(admin, "erin")["key"]
+        assert admin.put("/v1/quotas/erin", json={"tinker_sessions": 1}).status_code == 200
+    with http(svc, key) as erin:
+        assert erin.post("/api/v1/create_session", json={"tags": []}).status_code == 200
+        refused = erin.post("/api/v1/create_session", json={"tags": []})
+    # 403, not 429: the SDK retries a 429 for minutes instead of showing it
+    assert refused.status_code == 403 and refused.json()["param"] == "quota.tinker_sessions"
