@@ -9,6 +9,7 @@ folder has a `tokenizer.json` (the `tokenizers` library: no torch here).
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import tarfile
 import uuid
@@ -198,8 +199,6 @@ def run_view(svc: TinkerService, job: Any) -> dict[str, Any]:
     saved = list_checkpoints(job.id, Path(job.workdir))
     last = {kind: next((c for c in reversed(saved) if c["checkpoint_type"] == kind), None)
             for kind in ("training", "sampler")}  # fmt: skip
-    import datetime as dt
-
     return {
         "training_run_id": job.id, "base_model": job.spec["model"]["builtin"], "model_owner": job.owner,
         "is_lora": True, "corrupted": False, "lora_rank": job.spec["model"]["lora"]["rank"],
@@ -220,12 +219,13 @@ def run_of(svc: TinkerService, owner: str | None, run_id: str) -> Any:
 
 
 def list_runs(svc: TinkerService, owner: str | None, limit: int, offset: int) -> dict[str, Any]:
-    rows = [j for j in svc.store.jobs_of(owner) if j.method == METHOD] if owner is not None else [
-        j for j, _ in [(j, 0) for j in svc.store.list_jobs(limit=10_000)[0]] if j.method == METHOD]  # fmt: skip
-    rows.sort(key=lambda j: -j.created_at)
-    page = rows[offset : offset + limit]
-    return {"training_runs": [run_view(svc, j) for j in page],
-            "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)}}  # fmt: skip
+    """The caller's training runs (an admin's: everyone's), newest first."""
+    jobs = svc.store.jobs_of(owner) if owner is not None else svc.store.list_jobs(limit=1_000_000)[0]
+    rows = sorted((j for j in jobs if j.method == METHOD), key=lambda j: -j.created_at)
+    return {
+        "training_runs": [run_view(svc, j) for j in rows[offset : offset + limit]],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)},
+    }
 
 
 def checkpoint_archive(svc: TinkerService, owner: str | None, run_id: str, kind: str, name: str) -> bytes:
