@@ -6,6 +6,7 @@ one base (loaded once; each equal to the same session alone), bad inputs named, 
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import httpx
@@ -118,6 +119,16 @@ def test_a_supervised_loop_lowers_the_loss(svc, sdk):
 
     out = tc.forward_backward_custom(data, custom).result()
     assert out.metrics["custom:sum"] == pytest.approx(builtin, rel=1e-5)
+    # save_state, one more step, load_state_with_optimizer: back to the saved loss
+    path = tc.save_state("sl").result().path
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] != pytest.approx(builtin, rel=1e-5)
+    tc.load_state_with_optimizer(path).result()
+    assert tc.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(builtin, rel=1e-5)
+    listed = tinker.RestClient(base_url=svc.url, api_key=os.environ["TINKER_API_KEY"]).list_checkpoints(
+        path.split("/")[2]
+    )
+    assert [c.tinker_path for c in listed.result().checkpoints] == [path]
 
 
 def test_an_rl_loop_raises_the_reward(svc, sdk):
