@@ -38,6 +38,7 @@ from engines.multi_lora import (
     rows,
 )
 from engines.multi_lora_sample import sample
+from engines.threads import limit_threads_for_model
 from engines.tinker_loss_spec import LossInputError
 from engines.tinker_losses import compute_loss
 from workers.session_inputs import (
@@ -82,6 +83,8 @@ class SessionHost:
             )
         if opts.get("threads"):
             torch.set_num_threads(int(opts["threads"]))
+        else:
+            limit_threads_for_model(model_path)  # a small model computes faster on one thread
         self.device = torch.device(opts.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
         offload = opts.get("offload", "disk" if self.device.type == "cpu" else "memory")
         self.offload_dir = self.workdir / "offload" if offload == "disk" else None
