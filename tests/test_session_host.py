@@ -320,3 +320,28 @@ def test_bad_inputs_are_user_errors_naming_the_field(make_host):
     alone.run_batch([CREATE["b"]])
     assert ok(results[0])["metrics"] == ok(alone.run_batch([fwd("b")])[0])["metrics"]
     assert host.describe()["resident"] == ["a", "b"]  # nothing else was created
+
+
+def test_drop_model_and_top_k_targets(make_host):
+    host = make_host()
+    host.run_batch([CREATE["a"], CREATE["b"]])
+    # (N, K) targets: the log-prob of each of K candidates per position, each equal to its (N,) run
+    seq = [5, 17, 33, 40]
+    k2 = [[t, (t + 7) % 100] for t in seq[1:]]
+    top_k = {
+        "tokens": seq[:-1],
+        "loss_fn_inputs": {
+            "target_tokens": {"data": sum(k2, []), "dtype": "int64", "shape": [3, 2]},
+            "weights": {"data": [1.0] * 6, "dtype": "float32", "shape": [3, 2]},
+        },
+    }
+    got = logprobs(
+        host.run_batch([{"op": "forward", "model_id": "a", "data": [top_k], "loss_fn": "cross_entropy"}])[0]
+    )[0]
+    assert got.shape == (6,)  # flattened on the wire
+    first = logprobs(host.run_batch([{**fwd("a", backward=False), "data": [datum(seq)]}])[0])[0]
+    assert torch.allclose(got.reshape(3, 2)[:, 0], first, atol=TOL, rtol=0)
+    assert ok(host.run_batch([{"op": "drop_model", "model_id": "a"}])[0]) == {}
+    err = host.run_batch([fwd("a")])[0]["error"]
+    assert (err["category"], err["field"]) == ("user", "model_id")
+    assert host.describe()["resident"] == ["b"]
