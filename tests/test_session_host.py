@@ -310,6 +310,7 @@ def test_bad_inputs_are_user_errors_naming_the_field(make_host):
             "sampling_params.top_p",
         ),
         ({"op": "optim_step", "model_id": "a", "adam": {"learning_rate": -1}}, "adam.learning_rate"),
+        ({"op": "no_such_op"}, "op"),
     ]
     host.run_batch([CREATE["a"], CREATE["b"]])
     # the bad ops share their batch with a good forward of another session: it is unaffected

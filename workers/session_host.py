@@ -126,7 +126,7 @@ class SessionHost:
             results: list[dict | None] = [None] * len(ops)
             queues: OrderedDict[str, list[int]] = OrderedDict()
             for i, op in enumerate(ops):
-                key = f"m:{op.get('model_id')}" if "model_id" in op else f"op:{i}"
+                key = f"m:{op.get('model_id')}" if isinstance(op, dict) and "model_id" in op else f"op:{i}"
                 queues.setdefault(key, []).append(i)
             while queues:
                 heads = [q.pop(0) for q in queues.values()]
@@ -189,6 +189,8 @@ class SessionHost:
         return self._guard(lambda: {"ok": self._dispatch(op)})
 
     def _dispatch(self, op: dict) -> dict:
+        if not isinstance(op, dict):
+            raise user("op", f"an op is a dict with 'op' and its arguments, not {type(op).__name__}")
         handlers = {
             "create_model": self._create_model,
             "drop_model": self._drop_model,
