@@ -10,7 +10,7 @@ running an N-times batch (N = 4: the goal's "4x batch"). One JSON line per confi
 of ratios: memory of N = 4 sessions / one session's host (goal <= 1.5), aggregate tokens/s of N = 4
 sessions / one session with a 4x batch (goal >= 0.8), and the same memory ratio for separate hosts.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/sessions.py [--model qwen2-20m] [--quick]
+    PYTHONPATH=$PWD .venv/bin/python bench/sessions.py [--model qwen2-20m] [--counts 1,2,4,8] [--quick]
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ def child(args: argparse.Namespace) -> None:
 
     from workers.session_host import SessionHost
 
-    host = SessionHost(args.model, args.model_path, args.workdir, {"max_resident_adapters": 16})
+    host = SessionHost(
+        args.model,
+        args.model_path,
+        args.workdir,
+        {"max_resident_adapters": 16, "max_batch_tokens": args.max_batch_tokens},
+    )
     ids = [f"s{i}" for i in range(args.sessions)]
     host.run_batch(
         [{"op": "create_model", "model_id": m, "rank": args.rank, "seed": i} for i, m in enumerate(ids)]
@@ -101,6 +106,7 @@ def run_children(args: argparse.Namespace, model_path: Path, sessions: int, rows
             str(args.rank),
         ]
         cmd += ["--seq-len", str(args.seq_len), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        cmd += ["--max-batch-tokens", str(args.max_batch_tokens)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
     outs = []
     for p in procs:
@@ -128,6 +134,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--counts", default="1,2,4,8", help="the session counts N to measure (1 and 4 needed)"
+    )
+    parser.add_argument("--max-batch-tokens", type=int, default=16384, help="the host's forward token budget")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--model-path")
     parser.add_argument("--workdir")
@@ -140,7 +150,7 @@ def main() -> None:
     if args.quick:
         args.model, args.steps, args.seq_len = "qwen2-1m", 3, 64
     model_path = build_builtin_model(args.model, Path(tempfile.gettempdir()) / "tandem-bench-models")
-    counts = (1, 2, 4) if args.quick else (1, 2, 4, 8)
+    counts = (1, 2, 4) if args.quick else tuple(int(c) for c in args.counts.split(","))
     lines: dict[tuple[str, int], dict] = {}
     for n in counts:
         for mode, sessions, rows, copies in (("shared", n, args.rows, 1), ("separate", 1, args.rows, n)):
@@ -176,7 +186,10 @@ def main() -> None:
         "throughput_4_sessions_vs_4_separate": round(four["fb_tokens_per_s"] / sep4["fb_tokens_per_s"], 3),
         "load_average": os.getloadavg(),
     }
-    print(json.dumps({"ratios": ratios, "model": args.model}), flush=True)
+    print(
+        json.dumps({"ratios": ratios, "model": args.model, "max_batch_tokens": args.max_batch_tokens}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

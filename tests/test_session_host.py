@@ -113,15 +113,21 @@ def count_forwards(host: SessionHost) -> list[int]:
 
 def test_two_sessions_batched_equal_each_alone_and_peft(make_host, tmp_path):
     before = session_host.BASE_LOADS
-    batched, alone = make_host(), make_host()
-    assert session_host.BASE_LOADS == before + 2  # one read per host, none per session
-    for host in (batched, alone):
+    batched, alone, parts = make_host(), make_host(), make_host(max_batch_tokens=8)
+    assert session_host.BASE_LOADS == before + 3  # one read per host, none per session
+    for host in (batched, alone, parts):
         host.run_batch([CREATE["a"], CREATE["b"]])
-    assert batched.describe()["base_loads"] == before + 2
-    calls = count_forwards(batched)
+    assert batched.describe()["base_loads"] == before + 3
+    calls, part_calls = count_forwards(batched), count_forwards(parts)
     # two rounds: the batched host gets both sessions' ops in one call (one forward per round)
-    got = batched.run_batch([fwd("a"), fwd("b"), step("a"), step("b"), fwd("a"), fwd("b")])
+    ops = [fwd("a"), fwd("b"), step("a"), step("b"), fwd("a"), fwd("b")]
+    got = batched.run_batch(ops)
     assert calls[0] == 2
+    # a token budget below a round's batch: one forward per session, the same results
+    for g, w in zip(got, parts.run_batch(ops), strict=True):
+        if "loss_fn_outputs" in ok(w):
+            assert abs(ok(g)["metrics"]["loss:sum"] - ok(w)["metrics"]["loss:sum"]) <= TOL
+    assert part_calls[0] == 4
     want = [alone.run_batch([op])[0] for op in [fwd("a"), fwd("b"), step("a"), step("b"), fwd("a"), fwd("b")]]
     for g, w in zip(got, want, strict=True):
         if "loss_fn_outputs" in ok(w):

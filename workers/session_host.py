@@ -77,6 +77,7 @@ class SessionHost:
         self.max_resident = max(1, int(opts.get("max_resident_adapters", 8)))
         self.alpha = float(opts.get("lora_alpha", 32))
         self.seed = int(opts.get("seed", 0))
+        self.max_batch_tokens = int(opts.get("max_batch_tokens", 16384))
         if opts.get("sampler_engine", "hf") != "hf":
             raise ValueError(
                 f"options.sampler_engine: only 'hf' is implemented, not {opts['sampler_engine']!r}"
@@ -181,9 +182,25 @@ class SessionHost:
         if prepared:
             self._make_resident({p.key for _, p in prepared if p.key is not None})
             run = {"forward": self._forward, "sample": self._sample, "compute_logprobs": self._logprobs}[kind]
-            for (i, _), res in zip(prepared, run([p for _, p in prepared]), strict=True):
-                results[i] = res
+            for part in self._by_tokens(prepared) if kind == "forward" else [prepared]:
+                for (i, _), res in zip(part, run([p for _, p in part]), strict=True):
+                    results[i] = res
         return results
+
+    def _by_tokens(self, prepared: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+        """Forwards in consecutive parts of at most `max_batch_tokens` (padded) tokens, each op whole:
+        peak activation memory stays bounded however many sessions share the round."""
+        parts: list[list[tuple[int, Any]]] = [[]]
+        rows, width = 0, 0
+        for item in prepared:
+            data = item[1].data
+            r, w = rows + len(data), max(width, *(len(d.tokens) for d in data))
+            if parts[-1] and r * w > self.max_batch_tokens:
+                parts.append([])
+                r, w = len(data), max(len(d.tokens) for d in data)
+            parts[-1].append(item)
+            rows, width = r, w
+        return parts
 
     def _single(self, op: dict) -> dict:
         return self._guard(lambda: {"ok": self._dispatch(op)})
