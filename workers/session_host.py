@@ -38,6 +38,7 @@ from engines.multi_lora import (
     rows,
 )
 from engines.multi_lora_sample import sample
+from engines.threads import limit_threads_for_model
 from engines.tinker_loss_spec import LossInputError
 from engines.tinker_losses import compute_loss
 from workers.session_inputs import (
@@ -76,12 +77,15 @@ class SessionHost:
         self.max_resident = max(1, int(opts.get("max_resident_adapters", 8)))
         self.alpha = float(opts.get("lora_alpha", 32))
         self.seed = int(opts.get("seed", 0))
+        self.max_batch_tokens = int(opts.get("max_batch_tokens", 16384))
         if opts.get("sampler_engine", "hf") != "hf":
             raise ValueError(
                 f"options.sampler_engine: only 'hf' is implemented, not {opts['sampler_engine']!r}"
             )
         if opts.get("threads"):
             torch.set_num_threads(int(opts["threads"]))
+        else:
+            limit_threads_for_model(model_path)  # a small model computes faster on one thread
         self.device = torch.device(opts.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
         offload = opts.get("offload", "disk" if self.device.type == "cpu" else "memory")
         self.offload_dir = self.workdir / "offload" if offload == "disk" else None
@@ -123,7 +127,7 @@ class SessionHost:
             results: list[dict | None] = [None] * len(ops)
             queues: OrderedDict[str, list[int]] = OrderedDict()
             for i, op in enumerate(ops):
-                key = f"m:{op.get('model_id')}" if "model_id" in op else f"op:{i}"
+                key = f"m:{op.get('model_id')}" if isinstance(op, dict) and "model_id" in op else f"op:{i}"
                 queues.setdefault(key, []).append(i)
             while queues:
                 heads = [q.pop(0) for q in queues.values()]
@@ -178,14 +182,32 @@ class SessionHost:
         if prepared:
             self._make_resident({p.key for _, p in prepared if p.key is not None})
             run = {"forward": self._forward, "sample": self._sample, "compute_logprobs": self._logprobs}[kind]
-            for (i, _), res in zip(prepared, run([p for _, p in prepared]), strict=True):
-                results[i] = res
+            for part in self._by_tokens(prepared) if kind == "forward" else [prepared]:
+                for (i, _), res in zip(part, run([p for _, p in part]), strict=True):
+                    results[i] = res
         return results
+
+    def _by_tokens(self, prepared: list[tuple[int, Any]]) -> list[list[tuple[int, Any]]]:
+        """Forwards in consecutive parts of at most `max_batch_tokens` (padded) tokens, each op whole:
+        peak activation memory stays bounded however many sessions share the round."""
+        parts: list[list[tuple[int, Any]]] = [[]]
+        rows, width = 0, 0
+        for item in prepared:
+            data = item[1].data
+            r, w = rows + len(data), max(width, *(len(d.tokens) for d in data))
+            if parts[-1] and r * w > self.max_batch_tokens:
+                parts.append([])
+                r, w = len(data), max(len(d.tokens) for d in data)
+            parts[-1].append(item)
+            rows, width = r, w
+        return parts
 
     def _single(self, op: dict) -> dict:
         return self._guard(lambda: {"ok": self._dispatch(op)})
 
     def _dispatch(self, op: dict) -> dict:
+        if not isinstance(op, dict):
+            raise user("op", f"an op is a dict with 'op' and its arguments, not {type(op).__name__}")
         handlers = {
             "create_model": self._create_model,
             "drop_model": self._drop_model,
