@@ -90,6 +90,7 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         HostOptions(max_rank=settings.tinker_max_rank), service.scheduler.runtime_env,
     )  # fmt: skip
     service.closers.append(app.state.tinker.shutdown)
+    service.tinker_cancel = app.state.tinker.cancel_run
 
     def body_limit(scope: dict) -> int:
         path = scope["path"].rstrip("/")

@@ -374,6 +374,20 @@ class TinkerService:
                            "unload_model", lambda ok: ({"model_id": model_id, "type": "unload_model"}, None),
                            dropped)  # fmt: skip
 
+    def cancel_run(self, job: Any) -> None:
+        """`tandem cancel` of a training run: its model leaves the host (its checkpoints stay)."""
+        model = self.records.model_of_job(job.id)
+        if model is not None:
+            self._drop(model)
+
+    def _drop(self, model: TrainingModel) -> None:
+        """Forget a model here and drop it from its host (queued after its pending ops)."""
+        self.records.drop_model(model.model_id)
+        body = {"op": "drop_model", "model_id": host_id(model.model_id)}
+        self.submit(
+            host_of(self, model), model.owner, model.model_id, body, "unload_model", lambda ok: ({}, None)
+        )
+
 
 def host_id(model_id: str) -> str:
     """The id a host knows a model by: the SDK's ids carry ':' (`SESSION:train:N`), the host's may not."""

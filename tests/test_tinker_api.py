@@ -334,3 +334,21 @@ def test_another_owner_gets_404_on_every_route_of_a_live_model(svc, sdk, keys):
     assert "mine/adapter_config.json" in names and "mine/adapter_model.safetensors" in names, names
     bob.close()
     alice.close()
+
+
+def test_tandem_steers_a_tinker_run_only_by_labels_cancel_and_delete(svc, sdk):
+    tc = sdk.create_lora_training_client(base_model=BASE, rank=4).result()
+    row = next(
+        j
+        for j in svc.service.store.list_jobs(limit=100)[0]
+        if j.metadata.get("tinker_model_id") == tc.model_id
+    )
+    with svc.client() as admin:
+        for action in ("pause", "resume", "fork"):
+            refused = admin.post(f"/v1/jobs/{row.id}/{action}", json={})
+            assert refused.status_code == 409 and "Tinker" in refused.json()["error"]["message"], refused.text
+        assert admin.post(f"/v1/jobs/{row.id}/cancel").json()["status"] == "cancelled"
+        with pytest.raises(tinker.BadRequestError) as err:
+            tc.forward([sft_datum(tc.get_tokenizer(), "1+1=", "2")], "cross_entropy").result()
+        assert "tandem cancel" in str(err.value)
+        assert admin.delete(f"/v1/jobs/{row.id}").status_code in (200, 204)
