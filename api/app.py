@@ -36,12 +36,18 @@ from api.routes import (
     openai_trajectories,
     rewards,
     samples,
+    tinker_sample,
+    tinker_session,
+    tinker_train,
     usage,
 )
 from api.routes.health import VERSION
+from api.routes.tinker_common import install_tinker_errors
 from api.settings import ServeSettings
 from api.validation import Checker
 from service.service import Service
+from service.tinker_hosts import HostOptions
+from service.tinker_service import TinkerService
 
 ROUTERS = (
     health.router,
@@ -56,6 +62,10 @@ ROUTERS = (
     keys.router,
     usage.router,
     audit.router,
+    tinker_session.router,
+    tinker_train.router,
+    tinker_sample.router,
+    tinker_session.fallback,  # last: any other /api/v1 call is named as unsupported
 )
 
 
@@ -70,6 +80,7 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         redirect_slashes=False,
     )
     install_error_handlers(app)
+    install_tinker_errors(app)
     registry, latency = make_registry(service.store)
     app.state.service = service
     app.state.read_cache = ReadCache(service.store)
@@ -78,9 +89,20 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     app.state.registry = registry
     app.state.settings = settings = settings or ServeSettings()
     app.state.checker = Checker(settings, service.home, service.files)
+    app.state.tinker = TinkerService(
+        service.store, service.home, service.quotas, settings.tinker_models(),
+        HostOptions(max_rank=settings.tinker_max_rank), service.scheduler.runtime_env,
+    )  # fmt: skip
+    service.closers.append(app.state.tinker.shutdown)
+    service.tinker_cancel = app.state.tinker.cancel_run
 
     def body_limit(scope: dict) -> int:
-        upload = scope["method"] == "POST" and scope["path"].rstrip("/") == "/v1/files"
+        path = scope["path"].rstrip("/")
+        upload = scope["method"] == "POST" and path in (
+            "/v1/files",
+            "/api/v1/forward_backward",
+            "/api/v1/forward",
+        )
         return settings.max_upload_bytes if upload else settings.max_body_bytes
 
     app.add_middleware(HotReadPath, hot=app.state.hot_reads)  # innermost: inside RequestId

@@ -2,7 +2,8 @@
 
 A key is sent as `Authorization: Bearer <key>` or as `X-API-Key: <key>` (what the tinker SDK sends).
 Keys are 32 random bytes, so a plain SHA-256 hash is enough at rest (no password stretching). New
-keys start with `tml-` (the tinker SDK refuses any other prefix); older `tdm_` tokens keep working.
+keys, the admin token included, start with `tml-` (the tinker SDK refuses any other prefix); older `tdm_`
+tokens keep working.
 The first start of a service creates the admin token (read + write, sees every owner's work), writes
 it to `$TANDEM_HOME/admin_token` with mode 600, and keeps only its hash; TANDEM_ADMIN_TOKEN, when
 set, is registered instead (for a Kubernetes Secret). Other keys are made by an admin (`tandem keys
@@ -60,8 +61,9 @@ def hash_token(token: str) -> str:
 
 
 def new_token() -> str:
-    """The admin token's form (`tdm_`); keys made for owners use `new_key`."""
-    return "tdm_" + secrets.token_urlsafe(32)
+    """A new admin token: `tml-` like every key made from now on, so the tinker SDK accepts it too
+    (admin tokens made before, `tdm_...`, stay valid)."""
+    return new_key()
 
 
 def new_key() -> str:

@@ -46,6 +46,8 @@ def _serve(args: argparse.Namespace) -> int:
         max_upload_bytes=int(args.max_upload_mb * MiB),
         user_code_timeout_s=args.user_code_timeout,
         allowed_paths=args.allow_path,
+        tinker_base_models=args.base_model,
+        tinker_max_rank=args.max_lora_rank,
         **quota_settings(args),
     )
     serve(args.host, args.port, args.home, args.ray_address, args.num_cpus, settings=settings)
@@ -344,6 +346,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds a reward function or environment gets to import and be checked",
+    )
+    serve.add_argument(
+        "--base-model",
+        action="append",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="a base model the Tinker API serves (repeatable): a built-in name or an HF folder; default: the built-ins",
+    )
+    serve.add_argument(
+        "--max-lora-rank", type=int, default=64, help="the largest LoRA rank a Tinker session may ask"
     )
     add_quota_flags(serve)
     serve.set_defaults(func=_serve, client=False, subparser=serve)

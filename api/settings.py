@@ -27,6 +27,14 @@ class ServeSettings(BaseModel):
         description="server folders a spec may name besides the service home; None = the repo's examples/",
     )
 
+    tinker_base_models: list[str] | None = Field(
+        None,
+        description="base models the Tinker API serves (built-in names or HF folders); None = the built-ins",
+    )
+    tinker_max_rank: int = Field(
+        64, ge=1, le=1024, description="the largest LoRA rank of a Tinker training model"
+    )
+
     quotas_file: Path | None = Field(
         None, description="a quotas file (JSON or YAML): {default: {...}, owners: {NAME: {...}}}"
     )
@@ -36,6 +44,11 @@ class ServeSettings(BaseModel):
 
     def quota_book(self) -> QuotaBook:
         return QuotaBook.load(self.quotas_file, self.default_quota.model_dump(exclude_unset=True))
+
+    def tinker_models(self) -> list[str]:
+        from engines.tiny_models import BUILTIN_MODELS  # torch-free: names and shapes only
+
+        return list(self.tinker_base_models or BUILTIN_MODELS)
 
     def path_roots(self, home: Path) -> list[Path]:
         """The folders (resolved) under which a spec may name server paths."""

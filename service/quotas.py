@@ -43,6 +43,12 @@ class Quota(BaseModel):
     stored_bytes: int | None = Field(
         None, ge=0, le=2**62, description="bytes of uploads, checkpoints and exports kept for the owner"
     )
+    tinker_sessions: int | None = Field(
+        None, ge=0, le=1_000_000, description="Tinker API client sessions at once"
+    )
+    tinker_models: int | None = Field(
+        None, ge=0, le=1_000_000, description="Tinker API training models (LoRA adapters) live at once"
+    )
 
 
 class QuotaFile(BaseModel):

@@ -31,6 +31,8 @@ from service.files import FileError, FileStore
 from service.job_state import RUN_HOLDING, JobStatus
 from service.quotas import QuotaBook, Usage, may_run
 from service.store import JobRecord, JobStore
+from service.tinker_sessions import METHOD as TINKER_METHOD
+from service.tinker_sessions import lost_tinker_model
 from service.workloads import RL_JOB, Workload, WorkloadActor, resume_step
 
 log = logging.getLogger("tandem.scheduler")
@@ -107,6 +109,9 @@ class Scheduler:
 
     def _recover(self) -> None:
         for job in self.store.jobs_in((S.RUNNING, S.PAUSING)):
+            if job.method == TINKER_METHOD:  # its adapter lived in a session host, gone with the service
+                lost_tinker_model(self.store, job)
+                continue
             self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
             self.store.set_restart(job.id, None)  # a restart under way ended with the service
             self.store.truncate_after(

@@ -27,6 +27,7 @@ from service.keys import ADMIN_OWNER
 from service.quotas import QuotaBook, QuotaError, Usage, check_storage, check_submission
 from service.scheduler import Scheduler
 from service.store import JobRecord, JobStore
+from service.tinker_sessions import METHOD as TINKER_METHOD
 from service.usage import measure
 
 log = logging.getLogger("tandem.service")
@@ -80,6 +81,8 @@ class Service:
         self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.files, self.quotas)
         self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
         self.started_at = time.time()
+        self.closers: list[Any] = []  # called at shutdown, e.g. the Tinker API's session hosts (api/app.py)
+        self.tinker_cancel: Any = None  # (job) -> None: ends a Tinker training run's model (api/app.py)
 
     @property
     def is_alive(self) -> bool:
@@ -90,6 +93,8 @@ class Service:
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Pause every running job (each checkpoints at its next step boundary), then stop."""
+        for close in self.closers:
+            close()
         self.scheduler.shutdown(timeout_s)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -168,6 +173,15 @@ class Service:
 
     def cancel(self, job_id: str, sees: str | None = None) -> JobRecord:
         job = self.get(job_id, sees)
+        if job.method == TINKER_METHOD and job.status not in TERMINAL:  # its model leaves its host at once
+            if self.tinker_cancel is not None:
+                self.tinker_cancel(job)
+            self.store.transition(job_id, (S.RUNNING, S.PAUSING, S.PAUSED), S.CANCELLED, finished_at=time.time(),
+                                  error="cancelled through Tandem's API (tandem cancel); its checkpoints stay")  # fmt: skip
+            self.store.add_event(
+                job_id, "cancelled", "cancelled: its Tinker model was dropped (checkpoints stay)"
+            )
+            return self.get(job_id, sees)
         if self.store.transition(job_id, (S.QUEUED, S.PAUSED), S.CANCELLED, finished_at=time.time()):
             self.store.add_event(job_id, "cancelled", "cancelled before it ran again")
         elif self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.CANCELLING):
@@ -181,6 +195,7 @@ class Service:
 
     def pause(self, job_id: str, sees: str | None = None) -> JobRecord:
         job = self.get(job_id, sees)
+        _not_tinker(job)
         if self.store.transition(job_id, (S.QUEUED,), S.PAUSED):
             self.store.add_event(job_id, "paused", "paused before it started")
         elif self.store.transition(job_id, (S.RUNNING,), S.PAUSING):
@@ -194,6 +209,7 @@ class Service:
 
     def resume(self, job_id: str, sees: str | None = None) -> JobRecord:
         job = self.get(job_id, sees)
+        _not_tinker(job)
         with self._admit:
             if job.status == S.PAUSED:  # queued again: within the owner's queued jobs
                 self.check_quota(
@@ -211,7 +227,7 @@ class Service:
             raise _invalid_state(job, "cancel it before deleting it")
         self.store.delete_job(job_id)
         shutil.rmtree(job.workdir, ignore_errors=True)
-        self._remove_fork_source(job.spec["checkpoint"].get("resume_from"))
+        self._remove_fork_source(job.spec.get("checkpoint", {}).get("resume_from"))
 
     def update_labels(self, job_id: str, labels: dict[str, Any], sees: str | None = None) -> JobRecord:
         """Change a job's name, tags or notes (any status); `labels` holds only the fields to change."""
@@ -227,6 +243,7 @@ class Service:
 
     def set_hyperparameters(self, job_id: str, changes: dict[str, Any], sees: str | None = None) -> JobRecord:
         job = self.get(job_id, sees)
+        _not_tinker(job)
         if job.status in TERMINAL:
             raise _invalid_state(job, "it has no next step")
         try:
@@ -245,6 +262,7 @@ class Service:
 
     def checkpoint_now(self, job_id: str, sees: str | None = None) -> None:
         job = self.get(job_id, sees)
+        _not_tinker(job)
         if job.status != S.RUNNING:
             raise _invalid_state(job, "only a running job can checkpoint now")
         self.scheduler.tell(job_id, "checkpoint_now")
@@ -252,7 +270,9 @@ class Service:
 
     def merged_spec(self, job_id: str, overrides: dict[str, Any], sees: str | None = None) -> JobSpec:
         """The job's spec with `overrides` applied and validated (what a fork would run)."""
-        parent = self.get(job_id, sees).spec
+        job = self.get(job_id, sees)
+        _not_tinker(job)
+        parent = job.spec
         spec = _validated_merge(parent, overrides)
         _same_weights_shape(JobSpec.model_validate(parent), spec)
         return spec
@@ -261,6 +281,7 @@ class Service:
              owner: str = ADMIN_OWNER) -> JobRecord:  # fmt: skip
         """A new job of `owner` (the forking key's) from one of the job's checkpoints."""
         parent = self.get(job_id, sees)
+        _not_tinker(parent)
         chosen = self._fork_point(job_id, step)
         spec = _validated_merge(parent.spec, overrides)
         _same_weights_shape(JobSpec.model_validate(parent.spec), spec)
@@ -366,6 +387,14 @@ def _invalid_value(err: ValidationError) -> ServiceError:
     first = err.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
     return ServiceError(f"{param}: {first['msg']}" if param else first["msg"], 422, param, "invalid_value")
+
+
+def _not_tinker(job: JobRecord) -> None:
+    """A Tinker training run is driven by its client through the Tinker API (docs/tinker.md):
+    only its labels, cancel and delete apply here."""
+    if job.method == TINKER_METHOD:
+        raise ServiceError(f"job '{job.id}' is a Tinker training run: its client drives it through the Tinker "
+                           "API; only labels, cancel and delete apply", 409, "job_id", "invalid_state")  # fmt: skip
 
 
 def _invalid_state(job: JobRecord, why: str) -> ServiceError:

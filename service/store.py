@@ -216,7 +216,10 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         request_hash: str | None = None,
         parent_id: str | None = None,
         owner: str = ADMIN_OWNER,
+        status: str = JobStatus.QUEUED,
     ) -> JobRecord:
+        """A new row, queued (the scheduler runs it); a Tinker training model's starts `running`
+        (service/tinker_sessions.py: its work is done by a session host, not by the scheduler)."""
         job_id = "job-" + uuid.uuid4().hex[:12]
         now = time.time()
         with self._tx("jobs") as db:
@@ -224,14 +227,15 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
             db.execute(
                 f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 25)})",
                 (
-                    job_id, seq, JobStatus.QUEUED, spec["method"], json.dumps(spec),
+                    job_id, seq, status, spec["method"], json.dumps(spec),
                     json.dumps(spec.get("metadata", {})), now, None, None, 0, spec["trainer"]["total_steps"], "{}",
                     None, parent_id, str(Path(workdir_root) / job_id), idempotency_key, request_hash, None,
                     spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None, owner,
                     "null",
                 ),
             )  # fmt: skip
-        self.add_event(job_id, "created", "job created and queued")
+        self.add_event(job_id, "created", "job created and queued" if status == JobStatus.QUEUED else
+                       f"created ({status})")  # fmt: skip
         return self.get_job(job_id)
 
     def get_job(self, job_id: str) -> JobRecord | None:

@@ -12,6 +12,7 @@ from service.files import FileStore
 from service.job_state import RUN_HOLDING, JobStatus
 from service.quotas import Usage
 from service.store import JobStore
+from service.tinker_sessions import METHOD as TINKER_METHOD
 from service.workloads import RL_JOB, Workload
 
 
@@ -20,7 +21,7 @@ def measure(store: JobStore, files: FileStore, owner: str, workload: Workload = 
     for job in store.jobs_of(owner):
         if job.status == JobStatus.QUEUED:
             usage.queued_jobs += 1
-        elif job.status in RUN_HOLDING:
+        elif job.status in RUN_HOLDING and job.method != TINKER_METHOD:  # a session host's, not a job's
             needs = workload.needs(job.spec)
             cpus, gpus = needs.cpus, needs.gpus
             usage.running_jobs += 1

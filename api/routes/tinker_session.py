@@ -1,0 +1,160 @@
+"""Tinker API: the client's configuration, sessions, heartbeats, capabilities, futures, and the
+answer to anything else the SDK calls (a 400 naming the unsupported feature, at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from api.routes.tinker_common import caller, json_body, text, tinker, tinker_error_body
+from service.tinker_service import TinkerError
+
+router = APIRouter(
+    prefix="/api/v1", tags=["tinker"], include_in_schema=False
+)  # the SDK's protocol: docs/tinker.md
+LONG_POLL_S = 10.0  # retrieve_future waits this long before `try_again` (the SDK allows 45 s)
+
+# The SDK's feature flags (tinker/types/client_config_response.py): plain API keys, httpx transport,
+# uncompressed protobuf forward_backward, per-request future polling, client-side custom losses.
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "credential_default_source": "api_key",
+    "use_pyqwest_transport": False,
+    "proto_compress_fwdbwd": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+    "fwdbwd_max_chunk_len": 1024,
+}
+DYNAMIC_CONFIG = {
+    "refresh_interval_sec": 300,
+    "sample_cancel_enabled": True,
+    "sample_cancel_max_batch_size": 64,
+}
+
+
+@router.post("/client/config", include_in_schema=False)
+async def client_config(request: Request) -> dict[str, Any]:
+    await caller(request, "read")
+    return CLIENT_CONFIG
+
+
+@router.post("/client/dynamic_config", include_in_schema=False)
+async def client_dynamic_config(request: Request) -> dict[str, Any]:
+    await caller(request, "read")
+    return DYNAMIC_CONFIG
+
+
+@router.get("/healthz", include_in_schema=False)
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/get_server_capabilities", summary="Tinker: the base models served here")
+async def capabilities(request: Request) -> dict[str, Any]:
+    await caller(request, "read")
+    return tinker(request).capabilities()
+
+
+@router.post("/create_session", summary="Tinker: start a client session")
+async def create_session(request: Request) -> dict[str, Any]:
+    who = await caller(request)
+    body = await json_body(request)
+    tags = [str(t) for t in body.get("tags") or []][:32]
+    session = tinker(request).create_session(who.owner, tags)
+    return {"type": "create_session", "session_id": session.id}
+
+
+@router.post("/session_heartbeat", summary="Tinker: keep a client session alive")
+async def heartbeat(request: Request) -> dict[str, Any]:
+    who = await caller(request)
+    svc = tinker(request)
+    svc.expire_sessions()
+    session = svc.session(text(await json_body(request), "session_id"), who.sees)
+    session.last_heartbeat = time.time()
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/sessions/{session_id}/finish", include_in_schema=False)
+async def finish_session(request: Request, session_id: str) -> dict[str, Any]:
+    who = await caller(request)
+    tinker(request).session(session_id, who.sees)
+    return {}
+
+
+@router.get("/sessions", summary="Tinker: the caller's client sessions")
+async def list_sessions(request: Request) -> dict[str, Any]:
+    who = await caller(request, "read")
+    records = tinker(request).records
+    return {"sessions": [s.id for s in list(records.sessions.values()) if who.sees in (None, s.owner)]}
+
+
+@router.get("/sessions/{session_id}", summary="Tinker: one client session")
+async def get_session(request: Request, session_id: str) -> dict[str, Any]:
+    who = await caller(request, "read")
+    svc = tinker(request)
+    session = svc.session(session_id, who.sees)
+    models = [m for m in list(svc.records.models.values()) if m.session_id == session.id]
+    samplers = [s.id for s in list(svc.records.samplers.values()) if s.id.startswith(session.id + ":")]
+    return {"training_run_ids": [m.job_id for m in models], "sampler_ids": samplers}
+
+
+@router.post("/retrieve_future", summary="Tinker: a future's result, or try_again")
+async def retrieve_future(request: Request) -> Any:
+    who = await caller(request)
+    request_id = text(await json_body(request), "request_id")
+    future = tinker(request).futures.get(request_id, who.sees)
+    if future is None:
+        raise TinkerError(
+            404, f"request_id: no future '{request_id}' (or it is another owner's)", "request_id"
+        )
+    deadline, pause = time.monotonic() + LONG_POLL_S, 0.005
+    while not future.done and time.monotonic() < deadline:
+        await asyncio.sleep(pause)
+        pause = min(pause * 1.5, 0.05)
+    if not future.done:
+        return {"type": "try_again", "request_id": future.id, "queue_state": "active"}
+    if future.proto is not None:
+        return Response(future.proto, media_type="application/x-protobuf")
+    return future.json
+
+
+@router.post("/cancel_future", summary="Tinker: cancel a queued request")
+async def cancel_future(request: Request) -> dict[str, Any]:
+    who = await caller(request)
+    request_id = text(await json_body(request), "request_id")
+    futures = tinker(request).futures
+    future = futures.get(request_id, who.sees)
+    if future is None:
+        raise TinkerError(
+            404, f"request_id: no future '{request_id}' (or it is another owner's)", "request_id"
+        )
+    return {"cancelled": futures.cancel(future)}
+
+
+@router.post("/telemetry", include_in_schema=False)
+async def telemetry(request: Request) -> dict[str, str]:
+    await caller(request)
+    return {"status": "accepted"}  # the SDK's telemetry is accepted and dropped: nothing leaves the machine
+
+
+UNSUPPORTED = "GET POST PUT PATCH DELETE".split()
+
+
+def unsupported_route(app_router: APIRouter) -> None:
+    """Registered after every Tinker route: anything else under /api/v1 is named and refused at once."""
+
+    @app_router.api_route("/api/v1/{rest:path}", methods=UNSUPPORTED, include_in_schema=False)
+    async def unsupported(request: Request, rest: str) -> JSONResponse:
+        await caller(request, "read")
+        message = (f"unsupported feature: {request.method} /api/v1/{rest} is a Tinker API call that Tandem does "
+                   "not serve (docs/tinker.md lists what is compatible)")  # fmt: skip
+        return JSONResponse(tinker_error_body(message, rest.split("/")[0]), 400)
+
+
+fallback = APIRouter()
+unsupported_route(fallback)

@@ -1,0 +1,173 @@
+"""One training session's own state on a shared base: its adapter, gradients and AdamW state.
+
+A `Session` is resident (its tensors on the compute device, attached to the multi-LoRA layers) or
+offloaded: `offload()` packs weights, accumulated gradients and the optimizer's state into CPU
+tensors, kept in host memory or written to one file, and drops the device copies; `restore()`
+rebuilds the leaves and the optimizer from that pack, so a session that was evicted computes
+bit for bit what it would have computed had it stayed. `save` / `load` write and read the same
+pack as a folder: the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors),
+`optimizer.pt`, and `session.json` (rank, alpha, seed, adapted layers), which a new process can read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engines.fsdp.lora import write_adapter
+from engines.lora_targets import ADAPTER_FILE
+from engines.multi_lora import from_peft_tensors, peft_tensors
+
+SESSION_FILE = "session.json"
+OPTIMIZER_FILE = "optimizer.pt"
+Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    rank: int
+    alpha: float
+    seed: int
+    paths: tuple[str, ...]  # the adapted linear layers, in order
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+class Session:
+    def __init__(self, model_id: str, spec: SessionSpec, weights: Weights, device: torch.device) -> None:
+        self.model_id, self.spec, self.device = model_id, spec, device
+        self.weights: Weights | None = weights
+        self.optimizer: torch.optim.AdamW | None = torch.optim.AdamW(self.params(), lr=0.0)
+        self.packed: dict | None = None  # the offloaded state, in host memory
+        self.packed_file: Path | None = None  # or on disk
+
+    @property
+    def resident(self) -> bool:
+        return self.weights is not None
+
+    def params(self) -> list[torch.Tensor]:
+        assert self.weights is not None, f"session '{self.model_id}' is offloaded"
+        return [t for path in self.spec.paths for t in self.weights[path]]
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params()) if self.resident else 0
+
+    # ---- offload / restore ------------------------------------------------------------------
+
+    def pack(self, with_grads: bool = True) -> dict:
+        params = self.params()
+        return {
+            "weights": {k: v.detach().cpu().clone() for k, v in peft_tensors(self.weights).items()},
+            "grads": [p.grad.detach().cpu().clone() if p.grad is not None else None for p in params]
+            if with_grads
+            else None,
+            "optimizer": _cpu(self.optimizer.state_dict()),
+        }
+
+    def unpack(self, packed: dict, optimizer: bool = True) -> None:
+        weights = from_peft_tensors(packed["weights"])
+        self.weights = {
+            path: tuple(t.to(self.device).clone().requires_grad_(True) for t in weights[path])
+            for path in self.spec.paths
+        }
+        params = self.params()
+        for param, grad in zip(params, packed.get("grads") or [None] * len(params), strict=True):
+            param.grad = grad.to(self.device).clone() if grad is not None else None
+        self.optimizer = torch.optim.AdamW(params, lr=0.0)
+        if optimizer and packed.get("optimizer") is not None:
+            self.optimizer.load_state_dict(packed["optimizer"])
+
+    def offload(self, folder: Path | None) -> None:
+        """Move everything to host memory, or to `folder/<model_id>.pt` when a folder is given."""
+        packed = self.pack()
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.packed_file = folder / f"{_safe(self.model_id)}.pt"
+            torch.save(packed, self.packed_file)
+        else:
+            self.packed = packed
+        self.weights, self.optimizer = None, None
+
+    def restore(self) -> None:
+        if self.packed_file is not None:
+            packed = torch.load(self.packed_file, weights_only=True)
+            self.packed_file.unlink(missing_ok=True)
+        else:
+            packed = self.packed
+        self.unpack(packed)
+        self.packed, self.packed_file = None, None
+
+    # ---- optimizer ---------------------------------------------------------------------------
+
+    def optim_step(self, adam: dict) -> dict[str, float]:
+        """One AdamW step with the SDK's AdamParams over this adapter only, then zero its grads."""
+        params = self.params()
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            if grads
+            else None
+        )
+        clip = float(adam.get("grad_clip_norm", 0.0))
+        if clip > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        group = self.optimizer.param_groups[0]
+        group["lr"] = float(adam.get("learning_rate", 1e-4))
+        group["betas"] = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
+        group["eps"] = float(adam.get("eps", 1e-12))
+        group["weight_decay"] = float(adam.get("weight_decay", 0.0))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(norm) if norm is not None else 0.0, "learning_rate": group["lr"]}
+
+    # ---- save / load -------------------------------------------------------------------------
+
+    def save(self, folder: Path, adapter_config: dict, optimizer: bool) -> None:
+        write_adapter(folder, peft_tensors(self.weights), adapter_config)
+        (folder / SESSION_FILE).write_text(json.dumps(asdict(self.spec), indent=2))
+        opt_file = folder / OPTIMIZER_FILE
+        if optimizer:
+            torch.save(_cpu(self.optimizer.state_dict()), opt_file)
+        else:
+            opt_file.unlink(missing_ok=True)
+
+
+def read_spec(folder: Path) -> SessionSpec:
+    raw = json.loads((folder / SESSION_FILE).read_text())
+    return SessionSpec(**{**raw, "paths": tuple(raw["paths"])})
+
+
+def read_pack(folder: Path, optimizer: bool) -> dict:
+    """A saved folder as `Session.unpack` reads it (no gradients: a save is taken between steps)."""
+    from safetensors.torch import load_file
+
+    opt_file = folder / OPTIMIZER_FILE
+    if optimizer and not opt_file.is_file():
+        raise FileNotFoundError(f"'{folder}' was saved without optimizer state")
+    return {
+        "weights": load_file(str(folder / ADAPTER_FILE)),
+        "grads": None,
+        "optimizer": torch.load(opt_file, weights_only=True) if optimizer else None,
+    }
+
+
+def _cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cpu(v) for v in obj]
+    return obj
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

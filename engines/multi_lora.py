@@ -1,0 +1,172 @@
+"""Many LoRA adapters on one copy of a base model, each batch row computed with its own adapter.
+
+`inject(model, modules)` replaces each named `nn.Linear` by a `MultiLoraLinear` that keeps the base
+layer (frozen, shared) and a table `adapters[key] = (A, B, scaling)`; an adapter is plain tensors
+owned by its session, so adding, removing or offloading one is a dict update, never a change to the
+module tree. `rows(model, segments)` says, for one forward, which contiguous rows of the batch use
+which adapter (`None`: the base alone): every layer then computes
+
+    y[rows] = x[rows] W^T + scaling * (x[rows] A^T) B^T
+
+one base matmul for the whole batch and two small ones per adapter segment, the deltas concatenated
+in row order, so autograd gives each adapter exactly the gradient of its own rows' loss.
+
+Why not PEFT's layers here (the FSDP engine keeps them): PEFT's mixed-batch path (`adapter_names`) is
+refused in training mode (`peft/tuners/lora/model.py`: "Cannot pass `adapter_names` when the model
+is in training mode") and holds every adapter as a submodule, so evicting one is a module surgery.
+The names and the saved format stay PEFT's (`peft_tensors`): a snapshot loads with
+`PeftModel.from_pretrained`, vLLM, and `engines/fsdp/lora.load_adapter_weights`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engines.lora_targets import PEFT_PREFIX
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+
+Segment = tuple[str | None, int]  # (adapter key or None for the base, number of rows)
+
+
+@dataclass
+class LayerAdapter:
+    a: torch.Tensor  # [rank, in]
+    b: torch.Tensor  # [out, rank]
+    scaling: float
+
+
+class MultiLoraLinear(nn.Module):
+    """A frozen linear layer plus any number of LoRA adapters, chosen per row by `segments`."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.adapters: dict[str, LayerAdapter] = {}
+        self.segments: list[Segment] | None = None
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        segments = self.segments
+        if not segments or all(key is None or key not in self.adapters for key, _ in segments):
+            return y
+        if sum(n for _, n in segments) != x.shape[0]:
+            raise RuntimeError(
+                f"segments cover {sum(n for _, n in segments)} rows, the batch has {x.shape[0]}"
+            )
+        deltas, start = [], 0
+        for key, n in segments:
+            part = x[start : start + n]
+            adapter = self.adapters.get(key) if key is not None else None
+            if adapter is None:
+                deltas.append(torch.zeros(part.shape[:-1] + (y.shape[-1],), dtype=y.dtype, device=y.device))
+            else:
+                a, b = adapter.a.to(part.dtype), adapter.b.to(part.dtype)
+                deltas.append((part @ a.T) @ b.T * adapter.scaling)
+            start += n
+        return y + torch.cat(deltas, dim=0)
+
+
+def linear_modules(model: nn.Module, short_names: tuple[str, ...]) -> list[str]:
+    """Paths of the `nn.Linear` modules (or injected ones) whose last component is in `short_names`."""
+    return sorted(
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, MultiLoraLinear))
+        and name.rsplit(".", 1)[-1] in short_names
+        and not name.endswith(".base_layer")
+    )
+
+
+def inject(model: nn.Module, paths: list[str]) -> dict[str, MultiLoraLinear]:
+    """Wrap each linear layer at `paths` (idempotent); returns path -> layer for all wrapped ones."""
+    for path in paths:
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        layer = getattr(parent, child)
+        if isinstance(layer, nn.Linear):
+            setattr(parent, child, MultiLoraLinear(layer))
+    return {name: m for name, m in model.named_modules() if isinstance(m, MultiLoraLinear)}
+
+
+@contextmanager
+def rows(layers: dict[str, MultiLoraLinear], segments: list[Segment]) -> Iterator[None]:
+    """Within the block every wrapped layer applies adapter `key` to its segment of rows."""
+    for layer in layers.values():
+        layer.segments = segments
+    try:
+        yield
+    finally:
+        for layer in layers.values():
+            layer.segments = None
+
+
+def init_adapter(
+    layers: dict[str, MultiLoraLinear], paths: list[str], rank: int, seed: int, device: torch.device
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Fresh (A, B) per layer as PEFT initialises them: A Kaiming-uniform (a = sqrt 5), B zero, so
+    the adapted model starts equal to the base. Seeded per session; fp32 trainable leaves."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for path in paths:
+        base = layers[path].base_layer
+        a = torch.empty(rank, base.in_features)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        b = torch.zeros(base.out_features, rank)
+        out[path] = (a.to(device).requires_grad_(True), b.to(device).requires_grad_(True))
+    return out
+
+
+def attach(
+    layers: dict[str, MultiLoraLinear],
+    key: str,
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    scaling: float,
+) -> None:
+    for path, (a, b) in weights.items():
+        layers[path].adapters[key] = LayerAdapter(a, b, scaling)
+
+
+def detach(layers: dict[str, MultiLoraLinear], key: str) -> None:
+    for layer in layers.values():
+        layer.adapters.pop(key, None)
+
+
+def peft_tensors(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """PEFT's saved names: base_model.model.<path>.lora_A.weight / .lora_B.weight."""
+    out = {}
+    for path, (a, b) in weights.items():
+        out[f"{PEFT_PREFIX}{path}.lora_A.weight"] = a.detach()
+        out[f"{PEFT_PREFIX}{path}.lora_B.weight"] = b.detach()
+    return out
+
+
+def from_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The inverse of `peft_tensors` (also reads PEFT's '.lora_A.default.weight' names)."""
+    from engines.lora_targets import base_module
+
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        parsed = base_module(name)
+        if parsed is not None:
+            parts.setdefault(parsed[0], {})[parsed[1]] = tensor
+    missing = [path for path, ab in parts.items() if set(ab) != {"A", "B"}]
+    if missing:
+        raise ValueError(f"adapter layer '{missing[0]}' lacks its lora_A or lora_B tensor")
+    return {path: (ab["A"], ab["B"]) for path, ab in sorted(parts.items())}

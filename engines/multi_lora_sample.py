@@ -1,0 +1,127 @@
+"""Sampling from many adapters (and the base) in one decode batch on the shared multi-LoRA model.
+
+Each request (one sampler snapshot or the base, one prompt, `num_samples` rows) owns a contiguous
+block of rows; the multi-LoRA layers apply the request's adapter to its block (`engines.multi_lora.rows`),
+so one prefill and one decode step per token serve every request at once. Prompts are left-padded
+(the hf rollout engine's `left_pad`) with explicit position ids, and every request samples from its
+own seeded generator: what it draws does not depend on the other requests in the batch.
+
+A sampled token's log-prob is that of the temperature-scaled distribution before top-k / top-p
+filtering (at temperature 1, the trainer's log-prob of the same token); temperature 0 is greedy and
+reports the untempered log-prob. Stops: `None` means the model's EOS ids, `[]` means none, otherwise
+the given token ids or strings (a string stops the row once the decoded completion contains it);
+the stopping token stays in the returned tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engines.multi_lora import MultiLoraLinear, rows
+from engines.rollout.hf import filter_logits, left_pad
+
+
+@dataclass
+class SampleRequest:
+    adapter: str | None
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class Sequence:
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stop_reason: str = "length"
+    done: bool = False
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    layers: dict[str, MultiLoraLinear],
+    requests: list[SampleRequest],
+    pad_id: int,
+    tokenizer=None,
+) -> list[list[Sequence]]:
+    """Every request's `num_samples` sequences, decoded in one batch."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    prompts = [r.prompt for r in requests for _ in range(r.num_samples)]
+    segments = [(r.adapter, r.num_samples) for r in requests]
+    blocks, start = [], 0
+    for r in requests:
+        blocks.append((start, start + r.num_samples))
+        start += r.num_samples
+    generators = []
+    for r in requests:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(r.seed) if r.seed is not None else gen.seed()
+        generators.append(gen)
+    seqs = [[Sequence() for _ in range(r.num_samples)] for r in requests]
+
+    ids, mask = left_pad(prompts, pad_id, device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    steps = max(r.max_tokens for r in requests)
+    with rows(layers, segments):
+        logits = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        ).logits[:, -1]
+        for step in range(steps):
+            next_tokens = torch.full((len(prompts),), pad_id, dtype=torch.long, device=device)
+            for r, (lo, hi), gen, block in zip(requests, blocks, generators, seqs, strict=True):
+                if step >= r.max_tokens or all(s.done for s in block):
+                    continue
+                picked, lps = _pick(logits[lo:hi].float(), r, gen)
+                next_tokens[lo:hi] = picked
+                for s, tok, lp in zip(block, picked.tolist(), lps.tolist(), strict=True):
+                    if not s.done:
+                        _append(s, tok, lp, r, tokenizer)
+            if all(s.done for block in seqs for s in block):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            logits = model(
+                input_ids=next_tokens[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+    return seqs
+
+
+def _pick(logits: torch.Tensor, r: SampleRequest, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    temperature = r.temperature if r.temperature > 0 else 1.0
+    scaled = logits / temperature
+    log_probs = scaled.log_softmax(dim=-1)
+    if r.temperature == 0:
+        tokens = scaled.argmax(dim=-1)
+    else:
+        filtered = filter_logits(scaled, r.top_k, r.top_p)
+        tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=gen).squeeze(-1)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _append(s: Sequence, token: int, logprob: float, r: SampleRequest, tokenizer) -> None:
+    s.tokens.append(token)
+    s.logprobs.append(logprob)
+    if token in r.stop_ids:
+        s.done, s.stop_reason = True, "stop"
+    elif r.stop_strings and tokenizer is not None:
+        text = tokenizer.decode(s.tokens)
+        if any(stop in text for stop in r.stop_strings):
+            s.done, s.stop_reason = True, "stop"
+    if not s.done and len(s.tokens) >= r.max_tokens:
+        s.done = True

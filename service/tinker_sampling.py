@@ -1,0 +1,243 @@
+"""The Tinker API's sampling side and its reads: samplers, `asample`, training runs and checkpoints.
+
+A sampler is a frozen snapshot of a training model's adapter (`save_weights_for_sampler`) or the
+bare base model (`create_sampling_client(base_model=...)`); `compute_logprobs` reaches the service
+as an `asample` with `prompt_logprobs`. Samples of a training model's sampler are kept as that
+run's samples (the dashboard's Samples panel), decoded with the base model's tokenizer when its
+folder has a `tokenizer.json` (the `tokenizers` library: no torch here).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import tarfile
+import uuid
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from service.tinker_futures import Future
+from service.tinker_service import NAME, TinkerError, TinkerService, host_id, host_of, not_found
+from service.tinker_sessions import (
+    METHOD,
+    Sampler,
+    checkpoint_folder,
+    list_checkpoints,
+    parse_tinker_path,
+)
+from service.tinker_wire import write_sample_response
+
+MAX_SAMPLES = 128
+MAX_NEW_TOKENS = 4096
+UNSUPPORTED_SAMPLE_FIELDS = {
+    "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
+    "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None, "record_stability_info": None,
+}  # fmt: skip
+
+
+def save_for_sampler(svc: TinkerService, owner: str, req: dict[str, Any]) -> Future:
+    model = svc.model(req.get("model_id", ""), owner)
+    if req.get("kind", "snapshot") != "snapshot":
+        raise TinkerError(400, "kind: only 'snapshot' samplers are served (not 'inflight')", "kind")
+    name = req.get("path")
+    if name is not None and not NAME.match(name):
+        raise TinkerError(400, f"path: sampler name {name!r} must match {NAME.pattern}", "path")
+    sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
+    tinker_path = f"tinker://{model.job_id}/sampler_weights/{name}" if name else None
+    body = {
+        "op": "save_for_sampler",
+        "model_id": host_id(model.model_id),
+        "name": name or sampler_id.replace(":", "-"),
+    }
+
+    def saved(ok: dict[str, Any]) -> None:
+        svc.records.add_sampler(
+            Sampler(sampler_id, owner, model.base_model, ok["path"], tinker_path, model.job_id)
+        )
+        if name:  # a named snapshot is a listed checkpoint: a folder that points at the host's copy
+            folder = checkpoint_folder(model.workdir, "sampler_weights", name)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "SOURCE").write_text(ok["path"])
+            (folder / ".complete").write_text(tinker_path + "\n")
+
+    def finish(ok: dict[str, Any]) -> tuple[dict[str, Any], None]:
+        answer = {"path": tinker_path} if name else {"sampling_session_id": sampler_id}
+        return {**answer, "type": "save_weights_for_sampler"}, None
+
+    return svc.submit(
+        host_of(svc, model), owner, model.model_id, body, "save_weights_for_sampler", finish, saved
+    )
+
+
+def create_sampling_session(svc: TinkerService, owner: str, req: dict[str, Any]) -> str:
+    session = svc.session(req.get("session_id", ""), owner)
+    sampler_id = f"{session.id}:sample:{req.get('sampling_session_seq_id', 0)}:{uuid.uuid4().hex[:6]}"
+    path = req.get("model_path")
+    if path:
+        parsed = parse_tinker_path(path)
+        if parsed is None or parsed[1] != "sampler_weights":
+            raise TinkerError(400, f"model_path: {path!r} is not a sampler checkpoint path "
+                              "(tinker://RUN/sampler_weights/NAME)", "model_path")  # fmt: skip
+        job = svc.store.get_job(parsed[0])
+        if job is None or job.method != METHOD or job.owner != owner:
+            raise not_found("sampler checkpoint", path, "model_path")
+        folder = checkpoint_folder(Path(job.workdir), "sampler_weights", parsed[2])
+        if not (folder / ".complete").exists():
+            raise not_found("sampler checkpoint", path, "model_path")
+        base = job.spec["model"]["builtin"]
+        svc.host(base, "model_path")
+        sampler = Sampler(sampler_id, owner, base, (folder / "SOURCE").read_text(), path, job.id)
+    else:
+        base = req.get("base_model") or ""
+        svc.host(base, "base_model")
+        sampler = Sampler(sampler_id, owner, base, None, None, None)
+    svc.records.add_sampler(sampler)
+    return sampler_id
+
+
+def sampler_view(svc: TinkerService, owner: str | None, sampler_id: str) -> dict[str, Any]:
+    sampler = svc.records.sampler(sampler_id, owner)
+    if sampler is None:
+        raise not_found("sampler", sampler_id, "sampler_id")
+    return {"sampler_id": sampler.id, "base_model": sampler.base_model, "model_path": sampler.tinker_path}
+
+
+def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
+    tokens: list[int] = []
+    for i, chunk in enumerate(prompt.get("chunks") or []):
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            raise TinkerError(400, f"prompt.chunks[{i}]: {chunk.get('type')} chunks are not supported (text only)",
+                              f"prompt.chunks[{i}]")  # fmt: skip
+        tokens += [int(t) for t in chunk.get("tokens") or []]
+    if not tokens:
+        raise TinkerError(400, "prompt: must hold at least one token", "prompt")
+    return tokens
+
+
+def _sampling_params(params: dict[str, Any]) -> dict[str, Any]:
+    out = {"max_tokens": params.get("max_tokens") or 16, "temperature": params.get("temperature", 1.0),
+           "top_p": params.get("top_p", 1.0), "top_k": params.get("top_k", -1), "seed": params.get("seed"),
+           "stop": params.get("stop")}  # fmt: skip
+    checks = (("max_tokens", 1 <= out["max_tokens"] <= MAX_NEW_TOKENS, f"in [1, {MAX_NEW_TOKENS}]"),
+              ("temperature", out["temperature"] >= 0, ">= 0"), ("top_p", 0 < out["top_p"] <= 1, "in (0, 1]"),
+              ("top_k", out["top_k"] == -1 or out["top_k"] >= 1, "-1 or >= 1"))  # fmt: skip
+    for name, ok, bound in checks:
+        if not ok:
+            raise TinkerError(
+                400, f"sampling_params.{name}: {out[name]} must be {bound}", f"sampling_params.{name}"
+            )
+    if isinstance(out["stop"], str):
+        out["stop"] = [out["stop"]]
+    return out
+
+
+def asample(svc: TinkerService, owner: str, req: dict[str, Any]) -> tuple[Future, list[str]]:
+    for name, default in UNSUPPORTED_SAMPLE_FIELDS.items():
+        if req.get(name) not in (default, None, False):
+            raise TinkerError(400, f"{name}: not supported by this service (Tandem serves tokens, their "
+                              "log-probs and prompt_logprobs)", name)  # fmt: skip
+    sampler_id = req.get("sampling_session_id")
+    if not sampler_id:
+        raise TinkerError(
+            400, "sampling_session_id: required (create a sampling client first)", "sampling_session_id"
+        )
+    sampler = svc.records.sampler(sampler_id, owner)
+    if sampler is None:
+        raise not_found("sampler", sampler_id, "sampling_session_id")
+    host = svc.hosts[sampler.base_model]
+    prompt = _prompt_tokens(req.get("prompt") or {})
+    svc.check_tokens(host, prompt, "prompt.chunks")
+    num = req.get("num_samples", 1)
+    if not isinstance(num, int) or not 1 <= num <= MAX_SAMPLES:
+        raise TinkerError(400, f"num_samples: {num} must be in [1, {MAX_SAMPLES}]", "num_samples")
+    params = _sampling_params(req.get("sampling_params") or {})
+    body = {"op": "sample", "sampler": sampler.path, "prompt": prompt, "num_samples": num,
+            "sampling_params": params, "prompt_logprobs": bool(req.get("prompt_logprobs"))}  # fmt: skip
+    sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
+
+    def record(ok: dict[str, Any]) -> None:
+        if body["prompt_logprobs"]:  # scoring (compute_logprobs), not sampling: no sample rows
+            return
+        if sampler.job_id is None or svc.store.get_job(sampler.job_id) is None:
+            return
+        model = svc.records.model_of_job(sampler.job_id)
+        step = model.step if model is not None else 0
+        decode = _decoder((host.info or {}).get("model_path"))
+        rows = [{"index": i, "uid": sid, "prompt": decode(prompt),
+                 "turns": [{"role": "assistant", "content": decode(seq["tokens"])}],
+                 "finish_reason": seq.get("stop_reason"), "sampler": sampler_id,
+                 "tokens": {"prompt": len(prompt), "response": len(seq["tokens"])}}
+                for i, (sid, seq) in enumerate(zip(sequence_ids, ok["sequences"], strict=False))]  # fmt: skip
+        svc.store.add_samples(sampler.job_id, step, rows)
+
+    def finish(ok: dict[str, Any]) -> tuple[None, bytes]:
+        return None, write_sample_response(ok["sequences"], ok.get("prompt_logprobs"))
+
+    future = svc.submit(host, owner, sampler_id, body, "sample", finish, record)
+    return future, sequence_ids
+
+
+@lru_cache(maxsize=16)
+def _tokenizer(folder: str) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+
+
+def _decoder(folder: str | None) -> Any:
+    if folder and (Path(folder) / "tokenizer.json").exists():
+        tokenizer = _tokenizer(folder)
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)[:2000]
+    return lambda ids: " ".join(map(str, ids))[:2000]
+
+
+# ---- training runs and checkpoints ------------------------------------------------------------------
+
+
+def run_view(svc: TinkerService, job: Any) -> dict[str, Any]:
+    saved = list_checkpoints(job.id, Path(job.workdir))
+    last = {kind: next((c for c in reversed(saved) if c["checkpoint_type"] == kind), None)
+            for kind in ("training", "sampler")}  # fmt: skip
+    return {
+        "training_run_id": job.id, "base_model": job.spec["model"]["builtin"], "model_owner": job.owner,
+        "is_lora": True, "corrupted": False, "lora_rank": job.spec["model"]["lora"]["rank"],
+        "last_request_time": dt.datetime.fromtimestamp(job.created_at, dt.UTC).isoformat(),
+        "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
+        "user_metadata": {"model_id": job.metadata.get("tinker_model_id", ""), "status": job.status},
+    }  # fmt: skip
+
+
+def run_of(svc: TinkerService, owner: str | None, run_id: str) -> Any:
+    job = svc.store.get_job(run_id)
+    if job is None or job.method != METHOD or (owner is not None and job.owner != owner):
+        model = svc.records.model(run_id, owner)  # a model id names its run too
+        if model is None:
+            raise not_found("training run", run_id, "training_run_id")
+        job = svc.store.get_job(model.job_id)
+    return job
+
+
+def list_runs(svc: TinkerService, owner: str | None, limit: int, offset: int) -> dict[str, Any]:
+    """The caller's training runs (an admin's: everyone's), newest first."""
+    jobs = svc.store.jobs_of(owner) if owner is not None else svc.store.list_jobs(limit=1_000_000)[0]
+    rows = sorted((j for j in jobs if j.method == METHOD), key=lambda j: -j.created_at)
+    return {
+        "training_runs": [run_view(svc, j) for j in rows[offset : offset + limit]],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)},
+    }
+
+
+def checkpoint_archive(svc: TinkerService, owner: str | None, run_id: str, kind: str, name: str) -> bytes:
+    """A checkpoint as a .tar.gz of its PEFT adapter folder (the host's disk must be this machine's)."""
+    job = run_of(svc, owner, run_id)
+    folder = checkpoint_folder(Path(job.workdir), kind, name)
+    if kind not in ("weights", "sampler_weights") or not (folder / ".complete").exists():
+        raise not_found("checkpoint", f"tinker://{run_id}/{kind}/{name}", "checkpoint_id")
+    source = Path((folder / "SOURCE").read_text()) if (folder / "SOURCE").exists() else folder
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for item in sorted(source.rglob("*")):
+            if item.is_file() and item.name not in (".complete", "SOURCE"):
+                tar.add(item, arcname=f"{name}/{item.relative_to(source)}")
+    return buf.getvalue()

@@ -1,0 +1,354 @@
+"""SessionHost (workers/session_host.py): many LoRA sessions on one base model, in process.
+
+References computed another way: each op run alone (one session per forward) for the batched path,
+PEFT's own LoRA layers (`PeftModel.from_pretrained` on the saved snapshot) and torch.optim.AdamW for
+the gradients and the optimizer, the trainer's forward for sampled log-probs, a host that never
+evicts for eviction, a second SessionHost reading the folder for save/load.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import workers.session_host as session_host
+from workers.session_host import SessionHost
+
+TOL = 1e-5
+ADAM = {
+    "learning_rate": 0.02,
+    "beta1": 0.8,
+    "beta2": 0.9,
+    "eps": 1e-8,
+    "weight_decay": 0.1,
+    "grad_clip_norm": 0.5,
+}
+
+
+def datum(seq: list[int]) -> dict:
+    n = len(seq) - 1
+    weights = [1.0 + 0.1 * i for i in range(n)]
+    return {
+        "tokens": seq[:-1],
+        "loss_fn_inputs": {
+            "target_tokens": {"data": seq[1:], "dtype": "int64", "shape": [n]},
+            "weights": {"data": weights, "dtype": "float32", "shape": [n]},
+        },
+    }
+
+
+DATA = {
+    "a": [datum([5, 17, 33, 40, 41, 42, 60, 7]), datum([9, 10, 11])],
+    "b": [datum([70, 71, 72, 73, 20])],
+}
+CREATE = {
+    "a": {"op": "create_model", "model_id": "a", "rank": 4, "seed": 1},
+    # another rank and another layer set on the same base
+    "b": {
+        "op": "create_model",
+        "model_id": "b",
+        "rank": 8,
+        "seed": 2,
+        "train_mlp": False,
+        "train_unembed": False,
+    },
+}
+
+
+def fwd(model_id: str, backward: bool = True) -> dict:
+    return {
+        "op": "forward",
+        "model_id": model_id,
+        "data": DATA[model_id],
+        "loss_fn": "cross_entropy",
+        "backward": backward,
+    }
+
+
+def step(model_id: str) -> dict:
+    return {"op": "optim_step", "model_id": model_id, "adam": ADAM}
+
+
+def ok(result: dict) -> dict:
+    assert "ok" in result, result
+    return result["ok"]
+
+
+def logprobs(result: dict) -> list[torch.Tensor]:
+    return [torch.tensor(o["logprobs"]["data"]) for o in ok(result)["loss_fn_outputs"]]
+
+
+def weights(host: SessionHost, model_id: str) -> dict[str, torch.Tensor]:
+    session = host.sessions[model_id]
+    if not session.resident:
+        host._make_resident({f"m:{model_id}"})
+    return {
+        f"{p}.{part}": t.detach().clone()
+        for p, ab in session.weights.items()
+        for part, t in zip("AB", ab, strict=True)
+    }
+
+
+def close(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], tol: float = TOL) -> None:
+    assert x.keys() == y.keys()
+    for k in x:
+        assert torch.allclose(x[k], y[k], atol=tol, rtol=0), (k, (x[k] - y[k]).abs().max())
+
+
+@pytest.fixture
+def make_host(tiny_model_dir, tmp_path):
+    def make(**options) -> SessionHost:
+        return SessionHost(
+            "tiny-qwen2", str(tiny_model_dir), str(tmp_path / f"host{len(list(tmp_path.iterdir()))}"), options
+        )
+
+    return make
+
+
+def count_forwards(host: SessionHost) -> list[int]:
+    calls = [0]
+    host.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_two_sessions_batched_equal_each_alone_and_peft(make_host, tmp_path):
+    before = session_host.BASE_LOADS
+    batched, alone, parts = make_host(), make_host(), make_host(max_batch_tokens=8)
+    assert session_host.BASE_LOADS == before + 3  # one read per host, none per session
+    for host in (batched, alone, parts):
+        host.run_batch([CREATE["a"], CREATE["b"]])
+    assert batched.describe()["base_loads"] == before + 3
+    calls, part_calls = count_forwards(batched), count_forwards(parts)
+    # two rounds: the batched host gets both sessions' ops in one call (one forward per round)
+    ops = [fwd("a"), fwd("b"), step("a"), step("b"), fwd("a"), fwd("b")]
+    got = batched.run_batch(ops)
+    assert calls[0] == 2
+    # a token budget below a round's batch: one forward per session, the same results
+    for g, w in zip(got, parts.run_batch(ops), strict=True):
+        if "loss_fn_outputs" in ok(w):
+            assert abs(ok(g)["metrics"]["loss:sum"] - ok(w)["metrics"]["loss:sum"]) <= TOL
+    assert part_calls[0] == 4
+    want = [alone.run_batch([op])[0] for op in [fwd("a"), fwd("b"), step("a"), step("b"), fwd("a"), fwd("b")]]
+    for g, w in zip(got, want, strict=True):
+        if "loss_fn_outputs" in ok(w):
+            assert abs(ok(g)["metrics"]["loss:sum"] - ok(w)["metrics"]["loss:sum"]) <= TOL
+            for x, y in zip(logprobs(g), logprobs(w), strict=True):
+                assert torch.allclose(x, y, atol=TOL, rtol=0)
+    for model_id in ("a", "b"):  # the second forward_backward's gradients through the next step
+        for host in (batched, alone):
+            host.run_batch([step(model_id)])
+        close(weights(batched, model_id), weights(alone, model_id))
+    assert any(t.abs().sum() > 0 for k, t in weights(batched, "b").items() if k.endswith(".B"))
+
+    # PEFT's own layers on the saved snapshot give the same log-probs
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = ok(batched.run_batch([{"op": "save_for_sampler", "model_id": "b", "name": "s"}])[0])["path"]
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(batched.model_path), path).eval()
+    mine = logprobs(batched.run_batch([fwd("b", backward=False)])[0])
+    for d, lp in zip(DATA["b"], mine, strict=True):
+        logits = peft(input_ids=torch.tensor([d["tokens"]])).logits[0].log_softmax(-1)
+        target = torch.tensor(d["loss_fn_inputs"]["target_tokens"]["data"])
+        assert torch.allclose(logits.gather(-1, target[:, None]).squeeze(-1).detach(), lp, atol=TOL, rtol=0)
+
+
+def test_optim_step_matches_torch_adamw_on_peft(make_host):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    host = make_host()
+    host.run_batch([CREATE["a"]])
+    path = ok(host.run_batch([{"op": "save_for_sampler", "model_id": "a", "name": "init"}])[0])["path"]
+    peft = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(host.model_path), path, is_trainable=True
+    )
+    params = {n: p for n, p in peft.named_parameters() if p.requires_grad}
+    adam = torch.optim.AdamW(
+        list(params.values()),
+        lr=ADAM["learning_rate"],
+        betas=(ADAM["beta1"], ADAM["beta2"]),
+        eps=ADAM["eps"],
+        weight_decay=ADAM["weight_decay"],
+    )
+    for _ in range(2):
+        host.run_batch([fwd("a"), step("a")])
+        loss = 0
+        for d in DATA["a"]:
+            logits = peft(input_ids=torch.tensor([d["tokens"]])).logits[0].log_softmax(-1)
+            target = torch.tensor(d["loss_fn_inputs"]["target_tokens"]["data"])
+            w = torch.tensor(d["loss_fn_inputs"]["weights"]["data"])
+            loss = loss - (logits.gather(-1, target[:, None]).squeeze(-1) * w).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), ADAM["grad_clip_norm"])
+        adam.step()
+        adam.zero_grad()
+    theirs = {
+        n.removeprefix("base_model.model.")
+        .replace(".lora_A.default.weight", ".A")
+        .replace(".lora_B.default.weight", ".B"): p.detach()
+        for n, p in params.items()
+    }
+    close(weights(host, "a"), theirs)
+    assert any(t.abs().sum() > 0 for k, t in theirs.items() if k.endswith(".B"))  # it moved
+
+
+def test_sampled_logprobs_match_trainer_and_batching(make_host):
+    host = make_host()
+    host.run_batch([CREATE["a"], CREATE["b"]])
+    host.run_batch([fwd("a"), fwd("b"), step("a"), step("b")])
+    paths = [
+        ok(r)["path"]
+        for r in host.run_batch([{"op": "save_for_sampler", "model_id": m, "name": "s"} for m in "ab"])
+    ]
+
+    def sample(path, prompt, seed):
+        params = {"max_tokens": 6, "temperature": 1.0, "seed": seed, "stop": []}
+        return {
+            "op": "sample",
+            "sampler": path,
+            "prompt": prompt,
+            "num_samples": 3,
+            "sampling_params": params,
+            "prompt_logprobs": True,
+        }
+
+    ops = [sample(paths[0], [5, 6, 7, 8], 11), sample(paths[1], [40], 12), sample(None, [9, 9], 13)]
+    together = host.run_batch(ops)
+    for op, got in zip(ops, together, strict=True):
+        alone = ok(host.run_batch([op])[0])
+        for s, t in zip(ok(got)["sequences"], alone["sequences"], strict=True):
+            assert s["tokens"] == t["tokens"] and len(s["tokens"]) == 6 and s["stop_reason"] == "length"
+            assert max(abs(x - y) for x, y in zip(s["logprobs"], t["logprobs"], strict=True)) <= TOL
+    # the trainer's log-probs of the sampled tokens (session a's adapter = its snapshot, unchanged since)
+    prompt = ops[0]["prompt"]
+    for seq in ok(together[0])["sequences"]:
+        full = prompt + seq["tokens"]
+        trainer = logprobs(
+            host.run_batch(
+                [{"op": "forward", "model_id": "a", "data": [datum(full)], "loss_fn": "cross_entropy"}]
+            )[0]
+        )[0]
+        assert torch.allclose(trainer[len(prompt) - 1 :], torch.tensor(seq["logprobs"]), atol=1e-4, rtol=0)
+        lps = ok(host.run_batch([{"op": "compute_logprobs", "sampler": paths[0], "tokens": full}])[0])[
+            "logprobs"
+        ]
+        assert lps[0] is None and torch.allclose(torch.tensor(lps[1:]), trainer, atol=1e-4, rtol=0)
+        assert torch.allclose(
+            torch.tensor(ok(together[0])["prompt_logprobs"][1:]), trainer[: len(prompt) - 1], atol=1e-4
+        )
+
+
+@pytest.mark.parametrize("offload", ["disk", "memory"])
+def test_eviction_round_trip_is_exact(make_host, offload):
+    ops = [CREATE["a"], CREATE["b"], fwd("a"), fwd("b"), step("a"), fwd("b"), fwd("a"), step("b"), step("a")]
+    ops += [{"op": "save_for_sampler", "model_id": m, "name": "s"} for m in "ab"]
+    evicting, keeping = (
+        make_host(max_resident_adapters=1, offload=offload),
+        make_host(max_resident_adapters=8),
+    )
+    got = [evicting.run_batch([op])[0] for op in ops]
+    want = [keeping.run_batch([op])[0] for op in ops]
+    assert evicting.describe()["offloaded"] == ["a"]  # b was used last
+    for g, w in zip(got, want, strict=True):
+        if "loss_fn_outputs" in ok(w):
+            assert ok(g)["metrics"] == ok(w)["metrics"]
+    for model_id in "ab":
+        close(weights(evicting, model_id), weights(keeping, model_id), tol=0.0)
+    prompt = {"prompt": [3, 4], "num_samples": 2, "sampling_params": {"max_tokens": 4, "seed": 5}}
+    for i in (-2, -1):  # one sampler per call on both hosts: the same batch shapes, so bit for bit
+        op = {"op": "sample", "sampler": ok(got[i])["path"], **prompt}
+        assert ok(evicting.run_batch([op])[0]) == ok(
+            keeping.run_batch([{**op, "sampler": ok(want[i])["path"]}])[0]
+        )
+
+
+def test_save_and_load_state_in_a_new_host(make_host, tmp_path):
+    host = make_host()
+    host.run_batch([CREATE["a"], fwd("a"), step("a")])
+    full, bare = str(tmp_path / "full"), str(tmp_path / "bare")
+    ok(host.run_batch([{"op": "save_state", "model_id": "a", "path": full, "optimizer": True}])[0])
+    ok(host.run_batch([{"op": "save_state", "model_id": "a", "path": bare, "optimizer": False}])[0])
+    saved = weights(host, "a")
+    host.run_batch([fwd("a"), step("a")])
+    after = weights(host, "a")
+
+    fresh = make_host()  # another host: nothing but the folder carries the state
+    ok(fresh.run_batch([{"op": "load_state", "model_id": "r", "path": full, "optimizer": True}])[0])
+    close(weights(fresh, "r"), saved, tol=0.0)
+    fresh.run_batch([{**fwd("a"), "model_id": "r"}, step("r")])
+    close(weights(fresh, "r"), after)
+    ok(fresh.run_batch([{"op": "load_state", "model_id": "w", "path": bare, "optimizer": False}])[0])
+    close(weights(fresh, "w"), saved, tol=0.0)
+    fresh.run_batch([{**fwd("a"), "model_id": "w"}, step("w")])  # a fresh Adam takes another step
+    assert max((weights(fresh, "w")[k] - after[k]).abs().max() for k in after) > 1e-4
+    err = fresh.run_batch([{"op": "load_state", "model_id": "x", "path": bare, "optimizer": True}])[0][
+        "error"
+    ]
+    assert (err["category"], err["field"]) == ("user", "optimizer")
+
+
+def test_bad_inputs_are_user_errors_naming_the_field(make_host):
+    host = make_host(max_rank=16)
+    bad_token = {**datum([1, 2, 3]), "tokens": [1, 100]}
+    short = datum([1, 2, 3])
+    short["loss_fn_inputs"]["weights"] = {"data": [1.0], "dtype": "float32", "shape": [1]}
+    cases = [
+        ({"op": "create_model", "model_id": "big", "rank": 17}, "rank"),
+        (
+            {"op": "forward", "model_id": "a", "data": [bad_token], "loss_fn": "cross_entropy"},
+            "data[0].tokens",
+        ),
+        (
+            {"op": "forward", "model_id": "a", "data": [datum([1, 2, 999])], "loss_fn": "cross_entropy"},
+            "data[0].loss_fn_inputs.target_tokens",
+        ),
+        (
+            {"op": "forward", "model_id": "a", "data": [short], "loss_fn": "cross_entropy"},
+            "data[0].loss_fn_inputs.weights",
+        ),
+        ({"op": "forward", "model_id": "a", "data": DATA["a"], "loss_fn": "no_such_loss"}, "loss_fn"),
+        ({"op": "forward", "model_id": "nobody", "data": DATA["a"], "loss_fn": "cross_entropy"}, "model_id"),
+        ({"op": "sample", "sampler": None, "prompt": [5, 100]}, "prompt"),
+        ({"op": "sample", "sampler": "/nowhere", "prompt": [5]}, "sampler"),
+        (
+            {"op": "sample", "sampler": None, "prompt": [5], "sampling_params": {"top_p": 0}},
+            "sampling_params.top_p",
+        ),
+        ({"op": "optim_step", "model_id": "a", "adam": {"learning_rate": -1}}, "adam.learning_rate"),
+        ({"op": "no_such_op"}, "op"),
+    ]
+    host.run_batch([CREATE["a"], CREATE["b"]])
+    # the bad ops share their batch with a good forward of another session: it is unaffected
+    results = host.run_batch([fwd("b")] + [op for op, _ in cases])
+    for (_, field), res in zip(cases, results[1:], strict=True):
+        assert res["error"]["category"] == "user" and res["error"]["field"] == field, res
+    alone = make_host(max_rank=16)
+    alone.run_batch([CREATE["b"]])
+    assert ok(results[0])["metrics"] == ok(alone.run_batch([fwd("b")])[0])["metrics"]
+    assert host.describe()["resident"] == ["a", "b"]  # nothing else was created
+
+
+def test_drop_model_and_top_k_targets(make_host):
+    host = make_host()
+    host.run_batch([CREATE["a"], CREATE["b"]])
+    # (N, K) targets: the log-prob of each of K candidates per position, each equal to its (N,) run
+    seq = [5, 17, 33, 40]
+    k2 = [[t, (t + 7) % 100] for t in seq[1:]]
+    top_k = {
+        "tokens": seq[:-1],
+        "loss_fn_inputs": {
+            "target_tokens": {"data": sum(k2, []), "dtype": "int64", "shape": [3, 2]},
+            "weights": {"data": [1.0] * 6, "dtype": "float32", "shape": [3, 2]},
+        },
+    }
+    got = logprobs(
+        host.run_batch([{"op": "forward", "model_id": "a", "data": [top_k], "loss_fn": "cross_entropy"}])[0]
+    )[0]
+    assert got.shape == (6,)  # flattened on the wire
+    first = logprobs(host.run_batch([{**fwd("a", backward=False), "data": [datum(seq)]}])[0])[0]
+    assert torch.allclose(got.reshape(3, 2)[:, 0], first, atol=TOL, rtol=0)
+    assert ok(host.run_batch([{"op": "drop_model", "model_id": "a"}])[0]) == {}
+    err = host.run_batch([fwd("a")])[0]["error"]
+    assert (err["category"], err["field"]) == ("user", "model_id")
+    assert host.describe()["resident"] == ["b"]
