@@ -118,7 +118,8 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
     rows = sink.history + again.history
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     draws = first_draws + [int(r["values"]["async/draw_index"]) for r in again.history]
-    assert draws == sorted(set(draws))  # no draw trained twice
+    # no draw trained twice (two lanes may finish their draws in either order)
+    assert len(draws) == len(set(draws)) == 4, draws
     assert_within_bound(sink, 1, 8)
     assert_within_bound(again, 1, 8)
     assert sum(r["values"]["async/staleness_hist/1"] for r in rows) > 0  # it did run ahead

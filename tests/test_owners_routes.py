@@ -45,6 +45,20 @@ BODIES = {
     ("PATCH", "/v1/jobs/{job_id}/hyperparameters"): {"lr": 1e-4},
     ("POST", "/v1/jobs/{job_id}/fork"): {},
     ("PUT", "/v1/quotas/{owner}"): {"running_jobs": 3},
+    ("POST", "/v1/jobs/{job_id}/openai/v1/chat/completions"): {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+    },
+    ("POST", "/v1/jobs/{job_id}/openai/v1/completions"): {"model": "m", "prompt": "hi"},
+    ("POST", "/v1/jobs/{job_id}/openai/trajectories/{trajectory_id}/v1/chat/completions"): {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+    },
+    ("POST", "/v1/jobs/{job_id}/openai/trajectories/{trajectory_id}/v1/completions"): {
+        "model": "m",
+        "prompt": "hi",
+    },
+    ("POST", "/v1/jobs/{job_id}/trajectories/{trajectory_id}/reward"): {"reward": 1.0},
 }
 
 
@@ -89,7 +103,7 @@ def alices_things(svc, alice, path: str, key_id: str) -> dict[str, str]:
     parameters' values."""
     file_id = upload(alice)["id"] if "{file_id}" in path else "file-000000000000"
     return {"job_id": owned_job(svc, "alice", checkpoint=False), "file_id": file_id, "key_id": key_id,
-            "owner": "alice"}  # fmt: skip
+            "owner": "alice", "trajectory_id": "traj-1"}  # fmt: skip
 
 
 def test_every_operation_with_a_path_parameter_is_a_404_for_another_owner(unscheduled, owners):
