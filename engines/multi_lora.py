@@ -6,7 +6,7 @@ owned by its session, so adding, removing or offloading one is a dict update, ne
 module tree. `rows(model, segments)` says, for one forward, which contiguous rows of the batch use
 which adapter (`None`: the base alone): every layer then computes
 
-    y[rows] = x[rows] W^T + scaling * (x[rows] A^T) B^T
+    y[rows] = x[rows] W^T + (scaling * x[rows] A^T) B^T
 
 one base matmul for the whole batch and two small ones per adapter segment, the deltas concatenated
 in row order, so autograd gives each adapter exactly the gradient of its own rows' loss.
@@ -78,7 +78,7 @@ class MultiLoraLinear(nn.Module):
                 deltas.append(torch.zeros(part.shape[:-1] + (y.shape[-1],), dtype=y.dtype, device=y.device))
             else:
                 a, b = adapter.a.to(part.dtype), adapter.b.to(part.dtype)
-                deltas.append((part @ a.T) @ b.T * adapter.scaling)
+                deltas.append(((part @ a.T) * adapter.scaling) @ b.T)  # scale the rank-wide product
             start += n
         return y + torch.cat(deltas, dim=0)
 
