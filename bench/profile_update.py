@@ -6,7 +6,8 @@ GRPO-shaped batch: `--prompts` prompts of `--prompt-len` tokens, each with `--n`
 policy-gradient loss, entropy computed as the job computes it. Timers:
 
 - attention and MLP: forward and backward of every decoder layer's `self_attn` and `mlp`, timed by
-  module hooks (forward: pre/post hooks; backward: full backward pre/post hooks);
+  module hooks (forward: pre/post hooks; backward: full backward pre/post hooks; the attention's
+  backward as the layer's less the MLP's);
 - vocabulary projection + log-softmax (+ entropy): the log-prob function on a hidden-state tensor of
   the update's response-token count, forward and backward, timed alone;
 - optimizer: `optimizer_step` (gradient clipping and fused AdamW);
@@ -100,16 +101,20 @@ def checkpointed_log_probs(hidden, weight, targets, with_entropy, chunk):
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
-def time_head(fn, hidden, weight, targets, iters: int) -> float:
-    times = []
-    for _ in range(iters + 1):
-        h = hidden.detach().requires_grad_(True)
-        w = weight.detach().requires_grad_(True)
-        start = time.perf_counter()
-        lp, ent = fn(h, w, targets)
-        (lp.sum() + 0 * ent.sum()).backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def time_heads(fns: dict, hidden, weight, targets, iters: int) -> dict[str, float]:
+    """Median forward + backward seconds of each log-prob function, alternating which runs first
+    (a neighbour's load on the shared cores then falls on all alike); one warm-up round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for i in range(iters + 1):
+        for name in list(fns) if i % 2 else list(fns)[::-1]:
+            h = hidden.detach().requires_grad_(True)
+            w = weight.detach().requires_grad_(True)
+            start = time.perf_counter()
+            lp, ent = fns[name](h, w, targets)
+            (lp.sum() + 0 * ent.sum()).backward()
+            if i:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -137,6 +142,7 @@ def main() -> None:
     engine.initialize()
     clock = ModuleClock()
     for layer in engine.model.lm.model.layers:
+        clock.watch(layer, "layer")  # takes its hidden states positionally: its backward hooks fire
         clock.watch(layer.self_attn, "attention")
         clock.watch(layer.mlp, "mlp")
     vocab = engine.hf_config.vocab_size
@@ -160,14 +166,14 @@ def main() -> None:
     targets = torch.randint(0, vocab, (tokens,), generator=g)
     weight = engine.model.lm.get_output_embeddings().weight
     chunk = engine.config.logprob_chunk_tokens
-    step["head_s"] = time_head(
-        lambda h, w, t: token_log_probs(h, w, t, 1.0, True, chunk), hidden, weight, targets, args.iters
-    )
+    heads = {"head_s": lambda h, w, t: token_log_probs(h, w, t, 1.0, True, chunk)}
     if args.compare_head:
-        step["head_checkpointed_s"] = time_head(
-            lambda h, w, t: checkpointed_log_probs(h, w, t, True, chunk), hidden, weight, targets, args.iters
-        )
-    parts = ("attention_forward", "attention_backward", "mlp_forward", "mlp_backward", "head_s")
+        heads["head_checkpointed_s"] = lambda h, w, t: checkpointed_log_probs(h, w, t, True, chunk)
+    step.update(time_heads(heads, hidden, weight, targets, args.iters))
+    # The attention takes its inputs as keywords, so its own backward hooks see no input gradient:
+    # its backward is the layer's less the MLP's (the two norms and residual adds included).
+    step["attention_backward"] = step["layer_backward"] - step["mlp_backward"]
+    parts = ("layer_forward", "layer_backward", "head_s")
     step["other_forward_backward_s"] = step["forward_backward_s"] - sum(step.get(k, 0.0) for k in parts)
     shape = model_shape(model_dir)
     head_flops = 4 * 2 * shape["head_params"] * tokens  # forward, recompute, two gradient products
