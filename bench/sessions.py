@@ -10,7 +10,7 @@ running an N-times batch (N = 4: the goal's "4x batch"). One JSON line per confi
 of ratios: memory of N = 4 sessions / one session's host (goal <= 1.5), aggregate tokens/s of N = 4
 sessions / one session with a 4x batch (goal >= 0.8), and the same memory ratio for separate hosts.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/sessions.py [--model qwen2-20m] [--counts 1,2,4,8] [--quick]
+    PYTHONPATH=$PWD .venv/bin/python bench/sessions.py [--model qwen2-20m] [--counts 1,2,4,8] [--quick] [--paired]
 """
 
 from __future__ import annotations
@@ -85,6 +85,60 @@ def child(args: argparse.Namespace) -> None:
     )
 
 
+def paired(args: argparse.Namespace, model_path: Path) -> dict:
+    """Throughput only, robust to a neighbour's load that drifts between configurations: one process
+    holds host A (4 sessions x rows) and host B (1 session x 4 rows), and alternates one timed
+    forward_backward round on each, `steps` times; medians and their ratio."""
+    import statistics
+
+    from workers.session_host import SessionHost
+
+    def setup(sessions: int, rows: int, seed: int):
+        host = SessionHost(args.model, str(model_path), tempfile.mkdtemp(prefix="bench-paired-"), {})
+        ids = [f"s{i}" for i in range(sessions)]
+        host.run_batch(
+            [{"op": "create_model", "model_id": m, "rank": args.rank, "seed": i} for i, m in enumerate(ids)]
+        )
+        g = torch.Generator().manual_seed(seed)
+        n = args.seq_len
+        ops = []
+        for m in ids:
+            data = []
+            for _ in range(rows):
+                toks = torch.randint(10, host.vocab, (n + 1,), generator=g).tolist()
+                inputs = {
+                    "target_tokens": {"data": toks[1:], "dtype": "int64", "shape": [n]},
+                    "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]},
+                }
+                data.append({"tokens": toks[:-1], "loss_fn_inputs": inputs})
+            ops.append(
+                {"op": "forward", "model_id": m, "data": data, "loss_fn": "cross_entropy", "backward": True}
+            )
+        return host, ops
+
+    import torch
+
+    pairs = {"4_sessions": setup(4, args.rows, 0), "1_session_4x_batch": setup(1, 4 * args.rows, 0)}
+    times: dict[str, list[float]] = {k: [] for k in pairs}
+    for i in range(args.warmup + args.steps):
+        for name in list(pairs) if i % 2 == 0 else list(reversed(pairs)):
+            host, ops = pairs[name]
+            start = time.perf_counter()
+            assert all("ok" in r for r in host.run_batch(ops))
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    tokens = 4 * args.rows * args.seq_len
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "mode": "paired",
+        "model": args.model,
+        "threads": torch.get_num_threads(),
+        **{f"{k}_fb_tokens_per_s": round(tokens / v, 1) for k, v in med.items()},
+        "throughput_4_sessions_vs_4x_batch": round(med["1_session_4x_batch"] / med["4_sessions"], 3),
+        "load_average": os.getloadavg(),
+    }
+
+
 def run_children(args: argparse.Namespace, model_path: Path, sessions: int, rows: int, copies: int) -> dict:
     env = {
         **os.environ,
@@ -138,6 +192,9 @@ def main() -> None:
         "--counts", default="1,2,4,8", help="the session counts N to measure (1 and 4 needed)"
     )
     parser.add_argument("--max-batch-tokens", type=int, default=16384, help="the host's forward token budget")
+    parser.add_argument(
+        "--paired", action="store_true", help="only the alternating in-process throughput A/B"
+    )
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--model-path")
     parser.add_argument("--workdir")
@@ -150,6 +207,9 @@ def main() -> None:
     if args.quick:
         args.model, args.steps, args.seq_len = "qwen2-1m", 3, 64
     model_path = build_builtin_model(args.model, Path(tempfile.gettempdir()) / "tandem-bench-models")
+    if args.paired:
+        print(json.dumps(paired(args, model_path)), flush=True)
+        return
     counts = (1, 2, 4) if args.quick else tuple(int(c) for c in args.counts.split(","))
     lines: dict[tuple[str, int], dict] = {}
     for n in counts:

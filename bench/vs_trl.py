@@ -19,6 +19,16 @@ the share of digit characters in the response, which differs within almost every
 then has a gradient, and the comparison is of the full update.
 
     python bench/vs_trl.py [--shapes small,large] [--steps 6] [--rounds 2] [--reward digits]
+    python bench/vs_trl.py --model smollm2-135m-instruct [--new-tokens 16] [--lora] ...
+
+`--model` runs one shape on any built-in model instead of `--shapes`, the real SmolLM2-135M-Instruct
+included (`make install-real`). `--lora` gives both sides adapters of the same rank and targets:
+TRL a peft LoraConfig, Tandem `model.lora` (rank 16, alpha 32, every linear layer but the output
+projection by default).
+
+Every Tandem run also measures, in its own process before the job starts, the matrix-product peak
+and the read bandwidth of the machine (bench/flops.py), and reports per phase the FLOP/s it reached
+against them: the update's model FLOPs utilisation and generation against its bound.
 
 TRL comes from the optional `bench` extra (`pip install -e '.[bench]'`; `make bench-trl`).
 """
@@ -41,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 # shape name -> (built-in model, max new tokens), the two shapes of issue 17.
 SHAPES = {"small": ("qwen2-1m", 8), "large": ("qwen2-20m", 32)}
+LORA = {"rank": 16, "alpha": 32.0}  # --lora: the same on both sides, all linear layers
 
 
 def write_prompts(folder: Path, rows: int) -> Path:
@@ -82,13 +93,24 @@ def run_trl(args: argparse.Namespace) -> list[float]:
 
     score_fn = reward_function(args.reward)
     rows = [json.loads(line) for line in Path(args.train).read_text().splitlines()]
-    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    # Tandem renders a prompt through the tokenizer's chat template when it has one
+    # (controller/data.py); TRL does the same for a conversational prompt, so both see the same tokens.
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": r["prompt"]}] if chat else r["prompt"],
+             "ground_truth": r["ground_truth"]}
+            for r in rows
+        ]
+    )  # fmt: skip
 
-    def reward(
-        prompts: list[str], completions: list[str], ground_truth: list[str], **_: object
-    ) -> list[float]:
+    def text(item: str | list[dict]) -> str:
+        return item if isinstance(item, str) else item[-1]["content"]
+
+    def reward(prompts: list, completions: list, ground_truth: list[str], **_: object) -> list[float]:
         return [
-            float(score_fn(p, c, g)["score"])
+            float(score_fn(text(p), text(c), g)["score"])
             for p, c, g in zip(prompts, completions, ground_truth, strict=True)
         ]
 
@@ -119,7 +141,13 @@ def run_trl(args: argparse.Namespace) -> list[float]:
         disable_tqdm=True,
     )
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="float32")
-    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=LORA["rank"], lora_alpha=LORA["alpha"], target_modules="all-linear", task_type="CAUSAL_LM"
+        )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=reward,
@@ -127,6 +155,7 @@ def run_trl(args: argparse.Namespace) -> list[float]:
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[StepClock()],
+        peft_config=peft_config,
     )
     trainer.train()
     return step_intervals(ends)
@@ -138,6 +167,7 @@ def run_trl(args: argparse.Namespace) -> list[float]:
 # Tandem's per-step metrics whose medians a run reports beside its step times: every phase time
 # (timing_s/*) and the share of rows without advantage.
 ZERO_ROWS = "critic/advantages/zero_rows"
+LENGTHS = ("prompt_length/mean", "response_length/mean")
 
 
 def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
@@ -158,9 +188,14 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
             self.values.append(values)
             super().metrics(step, values)
 
+    from bench.flops import machine_peak, model_shape, phase_utilisation
+    from engines.threads import physical_cores
+
+    # The job's rank computes on the machine's physical cores (engines/threads.py): the peak at those.
+    peak = machine_peak(physical_cores())
     spec = {
         "method": "grpo",
-        "model": {"path": args.model_dir},
+        "model": {"path": args.model_dir, **({"lora": LORA} if args.lora else {})},
         "data": {"train_path": args.train, "builtin_task": None, "shuffle": False},
         "reward": {"function": REWARDS[args.reward]},
         "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "val_every": 0},
@@ -189,10 +224,16 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     finally:
         ray.shutdown()
     later = sink.values[1:]  # the first step's include warm-up, as its time does
-    keys = sorted(k for k in (later[0] if later else {}) if k.startswith("timing_s/") or k == ZERO_ROWS)
+    keys = sorted(
+        k for k in (later[0] if later else {}) if k.startswith("timing_s/") or k in (ZERO_ROWS, *LENGTHS)
+    )
     medians = {
         k: round(statistics.median(v[k] for v in later), 4) for k in keys if all(k in v for v in later)
     }
+    shape = model_shape(args.model_dir)
+    medians.update(
+        phase_utilisation(medians, shape, peak, args.prompts, args.n, args.max_new_tokens, lora=args.lora)
+    )
     return step_intervals(sink.ends), medians
 
 
@@ -204,7 +245,7 @@ def run_side(side: str, args: argparse.Namespace, model_dir: Path, train: Path, 
         sys.executable, __file__, "--side", side, "--model-dir", str(model_dir), "--train", str(train),
         "--max-new-tokens", str(max_new_tokens), "--steps", str(args.steps), "--n", str(args.n),
         "--prompts", str(args.prompts), "--lr", str(args.lr), "--reward", args.reward,
-    ] + [f"--tandem-set={item}" for item in args.tandem_set]  # fmt: skip
+    ] + [f"--tandem-set={item}" for item in args.tandem_set] + (["--lora"] if args.lora else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"side"')]
@@ -218,6 +259,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default="small,large", help=f"comma-separated, from {sorted(SHAPES)}")
+    parser.add_argument("--model", help="one shape on this built-in model instead of --shapes")
+    parser.add_argument("--new-tokens", type=int, default=16, help="max new tokens with --model")
+    parser.add_argument("--lora", action="store_true", help="LoRA on both sides (same rank, targets)")
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is dropped)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating TRL/Tandem pairs per shape")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt (group size)")
@@ -243,13 +287,19 @@ def main() -> None:
         print(json.dumps(line), flush=True)
         return
 
-    from engines.tiny_models import build_builtin_model
+    from controller.models import builtin_model_path
+    from engines.tiny_models import BUILTIN_MODELS, build_builtin_model
 
     work = Path(tempfile.mkdtemp(prefix="vs-trl-bench-"))
     train = write_prompts(work, args.steps * args.prompts)
-    for shape in args.shapes.split(","):
-        model_name, max_new_tokens = SHAPES[shape]
-        model_dir = build_builtin_model(model_name, work / "models")
+    shapes = {args.model: (args.model, args.new_tokens)} if args.model else SHAPES
+    for shape in [args.model] if args.model else args.shapes.split(","):
+        model_name, max_new_tokens = shapes[shape]
+        model_dir = (
+            build_builtin_model(model_name, work / "models")  # fresh random weights, as before
+            if model_name in BUILTIN_MODELS
+            else builtin_model_path(model_name)  # a packaged real model, built once under TANDEM_HOME
+        )
         times: dict[str, list[float]] = {"trl": [], "tandem": []}
         loads = []
         for round_index in range(args.rounds):
@@ -271,14 +321,21 @@ def main() -> None:
             "n": args.n,
             "max_new_tokens": max_new_tokens,
             "reward": args.reward,
+            "lora": LORA if args.lora else None,
             "tandem_set": args.tandem_set,
             "steps_timed_per_side": len(times["trl"]),
             "trl_s_per_step": round(trl, 4),
             "tandem_s_per_step": round(tandem, 4),
             "ratio_tandem_vs_trl": round(tandem / trl, 3),
             "load_avg_1m": [round(x, 2) for x in loads],
+            "commit": git_commit(),
         }
         print(json.dumps(summary), flush=True)
+
+
+def git_commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    return done.stdout.strip()
 
 
 def parameter_count(model_dir: Path) -> int:

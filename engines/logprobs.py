@@ -1,32 +1,105 @@
 """Log-probabilities (and entropy) of target tokens without a full-vocabulary fp32 tensor.
 
 The vocabulary projection of N tokens is [N, V]; in fp32 for a real batch (N ~ 10^5, V ~ 1.5e5)
-that is tens of GiB. We project `chunk` tokens at a time, reduce each chunk to one log-prob (and
-one entropy) per token, and wrap every chunk in activation checkpointing so that backward
-recomputes the chunk's logits instead of keeping them.
+that is tens of GiB. We project `chunk` tokens at a time and reduce each chunk to one log-prob (and
+one entropy) per token, as fused linear-cross-entropy kernels do. `ChunkedLogProbs` is its own
+autograd Function: the forward keeps only the hidden states, the targets and two numbers per token
+(log-normaliser, entropy); the backward recomputes each chunk's logits once and forms their gradient
+in closed form,
+
+    d log p(t) / d z = onehot(t) - p,        d H / d z = -p * (log p + H),
+
+then multiplies it into the hidden-state and weight gradients. Against activation checkpointing of
+a plain log-softmax (the earlier way) this skips re-running the entropy and the autograd graph of
+the softmax, the gather's scatter into a zero [chunk, V] tensor, and a backward through the entropy
+when no loss term reads it (its gradient arrives as None).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight).float()
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16/fp16/fp32 compute; fp64 stays fp64 (gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    logits = F.linear(hidden, weight).to(_accumulate_dtype(hidden.dtype))
     if temperature != 1.0:
-        logits = logits / temperature
-    log_norm = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets[:, None]).squeeze(-1)
-    log_probs = picked - log_norm
-    if not with_entropy:
-        return log_probs, torch.zeros_like(log_probs)
-    probs = torch.softmax(logits, dim=-1)
-    entropy = log_norm - (probs * logits).sum(-1)
-    return log_probs, entropy
+        logits.div_(temperature)
+    return logits
+
+
+class ChunkedLogProbs(torch.autograd.Function):
+    """(log_probs [N], entropy [N] or [0]) of `targets` under softmax(hidden @ weight.T / temperature)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, dtype = hidden.shape[0], _accumulate_dtype(hidden.dtype)
+        log_probs = torch.empty(n, dtype=dtype, device=hidden.device)
+        log_norm = torch.empty_like(log_probs)
+        entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            logits = _chunk_logits(hidden[start:end], weight, temperature)
+            lse = torch.logsumexp(logits, dim=-1)
+            log_norm[start:end] = lse
+            log_probs[start:end] = logits.gather(-1, targets[start:end, None]).squeeze(-1) - lse
+            if with_entropy:  # H = lse - sum(p * z)
+                logits.sub_(lse[:, None])  # log p
+                entropy[start:end] = -torch.linalg.vecdot(logits.exp(), logits)
+        ctx.save_for_backward(hidden, weight, targets, log_norm, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None):  # type: ignore[override]
+        hidden, weight, targets, log_norm, entropy = ctx.saved_tensors
+        if entropy.numel() == 0:
+            grad_entropy = None
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_log_probs is None and grad_entropy is None) or not (want_hidden or want_weight):
+            return None, None, None, None, None, None
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        dtype = _accumulate_dtype(hidden.dtype)
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if want_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
+            log_p = _chunk_logits(hidden[start:end], weight, ctx.temperature).sub_(log_norm[start:end, None])
+            probs = log_p.exp()
+            grad_logits = None
+            if grad_entropy is not None:  # dH/dz = -p (log p + H)
+                grad_logits = log_p.add_(entropy[start:end, None]).mul_(probs)
+                grad_logits.mul_(-grad_entropy[start:end, None])
+            if grad_log_probs is not None:  # d log p(t)/dz = onehot(t) - p
+                g = grad_log_probs[start:end, None]
+                if grad_logits is None:
+                    grad_logits = probs.mul_(-g)
+                else:
+                    grad_logits.sub_(probs.mul_(g))
+                grad_logits.scatter_add_(-1, targets[start:end, None], g)
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t().to(dtype), hidden[start:end].to(dtype))
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def token_log_probs(
@@ -38,16 +111,7 @@ def token_log_probs(
     chunk_tokens: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets[i] | hidden[i]) for hidden [N, H], weight [V, H]; and the entropy when asked."""
-    log_probs, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(
-                _chunk_log_probs, h, weight, t, temperature, with_entropy, use_reentrant=False
-            )
-        else:
-            lp, ent = _chunk_log_probs(h, weight, t, temperature, with_entropy)
-        log_probs.append(lp)
-        entropies.append(ent)
-    log_probs_all = torch.cat(log_probs)
-    return log_probs_all, (torch.cat(entropies) if with_entropy else None)
+    log_probs, entropy = ChunkedLogProbs.apply(
+        hidden, weight, targets, temperature, with_entropy, chunk_tokens
+    )
+    return log_probs, (entropy if with_entropy else None)

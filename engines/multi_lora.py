@@ -6,7 +6,7 @@ owned by its session, so adding, removing or offloading one is a dict update, ne
 module tree. `rows(model, segments)` says, for one forward, which contiguous rows of the batch use
 which adapter (`None`: the base alone): every layer then computes
 
-    y[rows] = x[rows] W^T + scaling * (x[rows] A^T) B^T
+    y[rows] = x[rows] W^T + (scaling * x[rows] A^T) B^T
 
 one base matmul for the whole batch and two small ones per adapter segment, the deltas concatenated
 in row order, so autograd gives each adapter exactly the gradient of its own rows' loss.
@@ -70,16 +70,16 @@ class MultiLoraLinear(nn.Module):
             raise RuntimeError(
                 f"segments cover {sum(n for _, n in segments)} rows, the batch has {x.shape[0]}"
             )
-        deltas, start = [], 0
-        for key, n in segments:
-            part = x[start : start + n]
+        # split, not one slice per segment: a slice's backward writes a zero tensor of the whole
+        # batch per segment, split's backward one concatenation
+        deltas = []
+        for (key, _), part in zip(segments, x.split([n for _, n in segments], dim=0), strict=True):
             adapter = self.adapters.get(key) if key is not None else None
             if adapter is None:
                 deltas.append(torch.zeros(part.shape[:-1] + (y.shape[-1],), dtype=y.dtype, device=y.device))
             else:
                 a, b = adapter.a.to(part.dtype), adapter.b.to(part.dtype)
-                deltas.append((part @ a.T) @ b.T * adapter.scaling)
-            start += n
+                deltas.append(((part @ a.T) * adapter.scaling) @ b.T)  # scale the rank-wide product
         return y + torch.cat(deltas, dim=0)
 
 

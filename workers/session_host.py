@@ -55,6 +55,15 @@ BASE_LOADS = 0  # reads of base weights in this process: the API's tests assert 
 BATCHED = {"forward", "sample", "compute_logprobs"}
 
 
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 where it is not readable)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def _load_base(model_path: str, device: torch.device) -> torch.nn.Module:
     global BASE_LOADS
     from transformers import AutoModelForCausalLM
@@ -104,8 +113,6 @@ class SessionHost:
     # ---- introspection ---------------------------------------------------------------------
 
     def describe(self) -> dict:
-        import psutil
-
         return {
             "base_model": self.base_model,
             "model_path": self.model_path,
@@ -117,7 +124,7 @@ class SessionHost:
             "resident": [k.removeprefix("m:") for k in self.lru if k.startswith("m:")],
             "resident_samplers": [k.removeprefix("s:") for k in self.lru if k.startswith("s:")],
             "offloaded": [m for m, s in self.sessions.items() if not s.resident],
-            "rss_bytes": psutil.Process().memory_info().rss,
+            "rss_bytes": _rss_bytes(),
         }
 
     # ---- the entry point --------------------------------------------------------------------

@@ -1,0 +1,76 @@
+"""The chunked log-prob/entropy Function against the plain full-vocabulary computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.logprobs import token_log_probs
+
+
+def plain(hidden, weight, targets, temperature):
+    """The reference: full [N, V] logits, log-softmax, gather, entropy, with autograd's own backward."""
+    log_p = torch.log_softmax(hidden @ weight.T / temperature, dim=-1)
+    return log_p.gather(-1, targets[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+def inputs(n: int, vocab: int, width: int, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, width, generator=g, dtype=dtype).requires_grad_(True)
+    weight = (torch.randn(vocab, width, generator=g, dtype=dtype) * 0.5).requires_grad_(True)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    return (
+        hidden,
+        weight,
+        targets,
+        torch.randn(n, generator=g, dtype=dtype),
+        torch.randn(n, generator=g, dtype=dtype),
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_in_loss", [True, False])
+def test_values_and_gradients_match_the_plain_computation(temperature, entropy_in_loss):
+    hidden, weight, targets, a, b = inputs(n=37, vocab=301, width=24)
+    # chunk 8 does not divide 37: the last chunk is short
+    lp, ent = token_log_probs(hidden, weight, targets, temperature, with_entropy=True, chunk_tokens=8)
+    loss = (a * lp).sum() + ((b * ent).sum() if entropy_in_loss else 0)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    ref_lp, ref_ent = plain(hidden, weight, targets, temperature)
+    ref_loss = (a * ref_lp).sum() + ((b * ref_ent).sum() if entropy_in_loss else 0)
+    ref_grads = torch.autograd.grad(ref_loss, (hidden, weight))
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_without_entropy_and_a_frozen_weight():
+    hidden, weight, targets, a, _ = inputs(n=20, vocab=97, width=16, seed=1)
+    weight = weight.detach()  # a frozen output projection (LoRA leaves it out)
+    lp, ent = token_log_probs(hidden, weight, targets, 1.0, with_entropy=False, chunk_tokens=6)
+    assert ent is None
+    (grad,) = torch.autograd.grad((a * lp).sum(), hidden)
+    ref_lp, _ = plain(hidden, weight, targets, 1.0)
+    (ref_grad,) = torch.autograd.grad((a * ref_lp).sum(), hidden)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_gradcheck_in_float64():
+    hidden, weight, targets, _, _ = inputs(n=7, vocab=11, width=5, dtype=torch.float64, seed=2)
+
+    def f(h, w):
+        return token_log_probs(h, w, targets, 0.9, with_entropy=True, chunk_tokens=3)
+
+    assert torch.autograd.gradcheck(f, (hidden, weight))
+
+
+def test_no_grad_forward_keeps_nothing():
+    hidden, weight, targets, _, _ = inputs(n=9, vocab=50, width=8, seed=3)
+    with torch.no_grad():
+        lp, ent = token_log_probs(hidden, weight, targets, 1.0, with_entropy=True, chunk_tokens=4)
+    assert lp.grad_fn is None and ent.grad_fn is None
+    ref_lp, ref_ent = plain(hidden.detach(), weight.detach(), targets, 1.0)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
