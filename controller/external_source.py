@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+import torch
 
 from controller.external import ExternalServer
 from controller.external_spec import server_name
@@ -54,6 +55,29 @@ class ExternalSource:
             rows = ray.get(self.actor.take.remote(), timeout=CALL_TIMEOUT_S)
             if rows is not None:
                 return rows_batch(whole_ranks(rows, self.spec.resources.workers), pad)
+            if stopping():
+                return None
+            time.sleep(POLL_S)
+
+    def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
+        """trainer.mode async: the endpoint admits and buffers trajectories (controller/external.py)."""
+        ray.get(self.actor.use_buffer.remote(max_staleness, capacity, version), timeout=CALL_TIMEOUT_S)
+
+    def set_version(self, version: int) -> None:
+        ray.get(self.actor.set_version.remote(version), timeout=CALL_TIMEOUT_S)
+
+    def next_async(self, version: int, stopping: Callable[[], bool], pad: int) -> tuple[Batch, dict] | None:
+        """Async: the next step's groups trainable at trainer version `version`, with a `policy_version`
+        row tensor (each trajectory's oldest token's version), and the buffer's counts; None when asked to stop."""
+        while True:
+            got = ray.get(self.actor.take_step.remote(version), timeout=CALL_TIMEOUT_S)
+            if got is not None:
+                rows = whole_ranks(got.pop("rows"), self.spec.resources.workers)
+                batch = rows_batch(rows, pad)
+                batch.tensors["policy_version"] = torch.tensor(
+                    [r["policy_version"] for r in rows], dtype=torch.long
+                )
+                return batch, got
             if stopping():
                 return None
             time.sleep(POLL_S)

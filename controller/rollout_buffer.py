@@ -140,6 +140,14 @@ class RolloutBuffer:
                     raise BufferTimeout(f"{who}: no rollout ready within {timeout_s:.0f} s")
                 self._cond.wait(min(left, 0.5))
 
+    def drop(self, samples: int) -> None:
+        """Items taken but not trained, too old now (the external source holds a step's groups while
+        it gathers them): counted as `take` counts the ones it drops."""
+        with self._cond:
+            self.accepted -= samples
+            self.dropped += samples
+            self._cond.notify_all()
+
     # ---- state -----------------------------------------------------------------------------------
 
     def buffered_samples(self) -> int:
