@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from controller.async_config import buffer_capacity
 from controller.overlong import apply_overlong
 from controller.partial_rollout import generate_in_segments
 from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
@@ -266,7 +267,7 @@ class AsyncTrainer(Trainer):
     def _ensure_producer(self) -> RolloutProducer:
         if self.producer is None:
             t, version = self.spec.trainer, self.step_index - 1
-            capacity = t.buffer_size or (t.max_staleness + 1) * self.batch_samples
+            capacity = buffer_capacity(t, self.batch_samples)
             buffer = RolloutBuffer(self.batch_samples, t.max_staleness, capacity, version=version)
             next_index = self._next_index if self._next_index is not None else self.step_index
             self.producer = RolloutProducer(self, buffer, next_index, set(self._skip))
@@ -382,14 +383,6 @@ class AsyncTrainer(Trainer):
             return out
 
         return wait
-
-    def _serve_external(self) -> None:
-        """The endpoint admits and buffers trajectories by the rules of the generated rollouts."""
-        super()._serve_external()
-        if self.external is not None:
-            t = self.spec.trainer
-            capacity = t.buffer_size or (t.max_staleness + 1) * self.batch_samples
-            self.external.use_buffer(t.max_staleness, capacity, self.step_index)
 
     def _send_weights(self) -> Callable[[], dict[str, float]]:
         """Send the trainer's weights (the turn is the sync's); the producer resumes once they are there."""

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 import torch
 
+from controller.async_config import buffer_capacity
 from controller.external import ExternalServer
 from controller.external_spec import server_name
 from controller.spec import JobSpec
@@ -36,6 +37,10 @@ class ExternalSource:
             .options(name=server_name(job_id), get_if_exists=True, num_cpus=0, max_concurrency=10_000)
             .remote(job_id, model_path, self.config.model_dump())
         )
+        if spec.trainer.mode == "async":  # admission by the rollout buffer, before any call is served
+            k, per_step = spec.trainer.max_staleness, self.config.trajectories_per_step
+            ray.get(self.actor.use_buffer.remote(k, buffer_capacity(spec.trainer, per_step), 0),
+                    timeout=CALL_TIMEOUT_S)  # fmt: skip
 
     def attach(self, groups: Any) -> None:
         """Serve from this attempt's rollout replicas (one per tensor-parallel group: its rank 0)."""
@@ -58,10 +63,6 @@ class ExternalSource:
             if stopping():
                 return None
             time.sleep(POLL_S)
-
-    def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
-        """trainer.mode async: the endpoint admits and buffers trajectories (controller/external.py)."""
-        ray.get(self.actor.use_buffer.remote(max_staleness, capacity, version), timeout=CALL_TIMEOUT_S)
 
     def set_version(self, version: int) -> None:
         ray.get(self.actor.set_version.remote(version), timeout=CALL_TIMEOUT_S)

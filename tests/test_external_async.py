@@ -116,3 +116,45 @@ def test_agents_feed_an_async_job_within_its_staleness_bound(live, api, job):
         assert row["async/dropped_stale_total"] == 0
         # the engine served with the trainer's weights: its log-probs are the trainer's
         assert row["rollout/log_prob_diff_max"] <= 1e-4, row
+
+
+def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer(tmp_path):
+    """The endpoint's admission and staleness filter alone (no engine): k = 1, one group per step."""
+    import asyncio
+
+    from controller.external import ExternalServer
+    from controller.external_store import Segment, TrajectoryError
+    from engines.tiny_models import build_builtin_model
+
+    model = build_builtin_model("tiny-qwen2-chat", tmp_path)  # its tokenizer: the server templates chats
+    server = ExternalServer("j", str(model), {"group_size": 2, "trajectories_per_step": 2})
+    asyncio.run(server.use_buffer(max_staleness=1, capacity=8, version=0))
+
+    def called(tid: str, versions: list[int]) -> None:
+        seg = Segment([1, 2], "chat", "first call")
+        for v in versions:
+            seg.add_call([3], [5, 6], [-0.5, -0.25], v)
+        server.store.open(tid).segments.append(seg)
+
+    # (k + v + 1) x B = 4 trajectories may start at version 0; the fifth is a 429 with a hint
+    for tid, versions in [("x-0", [0]), ("x-1", [1]), ("y-0", [0, 1]), ("y-1", [1])]:
+        called(tid, versions)
+    with pytest.raises(TrajectoryError) as refused:
+        server.store.open("z-0")
+    assert refused.value.status == 429 and refused.value.retry_after > 0
+    assert "z-0" not in server.store.trajectories
+    for tid in ("x-0", "x-1", "y-0", "y-1"):
+        assert "error" not in asyncio.run(server.reward(tid, {"reward": 1.0, "task_id": tid[0]}))
+
+    # step 2 trains at version 1: group x (oldest token: version 0) is young enough; each row carries
+    # its own trajectory's oldest version
+    got = asyncio.run(server.take_step(1))
+    assert {r["trajectory_id"]: r["policy_version"] for r in got["rows"]} == {"x-0": 0, "x-1": 1}
+    assert got["dropped_total"] == 0
+    # step 3 trains at version 2: group y's oldest token (version 0) is too old: dropped and counted,
+    # and its room goes back to admission
+    assert asyncio.run(server.take_step(2)) is None
+    assert server.store.buffer.dropped == 2
+    asyncio.run(server.set_version(1))
+    called("z-0", [1])
+    assert server.store.buffer.running == 1
