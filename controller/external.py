@@ -9,11 +9,8 @@ The API process (api/routes/openai_chat.py) checks a request and forwards it to 
   actors (`RolloutWorker.generate`, one call per replica at a time);
 - recording: every call in its trajectory (controller/external_store.py), token-exact;
 - rewards, and `take()`, which the trainer calls for a step's trajectories;
-- trainer.mode async (`use_buffer`): the job's RolloutBuffer (controller/rollout_buffer.py) lives
-  here, beside the calls it admits: a new trajectory is one admitted sample (its first call is a 429
-  when `try_admit` says no), a complete rewarded GRPO group is one buffer item whose version is its
-  oldest token's weight version, and `take_step(version)` gathers a step's groups, the staleness
-  filter dropping (and counting) those too old. The trainer's sync moves `set_version`.
+- trainer.mode async (`use_buffer`): the job's rollout buffer, which admits new trajectories and
+  holds rewarded groups until a step takes them (controller/external_buffer.py).
 
 Errors that are the caller's come back as {"error": {...}} (status, message, param, code) rather than
 raised, so the API answers them in its own shape.
@@ -27,9 +24,9 @@ import time
 import uuid
 from typing import Any
 
+from controller.external_buffer import ExternalBuffer
 from controller.external_spec import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
 from controller.external_store import Segment, TrajectoryError, TrajectoryStore, canonical_message, tools_key
-from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
 from workers.chat_serving import content_text, cut_at_stop, strip_stop, tool_call_text
 
 GENERATE_TIMEOUT_S = 900.0  # a call waits for a training step's update on a colocated worker
@@ -55,8 +52,7 @@ class ExternalServer:
         self._batcher: asyncio.Task | None = None
         self.requests = 0
         self.engine_calls = 0
-        self._held: list[BufferedRollout] = []  # async: groups taken for the step being gathered
-        self._groups = 0
+        self.buffered: ExternalBuffer | None = None  # trainer.mode async
 
     # ---- wiring ------------------------------------------------------------------------------
 
@@ -76,14 +72,13 @@ class ExternalServer:
     async def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
         """trainer.mode async: admit and buffer trajectories (kept as they are when called again
         after a restart of the workers: the buffer outlives them, as the trajectories do)."""
-        if self.store.buffer is None:
-            self.store.buffer = RolloutBuffer(
-                self.config.trajectories_per_step, max_staleness, capacity, version
-            )
+        if self.buffered is None:
+            rows = lambda t: [_row(t, k, s) for k, s in enumerate(t.segments)]  # noqa: E731
+            self.buffered = ExternalBuffer(self.store, rows, max_staleness, capacity, version)
 
     async def set_version(self, version: int) -> None:
         """The rollout workers now hold the weights of `version` (after a sync): admission widens."""
-        self.store.buffer.set_version(version)
+        self.buffered.buffer.set_version(version)
 
     async def ready(self) -> bool:
         return self._batcher is not None
@@ -128,65 +123,19 @@ class ExternalServer:
             )
         except TrajectoryError as err:
             return {"error": err.as_dict()}
-        if self.store.buffer is not None:
-            self._buffer_groups()
+        if self.buffered is not None:
+            self.buffered.put_groups()
         return _trajectory_view(t)
 
-    def _buffer_groups(self) -> None:
-        """Async: complete rewarded groups into the buffer, each with its oldest token's version."""
-        for group in self.store.take_groups():
-            rows = [_row(t, k, s) for t in group for k, s in enumerate(t.segments)]
-            for t in group:
-                oldest = min(v for s in t.segments for v in s.weight_versions)
-                for row in rows:
-                    if row["trajectory_id"] == t.id:
-                        row["policy_version"] = oldest
-                t.segments = []
-            version = min(row["policy_version"] for row in rows)
-            self.store.buffer.put(BufferedRollout(self._groups, len(group), version, rows))
-            self._groups += 1
-
     async def take_step(self, version: int) -> dict[str, Any] | None:
-        """Async: a step's groups trainable at trainer version `version` (rows with their
-        `policy_version`), or None while the buffer holds fewer; too old ones are dropped on the way."""
-        buffer = self.store.buffer
-        stale = [g for g in self._held if version - g.version > buffer.max_staleness]
-        if stale:
-            buffer.drop(sum(g.samples for g in stale))
-            self._held = [g for g in self._held if g not in stale]
-        while sum(g.samples for g in self._held) < buffer.batch_size:
-            try:
-                item, _ = buffer.take(version, 0.0, f"endpoint of job {self.job_id}")
-            except BufferTimeout:
-                return None
-            self._held.append(item)
-        rows = [row for g in self._held for row in g.payload]
-        self._held = []
-        return {"rows": rows, "dropped_total": buffer.dropped,
-                "fill": buffer.buffered_samples() / buffer.capacity}  # fmt: skip
-
-    async def trajectory(self, tid: str) -> dict[str, Any]:
-        t = self.store.trajectories.get(tid)
-        if t is None:
-            return {"error": TrajectoryError(404, f"no trajectory '{tid}' in this job", "trajectory_id",
-                                             "not_found").as_dict()}  # fmt: skip
-        return _trajectory_view(t, tokens=True)
-
-    async def take(self) -> list[dict[str, Any]] | None:
-        """A step's trajectories as rows (one per segment), or None while they are not all rewarded."""
-        chosen = self.store.take()
-        if chosen is None:
-            return None
-        rows = [_row(t, k, s) for t in chosen for k, s in enumerate(t.segments)]
-        for t in chosen:  # their tokens are in the step's batch now: keep only the ids (a late reward: 409)
-            t.segments = []
-        return rows
+        """Async: a step's rows trainable at trainer version `version` (controller/external_buffer.py)."""
+        return self.buffered.take_step(version, f"endpoint of job {self.job_id}")
 
     async def stats(self) -> dict[str, float]:
         out = {**self.store.stats(), "external/requests_total": float(self.requests),
                "external/engine_calls_total": float(self.engine_calls)}  # fmt: skip
-        if self.store.buffer is not None:
-            out["external/admitted_running"] = float(self.store.buffer.running)
+        if self.buffered is not None:
+            out["external/admitted_running"] = float(self.buffered.buffer.running)
         return out
 
     # ---- chat --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The bounded buffer between the rollout producers and the trainer of an async job, and its admission.
 
-A producer (the rollout loop of controller/async_loop.py, or later an external trajectory source)
+A producer (the rollout loop of controller/async_loop.py, or the agents' endpoint, controller/external.py)
 uses two calls:
 
     wait = buffer.try_admit(samples)   # None: admitted, `samples` now count as running;

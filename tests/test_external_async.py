@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from controller.external_buffer import ExternalBuffer
+from controller.external_spec import ExternalSpec
+from controller.external_store import Segment, TrajectoryError, TrajectoryStore
 from examples import agent_openai
 from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
 from tests.test_openai_endpoint import client, wait_for_endpoint
-
-pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 GROUP, PER_STEP, STEPS = 2, 4, 3
 SPLIT = {"placement": "split", "workers": 1, "rollout": {"workers": 1}}
@@ -56,6 +57,7 @@ def trained_ids(api, job_id: str, step: int) -> set[str]:
     return {s["trajectory"]["id"] for s in samples}
 
 
+@pytest.mark.usefixtures("ray_cluster")
 def test_agents_feed_an_async_job_within_its_staleness_bound(live, api, job):
     # k = 0: the buffer admits one step's trajectories per weight version. Four start at version 0...
     for tid in ("a-0", "a-1", "b-0", "b-1"):
@@ -118,43 +120,43 @@ def test_agents_feed_an_async_job_within_its_staleness_bound(live, api, job):
         assert row["rollout/log_prob_diff_max"] <= 1e-4, row
 
 
-def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer(tmp_path):
-    """The endpoint's admission and staleness filter alone (no engine): k = 1, one group per step."""
-    import asyncio
-
-    from controller.external import ExternalServer
-    from controller.external_store import Segment, TrajectoryError
-    from engines.tiny_models import build_builtin_model
-
-    model = build_builtin_model("tiny-qwen2-chat", tmp_path)  # its tokenizer: the server templates chats
-    server = ExternalServer("j", str(model), {"group_size": 2, "trajectories_per_step": 2})
-    asyncio.run(server.use_buffer(max_staleness=1, capacity=8, version=0))
+def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
+    """The endpoint's admission and staleness filter alone (controller/external_buffer.py, no engine):
+    k = 1, one group of two per step."""
+    store = TrajectoryStore(ExternalSpec(group_size=2, trajectories_per_step=2))
+    rows = lambda t: [{"trajectory_id": t.id, "segment": k} for k in range(len(t.segments))]  # noqa: E731
+    buffered = ExternalBuffer(store, rows, max_staleness=1, capacity=8, version=0)
 
     def called(tid: str, versions: list[int]) -> None:
         seg = Segment([1, 2], "chat", "first call")
         for v in versions:
             seg.add_call([3], [5, 6], [-0.5, -0.25], v)
-        server.store.open(tid).segments.append(seg)
+        store.open(tid).segments.append(seg)
 
     # (k + v + 1) x B = 4 trajectories may start at version 0; the fifth is a 429 with a hint
-    for tid, versions in [("x-0", [0]), ("x-1", [1]), ("y-0", [0, 1]), ("y-1", [1])]:
+    for tid, versions in [("x-0", [0]), ("x-1", [1]), ("y-0", [1, 0]), ("y-1", [1])]:
         called(tid, versions)
     with pytest.raises(TrajectoryError) as refused:
-        server.store.open("z-0")
+        store.open("z-0")
     assert refused.value.status == 429 and refused.value.retry_after > 0
-    assert "z-0" not in server.store.trajectories
+    assert "z-0" not in store.trajectories
     for tid in ("x-0", "x-1", "y-0", "y-1"):
-        assert "error" not in asyncio.run(server.reward(tid, {"reward": 1.0, "task_id": tid[0]}))
+        store.reward(tid, 1.0, tid[0], None, {})
+        buffered.put_groups()
+    assert [(g.samples, g.version) for g in buffered.buffer._items] == [(2, 0), (2, 0)]
 
-    # step 2 trains at version 1: group x (oldest token: version 0) is young enough; each row carries
+    # step 2 trains at version 1: group x (oldest call: version 0) is young enough; each row carries
     # its own trajectory's oldest version
-    got = asyncio.run(server.take_step(1))
+    got = buffered.take_step(1, "test")
     assert {r["trajectory_id"]: r["policy_version"] for r in got["rows"]} == {"x-0": 0, "x-1": 1}
     assert got["dropped_total"] == 0
-    # step 3 trains at version 2: group y's oldest token (version 0) is too old: dropped and counted,
-    # and its room goes back to admission
-    assert asyncio.run(server.take_step(2)) is None
-    assert server.store.buffer.dropped == 2
-    asyncio.run(server.set_version(1))
+    # step 3 trains at version 2: group y's oldest call (version 0, its second) is too old: dropped,
+    # counted, and its room goes back to admission (AReaL's rule: dropped samples leave `accepted`)
+    assert buffered.take_step(2, "test") is None
+    assert buffered.buffer.dropped == 2
     called("z-0", [1])
-    assert server.store.buffer.running == 1
+    assert buffered.buffer.running == 1
+    # a trajectory dropped for want of a reward gives its room back
+    store._swept = 0.0
+    assert store.sweep(now=store.trajectories["z-0"].last_call + 1e6) == 1
+    assert buffered.buffer.running == 0
