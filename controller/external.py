@@ -127,6 +127,23 @@ class ExternalServer:
             self.buffered.put_groups()
         return _trajectory_view(t)
 
+    async def trajectory(self, tid: str) -> dict[str, Any]:
+        t = self.store.trajectories.get(tid)
+        if t is None:
+            return {"error": TrajectoryError(404, f"no trajectory '{tid}' in this job", "trajectory_id",
+                                             "not_found").as_dict()}  # fmt: skip
+        return _trajectory_view(t, tokens=True)
+
+    async def take(self) -> list[dict[str, Any]] | None:
+        """A step's trajectories as rows (one per segment), or None while they are not all rewarded."""
+        chosen = self.store.take()
+        if chosen is None:
+            return None
+        rows = [_row(t, k, s) for t in chosen for k, s in enumerate(t.segments)]
+        for t in chosen:  # their tokens are in the step's batch now: keep only the ids (a late reward: 409)
+            t.segments = []
+        return rows
+
     async def take_step(self, version: int) -> dict[str, Any] | None:
         """Async: a step's rows trainable at trainer version `version` (controller/external_buffer.py)."""
         return self.buffered.take_step(version, f"endpoint of job {self.job_id}")
