@@ -5,6 +5,8 @@ each step reach the endpoint's engine before the next step's calls (real service
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from controller.external_buffer import ExternalBuffer
@@ -37,8 +39,14 @@ def job(live, api):
 
 
 def first_call(api, job_id: str, tid: str):
+    """A trajectory's first call; a 503 (the endpoint not attached to the rollout workers yet) is retried."""
     body = {"model": job_id, "messages": [{"role": "user", "content": f"{tid}: 2+2="}], "max_tokens": 4}
-    return api.post(f"/v1/jobs/{job_id}/openai/trajectories/{tid}/v1/chat/completions", json=body)
+    deadline = time.time() + 120
+    while True:
+        got = api.post(f"/v1/jobs/{job_id}/openai/trajectories/{tid}/v1/chat/completions", json=body)
+        if got.status_code != 503 or time.time() > deadline:
+            return got
+        time.sleep(0.5)
 
 
 def reward(api, job_id: str, tid: str, value: float, task: str) -> None:
