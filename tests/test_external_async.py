@@ -168,3 +168,20 @@ def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
     store._swept = 0.0
     assert store.sweep(now=store.trajectories["z-0"].last_call + 1e6) == 1
     assert buffered.buffer.running == 0
+
+
+@pytest.mark.parametrize("field,value", [("partial_rollouts", True), ("rollout_lanes", "per_worker")])
+def test_generated_rollouts_options_are_refused_with_an_external_source(field, value):
+    from pydantic import ValidationError
+
+    from controller.spec import JobSpec
+
+    spec = tiny_job(
+        model={"builtin": "tiny-qwen2-chat"},
+        resources=SPLIT,
+        rollout={"source": "external", "external": {"group_size": GROUP, "trajectories_per_step": PER_STEP}},
+        trainer={"mode": "async", "total_steps": 1},
+    )
+    JobSpec.model_validate(spec)  # async + external is a job
+    with pytest.raises(ValidationError, match=f"trainer.{field}: not with rollout.source external"):
+        JobSpec.model_validate({**spec, "trainer": {**spec["trainer"], field: value}})
