@@ -61,3 +61,8 @@ class AsyncOptions(BaseModel):
         "tis = the truncated importance weight min(pi_theta / pi_behav, cap) on a loss without the "
         "recomputed proximal policy; none = the sync loss as it is",
     )
+
+
+def buffer_capacity(options: AsyncOptions, batch_samples: int) -> int:
+    """Samples the rollout buffer holds: trainer.buffer_size, else (max_staleness + 1) steps' worth."""
+    return options.buffer_size or (options.max_staleness + 1) * batch_samples

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from controller.async_config import buffer_capacity
 from controller.overlong import apply_overlong
 from controller.partial_rollout import generate_in_segments
 from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
@@ -256,6 +257,9 @@ class AsyncTrainer(Trainer):
 
     @property
     def batch_samples(self) -> int:
+        external = self.spec.rollout.external_config
+        if external is not None:  # one sample per agent trajectory
+            return external.trajectories_per_step
         return self.spec.trainer.prompts_per_step * self.spec.rollout.n
 
     # ---- the producer's start and end ----------------------------------------------------------
@@ -263,7 +267,7 @@ class AsyncTrainer(Trainer):
     def _ensure_producer(self) -> RolloutProducer:
         if self.producer is None:
             t, version = self.spec.trainer, self.step_index - 1
-            capacity = t.buffer_size or (t.max_staleness + 1) * self.batch_samples
+            capacity = buffer_capacity(t, self.batch_samples)
             buffer = RolloutBuffer(self.batch_samples, t.max_staleness, capacity, version=version)
             next_index = self._next_index if self._next_index is not None else self.step_index
             self.producer = RolloutProducer(self, buffer, next_index, set(self._skip))
@@ -278,6 +282,8 @@ class AsyncTrainer(Trainer):
     # ---- the step's sources ----------------------------------------------------------------------
 
     def _sample(self) -> tuple[Any, Any, dict[str, float]]:
+        if self.external is not None:
+            return self._external_sample()
         producer = self._ensure_producer()
         version, start, synced = self.step_index - 1, time.perf_counter(), {}
         with self._timed("wait_rollout"):
@@ -293,11 +299,6 @@ class AsyncTrainer(Trainer):
         waited = time.perf_counter() - start
         producer.trained(item.index)
         batch, scores, metrics = item.payload
-        staleness = version - batch.tensors["policy_version"]
-        if (
-            int(staleness.max()) > self.spec.trainer.max_staleness
-        ):  # the buffer's filter makes this impossible
-            raise RuntimeError(f"a sample of staleness {int(staleness.max())} reached the update")
         self._dropped_total += sum(d.samples for d in dropped)
         stats = producer.take_stats()
         metrics = {**metrics, **synced}
@@ -306,14 +307,49 @@ class AsyncTrainer(Trainer):
                 "async/buffer_fill": producer.buffer.buffered_samples() / producer.buffer.capacity,
                 "async/dropped_stale": float(sum(d.samples for d in dropped)),
                 "async/dropped_stale_total": float(self._dropped_total),
-                "async/staleness_mean": float(staleness.float().mean()),
-                "async/staleness_max": float(staleness.max()),
                 "async/draw_index": float(item.index),
                 "async/trainer_wait_s": waited,
                 "async/rollout_wait_s": stats["wait_s"],
                 "perf/rollout_tokens_per_s": stats["tokens"] / max(stats["busy_s"], 1e-9),
             }
         )
+        return batch, scores, self._with_staleness(metrics, batch, version)
+
+    def _external_sample(self) -> tuple[Any, Any, dict[str, float]]:
+        """rollout.source external: a step's rewarded groups from the endpoint's buffer (controller/
+        external.py admits, buffers and filters them), scored as the sync trainer scores them."""
+        version, start, pad = self.step_index - 1, time.perf_counter(), self.job.tokenizer.pad_token_id or 0
+        with self._timed("wait_rollout"):
+            got = self.external.next_async(version, lambda: self.control.stop_reason is not None, pad)
+        if got is None:  # a pause or cancel while waiting for agents: as the sync trainer's
+            self.step_index -= 1
+            self._check_stop()
+        batch, counts = got
+        batch, scores, metrics = self._rewards(batch)
+        batch, scores, overlong = apply_overlong(
+            batch, scores, self.spec.algorithm.overlong, self.spec.rollout.response_budget
+        )
+        dropped, self._dropped_total = counts["dropped_total"] - self._dropped_total, counts["dropped_total"]
+        metrics.update(overlong)
+        metrics.update(
+            {
+                "async/buffer_fill": counts["fill"],
+                "async/dropped_stale": float(dropped),
+                "async/dropped_stale_total": float(self._dropped_total),
+                "async/trainer_wait_s": time.perf_counter() - start,
+            }
+        )
+        return batch, scores, self._with_staleness(metrics, batch, version)
+
+    def _with_staleness(self, metrics: dict[str, float], batch: Any, version: int) -> dict[str, float]:
+        """The trained samples' staleness (trainer version minus their oldest token's version)."""
+        staleness = version - batch.tensors["policy_version"]
+        if (
+            int(staleness.max()) > self.spec.trainer.max_staleness
+        ):  # the buffer's filter makes this impossible
+            raise RuntimeError(f"a sample of staleness {int(staleness.max())} reached the update")
+        metrics["async/staleness_mean"] = float(staleness.float().mean())
+        metrics["async/staleness_max"] = float(staleness.max())
         if (
             "token_versions" in batch.tensors.keys()
         ):  # partial rollouts: rows sampled by more than one version
@@ -323,16 +359,30 @@ class AsyncTrainer(Trainer):
             metrics["async/multi_version_samples"] = float(((newest > oldest) & (newest >= 0)).sum())
         for age in range(self.spec.trainer.max_staleness + 1):  # the histogram of trained samples
             metrics[f"async/staleness_hist/{age}"] = float((staleness == age).sum())
-        return batch, scores, metrics
+        return metrics
 
     def _start_sync(self) -> Callable[[], dict[str, float]]:
         """The step's weights go out now if no generation call is in flight (k = 0: always, the
         producer waits for them); else later, before the next take, as soon as the workers are free
         (the newest weights then: a skipped version is never sent)."""
+        if self.external is not None:  # the endpoint's calls and the sync queue on the rollout workers
+            return self._external_sync()
         self._sync_pending = True
         if not self.turn.try_sync(SYNC_GRACE_S):
             return dict
         return self._send_weights()
+
+    def _external_sync(self) -> Callable[[], dict[str, float]]:
+        """rollout.source external: the weights go at once; a rollout worker runs one call at a time, so
+        they land between the endpoint's generation calls, and the buffer's admission widens after."""
+        done, version = super()._start_sync(), self.step_index
+
+        def wait() -> dict[str, float]:
+            out = done()
+            self.external.set_version(version)
+            return out
+
+        return wait
 
     def _send_weights(self) -> Callable[[], dict[str, float]]:
         """Send the trainer's weights (the turn is the sync's); the producer resumes once they are there."""

@@ -8,7 +8,9 @@ The API process (api/routes/openai_chat.py) checks a request and forwards it to 
   replica's engine as one `generate` (grouped by sampling settings), straight to the rollout worker
   actors (`RolloutWorker.generate`, one call per replica at a time);
 - recording: every call in its trajectory (controller/external_store.py), token-exact;
-- rewards, and `take()`, which the trainer calls for a step's trajectories.
+- rewards, and `take()`, which the trainer calls for a step's trajectories;
+- trainer.mode async (`use_buffer`): the job's rollout buffer, which admits new trajectories and
+  holds rewarded groups until a step takes them (controller/external_buffer.py).
 
 Errors that are the caller's come back as {"error": {...}} (status, message, param, code) rather than
 raised, so the API answers them in its own shape.
@@ -22,6 +24,7 @@ import time
 import uuid
 from typing import Any
 
+from controller.external_buffer import ExternalBuffer
 from controller.external_spec import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
 from controller.external_store import Segment, TrajectoryError, TrajectoryStore, canonical_message, tools_key
 from workers.chat_serving import content_text, cut_at_stop, strip_stop, tool_call_text
@@ -49,6 +52,7 @@ class ExternalServer:
         self._batcher: asyncio.Task | None = None
         self.requests = 0
         self.engine_calls = 0
+        self.buffered: ExternalBuffer | None = None  # trainer.mode async
 
     # ---- wiring ------------------------------------------------------------------------------
 
@@ -64,6 +68,17 @@ class ExternalServer:
         if self._batcher is not None:
             self._batcher.cancel()
         self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
+
+    async def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
+        """trainer.mode async: admit and buffer trajectories (kept as they are when called again
+        after a restart of the workers: the buffer outlives them, as the trajectories do)."""
+        if self.buffered is None:
+            rows = lambda t: [_row(t, k, s) for k, s in enumerate(t.segments)]  # noqa: E731
+            self.buffered = ExternalBuffer(self.store, rows, max_staleness, capacity, version)
+
+    async def set_version(self, version: int) -> None:
+        """The rollout workers now hold the weights of `version` (after a sync): admission widens."""
+        self.buffered.buffer.set_version(version)
 
     async def ready(self) -> bool:
         return self._batcher is not None
@@ -108,6 +123,8 @@ class ExternalServer:
             )
         except TrajectoryError as err:
             return {"error": err.as_dict()}
+        if self.buffered is not None:
+            self.buffered.put_groups()
         return _trajectory_view(t)
 
     async def trajectory(self, tid: str) -> dict[str, Any]:
@@ -127,9 +144,16 @@ class ExternalServer:
             t.segments = []
         return rows
 
+    async def take_step(self, version: int) -> dict[str, Any] | None:
+        """Async: a step's rows trainable at trainer version `version` (controller/external_buffer.py)."""
+        return self.buffered.take_step(version, f"endpoint of job {self.job_id}")
+
     async def stats(self) -> dict[str, float]:
-        return {**self.store.stats(), "external/requests_total": float(self.requests),
-                "external/engine_calls_total": float(self.engine_calls)}  # fmt: skip
+        out = {**self.store.stats(), "external/requests_total": float(self.requests),
+               "external/engine_calls_total": float(self.engine_calls)}  # fmt: skip
+        if self.buffered is not None:
+            out["external/admitted_running"] = float(self.buffered.buffer.running)
+        return out
 
     # ---- chat --------------------------------------------------------------------------------
 

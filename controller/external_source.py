@@ -15,7 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+import torch
 
+from controller.async_config import buffer_capacity
 from controller.external import ExternalServer
 from controller.external_spec import server_name
 from controller.spec import JobSpec
@@ -35,6 +37,10 @@ class ExternalSource:
             .options(name=server_name(job_id), get_if_exists=True, num_cpus=0, max_concurrency=10_000)
             .remote(job_id, model_path, self.config.model_dump())
         )
+        if spec.trainer.mode == "async":  # admission by the rollout buffer, before any call is served
+            k, per_step = spec.trainer.max_staleness, self.config.trajectories_per_step
+            ray.get(self.actor.use_buffer.remote(k, buffer_capacity(spec.trainer, per_step), 0),
+                    timeout=CALL_TIMEOUT_S)  # fmt: skip
 
     def attach(self, groups: Any) -> None:
         """Serve from this attempt's rollout replicas (one per tensor-parallel group: its rank 0)."""
@@ -54,6 +60,25 @@ class ExternalSource:
             rows = ray.get(self.actor.take.remote(), timeout=CALL_TIMEOUT_S)
             if rows is not None:
                 return rows_batch(whole_ranks(rows, self.spec.resources.workers), pad)
+            if stopping():
+                return None
+            time.sleep(POLL_S)
+
+    def set_version(self, version: int) -> None:
+        ray.get(self.actor.set_version.remote(version), timeout=CALL_TIMEOUT_S)
+
+    def next_async(self, version: int, stopping: Callable[[], bool], pad: int) -> tuple[Batch, dict] | None:
+        """Async: the next step's groups trainable at trainer version `version`, with a `policy_version`
+        row tensor (each trajectory's oldest token's version), and the buffer's counts; None when asked to stop."""
+        while True:
+            got = ray.get(self.actor.take_step.remote(version), timeout=CALL_TIMEOUT_S)
+            if got is not None:
+                rows = whole_ranks(got.pop("rows"), self.spec.resources.workers)
+                batch = rows_batch(rows, pad)
+                batch.tensors["policy_version"] = torch.tensor(
+                    [r["policy_version"] for r in rows], dtype=torch.long
+                )
+                return batch, got
             if stopping():
                 return None
             time.sleep(POLL_S)

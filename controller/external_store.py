@@ -8,8 +8,11 @@ to the segment; the engine is then given the segment's own tokens, so what the m
 recorded. A call that rewrites history (edits, drops or reorders earlier messages, or changes the
 tools) starts a new segment, and `segments[k].reason` says why.
 
-States: open (calls arrive) -> rewarded -> consumed (a step trained on it); open -> dropped (no reward
-within reward_timeout_s after its last call). Nothing here imports torch or Ray.
+States: open (calls arrive) -> rewarded -> consumed (a step trained on it, or, in an async job, its
+group went to the rollout buffer); open -> dropped (no reward within reward_timeout_s after its last
+call). In an async job (`buffer` set) a new trajectory is also an admission to the rollout buffer
+(controller/rollout_buffer.py `try_admit`, one sample per trajectory): refused, its first call is a
+429. Nothing here imports torch or Ray.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controller.external_spec import ExternalSpec
+from controller.rollout_buffer import RolloutBuffer
 
 
 class TrajectoryError(Exception):
@@ -114,6 +118,7 @@ class TrajectoryStore:
         self.dropped = 0
         self.consumed = 0
         self.new_segments = 0
+        self.buffer: RolloutBuffer | None = None  # trainer.mode async: admission of new trajectories
 
     # ---- calls -----------------------------------------------------------------------------
 
@@ -132,6 +137,13 @@ class TrajectoryStore:
                 f"(rollout.external.max_pending = {self.config.pending_limit}); retry later",
                 "trajectory_id", "buffer_full", retry_after=1.0,
             )  # fmt: skip
+        wait = None if self.buffer is None else self.buffer.try_admit(1)
+        if wait is not None:
+            raise TrajectoryError(
+                429, f"the job's rollout buffer admits no new trajectory now (trainer.max_staleness = "
+                f"{self.buffer.max_staleness}, trainer.buffer_size = {self.buffer.capacity}); retry later",
+                "trajectory_id", "staleness_bound", retry_after=wait,
+            )  # fmt: skip
         now = time.time()
         traj = self.trajectories[tid] = self._open[tid] = Trajectory(tid, now, now)
         return traj
@@ -139,7 +151,8 @@ class TrajectoryStore:
     def forget(self, tid: str) -> None:
         """A trajectory whose first call failed: as if it had never been named."""
         self.trajectories.pop(tid, None)
-        self._open.pop(tid, None)
+        if self._open.pop(tid, None) is not None and self.buffer is not None:
+            self.buffer.cancel(1)
 
     def pending(self) -> int:
         return len(self._open) + len(self._rewarded)
@@ -179,6 +192,8 @@ class TrajectoryStore:
             del self._open[t.id]
             t.segments = []  # its tokens are not needed any more
         self.dropped += len(late)
+        if late and self.buffer is not None:  # admitted samples that will not come
+            self.buffer.cancel(len(late))
         return len(late)
 
     # ---- steps -----------------------------------------------------------------------------
@@ -186,15 +201,27 @@ class TrajectoryStore:
     def take(self) -> list[Trajectory] | None:
         """A step's trajectories, whole groups of group_size with the same task id (oldest reward first),
         or None while fewer than trajectories_per_step are ready. They become 'consumed'."""
+        want = self.config.trajectories_per_step // self.config.group_size
+        groups = self._groups()
+        if len(groups) < want:
+            return None
+        return self._consume([t for g in groups[:want] for t in g])
+
+    def take_groups(self) -> list[list[Trajectory]]:
+        """Async: every complete group now (for the rollout buffer); they become 'consumed'."""
+        groups = self._groups()
+        self._consume([t for g in groups for t in g])
+        return groups
+
+    def _groups(self) -> list[list[Trajectory]]:
         self.sweep()
-        size, want = self.config.group_size, self.config.trajectories_per_step // self.config.group_size
+        size = self.config.group_size
         by_task: dict[str, list[Trajectory]] = {}
         for t in sorted(self._rewarded.values(), key=lambda t: t.rewarded_at):
             by_task.setdefault(t.task_id, []).append(t)
-        groups = [ts[:size] for ts in by_task.values() if len(ts) >= size]
-        if len(groups) < want:
-            return None
-        chosen = [t for g in groups[:want] for t in g]
+        return [ts[:size] for ts in by_task.values() if len(ts) >= size]
+
+    def _consume(self, chosen: list[Trajectory]) -> list[Trajectory]:
         for t in chosen:
             t.state = "consumed"
             del self._rewarded[t.id]

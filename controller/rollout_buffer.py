@@ -1,6 +1,6 @@
 """The bounded buffer between the rollout producers and the trainer of an async job, and its admission.
 
-A producer (the rollout loop of controller/async_loop.py, or later an external trajectory source)
+A producer (the rollout loop of controller/async_loop.py, or the agents' endpoint, controller/external.py)
 uses two calls:
 
     wait = buffer.try_admit(samples)   # None: admitted, `samples` now count as running;
@@ -139,6 +139,14 @@ class RolloutBuffer:
                 if left <= 0:
                     raise BufferTimeout(f"{who}: no rollout ready within {timeout_s:.0f} s")
                 self._cond.wait(min(left, 0.5))
+
+    def drop(self, samples: int) -> None:
+        """Items taken but not trained, too old now (the external source holds a step's groups while
+        it gathers them): counted as `take` counts the ones it drops."""
+        with self._cond:
+            self.accepted -= samples
+            self.dropped += samples
+            self._cond.notify_all()
 
     # ---- state -----------------------------------------------------------------------------------
 

@@ -534,6 +534,11 @@ def check_async(spec: JobSpec, samples: int) -> None:
     if t.partial_rollouts and spec.rollout.environment is not None:
         raise field_error(("trainer", "partial_rollouts"), "single-turn only (rollout.environment is set)",
                           t.partial_rollouts)  # fmt: skip
+    if spec.rollout.source == "external":  # agents' calls are whole: no segments, no lanes to choose
+        for name in ("partial_rollouts", "rollout_lanes"):
+            if getattr(t, name) != AsyncOptions.model_fields[name].default:
+                raise field_error(("trainer", name), "not with rollout.source external (agents make the "
+                                  "calls: the endpoint batches them)", getattr(t, name))  # fmt: skip
     if spec.method == "sft" or spec.algorithm.dynamic_sampling.enabled:
         raise field_error(("trainer", "mode"), "async is for RL without algorithm.dynamic_sampling", t.mode)
 

@@ -1,0 +1,69 @@
+"""trainer.mode async with rollout.source external: agents' trajectories through the rollout buffer.
+
+The job's `RolloutBuffer` (controller/rollout_buffer.py) lives in the endpoint's actor
+(controller/external.py), beside the calls it admits, with B = trajectories_per_step and one sample
+per trajectory:
+
+    first call of a trajectory     store.open -> buffer.try_admit(1); refused: a 429 with Retry-After
+    no reward in time, failed call buffer.cancel(1) (the store does both)
+    a reward completes a group     put_groups: one item, version = the group's oldest call's version;
+                                   each row's `policy_version` = its trajectory's oldest call's version
+    the trainer's step s           take_step(s - 1): groups oldest first until a step's worth, the
+                                   buffer's filter dropping (and counting) those older than k
+    the trainer's sync             buffer.set_version: admission widens
+
+Plain Python: no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from controller.external_store import Trajectory, TrajectoryStore
+from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
+
+
+class ExternalBuffer:
+    """See the module docstring. `rows(t)` lays a trajectory out as the trainer's rows (one per segment)."""
+
+    def __init__(self, store: TrajectoryStore, rows: Callable[[Trajectory], list[dict[str, Any]]],
+                 max_staleness: int, capacity: int, version: int) -> None:  # fmt: skip
+        self.store, self.rows = store, rows
+        self.buffer = RolloutBuffer(store.config.trajectories_per_step, max_staleness, capacity, version)
+        store.buffer = self.buffer  # the store admits new trajectories through it
+        self._held: list[BufferedRollout] = []  # groups taken for the step being gathered
+        self._groups = 0
+
+    def put_groups(self) -> None:
+        """Every group the last reward completed, into the buffer with its versions."""
+        for group in self.store.take_groups():
+            rows = []
+            for t in group:
+                oldest = min(v for s in t.segments for v in s.weight_versions)
+                rows += [{**row, "policy_version": oldest} for row in self.rows(t)]
+                t.segments = []  # its tokens are in the buffer now
+            version = min(row["policy_version"] for row in rows)
+            self.buffer.put(BufferedRollout(self._groups, len(group), version, rows))
+            self._groups += 1
+
+    def take_step(self, version: int, who: str) -> dict[str, Any] | None:
+        """A step's rows trainable at trainer version `version`, or None while the buffer holds fewer."""
+        buffer = self.buffer
+        stale = [g for g in self._held if version - g.version > buffer.max_staleness]
+        if stale:  # held across a change of version (a restart): counted as the filter counts
+            buffer.drop(sum(g.samples for g in stale))
+            self._held = [g for g in self._held if g not in stale]
+        while sum(g.samples for g in self._held) < buffer.batch_size:
+            try:
+                item, _ = buffer.take(version, 0.0, who)
+            except BufferTimeout:
+                return None
+            self._held.append(item)
+        rows = [row for g in self._held for row in g.payload]
+        self._held = []
+        return {
+            "rows": rows,
+            "dropped_total": buffer.dropped,
+            "fill": buffer.buffered_samples() / buffer.capacity,
+        }
