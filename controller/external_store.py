@@ -85,6 +85,13 @@ class Trajectory:
     rewarded_at: float = 0.0
 
 
+def unknown_trajectory(tid: str) -> str:
+    """The 404's message: trajectories live in the job's running processes, so the ones a pause,
+    cancel or service restart found open (not rewarded) are gone with them; their agents start anew."""
+    return (f"no trajectory '{tid}' in this job (trajectories still open when the job was paused or "
+            "restarted are not kept: start a new one)")  # fmt: skip
+
+
 def canonical_message(m: dict[str, Any]) -> tuple:
     """What must be equal for a later call's message to be the same as an earlier one."""
     from workers.chat_serving import content_text
@@ -170,7 +177,7 @@ class TrajectoryStore:
         self.sweep()
         traj = self.trajectories.get(tid)
         if traj is None:
-            raise TrajectoryError(404, f"no trajectory '{tid}' in this job", "trajectory_id", "not_found")
+            raise TrajectoryError(404, unknown_trajectory(tid), "trajectory_id", "not_found")
         if traj.state != "open":
             raise TrajectoryError(409, f"trajectory '{tid}' is already {traj.state}", "trajectory_id",
                                   f"trajectory_{traj.state}")  # fmt: skip

@@ -185,3 +185,69 @@ def test_generated_rollouts_options_are_refused_with_an_external_source(field, v
     JobSpec.model_validate(spec)  # async + external is a job
     with pytest.raises(ValidationError, match=f"trainer.{field}: not with rollout.source external"):
         JobSpec.model_validate({**spec, "trainer": {**spec["trainer"], field: value}})
+
+
+def answered(api, path: str, body: dict):
+    """A POST retried while the endpoint is 503 (a resumed job's new endpoint actor coming up)."""
+    deadline = time.time() + 120
+    while (got := api.post(path, json=body)).status_code == 503 and time.time() < deadline:
+        time.sleep(0.5)
+    return got
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_a_paused_async_external_job_resumes_with_the_trainers_weight_versions(live, api):
+    """k = 0, one group of two per step; paused after step 2, resumed from its checkpoint. The resumed
+    rollout workers' engine counts from 0 again (1 after the checkpoint's weights): the endpoint must
+    record the trainer's version (2), else step 3's group is dropped as stale and the job stalls."""
+    spec = tiny_job(
+        model={"builtin": "tiny-qwen2-chat"},
+        resources=SPLIT,
+        rollout={"source": "external", "external": {"group_size": GROUP, "trajectories_per_step": GROUP},
+                 "free_cache_after_generate": False},
+        trainer={"mode": "async", "max_staleness": 0, "total_steps": 3, "val_every": 0, "samples_per_step": 8},
+        checkpoint={"every": 0},
+    )  # fmt: skip
+    created = api.post("/v1/jobs", json=spec)
+    assert created.status_code == 201, created.text
+    job = created.json()["id"]
+    try:
+        wait_for_endpoint(api, job)
+        for step in (1, 2):
+            for tid in (f"s{step}-0", f"s{step}-1"):
+                got = first_call(api, job, tid)
+                assert got.status_code == 200, got.text
+                assert got.json()["tandem"]["weight_version"] == step - 1
+                reward(api, job, tid, float(tid.endswith("0")), f"s{step}")
+            assert wait_for_step(api, job, step)["status"] == "running"
+        # an agent's trajectory still open when the job pauses
+        opened = first_call(api, job, "open-0")
+        assert opened.status_code == 200 and opened.json()["tandem"]["weight_version"] == 2, opened.text
+        assert api.post(f"/v1/jobs/{job}/pause").status_code == 200
+        assert wait_for(api, job, ("paused",))["step"] == 2
+        late = {"reward": 1.0, "task_id": "open"}
+        while_paused = api.post(f"/v1/jobs/{job}/trajectories/open-0/reward", json=late)
+        assert while_paused.status_code == 409 and "paused" in while_paused.json()["error"]["message"]
+
+        assert api.post(f"/v1/jobs/{job}/resume").status_code == 200
+        wait_for_endpoint(api, job)
+        # the open trajectory went with the paused job's processes: its reward is refused, saying why
+        after = answered(api, f"/v1/jobs/{job}/trajectories/open-0/reward", late)
+        assert after.status_code == 404, after.text
+        assert "paused or restarted" in after.json()["error"]["message"]
+        # new calls record the resumed trainer's version (the checkpoint's step), and step 3 trains them
+        for tid in ("s3-0", "s3-1"):
+            got = first_call(api, job, tid)
+            assert got.status_code == 200, got.text
+            assert got.json()["tandem"]["weight_version"] == 2
+            reward(api, job, tid, float(tid.endswith("0")), "s3")
+        final = wait_for(api, job, TERMINAL)
+        assert final["status"] == "succeeded", final
+        assert trained_ids(api, job, 3) == {"s3-0", "s3-1"}
+        for step in (1, 2, 3):
+            row = step_row(api, job, step)
+            assert row["async/staleness_max"] == 0 and row["async/staleness_hist/0"] == GROUP, row
+            assert row["async/dropped_stale_total"] == 0, row
+            assert row["rollout/log_prob_diff_max"] <= 1e-4, row  # the engine sampled with step 2's weights
+    finally:
+        api.post(f"/v1/jobs/{job}/cancel")
