@@ -73,8 +73,8 @@ class ExternalServer:
         now): the trainer's version, which the staleness bound compares with."""
         engine = hosts[0].execute.remote(role, "weight_version", ((), {}))
         self._offset = version - int(await asyncio.wait_for(engine, ATTACH_TIMEOUT_S))
-        if self.buffered is not None:  # a buffer that outlived the workers: admission from `version` on
-            self.buffered.buffer.set_version(version)
+        if self.buffered is not None:  # a buffer that outlived the workers (a restart from a checkpoint)
+            self.buffered.rewind(version)
         self._role, self._hosts = role, list(hosts)
         self._free = asyncio.Queue()
         for host in hosts:

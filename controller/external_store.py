@@ -203,6 +203,18 @@ class TrajectoryStore:
             self.buffer.cancel(len(late))
         return len(late)
 
+    def drop_where(self, predicate: Any) -> int:
+        """Open or rewarded (not yet taken) trajectories for which `predicate(t)` holds, dropped as the
+        reward timeout drops them; returns how many (the caller gives back their admission)."""
+        gone = [t for t in [*self._open.values(), *self._rewarded.values()] if predicate(t)]
+        for t in gone:
+            t.state = "dropped"
+            self._open.pop(t.id, None)
+            self._rewarded.pop(t.id, None)
+            t.segments = []
+        self.dropped += len(gone)
+        return len(gone)
+
     # ---- steps -----------------------------------------------------------------------------
 
     def take(self) -> list[Trajectory] | None:

@@ -128,6 +128,14 @@ def test_agents_feed_an_async_job_within_its_staleness_bound(live, api, job):
         assert row["rollout/log_prob_diff_max"] <= 1e-4, row
 
 
+def record_calls(store: TrajectoryStore, tid: str, versions: list[int]) -> None:
+    """A trajectory's calls, sampled at `versions` (opened, so admitted, on the first)."""
+    seg = Segment([1, 2], "chat", "first call")
+    for v in versions:
+        seg.add_call([3], [5, 6], [-0.5, -0.25], v)
+    store.open(tid).segments.append(seg)
+
+
 def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
     """The endpoint's admission and staleness filter alone (controller/external_buffer.py, no engine):
     k = 1, one group of two per step."""
@@ -135,11 +143,7 @@ def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
     rows = lambda t: [{"trajectory_id": t.id, "segment": k} for k in range(len(t.segments))]  # noqa: E731
     buffered = ExternalBuffer(store, rows, max_staleness=1, capacity=8, version=0)
 
-    def called(tid: str, versions: list[int]) -> None:
-        seg = Segment([1, 2], "chat", "first call")
-        for v in versions:
-            seg.add_call([3], [5, 6], [-0.5, -0.25], v)
-        store.open(tid).segments.append(seg)
+    called = lambda tid, versions: record_calls(store, tid, versions)  # noqa: E731
 
     # (k + v + 1) x B = 4 trajectories may start at version 0; the fifth is a 429 with a hint
     for tid, versions in [("x-0", [0]), ("x-1", [1]), ("y-0", [1, 0]), ("y-1", [1])]:
@@ -168,6 +172,39 @@ def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
     store._swept = 0.0
     assert store.sweep(now=store.trajectories["z-0"].last_call + 1e6) == 1
     assert buffered.buffer.running == 0
+
+
+def test_a_restart_from_a_checkpoint_drops_what_the_lost_attempts_weights_sampled():
+    """ExternalBuffer.rewind, what `attach` does when the workers restart from a checkpoint older than
+    the weights they served (no engine): k = 1, one group of two per step, restarted from step 2."""
+    store = TrajectoryStore(ExternalSpec(group_size=2, trajectories_per_step=2))
+    rows = lambda t: [{"trajectory_id": t.id, "segment": k} for k in range(len(t.segments))]  # noqa: E731
+    buffered = ExternalBuffer(store, rows, max_staleness=1, capacity=8, version=2)
+    buffered.buffer.set_version(3)  # the lost attempt trained step 3, and its weights served calls
+    for tid, versions in [
+        ("x-0", [2]),
+        ("x-1", [2]),
+        ("y-0", [2, 3]),
+        ("y-1", [2]),
+        ("z-0", [3]),
+        ("w-0", [2]),
+    ]:
+        record_calls(store, tid, versions)
+    for tid in ("x-0", "x-1", "y-0", "y-1"):
+        store.reward(tid, 1.0, tid[0], None, {})
+        buffered.put_groups()
+    assert buffered.buffer.running == 2  # z-0 and w-0: open
+    # group y (one call at version 3) and the open z-0 are dropped; x and w-0 were sampled by step 2's
+    # weights, which the restarted workers hold again
+    assert buffered.rewind(2) == 3
+    assert buffered.buffer.version == 2 and buffered.buffer.dropped == 2 and buffered.buffer.running == 1
+    assert store.trajectories["z-0"].state == "dropped"
+    with pytest.raises(TrajectoryError) as late:
+        store.reward("z-0", 1.0, "z", None, {})
+    assert late.value.status == 409
+    got = buffered.take_step(2, "test")
+    assert {r["trajectory_id"] for r in got["rows"]} == {"x-0", "x-1"} and got["dropped_total"] == 2
+    assert buffered.take_step(2, "test") is None  # y is gone
 
 
 @pytest.mark.parametrize("field,value", [("partial_rollouts", True), ("rollout_lanes", "per_worker")])
