@@ -235,10 +235,10 @@ def answered(api, path: str, body: dict):
 @pytest.mark.usefixtures("ray_cluster")
 @pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=pytest.mark.slow)])
 def test_a_paused_external_job_resumes_with_the_trainers_weight_versions(live, api, mode):
-    """One group of two per step (async: k = 0); paused after step 2, resumed from its checkpoint. The
+    """One group of two per step (async: k = 0); paused after step 1, resumed from its checkpoint. The
     resumed rollout workers' engine counts its syncs from 0 again: the endpoint must record the
-    trainer's version (2), else (async) step 3's group is dropped as stale and the job stalls."""
-    trainer = {"mode": mode, "total_steps": 3, "val_every": 0}
+    trainer's version (1), else (async) step 2's group is dropped as stale and the job stalls."""
+    trainer = {"mode": mode, "total_steps": 2, "val_every": 0}
     if mode == "async":
         trainer.update(max_staleness=0, samples_per_step=8)
     spec = tiny_job(
@@ -254,18 +254,16 @@ def test_a_paused_external_job_resumes_with_the_trainers_weight_versions(live, a
     job = created.json()["id"]
     try:
         wait_for_endpoint(api, job)
-        for step in (1, 2):
-            for tid in (f"s{step}-0", f"s{step}-1"):
-                got = first_call(api, job, tid)
-                assert got.status_code == 200, got.text
-                assert got.json()["tandem"]["weight_version"] == step - 1
-                reward(api, job, tid, float(tid.endswith("0")), f"s{step}")
-            assert wait_for_step(api, job, step)["status"] == "running"
+        for tid in ("s1-0", "s1-1"):
+            got = first_call(api, job, tid)
+            assert got.status_code == 200 and got.json()["tandem"]["weight_version"] == 0, got.text
+            reward(api, job, tid, float(tid.endswith("0")), "s1")
+        assert wait_for_step(api, job, 1)["status"] == "running"
         # an agent's trajectory still open when the job pauses
         opened = first_call(api, job, "open-0")
-        assert opened.status_code == 200 and opened.json()["tandem"]["weight_version"] == 2, opened.text
+        assert opened.status_code == 200 and opened.json()["tandem"]["weight_version"] == 1, opened.text
         assert api.post(f"/v1/jobs/{job}/pause").status_code == 200
-        assert wait_for(api, job, ("paused",))["step"] == 2
+        assert wait_for(api, job, ("paused",))["step"] == 1
         late = {"reward": 1.0, "task_id": "open"}
         while_paused = api.post(f"/v1/jobs/{job}/trajectories/open-0/reward", json=late)
         assert while_paused.status_code == 409 and "paused" in while_paused.json()["error"]["message"]
@@ -276,20 +274,21 @@ def test_a_paused_external_job_resumes_with_the_trainers_weight_versions(live, a
         after = answered(api, f"/v1/jobs/{job}/trajectories/open-0/reward", late)
         assert after.status_code == 404, after.text
         assert "paused or restarted" in after.json()["error"]["message"]
-        # new calls record the resumed trainer's version (the checkpoint's step), and step 3 trains them
-        for tid in ("s3-0", "s3-1"):
+        # new calls record the resumed trainer's version (the checkpoint's step), and step 2 trains them
+        for tid in ("s2-0", "s2-1"):
             got = first_call(api, job, tid)
-            assert got.status_code == 200, got.text
-            assert got.json()["tandem"]["weight_version"] == 2
-            reward(api, job, tid, float(tid.endswith("0")), "s3")
+            assert got.status_code == 200 and got.json()["tandem"]["weight_version"] == 1, got.text
+            reward(api, job, tid, float(tid.endswith("0")), "s2")
         final = wait_for(api, job, TERMINAL)
         assert final["status"] == "succeeded", final
-        assert trained_ids(api, job, 3) == {"s3-0", "s3-1"}
-        for step in (1, 2, 3):
+        assert trained_ids(api, job, 2) == {"s2-0", "s2-1"}
+        for step in (1, 2):
             row = step_row(api, job, step)
             if mode == "async":
                 assert row["async/staleness_max"] == 0 and row["async/staleness_hist/0"] == GROUP, row
                 assert row["async/dropped_stale_total"] == 0, row
-            assert row["rollout/log_prob_diff_max"] <= 1e-4, row  # the engine sampled with step 2's weights
+            assert row["rollout/log_prob_diff_max"] <= 1e-4, (
+                row
+            )  # the engine sampled with the trainer's weights
     finally:
         api.post(f"/v1/jobs/{job}/cancel")
