@@ -26,10 +26,18 @@ from typing import Any
 
 from controller.external_buffer import ExternalBuffer
 from controller.external_spec import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
-from controller.external_store import Segment, TrajectoryError, TrajectoryStore, canonical_message, tools_key
+from controller.external_store import (
+    Segment,
+    TrajectoryError,
+    TrajectoryStore,
+    canonical_message,
+    tools_key,
+    unknown_trajectory,
+)
 from workers.chat_serving import content_text, cut_at_stop, strip_stop, tool_call_text
 
 GENERATE_TIMEOUT_S = 900.0  # a call waits for a training step's update on a colocated worker
+ATTACH_TIMEOUT_S = 60.0
 
 
 class ExternalServer:
@@ -50,15 +58,23 @@ class ExternalServer:
         self._role = ""
         self._hosts: list[Any] = []
         self._batcher: asyncio.Task | None = None
+        self._offset = 0  # trainer version - engine version of the attached workers (see attach)
         self.requests = 0
         self.engine_calls = 0
         self.buffered: ExternalBuffer | None = None  # trainer.mode async
 
     # ---- wiring ------------------------------------------------------------------------------
 
-    async def attach(self, hosts: list[Any], role: str) -> None:
+    async def attach(self, hosts: list[Any], role: str, version: int = 0) -> None:
         """The rollout replicas to serve from (their WorkerHost actors and the role's name on them);
-        called again with new workers after a restart."""
+        called again with new workers after a restart or a resume. `version`: the trainer's version of
+        the weights they hold now (a resumed job's checkpoint step). An engine counts its syncs from 0
+        in every new process, so a call records engine version + (`version` - the engine's version
+        now): the trainer's version, which the staleness bound compares with."""
+        engine = hosts[0].execute.remote(role, "weight_version", ((), {}))
+        self._offset = version - int(await asyncio.wait_for(engine, ATTACH_TIMEOUT_S))
+        if self.buffered is not None:  # a buffer that outlived the workers (a restart from a checkpoint)
+            self.buffered.rewind(version)
         self._role, self._hosts = role, list(hosts)
         self._free = asyncio.Queue()
         for host in hosts:
@@ -130,8 +146,9 @@ class ExternalServer:
     async def trajectory(self, tid: str) -> dict[str, Any]:
         t = self.store.trajectories.get(tid)
         if t is None:
-            return {"error": TrajectoryError(404, f"no trajectory '{tid}' in this job", "trajectory_id",
-                                             "not_found").as_dict()}  # fmt: skip
+            return {
+                "error": TrajectoryError(404, unknown_trajectory(tid), "trajectory_id", "not_found").as_dict()
+            }
         return _trajectory_view(t, tokens=True)
 
     async def take(self) -> list[dict[str, Any]] | None:
@@ -363,7 +380,7 @@ class ExternalServer:
             self._free.put_nowait(host)
 
     async def _run_group(self, host: Any, group: list[tuple]) -> None:
-        params = group[0][1]
+        params, offset = group[0][1], self._offset
         prompts = [g[0] for g in group]
         try:
             ref = host.execute.remote(self._role, "generate", ((prompts, params.model_dump()), {}))
@@ -376,6 +393,8 @@ class ExternalServer:
                 if not future.done():
                     future.set_exception(failure)
             return
+        for comp in completions:  # the trainer's version of the weights that sampled it
+            comp.weight_version += offset
         for i, (_, _, future) in enumerate(group):
             if not future.done():
                 future.set_result(completions[i * params.n : (i + 1) * params.n])

@@ -11,6 +11,8 @@ per trajectory:
     the trainer's step s           take_step(s - 1): groups oldest first until a step's worth, the
                                    buffer's filter dropping (and counting) those older than k
     the trainer's sync             buffer.set_version: admission widens
+    a restart of the workers       rewind(checkpoint's step): what the lost attempt's newer weights
+                                   sampled is dropped and counted; admission from that step on
 
 Plain Python: no torch, no Ray.
 """
@@ -38,14 +40,34 @@ class ExternalBuffer:
     def put_groups(self) -> None:
         """Every group the last reward completed, into the buffer with its versions."""
         for group in self.store.take_groups():
+            newest = max(v for t in group for s in t.segments for v in s.weight_versions)
             rows = []
             for t in group:
                 oldest = min(v for s in t.segments for v in s.weight_versions)
                 rows += [{**row, "policy_version": oldest} for row in self.rows(t)]
                 t.segments = []  # its tokens are in the buffer now
             version = min(row["policy_version"] for row in rows)
-            self.buffer.put(BufferedRollout(self._groups, len(group), version, rows))
+            self.buffer.put(
+                BufferedRollout(self._groups, len(group), version, rows, extra={"newest": newest})
+            )
             self._groups += 1
+
+    def rewind(self, version: int) -> int:
+        """The workers restarted from the checkpoint of `version`: groups and trajectories with a call
+        sampled by newer weights (the lost attempt's, which no later step will have) are dropped, as
+        stale ones are (a later call or reward of such a trajectory: 409 'dropped'), and admission
+        starts again from `version`. Returns how many trajectories were dropped."""
+        newer = lambda g: g.extra.get("newest", g.version) > version  # noqa: E731
+        dropped = self.buffer.drop_where(newer)
+        held = [g for g in self._held if newer(g)]
+        self.buffer.drop(sum(g.samples for g in held))
+        self._held = [g for g in self._held if not newer(g)]
+        gone = self.store.drop_where(
+            lambda t: any(v > version for s in t.segments for v in s.weight_versions)
+        )
+        self.buffer.cancel(gone)  # admitted, not put yet: their room goes back
+        self.buffer.set_version(version)
+        return dropped + sum(g.samples for g in held) + gone
 
     def take_step(self, version: int, who: str) -> dict[str, Any] | None:
         """A step's rows trainable at trainer version `version`, or None while the buffer holds fewer."""

@@ -29,7 +29,9 @@ CALL_TIMEOUT_S = 60.0
 
 
 class ExternalSource:
-    def __init__(self, job_id: str, spec: JobSpec, model_path: str) -> None:
+    def __init__(self, job_id: str, spec: JobSpec, model_path: str, version: int = 0) -> None:
+        """`version`: the trainer's (a resumed job's checkpoint step): a new buffer has trained that many
+        steps, as the generated rollouts' buffer of a resumed job has (controller/async_loop.py)."""
         self.spec, self.config, self.job_id = spec, spec.rollout.external_config, job_id
         self.agents = None  # rollout.external.agent's pool (controller/external_agents.py)
         self.actor = (
@@ -39,14 +41,15 @@ class ExternalSource:
         )
         if spec.trainer.mode == "async":  # admission by the rollout buffer, before any call is served
             k, per_step = spec.trainer.max_staleness, self.config.trajectories_per_step
-            ray.get(self.actor.use_buffer.remote(k, buffer_capacity(spec.trainer, per_step), 0),
+            ray.get(self.actor.use_buffer.remote(k, buffer_capacity(spec.trainer, per_step), version),
                     timeout=CALL_TIMEOUT_S)  # fmt: skip
 
-    def attach(self, groups: Any) -> None:
-        """Serve from this attempt's rollout replicas (one per tensor-parallel group: its rank 0)."""
+    def attach(self, groups: Any, version: int) -> None:
+        """Serve from this attempt's rollout replicas (one per tensor-parallel group: its rank 0), which
+        hold the weights of trainer version `version` (calls record versions counted from it)."""
         rollout = groups.actor.rollout.group
         tp = self.spec.rollout.tensor_parallel_size
-        ray.get(self.actor.attach.remote(rollout.actors[::tp], rollout.role), timeout=CALL_TIMEOUT_S)
+        ray.get(self.actor.attach.remote(rollout.actors[::tp], rollout.role, version), timeout=CALL_TIMEOUT_S)
         if self.config.agent is not None and self.agents is None:  # rollout.external.agent: the job's own
             from controller.external_agents import AgentPool
 

@@ -85,6 +85,13 @@ class Trajectory:
     rewarded_at: float = 0.0
 
 
+def unknown_trajectory(tid: str) -> str:
+    """The 404's message: trajectories live in the job's running processes, so the ones a pause,
+    cancel or service restart found open (not rewarded) are gone with them; their agents start anew."""
+    return (f"no trajectory '{tid}' in this job (trajectories still open when the job was paused or "
+            "restarted are not kept: start a new one)")  # fmt: skip
+
+
 def canonical_message(m: dict[str, Any]) -> tuple:
     """What must be equal for a later call's message to be the same as an earlier one."""
     from workers.chat_serving import content_text
@@ -170,7 +177,7 @@ class TrajectoryStore:
         self.sweep()
         traj = self.trajectories.get(tid)
         if traj is None:
-            raise TrajectoryError(404, f"no trajectory '{tid}' in this job", "trajectory_id", "not_found")
+            raise TrajectoryError(404, unknown_trajectory(tid), "trajectory_id", "not_found")
         if traj.state != "open":
             raise TrajectoryError(409, f"trajectory '{tid}' is already {traj.state}", "trajectory_id",
                                   f"trajectory_{traj.state}")  # fmt: skip
@@ -195,6 +202,18 @@ class TrajectoryStore:
         if late and self.buffer is not None:  # admitted samples that will not come
             self.buffer.cancel(len(late))
         return len(late)
+
+    def drop_where(self, predicate: Any) -> int:
+        """Open or rewarded (not yet taken) trajectories for which `predicate(t)` holds, dropped as the
+        reward timeout drops them; returns how many (the caller gives back their admission)."""
+        gone = [t for t in [*self._open.values(), *self._rewarded.values()] if predicate(t)]
+        for t in gone:
+            t.state = "dropped"
+            self._open.pop(t.id, None)
+            self._rewarded.pop(t.id, None)
+            t.segments = []
+        self.dropped += len(gone)
+        return len(gone)
 
     # ---- steps -----------------------------------------------------------------------------
 

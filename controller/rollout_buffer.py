@@ -148,6 +148,18 @@ class RolloutBuffer:
             self.dropped += samples
             self._cond.notify_all()
 
+    def drop_where(self, predicate: Any) -> int:
+        """Buffered items for which `predicate(item)` holds, dropped and counted as `take` counts too
+        old ones; returns their samples."""
+        with self._cond:
+            gone = [item for item in self._items if predicate(item)]
+            self._items = [item for item in self._items if not predicate(item)]
+            samples = sum(item.samples for item in gone)
+            self.accepted -= samples
+            self.dropped += samples
+            self._cond.notify_all()
+            return samples
+
     # ---- state -----------------------------------------------------------------------------------
 
     def buffered_samples(self) -> int:

@@ -106,8 +106,8 @@ class Trainer:
         last: dict[str, float] = {}
         try:
             self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name)
-            self._serve_external()
             self._resume()
+            self._serve_external()  # after the checkpoint's weights reached the rollout workers
             self.recovery.resumed()
             total = self.spec.trainer.total_steps
             if self.step_index == 0 and self.spec.trainer.val_every:
@@ -294,8 +294,8 @@ class Trainer:
         from controller.external_source import ExternalSource
 
         if self.external is None:
-            self.external = ExternalSource(self.name, self.spec, self.job.model_path)
-        self.external.attach(self.job.groups)
+            self.external = ExternalSource(self.name, self.spec, self.job.model_path, self.step_index)
+        self.external.attach(self.job.groups, self.step_index)
         self.sink.event("endpoint", "the OpenAI-compatible endpoint serves this job's rollout workers")
 
     def _external_batch(self) -> Any:

@@ -128,6 +128,14 @@ def test_agents_feed_an_async_job_within_its_staleness_bound(live, api, job):
         assert row["rollout/log_prob_diff_max"] <= 1e-4, row
 
 
+def record_calls(store: TrajectoryStore, tid: str, versions: list[int]) -> None:
+    """A trajectory's calls, sampled at `versions` (opened, so admitted, on the first)."""
+    seg = Segment([1, 2], "chat", "first call")
+    for v in versions:
+        seg.add_call([3], [5, 6], [-0.5, -0.25], v)
+    store.open(tid).segments.append(seg)
+
+
 def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
     """The endpoint's admission and staleness filter alone (controller/external_buffer.py, no engine):
     k = 1, one group of two per step."""
@@ -135,11 +143,7 @@ def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
     rows = lambda t: [{"trajectory_id": t.id, "segment": k} for k in range(len(t.segments))]  # noqa: E731
     buffered = ExternalBuffer(store, rows, max_staleness=1, capacity=8, version=0)
 
-    def called(tid: str, versions: list[int]) -> None:
-        seg = Segment([1, 2], "chat", "first call")
-        for v in versions:
-            seg.add_call([3], [5, 6], [-0.5, -0.25], v)
-        store.open(tid).segments.append(seg)
+    called = lambda tid, versions: record_calls(store, tid, versions)  # noqa: E731
 
     # (k + v + 1) x B = 4 trajectories may start at version 0; the fifth is a 429 with a hint
     for tid, versions in [("x-0", [0]), ("x-1", [1]), ("y-0", [1, 0]), ("y-1", [1])]:
@@ -170,6 +174,39 @@ def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
     assert buffered.buffer.running == 0
 
 
+def test_a_restart_from_a_checkpoint_drops_what_the_lost_attempts_weights_sampled():
+    """ExternalBuffer.rewind, what `attach` does when the workers restart from a checkpoint older than
+    the weights they served (no engine): k = 1, one group of two per step, restarted from step 2."""
+    store = TrajectoryStore(ExternalSpec(group_size=2, trajectories_per_step=2))
+    rows = lambda t: [{"trajectory_id": t.id, "segment": k} for k in range(len(t.segments))]  # noqa: E731
+    buffered = ExternalBuffer(store, rows, max_staleness=1, capacity=8, version=2)
+    buffered.buffer.set_version(3)  # the lost attempt trained step 3, and its weights served calls
+    for tid, versions in [
+        ("x-0", [2]),
+        ("x-1", [2]),
+        ("y-0", [2, 3]),
+        ("y-1", [2]),
+        ("z-0", [3]),
+        ("w-0", [2]),
+    ]:
+        record_calls(store, tid, versions)
+    for tid in ("x-0", "x-1", "y-0", "y-1"):
+        store.reward(tid, 1.0, tid[0], None, {})
+        buffered.put_groups()
+    assert buffered.buffer.running == 2  # z-0 and w-0: open
+    # group y (one call at version 3) and the open z-0 are dropped; x and w-0 were sampled by step 2's
+    # weights, which the restarted workers hold again
+    assert buffered.rewind(2) == 3
+    assert buffered.buffer.version == 2 and buffered.buffer.dropped == 2 and buffered.buffer.running == 1
+    assert store.trajectories["z-0"].state == "dropped"
+    with pytest.raises(TrajectoryError) as late:
+        store.reward("z-0", 1.0, "z", None, {})
+    assert late.value.status == 409
+    got = buffered.take_step(2, "test")
+    assert {r["trajectory_id"] for r in got["rows"]} == {"x-0", "x-1"} and got["dropped_total"] == 2
+    assert buffered.take_step(2, "test") is None  # y is gone
+
+
 @pytest.mark.parametrize("field,value", [("partial_rollouts", True), ("rollout_lanes", "per_worker")])
 def test_generated_rollouts_options_are_refused_with_an_external_source(field, value):
     from pydantic import ValidationError
@@ -185,3 +222,73 @@ def test_generated_rollouts_options_are_refused_with_an_external_source(field, v
     JobSpec.model_validate(spec)  # async + external is a job
     with pytest.raises(ValidationError, match=f"trainer.{field}: not with rollout.source external"):
         JobSpec.model_validate({**spec, "trainer": {**spec["trainer"], field: value}})
+
+
+def answered(api, path: str, body: dict):
+    """A POST retried while the endpoint is 503 (a resumed job's new endpoint actor coming up)."""
+    deadline = time.time() + 120
+    while (got := api.post(path, json=body)).status_code == 503 and time.time() < deadline:
+        time.sleep(0.5)
+    return got
+
+
+@pytest.mark.usefixtures("ray_cluster")
+@pytest.mark.parametrize("mode", ["async", pytest.param("sync", marks=pytest.mark.slow)])
+def test_a_paused_external_job_resumes_with_the_trainers_weight_versions(live, api, mode):
+    """One group of two per step (async: k = 0); paused after step 1, resumed from its checkpoint. The
+    resumed rollout workers' engine counts its syncs from 0 again: the endpoint must record the
+    trainer's version (1), else (async) step 2's group is dropped as stale and the job stalls."""
+    trainer = {"mode": mode, "total_steps": 2, "val_every": 0}
+    if mode == "async":
+        trainer.update(max_staleness=0, samples_per_step=8)
+    spec = tiny_job(
+        model={"builtin": "tiny-qwen2-chat"},
+        resources=SPLIT,
+        rollout={"source": "external", "external": {"group_size": GROUP, "trajectories_per_step": GROUP},
+                 "free_cache_after_generate": False},
+        trainer=trainer,
+        checkpoint={"every": 0},
+    )  # fmt: skip
+    created = api.post("/v1/jobs", json=spec)
+    assert created.status_code == 201, created.text
+    job = created.json()["id"]
+    try:
+        wait_for_endpoint(api, job)
+        for tid in ("s1-0", "s1-1"):
+            got = first_call(api, job, tid)
+            assert got.status_code == 200 and got.json()["tandem"]["weight_version"] == 0, got.text
+            reward(api, job, tid, float(tid.endswith("0")), "s1")
+        assert wait_for_step(api, job, 1)["status"] == "running"
+        # an agent's trajectory still open when the job pauses
+        opened = first_call(api, job, "open-0")
+        assert opened.status_code == 200 and opened.json()["tandem"]["weight_version"] == 1, opened.text
+        assert api.post(f"/v1/jobs/{job}/pause").status_code == 200
+        assert wait_for(api, job, ("paused",))["step"] == 1
+        late = {"reward": 1.0, "task_id": "open"}
+        while_paused = api.post(f"/v1/jobs/{job}/trajectories/open-0/reward", json=late)
+        assert while_paused.status_code == 409 and "paused" in while_paused.json()["error"]["message"]
+
+        assert api.post(f"/v1/jobs/{job}/resume").status_code == 200
+        wait_for_endpoint(api, job)
+        # the open trajectory went with the paused job's processes: its reward is refused, saying why
+        after = answered(api, f"/v1/jobs/{job}/trajectories/open-0/reward", late)
+        assert after.status_code == 404, after.text
+        assert "paused or restarted" in after.json()["error"]["message"]
+        # new calls record the resumed trainer's version (the checkpoint's step), and step 2 trains them
+        for tid in ("s2-0", "s2-1"):
+            got = first_call(api, job, tid)
+            assert got.status_code == 200 and got.json()["tandem"]["weight_version"] == 1, got.text
+            reward(api, job, tid, float(tid.endswith("0")), "s2")
+        final = wait_for(api, job, TERMINAL)
+        assert final["status"] == "succeeded", final
+        assert trained_ids(api, job, 2) == {"s2-0", "s2-1"}
+        for step in (1, 2):
+            row = step_row(api, job, step)
+            if mode == "async":
+                assert row["async/staleness_max"] == 0 and row["async/staleness_hist/0"] == GROUP, row
+                assert row["async/dropped_stale_total"] == 0, row
+            assert row["rollout/log_prob_diff_max"] <= 1e-4, (
+                row
+            )  # the engine sampled with the trainer's weights
+    finally:
+        api.post(f"/v1/jobs/{job}/cancel")
