@@ -63,6 +63,9 @@ def test_bad_adapters_are_422_naming_the_field_and_store_nothing(api, other_base
     assert len(api.get("/v1/jobs", params={"limit": 100}).json()["data"]) == before
 
 
+# slow: the SFT -> GRPO chain through the service; export, init_from and a LoRA GRPO job have their own
+# tests in make test (tests/test_lora_engine.py, tests/test_lora_split.py)
+@pytest.mark.slow
 def test_an_sft_adapter_seeds_a_lora_grpo_job_with_kl_that_syncs_and_exports_its_adapter(live, api):
     sft = lora_job(
         method="sft",

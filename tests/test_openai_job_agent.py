@@ -20,6 +20,9 @@ def agent_job(agent: str) -> dict:
     )  # fmt: skip
 
 
+# slow (make test-slow): the endpoint itself is in make test (tests/test_openai_endpoint.py); this runs
+# the user agent inside the job
+@pytest.mark.slow
 def test_a_job_trains_on_the_agent_it_runs(api):
     job = api.post("/v1/jobs", json=agent_job("tests.agent_fns:digits_agent")).json()["id"]
     final = wait_for(api, job, TERMINAL, timeout_s=240)

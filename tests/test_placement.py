@@ -81,6 +81,7 @@ def test_a_split_job_matches_the_colocated_job_step_for_step(ray_cluster, tmp_pa
     assert_same_steps(colocated, split)
 
 
+@pytest.mark.slow  # make test keeps the hf split parity; tests/test_rollout_vllm.py the vllm engine
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("vllm"), reason="vllm is not installed")
 def test_a_split_job_on_vllm_matches_the_colocated_one(ray_cluster, tmp_path):
     vllm = {"model": {"builtin": "qwen2-1m"}, "rollout": {"backend": "vllm"}, "resources": {"workers": 1}}
