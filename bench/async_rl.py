@@ -103,7 +103,10 @@ def stability(rows: list[dict]) -> dict:
     if clipped:  # tokens whose weight min(rho, C) hit the cap
         out["capped_token_frac_mean"] = round(statistics.fmean(clipped), 5)
         out["capped_token_frac_max"] = round(max(clipped), 5)
-    norms = [r["actor/grad_norm"] for r in rows if "actor/grad_norm" in r]
+    # a step whose groups all scored alike has no advantage and no gradient: its norm 0 is left out
+    all_norms = [r["actor/grad_norm"] for r in rows if "actor/grad_norm" in r]
+    norms = [x for x in all_norms if x > 0]
+    out["zero_gradient_steps"] = len(all_norms) - len(norms)
     if norms:
         out["grad_norm_median"] = round(statistics.median(norms), 4)
         out["grad_norm_max"] = round(max(norms), 4)
