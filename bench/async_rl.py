@@ -68,7 +68,7 @@ def job_spec(
             model={"builtin": "tiny-qwen2-chat"},
             data={"builtin_task": "guess_number"},
             rollout={"environment": "bench.slow_envs:SlowGuessNumber", "n": args.n, "max_new_tokens": 4,
-                     "max_turns": 4, "max_response_tokens": 24},
+                     "max_turns": 4, "max_response_tokens": args.max_response_tokens},
         )  # fmt: skip
     else:
         spec.update(
@@ -176,6 +176,7 @@ def main() -> int:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--max-response-tokens", type=int, default=24, help="(a): a game's token budget")
     parser.add_argument("--rollout-workers", type=int, default=3)
     parser.add_argument("--task", choices=("latency", "compute", "both"), default="both")
     parser.add_argument("--seeds", type=seed_list, default=[1], help="trainer seeds, comma-separated")
