@@ -24,7 +24,7 @@ log; the engine mismatch alone in sync), the share of tokens whose weight hit th
 line per task with each job's reward by quarter averaged over the seeds.
 
     python bench/async_rl.py [--quick] [--steps 8] [--k 2] [--rollout-workers 3] [--task latency|compute|both]
-        [--lr 5e-4] [--seeds 1,2] [--corrections decoupled,tis,none,tis-uncapped] [--sync-only]
+        [--lr 5e-4] [--max-response-tokens 24] [--seeds 1,2] [--corrections decoupled,tis,none,tis-uncapped] [--sync-only]
 """
 
 from __future__ import annotations
