@@ -72,7 +72,12 @@ def corrected_spec(spec: JobSpec) -> JobSpec:
                 pass: algorithm.recompute_old_log_probs is set.
     tis         L = - min(pi_theta.detach() / pi_behav, C) * min(r A, clip(r) A) with pi_prox =
                 pi_theta.detach(): for one epoch r = 1, an unclipped, truncated importance-sampling
-                loss (Yao et al. 2025), the one tinker-cookbook PR #822 found unstable off-policy.
+                loss (Yao et al. 2025). Measured (bench/RESULTS.md, 2026-11-25): with one update
+                per batch this is the same gradient as `decoupled` (the update's own forward gives
+                the proximal log-probs the extra pass would), and with more mini-batches the trainer
+                runs that pass for it too; the two differ only in clipping from a second optimizer
+                step on. tinker-cookbook PR #822's unstable loss is the *uncapped* weight (C -> inf),
+                not offered here (the benchmark builds it as `tis-uncapped`).
     none        the sync loss unchanged (samples treated as on-policy).
 
     Both weights are the token-level TIS of workers/losses/rollout_correction.py (`is_weights`), a
