@@ -14,7 +14,7 @@ from controller.external_spec import ExternalSpec
 from controller.external_store import Segment, TrajectoryError, TrajectoryStore
 from examples import agent_openai
 from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
-from tests.test_openai_endpoint import client, wait_for_endpoint
+from tests.test_openai_endpoint import client, submit_external, wait_for_endpoint
 
 GROUP, PER_STEP, STEPS = 2, 4, 3
 SPLIT = {"placement": "split", "workers": 1, "rollout": {"workers": 1}}
@@ -30,10 +30,7 @@ def job(live, api):
         trainer={"mode": "async", "max_staleness": 0, "total_steps": STEPS, "val_every": 0, "samples_per_step": 8},
         checkpoint={"every": 0},
     )  # fmt: skip
-    created = api.post("/v1/jobs", json=spec)
-    assert created.status_code == 201, created.text
-    job_id = created.json()["id"]
-    wait_for_endpoint(api, job_id)
+    job_id = submit_external(api, spec)
     yield job_id
     api.post(f"/v1/jobs/{job_id}/cancel")
 

@@ -27,12 +27,18 @@ def job(live, api):
         algorithm={"recompute_old_log_probs": True},
         checkpoint={"every": 0},
     )  # fmt: skip
+    job_id = submit_external(api, spec)
+    yield job_id
+    api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def submit_external(api, spec: dict) -> str:
+    """Submits a job fed by agents and waits until its endpoint serves; its id."""
     created = api.post("/v1/jobs", json=spec)
     assert created.status_code == 201, created.text
     job_id = created.json()["id"]
     wait_for_endpoint(api, job_id)
-    yield job_id
-    api.post(f"/v1/jobs/{job_id}/cancel")
+    return job_id
 
 
 def wait_for_endpoint(api, job_id: str, timeout_s: float = 180) -> None:

@@ -22,7 +22,7 @@ from api.settings import ServeSettings  # noqa: E402
 from tests.api_util import start_service  # noqa: E402
 from tests.owners_util import make_key  # noqa: E402
 from tests.reward_fns import digit_reward  # noqa: E402
-from tests.tinker_loops import rl_loop, sft_datum, supervised_loop  # noqa: E402
+from tests.tinker_loops import owner_keys, point_sdk, rl_loop, sft_datum, supervised_loop  # noqa: E402
 
 BASE = "tiny-qwen2"
 PAIRS = [("1+1=", "2"), ("2+2=", "4"), ("3+4=", "7"), ("5+3=", "8")]
@@ -41,15 +41,12 @@ def svc(ray_cluster, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keys(svc):
-    with svc.client() as admin:
-        return {owner: make_key(admin, owner)["key"] for owner in ("alice", "bob")}
+    return owner_keys(svc)
 
 
 @pytest.fixture
 def sdk(svc, keys, monkeypatch):
-    monkeypatch.setenv("TINKER_BASE_URL", svc.url)
-    monkeypatch.setenv("TINKER_API_KEY", keys["alice"])
-    monkeypatch.delenv("TINKER_CREDENTIAL_CMD", raising=False)
+    point_sdk(monkeypatch, svc.url, keys["alice"])
     return tinker.ServiceClient()
 
 

@@ -24,6 +24,7 @@ from service.tinker_wire import (  # noqa: E402
 )
 from tests.api_util import start_service  # noqa: E402
 from tests.owners_util import make_key  # noqa: E402
+from tests.tinker_loops import owner_keys, point_sdk  # noqa: E402
 
 MISSING = "/nonexistent/tinker-base"  # served, but its host cannot start: work fails naming it
 
@@ -38,15 +39,12 @@ def svc(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keys(svc):
-    with svc.client() as admin:
-        return {owner: make_key(admin, owner)["key"] for owner in ("alice", "bob")}
+    return owner_keys(svc)
 
 
 @pytest.fixture
 def sdk_env(svc, keys, monkeypatch):
-    monkeypatch.setenv("TINKER_BASE_URL", svc.url)
-    monkeypatch.setenv("TINKER_API_KEY", keys["alice"])
-    monkeypatch.delenv("TINKER_CREDENTIAL_CMD", raising=False)
+    point_sdk(monkeypatch, svc.url, keys["alice"])
 
 
 def http(svc, key: str) -> httpx.Client:

@@ -74,3 +74,18 @@ def rl_loop(tc: tinker.TrainingClient, tokenizer, prompts: list[str], reward, it
         tc.forward_backward(data, "importance_sampling").result()
         tc.optim_step(types.AdamParams(learning_rate=lr)).result()
     return means
+
+
+def owner_keys(svc, owners=("alice", "bob")) -> dict[str, str]:
+    """A `tml-` key of each owner, issued by the service's admin."""
+    from tests.owners_util import make_key
+
+    with svc.client() as admin:
+        return {owner: make_key(admin, owner)["key"] for owner in owners}
+
+
+def point_sdk(monkeypatch, url: str, key: str) -> None:
+    """The environment the official SDK reads: this service and this key, no credential command."""
+    monkeypatch.setenv("TINKER_BASE_URL", url)
+    monkeypatch.setenv("TINKER_API_KEY", key)
+    monkeypatch.delenv("TINKER_CREDENTIAL_CMD", raising=False)
