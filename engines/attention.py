@@ -11,8 +11,9 @@ the real tokens before it in its own sequence; the padded queries' outputs are n
 projections and MLPs around it stay packed. The sequence boundaries arrive as the `cu_seq_lens_q`
 keyword that transformers passes down to every attention call.
 
-With a `shared_prompt` layout (engines/shared_prompt.py) the segments are a group's prompt, stored
-once, and its responses, each of which reads the prompt's keys and values as well as its own.
+With a `shared_prompt` layout (engines/shared_prompt.py) a row of the grid is a group: its prompt,
+stored once, and its responses, each of which reads the prompt's keys and values as well as its own
+(a mask per group says so).
 
 One call per layer replaced one call per sequence per layer (2,000+ small calls, forward and
 backward, for 128 sequences x 8 layers); see bench/RESULTS.md for what it measured.
@@ -87,32 +88,31 @@ def _shared_prompt_attention(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Attention over the segments of engines/shared_prompt.py: a response segment reads its
-    group's prompt, stored once, through `key_index`; index_select's backward sums the gradients of
-    every response into that one copy."""
-    segments, longest = layout.query_index.shape
-    keys = layout.key_index.shape[1]
+    """Attention over the groups of engines/shared_prompt.py: a group (its prompt, stored once, and its
+    responses) is one row of a padded grid, and the layout's mask lets each response read the prompt;
+    the backward sums every response's gradient into that one copy."""
+    groups, _, longest, _ = layout.group_mask.shape
+    slot = layout.group_slot
 
-    def gather(x: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+    def to_grid(x: torch.Tensor) -> torch.Tensor:  # [1, h, N, D] -> [G, h, Lg, D]
         tokens = x[0].transpose(0, 1)  # [N, h, D]
-        picked = tokens.index_select(0, index.reshape(-1))
-        return picked.view(segments, length, *tokens.shape[1:]).transpose(1, 2)  # [S, h, length, D]
+        grid = tokens.new_zeros(groups * longest, *tokens.shape[1:]).index_copy(0, slot, tokens)
+        return grid.view(groups, longest, *tokens.shape[1:]).transpose(1, 2)
 
-    q = gather(query, layout.query_index, longest)
-    k, v = gather(key, layout.key_index, keys), gather(value, layout.key_index, keys)
+    q, k, v = to_grid(query), to_grid(key), to_grid(value)
     p = dropout if module.training else 0.0
     with sdpa_kernel(_BACKENDS):
         out = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            attn_mask=layout.key_mask,
+            attn_mask=layout.group_mask,
             dropout_p=p,
             scale=scaling,
             enable_gqa=k.shape[1] != q.shape[1],
         )
-    out = out.transpose(1, 2).reshape(segments * longest, *out.shape[1::2])  # [S * Lq, H, D]
-    return out.index_select(0, layout.token_slot)[None]
+    out = out.transpose(1, 2).reshape(groups * longest, *out.shape[1::2])  # [G * Lg, H, D]
+    return out.index_select(0, slot)[None]
 
 
 def register() -> str:

@@ -8,7 +8,13 @@ its own response. Gradients flow into the shared prompt from every response that
 math is that of the unshared batch: only the order of the floating-point sums changes.
 
 The layout is built once per micro-batch and handed to the attention function (engines/attention.py)
-as a keyword that transformers passes down to every attention call. The outputs: the hidden state
+as a keyword that transformers passes down to every attention call. Attention runs per group: a
+group's prompt and responses are contiguous in the packed row, so they fill one row of a padded
+[groups, longest group] grid, and one mask per group says who sees whom (the prompt causal, each
+response its prompt and its own earlier tokens). Per-segment attention, where every response
+gathered its own copy of the prompt's keys and values, measured 1.6-2x slower forward + backward on
+SmolLM2's shapes (bench/RESULTS.md, issue 34): the copies and their index_add backward cost more
+than the masked-out work of the group blocks. The outputs: the hidden state
 that predicts response token t of a row is the prompt's last token for t = 0 and the row's own
 token t - 1 after it; `select` names those positions of the packed row, `grid_index` where each
 lands in the [mb, R] response grid.
@@ -25,10 +31,8 @@ import torch
 class SharedPromptPack:
     input_ids: torch.Tensor  # [1, N]: each distinct prompt once, then its rows' responses
     position_ids: torch.Tensor  # [1, N]
-    query_index: torch.Tensor  # [S, Lq]: packed index of each segment's own tokens (0 past its end)
-    key_index: torch.Tensor  # [S, Lk]: packed index of the segment's prompt (if any), then its own tokens
-    key_mask: torch.Tensor  # [S, 1, Lq, Lk] bool: True = may attend
-    token_slot: torch.Tensor  # [N]: each packed token's slot in the flattened [S * Lq] query grid
+    group_slot: torch.Tensor  # [N]: each packed token's slot in the flattened [G * Lg] group grid
+    group_mask: torch.Tensor  # [G, 1, Lg, Lg] bool: True = may attend
     select: torch.Tensor  # [M]: the packed position that predicts each response token
     targets: torch.Tensor  # [M]: that response token
     grid_index: torch.Tensor  # [M]: its place in the flattened [mb * R] response grid
@@ -75,16 +79,16 @@ def pack_shared(
     ids = input_ids.tolist()
     tokens: list[int] = []
     positions: list[int] = []
-    segments: list[tuple[int, int, int, int]] = []  # (start, length, prefix start, prefix length)
+    segments: list[tuple[int, int, int]] = []  # (group, start, length); a group's prompt is segment 0
     select: list[int] = []
     grid: list[int] = []
     targets: list[int] = []
-    for rows in groups:
+    for group, rows in enumerate(groups):
         prompt_len = prompt_lens[rows[0]]
         prompt_start = len(tokens)
         tokens += ids[rows[0]][prompt_width - prompt_len : prompt_width]
         positions += range(prompt_len)
-        segments.append((prompt_start, prompt_len, 0, 0))
+        segments.append((group, prompt_start, prompt_len))
         for row in rows:
             response_len = response_lens[row]
             if response_len == 0:
@@ -93,19 +97,17 @@ def pack_shared(
             response = ids[row][prompt_width : prompt_width + response_len]
             tokens += response
             positions += range(prompt_len, prompt_len + response_len)
-            segments.append((start, response_len, prompt_start, prompt_len))
+            segments.append((group, start, response_len))
             select += [prompt_start + prompt_len - 1, *range(start, start + response_len - 1)]
             grid += range(row * width, row * width + response_len)
             targets += response
     device = input_ids.device
-    query_index, key_index, key_mask, token_slot = _attention_layout(segments, len(tokens), device)
+    group_slot, group_mask = _attention_layout(segments, len(tokens), device)
     return SharedPromptPack(
         input_ids=torch.tensor([tokens], dtype=input_ids.dtype, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-        query_index=query_index,
-        key_index=key_index,
-        key_mask=key_mask,
-        token_slot=token_slot,
+        group_slot=group_slot,
+        group_mask=group_mask,
         select=torch.tensor(select, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=input_ids.dtype, device=device),
         grid_index=torch.tensor(grid, dtype=torch.long, device=device),
@@ -114,31 +116,33 @@ def pack_shared(
 
 
 def _attention_layout(
-    segments: list[tuple[int, int, int, int]], num_tokens: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Index tensors and the mask of the padded [segments, ...] grid the attention runs on."""
-    start, length, prefix_start, prefix_len = torch.tensor(segments, dtype=torch.long).unbind(1)
-    longest = int(length.max())
-    keys = int((prefix_len + length).max())
-    q = torch.arange(longest)[None, :]
-    query_index = torch.where(q < length[:, None], start[:, None] + q, 0)
-    k = torch.arange(keys)[None, :]
-    in_prefix = k < prefix_len[:, None]
-    own = k - prefix_len[:, None]
-    key_index = torch.where(
-        in_prefix, prefix_start[:, None] + k, torch.where(own < length[:, None], start[:, None] + own, 0)
-    )
-    # Query j of a segment sits after its prefix_len prompt tokens: it sees keys up to prefix_len + j.
-    # Padded query rows (j >= length) still see a real key, so no row of the softmax is empty.
-    key_mask = (k[:, None, :] <= prefix_len[:, None, None] + q[:, :, None]) & (
-        k[:, None, :] < (prefix_len + length)[:, None, None]
-    )
-    token_slot = torch.empty(num_tokens, dtype=torch.long)
-    slots = torch.arange(len(segments))[:, None] * longest + q
-    token_slot[query_index[q < length[:, None]]] = slots[q < length[:, None]]
-    return (
-        query_index.to(device),
-        key_index.to(device),
-        key_mask[:, None].to(device),
-        token_slot.to(device),
-    )
+    segments: list[tuple[int, int, int]], num_tokens: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot of each packed token in the flattened [G * Lg] grid, the [G, 1, Lg, Lg] mask)."""
+    group, start, length = torch.tensor(segments, dtype=torch.long).unbind(1)
+    groups = int(group[-1]) + 1
+    first = torch.ones_like(group, dtype=torch.bool)
+    first[1:] = group[1:] != group[:-1]  # a group's first segment is its prompt
+    group_start = start[first]
+    group_len = torch.zeros(groups, dtype=torch.long).index_add_(0, group, length)
+    longest = int(group_len.max())
+    # Per token: its group, its offset in the group's row, and the segment it belongs to.
+    token_segment = torch.repeat_interleave(torch.arange(len(segments)), length)
+    token_group = group[token_segment]
+    offset = torch.arange(num_tokens) - group_start[token_group]
+    group_slot = token_group * longest + offset
+    # Per grid cell: the segment of its token (-1 for padding), and whether that segment is a prompt.
+    cell_segment = torch.full((groups * longest,), -1, dtype=torch.long)
+    cell_segment[group_slot] = token_segment
+    cell_segment = cell_segment.view(groups, longest)
+    is_prompt = torch.where(cell_segment >= 0, first[cell_segment.clamp(min=0)], False)
+    pos = torch.arange(longest)
+    causal = pos[None, :] <= pos[:, None]  # [Lg query, Lg key]
+    same = cell_segment[:, :, None] == cell_segment[:, None, :]
+    real_key = cell_segment[:, None, :] >= 0
+    # A token sees the earlier tokens of its own segment; a response token also sees its whole prompt.
+    reads_prompt = is_prompt[:, None, :] & ~is_prompt[:, :, None] & (cell_segment >= 0)[:, :, None]
+    mask = real_key & ((same & causal) | reads_prompt)
+    # Padded query cells still see key 0 (the prompt's first token), so no row of the softmax is empty.
+    mask[:, :, 0] |= cell_segment < 0
+    return group_slot.to(device), mask[:, None].to(device)
