@@ -30,6 +30,17 @@ from engines.attention import segment_attention  # noqa: E402
 from tests.test_attention import per_sequence_reference  # noqa: E402
 
 
+def alternate(runs: dict, iters: int) -> list[float]:
+    """Median forward + backward seconds of each run (the first repeat dropped), runs alternating."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(iters):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run().sum().backward()
+            times[name].append(time.perf_counter() - start)
+    return [statistics.median(times[name][1:]) for name in runs]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sequences", type=int, default=128)
@@ -62,13 +73,7 @@ def main() -> None:
         "per_sequence": lambda: per_sequence_reference(q, k, v, edges),
         "batched": lambda: segment_attention(module, q, k, v, None, cu_seq_lens_q=torch.tensor(edges))[0],
     }
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.iters):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run().sum().backward()
-            times[name].append(time.perf_counter() - start)
-    base, new = (statistics.median(times[name][1:]) for name in runs)
+    base, new = alternate(runs, args.iters)
     print(json.dumps({
         "bench": "attention", "sequences": args.sequences, "tokens": n, "threads": args.threads,
         "per_sequence_s": round(base, 5), "batched_s": round(new, 5), "ratio_batched_vs_per_sequence": round(new / base, 3),
@@ -104,13 +109,7 @@ def shared_prompt(args: argparse.Namespace) -> None:
         "unshared": lambda: segment_attention(module, *plain_in, None, cu_seq_lens_q=torch.tensor(edges))[0],
         "shared": lambda: segment_attention(module, *shared_in, None, shared_prompt=pack)[0],
     }
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.iters):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run().sum().backward()
-            times[name].append(time.perf_counter() - start)
-    base, new = (statistics.median(times[name][1:]) for name in runs)
+    base, new = alternate(runs, args.iters)
     print(json.dumps({
         "bench": "attention_shared_prompt", "groups": args.groups, "n": args.n, "prompt_len": prompt_len,
         "response_len_max": width, "heads": heads, "kv_heads": kv_heads, "dim": dim, "threads": args.threads,
