@@ -181,6 +181,13 @@ class EngineConfig(_Section):
     logprob_chunk_tokens: int = Field(
         1024, gt=0, description="tokens per chunk of the vocabulary projection, bounds fp32 logits memory"
     )
+    logprob_keep_mib: int = Field(
+        512,
+        ge=0,
+        le=1 << 20,
+        description="keep a micro-batch's fp32 log-softmax over the vocabulary for the backward when it fits "
+        "in this many MiB (skips recomputing the vocabulary projection); 0 always recomputes",
+    )
     seed: int = 0
 
     @field_validator("engine")

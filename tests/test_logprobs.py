@@ -30,10 +30,13 @@ def inputs(n: int, vocab: int, width: int, dtype=torch.float32, seed: int = 0):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("entropy_in_loss", [True, False])
-def test_values_and_gradients_match_the_plain_computation(temperature, entropy_in_loss):
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep"])
+def test_values_and_gradients_match_the_plain_computation(temperature, entropy_in_loss, keep):
     hidden, weight, targets, a, b = inputs(n=37, vocab=301, width=24)
-    # chunk 8 does not divide 37: the last chunk is short
-    lp, ent = token_log_probs(hidden, weight, targets, temperature, with_entropy=True, chunk_tokens=8)
+    # chunk 8 does not divide 37: the last chunk is short; keep: the forward's log-softmax (44 KB) is
+    # kept for the backward instead of recomputed
+    keep_bytes = 37 * 301 * 4 if keep else 37 * 301 * 4 - 1
+    lp, ent = token_log_probs(hidden, weight, targets, temperature, True, 8, keep_bytes)
     loss = (a * lp).sum() + ((b * ent).sum() if entropy_in_loss else 0)
     grads = torch.autograd.grad(loss, (hidden, weight))
     ref_lp, ref_ent = plain(hidden, weight, targets, temperature)
@@ -74,3 +77,15 @@ def test_no_grad_forward_keeps_nothing():
     ref_lp, ref_ent = plain(hidden.detach(), weight.detach(), targets, 1.0)
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+
+
+def test_kept_log_softmax_is_used_once_and_a_second_backward_recomputes():
+    hidden, weight, targets, a, _ = inputs(n=12, vocab=40, width=8, seed=4)
+    lp, _ = token_log_probs(hidden, weight, targets, 1.0, False, 5, keep_bytes=1 << 20)
+    first = torch.autograd.grad((a * lp).sum(), (hidden, weight), retain_graph=True)
+    second = torch.autograd.grad((a * lp).sum(), (hidden, weight))  # the kept tensors are spent
+    ref_lp, _ = plain(hidden, weight, targets, 1.0)
+    ref = torch.autograd.grad((a * ref_lp).sum(), (hidden, weight))
+    for got_first, got_second, want in zip(first, second, ref, strict=True):
+        torch.testing.assert_close(got_first, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_second, want, atol=1e-5, rtol=1e-5)

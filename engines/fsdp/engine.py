@@ -129,7 +129,12 @@ class FSDPEngine(TrainEngine):
             self._attach_adapters(hf_model)
         if self.config.gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model = ValueModel(hf_model) if is_value else PolicyModel(hf_model, self.config.logprob_chunk_tokens)
+        keep = self.config.logprob_keep_mib << 20
+        model = (
+            ValueModel(hf_model)
+            if is_value
+            else PolicyModel(hf_model, self.config.logprob_chunk_tokens, keep)
+        )
         if not self.config.trainable:
             model.requires_grad_(False)
         self.hf_config = hf_model.config

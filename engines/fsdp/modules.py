@@ -63,10 +63,10 @@ def _layout_kwargs(cu_seq_lens_q: torch.Tensor | None, shared_prompt: SharedProm
 class PolicyModel(nn.Module):
     """Causal LM whose forward returns per-token next-token log-probs (and entropy) of a packed row."""
 
-    def __init__(self, lm: nn.Module, chunk_tokens: int) -> None:
+    def __init__(self, lm: nn.Module, chunk_tokens: int, keep_bytes: int = 0) -> None:
         super().__init__()
         self.lm = lm
-        self.chunk_tokens = chunk_tokens
+        self.chunk_tokens, self.keep_bytes = chunk_tokens, keep_bytes
 
     def forward(
         self,
@@ -93,7 +93,7 @@ class PolicyModel(nn.Module):
         if getattr(head, "bias", None) is not None:
             raise ModelLoadError("output projections with a bias are not supported")
         log_probs, entropy = token_log_probs(
-            hidden, head.weight, targets, temperature, with_entropy, self.chunk_tokens
+            hidden, head.weight, targets, temperature, with_entropy, self.chunk_tokens, self.keep_bytes
         )
         out = {"log_probs": log_probs}
         if entropy is not None:
