@@ -7,8 +7,9 @@
 
 Every job is split (1 training rank, `--rollout-workers` rollout workers). Sync generates then trains;
 async runs with max_staleness `--k` and one producer lane per rollout worker (`rollout_lanes:
-per_worker`), once per off-policy correction in `--corrections` (the first, by default the default
-decoupled one, is the one the ratio line compares with sync), for every trainer seed in `--seeds`.
+per_worker`; `--lanes group` for the default, one draw at a time over the group), once per off-policy
+correction in `--corrections` (the first, by default the default decoupled one, is the one the ratio
+line compares with sync), for every trainer seed in `--seeds`.
 `tis-uncapped` is tis with algorithm.rollout_correction.is_cap 1e6: with one update step per batch its
 gradient is tinker-cookbook's importance-sampling loss, rho A grad log pi with rho = pi / pi_behav
 unclipped. (With this trainer decoupled and tis give the same gradient: their loss configs are equal
@@ -30,7 +31,7 @@ line per task with each job's reward by quarter averaged over the seeds.
 
     python bench/async_rl.py [--quick] [--steps 8] [--k 2] [--rollout-workers 3] [--task latency|compute|both]
         [--lr 5e-4] [--max-response-tokens 24] [--seeds 1,2] [--mini-batch 4] [--epochs 2]
-        [--corrections decoupled,tis,none,tis-uncapped,behaviour_ppo,is-unclipped] [--sync-only]
+        [--corrections decoupled,tis,none,tis-uncapped,behaviour_ppo,is-unclipped] [--lanes group] [--sync-only]
         [--windows 80,160,320,480] [--out bench/results/NAME.jsonl]
 """
 
@@ -63,7 +64,7 @@ def job_spec(
     trainer = {"total_steps": args.steps, "prompts_per_step": args.prompts, "val_every": 0, "seed": seed,
                "samples_per_step": 0}  # fmt: skip
     if mode == "async":
-        trainer.update(mode="async", max_staleness=args.k, rollout_lanes="per_worker",
+        trainer.update(mode="async", max_staleness=args.k, rollout_lanes=args.lanes,
                        off_policy_correction=ARM_CORRECTION.get(correction, correction))  # fmt: skip
     spec = {
         "method": "grpo",
@@ -192,6 +193,7 @@ def run_job(
         "task": task,
         "mode": mode,
         "correction": correction if mode == "async" else None,
+        "lanes": args.lanes if mode == "async" else None,
         "seed": seed,
         "steps": len(rows),
         "samples_per_step": samples,
@@ -236,6 +238,8 @@ def main() -> int:
         help="async jobs' trainer.off_policy_correction, comma-separated (decoupled, tis, none, or "
         "tis-uncapped: tis with is_cap 1e6); the first is compared with sync",
     )
+    parser.add_argument("--lanes", choices=("per_worker", "group"), default="per_worker",
+                        help="trainer.rollout_lanes of the async jobs")  # fmt: skip
     parser.add_argument(
         "--mini-batch", type=int, default=0, help="algorithm.ppo_mini_batch_size (0: the batch)"
     )

@@ -36,6 +36,12 @@ def corrected_spec(spec: JobSpec) -> JobSpec:
                    token, k steps old. `behaviour_as_old` puts pi_behav in old_log_probs.
     none           the sync loss unchanged (samples treated as on-policy).
 
+    Why decoupled is the default (bench/RESULTS.md, "which off-policy correction is stable", k = 4,
+    8 optimizer steps a batch, 2 seeds): behaviour_ppo fell behind sync (a third of its tokens
+    outside a trust region around stale weights), the unclipped weight (tinker-cookbook's loss)
+    reached ratios of e^13, a 38x gradient spike and a collapsed entropy; decoupled kept pace with
+    sync with sync's ratios and gradient norms.
+
     decoupled and tis use the token-level TIS of workers/losses/rollout_correction.py
     (`is_weights`); a level the user set ('sequence') is kept. behaviour_ppo has no behaviour weight
     (the spec rejects rollout_correction.is_weights with it: the weight would be 1)."""
