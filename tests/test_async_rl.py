@@ -251,6 +251,24 @@ def test_behaviour_ppo_is_ppo_clipped_against_the_behaviour_log_probs_per_token(
     assert not any(key.startswith(("rollout/", "rollout_corr/")) for key in metrics)  # no self-mismatch
 
 
+@pytest.mark.slow
+def test_behaviour_ppo_trains_against_the_behaviour_log_probs_without_a_proximal_pass(ray_cluster, tmp_path):
+    """Two mini-batches a step (where the other corrections run the proximal pass): behaviour_ppo runs
+    none, the loss sees no rollout_log_probs (no mismatch report, no weight), and its ratio
+    pi_theta / pi_behav moves away from 1 (stale samples, or a second optimizer step)."""
+    spec = small_spec(mode="async", max_staleness=1, off_policy_correction="behaviour_ppo").merged(
+        {"algorithm": {"ppo_mini_batch_size": 4}}
+    )
+    sink = run_job(spec, tmp_path)
+    assert_within_bound(sink, 1, 8)
+    for row in sink.history:
+        values = row["values"]
+        assert values["actor/optimizer_steps"] == 2
+        assert "timing_s/old_log_prob" not in values
+        assert not any(key.startswith(("rollout_corr/", "rollout/log_prob_diff")) for key in values)
+    assert max(row["values"]["actor/log_ratio_max"] for row in sink.history) > 0
+
+
 def test_partial_rollouts_continue_with_new_weights_and_keep_each_tokens_version(ray_cluster, tmp_path):
     """Segments of one token and a buffer of one batch: draw 2 starts when step 1 takes draw 1 and
     is generated while step 1 trains, so the sync after step 1 lands in the middle of it and its
