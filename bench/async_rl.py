@@ -7,13 +7,19 @@
 
 Every job is split (1 training rank, `--rollout-workers` rollout workers). Sync generates then trains;
 async runs with max_staleness `--k` and one producer lane per rollout worker (`rollout_lanes:
-per_worker`), once per off-policy correction in `--corrections` (the first, by default the default
-decoupled one, is the one the ratio line compares with sync), for every trainer seed in `--seeds`.
+per_worker`; `--lanes group` for the default, one draw at a time over the group), once per off-policy
+correction in `--corrections` (the first, by default the default decoupled one, is the one the ratio
+line compares with sync), for every trainer seed in `--seeds`.
 `tis-uncapped` is tis with algorithm.rollout_correction.is_cap 1e6: with one update step per batch its
 gradient is tinker-cookbook's importance-sampling loss, rho A grad log pi with rho = pi / pi_behav
 unclipped. (With this trainer decoupled and tis give the same gradient: their loss configs are equal
 and a single on-policy step's old log-probs are the proximal pass's values; a difference between
-them measures the run-to-run noise of async timing.)
+them measures the run-to-run noise of async timing. With several optimizer steps per batch,
+`--mini-batch` / `--epochs`, tis runs the proximal pass too and is the same loss as decoupled.)
+`behaviour_ppo` is AReaL's plain-PPO baseline (PPO clipped around pi_behav, no proximal pass);
+`is-unclipped` is behaviour_ppo with the widest clip ranges the spec allows (clip_ratio_low /
+_high 100, clip_ratio_c 1e6): -rho A with rho = pi_theta / pi_behav unclipped up to rho = 101, which
+is tinker-cookbook's importance-sampling loss for any number of optimizer steps per batch.
 
 Prints one JSON line per job: samples trained per second (after the first step's warm-up), each
 role's wait (the trainer's wait for a batch; the rollout's wait for admission or a sync), reward
@@ -24,7 +30,9 @@ log; the engine mismatch alone in sync), the share of tokens whose weight hit th
 line per task with each job's reward by quarter averaged over the seeds.
 
     python bench/async_rl.py [--quick] [--steps 8] [--k 2] [--rollout-workers 3] [--task latency|compute|both]
-        [--lr 5e-4] [--max-response-tokens 24] [--seeds 1,2] [--corrections decoupled,tis,none,tis-uncapped] [--sync-only]
+        [--lr 5e-4] [--max-response-tokens 24] [--seeds 1,2] [--mini-batch 4] [--epochs 2]
+        [--corrections decoupled,tis,none,tis-uncapped,behaviour_ppo,is-unclipped] [--lanes group] [--sync-only]
+        [--windows 80,160,320,480] [--out bench/results/NAME.jsonl]
 """
 
 from __future__ import annotations
@@ -43,6 +51,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 UNCAPPED = 1e6  # algorithm.rollout_correction.is_cap's largest value: min(rho, C) = rho in practice
+UNCLIPPED = {"clip_ratio_low": 100.0, "clip_ratio_high": 100.0, "clip_ratio_c": 1e6}  # the spec's widest
+COLLAPSE = 0.5  # a job "collapsed" when its last 5 steps' mean reward is below this share of its best
+
+
+ARM_CORRECTION = {"tis-uncapped": "tis", "is-unclipped": "behaviour_ppo"}  # the bench's arms' settings
 
 
 def job_spec(
@@ -51,8 +64,8 @@ def job_spec(
     trainer = {"total_steps": args.steps, "prompts_per_step": args.prompts, "val_every": 0, "seed": seed,
                "samples_per_step": 0}  # fmt: skip
     if mode == "async":
-        trainer.update(mode="async", max_staleness=args.k, rollout_lanes="per_worker",
-                       off_policy_correction=correction.removesuffix("-uncapped"))  # fmt: skip
+        trainer.update(mode="async", max_staleness=args.k, rollout_lanes=args.lanes,
+                       off_policy_correction=ARM_CORRECTION.get(correction, correction))  # fmt: skip
     spec = {
         "method": "grpo",
         "trainer": trainer,
@@ -61,8 +74,14 @@ def job_spec(
         "resources": {"placement": "split", "workers": 1, "cpus_per_worker": 0.5,
                       "rollout": {"workers": args.rollout_workers, "cpus_per_worker": 0.5}},
     }  # fmt: skip
-    if correction == "tis-uncapped":  # the importance weight without its cap: tinker-cookbook's IS loss
-        spec["algorithm"] = {"rollout_correction": {"is_cap": UNCAPPED}}
+    algorithm: dict = {"ppo_epochs": args.epochs}
+    if args.mini_batch:
+        algorithm["ppo_mini_batch_size"] = args.mini_batch
+    if mode == "async" and correction == "tis-uncapped":  # the importance weight without its cap
+        algorithm["rollout_correction"] = {"is_cap": UNCAPPED}
+    if mode == "async" and correction == "is-unclipped":  # tinker-cookbook's importance-sampling loss
+        algorithm.update(UNCLIPPED)
+    spec["algorithm"] = algorithm
     if task == "latency":
         spec.update(
             model={"builtin": "tiny-qwen2-chat"},
@@ -92,6 +111,23 @@ def quarters(values: list[float]) -> list[float | None]:
     ]
 
 
+def windows(rewards: list[float], samples: int, ends: list[int]) -> dict[str, float]:
+    """The mean reward of the trained samples in each window of samples consumed ("1-80": ...)."""
+    out, start = {}, 0
+    for end in [*ends, len(rewards) * samples]:
+        picked = [x for i, x in enumerate(rewards) if start < (i + 1) * samples <= end]
+        if picked:
+            out[f"{start + 1}-{end}"] = round(statistics.fmean(picked), 4)
+        start = end
+    return out
+
+
+def collapsed(rewards: list[float]) -> bool:
+    """The last 5 steps' mean reward below COLLAPSE x the best 5-step mean (a reward that rose and fell)."""
+    means = [statistics.fmean(rewards[i : i + 5]) for i in range(max(len(rewards) - 4, 1))]
+    return bool(means) and max(means) > 0 and means[-1] < COLLAPSE * max(means)
+
+
 def stability(rows: list[dict]) -> dict:
     """Signs of an unstable update, over the run's steps (absent metrics are left out)."""
     out: dict[str, float] = {}
@@ -99,6 +135,13 @@ def stability(rows: list[dict]) -> dict:
     if diff:  # |log pi_old - log pi_behav| of the worst token: its ratio is exp(+-this)
         out["max_abs_log_ratio"] = round(max(diff), 4)
         out["max_ratio_or_inverse"] = round(math.exp(min(max(diff), 50.0)), 3)
+    ratio = [r["actor/log_ratio_max"] for r in rows if "actor/log_ratio_max" in r]
+    if ratio:  # the PPO ratio's (pi_theta / pi_old) farthest token over the update's optimizer steps
+        out["max_abs_ppo_log_ratio"] = round(max(ratio), 4)
+    ppo_clip = [r["actor/pg_clipfrac"] for r in rows if "actor/pg_clipfrac" in r]
+    if ppo_clip:  # tokens whose PPO ratio was clipped (no gradient)
+        out["pg_clipfrac_mean"] = round(statistics.fmean(ppo_clip), 5)
+        out["pg_clipfrac_max"] = round(max(ppo_clip), 5)
     clipped = [r["rollout_corr/token_clipped_frac"] for r in rows if "rollout_corr/token_clipped_frac" in r]
     if clipped:  # tokens whose weight min(rho, C) hit the cap
         out["capped_token_frac_mean"] = round(statistics.fmean(clipped), 5)
@@ -107,10 +150,13 @@ def stability(rows: list[dict]) -> dict:
     all_norms = [r["actor/grad_norm"] for r in rows if "actor/grad_norm" in r]
     norms = [x for x in all_norms if x > 0]
     out["zero_gradient_steps"] = len(all_norms) - len(norms)
+    step_max = [r.get("actor/grad_norm_max", r["actor/grad_norm"]) for r in rows if "actor/grad_norm" in r]
     if norms:
         out["grad_norm_median"] = round(statistics.median(norms), 4)
-        out["grad_norm_max"] = round(max(norms), 4)
+        out["grad_norm_max"] = round(max(step_max), 4)  # the largest single optimizer step's
         out["grad_norm_max_over_median"] = round(max(norms) / max(statistics.median(norms), 1e-12), 2)
+    losses = [r["actor/pg_loss"] for r in rows if "actor/pg_loss" in r]
+    out["non_finite_loss_steps"] = sum(not math.isfinite(x) for x in losses)
     entropy = [r["actor/entropy"] for r in rows if "actor/entropy" in r]
     if entropy:
         out["entropy_first_last_quarter"] = [quarters(entropy)[0], quarters(entropy)[-1]]
@@ -147,19 +193,25 @@ def run_job(
         "task": task,
         "mode": mode,
         "correction": correction if mode == "async" else None,
+        "lanes": args.lanes if mode == "async" else None,
         "seed": seed,
         "steps": len(rows),
         "samples_per_step": samples,
         "wall_s": round(time.perf_counter() - started, 1),
+        "load_average": os.getloadavg(),
         "samples_trained_per_s": timed * samples / seconds,
         "trainer_wait_s": sum(r.get("async/trainer_wait_s", r.get("timing_s/gen", 0.0)) for r in rows[1:]),
         "rollout_wait_s": sum(r.get("async/rollout_wait_s", 0.0) for r in rows[1:]),
         "staleness_mean": sum(r.get("async/staleness_mean", 0.0) for r in rows) / len(rows),
+        "staleness_max": max(r.get("async/staleness_max", 0.0) for r in rows),
+        "optimizer_steps_per_batch": rows[-1].get("actor/optimizer_steps"),
         "dropped_stale": rows[-1].get("async/dropped_stale_total", 0.0),
         "reward_vs_samples": [[(i + 1) * samples, round(x, 4)] for i, x in enumerate(rewards)],
         "reward_mean": sum(rewards) / len(rewards),
         # the mean reward of each quarter of the samples consumed, ending at these sample counts
         "reward_by_quarter": quarters(rewards),
+        "reward_by_window": windows(rewards, samples, args.windows),
+        "collapsed": collapsed(rewards),
         "quarter_ends_samples": [round(i * len(rows) / 4) * samples for i in range(1, 5)],
         **stability(rows),
     }
@@ -186,6 +238,14 @@ def main() -> int:
         help="async jobs' trainer.off_policy_correction, comma-separated (decoupled, tis, none, or "
         "tis-uncapped: tis with is_cap 1e6); the first is compared with sync",
     )
+    parser.add_argument("--lanes", choices=("per_worker", "group"), default="per_worker",
+                        help="trainer.rollout_lanes of the async jobs")  # fmt: skip
+    parser.add_argument(
+        "--mini-batch", type=int, default=0, help="algorithm.ppo_mini_batch_size (0: the batch)"
+    )
+    parser.add_argument("--epochs", type=int, default=1, help="algorithm.ppo_epochs")
+    parser.add_argument("--windows", type=seed_list, default=[80, 160, 320, 480], help="reward windows' ends")
+    parser.add_argument("--out", type=Path, help="also append the lines to this file")
     parser.add_argument("--sync-only", action="store_true", help="no async job (to find a learning length)")
     parser.add_argument("--quick", action="store_true", help="5 steps")
     args = parser.parse_args()
@@ -196,37 +256,43 @@ def main() -> int:
 
     os.environ.setdefault("TANDEM_HOME", tempfile.mkdtemp(prefix="async-rl-home-"))
     ray.init(namespace="tandem", logging_level="warning", num_cpus=max(os.cpu_count() or 2, 4))
-    print(
-        json.dumps({"load_average": os.getloadavg(), "cpus": os.cpu_count(), "args": vars(args)}), flush=True
-    )
+
+    def emit(line: dict) -> None:
+        text = json.dumps(line, default=str)
+        print(text, flush=True)
+        if args.out is not None:
+            with args.out.open("a") as out:
+                out.write(text + "\n")
+
+    commit = os.popen(f"git -C {REPO} rev-parse --short HEAD").read().strip()
+    emit({"load_average": os.getloadavg(), "cpus": os.cpu_count(), "commit": commit, "args": vars(args)})
     tasks = ("latency", "compute") if args.task == "both" else (args.task,)
     try:
         for task in tasks:
             by_job: dict[str, list[list[float]]] = {}
             for seed in args.seeds:
                 sync = run_job(args, task, "sync", seed)
-                print(json.dumps(sync), flush=True)
+                emit(sync)
                 by_job.setdefault("sync", []).append(sync["reward_by_quarter"])
                 if args.sync_only:
                     continue
                 jobs = []
                 for correction in corrections:
                     jobs.append(run_job(args, task, "async", seed, correction))
-                    print(json.dumps(jobs[-1]), flush=True)
+                    emit(jobs[-1])
                     by_job.setdefault(f"async-{correction}", []).append(jobs[-1]["reward_by_quarter"])
                 ratio = jobs[0]["samples_trained_per_s"] / sync["samples_trained_per_s"]
-                print(json.dumps({"task": task, "seed": seed, "correction": corrections[0],
-                                  "async_over_sync_samples_per_s": round(ratio, 3),
-                                  "reward_mean_sync": round(sync["reward_mean"], 4),
-                                  "reward_mean_async": round(jobs[0]["reward_mean"], 4),
-                                  "reward_last_quarter_sync": sync["reward_by_quarter"][-1],
-                                  "reward_last_quarter_async": jobs[0]["reward_by_quarter"][-1],
-                                  "load_average": os.getloadavg()}), flush=True)  # fmt: skip
+                emit({"task": task, "seed": seed, "correction": corrections[0],
+                      "async_over_sync_samples_per_s": round(ratio, 3),
+                      "reward_mean_sync": round(sync["reward_mean"], 4),
+                      "reward_mean_async": round(jobs[0]["reward_mean"], 4),
+                      "reward_last_quarter_sync": sync["reward_by_quarter"][-1],
+                      "reward_last_quarter_async": jobs[0]["reward_by_quarter"][-1],
+                      "load_average": os.getloadavg()})  # fmt: skip
             mean = {job: [round(statistics.fmean(q), 4) if None not in q else None for q in zip(*runs, strict=True)]
                     for job, runs in by_job.items()}  # fmt: skip
-            print(json.dumps({"task": task, "seeds": args.seeds, "k": args.k,
-                              "reward_by_quarter_mean_over_seeds": mean,
-                              "load_average": os.getloadavg()}), flush=True)  # fmt: skip
+            emit({"task": task, "seeds": args.seeds, "k": args.k,
+                  "reward_by_quarter_mean_over_seeds": mean, "load_average": os.getloadavg()})  # fmt: skip
     finally:
         ray.shutdown()
     return 0

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-OffPolicyCorrection = Literal["decoupled", "tis", "none"]
+OffPolicyCorrection = Literal["decoupled", "tis", "behaviour_ppo", "none"]
 
 
 class AsyncOptions(BaseModel):
@@ -56,10 +56,15 @@ class AsyncOptions(BaseModel):
     )
     off_policy_correction: OffPolicyCorrection = Field(
         "decoupled",
-        description="async: decoupled = PPO clipped against proximal log-probs recomputed by the trainer, "
-        "times the behaviour weight min(pi_prox / pi_behav, algorithm.rollout_correction.is_cap) (AReaL); "
+        description="async: decoupled (default: the one that kept pace with sync with bounded ratios at k = 4 "
+        "and 8 optimizer steps a batch, bench/RESULTS.md) = PPO clipped against proximal log-probs recomputed "
+        "by the trainer, times the behaviour weight min(pi_prox / pi_behav, algorithm.rollout_correction.is_cap) "
+        "(AReaL); "
         "tis = the truncated importance weight min(pi_theta / pi_behav, cap) on a loss without the "
-        "recomputed proximal policy; none = the sync loss as it is",
+        "recomputed proximal policy (with one update per batch the same gradient as decoupled; with more "
+        "mini-batches or epochs the same loss); behaviour_ppo = PPO clipped against the behaviour "
+        "log-probs pi_behav (no proximal pass, no weight: AReaL's plain-PPO baseline); none = the sync "
+        "loss as it is (controller/off_policy.py)",
     )
 
 

@@ -30,7 +30,8 @@ after a resume (with the checkpoint's weights), never trained twice: every draw 
 checkpoint has a smaller index (one producer, a FIFO buffer).
 
 Off-policy correction (trainer.off_policy_correction) is the loss's existing machinery set by
-`corrected_spec`; the formulas and sources are in its docstring and workers/losses/rollout_correction.py.
+`corrected_spec` (controller/off_policy.py: the formulas and sources, with workers/losses/rollout_correction.py);
+behaviour_ppo also swaps the actor batch's old log-probs for the behaviour ones (`_actor_inputs`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 
 from controller.async_config import buffer_capacity
+from controller.off_policy import behaviour_as_old, corrected_spec
 from controller.overlong import apply_overlong
 from controller.partial_rollout import generate_in_segments
 from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
@@ -58,39 +60,6 @@ from workers.remote import wait_all
 WAIT_TIMEOUT_S = 3600.0  # a generation call's own timeout bounds the producer; this bounds the waits
 POLL_S = 0.05  # the trainer's wait for a batch checks this often whether a deferred sync can go
 SYNC_GRACE_S = 0.05  # a step's sync waits this long for the generation calls in flight to end
-
-
-def corrected_spec(spec: JobSpec) -> JobSpec:
-    """The spec whose loss applies trainer.off_policy_correction. With pi_behav the rollout engine's
-    log-probs (kept per token), pi_prox the trainer's recomputed log-probs before the update, C =
-    algorithm.rollout_correction.is_cap, r = pi_theta / pi_prox, A the advantage:
-
-    decoupled   L = - min(pi_prox / pi_behav, C) * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
-                Fu et al. 2025, "AReaL", eq. 5 (the decoupled PPO objective: the trust region is
-                around the proximal policy, the behaviour weight corrects the sampling); AReaL
-                masks tokens past the cap, this truncates them (Yao et al. 2025). Needs the proximal
-                pass: algorithm.recompute_old_log_probs is set.
-    tis         L = - min(pi_theta.detach() / pi_behav, C) * min(r A, clip(r) A) with pi_prox =
-                pi_theta.detach(): for one epoch r = 1, an unclipped, truncated importance-sampling
-                loss (Yao et al. 2025). Measured (bench/RESULTS.md, 2026-11-25): with one update
-                per batch this is the same gradient as `decoupled` (the update's own forward gives
-                the proximal log-probs the extra pass would), and with more mini-batches the trainer
-                runs that pass for it too; the two differ only in clipping from a second optimizer
-                step on. tinker-cookbook PR #822's unstable loss is the *uncapped* weight (C -> inf),
-                not offered here (the benchmark builds it as `tis-uncapped`).
-    none        the sync loss unchanged (samples treated as on-policy).
-
-    Both weights are the token-level TIS of workers/losses/rollout_correction.py (`is_weights`), a
-    level the user set ('sequence') is kept."""
-    choice = spec.trainer.off_policy_correction
-    if spec.trainer.mode != "async" or choice == "none":
-        return spec
-    correction = spec.algorithm.rollout_correction
-    level = correction.is_weights if correction.is_weights != "off" else "token"
-    algorithm: dict[str, Any] = {"rollout_correction": {"is_weights": level}}
-    if choice == "decoupled":
-        algorithm["recompute_old_log_probs"] = True
-    return spec.merged({"algorithm": algorithm})
 
 
 def make_trainer(
@@ -266,6 +235,19 @@ class AsyncTrainer(Trainer):
         if external is not None:  # one sample per agent trajectory
             return external.trajectories_per_step
         return self.spec.trainer.prompts_per_step * self.spec.rollout.n
+
+    def _needs_old_log_probs(self, samples: int) -> bool:
+        """behaviour_ppo's old policy is the behaviour one: the proximal pass runs only for what else
+        reads it (KL in the reward, rollout rejection)."""
+        if self.spec.trainer.off_policy_correction != "behaviour_ppo":
+            return super()._needs_old_log_probs(samples)
+        a = self.spec.algorithm
+        return a.recompute_old_log_probs or a.kl_in_reward or a.rollout_correction.rejection != "off"
+
+    def _actor_inputs(self, batch: Any) -> Any:
+        if self.spec.trainer.off_policy_correction == "behaviour_ppo":
+            return behaviour_as_old(batch)
+        return batch
 
     # ---- the producer's start and end ----------------------------------------------------------
 

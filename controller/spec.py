@@ -539,6 +539,10 @@ def check_async(spec: JobSpec, samples: int) -> None:
             if getattr(t, name) != AsyncOptions.model_fields[name].default:
                 raise field_error(("trainer", name), "not with rollout.source external (agents make the "
                                   "calls: the endpoint batches them)", getattr(t, name))  # fmt: skip
+    if t.off_policy_correction == "behaviour_ppo" and spec.algorithm.rollout_correction.is_weights != "off":
+        raise field_error(("trainer", "off_policy_correction"), "behaviour_ppo's old policy is the behaviour "
+                          "one: algorithm.rollout_correction.is_weights would weigh every token by 1 (leave it "
+                          "'off', or choose decoupled)", t.off_policy_correction)  # fmt: skip
     if spec.method == "sft" or spec.algorithm.dynamic_sampling.enabled:
         raise field_error(("trainer", "mode"), "async is for RL without algorithm.dynamic_sampling", t.mode)
 

@@ -193,6 +193,7 @@ class Trainer:
                         )
                     )
             actor_batch, rejection = reject_mismatched(batch, spec.algorithm.rollout_correction)
+            actor_batch = self._actor_inputs(actor_batch)
             with self._timed("update_actor"):
                 metrics.update(
                     actor.update_actor(actor_batch, spec.algorithm.policy_loss_config(), self._schedule())
@@ -385,6 +386,10 @@ class Trainer:
         single_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, samples)
         rejection = a.rollout_correction.rejection != "off"
         return a.recompute_old_log_probs or not single_step or a.kl_in_reward or rejection
+
+    def _actor_inputs(self, batch: Any) -> Any:
+        """The batch the actor's loss reads (the async trainer's behaviour_ppo swaps its old log-probs)."""
+        return batch
 
     def _schedule(self) -> UpdateSchedule:
         return self.spec.algorithm.update_schedule(seed=self.step_index)

@@ -133,6 +133,14 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
         ({"trainer": {"mode": "async"}}, "trainer.mode"),
         ({"trainer": {"mode": "async", "max_staleness": -1}, "resources": SPLIT}, "trainer.max_staleness"),
         ({"trainer": {"mode": "async", "buffer_size": 3}, "resources": SPLIT}, "trainer.buffer_size"),
+        (
+            {
+                "trainer": {"mode": "async", "off_policy_correction": "behaviour_ppo"},
+                "algorithm": {"rollout_correction": {"is_weights": "token"}},
+                "resources": SPLIT,
+            },
+            "trainer.off_policy_correction",
+        ),
     ],
 )
 def test_bad_async_settings_are_a_422_naming_the_field(unscheduled, body, param):
@@ -182,6 +190,83 @@ def test_the_decoupled_objective_matches_its_formula_computed_per_token():
     loss, metrics = run(make_policy_loss(cfg), mb, {"log_probs": as_tensor(theta)})
     assert loss.item() == pytest.approx(total / tokens, abs=1e-12)
     assert metrics["rollout_corr/token_clipped_frac"] > 0  # the cap was exercised
+
+
+def test_behaviour_ppo_is_ppo_clipped_against_the_behaviour_log_probs_per_token():
+    """AReaL's plain-PPO baseline, -min(rho A, clip(rho) A) with rho = pi_theta / pi_behav and PPO's
+    dual clip max(., ...) capped at -c A where A < 0, token-mean: the loss and its gradient per token
+    from the batch the async trainer builds (behaviour_as_old), against plain Python floats."""
+    import math
+    import random
+
+    import torch
+
+    from controller.off_policy import behaviour_as_old, corrected_spec
+    from tests.test_losses import batch, run
+    from workers.batch import Batch
+    from workers.losses.policy import make_policy_loss
+
+    spec = small_spec(mode="async", max_staleness=3, off_policy_correction="behaviour_ppo")
+    cfg = corrected_spec(spec).algorithm.policy_loss_config()
+    assert (
+        cfg.rollout_correction.is_weights == "off"
+        and not corrected_spec(spec).algorithm.recompute_old_log_probs
+    )
+    rng = random.Random(1)
+    rows, width = 3, 5
+    low, high, c = cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c
+    behav = [[-rng.uniform(0.2, 3) for _ in range(width)] for _ in range(rows)]
+    theta = [[x + rng.uniform(-1.5, 1.5) for x in row] for row in behav]  # ratios past both clips
+    adv = [[rng.uniform(-2, 2)] * width for _ in range(rows)]
+    mask = [[1] * width, [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]]
+    tokens = sum(map(sum, mask))
+    total, grads, clipped = 0.0, [[0.0] * width for _ in range(rows)], 0
+    for i in range(rows):
+        for j in range(width):
+            if not mask[i][j]:
+                continue
+            rho, a = math.exp(theta[i][j] - behav[i][j]), adv[i][j]
+            unclipped, clip_branch = -rho * a, -min(max(rho, 1 - low), 1 + high) * a
+            loss = max(unclipped, clip_branch)
+            if a < 0 and loss > -c * a:  # the dual clip: constant, no gradient
+                loss = -c * a
+            elif unclipped >= clip_branch:  # d(-rho A)/d log pi_theta = -rho A
+                grads[i][j] = -rho * a / tokens
+            clipped += clip_branch > unclipped
+            total += loss
+    as_tensor = lambda rows_: torch.tensor(rows_, dtype=torch.float64)  # noqa: E731
+    source = Batch(batch(response_mask=as_tensor(mask), rollout_log_probs=as_tensor(behav),
+                         advantages=as_tensor(adv)))  # fmt: skip
+    mb = behaviour_as_old(source).tensors
+    assert "rollout_log_probs" not in mb.keys() and "rollout_log_probs" in source.tensors.keys()
+    log_probs = as_tensor(theta).requires_grad_(True)
+    loss, metrics = run(make_policy_loss(cfg), mb, {"log_probs": log_probs})
+    loss.backward()
+    assert loss.item() == pytest.approx(total / tokens, abs=1e-12)
+    assert 0 < clipped < tokens  # both branches were exercised
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(clipped / tokens)
+    assert torch.allclose(log_probs.grad, as_tensor(grads), atol=1e-12)
+    worst = max(abs(theta[i][j] - behav[i][j]) for i in range(rows) for j in range(width) if mask[i][j])
+    assert metrics["actor/log_ratio_max"] == pytest.approx(worst, abs=1e-12)
+    assert not any(key.startswith(("rollout/", "rollout_corr/")) for key in metrics)  # no self-mismatch
+
+
+@pytest.mark.slow
+def test_behaviour_ppo_trains_against_the_behaviour_log_probs_without_a_proximal_pass(ray_cluster, tmp_path):
+    """Two mini-batches a step (where the other corrections run the proximal pass): behaviour_ppo runs
+    none, the loss sees no rollout_log_probs (no mismatch report, no weight), and its ratio
+    pi_theta / pi_behav moves away from 1 (stale samples, or a second optimizer step)."""
+    spec = small_spec(mode="async", max_staleness=1, off_policy_correction="behaviour_ppo").merged(
+        {"algorithm": {"ppo_mini_batch_size": 4}}
+    )
+    sink = run_job(spec, tmp_path)
+    assert_within_bound(sink, 1, 8)
+    for row in sink.history:
+        values = row["values"]
+        assert values["actor/optimizer_steps"] == 2
+        assert "timing_s/old_log_prob" not in values
+        assert not any(key.startswith(("rollout_corr/", "rollout/log_prob_diff")) for key in values)
+    assert max(row["values"]["actor/log_ratio_max"] for row in sink.history) > 0
 
 
 def test_partial_rollouts_continue_with_new_weights_and_keep_each_tokens_version(ray_cluster, tmp_path):

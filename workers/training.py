@@ -67,7 +67,9 @@ def train_on_batch(
                 if name != key and name in out.metrics:
                     continue  # the loss reports its own total under this name (sft/loss): once, not twice
                 combine_metric(sums, name, value)
-            combine_metric(sums, f"{prefix}/grad_norm", ops.optim_step())
+            norm = ops.optim_step()
+            combine_metric(sums, f"{prefix}/grad_norm", norm)
+            combine_metric(sums, f"{prefix}/grad_norm_max", norm)  # the largest optimizer step's
         ops.lr_scheduler_step()
     # Averaged over the optimizer steps; maxima (engines/base.py) stay maxima.
     metrics = {key: value if key.endswith(MAX_SUFFIX) else value / len(plan) for key, value in sums.items()}

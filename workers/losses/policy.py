@@ -126,6 +126,11 @@ def _rollout_corrected(
     return token_loss, metrics
 
 
+def _masked_abs_max(values: torch.Tensor, mask: torch.Tensor) -> float:
+    picked = values.detach()[mask.bool()]
+    return float(picked.abs().max()) if picked.numel() else 0.0
+
+
 TokenObjective = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], TokenPolicyLoss]
 
 
@@ -166,6 +171,8 @@ def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
                 "actor/pg_clipfrac": token_fraction(terms.clipped, mask, counts),
                 "actor/pg_clipfrac_lower": token_fraction(terms.dual_clipped, mask, counts),
                 "actor/ppo_kl": token_mean(old_log_probs - log_probs, mask, counts),
+                # the PPO ratio's farthest token from 1: exp(+-this) (a sign of an unstable update)
+                "actor/log_ratio_max": _masked_abs_max(log_probs - old_log_probs, mask),
             }
         )
         loss = pg_loss
