@@ -19,6 +19,7 @@ from controller.external_spec import server_name
 from service.service import Service
 
 REQUEST_TIMEOUT_S = 900.0  # a call may wait for a training step's update on a colocated worker
+LOOKUP_TIMEOUT_S = 10.0  # finding the job's endpoint actor by name (a GCS call)
 _servers: dict[str, Any] = {}  # job id -> actor handle, for this API process
 
 
@@ -52,10 +53,15 @@ async def call(job_id: str, method: str, *args: Any) -> dict[str, Any]:
     server = _servers.get(job_id)
     if server is None:
         try:
-            server = await asyncio.to_thread(ray.get_actor, server_name(job_id))
+            lookup = asyncio.to_thread(ray.get_actor, server_name(job_id))
+            server = await asyncio.wait_for(lookup, LOOKUP_TIMEOUT_S)
         except ValueError:
             raise APIError(503, f"job '{job_id}' is starting: its endpoint is not up yet", None,
                            "endpoint_starting", {"Retry-After": "2"}) from None  # fmt: skip
+        except asyncio.TimeoutError:
+            raise APIError(503, f"job '{job_id}''s endpoint actor {server_name(job_id)} was not found within "
+                           f"{LOOKUP_TIMEOUT_S:.0f} s (Ray's control store did not answer)", None,
+                           "endpoint_unavailable", {"Retry-After": "2"}) from None  # fmt: skip
         _servers[job_id] = server
     try:
         out = await asyncio.wait_for(getattr(server, method).remote(*args), REQUEST_TIMEOUT_S)
