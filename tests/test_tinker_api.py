@@ -22,7 +22,15 @@ from api.settings import ServeSettings  # noqa: E402
 from tests.api_util import start_service  # noqa: E402
 from tests.owners_util import make_key  # noqa: E402
 from tests.reward_fns import digit_reward  # noqa: E402
-from tests.tinker_loops import owner_keys, point_sdk, rl_loop, sft_datum, supervised_loop  # noqa: E402
+from tests.tinker_loops import (  # noqa: E402
+    close_clients,
+    owner_keys,
+    point_sdk,
+    rl_loop,
+    service_client,
+    sft_datum,
+    supervised_loop,
+)
 
 BASE = "tiny-qwen2"
 PAIRS = [("1+1=", "2"), ("2+2=", "4"), ("3+4=", "7"), ("5+3=", "8")]
@@ -36,6 +44,7 @@ def _serve(home):
 def svc(ray_cluster, tmp_path_factory):
     live = _serve(tmp_path_factory.mktemp("tinker-api"))
     yield live
+    close_clients()
     live.stop()
 
 
@@ -47,7 +56,7 @@ def keys(svc):
 @pytest.fixture
 def sdk(svc, keys, monkeypatch):
     point_sdk(monkeypatch, svc.url, keys["alice"])
-    return tinker.ServiceClient()
+    return service_client()
 
 
 def tinker_service(svc):
@@ -151,11 +160,7 @@ def test_an_rl_loop_raises_the_reward_on_the_builtin_arithmetic_task(
         with live.client() as admin:
             monkeypatch.setenv("TINKER_API_KEY", make_key(admin, "dave")["key"])
         monkeypatch.setenv("TINKER_BASE_URL", live.url)
-        tc = (
-            tinker.ServiceClient()
-            .create_lora_training_client(base_model="qwen2-1m", rank=16, seed=0)
-            .result()
-        )
+        tc = service_client().create_lora_training_client(base_model="qwen2-1m", rank=16, seed=0).result()
         truth = {r["prompt"]: r["ground_truth"] for r in make_split("train", 16, 0)}
         rewards = rl_loop(tc, tc.get_tokenizer(), list(truth),
                           lambda p, r: arithmetic_partial_reward(p, r, truth[p])["score"],
@@ -163,6 +168,7 @@ def test_an_rl_loop_raises_the_reward_on_the_builtin_arithmetic_task(
         # measured (load 20): the mean partial credit went 0.016 -> 0.29 in 30 iterations, 81 s
         assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.1, rewards
     finally:
+        close_clients()
         live.stop()
 
 
@@ -182,12 +188,12 @@ def test_two_sessions_share_one_base_and_each_equals_itself_alone(svc, keys, mon
     monkeypatch.setenv("TINKER_BASE_URL", svc.url)
     monkeypatch.setenv("TINKER_API_KEY", keys["alice"])
     alone: dict = {}
-    _session_run(tinker.ServiceClient(), 1, PAIRS[:2], alone, "a")
+    _session_run(service_client(), 1, PAIRS[:2], alone, "a")
     together: dict = {}
     monkeypatch.setenv("TINKER_API_KEY", keys["bob"])
-    bob = tinker.ServiceClient()
+    bob = service_client()
     monkeypatch.setenv("TINKER_API_KEY", keys["alice"])
-    alice = tinker.ServiceClient()
+    alice = service_client()
     threads = [threading.Thread(target=_session_run, args=(alice, 1, PAIRS[:2], together, "a")),
                threading.Thread(target=_session_run, args=(bob, 2, PAIRS[2:], together, "b"))]  # fmt: skip
     for t in threads:
@@ -234,7 +240,7 @@ def _restart(ray_cluster, tmp_path_factory, monkeypatch, resume: bool) -> None:
         key = make_key(admin, "carol")["key"]
     monkeypatch.setenv("TINKER_BASE_URL", first.url)
     monkeypatch.setenv("TINKER_API_KEY", key)
-    tc = tinker.ServiceClient().create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    tc = service_client().create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
     tok = tc.get_tokenizer()
     data = [sft_datum(tok, p, c) for p, c in PAIRS]
     supervised_loop(tc, data, steps=2, lr=1e-2)
@@ -245,7 +251,7 @@ def _restart(ray_cluster, tmp_path_factory, monkeypatch, resume: bool) -> None:
     second = _serve(home)
     try:
         monkeypatch.setenv("TINKER_BASE_URL", second.url)
-        sc = tinker.ServiceClient()
+        sc = service_client()
         old = tinker.TrainingClient(sc.holder, model_seq_id=99, model_id=tc.model_id, info=tc.get_info())
         with pytest.raises(tinker.BadRequestError) as err:
             old.forward(data, "cross_entropy").result()

@@ -24,7 +24,7 @@ from service.tinker_wire import (  # noqa: E402
 )
 from tests.api_util import start_service  # noqa: E402
 from tests.owners_util import make_key  # noqa: E402
-from tests.tinker_loops import owner_keys, point_sdk  # noqa: E402
+from tests.tinker_loops import close_clients, owner_keys, point_sdk, service_client  # noqa: E402
 
 MISSING = "/nonexistent/tinker-base"  # served, but its host cannot start: work fails naming it
 
@@ -34,6 +34,7 @@ def svc(tmp_path_factory):
     settings = ServeSettings(tinker_base_models=["tiny-qwen2", "qwen2-1m", MISSING])
     live = start_service(tmp_path_factory.mktemp("tinker-wire"), schedule=False, settings=settings)
     yield live
+    close_clients()
     live.stop()
 
 
@@ -72,7 +73,7 @@ def test_keys_pass_the_sdk_check_and_work_on_tandem_routes(svc, keys):
 
 
 def test_sdk_capabilities_and_refusals_name_the_field(svc, keys, sdk_env):
-    sc = tinker.ServiceClient()
+    sc = service_client()
     names = [
         m.model_name
         for m in tinker.RestClient(base_url=svc.url, api_key=keys["alice"])
@@ -104,7 +105,7 @@ def test_unsupported_calls_answer_at_once_naming_the_feature(svc, keys, sdk_env)
 
 
 def test_a_host_that_cannot_start_fails_the_future_naming_it_and_stores_nothing(svc, sdk_env):
-    sc = tinker.ServiceClient()
+    sc = service_client()
     with pytest.raises(tinker.RequestFailedError) as err:
         sc.create_lora_training_client(base_model=MISSING, rank=4).result(timeout=60)
     assert f"session host '{MISSING}' failed to start" in str(err.value)

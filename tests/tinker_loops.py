@@ -84,6 +84,27 @@ def owner_keys(svc, owners=("alice", "bob")) -> dict[str, str]:
         return {owner: make_key(admin, owner)["key"] for owner in owners}
 
 
+_clients: list[tinker.ServiceClient] = []
+
+
+def service_client() -> tinker.ServiceClient:
+    """An SDK client that `close_clients` ends: left open, its heartbeat thread outlives the module's
+    server and logs "Session heartbeat failed" until the test run ends."""
+    client = tinker.ServiceClient()
+    _clients.append(client)
+    return client
+
+
+def close_clients() -> None:
+    """Finish every session `service_client` opened (before the server they talk to stops)."""
+    while _clients:
+        client = _clients.pop()
+        try:
+            client.close("success").result(timeout=30)
+        except Exception:  # a session a test already ended, or refused: its heartbeat stops regardless
+            pass
+
+
 def point_sdk(monkeypatch, url: str, key: str) -> None:
     """The environment the official SDK reads: this service and this key, no credential command."""
     monkeypatch.setenv("TINKER_BASE_URL", url)
