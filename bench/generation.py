@@ -210,6 +210,24 @@ def weight_sync_seconds(engine, tensors: list[tuple[str, torch.Tensor]]) -> floa
     return time.perf_counter() - start
 
 
+def lora_merge_seconds(engine, rank: int) -> float:
+    """One LoRA sync into the hf engine: a random rank-`rank` adapter on every linear layer of the
+    decoder, merged into the weights (engines/rollout/lora_merge.py), then `finish_update`."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = []
+    for name, module in engine.model.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            prefix = f"base_model.model.model.layers.{name}"
+            tensors.append(
+                (f"{prefix}.lora_A.weight", torch.randn(rank, module.in_features, generator=generator))
+            )
+            tensors.append((f"{prefix}.lora_B.weight", torch.zeros(module.out_features, rank)))
+    start = time.perf_counter()
+    engine.load_adapter({"r": rank, "lora_alpha": 2 * rank}, tensors)
+    engine.finish_update()
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help="a built-in name or a model folder")
@@ -290,6 +308,7 @@ def main() -> None:
 
     tensors = [(k, v.detach().clone()) for k, v in engine.model.state_dict().items()]
     syncs = {"hf": min(weight_sync_seconds(engine, tensors) for _ in range(2))}
+    syncs["hf_lora16_merge"] = min(lora_merge_seconds(engine, rank=16) for _ in range(2))
     if vllm is not None:
         syncs["vllm"] = min(weight_sync_seconds(vllm, tensors) for _ in range(2))
         vllm.shutdown()
