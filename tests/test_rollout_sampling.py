@@ -7,15 +7,19 @@ import pytest
 import torch
 
 from engines.rollout.base import SamplingParams
-from engines.rollout.sampling import filter_logits, sample_next
+from engines.rollout.sampling import BLOCK, filter_logits, sample_next
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, float("-inf"), 1.5])  # index 6: filtered
 
 
 def counts(logits: torch.Tensor, params: SamplingParams, draws: int, seed: int = 0) -> torch.Tensor:
+    """How often each token is drawn in `draws` rows of `logits`, 5000 rows a call (memory)."""
     generator = torch.Generator().manual_seed(seed)
-    tokens, _ = sample_next(logits.expand(draws, -1), params, generator)
-    return torch.bincount(tokens, minlength=logits.shape[-1]).double()
+    seen = torch.zeros(logits.shape[-1], dtype=torch.float64)
+    for start in range(0, draws, 5000):
+        tokens, _ = sample_next(logits.expand(min(5000, draws - start), -1), params, generator)
+        seen += torch.bincount(tokens, minlength=logits.shape[-1])
+    return seen
 
 
 @pytest.mark.parametrize(
@@ -77,3 +81,17 @@ def test_the_same_seed_draws_the_same_tokens_and_leaves_the_logits_alone():
     second = sample_next(logits, params, torch.Generator().manual_seed(5))
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     assert torch.equal(logits, before)
+
+
+def test_draws_across_blocks_of_the_two_level_search():
+    """The tokens of LOGITS placed at block edges of a 2100-token vocabulary (blocks of BLOCK
+    entries, the last one padded), every other token filtered: the same counts as the softmax."""
+    places = torch.tensor([0, BLOCK - 1, BLOCK, 2 * BLOCK - 1, 2 * BLOCK, 2099, 1500, 700])
+    logits = torch.full((2100,), float("-inf"))
+    logits[places] = LOGITS
+    draws = 60_000
+    seen = counts(logits, SamplingParams(temperature=1.0), draws, seed=3)
+    expected = LOGITS.softmax(-1).double() * draws
+    sigma = (expected * (1 - expected / draws)).sqrt()
+    assert ((seen[places] - expected).abs() <= 5 * sigma + 1e-9).all(), (seen[places], expected)
+    assert seen.sum() == seen[places].sum() == draws  # nothing outside the kept tokens
