@@ -241,6 +241,9 @@ def main() -> None:
     )
     parser.add_argument("--no-vllm", dest="vllm", action="store_false")
     parser.add_argument("--plain", action="store_true", help="also time transformers' model.generate")
+    parser.add_argument(
+        "--also-threads", type=int, help="also run each hf variant at this thread count (as NAME@Nt)"
+    )
     args = parser.parse_args()
 
     from controller.models import builtin_model_path
@@ -259,15 +262,23 @@ def main() -> None:
     fused = engine._fused
     parts = Parts(engine)
 
-    def hf_variant(name: str):
+    def hf_variant(name: str, threads: int = args.threads):
         def run(p: SamplingParams):
             engine._fused = None if name == "transformers" else fused
             parts.sampler = multinomial_sample_next if name == "multinomial" else parts._saved["sample"]
-            return engine.generate(prompts, p)
+            torch.set_num_threads(threads)
+            try:
+                return engine.generate(prompts, p)
+            finally:
+                torch.set_num_threads(args.threads)
 
         return run
 
-    runs = {name: hf_variant(name) for name in args.variants.split(",")}
+    hf_names = args.variants.split(",")
+    runs = {name: hf_variant(name) for name in hf_names}
+    if args.also_threads:
+        hf_names += [f"{name}@{args.also_threads}t" for name in hf_names]
+        runs.update({f"{name}@{args.also_threads}t": hf_variant(name, args.also_threads) for name in runs})
     vllm = None
     if args.vllm and available_backends()["vllm"] is None:
         longest = max(len(p) for p in prompts)
@@ -298,7 +309,7 @@ def main() -> None:
             tokens = int(out.numel()) if isinstance(out, torch.Tensor) else sum(len(c.token_ids) for c in out)
             line = {"variant": name, "repeat": repeat, "cpu_s": round(cpu, 3), "wall_s": round(wall, 3)}
             line.update(tokens=tokens, load_avg_1m=round(os.getloadavg()[0], 2))
-            if name in args.variants.split(","):
+            if name in hf_names:
                 line["parts"] = parts.split(cpu, wall)
                 line["decode_rows"] = list(parts.decode_rows)
             results[name].append(line)
@@ -343,7 +354,7 @@ def main() -> None:
     for name, line in best.items():
         if "parts" in line:
             summary[f"parts_{name}"] = {
-                part: {**times, "of_bound": round(bound[part] / times["wall_s"], 3) if times["wall_s"] > 0 else None}
+                part: {**times, "of_bound": round(bound[part] / times["wall_s"], 3) if times["wall_s"] > 0 and "@" not in name else None}
                 for part, times in line["parts"].items()
             }  # fmt: skip
     print(json.dumps(summary), flush=True)
