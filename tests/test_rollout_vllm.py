@@ -208,3 +208,11 @@ def test_grpo_on_vllm_learns(ray_cluster, tmp_path, monkeypatch):
     _, sink, _ = run(spec, tmp_path)
     scores = [r["values"]["critic/score/mean"] for r in sink.history]
     assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.2, scores
+
+
+def test_a_seeded_batch_larger_than_vllms_default_prefill_budget_generates(engine):
+    """44 prompts x 100 tokens = 4400 prompt tokens, over vLLM's default 4096 a step: vLLM would
+    split the prefill and rewind the seeded generators, which CPU generators cannot do."""
+    prompts = [[4 + (i * 7 + j) % 90 for j in range(100)] for i in range(44)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=2, temperature=1.0, seed=5))
+    assert len(out) == 44 and all(len(c.token_ids) >= 1 for c in out)

@@ -9,10 +9,11 @@ mask built once for the whole generation. For Qwen2 and Llama models in float32 
 as a few fused operations on the model's own weights (engines/rollout/fused_decode.py). A row that has stopped keeps being fed the pad token (its
 outputs are ignored) until the stopped rows are a quarter of the batch; then they are dropped.
 
-Sampling follows the `Completion` contract in base.py: logits / temperature, then top-k, then
-top-p, then renormalise; the sampled token's log-probability is read from that same distribution,
-so with temperature 1 and no filtering it is the plain model log-probability the trainer
-recomputes. Randomness comes from a private `torch.Generator`, never from the global RNG.
+Sampling (engines/rollout/sampling.py) follows the `Completion` contract in base.py: logits /
+temperature, then top-k, then top-p, then renormalise; the sampled token's log-probability is read
+from that same distribution, so with temperature 1 and no filtering it is the plain model
+log-probability the trainer recomputes. Randomness comes from a private `torch.Generator`, never
+from the global RNG.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, 
 from engines.rollout.fused_decode import FusedDecoder
 from engines.rollout.kv_cache import full_attention_only, preallocated_cache
 from engines.rollout.lora_merge import AdapterMerger
+from engines.rollout.sampling import filter_logits, sample_next  # noqa: F401 (filter_logits: its old home)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,40 +67,6 @@ def read_special_token_ids(model_path: str | Path) -> tuple[list[int], int]:
         )
     eos_ids = [eos] if isinstance(eos, int) else list(eos)
     return eos_ids, eos_ids[0] if pad is None else pad
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k set, then outside the top-p (nucleus) set.
-
-    `logits` is [B, V], already divided by the temperature. top_k <= 0 and top_p >= 1 disable.
-    """
-    vocab = logits.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass of the tokens before it already reaches top_p; the first
-        # (most likely) token is always kept because the mass before it is 0.
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row from [B, V] logits; returns (tokens [B], their log-probs [B])."""
-    temperature = params.temperature if params.temperature > 0 else 1.0
-    scaled = filter_logits(logits.float() / temperature, params.top_k, params.top_p)
-    log_probs = scaled.log_softmax(dim=-1)
-    if params.temperature == 0:
-        tokens = scaled.argmax(dim=-1)
-    else:
-        tokens = torch.multinomial(log_probs.exp(), 1, generator=generator).squeeze(-1)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,6 +51,7 @@ from engines.rollout.probes import probe_vllm
 from engines.rollout.vllm_lora import AdapterFolder
 
 TRANSFER_BACKEND = "tandem-inproc"
+CPU_PREFILL_TOKENS = 65536  # prompt tokens one vLLM step takes on CPU (see _start)
 
 
 # ---- translations -----------------------------------------------------------------------------
@@ -202,6 +203,12 @@ class VLLMRolloutEngine(RolloutEngine):
         register_inproc_transfer_backend()
         if self.device.type == "cpu":
             check_cpu_head_size(model_path)
+            # vLLM splits a prefill larger than this budget over steps (chunked prefill) and then
+            # rewinds each seeded request's generator, which CPU generators cannot do ("CPU
+            # Generator does not use offset": the engine dies). Its default, 4096 tokens, is less
+            # than one GRPO batch of 128 rows x 36 prompt tokens; the budget costs nothing up front
+            # on CPU (no profiling run with enforce_eager).
+            llm_args = {"max_num_batched_tokens": CPU_PREFILL_TOKENS, **llm_args}
         # vLLM's CPU worker replaces torch.set_num_threads process-wide (it pins OpenMP threads in
         # the processes it spawns) and may lower the thread count for serving; in-process nothing
         # is pinned, so the trainer beside it keeps both.

@@ -1,0 +1,97 @@
+"""The hf engine's sampling: one token per row from [B, V] logits, and that token's log-probability.
+
+The `Completion` contract (base.py): logits / temperature, then top-k, then top-p, then renormalise;
+the log-probability is read from that same distribution.
+
+A token is drawn by inverting the row's cumulative distribution with one uniform number per row:
+exp(logits - max) once, then a two-level search (`_draw`: block sums, then a running sum inside
+one block). `torch.multinomial` draws the same distribution as an exponential race, one
+exponential number per vocabulary entry from the CPU generator: at SmolLM2's 49k vocabulary and
+128 rows a step's sampling took ~0.19 s on one thread that way (bench/RESULTS.md, issue 34,
+generation). The log-probability comes from the same sums (logit - max - log sum), so no [B, V]
+log-softmax is written; top-k and top-p cost their sort only when set.
+
+Why the draw is exact: u = (1 - r) * total with r uniform in [0, 1) lies in (0, total]; each search
+returns the first index whose running sum reaches u, so the index's own mass is positive (a
+filtered token, whose term is 0, is never drawn), and token i is drawn with probability
+term_i / total up to the rounding of the sums (~1e-7 relative).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engines.rollout.base import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k set, then outside the top-p (nucleus) set.
+
+    `logits` is [B, V], already divided by the temperature. top_k <= 0 and top_p >= 1 disable.
+    """
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass of the tokens before it already reaches top_p; the first
+        # (most likely) token is always kept because the mass before it is 0.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+# Vocabulary entries per block of the two-level search (see `_draw`).
+BLOCK = 1024
+
+
+def _draw(terms: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One index per row of `terms` [B, V] (>= 0, a positive entry in every row) with probability
+    terms / row sum, and the row sums [B, 1] in float64.
+
+    Two levels, so that no [B, V] float64 running sum is written (on one CPU thread a float64
+    cumsum of [128, 49152] took 50 ms, the rest of sampling 10 ms): the block sums (float32
+    pairwise sums, relative error ~1e-7) pick a block, then a float64 running sum over that block's
+    1024 entries picks the entry. Both searches are "first running sum >= u" with u in (0, sum], so
+    an entry (or block) of mass 0 is never picked.
+    """
+    rows, vocab = terms.shape
+    size = min(BLOCK, vocab)
+    blocks = -(-vocab // size)
+    if blocks * size != vocab:
+        terms = F.pad(terms, (0, blocks * size - vocab))
+    per_block = terms.view(rows, blocks, size)
+    mass = per_block.sum(-1).double()  # [B, blocks]
+    running = mass.cumsum(-1)
+    total = running[:, -1:]
+    uniform = torch.rand(total.shape, dtype=torch.float64, device=total.device, generator=generator)
+    target = (1 - uniform) * total  # in (0, total]
+    block = torch.searchsorted(running, target).clamp(max=blocks - 1)  # [B, 1]
+    before = F.pad(running, (1, 0))[:, :-1].gather(-1, block)  # the mass of the blocks before it, < target
+    share = ((target - before) / mass.gather(-1, block)).clamp(max=1.0)  # in (0, 1]
+    within = per_block[torch.arange(rows, device=terms.device), block.squeeze(-1)].double().cumsum(-1)
+    index = torch.searchsorted(within, share * within[:, -1:])
+    return block * size + index, total
+
+
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick one token per row from [B, V] logits; returns (tokens [B], their log-probs [B])."""
+    scaled = logits.float()
+    if params.temperature > 0 and params.temperature != 1.0:
+        scaled = scaled / params.temperature
+    scaled = filter_logits(scaled, params.top_k, params.top_p)
+    top = scaled.amax(-1, keepdim=True)
+    terms = (scaled - top).exp_()  # unnormalised probabilities, 0 for filtered tokens
+    if params.temperature == 0:
+        tokens = scaled.argmax(-1, keepdim=True)
+        total = terms.sum(-1, keepdim=True).double()
+    else:
+        tokens, total = _draw(terms, generator)
+    log_probs = scaled.gather(-1, tokens) - top - total.log().float()
+    return tokens.squeeze(-1), log_probs.squeeze(-1)
