@@ -99,7 +99,9 @@ class ModelSpec(Section):
         False, description="recompute activations in backward: less memory, more compute"
     )
     lora: LoraConfig | None = Field(
-        None, description="train low-rank adapters (LoRA) over the frozen model instead of all its weights"
+        None,
+        description="train low-rank adapters (LoRA) over the frozen model instead of all its weights; "
+        "give it about 10x a full fine-tune's optim.lr (docs/guides/lora.md)",
     )
 
     @model_validator(mode="after")

@@ -120,7 +120,10 @@ class LoraConfig(_Section):
 
     rank: int = Field(16, ge=1, le=MAX_LORA_RANK, description="the adapters' rank r")
     alpha: float = Field(
-        32.0, gt=0, le=1_000_000, description="scaling numerator: the update is (alpha / rank) * B @ A"
+        32.0,
+        gt=0,
+        le=1_000_000,
+        description="scaling numerator: the update is (alpha / rank) * B @ A; keep 32 when changing the rank",
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input while training")
     target_modules: Literal["all-linear"] | list[str] = Field(

@@ -65,6 +65,17 @@ def test_the_optimizer_holds_exactly_the_adapters_and_the_base_gets_no_gradient(
     assert all(not p.requires_grad for n, p in engine.model.named_parameters() if "lora_" not in n)
 
 
+def test_an_adapter_on_the_output_projection_is_refused_not_silently_untrained(tiny_model_dir):
+    """The log-probs read the output projection's weight directly, so its adapter would get no
+    gradient; the service refuses the name at submission, the engine refuses it too."""
+    from engines.config import LoraConfig
+    from engines.fsdp.lora import attach
+
+    lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="output projection"):
+        attach(lm, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]))
+
+
 def test_the_reference_is_the_base_model_with_adapters_off(tiny_model_dir, trained):
     batch = make_batch(seed=7)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()

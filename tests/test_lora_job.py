@@ -117,18 +117,27 @@ def test_an_sft_adapter_seeds_a_lora_grpo_job_with_kl_that_syncs_and_exports_its
 
 
 @pytest.mark.slow
-def test_a_lora_job_learns_like_full_fine_tuning(api):
+def test_a_lora_job_learns_up_to_what_a_frozen_output_projection_allows(api):
     """tests/test_trainer.py's learning run (the digit share of tiny-qwen2's answers on the built-in
-    arithmetic prompts, 15 GRPO steps) with LoRA beside full fine-tuning, each at its own usual lr.
+    arithmetic prompts), 30 GRPO steps, as three jobs of one seed (so step k samples the same prompts
+    in each): LoRA (the default shape, rank 16 and alpha 32, at lr 3e-2: ten times the full fine-tune's
+    lr, tinker-cookbook's LoRA factor), the same LoRA at lr 1e-7 (an untrained control) and full
+    fine-tuning (lr 3e-3).
 
-    Measured (2026-11-25, three LoRA settings): LoRA 0.07-0.08 -> 0.15 (rank 8 or 16, lr 3e-2 or
-    1e-1), full fine-tuning 0.08 -> 0.45. LoRA doubles the share but rises a third as far: PEFT's
-    all-linear leaves the output projection and embeddings frozen, where full fine-tuning finds the
-    digits most directly; over 40 steps LoRA stays at 0.13-0.22 (bench/RESULTS.md, LoRA)."""
+    Why LoRA rises less here: this reward only asks for digit tokens, and tiny-qwen2 is random with
+    an untied output projection (std 0.02) behind an RMSNorm. 'all-linear' adapts neither, so
+    whatever the adapters do to the trunk, the most probability the 10 digit tokens of its 100 can
+    get at temperature 1 is 0.144 (gradient ascent on the normalised last hidden state; 0.10 is
+    uniform): about 1.44x the untrained policy. Full fine-tuning trains the projection itself.
+    Measured (2026-11-25, tiny.py runs of this setup outside the service): over steps 16-30 LoRA is
+    above the control at 15 steps of 15, by 0.045 on average (per-step sd 0.021; 1.44x its share,
+    the ceiling), the same at lr 1e-2 and at rank 8 / alpha 16; full fine-tuning 0.08 -> 0.45 in
+    15 steps. LoRA's learning rate makes no difference above ~3e-3: it is at the ceiling."""
     scores = {}
-    for name, lora, lr in (("lora", {"rank": 8, "alpha": 16.0}, 3e-2), ("full", None, 3e-3)):
+    runs = (("lora", {"rank": 16}, 3e-2), ("control", {"rank": 16}, 1e-7), ("full", None, 3e-3))
+    for name, lora, lr in runs:
         spec = tiny_job(
-            trainer={"total_steps": 15, "prompts_per_step": 4, "val_every": 0},
+            trainer={"total_steps": 30, "prompts_per_step": 4, "val_every": 0, "seed": 0},
             rollout={"n": 8, "max_new_tokens": 4},
             optim={"lr": lr},
             checkpoint={"every": 0, "export_hf": False},
@@ -139,8 +148,9 @@ def test_a_lora_job_learns_like_full_fine_tuning(api):
         job = wait_for(api, api.post("/v1/jobs", json=spec).json()["id"], ("succeeded", "failed"), 900)
         assert job["status"] == "succeeded", job["error"]
         rows = api.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": "critic/score/mean"}).json()["data"]
-        series = [r["values"]["critic/score/mean"] for r in rows]
-        scores[name] = (sum(series[:3]) / 3, sum(series[-3:]) / 3)
-    print("digit share, first 3 -> last 3 steps:", scores)
-    assert scores["lora"][1] > scores["lora"][0] + 0.04, scores
-    assert scores["full"][1] > scores["full"][0] + 0.2, scores
+        scores[name] = [r["values"]["critic/score/mean"] for r in rows if "critic/score/mean" in r["values"]]
+    gain = [a - b for a, b in zip(scores["lora"][15:], scores["control"][15:], strict=True)]
+    full = scores["full"]
+    print("LoRA - control, steps 16-30:", [round(g, 3) for g in gain], "full:", [round(f, 2) for f in full])
+    assert sum(gain) / len(gain) > 0.02 and sum(g > 0 for g in gain) >= 12, gain
+    assert sum(full[-3:]) / 3 > sum(full[:3]) / 3 + 0.2, full

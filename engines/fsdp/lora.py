@@ -50,6 +50,10 @@ def attach(lm: nn.Module, cfg: LoraConfig) -> list[str]:
     from peft.tuners.lora import LoraLayer
 
     inject_adapter_in_model(peft_config(cfg), lm, adapter_name=ADAPTER_NAME)
+    if isinstance(lm.get_output_embeddings(), LoraLayer):
+        # The policy's log-probs read the output projection's weight directly (modules.PolicyModel),
+        # so an adapter there would get no gradient and silently train nothing.
+        raise ValueError("model.lora.target_modules: the output projection cannot take an adapter")
     for name, param in lm.named_parameters():
         param.requires_grad_(is_adapter(name))
     return sorted(name for name, m in lm.named_modules() if isinstance(m, LoraLayer))
