@@ -4,7 +4,7 @@ Prints JSON lines. Each numeric check is against a reference computed another wa
 Hugging Face model on the padded batch (fp32, TF32 off), the rollout engine's own log-probs after a
 sync, and a plain tensor copy of the same bytes. Needs one CUDA device; runs without Ray.
 
-    python bench/gpu_check.py [--model qwen2-20m]
+    python bench/gpu_check.py [--model qwen2-20m | qwen2-0.5b | FOLDER]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 from engines.config import EngineConfig  # noqa: E402
 from engines.fsdp.engine import FSDPEngine  # noqa: E402
 from engines.rollout import SamplingParams, build_rollout_engine  # noqa: E402
-from engines.tiny_models import build_builtin_model  # noqa: E402
+from engines.tiny_models import builtin_or_folder  # noqa: E402
 from engines.transfer.in_process import InProcessTransfer  # noqa: E402
 from tests.engine_util import make_batch, pg_loss, reference_log_probs  # noqa: E402
 
@@ -31,10 +31,23 @@ def emit(**record) -> None:
     print(json.dumps(record), flush=True)
 
 
-def engine_vs_reference(model_dir: str, dtype: str) -> None:
+def grouped(batch, n: int):
+    """The batch with every n consecutive rows sharing their first row's prompt (as GRPO's groups do),
+    so the engine packs each prompt once (engines/shared_prompt.py)."""
+    batch = batch.clone()
+    width = batch["responses"].shape[1]
+    for lead in range(0, len(batch), n):
+        for row in range(lead + 1, min(lead + n, len(batch))):
+            batch["input_ids"][row, :-width] = batch["input_ids"][lead, :-width]
+            batch["attention_mask"][row, :-width] = batch["attention_mask"][lead, :-width]
+    return batch
+
+
+def engine_vs_reference(model_dir: str, dtype: str, group: int = 1) -> None:
     from transformers import AutoModelForCausalLM
 
-    batch = make_batch(batch_size=8, prompt_len=16, resp_len=24, seed=1).to("cuda")
+    batch = make_batch(batch_size=8, prompt_len=16, resp_len=24, seed=1)
+    batch = (grouped(batch, group) if group > 1 else batch).to("cuda")
     engine = FSDPEngine(EngineConfig(model_path=model_dir, device="cuda", dtype=dtype, optim={"lr": 1e-4}))
     engine.initialize()
     ref = AutoModelForCausalLM.from_pretrained(
@@ -42,6 +55,8 @@ def engine_vs_reference(model_dir: str, dtype: str) -> None:
     ).cuda()
     with torch.no_grad():
         want = reference_log_probs(ref, batch)
+    width = batch["responses"].shape[1]
+    shared = engine._prompt_groups(batch.cpu(), width) is not None
     with engine.train_mode():
         out = engine.forward_backward_batch(batch, pg_loss("token-mean"), compute_entropy=True)
         norm = engine.optimizer_step()
@@ -49,6 +64,8 @@ def engine_vs_reference(model_dir: str, dtype: str) -> None:
     gap = (out.outputs["log_probs"] - want.cpu()).abs()[mask]
     emit(
         check="engine_log_probs_vs_hf_fp32",
+        prompts_shared_by=group,
+        shared_prompt_path=shared,
         dtype=str(engine.compute_dtype),
         attn=engine.attn_implementation,
         max_abs_diff=float(gap.max()),
@@ -92,7 +109,7 @@ def sync_and_generate(engine: FSDPEngine, model_dir: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="qwen2-20m")
+    parser.add_argument("--model", default="qwen2-20m", help="a built-in name or a model folder")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         emit(check="skipped", reason="no CUDA device")
@@ -100,8 +117,10 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     emit(check="device", name=torch.cuda.get_device_name(), torch=torch.__version__)
-    model_dir = str(build_builtin_model(args.model, tempfile.mkdtemp()))
+    model_dir = str(builtin_or_folder(args.model, tempfile.mkdtemp()))
     engine_vs_reference(model_dir, "float32")
+    engine_vs_reference(model_dir, "float32", group=4)
+    engine_vs_reference(model_dir, "bfloat16", group=4)
     engine = engine_vs_reference(model_dir, "bfloat16")
     sync_and_generate(engine, model_dir)
 

@@ -256,7 +256,9 @@ def emit(line: dict) -> None:
 def parse_settings(argv: list[str] | None, model_dir_root: str) -> tuple[Settings, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--model", default=None, help="built-in model (default qwen2-20m; qwen2-1m with --quick)"
+        "--model",
+        default=None,
+        help="built-in model or model folder (default qwen2-20m; qwen2-1m with --quick)",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
@@ -298,11 +300,11 @@ def parse_settings(argv: list[str] | None, model_dir_root: str) -> tuple[Setting
     model = args.model or ("qwen2-1m" if quick else "qwen2-20m")
     if batch % 2 or micro > batch:
         parser.error(f"--batch {batch} must be even (world size 2 splits it) and at least --micro-batch-size")
-    from engines.tiny_models import build_builtin_model
+    from engines.tiny_models import builtin_or_folder
 
     settings = Settings(
-        model=model,
-        model_dir=str(build_builtin_model(model, model_dir_root)),
+        model=Path(model).name,
+        model_dir=str(builtin_or_folder(model, model_dir_root)),
         device=args.device,
         batch=batch,
         prompt_len=prompt_len,

@@ -43,6 +43,11 @@ class TinyModelSpec(BaseModel):
     intermediate_size: int = Field(128, gt=0)
     max_position_embeddings: int = Field(512, gt=0)
     tie_word_embeddings: bool = False
+    vocab_size: int | None = Field(
+        None,
+        gt=0,
+        description="the model's vocabulary; None: the tokenizer's (a larger one pads it with unused rows)",
+    )
     chat_template: bool = Field(False, description="give the tokenizer a Qwen-style chat template")
     seed: int = 0
 
@@ -62,6 +67,18 @@ BUILTIN_MODELS: dict[str, TinyModelSpec] = {
     # ~20M parameters: the benchmark size.
     "qwen2-20m": TinyModelSpec(
         hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1536
+    ),
+    # Qwen2-0.5B's shapes (494M parameters, 136M of them its tied 151,936-row vocabulary) with random
+    # weights: the GPU benchmarks' real-size model. ~2 GB on disk in fp32; too slow to train on a CPU.
+    "qwen2-0.5b": TinyModelSpec(
+        hidden_size=896,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
     ),
 }
 
@@ -156,12 +173,17 @@ def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) ->
     path = Path(path)
     marker = path / "tandem_spec.json"
     # The causal-LM marker stays the bare spec, so folders built before the reward head still match.
-    wanted = spec.model_dump() if head == "causal-lm" else {**spec.model_dump(), "head": head}
+    # exclude_none: folders built before `vocab_size` existed keep matching their marker.
+    dump = spec.model_dump(exclude_none=True)
+    wanted = dump if head == "causal-lm" else {**dump, "head": head}
     if not overwrite and marker.exists() and json.loads(marker.read_text()) == wanted:
         return path
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(spec.chat_template)
-    config = _model_config(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    vocab = spec.vocab_size or len(tokenizer)
+    if vocab < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    config = _model_config(spec, vocab, tokenizer.pad_token_id, tokenizer.eos_token_id)
     torch.manual_seed(spec.seed)
     if head == "reward":
         config.num_labels = 1
@@ -174,6 +196,13 @@ def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) ->
     tokenizer.save_pretrained(path)
     marker.write_text(json.dumps(wanted, indent=2))
     return path
+
+
+def builtin_or_folder(name: str, root: str | Path) -> Path:
+    """A model folder as given (one holding config.json), else the built-in model `name` under `root`."""
+    if (Path(name) / "config.json").is_file():
+        return Path(name)
+    return build_builtin_model(name, root)
 
 
 def build_builtin_model(name: str, root: str | Path, overwrite: bool = False) -> Path:
