@@ -171,10 +171,12 @@ def count_params(model_dir: str) -> int:
     return total
 
 
-def micro_batches_per_step(job: Job, settings: Settings, batches: list[TensorDict]) -> float:
+def micro_batches_per_step(job: Job, settings: Settings, batches: list[TensorDict]) -> float | None:
     """Mean micro-batches a rank runs per timed step (rank 0's share; every rank runs as many)."""
     from engines.microbatch import dynamic_micro_batches, fixed_micro_batches
 
+    if job.micro_batch.get("auto"):
+        return None  # the engine's own budget (engines/microbatch.auto_token_budget): not replayed here
     share = settings.batch // job.world
     counts = []
     for batch in batches:
@@ -186,7 +188,7 @@ def micro_batches_per_step(job: Job, settings: Settings, batches: list[TensorDic
             else fixed_micro_batches(len(lengths), settings.micro_batch_size)
         )
         counts.append(len(plan))
-    return statistics.mean(counts)
+    return round(statistics.mean(counts), 2)
 
 
 def report(
@@ -214,7 +216,7 @@ def report(
         "seq_len": settings.prompt_len + settings.response_len,
         "real_tokens_per_step": round(statistics.mean(tokens), 1),
         "micro_batch": job.micro_batch or {"micro_batch_size": settings.micro_batch_size},
-        "micro_batches_per_rank_step": round(micro_batches_per_step(job, settings, batches), 2),
+        "micro_batches_per_rank_step": micro_batches_per_step(job, settings, batches),
         "warmup": settings.warmup,
         "iters": settings.iters,
         "step_s_median": round(statistics.median(seconds), 4),
@@ -341,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
                 threads_per_rank=t,
                 micro_batch={"max_tokens_per_micro_batch": settings.max_tokens},
             ),
+            # What a job gets: no micro-batch setting, the engine's token budget from the model's size.
+            Job("engine_ws1_auto", engine=True, world=1, threads_per_rank=t, micro_batch={"auto": True}),
             # The ranks share the cores: half the threads each, so both sizes use the same cores.
             Job("engine_ws2", engine=True, world=2, threads_per_rank=max(1, t // 2), micro_batch=fixed),
         ]

@@ -125,7 +125,7 @@ def engine_step_fn(settings: Settings, micro_batch: dict) -> tuple[Callable[[Ten
     config = EngineConfig(
         model_path=settings.model_dir,
         device=settings.device,
-        micro_batch=micro_batch,
+        micro_batch={k: v for k, v in micro_batch.items() if k != "auto"},  # "auto": the defaults
         optim={"lr": settings.lr, "grad_clip": 1.0},
     )
     engine = FSDPEngine(config)

@@ -39,8 +39,13 @@ class _Section(BaseModel):
 class FSDPConfig(_Section):
     """How parameters are sharded and where they live between uses."""
 
-    reshard_after_forward: bool = Field(
-        True, description="free the gathered parameters of a layer after its forward (ZeRO-3); False = ZeRO-2"
+    reshard_after_forward: bool | None = Field(
+        None,
+        description=(
+            "free the gathered parameters of a layer after its forward (ZeRO-3); False = ZeRO-2, which "
+            "also keeps them gathered across a call's micro-batches; None = True over several ranks, "
+            "False on one (its 'shards' are whole: resharding would only re-cast and re-copy them)"
+        ),
     )
     param_offload: bool = Field(False, description="keep parameter shards on the CPU outside train/eval mode")
     optimizer_offload: bool = Field(False, description="keep optimizer state on the CPU outside train mode")

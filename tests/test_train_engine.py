@@ -322,3 +322,36 @@ def test_configuration_errors_are_specific(tiny_model_dir, tmp_path):
     with pytest.raises(MicroBatchError, match="smaller than the longest sequence"):
         with engine.eval_mode():
             engine.forward_backward_batch(make_batch(), None, forward_only=True)
+
+
+def test_one_rank_in_bf16_keeps_layers_gathered_across_micro_batches(tiny_model_dir):
+    """bf16 on one rank is FSDP-wrapped (mixed precision); its default keeps each layer gathered for
+    the whole call (ZeRO-2 across micro-batches). The result must equal resharding after every
+    forward (ZeRO-3) exactly: gathering at one rank is a copy, whichever way it is scheduled."""
+    batch = make_batch()
+    split = {"micro_batch_size": 2}
+    kept = make_engine(tiny_model_dir, dtype="bfloat16", micro_batch=split, optim={"lr": 1e-2})
+    resharded = make_engine(
+        tiny_model_dir,
+        dtype="bfloat16",
+        micro_batch=split,
+        optim={"lr": 1e-2},
+        fsdp={"reshard_after_forward": True},
+    )
+    assert (kept.sharded, kept.reshard_after_forward) == (True, False)
+    assert resharded.reshard_after_forward is True
+    outs = []
+    for engine in (kept, resharded):
+        with engine.train_mode():
+            out = engine.forward_backward_batch(batch, pg_loss("token-mean"), compute_entropy=True)
+            norm = engine.optimizer_step()
+            again = engine.forward_backward_batch(batch, None, forward_only=True)
+        unsharded = [p for p in engine.model.parameters() if type(p).__name__ != "DTensor"]
+        assert not unsharded, "every parameter is a sharded DTensor again after the call"
+        outs.append((out, norm, again))
+    (a, norm_a, a2), (b, norm_b, b2) = outs
+    assert norm_a == norm_b and a.metrics["loss"] == b.metrics["loss"]
+    for key in ("log_probs", "entropy"):
+        assert torch.equal(a.outputs[key], b.outputs[key])
+    assert torch.equal(a2.outputs["log_probs"], b2.outputs["log_probs"])
+    assert not torch.equal(a.outputs["log_probs"], a2.outputs["log_probs"])  # the step moved them

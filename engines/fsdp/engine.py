@@ -154,13 +154,17 @@ class FSDPEngine(TrainEngine):
 
     def _shard(self, model: torch.nn.Module) -> None:
         self.sharded = not (self.dp_size == 1 and self.compute_dtype == torch.float32)
+        self.reshard_after_forward = True
         if not self.sharded:  # see the module docstring
+            model.to(self.device)  # fully_shard would have moved it; unwrapped, it is loaded on the CPU
             return
         mp_policy = None
         if self.compute_dtype != torch.float32:
             # bf16 compute, fp32 gradient reduction: summing many ranks' bf16 gradients loses bits.
             mp_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        kwargs = {"mesh": self.mesh, "reshard_after_forward": self.config.fsdp.reshard_after_forward}
+        reshard = self.config.fsdp.reshard_after_forward
+        self.reshard_after_forward = self.dp_size > 1 if reshard is None else reshard
+        kwargs = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
         if mp_policy is not None:
             kwargs["mp_policy"] = mp_policy
         inner = model.lm if isinstance(model, PolicyModel) else model
@@ -278,27 +282,46 @@ class FSDPEngine(TrainEngine):
         pieces: list[dict[str, torch.Tensor]] = []
         metrics: dict[str, float] = {}
         backward = not forward_only
+        # ZeRO-2 (reshard_after_forward False): the gathered parameters also stay across the call's
+        # micro-batches, so each layer is gathered (cast to bf16 and copied) once per call, not twice
+        # per micro-batch; the last backward, or the end of the call, frees them.
+        keep_gathered = self.sharded and not self.reshard_after_forward
+        losses: list[torch.Tensor] = []  # summed once at the end: no device sync per micro-batch
         for i, index in enumerate(split.backward + split.forward):
             micro = batch[torch.tensor(index, device=self.device)]
             with_grad = backward and i < len(split.backward)
             if with_grad and self.sharded:
-                sharded.set_requires_gradient_sync(i == len(split.backward) - 1)
+                last = i == len(split.backward) - 1
+                sharded.set_requires_gradient_sync(last)
+                if keep_gathered:
+                    sharded.set_reshard_after_backward(last)
             with torch.set_grad_enabled(with_grad):
                 outputs = self._forward_micro(micro, width, compute_entropy, temperature)
                 if loss_fn is not None:
                     loss, loss_metrics = loss_fn(micro, outputs, counts)
                     if with_grad:
                         loss.backward()
-                    for key, value in {"loss": float(loss.detach()), **loss_metrics}.items():
+                    losses.append(loss.detach())
+                    for key, value in loss_metrics.items():
                         combine_metric(metrics, key, value)
             pieces.append({k: v.detach() for k, v in outputs.items()})
         for _ in range(split.idle_forwards):  # in step with ranks that have more forward-only rows
             with torch.no_grad():
                 self._forward_micro(batch[:1], width, compute_entropy, temperature)
+        if keep_gathered:
+            self._reshard()
+        if losses:
+            metrics["loss"] = float(torch.stack(losses).sum())
         if backward and not split.backward:
             self._zero_gradients()
         plan = split.backward + split.forward
         return EngineOutput(self._in_original_order(pieces, plan), self._reduce_over_ranks(metrics))
+
+    def _reshard(self) -> None:
+        """Free every gathered parameter (a forward-only micro-batch leaves them gathered under ZeRO-2)."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def _zero_gradients(self) -> None:
         """The gradient of a call where no row has one: exactly zero, as a backward would have left
