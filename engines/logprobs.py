@@ -35,6 +35,15 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
     return logits
 
 
+def _weight_grad(grad_logits: torch.Tensor, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """grad_logits.T @ hidden in `dtype` (fp32). On CUDA with bf16/fp16 inputs the product runs on the
+    tensor cores with an fp32 result (`out_dtype`); casting the inputs up first would run it as an
+    fp32 matmul, which with TF32 off is ~5 ms a micro-batch for a 151k vocabulary on an H100."""
+    if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(grad_logits.t(), hidden, out_dtype=dtype)
+    return grad_logits.t().to(dtype) @ hidden.to(dtype)
+
+
 class ChunkedLogProbs(torch.autograd.Function):
     """(log_probs [N], entropy [N] or [0]) of `targets` under softmax(hidden @ weight.T / temperature)."""
 
@@ -112,7 +121,7 @@ class ChunkedLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t().to(dtype), hidden[start:end].to(dtype))
+                grad_weight.add_(_weight_grad(grad_logits, hidden[start:end], dtype))
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_weight, None, None, None, None, None
 

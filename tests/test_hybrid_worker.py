@@ -88,11 +88,14 @@ def test_sync_makes_rollout_and_trainer_agree(group):
 
 
 def test_reference_log_probs_stay_at_the_initial_policy(group):
-    batch = group.generate_sequences(prompt_batch())
+    batch = group.compute_log_prob(group.generate_sequences(prompt_batch()))
+    before = group.compute_ref_log_prob(batch).tensors["ref_log_probs"]
+    group.update_actor(with_advantages(batch), {"policy_loss": "ppo"}, {"epochs": 1})  # alone or not
     ref = group.compute_ref_log_prob(batch).tensors["ref_log_probs"]
     now = group.compute_log_prob(batch).tensors["old_log_probs"]
     mask = batch.tensors["response_mask"].bool()
-    assert float((ref - now)[mask].abs().max()) > 1e-3  # the actor trained in the previous test
+    assert torch.equal(ref, before)  # the actor's update leaves the reference where it was
+    assert float((ref - now)[mask].abs().max()) > 1e-3  # while the actor moved
 
 
 def test_rollout_mesh_coordinates():
