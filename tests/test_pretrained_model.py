@@ -54,7 +54,7 @@ def grpo_step(ray_cluster, smol_dir, tmp_path_factory):
             "data": {"builtin_task": "word-problems", "max_prompt_length": 160},
             # A dense reward (share of digits) so that no group is uniform and the step moves the
             # weights; the word-problem reward itself is tested in tests/test_word_problems.py.
-            "reward": {"function": "tests.test_trainer:digit_reward"},
+            "reward": {"function": "tests.reward_fns:digit_reward"},
             "rollout": {"n": 4, "max_new_tokens": 16, "temperature": 1.0},
             "optim": {"lr": 1e-6},
             "trainer": {"total_steps": 1, "prompts_per_step": 2, "val_every": 0},
