@@ -21,6 +21,7 @@ sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
 from engines.config import EngineConfig  # noqa: E402
 from engines.fsdp.engine import FSDPEngine  # noqa: E402
+from engines.logprobs import token_log_probs  # noqa: E402
 from engines.rollout import SamplingParams, build_rollout_engine  # noqa: E402
 from engines.tiny_models import builtin_or_folder  # noqa: E402
 from engines.transfer.in_process import InProcessTransfer  # noqa: E402
@@ -107,6 +108,32 @@ def sync_and_generate(engine: FSDPEngine, model_dir: str) -> None:
     emit(check="rollout_generate_cuda", completions=len(completions), version=completions[0].weight_version)
 
 
+def chunked_head_grads(tokens: int = 2048, hidden_size: int = 896, vocab: int = 151936) -> None:
+    """The chunked vocabulary head in bf16 (engines/logprobs.py: its weight gradient on the tensor cores
+    with an fp32 result) against autograd through an fp32 log-softmax of the same bf16 inputs."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    upstream = torch.randn(tokens, device="cuda", generator=g)
+    log_probs, _ = token_log_probs(hidden, weight, targets, chunk_tokens=1024)
+    (log_probs * upstream).sum().backward()
+    h32 = hidden.detach().float().requires_grad_()
+    w32 = weight.detach().float().requires_grad_()
+    want = torch.log_softmax(h32 @ w32.t(), -1).gather(-1, targets[:, None]).squeeze(-1)
+    (want * upstream).sum().backward()
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b).abs().max() / b.abs().max())
+
+    emit(
+        check="chunked_head_bf16_vs_fp32_autograd",
+        log_probs_max_abs_diff=float((log_probs - want).abs().max()),
+        grad_weight_rel_diff=rel(weight.grad, w32.grad),
+        grad_hidden_rel_diff=rel(hidden.grad, h32.grad),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="qwen2-20m", help="a built-in name or a model folder")
@@ -117,6 +144,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     emit(check="device", name=torch.cuda.get_device_name(), torch=torch.__version__)
+    chunked_head_grads()
     model_dir = str(builtin_or_folder(args.model, tempfile.mkdtemp()))
     engine_vs_reference(model_dir, "float32")
     engine_vs_reference(model_dir, "float32", group=4)
