@@ -128,7 +128,7 @@ def chunked_head_grads(tokens: int = 2048, hidden_size: int = 896, vocab: int = 
 
     emit(
         check="chunked_head_bf16_vs_fp32_autograd",
-        log_probs_max_abs_diff=float((log_probs - want).abs().max()),
+        log_probs_max_abs_diff=float((log_probs - want).detach().abs().max()),
         grad_weight_rel_diff=rel(weight.grad, w32.grad),
         grad_hidden_rel_diff=rel(hidden.grad, h32.grad),
     )
