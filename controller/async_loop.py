@@ -220,6 +220,7 @@ class AsyncTrainer(Trainer):
     """Trainer.step fed by the rollout buffer; see the module docstring."""
 
     def __init__(self, spec: JobSpec, *args: Any, **kwargs: Any) -> None:
+        self._asked_proximal = spec.algorithm.recompute_old_log_probs  # the user's, before the correction's
         super().__init__(corrected_spec(spec), *args, **kwargs)
         self.turn = RolloutTurn(sync_first=self.spec.trainer.partial_rollouts)
         self.producer: RolloutProducer | None = None
@@ -239,11 +240,17 @@ class AsyncTrainer(Trainer):
 
     def _needs_old_log_probs(self, samples: int) -> bool:
         """behaviour_ppo's old policy is the behaviour one: the proximal pass runs only for what else
-        reads it (KL in the reward, rollout rejection)."""
-        if self.spec.trainer.off_policy_correction != "behaviour_ppo":
-            return super()._needs_old_log_probs(samples)
-        a = self.spec.algorithm
-        return a.recompute_old_log_probs or a.kl_in_reward or a.rollout_correction.rejection != "off"
+        reads it (KL in the reward, rollout rejection). decoupled's pass is skipped when the update is
+        one optimizer step (and the user did not ask for the pass): the update's first forward, detached,
+        is pi_prox exactly, as for tis, so the pass would compute the same numbers again (a forward a
+        step, which a compute-bound job pays for: bench/RESULTS.md)."""
+        a, choice = self.spec.algorithm, self.spec.trainer.off_policy_correction
+        if choice == "behaviour_ppo":
+            return a.recompute_old_log_probs or a.kl_in_reward or a.rollout_correction.rejection != "off"
+        if choice == "decoupled" and not self._asked_proximal:
+            single_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, samples)
+            return not single_step or a.kl_in_reward or a.rollout_correction.rejection != "off"
+        return super()._needs_old_log_probs(samples)
 
     def _actor_inputs(self, batch: Any) -> Any:
         if self.spec.trainer.off_policy_correction == "behaviour_ppo":

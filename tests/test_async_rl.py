@@ -125,6 +125,8 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
     assert sum(r["values"]["async/staleness_hist/1"] for r in rows) > 0  # it did run ahead
     for row in rows:
         assert row["values"]["rollout_corr/is_weight_mean"] > 0  # the behaviour weight is applied
+        # one optimizer step a batch: pi_prox is the update's own first forward, no separate pass
+        assert "timing_s/old_log_prob" not in row["values"]
 
 
 @pytest.mark.parametrize(
