@@ -210,6 +210,19 @@ def run_job(
         return out
 
     trainer.validate = timed_validate
+    hold_waits: list[float] = []  # async: a validation's wait for the lanes' calls in flight to end
+    turn = getattr(trainer, "turn", None)
+    if turn is not None:
+        hold = turn.hold
+
+        def timed_hold(timeout_s: float) -> bool:
+            start = time.perf_counter()
+            try:
+                return hold(timeout_s)
+            finally:
+                hold_waits.append(time.perf_counter() - start)
+
+        turn.hold = timed_hold
     started = time.perf_counter()
     trainer.run()
     rows = [r["values"] for r in sink.history if r["step"] >= 1]  # step 0: the first validation only
@@ -217,6 +230,10 @@ def run_job(
     timed = len(ends) - 1  # steps after the first (warm-up: worker start, first generation)
     # a validation's time is not training time (the first step's and step 0's are before ends[0])
     seconds = ends[-1] - ends[0] - sum(s for step, _, s in validations if step >= 2)
+    # the lanes work while a validation waits for their calls to end: counted as training time, that
+    # wait gives the conservative figure (the trainer idles meanwhile, which it would not unvalidated)
+    later = sum(step >= 2 for step, _, _ in validations)
+    waited = sum(hold_waits[len(hold_waits) - later :]) if later and hold_waits else 0.0
     rewards = [r["critic/score/mean"] for r in rows]
     return {
         "task": task,
@@ -230,6 +247,8 @@ def run_job(
         "wall_s": round(time.perf_counter() - started, 1),
         "load_average": os.getloadavg(),
         "samples_trained_per_s": timed * samples / seconds,
+        "samples_trained_per_s_hold_wait_counted": timed * samples / (seconds + waited),
+        "validation_hold_wait_s": round(waited, 2),
         "trainer_wait_s": sum(r.get("async/trainer_wait_s", r.get("timing_s/gen", 0.0)) for r in rows[1:]),
         "rollout_wait_s": sum(r.get("async/rollout_wait_s", 0.0) for r in rows[1:]),
         "staleness_mean": sum(r.get("async/staleness_mean", 0.0) for r in rows) / len(rows),
