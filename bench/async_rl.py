@@ -7,7 +7,7 @@
 
 Every job is split (1 training rank, `--rollout-workers` rollout workers). Sync generates then trains;
 async runs with the spec's defaults (`rollout_lanes: auto`, max_staleness resolved from the lanes:
-per_worker with k = rollout workers - 1 on (a), group with k = 1 on (b)) unless `--k` / `--lanes`
+per_worker with k = rollout workers - 1 on both tasks) unless `--k` / `--lanes`
 set them, once per off-policy
 correction in `--corrections` (the first, by default the default decoupled one, is the one the ratio
 line compares with sync), for every trainer seed in `--seeds`.

@@ -170,11 +170,11 @@ def rollout_workers(n: int) -> dict:
         (ENV, rollout_workers(3), {}, "per_worker", 2),  # multi-turn: a lane per worker, all running
         (ENV, rollout_workers(1), {}, "per_worker", 1),  # k is at least 1
         (ENV, rollout_workers(8), {}, "per_worker", 4),  # capped at the largest k measured stable
-        ({}, rollout_workers(3), {}, "group", 1),  # single-turn: one draw at a time, as sync
-        ({**ENV, **BACKEND_TP2}, rollout_workers(4), {}, "group", 1),  # tensor-parallel replicas
+        ({}, rollout_workers(3), {}, "per_worker", 2),  # single-turn too
+        ({**ENV, **BACKEND_TP2}, rollout_workers(4), {}, "group", 1),  # tensor-parallel replicas: group
         (ENV, rollout_workers(3), {"max_staleness": 0}, "per_worker", 0),  # explicit settings kept
         (ENV, rollout_workers(3), {"rollout_lanes": "group"}, "group", 1),
-        ({}, rollout_workers(3), {"rollout_lanes": "per_worker"}, "per_worker", 2),
+        ({}, rollout_workers(3), {"rollout_lanes": "group"}, "group", 1),
     ],
 )
 def test_auto_lanes_and_staleness_resolve_by_the_rule(rollout, resources, trainer, lanes, k):
