@@ -6,8 +6,9 @@
     by tests.reward_fns:digit_reward (partial credit).
 
 Every job is split (1 training rank, `--rollout-workers` rollout workers). Sync generates then trains;
-async runs with max_staleness `--k` and one producer lane per rollout worker (`rollout_lanes:
-per_worker`; `--lanes group` for the default, one draw at a time over the group), once per off-policy
+async runs with the spec's defaults (`rollout_lanes: auto`, max_staleness resolved from the lanes:
+per_worker with k = rollout workers - 1 on both tasks) unless `--k` / `--lanes`
+set them, once per off-policy
 correction in `--corrections` (the first, by default the default decoupled one, is the one the ratio
 line compares with sync), for every trainer seed in `--seeds`.
 `tis-uncapped` is tis with algorithm.rollout_correction.is_cap 1e6: with one update step per batch its
@@ -21,6 +22,14 @@ them measures the run-to-run noise of async timing. With several optimizer steps
 _high 100, clip_ratio_c 1e6): -rho A with rho = pi_theta / pi_behav unclipped up to rho = 101, which
 is tinker-cookbook's importance-sampling loss for any number of optimizer steps per batch.
 
+Held-out reward (`--val-every N`): the job's own validation (controller/trainer.py: answers to the
+task's held-out split, `trainer.val_size` of them, sampled with a fixed seed, `trainer.val_greedy`
+false, or greedy with `--val-greedy`) every N steps and at step 0, so the
+*trained* weights are scored at equal samples consumed in both modes (the reward of the trained
+samples, below, is that of the older weights that generated them: it lags in async by construction).
+An async validation holds the rollout workers to itself (the lanes wait, as sync's generation does),
+and every validation's time is left out of the samples/s.
+
 Prints one JSON line per job: samples trained per second (after the first step's warm-up), each
 role's wait (the trainer's wait for a batch; the rollout's wait for admission or a sync), reward
 against samples consumed (raw per step, and the mean over each quarter of the run's samples), and the
@@ -30,8 +39,9 @@ log; the engine mismatch alone in sync), the share of tokens whose weight hit th
 line per task with each job's reward by quarter averaged over the seeds.
 
     python bench/async_rl.py [--quick] [--steps 8] [--k 2] [--rollout-workers 3] [--task latency|compute|both]
+        [--val-every 5] [--val-size 64]
         [--lr 5e-4] [--max-response-tokens 24] [--seeds 1,2] [--mini-batch 4] [--epochs 2]
-        [--corrections decoupled,tis,none,tis-uncapped,behaviour_ppo,is-unclipped] [--lanes group] [--sync-only]
+        [--corrections decoupled,tis,none,tis-uncapped,behaviour_ppo,is-unclipped] [--lanes auto|group|per_worker] [--sync-only]
         [--windows 80,160,320,480] [--out bench/results/NAME.jsonl]
 """
 
@@ -63,9 +73,14 @@ def job_spec(
 ) -> dict:
     trainer = {"total_steps": args.steps, "prompts_per_step": args.prompts, "val_every": 0, "seed": seed,
                "samples_per_step": 0}  # fmt: skip
+    if args.val_every:
+        trainer.update(val_every=args.val_every, val_size=args.val_size, val_greedy=args.val_greedy)
     if mode == "async":
-        trainer.update(mode="async", max_staleness=args.k, rollout_lanes=args.lanes,
-                       off_policy_correction=ARM_CORRECTION.get(correction, correction))  # fmt: skip
+        trainer.update(mode="async", off_policy_correction=ARM_CORRECTION.get(correction, correction))
+        if args.k is not None:
+            trainer["max_staleness"] = args.k
+        if args.lanes is not None:
+            trainer["rollout_lanes"] = args.lanes
     spec = {
         "method": "grpo",
         "trainer": trainer,
@@ -166,6 +181,7 @@ def stability(rows: list[dict]) -> dict:
 def run_job(
     args: argparse.Namespace, task: str, mode: str, seed: int = 1, correction: str = "decoupled"
 ) -> dict:
+    from controller.async_config import resolved_lanes, staleness_bound
     from controller.async_loop import make_trainer
     from controller.sink import JsonlSink
     from controller.spec import JobSpec
@@ -182,24 +198,57 @@ def run_job(
         progress(step, total, values)
 
     sink.progress = mark
+    validations: list[tuple[int, float, float]] = []  # (step, held-out reward, seconds)
+    validate = trainer.validate
+
+    def timed_validate() -> dict[str, float]:
+        start = time.perf_counter()
+        out = validate()
+        validations.append(
+            (trainer.step_index, out.get("val/score/mean", math.nan), time.perf_counter() - start)
+        )
+        return out
+
+    trainer.validate = timed_validate
+    hold_waits: list[float] = []  # async: a validation's wait for the lanes' calls in flight to end
+    turn = getattr(trainer, "turn", None)
+    if turn is not None:
+        hold = turn.hold
+
+        def timed_hold(timeout_s: float) -> bool:
+            start = time.perf_counter()
+            try:
+                return hold(timeout_s)
+            finally:
+                hold_waits.append(time.perf_counter() - start)
+
+        turn.hold = timed_hold
     started = time.perf_counter()
     trainer.run()
-    rows = [r["values"] for r in sink.history]
+    rows = [r["values"] for r in sink.history if r["step"] >= 1]  # step 0: the first validation only
     samples = spec.trainer.prompts_per_step * spec.rollout.n
     timed = len(ends) - 1  # steps after the first (warm-up: worker start, first generation)
-    seconds = ends[-1] - ends[0]
+    # a validation's time is not training time (the first step's and step 0's are before ends[0])
+    seconds = ends[-1] - ends[0] - sum(s for step, _, s in validations if step >= 2)
+    # the lanes work while a validation waits for their calls to end: counted as training time, that
+    # wait gives the conservative figure (the trainer idles meanwhile, which it would not unvalidated)
+    later = sum(step >= 2 for step, _, _ in validations)
+    waited = sum(hold_waits[len(hold_waits) - later :]) if later and hold_waits else 0.0
     rewards = [r["critic/score/mean"] for r in rows]
     return {
         "task": task,
         "mode": mode,
         "correction": correction if mode == "async" else None,
-        "lanes": args.lanes if mode == "async" else None,
+        "lanes": resolved_lanes(spec) if mode == "async" else None,
+        "max_staleness": staleness_bound(spec) if mode == "async" else None,
         "seed": seed,
         "steps": len(rows),
         "samples_per_step": samples,
         "wall_s": round(time.perf_counter() - started, 1),
         "load_average": os.getloadavg(),
         "samples_trained_per_s": timed * samples / seconds,
+        "samples_trained_per_s_hold_wait_counted": timed * samples / (seconds + waited),
+        "validation_hold_wait_s": round(waited, 2),
         "trainer_wait_s": sum(r.get("async/trainer_wait_s", r.get("timing_s/gen", 0.0)) for r in rows[1:]),
         "rollout_wait_s": sum(r.get("async/rollout_wait_s", 0.0) for r in rows[1:]),
         "staleness_mean": sum(r.get("async/staleness_mean", 0.0) for r in rows) / len(rows),
@@ -207,6 +256,9 @@ def run_job(
         "optimizer_steps_per_batch": rows[-1].get("actor/optimizer_steps"),
         "dropped_stale": rows[-1].get("async/dropped_stale_total", 0.0),
         "reward_vs_samples": [[(i + 1) * samples, round(x, 4)] for i, x in enumerate(rewards)],
+        # the trained weights' greedy reward on the held-out games, at samples consumed
+        "heldout_vs_samples": [[step * samples, round(x, 4)] for step, x, _ in validations],
+        "validation_s": round(sum(s for _, _, s in validations), 2),
         "reward_mean": sum(rewards) / len(rewards),
         # the mean reward of each quarter of the samples consumed, ending at these sample counts
         "reward_by_quarter": quarters(rewards),
@@ -215,6 +267,33 @@ def run_job(
         "quarter_ends_samples": [round(i * len(rows) / 4) * samples for i in range(1, 5)],
         **stability(rows),
     }
+
+
+def mean_sd(values: list[float]) -> list[float]:
+    """[mean, sample sd] rounded (sd 0 for one value)."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return [round(statistics.fmean(values), 4), round(sd, 4)]
+
+
+def spread(ratios: list[float], heldout: dict[str, list[list[list[float]]]]) -> dict:
+    """Over the seeds: the async/sync ratio's mean and sd; each job's held-out reward at each sample
+    count (mean, sd); and async minus sync per seed at each sample count."""
+    out: dict = {"async_over_sync_mean_sd": mean_sd(ratios) if ratios else None}
+    curves = {}
+    for job, runs in heldout.items():
+        at = [dict(map(tuple, run)) for run in runs]
+        counts = sorted(set.intersection(*(set(a) for a in at))) if at else []
+        curves[job] = {n: [a[n] for a in at] for n in counts}
+    out["heldout_mean_sd"] = {job: {n: mean_sd(v) for n, v in c.items()} for job, c in curves.items()}
+    sync = curves.get("sync", {})
+    for job, c in curves.items():
+        if job != "sync":
+            out[f"heldout_{job}_minus_sync_per_seed"] = {
+                n: [round(a - b, 4) for a, b in zip(v, sync[n], strict=True)]
+                for n, v in c.items()
+                if n in sync
+            }
+    return out
 
 
 def seed_list(text: str) -> list[int]:
@@ -226,7 +305,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--k", type=int, default=None, help="trainer.max_staleness (default: the spec's)")
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--max-response-tokens", type=int, default=24, help="(a): a game's token budget")
     parser.add_argument("--rollout-workers", type=int, default=3)
@@ -238,8 +317,20 @@ def main() -> int:
         help="async jobs' trainer.off_policy_correction, comma-separated (decoupled, tis, none, or "
         "tis-uncapped: tis with is_cap 1e6); the first is compared with sync",
     )
-    parser.add_argument("--lanes", choices=("per_worker", "group"), default="per_worker",
-                        help="trainer.rollout_lanes of the async jobs")  # fmt: skip
+    parser.add_argument("--lanes", choices=("auto", "per_worker", "group"), default=None,
+                        help="trainer.rollout_lanes of the async jobs (default: the spec's)")  # fmt: skip
+    parser.add_argument(
+        "--val-every",
+        type=int,
+        default=0,
+        help="held-out reward of the trained weights every N steps (trainer.val_every)",
+    )
+    parser.add_argument("--val-size", type=int, default=64, help="trainer.val_size (held-out games)")
+    parser.add_argument(
+        "--val-greedy",
+        action="store_true",
+        help="greedy validation (default: sampled with a fixed seed, trainer.val_greedy false)",
+    )
     parser.add_argument(
         "--mini-batch", type=int, default=0, help="algorithm.ppo_mini_batch_size (0: the batch)"
     )
@@ -270,10 +361,13 @@ def main() -> int:
     try:
         for task in tasks:
             by_job: dict[str, list[list[float]]] = {}
+            heldout: dict[str, list[list[list[float]]]] = {}  # job -> per seed [[samples, reward], ...]
+            ratios: list[float] = []
             for seed in args.seeds:
                 sync = run_job(args, task, "sync", seed)
                 emit(sync)
                 by_job.setdefault("sync", []).append(sync["reward_by_quarter"])
+                heldout.setdefault("sync", []).append(sync["heldout_vs_samples"])
                 if args.sync_only:
                     continue
                 jobs = []
@@ -281,18 +375,22 @@ def main() -> int:
                     jobs.append(run_job(args, task, "async", seed, correction))
                     emit(jobs[-1])
                     by_job.setdefault(f"async-{correction}", []).append(jobs[-1]["reward_by_quarter"])
+                    heldout.setdefault(f"async-{correction}", []).append(jobs[-1]["heldout_vs_samples"])
                 ratio = jobs[0]["samples_trained_per_s"] / sync["samples_trained_per_s"]
+                ratios.append(ratio)
                 emit({"task": task, "seed": seed, "correction": corrections[0],
                       "async_over_sync_samples_per_s": round(ratio, 3),
                       "reward_mean_sync": round(sync["reward_mean"], 4),
                       "reward_mean_async": round(jobs[0]["reward_mean"], 4),
                       "reward_last_quarter_sync": sync["reward_by_quarter"][-1],
                       "reward_last_quarter_async": jobs[0]["reward_by_quarter"][-1],
+                      "heldout_sync": sync["heldout_vs_samples"], "heldout_async": jobs[0]["heldout_vs_samples"],
                       "load_average": os.getloadavg()})  # fmt: skip
             mean = {job: [round(statistics.fmean(q), 4) if None not in q else None for q in zip(*runs, strict=True)]
                     for job, runs in by_job.items()}  # fmt: skip
             emit({"task": task, "seeds": args.seeds, "k": args.k,
-                  "reward_by_quarter_mean_over_seeds": mean, "load_average": os.getloadavg()})  # fmt: skip
+                  "reward_by_quarter_mean_over_seeds": mean, "load_average": os.getloadavg(),
+                  **spread(ratios, heldout)})  # fmt: skip
     finally:
         ray.shutdown()
     return 0

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from controller.async_config import buffer_capacity
+from controller.async_config import buffer_capacity, resolved_lanes, staleness_bound
 from controller.off_policy import behaviour_as_old, corrected_spec
 from controller.overlong import apply_overlong
 from controller.partial_rollout import generate_in_segments
@@ -88,7 +88,7 @@ class RolloutProducer:
         self.stats = {"wait_s": 0.0, "busy_s": 0.0, "tokens": 0.0}
         self.pad = read_special_token_ids(trainer.job.model_path)[1]  # the rollout engine's padding
         group = trainer.job.groups.actor.rollout.group
-        lanes = group.actors if trainer.spec.trainer.rollout_lanes == "per_worker" else [None]
+        lanes = group.actors if resolved_lanes(trainer.spec) == "per_worker" else [None]
         self.threads = [
             threading.Thread(
                 target=self._run, args=(actor, i), name=f"rollout-lane-{i}-{trainer.name}", daemon=True
@@ -220,6 +220,7 @@ class AsyncTrainer(Trainer):
     """Trainer.step fed by the rollout buffer; see the module docstring."""
 
     def __init__(self, spec: JobSpec, *args: Any, **kwargs: Any) -> None:
+        self._asked_proximal = spec.algorithm.recompute_old_log_probs  # the user's, before the correction's
         super().__init__(corrected_spec(spec), *args, **kwargs)
         self.turn = RolloutTurn(sync_first=self.spec.trainer.partial_rollouts)
         self.producer: RolloutProducer | None = None
@@ -228,6 +229,7 @@ class AsyncTrainer(Trainer):
         self._sync_pending = False  # the rollout workers hold older weights than the trainer
         self._score_lock = threading.Lock()  # the scorer's processes serve one thread at a time
         self._dropped_total = 0
+        self.max_staleness = staleness_bound(self.spec)  # trainer.max_staleness, None resolved
 
     @property
     def batch_samples(self) -> int:
@@ -238,11 +240,17 @@ class AsyncTrainer(Trainer):
 
     def _needs_old_log_probs(self, samples: int) -> bool:
         """behaviour_ppo's old policy is the behaviour one: the proximal pass runs only for what else
-        reads it (KL in the reward, rollout rejection)."""
-        if self.spec.trainer.off_policy_correction != "behaviour_ppo":
-            return super()._needs_old_log_probs(samples)
-        a = self.spec.algorithm
-        return a.recompute_old_log_probs or a.kl_in_reward or a.rollout_correction.rejection != "off"
+        reads it (KL in the reward, rollout rejection). decoupled's pass is skipped when the update is
+        one optimizer step (and the user did not ask for the pass): the update's first forward, detached,
+        is pi_prox exactly, as for tis, so the pass would compute the same numbers again (a forward a
+        step, which a compute-bound job pays for: bench/RESULTS.md)."""
+        a, choice = self.spec.algorithm, self.spec.trainer.off_policy_correction
+        if choice == "behaviour_ppo":
+            return a.recompute_old_log_probs or a.kl_in_reward or a.rollout_correction.rejection != "off"
+        if choice == "decoupled" and not self._asked_proximal:
+            single_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, samples)
+            return not single_step or a.kl_in_reward or a.rollout_correction.rejection != "off"
+        return super()._needs_old_log_probs(samples)
 
     def _actor_inputs(self, batch: Any) -> Any:
         if self.spec.trainer.off_policy_correction == "behaviour_ppo":
@@ -253,9 +261,9 @@ class AsyncTrainer(Trainer):
 
     def _ensure_producer(self) -> RolloutProducer:
         if self.producer is None:
-            t, version = self.spec.trainer, self.step_index - 1
-            capacity = buffer_capacity(t, self.batch_samples)
-            buffer = RolloutBuffer(self.batch_samples, t.max_staleness, capacity, version=version)
+            version = self.step_index - 1
+            capacity = buffer_capacity(self.spec, self.batch_samples)
+            buffer = RolloutBuffer(self.batch_samples, self.max_staleness, capacity, version=version)
             next_index = self._next_index if self._next_index is not None else self.step_index
             self.producer = RolloutProducer(self, buffer, next_index, set(self._skip))
             self.producer.start()
@@ -331,9 +339,7 @@ class AsyncTrainer(Trainer):
     def _with_staleness(self, metrics: dict[str, float], batch: Any, version: int) -> dict[str, float]:
         """The trained samples' staleness (trainer version minus their oldest token's version)."""
         staleness = version - batch.tensors["policy_version"]
-        if (
-            int(staleness.max()) > self.spec.trainer.max_staleness
-        ):  # the buffer's filter makes this impossible
+        if int(staleness.max()) > self.max_staleness:  # the buffer's filter makes this impossible
             raise RuntimeError(f"a sample of staleness {int(staleness.max())} reached the update")
         metrics["async/staleness_mean"] = float(staleness.float().mean())
         metrics["async/staleness_max"] = float(staleness.max())
@@ -344,7 +350,7 @@ class AsyncTrainer(Trainer):
             newest = tv.max(-1).values
             oldest = tv.masked_fill(tv < 0, torch.iinfo(tv.dtype).max).min(-1).values
             metrics["async/multi_version_samples"] = float(((newest > oldest) & (newest >= 0)).sum())
-        for age in range(self.spec.trainer.max_staleness + 1):  # the histogram of trained samples
+        for age in range(self.max_staleness + 1):  # the histogram of trained samples
             metrics[f"async/staleness_hist/{age}"] = float((staleness == age).sum())
         return metrics
 
@@ -371,13 +377,15 @@ class AsyncTrainer(Trainer):
 
         return wait
 
-    def _send_weights(self) -> Callable[[], dict[str, float]]:
-        """Send the trainer's weights (the turn is the sync's); the producer resumes once they are there."""
+    def _send_weights(self, release: bool = True) -> Callable[[], dict[str, float]]:
+        """Send the trainer's weights (the turn is the sync's); the producer resumes once they are there
+        (`release` False: the caller keeps the turn and releases it)."""
         producer, version = self._ensure_producer(), self.step_index
         try:
             done = super()._start_sync()
         except BaseException:
-            self.turn.release()
+            if release:
+                self.turn.release()
             raise
 
         def wait() -> dict[str, float]:
@@ -388,19 +396,23 @@ class AsyncTrainer(Trainer):
                 producer.buffer.set_version(version)
                 return out
             finally:
-                self.turn.release()
+                if release:
+                    self.turn.release()
 
         return wait
 
     def _generate(self, prompts: Any) -> Any:
-        """Validation's generation: the trainer's weights first (a deferred sync goes now), then its
-        turn on the rollout workers."""
-        if self._sync_pending and self.producer is not None:
-            if not self.turn.try_sync(WAIT_TIMEOUT_S):
-                raise TimeoutError(f"rollout workers of job {self.name}: busy for {WAIT_TIMEOUT_S:.0f} s")
-            self._synced(self._send_weights())
-        with self.turn.generation(WAIT_TIMEOUT_S, f"rollout workers of job {self.name}"):
+        """Validation's generation: the rollout workers to itself (the lanes wait, as the trainer does,
+        so a validation costs async what it costs sync), the trainer's weights first (a deferred sync
+        goes now), then the validation prompts."""
+        if not self.turn.hold(WAIT_TIMEOUT_S):
+            raise TimeoutError(f"rollout workers of job {self.name}: busy for {WAIT_TIMEOUT_S:.0f} s")
+        try:
+            if self._sync_pending and self.producer is not None:
+                self._synced(self._send_weights(release=False))
             return super()._generate(prompts)
+        finally:
+            self.turn.release()
 
     def _rewards(self, batch: Any) -> tuple[Any, Any, dict[str, float]]:
         with self._score_lock:

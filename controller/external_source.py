@@ -17,7 +17,7 @@ from typing import Any
 import ray
 import torch
 
-from controller.async_config import buffer_capacity
+from controller.async_config import buffer_capacity, staleness_bound
 from controller.external import ExternalServer
 from controller.external_spec import server_name
 from controller.spec import JobSpec
@@ -40,8 +40,8 @@ class ExternalSource:
             .remote(job_id, model_path, self.config.model_dump())
         )
         if spec.trainer.mode == "async":  # admission by the rollout buffer, before any call is served
-            k, per_step = spec.trainer.max_staleness, self.config.trajectories_per_step
-            ray.get(self.actor.use_buffer.remote(k, buffer_capacity(spec.trainer, per_step), version),
+            k, per_step = staleness_bound(spec), self.config.trajectories_per_step
+            ray.get(self.actor.use_buffer.remote(k, buffer_capacity(spec, per_step), version),
                     timeout=CALL_TIMEOUT_S)  # fmt: skip
 
     def attach(self, groups: Any, version: int) -> None:

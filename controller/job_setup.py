@@ -57,7 +57,7 @@ class JobSetup:
         if val_file is not None and spec.trainer.val_every:
             val = build_dataset(val_file, tokenizer, spec.data)
             val_batch = val.make_batch(list(range(min(spec.trainer.val_size, len(val)))))
-            put_sampling(val_batch, spec.rollout.sampling_params(seed=0, greedy=True))
+            put_sampling(val_batch, spec.rollout.sampling_params(seed=0, greedy=spec.trainer.val_greedy))
             put_prompt_length(val_batch, spec.data.max_prompt_length)
             put_environment(val_batch, spec.rollout.environment_config())
         scorer = RewardScorer(spec.reward.function, spec.reward.num_workers) if spec.reward.function else None

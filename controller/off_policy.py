@@ -22,7 +22,8 @@ def corrected_spec(spec: JobSpec) -> JobSpec:
                    Fu et al. 2025, "AReaL", eq. 5 (the decoupled PPO objective: the trust region is
                    around the proximal policy, the behaviour weight corrects the sampling); AReaL
                    masks tokens past the cap, this truncates them (Yao et al. 2025). Needs the
-                   proximal pass: algorithm.recompute_old_log_probs is set.
+                   proximal log-probs: algorithm.recompute_old_log_probs is set (AsyncTrainer skips
+                   the pass when the update is one optimizer step: its first forward is pi_prox).
     tis            L = - min(pi_theta.detach() / pi_behav, C) * min(r A, clip(r) A) with pi_prox =
                    pi_theta.detach(): for one epoch r = 1, an unclipped, truncated importance-sampling
                    loss (Yao et al. 2025). Measured (bench/RESULTS.md, 2026-11-25): with one update

@@ -24,13 +24,15 @@ class RolloutTurn:
         self._calls = 0
         self._syncing = False
         self._sync_first, self._sync_wanted = sync_first, False
+        self._hold_wanted = False  # `hold` is waiting: new generation calls wait behind it
 
     @contextmanager
     def generation(self, timeout_s: float, who: str) -> Iterator[float]:
         """Yields the seconds waited for a sync to finish."""
         start = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._syncing and not self._sync_wanted, timeout_s):
+            free = lambda: not (self._syncing or self._sync_wanted or self._hold_wanted)  # noqa: E731
+            if not self._cond.wait_for(free, timeout_s):
                 raise TimeoutError(f"{who}: a weight sync did not end within {timeout_s:.0f} s")
             self._calls += 1
         try:
@@ -49,6 +51,21 @@ class RolloutTurn:
                 return False
             self._syncing, self._sync_wanted = True, False
             return True
+
+    def hold(self, timeout_s: float) -> bool:
+        """As try_sync, but no new generation call starts while it waits, so busy lanes cannot starve
+        it: a validation gets the rollout workers to itself (the trainer's newest weights, then its
+        generation, as in sync, where nothing else runs meanwhile). True once held; `release` ends it."""
+        with self._cond:
+            self._hold_wanted = True
+            try:
+                if not self._cond.wait_for(lambda: self._calls == 0 and not self._syncing, timeout_s):
+                    return False
+                self._syncing = True
+                return True
+            finally:
+                self._hold_wanted = False
+                self._cond.notify_all()
 
     def release(self) -> None:
         with self._cond:

@@ -318,6 +318,12 @@ class TrainerSpec(Section, AsyncOptions):
     epochs: int = Field(1, ge=1, le=100_000, description="SFT: passes over the data")
     val_every: int = Field(5, ge=0, le=100_000_000, description="0 disables validation")
     val_size: int = Field(64, gt=0, le=MAX_SAMPLES, description="validation prompts per evaluation")
+    val_greedy: bool = Field(
+        True,
+        description="validation answers greedily; False: sampled at rollout.temperature with a fixed seed "
+        "(the same random numbers every validation and every job: val/score/mean estimates the policy's "
+        "expected reward, smoother than a small model's greedy answer, which flips)",
+    )
     stop_at_val_accuracy: float | None = Field(
         None,
         gt=0,

@@ -237,7 +237,8 @@ class Trainer:
         return self._finish_metrics(metrics, batch)
 
     def validate(self) -> dict[str, float]:
-        """Greedy answers to the validation prompts: val/score/mean and val/accuracy."""
+        """Answers to the validation prompts (greedy, or sampled: trainer.val_greedy): val/score/mean and
+        val/accuracy."""
         if self.job.val_batch is None:
             return {}
         with self._timed("validate"):

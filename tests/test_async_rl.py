@@ -125,6 +125,8 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
     assert sum(r["values"]["async/staleness_hist/1"] for r in rows) > 0  # it did run ahead
     for row in rows:
         assert row["values"]["rollout_corr/is_weight_mean"] > 0  # the behaviour weight is applied
+        # one optimizer step a batch: pi_prox is the update's own first forward, no separate pass
+        assert "timing_s/old_log_prob" not in row["values"]
 
 
 @pytest.mark.parametrize(
@@ -133,6 +135,10 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
         ({"trainer": {"mode": "async"}}, "trainer.mode"),
         ({"trainer": {"mode": "async", "max_staleness": -1}, "resources": SPLIT}, "trainer.max_staleness"),
         ({"trainer": {"mode": "async", "buffer_size": 3}, "resources": SPLIT}, "trainer.buffer_size"),
+        (
+            {"trainer": {"mode": "async", "rollout_lanes": "fastest"}, "resources": SPLIT},
+            "trainer.rollout_lanes",
+        ),
         (
             {
                 "trainer": {"mode": "async", "off_policy_correction": "behaviour_ppo"},
@@ -148,6 +154,62 @@ def test_bad_async_settings_are_a_422_naming_the_field(unscheduled, body, param)
         response = http.post("/v1/jobs", json={"model": {"builtin": "tiny-qwen2"}, **body})
     assert response.status_code == 422, response.text
     assert response.json()["error"]["param"] == param
+
+
+ENV = {"environment": "builtin:guess_number", "max_turns": 2, "max_response_tokens": 16}
+BACKEND_TP2 = {"backend": "sglang", "tensor_parallel_size": 2}  # a tensor-parallel backend (spec only)
+
+
+def rollout_workers(n: int) -> dict:
+    return {"placement": "split", "workers": 1, "rollout": {"workers": n}}
+
+
+@pytest.mark.parametrize(
+    ("rollout", "resources", "trainer", "lanes", "k"),
+    [
+        (ENV, rollout_workers(3), {}, "per_worker", 2),  # multi-turn: a lane per worker, all running
+        (ENV, rollout_workers(1), {}, "per_worker", 1),  # k is at least 1
+        (ENV, rollout_workers(8), {}, "per_worker", 4),  # capped at the largest k measured stable
+        ({}, rollout_workers(3), {}, "per_worker", 2),  # single-turn too
+        ({**ENV, **BACKEND_TP2}, rollout_workers(4), {}, "group", 1),  # tensor-parallel replicas: group
+        (ENV, rollout_workers(3), {"max_staleness": 0}, "per_worker", 0),  # explicit settings kept
+        (ENV, rollout_workers(3), {"rollout_lanes": "group"}, "group", 1),
+        ({}, rollout_workers(3), {"rollout_lanes": "group"}, "group", 1),
+    ],
+)
+def test_auto_lanes_and_staleness_resolve_by_the_rule(rollout, resources, trainer, lanes, k):
+    from controller.async_config import buffer_capacity, resolved_lanes, staleness_bound
+
+    spec = small_spec(mode="async", **trainer).merged({"rollout": rollout, "resources": resources})
+    assert spec.trainer.rollout_lanes == trainer.get("rollout_lanes", "auto")
+    assert (resolved_lanes(spec), staleness_bound(spec)) == (lanes, k)
+    assert buffer_capacity(spec, 8) == (k + 1) * 8  # buffer_size None: (k + 1) steps' worth
+
+
+def test_auto_lanes_resolve_to_group_for_an_external_source():
+    from controller.async_config import resolved_lanes, staleness_bound
+
+    spec = small_spec(mode="async").merged(
+        {"rollout": {"source": "external", "external": {"group_size": 2, "trajectories_per_step": 4}}}
+    )
+    assert (resolved_lanes(spec), staleness_bound(spec)) == ("group", 1)
+
+
+def test_lanes_validation_names_the_field():
+    """auto is valid wherever async is; per_worker with tensor-parallel replicas is not, nor is any
+    explicit lane setting with an external source."""
+    from pydantic import ValidationError
+
+    small_spec(mode="async").merged({"rollout": {**ENV, **BACKEND_TP2}, "resources": rollout_workers(2)})
+    with pytest.raises(ValidationError, match="trainer.rollout_lanes: per_worker needs rollout.tensor_par"):
+        small_spec(mode="async", rollout_lanes="per_worker").merged(
+            {"rollout": {**ENV, **BACKEND_TP2}, "resources": rollout_workers(2)}
+        )
+    external = {"rollout": {"source": "external", "external": {"group_size": 2, "trajectories_per_step": 4}}}
+    with pytest.raises(ValidationError, match="trainer.rollout_lanes: not with rollout.source external"):
+        small_spec(mode="async", rollout_lanes="group").merged(external)
+    with pytest.raises(ValidationError, match="rollout_lanes"):
+        small_spec(mode="async", rollout_lanes="fastest")
 
 
 def test_the_decoupled_objective_matches_its_formula_computed_per_token():
