@@ -542,11 +542,12 @@ def check_async(spec: JobSpec, samples: int) -> None:
     if t.partial_rollouts and spec.rollout.environment is not None:
         raise field_error(("trainer", "partial_rollouts"), "single-turn only (rollout.environment is set)",
                           t.partial_rollouts)  # fmt: skip
-    if spec.rollout.source == "external":  # agents' calls are whole: no segments, no lanes to choose
-        for name in ("partial_rollouts", "rollout_lanes"):
-            if getattr(t, name) != AsyncOptions.model_fields[name].default:
-                raise field_error(("trainer", name), "not with rollout.source external (agents make the "
-                                  "calls: the endpoint batches them)", getattr(t, name))  # fmt: skip
+    if spec.rollout.source == "external":  # agents' calls are whole: no segments, no lanes of our own
+        # 'group' (the default before 'auto') stays accepted: it asks for nothing an external job lacks.
+        refused = {"partial_rollouts": t.partial_rollouts, "rollout_lanes": t.rollout_lanes == "per_worker"}
+        for name in (n for n, bad in refused.items() if bad):
+            raise field_error(("trainer", name), "not with rollout.source external (agents make the "
+                              "calls: the endpoint batches them)", getattr(t, name))  # fmt: skip
     if t.off_policy_correction == "behaviour_ppo" and spec.algorithm.rollout_correction.is_weights != "off":
         raise field_error(("trainer", "off_policy_correction"), "behaviour_ppo's old policy is the behaviour "
                           "one: algorithm.rollout_correction.is_weights would weigh every token by 1 (leave it "

@@ -196,8 +196,8 @@ def test_auto_lanes_resolve_to_group_for_an_external_source():
 
 
 def test_lanes_validation_names_the_field():
-    """auto is valid wherever async is; per_worker with tensor-parallel replicas is not, nor is any
-    explicit lane setting with an external source."""
+    """auto is valid wherever async is; per_worker with tensor-parallel replicas is not, nor is
+    per_worker with an external source (group, the old default, stays accepted there)."""
     from pydantic import ValidationError
 
     small_spec(mode="async").merged({"rollout": {**ENV, **BACKEND_TP2}, "resources": rollout_workers(2)})
@@ -207,7 +207,8 @@ def test_lanes_validation_names_the_field():
         )
     external = {"rollout": {"source": "external", "external": {"group_size": 2, "trajectories_per_step": 4}}}
     with pytest.raises(ValidationError, match="trainer.rollout_lanes: not with rollout.source external"):
-        small_spec(mode="async", rollout_lanes="group").merged(external)
+        small_spec(mode="async", rollout_lanes="per_worker").merged(external)
+    small_spec(mode="async", rollout_lanes="group").merged(external)  # the old default: still a job
     with pytest.raises(ValidationError, match="rollout_lanes"):
         small_spec(mode="async", rollout_lanes="fastest")
 
