@@ -18,6 +18,10 @@ The matrix-product peak of the same process gives each part's FLOP/s as a fracti
 log-softmax per chunk) on the same tensors, so the lever's effect is a ratio from one run.
 
     python bench/profile_update.py [--model smollm2-135m-instruct] [--iters 3] [--compare-head]
+        [--threads N] [--max-tokens TOKENS]
+
+The update's CPU time (`process_s`, all threads) is reported beside its wall time: on a machine
+other jobs share, CPU time at `--threads 1` is the figure that stays put.
 """
 
 from __future__ import annotations
@@ -126,19 +130,24 @@ def main() -> None:
     parser.add_argument("--response-len", type=int, default=16)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--compare-head", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the physical cores)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=0, help="max_tokens_per_micro_batch (0: the automatic budget)"
+    )
     args = parser.parse_args()
     from bench.flops import machine_peak, model_shape
     from controller.models import builtin_model_path
-    from engines.config import EngineConfig
+    from engines.config import EngineConfig, MicroBatchConfig
     from engines.fsdp.engine import FSDPEngine
     from engines.logprobs import token_log_probs
     from engines.threads import physical_cores, set_torch_threads
 
-    threads = set_torch_threads(physical_cores())
+    threads = set_torch_threads(args.threads or physical_cores())
     peak = machine_peak(threads)
     model_dir = str(builtin_model_path(args.model))
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29633"})
-    engine = FSDPEngine(EngineConfig(model_path=model_dir, optim={"lr": 1e-6}))
+    micro = MicroBatchConfig(max_tokens_per_micro_batch=args.max_tokens or None)
+    engine = FSDPEngine(EngineConfig(model_path=model_dir, optim={"lr": 1e-6}, micro_batch=micro))
     engine.initialize()
     clock = ModuleClock()
     for layer in engine.model.lm.model.layers:
@@ -151,13 +160,15 @@ def main() -> None:
     for i in range(args.iters + 1):  # the first is warm-up
         clock.seconds.clear()
         with engine.train_mode():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             engine.forward_backward_batch(batch, pg_loss, compute_entropy=True)
             middle = time.perf_counter()
             engine.optimizer_step()
             end = time.perf_counter()
         if i:
-            rows.append({"forward_backward_s": middle - start, "optimizer_s": end - middle, **clock.seconds})
+            process_s = time.process_time() - cpu
+            rows.append({"forward_backward_s": middle - start, "optimizer_s": end - middle,
+                         "process_s": process_s, **clock.seconds})  # fmt: skip
     step = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     tokens = args.prompts * args.n * args.response_len
     width = engine.hf_config.hidden_size

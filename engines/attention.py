@@ -11,9 +11,9 @@ the real tokens before it in its own sequence; the padded queries' outputs are n
 projections and MLPs around it stay packed. The sequence boundaries arrive as the `cu_seq_lens_q`
 keyword that transformers passes down to every attention call.
 
-With a `shared_prompt` layout (engines/shared_prompt.py) a row of the grid is a group: its prompt,
-stored once, and its responses, each of which reads the prompt's keys and values as well as its own
-(a mask per group says so).
+With a `shared_prompt` layout (engines/shared_prompt.py) each group's prompt is stored once: the
+prompts run causal in one grid, the responses in another, each response reading its group's prompt
+keys and values followed by its own (a mask per response says which are real).
 
 One call per layer replaced one call per sequence per layer (2,000+ small calls, forward and
 backward, for 128 sequences x 8 layers); see bench/RESULTS.md for what it measured.
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engines.shared_prompt import SharedPromptPack
+from engines.shared_prompt import AttentionLayout, SharedPromptPack
 
 NAME = "tandem_segments"
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -88,31 +88,64 @@ def _shared_prompt_attention(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Attention over the groups of engines/shared_prompt.py: a group (its prompt, stored once, and its
-    responses) is one row of a padded grid, and the layout's mask lets each response read the prompt;
-    the backward sums every response's gradient into that one copy."""
-    groups, _, longest, _ = layout.group_mask.shape
-    slot = layout.group_slot
+    """Attention over the groups of engines/shared_prompt.py, computing only the blocks it needs:
+    the prompts causal in a [G, P] grid, and each response's queries over [its group's prompt keys ;
+    its own keys] in an [S, R] grid (a copy of the prompt's keys and values per response, whose
+    backward sums every response's gradient into the one copy)."""
+    grids = layout.attention
+    g, p_len, r_len = grids.groups, grids.prompt_len, grids.response_len
+    responses = grids.response_group.shape[0]
 
-    def to_grid(x: torch.Tensor) -> torch.Tensor:  # [1, h, N, D] -> [G, h, Lg, D]
+    def to_grids(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1, h, N, D] -> the prompts [G, h, P, D] and the responses [S, h, R, D]."""
         tokens = x[0].transpose(0, 1)  # [N, h, D]
-        grid = tokens.new_zeros(groups * longest, *tokens.shape[1:]).index_copy(0, slot, tokens)
-        return grid.view(groups, longest, *tokens.shape[1:]).transpose(1, 2)
+        cells = tokens.new_zeros(g * p_len + responses * r_len, *tokens.shape[1:])
+        cells = cells.index_copy(0, grids.slot, tokens)
+        prompts, answers = cells[: g * p_len], cells[g * p_len :]
+        return (prompts.view(g, p_len, *tokens.shape[1:]).transpose(1, 2),
+                answers.view(responses, r_len, *tokens.shape[1:]).transpose(1, 2))  # fmt: skip
 
-    q, k, v = to_grid(query), to_grid(key), to_grid(value)
+    (qp, qr), (kp, kr), (vp, vr) = to_grids(query), to_grids(key), to_grids(value)
     p = dropout if module.training else 0.0
+    gqa = key.shape[1] != query.shape[1]
     with sdpa_kernel(_BACKENDS):
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=layout.group_mask,
-            dropout_p=p,
-            scale=scaling,
-            enable_gqa=k.shape[1] != q.shape[1],
+        out_prompt = F.scaled_dot_product_attention(
+            qp, kp, vp, dropout_p=p, is_causal=True, scale=scaling, enable_gqa=gqa
         )
-    out = out.transpose(1, 2).reshape(groups * longest, *out.shape[1::2])  # [G * Lg, H, D]
-    return out.index_select(0, slot)[None]
+        outs = [out_prompt.transpose(1, 2).reshape(g * p_len, *out_prompt.shape[1::2])]
+        if responses:
+            k = torch.cat([_per_response(kp, grids), kr], dim=2)
+            v = torch.cat([_per_response(vp, grids), vr], dim=2)
+            out = F.scaled_dot_product_attention(
+                qr, k, v, attn_mask=grids.response_mask, dropout_p=p, scale=scaling, enable_gqa=gqa
+            )
+            outs.append(out.transpose(1, 2).reshape(responses * r_len, *out.shape[1::2]))
+    return _TakeRows.apply(torch.cat(outs), grids.slot)[None]
+
+
+def _per_response(prompt: torch.Tensor, grids: AttentionLayout) -> torch.Tensor:
+    """[G, h, P, D] -> [S, h, P, D], each response's group's row: an expand (whose backward is a sum)
+    when every group has as many responses, as a GRPO batch's do."""
+    if grids.responses_per_group:
+        n = grids.responses_per_group
+        return prompt[:, None].expand(-1, n, *prompt.shape[1:]).flatten(0, 1)
+    return prompt.index_select(0, grids.response_group)
+
+
+class _TakeRows(torch.autograd.Function):
+    """x.index_select(0, index) for an index without repeats: the backward copies the gradient's rows
+    back (index_copy) where index_select's accumulates them (a scatter-add, 2-3x slower on CPU)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.rows, *grad.shape[1:]).index_copy_(0, index, grad), None
 
 
 def register() -> str:

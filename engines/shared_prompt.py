@@ -8,13 +8,13 @@ its own response. Gradients flow into the shared prompt from every response that
 math is that of the unshared batch: only the order of the floating-point sums changes.
 
 The layout is built once per micro-batch and handed to the attention function (engines/attention.py)
-as a keyword that transformers passes down to every attention call. Attention runs per group: a
-group's prompt and responses are contiguous in the packed row, so they fill one row of a padded
-[groups, longest group] grid, and one mask per group says who sees whom (the prompt causal, each
-response its prompt and its own earlier tokens). Per-segment attention, where every response
-gathered its own copy of the prompt's keys and values, measured 1.6-2x slower forward + backward on
-SmolLM2's shapes (bench/RESULTS.md, issue 34): the copies and their index_add backward cost more
-than the masked-out work of the group blocks. The outputs: the hidden state
+as a keyword that transformers passes down to every attention call. Attention computes only the
+blocks it needs: the prompts, causal, in a [groups, longest prompt] grid, and every response's
+queries over [its group's prompt keys ; its own keys] in a [responses, longest response] grid with
+one mask row per response. A [groups, longest group] grid with a mask per group (the layout before)
+computed 3-4x the needed score entries at 8 responses of 16 tokens after a 36-token prompt; one
+gather of the prompt's keys per response segment with an index_add backward (the layout before that)
+was 1.6-2x slower again (bench/RESULTS.md, issue 34). The outputs: the hidden state
 that predicts response token t of a row is the prompt's last token for t = 0 and the row's own
 token t - 1 after it; `select` names those positions of the packed row, `grid_index` where each
 lands in the [mb, R] response grid.
@@ -28,11 +28,24 @@ import torch
 
 
 @dataclass
+class AttentionLayout:
+    """The two grids attention runs on: each group's prompt in a row of [G, P] (causal), and each
+    response in a row of [S, R] whose keys are its group's prompt followed by its own tokens."""
+
+    slot: torch.Tensor  # [N]: each packed token's cell in the flattened [G * P + S * R] cells
+    groups: int  # G
+    prompt_len: int  # P, the longest prompt
+    response_len: int  # R, the longest response
+    response_group: torch.Tensor  # [S]: the group of each response (responses in group order)
+    responses_per_group: int  # n when every group has n responses, else 0
+    response_mask: torch.Tensor  # [S, 1, R, P + R] bool: True = may attend
+
+
+@dataclass
 class SharedPromptPack:
     input_ids: torch.Tensor  # [1, N]: each distinct prompt once, then its rows' responses
     position_ids: torch.Tensor  # [1, N]
-    group_slot: torch.Tensor  # [N]: each packed token's slot in the flattened [G * Lg] group grid
-    group_mask: torch.Tensor  # [G, 1, Lg, Lg] bool: True = may attend
+    attention: AttentionLayout  # where engines/attention.py puts each token, and who reads whom
     select: torch.Tensor  # [M]: the packed position that predicts each response token
     targets: torch.Tensor  # [M]: that response token
     grid_index: torch.Tensor  # [M]: its place in the flattened [mb * R] response grid
@@ -102,12 +115,11 @@ def pack_shared(
             grid += range(row * width, row * width + response_len)
             targets += response
     device = input_ids.device
-    group_slot, group_mask = _attention_layout(segments, len(tokens), device)
+    attention = _attention_layout(segments, len(tokens), device)
     return SharedPromptPack(
         input_ids=torch.tensor([tokens], dtype=input_ids.dtype, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-        group_slot=group_slot,
-        group_mask=group_mask,
+        attention=attention,
         select=torch.tensor(select, dtype=torch.long, device=device),
         targets=torch.tensor(targets, dtype=input_ids.dtype, device=device),
         grid_index=torch.tensor(grid, dtype=torch.long, device=device),
@@ -117,32 +129,40 @@ def pack_shared(
 
 def _attention_layout(
     segments: list[tuple[int, int, int]], num_tokens: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slot of each packed token in the flattened [G * Lg] grid, the [G, 1, Lg, Lg] mask)."""
+) -> AttentionLayout:
+    """Where each packed token sits in the prompt grid [G, P] and the response grid [S, R], and
+    which of its [prompt ; response] keys each response query may read."""
     group, start, length = torch.tensor(segments, dtype=torch.long).unbind(1)
-    groups = int(group[-1]) + 1
-    first = torch.ones_like(group, dtype=torch.bool)
-    first[1:] = group[1:] != group[:-1]  # a group's first segment is its prompt
-    group_start = start[first]
-    group_len = torch.zeros(groups, dtype=torch.long).index_add_(0, group, length)
-    longest = int(group_len.max())
-    # Per token: its group, its offset in the group's row, and the segment it belongs to.
+    is_prompt = torch.ones_like(group, dtype=torch.bool)
+    is_prompt[1:] = group[1:] != group[:-1]  # a group's first segment is its prompt
+    groups, responses = int(is_prompt.sum()), int((~is_prompt).sum())
+    prompt_len = int(length[is_prompt].max())
+    response_len = int(length[~is_prompt].max()) if responses else 1
+    # Per segment: its row in its own grid; per token: its offset in the segment.
+    row = torch.where(is_prompt, is_prompt.cumsum(0) - 1, (~is_prompt).cumsum(0) - 1)
+    base = torch.where(is_prompt, row * prompt_len, groups * prompt_len + row * response_len)
     token_segment = torch.repeat_interleave(torch.arange(len(segments)), length)
-    token_group = group[token_segment]
-    offset = torch.arange(num_tokens) - group_start[token_group]
-    group_slot = token_group * longest + offset
-    # Per grid cell: the segment of its token (-1 for padding), and whether that segment is a prompt.
-    cell_segment = torch.full((groups * longest,), -1, dtype=torch.long)
-    cell_segment[group_slot] = token_segment
-    cell_segment = cell_segment.view(groups, longest)
-    is_prompt = torch.where(cell_segment >= 0, first[cell_segment.clamp(min=0)], False)
-    pos = torch.arange(longest)
-    causal = pos[None, :] <= pos[:, None]  # [Lg query, Lg key]
-    same = cell_segment[:, :, None] == cell_segment[:, None, :]
-    real_key = cell_segment[:, None, :] >= 0
-    # A token sees the earlier tokens of its own segment; a response token also sees its whole prompt.
-    reads_prompt = is_prompt[:, None, :] & ~is_prompt[:, :, None] & (cell_segment >= 0)[:, :, None]
-    mask = real_key & ((same & causal) | reads_prompt)
-    # Padded query cells still see key 0 (the prompt's first token), so no row of the softmax is empty.
-    mask[:, :, 0] |= cell_segment < 0
-    return group_slot.to(device), mask[:, None].to(device)
+    slot = base[token_segment] + torch.arange(num_tokens) - start[token_segment]
+    response_group = group[~is_prompt]
+    # A response query at offset i reads its group's real prompt keys and its own keys 0..i.
+    real_prompt = torch.arange(prompt_len)[None, :] < length[is_prompt][:, None]  # [G, P]
+    causal = torch.ones(response_len, response_len, dtype=torch.bool).tril()
+    mask = torch.cat(
+        [real_prompt[response_group][:, None, :].expand(-1, response_len, -1),
+         causal[None].expand(responses, -1, -1)],
+        dim=2,
+    )  # fmt: skip
+    return AttentionLayout(
+        slot=slot.to(device),
+        groups=groups,
+        prompt_len=prompt_len,
+        response_len=response_len,
+        response_group=response_group.to(device),
+        responses_per_group=_same_count(response_group, groups),
+        response_mask=mask[:, None].to(device),
+    )
+
+
+def _same_count(response_group: torch.Tensor, groups: int) -> int:
+    counts = torch.bincount(response_group, minlength=groups)
+    return int(counts[0]) if len(counts) and bool((counts == counts[0]).all()) else 0
