@@ -49,12 +49,18 @@ def _add_weight_grad(grad_weight: torch.Tensor, grad_logits: torch.Tensor, hidde
 BLOCK_ELEMENTS = 1 << 19  # 2 MB of fp32 logits
 
 
-def _row_blocks(start: int, end: int, vocab: int):
+def _row_blocks(start: int, end: int, vocab: int, device: torch.device):
     """Row slices of [start, end) of about BLOCK_ELEMENTS logits each: the element-wise passes over a
     chunk's logits (log-softmax, entropy, their gradient) run block by block, so that each pass after
     the first reads the block from cache rather than memory, and temporaries stay small (a fresh
     100 MB tensor is fresh pages from the kernel: the old whole-chunk `exp` took 3x an in-place one).
-    0.85x the head's forward + backward time at SmolLM2's shapes (bench/RESULTS.md, issue 34)."""
+    0.85x the head's forward + backward time at SmolLM2's shapes (bench/RESULTS.md, issue 34).
+    On a GPU one block (the whole chunk): there each block is several kernel launches, and at a
+    151k vocabulary 2 MB is 3 rows (measured on an H100 at qwen2-0.5b: the engine's default step took
+    0.38 s in blocks, 0.23 s without)."""
+    if device.type != "cpu":
+        yield slice(start, end)
+        return
     step = max(1, BLOCK_ELEMENTS // vocab)
     for first in range(start, end, step):
         yield slice(first, min(first + step, end))
@@ -98,7 +104,7 @@ class ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = _chunk_logits(hidden[start:end], weight, temperature)
-            for rows in _row_blocks(start, end, logits.shape[1]):
+            for rows in _row_blocks(start, end, logits.shape[1], logits.device):
                 block = logits[rows.start - start : rows.stop - start]
                 lse = torch.logsumexp(block, dim=-1)
                 log_norm[rows] = lse
@@ -135,7 +141,7 @@ class ChunkedLogProbs(torch.autograd.Function):
                 log_p = _chunk_logits(hidden[start:end], weight, ctx.temperature).sub_(
                     log_norm[start:end, None]
                 )
-            for rows in _row_blocks(start, end, log_p.shape[1]):
+            for rows in _row_blocks(start, end, log_p.shape[1], log_p.device):
                 _logit_grad(
                     log_p[rows.start - start : rows.stop - start],
                     targets[rows],
