@@ -125,6 +125,8 @@ def test_pagination_and_filters(api):
     assert [j["id"] for j in page["data"]] == ids[::-1][:2]
     rest = api.get("/v1/jobs", params={"metadata": "suite:page", "limit": 2, "after": ids[1]}).json()
     assert [j["id"] for j in rest["data"]] == [ids[0]] and rest["has_more"] is False
+    for job_id in ids:  # a job the scheduler had already started pauses at its next step boundary
+        wait_for(api, job_id, ("paused",), timeout_s=120)
     paused = api.get("/v1/jobs", params={"status": "paused", "metadata": "suite:page"}).json()["data"]
     assert {j["id"] for j in paused} == set(ids)
     for job_id in ids:
