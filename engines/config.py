@@ -99,7 +99,11 @@ class MicroBatchConfig(_Section):
 
     micro_batch_size: int | None = Field(None, gt=0, le=1 << 20, description="samples per micro-batch")
     max_tokens_per_micro_batch: int | None = Field(
-        None, gt=0, le=1 << 40, description="dynamic: at most this many real tokens per micro-batch, balanced"
+        None,
+        gt=0,
+        le=1 << 40,
+        description="dynamic: at most this many real tokens per micro-batch as packed (a prompt that "
+        "rows of one micro-batch share counts once), balanced",
     )
 
     @model_validator(mode="after")

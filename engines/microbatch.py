@@ -14,6 +14,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 # Auto token budget: TOKEN_BUDGET_SCALE[device] / hidden_size real tokens per micro-batch. On CPU a
@@ -59,17 +60,49 @@ def balanced_partition(lengths: Sequence[int], bins: int) -> list[list[int]]:
     return sorted((sorted(m) for m in members), key=lambda m: m[0])
 
 
+@dataclass
+class PromptGroups:
+    """Rows that share a prompt (`engines.shared_prompt.prompt_groups`) and each row's prompt length.
+
+    Packed, a micro-batch holds each group's prompt once, so its cost is its rows' lengths less the
+    prompt of every further row of a group it holds.
+    """
+
+    rows: list[list[int]]
+    prompt_lens: Sequence[int]  # per row of the batch
+
+    @cached_property
+    def group_of(self) -> dict[int, int]:
+        return {row: g for g, members in enumerate(self.rows) for row in members}
+
+    def packed_tokens(self, lengths: Sequence[int], micro_batch: Sequence[int]) -> int:
+        """The tokens a micro-batch packs to."""
+        seen: set[int] = set()
+        total = 0
+        for i in micro_batch:
+            group = self.group_of.get(i, -1 - i)  # a row in no group shares nothing
+            total += lengths[i] - (self.prompt_lens[i] if group in seen else 0)
+            seen.add(group)
+        return total
+
+    def within(self, rows: list[int]) -> PromptGroups | None:
+        """The groups restricted to `rows`, renumbered as positions in `rows`; None when none is left."""
+        position = {row: j for j, row in enumerate(rows)}
+        within = [[position[i] for i in g if i in position] for g in self.rows]
+        kept = [g for g in within if g]
+        return PromptGroups(kept, [self.prompt_lens[i] for i in rows]) if kept else None
+
+
 def dynamic_micro_batches(
     lengths: Sequence[int],
     max_tokens: int,
     agree: Callable[[int], int] = lambda k: k,
-    groups: Sequence[Sequence[int]] | None = None,
+    groups: PromptGroups | None = None,
 ) -> list[list[int]]:
-    """Balanced micro-batches of at most `max_tokens` real tokens, the same count on every rank.
+    """Balanced micro-batches of at most `max_tokens` packed tokens, the same count on every rank.
 
-    With `groups` (rows that share a prompt, engines/shared_prompt.py), a group that fits the budget
-    is kept in one micro-batch, so that its prompt runs once; the budget still counts every row's
-    prompt, as if unshared.
+    With `groups`, a group that fits the budget is kept in one micro-batch, so that its prompt runs
+    once, and the budget counts that prompt once.
     """
     longest = max(lengths)
     if longest > max_tokens:
@@ -77,11 +110,18 @@ def dynamic_micro_batches(
             f"max_tokens_per_micro_batch={max_tokens} is smaller than the longest sequence ({longest} tokens): "
             "raise the budget to at least the prompt length plus the response length"
         )
-    units = _units(lengths, max_tokens, groups)
-    bins = max(1, math.ceil(sum(lengths) / max_tokens))
+
+    def cost(micro_batch: Sequence[int]) -> int:
+        if groups is None:
+            return sum(lengths[i] for i in micro_batch)
+        return groups.packed_tokens(lengths, micro_batch)
+
+    units = _units(len(lengths), max_tokens, groups, cost)
+    loads = [cost(unit) for unit in units]
+    bins = max(1, math.ceil(sum(loads) / max_tokens))
     while True:
-        plan = unit_partition(lengths, units, min(bins, len(units)))
-        if max(sum(lengths[i] for i in mb) for mb in plan) <= max_tokens:
+        plan = unit_partition(loads, units, min(bins, len(units)))
+        if max(cost(mb) for mb in plan) <= max_tokens:
             break
         bins += 1
     agreed = agree(len(plan))
@@ -93,30 +133,31 @@ def dynamic_micro_batches(
             f"{len(lengths)} samples; give every rank the same number of samples"
         )
     return (
-        unit_partition(lengths, units, agreed)
-        if agreed <= len(units)
-        else balanced_partition(lengths, agreed)
+        unit_partition(loads, units, agreed) if agreed <= len(units) else balanced_partition(lengths, agreed)
     )
 
 
 def _units(
-    lengths: Sequence[int], max_tokens: int, groups: Sequence[Sequence[int]] | None
+    rows: int,
+    max_tokens: int,
+    groups: PromptGroups | None,
+    cost: Callable[[Sequence[int]], int],
 ) -> list[list[int]]:
     """What the planner places whole: each group that fits the budget, every other row alone."""
     if groups is None:
-        return [[i] for i in range(len(lengths))]
+        return [[i] for i in range(rows)]
     units: list[list[int]] = []
-    for group in groups:
-        if sum(lengths[i] for i in group) <= max_tokens:
+    for group in groups.rows:
+        if cost(group) <= max_tokens:
             units.append(list(group))
         else:
             units.extend([i] for i in group)
     return units
 
 
-def unit_partition(lengths: Sequence[int], units: list[list[int]], bins: int) -> list[list[int]]:
-    """`balanced_partition` of whole units (lists of sample indices), expanded to sample indices."""
-    loads = [sum(lengths[i] for i in unit) for unit in units]
+def unit_partition(loads: Sequence[int], units: list[list[int]], bins: int) -> list[list[int]]:
+    """`balanced_partition` of whole units (lists of sample indices, each of `loads` tokens), expanded
+    to sample indices."""
     plan = [sorted(i for u in members for i in units[u]) for members in balanced_partition(loads, bins)]
     return sorted(plan, key=lambda mb: mb[0])
 
@@ -195,7 +236,7 @@ class MicroBatchPlanner:
             return max(auto_token_budget(self.hidden_size, self.device_type), max(lengths))
         return self.max_tokens
 
-    def plan(self, lengths: Sequence[int], groups: list[list[int]] | None = None) -> list[list[int]]:
+    def plan(self, lengths: Sequence[int], groups: PromptGroups | None = None) -> list[list[int]]:
         """Micro-batches of all rows, the same count on every rank."""
         budget = self.budget(lengths)
         if budget is not None:
@@ -209,7 +250,7 @@ class MicroBatchPlanner:
         self,
         lengths: Sequence[int],
         needs_backward: Sequence[bool] | None,
-        groups: list[list[int]] | None = None,
+        groups: PromptGroups | None = None,
     ) -> SplitPlan:
         """All rows as backward micro-batches (`needs_backward` None), or split by `split_by_backward`."""
         if needs_backward is None:
@@ -219,7 +260,7 @@ class MicroBatchPlanner:
         )
 
     def local_plan(
-        self, rows: list[int], lengths: Sequence[int], groups: list[list[int]] | None
+        self, rows: list[int], lengths: Sequence[int], groups: PromptGroups | None
     ) -> list[list[int]]:
         """Micro-batches of a subset of the rows, before the ranks agree on a count."""
         sub = [lengths[i] for i in rows]
@@ -227,14 +268,5 @@ class MicroBatchPlanner:
         if budget is None:
             local = fixed_micro_batches(len(rows), self.micro_batch_size)
         else:
-            local = dynamic_micro_batches(sub, budget, groups=_groups_within(rows, groups))
+            local = dynamic_micro_batches(sub, budget, groups=groups.within(rows) if groups else None)
         return [[rows[j] for j in mb] for mb in local]
-
-
-def _groups_within(rows: list[int], groups: list[list[int]] | None) -> list[list[int]] | None:
-    """`groups` restricted to `rows`, as positions in `rows`; groups with no row left are dropped."""
-    if groups is None:
-        return None
-    position = {row: j for j, row in enumerate(rows)}
-    within = [[position[i] for i in g if i in position] for g in groups]
-    return [g for g in within if g]

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from engines.config import EngineConfig, MicroBatchConfig
 from engines.fsdp.engine import FSDPEngine
+from engines.microbatch import PromptGroups, dynamic_micro_batches
 from engines.shared_prompt import pack_shared, prompt_groups
 from tests.engine_util import MODES, full_grads, max_rel_diff, pg_loss, reference_log_probs, reference_loss
 
@@ -103,7 +104,11 @@ def test_shared_prompts_give_the_reference_gradients(tiny_model_dir, mode):
     ref_loss = reference_loss(model, batch, mode)
     ref_loss.backward()
     ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    for split in (MicroBatchConfig(), MicroBatchConfig(micro_batch_size=4)):
+    for split in (
+        MicroBatchConfig(),
+        MicroBatchConfig(micro_batch_size=4),
+        MicroBatchConfig(max_tokens_per_micro_batch=25),
+    ):
         engine = make_engine(tiny_model_dir, share=True, micro_batch=split)
         with engine.train_mode():
             out = engine.forward_backward_batch(batch, pg_loss(mode))
@@ -124,13 +129,48 @@ def test_a_value_model_reads_the_same_values(tiny_model_dir):
 
 
 def test_dynamic_batching_keeps_a_group_that_fits_together():
-    from engines.microbatch import dynamic_micro_batches
-
-    lengths = [6, 9, 7] * 4  # rows i, i + 3, i + 6, i + 9 share a prompt
-    groups = [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+    lengths = [6, 9, 7] * 4  # rows i, i + 3, i + 6, i + 9 share a prompt of 4, 5, 3 tokens
+    groups = PromptGroups([[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]], [4, 5, 3] * 4)
+    packed = [groups.packed_tokens(lengths, g) for g in groups.rows]
+    assert packed == [4 + 4 * 2, 5 + 4 * 4, 3 + 4 * 4]  # each prompt once
     plan = dynamic_micro_batches(lengths, 40, groups=groups)
-    assert sorted(sorted(mb) for mb in plan) == groups
-    # A group over the budget is planned row by row; the budget always holds.
-    plan = dynamic_micro_batches(lengths, 30, groups=groups)
-    assert max(sum(lengths[i] for i in mb) for mb in plan) <= 30
+    # 52 packed tokens fit two micro-batches of 40; counted unshared (88) they would need three.
+    assert len(plan) == 2 and max(groups.packed_tokens(lengths, mb) for mb in plan) <= 40
     assert sorted(i for mb in plan for i in mb) == list(range(12))
+    assert all(set(g) <= set(mb) for g in groups.rows for mb in plan if set(g) & set(mb))  # kept whole
+    # A group over the budget is planned row by row; the budget always holds.
+    plan = dynamic_micro_batches(lengths, 15, groups=groups)
+    assert max(groups.packed_tokens(lengths, mb) for mb in plan) <= 15
+    assert sorted(i for mb in plan for i in mb) == list(range(12))
+
+
+def test_the_budget_counts_what_pack_shared_packs():
+    """The planner's packed-token count of any subset of rows equals the length of the row that
+    pack_shared builds for it."""
+    batch = group_batch(seed=4)
+    mask = batch["attention_mask"]
+    lengths = mask.sum(1).tolist()
+    rows = prompt_groups(batch["input_ids"], mask, RESPONSE_WIDTH)
+    groups = PromptGroups(rows, mask[:, :PROMPT_WIDTH].sum(1).tolist())
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        subset = sorted(
+            torch.randperm(9, generator=g)[: int(torch.randint(1, 10, (1,), generator=g))].tolist()
+        )
+        micro = batch[torch.tensor(subset)]
+        within = prompt_groups(micro["input_ids"], micro["attention_mask"], RESPONSE_WIDTH)
+        built = pack_shared(micro["input_ids"], micro["attention_mask"], RESPONSE_WIDTH, within).num_tokens
+        assert groups.packed_tokens(lengths, subset) == built, subset
+
+
+def test_an_engine_budget_counts_each_prompt_once(tiny_model_dir):
+    """Budget 25 on a batch of 45 packed tokens (69 unshared): two micro-batches, each within it."""
+    batch = group_batch()
+    engine = make_engine(
+        tiny_model_dir, share=True, micro_batch=MicroBatchConfig(max_tokens_per_micro_batch=25)
+    )
+    seen = PackedTokens(engine)
+    with engine.eval_mode():
+        engine.forward_backward_batch(batch, None, forward_only=True)
+    assert int(batch["attention_mask"].sum()) == 69
+    assert sorted(seen.lengths) == [20, 25]

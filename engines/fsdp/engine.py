@@ -58,7 +58,7 @@ from engines.distributed import (
 )
 from engines.fsdp import lora
 from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model
-from engines.microbatch import MicroBatchPlanner
+from engines.microbatch import MicroBatchPlanner, PromptGroups
 from engines.packing import pack, response_columns, unpack
 from engines.shared_prompt import pack_shared, prompt_groups
 
@@ -277,7 +277,11 @@ class FSDPEngine(TrainEngine):
         needs_backward = None
         if not forward_only and NEEDS_BACKWARD in batch.keys():
             needs_backward = batch[NEEDS_BACKWARD].tolist()
-        split = self.planner.split(lengths, needs_backward, groups)
+        shared = None
+        if groups is not None:
+            prompt_lens = batch["attention_mask"][:, : batch["attention_mask"].shape[1] - width].sum(1)
+            shared = PromptGroups(groups, prompt_lens.tolist())
+        split = self.planner.split(lengths, needs_backward, shared)
         sharded: FSDPModule = self.model  # type: ignore[assignment]
         pieces: list[dict[str, torch.Tensor]] = []
         metrics: dict[str, float] = {}
