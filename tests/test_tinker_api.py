@@ -246,6 +246,7 @@ def _restart(ray_cluster, tmp_path_factory, monkeypatch, resume: bool) -> None:
     supervised_loop(tc, data, steps=2, lr=1e-2)
     path = tc.save_state("after-two").result().path
     loss_saved = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    close_clients()  # a client left open past its server's stop waits 30 s on close
     first.stop()
 
     second = _serve(home)
@@ -273,6 +274,7 @@ def _restart(ray_cluster, tmp_path_factory, monkeypatch, resume: bool) -> None:
             == 2
         )
     finally:
+        close_clients()
         second.stop()
 
 
