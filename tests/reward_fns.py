@@ -17,3 +17,12 @@ def paced_digit_reward(prompt: str, response: str, ground_truth, extra) -> dict:
 
     time.sleep(0.025)
     return digit_reward(prompt, response, ground_truth, extra)
+
+
+def slow_paced_digit_reward(prompt: str, response: str, ground_truth, extra) -> dict:
+    """digit_reward, 100 ms a row: a 16-row step takes at least 1.6 s (a job that must still be running
+    while another, slower to start, takes its first steps)."""
+    import time
+
+    time.sleep(0.1)
+    return digit_reward(prompt, response, ground_truth, extra)

@@ -1,6 +1,6 @@
 """`tandem serve` killed with SIGKILL mid-job, then started again on the same home.
 
-The job resumes from its last checkpoint c; the steps after c that the killed run had recorded are
+Two jobs run when it dies, a sync one and an async one (trainer.mode async). Each job resumes from its last checkpoint c; the steps after c that the killed run had recorded are
 run again, and the store keeps one row per step: the resumed run's. While it starts again the job
 shows step c. The killed service's Ray processes (the raylet's DashboardAgent and RuntimeEnvAgent
 included) do not outlive it. Ray runs inside `serve` here (a local cluster), in a private temp dir.
@@ -35,8 +35,12 @@ from tests.serve_util import (
     wait_until,
 )
 
-TOTAL, EVERY = 16, 6  # the kill lands 1-2 steps past a checkpoint, 4 steps (1.6 s or more) before the next
+TOTAL, EVERY = 16, 6  # the sync job: the kill lands after step 6, before step 16
+ASYNC_TOTAL, ASYNC_EVERY, K = 20, 4, 1
 PACED = "tests.reward_fns:paced_digit_reward"  # 0.4 s a step at least, however fast the engines are
+# The sync job's steps take 1.6 s or more, so that it still runs while the async job (placed on two
+# workers, ~15 s slower to start) passes its first checkpoint.
+SLOW_PACED = "tests.reward_fns:slow_paced_digit_reward"
 
 
 def start_serve(root: Path, env: dict[str, str], token: str, name: str) -> Served:
@@ -85,22 +89,38 @@ def recorded_step(db: Path, job_id: str) -> int:
 
 
 def test_kill_9_mid_job_then_restart_stores_each_step_once(crash_dir):
+    """A sync job and an async one (split placement, k = 1) in one service, killed together. Each
+    resumes from its own last checkpoint; the async job regenerates what was buffered or in flight
+    (controller/async_loop.py), so no draw of its loader is trained twice either."""
     root, env = crash_dir
     token = "tdm_" + secrets.token_urlsafe(24)
     first = start_serve(root, env, token, "first")
-    spec = tiny_job(reward={"function": PACED}, trainer={"total_steps": TOTAL},
-                    checkpoint={"every": EVERY, "keep_last": 5}, metadata={"suite": "crash"})  # fmt: skip
+    # One CPU a worker: both jobs (three workers) fit the service's 4 CPUs and run side by side.
+    specs = {
+        "sync": tiny_job(reward={"function": SLOW_PACED}, trainer={"total_steps": TOTAL},
+                         checkpoint={"every": EVERY, "keep_last": 5}, resources={"cpus_per_worker": 1},
+                         metadata={"suite": "crash"}),
+        "async": tiny_job(reward={"function": PACED},
+                          trainer={"total_steps": ASYNC_TOTAL, "mode": "async", "max_staleness": K},
+                          checkpoint={"every": ASYNC_EVERY, "keep_last": 5},
+                          resources={"placement": "split", "workers": 1, "cpus_per_worker": 1,
+                                     "rollout": {"workers": 1, "cpus_per_worker": 1}},
+                          metadata={"suite": "crash"}),
+    }  # fmt: skip
+    every = {"sync": EVERY, "async": ASYNC_EVERY}
+    db = root / "home" / "tandem.db"
     try:
         with first.client() as client:
-            job = client.post("/v1/jobs", json=spec).json()
-            wait_for_step(client, job["id"], EVERY, timeout_s=240)
-        db = root / "home" / "tandem.db"
-        # The kill follows the store, not the API's view of it: as soon as a step past the checkpoint
-        # is recorded.
+            jobs = {mode: client.post("/v1/jobs", json=spec).json() for mode, spec in specs.items()}
+            assert all("id" in job for job in jobs.values()), jobs
+            for mode, job in jobs.items():
+                wait_for_step(client, job["id"], every[mode], timeout_s=300)
+        # The kill follows the store, not the API's view of it: as soon as each job has recorded a
+        # step past its checkpoint.
         wait_until(
-            lambda: recorded_step(db, job["id"]) > EVERY,
-            "no step past the checkpoint was recorded",
-            60,
+            lambda: all(recorded_step(db, job["id"]) > every[mode] for mode, job in jobs.items()),
+            "no step past a checkpoint was recorded",
+            90,
             [first.log],
         )
         ray_processes = descendants(first.process.pid)
@@ -113,26 +133,42 @@ def test_kill_9_mid_job_then_restart_stores_each_step_once(crash_dir):
     finally:
         stop(first.process, 10)
     wait_until(lambda: not alive(ray_processes), "Ray processes outlived the killed service", 20, [first.log])
-    resume_from = checkpoints.complete(Path(job["outputs"]["workdir"]))[-1][0]
-    recorded = recorded_step(db, job["id"])
-    assert recorded > resume_from, "the kill came before any step past the checkpoint was recorded"
+    resume_from = {
+        mode: checkpoints.complete(Path(job["outputs"]["workdir"]))[-1][0] for mode, job in jobs.items()
+    }
+    for mode, job in jobs.items():
+        assert recorded_step(db, job["id"]) > resume_from[mode], (
+            f"{mode}: killed before a step past its checkpoint"
+        )
 
     second = start_serve(root, env, token, "second")
+    rows = {}
     try:
         with second.client() as client:
-            restarted = client.get(f"/v1/jobs/{job['id']}").json()
-            assert restarted["status"] in ("queued", "running")
-            assert restarted["step"] == resume_from  # the checkpoint step, not the killed run's last step
-            done = wait_for(client, job["id"], ("succeeded", "failed", "cancelled"), timeout_s=300)
-            assert done["status"] == "succeeded", second.log_tail()
-            rows = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
+            for mode, job in jobs.items():
+                restarted = client.get(f"/v1/jobs/{job['id']}").json()
+                assert restarted["status"] in ("queued", "running")
+                assert (
+                    restarted["step"] == resume_from[mode]
+                )  # the checkpoint step, not the killed run's last
+            for mode, job in jobs.items():
+                done = wait_for(client, job["id"], ("succeeded", "failed", "cancelled"), timeout_s=400)
+                assert done["status"] == "succeeded", (mode, second.log_tail())
+                rows[mode] = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
     finally:
         stop(second.process, 60)
-    assert [r["step"] for r in rows] == list(range(1, TOTAL + 1))  # each step once, in order
-    assert all(r["time"] > killed_at for r in rows if r["step"] > resume_from)  # the resumed run's values
-    assert all(r["time"] < killed_at for r in rows if r["step"] <= resume_from)
+    for mode, total in (("sync", TOTAL), ("async", ASYNC_TOTAL)):
+        steps = rows[mode]
+        assert [r["step"] for r in steps] == list(range(1, total + 1)), mode  # each step once, in order
+        # the resumed run's values after the checkpoint, the killed run's before it
+        assert all(r["time"] > killed_at for r in steps if r["step"] > resume_from[mode]), mode
+        assert all(r["time"] < killed_at for r in steps if r["step"] <= resume_from[mode]), mode
     with sqlite3.connect(db) as conn:
-        dupes = conn.execute(
-            "SELECT step FROM metrics WHERE job_id = ? GROUP BY step HAVING COUNT(*) > 1", (job["id"],)
-        ).fetchall()
-    assert dupes == []
+        for job in jobs.values():
+            dupes = conn.execute(
+                "SELECT step FROM metrics WHERE job_id = ? GROUP BY step HAVING COUNT(*) > 1", (job["id"],)
+            ).fetchall()
+            assert dupes == []
+    draws = [int(r["values"]["async/draw_index"]) for r in rows["async"]]
+    assert draws == sorted(set(draws))  # no draw trained twice (one rollout worker: in order)
+    assert all(r["values"]["async/staleness_max"] <= K for r in rows["async"])
