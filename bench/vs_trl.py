@@ -26,9 +26,10 @@ included (`make install-real`). `--lora` gives both sides adapters of the same r
 TRL a peft LoraConfig, Tandem `model.lora` (rank 16, alpha 32, every linear layer but the output
 projection by default).
 
-Every Tandem run also measures, in its own process before the job starts, the matrix-product peak
-and the read bandwidth of the machine (bench/flops.py), and reports per phase the FLOP/s it reached
-against them: the update's model FLOPs utilisation and generation against its bound.
+Every Tandem run also measures, in its own process before the job starts and again after it ends, the
+matrix-product peak and the read bandwidth of the machine (bench/flops.py), and reports per phase the
+FLOP/s it reached against the higher of the two: the update's model FLOPs utilisation and generation
+against its bound.
 
 TRL comes from the optional `bench` extra (`pip install -e '.[bench]'`; `make bench-trl`).
 """
@@ -191,8 +192,10 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     from bench.flops import machine_peak, model_shape, phase_utilisation
     from engines.threads import physical_cores
 
-    # The job's rank computes on the machine's physical cores (engines/threads.py): the peak at those.
-    peak = machine_peak(physical_cores())
+    # The job's rank computes on the machine's physical cores (engines/threads.py): the peak at those,
+    # before and after the job (on a shared host one burst read 184-322 GFLOP/s minutes apart); the
+    # utilisation is against the higher, the attainable peak.
+    before = machine_peak(physical_cores())
     spec = {
         "method": "grpo",
         "model": {"path": args.model_dir, **({"lora": LORA} if args.lora else {})},
@@ -223,6 +226,8 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
         Trainer(spec, workdir, sink, name="vs-trl").run()
     finally:
         ray.shutdown()
+    after = machine_peak(physical_cores())
+    peak = max(before, after, key=lambda p: p["matmul_flops"])
     later = sink.values[1:]  # the first step's include warm-up, as its time does
     keys = sorted(
         k for k in (later[0] if later else {}) if k.startswith("timing_s/") or k in (ZERO_ROWS, *LENGTHS)
@@ -234,6 +239,7 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     medians.update(
         phase_utilisation(medians, shape, peak, args.prompts, args.n, args.max_new_tokens, lora=args.lora)
     )
+    medians["peak_matmul_gflops_before_after"] = [round(p["matmul_flops"] / 1e9, 1) for p in (before, after)]
     return step_intervals(sink.ends), medians
 
 
