@@ -47,6 +47,31 @@ def machine_peak(threads: int, repeats: int = 5) -> dict[str, float]:
     }
 
 
+def sustained_matmul_flops(threads: int, seconds: float = 2.0) -> float:
+    """fp32 FLOP/s of back-to-back 2048^3 products for about `seconds`: the median product's rate.
+
+    The burst peak (`machine_peak`, best of five ~50 ms products) is what the cores reach for an
+    instant; an update runs for seconds. On a shared host the two differ (on 2026-11-26's AVX-512
+    host bursts read 185-322 GFLOP/s within the hour), so a utilisation measured against a loop of
+    this, taken right before and after the timed work, says how much of the machine the work got
+    while it ran."""
+    import statistics
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        a @ b  # warm-up
+        rates, end = [], time.perf_counter() + seconds
+        while time.perf_counter() < end or len(rates) < 3:
+            rates.append(2 * 2048**3 / _seconds(lambda: a @ b))
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(rates)
+
+
 def _seconds(fn) -> float:
     start = time.perf_counter()
     fn()

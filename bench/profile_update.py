@@ -20,6 +20,12 @@ log-softmax per chunk) on the same tensors, so the lever's effect is a ratio fro
     python bench/profile_update.py [--model smollm2-135m-instruct] [--iters 3] [--compare-head]
         [--threads N] [--max-tokens TOKENS]
 
+Utilisation of the whole update (forward, backward, optimizer; 6 FLOPs per weight per token, the
+body over each prompt once + every response token, the head over the response tokens) is given
+against two peaks: the burst (`machine_peak`, best of five products at the start) and a sustained
+loop of products (`--sustained-s` seconds) run right before each timed update and after the last,
+each update against the mean of the loops on its two sides.
+
 The update's CPU time (`process_s`, all threads) is reported beside its wall time: on a machine
 other jobs share, CPU time at `--threads 1` is the figure that stays put.
 """
@@ -132,17 +138,22 @@ def main() -> None:
     parser.add_argument("--compare-head", action="store_true")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: the physical cores)")
     parser.add_argument(
+        "--sustained-s", type=float, default=3.0, help="seconds of the matmul loop around each update"
+    )
+    parser.add_argument(
         "--max-tokens", type=int, default=0, help="max_tokens_per_micro_batch (0: the automatic budget)"
     )
     args = parser.parse_args()
-    from bench.flops import machine_peak, model_shape
+    from bench.flops import machine_peak, model_shape, sustained_matmul_flops
     from controller.models import builtin_model_path
     from engines.config import EngineConfig, MicroBatchConfig
     from engines.fsdp.engine import FSDPEngine
+    from engines.host_memory import keep_freed_memory, minor_page_faults
     from engines.logprobs import token_log_probs
     from engines.threads import physical_cores, set_torch_threads
 
     threads = set_torch_threads(args.threads or physical_cores())
+    keep_freed_memory()  # as a job's worker process does (controller/worker_group.py)
     peak = machine_peak(threads)
     model_dir = str(builtin_model_path(args.model))
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29633"})
@@ -157,10 +168,13 @@ def main() -> None:
     vocab = engine.hf_config.vocab_size
     batch = grpo_batch(args.prompts, args.n, args.prompt_len, args.response_len, vocab)
     rows = []
+    sustained = []  # the matmul loop's rate before each timed update and after the last
     for i in range(args.iters + 1):  # the first is warm-up
+        if i:
+            sustained.append(sustained_matmul_flops(threads, args.sustained_s))
         clock.seconds.clear()
         with engine.train_mode():
-            start, cpu = time.perf_counter(), time.process_time()
+            start, cpu, faults = time.perf_counter(), time.process_time(), minor_page_faults()
             engine.forward_backward_batch(batch, pg_loss, compute_entropy=True)
             middle = time.perf_counter()
             engine.optimizer_step()
@@ -168,9 +182,20 @@ def main() -> None:
         if i:
             process_s = time.process_time() - cpu
             rows.append({"forward_backward_s": middle - start, "optimizer_s": end - middle,
-                         "process_s": process_s, **clock.seconds})  # fmt: skip
-    step = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+                         "process_s": process_s, "minor_page_faults": minor_page_faults() - faults,
+                         **clock.seconds})  # fmt: skip
+    sustained.append(sustained_matmul_flops(threads, args.sustained_s))
+    shape = model_shape(model_dir)
+    body_tokens = args.prompts * (args.prompt_len + args.n * args.response_len)
     tokens = args.prompts * args.n * args.response_len
+    update_flops = 6 * (shape["body_params"] * body_tokens + shape["head_params"] * tokens)
+    for row, before, after in zip(rows, sustained, sustained[1:], strict=False):
+        update_s = row["forward_backward_s"] + row["optimizer_s"]
+        row["update_gflops"] = update_flops / update_s / 1e9
+        row["update_mfu_burst"] = update_flops / update_s / peak["matmul_flops"]
+        row["update_mfu_sustained"] = update_flops / update_s / ((before + after) / 2)
+    step = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    step["update_tflop"] = update_flops / 1e12
     width = engine.hf_config.hidden_size
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(tokens, width, generator=g)
@@ -186,14 +211,14 @@ def main() -> None:
     step["attention_backward"] = step["layer_backward"] - step["mlp_backward"]
     parts = ("layer_forward", "layer_backward", "head_s")
     step["other_forward_backward_s"] = step["forward_backward_s"] - sum(step.get(k, 0.0) for k in parts)
-    shape = model_shape(model_dir)
     head_flops = 4 * 2 * shape["head_params"] * tokens  # forward, recompute, two gradient products
     step["head_gflops"] = head_flops / step["head_s"] / 1e9
     mlp_params = sum(p.numel() for layer in engine.model.lm.model.layers for p in layer.mlp.parameters())
-    body_tokens = args.prompts * (args.prompt_len + args.n * args.response_len)
     step["mlp_gflops"] = 6 * mlp_params * body_tokens / (step["mlp_forward"] + step["mlp_backward"]) / 1e9
     line = {"bench": "profile_update", "model": args.model, "threads": threads, "response_tokens": tokens,
-            "peak_matmul_gflops": peak["matmul_flops"] / 1e9, "load_average": os.getloadavg(),
+            "peak_matmul_gflops": peak["matmul_flops"] / 1e9,
+            "sustained_matmul_gflops": [round(f / 1e9, 1) for f in sustained],
+            "load_average": os.getloadavg(),
             **{k: round(v, 4) for k, v in step.items()}}  # fmt: skip
     print(json.dumps(line), flush=True)
 

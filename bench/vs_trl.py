@@ -29,7 +29,9 @@ projection by default).
 Every Tandem run also measures, in its own process before the job starts and again after it ends, the
 matrix-product peak and the read bandwidth of the machine (bench/flops.py), and reports per phase the
 FLOP/s it reached against the higher of the two: the update's model FLOPs utilisation and generation
-against its bound.
+against its bound. It also runs a 5 s loop of products before and after (`sustained_matmul_gflops_
+before_after`) and gives the update's utilisation against their mean (`update_mfu_sustained`): on a
+shared host the burst and the sustained rate part by up to 1.7x.
 
 TRL comes from the optional `bench` extra (`pip install -e '.[bench]'`; `make bench-trl`).
 """
@@ -189,13 +191,15 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
             self.values.append(values)
             super().metrics(step, values)
 
-    from bench.flops import machine_peak, model_shape, phase_utilisation
+    from bench.flops import machine_peak, model_shape, phase_utilisation, sustained_matmul_flops
     from engines.threads import physical_cores
 
     # The job's rank computes on the machine's physical cores (engines/threads.py): the peak at those,
     # before and after the job (on a shared host one burst read 184-322 GFLOP/s minutes apart); the
     # utilisation is against the higher, the attainable peak.
+    # Beside it, a 5 s loop of products before and after: what the cores give over seconds.
     before = machine_peak(physical_cores())
+    sustained = [sustained_matmul_flops(physical_cores(), 5.0)]
     spec = {
         "method": "grpo",
         "model": {"path": args.model_dir, **({"lora": LORA} if args.lora else {})},
@@ -226,6 +230,7 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
         Trainer(spec, workdir, sink, name="vs-trl").run()
     finally:
         ray.shutdown()
+    sustained.append(sustained_matmul_flops(physical_cores(), 5.0))
     after = machine_peak(physical_cores())
     peak = max(before, after, key=lambda p: p["matmul_flops"])
     later = sink.values[1:]  # the first step's include warm-up, as its time does
@@ -240,6 +245,9 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
         phase_utilisation(medians, shape, peak, args.prompts, args.n, args.max_new_tokens, lora=args.lora)
     )
     medians["peak_matmul_gflops_before_after"] = [round(p["matmul_flops"] / 1e9, 1) for p in (before, after)]
+    medians["sustained_matmul_gflops_before_after"] = [round(f / 1e9, 1) for f in sustained]
+    if "update_gflops" in medians:
+        medians["update_mfu_sustained"] = round(medians["update_gflops"] * 2e9 / sum(sustained), 4)
     return step_intervals(sink.ends), medians
 
 
