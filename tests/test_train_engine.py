@@ -246,7 +246,7 @@ def test_checkpoint_resume_is_bitwise_and_saves_are_atomic(tiny_model_dir, tmp_p
     def crash(*args, **kwargs):
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr("engines.fsdp.engine.dcp.save", crash)
+    monkeypatch.setattr("engines.fsdp.state.dcp.save", crash)
     with pytest.raises(OSError, match="injected"):
         engine.save_checkpoint(str(path), step=5)
     monkeypatch.undo()

@@ -21,22 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from tensordict import TensorDict
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from engines import checkpoint as ckpt
 from engines.attention import register as segment_attention_name
 from engines.base import (
     MAX_SUFFIX,
@@ -58,6 +49,7 @@ from engines.distributed import (
 )
 from engines.fsdp import lora
 from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model
+from engines.fsdp.state import CheckpointMixin
 from engines.microbatch import MicroBatchPlanner, PromptGroups
 from engines.packing import pack, response_columns, unpack
 from engines.shared_prompt import pack_shared, prompt_groups
@@ -65,7 +57,7 @@ from engines.shared_prompt import pack_shared, prompt_groups
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
 
 
-class FSDPEngine(TrainEngine):
+class FSDPEngine(CheckpointMixin, TrainEngine):
     """A policy (causal LM) or value model sharded with FSDP2 over all ranks of the process group."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -504,95 +496,3 @@ class FSDPEngine(TrainEngine):
             raise RuntimeError("adapters_off: this engine has no LoRA adapters")
         with lora.adapters_off(self.model):
             yield
-
-    # ---- checkpoints -------------------------------------------------------------------------
-
-    def _state_options(self) -> StateDictOptions:
-        # LoRA: the adapters and their optimizer state; the frozen base is the model folder's.
-        return StateDictOptions(
-            ignore_frozen_params=bool(self.adapted_modules), strict=not self.adapted_modules
-        )
-
-    def _state(self) -> dict:
-        options = self._state_options()
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model, options=options)}
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-        return {"model": model_state, "optim": optim_state}
-
-    def save_checkpoint(self, path: str, step: int) -> None:
-        self._onload(optimizer=self.optimizer is not None)
-        with ckpt.atomic_folder(path, self.dp_rank == 0, dist.barrier) as folder:
-            dcp.save(self._state(), checkpoint_id=str(folder))
-            torch.save(ckpt.rng_state(), folder / f"rng_rank{self.dp_rank}.pt")
-            if self.dp_rank == 0:
-                extra = {"scheduler": self.scheduler.state_dict() if self.scheduler else None}
-                torch.save({**extra, "skipped_steps": self.skipped_steps}, folder / "trainer_state.pt")
-                ckpt.write_meta(folder, {"step": step, "dp_size": self.dp_size, "role": self.config.role})
-        self._offload_as_configured()
-
-    def load_checkpoint(self, path: str, optimizer: bool = True) -> int:
-        folder = ckpt.resolve_checkpoint(path)
-        meta = ckpt.read_meta(folder)
-        with_optimizer = optimizer and self.optimizer is not None
-        self._onload(optimizer=with_optimizer)
-        options = self._state_options()
-        state = (
-            self._state() if with_optimizer else {"model": get_model_state_dict(self.model, options=options)}
-        )
-        dcp.load(state, checkpoint_id=str(folder))
-        if not with_optimizer:
-            set_state_dict(
-                self.model, (), model_state_dict=state["model"], optim_state_dict={}, options=options
-            )
-        else:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-                options=options,
-            )
-            extra = torch.load(folder / "trainer_state.pt", weights_only=False)
-            if self.scheduler is not None and extra["scheduler"] is not None:
-                self.scheduler.load_state_dict(extra["scheduler"])
-            self.skipped_steps = extra["skipped_steps"]
-        rng_file = folder / f"rng_rank{self.dp_rank}.pt"
-        if rng_file.exists():
-            ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
-        self._offload_as_configured()
-        return int(meta["step"])
-
-    def export_hf(self, path: str, merged: bool = False) -> None:
-        """Write the full weights as a Hugging Face folder that `from_pretrained` loads (policy only);
-        with LoRA, a PEFT adapter folder (and, `merged`, the merged model under `path/merged`)."""
-        if self.config.role != "policy":
-            raise ValueError("export_hf writes causal LMs; a value model has no HF causal-LM form")
-        self._onload(optimizer=False)
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(self.model, options=options)
-        with ckpt.atomic_folder(path, self.dp_rank == 0, dist.barrier) as folder:
-            if self.dp_rank == 0:
-                state = {PolicyModel.hf_name(k): v for k, v in full.items()}
-                if self.adapted_modules:  # a PEFT adapter folder, and the merged model beside it
-                    adapter = {lora.peft_name(k): v for k, v in state.items() if lora.is_adapter(k)}
-                    lora.write_adapter(folder, adapter, self.adapter_config())
-                    if merged:
-                        (folder / "merged").mkdir()
-                        self._write_hf(folder / "merged", lora.merged_state(state, self.config.lora.scaling))
-                else:
-                    self._write_hf(folder, state)
-                kind = "lora_export" if self.adapted_modules else "hf_export"
-                ckpt.write_meta(folder, {"step": -1, "kind": kind})
-        self._offload_as_configured()
-
-    def _write_hf(self, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
-        """A Hugging Face folder: the weights (a tied output projection left out), config, tokenizer."""
-        from safetensors.torch import save_file
-
-        if getattr(self.hf_config, "tie_word_embeddings", False):
-            tensors.pop("lm_head.weight", None)
-        tensors = {k: v.contiguous() for k, v in tensors.items()}
-        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        self.hf_config.save_pretrained(folder)
-        ckpt.copy_tokenizer_files(self.config.model_path, folder)

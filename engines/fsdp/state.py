@@ -1,0 +1,121 @@
+"""Checkpoints and Hugging Face exports of an FSDPEngine (engines/fsdp/engine.py), as a mixin.
+
+Checkpoints go through torch's distributed state-dict API (`dcp`), so they load across world sizes
+and whether or not the model is wrapped; each rank adds its RNG state, rank 0 the schedule and the
+skipped-step count. With LoRA a checkpoint holds the adapters and their optimizer state only (the
+frozen base is the model folder's), and an export is a PEFT adapter folder (and, `merged`, the merged
+model beside it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from engines import checkpoint as ckpt
+from engines.fsdp import lora
+from engines.fsdp.modules import PolicyModel
+
+
+class CheckpointMixin:
+    """save_checkpoint / load_checkpoint / export_hf of the TrainEngine contract (engines/base.py),
+    over the engine's `model`, `optimizer`, `scheduler`, `config`, `dp_rank`, `adapted_modules`."""
+
+    def _state_options(self) -> StateDictOptions:
+        # LoRA: the adapters and their optimizer state; the frozen base is the model folder's.
+        return StateDictOptions(
+            ignore_frozen_params=bool(self.adapted_modules), strict=not self.adapted_modules
+        )
+
+    def _state(self) -> dict:
+        options = self._state_options()
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model, options=options)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model_state, "optim": optim_state}
+
+    def save_checkpoint(self, path: str, step: int) -> None:
+        self._onload(optimizer=self.optimizer is not None)
+        with ckpt.atomic_folder(path, self.dp_rank == 0, dist.barrier) as folder:
+            dcp.save(self._state(), checkpoint_id=str(folder))
+            torch.save(ckpt.rng_state(), folder / f"rng_rank{self.dp_rank}.pt")
+            if self.dp_rank == 0:
+                extra = {"scheduler": self.scheduler.state_dict() if self.scheduler else None}
+                torch.save({**extra, "skipped_steps": self.skipped_steps}, folder / "trainer_state.pt")
+                ckpt.write_meta(folder, {"step": step, "dp_size": self.dp_size, "role": self.config.role})
+        self._offload_as_configured()
+
+    def load_checkpoint(self, path: str, optimizer: bool = True) -> int:
+        folder = ckpt.resolve_checkpoint(path)
+        meta = ckpt.read_meta(folder)
+        with_optimizer = optimizer and self.optimizer is not None
+        self._onload(optimizer=with_optimizer)
+        options = self._state_options()
+        state = (
+            self._state() if with_optimizer else {"model": get_model_state_dict(self.model, options=options)}
+        )
+        dcp.load(state, checkpoint_id=str(folder))
+        if not with_optimizer:
+            set_state_dict(
+                self.model, (), model_state_dict=state["model"], optim_state_dict={}, options=options
+            )
+        else:
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=options,
+            )
+            extra = torch.load(folder / "trainer_state.pt", weights_only=False)
+            if self.scheduler is not None and extra["scheduler"] is not None:
+                self.scheduler.load_state_dict(extra["scheduler"])
+            self.skipped_steps = extra["skipped_steps"]
+        rng_file = folder / f"rng_rank{self.dp_rank}.pt"
+        if rng_file.exists():
+            ckpt.set_rng_state(torch.load(rng_file, weights_only=False))
+        self._offload_as_configured()
+        return int(meta["step"])
+
+    def export_hf(self, path: str, merged: bool = False) -> None:
+        """Write the full weights as a Hugging Face folder that `from_pretrained` loads (policy only);
+        with LoRA, a PEFT adapter folder (and, `merged`, the merged model under `path/merged`)."""
+        if self.config.role != "policy":
+            raise ValueError("export_hf writes causal LMs; a value model has no HF causal-LM form")
+        self._onload(optimizer=False)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(self.model, options=options)
+        with ckpt.atomic_folder(path, self.dp_rank == 0, dist.barrier) as folder:
+            if self.dp_rank == 0:
+                state = {PolicyModel.hf_name(k): v for k, v in full.items()}
+                if self.adapted_modules:  # a PEFT adapter folder, and the merged model beside it
+                    adapter = {lora.peft_name(k): v for k, v in state.items() if lora.is_adapter(k)}
+                    lora.write_adapter(folder, adapter, self.adapter_config())
+                    if merged:
+                        (folder / "merged").mkdir()
+                        self._write_hf(folder / "merged", lora.merged_state(state, self.config.lora.scaling))
+                else:
+                    self._write_hf(folder, state)
+                kind = "lora_export" if self.adapted_modules else "hf_export"
+                ckpt.write_meta(folder, {"step": -1, "kind": kind})
+        self._offload_as_configured()
+
+    def _write_hf(self, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+        """A Hugging Face folder: the weights (a tied output projection left out), config, tokenizer."""
+        from safetensors.torch import save_file
+
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            tensors.pop("lm_head.weight", None)
+        tensors = {k: v.contiguous() for k, v in tensors.items()}
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        self.hf_config.save_pretrained(folder)
+        ckpt.copy_tokenizer_files(self.config.model_path, folder)
