@@ -96,6 +96,17 @@ def model_shape(model_dir: str | Path) -> dict[str, int]:
     return {"body_params": body, "head_params": head, "weight_bytes": 4 * (body + head)}
 
 
+def update_flops(
+    shape: dict[str, int], prompt_tokens: float, response_tokens: float, with_grad: float = 1.0,
+    lora: bool = False,
+) -> tuple[float, float]:  # fmt: skip
+    """(forward, backward) FLOPs of an update: the body over the prompts (each once) and responses,
+    the head over the responses; backward only for the `with_grad` share of rows."""
+    body, head = shape["body_params"], shape["head_params"]
+    tokens = body * (prompt_tokens + response_tokens) + head * response_tokens
+    return 2 * tokens, (2 if lora else 4) * with_grad * tokens
+
+
 def phase_utilisation(
     medians: dict[str, float], shape: dict[str, int], peak: dict[str, float], prompts: int, n: int,
     new_tokens: int, lora: bool = False,
@@ -105,9 +116,8 @@ def phase_utilisation(
     response = medians.get("response_length/mean", new_tokens) * rows
     prompt_once = medians.get("prompt_length/mean", 0.0) * prompts
     with_grad = 1.0 - medians.get("critic/advantages/zero_rows", 0.0)
+    forward, backward = update_flops(shape, prompt_once, response, with_grad, lora)
     body, head = shape["body_params"], shape["head_params"]
-    forward = 2 * body * (prompt_once + response) + 2 * head * response
-    backward = (2 if lora else 4) * with_grad * (body * (prompt_once + response) + head * response)
     out: dict[str, float] = {"peak_matmul_gflops": peak["matmul_flops"] / 1e9}
     out["peak_read_gb_per_s"] = peak["read_bytes_per_s"] / 1e9
     update_s = medians.get("timing_s/update_actor")

@@ -145,6 +145,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     from bench.flops import machine_peak, model_shape, sustained_matmul_flops
+    from bench.flops import update_flops as flops_of_update
     from controller.models import builtin_model_path
     from engines.config import EngineConfig, MicroBatchConfig
     from engines.fsdp.engine import FSDPEngine
@@ -188,7 +189,7 @@ def main() -> None:
     shape = model_shape(model_dir)
     body_tokens = args.prompts * (args.prompt_len + args.n * args.response_len)
     tokens = args.prompts * args.n * args.response_len
-    update_flops = 6 * (shape["body_params"] * body_tokens + shape["head_params"] * tokens)
+    update_flops = sum(flops_of_update(shape, args.prompts * args.prompt_len, tokens))
     for row, before, after in zip(rows, sustained, sustained[1:], strict=False):
         update_s = row["forward_backward_s"] + row["optimizer_s"]
         row["update_gflops"] = update_flops / update_s / 1e9

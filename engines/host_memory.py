@@ -27,8 +27,9 @@ M_MMAP_THRESHOLD = -3
 
 # Above glibc's documented 32 MiB ceiling for the threshold, which glibc 2.36 accepts (mallopt
 # returns 1, and the faults fall): SmolLM2's 113 MB head and embedding gradients and its 100-200 MB
-# log-prob chunks were mapped afresh at 32 MiB, 202k faults an update, 17k-47k at 128-256 MiB.
+# log-prob chunks were mapped afresh at 32 MiB, 202k faults an update, 17k-82k at 128-256 MiB.
 MMAP_THRESHOLD = 128 * 1024 * 1024
+MMAP_THRESHOLD_FALLBACK = 32 * 1024 * 1024  # the documented ceiling
 TRIM_THRESHOLD = 512 * 1024 * 1024
 TOP_PAD = 64 * 1024 * 1024
 
@@ -49,7 +50,7 @@ def keep_freed_memory() -> bool:
         return False
     # A glibc that holds to the 32 MiB ceiling refuses the larger threshold: then 32 MiB.
     threshold = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 or (
-        libc.mallopt(M_MMAP_THRESHOLD, 32 * 1024 * 1024) == 1
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_FALLBACK) == 1
     )
     settings = ((M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD))
     return threshold and all(libc.mallopt(param, value) == 1 for param, value in settings)
