@@ -207,10 +207,24 @@ def test_no_call_waits_past_its_timeout(groups):
     assert group.sleep(0) == [0, 1, 2, 3]  # the late calls drain; the group is usable again
 
 
+def _wait_until_dead(ray_module, actor, timeout_s: float = 30.0) -> None:
+    """ray.kill goes through the GCS while calls go straight to the actor, so a call made at once can
+    still be served (CI saw it). Wait until Ray itself reports the actor dead."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray_module.get(actor.__ray_ready__.remote(), timeout=5)
+        except ray_module.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the killed actor still answered after {timeout_s}s")
+
+
 def test_dead_actor_fails_the_next_call_quickly(pool, ray_cluster):
     group = RayWorkerGroup(pool, MeshWorker, IN_ORDER, group_name="doomed", share=0.25)
     try:
         ray_cluster.kill(group.actors[1], no_restart=True)
+        _wait_until_dead(ray_cluster, group.actors[1])
         start = time.monotonic()
         with pytest.raises(WorkerGroupError, match=r"'doomed', rank 1, method 'get_received'.*died"):
             group.get_received()
