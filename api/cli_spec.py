@@ -17,7 +17,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from controller.spec import JobSpec, deep_merge
+from controller.spec import JobSpec
+from controller.spec_section import deep_merge
 
 # Fields that name local files or folders, as (section, field).
 PATH_FIELDS = (

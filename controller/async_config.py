@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from controller.spec_section import field_error
+
 if TYPE_CHECKING:
     from controller.spec import JobSpec
 
@@ -110,3 +112,34 @@ def staleness_bound(spec: JobSpec) -> int:
 def buffer_capacity(spec: JobSpec, batch_samples: int) -> int:
     """Samples the rollout buffer holds: trainer.buffer_size, else (max_staleness + 1) steps' worth."""
     return spec.trainer.buffer_size or (staleness_bound(spec) + 1) * batch_samples
+
+
+def check_async(spec: JobSpec, samples: int) -> None:
+    """trainer.mode 'async' needs rollout workers of its own and a buffer of at least one step."""
+    t = spec.trainer
+    if t.mode != "async":
+        return
+    if spec.resources.placement != "split":
+        raise field_error(("trainer", "mode"), "async needs resources.placement 'split' (rollout workers of "
+                          "their own, which generate while the training ranks update)", t.mode)  # fmt: skip
+    if t.buffer_size is not None and t.buffer_size < samples:
+        raise field_error(("trainer", "buffer_size"), f"{t.buffer_size} is smaller than one step's "
+                          f"prompts_per_step x rollout.n = {samples} samples", t.buffer_size)  # fmt: skip
+    if t.rollout_lanes == "per_worker" and spec.rollout.tensor_parallel_size > 1:
+        raise field_error(("trainer", "rollout_lanes"), "per_worker needs rollout.tensor_parallel_size 1",
+                          t.rollout_lanes)  # fmt: skip
+    if t.partial_rollouts and spec.rollout.environment is not None:
+        raise field_error(("trainer", "partial_rollouts"), "single-turn only (rollout.environment is set)",
+                          t.partial_rollouts)  # fmt: skip
+    if spec.rollout.source == "external":  # agents' calls are whole: no segments, no lanes of our own
+        # 'group' (the default before 'auto') stays accepted: it asks for nothing an external job lacks.
+        refused = {"partial_rollouts": t.partial_rollouts, "rollout_lanes": t.rollout_lanes == "per_worker"}
+        for name in (n for n, bad in refused.items() if bad):
+            raise field_error(("trainer", name), "not with rollout.source external (agents make the "
+                              "calls: the endpoint batches them)", getattr(t, name))  # fmt: skip
+    if t.off_policy_correction == "behaviour_ppo" and spec.algorithm.rollout_correction.is_weights != "off":
+        raise field_error(("trainer", "off_policy_correction"), "behaviour_ppo's old policy is the behaviour "
+                          "one: algorithm.rollout_correction.is_weights would weigh every token by 1 (leave it "
+                          "'off', or choose decoupled)", t.off_policy_correction)  # fmt: skip
+    if spec.method == "sft" or spec.algorithm.dynamic_sampling.enabled:
+        raise field_error(("trainer", "mode"), "async is for RL without algorithm.dynamic_sampling", t.mode)

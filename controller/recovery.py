@@ -50,7 +50,8 @@ from ray.exceptions import (
 from controller.groups import RoleGroup
 from controller.resource_pool import ResourcePool, ResourcePoolError
 from controller.sink import JobSink
-from controller.spec import ResourcesSpec, TrainerSpec
+from controller.spec import TrainerSpec
+from controller.spec_resources import ResourcesSpec
 from controller.worker_group import RayWorkerGroup, WorkerGroupError, wait_all
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
-from controller.spec import ResourcesSpec
+from controller.spec_resources import ResourcesSpec
 from engines.threads import physical_cores
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")

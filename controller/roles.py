@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
 from controller.resource_pool import ResourcePool, cpus_per_worker
-from controller.spec import JobSpec, RolloutResourcesSpec
+from controller.spec import JobSpec
+from controller.spec_resources import RolloutResourcesSpec
 from controller.worker_group import RayWorkerGroup
 from engines.config import EngineConfig, fields_of
 from workers.actor_role import ActorRefWorker

@@ -14,22 +14,18 @@ lower layers their own model, typed. See docs/ARCHITECTURE.md, "Configuration".
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     StringConstraints,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
     model_validator,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from controller.async_config import AsyncOptions
+from controller.async_config import AsyncOptions, check_async
 from controller.external_spec import ExternalSpec
+from controller.spec_resources import ResourcesSpec
+from controller.spec_section import Section, deep_merge
 from engines.config import (
     Dtype,
     LoraConfig,
@@ -48,27 +44,6 @@ MAX_SAMPLES = 1 << 20  # prompts, samples or rows per step: far beyond any machi
 
 Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 Tracker = Literal["tensorboard", "wandb", "mlflow"]
-
-
-class Section(BaseModel):
-    """Unknown keys, NaN/infinity and `true` for a number are refused: a value the job cannot use
-    fails here, at submission, naming its field (every number also has bounds)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
-        if isinstance(value, bool) and info.field_name is not None:
-            kinds = _kinds(cls.model_fields[info.field_name].annotation)
-            if bool not in kinds and kinds & {int, float}:
-                raise ValueError(f"expected a number, got {str(value).lower()}")
-        return value
-
-
-def _kinds(annotation: Any) -> set[Any]:
-    args = get_args(annotation)
-    return {annotation} if not args else set().union(*(_kinds(a) for a in args))
 
 
 Tag = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=64)]
@@ -388,68 +363,6 @@ class CheckpointSpec(Section):
     resume_from: str | None = Field(None, description="a checkpoint folder to start from")
 
 
-class WorkerResources(Section):
-    """How many workers of one group, and what each one gets."""
-
-    workers: int = Field(1, ge=1, le=4096, description="ranks (processes) of the worker group")
-    cpus_per_worker: float | None = Field(
-        None,
-        ge=0.01,
-        le=4096,
-        description="CPUs per worker, at least 0.01 (Ray's resolution); a rank runs that many torch threads, "
-        "up to the physical cores (one for a model of hidden size below 256, engines/threads.py). None: "
-        "the largest node's CPUs split over the workers, at most its physical cores",
-    )
-    gpus_per_worker: float = Field(
-        0.0, ge=0, le=1024, description="0: one GPU per worker when the cluster has GPUs, none otherwise"
-    )
-
-    @field_validator("gpus_per_worker")
-    @classmethod
-    def _gpu_share(cls, value: float) -> float:
-        if 0 < value < 0.01:
-            raise ValueError("give 0 or at least 0.01 GPUs per worker")
-        return value
-
-
-class RolloutResourcesSpec(WorkerResources):
-    """The rollout role's own workers when resources.placement is 'split' (tensor_parallel_size of
-    them form one replica)."""
-
-
-class ResourcesSpec(WorkerResources):
-    """The training workers (`workers`, `cpus_per_worker`, `gpus_per_worker`) and where the rollout runs."""
-
-    placement: Literal["colocated", "split"] = Field(
-        "colocated",
-        description="colocated: the rollout engine lives in each training process (the hybrid worker); "
-        "split: the rollout role runs on its own workers (resources.rollout) and weights are sent to them",
-    )
-    rollout: RolloutResourcesSpec | None = Field(
-        None, description="the rollout workers of placement 'split' (default: 1 worker); not with 'colocated'"
-    )
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK",
-        description="Ray placement of the workers' bundles: PACK (few nodes), SPREAD (many nodes), "
-        "STRICT_PACK (one node), STRICT_SPREAD (one worker per node)",
-    )
-
-    @field_validator("rollout")
-    @classmethod
-    def _rollout_only_split(cls, value: RolloutResourcesSpec | None, info: ValidationInfo) -> Any:
-        if value is not None and info.data.get("placement") != "split":
-            raise ValueError("rollout workers of their own need placement 'split'; colocated, the rollout "
-                             "engine runs in the training workers")  # fmt: skip
-        return value
-
-    @property
-    def rollout_workers(self) -> RolloutResourcesSpec | None:
-        """The rollout role's own workers (placement 'split'), else None."""
-        if self.placement != "split":
-            return None
-        return self.rollout or RolloutResourcesSpec()
-
-
 class JobSpec(JobLabels):
     """One job: what to train, on what, how, on which resources (and, from JobLabels, its name, tags
     and notes)."""
@@ -523,55 +436,3 @@ class JobSpec(JobLabels):
     def merged(self, overrides: dict[str, Any]) -> JobSpec:
         """A new spec with nested overrides applied (fork), validated as a whole."""
         return JobSpec.model_validate(deep_merge(self.model_dump(), overrides))
-
-
-def check_async(spec: JobSpec, samples: int) -> None:
-    """trainer.mode 'async' needs rollout workers of its own and a buffer of at least one step."""
-    t = spec.trainer
-    if t.mode != "async":
-        return
-    if spec.resources.placement != "split":
-        raise field_error(("trainer", "mode"), "async needs resources.placement 'split' (rollout workers of "
-                          "their own, which generate while the training ranks update)", t.mode)  # fmt: skip
-    if t.buffer_size is not None and t.buffer_size < samples:
-        raise field_error(("trainer", "buffer_size"), f"{t.buffer_size} is smaller than one step's "
-                          f"prompts_per_step x rollout.n = {samples} samples", t.buffer_size)  # fmt: skip
-    if t.rollout_lanes == "per_worker" and spec.rollout.tensor_parallel_size > 1:
-        raise field_error(("trainer", "rollout_lanes"), "per_worker needs rollout.tensor_parallel_size 1",
-                          t.rollout_lanes)  # fmt: skip
-    if t.partial_rollouts and spec.rollout.environment is not None:
-        raise field_error(("trainer", "partial_rollouts"), "single-turn only (rollout.environment is set)",
-                          t.partial_rollouts)  # fmt: skip
-    if spec.rollout.source == "external":  # agents' calls are whole: no segments, no lanes of our own
-        # 'group' (the default before 'auto') stays accepted: it asks for nothing an external job lacks.
-        refused = {"partial_rollouts": t.partial_rollouts, "rollout_lanes": t.rollout_lanes == "per_worker"}
-        for name in (n for n, bad in refused.items() if bad):
-            raise field_error(("trainer", name), "not with rollout.source external (agents make the "
-                              "calls: the endpoint batches them)", getattr(t, name))  # fmt: skip
-    if t.off_policy_correction == "behaviour_ppo" and spec.algorithm.rollout_correction.is_weights != "off":
-        raise field_error(("trainer", "off_policy_correction"), "behaviour_ppo's old policy is the behaviour "
-                          "one: algorithm.rollout_correction.is_weights would weigh every token by 1 (leave it "
-                          "'off', or choose decoupled)", t.off_policy_correction)  # fmt: skip
-    if spec.method == "sft" or spec.algorithm.dynamic_sampling.enabled:
-        raise field_error(("trainer", "mode"), "async is for RL without algorithm.dynamic_sampling", t.mode)
-
-
-def field_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
-    """A validation error located at `loc` (a cross-section rule still names its field in the 422)."""
-    error = PydanticCustomError(
-        "value_error", ".".join(loc) + ": " + message.replace("{", "(").replace("}", ")")
-    )
-    return ValidationError.from_exception_data(
-        "JobSpec", [InitErrorDetails(type=error, loc=loc, input=value)]
-    )
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `overrides` applied key by key, recursing into nested dicts."""
-    out = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out

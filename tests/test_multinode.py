@@ -71,7 +71,7 @@ def run_scenario() -> dict[str, Any]:
     from ray.cluster_utils import Cluster
 
     from controller.resource_pool import ResourcePool, ResourcePoolError
-    from controller.spec import ResourcesSpec
+    from controller.spec_resources import ResourcesSpec
     from controller.worker_group import RayWorkerGroup
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})

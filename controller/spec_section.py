@@ -1,0 +1,53 @@
+"""The base of every JobSpec section, and the two helpers the spec's cross-section rules use.
+
+Torch-free, like controller/spec.py: the API and the CLI read it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+
+class Section(BaseModel):
+    """Unknown keys, NaN/infinity and `true` for a number are refused: a value the job cannot use
+    fails here, at submission, naming its field (every number also has bounds)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            kinds = _kinds(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"expected a number, got {str(value).lower()}")
+        return value
+
+
+def _kinds(annotation: Any) -> set[Any]:
+    args = get_args(annotation)
+    return {annotation} if not args else set().union(*(_kinds(a) for a in args))
+
+
+def field_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
+    """A validation error located at `loc` (a cross-section rule still names its field in the 422)."""
+    error = PydanticCustomError(
+        "value_error", ".".join(loc) + ": " + message.replace("{", "(").replace("}", ")")
+    )
+    return ValidationError.from_exception_data(
+        "JobSpec", [InitErrorDetails(type=error, loc=loc, input=value)]
+    )
+
+
+def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` applied key by key, recursing into nested dicts."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
