@@ -23,19 +23,24 @@ from controller.dispatch import MeshLayout, collect_from_mesh, scatter_all_to_al
 from controller.resource_pool import ResourcePool
 from controller.worker_output import ENV as WORKER_OUTPUT_ENV
 from controller.worker_output import redirect_output
-from engines.host_memory import keep_freed_memory
+from engines.host_memory import keep_freed_memory, malloc_tunables
 from engines.threads import set_torch_threads
 from workers.base import Dispatch, MethodSpec, registered_methods
 from workers.remote import WorkerGroupError as WorkerGroupError  # re-exported: callers catch it here
 from workers.remote import wait_all
 
 DEFAULT_ROLE = "main"
+
+
 # OpenMP threads that wait for work sleep instead of spinning. A rank runs as many torch threads as
 # its cores (engines/threads.py); when other processes share those cores (several jobs, or a busy
 # machine), spinning threads starve the one doing the work: a qwen2-1m update measured 31 s with
 # spinning vs 0.7 s passive on a 2-core machine at load ~30 (bench/RESULTS.md). libgomp reads this
 # when it loads, so it goes in the actor's environment; Ray merges it into the job's env_vars.
-_RANK_ENV = {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}}
+# Likewise glibc reads GLIBC_TUNABLES at start: malloc on transparent huge pages (engines/host_memory.py).
+def _rank_env() -> dict[str, dict[str, str]]:
+    tunables = malloc_tunables(os.environ.get("GLIBC_TUNABLES"))
+    return {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", "GLIBC_TUNABLES": tunables}}
 
 
 @dataclass
@@ -103,7 +108,7 @@ class _Hosts:
                     placement_group=pool.placement_group, placement_group_bundle_index=bundle
                 ),
                 name=None,
-                runtime_env=_RANK_ENV,
+                runtime_env=_rank_env(),
             ).remote(rank, world)
             for rank, bundle in enumerate(pool.bundle_order)
         ]

@@ -5,11 +5,14 @@ own interpreter, since the setting is process-wide and cannot be undone."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from engines.host_memory import malloc_tunables
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,3 +57,39 @@ def test_kept_memory_maps_no_new_pages_per_step():
     # reuses them (30-120 faults a round before the 48 MB temporary was added).
     assert default["faults_per_round"] > 11_000
     assert kept["faults_per_round"] < 1_000
+
+
+def test_malloc_tunables_add_huge_pages_and_keep_what_the_user_set():
+    assert malloc_tunables(None) == "glibc.malloc.hugetlb=1"
+    assert malloc_tunables("") == "glibc.malloc.hugetlb=1"
+    assert malloc_tunables("glibc.malloc.arena_max=2") == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert malloc_tunables("glibc.malloc.hugetlb=0") == "glibc.malloc.hugetlb=0"  # the user's opt-out
+    assert malloc_tunables("glibc.malloc.hugetlb=2:x=1") == "glibc.malloc.hugetlb=2:x=1"
+
+
+# A 256 MiB block touched once: above any mmap threshold, so malloc maps it afresh.
+FRESH_BLOCK = """
+import json, resource, torch
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.ones(64 << 20).sum()
+print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+"""
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not THP_MODE.is_file() or "[madvise]" not in THP_MODE.read_text(),
+    reason="the tunable matters where the kernel gives huge pages on request ('madvise')",
+)
+def test_the_tunable_maps_a_fresh_block_in_huge_pages():
+    def faults(env: dict[str, str]) -> int:
+        done = subprocess.run([sys.executable, "-c", FRESH_BLOCK], capture_output=True, text=True,
+                              timeout=120, env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])["faults"]
+
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    default = faults(base)
+    huge = faults({**base, "GLIBC_TUNABLES": malloc_tunables(None)})
+    assert default > 60_000  # 65,536 pages of 4 KiB
+    assert huge < 2_000  # 128 pages of 2 MiB (and the interpreter's own)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -75,6 +77,15 @@ class MeshWorker(Worker):
     @register(Dispatch.ONE_TO_ALL)
     def env(self) -> dict[str, str]:
         return {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def huge_pages_mib(self, mib: int) -> dict[str, Any]:
+        """GLIBC_TUNABLES, and this process's anonymous huge pages while a fresh `mib` MiB tensor lives."""
+        block = torch.ones(mib << 18)  # float32: 4 bytes each
+        with open("/proc/self/smaps_rollup") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+        del block
+        return {"tunables": os.environ.get("GLIBC_TUNABLES", ""), "huge_mib": kib >> 10}
 
 
 def make_batch(n: int) -> Batch:
@@ -168,6 +179,20 @@ def test_other_dispatch_modes_and_env(groups):
         group.add([1, 2])
     with pytest.raises(TypeError, match="takes a Batch"):
         group.train_step({"row": [1]})
+
+
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not THP_MODE.is_file() or "[never]" in THP_MODE.read_text(), reason="no transparent huge pages"
+)
+def test_ranks_allocate_on_transparent_huge_pages(groups):
+    """The rank's environment asks glibc's malloc for huge pages (engines/host_memory.py): a 256 MiB
+    tensor is backed by them (4 KiB pages report 0 here in the kernel's 'madvise' mode)."""
+    for report in groups["in-order"].huge_pages_mib(256):
+        assert "glibc.malloc.hugetlb=1" in report["tunables"].split(":")
+        assert report["huge_mib"] >= 200, report
 
 
 def test_a_submitted_call_runs_while_the_controller_works_and_collects_alike(groups):
