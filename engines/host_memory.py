@@ -27,6 +27,7 @@ import ctypes
 import ctypes.util
 import resource
 from functools import cache
+from pathlib import Path
 
 # mallopt parameter numbers, from glibc's malloc.h.
 M_TRIM_THRESHOLD = -1
@@ -41,6 +42,7 @@ MMAP_THRESHOLD_FALLBACK = 32 * 1024 * 1024  # the documented ceiling
 TRIM_THRESHOLD = 512 * 1024 * 1024
 TOP_PAD = 64 * 1024 * 1024
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @cache
@@ -77,3 +79,13 @@ def malloc_tunables(existing: str | None) -> str:
     if not any(item.split("=", 1)[0] == HUGE_PAGES_TUNABLE for item in items):
         items.append(f"{HUGE_PAGES_TUNABLE}=1")
     return ":".join(items)
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge page mode ('always', 'madvise' or 'never'); None where unknown."""
+    try:
+        text = THP_SETTING.read_text()
+    except OSError:
+        return None
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[")]
+    return chosen[0] if chosen else None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.host_memory import malloc_tunables
+from engines.host_memory import malloc_tunables, transparent_huge_pages
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,11 +74,10 @@ before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 torch.ones(64 << 20).sum()
 print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
 """
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 @pytest.mark.skipif(
-    not THP_MODE.is_file() or "[madvise]" not in THP_MODE.read_text(),
+    transparent_huge_pages() != "madvise",
     reason="the tunable matters where the kernel gives huge pages on request ('madvise')",
 )
 def test_the_tunable_maps_a_fresh_block_in_huge_pages():

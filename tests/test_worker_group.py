@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from controller.dispatch import MeshLayout
 from controller.resource_pool import ResourcePool, cpus_per_worker
 from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups
+from engines.host_memory import transparent_huge_pages
 from engines.threads import physical_cores
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
@@ -181,12 +181,7 @@ def test_other_dispatch_modes_and_env(groups):
         group.train_step({"row": [1]})
 
 
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-@pytest.mark.skipif(
-    not THP_MODE.is_file() or "[never]" in THP_MODE.read_text(), reason="no transparent huge pages"
-)
+@pytest.mark.skipif(transparent_huge_pages() in (None, "never"), reason="no transparent huge pages")
 def test_ranks_allocate_on_transparent_huge_pages(groups):
     """The rank's environment asks glibc's malloc for huge pages (engines/host_memory.py): a 256 MiB
     tensor is backed by them (4 KiB pages report 0 here in the kernel's 'madvise' mode)."""
