@@ -24,7 +24,7 @@ from ray.util.placement_group import (
 )
 
 from controller.spec_resources import ResourcesSpec
-from engines.threads import physical_cores
+from engines.threads import logical_cpus, physical_cores
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -156,8 +156,21 @@ def cpus_per_worker(workers: int, asked: float | None) -> float:
     """
     if asked is not None:
         return float(asked)
-    largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=1.0)
-    return float(max(1, min(int(largest), physical_cores()) // workers))
+    return float(max(1, min(int(largest_node_cpus()), physical_cores()) // workers))
+
+
+def largest_node_cpus() -> float:
+    """The most CPUs an alive node of the cluster advertises."""
+    return max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=1.0)
+
+
+def cores_shared(share: float) -> bool:
+    """Whether a rank's cores may be busy with other work while it computes: its group takes only a
+    share of its bundle (other groups' processes compute on the same CPUs), or the Ray advertises
+    more CPUs than this machine has (so Ray places more busy processes than there are CPUs: the
+    test suite's Ray, or a node started with num_cpus above its count). Like `cpus_per_worker`,
+    this machine stands for the cluster's nodes."""
+    return share < 1 or largest_node_cpus() > logical_cpus()
 
 
 def job_needs(spec: dict[str, Any]) -> tuple[float, float, list[dict[str, float]]]:

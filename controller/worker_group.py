@@ -20,11 +20,11 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from controller.dispatch import MeshLayout, collect_from_mesh, scatter_all_to_all, split_for_mesh
-from controller.resource_pool import ResourcePool
+from controller.resource_pool import ResourcePool, cores_shared
 from controller.worker_output import ENV as WORKER_OUTPUT_ENV
 from controller.worker_output import redirect_output
 from engines.host_memory import keep_freed_memory, malloc_tunables
-from engines.threads import set_torch_threads
+from engines.threads import openmp_wait_env, set_torch_threads
 from workers.base import Dispatch, MethodSpec, registered_methods
 from workers.remote import WorkerGroupError as WorkerGroupError  # re-exported: callers catch it here
 from workers.remote import wait_all
@@ -32,15 +32,14 @@ from workers.remote import wait_all
 DEFAULT_ROLE = "main"
 
 
-# OpenMP threads that wait for work sleep instead of spinning. A rank runs as many torch threads as
-# its cores (engines/threads.py); when other processes share those cores (several jobs, or a busy
-# machine), spinning threads starve the one doing the work: a qwen2-1m update measured 31 s with
-# spinning vs 0.7 s passive on a 2-core machine at load ~30 (bench/RESULTS.md). libgomp reads this
-# when it loads, so it goes in the actor's environment; Ray merges it into the job's env_vars.
-# Likewise glibc reads GLIBC_TUNABLES at start: malloc on transparent huge pages (engines/host_memory.py).
-def _rank_env() -> dict[str, dict[str, str]]:
-    tunables = malloc_tunables(os.environ.get("GLIBC_TUNABLES"))
-    return {"env_vars": {"OMP_WAIT_POLICY": "PASSIVE", "GLIBC_TUNABLES": tunables}}
+# Settings that libgomp and glibc read when a rank's process starts, so they go in the actor's
+# environment (Ray merges them into the job's env_vars): OpenMP threads spin between ops unless
+# the rank's cores are shared, where they sleep (engines/threads.openmp_wait_env), and malloc on
+# transparent huge pages (engines/host_memory.py).
+def _rank_env(share: float) -> dict[str, dict[str, str]]:
+    env = openmp_wait_env(cores_shared(share), os.environ)
+    env["GLIBC_TUNABLES"] = malloc_tunables(os.environ.get("GLIBC_TUNABLES"))
+    return {"env_vars": env}
 
 
 @dataclass
@@ -99,7 +98,7 @@ class _Hosts:
             raise ValueError(f"share must be in (0, 1], got {share}")
         self.name, self.pool = name, pool
         world = pool.num_bundles
-        remote_host = ray.remote(WorkerHost)
+        remote_host, env = ray.remote(WorkerHost), _rank_env(share)
         self.actors = [
             remote_host.options(
                 num_cpus=pool.cpus_per_bundle * share,
@@ -108,7 +107,7 @@ class _Hosts:
                     placement_group=pool.placement_group, placement_group_bundle_index=bundle
                 ),
                 name=None,
-                runtime_env=_rank_env(),
+                runtime_env=env,
             ).remote(rank, world)
             for rank, bundle in enumerate(pool.bundle_order)
         ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 _TOPOLOGY = Path("/sys/devices/system/cpu")
@@ -38,6 +39,11 @@ def physical_cores() -> int:
         except OSError:
             cores.add(("cpu", str(cpu)))
     return max(1, len(cores))
+
+
+def logical_cpus() -> int:
+    """The logical CPUs this process may run on (its affinity)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def threads_for_rank(bundle_cpus: float, ranks_on_node: int = 1) -> int:
@@ -84,3 +90,25 @@ def limit_threads_for_model(model_path: str | Path) -> int:
     threads = threads_for_model(torch.get_num_threads(), hidden_size_of(model_path))
     torch.set_num_threads(threads)
     return threads
+
+
+# What a user may set for OpenMP's waiting threads; a rank keeps theirs.
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def openmp_wait_env(cores_shared: bool, inherited: Mapping[str, str]) -> dict[str, str]:
+    """The OpenMP wait setting for a rank's environment (libgomp reads it when torch loads).
+
+    When an op's threads finish their shares, libgomp by default lets them spin a while before they
+    sleep, so the next op finds them awake (torch's own default, and TRL's). On cores the rank has
+    to itself that is the faster choice: SmolLM2-135M's GRPO step in a job took 0.88x the time of
+    sleeping threads (PASSIVE), its update 0.85x and its generation 0.88x (bench/RESULTS.md, issue
+    34). On cores other busy processes share, spinning threads take the time the working one needs
+    (the same step 2.1x PASSIVE's with two other busy processes on 2 cores; a qwen2-1m update 31 s
+    against 0.7 s at load ~30, issue 17), so there they sleep. A user's own OMP_WAIT_POLICY or
+    GOMP_SPINCOUNT is kept (docs/troubleshooting.md: a machine busy with work Ray does not place).
+    """
+    own = {name: inherited[name] for name in OPENMP_WAIT_VARS if name in inherited}
+    if own:
+        return own
+    return {"OMP_WAIT_POLICY": "PASSIVE"} if cores_shared else {}

@@ -13,7 +13,7 @@ from controller.dispatch import MeshLayout
 from controller.resource_pool import ResourcePool, cpus_per_worker
 from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups
 from engines.host_memory import transparent_huge_pages
-from engines.threads import physical_cores
+from engines.threads import logical_cpus, physical_cores
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
 
@@ -320,6 +320,30 @@ def test_auto_cpus_take_the_cores_and_ranks_use_them_as_threads(ray_cluster):
         group = RayWorkerGroup(pool, ThreadsWorker, group_name="threads", share=0.5)
         # share 0.5 asks Ray for 1 CPU when cores = 2; idle OpenMP threads sleep rather than spin
         assert group.threads() == [(min(8, cores), "PASSIVE")]
+        group.shutdown()
+    finally:
+        pool.remove()
+
+
+class WaitWorker(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def wait_env(self) -> tuple[str | None, str | None]:
+        return os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
+
+
+def test_ranks_sleep_where_ray_advertises_more_cpus_than_the_machine_has(ray_cluster, monkeypatch):
+    """The test Ray advertises 8 CPUs: on a machine with fewer, Ray places more busy processes than
+    CPUs, so even a rank with its whole bundle sleeps between ops (PASSIVE); a user's own OpenMP
+    setting in the controller's environment reaches the rank instead (tests/test_openmp_wait.py has
+    the Ray of the machine's own CPUs)."""
+    pool = ResourcePool(bundles=1, cpus_per_bundle=1)
+    try:
+        group = RayWorkerGroup(pool, WaitWorker, group_name="wait", share=1.0)
+        assert group.wait_env() == [("PASSIVE" if logical_cpus() < 8 else None, None)]
+        group.shutdown()
+        monkeypatch.setenv("GOMP_SPINCOUNT", "5000")
+        group = RayWorkerGroup(pool, WaitWorker, group_name="wait", share=1.0)
+        assert group.wait_env() == [(None, "5000")]
         group.shutdown()
     finally:
         pool.remove()
