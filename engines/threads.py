@@ -22,17 +22,21 @@ from pathlib import Path
 _TOPOLOGY = Path("/sys/devices/system/cpu")
 
 
+def _allowed_cpus() -> list[int]:
+    """The logical CPUs this process may run on (its affinity)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def physical_cores() -> int:
     """Distinct physical cores among the CPUs this process may run on (its affinity).
 
     Read from Linux's CPU topology (one core per (package, core id)); where that is not readable,
     every allowed logical CPU counts as a core.
     """
-    allowed = (
-        sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    )
     cores = set()
-    for cpu in allowed:
+    for cpu in _allowed_cpus():
         topology = _TOPOLOGY / f"cpu{cpu}" / "topology"
         try:
             cores.add(((topology / "physical_package_id").read_text(), (topology / "core_id").read_text()))
@@ -42,8 +46,8 @@ def physical_cores() -> int:
 
 
 def logical_cpus() -> int:
-    """The logical CPUs this process may run on (its affinity)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """How many logical CPUs this process may run on (its affinity)."""
+    return len(_allowed_cpus())
 
 
 def threads_for_rank(bundle_cpus: float, ranks_on_node: int = 1) -> int:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engines.threads import openmp_wait_env
+from engines.threads import OPENMP_WAIT_VARS, openmp_wait_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,9 +54,7 @@ print(json.dumps(seen))
 
 
 def test_ranks_spin_on_a_ray_of_the_machines_cpus_and_sleep_on_half_a_bundle():
-    clean = {
-        k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "RAY_ADDRESS")
-    }
+    clean = {k: v for k, v in os.environ.items() if k not in (*OPENMP_WAIT_VARS, "RAY_ADDRESS")}
     out = subprocess.run(
         [sys.executable, "-c", PROGRAM.format(root=str(ROOT))],
         env=clean, capture_output=True, text=True, timeout=240, check=True,
