@@ -29,18 +29,13 @@ def test_spin_on_own_cores_sleep_on_shared_ones_and_keep_the_users_setting():
 # with its whole bundle (share 1) and with half of it finds in its environment. (The test suite's
 # Ray advertises more CPUs than the machine has: tests/test_worker_group.py checks that case.)
 PROGRAM = """
-import json, os, sys
+import json, sys
 sys.path.insert(0, {root!r})
 import ray
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup
 from engines.threads import logical_cpus
-from workers.base import Dispatch, Worker, register
-
-class WaitWorker(Worker):
-    @register(Dispatch.ONE_TO_ALL)
-    def wait_env(self):
-        return {{name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}}
+from tests.wait_worker import WaitWorker
 
 ray.init(address="local", num_cpus=logical_cpus(), include_dashboard=False, logging_level="error")
 pool = ResourcePool(bundles=1, cpus_per_bundle=1)

@@ -14,6 +14,7 @@ from controller.resource_pool import ResourcePool, cpus_per_worker
 from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups
 from engines.host_memory import transparent_huge_pages
 from engines.threads import logical_cpus, physical_cores
+from tests.wait_worker import WaitWorker
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
 
@@ -325,12 +326,6 @@ def test_auto_cpus_take_the_cores_and_ranks_use_them_as_threads(ray_cluster):
         pool.remove()
 
 
-class WaitWorker(Worker):
-    @register(Dispatch.ONE_TO_ALL)
-    def wait_env(self) -> tuple[str | None, str | None]:
-        return os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
-
-
 def test_ranks_sleep_where_ray_advertises_more_cpus_than_the_machine_has(ray_cluster, monkeypatch):
     """The test Ray advertises 8 CPUs: on a machine with fewer, Ray places more busy processes than
     CPUs, so even a rank with its whole bundle sleeps between ops (PASSIVE); a user's own OpenMP
@@ -339,11 +334,12 @@ def test_ranks_sleep_where_ray_advertises_more_cpus_than_the_machine_has(ray_clu
     pool = ResourcePool(bundles=1, cpus_per_bundle=1)
     try:
         group = RayWorkerGroup(pool, WaitWorker, group_name="wait", share=1.0)
-        assert group.wait_env() == [("PASSIVE" if logical_cpus() < 8 else None, None)]
+        passive = "PASSIVE" if logical_cpus() < 8 else None
+        assert group.wait_env() == [{"OMP_WAIT_POLICY": passive, "GOMP_SPINCOUNT": None}]
         group.shutdown()
         monkeypatch.setenv("GOMP_SPINCOUNT", "5000")
         group = RayWorkerGroup(pool, WaitWorker, group_name="wait", share=1.0)
-        assert group.wait_env() == [(None, "5000")]
+        assert group.wait_env() == [{"OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "5000"}]
         group.shutdown()
     finally:
         pool.remove()
