@@ -31,7 +31,9 @@ matrix-product peak and the read bandwidth of the machine (bench/flops.py), and 
 FLOP/s it reached against the higher of the two: the update's model FLOPs utilisation and generation
 against its bound. It also runs a 5 s loop of products before and after (`sustained_matmul_gflops_
 before_after`) and gives the update's utilisation against their mean (`update_mfu_sustained`): on a
-shared host the burst and the sustained rate part by up to 1.7x.
+shared host the burst and the sustained rate part by up to 1.7x. The update's FLOPs depend on the
+step (rows without advantage run forward only), so each step's FLOP/s is computed from that step's
+own time and rows (`update_gflops_per_step`), and `update_mfu_sustained` is their median's.
 
 TRL comes from the optional `bench` extra (`pip install -e '.[bench]'`; `make bench-trl`).
 """
@@ -42,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -224,12 +227,15 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     ray.init(
         include_dashboard=False, logging_level="error", runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}
     )
+    # The job's folder holds its final checkpoint (1.7 GB at SmolLM2-135M: weights and AdamW state):
+    # removed with the run (TRL's side saves nothing: save_strategy "no").
+    workdir = Path(tempfile.mkdtemp(prefix="vs-tandem-"))
     try:
-        workdir = Path(tempfile.mkdtemp(prefix="vs-tandem-"))
         sink = ClockSink(workdir)
         Trainer(spec, workdir, sink, name="vs-trl").run()
     finally:
         ray.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
     sustained.append(sustained_matmul_flops(physical_cores(), 5.0))
     after = machine_peak(physical_cores())
     peak = max(before, after, key=lambda p: p["matmul_flops"])
@@ -246,8 +252,15 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     )
     medians["peak_matmul_gflops_before_after"] = [round(p["matmul_flops"] / 1e9, 1) for p in (before, after)]
     medians["sustained_matmul_gflops_before_after"] = [round(f / 1e9, 1) for f in sustained]
-    if "update_gflops" in medians:
-        medians["update_mfu_sustained"] = round(medians["update_gflops"] * 2e9 / sum(sustained), 4)
+    per_step = [
+        phase_utilisation(v, shape, peak, args.prompts, args.n, args.max_new_tokens, lora=args.lora)
+        for v in later
+        if "timing_s/update_actor" in v
+    ]
+    if per_step:
+        medians["update_gflops_per_step"] = [p["update_gflops"] for p in per_step]
+        step_median = statistics.median(medians["update_gflops_per_step"])
+        medians["update_mfu_sustained"] = round(step_median * 2e9 / sum(sustained), 4)
     return step_intervals(sink.ends), medians
 
 
