@@ -176,7 +176,9 @@ class EngineConfig(_Section):
     trainable: bool = Field(True, description="False: forward only, no optimizer (the reference model)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     dtype: Dtype = Field(
-        "auto", description="compute dtype; auto: bf16 on CUDA, fp32 on CPU. Master weights stay fp32"
+        "auto",
+        description="compute dtype; auto: bf16 on CUDA, fp32 on CPU. Master weights stay fp32; bfloat16 on "
+        "one CPU rank runs the linear layers in bf16 under autocast (attention and the log-prob head in fp32)",
     )
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = "auto"
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)

@@ -176,7 +176,17 @@ def token_log_probs(
     """log p(targets[i] | hidden[i]) for hidden [N, H], weight [V, H]; and the entropy when asked.
 
     With `keep_bytes` >= the fp32 [N, V] log-softmax's size, the forward keeps it for the backward,
-    which then skips recomputing the projection (one of its four matrix products)."""
+    which then skips recomputing the projection (one of its four matrix products).
+
+    Under a CPU autocast region (bf16 on a CPU, engines/fsdp/engine.py) the projection runs in fp32:
+    there is no CPU product of bf16 inputs into an fp32 result, and bf16 logits of magnitude ~20 are
+    rounded by up to 0.06, which would land in every log-prob and importance ratio."""
+    if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        with torch.autocast("cpu", enabled=False):
+            hidden, weight = hidden.float(), weight.float()
+            return token_log_probs(
+                hidden, weight, targets, temperature, with_entropy, chunk_tokens, keep_bytes
+            )
     log_probs, entropy = ChunkedLogProbs.apply(
         hidden, weight, targets, temperature, with_entropy, chunk_tokens, keep_bytes
     )

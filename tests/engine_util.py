@@ -70,9 +70,15 @@ def rollout_corrected_loss():
     return make_policy_loss(PolicyLossConfig(clip_ratio_high=0.28, rollout_correction=correction))
 
 
+# A case name's suffix: the engine keeps each layer gathered across the call's micro-batches
+# (fsdp.reshard_after_forward False, ZeRO-2) where it is sharded.
+ZERO2 = "-zero2"
+
+
 def loss_for(mode: str):
     """`pg_loss(mode)` for an aggregation mode, or the actor's loss: rollout-corrected, or plain for
     the batch with forward-only rows."""
+    mode = mode.removesuffix(ZERO2)
     if mode == "forward-only-rows":
         from workers.losses import PolicyLossConfig, make_policy_loss
 
@@ -143,7 +149,9 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, cases: list, out
         if mode == "forward-only-rows":  # rank 0's half has no row to back-propagate
             batch = with_zero_advantage_rows(batch, [0, 1, 2])
         shard = batch[rank * len(batch) // world : (rank + 1) * len(batch) // world]
-        engine = FSDPEngine(EngineConfig(model_path=model_dir, micro_batch=split, optim={"lr": 1e-2}))
+        fsdp = {"reshard_after_forward": False} if mode.endswith(ZERO2) else {}
+        config = EngineConfig(model_path=model_dir, micro_batch=split, optim={"lr": 1e-2}, fsdp=fsdp)
+        engine = FSDPEngine(config)
         engine.initialize()
         with engine.train_mode():
             # First the same rows in two calls of unequal size, told the global batch's counts
@@ -156,7 +164,10 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, cases: list, out
             grads = full_grads(engine)
             norm = engine.optimizer_step()
         params = dict(engine.get_per_tensor_param())
+        sharded_params = [type(p).__name__ == "DTensor" for p in engine.model.parameters()]
         results[mode] = {
+            "kept_gathered": engine.sharded and not engine.reshard_after_forward,
+            "all_resharded": all(sharded_params),
             "grads": grads,
             "metrics": out.metrics,
             "norm": norm,

@@ -1,7 +1,8 @@
 """1 rank vs 2 FSDP ranks (two gloo processes): the same global batch gives the same gradients and
-metrics, for the aggregation modes, for the rollout-corrected actor loss, and when one rank's rows
-all run forward only (engines.base.NEEDS_BACKWARD) while the other's back-propagate; and the same
-gradients when each rank takes its rows in two calls that accumulate."""
+metrics, for the aggregation modes, for the rollout-corrected actor loss, when one rank's rows
+all run forward only (engines.base.NEEDS_BACKWARD) while the other's back-propagate, and when the
+shards keep each layer gathered across the call's micro-batches (ZeRO-2); and the same gradients
+when each rank takes its rows in two calls that accumulate."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.engine_util import checkpoint_rank_main, max_rel_diff, rank_main
+from tests.engine_util import ZERO2, checkpoint_rank_main, max_rel_diff, rank_main
 
 
 def _free_port() -> int:
@@ -27,6 +28,7 @@ CASES = [
     ("seq-mean-token-sum-norm", {"max_tokens_per_micro_batch": 24}),
     ("rollout-corrected", {"micro_batch_size": 2}),
     ("forward-only-rows", {"max_tokens_per_micro_batch": 24}),
+    ("token-mean" + ZERO2, {"micro_batch_size": 1}),
 ]
 
 
@@ -53,6 +55,16 @@ def test_two_ranks_match_one_rank(runs, mode):
     # After one Adam step (lr 1e-2) both runs hold the same weights within 1% of a step: Adam's first
     # update is ~lr * sign(g), so gradients near zero amplify their 1e-5 relative differences.
     assert max(float((two["params"][k] - one["params"][k]).abs().max()) for k in one["params"]) <= 1e-4
+
+
+def test_zero2_shards_stay_gathered_across_micro_batches_and_are_freed_after_the_call(runs):
+    """fsdp.reshard_after_forward False: each layer is gathered once for the call's micro-batches
+    (one row each here) and freed at its end; the gradients match one rank's (the test above)."""
+    zero2, plain = runs[1]["token-mean" + ZERO2], runs[1]["token-mean"]
+    assert (zero2["kept_gathered"], plain["kept_gathered"]) == (True, False)
+    assert zero2["all_resharded"] and plain["all_resharded"]  # every parameter a DTensor shard again
+    assert not runs[0]["token-mean" + ZERO2]["kept_gathered"]  # one fp32 rank: nothing is sharded
+    assert max_rel_diff(zero2["grads"], plain["grads"]) <= 1e-5
 
 
 @pytest.mark.parametrize("mode", [mode for mode, _ in CASES])

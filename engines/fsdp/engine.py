@@ -4,6 +4,13 @@ Build order (`initialize`): process group → model in fp32 on the CPU → one F
 layer, then the root → optimizer → LR schedule → offload if configured. Master weights stay fp32;
 on CUDA the compute runs in bf16 with fp32 gradient reduction (MixedPrecisionPolicy).
 
+bf16 (`dtype: bfloat16`) on one CPU rank is not wrapped either: the weights stay fp32 and the
+forward runs under `torch.autocast`, so the linear layers multiply in bf16 (on a CPU with AMX,
+3.2-4.3x fp32's rate at SmolLM2's shapes) while the residual stream, the norms, attention
+(engines/attention.py) and the log-prob head (engines/logprobs.py) stay fp32. FSDP2's mixed
+precision there cast every parameter on every micro-batch and ran attention in bf16, whose CPU
+kernel is slow: a SmolLM2-135M update in a job took 13.2 s that way, 8.7 s this way (bench/RESULTS.md).
+
 One rank computing in fp32 holds the whole model and has nothing to shard, gather or reduce, so its
 model is not wrapped (as torchtitan leaves a one-device run unwrapped): FSDP2 would only make every
 parameter a DTensor, whose dispatch (sharding propagation on fake tensors) cost ~10% of a qwen2-1m
@@ -19,7 +26,7 @@ the global counts. The loss is normalised by those global counts, so the ranks' 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -145,8 +152,11 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
                     param.data = param.data.to(self.compute_dtype)
 
     def _shard(self, model: torch.nn.Module) -> None:
-        self.sharded = not (self.dp_size == 1 and self.compute_dtype == torch.float32)
+        one_rank = self.dp_size == 1 and (self.compute_dtype == torch.float32 or self.device.type == "cpu")
+        self.sharded = not one_rank
         self.reshard_after_forward = True
+        # bf16 on one CPU rank: fp32 weights, products in bf16 under autocast (see the module docstring).
+        self.autocast_dtype = self.compute_dtype if one_rank and self.compute_dtype != torch.float32 else None
         if not self.sharded:  # see the module docstring
             model.to(self.device)  # fully_shard would have moved it; unwrapped, it is loaded on the CPU
             return
@@ -323,17 +333,24 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
         # segment attention from cu_seq_lens_q; plain SDPA or eager need the block-diagonal mask.
         varlen = self.attn_implementation in ("flash_attention_2", segment_attention_name())
         mask = None if varlen else packed.block_causal_mask()
-        flat = self.model(
-            packed.input_ids,
-            packed.position_ids,
-            mask,
-            packed.targets,
-            temperature,
-            compute_entropy,
-            cu_seq_lens_q=packed.cu_seq_lens(),
-        )
+        with self._autocast():
+            flat = self.model(
+                packed.input_ids,
+                packed.position_ids,
+                mask,
+                packed.targets,
+                temperature,
+                compute_entropy,
+                cu_seq_lens_q=packed.cu_seq_lens(),
+            )
         mask_r = micro["response_mask"].to(torch.float32)
         return {k: response_columns(unpack(v, packed), width) * mask_r for k, v in flat.items()}
+
+    def _autocast(self) -> AbstractContextManager[None]:
+        """The forward's autocast region: bf16 products on one CPU rank asked for bf16, else none."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _prompt_groups(self, micro: TensorDict, width: int) -> list[list[int]] | None:
         """The rows grouped by prompt, when some prompt repeats and can be shared."""
@@ -352,15 +369,16 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
     ) -> dict[str, torch.Tensor]:
         """One copy of each prompt (engines/shared_prompt.py); outputs land on the [mb, R] grid."""
         packed = pack_shared(micro["input_ids"], micro["attention_mask"], width, groups)
-        flat = self.model(
-            packed.input_ids,
-            packed.position_ids,
-            None,
-            packed.targets,
-            temperature,
-            compute_entropy,
-            shared_prompt=packed,
-        )
+        with self._autocast():
+            flat = self.model(
+                packed.input_ids,
+                packed.position_ids,
+                None,
+                packed.targets,
+                temperature,
+                compute_entropy,
+                shared_prompt=packed,
+            )
         mask_r = micro["response_mask"].to(torch.float32)
         rows = len(micro)
         return {

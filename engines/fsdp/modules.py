@@ -135,8 +135,14 @@ class ValueModel(nn.Module):
         ).last_hidden_state[0]
         if shared_prompt is not None:
             hidden = hidden.index_select(0, shared_prompt.select)
+        if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # bf16 on a CPU (engines/fsdp/engine.py): the head in fp32; bf16 would keep 3 digits a value.
+            with torch.autocast("cpu", enabled=False):
+                values = self.value_head(hidden.float())
+        else:
+            values = self.value_head(hidden)
         # clone: FSDP hooks its output, and a view of it would lose the pre-backward hook.
-        return {"values": self.value_head(hidden).squeeze(-1).float().clone()}
+        return {"values": values.squeeze(-1).float().clone()}
 
     @staticmethod
     def hf_name(name: str) -> str:
