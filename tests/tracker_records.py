@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +58,37 @@ def wandb_records(run_file: Path) -> list[Any]:
     return [wandb_internal_pb2.Record.FromString(r) for r in records]
 
 
+def wandb_run_files(workdir: Path, timeout_s: float = 30.0) -> list[Path]:
+    """The job folder's offline run files, once each holds its run's last record (`exit`).
+
+    `run.finish()` returns before wandb's own service process has written everything to the file
+    (seen under load: a fork's file read right after its finish lacked the run's config), so a
+    reader waits for the record that ends a run, and fails naming the files that never got it.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        files = sorted(workdir.glob("wandb/offline-run-*/run-*.wandb"))
+        unfinished = [f for f in files if not ended(f)]
+        if files and not unfinished:
+            return files
+        if time.monotonic() > deadline:
+            raise AssertionError(f"W&B run files without an exit record after {timeout_s:.0f} s: "
+                                 f"{unfinished or 'no run file under ' + str(workdir)}")  # fmt: skip
+        time.sleep(0.2)
+
+
+def ended(run_file: Path) -> bool:
+    try:
+        records = wandb_records(run_file)
+    except Exception:  # a record still being written
+        return False
+    return bool(records) and records[-1].WhichOneof("record_type") == "exit"
+
+
 def wandb_history(workdir: Path) -> dict[int, dict[str, Any]]:
     """Every logged step of every offline run of the job folder, merged: {step: {key: value}}."""
     rows: dict[int, dict[str, Any]] = {}
-    for run_file in sorted(workdir.glob("wandb/offline-run-*/run-*.wandb")):
+    for run_file in wandb_run_files(workdir):
         for record in wandb_records(run_file):
             if record.WhichOneof("record_type") == "history":
                 items = {
@@ -72,7 +100,7 @@ def wandb_history(workdir: Path) -> dict[int, dict[str, Any]]:
 
 def wandb_config(workdir: Path) -> dict[str, Any]:
     config: dict[str, Any] = {}
-    for run_file in sorted(workdir.glob("wandb/offline-run-*/run-*.wandb")):
+    for run_file in wandb_run_files(workdir):
         for record in wandb_records(run_file):
             kind = record.WhichOneof("record_type")
             updates = (
@@ -87,13 +115,11 @@ def wandb_config(workdir: Path) -> dict[str, Any]:
 
 
 def wandb_run_ids(workdir: Path) -> set[str]:
-    return {
-        f.name.removeprefix("run-").removesuffix(".wandb")
-        for f in workdir.glob("wandb/offline-run-*/run-*.wandb")
-    }
+    return {f.name.removeprefix("run-").removesuffix(".wandb") for f in wandb_run_files(workdir)}
 
 
 def wandb_tables(workdir: Path) -> list[dict[str, Any]]:
+    wandb_run_files(workdir)  # every run written out
     return [
         json.loads(f.read_text())
         for f in sorted(workdir.glob("wandb/offline-run-*/files/media/table/*.json"))
