@@ -20,7 +20,7 @@ from controller.groups import ActorGroup, CriticGroup, RewardGroup
 from controller.resource_pool import ResourcePool, cpus_per_worker
 from controller.spec import JobSpec
 from controller.spec_resources import RolloutResourcesSpec
-from controller.worker_group import RayWorkerGroup
+from controller.worker_group import PendingGroup, RayWorkerGroup, ready_all
 from engines.config import EngineConfig, fields_of
 from workers.actor_role import ActorRefWorker
 from workers.config import HybridWorkerConfig, RolloutConfig, RolloutWorkerConfig
@@ -118,21 +118,24 @@ class JobGroups:
 
 
 def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: float = 3600.0) -> JobGroups:
+    """Every worker group of the job, started side by side (a group's start is mostly its processes'
+    imports and model loads, which need not wait for each other's)."""
     pool = ResourcePool.for_resources(spec.resources, name=f"{name}-pool")
     # Colocated groups split every bundle evenly.
     share = 1.0 / (1 + needs_critic(spec) + (spec.reward.model_path is not None))
 
-    def start(worker_cls: type, config: object, role: str) -> RayWorkerGroup:
-        return RayWorkerGroup(
+    def launch(worker_cls: type, config: object, role: str) -> PendingGroup:
+        return RayWorkerGroup.launch(
             pool, worker_cls, config, group_name=f"{name}-{role}", share=share, call_timeout_s=call_timeout_s
         )
 
     rollout_pool = plan = None
     try:
+        pending: dict[str, PendingGroup] = {}
+        config = hybrid_config(spec, model_path)
         if spec.resources.rollout_workers is None:
-            actor = ActorGroup(start(ActorRolloutRefWorker, hybrid_config(spec, model_path), "actor"))
+            pending["actor"] = launch(ActorRolloutRefWorker, config, "actor")
         else:
-            config = hybrid_config(spec, model_path)
             rollout_pool = rollout_pool_of(spec.resources.rollout_workers, spec, name)
             plan = RolloutPlan(
                 RolloutWorkerConfig(
@@ -144,21 +147,24 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
                 spec.rollout.weight_transfer,
                 call_timeout_s,
             )
-            rollout = start_rollout(rollout_pool, plan)
-            training = start(ActorRefWorker, config, "actor")
-            actor = ActorGroup(training, rollout)
-            link_rollout(training, rollout, plan)
-        critic = None
+            pending["rollout"] = launch_rollout(rollout_pool, plan)
+            pending["actor"] = launch(ActorRefWorker, config, "actor")
         if needs_critic(spec):
             critic_config = engine_config(
                 spec, spec.model.critic_path or model_path, spec.algorithm.critic_lr
             )
-            critic = CriticGroup(start(CriticWorker, critic_config, "critic"))
-        reward = None
+            pending["critic"] = launch(CriticWorker, critic_config, "critic")
         if spec.reward.model_path is not None:
-            reward = RewardGroup(
-                start(RewardModelWorker, RewardModelConfig(model_path=spec.reward.model_path), "reward")
-            )
+            reward_config = RewardModelConfig(model_path=spec.reward.model_path)
+            pending["reward"] = launch(RewardModelWorker, reward_config, "reward")
+        groups = ready_all(pending)
+        if plan is None:
+            actor = ActorGroup(groups["actor"])
+        else:
+            actor = ActorGroup(groups["actor"], groups["rollout"])
+            link_rollout(groups["actor"], groups["rollout"], plan)
+        critic = CriticGroup(groups["critic"]) if "critic" in groups else None
+        reward = RewardGroup(groups["reward"]) if "reward" in groups else None
     except Exception:
         pool.remove()
         if rollout_pool is not None:
@@ -179,7 +185,11 @@ class RolloutPlan:
 
 def start_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> RayWorkerGroup:
     """The rollout workers of a split placement, on their own pool."""
-    return RayWorkerGroup(
+    return ready_all({"rollout": launch_rollout(pool, plan, start_timeout_s)})["rollout"]
+
+
+def launch_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> PendingGroup:
+    return RayWorkerGroup.launch(
         pool,
         RolloutWorker,
         plan.config,

@@ -89,15 +89,21 @@ class WorkerHost:
 
 
 class _Hosts:
-    """The actors of one placement, shared by every role view over them."""
+    """The actors of one placement, shared by every role view over them.
+
+    Made in two phases so that several groups start at once (`RayWorkerGroup.launch`): the
+    constructor only asks Ray for the actors; `begin()` sends each its roles, `wait()` waits for
+    them. A process's start (its imports, its model) is most of a group's start-up.
+    """
 
     def __init__(
         self, pool: ResourcePool, roles: dict[str, RoleSpec], name: str, share: float, start_timeout_s: float
     ) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
-        self.name, self.pool = name, pool
-        world = pool.num_bundles
+        self.name, self.pool, self.roles = name, pool, roles
+        self.start_timeout_s = start_timeout_s
+        self.starts: list[ray.ObjectRef] | None = None
         remote_host, env = ray.remote(WorkerHost), _rank_env(share)
         self.actors = [
             remote_host.options(
@@ -108,13 +114,21 @@ class _Hosts:
                 ),
                 name=None,
                 runtime_env=env,
-            ).remote(rank, world)
+            ).remote(rank, pool.num_bundles)
             for rank, bundle in enumerate(pool.bundle_order)
         ]
-        # The rendezvous lives on rank 0's node: ask rank 0's own actor for its node IP and a free port.
-        master_addr, master_port = ray.get(self.actors[0].node_address.remote(), timeout=start_timeout_s)
+        # The rendezvous lives on rank 0's node: rank 0's own actor names its node IP and a free port.
+        self.address = self.actors[0].node_address.remote()
+
+    def begin(self) -> None:
+        """Hand every actor its rank's environment and roles (once rank 0 has named the rendezvous)."""
+        if self.starts is not None:
+            return
+        world, pool = len(self.actors), self.pool
+        answers = wait_all(self.name, "node_address", [self.address], self.start_timeout_s)
+        master_addr, master_port = answers[0]
         local = pool.local_ranks()
-        starts = [
+        self.starts = [
             actor.start.remote(
                 {
                     "RANK": str(rank),
@@ -123,26 +137,60 @@ class _Hosts:
                     "LOCAL_WORLD_SIZE": str(local[rank][1]),
                     "MASTER_ADDR": master_addr,
                     "MASTER_PORT": str(master_port),
-                    "TANDEM_GROUP": name,
+                    "TANDEM_GROUP": self.name,
                     WORKER_OUTPUT_ENV: os.environ.get(WORKER_OUTPUT_ENV, ""),
                 },
-                roles,
+                self.roles,
                 pool.cpus_per_bundle,
             )
             for rank, actor in enumerate(self.actors)
         ]
-        wait_all(name, "__init__", starts, start_timeout_s)
+
+    def wait(self) -> None:
+        """Until every rank has built its roles; the first failure raises, naming the group and rank."""
+        self.begin()
+        assert self.starts is not None
+        wait_all(self.name, "__init__", self.starts, self.start_timeout_s)
 
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
 
 
+class PendingGroup:
+    """A group whose actors are starting (`RayWorkerGroup.launch`)."""
+
+    def __init__(self, hosts: _Hosts, worker_cls: type, call_timeout_s: float) -> None:
+        self.hosts, self.worker_cls, self.call_timeout_s = hosts, worker_cls, call_timeout_s
+
+    def wait(self) -> _Hosts:
+        self.hosts.wait()
+        return self.hosts
+
+    def ready(self) -> RayWorkerGroup:
+        """The group, once every rank has built its role; raises as a group's start does."""
+        return RayWorkerGroup._view(self.wait(), DEFAULT_ROLE, self.worker_cls, self.call_timeout_s)
+
+
+def ready_all(pending: dict[str, PendingGroup]) -> dict[str, RayWorkerGroup]:
+    """Every launched group, started side by side: each gets its roles as soon as its rank 0 answers,
+    before any is waited for. The first failure raises (the caller removes the pools, and with them
+    the other groups' actors)."""
+    for group in pending.values():
+        group.hosts.begin()
+    return {name: group.ready() for name, group in pending.items()}
+
+
 class RayWorkerGroup:
     """One role's view over a set of worker actors, with its registered methods bound."""
 
-    def __init__(
-        self,
+    def __init__(self, pool: ResourcePool, worker_cls: type, *args: Any, **kwargs: Any) -> None:
+        """Start the group and wait for it (`launch` names the options; the rest go to the workers)."""
+        pending = RayWorkerGroup.launch(pool, worker_cls, *args, **kwargs)
+        self._init_view(pending.wait(), DEFAULT_ROLE, worker_cls, pending.call_timeout_s)
+
+    @staticmethod
+    def launch(
         pool: ResourcePool,
         worker_cls: type,
         *args: Any,
@@ -151,11 +199,13 @@ class RayWorkerGroup:
         call_timeout_s: float = 3600.0,
         start_timeout_s: float = 300.0,
         **kwargs: Any,
-    ) -> None:
+    ) -> PendingGroup:
+        """Start a group without waiting for it: groups launched one after another start at the same
+        time, and `PendingGroup.ready()` returns each (controller/roles.py `start_groups`)."""
         hosts = _Hosts(
             pool, {DEFAULT_ROLE: RoleSpec(worker_cls, args, kwargs)}, group_name, share, start_timeout_s
         )
-        self._init_view(hosts, DEFAULT_ROLE, worker_cls, call_timeout_s)
+        return PendingGroup(hosts, worker_cls, call_timeout_s)
 
     @classmethod
     def _view(cls, hosts: _Hosts, role: str, worker_cls: type, call_timeout_s: float) -> RayWorkerGroup:
@@ -285,4 +335,5 @@ def fused_groups(
 ) -> dict[str, RayWorkerGroup]:
     """Host several roles in the same actors; one group view per role, each with its own meshes."""
     hosts = _Hosts(pool, roles, group_name, share, start_timeout_s)
+    hosts.wait()
     return {role: RayWorkerGroup._view(hosts, role, spec.cls, call_timeout_s) for role, spec in roles.items()}

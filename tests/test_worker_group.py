@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from controller.dispatch import MeshLayout
 from controller.resource_pool import ResourcePool, cpus_per_worker
-from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups
+from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups, ready_all
 from engines.host_memory import transparent_huge_pages
 from engines.threads import logical_cpus, physical_cores
 from tests.wait_worker import WaitWorker
@@ -292,6 +293,55 @@ def test_fused_roles_share_processes_but_not_meshes(pool):
         assert actor.name == "fused/actor" and critic.mesh_layout("train").dp_rank == (3, 2, 1, 0)
     finally:
         groups["actor"].shutdown()
+
+
+class MeetingWorker(Worker):
+    """Its start waits (up to 60 s) until the other group's start has begun: two groups started one
+    after the other never meet, and the first fails. `fail=True` raises instead."""
+
+    def __init__(self, folder: str, me: str, other: str, fail: bool = False) -> None:
+        super().__init__()
+        if fail:
+            raise RuntimeError(f"{me} refuses to start")
+        (Path(folder) / me).touch()
+        deadline = time.monotonic() + 60
+        while not (Path(folder) / other).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{me} started alone: {other} never began")
+            time.sleep(0.05)
+        self.pid = os.getpid()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def get_pid(self) -> int:
+        return self.pid
+
+
+def test_launched_groups_start_side_by_side_and_a_failed_start_names_its_group(ray_cluster, tmp_path):
+    """`start_groups` launches a job's groups (rollout and training, actor and critic) and waits for
+    them together: each group's workers build while the other's do."""
+    pools = [ResourcePool(bundles=1, cpus_per_bundle=0.5, name=f"meet-{i}") for i in range(2)]
+    try:
+        pending = {
+            name: RayWorkerGroup.launch(pool, MeetingWorker, str(tmp_path), name, other, group_name=name)
+            for pool, (name, other) in zip(pools, [("left", "right"), ("right", "left")], strict=True)
+        }
+        groups = ready_all(pending)
+        pids = {name: group.get_pid()[0] for name, group in groups.items()}
+        assert len(set(pids.values())) == 2, pids
+        for group in groups.values():
+            group.shutdown()
+
+        (tmp_path / "late").mkdir()
+        pending = {
+            "fine": RayWorkerGroup.launch(pools[0], MeetingWorker, str(tmp_path / "late"), "fine", "fine"),
+            "broken": RayWorkerGroup.launch(pools[1], MeetingWorker, str(tmp_path), "broken", "x", fail=True,
+                                            group_name="broken"),
+        }  # fmt: skip
+        with pytest.raises(WorkerGroupError, match=r"'broken', rank 0, method '__init__'.*refuses to start"):
+            ready_all(pending)
+    finally:
+        for pool in pools:
+            pool.remove()
 
 
 def test_mesh_layout_validation():
