@@ -1,8 +1,10 @@
 """`tandem serve` killed with SIGKILL mid-job, then started again on the same home.
 
-Two jobs run when it dies, a sync one and an async one (trainer.mode async). Each job resumes from its last checkpoint c; the steps after c that the killed run had recorded are
-run again, and the store keeps one row per step: the resumed run's. While it starts again the job
-shows step c. The killed service's Ray processes (the raylet's DashboardAgent and RuntimeEnvAgent
+Two jobs run when it dies, a sync one and an async one (trainer.mode async). Each job resumes from
+its last checkpoint c; the steps after c that the killed run had recorded are run again, and the
+store keeps one row per step: the resumed run's. While it starts again the job shows step c. Both
+jobs are longer than the test needs (neither may end before the other has passed a checkpoint,
+however slowly each starts): once each has trained past the steps it re-ran, they are cancelled. The killed service's Ray processes (the raylet's DashboardAgent and RuntimeEnvAgent
 included) do not outlive it. Ray runs inside `serve` here (a local cluster), in a private temp dir.
 """
 
@@ -35,11 +37,12 @@ from tests.serve_util import (
     wait_until,
 )
 
-TOTAL, EVERY = 16, 6  # the sync job: the kill lands after step 6, before step 16
-ASYNC_TOTAL, ASYNC_EVERY, K = 20, 4, 1
+TOTAL, EVERY = 200, 6  # the sync job: never run to its end here
+ASYNC_TOTAL, ASYNC_EVERY, K = 200, 4, 1
+AFTER = 2  # steps each job trains after the last one it re-ran, before it is cancelled
 PACED = "tests.reward_fns:paced_digit_reward"  # 0.4 s a step at least, however fast the engines are
-# The sync job's steps take 1.6 s or more, so that it still runs while the async job (placed on two
-# workers, ~15 s slower to start) passes its first checkpoint.
+# The sync job's steps take 1.6 s or more: a checkpoint every 6 steps leaves ~8 s in which a step
+# past it has been recorded, for the async job (placed on two workers) to be past its own.
 SLOW_PACED = "tests.reward_fns:slow_paced_digit_reward"
 
 
@@ -147,6 +150,7 @@ def test_kill_9_mid_job_then_restart_stores_each_step_once(crash_dir):
             f"{mode}: killed before a step past its checkpoint"
         )
 
+    killed_step = {mode: recorded_step(db, job["id"]) for mode, job in jobs.items()}
     second = start_serve(root, env, token, "second")
     rows = {}
     try:
@@ -158,14 +162,19 @@ def test_kill_9_mid_job_then_restart_stores_each_step_once(crash_dir):
                     restarted["step"] == resume_from[mode]
                 )  # the checkpoint step, not the killed run's last
             for mode, job in jobs.items():
-                done = wait_for(client, job["id"], ("succeeded", "failed", "cancelled"), timeout_s=400)
-                assert done["status"] == "succeeded", (mode, second.log_tail())
+                wait_for_step(client, job["id"], killed_step[mode] + AFTER, timeout_s=300)
+                assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 200
+            for mode, job in jobs.items():
+                done = wait_for(client, job["id"], ("succeeded", "failed", "cancelled"), timeout_s=120)
+                assert done["status"] == "cancelled", (mode, done, second.log_tail())
                 rows[mode] = client.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
     finally:
         stop(second.process, 60)
-    for mode, total in (("sync", TOTAL), ("async", ASYNC_TOTAL)):
+    for mode in ("sync", "async"):
         steps = rows[mode]
-        assert [r["step"] for r in steps] == list(range(1, total + 1)), mode  # each step once, in order
+        last = steps[-1]["step"]
+        assert last >= killed_step[mode] + AFTER, (mode, last)
+        assert [r["step"] for r in steps] == list(range(1, last + 1)), mode  # each step once, in order
         # the resumed run's values after the checkpoint, the killed run's before it
         assert all(r["time"] > killed_at for r in steps if r["step"] > resume_from[mode]), mode
         assert all(r["time"] < killed_at for r in steps if r["step"] <= resume_from[mode]), mode
