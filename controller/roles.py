@@ -119,19 +119,25 @@ class JobGroups:
 
 def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: float = 3600.0) -> JobGroups:
     """Every worker group of the job, started side by side (a group's start is mostly its processes'
-    imports and model loads, which need not wait for each other's)."""
+    imports and model loads, which need not wait for each other's). Groups sharing GPUs start in
+    turn: a vLLM or SGLang engine sizes its cache from the free GPU memory it sees while it starts."""
     pool = ResourcePool.for_resources(spec.resources, name=f"{name}-pool")
     # Colocated groups split every bundle evenly.
     share = 1.0 / (1 + needs_critic(spec) + (spec.reward.model_path is not None))
+    in_turn = share < 1 and pool.gpus_per_bundle > 0
 
     def launch(worker_cls: type, config: object, role: str) -> PendingGroup:
+        if in_turn:  # the groups already launched on these GPUs are up first
+            for group in pending.values():
+                if group.hosts.pool is pool:
+                    group.wait()
         return RayWorkerGroup.launch(
             pool, worker_cls, config, group_name=f"{name}-{role}", share=share, call_timeout_s=call_timeout_s
         )
 
     rollout_pool = plan = None
+    pending: dict[str, PendingGroup] = {}
     try:
-        pending: dict[str, PendingGroup] = {}
         config = hybrid_config(spec, model_path)
         if spec.resources.rollout_workers is None:
             pending["actor"] = launch(ActorRolloutRefWorker, config, "actor")
