@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from controller.resource_pool import ResourcePool
-from controller.worker_group import RayWorkerGroup
+from controller.worker_group import RayWorkerGroup, ready_all
 from workers.batch import Batch
 from workers.config import RolloutConfig
 from workers.critic import CriticWorker
@@ -127,13 +127,18 @@ def test_two_ranks_share_identical_weights_and_collect_in_order(ray_cluster, tin
 def test_colocated_critic_learns_returns(ray_cluster, tiny_model_dir):
     """The critic on the same bundle as the hybrid worker, each with half of the bundle's CPU."""
     pool = ResourcePool(1, cpus_per_bundle=1, name="colocated")
-    hybrid = RayWorkerGroup(
-        pool, ActorRolloutRefWorker, worker_config(tiny_model_dir), group_name="hybrid-co", share=0.5
-    )
     # lr 1e-2 overshot (losses 0.25, 0.76, 0.03, 0.22 on one sampled batch); at 3e-3 the fourth loss
     # was 0.03-0.05x the first on the batches of sampling seeds 3, 4 and 5
     critic_cfg = {"model_path": str(tiny_model_dir), "optim": {"lr": 3e-3}}
-    critic = RayWorkerGroup(pool, CriticWorker, critic_cfg, group_name="critic", share=0.5)
+    started = ready_all(
+        {
+            "hybrid": RayWorkerGroup.launch(
+                pool, ActorRolloutRefWorker, worker_config(tiny_model_dir), group_name="hybrid-co", share=0.5
+            ),
+            "critic": RayWorkerGroup.launch(pool, CriticWorker, critic_cfg, group_name="critic", share=0.5),
+        }
+    )
+    hybrid, critic = started["hybrid"], started["critic"]
     try:
         batch = hybrid.generate_sequences(prompt_batch())
         tensors = batch.tensors.clone(recurse=False)

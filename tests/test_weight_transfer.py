@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from controller.resource_pool import ResourcePool
-from controller.worker_group import RayWorkerGroup
+from controller.worker_group import RayWorkerGroup, ready_all
 from engines.transfer.packing import pack, unpack
 from tests.test_hybrid_worker import prompt_batch, with_advantages
 from workers.actor_role import ActorRefWorker
@@ -43,18 +43,23 @@ def groups(ray_cluster, tiny_model_dir):
     """One training rank and one rollout worker in another process."""
     pools = [ResourcePool(1, cpus_per_bundle=1, name=f"xfer-{r}") for r in ("train", "rollout")]
     rollout_cfg = {"bucket_mb": 0.01}  # ~10 KB buckets: many buckets for an 87k model
-    trainer = RayWorkerGroup(
-        pools[0],
-        ActorRefWorker,
-        {"actor": {"model_path": str(tiny_model_dir), "optim": {"lr": 5e-2}}, "rollout": rollout_cfg},
-        group_name="xfer-train",
+    started = ready_all(
+        {
+            "trainer": RayWorkerGroup.launch(
+                pools[0],
+                ActorRefWorker,
+                {"actor": {"model_path": str(tiny_model_dir), "optim": {"lr": 5e-2}}, "rollout": rollout_cfg},
+                group_name="xfer-train",
+            ),
+            "rollout": RayWorkerGroup.launch(
+                pools[1],
+                RolloutWorker,
+                {"model_path": str(tiny_model_dir), "rollout": rollout_cfg},
+                group_name="xfer-rollout",
+            ),
+        }
     )
-    rollout = RayWorkerGroup(
-        pools[1],
-        RolloutWorker,
-        {"model_path": str(tiny_model_dir), "rollout": rollout_cfg},
-        group_name="xfer-rollout",
-    )
+    trainer, rollout = started["trainer"], started["rollout"]
     yield trainer, rollout
     for group in (trainer, rollout):
         group.shutdown()

@@ -125,10 +125,12 @@ def expected_rows(n: int, dp_size: int) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def groups(pool):
     """One 4-rank group per layout table, shared by the tests of this module."""
-    made = {
-        "in-order": RayWorkerGroup(pool, MeshWorker, IN_ORDER, group_name="in-order", share=0.25),
-        "shuffled": RayWorkerGroup(pool, MeshWorker, SHUFFLED, group_name="shuffled", share=0.25),
-    }
+    made = ready_all(
+        {
+            "in-order": RayWorkerGroup.launch(pool, MeshWorker, IN_ORDER, group_name="in-order", share=0.25),
+            "shuffled": RayWorkerGroup.launch(pool, MeshWorker, SHUFFLED, group_name="shuffled", share=0.25),
+        }
+    )
     yield made
     for group in made.values():
         group.shutdown()
