@@ -58,7 +58,8 @@ $(VENV)/.real: $(STAMP)
 
 # Two pytest processes (pytest-xdist), each module's tests in one of them (its module fixtures, a
 # live service, are started once): the suite is mostly waits on Ray workers and services, and one
-# process left the 2 cores ~40% idle (24 min -> 14.5 min on 2 cores). TEST_WORKERS=0 runs it in one.
+# process left the 2 cores ~40% idle (24 min in one; 16-20 min in two on 2 cores, 2026-11-27). Three
+# were tried and starved Ray's GCS connection in tests/test_serve_cluster.py. TEST_WORKERS=0: one.
 TEST_WORKERS ?= 2
 test: install
 	$(PYTEST) -q -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope) --durations=30 tests
