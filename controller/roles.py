@@ -191,7 +191,7 @@ class RolloutPlan:
 
 def start_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> RayWorkerGroup:
     """The rollout workers of a split placement, on their own pool."""
-    return ready_all({"rollout": launch_rollout(pool, plan, start_timeout_s)})["rollout"]
+    return launch_rollout(pool, plan, start_timeout_s).ready()
 
 
 def launch_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> PendingGroup:
