@@ -109,7 +109,7 @@ def serve(
         raise SystemExit(f"tandem serve: quotas file {settings.quotas_file}: {err}") from None
     reaper = watch()  # kills what Ray leaves behind once this process is gone, even after SIGKILL
     init_ray(ray_address, num_cpus, home)
-    service = Service(home, quotas=quotas)
+    service = Service(home, quotas=quotas, warm_controllers=settings.warm_controllers)
     service.start()
     token_file = ensure_admin_token(service.store, home)
     app = create_app(service, settings)

@@ -35,6 +35,14 @@ class ServeSettings(BaseModel):
         64, ge=1, le=1024, description="the largest LoRA rank of a Tinker training model"
     )
 
+    warm_controllers: int = Field(
+        1,
+        ge=0,
+        le=16,
+        description="job controllers kept started, their imports done, for the next jobs (0: none; "
+        "each holds ~0.5 GB of memory and no CPU or GPU)",
+    )
+
     quotas_file: Path | None = Field(
         None, description="a quotas file (JSON or YAML): {default: {...}, owners: {NAME: {...}}}"
     )

@@ -27,13 +27,14 @@ from typing import Any
 
 import ray
 
+from service.controller_pool import ControllerPool
 from service.files import FileError, FileStore
 from service.job_state import RUN_HOLDING, JobStatus
 from service.quotas import QuotaBook, Usage, may_run
 from service.store import JobRecord, JobStore
 from service.tinker_sessions import METHOD as TINKER_METHOD
 from service.tinker_sessions import lost_tinker_model
-from service.workloads import RL_JOB, Workload, WorkloadActor, resume_step
+from service.workloads import RL_JOB, Workload, resume_step
 
 log = logging.getLogger("tandem.scheduler")
 S = JobStatus
@@ -78,14 +79,19 @@ class Scheduler:
         files: FileStore | None = None,
         quotas: QuotaBook | None = None,
         workload: Workload = RL_JOB,
+        warm_controllers: int = 1,
     ) -> None:
         self.store = store
-        self.workload = workload  # what the jobs table holds; a second kind brings its own table
         self.workload = workload  # what the jobs table holds; a second kind brings its own table
         self.files = files
         self.quotas = quotas or QuotaBook()
         self.poll_s = poll_s
         self.runtime_env = runtime_env
+        options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8}
+        if runtime_env:
+            options["runtime_env"] = runtime_env
+        # Controllers that imported the runner's module before a job needs one (service/controller_pool.py)
+        self.controllers = ControllerPool(workload.runner, warm_controllers, options)
         self.running: dict[str, RunningJob] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -104,6 +110,7 @@ class Scheduler:
 
     def start(self) -> None:
         self._recover()
+        self.controllers.fill()
         self._thread = threading.Thread(target=self._loop, name="tandem-scheduler", daemon=True)
         self._thread.start()
 
@@ -162,6 +169,7 @@ class Scheduler:
                         job_id, "requeued", "the service stopped before the job paused; it resumes later"
                     )
             self.running.clear()
+        self.controllers.close()
 
     # ---- messages from requests ----------------------------------------------------------------
 
@@ -171,6 +179,12 @@ class Scheduler:
             run = self.running.get(job_id)
         if run is not None:
             getattr(run.actor, method).remote(*args)
+
+    def controller(self, job_id: str) -> Any:
+        """The running job's controller actor (None when it does not run)."""
+        with self._lock:
+            run = self.running.get(job_id)
+        return run.actor if run is not None else None
 
     def stop(self, job_id: str, reason: str) -> None:
         """Ask a running job to stop ("pause" or "cancel") at its next step boundary. A job cancelled
@@ -275,15 +289,9 @@ class Scheduler:
             first_step = resume_step(self.workload, job.workdir)
             self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
             Path(job.workdir).mkdir(parents=True, exist_ok=True)
-            options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8, "name": f"tandem-{job.id}"}
-            if self.runtime_env:
-                options["runtime_env"] = self.runtime_env
             restarts = self.store.count_events(job.id, "restart")  # the budget is the job's, not a run's
-            actor = (
-                ray.remote(WorkloadActor)
-                .options(**options)
-                .remote(self.workload.runner, job.id, spec, job.workdir, {"restarts": restarts})
-            )
+            actor = self.controllers.take()
+            actor.begin.remote(job.id, spec, job.workdir, {"restarts": restarts})
             self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step, job.owner)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 

@@ -72,13 +72,15 @@ def quota_refusal(err: QuotaError) -> ServiceError:
 
 class Service:
     def __init__(self, home: str | Path, poll_s: float = 0.3, runtime_env: dict | None = None,
-                 quotas: QuotaBook | None = None) -> None:  # fmt: skip
+                 quotas: QuotaBook | None = None, warm_controllers: int = 1) -> None:  # fmt: skip
         self.home = Path(home)
         self.jobs_root = self.home / "jobs"
         self.store = JobStore(self.home / "tandem.db")
         self.files = FileStore(self.home / "files")
         self.quotas = quotas or QuotaBook()
-        self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.files, self.quotas)
+        self.scheduler = Scheduler(
+            self.store, poll_s, runtime_env, self.files, self.quotas, warm_controllers=warm_controllers
+        )
         self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
         self.started_at = time.time()
         self.closers: list[Any] = []  # called at shutdown, e.g. the Tinker API's session hosts (api/app.py)

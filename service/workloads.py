@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,6 +64,11 @@ class Runner(Protocol):
         ...
 
 
+# How long a call that needs a record's runner waits for `begin` to build it (the scheduler's own
+# calls time out sooner and try again at its next poll).
+BEGIN_WAIT_S = 600.0
+
+
 def resume_step(workload: Workload, workdir: str | Path) -> int:
     """The step a record starts from: its latest committed checkpoint, 0 without one."""
     saved = workload.committed_checkpoints(Path(workdir))
@@ -70,19 +76,42 @@ def resume_step(workload: Workload, workdir: str | Path) -> int:
 
 
 class WorkloadActor:
-    """The body of every record's Ray actor: imports its runner there and forwards the service's calls."""
+    """The body of every record's Ray actor. It imports its runner's module when it starts (so it can
+    start before its record is known: a warm controller, service/controller_pool.py), builds the
+    runner for one record in `begin`, and forwards the service's calls to it. Calls that need the
+    runner wait for `begin` to have ended (the actor is threaded, so a call sent after `begin` may
+    start before it ends)."""
 
-    def __init__(
-        self,
-        runner: str,
-        record_id: str,
-        spec: dict[str, Any],
-        workdir: str,
-        options: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, runner: str) -> None:
         module, _, name = runner.partition(":")
-        runner_cls = getattr(importlib.import_module(module), name)
-        self.runner: Runner = runner_cls(record_id, spec, workdir, **(options or {}))
+        self._runner_cls = getattr(importlib.import_module(module), name)
+        self._runner: Runner | None = None
+        self._failed: str | None = None
+        self._begun = threading.Event()
+        self._begin_lock = threading.Lock()
+
+    def begin(
+        self, record_id: str, spec: dict[str, Any], workdir: str, options: dict[str, Any] | None = None
+    ) -> None:
+        with self._begin_lock:
+            if self._begun.is_set():
+                raise RuntimeError("this controller already serves a record; a controller serves one")
+            try:
+                self._runner = self._runner_cls(record_id, spec, workdir, **(options or {}))
+            except Exception as err:
+                self._failed = f"{type(err).__name__}: {err}"
+                raise
+            finally:
+                self._begun.set()
+
+    @property
+    def runner(self) -> Runner:
+        """The record's runner, once `begin` built it (waits for it, at most BEGIN_WAIT_S)."""
+        if not self._begun.wait(BEGIN_WAIT_S):
+            raise TimeoutError(f"the record's runner was not built within {BEGIN_WAIT_S:g} s")
+        if self._runner is None:
+            raise RuntimeError(f"the record's runner failed to build: {self._failed}")
+        return self._runner
 
     def run(self) -> dict[str, Any]:
         return self.runner.run()
@@ -108,7 +137,9 @@ class WorkloadActor:
 
     def worker_pids(self) -> dict[str, list[int]]:
         """The runner's worker processes by role ({} for a runner without any, or before they start)."""
-        pids = getattr(self.runner, "worker_pids", None)
+        if self._runner is None:
+            return {}
+        pids = getattr(self._runner, "worker_pids", None)
         return pids() if pids is not None else {}
 
 

@@ -418,7 +418,7 @@ def test_a_killed_worker_shows_restarting_then_marks_the_charts(
     import ray
 
     charted_job(page, live, api, job)
-    controller, deadline = ray.get_actor(f"tandem-{job['id']}"), time.monotonic() + 60
+    controller, deadline = live.service.scheduler.controller(job["id"]), time.monotonic() + 60
     while not (pids := ray.get(controller.worker_pids.remote(), timeout=60)).get("actor"):
         assert time.monotonic() < deadline, "the job's workers were not up within 60 s"
         time.sleep(0.2)  # between two attempts of the job (a restart) its groups are not there

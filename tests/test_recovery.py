@@ -49,21 +49,18 @@ def recovery_job(**overrides) -> dict:
     return spec
 
 
-def controller(job_id: str, timeout_s: float = 60) -> ray.actor.ActorHandle:
+def controller(live, job_id: str, timeout_s: float = 60) -> ray.actor.ActorHandle:
     """The job's controller actor, once the scheduler started it."""
     deadline = time.time() + timeout_s
-    while True:
-        try:
-            return ray.get_actor(f"tandem-{job_id}")
-        except ValueError:
-            if time.time() > deadline:
-                raise
-            time.sleep(0.1)
+    while (actor := live.service.scheduler.controller(job_id)) is None:
+        assert time.time() < deadline, f"job {job_id} was not started within {timeout_s}s"
+        time.sleep(0.1)
+    return actor
 
 
-def worker_pids(job_id: str, timeout_s: float = 120) -> list[int]:
+def worker_pids(live, job_id: str, timeout_s: float = 120) -> list[int]:
     """The job's worker processes, asked from its controller actor once its workers are up."""
-    actor = controller(job_id)
+    actor = controller(live, job_id)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         pids = ray.get(actor.worker_pids.remote(), timeout=60)
@@ -96,7 +93,7 @@ def test_a_killed_worker_costs_only_the_steps_since_the_checkpoint(live, api, un
     attempt's, and samples, events and logs of the second attempt say so."""
     kill_after = kill_step(0)
     job = api.post("/v1/jobs", json=recovery_job()).json()
-    (pid,) = worker_pids(job["id"])  # asked first: a busy worker answers between two calls
+    (pid,) = worker_pids(live, job["id"])  # asked first: a busy worker answers between two calls
     if kill_after:
         wait_for_step(api, job["id"], kill_after)
     os.kill(pid, signal.SIGKILL)
@@ -203,7 +200,7 @@ def test_workers_that_die_on_every_start_exhaust_the_restarts(live, api):
     killed: list[int] = []
 
     def kill_every_worker() -> None:
-        actor = controller(job["id"])
+        actor = controller(live, job["id"])
         while not stop.is_set():
             try:
                 pids = ray.get(actor.worker_pids.remote(), timeout=30)
@@ -288,7 +285,7 @@ def test_a_dead_controller_requeues_the_job_and_it_resumes(live, api, uninterrup
     queued, within the same restart budget, and a new controller resumes it from its checkpoint."""
     job = api.post("/v1/jobs", json=recovery_job()).json()
     wait_for_step(api, job["id"], 1)
-    os.kill(ray.get(controller(job["id"]).pid.remote(), timeout=60), signal.SIGKILL)
+    os.kill(ray.get(controller(live, job["id"]).pid.remote(), timeout=60), signal.SIGKILL)
     done = wait_for(api, job["id"], TERMINAL)
     assert done["status"] == "succeeded", done["error"]
     events = api.get(f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
