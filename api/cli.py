@@ -48,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
         allowed_paths=args.allow_path,
         tinker_base_models=args.base_model,
         tinker_max_rank=args.max_lora_rank,
-        warm_controllers=args.warm_controllers,
+        **({} if args.warm_controllers is None else {"warm_controllers": args.warm_controllers}),
         **quota_settings(args),
     )
     serve(args.host, args.port, args.home, args.ray_address, args.num_cpus, settings=settings)
@@ -361,8 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--warm-controllers",
         type=int,
-        default=1,
-        help="job controllers kept started and imported, ready for the next job (0: start each with its job)",
+        default=None,
+        help="job controllers kept started and imported, ready for the next job "
+        "(0: start each with its job; default $TANDEM_WARM_CONTROLLERS or 1)",
     )
     add_quota_flags(serve)
     serve.set_defaults(func=_serve, client=False, subparser=serve)

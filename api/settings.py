@@ -3,6 +3,7 @@ code gets to import, the server folders a spec may name, and owners' quotas (ser
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -36,11 +37,12 @@ class ServeSettings(BaseModel):
     )
 
     warm_controllers: int = Field(
-        1,
+        default_factory=lambda: os.environ.get("TANDEM_WARM_CONTROLLERS", "1"),
+        validate_default=True,
         ge=0,
         le=16,
         description="job controllers kept started, their imports done, for the next jobs (0: none; "
-        "each holds ~0.5 GB of memory and no CPU or GPU)",
+        "each holds ~0.5 GB of memory and no CPU or GPU); default $TANDEM_WARM_CONTROLLERS or 1",
     )
 
     quotas_file: Path | None = Field(

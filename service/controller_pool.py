@@ -3,8 +3,10 @@
 A controller's process spends most of its start importing what its runner needs (torch, tensordict
 with `torch._dynamo`, transformers: ~7 s on a 2-core machine) before it builds anything. The
 scheduler keeps `size` controllers that have imported their runner's module and wait for a record
-(service/workloads.py, `WorkloadActor.begin`); a launch takes one and another one starts, so a
-job asks for its placement group and workers that much sooner (bench/job_start.py measures it). A
+(service/workloads.py, `WorkloadActor.begin`); a launch takes one, so a job asks for its placement
+group and workers that much sooner (bench/job_start.py measures it). The scheduler starts the next
+one once no job is starting up (`Scheduler._warm_up`), so that its imports do not compete with a
+starting job's processes for the cores. A
 controller serves one record and ends with it, warm or not: nothing of one job's process is reused
 for another.
 """
@@ -43,8 +45,8 @@ class ControllerPool:
                 self._spares.append((actor, actor.pid.remote()))
 
     def take(self) -> Any:
-        """A spare controller, or a new one when there is none; the pool fills up again. A spare that
-        failed to start is dropped; one still importing is taken (it is ahead of a new one)."""
+        """A spare controller, or a new one when there is none (`fill` starts the next spares). A spare
+        that failed to start is dropped; one still importing is taken (it is ahead of a new one)."""
         with self._lock:
             actor = None
             while self._spares and actor is None:
@@ -58,7 +60,6 @@ class ControllerPool:
                         actor = None
             if actor is None:
                 actor = self._new()
-        self.fill()
         return actor
 
     def spares(self) -> list[Any]:

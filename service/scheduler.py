@@ -211,9 +211,20 @@ class Scheduler:
             try:
                 self._collect()
                 self._schedule()
+                self._warm_up()
             except Exception:  # the loop must survive anything a job does
                 log.exception("scheduler iteration failed")
             self._stop.wait(self.poll_s)
+
+    def _warm_up(self) -> None:
+        """Start the warm controllers the pool lacks, while no job is starting up: a controller's
+        imports take ~7 s of a core, which a starting job's own processes need on a small machine."""
+        if self._draining:
+            return
+        with self._lock:
+            runs = list(self.running.items())
+        if all(self.store_step(job_id) > run.first_step for job_id, run in runs):
+            self.controllers.fill()
 
     def free(self) -> tuple[float, float]:
         total = ray.cluster_resources()

@@ -47,8 +47,10 @@ def start_service(
     home: Path, poll_s: float = 0.2, settings: ServeSettings | None = None, schedule: bool = True
 ) -> LiveService:
     """`schedule=False`: the scheduler is not started, so submitted jobs stay queued (for fuzzing)."""
-    quotas, warm = (settings.quota_book(), settings.warm_controllers) if settings else (None, 1)
-    service = Service(home, poll_s=poll_s, quotas=quotas, warm_controllers=warm)
+    settings = settings or ServeSettings()
+    service = Service(
+        home, poll_s=poll_s, quotas=settings.quota_book(), warm_controllers=settings.warm_controllers
+    )
     if schedule:
         service.start()
     token = ensure_admin_token(service.store, home).read_text().strip()

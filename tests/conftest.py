@@ -9,6 +9,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The suite's services (in this process and `tandem serve` children) keep no warm job controller
+# (service/controller_pool.py): most start, run 0-3 jobs and stop, so each spare would be ~7 s of a
+# core spent importing for nothing, on a suite that is CPU-bound on 2 cores. Every job still starts
+# through `WorkloadActor.begin`; tests/test_warm_controllers.py runs a service that keeps one.
+os.environ.setdefault("TANDEM_WARM_CONTROLLERS", "0")
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
