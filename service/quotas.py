@@ -13,7 +13,8 @@ What is beyond a quota is refused, and nothing is created:
 - a submission or upload when `stored_bytes` is reached, or a job that needs more CPUs or GPUs than
   the owner's quota allows at all, is a 403: it does not clear by waiting;
 - `running_jobs`, `cpus` and `gpus` are kept by the scheduler: an owner's queued job waits while
-  starting it would pass them, and other owners' jobs go ahead (service/scheduler.py).
+  starting it would pass them, and other owners' jobs go ahead (service/scheduler.py), in the
+  order `fair_order` gives: one owner's many queued jobs do not starve another's one.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.keys import ADMIN_OWNER
+
+if TYPE_CHECKING:
+    from service.store import JobRecord
 
 QUEUED_RETRY_AFTER_S = 30  # a queued job usually starts within a few scheduler polls once room frees
 
@@ -174,3 +179,22 @@ def may_run(quota: Quota, usage: Usage, cpus: float, gpus: float) -> bool:
         and (quota.cpus is None or usage.cpus + cpus <= quota.cpus + 1e-9)
         and (quota.gpus is None or usage.gpus + gpus <= quota.gpus + 1e-9)
     )
+
+
+def fair_order(
+    queued: list[JobRecord], running: dict[str, int], served: dict[str, int] | None = None
+) -> list[JobRecord]:
+    """The order in which queued jobs may start: in rounds, each round taking every owner's oldest
+    job not yet taken; within a round, the owner with fewer jobs running first, then the owner
+    served least recently (`served`: owner -> the number of its latest start; never served first),
+    then the older job. So A's ten queued jobs and B's one go A1, B1, A2, ..., even when A1 ends
+    before B1 could start."""
+    served = served or {}
+    by_owner: dict[str, list[JobRecord]] = defaultdict(list)
+    for job in sorted(queued, key=lambda j: j.seq):
+        by_owner[job.owner].append(job)
+    order: list[JobRecord] = []
+    for turn in range(max((len(jobs) for jobs in by_owner.values()), default=0)):
+        batch = [jobs[turn] for jobs in by_owner.values() if turn < len(jobs)]
+        order += sorted(batch, key=lambda j: (running.get(j.owner, 0), served.get(j.owner, -1), j.seq))
+    return order

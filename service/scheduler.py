@@ -30,7 +30,7 @@ import ray
 from service.controller_pool import ControllerPool
 from service.files import FileError, FileStore
 from service.job_state import RUN_HOLDING, JobStatus
-from service.quotas import QuotaBook, Usage, may_run
+from service.quotas import QuotaBook, Usage, fair_order, may_run
 from service.store import JobRecord, JobStore
 from service.tinker_sessions import METHOD as TINKER_METHOD
 from service.tinker_sessions import lost_tinker_model
@@ -49,25 +49,6 @@ class RunningJob:
     first_step: int  # the step it resumed from: until it passes it, the job is starting up
     owner: str = "admin"
     killed_for: str | None = None  # "cancel" when stopped by killing its actor during start-up
-
-
-def fair_order(
-    queued: list[JobRecord], running: dict[str, int], served: dict[str, int] | None = None
-) -> list[JobRecord]:
-    """The order in which queued jobs may start: in rounds, each round taking every owner's oldest
-    job not yet taken; within a round, the owner with fewer jobs running first, then the owner
-    served least recently (`served`: owner -> the number of its latest start; never served first),
-    then the older job. So A's ten queued jobs and B's one go A1, B1, A2, ..., even when A1 ends
-    before B1 could start."""
-    served = served or {}
-    by_owner: dict[str, list[JobRecord]] = defaultdict(list)
-    for job in sorted(queued, key=lambda j: j.seq):
-        by_owner[job.owner].append(job)
-    order: list[JobRecord] = []
-    for turn in range(max((len(jobs) for jobs in by_owner.values()), default=0)):
-        batch = [jobs[turn] for jobs in by_owner.values() if turn < len(jobs)]
-        order += sorted(batch, key=lambda j: (running.get(j.owner, 0), served.get(j.owner, -1), j.seq))
-    return order
 
 
 class Scheduler:

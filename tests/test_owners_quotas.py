@@ -12,8 +12,7 @@ from api.cli import parse_args
 from api.cli_quotas import quota_settings
 from api.settings import ServeSettings
 from service.job_state import JobStatus
-from service.quotas import Quota, Usage, may_run
-from service.scheduler import fair_order
+from service.quotas import Quota, Usage, fair_order, may_run
 from tests.api_util import tiny_job
 from tests.owners_util import as_key, make_key, owned_job, upload
 
