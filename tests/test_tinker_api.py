@@ -102,6 +102,13 @@ def test_the_issue_snippet_runs_unchanged(svc, sdk):
         assert len(samples) == 4
 
 
+def test_the_session_hosts_process_keeps_freed_memory_and_asks_for_huge_pages(svc, sdk):
+    sdk.create_lora_training_client(base_model=BASE, rank=8).result()  # the host is up
+    malloc = describe(svc)["malloc"]
+    assert malloc["keeps_freed_memory"] is True
+    assert "glibc.malloc.hugetlb=1" in malloc["tunables"].split(":")
+
+
 def test_a_supervised_loop_lowers_the_loss(svc, sdk):
     tc = sdk.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
     tok = tc.get_tokenizer()
