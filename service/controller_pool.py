@@ -6,9 +6,8 @@ scheduler keeps `size` controllers that have imported their runner's module and 
 (service/workloads.py, `WorkloadActor.begin`); a launch takes one, so a job asks for its placement
 group and workers that much sooner (bench/job_start.py measures it). The scheduler starts the next
 one once no job is starting up (`Scheduler._warm_up`), so that its imports do not compete with a
-starting job's processes for the cores. A
-controller serves one record and ends with it, warm or not: nothing of one job's process is reused
-for another.
+starting job's processes for the cores. A controller serves one record and ends with it, warm or
+not: nothing of one job's process is reused for another.
 """
 
 from __future__ import annotations
