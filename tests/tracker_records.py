@@ -68,21 +68,24 @@ def wandb_run_files(workdir: Path, timeout_s: float = 30.0) -> list[Path]:
     deadline = time.monotonic() + timeout_s
     while True:
         files = sorted(workdir.glob("wandb/offline-run-*/run-*.wandb"))
-        unfinished = [f for f in files if not ended(f)]
+        unfinished = {f: why for f in files if (why := not_ended(f)) is not None}
         if files and not unfinished:
             return files
         if time.monotonic() > deadline:
-            raise AssertionError(f"W&B run files without an exit record after {timeout_s:.0f} s: "
+            raise AssertionError(f"W&B run files not ended after {timeout_s:.0f} s: "
                                  f"{unfinished or 'no run file under ' + str(workdir)}")  # fmt: skip
         time.sleep(0.2)
 
 
-def ended(run_file: Path) -> bool:
+def not_ended(run_file: Path) -> str | None:
+    """None once the file's last record is the run's `exit`; else why not (the last record's type, or
+    the error reading it: a record still being written fails to parse until it is whole)."""
     try:
         records = wandb_records(run_file)
-    except Exception:  # a record still being written
-        return False
-    return bool(records) and records[-1].WhichOneof("record_type") == "exit"
+    except Exception as err:
+        return f"unreadable: {type(err).__name__}: {err}"
+    last = records[-1].WhichOneof("record_type") if records else None
+    return None if last == "exit" else f"last record: {last}"
 
 
 def wandb_history(workdir: Path) -> dict[int, dict[str, Any]]:
