@@ -35,6 +35,13 @@ shared host the burst and the sustained rate part by up to 1.7x. The update's FL
 step (rows without advantage run forward only), so each step's FLOP/s is computed from that step's
 own time and rows (`update_gflops_per_step`), and `update_mfu_sustained` is their median's.
 
+Loops minutes away from the update can still miss it: on the AVX-512 host of 2026-11-27 the 5 s
+loops of six runs read 141-290 GFLOP/s. So the Tandem side also runs a `--peak-between-steps`
+seconds loop (default 2) after every step, while the job's workers wait for the next one, and rates
+each timed step's update against the mean of the loops on its two sides
+(`update_mfu_between_steps`, per step; `update_mfu_between_steps_median`). The loops' seconds are
+taken out of the step times; 0 turns them off.
+
 TRL comes from the optional `bench` extra (`pip install -e '.[bench]'`; `make bench-trl`).
 """
 
@@ -84,9 +91,11 @@ def reward_function(name: str):
     return arithmetic_reward
 
 
-def step_intervals(ends: list[float]) -> list[float]:
-    """Seconds of each step after the first (the first includes warm-up)."""
-    return [b - a for a, b in zip(ends[:-1], ends[1:], strict=True)]
+def step_intervals(ends: list[float], paused: list[float] | None = None) -> list[float]:
+    """Seconds of each step after the first (the first includes warm-up), less the seconds spent
+    measuring the machine after the step before it (`paused[i]`: after the step that ended at ends[i])."""
+    paused = paused or [0.0] * len(ends)
+    return [b - a - p for a, b, p in zip(ends[:-1], ends[1:], paused, strict=False)]
 
 
 # ---- the TRL side ------------------------------------------------------------------------------
@@ -179,23 +188,33 @@ LENGTHS = ("prompt_length/mean", "response_length/mean")
 def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
     import ray
 
+    from bench.flops import machine_peak, model_shape, phase_utilisation, sustained_matmul_flops
     from controller.sink import JsonlSink
     from controller.spec import JobSpec
     from controller.trainer import Trainer
+    from engines.threads import physical_cores
 
     class ClockSink(JsonlSink):
-        def __init__(self, folder: Path) -> None:
+        """Each step's end, its metrics, and (with `peak_s`) a loop of products right after it, run
+        in this process while the job's workers wait for the next step (the trainer calls `metrics`
+        between steps)."""
+
+        def __init__(self, folder: Path, peak_s: float) -> None:
             super().__init__(folder)
+            self.peak_s = peak_s
             self.ends: list[float] = []
             self.values: list[dict[str, float]] = []
+            self.loops: list[float] = []  # FLOP/s of the loop after each step
+            self.paused: list[float] = []  # its seconds
 
         def metrics(self, step: int, values: dict[str, float]) -> None:
             self.ends.append(time.perf_counter())
             self.values.append(values)
             super().metrics(step, values)
-
-    from bench.flops import machine_peak, model_shape, phase_utilisation, sustained_matmul_flops
-    from engines.threads import physical_cores
+            if self.peak_s > 0:
+                start = time.perf_counter()
+                self.loops.append(sustained_matmul_flops(physical_cores(), self.peak_s))
+                self.paused.append(time.perf_counter() - start)
 
     # The job's rank computes on the machine's physical cores (engines/threads.py): the peak at those,
     # before and after the job (on a shared host one burst read 184-322 GFLOP/s minutes apart); the
@@ -231,7 +250,7 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     # removed with the run (TRL's side saves nothing: save_strategy "no").
     workdir = Path(tempfile.mkdtemp(prefix="vs-tandem-"))
     try:
-        sink = ClockSink(workdir)
+        sink = ClockSink(workdir, args.peak_between_steps)
         Trainer(spec, workdir, sink, name="vs-trl").run()
     finally:
         ray.shutdown()
@@ -261,7 +280,14 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
         medians["update_gflops_per_step"] = [p["update_gflops"] for p in per_step]
         step_median = statistics.median(medians["update_gflops_per_step"])
         medians["update_mfu_sustained"] = round(step_median * 2e9 / sum(sustained), 4)
-    return step_intervals(sink.ends), medians
+    if per_step and len(per_step) == len(later) and len(sink.loops) == len(sink.values):
+        # values[j] (j >= 1) ran between the loops after steps j-1 and j.
+        beside = [(sink.loops[j - 1] + sink.loops[j]) / 2 for j in range(1, len(sink.values))]
+        rated = [p["update_gflops"] * 1e9 / b for p, b in zip(per_step, beside, strict=True)]
+        medians["sustained_matmul_gflops_between_steps"] = [round(f / 1e9, 1) for f in sink.loops]
+        medians["update_mfu_between_steps"] = [round(r, 4) for r in rated]
+        medians["update_mfu_between_steps_median"] = round(statistics.median(rated), 4)
+    return step_intervals(sink.ends, sink.paused), medians
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -272,6 +298,7 @@ def run_side(side: str, args: argparse.Namespace, model_dir: Path, train: Path, 
         sys.executable, __file__, "--side", side, "--model-dir", str(model_dir), "--train", str(train),
         "--max-new-tokens", str(max_new_tokens), "--steps", str(args.steps), "--n", str(args.n),
         "--prompts", str(args.prompts), "--lr", str(args.lr), "--reward", args.reward,
+        "--peak-between-steps", str(args.peak_between_steps),
     ] + [f"--tandem-set={item}" for item in args.tandem_set] + (["--lora"] if args.lora else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -295,6 +322,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--reward", choices=sorted(REWARDS), default="arithmetic", help="see above")
+    parser.add_argument(
+        "--peak-between-steps", type=float, default=2.0,
+        help="seconds of matrix products after every Tandem step, to rate its update against (0: none)",
+    )  # fmt: skip
     parser.add_argument(
         "--tandem-set",
         action="append",
