@@ -25,6 +25,7 @@ the global counts. The loss is normalised by those global counts, so the ranks' 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
@@ -34,6 +35,7 @@ from tensordict import TensorDict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from engines import rotary
 from engines.attention import register as segment_attention_name
 from engines.base import (
     MAX_SUFFIX,
@@ -123,6 +125,7 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
         self.attn_implementation = self._attn_implementation()
         is_value = self.config.role == "value"
         hf_model = load_hf_model(self.config.model_path, self.attn_implementation, value_head=is_value)
+        rotary.install(sys.modules[type(hf_model).__module__])  # one Function on a CPU (engines/rotary.py)
         self.adapted_modules: list[str] = []
         if self.config.lora is not None:
             self._attach_adapters(hf_model)
