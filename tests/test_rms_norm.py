@@ -1,0 +1,113 @@
+"""engines/rms_norm.py against transformers' RMSNorm and an fp64 reference written out by hand:
+outputs, input and weight gradients, what it leaves alone, and a whole model with and without it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers.models.llama import modeling_llama
+from transformers.models.qwen2 import modeling_qwen2
+
+from engines import rms_norm
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The norm in fp64, written as its definition (the gradient comes from autograd over it)."""
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+
+
+@pytest.mark.parametrize("shape", [(1, 37, 64), (3, 5, 48), (7, 576)])
+def test_function_equals_the_definition_and_transformers(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * 3
+    weight = torch.randn(shape[-1], generator=g) * 0.2 + 1
+    upstream = torch.randn(shape, generator=g)  # every output weighed apart
+    eps = 1e-5
+
+    def run(fn, dtype):
+        xs = x.to(dtype).requires_grad_(True)
+        w = weight.to(dtype).requires_grad_(True)
+        y = fn(xs, w)
+        (y * upstream.to(dtype)).sum().backward()
+        return y.detach().double(), xs.grad.double(), w.grad.double()
+
+    want = run(lambda a, b: reference(a, b, eps), torch.float64)
+    got = run(lambda a, b: rms_norm.RMSNormFunction.apply(a, b, eps), torch.float32)
+    norm = modeling_llama.LlamaRMSNorm(shape[-1], eps=eps)
+
+    def transformers_norm(a, b):
+        norm.weight = torch.nn.Parameter(b)
+        return norm(a)
+
+    theirs = run(transformers_norm, torch.float32)
+    for name, mine, exact, hf in zip(("y", "dx", "dw"), got, want, theirs, strict=True):
+        scale = exact.abs().max()
+        assert (mine - exact).abs().max() <= 2e-6 * scale, name  # fp32 against fp64
+        assert (mine - exact).abs().max() <= 2 * (hf - exact).abs().max() + 1e-6 * scale, (
+            name
+        )  # as good as theirs
+
+
+def test_install_routes_the_models_norms_and_nothing_else(monkeypatch):
+    config = modeling_qwen2.Qwen2Config(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    model = modeling_qwen2.Qwen2ForCausalLM(config)
+    assert rms_norm.install(model) == 2 * 2 + 1  # two a layer and the final one
+    assert rms_norm.install(model) == 0  # once
+    norm = model.model.norm
+    calls = []
+    monkeypatch.setattr(rms_norm.RMSNormFunction, "apply", lambda *a: calls.append(a) or a[0])
+    norm(torch.randn(2, 32))
+    assert len(calls) == 1
+    norm(torch.randn(2, 32, dtype=torch.float64))  # not fp32: the module's own forward
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        norm(torch.randn(2, 32))
+    assert len(calls) == 1
+    # a copy of the model runs its own weights, not the original's
+    twin = copy.deepcopy(model)
+    monkeypatch.undo()
+    with torch.no_grad():
+        twin.model.norm.weight.mul_(2)
+        x = torch.randn(3, 32)
+        assert torch.allclose(twin.model.norm(x), 2 * norm(x))
+    other = modeling_llama.LlamaForCausalLM(modeling_llama.LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4,
+    ))  # fmt: skip
+    before = {name: type(m) for name, m in other.named_modules()}
+    assert rms_norm.install(other.model.layers[0].mlp) == 0  # no norm in it
+    assert {name: type(m) for name, m in other.named_modules()} == before
+
+
+def test_a_model_gives_the_same_log_probs_and_gradients():
+    """A small Llama in fp32: token log-probs and every parameter's gradient with the Function equal
+    those with transformers' norm."""
+    config = modeling_llama.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = modeling_llama.LlamaForCausalLM(config)
+    for param in plain.parameters():  # norms away from 1, so that their weights matter
+        if param.dim() == 1:
+            param.data.uniform_(0.5, 1.5)
+    fused = copy.deepcopy(plain)
+    assert rms_norm.install(fused) == 9
+    ids = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(5))
+    weights = torch.randn(3, 19, generator=torch.Generator().manual_seed(6))
+    results = []
+    for model in (plain, fused):
+        logits = model(ids).logits[:, :-1].float()
+        log_probs = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        (log_probs * weights).sum().backward()
+        results.append((log_probs.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (want, want_grads), (got, got_grads) = results
+    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    for name, grad in want_grads.items():
+        cosine = torch.nn.functional.cosine_similarity(got_grads[name].flatten(), grad.flatten(), dim=0)
+        assert cosine > 0.99999, name
+        assert (got_grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name  # measured 2.3e-7
