@@ -218,3 +218,38 @@ def checkpoint_rank_main(rank: int, world: int, port: int, model_dir: str, folde
         torch.save({"params": params, "after": after, "sharded": engine.sharded}, f"{folder}.{mode}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def small_llama(seed: int = 0) -> torch.nn.Module:
+    """A 4-layer Llama with grouped-query attention (8 query heads, 2 key/value heads), random fp32
+    weights: for comparing one implementation of a piece of the model against another."""
+    from transformers.models.llama import modeling_llama
+
+    config = modeling_llama.LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return modeling_llama.LlamaForCausalLM(config)
+
+
+def log_probs_and_grads(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token log-probs of a fixed batch and every parameter's gradient of a weighted sum of them."""
+    ids = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(5))
+    weights = torch.randn(3, 19, generator=torch.Generator().manual_seed(6))  # every token weighed apart
+    model.zero_grad()
+    logits = model(ids).logits[:, :-1].float()
+    log_probs = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    (log_probs * weights).sum().backward()
+    return log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_same_model_outputs(got, want) -> None:
+    """(log-probs, gradients) of log_probs_and_grads equal: log-probs within 1e-5, each gradient
+    with cosine > 0.99999 and its largest difference under 1e-5 of its largest entry."""
+    (got_lp, got_grads), (want_lp, want_grads) = got, want
+    assert torch.allclose(got_lp, want_lp, rtol=0, atol=1e-5)
+    for name, grad in want_grads.items():
+        cosine = torch.nn.functional.cosine_similarity(got_grads[name].flatten(), grad.flatten(), dim=0)
+        assert cosine > 0.99999, name
+        assert (got_grads[name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name

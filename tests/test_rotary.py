@@ -11,6 +11,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
 from engines import rotary
+from tests.engine_util import assert_same_model_outputs, log_probs_and_grads, small_llama
 
 # transformers' function, whatever an engine built earlier in this process installed
 ORIGINAL = getattr(modeling_llama.apply_rotary_pos_emb, rotary.MARK, modeling_llama.apply_rotary_pos_emb)
@@ -109,25 +110,9 @@ def test_install_changes_standard_modules_only(monkeypatch):
 def test_a_model_gives_the_same_log_probs_and_gradients(monkeypatch):
     """A small Llama (GQA, 4 layers) in fp32: token log-probs and every parameter's gradient with the
     Function equal those with transformers' function."""
-    config = modeling_llama.LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = modeling_llama.LlamaForCausalLM(config)
-    ids = torch.randint(0, 97, (3, 20), generator=torch.Generator().manual_seed(5))
-    weights = torch.randn(3, 19, generator=torch.Generator().manual_seed(6))
+    model = small_llama()
     results = []
-    for fn in (ORIGINAL, rotary.fused(ORIGINAL)):
+    for fn in (rotary.fused(ORIGINAL), ORIGINAL):
         monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", fn)
-        model.zero_grad()
-        logits = model(ids).logits[:, :-1].float()
-        log_probs = logits.log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        (log_probs * weights).sum().backward()
-        results.append((log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (want, want_grads), (got, got_grads) = results
-    assert torch.allclose(got, want, rtol=0, atol=1e-5)
-    for name, grad in want_grads.items():
-        cosine = torch.nn.functional.cosine_similarity(got_grads[name].flatten(), grad.flatten(), dim=0)
-        assert cosine > 0.99999, name
-        assert torch.allclose(got_grads[name], grad, rtol=1e-4, atol=1e-6), name
+        results.append(log_probs_and_grads(model))
+    assert_same_model_outputs(*results)
