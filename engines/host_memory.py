@@ -9,8 +9,13 @@ memory kept (bench/RESULTS.md, issue 17). `keep_freed_memory` tells malloc to se
 MMAP_THRESHOLD from its heap and to keep up to TRIM_THRESHOLD of free memory at the heap's top, so
 the next step reuses pages that are already mapped (~100 faults a step).
 
-The cost is memory: a rank holds up to TRIM_THRESHOLD more than it uses at the moment, and blocks
-above MMAP_THRESHOLD (a large model's weights and gradients) are mapped and unmapped as before.
+The cost is memory: a rank holds up to TRIM_THRESHOLD (2 GiB) more than it uses at the moment, and
+blocks above MMAP_THRESHOLD (512 MiB: a large model's weights and gradients) are mapped and unmapped
+as before. Both were 128 / 512 MiB until 2026-11-27: SmolLM2-135M's kept log-softmax of a
+micro-batch (201 MB) was then mapped afresh in every micro-batch, ~1,000 faults each in a job, and
+with the larger values a job's update took 0.80-0.93x the time in four of five alternating pairs
+(the fifth ran in a slower minute of the host; against the loops of products between steps every
+pair gained: 0.70 against 0.62 of that peak, medians; bench/RESULTS.md, issue 34).
 
 `malloc_tunables` adds `glibc.malloc.hugetlb=1` to a worker's GLIBC_TUNABLES (glibc reads it when
 the process starts, so it goes in the actor's environment): malloc then asks for transparent huge
@@ -37,9 +42,10 @@ M_MMAP_THRESHOLD = -3
 # Above glibc's documented 32 MiB ceiling for the threshold, which glibc 2.36 accepts (mallopt
 # returns 1, and the faults fall): SmolLM2's 113 MB head and embedding gradients and its 100-200 MB
 # log-prob chunks were mapped afresh at 32 MiB, 202k faults an update, 17k-82k at 128-256 MiB.
-MMAP_THRESHOLD = 128 * 1024 * 1024
+# mallopt takes a C int: both values stay under 2^31.
+MMAP_THRESHOLD = 512 * 1024 * 1024
 MMAP_THRESHOLD_FALLBACK = 32 * 1024 * 1024  # the documented ceiling
-TRIM_THRESHOLD = 512 * 1024 * 1024
+TRIM_THRESHOLD = 2047 * 1024 * 1024
 TOP_PAD = 64 * 1024 * 1024
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb"
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
