@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engines import shared_attention  # noqa: E402
 from engines.attention import segment_attention  # noqa: E402
 from tests.test_attention import per_sequence_reference  # noqa: E402
 
@@ -105,16 +106,28 @@ def shared_prompt(args: argparse.Namespace) -> None:
         return [torch.randn(*shape, generator=g).requires_grad_() for shape in shapes]
 
     shared_in, plain_in = inputs(pack.num_tokens), inputs(edges[-1])
+    max_keys = shared_attention.MAX_KEYS
+
+    def shared_sdpa() -> torch.Tensor:  # the same grids through SDPA (engines/shared_attention.py off)
+        shared_attention.MAX_KEYS = 0
+        try:
+            return segment_attention(module, *shared_in, None, shared_prompt=pack)[0]
+        finally:
+            shared_attention.MAX_KEYS = max_keys
+
     runs = {
         "unshared": lambda: segment_attention(module, *plain_in, None, cu_seq_lens_q=torch.tensor(edges))[0],
         "shared": lambda: segment_attention(module, *shared_in, None, shared_prompt=pack)[0],
+        "shared_sdpa": shared_sdpa,
     }
-    base, new = alternate(runs, args.iters)
+    base, new, sdpa = alternate(runs, args.iters)
     print(json.dumps({
         "bench": "attention_shared_prompt", "groups": args.groups, "n": args.n, "prompt_len": prompt_len,
         "response_len_max": width, "heads": heads, "kv_heads": kv_heads, "dim": dim, "threads": args.threads,
         "shared_tokens": pack.num_tokens, "unshared_tokens": edges[-1], "unshared_s": round(base, 5),
         "shared_s": round(new, 5), "ratio_shared_vs_unshared": round(new / base, 3),
+        "shared_products": prompt_len + width <= max_keys, "shared_sdpa_s": round(sdpa, 5),
+        "ratio_shared_vs_shared_sdpa": round(new / sdpa, 3),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }))  # fmt: skip
 

@@ -13,7 +13,8 @@ keyword that transformers passes down to every attention call.
 
 With a `shared_prompt` layout (engines/shared_prompt.py) each group's prompt is stored once: the
 prompts run causal in one grid, the responses in another, each response reading its group's prompt
-keys and values followed by its own (a mask per response says which are real).
+keys and values followed by its own (a mask per response says which are real). On a CPU with short
+rows those two grids are computed by engines/shared_attention.py's batched products instead.
 
 One call per layer replaced one call per sequence per layer (2,000+ small calls, forward and
 backward, for 128 sequences x 8 layers); see bench/RESULTS.md for what it measured.
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from engines import shared_attention
 from engines.shared_prompt import AttentionLayout, SharedPromptPack
 
 NAME = "tandem_segments"
@@ -99,6 +101,10 @@ def _shared_prompt_attention(
     its own keys] in an [S, R] grid (a copy of the prompt's keys and values per response, whose
     backward sums every response's gradient into the one copy)."""
     grids = layout.attention
+    p = dropout if module.training else 0.0
+    if shared_attention.fits(query, grids, p):
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return shared_attention.attend(query, key, value, grids, scale)
     g, p_len, r_len = grids.groups, grids.prompt_len, grids.response_len
     responses = grids.response_group.shape[0]
 
@@ -113,7 +119,6 @@ def _shared_prompt_attention(
                 answers.view(responses, r_len, *tokens.shape[1:]).transpose(1, 2))  # fmt: skip
 
     (qp, qr), (kp, kr), (vp, vr) = to_grids(query), to_grids(key), to_grids(value)
-    p = dropout if module.training else 0.0
     gqa = key.shape[1] != query.shape[1]
     with sdpa_kernel(_BACKENDS):
         out_prompt = F.scaled_dot_product_attention(

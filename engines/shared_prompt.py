@@ -22,7 +22,7 @@ lands in the [mb, R] response grid.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,8 @@ class AttentionLayout:
     response_group: torch.Tensor  # [S]: the group of each response (responses in group order)
     responses_per_group: int  # n when every group has n responses, else 0
     response_mask: torch.Tensor  # [S, 1, R, P + R] bool: True = may attend
+    # engines/shared_attention.py's row indices for this layout, per (tokens, heads, kv heads, dtype)
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass

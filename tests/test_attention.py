@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engines import shared_attention
 from engines.attention import segment_attention
 from engines.shared_prompt import pack_shared, prompt_groups
 
@@ -47,6 +48,8 @@ def test_missing_boundaries_are_a_clear_error():
         segment_attention(torch.nn.Module(), x, x, x, None)
 
 
+@pytest.mark.parametrize("path", ["products", "sdpa"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (3, 3)])
 @pytest.mark.parametrize(
     ("row_group", "response_lens"),
     [
@@ -55,10 +58,16 @@ def test_missing_boundaries_are_a_clear_error():
         ([0, 1, 2, 0, 1, 2], [3, 3, 1, 2, 3, 4]),  # as many responses per group: the expand path
     ],
 )
-def test_shared_prompt_attention_equals_each_row_alone(row_group, response_lens):
+def test_shared_prompt_attention_equals_each_row_alone(
+    row_group, response_lens, heads, kv_heads, path, monkeypatch
+):
     """Groups of different prompt lengths and sizes (rows interleaved; a row may have no response):
     every packed token's output and the q/k/v gradients equal those of each row's own causal
-    attention over [its prompt copy ; its response], the copies' gradients summed back."""
+    attention over [its prompt copy ; its response], the copies' gradients summed back. Both ways
+    of computing it: engines/shared_attention.py's products (short rows on a CPU) and SDPA (rows
+    longer than MAX_KEYS, set to 0 here to take that path)."""
+    if path == "sdpa":
+        monkeypatch.setattr(shared_attention, "MAX_KEYS", 0)
     prompts = {0: 3, 1: 5, 2: 1}  # group -> prompt length
     width = max(response_lens)
     g = torch.Generator().manual_seed(1)
@@ -81,11 +90,13 @@ def test_shared_prompt_attention_equals_each_row_alone(row_group, response_lens)
             sequences.append(prompt + list(range(cursor, cursor + response_lens[row])))
             cursor += response_lens[row]
     assert cursor == pack.num_tokens
-    heads, kv_heads, dim = 4, 2, 8
+    dim = 8
     q = torch.randn(1, heads, cursor, dim, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(1, kv_heads, cursor, dim, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(1, kv_heads, cursor, dim, dtype=torch.float64, generator=g, requires_grad=True)
     out, _ = segment_attention(torch.nn.Module().eval(), q, k, v, None, shared_prompt=pack)
+    ran_products = type(out.grad_fn).__name__ == "SharedPromptProductsBackward"
+    assert ran_products == (path == "products")
     flat = torch.tensor([i for seq in sequences for i in seq])
     edges = [0, *torch.tensor([len(seq) for seq in sequences]).cumsum(0).tolist()]
     ref_rows = per_sequence_reference(q[:, :, flat], k[:, :, flat], v[:, :, flat], edges)[0]

@@ -1,0 +1,200 @@
+"""Shared-prompt attention on a CPU as row gathers and batched matrix products, one autograd Function.
+
+At RL shapes the attention of engines/shared_prompt.py's grids is tiny work (SmolLM2-135M's GRPO
+micro-batch: ~0.4 GFLOP a layer, forward and backward) spread over many small calls: three zeroed
+grids filled by index_copy, a copy of the prompt's keys per response, two SDPA calls whose CPU
+flash kernel runs 16-query blocks at ~20 GFLOP/s, a gather of the outputs, and in the backward the
+zero-filled gradients of every slice, copy and gather. Here each of q, k and v is gathered once,
+straight into the layout the products want, and the backward is written out:
+
+    forward:   S = Q K^T * scale + bias,  P = softmax(S),  O = P V
+    backward:  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(P * dP)) * scale,
+               dQ = dS K,  dK = dS^T Q.
+
+Grouped-query attention needs no copy of the keys per query head: a KV head's g query heads are
+adjacent in transformers' head order (query head h reads KV head h // g), so the query grid is laid
+out [.., KV heads, g query heads x positions, dim] and one product per KV head serves them all; the
+sum of dK and dV over the g heads falls out of the products. A query-grid row that is padding reads
+some real token (finite) and its output is never gathered back; its dO row is zeroed, so it adds
+nothing to dK or dV. A padded key is masked (bias -inf, probability exactly 0), so its gradient rows
+are exactly zero and the scatter-add back to the tokens adds nothing from them.
+
+It keeps each layer's probabilities for the backward (the flash kernel keeps one number a query):
+at MAX_KEYS keys and 9 heads that is ~7 KB a token a layer, against ~18 KB of the MLP's own saved
+activations at SmolLM2's width. Rows whose queries read more keys go to SDPA, whose blocked kernel
+pays off there: bench/attention.py --shared-prompt measured this path at 0.66-0.80x SDPA's time up
+to 192 keys and 1.12x at 256. At SmolLM2-135M's GRPO shape (36 + 16 tokens) a layer's attention
+forward + backward took 8.7 ms against 15.9 ms through SDPA (bench/RESULTS.md, issue 34).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engines.shared_prompt import AttentionLayout
+
+MAX_KEYS = 192  # keys a query may read (prompt + response) for the batched-product path
+
+
+@dataclass
+class GridPlan:
+    """Row indices of one layout for given head counts: the query grid is [G, H, P] prompt rows then
+    [S, H, R] response rows; the key grid [G, Hkv, P] prompt rows then [S, Hkv, P + R] rows (each
+    response's group prompt, then its own keys). Rows index the flattened [tokens * heads, dim]."""
+
+    query_rows: torch.Tensor  # source row (token * H + head) of every query-grid row
+    query_pad: torch.Tensor  # query-grid rows that are padding
+    output_rows: torch.Tensor  # [tokens * H]: the query-grid row of each (token, head)
+    key_rows: torch.Tensor  # source row (token * Hkv + head) of every key-grid row
+    prompt_bias: torch.Tensor  # [P, P]: 0 where a prompt query may attend, else -inf
+    response_bias: torch.Tensor  # [S, 1, 1, R, P + R]
+    sizes: tuple[int, int, int, int, int, int]  # G, S, P, R, H, Hkv
+
+
+def fits(query: torch.Tensor, layout: AttentionLayout, dropout: float) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype in (torch.float32, torch.float64)
+        and dropout == 0.0
+        and layout.prompt_len + layout.response_len <= MAX_KEYS
+    )
+
+
+def grid_plan(
+    layout: AttentionLayout, tokens: int, heads: int, kv_heads: int, dtype: torch.dtype
+) -> GridPlan:
+    """The plan for this layout and shape, built once per micro-batch (kept on the layout)."""
+    key = (tokens, heads, kv_heads, dtype)
+    if key not in layout.plans:
+        layout.plans[key] = _build_plan(layout, tokens, heads, kv_heads, dtype)
+    return layout.plans[key]
+
+
+def _build_plan(
+    layout: AttentionLayout, tokens: int, heads: int, kv_heads: int, dtype: torch.dtype
+) -> GridPlan:
+    g, p, r = layout.groups, layout.prompt_len, layout.response_len
+    s = layout.response_group.shape[0]
+    device = layout.slot.device
+    cell_token = torch.full((g * p + s * r,), -1, dtype=torch.long, device=device)
+    cell_token[layout.slot] = torch.arange(tokens, device=device)
+    pad, source = cell_token < 0, cell_token.clamp(min=0)
+    positions = torch.arange(max(p, r), device=device)
+    prompt_cells = (torch.arange(g, device=device)[:, None] * p + positions[:p])[:, None]  # [G, 1, P]
+    response_cells = g * p + torch.arange(s, device=device)[:, None] * r + positions[:r]  # [S, R]
+    head = torch.arange(heads, device=device)[:, None]
+    query_rows = torch.cat([
+        (source[prompt_cells] * heads + head).flatten(),
+        (source[response_cells[:, None]] * heads + head).flatten(),
+    ])  # fmt: skip
+    query_pad = torch.cat([
+        pad[prompt_cells].expand(g, heads, p).flatten(),
+        pad[response_cells[:, None]].expand(s, heads, r).flatten(),
+    ])  # fmt: skip
+    output_rows = torch.empty(tokens * heads, dtype=torch.long, device=device)
+    real = (~query_pad).nonzero().flatten()
+    output_rows[query_rows[real]] = real
+    kv_head = torch.arange(kv_heads, device=device)[:, None]
+    group_prompt = layout.response_group[:, None] * p + positions[:p]  # [S, P]
+    key_cells = torch.cat([group_prompt, response_cells], dim=1)[:, None]  # [S, 1, P + R]
+    key_rows = torch.cat([
+        (source[prompt_cells] * kv_heads + kv_head).flatten(),
+        (source[key_cells] * kv_heads + kv_head).flatten(),
+    ])  # fmt: skip
+    causal = torch.ones(p, p, dtype=torch.bool, device=device).tril()
+    prompt_bias = torch.zeros(p, p, dtype=dtype, device=device).masked_fill_(~causal, float("-inf"))
+    response_bias = torch.zeros(layout.response_mask.shape, dtype=dtype, device=device)
+    response_bias.masked_fill_(~layout.response_mask, float("-inf"))
+    return GridPlan(
+        query_rows=query_rows,
+        query_pad=query_pad.nonzero().flatten(),
+        output_rows=output_rows,
+        key_rows=key_rows,
+        prompt_bias=prompt_bias,
+        response_bias=response_bias[:, :, None],
+        sizes=(g, s, p, r, heads, kv_heads),
+    )
+
+
+def _grids(rows: torch.Tensor, plan: GridPlan, queries: bool, dim: int):
+    """(prompt grid [G * Hkv, g * P or P, dim], response grid [S * Hkv, g * R or P + R, dim]) views
+    of a query-grid or key-grid tensor."""
+    g, s, p, r, h, kv = plan.sizes
+    if queries:
+        split = g * h * p
+        return rows[:split].view(g * kv, h // kv * p, dim), rows[split:].view(s * kv, h // kv * r, dim)
+    split = g * kv * p
+    return rows[:split].view(g * kv, p, dim), rows[split:].view(s * kv, p + r, dim)
+
+
+def _probabilities(q, k, bias, scale, shape) -> torch.Tensor:
+    scores = torch.bmm(q, k.transpose(1, 2)).view(shape)
+    return torch.add(bias, scores, alpha=scale).softmax(-1).view(q.shape[0], q.shape[1], k.shape[1])
+
+
+class SharedPromptProducts(torch.autograd.Function):
+    """Attention output [1, N, H, Dv] of query [1, H, N, D], key [1, Hkv, N, D], value [1, Hkv, N, Dv]."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, plan: GridPlan, scale: float):  # type: ignore[override]
+        g, s, p, r, h, kv = plan.sizes
+        tokens, dim, dim_v = query.shape[2], query.shape[3], value.shape[3]
+        qg = query[0].transpose(0, 1).reshape(tokens * h, dim).index_select(0, plan.query_rows)
+        kg = key[0].transpose(0, 1).reshape(tokens * kv, dim).index_select(0, plan.key_rows)
+        vg = value[0].transpose(0, 1).reshape(tokens * kv, dim_v).index_select(0, plan.key_rows)
+        (qp, qr), (kp, kr), (vp, vr) = (
+            _grids(qg, plan, True, dim),
+            _grids(kg, plan, False, dim),
+            _grids(vg, plan, False, dim_v),
+        )
+        probs_p = _probabilities(qp, kp, plan.prompt_bias, scale, (g * kv, h // kv, p, p))
+        probs_r = _probabilities(qr, kr, plan.response_bias, scale, (s, kv, h // kv, r, p + r))
+        out = qg.new_empty(qg.shape[0], dim_v)
+        out_p, out_r = _grids(out, plan, True, dim_v)
+        torch.bmm(probs_p, vp, out=out_p)
+        torch.bmm(probs_r, vr, out=out_r)
+        ctx.save_for_backward(qg, kg, vg, probs_p, probs_r)
+        ctx.plan, ctx.scale, ctx.tokens = plan, scale, tokens
+        return out.index_select(0, plan.output_rows).view(1, tokens, h, dim_v)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        qg, kg, vg, probs_p, probs_r = ctx.saved_tensors
+        plan, scale, tokens = ctx.plan, ctx.scale, ctx.tokens
+        h, kv = plan.sizes[4], plan.sizes[5]
+        dim, dim_v = qg.shape[1], vg.shape[1]
+        dog = grad_out.reshape(tokens * h, dim_v).index_select(0, plan.query_rows)
+        dog.index_fill_(0, plan.query_pad, 0)  # padded queries' outputs were never read
+        dqg, dkg, dvg = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
+        pieces = zip(
+            (probs_p, probs_r), _grids(dog, plan, True, dim_v), _grids(qg, plan, True, dim),
+            _grids(kg, plan, False, dim), _grids(vg, plan, False, dim_v), _grids(dqg, plan, True, dim),
+            _grids(dkg, plan, False, dim), _grids(dvg, plan, False, dim_v), strict=True,
+        )  # fmt: skip
+        for probs, do, q, k, v, dq, dk, dv in pieces:
+            torch.bmm(probs.transpose(1, 2), do, out=dv)
+            dp = torch.bmm(do, v.transpose(1, 2))
+            row = torch.linalg.vecdot(probs, dp).unsqueeze_(-1)
+            ds = dp.sub_(row).mul_(probs).mul_(scale)
+            torch.bmm(ds, k, out=dq)
+            torch.bmm(ds.transpose(1, 2), q, out=dk)
+        grad_q = dqg.index_select(0, plan.output_rows).view(tokens, h, dim).transpose(0, 1)[None]
+        grad_k = kg.new_zeros(tokens * kv, dim).index_add_(0, plan.key_rows, dkg)
+        grad_v = vg.new_zeros(tokens * kv, dim_v).index_add_(0, plan.key_rows, dvg)
+        return (
+            grad_q,
+            grad_k.view(tokens, kv, dim).transpose(0, 1)[None],
+            grad_v.view(tokens, kv, dim_v).transpose(0, 1)[None],
+            None,
+            None,
+        )
+
+
+def attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: AttentionLayout, scale: float
+) -> torch.Tensor:
+    """[1, N, H, Dv] attention output over `layout`'s grids (call only where `fits`)."""
+    plan = grid_plan(layout, query.shape[2], query.shape[1], key.shape[1], query.dtype)
+    return SharedPromptProducts.apply(query, key, value, plan, scale)
