@@ -56,7 +56,13 @@ from engines.distributed import (
     resolve_device,
 )
 from engines.fsdp import lora
-from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model
+from engines.fsdp.modules import (
+    PolicyModel,
+    ValueModel,
+    decoder_layers,
+    load_hf_model,
+    sparse_tied_embedding,
+)
 from engines.fsdp.optim import OptimizerMixin
 from engines.fsdp.state import CheckpointMixin
 from engines.microbatch import MicroBatchPlanner, PromptGroups
@@ -164,6 +170,7 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
         self.autocast_dtype = self.compute_dtype if one_rank and self.compute_dtype != torch.float32 else None
         if not self.sharded:  # see the module docstring
             model.to(self.device)  # fully_shard would have moved it; unwrapped, it is loaded on the CPU
+            sparse_tied_embedding(model, self.device)
             return
         mp_policy = None
         if self.compute_dtype != torch.float32:

@@ -147,3 +147,21 @@ class ValueModel(nn.Module):
     @staticmethod
     def hf_name(name: str) -> str:
         return name
+
+
+def sparse_tied_embedding(model: torch.nn.Module, device: torch.device) -> bool:
+    """Where the input embedding is the output head's weight (tied, as SmolLM2's), one rank on a CPU:
+    the embedding's backward returns its few rows as a sparse gradient, which autograd adds into the
+    head's dense one. Its dense gradient was a zero-filled [vocabulary, hidden] tensor every
+    micro-batch (113 MB at SmolLM2, 48 ms) plus one more pass to sum the two. A micro-batch whose
+    loss reads no head would leave the gradient sparse: optimizer_step (engines/fsdp/optim.py)
+    makes it dense."""
+    inner = model.lm if isinstance(model, PolicyModel) else None
+    if inner is None or device.type != "cpu":
+        return False
+    embedding, head = inner.get_input_embeddings(), inner.get_output_embeddings()
+    tied = head is not None and embedding.weight is head.weight
+    if not (tied and embedding.weight.requires_grad and isinstance(embedding, torch.nn.Embedding)):
+        return False
+    embedding.sparse = True
+    return True
