@@ -126,7 +126,7 @@ def shared_prompt(args: argparse.Namespace) -> None:
         "response_len_max": width, "heads": heads, "kv_heads": kv_heads, "dim": dim, "threads": args.threads,
         "shared_tokens": pack.num_tokens, "unshared_tokens": edges[-1], "unshared_s": round(base, 5),
         "shared_s": round(new, 5), "ratio_shared_vs_unshared": round(new / base, 3),
-        "shared_products": prompt_len + width <= max_keys, "shared_sdpa_s": round(sdpa, 5),
+        "shared_products": shared_attention.fits(shared_in[0], pack.attention, 0.0), "shared_sdpa_s": round(sdpa, 5),
         "ratio_shared_vs_shared_sdpa": round(new / sdpa, 3),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }))  # fmt: skip

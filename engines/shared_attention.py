@@ -22,9 +22,12 @@ are exactly zero and the scatter-add back to the tokens adds nothing from them.
 It keeps each layer's probabilities for the backward (the flash kernel keeps one number a query):
 at MAX_KEYS keys and 9 heads that is ~7 KB a token a layer, against ~18 KB of the MLP's own saved
 activations at SmolLM2's width. Rows whose queries read more keys go to SDPA, whose blocked kernel
-pays off there: bench/attention.py --shared-prompt measured this path at 0.66-0.80x SDPA's time up
-to 192 keys and 1.12x at 256. At SmolLM2-135M's GRPO shape (36 + 16 tokens) a layer's attention
-forward + backward took 8.7 ms against 15.9 ms through SDPA (bench/RESULTS.md, issue 34).
+pays off there. What decides is the scores' size against q, k and v's: bench/attention.py
+--shared-prompt measured this path at 0.66-0.80x SDPA's time up to 192 keys and 1.12x at 256 with
+64-dimensional heads, and with 16-dimensional heads (the tiny test models) 0.22x at 18 keys, 0.90x
+at 28 and 1.04-1.22x at 52: so at most MAX_KEYS keys and KEYS_PER_DIM per head dimension. At
+SmolLM2-135M's GRPO shape (36 + 16 tokens) a layer's attention forward + backward took 8.7 ms
+against 15.9 ms through SDPA (bench/RESULTS.md, issue 34).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from engines.shared_prompt import AttentionLayout
 
 MAX_KEYS = 192  # keys a query may read (prompt + response) for the batched-product path
+KEYS_PER_DIM = 3  # ... and at most this many per head dimension
 
 
 @dataclass
@@ -58,7 +62,7 @@ def fits(query: torch.Tensor, layout: AttentionLayout, dropout: float) -> bool:
         query.device.type == "cpu"
         and query.dtype in (torch.float32, torch.float64)
         and dropout == 0.0
-        and layout.prompt_len + layout.response_len <= MAX_KEYS
+        and layout.prompt_len + layout.response_len <= min(MAX_KEYS, KEYS_PER_DIM * query.shape[-1])
     )
 
 
