@@ -52,7 +52,7 @@ class OptimizerMixin:
         clip = (params or self.config.optim).grad_clip
         with_grad = [p for p in self.model.parameters() if p.grad is not None]
         for param in with_grad:
-            if param.grad.is_sparse:  # a tied embedding whose head had no gradient (engine.py)
+            if param.grad.is_sparse:  # a tied embedding whose head had no gradient (modules.py)
                 param.grad = param.grad.to_dense()
         norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm=clip or float("inf"), foreach=True)
         if isinstance(norm, DTensor):
