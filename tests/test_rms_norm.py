@@ -1,5 +1,6 @@
 """engines/rms_norm.py against transformers' RMSNorm and an fp64 reference written out by hand:
-outputs, input and weight gradients, what it leaves alone, and a whole model with and without it."""
+outputs, input and weight gradients on the fused and the eager path, what it leaves alone, and a
+whole model with and without it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from engines import rms_norm
+from engines import cpu_kernels, rms_norm
 from tests.engine_util import assert_same_model_outputs, log_probs_and_grads, small_llama
 
 
@@ -19,8 +20,19 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
 
 
-@pytest.mark.parametrize("shape", [(1, 37, 64), (3, 5, 48), (7, 576)])
-def test_function_equals_the_definition_and_transformers(shape):
+@pytest.mark.parametrize("path", ["fused", "eager"])
+@pytest.mark.parametrize("shape", [(1, 37, 64), (3, 5, 48), (7, 576), (1312, 576)])
+def test_function_equals_the_definition_and_transformers(shape, path, monkeypatch):
+    """The Function on both of its paths: the fused kernels (engines/cpu_kernels.c) and eager ops."""
+    if path == "eager":
+        monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
+    elif cpu_kernels.kernels() is None:
+        pytest.skip("the fused kernels do not build on this machine (no C compiler)")
+    fused_calls = []
+    backward = cpu_kernels.CpuKernels.rms_norm_backward
+    monkeypatch.setattr(
+        cpu_kernels.CpuKernels, "rms_norm_backward", lambda *a: fused_calls.append(1) or backward(*a)
+    )
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(shape, generator=g) * 3
     weight = torch.randn(shape[-1], generator=g) * 0.2 + 1
@@ -43,6 +55,7 @@ def test_function_equals_the_definition_and_transformers(shape):
         return norm(a)
 
     theirs = run(transformers_norm, torch.float32)
+    assert len(fused_calls) == (1 if path == "fused" else 0)
     for name, mine, exact, hf in zip(("y", "dx", "dw"), got, want, theirs, strict=True):
         scale = exact.abs().max()
         assert (mine - exact).abs().max() <= 2e-6 * scale, name  # fp32 against fp64

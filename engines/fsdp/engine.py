@@ -35,7 +35,7 @@ from tensordict import TensorDict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from engines import rms_norm, rotary
+from engines import rms_norm, rotary, swiglu
 from engines.attention import register as segment_attention_name
 from engines.base import (
     MAX_SUFFIX,
@@ -131,9 +131,10 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
         self.attn_implementation = self._attn_implementation()
         is_value = self.config.role == "value"
         hf_model = load_hf_model(self.config.model_path, self.attn_implementation, value_head=is_value)
-        # One autograd Function each on a CPU (engines/rotary.py, engines/rms_norm.py).
+        # One autograd Function each on a CPU (engines/rotary.py, engines/rms_norm.py, engines/swiglu.py).
         rotary.install(sys.modules[type(hf_model).__module__])
         rms_norm.install(hf_model)
+        swiglu.install(hf_model)
         self.adapted_modules: list[str] = []
         if self.config.lora is not None:
             self._attach_adapters(hf_model)

@@ -1,0 +1,166 @@
+"""Fused element-wise kernels for the CPU training engine: SwiGLU and RMSNorm, forward and backward.
+
+Eager PyTorch runs an element-wise expression as one pass over memory per operation: SwiGLU's
+`silu(gate) * up` is two passes forward and three backward (two products and SiLU's backward), an
+RMSNorm's written-out backward (engines/rms_norm.py) about eight. The kernels in cpu_kernels.c read
+each input once and write each output once. At SmolLM2-135M's GRPO shape (1312 packed tokens) they
+take 0.56x (SwiGLU) and 0.34x (RMSNorm) the eager time, forward + backward (`bench/cpu_kernels.py`),
+and an update's work outside the matrix products 0.82x (bench/RESULTS.md, issue 34).
+
+The C file is compiled on first use with the machine's C compiler (`CC`, else cc / gcc) for this
+CPU (-march=native) and cached by a hash of the source, the flags, the compiler and the CPU's
+model and flags (`TANDEM_KERNEL_CACHE`, default ~/.cache/tandem/kernels). It is compiled with
+-ffast-math (vectorised expf) but linked without it, so loading it does not switch the process's
+denormals to zero. Where no compiler is found, the build fails or `TANDEM_CPU_KERNELS=0` is set,
+`kernels()` returns None and callers run their eager path; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_suffix(".c")
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
+BUILD_TIMEOUT_S = 120.0
+_lock = threading.Lock()
+_loaded: dict[str, CpuKernels | None] = {}
+
+
+class CpuKernels:
+    """The compiled library, called on contiguous fp32 CPU tensors."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        p, n, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        lib.tandem_max_threads.restype = ctypes.c_int
+        lib.tandem_swiglu_forward.argtypes = [p, p, p, n]
+        lib.tandem_swiglu_backward.argtypes = [p, p, p, p, p, n]
+        lib.tandem_rms_norm_forward.argtypes = [p, p, p, p, n, n, f]
+        lib.tandem_rms_norm_backward.argtypes = [p, p, p, p, p, p, n, n]
+        self.lib, self.path = lib, path
+
+    def swiglu_forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(gate)
+        self.lib.tandem_swiglu_forward(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        return out
+
+    def swiglu_backward(
+        self, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = grad.contiguous()
+        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        self.lib.tandem_swiglu_backward(
+            grad.data_ptr(), gate.data_ptr(), up.data_ptr(), grad_gate.data_ptr(), grad_up.data_ptr(),
+            gate.numel(),
+        )  # fmt: skip
+        return grad_gate, grad_up
+
+    def rms_norm_forward(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, rstd): rstd has one value per row of x's last dimension."""
+        width = x.shape[-1]
+        rows = x.numel() // width
+        y, rstd = torch.empty_like(x), torch.empty(rows, dtype=x.dtype)
+        self.lib.tandem_rms_norm_forward(
+            x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, width, eps
+        )
+        return y, rstd
+
+    def rms_norm_backward(
+        self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        grad = grad.contiguous()
+        width = x.shape[-1]
+        rows = x.numel() // width
+        grad_x = torch.empty_like(x)
+        parts = torch.empty(self.lib.tandem_max_threads(), width, dtype=x.dtype)
+        self.lib.tandem_rms_norm_backward(
+            grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad_x.data_ptr(),
+            parts.data_ptr(), rows, width,
+        )  # fmt: skip
+        return grad_x, parts.sum(0)
+
+
+def kernels() -> CpuKernels | None:
+    """The kernels for this machine, built on first use; None where they cannot be (logged once)."""
+    if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
+        return None
+    key = "default"
+    if key not in _loaded:
+        with _lock:
+            if key not in _loaded:
+                _loaded[key] = _build_and_load()
+    return _loaded[key]
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: fp32, contiguous, on a CPU, outside autocast."""
+    return not torch.is_autocast_enabled("cpu") and all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
+    )
+
+
+def _build_and_load() -> CpuKernels | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the CPU engine runs SwiGLU and RMSNorm in eager PyTorch")
+        return None
+    try:
+        path = _cache_dir() / f"tandem_kernels_{_build_key(compiler)}.so"
+        if not path.exists():
+            _compile(compiler, path)
+        return CpuKernels(path)
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("the CPU kernels did not build (%s): SwiGLU and RMSNorm run in eager PyTorch", err)
+        return None
+
+
+def _cache_dir() -> Path:
+    folder = Path(os.environ.get("TANDEM_KERNEL_CACHE") or Path.home() / ".cache" / "tandem" / "kernels")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _build_key(compiler: str) -> str:
+    """Source, flags, compiler version and CPU: a cache on a shared home never serves another CPU."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (" ".join(COMPILE_FLAGS), version, _cpu_signature()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_signature() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    wanted = ("model name", "flags")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def _compile(compiler: str, path: Path) -> None:
+    """Compile with -ffast-math, link without it (no crtfastmath: denormals stay as they are), then
+    move the library into place in one rename, so ranks that build at once never load half a file."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        obj, lib = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
+        for command in (
+            [compiler, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [compiler, "-shared", "-fopenmp", str(obj), "-o", str(lib), "-lm"],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                raise OSError(f"{' '.join(command)} exited {done.returncode}: {done.stderr.strip()[:500]}")
+        os.replace(lib, path)

@@ -1,0 +1,67 @@
+"""SwiGLU, `silu(gate) * up`, as one autograd Function over the fused CPU kernels.
+
+transformers' Llama, Qwen2 and Mistral MLPs compute `down_proj(act_fn(gate_proj(x)) * up_proj(x))`.
+Eagerly that is SiLU and a product forward, and two products and SiLU's backward in autograd's
+backward, each a pass over [tokens, intermediate] memory, with SiLU's output kept for the backward.
+`SwiGLUFunction` runs one kernel each way (engines/cpu_kernels.c) and keeps only gate and up:
+
+    y = g s(g) u,    dg = dy u s(g) (1 + g (1 - s(g))),    du = dy g s(g),    s = sigmoid.
+
+`install(model)` gives each such MLP of `model` (SiLU activation) this forward, instance by instance
+(the rollout engine's copy of the model in the same process is untouched). The projections are
+called as before, so LoRA layers around them keep working; anything the kernels do not take (not
+fp32 on a CPU, under autocast, no kernels on this machine) runs the module's own expression.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from engines import cpu_kernels
+
+STANDARD = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """silu(gate) * up through the fused kernels (the caller checks `cpu_kernels.fits`)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, fused: cpu_kernels.CpuKernels) -> torch.Tensor:  # type: ignore[override]
+        ctx.fused = fused
+        ctx.save_for_backward(gate, up)
+        return fused.swiglu_forward(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        gate, up = ctx.saved_tensors
+        grad_gate, grad_up = ctx.fused.swiglu_backward(grad, gate, up)
+        return grad_gate, grad_up, None
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, act_fn) -> torch.Tensor:
+    """`act_fn(gate) * up`, fused where the kernels take the tensors."""
+    fused = cpu_kernels.kernels() if cpu_kernels.fits(gate, up) and gate.shape == up.shape else None
+    if fused is None:
+        return act_fn(gate) * up
+    return SwiGLUFunction.apply(gate, up, fused)
+
+
+def _fused_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Bound to one MLP module (a method, so a deep copy of the model binds its copy)."""
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.act_fn))
+
+
+def install(model: torch.nn.Module) -> int:
+    """Give every standard SiLU-gated MLP in `model` the fused forward; returns how many."""
+    count = 0
+    for module in model.modules():
+        if (
+            type(module).__name__ in STANDARD
+            and "forward" not in vars(module)
+            and getattr(getattr(module, "config", None), "hidden_act", None) == "silu"
+        ):
+            module.forward = types.MethodType(_fused_forward, module)
+            count += 1
+    return count
