@@ -18,13 +18,13 @@ denormals to zero. Where no compiler is found, the build fails or `TANDEM_CPU_KE
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -33,8 +33,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_suffix(".c")
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC"]
 BUILD_TIMEOUT_S = 120.0
-_lock = threading.Lock()
-_loaded: dict[str, CpuKernels | None] = {}
 
 
 class CpuKernels:
@@ -97,12 +95,12 @@ def kernels() -> CpuKernels | None:
     """The kernels for this machine, built on first use; None where they cannot be (logged once)."""
     if os.environ.get("TANDEM_CPU_KERNELS", "1") == "0":
         return None
-    key = "default"
-    if key not in _loaded:
-        with _lock:
-            if key not in _loaded:
-                _loaded[key] = _build_and_load()
-    return _loaded[key]
+    return _loaded()
+
+
+@functools.cache
+def _loaded() -> CpuKernels | None:
+    return _build_and_load()  # once a process (two threads at once build into one atomic rename)
 
 
 def fits(*tensors: torch.Tensor) -> bool:
