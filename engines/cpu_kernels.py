@@ -1,11 +1,15 @@
-"""Fused element-wise kernels for the CPU training engine: SwiGLU and RMSNorm, forward and backward.
+"""Fused element-wise kernels for the CPU training engine: SwiGLU, RMSNorm, rotary embedding and the
+vocabulary head's log-softmax, forward and backward.
 
 Eager PyTorch runs an element-wise expression as one pass over memory per operation: SwiGLU's
 `silu(gate) * up` is two passes forward and three backward (two products and SiLU's backward), an
 RMSNorm's written-out backward (engines/rms_norm.py) about eight. The kernels in cpu_kernels.c read
 each input once and write each output once. At SmolLM2-135M's GRPO shape (1312 packed tokens) they
 take 0.56x (SwiGLU) and 0.34x (RMSNorm) the eager time, forward + backward (`bench/cpu_kernels.py`),
-and an update's work outside the matrix products 0.82x (bench/RESULTS.md, issue 34).
+and an update's work outside the matrix products 0.82x (bench/RESULTS.md, issue 34). Rotary
+embedding (engines/rotary.py) is one pass a rotation instead of four, and the head's log-softmax,
+entropy and their gradient (engines/logprobs.py) two passes over each row of logits forward and one
+backward, instead of eight and six over blocks of rows.
 
 The C file is compiled on first use with the machine's C compiler (`CC`, else cc / gcc) for this
 CPU (-march=native) and cached by a hash of the source, the flags, the compiler and the CPU's
@@ -46,6 +50,9 @@ class CpuKernels:
         lib.tandem_swiglu_backward.argtypes = [p, p, p, p, p, n]
         lib.tandem_rms_norm_forward.argtypes = [p, p, p, p, n, n, f]
         lib.tandem_rms_norm_backward.argtypes = [p, p, p, p, p, p, n, n]
+        lib.tandem_rotary.argtypes = [p, p, p, p, p, p, ctypes.c_int]
+        lib.tandem_log_softmax_stats.argtypes = [p, p, p, p, p, n, n, ctypes.c_int]
+        lib.tandem_log_softmax_grad.argtypes = [p, p, p, p, p, p, n, n]
         self.lib, self.path = lib, path
 
     def swiglu_forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -90,6 +97,71 @@ class CpuKernels:
         )  # fmt: skip
         return grad_x, parts.sum(0)
 
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+        """x [.., h] (at most 4 dimensions, the last contiguous) rotated by cos and sin, which
+        broadcast to it; the result is laid out as x is (`rotary_fits` checks the tensors)."""
+        y = torch.empty_like(x)
+        views = [t.expand_as(x) for t in (x, cos, sin, y)]
+        views = [t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t for t in views]
+        dims = (ctypes.c_int64 * 4)(*views[0].shape)
+        strides = (ctypes.c_int64 * 12)(*(s for t in views for s in t.stride()[:3]))
+        self.lib.tandem_rotary(
+            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), dims, strides, int(inverse)
+        )
+        return y
+
+    def log_softmax_stats(
+        self, logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, write_log_p: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(log p of the targets, log-normaliser, entropy or None) of each row of contiguous fp32
+        logits [rows, V]; with `write_log_p` the logits are overwritten with the log-softmax."""
+        rows, vocab = logits.shape
+        targets = targets.to(torch.int64).contiguous()
+        log_prob, lse = torch.empty(rows), torch.empty(rows)
+        entropy = torch.empty(rows) if with_entropy else None
+        self.lib.tandem_log_softmax_stats(
+            logits.data_ptr(), targets.data_ptr(), log_prob.data_ptr(), lse.data_ptr(),
+            None if entropy is None else entropy.data_ptr(), rows, vocab, int(write_log_p),
+        )  # fmt: skip
+        return log_prob, lse, entropy
+
+    def log_softmax_grad(
+        self,
+        values: torch.Tensor,
+        shift: torch.Tensor | None,
+        targets: torch.Tensor,
+        grad_log_prob: torch.Tensor | None,
+        entropy: torch.Tensor | None,
+        grad_entropy: torch.Tensor | None,
+    ) -> None:
+        """Overwrite rows of log p + shift (contiguous fp32 [rows, V]; shift None: log p itself)
+        with the loss's gradient with respect to the logits (engines/logprobs.py)."""
+        rows, vocab = values.shape
+        parts = [
+            None if t is None else t.reshape(-1).contiguous()
+            for t in (shift, grad_log_prob, entropy, grad_entropy)
+        ]
+        targets = targets.to(torch.int64).contiguous()
+        ptrs = [None if t is None else t.data_ptr() for t in parts]
+        self.lib.tandem_log_softmax_grad(
+            values.data_ptr(), ptrs[0], targets.data_ptr(), ptrs[1], ptrs[2], ptrs[3], rows, vocab
+        )
+
+
+def rotary_fits(x: torch.Tensor, *broadcast: torch.Tensor) -> bool:
+    """Whether `CpuKernels.rotary` takes x with these tensors: fp32 on a CPU outside autocast, at
+    most 4 dimensions, the last one contiguous and even, the others broadcast to x."""
+    tensors = (x, *broadcast)
+    if torch.is_autocast_enabled("cpu") or x.dim() > 4 or x.shape[-1] % 2:
+        return False
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return False
+    try:
+        views = [t.expand_as(x) for t in broadcast]
+    except RuntimeError:
+        return False
+    return all(t.stride(-1) == 1 for t in (x, *views))
+
 
 def kernels() -> CpuKernels | None:
     """The kernels for this machine, built on first use; None where they cannot be (logged once)."""
@@ -113,7 +185,7 @@ def fits(*tensors: torch.Tensor) -> bool:
 def _build_and_load() -> CpuKernels | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: the CPU engine runs SwiGLU and RMSNorm in eager PyTorch")
+        log.warning("no C compiler found: the CPU engine runs its element-wise work in eager PyTorch")
         return None
     try:
         path = _cache_dir() / f"tandem_kernels_{_build_key(compiler)}.so"
@@ -121,7 +193,7 @@ def _build_and_load() -> CpuKernels | None:
             _compile(compiler, path)
         return CpuKernels(path)
     except (OSError, subprocess.SubprocessError) as err:
-        log.warning("the CPU kernels did not build (%s): SwiGLU and RMSNorm run in eager PyTorch", err)
+        log.warning("the CPU kernels did not build (%s): the element-wise work runs in eager PyTorch", err)
         return None
 
 

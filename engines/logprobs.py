@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines import cpu_kernels
+
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for bf16/fp16/fp32 compute; fp64 stays fp64 (gradcheck)."""
@@ -108,6 +110,15 @@ class ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             logits = _chunk_logits(hidden[start:end], weight, temperature)
+            fused = cpu_kernels.kernels() if cpu_kernels.fits(logits) else None
+            if fused is not None:  # one kernel over the chunk's rows (engines/cpu_kernels.c)
+                lp, lse, ent = fused.log_softmax_stats(logits, targets[start:end], with_entropy, keep)
+                log_probs[start:end], log_norm[start:end] = lp, lse
+                if ent is not None:
+                    entropy[start:end] = ent
+                if keep:
+                    kept.append(logits)
+                continue
             for rows in _row_blocks(start, end, logits.shape[1], logits.device):
                 block = logits[rows.start - start : rows.stop - start]
                 lse = torch.logsumexp(block, dim=-1)
@@ -139,13 +150,22 @@ class ChunkedLogProbs(torch.autograd.Function):
         kept, ctx.kept = ctx.kept, []  # a second backward (retain_graph) recomputes
         for index, start in enumerate(range(0, hidden.shape[0], ctx.chunk)):
             end = min(start + ctx.chunk, hidden.shape[0])
+            shift = None  # what the values less is log p: None where they are log p already
             if kept:
                 log_p, kept[index] = kept[index], None  # consumed in place below; freed as we go
             else:
-                log_p = _chunk_logits(hidden[start:end], weight, ctx.temperature).sub_(
-                    log_norm[start:end, None]
-                )
-            for rows in _row_blocks(start, end, log_p.shape[1], log_p.device):
+                log_p, shift = _chunk_logits(hidden[start:end], weight, ctx.temperature), log_norm[start:end]
+            fused = cpu_kernels.kernels() if cpu_kernels.fits(log_p) else None
+            if fused is not None:  # one pass over the chunk, log p formed on the way
+                fused.log_softmax_grad(
+                    log_p, shift, targets[start:end],
+                    None if grad_log_probs is None else grad_log_probs[start:end],
+                    None if grad_entropy is None else entropy[start:end],
+                    None if grad_entropy is None else grad_entropy[start:end],
+                )  # fmt: skip
+            elif shift is not None:
+                log_p.sub_(shift[:, None])
+            for rows in _row_blocks(start, end, log_p.shape[1], log_p.device) if fused is None else ():
                 _logit_grad(
                     log_p[rows.start - start : rows.stop - start],
                     targets[rows],

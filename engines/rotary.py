@@ -13,7 +13,8 @@ and its gradient, the rotation run backwards,
 four in-place element-wise calls a tensor each way, written into one output laid out as q is (the
 projections' [tokens, heads, dim] order). At SmolLM2-135M's GRPO shape (1312 packed tokens, 9 query
 and 3 key heads of 64) forward + backward took 2.7-2.9 ms a layer against transformers' 5.1-5.4
-(bench/RESULTS.md, issue 34). cos and sin get no gradient (they come from the model's rotary buffers).
+(bench/RESULTS.md, issue 34). In fp32 on a CPU the fused kernel of engines/cpu_kernels.c does each
+rotation in one pass over x instead. cos and sin get no gradient (they come from the model's rotary buffers).
 
 `install(module)` puts `apply_rotary_pos_emb` of a transformers modeling module (Llama's, Qwen2's:
 the standard signature) through it. Anything else (a GPU tensor, q in another dtype than cos, as
@@ -29,6 +30,8 @@ from types import ModuleType
 
 import torch
 
+from engines import cpu_kernels
+
 STANDARD_PARAMETERS = ("q", "k", "cos", "sin", "unsqueeze_dim")
 MARK = "_tandem_rotary_original"
 
@@ -39,7 +42,11 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """y = R x (or R^T x with `inverse`) for cos/sin broadcastable to x; y has x's strides."""
+    """y = R x (or R^T x with `inverse`) for cos/sin broadcastable to x; y has x's strides (where x
+    is dense). One pass of the fused CPU kernel where it takes the tensors, else four eager calls."""
+    fused = cpu_kernels.kernels() if cpu_kernels.rotary_fits(x, cos, sin) else None
+    if fused is not None:
+        return fused.rotary(x, cos, sin, inverse)
     out = torch.empty_like(x)
     (x1, x2), (y1, y2) = _halves(x), _halves(out)
     (c1, c2), (s1, s2) = _halves(cos), _halves(sin)

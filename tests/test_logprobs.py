@@ -1,12 +1,31 @@
-"""The chunked log-prob/entropy Function against the plain full-vocabulary computation."""
+"""The chunked log-prob/entropy Function against the plain full-vocabulary computation, on both of its
+CPU paths: the fused kernels of engines/cpu_kernels.c and eager ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engines import logprobs
+from engines import cpu_kernels, logprobs
 from engines.logprobs import token_log_probs
+
+
+@pytest.fixture(params=["fused", "eager"])
+def path(request, monkeypatch):
+    """Run the test on one path; yields a list that counts the fused kernel calls."""
+    calls: list[str] = []
+    if request.param == "eager":
+        monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    elif cpu_kernels.kernels() is None:
+        pytest.skip("the fused kernels do not build on this machine (no C compiler)")
+    for name in ("log_softmax_stats", "log_softmax_grad"):
+        original = getattr(cpu_kernels.CpuKernels, name)
+        monkeypatch.setattr(
+            cpu_kernels.CpuKernels,
+            name,
+            lambda self, *a, _n=name, _f=original: calls.append(_n) or _f(self, *a),
+        )
+    return request.param, calls
 
 
 def plain(hidden, weight, targets, temperature):
@@ -32,7 +51,9 @@ def inputs(n: int, vocab: int, width: int, dtype=torch.float32, seed: int = 0):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("entropy_in_loss", [True, False])
 @pytest.mark.parametrize("keep", [False, True], ids=["recompute", "keep"])
-def test_values_and_gradients_match_the_plain_computation(temperature, entropy_in_loss, keep, monkeypatch):
+def test_values_and_gradients_match_the_plain_computation(
+    temperature, entropy_in_loss, keep, monkeypatch, path
+):
     # element-wise passes in blocks of 3 rows: chunks of 8 rows run as blocks of 3, 3 and 2
     monkeypatch.setattr(logprobs, "BLOCK_ELEMENTS", 3 * 301)
     hidden, weight, targets, a, b = inputs(n=37, vocab=301, width=24)
@@ -49,9 +70,32 @@ def test_values_and_gradients_match_the_plain_computation(temperature, entropy_i
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    name, calls = path
+    chunks = 5  # 37 rows in chunks of 8: one forward and one backward call a chunk when fused
+    want_calls = ["log_softmax_stats"] * chunks + ["log_softmax_grad"] * chunks if name == "fused" else []
+    assert calls == want_calls
 
 
-def test_without_entropy_and_a_frozen_weight():
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_large_logits_against_float64(scale, path):
+    """Logits of magnitude up to ~1000 (a max subtraction missed would overflow exp) and a vocabulary
+    of 49k, the size of SmolLM2's, against the plain computation in fp64."""
+    hidden, weight, targets, a, b = inputs(n=20, vocab=49152, width=16, seed=7)
+    hidden = (hidden.detach() * scale).requires_grad_(True)
+    lp, ent = token_log_probs(hidden, weight, targets, 1.0, True, 8)
+    grads = torch.autograd.grad((a * lp).sum() + (b * ent).sum(), (hidden, weight))
+    wide = [t.detach().double().requires_grad_(True) for t in (hidden, weight)]
+    ref_lp, ref_ent = plain(*wide, targets, 1.0)
+    ref_grads = torch.autograd.grad((a.double() * ref_lp).sum() + (b.double() * ref_ent).sum(), wide)
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    torch.testing.assert_close(lp.double(), ref_lp, atol=2e-4 * scale, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, atol=2e-4 * scale, rtol=1e-5)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, atol=2e-4 * scale, rtol=1e-4)
+    assert bool(path[1]) == (path[0] == "fused")
+
+
+def test_without_entropy_and_a_frozen_weight(path):
     hidden, weight, targets, a, _ = inputs(n=20, vocab=97, width=16, seed=1)
     weight = weight.detach()  # a frozen output projection (LoRA leaves it out)
     lp, ent = token_log_probs(hidden, weight, targets, 1.0, with_entropy=False, chunk_tokens=6)

@@ -10,7 +10,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from engines import rotary
+from engines import cpu_kernels, rotary
 from tests.engine_util import assert_same_model_outputs, log_probs_and_grads, small_llama
 
 # transformers' function, whatever an engine built earlier in this process installed
@@ -52,6 +52,43 @@ def test_equals_transformers_forward_and_backward(heads, kv_heads, dim):
         assert torch.allclose(got, want, rtol=0, atol=1e-12), (got - want).abs().max()
     # laid out as the projection was (what the attention function reads next), not re-packed
     assert got_q.stride() == q.stride() and got_k.stride() == k.stride()
+
+
+@pytest.mark.parametrize("path", ["fused", "eager"])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_fp32_on_both_paths_against_float64(path, unsqueeze_dim, monkeypatch):
+    """fp32 q, k (the kernel of engines/cpu_kernels.c, or the Function's eager calls) against
+    transformers' function in fp64: outputs and the gradients of q and k, both head layouts, with
+    SmolLM2's heads and a gradient whose rows are strided (a transposed view), as autograd hands them."""
+    if path == "eager":
+        monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")
+    elif cpu_kernels.kernels() is None:
+        pytest.skip("the fused kernels do not build on this machine (no C compiler)")
+    calls = []
+    original_kernel = cpu_kernels.CpuKernels.rotary
+    monkeypatch.setattr(
+        cpu_kernels.CpuKernels, "rotary", lambda *a: calls.append(a[-1]) or original_kernel(*a)
+    )
+    tokens, dim = 29, 64
+    cos, sin = cos_sin(tokens, dim)
+    g = torch.Generator().manual_seed(unsqueeze_dim)
+    results = []
+    for fn, dtype in ((ORIGINAL, torch.float64), (rotary.fused(ORIGINAL), torch.float32)):
+        g.manual_seed(5)
+        q_leaf, q = projected(tokens, 9, dim, g)
+        k_leaf, k = projected(tokens, 3, dim, g)
+        if unsqueeze_dim == 2:  # [1, tokens, heads, dim]
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q, k = q.to(dtype), k.to(dtype)
+        out_q, out_k = fn(q, k, cos.to(dtype), sin.to(dtype), unsqueeze_dim=unsqueeze_dim)
+        swapped = (out_q.shape[0], out_q.shape[2], out_q.shape[1], out_q.shape[3])
+        upstream_q = torch.randn(swapped, generator=g, dtype=torch.float64).transpose(1, 2)
+        upstream_k = torch.randn(out_k.shape, generator=g, dtype=torch.float64)
+        torch.autograd.backward((out_q, out_k), (upstream_q.to(dtype), upstream_k.to(dtype)))
+        results.append([t.double() for t in (out_q, out_k, q_leaf.grad, k_leaf.grad)])
+    for want, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-6)
+    assert calls == ([False, False, True, True] if path == "fused" else [])
 
 
 def test_heads_last_layout():
