@@ -28,6 +28,15 @@ each update against the mean of the loops on its two sides.
 
 The update's CPU time (`process_s`, all threads) is reported beside its wall time: on a machine
 other jobs share, CPU time at `--threads 1` is the figure that stays put.
+
+Loops seconds away can still miss the update: on a shared host the product rate moved from 138 to
+252 GFLOP/s within a minute (issue 34). `--probe-every K` then runs `--iters` more updates in which
+every K-th matrix product of the update is followed by one 2048^3 product (a probe), timed apart: the
+probes sample the machine's product rate at the moments the update runs, and each such update is
+rated against their median (`update_mfu_probed`), its time taken as its wall time less the probes'
+(the timing hook's own overhead stays in it, so the rating errs low). It also gives the update's
+products' rate against the probes (`products_against_probes`) and the products' share of the update
+(`products_share`): the rating is their product where the update's FLOPs are its products'.
 """
 
 from __future__ import annotations
@@ -127,6 +136,64 @@ def time_heads(fns: dict, hidden, weight, targets, iters: int) -> dict[str, floa
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def probed_updates(engine, batch, iters: int, every: int, threads: int, update_flops: float) -> dict:
+    """Medians over `iters` updates, each with a 2048^3 product after every `every`-th of its own
+    (see the module docstring). The CPU kernel of aten::mm is overridden for the while by one that
+    times the product (through aten::mm.out, the same kernel) and runs the probes: Python runs per
+    product only, not per operation."""
+    import warnings
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    clock = {"products": 0, "product_s": 0.0, "product_flops": 0.0, "probe_s": 0.0, "rates": []}
+
+    def timed_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((x.shape[0], y.shape[1]))
+        start = time.perf_counter()
+        torch.ops.aten.mm.out(x, y, out=out)
+        clock["product_s"] += time.perf_counter() - start
+        clock["product_flops"] += 2 * x.shape[0] * x.shape[1] * y.shape[1]
+        clock["products"] += 1
+        if clock["products"] % every == 0:
+            probe = a.new_empty((2048, 2048))
+            start = time.perf_counter()
+            torch.ops.aten.mm.out(a, b, out=probe)
+            seconds = time.perf_counter() - start
+            clock["probe_s"] += seconds
+            clock["rates"].append(2 * 2048**3 / seconds)
+        return out
+
+    rows = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "overriding a previously registered kernel": meant
+            library.impl("mm", timed_mm, "CPU")
+        for _ in range(iters):
+            clock.update(products=0, product_s=0.0, product_flops=0.0, probe_s=0.0, rates=[])
+            with engine.train_mode():
+                start = time.perf_counter()
+                engine.forward_backward_batch(batch, pg_loss, compute_entropy=True)
+                engine.optimizer_step()
+                wall = time.perf_counter() - start
+            peak = statistics.median(clock["rates"])
+            update_s = wall - clock["probe_s"]
+            rows.append({
+                "probed_update_s": update_s,
+                "probe_gflops": peak / 1e9,
+                "update_mfu_probed": update_flops / update_s / peak,
+                "products_against_probes": clock["product_flops"] / clock["product_s"] / peak,
+                "products_share": clock["product_s"] / update_s,
+            })  # fmt: skip
+    finally:
+        library._destroy()  # aten::mm's own CPU kernel again
+        torch.set_num_threads(previous)
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out["update_mfu_probed_each"] = [round(r["update_mfu_probed"], 4) for r in rows]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -142,6 +209,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--max-tokens", type=int, default=0, help="max_tokens_per_micro_batch (0: the automatic budget)"
+    )
+    parser.add_argument(
+        "--probe-every", type=int, default=0, help="also rate updates against probes among their products"
     )
     args = parser.parse_args()
     from bench.flops import machine_peak, model_shape, sustained_matmul_flops
@@ -216,11 +286,13 @@ def main() -> None:
     step["head_gflops"] = head_flops / step["head_s"] / 1e9
     mlp_params = sum(p.numel() for layer in engine.model.lm.model.layers for p in layer.mlp.parameters())
     step["mlp_gflops"] = 6 * mlp_params * body_tokens / (step["mlp_forward"] + step["mlp_backward"]) / 1e9
+    if args.probe_every:
+        step.update(probed_updates(engine, batch, args.iters, args.probe_every, threads, update_flops))
     line = {"bench": "profile_update", "model": args.model, "threads": threads, "response_tokens": tokens,
             "peak_matmul_gflops": peak["matmul_flops"] / 1e9,
             "sustained_matmul_gflops": [round(f / 1e9, 1) for f in sustained],
             "load_average": os.getloadavg(),
-            **{k: round(v, 4) for k, v in step.items()}}  # fmt: skip
+            **{k: round(v, 4) if isinstance(v, float) else v for k, v in step.items()}}  # fmt: skip
     print(json.dumps(line), flush=True)
 
 
