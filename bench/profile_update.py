@@ -31,8 +31,8 @@ other jobs share, CPU time at `--threads 1` is the figure that stays put.
 
 Loops seconds away can still miss the update: on a shared host the product rate moved from 138 to
 252 GFLOP/s within a minute (issue 34). `--probe-every K` then runs `--iters` more updates in which
-every K-th matrix product of the update is followed by one 2048^3 product (a probe), timed apart: the
-probes sample the machine's product rate at the moments the update runs, and each such update is
+every K-th matrix product of the update is followed by one 2048^3 product (a probe, bench/mm_probes.py),
+timed apart: the probes sample the machine's product rate at the moments the update runs, and each such update is
 rated against their median (`update_mfu_probed`), its time taken as its wall time less the probes'
 (the timing hook's own overhead stays in it, so the rating errs low). It also gives the update's
 products' rate against the probes (`products_against_probes`) and the products' share of the update
@@ -138,56 +138,32 @@ def time_heads(fns: dict, hidden, weight, targets, iters: int) -> dict[str, floa
 
 def probed_updates(engine, batch, iters: int, every: int, threads: int, update_flops: float) -> dict:
     """Medians over `iters` updates, each with a 2048^3 product after every `every`-th of its own
-    (see the module docstring). The CPU kernel of aten::mm is overridden for the while by one that
-    times the product (through aten::mm.out, the same kernel) and runs the probes: Python runs per
-    product only, not per operation."""
-    import warnings
-
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    clock = {"products": 0, "product_s": 0.0, "product_flops": 0.0, "probe_s": 0.0, "rates": []}
-
-    def timed_mm(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        out = x.new_empty((x.shape[0], y.shape[1]))
-        start = time.perf_counter()
-        torch.ops.aten.mm.out(x, y, out=out)
-        clock["product_s"] += time.perf_counter() - start
-        clock["product_flops"] += 2 * x.shape[0] * x.shape[1] * y.shape[1]
-        clock["products"] += 1
-        if clock["products"] % every == 0:
-            probe = a.new_empty((2048, 2048))
-            start = time.perf_counter()
-            torch.ops.aten.mm.out(a, b, out=probe)
-            seconds = time.perf_counter() - start
-            clock["probe_s"] += seconds
-            clock["rates"].append(2 * 2048**3 / seconds)
-        return out
+    (bench/mm_probes.py; see the module docstring)."""
+    from bench.mm_probes import ProductClock
 
     rows = []
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    library = torch.library.Library("aten", "IMPL")
+    clock = ProductClock(every).install()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "overriding a previously registered kernel": meant
-            library.impl("mm", timed_mm, "CPU")
         for _ in range(iters):
-            clock.update(products=0, product_s=0.0, product_flops=0.0, probe_s=0.0, rates=[])
+            clock.reset()
             with engine.train_mode():
                 start = time.perf_counter()
                 engine.forward_backward_batch(batch, pg_loss, compute_entropy=True)
                 engine.optimizer_step()
                 wall = time.perf_counter() - start
-            peak = statistics.median(clock["rates"])
-            update_s = wall - clock["probe_s"]
+            peak = statistics.median(clock.rates)
+            update_s = wall - clock.probe_s
             rows.append({
                 "probed_update_s": update_s,
                 "probe_gflops": peak / 1e9,
                 "update_mfu_probed": update_flops / update_s / peak,
-                "products_against_probes": clock["product_flops"] / clock["product_s"] / peak,
-                "products_share": clock["product_s"] / update_s,
+                "products_against_probes": clock.product_flops / clock.product_s / peak,
+                "products_share": clock.product_s / update_s,
             })  # fmt: skip
     finally:
-        library._destroy()  # aten::mm's own CPU kernel again
+        clock.remove()
         torch.set_num_threads(previous)
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     out["update_mfu_probed_each"] = [round(r["update_mfu_probed"], 4) for r in rows]

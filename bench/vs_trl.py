@@ -42,6 +42,14 @@ each timed step's update against the mean of the loops on its two sides
 (`update_mfu_between_steps`, per step; `update_mfu_between_steps_median`). The loops' seconds are
 taken out of the step times; 0 turns them off.
 
+Loops between steps can still miss the update when the host changes speed within a step (one full
+pair rated 0.535 with loops at 256-283 GFLOP/s beside 0.72-0.83 in four child runs).
+`--probe-every K` also runs a 2048^3 product after every K-th matrix product of the ranks' training
+(bench/mm_probes.py, installed in every Ray worker process), and rates each step's update against
+the median of the probes that ran inside it (`update_mfu_probed`, per step and median), the probes'
+seconds taken out of the update's and the step's times (so every other figure of the run is on the
+net times too).
+
 TRL comes from the optional `bench` extra (`pip install -e '.[bench]'`; `make bench-trl`).
 """
 
@@ -188,6 +196,7 @@ LENGTHS = ("prompt_length/mean", "response_length/mean")
 def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
     import ray
 
+    from bench import mm_probes
     from bench.flops import machine_peak, model_shape, phase_utilisation, sustained_matmul_flops
     from controller.sink import JsonlSink
     from controller.spec import JobSpec
@@ -206,9 +215,11 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
             self.values: list[dict[str, float]] = []
             self.loops: list[float] = []  # FLOP/s of the loop after each step
             self.paused: list[float] = []  # its seconds
+            self.wall_ends: list[float] = []  # time.time() at each step's end, against the probes'
 
         def metrics(self, step: int, values: dict[str, float]) -> None:
             self.ends.append(time.perf_counter())
+            self.wall_ends.append(time.time())
             self.values.append(values)
             super().metrics(step, values)
             if self.peak_s > 0:
@@ -243,18 +254,28 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
         except ValueError:
             section[leaf] = value  # a plain string
     spec = JobSpec.model_validate(spec)
-    ray.init(
-        include_dashboard=False, logging_level="error", runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}
-    )
     # The job's folder holds its final checkpoint (1.7 GB at SmolLM2-135M: weights and AdamW state):
     # removed with the run (TRL's side saves nothing: save_strategy "no").
     workdir = Path(tempfile.mkdtemp(prefix="vs-tandem-"))
+    runtime_env: dict = {"env_vars": {"PYTHONPATH": str(ROOT)}}
+    if args.probe_every:
+        (workdir / "probes").mkdir()
+        runtime_env["env_vars"][mm_probes.ENV] = f"{args.probe_every}:{workdir / 'probes'}"
+        runtime_env["worker_process_setup_hook"] = "bench.mm_probes.install"
+    ray.init(include_dashboard=False, logging_level="error", runtime_env=runtime_env)
     try:
         sink = ClockSink(workdir, args.peak_between_steps)
         Trainer(spec, workdir, sink, name="vs-trl").run()
+        probes = mm_probes.read_probes(workdir / "probes") if args.probe_every else []
     finally:
         ray.shutdown()
         shutil.rmtree(workdir, ignore_errors=True)
+    probed = probes_per_step(probes, sink.wall_ends) if args.probe_every else []
+    if args.probe_every and not any(probed[1:]):
+        raise RuntimeError("--probe-every: no probe ran in the ranks (the setup hook did not take)")
+    for values, step in zip(sink.values, probed, strict=False):  # net of the probes' seconds
+        if "timing_s/update_actor" in values:
+            values["timing_s/update_actor"] -= sum(p["probe_s"] for p in step)
     sustained.append(sustained_matmul_flops(physical_cores(), 5.0))
     after = machine_peak(physical_cores())
     peak = max(before, after, key=lambda p: p["matmul_flops"])
@@ -287,7 +308,31 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
         medians["sustained_matmul_gflops_between_steps"] = [round(f / 1e9, 1) for f in sink.loops]
         medians["update_mfu_between_steps"] = [round(r, 4) for r in rated]
         medians["update_mfu_between_steps_median"] = round(statistics.median(rated), 4)
-    return step_intervals(sink.ends, sink.paused), medians
+    if probed:
+        rated, peaks = [], []
+        for p, step in zip(per_step, probed[1:], strict=True):
+            peaks.append(statistics.median(probe["gflops"] for probe in step))
+            rated.append(p["update_gflops"] / peaks[-1])
+        medians["probe_gflops_per_step"] = [round(g, 1) for g in peaks]
+        medians["probes_per_step"] = [len(step) for step in probed[1:]]
+        medians["update_mfu_probed"] = [round(r, 4) for r in rated]
+        medians["update_mfu_probed_median"] = round(statistics.median(rated), 4)
+    # the loop after each step and the probes inside the next are out of its time
+    paused = [
+        loop + (sum(p["probe_s"] for p in probed[j + 1]) if j + 1 < len(probed) else 0.0)
+        for j, loop in enumerate(sink.paused or [0.0] * len(sink.ends))
+    ]
+    return step_intervals(sink.ends, paused), medians
+
+
+def probes_per_step(probes: list[dict], wall_ends: list[float]) -> list[list[dict]]:
+    """The probes inside each step: step j's ran after step j - 1 ended (the first's, before the
+    first end). The loops between steps run in the driver, which is not probed."""
+    steps, previous = [], float("-inf")
+    for end in wall_ends:
+        steps.append([p for p in probes if previous < p["time"] <= end])
+        previous = end
+    return steps
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -298,7 +343,7 @@ def run_side(side: str, args: argparse.Namespace, model_dir: Path, train: Path, 
         sys.executable, __file__, "--side", side, "--model-dir", str(model_dir), "--train", str(train),
         "--max-new-tokens", str(max_new_tokens), "--steps", str(args.steps), "--n", str(args.n),
         "--prompts", str(args.prompts), "--lr", str(args.lr), "--reward", args.reward,
-        "--peak-between-steps", str(args.peak_between_steps),
+        "--peak-between-steps", str(args.peak_between_steps), "--probe-every", str(args.probe_every),
     ] + [f"--tandem-set={item}" for item in args.tandem_set] + (["--lora"] if args.lora else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
@@ -325,6 +370,10 @@ def main() -> None:
     parser.add_argument(
         "--peak-between-steps", type=float, default=2.0,
         help="seconds of matrix products after every Tandem step, to rate its update against (0: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--probe-every", type=int, default=0,
+        help="a 2048^3 product after every K-th product of the Tandem ranks' training (0: none)",
     )  # fmt: skip
     parser.add_argument(
         "--tandem-set",
