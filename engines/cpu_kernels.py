@@ -116,7 +116,7 @@ class CpuKernels:
         """(log p of the targets, log-normaliser, entropy or None) of each row of contiguous fp32
         logits [rows, V]; with `write_log_p` the logits are overwritten with the log-softmax."""
         rows, vocab = logits.shape
-        targets = targets.to(torch.int64).contiguous()
+        targets = _checked_targets(targets, vocab)
         log_prob, lse = torch.empty(rows), torch.empty(rows)
         entropy = torch.empty(rows) if with_entropy else None
         self.lib.tandem_log_softmax_stats(
@@ -141,11 +141,22 @@ class CpuKernels:
             None if t is None else t.reshape(-1).contiguous()
             for t in (shift, grad_log_prob, entropy, grad_entropy)
         ]
-        targets = targets.to(torch.int64).contiguous()
+        targets = _checked_targets(targets, vocab)
         ptrs = [None if t is None else t.data_ptr() for t in parts]
         self.lib.tandem_log_softmax_grad(
             values.data_ptr(), ptrs[0], targets.data_ptr(), ptrs[1], ptrs[2], ptrs[3], rows, vocab
         )
+
+
+def _checked_targets(targets: torch.Tensor, vocab: int) -> torch.Tensor:
+    """int64, contiguous, and every id inside the vocabulary: the kernels index rows by them (an id
+    out of range raises here, as torch's gather does, instead of reading or writing past a row)."""
+    targets = targets.to(torch.int64).contiguous()
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        raise IndexError(
+            f"target ids must be in [0, {vocab}); got {int(targets.min())}..{int(targets.max())}"
+        )
+    return targets
 
 
 def rotary_fits(x: torch.Tensor, *broadcast: torch.Tensor) -> bool:

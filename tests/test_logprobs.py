@@ -95,6 +95,14 @@ def test_large_logits_against_float64(scale, path):
     assert bool(path[1]) == (path[0] == "fused")
 
 
+def test_a_target_outside_the_vocabulary_is_an_error(path):
+    """On both paths an id past the vocabulary raises (the fused kernels index rows by it)."""
+    hidden, weight, targets, _, _ = inputs(n=6, vocab=30, width=8, seed=5)
+    targets[3] = 30
+    with pytest.raises((IndexError, RuntimeError), match="index|target"):
+        token_log_probs(hidden, weight, targets, 1.0, True, 4)
+
+
 def test_without_entropy_and_a_frozen_weight(path):
     hidden, weight, targets, a, _ = inputs(n=20, vocab=97, width=16, seed=1)
     weight = weight.detach()  # a frozen output projection (LoRA leaves it out)
