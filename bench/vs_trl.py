@@ -308,15 +308,17 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
         medians["sustained_matmul_gflops_between_steps"] = [round(f / 1e9, 1) for f in sink.loops]
         medians["update_mfu_between_steps"] = [round(r, 4) for r in rated]
         medians["update_mfu_between_steps_median"] = round(statistics.median(rated), 4)
-    if probed:
-        rated, peaks = [], []
-        for p, step in zip(per_step, probed[1:], strict=True):
+    probed_rated, peaks = [], []
+    for values, step in zip(later, probed[1:], strict=False):  # steps with an update and probes in it
+        if "timing_s/update_actor" in values and step:
+            p = phase_utilisation(values, shape, peak, args.prompts, args.n, args.max_new_tokens, args.lora)
             peaks.append(statistics.median(probe["gflops"] for probe in step))
-            rated.append(p["update_gflops"] / peaks[-1])
+            probed_rated.append(p["update_gflops"] / peaks[-1])
+    if probed_rated:
         medians["probe_gflops_per_step"] = [round(g, 1) for g in peaks]
         medians["probes_per_step"] = [len(step) for step in probed[1:]]
-        medians["update_mfu_probed"] = [round(r, 4) for r in rated]
-        medians["update_mfu_probed_median"] = round(statistics.median(rated), 4)
+        medians["update_mfu_probed"] = [round(r, 4) for r in probed_rated]
+        medians["update_mfu_probed_median"] = round(statistics.median(probed_rated), 4)
     # the loop after each step and the probes inside the next are out of its time
     paused = [
         loop + (sum(p["probe_s"] for p in probed[j + 1]) if j + 1 < len(probed) else 0.0)
