@@ -38,6 +38,7 @@ class ProductClock:
         self.every, self.training_only, self.log = every, training_only, log
         self.a, self.b = torch.randn(SIZE, SIZE), torch.randn(SIZE, SIZE)
         self.library: torch.library.Library | None = None
+        self._log_file = None
         self.reset()
 
     def reset(self) -> None:
@@ -55,6 +56,9 @@ class ProductClock:
         if self.library is not None:
             self.library._destroy()  # aten::mm's own CPU kernel again
             self.library = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
 
     def _mm(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out = x.new_empty((x.shape[0], y.shape[1]))
@@ -79,9 +83,10 @@ class ProductClock:
         self.probe_s += seconds
         self.rates.append(rate)
         if self.log is not None:
+            if self._log_file is None:  # opened once, a line flushed at a time
+                self._log_file = self.log.open("a", buffering=1)
             line = {"time": time.time(), "probe_s": seconds, "gflops": rate / 1e9}
-            with self.log.open("a") as f:
-                f.write(json.dumps(line) + "\n")
+            self._log_file.write(json.dumps(line) + "\n")
 
 
 def install() -> None:

@@ -163,15 +163,16 @@ class ChunkedLogProbs(torch.autograd.Function):
                     None if grad_entropy is None else entropy[start:end],
                     None if grad_entropy is None else grad_entropy[start:end],
                 )  # fmt: skip
-            elif shift is not None:
-                log_p.sub_(shift[:, None])
-            for rows in _row_blocks(start, end, log_p.shape[1], log_p.device) if fused is None else ():
-                _logit_grad(
-                    log_p[rows.start - start : rows.stop - start],
-                    targets[rows],
-                    None if grad_log_probs is None else grad_log_probs[rows, None],
-                    None if grad_entropy is None else (entropy[rows, None], grad_entropy[rows, None]),
-                )
+            else:
+                if shift is not None:
+                    log_p.sub_(shift[:, None])
+                for rows in _row_blocks(start, end, log_p.shape[1], log_p.device):
+                    _logit_grad(
+                        log_p[rows.start - start : rows.stop - start],
+                        targets[rows],
+                        None if grad_log_probs is None else grad_log_probs[rows, None],
+                        None if grad_entropy is None else (entropy[rows, None], grad_entropy[rows, None]),
+                    )
             grad_logits = log_p
             if ctx.temperature != 1.0:
                 grad_logits.div_(ctx.temperature)
