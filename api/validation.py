@@ -11,6 +11,7 @@ are looked up in this process.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from api.errors import APIError
@@ -55,12 +56,12 @@ class Checker:
             raise APIError(422, str(err), param, err.code) from None
 
     def folder(self, path: str, param: str, what: str) -> None:
-        if not (Path(path) / "config.json").exists():  # an owned path (submittable checked it)
+        if not _exists(Path(path) / "config.json"):  # an owned path (submittable checked it)
             raise APIError(422, f"{param}: '{path}' is not a {what} folder on the server (no config.json)", param,
                            "not_found")  # fmt: skip
 
     def file(self, path: str | None, param: str) -> None:
-        if path is not None and not Path(path).is_file():
+        if path is not None and not _exists(Path(path), Path.is_file):
             raise APIError(422, f"{param}: no file '{path}' on the server", param, "not_found")
 
     def reward_source(self, ref: str, param: str, sees: str | None = None) -> str:
@@ -194,3 +195,11 @@ class Checker:
         if external is None or external.agent is None:
             return
         self.user_code(external.agent, "agent", param, "invalid_agent")  # a path: owned (submittable)
+
+
+def _exists(path: Path, test: Callable[[Path], bool] = Path.exists) -> bool:
+    """`test(path)`, False where the name cannot be looked up at all (a component too long)."""
+    try:
+        return test(path)
+    except OSError:
+        return False

@@ -90,13 +90,14 @@ class OwnedPaths:
                 raise PathRefused(f"{param}: '{path[:300]}' is not an absolute path; give the whole server "
                                   "path (tandem submit makes a spec file's paths absolute)", param, "invalid_value")  # fmt: skip
             resolved = Path(path).resolve()
-        except (ValueError, OSError, RuntimeError) as err:  # a NUL byte, a symlink loop: not a path
+            folder = resolved.is_dir()
+        except (ValueError, OSError, RuntimeError) as err:  # a NUL byte, a symlink loop, a long name
             raise PathRefused(
                 f"{param}: {path[:300]!r} is not a usable path ({err})", param, "invalid_value"
             ) from None
         if not self.may_name(resolved, sees, write):
             raise refused(param, path)
-        if not write and resolved.is_dir():
+        if not write and folder:
             self._scan(resolved, sees, param, path)
         return resolved
 

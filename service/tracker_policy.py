@@ -63,7 +63,10 @@ class TrackerPolicy:
             return uri  # a plain path (absolute or not: the path check says which)
         if any(c in uri for c in "\\\x00") or any(c.isspace() for c in uri):
             raise TrackerRefused(f"'{uri[:200]}' is not a usable URI", param)
-        parts = urlsplit(uri)
+        try:
+            parts = urlsplit(uri)
+        except ValueError:  # e.g. an unclosed '[' of an IPv6 host
+            raise TrackerRefused(f"'{uri[:200]}' is not a usable URI", param) from None
         scheme = parts.scheme.lower()
         if scheme in LOCAL_SCHEMES:
             if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:

@@ -201,8 +201,10 @@ def test_symlinks_dotdot_and_relative_paths_cannot_leave_the_shared_folder(owner
         refused(validate(bob, **data(str(path))), "data.train_path")
     refused(validate(bob, model={"builtin": None, "path": str(shared / "poisoned")}), "model.path")
     refused(validate(bob, **data(str(shared / "loop"))), "data.train_path", "invalid_value")
-    for path in ("data.jsonl", "~/x.jsonl", "/tmp/a\u0000b.jsonl"):
+    for path in ("data.jsonl", "~/x.jsonl", "/tmp/a\u0000b.jsonl", f"{world['bob_export']}/{'x' * 300}"):
         refused(validate(bob, **data(path)), "data.train_path", "invalid_value")
+    long_name = f"{world['bob_export']}/{'x' * 300}/../config.json"  # resolves short; the name is too long
+    refused(validate(bob, **data(long_name)), "data.train_path", "not_found")
     builtin_trick = f"builtin:/../../../../../../../../..{world['alice_py']}:score"  # the loaders' last ':'
     refused(validate(bob, reward={"function": builtin_trick}), "reward.function", "invalid_value")
     assert not world["marker"].exists()
@@ -246,7 +248,7 @@ def test_mlflow_servers_and_schemes_are_the_operators_to_allow(owners, world):
     for uri in ("http://mlflow.example.internal:5001", "http://127.0.0.1:5000", "http://localhost:8265",
                 f"http://{MLFLOW_HOST}@evil.example", f"http://u:p@{MLFLOW_HOST}", "http://[::1]:5000",
                 "http://mlflow.example.internal:99999", "sqlite:////tmp/mlflow.db", "databricks://profile",
-                "postgresql://db/mlflow", "http://mlflow.example.internal\\@x:5000"):  # fmt: skip
+                "postgresql://db/mlflow", "http://mlflow.example.internal\\@x:5000", "http://[mlflow"):  # fmt: skip
         message = refused(mlflow(uri), "trainer.mlflow_uri", "tracker_not_allowed")
         assert "p@" not in message or "credentials" in message
     assert "--allow-tracker-host mlflow.example.internal:5001" in refused(
