@@ -17,7 +17,7 @@ from api.settings import EXAMPLES_DIR, ServeSettings
 from controller.spec import JobSpec
 from service.tracker_policy import TrackerPolicy, TrackerRefused, host_entry
 from tests.api_util import LiveService, start_service, tiny_job
-from tests.owners_util import as_key, make_key, owned_job, upload
+from tests.owners_util import owned_job, two_owners, upload
 
 MLFLOW_HOST = "mlflow.example.internal:5000"
 
@@ -42,12 +42,8 @@ def svc(ray_cluster, tmp_path_factory) -> LiveService:
 
 @pytest.fixture(scope="module")
 def owners(svc):
-    with svc.client() as admin:
-        alice = as_key(svc, make_key(admin, "alice")["key"])
-        bob = as_key(svc, make_key(admin, "bob")["key"])
-        yield admin, alice, bob
-        alice.close()
-        bob.close()
+    with two_owners(svc) as clients:
+        yield clients
 
 
 @pytest.fixture(scope="module")
