@@ -8,6 +8,8 @@ Two owners on one service whose jobs stay queued (no training runs): most checks
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -287,3 +289,9 @@ def test_tracker_allow_lists_and_serve_flags(tmp_path):
                                       "--allow-path", str(tmp_path)])  # fmt: skip
     assert (args.allow_wandb, args.allow_tracker_host, args.allow_path) == (True, ["h:1"], [str(tmp_path)])
     assert ServeSettings().shared_roots() == [EXAMPLES_DIR.resolve()]
+    bad = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--allow-tracker-host", "http://h",
+                          "--home", str(tmp_path / "home")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2 and "tandem serve: tracker_hosts: tracker host 'http://h'" in bad.stderr, (
+        bad.stderr
+    )
+    assert not (tmp_path / "home").exists()  # refused before anything started
