@@ -88,7 +88,8 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     app.state.hot_reads = HotReads(app.state.read_cache, app.state.auth)
     app.state.registry = registry
     app.state.settings = settings = settings or ServeSettings()
-    app.state.checker = Checker(settings, service.home, service.files)
+    app.state.checker = Checker(settings, service.home, service.files, service.store)
+    service.scheduler.paths = app.state.checker.paths  # a job's paths are checked again when it starts
     app.state.tinker = TinkerService(
         service.store, service.home, service.quotas, settings.tinker_models(),
         HostOptions(max_rank=settings.tinker_max_rank), service.scheduler.runtime_env,

@@ -24,6 +24,7 @@ from controller.spec import JobLabels, JobSpec
 from service.files import FileStore
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from service.keys import ADMIN_OWNER
+from service.owned_paths import FORK_SOURCES
 from service.quotas import QuotaBook, QuotaError, Usage, check_storage, check_submission
 from service.scheduler import Scheduler
 from service.store import JobRecord, JobStore
@@ -32,7 +33,6 @@ from service.usage import measure
 
 log = logging.getLogger("tandem.service")
 S = JobStatus
-FORK_SOURCES = "fork-sources"
 
 
 def _same_weights_shape(parent: JobSpec, child: JobSpec) -> None:

@@ -294,6 +294,14 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         rows = self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owner = ? ORDER BY seq", (owner,))
         return [JobRecord.from_row(r) for r in rows.fetchall()]
 
+    def owners_resuming_from(self, fragment: str) -> set[str]:
+        """The owners of the jobs whose `checkpoint.resume_from` holds `fragment` (a fork's copy's folder)."""
+        rows = self._db().execute(
+            "SELECT DISTINCT owner FROM jobs WHERE instr(json_extract(spec, '$.checkpoint.resume_from'), ?) > 0",
+            (fragment,),
+        )
+        return {r[0] for r in rows.fetchall()}
+
     def job_owners(self) -> list[str]:
         return [r[0] for r in self._db().execute("SELECT DISTINCT owner FROM jobs").fetchall()]
 

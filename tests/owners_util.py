@@ -4,6 +4,8 @@ the store as the service would (the service of these tests runs without Ray: job
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,19 @@ def make_key(admin: httpx.Client, owner: str, **fields) -> dict:
     made = admin.post("/v1/keys", json={"owner": owner, **fields})
     assert made.status_code == 201, made.text
     return made.json()
+
+
+@contextmanager
+def two_owners(svc: LiveService) -> Iterator[tuple[httpx.Client, httpx.Client, httpx.Client]]:
+    """(admin, alice, bob): clients of the admin and of two owners with a key each."""
+    with svc.client() as admin:
+        alice = as_key(svc, make_key(admin, "alice")["key"])
+        bob = as_key(svc, make_key(admin, "bob")["key"])
+        try:
+            yield admin, alice, bob
+        finally:
+            alice.close()
+            bob.close()
 
 
 def as_key(svc: LiveService, key: str, header: str = "bearer") -> httpx.Client:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.api_util import LiveService, tiny_job, wait_for
+from tests.owners_util import upload
 from tests.test_dashboard import CHROMIUM_ARGS, TERMINAL, chromium_path, open_job, sync_api
 
 expect = sync_api.expect
@@ -26,12 +26,11 @@ SAMPLES = 3
 
 @pytest.fixture(scope="module")
 def env_job(live: LiveService, api: httpx.Client) -> dict:
-    data = Path(live.service.home) / "scripted.jsonl"  # under the service's home: a path it may read
     rows = [{"prompt": f"question {i}", "ground_truth": "", "extra": {"turns": 3}} for i in range(4)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = upload(api, "scripted.jsonl", "".join(json.dumps(row) + "\n" for row in rows).encode())["id"]
     spec = tiny_job(
         model={"builtin": "tiny-qwen2-chat"},
-        data={"train_path": str(data), "builtin_task": None},
+        data={"train_path": data, "builtin_task": None},
         rollout={
             "n": 2,
             "max_new_tokens": 4,

@@ -174,7 +174,9 @@ def fork(
     body: ForkRequest = Body(default_factory=ForkRequest),
 ) -> dict[str, Any]:
     """A new job of the caller's own from a checkpoint of a job it can see."""
-    checker.submittable(service.merged_spec(job_id, body.overrides, caller.sees), caller.sees)
+    spec = service.merged_spec(job_id, body.overrides, caller.sees)
+    # The fork resumes from its own copy of the parent's checkpoint, whatever resume_from said.
+    checker.submittable(spec.merged({"checkpoint": {"resume_from": None}}), caller.sees)
     return job_view(service.fork(job_id, body.checkpoint_step, body.overrides, caller.sees, caller.owner))
 
 
