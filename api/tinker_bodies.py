@@ -17,7 +17,7 @@ import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
-from service.tinker_requests import ForwardBackward, WireForward, checked, parse_body
+from service.tinker_requests import ForwardBackward, WireForward, parse_body
 from service.tinker_service import TinkerError
 from service.tinker_wire import WireError, read_forward_backward
 
@@ -83,7 +83,7 @@ def forward_request(raw: bytes, encoding: str, content_type: str, cap: int) -> d
         read = read_forward_backward(raw)
     except WireError as err:
         raise TinkerError(400, str(err), err.field) from None
-    return checked(WireForward, read).model_dump()
+    return WireForward.of(read).plain()
 
 
 async def forward_body(request: Request) -> dict[str, Any]:

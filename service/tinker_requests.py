@@ -200,12 +200,28 @@ class WireDatum(Body):
     loss_fn_inputs: dict[str, Tensor]
 
 
-class WireForward(Body):
-    model_id: str = Field("", max_length=512)
+class WireInput(Body):
     data: list[WireDatum]
     loss_fn: str = Field("", max_length=128)
     loss_fn_config: dict[str, ConfigValue] | None = None
+
+
+class WireForward(Body):
+    """The protobuf reader's request, nested as the JSON one so that a refusal names the same field."""
+
+    model_id: str = Field("", max_length=512)
+    forward_backward_input: WireInput
     forward_only: bool = False
+
+    @classmethod
+    def of(cls, read: dict[str, Any]) -> WireForward:
+        given = {k: read[k] for k in ("data", "loss_fn", "loss_fn_config")}
+        return checked(cls, {"model_id": read["model_id"], "forward_only": read["forward_only"],
+                             "forward_backward_input": given})  # fmt: skip
+
+    def plain(self) -> dict[str, Any]:
+        given = self.forward_backward_input.model_dump()
+        return {"model_id": self.model_id, "forward_only": self.forward_only, **given}
 
 
 class SamplingParams(Body):
