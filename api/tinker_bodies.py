@@ -23,7 +23,7 @@ from service.tinker_wire import WireError, read_forward_backward
 
 INLINE_BYTES = 64 * 1024  # smaller bodies parse in well under a millisecond: no thread hop
 PARSE_THREADS = 4  # bodies decoded at once: bounds the memory their decoded forms take
-# A real forward_backward body compresses 2-3x (token ids and float inputs); one that expands more
+# A real forward_backward body compresses a few times (token ids and float inputs); one that expands more
 # than this is refused once its output passes it (FLOOR_BYTES always allowed, for tiny bodies).
 MAX_RATIO = 64
 FLOOR_BYTES = 1024 * 1024

@@ -20,6 +20,9 @@ zstandard = pytest.importorskip("zstandard")
 from api.settings import ServeSettings  # noqa: E402
 from api.tinker_bodies import FLOOR_BYTES, decompressed  # noqa: E402
 from service.tinker_service import TinkerError  # noqa: E402
+from service.tinker_wire import _int_field as _int  # noqa: E402
+from service.tinker_wire import _len_field as _len  # noqa: E402
+from service.tinker_wire import _put_varint as _varint  # noqa: E402
 from tests.api_util import start_service, tiny_job  # noqa: E402
 from tests.tinker_loops import owner_keys  # noqa: E402
 
@@ -157,27 +160,11 @@ def test_non_finite_numbers_are_refused(alice, ids, route, text, param):
     )
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _len(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _int(number: int, value: int) -> bytes:
-    return _varint(number << 3) + _varint(value)
-
-
 def _tensor_entry(name: bytes, tensor: bytes) -> bytes:
     return _len(2, _len(1, name) + _len(2, tensor))
 
 
+# built with the codec's writers (service/tinker_wire.py): its reader is what is under test
 MODEL = _len(1, b"s:train:0")
 PROTO_CASES = [
     ("odd-length bf16", MODEL + _len(3, _tensor_entry(b"weights", _len(1, b"\x01\x02\x03") + _int(3, 4))),
