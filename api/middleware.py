@@ -3,9 +3,10 @@
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which runs the app in a task group and
 wraps what a route raises while reading its body in an ExceptionGroup).
 
-The body limit answers 413 in the API's error shape. A declared Content-Length over the limit is refused before the body is read; a body sent without
-one (chunked) is counted as it arrives and refused once it passes the limit. Uploads (POST
-/v1/files) have their own, larger limit.
+The body limit answers 413 in the API's error shape (the Tinker SDK's under /api/v1). A declared
+Content-Length over the limit is refused before the body is read; a body sent without one (chunked)
+is counted as it arrives and refused once it passes the limit. Uploads (POST /v1/files) and Tinker's
+forward/forward_backward bodies have their own, larger limits (api/app.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from fastapi import HTTPException
 from prometheus_client import Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_body
+from api.errors import TINKER_PREFIX, error_body, tinker_error_body
 
 
 class BodyTooLarge(HTTPException):
@@ -46,7 +47,7 @@ class BodyLimit:
         limit = self.limit_for(scope)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _refuse(send, limit)
+            await _refuse(send, limit, scope["path"])
             return
         received = 0
         started = False
@@ -69,11 +70,16 @@ class BodyLimit:
             await self.app(scope, counted, watched)
         except BodyTooLarge:
             if not started:
-                await _refuse(send, limit)
+                await _refuse(send, limit, scope["path"])
 
 
-async def _refuse(send: Send, limit: int) -> None:
-    body = json.dumps(error_body(413, _message(limit), BodyTooLarge.param, BodyTooLarge.code)).encode()
+async def _refuse(send: Send, limit: int, path: str) -> None:
+    param, code = BodyTooLarge.param, BodyTooLarge.code
+    if path.startswith(TINKER_PREFIX):
+        shaped = tinker_error_body(f"{param}: {_message(limit)}", param)
+    else:
+        shaped = error_body(413, _message(limit), param, code)
+    body = json.dumps(shaped).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]  # fmt: skip
     await send({"type": "http.response.start", "status": 413, "headers": headers})

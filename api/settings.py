@@ -51,6 +51,17 @@ class ServeSettings(BaseModel):
     tinker_max_rank: int = Field(
         64, ge=1, le=1024, description="the largest LoRA rank of a Tinker training model"
     )
+    # The SDK splits a forward_backward into requests of ~5 MB of protobuf (its
+    # fwdbwd_max_chunk_bytes_count) unless one datum is larger; a datum takes ~24 bytes a token
+    # (token, target, three float inputs), so a 1M-token context is ~24 MiB, and the same as JSON
+    # (curl) ~2.5x that. Decompressed, a body may be twice its raw cap (real bodies compress a few times
+    # and are refused past 64x: api/tinker_bodies.py).
+    tinker_max_body_bytes: int = Field(
+        64 * MiB, gt=0, description="largest Tinker forward/forward_backward body as sent; more is a 413"
+    )
+    tinker_max_decompressed_bytes: int = Field(
+        128 * MiB, gt=0, description="largest Tinker forward/forward_backward body after zstd; more is a 413"
+    )
 
     warm_controllers: int = Field(
         default_factory=lambda: os.environ.get("TANDEM_WARM_CONTROLLERS", "1"),
