@@ -105,17 +105,16 @@ class Service:
                parent_id: str | None = None, owner: str = ADMIN_OWNER) -> tuple[JobRecord, bool]:  # fmt: skip
         """Queue a job for `owner`; returns (job, created). The same idempotency key and body return the
         first job. Idempotency keys are per owner: another owner's same key is another request."""
-        if idempotency_key:
-            idempotency_key = idempotency_key if owner == ADMIN_OWNER else f"{owner}/{idempotency_key}"
-            existing = self.store.job_by_idempotency_key(idempotency_key)
-            if existing is not None:
-                if existing.request_hash != request_hash:
-                    raise ServiceError(
-                        "this Idempotency-Key was used with a different request body", 409, "Idempotency-Key",
-                        "idempotency_conflict",
-                    )  # fmt: skip
-                return existing, False
-        with self._admit:
+        with self._admit:  # the key's first use and its job's row in one step: no twin on a race
+            if idempotency_key:
+                existing = self.store.job_by_idempotency_key(owner, idempotency_key)
+                if existing is not None:
+                    if existing.request_hash != request_hash:
+                        raise ServiceError(
+                            "this Idempotency-Key was used with a different request body", 409,
+                            "Idempotency-Key", "idempotency_conflict",
+                        )  # fmt: skip
+                    return existing, False
             needs = self.scheduler.workload.needs(spec.model_dump())
             self.check_quota(owner, needs.cpus, needs.gpus)
             self.check_fits_cluster(spec)
@@ -347,7 +346,9 @@ class Service:
 
     # ---- views ---------------------------------------------------------------------------------
 
-    def cluster(self) -> dict[str, Any]:
+    def cluster(self, sees: str | None = None) -> dict[str, Any]:
+        """The cluster's nodes and capacity, and the jobs running and queued: for `sees` (an owner;
+        None for the admin) its own jobs only, and the nodes without their addresses."""
         nodes = [
             {
                 "node_id": n["NodeID"],
@@ -358,9 +359,11 @@ class Service:
             }
             for n in ray.nodes()
         ]
+        if sees is not None:
+            nodes = [{k: v for k, v in node.items() if k != "address"} for node in nodes]
         total = ray.cluster_resources()
         free_cpu, free_gpu = self.scheduler.free()
-        counts = self.store.counts_by_status()
+        counts = self.store.counts_by_status(sees)
         return {
             "nodes": nodes,
             "cpus": {"total": total.get("CPU", 0), "free": free_cpu},
