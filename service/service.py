@@ -147,9 +147,10 @@ class Service:
         cpus, gpus = needs.cpus, needs.gpus
         total = ray.cluster_resources()
         if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):
+            hint = _gpu_hint(spec, gpus, total.get("GPU", 0))
             raise ServiceError(
                 f"resources: the job needs {cpus:g} CPUs and {gpus:g} GPUs (workers x per-worker); the whole "
-                f"cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs",
+                f"cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs{hint}",
                 422, "resources", "insufficient_resources",
             )  # fmt: skip
         largest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
@@ -377,6 +378,15 @@ class Service:
     def checkpoint_dirs(self, job_id: str, sees: str | None = None) -> list[dict[str, Any]]:
         self.get(job_id, sees)
         return self.store.checkpoints(job_id)
+
+
+def _gpu_hint(spec: JobSpec, gpus: float, cluster_gpus: float) -> str:
+    """What to give when workers whose GPUs are left to the default ask for more GPUs than there are."""
+    groups = [spec.resources, spec.resources.rollout_workers]
+    if gpus <= cluster_gpus or all(g is None or g.gpus_per_worker for g in groups):
+        return ""
+    return ("; a worker left to the default takes a whole GPU: give resources.gpus_per_worker (and "
+            "resources.rollout.gpus_per_worker) as fractions to share GPUs, or fewer workers")  # fmt: skip
 
 
 def _validated_merge(spec: dict[str, Any], overrides: dict[str, Any]) -> JobSpec:
