@@ -16,7 +16,7 @@ import pytest
 
 from service.store import JobStore
 from tests.api_util import start_service, tiny_job
-from tests.owners_util import as_key, make_key, owned_job
+from tests.owners_util import admin_and_owners, owned_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,12 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def shared(ray_cluster, tmp_path_factory):
     svc = start_service(tmp_path_factory.mktemp("low-findings"), schedule=False)
-    with svc.client() as admin:
-        alice = as_key(svc, make_key(admin, "alice-x")["key"])
-        bob = as_key(svc, make_key(admin, "bob")["key"])
+    with admin_and_owners(svc, "alice-x", "bob") as (admin, alice, bob):
         yield svc, admin, alice, bob
-        alice.close()
-        bob.close()
     svc.stop()
 
 
@@ -188,3 +184,19 @@ def test_a_metadata_key_a_filter_could_not_name_is_refused_at_submission(shared)
         refused = admin.post("/v1/jobs", json=tiny_job(metadata={key: "v"}))
         assert refused.status_code == 422, (key, refused.text)
         assert refused.json()["error"]["param"].startswith("metadata"), refused.text
+
+
+# ---- samples without a reward (a Tinker sampler's) ---------------------------------------------------
+
+
+def test_the_cli_prints_a_sample_without_reward_by_its_sampler():
+    from api.cli_samples import format_sample
+
+    tinker = {"step": 3, "index": 0, "prompt": "1 2", "sampler": "smp-1", "finish_reason": None,
+              "turns": [{"role": "assistant", "content": "3"}], "tokens": {"prompt": 2, "response": 1}}  # fmt: skip
+    head, *lines = format_sample(tinker).splitlines()
+    assert "sampler smp-1" in head and "1 response tokens" in head and "reward" not in head, head
+    assert lines == ["[prompt] 1 2", "[assistant] 3"]
+    rl = {**tinker, "reward": 1.0, "finish_reason": "stop", "tokens": {"response": 4, "trained": 3}}
+    del rl["sampler"]
+    assert "reward 1 · stop · 3/4 response tokens trained" in format_sample(rl)
