@@ -12,6 +12,7 @@ forward/forward_backward bodies have their own, larger limits (api/app.py).
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -86,8 +87,14 @@ async def _refuse(send: Send, limit: int, path: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+# A client's x-request-id is kept (in the response and the audit log) only when it looks like an id:
+# anything longer or odder is replaced by a new one, so no client writes what it likes into the log.
+CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._:@+=/-]{0,127}")
+
+
 class RequestId:
-    """Every response carries x-request-id (the client's, else a new one); latency per route is observed."""
+    """Every response carries x-request-id (the client's when it is an id of at most 128 letters,
+    digits and ._:@+=/-, else a new one); latency per route is observed."""
 
     def __init__(self, app: ASGIApp, latency: Histogram) -> None:
         self.app, self.latency = app, latency
@@ -96,8 +103,8 @@ class RequestId:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"x-request-id")
-        rid = given or ("req_" + uuid.uuid4().hex[:16]).encode()
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        rid = given if CLIENT_REQUEST_ID.fullmatch(given) else ("req_" + uuid.uuid4().hex[:16]).encode()
         scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")  # the audit log's (api/audit.py)
         start = time.perf_counter()
 

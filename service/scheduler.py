@@ -2,7 +2,7 @@
 
 Every `poll_s` it copies what running jobs produced (events, metrics, logs, checkpoints) into the
 store, settles jobs whose run ended, and starts queued jobs while the cluster has room for them (a
-job needs `workers x cpus_per_worker` CPUs and its GPUs). Queued jobs go in fair order between
+job needs each role's workers x its per-worker CPUs and GPUs, controller/role_shares.py). Queued jobs go in fair order between
 owners (`fair_order`): one owner's ten queued jobs do not starve another's one. An owner at its
 quota of running jobs, CPUs or GPUs (service/quotas.py) is passed over until one of its jobs
 ends. Requests never wait on it: the Service changes the store and calls `tell` or `stop`, which only

@@ -21,16 +21,22 @@ def make_key(admin: httpx.Client, owner: str, **fields) -> dict:
 
 
 @contextmanager
-def two_owners(svc: LiveService) -> Iterator[tuple[httpx.Client, httpx.Client, httpx.Client]]:
-    """(admin, alice, bob): clients of the admin and of two owners with a key each."""
+def admin_and_owners(svc: LiveService, *owners: str) -> Iterator[list[httpx.Client]]:
+    """[the admin's client, then one client per owner, each with a new key of its own]."""
     with svc.client() as admin:
-        alice = as_key(svc, make_key(admin, "alice")["key"])
-        bob = as_key(svc, make_key(admin, "bob")["key"])
+        clients = [as_key(svc, make_key(admin, owner)["key"]) for owner in owners]
         try:
-            yield admin, alice, bob
+            yield [admin, *clients]
         finally:
-            alice.close()
-            bob.close()
+            for client in clients:
+                client.close()
+
+
+@contextmanager
+def two_owners(svc: LiveService) -> Iterator[list[httpx.Client]]:
+    """[admin, alice, bob]: clients of the admin and of two owners with a key each."""
+    with admin_and_owners(svc, "alice", "bob") as clients:
+        yield clients
 
 
 def as_key(svc: LiveService, key: str, header: str = "bearer") -> httpx.Client:

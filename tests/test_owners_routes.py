@@ -22,7 +22,7 @@ UNSCOPED = {
     ("GET", "/healthz"): "open probe: no data",
     ("GET", "/readyz"): "open probe: no data",
     ("GET", "/v1/version"): "service facts: no owner's data",
-    ("GET", "/v1/cluster"): "service facts: resources and job counts, no ids",
+    ("GET", "/v1/cluster"): "capacity for all; job counts of the caller's own (tests/test_low_findings.py)",
     ("POST", "/v1/jobs"): "creates a job of the caller's (tests/test_owners_jobs.py)",
     (
         "GET",
