@@ -227,12 +227,23 @@ def build(
     return sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
 
 
+def python_version(text: str) -> str:
+    if text and not re.fullmatch(r"3\.\d+", text):
+        raise argparse.ArgumentTypeError(f"a CPython version such as 3.12, not '{text}'")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, default=ROOT / "dist" / "offline")
-    parser.add_argument("--python", default="", help="target CPython version, e.g. 3.12 (default: this one)")
+    parser.add_argument(
+        "--python",
+        default="",
+        type=python_version,
+        help="target CPython version, e.g. 3.12 (default: this one)",
+    )
     parser.add_argument("--platform", default="manylinux_2_28_x86_64", help="target platform with --python")
     parser.add_argument("--have", default=str(DEFAULT_HAVE), help="the image's packages; '' for none")
     parser.add_argument("--xz-level", type=int, default=9, choices=range(10), help="xz preset for Ray")

@@ -116,7 +116,8 @@ def check_tensor_parallel(backend: str, tensor_parallel_size: int) -> None:
     """The one tensor-parallel rule: a size above 1 needs a backend registered with tensor_parallel."""
     if tensor_parallel_size > 1 and not ROLLOUT_ENGINES.entry(backend).tensor_parallel:
         able = [n for n in ROLLOUT_ENGINES.names() if ROLLOUT_ENGINES.entry(n).tensor_parallel]
+        runs = "may choose an engine that runs" if backend == AUTO else "runs"
         raise ValueError(
-            f"rollout backend '{backend}' runs on one device: tensor_parallel_size must be 1 "
-            f"(tensor parallelism needs one of {able})"
+            f"rollout backend '{backend}' {runs} on one device: tensor_parallel_size must be 1 "
+            f"(tensor parallelism needs one of {able}, named in rollout.backend)"
         )
