@@ -11,7 +11,7 @@ comma     := ,
 # ~/.tandem, for `make run`, `tandem serve`, the CLI and the examples alike.
 SEED      ?= 0
 
-.PHONY: install install-real test test-slow run bench bench-trl lint clean docs docs-serve screenshots
+.PHONY: install install-real test test-slow run bench bench-trl bundle lint clean docs docs-serve screenshots
 
 install: $(STAMP) $(BROWSER)
 
@@ -77,6 +77,15 @@ bench: install
 bench-trl: install
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/python bench/vs_trl.py
+
+# The offline bundle (deploy/offline_bundle.py, docs/guides/offline.md): dist/offline/ holds what Tandem
+# needs beyond a CUDA PyTorch image, installed there by its install.sh with no package index.
+# PYTHON=3.12: for another CPython (manylinux x86_64); HAVE=file: the target image's `pip freeze`.
+PYTHON    ?=
+HAVE      ?= deploy/cuda-image-packages.txt
+XZ_LEVEL  ?= 9
+bundle: install
+	$(BIN)/python deploy/offline_bundle.py --python '$(PYTHON)' --have '$(HAVE)' --xz-level $(XZ_LEVEL)
 
 # The documentation site (docs/, mkdocs.yml): built strictly into site/ (a broken link fails), or
 # served with live reload. Nothing is fetched from the network at build or view time.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 
@@ -45,6 +46,30 @@ def machine_peak(threads: int, repeats: int = 5) -> dict[str, float]:
         "read_bytes_per_s": big.numel() * 4 / read,
         "threads": threads,
     }
+
+
+def cuda_peak(repeats: int = 5) -> dict[str, float]:
+    """bf16 matmul FLOP/s (8192^3 product, best of `repeats`) and read bandwidth (a 2 GiB bf16 tensor
+    summed) on the current CUDA device: what a GPU phase is held against."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    big = torch.ones(1024**3, device="cuda", dtype=torch.bfloat16)
+
+    def timed(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    matmul = min(timed(partial(torch.matmul, a, b)) for _ in range(repeats))
+    read = min(timed(big.sum) for _ in range(repeats))
+    del a, b, big
+    torch.cuda.empty_cache()
+    return {"matmul_flops": 2 * 8192**3 / matmul, "read_bytes_per_s": 2 * 1024**3 / read, "dtype": "bf16"}
 
 
 def sustained_matmul_flops(threads: int, seconds: float = 2.0) -> float:

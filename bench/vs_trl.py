@@ -50,6 +50,17 @@ the median of the probes that ran inside it (`update_mfu_probed`, per step and m
 seconds taken out of the update's and the step's times (so every other figure of the run is on the
 net times too).
 
+`--device cuda` trains both sides on the GPU (TRL with bf16 autocast over fp32 weights, as Tandem
+computes there) and runs the Tandem side as users do (`--served`, also usable on the CPU): `tandem
+serve` in its own process and the job submitted to it (bench/served_job.py), step times from the
+metrics' end times. Per phase it then reports generation tokens/s and its share of the floor
+(`gen_of_bound`: bf16 weights read once per decode step at the measured bandwidth, plus the FLOPs at
+the measured product rate), the sync phase over its own transfer (`sync_over_transfer`), the update's
+FLOP/s against the bf16 product rate measured before and after the job (`update_mfu`), and the
+rollout backend the job's `building` event names. `--new-tokens 64,256` runs one shape per count.
+
+    python bench/vs_trl.py --device cuda --model qwen2-0.5b --new-tokens 64,256 --reward digits
+
 TRL comes from the optional `bench` extra (`pip install -e '.[bench]'`; `make bench-trl`).
 """
 
@@ -157,8 +168,8 @@ def run_trl(args: argparse.Namespace) -> list[float]:
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        use_cpu=True,
-        bf16=False,
+        use_cpu=args.device == "cpu",
+        bf16=args.device == "cuda",  # fp32 weights, bf16 autocast: as Tandem computes on CUDA
         seed=0,
         shuffle_dataset=False,
         disable_tqdm=True,
@@ -191,6 +202,7 @@ def run_trl(args: argparse.Namespace) -> list[float]:
 # (timing_s/*) and the share of rows without advantage.
 ZERO_ROWS = "critic/advantages/zero_rows"
 LENGTHS = ("prompt_length/mean", "response_length/mean")
+TRANSFER = "weight_sync/seconds"  # the weight transfer alone, inside the sync phase
 
 
 def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]:
@@ -233,27 +245,7 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     # Beside it, a 5 s loop of products before and after: what the cores give over seconds.
     before = machine_peak(physical_cores())
     sustained = [sustained_matmul_flops(physical_cores(), 5.0)]
-    spec = {
-        "method": "grpo",
-        "model": {"path": args.model_dir, **({"lora": LORA} if args.lora else {})},
-        "data": {"train_path": args.train, "builtin_task": None, "shuffle": False},
-        "reward": {"function": REWARDS[args.reward]},
-        "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "val_every": 0},
-        "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
-        "optim": {"lr": args.lr},
-        "checkpoint": {"every": 0, "export_hf": False},
-    }
-    for item in args.tandem_set:  # a lever to measure, e.g. resources.workers=2 (not the defaults)
-        path, value = item.split("=", 1)
-        *parents, leaf = path.split(".")
-        section = spec
-        for key in parents:
-            section = section.setdefault(key, {})
-        try:
-            section[leaf] = json.loads(value)
-        except ValueError:
-            section[leaf] = value  # a plain string
-    spec = JobSpec.model_validate(spec)
+    spec = JobSpec.model_validate(tandem_spec(args))
     # The job's folder holds its final checkpoint (1.7 GB at SmolLM2-135M: weights and AdamW state):
     # removed with the run (TRL's side saves nothing: save_strategy "no").
     workdir = Path(tempfile.mkdtemp(prefix="vs-tandem-"))
@@ -280,12 +272,7 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     after = machine_peak(physical_cores())
     peak = max(before, after, key=lambda p: p["matmul_flops"])
     later = sink.values[1:]  # the first step's include warm-up, as its time does
-    keys = sorted(
-        k for k in (later[0] if later else {}) if k.startswith("timing_s/") or k in (ZERO_ROWS, *LENGTHS)
-    )
-    medians = {
-        k: round(statistics.median(v[k] for v in later), 4) for k in keys if all(k in v for v in later)
-    }
+    medians = phase_medians(later)
     shape = model_shape(args.model_dir)
     medians.update(
         phase_utilisation(medians, shape, peak, args.prompts, args.n, args.max_new_tokens, lora=args.lora)
@@ -327,6 +314,74 @@ def run_tandem(args: argparse.Namespace) -> tuple[list[float], dict[str, float]]
     return step_intervals(sink.ends, paused), medians
 
 
+def tandem_spec(args: argparse.Namespace) -> dict:
+    """The Tandem job: the same model, data, reward and settings as the TRL side, plus --tandem-set."""
+    spec = {
+        "method": "grpo",
+        "model": {"path": args.model_dir, **({"lora": LORA} if args.lora else {})},
+        "data": {"train_path": args.train, "builtin_task": None, "shuffle": False},
+        "reward": {"function": REWARDS[args.reward]},
+        "trainer": {"total_steps": args.steps, "prompts_per_step": args.prompts, "val_every": 0},
+        "rollout": {"n": args.n, "max_new_tokens": args.max_new_tokens, "temperature": 1.0},
+        "optim": {"lr": args.lr},
+        "checkpoint": {"every": 0, "export_hf": False},
+    }
+    for item in args.tandem_set:  # a lever to measure, e.g. resources.workers=2 (not the defaults)
+        path, value = item.split("=", 1)
+        *parents, leaf = path.split(".")
+        section = spec
+        for key in parents:
+            section = section.setdefault(key, {})
+        try:
+            section[leaf] = json.loads(value)
+        except ValueError:
+            section[leaf] = value  # a plain string
+    return spec
+
+
+def phase_medians(later: list[dict[str, float]]) -> dict[str, float]:
+    """Medians over the timed steps of every phase time, the weight transfer, the zero-advantage share
+    and the lengths."""
+    wanted = (ZERO_ROWS, *LENGTHS, TRANSFER)
+    keys = sorted(k for k in (later[0] if later else {}) if k.startswith("timing_s/") or k in wanted)
+    return {k: round(statistics.median(v[k] for v in later), 4) for k in keys if all(k in v for v in later)}
+
+
+def run_tandem_served(args: argparse.Namespace) -> tuple[list[float], dict]:
+    """The Tandem side as users run it: `tandem serve`, the job submitted to it and followed
+    (bench/served_job.py). Per phase: generation tokens/s and its share of the bandwidth-and-compute
+    floor, the sync phase against its own transfer, the update's FLOP/s against the device's product
+    rate, measured in this process before and after the job."""
+    from bench.flops import cuda_peak, machine_peak, model_shape, phase_utilisation
+    from bench.served_job import run_served_job
+    from engines.threads import physical_cores
+
+    measure = cuda_peak if args.device == "cuda" else lambda: machine_peak(physical_cores())
+    before = measure()
+    work = Path(tempfile.mkdtemp(prefix="vs-served-"))
+    allow = sorted({Path(args.model_dir).parent, Path(args.train).parent, ROOT / "bench"})
+    try:
+        run = run_served_job(tandem_spec(args), work / "home", allow, timeout_s=args.job_timeout)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    peak = max(before, measure(), key=lambda p: p["matmul_flops"])
+    rows = run["metrics"]
+    medians = phase_medians([r["values"] for r in rows[1:]])
+    shape = model_shape(args.model_dir)
+    if args.device == "cuda":  # decode reads bf16 weights there
+        shape["weight_bytes"] //= 2
+    medians.update(phase_utilisation(medians, shape, peak, args.prompts, args.n, args.max_new_tokens))
+    gen_s, sync_s = medians.get("timing_s/gen"), medians.get("timing_s/sync")
+    if gen_s:
+        tokens = args.prompts * args.n * medians.get("response_length/mean", args.max_new_tokens)
+        medians["gen_tokens_per_s"] = round(tokens / gen_s, 1)
+    if sync_s and medians.get(TRANSFER):
+        medians["sync_over_transfer"] = round(sync_s / medians[TRANSFER], 2)
+    building = [e for e in run["events"] if e.get("kind") == "building"]
+    medians["rollout_backend"] = building[0].get("data", {}).get("rollout_backend") if building else None
+    return step_intervals([r["time"] for r in rows]), medians
+
+
 def probes_per_step(probes: list[dict], wall_ends: list[float]) -> list[list[dict]]:
     """The probes inside each step: step j's ran after step j - 1 ended (the first's, before the
     first end). The loops between steps run in the driver, which is not probed."""
@@ -341,12 +396,41 @@ def probes_per_step(probes: list[dict], wall_ends: list[float]) -> list[list[dic
 
 
 def run_side(side: str, args: argparse.Namespace, model_dir: Path, train: Path, max_new_tokens: int) -> dict:
-    command = [
-        sys.executable, __file__, "--side", side, "--model-dir", str(model_dir), "--train", str(train),
-        "--max-new-tokens", str(max_new_tokens), "--steps", str(args.steps), "--n", str(args.n),
-        "--prompts", str(args.prompts), "--lr", str(args.lr), "--reward", args.reward,
-        "--peak-between-steps", str(args.peak_between_steps), "--probe-every", str(args.probe_every),
-    ] + [f"--tandem-set={item}" for item in args.tandem_set] + (["--lora"] if args.lora else [])  # fmt: skip
+    command = (
+        [
+            sys.executable,
+            __file__,
+            "--side",
+            side,
+            "--model-dir",
+            str(model_dir),
+            "--train",
+            str(train),
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--steps",
+            str(args.steps),
+            "--n",
+            str(args.n),
+            "--prompts",
+            str(args.prompts),
+            "--lr",
+            str(args.lr),
+            "--reward",
+            args.reward,
+            "--peak-between-steps",
+            str(args.peak_between_steps),
+            "--probe-every",
+            str(args.probe_every),
+            "--device",
+            args.device,
+            "--job-timeout",
+            str(args.job_timeout),
+        ]
+        + [f"--tandem-set={item}" for item in args.tandem_set]
+        + (["--lora"] if args.lora else [])
+    )
+    command += ["--served"] if args.served else []  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"side"')]
@@ -355,13 +439,26 @@ def run_side(side: str, args: argparse.Namespace, model_dir: Path, train: Path, 
     return json.loads(lines[-1])
 
 
-def main() -> None:
+def token_counts(text: str) -> list[int]:
+    return [int(t) for t in text.split(",")]
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--shapes", default="small,large", help=f"comma-separated, from {sorted(SHAPES)}")
     parser.add_argument("--model", help="one shape on this built-in model instead of --shapes")
-    parser.add_argument("--new-tokens", type=int, default=16, help="max new tokens with --model")
+    parser.add_argument(
+        "--new-tokens", type=token_counts, default=[16], help="max new tokens with --model (comma-separated)"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both sides train")
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="Tandem through `tandem serve` and a submitted job (always on CUDA)",
+    )
+    parser.add_argument("--job-timeout", type=float, default=1800.0, help="seconds a served job may take")
     parser.add_argument("--lora", action="store_true", help="LoRA on both sides (same rank, targets)")
     parser.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is dropped)")
     parser.add_argument("--rounds", type=int, default=2, help="alternating TRL/Tandem pairs per shape")
@@ -388,10 +485,14 @@ def main() -> None:
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--train", help=argparse.SUPPRESS)
     parser.add_argument("--max-new-tokens", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.served = args.served or args.device == "cuda"
+    if args.served and (args.probe_every or args.lora):
+        parser.error("--probe-every and --lora run with the in-process Tandem side only (not --served/cuda)")
 
     if args.side:  # a child process: one run of one side
-        steps, medians = (run_trl(args), {}) if args.side == "trl" else run_tandem(args)
+        tandem = run_tandem_served if args.served else run_tandem
+        steps, medians = (run_trl(args), {}) if args.side == "trl" else tandem(args)
         line = {"side": args.side, "step_s": [round(s, 4) for s in steps], "medians": medians}
         print(json.dumps(line), flush=True)
         return
@@ -401,8 +502,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="vs-trl-bench-"))
     train = write_prompts(work, args.steps * args.prompts)
-    shapes = {args.model: (args.model, args.new_tokens)} if args.model else SHAPES
-    for shape in [args.model] if args.model else args.shapes.split(","):
+    shapes = {f"{args.model}@{t}": (args.model, t) for t in args.new_tokens} if args.model else SHAPES
+    for shape in list(shapes) if args.model else args.shapes.split(","):
         model_name, max_new_tokens = shapes[shape]
         model_dir = (
             build_builtin_model(model_name, work / "models")  # fresh random weights, as before
@@ -430,6 +531,8 @@ def main() -> None:
             "n": args.n,
             "max_new_tokens": max_new_tokens,
             "reward": args.reward,
+            "device": args.device,
+            "served": args.served,
             "lora": LORA if args.lora else None,
             "tandem_set": args.tandem_set,
             "steps_timed_per_side": len(times["trl"]),

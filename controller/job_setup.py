@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from controller.data import PromptLoader, build_dataset, resolve_data_files
 from controller.hyperparameters import hyperparameter_overrides
 from controller.models import resolve_model_path
@@ -19,6 +21,7 @@ from controller.rewards import RewardScorer
 from controller.roles import JobGroups, needs_reference, start_groups
 from controller.sink import JobSink
 from controller.spec import JobSpec
+from engines.rollout import resolve_backend
 from workers.batch import Batch, put_environment, put_prompt_length, put_sampling
 
 
@@ -61,8 +64,14 @@ class JobSetup:
             put_prompt_length(val_batch, spec.data.max_prompt_length)
             put_environment(val_batch, spec.rollout.environment_config())
         scorer = RewardScorer(spec.reward.function, spec.reward.num_workers) if spec.reward.function else None
+        spec = spec.merged(
+            {"rollout": {"backend": resolve_backend(spec.rollout.backend, rollout_device(spec))}}
+        )
         sink.event(
-            "building", f"starting {spec.resources.workers} worker(s) for {spec.method} on {model_path}"
+            "building",
+            f"starting {spec.resources.workers} worker(s) for {spec.method} on {model_path} "
+            f"(rollout backend {spec.rollout.backend})",
+            rollout_backend=spec.rollout.backend,
         )
         groups = start_groups(spec, model_path, name)
         sink.event("workers_started", "worker groups are up", workers=spec.resources.workers)
@@ -113,3 +122,11 @@ class JobSetup:
         if self.scorer is not None:
             self.scorer.close()
         self.groups.shutdown()
+
+
+def rollout_device(spec: JobSpec) -> str:
+    """Where the job's rollout engines run: on GPUs when their workers ask for some, or when the
+    cluster has them and the request is left at 0 (the resource pool's rule)."""
+    split = spec.resources.rollout_workers
+    gpus = split.gpus_per_worker if split is not None else spec.resources.gpus_per_worker
+    return "cuda" if gpus or ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"

@@ -52,11 +52,11 @@ def test_model_dtype_reaches_the_rollout_engine_config():
 
 
 def test_the_tensor_parallel_rule_is_the_backend_registrys(monkeypatch):
-    for build in (
-        lambda: spec(rollout={"tensor_parallel_size": 2}, resources={"workers": 2}),
-        lambda: RolloutConfig(backend="hf", tensor_parallel_size=2),
+    for build, name in (
+        (lambda: spec(rollout={"tensor_parallel_size": 2}, resources={"workers": 2}), "auto"),
+        (lambda: RolloutConfig(backend="hf", tensor_parallel_size=2), "hf"),
     ):
-        with pytest.raises(ValidationError, match="rollout backend 'hf' runs on one device"):
+        with pytest.raises(ValidationError, match=f"rollout backend '{name}' .*on one device"):
             build()
     # A backend registered as tensor-parallel is accepted everywhere, with no other change.
     monkeypatch.setitem(

