@@ -122,6 +122,7 @@ class Chaos:
         self.kills: list[dict] = []
         self.outages: list[tuple[float, float]] = []  # a service kill until it answers, plus settling
         self.stop = threading.Event()
+        self.started = time.time()
 
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
@@ -142,17 +143,10 @@ class Chaos:
             pid = self.rng.choice(targets[kind])
             if not kill(pid):
                 return
-        row = {
-            "kill": kind,
-            "pid": pid,
-            "at_s": round(at - START, 1),
-            "candidates": {k: len(v) for k, v in targets.items()},
-        }
-        self.kills.append(row)
+        candidates = {k: len(v) for k, v in targets.items()}
+        row = {"kill": kind, "pid": pid, "at_s": round(at - self.started, 1), "candidates": candidates}
         emit(**row)
-
-
-START = time.time()
+        self.kills.append({**row, "at": at})
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -214,8 +208,12 @@ def report(served, admin, lanes, prober, chaos, args, duration_s: float) -> int:
     emit(figure="kills", **kills)
     emit(figure="api_latency_between_kills", probes=len(latencies), p50_ms=round(p50 * 1000, 1),
          p99_ms=round(p99 * 1000, 1), failures=len(failures))  # fmt: skip
-    emit(figure="tinker_calls", **lanes.tinker_counts())
+    host_kills = [row["at"] for row in chaos.kills if row["kill"] == "session_host"]
+    emit(figure="tinker", **lanes.tinker_counts(min(host_kills, default=None)))
     emit(figure="agent_trajectories", **lanes.agent_counts())
+    tinker_errors = {t["call"]: t["error"] for t in lanes.tinker if "error" in t}
+    if tinker_errors:
+        emit(note="Tinker errors (the last of each call)", **tinker_errors)
     if lanes.agent_errors:
         emit(note="agent errors (first of each kind)", **lanes.agent_errors)
     emit(figure="duration_s", value=round(duration_s, 1))

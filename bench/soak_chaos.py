@@ -27,13 +27,13 @@ import httpx
 WORKER_KINDS = ("training", "rollout", "session_host")
 
 
-def list_actors() -> None:
+def list_actors(address: str) -> None:
     """Print the cluster's live actors as JSON (run in a child process with the service's Ray env)."""
     import ray
     from ray._private.state import state
     from ray.core.generated import gcs_pb2
 
-    ray.init(address="auto", namespace="tandem", logging_level="error", log_to_driver=False)
+    ray.init(address=address, namespace="tandem", logging_level="error", log_to_driver=False)
     try:
         groups = {pg: info.get("name", "") for pg, info in ray.util.placement_group_table().items()}
         rows = []
@@ -79,11 +79,26 @@ def title(pid: int) -> str:
         return ""
 
 
+def gcs_address(service_pid: int) -> str:
+    """The address of the service's own cluster, read from its GCS process (Ray's `address="auto"`
+    would take any cluster on the machine): the node IP from its arguments, the port from the file it
+    writes into its session folder."""
+    for pid in descendants(service_pid):
+        args = title(pid).split()
+        if not args or not args[0].endswith("gcs_server"):
+            continue
+        flags = dict(a[2:].split("=", 1) for a in args[1:] if a.startswith("--") and "=" in a)
+        ports = list(Path(flags["session-dir"]).glob("gcs_server_port_*"))
+        if ports:
+            return f"{flags['node-ip-address']}:{ports[0].read_text().strip()}"
+    raise RuntimeError(f"no GCS process (with its port written) under the service's pid {service_pid}")
+
+
 def worker_targets(service_pid: int, env: dict[str, str], timeout_s: float = 90) -> dict[str, list[int]]:
     """The live workers of the service's cluster by kind (only Ray processes under the service)."""
     for attempt in (1, 2):  # a cluster that has just started may not take a driver yet
-        found = subprocess.run([sys.executable, __file__, "--list-actors"], env=env, capture_output=True,
-                               text=True, timeout=timeout_s)  # fmt: skip
+        command = [sys.executable, __file__, "--list-actors", gcs_address(service_pid)]
+        found = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
         if found.returncode == 0:
             break
         if attempt == 2:
@@ -149,5 +164,5 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if 1 <= q <= 99 else max(values)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--list-actors"]:
-    list_actors()
+if __name__ == "__main__" and sys.argv[1:2] == ["--list-actors"]:
+    list_actors(sys.argv[2])

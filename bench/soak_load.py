@@ -88,6 +88,7 @@ class Lanes:
         self.jobs: list[dict[str, str]] = []  # {owner, kind, id}
         self.files: dict[str, str] = {}  # owner -> file id
         self.tinker: list[dict[str, str]] = []  # {call, outcome, error?}
+        self.tinker_loops: list[dict[str, Any]] = []  # {started: time, completed}
         self.agent: Counter = Counter()
         self.agent_errors: dict[str, str] = {}  # the first message of each kind of error
         self.errors: list[str] = []
@@ -188,6 +189,8 @@ class Lanes:
                             loss_fn_inputs={"target_tokens": t[1:], "weights": [1.0] * (len(t) - 1)})
                 for t in TOKENS]  # fmt: skip
         prompt = types.ModelInput.from_ints(TOKENS[0][:4])
+        loop = {"started": time.time(), "completed": False}
+        self.tinker_loops.append(loop)
         try:
             sc = self.bounded(
                 "create_session", lambda: tinker.ServiceClient(base_url=self.url, api_key=self.keys[owner])
@@ -208,6 +211,7 @@ class Lanes:
                 params = types.SamplingParams(max_tokens=4, temperature=1.0)
                 self.bounded("sample", lambda s=sampler, p=params: s.sample(prompt, 2, p).result())
             self.bounded("save_state", lambda: tc.save_state(f"soak-{owner}-{n}").result())
+            loop["completed"] = True
         except Exception:  # noqa: BLE001 - recorded by bounded; the next loop starts afresh
             pass
         finally:
@@ -270,8 +274,17 @@ class Lanes:
     def _view(self, admin: Api, job: dict) -> dict:
         return admin.call("GET", f"/v1/jobs/{job['id']}").json()
 
-    def tinker_counts(self) -> dict[str, int]:
-        return {"calls": len(self.tinker), **Counter(t["outcome"] for t in self.tinker)}
+    def tinker_counts(self, host_killed_at: float | None) -> dict[str, int]:
+        """Calls by outcome; loops started and completed (and those after the first session host kill)."""
+        after = [loop for loop in self.tinker_loops if host_killed_at and loop["started"] > host_killed_at]
+        return {
+            "calls": len(self.tinker),
+            **Counter(t["outcome"] for t in self.tinker),
+            "loops": len(self.tinker_loops),
+            "loops_completed": sum(loop["completed"] for loop in self.tinker_loops),
+            "loops_after_a_host_kill": len(after),
+            "loops_after_a_host_kill_completed": sum(loop["completed"] for loop in after),
+        }
 
     def agent_counts(self) -> dict[str, int]:
         return dict(self.agent)
