@@ -117,8 +117,8 @@ class Served:
 class Chaos:
     """Every `every_s`, SIGKILL one process of a kind drawn at random among those that have one."""
 
-    def __init__(self, served: Served, every_s: float, seed: int) -> None:
-        self.served, self.every_s, self.rng = served, every_s, random.Random(seed)
+    def __init__(self, served: Served, every_s: float, seed: int, kinds: tuple[str, ...] = KINDS) -> None:
+        self.served, self.every_s, self.rng, self.allowed = served, every_s, random.Random(seed), kinds
         self.kills: list[dict] = []
         self.outages: list[tuple[float, float]] = []  # a service kill until it answers, plus settling
         self.stop = threading.Event()
@@ -133,7 +133,13 @@ class Chaos:
 
     def strike(self) -> None:
         targets = worker_targets(self.served.process.pid, self.served.env)
-        kinds = ["service"] + [k for k in KINDS[1:] if targets.get(k)]
+        kinds = [k for k in self.allowed if k == "service" or targets.get(k)]
+        if not kinds:
+            emit(
+                chaos="nothing of the kinds asked for runs now",
+                candidates={k: len(v) for k, v in targets.items()},
+            )
+            return
         kind = self.rng.choice(kinds)
         at = time.time()
         if kind == "service":
@@ -156,6 +162,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--grace", type=float, default=300.0, help="seconds the last work gets to end")
     parser.add_argument("--p99-bound", type=float, default=2.0, help="seconds: API p99 between kills")
     parser.add_argument("--num-cpus", type=int, default=10, help="the local Ray cluster's CPUs")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help=f"what the chaos thread kills (of {','.join(KINDS)})"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, home)")
     return parser.parse_args(argv)
@@ -163,6 +172,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if unknown := set(args.kinds.split(",")) - set(KINDS):
+        sys.exit(f"--kinds: unknown {sorted(unknown)}; choose among {','.join(KINDS)}")
     logging.getLogger("tinker").setLevel(logging.ERROR)  # its retries while a service restarts
     tmp = tempfile.mkdtemp(prefix="tsoak-", dir="/tmp")  # short: Ray's socket paths have a length limit
     served = Served(Path(tmp), cluster_env(tmp), args.num_cpus)
@@ -184,7 +195,10 @@ def soak(served: Served, args: argparse.Namespace) -> int:
     stop_at = started + args.minutes * 60
     lanes = Lanes(served.url, served.home, keys, stop_at, hard_end=stop_at + args.grace)
     lanes.upload_files()
-    prober, chaos = Prober(served.url, served.token), Chaos(served, args.chaos_every, args.seed)
+    prober, chaos = (
+        Prober(served.url, served.token),
+        Chaos(served, args.chaos_every, args.seed, tuple(args.kinds.split(","))),
+    )
     threads = [threading.Thread(target=t.run, daemon=True) for t in (prober, chaos)]
     threads += lanes.threads()
     for thread in threads:

@@ -13,6 +13,7 @@ daemon thread and is waited for `TINKER_BOUND_S` at most: past that it counts as
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -311,6 +312,8 @@ class Lanes:
         if view["status"] not in TERMINAL:
             return [f"{job['kind']} {job['id']}: still {view['status']} at step {view['step']}"]
         if view["status"] == "failed":
+            print(json.dumps({"note": "a job failed", "kind": job["kind"], "id": job["id"],
+                              "error": (view.get("error") or "")[:400]}), flush=True)  # fmt: skip
             events = admin.call("GET", f"/v1/jobs/{job['id']}/events", params={"limit": 1000}).json()["data"]
             if not view.get("error") or not any(e["kind"] == "failed" and e["message"] for e in events):
                 return [f"{job['kind']} {job['id']}: failed without a stated reason"]
