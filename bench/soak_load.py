@@ -23,6 +23,8 @@ from typing import Any
 
 import httpx
 
+from tests.api_util import tiny_job
+
 TERMINAL = ("succeeded", "failed", "cancelled")
 RL_KINDS = ("sync", "async", "lora")
 TINKER_BOUND_S = 300.0
@@ -56,17 +58,13 @@ class Hung(Exception):
 
 
 def job_spec(kind: str, owner: str) -> dict[str, Any]:
-    spec: dict[str, Any] = {
-        "method": "grpo",
-        "model": {"builtin": "tiny-qwen2"},
-        "reward": {"function": "builtin:arithmetic_partial"},
-        "trainer": {"total_steps": 6, "prompts_per_step": 4, "val_every": 0},
-        "rollout": {"n": 4, "max_new_tokens": 4},
-        "optim": {"lr": 1e-3},
-        "checkpoint": {"every": 2, "keep_last": 2, "export_hf": False},
-        "resources": {"workers": 1, "cpus_per_worker": 1},
-        "metadata": {"suite": "soak", "kind": kind, "owner": owner},
-    }
+    spec = tiny_job(
+        reward={"function": "builtin:arithmetic_partial"},
+        trainer={"total_steps": 6},
+        checkpoint={"every": 2, "keep_last": 2},
+        resources={"workers": 1, "cpus_per_worker": 1},
+        metadata={"suite": "soak", "kind": kind, "owner": owner},
+    )
     if kind == "async":  # CPUs set by hand: a default split job asks for more than 2 cores hold
         spec["trainer"] |= {"mode": "async", "max_staleness": 1}
         spec["resources"] |= {"placement": "split", "rollout": {"workers": 1, "cpus_per_worker": 1}}
