@@ -92,9 +92,10 @@ class Host:
     """One base model's actor and dispatcher."""
 
     def __init__(self, base_model: str, workdir: Path, futures: FutureTable, options: HostOptions,
-                 runtime_env: dict | None = None) -> None:  # fmt: skip
+                 runtime_env: dict | None = None, on_lost: Callable[[Host], None] | None = None) -> None:  # fmt: skip
         self.base_model, self.workdir, self.futures, self.options = base_model, workdir, futures, options
-        self.runtime_env = runtime_env
+        self.runtime_env, self.on_lost = runtime_env, on_lost
+        self.restarts = 0
         self.name = f"session host '{base_model}'"
         self._cond = threading.Condition()
         self._queues: OrderedDict[str, OrderedDict[str, deque[Op]]] = OrderedDict()  # owner -> key -> ops
@@ -184,12 +185,15 @@ class Host:
         self.info = ray.get(self.actor.describe.remote(), timeout=self.options.start_timeout_s)
         log.info("%s is up: %s", self.name, self.info)
 
-    def _run(self) -> None:
+    def _start(self) -> None:
         try:
             self._start_actor()
         except Exception as err:  # noqa: BLE001 - every queued and later op is told why
             self.error = f"{self.name} failed to start: {type(err).__name__}: {err}"[:2000]
             log.error(self.error)
+
+    def _run(self) -> None:
+        self._start()
         while True:
             with self._cond:
                 while not self._stop and not self._queues:
@@ -201,6 +205,9 @@ class Host:
                 self._dispatch(batch)
 
     def _dispatch(self, batch: list[Op]) -> None:
+        if self.actor is None and self.error is None:  # the last one died: a fresh host for this batch
+            self.restarts += 1
+            self._start()
         if self.error is not None:
             for op in batch:
                 self._settle(op, {"error": {"category": "server", "field": None, "message": self.error}})
@@ -215,10 +222,19 @@ class Host:
         except Exception as err:  # noqa: BLE001 - a dead actor: every op of the batch is told
             message = f"{self.name} failed: {type(err).__name__}: {err}"[:2000]
             results = [{"error": {"category": "server", "field": None, "message": message}}] * len(batch)
+            if isinstance(err, ray.exceptions.RayActorError):
+                self._lost(message)
         self.batches += 1
         log.debug("%s ran %d ops in %.3f s", self.name, len(batch), time.monotonic() - started)
         for op, result in zip(batch, results, strict=False):
             self._settle(op, result)
+
+    def _lost(self, why: str) -> None:
+        """The actor died: forget it (the next batch starts another) and tell the service."""
+        log.error("%s died; a new one starts with the next request: %s", self.name, why)
+        self.actor, self.info = None, None
+        if self.on_lost is not None:
+            self.on_lost(self)
 
     def _settle(self, op: Op, result: dict[str, Any]) -> None:
         if "ok" not in result:

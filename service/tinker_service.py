@@ -58,7 +58,8 @@ class TinkerService:
         self.futures = FutureTable()
         self.records = Records()
         self.hosts = {
-            name: Host(name, self.home / "tinker" / "hosts" / _safe(name), self.futures, self.options, runtime_env)
+            name: Host(name, self.home / "tinker" / "hosts" / _safe(name), self.futures, self.options, runtime_env,
+                       on_lost=self._host_lost)
             for name in base_models
         }  # fmt: skip
         self._admit = threading.Lock()
@@ -96,6 +97,15 @@ class TinkerService:
                     lambda ok: ({}, None),
                 )
         return [s.id for s in gone]
+
+    def _host_lost(self, host: Host) -> None:
+        """A host's process died: the adapters it held are gone, so their runs pause, each naming its
+        last saved state (as after a restart); samplers are read again from their folders."""
+        for model in [m for m in list(self.records.models.values()) if m.base_model == host.base_model]:
+            self.records.drop_model(model.model_id)
+            why = lost_message(model.job_id, model.workdir, f"its session host ({host.base_model}) died")
+            self.store.transition(model.job_id, (JobStatus.RUNNING,), JobStatus.PAUSED, error=why)
+            self.store.add_event(model.job_id, "paused", why)
 
     def create_session(self, owner: str, tags: list[str]) -> ClientSession:
         self.expire_sessions()

@@ -165,12 +165,12 @@ def last_saved_state(job_id: str, workdir: Path) -> str | None:
     return saved[-1]["tinker_path"] if saved else None
 
 
-def lost_message(job_id: str, workdir: Path) -> str:
+def lost_message(job_id: str, workdir: Path, cause: str = "the service restarted") -> str:
     last = last_saved_state(job_id, workdir)
     if last is None:
-        return (f"training run {job_id} was lost when the service restarted, and it saved no state "
+        return (f"training run {job_id} was lost when {cause}, and it saved no state "
                 "(save_state): create a new training client")  # fmt: skip
-    return (f"training run {job_id} was lost when the service restarted; its last saved state is {last}: "
+    return (f"training run {job_id} was lost when {cause}; its last saved state is {last}: "
             f"continue with service_client.create_training_client_from_state_with_optimizer('{last}')")  # fmt: skip
 
 

@@ -294,6 +294,27 @@ def test_after_a_restart_training_resumes_from_the_saved_state(ray_cluster, tmp_
     _restart(ray_cluster, tmp_path_factory, monkeypatch, resume=True)
 
 
+def test_a_killed_session_host_is_started_again_and_its_runs_name_their_last_state(svc, sdk):
+    base = "qwen2-1m"
+    tc = sdk.create_lora_training_client(base_model=base, rank=4, seed=1).result()
+    data = [sft_datum(tc.get_tokenizer(), p, c) for p, c in PAIRS]
+    supervised_loop(tc, data, steps=1, lr=1e-2)
+    path = tc.save_state("before-the-kill").result().path
+    host = tinker_service(svc).hosts[base]
+    restarts = host.restarts
+    ray.kill(host.actor, no_restart=True)
+    with pytest.raises(Exception) as died:  # the call the death interrupted, or the first after it
+        for _ in range(2):
+            tc.forward(data, "cross_entropy").result()
+    assert "session host" in str(died.value) or path in str(died.value)
+    with pytest.raises(tinker.BadRequestError) as lost:  # the run is paused, naming what to resume from
+        tc.forward(data, "cross_entropy").result()
+    assert path in str(lost.value) and "session host" in str(lost.value)
+    fresh = sdk.create_lora_training_client(base_model=base, rank=4, seed=1).result()
+    assert math.isfinite(fresh.forward(data, "cross_entropy").result().metrics["loss:sum"])
+    assert host.restarts == restarts + 1
+
+
 def test_another_owner_gets_404_on_every_route_of_a_live_model(svc, sdk, keys):
     tc = sdk.create_lora_training_client(base_model=BASE, rank=4).result()
     path = tc.save_state("mine").result().path
