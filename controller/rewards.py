@@ -41,7 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
-from workers.references import describe_exception, is_path_source, resolve_reference, split_reference
+from workers.references import (
+    describe_exception,
+    is_path_reference,
+    lookup_builtin,
+    parse_reference,
+    resolve_reference,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -140,14 +146,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 def load_reward_fn(ref: str) -> RewardFn:
     """Resolve `ref` into a validated reward function; raises RewardFunctionError saying why not."""
-    source, name = split_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError)
-    if source == "builtin":
-        if name not in BUILTIN_REWARDS:
-            raise RewardFunctionError(
-                f"reward function {ref!r} is not a built-in; choose one of "
-                + ", ".join(f"'builtin:{n}'" for n in sorted(BUILTIN_REWARDS))
-            )
-        return BUILTIN_REWARDS[name]
+    if parse_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form == "builtin":
+        return lookup_builtin(ref, BUILTIN_REWARDS, "reward function", RewardFunctionError)
     fn = resolve_reference(ref, "reward function", RewardFunctionError)
     _check_signature(ref, fn)
     return fn
@@ -288,10 +288,9 @@ class RewardScorer:
 
 def _canonical_ref(ref: str) -> str:
     """The reference with a file path made absolute, so a worker process resolves the same file."""
-    if isinstance(ref, str) and ":" in ref:
+    if isinstance(ref, str) and is_path_reference(ref):
         source, _, name = ref.rpartition(":")
-        if source != "builtin" and is_path_source(source):
-            return f"{Path(source).expanduser().resolve()}:{name}"
+        return f"{Path(source).expanduser().resolve()}:{name}"
     return ref
 
 
