@@ -126,7 +126,9 @@ def bwrap_args(mode: str, staging: Path, limits: Limits) -> list[str]:
     args += ["--perms", "0755", "--dir", "/etc"]
     for name in ETC:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    made = {Path("/"), Path("/usr"), Path("/etc"), Path("/proc"), Path("/dev")}
+    for path in (SCRATCH, "/tmp"):  # before the binds: a PYTHONPATH folder may lie under /tmp
+        args += ["--perms", "1777", "--size", str(SCRATCH_BYTES), "--tmpfs", path]
+    made = {Path("/"), Path("/usr"), Path("/etc"), Path("/proc"), Path("/dev"), Path(SCRATCH), Path("/tmp")}
     bound = [Path("/usr")]
     for root in readable_roots():
         if any(root.is_relative_to(b) for b in bound):
@@ -137,8 +139,6 @@ def bwrap_args(mode: str, staging: Path, limits: Limits) -> list[str]:
         if hidden.is_dir() and any(hidden.is_relative_to(b) for b in bound):
             args += ["--tmpfs", str(hidden)]  # a folder of the service's under a bound one: empty here
     args += ["--ro-bind", str(staging), CODE]
-    for path in (SCRATCH, "/tmp"):
-        args += ["--perms", "1777", "--size", str(SCRATCH_BYTES), "--tmpfs", path]
     return args + ["--chdir", SCRATCH]
 
 
