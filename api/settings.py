@@ -25,10 +25,15 @@ class ServeSettings(BaseModel):
         30.0, gt=0, description="time a reward function or environment gets to import and be checked"
     )
     user_code_cpu_s: float = Field(
-        DEFAULT_CPU_S, gt=0, description="CPU seconds of one sandboxed check of user code"
+        default_factory=lambda: Limits.from_env().cpu_s or DEFAULT_CPU_S,
+        gt=0,
+        description="CPU seconds of one sandboxed check of user code; default $TANDEM_SANDBOX_CPU_S or 60",
     )
     user_code_memory_mb: int = Field(
-        DEFAULT_MEMORY_MB, ge=64, description="address space of each sandboxed user-code process, in MiB"
+        default_factory=lambda: Limits.from_env().memory_mb or DEFAULT_MEMORY_MB,
+        ge=64,
+        description="address space of each sandboxed user-code process, in MiB; default "
+        "$TANDEM_SANDBOX_MEMORY_MB or 2048",
     )
     unsandboxed_user_code: bool = Field(
         default_factory=unsandboxed_allowed,
