@@ -174,3 +174,13 @@ def test_without_bubblewrap_user_code_is_refused_unless_the_operator_allows_it(t
     assert allowed.stdout.strip() == "none", allowed
     with Sandbox(mode="none") as box:
         assert run(box, "import os\nresult = os.getpid()") != os.getpid()
+
+
+def test_a_child_that_breaks_the_protocol_is_ended():
+    with Sandbox() as box:
+        with pytest.raises(SandboxCrashed, match="broke its protocol"):
+            run(
+                box,
+                "from workers.sandbox import child\nchild._CHANNEL.send({'id': [1], 'ok': 2})\nimport time\ntime.sleep(30)",
+            )
+        assert not box.alive

@@ -151,8 +151,8 @@ class Sandbox:
                 if len(line) > MAX_LINE or not self._take(json.loads(line)):
                     self._end("the sandbox broke its protocol (a reply too long or not understood)")
                     return
-        except (ValueError, OSError):
-            self._end("the sandbox broke its protocol (a line that is not JSON)")
+        except (ValueError, TypeError, OSError):  # not JSON, or an id that is no key: the child's doing
+            self._end("the sandbox broke its protocol (a line that is not a message)")
             return
         self._end(self._exit_reason())
 

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 MESSAGE_CHARS = 1500
 TRACE_FRAMES = 6
-MAX_LINE = 64 * 1024 * 1024
+MAX_LINE = 16 * 1024 * 1024  # one message; the parent refuses longer ones
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
