@@ -88,7 +88,8 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     app.state.hot_reads = HotReads(app.state.read_cache, app.state.auth)
     app.state.registry = registry
     app.state.settings = settings = settings or ServeSettings()
-    app.state.checker = Checker(settings, service.home, service.files)
+    app.state.checker = Checker(settings, service.home, service.files, service.store)
+    service.scheduler.paths = app.state.checker.paths  # a job's paths are checked again when it starts
     app.state.tinker = TinkerService(
         service.store, service.home, service.quotas, settings.tinker_models(),
         HostOptions(max_rank=settings.tinker_max_rank), service.scheduler.runtime_env,
@@ -98,12 +99,13 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
 
     def body_limit(scope: dict) -> int:
         path = scope["path"].rstrip("/")
-        upload = scope["method"] == "POST" and path in (
-            "/v1/files",
-            "/api/v1/forward_backward",
-            "/api/v1/forward",
-        )
-        return settings.max_upload_bytes if upload else settings.max_body_bytes
+        if scope["method"] != "POST":
+            return settings.max_body_bytes
+        if path == "/v1/files":
+            return settings.max_upload_bytes
+        if path in ("/api/v1/forward_backward", "/api/v1/forward"):
+            return settings.tinker_max_body_bytes
+        return settings.max_body_bytes
 
     app.add_middleware(HotReadPath, hot=app.state.hot_reads)  # innermost: inside RequestId
     app.add_middleware(AuditTrail, store=service.store)  # inside RequestId: it records the request id

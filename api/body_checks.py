@@ -3,7 +3,8 @@
 A JSON body can carry strings Python holds but UTF-8 cannot encode (a lone surrogate, `"\\ud800"`:
 SQLite would store it and every later read of the row would fail) and integers of any size (SQLite
 stores at most 64 bits). Both are refused here, on every route, with the dotted field at fault, so
-nothing of such a request is stored. A body nested too deeply to parse is refused the same way.
+nothing of such a request is stored. A body nested too deeply to parse, or holding a number with
+more digits than Python converts, is refused the same way.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ async def check_json_body(request: Request) -> None:
         return  # FastAPI reports it as a 422 on `body` (api/errors.py)
     except (RecursionError, UnicodeDecodeError) as exc:
         raise APIError(422, f"body: the request body is not usable JSON ({type(exc).__name__})", "body",
+                       "invalid_json") from None  # fmt: skip
+    except ValueError as exc:  # Python reads integers of at most 4300 digits (sys.int_info)
+        raise APIError(422, f"body: the request body is not usable JSON ({exc})", "body",
                        "invalid_json") from None  # fmt: skip
     found = find_unstorable(parsed)
     if found is not None:

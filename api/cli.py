@@ -38,20 +38,28 @@ class UsageError(Exception):
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from api.cli_spec import describe
     from api.server import serve
     from api.settings import MiB, ServeSettings
 
-    settings = ServeSettings(
-        max_body_bytes=int(args.max_body_mb * MiB),
-        max_upload_bytes=int(args.max_upload_mb * MiB),
-        user_code_timeout_s=args.user_code_timeout,
-        **({"unsandboxed_user_code": True} if args.unsandboxed_user_code else {}),
-        allowed_paths=args.allow_path,
-        tinker_base_models=args.base_model,
-        tinker_max_rank=args.max_lora_rank,
-        **({} if args.warm_controllers is None else {"warm_controllers": args.warm_controllers}),
-        **quota_settings(args),
-    )
+    try:
+        settings = ServeSettings(
+            max_body_bytes=int(args.max_body_mb * MiB),
+            max_upload_bytes=int(args.max_upload_mb * MiB),
+            user_code_timeout_s=args.user_code_timeout,
+            **({"unsandboxed_user_code": True} if args.unsandboxed_user_code else {}),
+            allowed_paths=args.allow_path,
+            tracker_hosts=args.allow_tracker_host or [],
+            allow_wandb=args.allow_wandb,
+            tinker_base_models=args.base_model,
+            tinker_max_rank=args.max_lora_rank,
+            **({} if args.warm_controllers is None else {"warm_controllers": args.warm_controllers}),
+            **quota_settings(args),
+        )
+    except ValidationError as err:  # a bad option is one line naming it, not a traceback
+        raise UsageError(f"tandem serve: {describe(err)}") from None
     serve(args.host, args.port, args.home, args.ray_address, args.num_cpus, settings=settings)
     return 0
 
@@ -337,7 +345,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=None,
         metavar="DIR",
-        help="a server folder specs may name (repeatable); default: the home and examples/",
+        help="a server folder every owner's specs may read from (repeatable); default: examples/. "
+        "Besides these, a spec may name only its owner's uploads and jobs' outputs",
+    )
+    serve.add_argument(
+        "--allow-tracker-host",
+        action="append",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="an MLflow server jobs may post to (trainer.mlflow_uri; repeatable); default: none",
+    )
+    serve.add_argument(
+        "--allow-wandb",
+        action="store_true",
+        help="let jobs log to W&B (trainer.loggers: [wandb]) with this service's W&B login",
     )
     serve.add_argument(
         "--max-body-mb", type=float, default=1.0, help="largest JSON request body (413 beyond)"

@@ -23,13 +23,21 @@ def samples_command(args: argparse.Namespace, client: TandemClient) -> int:
 
 
 def format_sample(row: dict[str, Any]) -> str:
+    """A trajectory's head line and turns; a Tinker sampler's sample (no reward, nothing trained) names
+    its sampler and its response tokens instead."""
     tokens = row.get("tokens", {})
-    head = (
-        f"── step {row['step']} · sample {row.get('index', '?')} · reward {row['reward']:.3g} · "
-        f"{row.get('finish_reason', '?')} · {tokens.get('trained', '?')}/{tokens.get('response', '?')} "
-        "response tokens trained"
-    )
-    lines = [head, f"[prompt] {row['prompt']}"]
+    parts = [f"── step {row['step']} · sample {row.get('index', '?')}"]
+    reward = row.get("reward")
+    if isinstance(reward, int | float):
+        parts.append(f"reward {reward:.3g}")
+    if row.get("sampler"):
+        parts.append(f"sampler {row['sampler']}")
+    parts.append(row.get("finish_reason") or "?")
+    trained = tokens.get("trained")
+    parts.append(f"{trained}/{tokens.get('response', '?')} response tokens trained" if trained is not None
+                 else f"{tokens.get('response', '?')} response tokens")  # fmt: skip
+    head = " · ".join(parts)
+    lines = [head, f"[prompt] {row.get('prompt', '')}"]
     lines += [f"[{turn['role']}] {turn['content']}" for turn in row.get("turns", [])]
     return "\n".join(lines)
 

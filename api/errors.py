@@ -3,11 +3,15 @@
 Validation errors of a request body name the dotted field (`trainer.total_steps`), so a client can
 point at it; a body that is not JSON names `body`; service refusals carry their own status, param
 and code. Unknown routes, wrong methods and oversized bodies answer in the same shape, and the
-OpenAPI document describes it (`ErrorResponse`) for every status a route can return.
+OpenAPI document describes it (`ErrorResponse`) for every status a route can return. Under
+/api/v1 (the Tinker SDK's protocol) the same refusals answer in the SDK's shape instead,
+`{"error": str, "category", "param"}`. An error no handler expected is a 500 in the shape of its
+path, type `server_error`, naming the request id to find it in the log: never a bare page.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,8 +34,11 @@ TYPES = {
     415: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    500: "server_error",
     503: "unavailable_error",
 }
+TINKER_PREFIX = "/api/v1/"
+log = logging.getLogger("tandem.api")
 
 MEANINGS = {
     400: "The request could not be read",
@@ -77,6 +84,23 @@ def error_body(
     }
 
 
+def tinker_error_body(message: str, field: str | None, category: str = "user") -> dict[str, Any]:
+    """The Tinker SDK's `RequestFailedResponse` (`tinker/types/request_failed_response.py`) and the
+    field at fault."""
+    return {"error": message, "category": category, "param": field}
+
+
+def shaped(request: Request, status: int, message: str, param: str | None, code: str | None,
+           headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    """An error in the shape of the request's path: the SDK's under /api/v1, the API's elsewhere.
+    A Tinker refusal is a 400, never a 422: the SDK shows a 4xx at once."""
+    if request.url.path.startswith(TINKER_PREFIX):
+        status = 400 if status == 422 else status
+        category = "server" if status >= 500 else "user"
+        return JSONResponse(tinker_error_body(message, param, category), status, headers=headers)
+    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+
 def _field(loc: tuple) -> str | None:
     if len(loc) > 1 and loc[0] in ("query", "path", "header"):
         return str(loc[1])  # a repeated query parameter is named, not its index
@@ -117,7 +141,7 @@ def install_error_handlers(app: FastAPI) -> None:
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
         message, param = validation_error(first)
         code = "invalid_json" if param == "body" else "invalid_value"
-        return JSONResponse(error_body(422, message, param, code), 422)
+        return shaped(request, 422, message, param, code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -128,5 +152,14 @@ def install_error_handlers(app: FastAPI) -> None:
         elif err.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}"
         param, code = getattr(err, "param", None), getattr(err, "code", code)
-        return JSONResponse(error_body(err.status_code, message, param, code), err.status_code,
-                            headers=getattr(err, "headers", None))  # fmt: skip
+        return shaped(request, err.status_code, message, param, code, getattr(err, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
+        # Starlette runs this outside the middleware that tags responses, so the id is added here.
+        rid = request.scope.get("state", {}).get("request_id", "unknown")
+        log.error("request %s %s %s failed: %s: %s", rid, request.method, request.url.path,
+                  type(err).__name__, err, exc_info=err)  # fmt: skip
+        message = (f"the service failed on this request ({type(err).__name__}); request id {rid} names it in "
+                   "the service's log")  # fmt: skip
+        return shaped(request, 500, message, None, "internal_error", {"x-request-id": rid})

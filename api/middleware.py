@@ -3,14 +3,16 @@
 Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which runs the app in a task group and
 wraps what a route raises while reading its body in an ExceptionGroup).
 
-The body limit answers 413 in the API's error shape. A declared Content-Length over the limit is refused before the body is read; a body sent without
-one (chunked) is counted as it arrives and refused once it passes the limit. Uploads (POST
-/v1/files) have their own, larger limit.
+The body limit answers 413 in the API's error shape (the Tinker SDK's under /api/v1). A declared
+Content-Length over the limit is refused before the body is read; a body sent without one (chunked)
+is counted as it arrives and refused once it passes the limit. Uploads (POST /v1/files) and Tinker's
+forward/forward_backward bodies have their own, larger limits (api/app.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -19,7 +21,7 @@ from fastapi import HTTPException
 from prometheus_client import Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import error_body
+from api.errors import TINKER_PREFIX, error_body, tinker_error_body
 
 
 class BodyTooLarge(HTTPException):
@@ -46,7 +48,7 @@ class BodyLimit:
         limit = self.limit_for(scope)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _refuse(send, limit)
+            await _refuse(send, limit, scope["path"])
             return
         received = 0
         started = False
@@ -69,19 +71,30 @@ class BodyLimit:
             await self.app(scope, counted, watched)
         except BodyTooLarge:
             if not started:
-                await _refuse(send, limit)
+                await _refuse(send, limit, scope["path"])
 
 
-async def _refuse(send: Send, limit: int) -> None:
-    body = json.dumps(error_body(413, _message(limit), BodyTooLarge.param, BodyTooLarge.code)).encode()
+async def _refuse(send: Send, limit: int, path: str) -> None:
+    param, code = BodyTooLarge.param, BodyTooLarge.code
+    if path.startswith(TINKER_PREFIX):
+        shaped = tinker_error_body(f"{param}: {_message(limit)}", param)
+    else:
+        shaped = error_body(413, _message(limit), param, code)
+    body = json.dumps(shaped).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]  # fmt: skip
     await send({"type": "http.response.start", "status": 413, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
+# A client's x-request-id is kept (in the response and the audit log) only when it looks like an id:
+# anything longer or odder is replaced by a new one, so no client writes what it likes into the log.
+CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._:@+=/-]{0,127}")
+
+
 class RequestId:
-    """Every response carries x-request-id (the client's, else a new one); latency per route is observed."""
+    """Every response carries x-request-id (the client's when it is an id of at most 128 letters,
+    digits and ._:@+=/-, else a new one); latency per route is observed."""
 
     def __init__(self, app: ASGIApp, latency: Histogram) -> None:
         self.app, self.latency = app, latency
@@ -90,8 +103,8 @@ class RequestId:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"x-request-id")
-        rid = given or ("req_" + uuid.uuid4().hex[:16]).encode()
+        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        rid = given if CLIENT_REQUEST_ID.fullmatch(given) else ("req_" + uuid.uuid4().hex[:16]).encode()
         scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")  # the audit log's (api/audit.py)
         start = time.perf_counter()
 

@@ -1,14 +1,16 @@
 """What the operator can tune about the API (`tandem serve` options): request limits, the time user
-code gets to import, the server folders a spec may name, and owners' quotas (service/quotas.py)."""
+code gets to import, the server folders every owner's specs may read, the trackers jobs may send to,
+and owners' quotas (service/quotas.py)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from service.quotas import Quota, QuotaBook
+from service.tracker_policy import TrackerPolicy, host_entry
 from workers.sandbox.limits import DEFAULT_CPU_S, DEFAULT_MEMORY_MB, Limits, unsandboxed_allowed
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
@@ -42,8 +44,22 @@ class ServeSettings(BaseModel):
     )
     allowed_paths: list[Path] | None = Field(
         None,
-        description="server folders a spec may name besides the service home; None = the repo's examples/",
+        description="server folders every owner's specs may read from (shared data, models); None = the "
+        "repo's examples/. Besides these, a spec may name only its owner's uploads and jobs' outputs",
     )
+    tracker_hosts: list[str] = Field(
+        default_factory=list,
+        description="MLflow servers ('host' or 'host:port') a job's trainer.mlflow_uri may post to; none by "
+        "default, this machine included",
+    )
+    allow_wandb: bool = Field(
+        False, description="let jobs log to W&B (trainer.loggers: [wandb]) with the service's own W&B login"
+    )
+
+    @field_validator("tracker_hosts")
+    @classmethod
+    def _hosts(cls, hosts: list[str]) -> list[str]:
+        return [host_entry(h) for h in hosts]
 
     tinker_base_models: list[str] | None = Field(
         None,
@@ -51,6 +67,17 @@ class ServeSettings(BaseModel):
     )
     tinker_max_rank: int = Field(
         64, ge=1, le=1024, description="the largest LoRA rank of a Tinker training model"
+    )
+    # The SDK splits a forward_backward into requests of ~5 MB of protobuf (its
+    # fwdbwd_max_chunk_bytes_count) unless one datum is larger; a datum takes ~24 bytes a token
+    # (token, target, three float inputs), so a 1M-token context is ~24 MiB, and the same as JSON
+    # (curl) ~2.5x that. Decompressed, a body may be twice its raw cap (real bodies compress a few times
+    # and are refused past 64x: api/tinker_bodies.py).
+    tinker_max_body_bytes: int = Field(
+        64 * MiB, gt=0, description="largest Tinker forward/forward_backward body as sent; more is a 413"
+    )
+    tinker_max_decompressed_bytes: int = Field(
+        128 * MiB, gt=0, description="largest Tinker forward/forward_backward body after zstd; more is a 413"
     )
 
     warm_controllers: int = Field(
@@ -80,7 +107,10 @@ class ServeSettings(BaseModel):
 
         return list(self.tinker_base_models or BUILTIN_MODELS)
 
-    def path_roots(self, home: Path) -> list[Path]:
-        """The folders (resolved) under which a spec may name server paths."""
+    def shared_roots(self) -> list[Path]:
+        """The folders (resolved) every owner's specs may read from (service/owned_paths.py)."""
         extra = [EXAMPLES_DIR] if self.allowed_paths is None else self.allowed_paths
-        return [Path(p).expanduser().resolve() for p in [home, *extra]]
+        return [Path(p).expanduser().resolve() for p in extra]
+
+    def tracker_policy(self) -> TrackerPolicy:
+        return TrackerPolicy.of(self.tracker_hosts, self.allow_wandb)

@@ -1,14 +1,17 @@
 """Checks at submission that a JobSpec's references resolve here, so a job fails at the door, with
 the field named, rather than minutes later inside a worker.
 
-Server paths in a spec must lie under a root the operator allows (`ServeSettings.path_roots`); a path
-elsewhere is refused without saying whether it exists. Reward functions, environments and agents are
-user code: they are imported and checked in a sandbox (controller/user_code.py), never here; only
-the built-in ones are looked up, by exact name, in this process.
+Every server path in a spec must be its submitter's to name: their uploads, their jobs' outputs or a
+folder the operator shares, never the service's own files (service/owned_paths.py); a path that is
+not is refused without saying whether it exists. Tracker destinations must be ones the operator
+allows (service/tracker_policy.py). Reward functions, environments and agents are user code: they
+are imported and checked in a sandbox (controller/user_code.py), never here; only the built-in ones
+are looked up, by exact name, in this process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from api.errors import APIError
@@ -29,44 +32,40 @@ from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_g
 from engines.rollout import available_backends
 from engines.tiny_models import BUILTIN_MODELS
 from service.files import FileError, FileStore
+from service.owned_paths import OwnedPaths, PathRefused
+from service.store import JobStore
+from service.tracker_policy import TrackerRefused
 from workers.references import is_path_reference
 
 
 class Checker:
-    """The submission checks of one service: its home, allowed roots and limits."""
+    """The submission checks of one service: its home, the paths each owner may name, and limits."""
 
-    def __init__(self, settings: ServeSettings, home: Path, files: FileStore) -> None:
+    def __init__(self, settings: ServeSettings, home: Path, files: FileStore, store: JobStore) -> None:
         self.settings = settings
-        self.roots = settings.path_roots(home)
         self.home = home
         self.files = files
+        self.paths = OwnedPaths(home, files, store, settings.shared_roots(), settings.tracker_policy())
 
-    def allowed(self, path: str, param: str) -> Path:
-        """`path` resolved, when it lies under an allowed root; else a 422 that reveals nothing about it."""
+    def owned(self, path: str, param: str, sees: str | None) -> Path:
+        """`path` resolved, when `sees` (None: the admin) may name it; else a 422 that reveals nothing
+        about it."""
         try:
-            resolved = Path(path).expanduser().resolve()
-        except (ValueError, OSError) as err:  # e.g. an embedded NUL byte: not a path at all (was a 500)
-            raise APIError(
-                422, f"{param}: {path!r} is not a usable path ({err})", param, "invalid_value"
-            ) from None
-        if not any(resolved.is_relative_to(root) for root in self.roots):
-            raise APIError(422, f"{param}: '{path}' is outside the folders this service may read; upload the "
-                           "file (POST /v1/files) or ask the operator to allow its folder (tandem serve "
-                           "--allow-path)", param, "path_not_allowed")  # fmt: skip
-        return resolved
+            return self.paths.resolve(path, param, sees)
+        except PathRefused as err:
+            raise APIError(422, str(err), param, err.code) from None
 
     def folder(self, path: str, param: str, what: str) -> None:
-        if not (self.allowed(path, param) / "config.json").exists():
+        if not _exists(Path(path) / "config.json"):  # an owned path (submittable checked it)
             raise APIError(422, f"{param}: '{path}' is not a {what} folder on the server (no config.json)", param,
                            "not_found")  # fmt: skip
 
     def file(self, path: str | None, param: str) -> None:
-        if path is not None and not self.allowed(path, param).is_file():
+        if path is not None and not _exists(Path(path), Path.is_file):
             raise APIError(422, f"{param}: no file '{path}' on the server", param, "not_found")
 
     def reward_source(self, ref: str, param: str, sees: str | None = None) -> str:
-        """The reference with an upload id (of `sees`'s) resolved; a file it names must be under an
-        allowed root."""
+        """The reference with an upload id (of `sees`'s) resolved; a file it names must be `sees`'s to name."""
         try:
             ref = self.files.resolve_refs({"reward": {"function": ref}}, sees)["reward"]["function"]
         except FileError as err:
@@ -74,7 +73,7 @@ class Checker:
                 422, f"{param}: {err}".replace("reward.function: ", ""), param, "not_found"
             ) from None
         if is_path_reference(ref):
-            self.allowed(ref.rpartition(":")[0], param)
+            self.owned(ref.rpartition(":")[0], param, sees)
         return ref
 
     def reward_function(self, ref: str, param: str = "reward.function") -> None:
@@ -111,9 +110,13 @@ class Checker:
         """Refuse, with the field named, a spec whose references do not resolve here (uploads by id,
         of the submitter's own when `sees` names them)."""
         try:
-            spec = JobSpec.model_validate(self.files.resolve_refs(spec.model_dump(), sees))
+            given = self.files.resolve_refs(spec.model_dump(), sees)
+            self.paths.check_spec(given, sees)  # every path is sees's to name; trackers the operator's
         except FileError as err:
             raise APIError(422, str(err), err.param, "not_found") from None
+        except (PathRefused, TrackerRefused) as err:
+            raise APIError(422, str(err), err.param, err.code) from None
+        spec = JobSpec.model_validate(given)
         m, d, r = spec.model, spec.data, spec.reward
         self.metadata(spec.metadata)
         if m.builtin is not None and m.builtin not in BUILTIN_MODEL_NAMES:
@@ -133,8 +136,6 @@ class Checker:
                            f"{sorted(BUILTIN_TASKS)}", "data.builtin_task", "invalid_value")  # fmt: skip
         self.file(d.train_path, "data.train_path")
         self.file(d.val_path, "data.val_path")
-        if spec.checkpoint.resume_from is not None:
-            self.allowed(spec.checkpoint.resume_from, "checkpoint.resume_from")
         if r.function is not None and spec.method != "sft":
             self.reward_function(r.function)
         if r.model_path is not None:
@@ -143,9 +144,6 @@ class Checker:
         self.agent(spec)
         if m.lora is not None:
             self.lora(spec)
-        uri = spec.trainer.mlflow_uri
-        if uri is not None and ("://" not in uri or uri.startswith("file:")):  # a folder the job writes to
-            self.allowed(uri.removeprefix("file://").removeprefix("file:"), "trainer.mlflow_uri")
         why = available_backends().get(spec.rollout.backend)
         if why is not None:
             raise APIError(422, f"rollout.backend: {why}", "rollout.backend", "backend_unavailable")
@@ -177,7 +175,7 @@ class Checker:
         if lora.init_from is not None and layers is not None:
             param = "model.lora.init_from"
             base_folder = folder if (folder / "config.json").exists() else None
-            why = init_from_errors(lora, self.allowed(lora.init_from, param), layers, base_folder)
+            why = init_from_errors(lora, Path(lora.init_from), layers, base_folder)  # owned: submittable
             if why is not None:
                 raise APIError(422, f"{param}: {why}", param, "invalid_adapter")
 
@@ -189,15 +187,19 @@ class Checker:
         if spec.method == "sft":
             raise APIError(422, f"{param}: SFT jobs do not roll out; remove the environment", param,
                            "invalid_value")  # fmt: skip
-        if is_path_reference(ref):
-            self.allowed(ref.rpartition(":")[0], param)
-        self.user_code(ref, "environment", param, "invalid_environment")
+        self.user_code(ref, "environment", param, "invalid_environment")  # a path: owned (submittable)
 
     def agent(self, spec: JobSpec) -> None:
         """rollout.external.agent: imported and checked in a child process (controller/external_spec.py)."""
         external, param = spec.rollout.external_config, "rollout.external.agent"
         if external is None or external.agent is None:
             return
-        if is_path_reference(external.agent):
-            self.allowed(external.agent.rpartition(":")[0], param)
-        self.user_code(external.agent, "agent", param, "invalid_agent")
+        self.user_code(external.agent, "agent", param, "invalid_agent")  # a path: owned (submittable)
+
+
+def _exists(path: Path, test: Callable[[Path], bool] = Path.exists) -> bool:
+    """`test(path)`, False where the name cannot be looked up at all (a component too long)."""
+    try:
+        return test(path)
+    except OSError:
+        return False

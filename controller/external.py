@@ -3,7 +3,9 @@
 The API process (api/routes/openai_chat.py) checks a request and forwards it to this actor, named
 `tandem-openai-<job id>`, which the trainer starts for a job with `rollout.source: external`. Here:
 
-- templating and tokenizing (workers/chat_serving.py), never in the API process;
+- templating and tokenizing (workers/chat_serving.py), never in the API process, in threads beside
+  the actor's event loop so that a long prompt never stalls its other calls; then the call's bounds
+  (controller/external_bounds.py: prompt + max_tokens within the model's context), before generating;
 - batching: calls that arrive while a replica is busy, or within `batch_window_ms`, go to that
   replica's engine as one `generate` (grouped by sampling settings), straight to the rollout worker
   actors (`RolloutWorker.generate`, one call per replica at a time);
@@ -22,8 +24,10 @@ import asyncio
 import itertools
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from controller.external_bounds import context_length, new_tokens
 from controller.external_buffer import ExternalBuffer
 from controller.external_spec import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
 from controller.external_store import (
@@ -38,6 +42,7 @@ from workers.chat_serving import content_text, cut_at_stop, strip_stop, tool_cal
 
 GENERATE_TIMEOUT_S = 900.0  # a call waits for a training step's update on a colocated worker
 ATTACH_TIMEOUT_S = 60.0
+TEMPLATING_THREADS = 4
 
 
 class ExternalServer:
@@ -51,6 +56,10 @@ class ExternalServer:
         self.job_id, self.config = job_id, ExternalSpec.model_validate(config)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.renderer = ChatRenderer(self.tokenizer)
+        self.context = context_length(model_path)
+        # Calls template side by side (a long prompt does not queue the short ones behind it): the
+        # tokenizer is only read here, its truncation and padding never changed, so threads may share it.
+        self._templating = ThreadPoolExecutor(TEMPLATING_THREADS, thread_name_prefix="templating")
         self.store = TrajectoryStore(self.config)
         self._locks: dict[str, asyncio.Lock] = {}
         self._queue: asyncio.Queue | None = None
@@ -182,10 +191,10 @@ class ExternalServer:
             messages, tools = body["messages"], body.get("tools") or None
             use_tools = tools is not None and body.get("tool_choice") != "none"
             shown_tools = tools if use_tools else None
-            segment, delta, reason = self._place_chat(traj, messages, shown_tools)
+            segment, delta, reason = await self._place_chat(traj, messages, shown_tools)
             before = [s.copy() for s in traj.segments]
             prompt = segment.sequence + delta
-            params, stops = self._params(body)
+            params, stops = self._params(body, new_tokens(len(prompt), body, self.context, "messages"))
             completions = await self._generate(prompt, params)
             choices, forks = [], []
             added = messages[len(segment.history) :]  # what this call adds to the readable conversation
@@ -235,7 +244,10 @@ class ExternalServer:
             },  # fmt: skip
         }
 
-    def _place_chat(
+    async def _template(self, render: Any, *args: Any) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._templating, render, *args)
+
+    async def _place_chat(
         self, traj: Any, messages: list[dict], tools: list[dict] | None
     ) -> tuple[Segment, list[int], str | None]:
         """(the segment this call adds to, the prompt delta, why a new segment started or None).
@@ -245,17 +257,14 @@ class ExternalServer:
         if last is not None and last.kind == "chat" and last.tools_key == tools_key(tools):
             n = len(last.history)
             if canon[:n] == last.history:
-                return (
-                    last,
-                    self.renderer.delta_ids(messages[n:], last.tokens[-1] if last.tokens else None),
-                    None,
-                )
+                end = last.tokens[-1] if last.tokens else None
+                return last, await self._template(self.renderer.delta_ids, messages[n:], end), None
             reason = "the messages rewrite the history of the earlier calls"
         elif last is not None:
             reason = "the tools changed" if last.kind == "chat" else "a chat call after completions"
         else:
             reason = "first call"
-        segment = Segment(self.renderer.prompt_ids(messages, tools), "chat", reason)
+        segment = Segment(await self._template(self.renderer.prompt_ids, messages, tools), "chat", reason)
         traj.segments.append(segment)
         return segment, [], reason
 
@@ -286,16 +295,17 @@ class ExternalServer:
         async with self._locks.setdefault(tid, asyncio.Lock()):
             text = body["prompt"]
             last = traj.segments[-1] if traj.segments else None
+            encode = self.renderer.delta.encode
             if last is not None and last.kind == "completion" and text.startswith(last.text):
-                segment, delta = last, self.renderer.delta.encode(text[len(last.text) :])
+                segment, delta = last, await self._template(encode, text[len(last.text) :])
             else:
                 reason = "first call" if last is None else "the prompt does not extend the earlier calls"
-                segment = Segment(self.renderer.delta.encode(text), "completion", reason, text=text)
+                segment = Segment(await self._template(encode, text), "completion", reason, text=text)
                 segment.messages = [{"role": "user", "content": text}]
                 traj.segments.append(segment)
                 delta = []
-            params, stops = self._params(body)
             prompt = segment.sequence + delta
+            params, stops = self._params(body, new_tokens(len(prompt), body, self.context, "prompt"))
             comps = await self._generate(prompt, params.model_copy(update={"n": 1}))
             comp = comps[0]
             ids, stopped = self._cut(comp.token_ids, stops)
@@ -322,7 +332,7 @@ class ExternalServer:
 
     # ---- generation --------------------------------------------------------------------------
 
-    def _params(self, body: dict[str, Any]) -> tuple[Any, list[str]]:
+    def _params(self, body: dict[str, Any], max_new_tokens: int) -> tuple[Any, list[str]]:
         from engines.rollout import SamplingParams
 
         stops = body.get("stop") or []
@@ -331,7 +341,7 @@ class ExternalServer:
         params = SamplingParams(
             temperature=body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0,
             top_p=body.get("top_p") if body.get("top_p") is not None else 1.0,
-            max_new_tokens=body.get("max_completion_tokens") or body.get("max_tokens") or 256,
+            max_new_tokens=max_new_tokens,
             stop_token_ids=[] if end is None else [end],
             n=body.get("n") or 1,
             seed=body.get("seed"),

@@ -23,6 +23,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from controller.role_shares import Capacity, Share, role_shares
 from controller.spec_resources import ResourcesSpec
 from engines.threads import logical_cpus, physical_cores
 
@@ -90,13 +91,15 @@ class ResourcePool:
 
     @classmethod
     def for_resources(
-        cls, resources: ResourcesSpec, name: str = "", ready_timeout_s: float = 120.0
+        cls, resources: ResourcesSpec, name: str = "", ready_timeout_s: float = 120.0, role: str = "training"
     ) -> ResourcePool:
-        """The pool a job's `resources` section asks for (gpus_per_worker 0: GPUs if the cluster has them)."""
+        """The pool of one role ("training", or "rollout" on placement 'split') of a job's `resources`,
+        sizes left to the defaults filled in for this cluster (controller/role_shares.py)."""
+        share = job_shares(resources)[role]
         return cls(
-            resources.workers,
-            cpus_per_bundle=cpus_per_worker(resources.workers, resources.cpus_per_worker),
-            gpus_per_bundle=resources.gpus_per_worker or None,
+            share.workers,
+            cpus_per_bundle=share.cpus,
+            gpus_per_bundle=share.gpus,
             strategy=resources.placement_strategy,
             name=name,
             ready_timeout_s=ready_timeout_s,
@@ -145,18 +148,18 @@ class ResourcePool:
         remove_placement_group(self.placement_group)
 
 
-def cpus_per_worker(workers: int, asked: float | None) -> float:
-    """The CPUs of a worker's bundle: what the spec asks for, else (None) the auto default.
+def cluster_capacity() -> Capacity:
+    """What default sizes are cut from: the largest node's CPUs, capped by the physical cores (of this
+    machine: on a cluster of unlike nodes, give resources.cpus_per_worker), and the cluster's GPUs.
+    On a Ray that advertises more CPUs than there are cores, a job still takes only the cores, so that
+    several jobs run side by side instead of waiting for CPUs their threads could not use."""
+    cpus = float(max(1, min(int(largest_node_cpus()), physical_cores())))
+    return Capacity(cpus, float(ray.cluster_resources().get("GPU", 0.0)))
 
-    Auto: the largest node's CPUs, capped by the physical cores (of this machine: on a cluster of
-    unlike nodes, give resources.cpus_per_worker), split evenly over the workers, at least 1. A
-    one-worker job on a 2-core machine gets 2 CPUs, and so 2 torch threads; on a Ray that
-    advertises more CPUs than there are cores, a job still takes only the cores, so that several
-    jobs run side by side instead of waiting for CPUs their threads could not use.
-    """
-    if asked is not None:
-        return float(asked)
-    return float(max(1, min(int(largest_node_cpus()), physical_cores()) // workers))
+
+def job_shares(resources: ResourcesSpec) -> dict[str, Share]:
+    """Each role's workers and per-worker sizes on this cluster (controller/role_shares.py)."""
+    return role_shares(resources, cluster_capacity())
 
 
 def largest_node_cpus() -> float:
@@ -168,24 +171,18 @@ def cores_shared(share: float) -> bool:
     """Whether a rank's cores may be busy with other work while it computes: its group takes only a
     share of its bundle (other groups' processes compute on the same CPUs), or the Ray advertises
     more CPUs than this machine has (so Ray places more busy processes than there are CPUs: the
-    test suite's Ray, or a node started with num_cpus above its count). Like `cpus_per_worker`,
+    test suite's Ray, or a node started with num_cpus above its count). Like `cluster_capacity`,
     this machine stands for the cluster's nodes."""
     return share < 1 or largest_node_cpus() > logical_cpus()
 
 
 def job_needs(spec: dict[str, Any]) -> tuple[float, float, list[dict[str, float]]]:
-    """(CPUs, GPUs, bundles) that a job holds while it runs: one bundle per training worker, plus one
-    per rollout worker when the rollout is placed apart (resources.placement 'split')."""
-    res = spec["resources"]
-    groups = [res]
-    if res.get("placement") == "split":
-        groups.append(res.get("rollout") or {"workers": 1})
+    """(CPUs, GPUs, bundles) that a job holds while it runs on this cluster: one bundle per training
+    worker, plus one per rollout worker when the rollout is placed apart (resources.placement 'split')."""
     bundles: list[dict[str, float]] = []
-    for group in groups:
-        bundle = {"CPU": cpus_per_worker(group["workers"], group.get("cpus_per_worker"))}
-        if group.get("gpus_per_worker"):
-            bundle["GPU"] = float(group["gpus_per_worker"])
-        bundles += [bundle] * group["workers"]
+    for share in job_shares(ResourcesSpec.model_validate(spec["resources"])).values():
+        bundle = {"CPU": share.cpus, **({"GPU": share.gpus} if share.gpus else {})}
+        bundles += [bundle] * share.workers
     return sum(b["CPU"] for b in bundles), sum(b.get("GPU", 0.0) for b in bundles), bundles
 
 

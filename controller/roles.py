@@ -17,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
-from controller.resource_pool import ResourcePool, cpus_per_worker
+from controller.resource_pool import ResourcePool
 from controller.spec import JobSpec
-from controller.spec_resources import RolloutResourcesSpec
 from controller.worker_group import PendingGroup, RayWorkerGroup, ready_all
 from engines.config import EngineConfig, fields_of
 from workers.actor_role import ActorRefWorker
@@ -142,7 +141,7 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
         if spec.resources.rollout_workers is None:
             pending["actor"] = launch(ActorRolloutRefWorker, config, "actor")
         else:
-            rollout_pool = rollout_pool_of(spec.resources.rollout_workers, spec, name)
+            rollout_pool = rollout_pool_of(spec, name)
             plan = RolloutPlan(
                 RolloutWorkerConfig(
                     model_path=model_path,
@@ -214,12 +213,6 @@ def link_rollout(training: RayWorkerGroup, rollout: RayWorkerGroup, plan: Rollou
     )
 
 
-def rollout_pool_of(ro: RolloutResourcesSpec, spec: JobSpec, name: str) -> ResourcePool:
+def rollout_pool_of(spec: JobSpec, name: str) -> ResourcePool:
     """The rollout workers' own pool (placement 'split'), with resources.rollout's sizes."""
-    return ResourcePool(
-        ro.workers,
-        cpus_per_bundle=cpus_per_worker(ro.workers, ro.cpus_per_worker),
-        gpus_per_bundle=ro.gpus_per_worker or None,
-        strategy=spec.resources.placement_strategy,
-        name=f"{name}-rollout-pool",
-    )
+    return ResourcePool.for_resources(spec.resources, name=f"{name}-rollout-pool", role="rollout")

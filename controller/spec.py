@@ -14,11 +14,13 @@ lower layers their own model, typed. See docs/ARCHITECTURE.md, "Configuration".
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
     StringConstraints,
+    field_validator,
     model_validator,
 )
 
@@ -46,6 +48,8 @@ Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_bas
 Tracker = Literal["tensorboard", "wandb", "mlflow"]
 
 
+# A metadata key: what `?metadata=key:value` can name (no ':', which ends the key there).
+METADATA_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-/]*")
 Tag = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=64)]
 JobName = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=200)]
 Notes = Annotated[str, StringConstraints(max_length=10_000)]
@@ -382,8 +386,20 @@ class JobSpec(JobLabels):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     metadata: dict[str, str] = Field(
-        default_factory=dict, description="free key/value labels (filter with ?metadata=key:value)"
+        default_factory=dict,
+        description="free key/value labels (filter with ?metadata=key:value); a key is letters, digits "
+        "and _ . - /, not starting with . - or /",
     )
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not METADATA_KEY.fullmatch(key):
+                raise ValueError(
+                    f"key '{key[:64]}' must be letters, digits and _ . - /, not starting with . - /"
+                )
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:

@@ -21,11 +21,17 @@ class WorkerResources(Section):
         ge=0.01,
         le=4096,
         description="CPUs per worker, at least 0.01 (Ray's resolution); a rank runs that many torch threads, "
-        "up to the physical cores (one for a model of hidden size below 256, engines/threads.py). None: "
-        "the largest node's CPUs split over the workers, at most its physical cores",
+        "up to the physical cores (one for a model of hidden size below 256, engines/threads.py). None: a "
+        "share of the largest node's CPUs (at most its physical cores), which every worker of the job left "
+        "to the default divides (training and, on placement 'split', rollout workers) after the sizes given "
+        "explicitly: whole CPUs when each gets one, else a fraction; a job of defaults always fits",
     )
     gpus_per_worker: float = Field(
-        0.0, ge=0, le=1024, description="0: one GPU per worker when the cluster has GPUs, none otherwise"
+        0.0,
+        ge=0,
+        le=1024,
+        description="0: one GPU per worker when the cluster has GPUs (a job whose workers outnumber them is "
+        "refused: give fractions to share GPUs), none otherwise",
     )
 
     @field_validator("gpus_per_worker")

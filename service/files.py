@@ -9,7 +9,8 @@ digits. A spec names an upload by its id where it would name a server path:
     model.lora.init_from: "file-0123456789ab"       (an uploaded adapter_model.safetensors)
 
 The spec keeps the id; `resolve_refs` replaces ids with stored paths when a job is checked and when
-it starts, so a file deleted in between fails the job with the id named.
+it starts (with its owner's view), so a file deleted in between fails the job with the id named.
+Uploads named by path are the owner's too (service/owned_paths.py).
 
 A file belongs to the owner of the key that uploaded it (`meta.json`'s `owner`; files uploaded before
 owners existed are the admin's). Every read takes `sees`, the caller's owner (None for an admin):

@@ -47,18 +47,23 @@ class _Db(Protocol):
     def _tx(self, *topics: str) -> AbstractContextManager[sqlite3.Connection]: ...
 
 
-RESERVED_OWNERS = ("default",)  # PUT /v1/quotas/default names the default quota
+# Names no key may be made for: each already means something the service gives no other owner.
+RESERVED_OWNERS = {
+    ADMIN_OWNER: "the admin token's owner: its work has no quota and every owner's is visible to it",
+    "default": "it names the default quota (PUT /v1/quotas/default)",
+}
 
 
 def check_owner(name: str, param: str = "owner") -> str:
     """An owner's name, or a ValueError saying what a name may hold."""
-    if name in RESERVED_OWNERS:
-        raise ValueError(f"{param}: '{name}' is reserved (it names the default quota); choose another name")
     if not isinstance(name, str) or not OWNER_NAME.match(name):
         raise ValueError(
             f"{param}: '{str(name)[:64]}' must be 1-64 letters, digits, '.', '_', '@' or '-', starting "
             "with a letter or digit"
         )
+    if name.lower() in RESERVED_OWNERS:  # 'Admin' too: in logs and listings it reads as the admin
+        reason = RESERVED_OWNERS[name.lower()]
+        raise ValueError(f"{param}: '{name}' is reserved ({reason}); choose another name")
     return name
 
 

@@ -2,7 +2,7 @@
 
 Every `poll_s` it copies what running jobs produced (events, metrics, logs, checkpoints) into the
 store, settles jobs whose run ended, and starts queued jobs while the cluster has room for them (a
-job needs `workers x cpus_per_worker` CPUs and its GPUs). Queued jobs go in fair order between
+job needs each role's workers x its per-worker CPUs and GPUs, controller/role_shares.py). Queued jobs go in fair order between
 owners (`fair_order`): one owner's ten queued jobs do not starve another's one. An owner at its
 quota of running jobs, CPUs or GPUs (service/quotas.py) is passed over until one of its jobs
 ends. Requests never wait on it: the Service changes the store and calls `tell` or `stop`, which only
@@ -30,10 +30,13 @@ import ray
 from service.controller_pool import ControllerPool
 from service.files import FileError, FileStore
 from service.job_state import RUN_HOLDING, JobStatus
+from service.keys import ADMIN_OWNER
+from service.owned_paths import OwnedPaths, PathRefused
 from service.quotas import QuotaBook, Usage, fair_order, may_run
 from service.store import JobRecord, JobStore
 from service.tinker_sessions import METHOD as TINKER_METHOD
 from service.tinker_sessions import lost_tinker_model
+from service.tracker_policy import TrackerRefused
 from service.workloads import RL_JOB, Workload, resume_step
 
 log = logging.getLogger("tandem.scheduler")
@@ -65,6 +68,7 @@ class Scheduler:
         self.store = store
         self.workload = workload  # what the jobs table holds; a second kind brings its own table
         self.files = files
+        self.paths: OwnedPaths | None = None  # set by the API (api/app.py), which knows the shared folders
         self.quotas = quotas or QuotaBook()
         self.poll_s = poll_s
         self.runtime_env = runtime_env
@@ -272,13 +276,13 @@ class Scheduler:
             if not self.store.transition(job.id, (S.QUEUED,), S.RUNNING, error=None):
                 return
             self.store.started(job.id, time.time())
-            try:  # upload ids -> stored paths, now that it starts
-                spec = self.files.resolve_refs(job.spec) if self.files else job.spec
-            except FileError as err:
+            first_step = resume_step(self.workload, job.workdir)
+            try:  # upload ids -> stored paths and every path checked again, now that it starts
+                spec = self.spec_to_run(job, first_step > 0)
+            except (FileError, PathRefused, TrackerRefused) as err:
                 self.store.transition(job.id, (S.RUNNING,), S.FAILED, finished_at=time.time(), error=str(err))
                 self.store.add_event(job.id, "failed", str(err))
                 return
-            first_step = resume_step(self.workload, job.workdir)
             self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
             Path(job.workdir).mkdir(parents=True, exist_ok=True)
             restarts = self.store.count_events(job.id, "restart")  # the budget is the job's, not a run's
@@ -286,6 +290,13 @@ class Scheduler:
             actor.begin.remote(job.id, spec, job.workdir, {"restarts": restarts})
             self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step, job.owner)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
+
+    def spec_to_run(self, job: JobRecord, own_checkpoint: bool) -> dict[str, Any]:
+        """The job's spec as its run gets it: its owner's uploads by path, each path it names resolved
+        and still the owner's to name (service/owned_paths.py)."""
+        sees = None if job.owner == ADMIN_OWNER else job.owner
+        spec = self.files.resolve_refs(job.spec, sees) if self.files else job.spec
+        return self.paths.check_spec(spec, sees, own_checkpoint) if self.paths is not None else spec
 
     def _collect(self) -> None:
         with self._lock:

@@ -24,6 +24,7 @@ from controller.spec import JobLabels, JobSpec
 from service.files import FileStore
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from service.keys import ADMIN_OWNER
+from service.owned_paths import FORK_SOURCES
 from service.quotas import QuotaBook, QuotaError, Usage, check_storage, check_submission
 from service.scheduler import Scheduler
 from service.store import JobRecord, JobStore
@@ -32,7 +33,6 @@ from service.usage import measure
 
 log = logging.getLogger("tandem.service")
 S = JobStatus
-FORK_SOURCES = "fork-sources"
 
 
 def _same_weights_shape(parent: JobSpec, child: JobSpec) -> None:
@@ -105,17 +105,16 @@ class Service:
                parent_id: str | None = None, owner: str = ADMIN_OWNER) -> tuple[JobRecord, bool]:  # fmt: skip
         """Queue a job for `owner`; returns (job, created). The same idempotency key and body return the
         first job. Idempotency keys are per owner: another owner's same key is another request."""
-        if idempotency_key:
-            idempotency_key = idempotency_key if owner == ADMIN_OWNER else f"{owner}/{idempotency_key}"
-            existing = self.store.job_by_idempotency_key(idempotency_key)
-            if existing is not None:
-                if existing.request_hash != request_hash:
-                    raise ServiceError(
-                        "this Idempotency-Key was used with a different request body", 409, "Idempotency-Key",
-                        "idempotency_conflict",
-                    )  # fmt: skip
-                return existing, False
-        with self._admit:
+        with self._admit:  # the key's first use and its job's row in one step: no twin on a race
+            if idempotency_key:
+                existing = self.store.job_by_idempotency_key(owner, idempotency_key)
+                if existing is not None:
+                    if existing.request_hash != request_hash:
+                        raise ServiceError(
+                            "this Idempotency-Key was used with a different request body", 409,
+                            "Idempotency-Key", "idempotency_conflict",
+                        )  # fmt: skip
+                    return existing, False
             needs = self.scheduler.workload.needs(spec.model_dump())
             self.check_quota(owner, needs.cpus, needs.gpus)
             self.check_fits_cluster(spec)
@@ -148,9 +147,10 @@ class Service:
         cpus, gpus = needs.cpus, needs.gpus
         total = ray.cluster_resources()
         if cpus > total.get("CPU", 0) or gpus > total.get("GPU", 0):
+            hint = _gpu_hint(spec, gpus, total.get("GPU", 0))
             raise ServiceError(
                 f"resources: the job needs {cpus:g} CPUs and {gpus:g} GPUs (workers x per-worker); the whole "
-                f"cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs",
+                f"cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs{hint}",
                 422, "resources", "insufficient_resources",
             )  # fmt: skip
         largest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
@@ -347,7 +347,9 @@ class Service:
 
     # ---- views ---------------------------------------------------------------------------------
 
-    def cluster(self) -> dict[str, Any]:
+    def cluster(self, sees: str | None = None) -> dict[str, Any]:
+        """The cluster's nodes and capacity, and the jobs running and queued: for `sees` (an owner;
+        None for the admin) its own jobs only, and the nodes without their addresses."""
         nodes = [
             {
                 "node_id": n["NodeID"],
@@ -358,9 +360,11 @@ class Service:
             }
             for n in ray.nodes()
         ]
+        if sees is not None:
+            nodes = [{k: v for k, v in node.items() if k != "address"} for node in nodes]
         total = ray.cluster_resources()
         free_cpu, free_gpu = self.scheduler.free()
-        counts = self.store.counts_by_status()
+        counts = self.store.counts_by_status(sees)
         return {
             "nodes": nodes,
             "cpus": {"total": total.get("CPU", 0), "free": free_cpu},
@@ -374,6 +378,15 @@ class Service:
     def checkpoint_dirs(self, job_id: str, sees: str | None = None) -> list[dict[str, Any]]:
         self.get(job_id, sees)
         return self.store.checkpoints(job_id)
+
+
+def _gpu_hint(spec: JobSpec, gpus: float, cluster_gpus: float) -> str:
+    """What to give when workers whose GPUs are left to the default ask for more GPUs than there are."""
+    groups = [spec.resources, spec.resources.rollout_workers]
+    if gpus <= cluster_gpus or all(g is None or g.gpus_per_worker for g in groups):
+        return ""
+    return ("; a worker left to the default takes a whole GPU: give resources.gpus_per_worker (and "
+            "resources.rollout.gpus_per_worker) as fractions to share GPUs, or fewer workers")  # fmt: skip
 
 
 def _validated_merge(spec: dict[str, Any], overrides: dict[str, Any]) -> JobSpec:

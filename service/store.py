@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT,
     parent_id TEXT,
     workdir TEXT NOT NULL,
-    idempotency_key TEXT UNIQUE,
+    idempotency TEXT,
     request_hash TEXT,
     stop_reason TEXT,
     name TEXT,
@@ -102,10 +102,22 @@ ADDED_COLUMNS = {  # columns added since the first schema: a database made befor
     "run_started_at": "REAL",
     "owner": "TEXT NOT NULL DEFAULT 'admin'",  # jobs made before owners existed are the admin's
     "restart": "TEXT NOT NULL DEFAULT 'null'",
+    "idempotency": "TEXT",  # the client's Idempotency-Key; unique per owner (jobs_idempotency)
 }
+# The key as the client sent it, unique per (owner, key): no encoding of the two into one string,
+# which an admin's key could imitate. Stores made before kept `idempotency_key`, globally unique:
+# an owner's as "owner/key", the admin's as sent; it is read once, into `idempotency`, and no longer
+# written.
+IDEMPOTENCY_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner, idempotency)"
+FROM_ENCODED_KEYS = """
+UPDATE jobs SET idempotency = CASE
+    WHEN owner != ? AND substr(idempotency_key, 1, length(owner) + 1) = owner || '/'
+    THEN substr(idempotency_key, length(owner) + 2) ELSE idempotency_key END
+WHERE idempotency_key IS NOT NULL
+"""
 JOB_COLUMNS = (
     "id, seq, status, method, spec, metadata, created_at, started_at, finished_at, step, total_steps, "
-    "latest_metrics, error, parent_id, workdir, idempotency_key, request_hash, stop_reason, name, tags, notes, "
+    "latest_metrics, error, parent_id, workdir, idempotency, request_hash, stop_reason, name, tags, notes, "
     "active_s, run_started_at, owner, restart"
 )
 JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags", "restart")
@@ -128,7 +140,7 @@ class JobRecord:
     error: str | None
     parent_id: str | None
     workdir: str
-    idempotency_key: str | None = None
+    idempotency: str | None = None  # the Idempotency-Key its submission carried (per owner)
     request_hash: str | None = None
     stop_reason: str | None = None
     name: str | None = None
@@ -167,6 +179,9 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
             for name, kind in ADDED_COLUMNS.items():
                 if name not in have:
                     db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+            if "idempotency" not in have and "idempotency_key" in have:
+                db.execute(FROM_ENCODED_KEYS, (ADMIN_OWNER,))
+            db.execute(IDEMPOTENCY_INDEX)
             db.executescript(METRICS_SCHEMA)
             migrate_keys(db)
             db.executescript(AUDIT_SCHEMA)
@@ -212,7 +227,7 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         self,
         spec: dict[str, Any],
         workdir_root: Path,
-        idempotency_key: str | None = None,
+        idempotency: str | None = None,
         request_hash: str | None = None,
         parent_id: str | None = None,
         owner: str = ADMIN_OWNER,
@@ -229,7 +244,7 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
                 (
                     job_id, seq, status, spec["method"], json.dumps(spec),
                     json.dumps(spec.get("metadata", {})), now, None, None, 0, spec["trainer"]["total_steps"], "{}",
-                    None, parent_id, str(Path(workdir_root) / job_id), idempotency_key, request_hash, None,
+                    None, parent_id, str(Path(workdir_root) / job_id), idempotency, request_hash, None,
                     spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None, owner,
                     "null",
                 ),
@@ -242,9 +257,12 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         row = self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return JobRecord.from_row(row) if row else None
 
-    def job_by_idempotency_key(self, key: str) -> JobRecord | None:
+    def job_by_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
+        """`owner`'s job submitted with Idempotency-Key `key`, if any."""
         row = (
-            self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE idempotency_key = ?", (key,)).fetchone()
+            self._db()
+            .execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owner = ? AND idempotency = ?", (owner, key))
+            .fetchone()
         )
         return JobRecord.from_row(row) if row else None
 
@@ -275,9 +293,9 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         if status:
             where.append(f"status IN ({','.join('?' * len(status))})")
             args.extend(status)
-        for key, value in (metadata or {}).items():
-            where.append("json_extract(metadata, ?) = ?")
-            args.extend([f"$.{key}", value])
+        for key, value in (metadata or {}).items():  # the key as a value, never inside a JSON path
+            where.append("EXISTS (SELECT 1 FROM json_each(jobs.metadata) WHERE key = ? AND value = ?)")
+            args.extend([key, value])
         if after is not None:
             cursor = self.get_job(after)
             if cursor is None or (owner is not None and cursor.owner != owner):
@@ -293,6 +311,14 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
     def jobs_of(self, owner: str) -> list[JobRecord]:
         rows = self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owner = ? ORDER BY seq", (owner,))
         return [JobRecord.from_row(r) for r in rows.fetchall()]
+
+    def owners_resuming_from(self, fragment: str) -> set[str]:
+        """The owners of the jobs whose `checkpoint.resume_from` holds `fragment` (a fork's copy's folder)."""
+        rows = self._db().execute(
+            "SELECT DISTINCT owner FROM jobs WHERE instr(json_extract(spec, '$.checkpoint.resume_from'), ?) > 0",
+            (fragment,),
+        )
+        return {r[0] for r in rows.fetchall()}
 
     def job_owners(self) -> list[str]:
         return [r[0] for r in self._db().execute("SELECT DISTINCT owner FROM jobs").fetchall()]
@@ -360,8 +386,16 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
                 db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
 
-    def counts_by_status(self) -> dict[str, int]:
-        rows = self._db().execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+    def counts_by_status(self, owner: str | None = None) -> dict[str, int]:
+        """Jobs per status: every owner's, or `owner`'s only."""
+        if owner is None:
+            rows = self._db().execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+        else:
+            rows = (
+                self._db()
+                .execute("SELECT status, COUNT(*) FROM jobs WHERE owner = ? GROUP BY status", (owner,))
+                .fetchall()
+            )
         return {r[0]: r[1] for r in rows}
 
     # ---- events, metrics, logs, checkpoints ----------------------------------------------------

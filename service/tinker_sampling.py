@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from service.tinker_futures import Future
+from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
 from service.tinker_service import NAME, TinkerError, TinkerService, host_id, host_of, not_found
 from service.tinker_sessions import (
     METHOD,
@@ -36,11 +37,11 @@ UNSUPPORTED_SAMPLE_FIELDS = {
 }  # fmt: skip
 
 
-def save_for_sampler(svc: TinkerService, owner: str, req: dict[str, Any]) -> Future:
-    model = svc.model(req.get("model_id", ""), owner)
-    if req.get("kind", "snapshot") != "snapshot":
-        raise TinkerError(400, "kind: only 'snapshot' samplers are served (not 'inflight')", "kind")
-    name = req.get("path")
+def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
+    model = svc.model(req.model_id, owner)
+    if req.kind != "snapshot":
+        raise TinkerError(400, f"kind: only 'snapshot' samplers are served (not {req.kind!r})", "kind")
+    name = req.path
     if name is not None and not NAME.match(name):
         raise TinkerError(400, f"path: sampler name {name!r} must match {NAME.pattern}", "path")
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
@@ -70,10 +71,10 @@ def save_for_sampler(svc: TinkerService, owner: str, req: dict[str, Any]) -> Fut
     )
 
 
-def create_sampling_session(svc: TinkerService, owner: str, req: dict[str, Any]) -> str:
-    session = svc.session(req.get("session_id", ""), owner)
-    sampler_id = f"{session.id}:sample:{req.get('sampling_session_seq_id', 0)}:{uuid.uuid4().hex[:6]}"
-    path = req.get("model_path")
+def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingSession) -> str:
+    session = svc.session(req.session_id, owner)
+    sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}:{uuid.uuid4().hex[:6]}"
+    path = req.model_path
     if path:
         parsed = parse_tinker_path(path)
         if parsed is None or parsed[1] != "sampler_weights":
@@ -89,7 +90,7 @@ def create_sampling_session(svc: TinkerService, owner: str, req: dict[str, Any])
         svc.host(base, "model_path")
         sampler = Sampler(sampler_id, owner, base, (folder / "SOURCE").read_text(), path, job.id)
     else:
-        base = req.get("base_model") or ""
+        base = req.base_model or ""
         svc.host(base, "base_model")
         sampler = Sampler(sampler_id, owner, base, None, None, None)
     svc.records.add_sampler(sampler)
@@ -103,41 +104,26 @@ def sampler_view(svc: TinkerService, owner: str | None, sampler_id: str) -> dict
     return {"sampler_id": sampler.id, "base_model": sampler.base_model, "model_path": sampler.tinker_path}
 
 
-def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
-    tokens: list[int] = []
-    for i, chunk in enumerate(prompt.get("chunks") or []):
-        if chunk.get("type", "encoded_text") != "encoded_text":
-            raise TinkerError(400, f"prompt.chunks[{i}]: {chunk.get('type')} chunks are not supported (text only)",
-                              f"prompt.chunks[{i}]")  # fmt: skip
-        tokens += [int(t) for t in chunk.get("tokens") or []]
-    if not tokens:
-        raise TinkerError(400, "prompt: must hold at least one token", "prompt")
-    return tokens
-
-
-def _sampling_params(params: dict[str, Any]) -> dict[str, Any]:
-    out = {"max_tokens": params.get("max_tokens") or 16, "temperature": params.get("temperature", 1.0),
-           "top_p": params.get("top_p", 1.0), "top_k": params.get("top_k", -1), "seed": params.get("seed"),
-           "stop": params.get("stop")}  # fmt: skip
-    checks = (("max_tokens", 1 <= out["max_tokens"] <= MAX_NEW_TOKENS, f"in [1, {MAX_NEW_TOKENS}]"),
-              ("temperature", out["temperature"] >= 0, ">= 0"), ("top_p", 0 < out["top_p"] <= 1, "in (0, 1]"),
-              ("top_k", out["top_k"] == -1 or out["top_k"] >= 1, "-1 or >= 1"))  # fmt: skip
-    for name, ok, bound in checks:
-        if not ok:
-            raise TinkerError(
-                400, f"sampling_params.{name}: {out[name]} must be {bound}", f"sampling_params.{name}"
-            )
+def _sampling_params(params: SamplingParams) -> dict[str, Any]:
+    """The engine's sampling settings; types, finiteness and the seed's range are the model's."""
+    out = params.model_dump()
+    out["max_tokens"] = params.max_tokens or 16
+    if out["max_tokens"] > MAX_NEW_TOKENS:
+        raise TinkerError(400, f"sampling_params.max_tokens: {out['max_tokens']} must be in [1, {MAX_NEW_TOKENS}]",
+                          "sampling_params.max_tokens")  # fmt: skip
+    if out["top_k"] == 0:
+        raise TinkerError(400, "sampling_params.top_k: 0 must be -1 or >= 1", "sampling_params.top_k")
     if isinstance(out["stop"], str):
         out["stop"] = [out["stop"]]
     return out
 
 
-def asample(svc: TinkerService, owner: str, req: dict[str, Any]) -> tuple[Future, list[str]]:
+def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[str]]:
     for name, default in UNSUPPORTED_SAMPLE_FIELDS.items():
-        if req.get(name) not in (default, None, False):
+        if getattr(req, name) not in (default, None, False):
             raise TinkerError(400, f"{name}: not supported by this service (Tandem serves tokens, their "
                               "log-probs and prompt_logprobs)", name)  # fmt: skip
-    sampler_id = req.get("sampling_session_id")
+    sampler_id = req.sampling_session_id
     if not sampler_id:
         raise TinkerError(
             400, "sampling_session_id: required (create a sampling client first)", "sampling_session_id"
@@ -146,14 +132,16 @@ def asample(svc: TinkerService, owner: str, req: dict[str, Any]) -> tuple[Future
     if sampler is None:
         raise not_found("sampler", sampler_id, "sampling_session_id")
     host = svc.hosts[sampler.base_model]
-    prompt = _prompt_tokens(req.get("prompt") or {})
+    prompt = req.prompt.tokens("prompt")
+    if not prompt:
+        raise TinkerError(400, "prompt: must hold at least one token", "prompt")
     svc.check_tokens(host, prompt, "prompt.chunks")
-    num = req.get("num_samples", 1)
-    if not isinstance(num, int) or not 1 <= num <= MAX_SAMPLES:
+    num = req.num_samples
+    if not 1 <= num <= MAX_SAMPLES:
         raise TinkerError(400, f"num_samples: {num} must be in [1, {MAX_SAMPLES}]", "num_samples")
-    params = _sampling_params(req.get("sampling_params") or {})
+    params = _sampling_params(req.sampling_params)
     body = {"op": "sample", "sampler": sampler.path, "prompt": prompt, "num_samples": num,
-            "sampling_params": params, "prompt_logprobs": bool(req.get("prompt_logprobs"))}  # fmt: skip
+            "sampling_params": params, "prompt_logprobs": bool(req.prompt_logprobs)}  # fmt: skip
     sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
 
     def record(ok: dict[str, Any]) -> None:

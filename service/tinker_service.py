@@ -20,6 +20,15 @@ from service.quotas import QuotaBook
 from service.store import JobStore
 from service.tinker_futures import Future, FutureTable
 from service.tinker_hosts import Host, HostOptions, Op
+from service.tinker_requests import (
+    CreateModel,
+    LoadWeights,
+    LoraConfig,
+    OptimizerConfig,
+    OptimStep,
+    SaveWeights,
+    TinkerError,
+)
 from service.tinker_sessions import (
     METHOD,
     ClientSession,
@@ -35,14 +44,6 @@ from service.tinker_wire import write_forward_backward_output
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 BUILTIN_CONTEXT = 512
 SESSION_TTL_S = 600.0  # a session without a heartbeat for this long ends
-
-
-class TinkerError(Exception):
-    """A refused request: HTTP status, message and the field at fault (the SDK shows the message)."""
-
-    def __init__(self, status: int, message: str, field: str | None = None, category: str = "user") -> None:
-        super().__init__(message)
-        self.status, self.message, self.field, self.category = status, message, field, category
 
 
 def not_found(what: str, ident: str, field: str) -> TinkerError:
@@ -148,19 +149,19 @@ class TinkerService:
             )
         raise not_found("training model", model_id, "model_id")
 
-    def create_model(self, owner: str, req: dict[str, Any], load: dict[str, Any] | None = None) -> Future:
-        session = self.session(req["session_id"], owner)
-        host = self.host(req.get("base_model") or "", "base_model")
-        lora = req.get("lora_config") or {}
-        rank = lora.get("rank", 32)
-        if not isinstance(rank, int) or not 1 <= rank <= self.options.max_rank:
+    def create_model(self, owner: str, req: CreateModel, load: dict[str, Any] | None = None) -> Future:
+        session = self.session(req.session_id, owner)
+        host = self.host(req.base_model, "base_model")
+        lora = req.lora_config or LoraConfig()
+        rank = lora.rank
+        if not 1 <= rank <= self.options.max_rank:
             raise TinkerError(400, f"lora_config.rank: {rank} is outside [1, {self.options.max_rank}] "
                               "(the bound of this service)", "lora_config.rank")  # fmt: skip
-        optimizer = req.get("optimizer_config") or {"type": "adamw"}
-        if optimizer.get("type", "adamw") != "adamw":
-            raise TinkerError(400, f"optimizer_config.type: only 'adamw' is served, not {optimizer.get('type')!r}",
+        optimizer = (req.optimizer_config or OptimizerConfig()).model_dump()
+        if optimizer["type"] != "adamw":
+            raise TinkerError(400, f"optimizer_config.type: only 'adamw' is served, not {optimizer['type']!r}",
                               "optimizer_config.type")  # fmt: skip
-        model_id = f"{session.id}:train:{req['model_seq_id']}"
+        model_id = f"{session.id}:train:{req.model_seq_id}"
         if model_id in self.records.models:
             raise TinkerError(400, f"model_seq_id: model {model_id} exists already", "model_seq_id")
         with self._admit:
@@ -169,15 +170,15 @@ class TinkerService:
             if limit is not None and have >= limit:
                 raise TinkerError(403, f"quota tinker_models: owner '{owner}' may have at most {limit} live "
                                   f"training models; it has {have}", "quota.tinker_models")  # fmt: skip
-            job = self.store.create_job(_row_spec(host.base_model, rank, model_id, req), self.home / "jobs",
-                                        owner=owner, status=JobStatus.RUNNING)  # fmt: skip
+            job = self.store.create_job(_row_spec(host.base_model, lora, model_id, req.session_id),
+                                        self.home / "jobs", owner=owner, status=JobStatus.RUNNING)  # fmt: skip
             model = TrainingModel(model_id, job.id, owner, session.id, host.base_model, rank, Path(job.workdir),
                                   optimizer)  # fmt: skip
             self.records.add_model(model)  # now: a second create_model of this id is refused
         self.store.started(job.id, job.created_at)
-        body = {"op": "create_model", "model_id": host_id(model_id), "rank": rank, "seed": lora.get("seed"),
-                "train_attn": lora.get("train_attn", True), "train_mlp": lora.get("train_mlp", True),
-                "train_unembed": lora.get("train_unembed", True)}  # fmt: skip
+        body = {"op": "create_model", "model_id": host_id(model_id), "rank": rank, "seed": lora.seed,
+                "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
+                "train_unembed": lora.train_unembed}  # fmt: skip
 
         def created(ok: dict[str, Any]) -> None:
             self.store.add_event(job.id, "created", f"LoRA rank {rank} on {host.base_model}: "
@@ -260,17 +261,9 @@ class TinkerService:
             merged = dict(model.step_metrics)
         self.store.add_metrics(model.job_id, model.step + 1, merged)
 
-    def optim_step(self, owner: str, req: dict[str, Any]) -> Future:
-        model = self.model(req.get("model_id", ""), owner)
-        adam = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
-                "grad_clip_norm": 0.0, **(req.get("adam_params") or req.get("optim_params") or {})}  # fmt: skip
-        adam.pop("type", None)
-        for name, low, high in (("learning_rate", 0, None), ("beta1", 0, 1), ("beta2", 0, 1), ("eps", 0, None),
-                                ("weight_decay", 0, None), ("grad_clip_norm", 0, None)):  # fmt: skip
-            value = adam.get(name)
-            if not isinstance(value, int | float) or value < low or (high is not None and value >= high):
-                bound = f"[{low}, {high})" if high is not None else f">= {low}"
-                raise TinkerError(400, f"adam_params.{name}: {value} must be {bound}", f"adam_params.{name}")
+    def optim_step(self, owner: str, req: OptimStep) -> Future:
+        model = self.model(req.model_id, owner)
+        adam = req.adam_params.model_dump(exclude={"type"})  # bounds and finiteness: its type
         body = {"op": "optim_step", "model_id": host_id(model.model_id), "adam": adam}
 
         def stepped(ok: dict[str, Any]) -> None:
@@ -286,13 +279,13 @@ class TinkerService:
 
     # ---- state ------------------------------------------------------------------------------------
 
-    def save_state(self, owner: str, req: dict[str, Any]) -> Future:
-        model = self.model(req.get("model_id", ""), owner)
-        name = req.get("path") or f"step-{model.step:06d}"
+    def save_state(self, owner: str, req: SaveWeights) -> Future:
+        model = self.model(req.model_id, owner)
+        name = req.path or f"step-{model.step:06d}"
         if not NAME.match(name):
             raise TinkerError(400, f"path: checkpoint name {name!r} must match {NAME.pattern}", "path")
         folder = checkpoint_folder(model.workdir, "weights", name)
-        if folder.exists() and not req.get("overwrite"):
+        if folder.exists() and not req.overwrite:
             raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
         tinker_path = f"tinker://{model.job_id}/weights/{name}"
         body = {
@@ -324,18 +317,15 @@ class TinkerService:
             raise not_found("checkpoint", path, field)
         return job, folder
 
-    def load_state(self, owner: str, req: dict[str, Any]) -> Future:
-        if req.get("model_id"):
-            model = self.model(req["model_id"], owner)
-            return self._load(model, req["path"], bool(req.get("optimizer")), owner)
-        job, _ = self.resolve_state(req["path"], owner)  # a new training client from a checkpoint
-        base = req.get("base_model") or job.spec["model"]["builtin"]
-        create = {"session_id": req.get("session_id") or "", "model_seq_id": req.get("model_seq_id", 0),
-                  "base_model": base, "lora_config": {"rank": job.spec["model"]["lora"]["rank"]},
-                  "optimizer_config": req.get("optimizer_config") or {"type": "adamw"}}  # fmt: skip
-        return self.create_model(
-            owner, create, load={"path": req["path"], "optimizer": bool(req.get("optimizer"))}
-        )
+    def load_state(self, owner: str, req: LoadWeights) -> Future:
+        if req.model_id:
+            return self._load(self.model(req.model_id, owner), req.path, req.optimizer, owner)
+        job, _ = self.resolve_state(req.path, owner)  # a new training client from a checkpoint
+        create = CreateModel(session_id=req.session_id or "", model_seq_id=req.model_seq_id,
+                             base_model=req.base_model or job.spec["model"]["builtin"],
+                             lora_config=LoraConfig(rank=job.spec["model"]["lora"]["rank"]),
+                             optimizer_config=req.optimizer_config)  # fmt: skip
+        return self.create_model(owner, create, load={"path": req.path, "optimizer": req.optimizer})
 
     def _load(
         self, model: TrainingModel, path: str, optimizer: bool, owner: str, on_fail: Any = None
@@ -402,16 +392,16 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[-100:]
 
 
-def _row_spec(base: str, rank: int, model_id: str, req: dict[str, Any]) -> dict[str, Any]:
+def _row_spec(base: str, lora: LoraConfig, model_id: str, session_id: str) -> dict[str, Any]:
     """The job-store row of a training model: enough for `tandem list`, the dashboard and the views."""
-    lora = req.get("lora_config") or {}
-    targets = [t for t, on in (("attn", lora.get("train_attn", True)), ("mlp", lora.get("train_mlp", True)),
-                               ("unembed", lora.get("train_unembed", True))) if on]  # fmt: skip
+    targets = [t for t, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp),
+                               ("unembed", lora.train_unembed)) if on]  # fmt: skip
+    rank = lora.rank
     return {
         "method": METHOD,
         "model": {"builtin": base, "lora": {"rank": rank, "alpha": rank, "target_modules": targets}},
         "trainer": {"total_steps": 0},
         "name": model_id,
-        "metadata": {"tinker_model_id": model_id, "tinker_session_id": req["session_id"]},
+        "metadata": {"tinker_model_id": model_id, "tinker_session_id": session_id},
         "tags": ["tinker"],
     }

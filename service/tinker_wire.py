@@ -52,6 +52,8 @@ def fields(buf: bytes) -> list[tuple[int, int, Any]]:
     while pos < len(buf):
         key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
+        if number == 0:
+            raise WireError("body", "protobuf field number 0 is not valid")
         if wire == 0:
             value, pos = _varint(buf, pos)
         elif wire == 1:
@@ -69,8 +71,29 @@ def fields(buf: bytes) -> list[tuple[int, int, Any]]:
     return out
 
 
+def _wire(wire: int, want: int, field: str) -> None:
+    """A known field sent with another wire type than its declared one is not this message."""
+    if wire != want:
+        names = {0: "varint", 1: "64-bit", 2: "length-delimited", 5: "32-bit"}
+        raise WireError(field, f"protobuf wire type {names.get(wire, wire)} where {names[want]} is declared")
+
+
+def _text(value: bytes, field: str) -> str:
+    try:
+        return value.decode()
+    except UnicodeDecodeError:
+        raise WireError(field, "a string that is not UTF-8") from None
+
+
+def _double(wire: int, value: Any, field: str) -> float:
+    _wire(wire, 1, field)
+    return struct.unpack("<d", value)[0]
+
+
 def _numbers(raw: bytes, dtype: str, field: str) -> list:
     if dtype == "bfloat16":  # upper 16 bits of a float32
+        if len(raw) % 2:
+            raise WireError(field, f"{len(raw)} bytes are not a whole number of bfloat16 values")
         halves = struct.unpack(f"<{len(raw) // 2}H", raw)
         return list(
             struct.unpack(f"<{len(halves)}f", struct.pack(f"<{len(halves)}I", *(h << 16 for h in halves)))
@@ -84,9 +107,10 @@ def _numbers(raw: bytes, dtype: str, field: str) -> list:
     return list(struct.unpack(f"<{len(raw) // size}{fmt}", raw))
 
 
-def _packed_ints(wire: int, value: Any) -> list[int]:
+def _packed_ints(wire: int, value: Any, field: str) -> list[int]:
     if wire == 0:
         return [value]
+    _wire(wire, 2, field)
     out, pos = [], 0
     while pos < len(value):
         number, pos = _varint(value, pos)
@@ -98,13 +122,15 @@ def _tensor(buf: bytes, field: str) -> dict[str, Any]:
     dense, dtype_code, shape, sparse = b"", 0, [], False
     for number, wire, value in fields(buf):
         if number == 1:
+            _wire(wire, 2, field)
             dense = value
         elif number == 2:
             sparse = True
         elif number == 3:
+            _wire(wire, 0, field)
             dtype_code = value
         elif number == 4:
-            shape += _packed_ints(wire, value)
+            shape += _packed_ints(wire, value, field)
     if sparse:
         raise WireError(field, "sparse (CSR) tensors are not supported by this service; send them dense")
     dtype = DTYPES.get(dtype_code)
@@ -115,11 +141,12 @@ def _tensor(buf: bytes, field: str) -> dict[str, Any]:
     return {"data": data, "dtype": public, "shape": shape or [len(data)]}
 
 
-def _map_entry(buf: bytes) -> tuple[str, list[tuple[int, int, Any]]]:
+def _map_entry(buf: bytes, field: str) -> tuple[str, list[tuple[int, int, Any]]]:
     key, rest = "", []
     for number, wire, value in fields(buf):
         if number == 1:
-            key = value.decode()
+            _wire(wire, 2, field)
+            key = _text(value, field)
         else:
             rest.append((number, wire, value))
     return key, rest
@@ -128,19 +155,28 @@ def _map_entry(buf: bytes) -> tuple[str, list[tuple[int, int, Any]]]:
 def _datum(buf: bytes, where: str) -> dict[str, Any]:
     tokens: list[int] = []
     inputs: dict[str, Any] = {}
-    for number, _wire, value in fields(buf):
+    for number, wire, value in fields(buf):
         if number == 1:  # a Chunk: only encoded_text is served
-            for kind, _w, chunk in fields(value):
+            _wire(wire, 2, f"{where}.model_input")
+            for kind, kind_wire, chunk in fields(value):
                 if kind != 1:
                     name = {2: "image", 3: "dmel"}.get(kind, str(kind))
                     raise WireError(f"{where}.model_input", f"{name} chunks are not supported (text only)")
-                for sub, _w2, raw in fields(chunk):
+                _wire(kind_wire, 2, f"{where}.model_input")
+                for sub, sub_wire, raw in fields(chunk):
                     if sub == 1:
+                        _wire(sub_wire, 2, f"{where}.model_input")
                         tokens += _numbers(raw, "int32", f"{where}.model_input")
         elif number == 2:
-            name, rest = _map_entry(value)
-            tensor = next((v for n, _w, v in rest if n == 2), b"")
-            inputs[name] = _tensor(tensor, f"{where}.loss_fn_inputs.{name}")
+            _wire(wire, 2, f"{where}.loss_fn_inputs")
+            name, rest = _map_entry(value, f"{where}.loss_fn_inputs")
+            where_input = f"{where}.loss_fn_inputs.{name}"
+            tensor = b""
+            for n, tensor_wire, v in rest:
+                if n == 2:
+                    _wire(tensor_wire, 2, where_input)
+                    tensor = v
+            inputs[name] = _tensor(tensor, where_input)
     return {"tokens": tokens, "loss_fn_inputs": inputs}
 
 
@@ -149,28 +185,53 @@ def read_forward_backward(buf: bytes) -> dict[str, Any]:
     forward_only."""
     out: dict[str, Any] = {"model_id": "", "seq_id": 0, "data": [], "loss_fn": "", "forward_only": False}
     config: dict[str, Any] = {}
-    for number, _wire, value in fields(buf):
+    where = "forward_backward_input"
+    for number, wire, value in fields(buf):
+        if number in (1, 3, 4, 5, 7):
+            _wire(wire, 2, _TOP_FIELDS[number])
+        elif number in (2, 6):
+            _wire(wire, 0, _TOP_FIELDS[number])
         if number == 1:
-            out["model_id"] = value.decode()
+            out["model_id"] = _text(value, "model_id")
         elif number == 2:
             out["seq_id"] = value
         elif number == 3:
-            out["data"].append(_datum(value, f"forward_backward_input.data[{len(out['data'])}]"))
+            out["data"].append(_datum(value, f"{where}.data[{len(out['data'])}]"))
         elif number == 4:
-            out["loss_fn"] = value.decode()
-        elif number == 5:
-            key, rest = _map_entry(value)
-            config.setdefault(key, next((struct.unpack("<d", v)[0] for n, _w, v in rest if n == 2), 0.0))
+            out["loss_fn"] = _text(value, f"{where}.loss_fn")
+        elif number in (5, 7):
+            _config_entry(number, value, config)
         elif number == 6:
             out["forward_only"] = bool(value)
-        elif number == 7:  # v2 carries strings too, and wins over the float-only map
-            key, rest = _map_entry(value)
-            for n, _w, v in rest:
-                if n == 2:
-                    for kind, _w2, item in fields(v):
-                        config[key] = struct.unpack("<d", item)[0] if kind == 1 else item.decode()
     out["loss_fn_config"] = config or None
     return out
+
+
+def _config_entry(number: int, value: bytes, config: dict[str, Any]) -> None:
+    """One `loss_fn_config` entry: field 5 maps to a double; field 7 (v2) to a double or a string,
+    and wins over field 5."""
+    where = "forward_backward_input.loss_fn_config"
+    key, rest = _map_entry(value, where)
+    field = f"{where}.{key}"
+    if number == 5:  # a map entry without its value holds the default, 0.0
+        doubles = [_double(wire, item, field) for n, wire, item in rest if n == 2]
+        config.setdefault(key, doubles[-1] if doubles else 0.0)
+        return
+    for n, wire, item in rest:
+        if n != 2:
+            continue
+        _wire(wire, 2, field)
+        for kind, item_wire, inner in fields(item):
+            if kind == 1:
+                config[key] = _double(item_wire, inner, field)
+            elif kind == 2:
+                _wire(item_wire, 2, field)
+                config[key] = _text(inner, field)
+
+
+_TOP_FIELDS = {1: "model_id", 2: "seq_id", 3: "forward_backward_input.data", 4: "forward_backward_input.loss_fn",
+               5: "forward_backward_input.loss_fn_config", 6: "forward_only",
+               7: "forward_backward_input.loss_fn_config"}  # fmt: skip
 
 
 # ---- writing ------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ the store as the service would (the service of these tests runs without Ray: job
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -16,6 +18,25 @@ def make_key(admin: httpx.Client, owner: str, **fields) -> dict:
     made = admin.post("/v1/keys", json={"owner": owner, **fields})
     assert made.status_code == 201, made.text
     return made.json()
+
+
+@contextmanager
+def admin_and_owners(svc: LiveService, *owners: str) -> Iterator[list[httpx.Client]]:
+    """[the admin's client, then one client per owner, each with a new key of its own]."""
+    with svc.client() as admin:
+        clients = [as_key(svc, make_key(admin, owner)["key"]) for owner in owners]
+        try:
+            yield [admin, *clients]
+        finally:
+            for client in clients:
+                client.close()
+
+
+@contextmanager
+def two_owners(svc: LiveService) -> Iterator[list[httpx.Client]]:
+    """[admin, alice, bob]: clients of the admin and of two owners with a key each."""
+    with admin_and_owners(svc, "alice", "bob") as clients:
+        yield clients
 
 
 def as_key(svc: LiveService, key: str, header: str = "bearer") -> httpx.Client:

@@ -99,3 +99,22 @@ def cluster_env(tmp: str) -> dict[str, str]:
     for name in ("RAY_ADDRESS", "TANDEM_HOME"):  # the service must learn its home from --home alone
         env.pop(name, None)
     return env
+
+
+def start_serve(root: Path, env: dict[str, str], token: str, name: str, num_cpus: int) -> Served:
+    """`tandem serve` on a home under `root`, with a local Ray of `num_cpus` CPUs, once it is ready."""
+    (port,) = free_ports(1)
+    url, log = f"http://127.0.0.1:{port}", root / f"{name}.log"
+    args = [str(BIN / "tandem"), "serve", "--port", str(port), "--home", str(root / "home"),
+            "--num-cpus", str(num_cpus)]  # fmt: skip
+    process = start_logged(args, {**env, "TANDEM_ADMIN_TOKEN": token}, log)
+
+    def ready() -> bool:
+        assert process.poll() is None, f"tandem serve exited:\n{log.read_text()[-4000:]}"
+        try:
+            return httpx.get(url + "/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(ready, "tandem serve was not ready", 120, [log])
+    return Served(url, token, root / "home", process, log)

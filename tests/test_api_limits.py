@@ -161,7 +161,7 @@ def test_uploads_are_checked_and_size_limited(api):
 )
 def test_server_paths_outside_the_allowed_roots_are_refused_alike(api, patch, param):
     message = _refused(api.post("/v1/jobs", json=tiny_job(**patch)), 422, param)
-    assert "outside the folders this service may read" in message
+    assert "is not in your uploads, your jobs' outputs or a folder this service shares" in message
     assert "exist" not in message and "no file" not in message
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.api_util import LiveService, tiny_job, wait_for
+from tests.owners_util import upload
 from tests.test_dashboard import CHROMIUM_ARGS, TERMINAL, chromium_path, open_job, sync_api
 
 expect = sync_api.expect
@@ -26,12 +26,11 @@ SAMPLES = 3
 
 @pytest.fixture(scope="module")
 def env_job(live: LiveService, api: httpx.Client) -> dict:
-    data = Path(live.service.home) / "scripted.jsonl"  # under the service's home: a path it may read
     rows = [{"prompt": f"question {i}", "ground_truth": "", "extra": {"turns": 3}} for i in range(4)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data = upload(api, "scripted.jsonl", "".join(json.dumps(row) + "\n" for row in rows).encode())["id"]
     spec = tiny_job(
         model={"builtin": "tiny-qwen2-chat"},
-        data={"train_path": str(data), "builtin_task": None},
+        data={"train_path": data, "builtin_task": None},
         rollout={
             "n": 2,
             "max_new_tokens": 4,
@@ -116,3 +115,29 @@ def test_pinning_a_step_shows_that_steps_trajectories(
     page.fill("#samples-step", "7")  # a step with no samples says so
     page.dispatch_event("#samples-step", "change")
     expect(page.locator("#samples-list")).to_have_text("No samples of step 7.")
+
+
+def test_a_tinker_sample_without_reward_shows_its_sampler_and_response_tokens(
+    page, live: LiveService, api: httpx.Client, env_job: dict
+) -> None:
+    """A row as the Tinker sampler stores it (service/tinker_sampling.py): no reward, nothing trained."""
+    row = {"index": 0, "uid": "smp-1:abc", "prompt": "1 2 3", "sampler": "smp-1", "finish_reason": None,
+           "turns": [{"role": "assistant", "content": "4 5"}], "tokens": {"prompt": 3, "response": 2}}  # fmt: skip
+    live.service.store.add_samples(env_job["id"], 9, [row])
+    open_job(page, live, env_job["id"])
+    page.fill("#samples-step", "9")
+    page.dispatch_event("#samples-step", "change")
+    head = page.locator("#samples-list .sample-head").first
+    expect(head).to_contain_text("step 9 ")
+    text = head.text_content()
+    assert "NaN" not in text and "undefined" not in text and "null" not in text, text
+    assert "sampler smp-1" in text and "1 turn(s)" in text and "2 response tokens" in text, text
+    assert page.locator("#samples-list .sample-reward").count() == 0
+    assert [t["content"] for t in shown_samples_turns(page)] == ["1 2 3", "4 5"]
+
+
+def shown_samples_turns(page) -> list[dict]:
+    return page.evaluate(
+        """() => [...document.querySelectorAll('#samples-list article.sample .turn')].map(t => ({
+            role: t.querySelector('.role').textContent, content: t.querySelector('pre.content').textContent}))"""
+    )

@@ -106,8 +106,11 @@ def test_the_submission_check_takes_model_lora_with_a_split_placement(tmp_path):
     from api.settings import ServeSettings
     from api.validation import Checker
     from service.files import FileStore
+    from service.store import JobStore
 
-    checker = Checker(ServeSettings(), tmp_path, FileStore(tmp_path / "files"))
+    checker = Checker(
+        ServeSettings(), tmp_path, FileStore(tmp_path / "files"), JobStore(tmp_path / "tandem.db")
+    )
     split = {"placement": "split", "workers": 1, "rollout": {"workers": 2}}
     spec = JobSpec.model_validate(
         {"model": {"builtin": "tiny-qwen2", "lora": {"rank": RANK}}, "resources": split}

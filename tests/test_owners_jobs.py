@@ -11,18 +11,14 @@ import pytest
 from api.settings import ServeSettings
 from service.quotas import Quota
 from tests.api_util import start_service, tiny_job, wait_for
-from tests.owners_util import as_key, make_key, owned_job
+from tests.owners_util import admin_and_owners, owned_job
 
 
 @pytest.fixture(scope="module")
 def shared(ray_cluster, tmp_path_factory):
     svc = start_service(tmp_path_factory.mktemp("owners-jobs"), schedule=False)
-    with svc.client() as admin:
-        alice = as_key(svc, make_key(admin, "alice")["key"])
-        bob = as_key(svc, make_key(admin, "bob")["key"])
+    with admin_and_owners(svc, "alice", "bob") as (admin, alice, bob):
         yield svc, admin, alice, bob
-        alice.close()
-        bob.close()
     svc.stop()
 
 

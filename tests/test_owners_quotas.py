@@ -1,7 +1,7 @@
 """Quotas per owner: set live by the admin (and by `tandem serve` flags or a quotas file), refused
 with 429 + Retry-After (queued jobs) or 403 (stored bytes, a job bigger than the quota) naming the
 quota, with nothing created; usage per owner at /v1/usage; and the fair order in which the
-scheduler starts queued jobs. The service runs without Ray: refusals happen before any job could."""
+scheduler starts queued jobs. The service runs without its scheduler: refusals happen before any job could."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ def line(size: int) -> bytes:
     return b'{"p": "' + b"x" * (size - 10) + b'"}\n'
 
 
-ONE_CPU = {"resources": {"workers": 1, "cpus_per_worker": 1}}  # needs no Ray to count its CPUs
+ONE_CPU = {"resources": {"workers": 1, "cpus_per_worker": 1}}
 
 
 @pytest.fixture(scope="module")
-def admin(unscheduled):
+def admin(unscheduled, ray_cluster):  # a job's needs count the GPUs it takes by default: Ray says how many
     with unscheduled.client() as client:
         yield client
 

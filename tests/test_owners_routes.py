@@ -15,20 +15,20 @@ import httpx
 import pytest
 
 from api.deps import TokenScope
-from tests.owners_util import as_key, make_key, owned_job, upload
+from tests.owners_util import make_key, owned_job, two_owners, upload
 
 # operations without a path parameter, and what keeps owners apart on each
 UNSCOPED = {
     ("GET", "/healthz"): "open probe: no data",
     ("GET", "/readyz"): "open probe: no data",
     ("GET", "/v1/version"): "service facts: no owner's data",
-    ("GET", "/v1/cluster"): "service facts: resources and job counts, no ids",
+    ("GET", "/v1/cluster"): "capacity for all; job counts of the caller's own (tests/test_low_findings.py)",
     ("POST", "/v1/jobs"): "creates a job of the caller's (tests/test_owners_jobs.py)",
     (
         "GET",
         "/v1/jobs",
     ): "list: the caller's own (test_lists_searches_and_filters_hold_only_the_callers_work)",
-    ("POST", "/v1/jobs/validate"): "checks a spec; uploads it names must be the caller's",
+    ("POST", "/v1/jobs/validate"): "checks a spec; its uploads and paths must be the caller's",
     ("POST", "/v1/rewards/validate"): "checks a function; an upload it names must be the caller's",
     ("POST", "/v1/files"): "creates a file of the caller's",
     ("GET", "/v1/files"): "list: the caller's own",
@@ -64,12 +64,8 @@ BODIES = {
 
 @pytest.fixture(scope="module")
 def owners(unscheduled):
-    with unscheduled.client() as admin:
-        alice = as_key(unscheduled, make_key(admin, "alice")["key"])
-        bob = as_key(unscheduled, make_key(admin, "bob")["key"])
-        yield admin, alice, bob
-        alice.close()
-        bob.close()
+    with two_owners(unscheduled) as clients:
+        yield clients
 
 
 def operations(app) -> list[tuple[str, str, str | None]]:

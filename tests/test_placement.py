@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from controller import checkpoints
-from controller.resource_pool import job_needs
+from controller.role_shares import Capacity, Share, role_shares
 from controller.sink import JsonlSink
 from controller.spec import JobSpec
 from controller.trainer import Trainer
@@ -147,7 +147,10 @@ def test_placement_settings_are_validated_and_counted():
     spec = JobSpec.model_validate(
         {"resources": {**SPLIT, "cpus_per_worker": 1, "rollout": {"workers": 3, "cpus_per_worker": 2}}}
     )
-    assert job_needs(spec.model_dump())[:2] == (2 * 1 + 3 * 2, 0)
+    assert role_shares(spec.resources, Capacity(cpus=2, gpus=0)) == {
+        "training": Share(2, 1.0, 0.0),
+        "rollout": Share(3, 2.0, 0.0),
+    }  # explicit sizes are kept, whatever the cluster has
     assert spec.resources.rollout_workers.workers == 3
     assert (
         JobSpec.model_validate({"resources": {"placement": "split"}}).resources.rollout_workers.workers == 1

@@ -5,11 +5,11 @@ single-turn job gets the same view, and a bad environment is refused at submissi
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.api_util import tiny_job, wait_for
+from tests.owners_util import upload
 from tests.test_cli import REPO, tandem
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -17,13 +17,11 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 @pytest.fixture(scope="module")
 def env_job(live, api):
-    data = Path(live.service.home) / "rhymes.jsonl"  # under the service's home: a path it may read
-    data.write_text(
-        "".join(json.dumps({"prompt": w, "ground_truth": ""}) + "\n" for w in ("cat", "dog", "sun"))
-    )
+    rows = "".join(json.dumps({"prompt": w, "ground_truth": ""}) + "\n" for w in ("cat", "dog", "sun"))
+    data = upload(api, "rhymes.jsonl", rows.encode())["id"]  # the submitter's own upload
     spec = tiny_job(
         model={"builtin": "tiny-qwen2-chat"},
-        data={"train_path": str(data), "builtin_task": None},
+        data={"train_path": data, "builtin_task": None},
         rollout={
             "n": 2,
             "max_new_tokens": 6,
@@ -84,8 +82,8 @@ def test_single_turn_jobs_store_prompt_response_and_reward(api):
 
 
 def test_a_bad_environment_is_refused_at_submission(live, api):
-    bad = Path(live.service.home) / "bad_env.py"
-    bad.write_text("class Env:\n    def __init__(self, level):\n        pass\n")
+    code = b"class Env:\n    def __init__(self, level):\n        pass\n"
+    bad = live.service.files.path(upload(api, "bad_env.py", code)["id"])  # one's own upload, by path
     for ref, words in (
         (f"{bad}:Env", "constructible without arguments"),
         ("builtin:chess", "not a built-in"),

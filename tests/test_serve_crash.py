@@ -20,22 +20,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from api.reaper import _stat, descendants
 from controller import checkpoints
 from tests.api_util import tiny_job, wait_for, wait_for_step
-from tests.serve_util import (
-    BIN,
-    Served,
-    cluster_env,
-    free_ports,
-    kill_leftovers,
-    start_logged,
-    stop,
-    wait_until,
-)
+from tests.serve_util import cluster_env, kill_leftovers, start_serve, stop, wait_until
 
 TOTAL, EVERY = 200, 6  # the sync job: never run to its end here
 ASYNC_TOTAL, ASYNC_EVERY, K = 200, 4, 1
@@ -44,32 +34,6 @@ PACED = "tests.reward_fns:paced_digit_reward"  # 0.4 s a step at least, however 
 # The sync job's steps take 1.6 s or more: a checkpoint every 6 steps leaves ~8 s in which a step
 # past it has been recorded, for the async job (placed on two workers) to be past its own.
 SLOW_PACED = "tests.reward_fns:slow_paced_digit_reward"
-
-
-def start_serve(root: Path, env: dict[str, str], token: str, name: str) -> Served:
-    (port,) = free_ports(1)
-    url, log = f"http://127.0.0.1:{port}", root / f"{name}.log"
-    args = [
-        str(BIN / "tandem"),
-        "serve",
-        "--port",
-        str(port),
-        "--home",
-        str(root / "home"),
-        "--num-cpus",
-        "4",
-    ]
-    process = start_logged(args, {**env, "TANDEM_ADMIN_TOKEN": token}, log)
-
-    def ready() -> bool:
-        assert process.poll() is None, f"tandem serve exited:\n{log.read_text()[-4000:]}"
-        try:
-            return httpx.get(url + "/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, "tandem serve was not ready", 120, [log])
-    return Served(url, token, root / "home", process, log)
 
 
 @pytest.fixture()
@@ -97,7 +61,7 @@ def test_kill_9_mid_job_then_restart_stores_each_step_once(crash_dir):
     (controller/async_loop.py), so no draw of its loader is trained twice either."""
     root, env = crash_dir
     token = "tdm_" + secrets.token_urlsafe(24)
-    first = start_serve(root, env, token, "first")
+    first = start_serve(root, env, token, "first", num_cpus=4)
     # One CPU a worker: both jobs (three workers) fit the service's 4 CPUs and run side by side.
     specs = {
         "sync": tiny_job(reward={"function": SLOW_PACED}, trainer={"total_steps": TOTAL},
@@ -151,7 +115,7 @@ def test_kill_9_mid_job_then_restart_stores_each_step_once(crash_dir):
         )
 
     killed_step = {mode: recorded_step(db, job["id"]) for mode, job in jobs.items()}
-    second = start_serve(root, env, token, "second")
+    second = start_serve(root, env, token, "second", num_cpus=4)
     rows = {}
     try:
         with second.client() as client:

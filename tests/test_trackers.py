@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from api.settings import ServeSettings
 from controller.sink import JsonlSink
 from controller.spec import JobSpec
 from controller.trackers import TrackerSink, with_trackers
 from controller.trackers.base import RUN_IDS_FILE
-from tests.api_util import tiny_job, wait_for
+from tests.api_util import start_service, tiny_job, wait_for
 from tests.tracker_records import (
     mlflow_client,
     tensorboard_scalars,
@@ -30,8 +31,19 @@ from tests.tracker_records import (
 )
 
 ALL = ["tensorboard", "wandb", "mlflow"]
+MLFLOW_SERVER = "mlflow.example.internal:5000"
 SAMPLE = {"index": 0, "prompt": "1+2=", "turns": [{"role": "assistant", "content": "3"}], "reward": 1.0,
           "finish_reason": "stop"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def live(ray_cluster, tmp_path_factory):
+    """The suite's live service, its operator allowing W&B and one MLflow server (tandem serve
+    --allow-wandb --allow-tracker-host)."""
+    settings = ServeSettings(allow_wandb=True, tracker_hosts=[MLFLOW_SERVER])
+    svc = start_service(tmp_path_factory.mktemp("service"), settings=settings)
+    yield svc
+    svc.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -150,11 +162,12 @@ def test_no_loggers_means_no_wrapper_and_unknown_ones_are_refused(tmp_path: Path
 
 def test_a_local_mlflow_folder_outside_the_allowed_ones_is_refused_at_the_door(api) -> None:
     spec = tiny_job(trainer={"loggers": ["mlflow"], "mlflow_uri": "file:///etc/tandem-mlruns"})
-    refused = api.post("/v1/jobs/validate", json=spec)
-    assert refused.status_code == 422 and refused.json()["error"]["param"] == "trainer.mlflow_uri", (
-        refused.text
-    )
-    spec["trainer"]["mlflow_uri"] = "http://mlflow.example.internal:5000"  # a server: the job's business
+    for uri, code in (("file:///etc/tandem-mlruns", "path_not_allowed"),
+                      ("http://mlflow.example.internal:5001", "tracker_not_allowed")):  # fmt: skip
+        spec["trainer"]["mlflow_uri"] = uri
+        refused = api.post("/v1/jobs/validate", json=spec).json()["error"]
+        assert (refused["param"], refused["code"]) == ("trainer.mlflow_uri", code), refused
+    spec["trainer"]["mlflow_uri"] = f"http://{MLFLOW_SERVER}"  # a server the operator allows
     assert api.post("/v1/jobs/validate", json=spec).status_code == 200
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from controller.dispatch import MeshLayout
-from controller.resource_pool import ResourcePool, cpus_per_worker
+from controller.resource_pool import ResourcePool, cluster_capacity, job_shares
+from controller.spec_resources import ResourcesSpec
 from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups, ready_all
 from engines.host_memory import transparent_huge_pages
 from engines.threads import logical_cpus, physical_cores
@@ -365,10 +366,9 @@ def test_auto_cpus_take_the_cores_and_ranks_use_them_as_threads(ray_cluster):
     """The test Ray advertises 8 CPUs on fewer cores: a job without resources takes the cores, not
     the 8, and its rank runs that many torch threads (Ray alone would leave it one per CPU asked)."""
     cores = physical_cores()
-    assert cpus_per_worker(1, None) == min(8, cores)
-    assert cpus_per_worker(2, None) == max(1, min(8, cores) // 2)
-    assert cpus_per_worker(3, 1.5) == 1.5  # an explicit request is kept
-    pool = ResourcePool(bundles=1, cpus_per_bundle=cpus_per_worker(1, None))
+    assert cluster_capacity().cpus == min(8, cores)
+    assert job_shares(ResourcesSpec())["training"].cpus == min(8, cores)
+    pool = ResourcePool.for_resources(ResourcesSpec())
     try:
         group = RayWorkerGroup(pool, ThreadsWorker, group_name="threads", share=0.5)
         # share 0.5 asks Ray for 1 CPU when cores = 2; idle OpenMP threads sleep rather than spin

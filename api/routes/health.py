@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from api.deps import ADMIN, AUTH_ERRORS, READ, ServiceDep
+from api.deps import ADMIN, AUTH_ERRORS, READ, CallerDep, ServiceDep
 
 VERSION = "0.1.0"
 
@@ -87,8 +87,10 @@ def service_process() -> dict[str, Any]:
 
 
 @router.get("/v1/cluster", dependencies=READ, responses=AUTH_ERRORS)
-def cluster(service: ServiceDep) -> dict[str, Any]:
-    return service.cluster()
+def cluster(service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+    """The nodes, the CPUs and GPUs in all and free, and the jobs running and queued: the caller's
+    own jobs (an admin's: everyone's); node addresses for an admin only."""
+    return service.cluster(caller.sees)
 
 
 @router.get("/metrics", dependencies=READ, include_in_schema=False)

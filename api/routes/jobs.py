@@ -24,12 +24,14 @@ from api.deps import (
     ServiceDep,
 )
 from api.errors import APIError, documented
+from api.settings import ServeSettings
 from api.views import EncodedSummary, job_view, listing_json
-from controller.spec import JobSpec
+from controller.spec import METADATA_KEY, JobSpec
 
 router = APIRouter(
     prefix="/v1/jobs", tags=["jobs"], route_class=CheckedRoute, responses={**AUTH_ERRORS, **documented(404)}
 )
+IDEMPOTENCY_KEY_MAX_CHARS = 255
 JobStatus = Literal[
     "queued", "running", "pausing", "paused", "cancelling", "succeeded", "failed", "cancelled"
 ]
@@ -55,6 +57,9 @@ def create_job(
     """Queue a job; it belongs to the key's owner. Uploaded files it names must be the owner's."""
     checker.submittable(spec, caller.sees)
     key = request.headers.get("idempotency-key")
+    if key is not None and len(key) > IDEMPOTENCY_KEY_MAX_CHARS:
+        raise APIError(422, f"Idempotency-Key: {len(key)} characters; at most {IDEMPOTENCY_KEY_MAX_CHARS} are "
+                       "allowed", "Idempotency-Key", "too_long")  # fmt: skip
     body_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     job, created = service.submit(spec, key, body_hash, owner=caller.owner)
     if not created:
@@ -78,6 +83,7 @@ async def list_jobs(
     service: ServiceDep,
     hot: HotReadsDep,
     caller: CallerDep,
+    checker: CheckerDep,
     owner: OwnerQuery = None,
     status: list[JobStatus] | None = Query(None, description="filter by status; repeatable"),
     metadata: list[str] | None = Query(None, description="filter by metadata, 'key:value'; repeatable"),
@@ -88,12 +94,7 @@ async def list_jobs(
 ) -> Response:
     """Newest first, as summaries without the spec (GET /v1/jobs/{id} has it): the caller's own jobs
     (an admin's: everyone's, or `owner`'s)."""
-    filters: dict[str, str] = {}
-    for item in metadata or []:
-        key, sep, value = item.partition(":")
-        if not sep:
-            raise APIError(422, f"metadata filter '{item}' must be 'key:value'", "metadata", "invalid_value")
-        filters[key] = value
+    filters = metadata_filters(metadata or [], checker.settings)
     owner = caller.viewing(owner)
 
     def read() -> tuple[list[EncodedSummary], bool]:
@@ -105,6 +106,30 @@ async def list_jobs(
 
     page = ("jobs", tuple(status or ()), tuple(filters.items()), after, limit, q, tag, owner)
     return await hot.answer(request, page, "jobs", read, render_page)
+
+
+def metadata_filters(items: list[str], settings: ServeSettings) -> dict[str, str]:
+    """`key:value` filters as {key: value}; a key or value no job's metadata could hold is a 422 (a
+    submission's metadata: JobSpec's key pattern, api/validation.py's limits)."""
+    if len(items) > settings.metadata_max_keys:
+        raise APIError(422, f"metadata: {len(items)} filters; a job has at most {settings.metadata_max_keys} "
+                       "metadata keys", "metadata", "too_many_keys")  # fmt: skip
+    filters: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition(":")
+        if not sep:
+            raise APIError(
+                422, f"metadata filter '{item[:64]}' must be 'key:value'", "metadata", "invalid_value"
+            )
+        if not METADATA_KEY.fullmatch(key):
+            raise APIError(422, f"metadata filter '{item[:64]}': a key is letters, digits and _ . - /, not "
+                           "starting with . - /", "metadata", "invalid_value")  # fmt: skip
+        most_key, most_value = settings.metadata_max_key_chars, settings.metadata_max_value_chars
+        if len(key) > most_key or len(value) > most_value:
+            raise APIError(422, f"metadata filter '{item[:64]}...': a key holds at most {most_key} characters, a "
+                           f"value {most_value}", "metadata", "too_long")  # fmt: skip
+        filters[key] = value
+    return filters
 
 
 def render_page(page: tuple[list[EncodedSummary], bool]) -> bytes:
@@ -174,7 +199,9 @@ def fork(
     body: ForkRequest = Body(default_factory=ForkRequest),
 ) -> dict[str, Any]:
     """A new job of the caller's own from a checkpoint of a job it can see."""
-    checker.submittable(service.merged_spec(job_id, body.overrides, caller.sees), caller.sees)
+    spec = service.merged_spec(job_id, body.overrides, caller.sees)
+    # The fork resumes from its own copy of the parent's checkpoint, whatever resume_from said.
+    checker.submittable(spec.merged({"checkpoint": {"resume_from": None}}), caller.sees)
     return job_view(service.fork(job_id, body.checkpoint_step, body.overrides, caller.sees, caller.owner))
 
 

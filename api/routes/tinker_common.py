@@ -1,4 +1,4 @@
-"""What every Tinker API route shares: the caller, the JSON body, and the SDK's error shape.
+"""What every Tinker API route shares: the caller, its answers, and the SDK's error shape.
 
 The official SDK reads a failure as `{"error": str, "category": "user"|"server"|"unknown"}`
 (`tinker/types/request_failed_response.py`); Tandem adds `param`, the field at fault. Statuses are
@@ -8,18 +8,14 @@ chosen for the SDK's retry rules (`InternalClientHolder._is_retryable_status_cod
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from api.auth import Caller
+from api.errors import tinker_error_body
 from service.tinker_service import TinkerError, TinkerService
-
-
-def tinker_error_body(message: str, field: str | None, category: str = "user") -> dict[str, Any]:
-    return {"error": message, "category": category, "param": field}
 
 
 def install_tinker_errors(app: FastAPI) -> None:
@@ -34,24 +30,6 @@ def tinker(request: Request) -> TinkerService:
 
 async def caller(request: Request, scope: str = "write") -> Caller:
     return await request.app.state.auth.require(request, scope)
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError as err:
-        raise TinkerError(400, f"body: the request body is not valid JSON ({err})", "body") from None
-    if not isinstance(body, dict):
-        raise TinkerError(400, "body: must be a JSON object", "body")
-    return body
-
-
-def text(body: dict[str, Any], key: str) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or not value:
-        raise TinkerError(400, f"{key}: required, a non-empty string", key)
-    return value
 
 
 def future_answer(future: Any, **extra: Any) -> dict[str, Any]:

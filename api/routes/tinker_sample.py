@@ -8,8 +8,10 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from api.routes.tinker_common import caller, future_answer, json_body, tinker
+from api.routes.tinker_common import caller, future_answer, tinker
+from api.tinker_bodies import parsed
 from service import tinker_sampling as sampling
+from service.tinker_requests import CreateSamplingSession, Sample
 from service.tinker_sessions import list_checkpoints
 
 router = APIRouter(
@@ -20,14 +22,16 @@ router = APIRouter(
 @router.post("/create_sampling_session", summary="Tinker: a sampler on a base model or a sampler checkpoint")
 async def create_sampling_session(request: Request) -> dict[str, Any]:
     who = await caller(request)
-    sampler_id = sampling.create_sampling_session(tinker(request), who.owner, await json_body(request))
+    sampler_id = sampling.create_sampling_session(
+        tinker(request), who.owner, await parsed(request, CreateSamplingSession)
+    )
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
 
 @router.post("/asample", summary="Tinker: sample completions (and log-probs) from a sampler")
 async def asample(request: Request) -> dict[str, Any]:
     who = await caller(request)
-    future, sequence_ids = sampling.asample(tinker(request), who.owner, await json_body(request))
+    future, sequence_ids = sampling.asample(tinker(request), who.owner, await parsed(request, Sample))
     return future_answer(future, sample_sequence_ids=sequence_ids)
 
 

@@ -10,7 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from api.routes.tinker_common import caller, json_body, text, tinker, tinker_error_body
+from api.routes.tinker_common import caller, tinker, tinker_error_body
+from api.tinker_bodies import parsed
+from service.tinker_requests import MAX_TAGS, CreateSession, FutureRef, SessionRef
 from service.tinker_service import TinkerError
 
 router = APIRouter(
@@ -19,7 +21,8 @@ router = APIRouter(
 LONG_POLL_S = 10.0  # retrieve_future waits this long before `try_again` (the SDK allows 45 s)
 
 # The SDK's feature flags (tinker/types/client_config_response.py): plain API keys, httpx transport,
-# uncompressed protobuf forward_backward, per-request future polling, client-side custom losses.
+# uncompressed protobuf forward_backward in chunks of at most 1024 datums or ~5 MB, per-request
+# future polling, client-side custom losses.
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "credential_default_source": "api_key",
@@ -29,6 +32,7 @@ CLIENT_CONFIG = {
     "custom_loss_server_side": False,
     "sample_join_sampling_session": False,
     "fwdbwd_max_chunk_len": 1024,
+    "fwdbwd_max_chunk_bytes_count": 5_000_000,  # the chunk size the body caps are sized from (api/settings.py)
 }
 DYNAMIC_CONFIG = {
     "refresh_interval_sec": 300,
@@ -63,9 +67,8 @@ async def capabilities(request: Request) -> dict[str, Any]:
 @router.post("/create_session", summary="Tinker: start a client session")
 async def create_session(request: Request) -> dict[str, Any]:
     who = await caller(request)
-    body = await json_body(request)
-    tags = [str(t) for t in body.get("tags") or []][:32]
-    session = tinker(request).create_session(who.owner, tags)
+    body = await parsed(request, CreateSession)
+    session = tinker(request).create_session(who.owner, body.tags[:MAX_TAGS])
     return {"type": "create_session", "session_id": session.id}
 
 
@@ -74,7 +77,7 @@ async def heartbeat(request: Request) -> dict[str, Any]:
     who = await caller(request)
     svc = tinker(request)
     svc.expire_sessions()
-    session = svc.session(text(await json_body(request), "session_id"), who.sees)
+    session = svc.session((await parsed(request, SessionRef)).session_id, who.sees)
     session.last_heartbeat = time.time()
     return {"type": "session_heartbeat"}
 
@@ -106,7 +109,7 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
 @router.post("/retrieve_future", summary="Tinker: a future's result, or try_again")
 async def retrieve_future(request: Request) -> Any:
     who = await caller(request)
-    request_id = text(await json_body(request), "request_id")
+    request_id = (await parsed(request, FutureRef)).request_id
     future = tinker(request).futures.get(request_id, who.sees)
     if future is None:
         raise TinkerError(
@@ -126,7 +129,7 @@ async def retrieve_future(request: Request) -> Any:
 @router.post("/cancel_future", summary="Tinker: cancel a queued request")
 async def cancel_future(request: Request) -> dict[str, Any]:
     who = await caller(request)
-    request_id = text(await json_body(request), "request_id")
+    request_id = (await parsed(request, FutureRef)).request_id
     futures = tinker(request).futures
     future = futures.get(request_id, who.sees)
     if future is None:

@@ -148,7 +148,7 @@ export class JobsView {
     $("cl-running").textContent = cluster.jobs.running;
     $("cl-queued").textContent = cluster.jobs.queued;
     $("cl-node-rows").replaceChildren(...cluster.nodes.map((n) => el("tr", {},
-      el("td", { class: "mono" }, n.node_id.slice(0, 12)), el("td", {}, n.address),
+      el("td", { class: "mono" }, n.node_id.slice(0, 12)), el("td", {}, n.address ?? "-"),  // an admin's view only
       el("td", { class: "num" }, formatNumber(n.cpus)), el("td", { class: "num" }, formatNumber(n.gpus)),
       el("td", {}, n.alive ? "yes" : "no"))));
   }

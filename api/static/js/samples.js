@@ -2,7 +2,8 @@
 //
 // Data: GET /v1/jobs/{id}/samples?step=N (controller/trajectory_view.py). By default the panel
 // follows the job's latest step; typing a step pins it. Each trajectory shows its reward, finish
-// reason and how many response tokens were trained on (sampled) versus observation/template.
+// reason and how many response tokens were trained on (sampled) versus observation/template; a
+// Tinker sampler's sample, which has no reward and trained nothing, its sampler and response tokens.
 
 import { get, query } from "./api.js";
 import { el, showError } from "./ui.js";
@@ -55,12 +56,18 @@ export class SamplesPanel {
 function renderSample(sample) {
   const tokens = sample.tokens || {};
   const head = el("div", { class: "sample-head" },
-    el("b", {}, `#${sample.index}`), ` step ${sample.step} · reward `,
-    el("b", { class: "sample-reward" }, Number(sample.reward).toFixed(3)),
-    ` · ${sample.finish_reason} · ${sample.turns.length} turn(s) · trained ${tokens.trained}/${tokens.response} tokens`,
+    el("b", {}, `#${sample.index}`), ` step ${sample.step}`,
+    // A Tinker sampler's rows have no reward and nothing trained: they say which sampler drew them.
+    ...(Number.isFinite(sample.reward)
+      ? [" · reward ", el("b", { class: "sample-reward" }, sample.reward.toFixed(3))] : []),
+    ...(sample.sampler ? [" · sampler ", el("b", { class: "sample-sampler" }, sample.sampler)] : []),
+    ...(sample.finish_reason ? [` · ${sample.finish_reason}`] : []),
+    ` · ${(sample.turns || []).length} turn(s) · `,
+    Number.isFinite(tokens.trained) ? `trained ${tokens.trained}/${tokens.response} tokens`
+      : `${tokens.response ?? "?"} response tokens`,
     ...(sample.trajectory ? [` · agent trajectory `, el("b", { class: "sample-trajectory" }, sample.trajectory.id),
       ` (task ${sample.uid}; ${sample.trajectory.segment})`] : []));
-  const turns = sample.turns.map((turn) => el("div", { class: `turn turn-${turn.role}` },
+  const turns = (sample.turns || []).map((turn) => el("div", { class: `turn turn-${turn.role}` },
     el("span", { class: "role" }, turn.role), el("pre", { class: "content" }, turn.content)));
   return el("article", { class: "sample" }, head,
     el("div", { class: "turn turn-prompt" }, el("span", { class: "role" }, "prompt"),

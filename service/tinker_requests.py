@@ -1,0 +1,293 @@
+"""The Tinker API's request bodies, typed: what each route reads, checked before anything is looked up.
+
+Each model names the fields the SDK sends (tinker 0.38.0, `tinker/types/*_request.py`) with types
+strict enough that a wrong type is refused, never coerced or left to fail deeper (a tag that is a
+number, a `lora_config` that is a string, a token that is text). Floats must be finite (a NaN
+learning rate would poison the adapter on its first step); seeds are 63-bit (what torch's
+generator takes, and SQLite stores). Fields the SDK may add later are ignored, as its own models
+would be on an older server. `parse_body` turns a body into a model or a `TinkerError` (400) that
+names the dotted field, so the SDK shows it instead of retrying.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+SEED_LIMIT = 2**63
+MAX_TAGS = 32
+Id = Annotated[str, Field(min_length=1, max_length=512)]
+Token = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+
+
+class TinkerError(Exception):
+    """A refused request: HTTP status, message and the field at fault (the SDK shows the message)."""
+
+    def __init__(self, status: int, message: str, field: str | None = None, category: str = "user") -> None:
+        super().__init__(message)
+        self.status, self.message, self.field, self.category = status, message, field, category
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", protected_namespaces=())
+
+
+class CreateSession(Body):
+    tags: list[Annotated[str, Field(max_length=256)]] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+
+
+class SessionRef(Body):
+    session_id: Id
+
+
+class FutureRef(Body):
+    request_id: Id
+
+
+class ModelRef(Body):
+    model_id: Id
+
+
+class LoraConfig(Body):
+    rank: int = Field(32, ge=1, le=1 << 20)
+    seed: Seed | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfig(Body):
+    type: str = Field("adamw", max_length=64)
+
+
+class CreateModel(Body):
+    session_id: Id
+    model_seq_id: int = Field(..., ge=0, lt=SEED_LIMIT)
+    base_model: Id
+    lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class AdamParams(Body):
+    type: Literal["adam", "adamw"] | None = None
+    learning_rate: float = Field(1e-4, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip_norm: float = Field(0.0, ge=0)
+
+
+class OptimStep(Body):
+    model_id: Id
+    adam_params: AdamParams = Field(
+        default_factory=AdamParams, validation_alias=AliasChoices("adam_params", "optim_params", "optimizer_params")
+    )  # fmt: skip
+
+
+class SaveWeights(Body):
+    model_id: Id
+    path: str | None = Field(None, max_length=512)
+    overwrite: bool = False
+    kind: str = Field("snapshot", max_length=64)
+
+
+class LoadWeights(Body):
+    path: Id
+    optimizer: bool = False
+    model_id: Id | None = None
+    session_id: Id | None = None
+    model_seq_id: int = Field(0, ge=0, lt=SEED_LIMIT)
+    base_model: Id | None = None
+    optimizer_config: OptimizerConfig | None = None
+
+
+class CreateSamplingSession(Body):
+    session_id: Id
+    sampling_session_seq_id: int = Field(0, ge=0, lt=SEED_LIMIT)
+    base_model: Id | None = None
+    model_path: Id | None = None
+
+
+class Chunk(Body):
+    """Text, or an image or audio chunk: typed so that the refusal says which kind is not served."""
+
+    type: Literal["encoded_text", "image", "image_asset_pointer", "dmel"] = "encoded_text"
+    tokens: list[Token] = Field(default_factory=list)
+
+
+class ModelInput(Body):
+    chunks: list[Chunk] = Field(default_factory=list)
+
+    def tokens(self, where: str) -> list[int]:
+        out: list[int] = []
+        for j, chunk in enumerate(self.chunks):
+            if chunk.type != "encoded_text":
+                raise TinkerError(400, f"{where}.chunks[{j}]: {chunk.type} chunks are not supported (text only)",
+                                  f"{where}.chunks[{j}]")  # fmt: skip
+            out += chunk.tokens
+        return out
+
+
+class Tensor(Body):
+    data: list[float] = Field(default_factory=list)  # finite; an int64 tensor's are whole (then ints)
+    dtype: Literal["float32", "int64"] = "float32"
+    shape: list[Annotated[int, Field(ge=0, le=1 << 40)]] | None = Field(None, max_length=8)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Tensor:
+        if self.dtype == "int64":
+            if not all(v.is_integer() for v in self.data):
+                raise ValueError("an int64 tensor holds whole numbers only")
+            self.data = [int(v) for v in self.data]
+        size = 1
+        for dim in self.shape or [len(self.data)]:
+            size *= dim
+        if size != len(self.data):
+            raise ValueError(f"shape {self.shape} holds {size} values; data has {len(self.data)}")
+        return self
+
+    def plain(self) -> dict[str, Any]:
+        return {"data": self.data, "dtype": self.dtype, "shape": list(self.shape or [len(self.data)])}
+
+
+class Datum(Body):
+    model_input: ModelInput
+    loss_fn_inputs: dict[Annotated[str, Field(max_length=128)], Tensor] = Field(default_factory=dict)
+
+
+ConfigValue = Annotated[float, Field(allow_inf_nan=False)] | Annotated[str, Field(max_length=256)]
+
+
+class ForwardInput(Body):
+    data: list[Datum] = Field(default_factory=list)
+    loss_fn: str = Field("", max_length=128)
+    loss_fn_config: dict[Annotated[str, Field(max_length=128)], ConfigValue] | None = None
+
+
+class ForwardBackward(Body):
+    """A JSON ForwardBackwardRequest (curl); the SDK sends the same as protobuf (service/tinker_wire.py)."""
+
+    model_id: str = Field("", max_length=512)
+    forward_backward_input: ForwardInput = Field(default_factory=ForwardInput)
+    forward_only: bool = False
+
+    def plain(self) -> dict[str, Any]:
+        """In the shape the protobuf reader gives (service/tinker_wire.py `read_forward_backward`)."""
+        given = self.forward_backward_input
+        data = [{"tokens": d.model_input.tokens(f"forward_backward_input.data[{i}].model_input"),
+                 "loss_fn_inputs": {name: t.plain() for name, t in d.loss_fn_inputs.items()}}
+                for i, d in enumerate(given.data)]  # fmt: skip
+        return {"model_id": self.model_id, "data": data, "loss_fn": given.loss_fn,
+                "loss_fn_config": given.loss_fn_config, "forward_only": self.forward_only}  # fmt: skip
+
+
+class WireDatum(Body):
+    """A datum as the protobuf reader gives it: checked like a JSON one (finite, consistent)."""
+
+    tokens: list[Token]
+    loss_fn_inputs: dict[str, Tensor]
+
+
+class WireInput(Body):
+    data: list[WireDatum]
+    loss_fn: str = Field("", max_length=128)
+    loss_fn_config: dict[str, ConfigValue] | None = None
+
+
+class WireForward(Body):
+    """The protobuf reader's request, nested as the JSON one so that a refusal names the same field."""
+
+    model_id: str = Field("", max_length=512)
+    forward_backward_input: WireInput
+    forward_only: bool = False
+
+    @classmethod
+    def of(cls, read: dict[str, Any]) -> WireForward:
+        given = {k: read[k] for k in ("data", "loss_fn", "loss_fn_config")}
+        return checked(cls, {"model_id": read["model_id"], "forward_only": read["forward_only"],
+                             "forward_backward_input": given})  # fmt: skip
+
+    def plain(self) -> dict[str, Any]:
+        given = self.forward_backward_input.model_dump()
+        return {"model_id": self.model_id, "forward_only": self.forward_only, **given}
+
+
+class SamplingParams(Body):
+    max_tokens: int | None = Field(None, ge=1, lt=SEED_LIMIT)
+    seed: Seed | None = None
+    stop: Annotated[str, Field(max_length=1024)] | list[Annotated[str, Field(max_length=1024)]] | list[Token] | None = (
+        Field(None, max_length=64)
+    )  # fmt: skip
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_k: int = Field(-1, ge=-1, lt=SEED_LIMIT)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class Sample(Body):
+    sampling_session_id: Id | None = None
+    prompt: ModelInput
+    num_samples: int = Field(1, ge=1, lt=SEED_LIMIT)
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def refusal(err: ValidationError) -> TinkerError:
+    """The first validation error as a 400 naming its dotted field (`sampling_params.max_tokens`)."""
+    first = err.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        why = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return TinkerError(400, f"body: the request body is not valid JSON ({why})", "body")
+    field = dotted(first["loc"])
+    return TinkerError(400, f"{field}: {first['msg']}", field)
+
+
+def dotted(loc: tuple[Any, ...]) -> str:
+    """`("data", 0, "model_input")` as `data[0].model_input`, without the union members pydantic
+    names in it (`stop`'s `list[constrained-str]`, a config value's `float`)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif not (part in _PRIMITIVES or part.startswith(("constrained-", "list[", "function-"))):
+            out += f".{part}" if out else part
+    return out or "body"
+
+
+_PRIMITIVES = {"str", "int", "float", "bool"}
+
+
+def parse_body(model: type[Model], raw: bytes) -> Model:
+    """`raw` (JSON; empty is `{}`) as `model`, or a TinkerError naming the field."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as err:
+        raise refusal(err) from None
+
+
+def checked(model: type[Model], value: dict[str, Any]) -> Model:
+    """Already-decoded python (the protobuf reader's) as `model`, or a TinkerError naming the field."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as err:
+        raise refusal(err) from None

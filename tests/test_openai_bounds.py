@@ -1,0 +1,136 @@
+"""Bounded work per call on a job's OpenAI-compatible endpoint, against a real service (uvicorn,
+Ray, SQLite) and one external job on tiny-qwen2-chat (a 512-token context): a prompt or max_tokens
+beyond the context is a 400 naming the field before anything is generated, and one long call
+does not keep the job's other calls from being answered."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+
+from controller.external_bounds import CALL_TOKEN_BUDGET, new_tokens
+from controller.external_spec import server_name
+from controller.external_store import TrajectoryError
+from tests.api_util import tiny_job
+from tests.test_openai_endpoint import submit_external
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+CONTEXT = 512  # tiny-qwen2-chat's max_position_embeddings
+
+
+@pytest.fixture(scope="module")
+def job(live, api):
+    spec = tiny_job(
+        model={"builtin": "tiny-qwen2-chat"},
+        rollout={"source": "external", "external": {"group_size": 1, "trajectories_per_step": 1,
+                                                     "max_pending": 64}},
+        trainer={"total_steps": 1, "val_every": 0}, checkpoint={"every": 0},
+    )  # fmt: skip
+    job_id = submit_external(api, spec)
+    yield job_id
+    api.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def chat(client: httpx.Client, job: str, tid: str, content: str, **fields) -> httpx.Response:
+    body = {"model": job, "messages": [{"role": "user", "content": content}], **fields}
+    return client.post(
+        f"/v1/jobs/{job}/openai/trajectories/{tid}/v1/chat/completions", json=body, timeout=120
+    )
+
+
+def engine_calls(job: str) -> float:
+    actor = ray.get_actor(server_name(job))
+    return ray.get(actor.stats.remote(), timeout=30)["external/engine_calls_total"]
+
+
+def refused(response: httpx.Response, param: str) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == "context_length_exceeded", error
+    return error["message"]
+
+
+def test_a_prompt_beyond_the_context_is_400_naming_messages_before_generating(api, job):
+    before = engine_calls(job)
+    message = refused(chat(api, job, "long-1", "12+34= " * 5000, max_tokens=4), "messages")
+    assert f"context is {CONTEXT} tokens" in message
+    completion = api.post(f"/v1/jobs/{job}/openai/trajectories/long-2/v1/completions",
+                          json={"model": job, "prompt": "1+1= " * 2000, "max_tokens": 4})  # fmt: skip
+    refused(completion, "prompt")
+    assert engine_calls(job) == before  # nothing was generated
+    for tid in ("long-1", "long-2"):  # and nothing stored
+        assert api.get(f"/v1/jobs/{job}/trajectories/{tid}").status_code == 404
+
+
+def test_max_tokens_beyond_the_room_left_is_400_naming_it_and_a_default_fits(api, job):
+    message = refused(chat(api, job, "room-1", "1+1=", max_tokens=CONTEXT), "max_tokens")
+    assert f"context of {CONTEXT} tokens: at most" in message
+    refused(chat(api, job, "room-2", "1+1=", max_completion_tokens=CONTEXT), "max_completion_tokens")
+    # without max_tokens, a prompt near the context gets what room is left, not a refusal
+    near = chat(api, job, "room-3", "1 " * 240)
+    assert near.status_code == 200, near.text
+    usage = near.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= CONTEXT
+    # a later call of the same trajectory counts the whole conversation so far
+    history = [{"role": "user", "content": "1 " * 240}, near.json()["choices"][0]["message"],
+               {"role": "user", "content": "2 " * 240}]  # fmt: skip
+    again = api.post(f"/v1/jobs/{job}/openai/trajectories/room-3/v1/chat/completions",
+                     json={"model": job, "messages": history, "max_tokens": 4})  # fmt: skip
+    refused(again, "messages")
+    assert api.get(f"/v1/jobs/{job}/trajectories/room-3").json()["calls"] == 1
+
+
+def test_a_call_being_templated_does_not_hold_up_a_small_call(live, api, job):
+    """A ~1 MB message takes its tokenizer seconds before its refusal; a small call sent after it
+    is answered before it (the templating runs beside the endpoint's event loop, not on it)."""
+    done: dict[str, float] = {}
+
+    def big() -> None:
+        with live.client() as client:
+            response = chat(client, job, "huge-1", "a1 " * 310_000, max_tokens=4)
+        done["big"] = time.monotonic()
+        done["big_status"] = response.status_code
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    time.sleep(0.3)
+    small = chat(api, job, "small-1", "1+1=", max_tokens=2)
+    done["small"] = time.monotonic()
+    thread.join(180)
+    assert small.status_code == 200, small.text
+    assert done["big_status"] == 400
+    assert done["small"] < done["big"], done
+
+
+def test_a_long_allowed_call_in_flight_leaves_other_calls_answered(live, api, job):
+    answers: dict[str, httpx.Response] = {}
+
+    def long_call() -> None:  # ~220 prompt tokens and all the room left: the longest call allowed
+        with live.client() as client:
+            answers["long"] = chat(client, job, "long-ok", "1 " * 100, max_tokens=CONTEXT - 230)
+
+    thread = threading.Thread(target=long_call)
+    thread.start()
+    time.sleep(0.2)
+    small = chat(api, job, "beside", "3+4=", max_tokens=2)  # within the client's own timeout
+    thread.join(180)
+    assert small.status_code == 200, small.text
+    assert answers["long"].status_code == 200, answers["long"].text
+
+
+def test_the_bounds_of_one_call():
+    assert new_tokens(10, {}, CONTEXT, "messages") == 256
+    assert new_tokens(500, {}, CONTEXT, "messages") == 12  # the default shrinks to the room left
+    assert new_tokens(10, {"max_tokens": 502}, CONTEXT, "messages") == 502
+    assert new_tokens(10, {"max_tokens": 1000}, None, "messages") == 1000  # a config without a context
+    with pytest.raises(TrajectoryError) as err:
+        new_tokens(512, {}, CONTEXT, "prompt")
+    assert err.value.param == "prompt" and err.value.status == 400
+    with pytest.raises(TrajectoryError) as err:
+        new_tokens(1000, {"n": 64, "max_tokens": 10_000}, None, "messages")
+    assert err.value.param == "n" and str(CALL_TOKEN_BUDGET) in str(err.value)

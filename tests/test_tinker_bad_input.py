@@ -1,0 +1,274 @@
+"""Hostile and malformed Tinker requests against a real service (uvicorn on 127.0.0.1, SQLite; no
+Ray: nothing here reaches a session host): every one is a 4xx in the SDK's error shape naming the
+field, never a 500 (which the SDK retries for minutes); a zstd bomb is a 413 after its first
+megabyte; a slow body is decoded beside the event loop, so /healthz answers meanwhile; and an
+error nobody expected still answers in the error shape, with its request id."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+import tracemalloc
+
+import httpx
+import pytest
+
+pytest.importorskip("tinker")
+zstandard = pytest.importorskip("zstandard")
+
+from api.settings import ServeSettings  # noqa: E402
+from api.tinker_bodies import FLOOR_BYTES, decompressed  # noqa: E402
+from service.tinker_service import TinkerError  # noqa: E402
+from service.tinker_wire import _int_field as _int  # noqa: E402
+from service.tinker_wire import _len_field as _len  # noqa: E402
+from service.tinker_wire import _put_varint as _varint  # noqa: E402
+from tests.api_util import start_service, tiny_job  # noqa: E402
+from tests.tinker_loops import owner_keys  # noqa: E402
+
+BASE = "/nonexistent/tinker-base"  # served, but its host cannot start: nothing here needs one
+PROTO = {"content-type": "application/x-protobuf"}
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory):
+    live = start_service(tmp_path_factory.mktemp("tinker-bad"), schedule=False,
+                         settings=ServeSettings(tinker_base_models=[BASE]))  # fmt: skip
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def alice(svc):
+    with httpx.Client(
+        base_url=svc.url, headers={"X-API-Key": owner_keys(svc)["alice"]}, timeout=60
+    ) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def ids(alice):
+    session = alice.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+    sampler = alice.post("/api/v1/create_sampling_session", json={"session_id": session, "base_model": BASE})
+    return {"session": session, "sampler": sampler.json()["sampling_session_id"]}
+
+
+def _fwd(datum: object = None, **top) -> dict:
+    datum = (
+        {"model_input": {"chunks": [{"tokens": [1, 2]}]}, "loss_fn_inputs": {}} if datum is None else datum
+    )
+    return {"model_id": "m", "forward_backward_input": {"loss_fn": "cross_entropy", "data": [datum]}, **top}
+
+
+def _chunks(tokens: list) -> dict:
+    return {"model_input": {"chunks": [{"tokens": tokens}]}, "loss_fn_inputs": {}}
+
+
+SAMPLE = {"prompt": {"chunks": [{"tokens": [1]}]}}
+# (route, body, the field the refusal names); "{session}"/"{sampler}" are filled in with real ids
+JSON_CASES = [
+    ("create_session", {"tags": 5}, "tags"),
+    ("create_session", {"tags": [1, {"a": 1}]}, "tags[0]"),
+    ("create_session", [], "body"),
+    ("create_model", {"session_id": "{session}", "base_model": BASE, "model_seq_id": 0, "lora_config": "big"},
+     "lora_config"),
+    ("create_model", {"session_id": "{session}", "base_model": BASE, "model_seq_id": 0, "optimizer_config": 1},
+     "optimizer_config"),
+    ("create_model", {"session_id": "{session}", "base_model": BASE, "model_seq_id": "0"}, "model_seq_id"),
+    ("create_model", {"session_id": "{session}", "base_model": BASE, "model_seq_id": 0,
+                      "lora_config": {"rank": 4, "seed": 2**80}}, "lora_config.seed"),
+    ("optim_step", {"model_id": "m", "adam_params": [1, 2]}, "adam_params"),
+    ("optim_step", {"model_id": "m", "adam_params": {"learning_rate": "fast"}}, "adam_params.learning_rate"),
+    ("forward_backward", _fwd(_chunks(["a"])), "forward_backward_input.data[0].model_input.chunks[0].tokens[0]"),
+    ("forward_backward", _fwd(_chunks([None])), "forward_backward_input.data[0].model_input.chunks[0].tokens[0]"),
+    ("forward_backward", _fwd({"model_input": {"chunks": []}, "loss_fn_inputs": 5}),
+     "forward_backward_input.data[0].loss_fn_inputs"),
+    ("forward_backward", _fwd({"model_input": {"chunks": []}, "loss_fn_inputs": {"weights": [1.0]}}),
+     "forward_backward_input.data[0].loss_fn_inputs.weights"),
+    ("forward_backward", _fwd({"model_input": {"chunks": []}, "loss_fn_inputs": {
+        "target_tokens": {"data": [1.5], "dtype": "int64"}}}), "forward_backward_input.data[0].loss_fn_inputs.target_tokens"),
+    ("forward_backward", _fwd({"model_input": {"chunks": []}, "loss_fn_inputs": {
+        "weights": {"data": [1.0, 2.0], "shape": [3]}}}), "forward_backward_input.data[0].loss_fn_inputs.weights"),
+    ("forward_backward", _fwd(5), "forward_backward_input.data[0]"),
+    ("forward_backward", {"model_id": "m", "forward_backward_input": 5}, "forward_backward_input"),
+    ("forward_backward", _fwd({"model_input": {"chunks": [5]}}), "forward_backward_input.data[0].model_input.chunks[0]"),
+    ("forward_backward", {"model_id": 7}, "model_id"),
+    ("forward", {"model_id": "m", "forward_backward_input": {"loss_fn_config": 5}},
+     "forward_backward_input.loss_fn_config"),
+    ("asample", {"sampling_session_id": "{sampler}", "prompt": "hello"}, "prompt"),
+    ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"max_tokens": "lots"}},
+     "sampling_params.max_tokens"),
+    ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"seed": 2**80}},
+     "sampling_params.seed"),
+    ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"seed": -1}},
+     "sampling_params.seed"),
+    ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"temperature": "hot"}},
+     "sampling_params.temperature"),
+    ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"stop": 5}}, "sampling_params.stop"),
+    ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": 5}, "sampling_params"),
+    ("asample", {"sampling_session_id": "{sampler}", "prompt": {"chunks": "x"}}, "prompt.chunks"),
+    ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "num_samples": 10**6}, "num_samples"),
+    ("create_sampling_session", {"session_id": "{session}", "model_path": 5}, "model_path"),
+    ("save_weights", {"model_id": "m", "path": 5}, "path"),
+    ("load_weights", {"model_id": "m", "path": "tinker://x/weights/y", "optimizer": "yes"}, "optimizer"),
+    ("retrieve_future", {"request_id": 5}, "request_id"),
+    ("session_heartbeat", {"session_id": {}}, "session_id"),
+    ("unload_model", {"model_id": None}, "model_id"),
+]  # fmt: skip
+# the same refusals for non-finite numbers, sent as the JSON literals Python's parser accepts
+NON_FINITE = [
+    ("optim_step", '{"model_id": "m", "adam_params": {"learning_rate": NaN}}', "adam_params.learning_rate"),
+    ("optim_step", '{"model_id": "m", "adam_params": {"learning_rate": Infinity}}', "adam_params.learning_rate"),
+    ("optim_step", '{"model_id": "m", "adam_params": {"beta1": -Infinity}}', "adam_params.beta1"),
+    ("forward_backward", '{"model_id": "m", "forward_backward_input": {"data": [{"model_input": {"chunks": []}, '
+     '"loss_fn_inputs": {"weights": {"data": [NaN]}}}]}}', "forward_backward_input.data[0].loss_fn_inputs.weights.data[0]"),
+    ("forward_backward", '{"model_id": "m", "forward_backward_input": {"loss_fn_config": {"beta": Infinity}}}',
+     "forward_backward_input.loss_fn_config.beta"),
+    ("asample", '{"sampling_session_id": "{sampler}", "prompt": {"chunks": [{"tokens": [1]}]}, '
+     '"sampling_params": {"top_p": NaN}}', "sampling_params.top_p"),
+]  # fmt: skip
+
+
+def _fill(value, ids):
+    if isinstance(value, str):
+        return value.replace("{session}", ids["session"]).replace("{sampler}", ids["sampler"])
+    if isinstance(value, dict):
+        return {k: _fill(v, ids) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, ids) for v in value]
+    return value
+
+
+def _refused(response: httpx.Response, param: str, status: int = 400) -> dict:
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert body["category"] == "user" and body["param"] == param, body
+    assert isinstance(body["error"], str) and param in body["error"]
+    return body
+
+
+@pytest.mark.parametrize("route,body,param", JSON_CASES, ids=[f"{r}:{p}" for r, _, p in JSON_CASES])
+def test_a_json_body_of_the_wrong_type_is_400_naming_the_field(alice, ids, route, body, param):
+    _refused(alice.post(f"/api/v1/{route}", json=_fill(body, ids)), param)
+
+
+@pytest.mark.parametrize("route,text,param", NON_FINITE, ids=[p for _, _, p in NON_FINITE])
+def test_non_finite_numbers_are_refused(alice, ids, route, text, param):
+    sent = text.replace("{sampler}", ids["sampler"])
+    _refused(
+        alice.post(f"/api/v1/{route}", content=sent, headers={"content-type": "application/json"}), param
+    )
+
+
+def _tensor_entry(name: bytes, tensor: bytes) -> bytes:
+    return _len(2, _len(1, name) + _len(2, tensor))
+
+
+# built with the codec's writers (service/tinker_wire.py): its reader is what is under test
+MODEL = _len(1, b"s:train:0")
+PROTO_CASES = [
+    ("odd-length bf16", MODEL + _len(3, _tensor_entry(b"weights", _len(1, b"\x01\x02\x03") + _int(3, 4))),
+     "forward_backward_input.data[0].loss_fn_inputs.weights"),
+    ("model_id as a varint", _int(1, 5), "model_id"),
+    ("a datum as a varint", MODEL + _int(3, 5), "forward_backward_input.data"),
+    ("a 3-byte double", MODEL + _len(5, _len(1, b"beta") + _len(2, b"\x00\x00\x00")),
+     "forward_backward_input.loss_fn_config.beta"),
+    ("a v2 config value of the wrong wire type", MODEL + _len(7, _len(1, b"beta") + _len(2, _len(1, b"xy"))),
+     "forward_backward_input.loss_fn_config.beta"),
+    ("a chunk as a varint", MODEL + _len(3, _int(1, 3)), "forward_backward_input.data[0].model_input"),
+    ("a tensor as a varint", MODEL + _len(3, _len(2, _len(1, b"w") + _int(2, 1))),
+     "forward_backward_input.data[0].loss_fn_inputs.w"),
+    ("a dtype as bytes", MODEL + _len(3, _tensor_entry(b"w", _len(3, b"x"))),
+     "forward_backward_input.data[0].loss_fn_inputs.w"),
+    ("a truncated varint", b"\x80", "body"),
+    ("a truncated varint in a shape",
+     MODEL + _len(3, _tensor_entry(b"w", _len(1, b"\0\0\0\0") + _int(3, 1) + _len(4, b"\x80"))), "body"),
+    ("a truncated message", b"\x09\x00", "body"),
+    ("field number 0", b"\x00\x00" * 4, "body"),
+    ("wire type 3", b"\x0b", "body"),
+    ("a model_id that is not UTF-8", _len(1, b"\xff\xfe"), "model_id"),
+    ("forward_only as bytes", MODEL + _len(6, b"x"), "forward_only"),
+    ("a NaN float32 input", MODEL + _len(3, _len(1, _len(1, _len(1, struct.pack("<2i", 1, 2))))
+                                           + _tensor_entry(b"weights", _len(1, struct.pack("<2f", 1.0, float("nan"))) + _int(3, 1))),
+     "forward_backward_input.data[0].loss_fn_inputs.weights.data[1]"),
+    ("a NaN config value", MODEL + _len(5, _len(1, b"beta") + _varint(2 << 3 | 1) + struct.pack("<d", float("nan"))),
+     "forward_backward_input.loss_fn_config.beta"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "body,param", [(b, p) for _, b, p in PROTO_CASES], ids=[n for n, _, _ in PROTO_CASES]
+)
+def test_malformed_protobuf_is_400_naming_the_field(alice, body, param):
+    _refused(alice.post("/api/v1/forward_backward", content=body, headers=PROTO), param)
+
+
+def test_a_zstd_bomb_is_413_after_its_first_megabyte(alice):
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (16 << 20))
+    assert len(bomb) < 1024
+    headers = {**PROTO, "content-encoding": "zstd"}
+    _refused(alice.post("/api/v1/forward_backward", content=bomb, headers=headers), "body", 413)
+    # it is read as a stream that stops at its cap: a 256 MiB bomb never takes more than a few MiB
+    writer = zstandard.ZstdCompressor().compressobj()
+    big = b"".join(writer.compress(b"\0" * (1 << 20)) for _ in range(256)) + writer.flush()
+    tracemalloc.start()
+    try:
+        with pytest.raises(TinkerError) as err:
+            decompressed(big, 128 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert err.value.status == 413 and peak < 4 * FLOOR_BYTES + len(big), peak
+
+
+def test_healthz_answers_while_a_slow_body_is_decoded(svc, alice):
+    """4M tiny protobuf fields take the reader seconds; /healthz meanwhile answers in a small part
+    of that (the body is decoded in a worker thread, not on the event loop)."""
+    slow = b"\x78\x00" * (4 << 20)  # field 15 (unknown, skipped), varint 0
+    took: dict[str, float] = {}
+
+    def send() -> None:
+        start = time.monotonic()
+        took["status"] = alice.post("/api/v1/forward_backward", content=slow, headers=PROTO).status_code
+        took["body"] = time.monotonic() - start
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    time.sleep(0.3)
+    waits = []
+    with httpx.Client(base_url=svc.url, timeout=60) as client:
+        while thread.is_alive() and len(waits) < 50:
+            start = time.monotonic()
+            assert client.get("/healthz").status_code == 200
+            waits.append(time.monotonic() - start)
+            time.sleep(0.05)
+    thread.join(120)
+    assert took["status"] == 400 and waits, took  # model_id: required
+    assert max(waits) < took["body"] / 4, (max(waits), took)
+
+
+def test_a_5000_digit_integer_in_a_job_body_is_422(svc):
+    body = ('{"method": "grpo", "trainer": {"total_steps": ' + "9" * 5000 + "}}").encode()
+    with svc.client() as admin:
+        got = admin.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+        assert got.status_code == 422, got.text
+        assert got.json()["error"]["param"] == "body"
+        assert admin.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 10**30})).status_code == 422
+
+
+def test_an_unexpected_error_answers_500_in_the_error_shape_with_its_request_id(svc, alice, monkeypatch):
+    tinker = svc.server.config.app.state.tinker
+
+    def broken() -> dict:
+        raise RuntimeError("a fault injected by the test")
+
+    monkeypatch.setattr(tinker, "capabilities", broken)
+    got = alice.get("/api/v1/get_server_capabilities", headers={"x-request-id": "req-probe-1"})
+    assert got.status_code == 500 and got.headers["x-request-id"] == "req-probe-1"
+    assert got.json()["category"] == "server" and "req-probe-1" in got.json()["error"]
+    monkeypatch.setattr(svc.service, "get", lambda *a, **k: broken())
+    with svc.client() as admin:
+        plain = admin.get("/v1/jobs/job-x", headers={"x-request-id": "req-probe-2"})
+    assert plain.status_code == 500, plain.text
+    error = plain.json()["error"]
+    assert error["type"] == "server_error" and "req-probe-2" in error["message"]
