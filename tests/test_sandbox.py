@@ -184,3 +184,17 @@ def test_a_child_that_breaks_the_protocol_is_ended():
                 "from workers.sandbox import child\nchild._CHANNEL.send({'id': [1], 'ok': 2})\nimport time\ntime.sleep(30)",
             )
         assert not box.alive
+
+
+def test_a_sandbox_outlives_the_thread_that_started_it():
+    """bwrap's --die-with-parent follows the starting thread: a job's pool threads come and go."""
+    import threading
+
+    boxes = []
+    starter = threading.Thread(target=lambda: boxes.append(Sandbox()))
+    starter.start()
+    starter.join()
+    try:
+        assert run(boxes[0], "result = 'alive'") == "alive"
+    finally:
+        boxes[0].close()

@@ -14,6 +14,7 @@ that ended stays ended: callers that keep one start another (`alive`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -35,6 +36,7 @@ from workers.sandbox.launch import CODE, command, open_staging, sandbox_mode
 from workers.sandbox.limits import Limits
 
 log = logging.getLogger("tandem.sandbox")
+_LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="tandem-sandbox-launcher")  # never shut down
 MESSAGE_CHARS = 2000
 Asker = Callable[[str, Any], Any]  # (topic, payload) -> answer, for what the sandbox asks
 
@@ -80,11 +82,15 @@ class Sandbox:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
+        self._reap_lock = threading.Lock()
         self._askers = ThreadPoolExecutor(4, thread_name_prefix="tandem-sandbox-ask") if asker else None
         self.ended: str | None = None
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                                     cwd=self.staging if self.mode == "none" else None,
-                                     start_new_session=True)  # fmt: skip
+        popen = functools.partial(subprocess.Popen, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=stderr, cwd=self.staging if self.mode == "none" else None,
+                                  start_new_session=True)  # fmt: skip
+        # bwrap's --die-with-parent follows the thread that started it: a pool thread that ends would
+        # take a job's sandbox with it, so every sandbox is started by one thread that lives on.
+        self.proc = _LAUNCHER.submit(popen).result()
         self._reader = threading.Thread(target=self._read, name="tandem-sandbox-read", daemon=True)
         self._reader.start()
 
@@ -187,7 +193,8 @@ class Sandbox:
 
     def _exit_reason(self) -> str:
         try:
-            code = self.proc.wait(timeout=5)
+            with self._reap_lock:
+                code = self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             return "the sandbox stopped answering"
         return describe_exit(code, self.limits)
@@ -211,10 +218,14 @@ class Sandbox:
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def _kill(self) -> None:
-        try:  # its own process group: bwrap, and through it (--die-with-parent) all in the sandbox
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        # Only while not reaped: a reaped pid may be another process's by now (this lock keeps the
+        # reader thread from reaping it between the check and the kill).
+        with self._reap_lock:
+            if self.proc.poll() is None:
+                try:  # its own process group: bwrap, and through it (--die-with-parent) all in the sandbox
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
