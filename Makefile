@@ -40,11 +40,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The dashboard's browser tests drive Debian's chromium through playwright's API (playwright's own
-# browser download is never used): apt-get installs it where it is missing, as root or with sudo.
+# browser download is never used); user code runs in bubblewrap's sandboxes (workers/sandbox/).
+# apt-get installs whichever is missing, as root or with sudo.
 $(BROWSER): | $(STAMP)
-	@if [ ! -x $(CHROMIUM) ] && command -v apt-get >/dev/null; then \
+	@MISSING="$$([ -x $(CHROMIUM) ] || echo chromium) $$(command -v bwrap >/dev/null || echo bubblewrap)"; \
+	if [ -n "$$(echo $$MISSING)" ] && command -v apt-get >/dev/null; then \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-		$$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+		$$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$MISSING; \
 	fi
 	touch $@
 

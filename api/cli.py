@@ -49,6 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_body_bytes=int(args.max_body_mb * MiB),
             max_upload_bytes=int(args.max_upload_mb * MiB),
             user_code_timeout_s=args.user_code_timeout,
+            **({"unsandboxed_user_code": True} if args.unsandboxed_user_code else {}),
             allowed_paths=args.allow_path,
             tracker_hosts=args.allow_tracker_host or [],
             allow_wandb=args.allow_wandb,
@@ -368,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds a reward function or environment gets to import and be checked",
+    )
+    serve.add_argument(
+        "--unsandboxed-user-code",
+        action="store_true",
+        help="where bubblewrap cannot run, run user code (rewards, environments, agents) without a sandbox, "
+        "as the service's user: for a single-user service only (default: refuse it)",
     )
     serve.add_argument(
         "--base-model",

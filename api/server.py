@@ -31,16 +31,23 @@ from api.service_record import choose_port, read_record, remove_record, write_re
 from api.settings import ServeSettings
 from controller.models import tandem_home
 from service.service import Service
+from workers.sandbox.launch import SandboxUnavailable, sandbox_mode
+from workers.sandbox.limits import ENV_UNSANDBOXED
 
 log = logging.getLogger("tandem.server")
 DEFAULT_PORT = 8000
 RAY_START_TRIES = 3  # a local Ray gives its node 30 s to start, which a loaded 2-core machine can miss
 
 
-def init_ray(address: str | None, num_cpus: int | None = None, home: Path | None = None) -> None:
+def init_ray(
+    address: str | None,
+    num_cpus: int | None = None,
+    home: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> None:
     if ray.is_initialized():
         return
-    env_vars = {"TOKENIZERS_PARALLELISM": "false"}
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
     if home is not None:  # job actors run in the raylets' environment, not this one: tell them --home
         env_vars["TANDEM_HOME"] = str(home)
     # Workers' stdout/stderr (progress bars of model loading, warnings) belong in the job's log, not
@@ -108,7 +115,7 @@ def serve(
     except (OSError, ValueError) as err:  # a missing or invalid quotas file: say so before starting anything
         raise SystemExit(f"tandem serve: quotas file {settings.quotas_file}: {err}") from None
     reaper = watch()  # kills what Ray leaves behind once this process is gone, even after SIGKILL
-    init_ray(ray_address, num_cpus, home)
+    init_ray(ray_address, num_cpus, home, user_code_env(settings))
     service = Service(home, quotas=quotas, warm_controllers=settings.warm_controllers)
     service.start()
     token_file = ensure_admin_token(service.store, home)
@@ -116,6 +123,7 @@ def serve(
     url = f"http://{_client_host(host)}:{port}"
     print(f"Tandem is serving on {url}  (dashboard {url}/, API docs {url}/docs)", flush=True)
     print(f"Admin token: {token_file} (or TANDEM_ADMIN_TOKEN); job store: {service.store.path}", flush=True)
+    print(f"User code: {describe_sandbox(settings)}", flush=True)
     # access_log off: at level warning uvicorn prints no access line, but would still build one per request
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=5))  # fmt: skip
@@ -141,6 +149,24 @@ def serve(
         gc.unfreeze()
         reaper.stdin.close()  # done: the watcher cleans up now
         remove_record(home)
+
+
+def user_code_env(settings: ServeSettings) -> dict[str, str]:
+    """What job processes learn of the operator's user-code settings (workers/sandbox/limits.py);
+    set here too, for the API's own checks."""
+    env = settings.user_code_limits().to_env()
+    if settings.unsandboxed_user_code:
+        env[ENV_UNSANDBOXED] = "1"
+    os.environ.update(env)
+    return env
+
+
+def describe_sandbox(settings: ServeSettings) -> str:
+    """The start-up line about user code: sandboxed, unsandboxed by the operator's flag, or refused."""
+    try:
+        return sandbox_mode(settings.unsandboxed_user_code).note
+    except SandboxUnavailable as err:
+        return f"REFUSED (reward functions, environments and agents other than built-ins): {err}"
 
 
 def _already_stopping(signum: int, _frame: object) -> None:

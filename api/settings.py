@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from service.quotas import Quota, QuotaBook
 from service.tracker_policy import TrackerPolicy, host_entry
+from workers.sandbox.limits import DEFAULT_CPU_S, DEFAULT_MEMORY_MB, Limits, unsandboxed_allowed
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"
 MiB = 1024 * 1024
@@ -24,6 +25,22 @@ class ServeSettings(BaseModel):
     metadata_max_value_chars: int = Field(512, gt=0, description="job metadata: longest value")
     user_code_timeout_s: float = Field(
         30.0, gt=0, description="time a reward function or environment gets to import and be checked"
+    )
+    user_code_cpu_s: float = Field(
+        default_factory=lambda: Limits.from_env().cpu_s or DEFAULT_CPU_S,
+        gt=0,
+        description="CPU seconds of one sandboxed check of user code; default $TANDEM_SANDBOX_CPU_S or 60",
+    )
+    user_code_memory_mb: int = Field(
+        default_factory=lambda: Limits.from_env().memory_mb or DEFAULT_MEMORY_MB,
+        ge=64,
+        description="address space of each sandboxed user-code process, in MiB; default "
+        "$TANDEM_SANDBOX_MEMORY_MB or 2048",
+    )
+    unsandboxed_user_code: bool = Field(
+        default_factory=unsandboxed_allowed,
+        description="run user code without a sandbox where bubblewrap cannot run (single-user services "
+        "only: it then reads what the service reads); default $TANDEM_UNSANDBOXED_USER_CODE",
     )
     allowed_paths: list[Path] | None = Field(
         None,
@@ -78,6 +95,9 @@ class ServeSettings(BaseModel):
     default_quota: Quota = Field(
         default_factory=Quota, description="every owner's quota but the admin's (over the file's default)"
     )
+
+    def user_code_limits(self) -> Limits:
+        return Limits(cpu_s=self.user_code_cpu_s, memory_mb=self.user_code_memory_mb)
 
     def quota_book(self) -> QuotaBook:
         return QuotaBook.load(self.quotas_file, self.default_quota.model_dump(exclude_unset=True))

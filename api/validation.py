@@ -4,9 +4,9 @@ the field named, rather than minutes later inside a worker.
 Every server path in a spec must be its submitter's to name: their uploads, their jobs' outputs or a
 folder the operator shares, never the service's own files (service/owned_paths.py); a path that is
 not is refused without saying whether it exists. Tracker destinations must be ones the operator
-allows (service/tracker_policy.py). Reward functions and environments are user code: they are
-imported and checked in a child process (controller/user_code.py), never here; only the built-in ones
-are looked up in this process.
+allows (service/tracker_policy.py). Reward functions, environments and agents are user code: they
+are imported and checked in a sandbox (controller/user_code.py), never here; only the built-in ones
+are looked up, by exact name, in this process.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from api.settings import ServeSettings
 from controller.models import BUILTIN_MODEL_NAMES
 from controller.spec import JobSpec
 from controller.tasks import BUILTIN_TASKS
-from controller.user_code import check_callable_in_subprocess, check_here
+from controller.user_code import UserCodeRefused, check_callable
 from engines.lora_targets import (
     LLAMA_LINEAR,
     init_from_errors,
@@ -81,15 +81,15 @@ class Checker:
         self.user_code(ref, "reward", param, "invalid_reward_function")
 
     def user_code(self, ref: str, kind: str, param: str, code: str) -> None:
-        """A 422 with `code` when `ref` is not a usable `kind` (controller/user_code.py CHECKERS)."""
-        if ref.startswith("builtin:"):  # the service's own code: checked here, no user code runs
-            try:
-                check_here(kind, ref)
-                why = None
-            except ValueError as err:
-                why = str(err)
-        else:
-            why = check_callable_in_subprocess(ref, kind, self.settings.user_code_timeout_s)
+        """A 422 with `code` when `ref` is not a usable `kind` (controller/user_code.py CHECKERS): a
+        'builtin:' name is looked up in its table here, anything else is checked in a sandbox."""
+        s = self.settings
+        try:
+            why = check_callable(
+                ref, kind, s.user_code_timeout_s, s.user_code_limits(), s.unsandboxed_user_code
+            )
+        except UserCodeRefused as err:
+            raise APIError(422, f"{param}: {err}", param, "user_code_refused") from None
         if why is not None:
             raise APIError(422, f"{param}: {why}", param, code)
 

@@ -7,8 +7,9 @@ The agent is a plain function written against the `openai` SDK:
 It gets a client whose every call is recorded in a fresh trajectory, the model name to pass, and the
 task index (the same index `group_size` times in a row, so a GRPO group is one task solved
 `group_size` times); it returns the reward, or {"reward", "task_id"?, "turn_rewards"?, "metadata"?}.
-The client talks to the job's endpoint actor (controller/external.py) over Ray through an httpx
-transport, not over HTTP: the job needs neither the service's address nor a key. `AgentPool` keeps
+The function runs in a sandbox (workers/sandbox/) without a network: its client's httpx transport
+sends each request over the sandbox's pipe to its `AgentWorker`, which has the job's endpoint actor
+(controller/external.py) answer it over Ray: the job needs neither the service's address nor a key. `AgentPool` keeps
 `agent_workers` calls under way in `AgentWorker` actors; a call past `agent_timeout_s` has its
 process killed and replaced (its trajectory is dropped by the reward timeout), an exception is
 counted and logged. User code never runs in the API or the controller's process.
@@ -23,28 +24,34 @@ import time
 import uuid
 from typing import Any
 
-import httpx
 import ray
 
-from controller.external_spec import load_agent_fn
+from controller.external_spec import AgentError
+from workers.references import is_path_reference
+from workers.sandbox.channel import Sandbox, SandboxError
+from workers.sandbox.limits import Limits
 
 log = logging.getLogger("tandem.job")
 CALL_TIMEOUT_S = 900.0
+CHECK_TIMEOUT_S = 120.0
 
 
-class EndpointTransport(httpx.BaseTransport):
+class EndpointRoutes:
     """The OpenAI routes of one trajectory, answered by the job's `ExternalServer` over Ray."""
 
     def __init__(self, server: Any, trajectory: str, model: str) -> None:
         self.server, self.trajectory, self.model = server, trajectory, model
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
+    def answer(self, path: str, body_text: str) -> dict[str, Any]:
+        """{status, json, headers} of a request to `path` with a JSON body."""
         if path.endswith("/models"):
-            return httpx.Response(
-                200, json={"object": "list", "data": [{"id": self.model, "object": "model"}]}
-            )
-        body = json.loads(request.read() or b"{}")
+            return _ok({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        try:
+            body = json.loads(body_text or "{}")
+        except ValueError:
+            return _error(400, "the request body is not JSON", None)
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object", None)
         if body.get("stream"):
             return _error(422, "stream is not served to agents the job runs; leave it off", "stream")
         method = (
@@ -55,37 +62,59 @@ class EndpointTransport(httpx.BaseTransport):
             else None
         )
         if method is None:
-            return _error(404, f"no route {path}", None)
+            return _error(404, f"no route {path[:200]}", None)
         out = ray.get(getattr(self.server, method).remote(self.trajectory, body), timeout=CALL_TIMEOUT_S)
         if "error" in out:
             e = out["error"]
             return _error(e["status"], e["message"], e.get("param"), e.get("retry_after"))
-        return httpx.Response(200, json=out)
+        return _ok(out)
 
 
-def _error(status: int, message: str, param: str | None, retry_after: float | None = None) -> httpx.Response:
+def _ok(body: dict[str, Any]) -> dict[str, Any]:
+    return {"status": 200, "json": body, "headers": {}}
+
+
+def _error(status: int, message: str, param: str | None, retry_after: float | None = None) -> dict[str, Any]:
     headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after else {}
-    return httpx.Response(status, json={"error": {"message": message, "param": param}}, headers=headers)
+    return {"status": status, "json": {"error": {"message": message, "param": param}}, "headers": headers}
 
 
 class AgentWorker:
-    """Ray actor body: runs the user's agent function, one trajectory per call."""
+    """Ray actor body: runs the user's agent function in a sandbox of its own, one trajectory per call.
+
+    The sandbox asks this actor for each of the agent's HTTP requests (controller/agent_sandbox.py);
+    the actor answers them from the job's endpoint. The actor's death (AgentPool kills it past
+    agent_timeout_s) ends the sandbox with it."""
 
     def __init__(self, ref: str, server_name: str, model: str) -> None:
-        self.fn, self.model = load_agent_fn(ref), model
+        self.ref, self.model, self.routes = ref, model, None
         self.server = ray.get_actor(server_name)
+        files = [ref.rpartition(":")[0]] if is_path_reference(ref) else []
+        self.box = Sandbox(files, Limits.from_env().long_lived(), asker=self._ask, stderr=None)
+        self.placed = self.box.place(ref)
+        try:
+            self.box.call("controller.user_code:check_here", [self.placed, "agent"], CHECK_TIMEOUT_S)
+        except SandboxError as err:
+            self.box.close()
+            raise AgentError(err.message if err.type else f"agent '{ref}': {err}") from None
+
+    def _ask(self, topic: str, payload: Any) -> dict[str, Any]:
+        if topic != "http" or not isinstance(payload, dict) or self.routes is None:
+            raise ValueError(f"an agent's sandbox may ask for HTTP during a call only, not {topic!r}")
+        return self.routes.answer(str(payload.get("path", "")), str(payload.get("body", "")))
 
     def run(self, index: int, trajectory: str) -> dict[str, Any]:
-        from openai import OpenAI
-
-        transport = EndpointTransport(self.server, trajectory, self.model)
-        client = OpenAI(base_url="http://tandem-job/v1", api_key="in-job", max_retries=10,
-                        http_client=httpx.Client(transport=transport))  # fmt: skip
-        out = self.fn(client, self.model, index)
-        result = out if isinstance(out, dict) else {"reward": out}
+        self.routes = EndpointRoutes(self.server, trajectory, self.model)
+        try:
+            out = self.box.call("controller.agent_sandbox:run_in_sandbox", [self.placed, self.model, index],
+                                CALL_TIMEOUT_S)  # fmt: skip
+        finally:
+            self.routes = None
+        if not isinstance(out, dict) or not isinstance(out.get("reward"), int | float):
+            raise AgentError(f"agent '{self.ref}' answered {str(out)[:200]}; expected a reward")
         return {
-            "reward": float(result["reward"]),
-            **{k: result[k] for k in ("task_id", "turn_rewards", "metadata") if k in result},
+            "reward": float(out["reward"]),
+            **{k: out[k] for k in ("task_id", "turn_rewards", "metadata") if k in out},
         }
 
 

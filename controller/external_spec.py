@@ -12,7 +12,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from workers.references import resolve_reference
+from workers.references import lookup_builtin, parse_reference, resolve_reference
+
+REFERENCE_FORMS = "'module:function' or 'path/to/file.py:function'"
+BUILTIN_AGENTS: dict[str, Any] = {}  # none yet: "builtin:..." names nothing an agent may be
 
 
 def server_name(job_id: str) -> str:
@@ -80,6 +83,8 @@ class AgentError(ValueError):
 def load_agent_fn(ref: str) -> Any:
     """The function `ref` names ('module:function' or 'path/file.py:function'); AgentError says why not.
     (controller/user_code.py runs it in a child process when a job is submitted.)"""
+    if parse_reference(ref, "agent", REFERENCE_FORMS, AgentError).form == "builtin":
+        return lookup_builtin(ref, BUILTIN_AGENTS, "agent", AgentError)
     fn = resolve_reference(ref, "agent", AgentError)
     if not callable(fn):
         raise AgentError(f"agent '{ref}' is not callable (type {type(fn).__name__})")

@@ -15,11 +15,12 @@ References:
     "package.module:function"    an importable module ("module:Class.method" reaches nested names)
     "path/to/file.py:function"   a Python file, loaded by path
 
-`load_reward_fn` resolves and validates a reference; the API calls it at job submission, so a bad
-reference is a clear error before any GPU is held. `RewardScorer` scores a batch: a sample whose
-function raises, or returns a non-number or NaN, scores 0.0 and counts in "reward/errors" while the
-rest go on. Large batches can be scored by a pool of spawned processes; each process re-resolves the
-reference itself, so nothing but the reference string and plain data crosses the process boundary.
+`load_reward_fn` resolves and validates a reference; the API has it run in a sandbox at job
+submission (controller/user_code.py), so a bad reference is a clear error before any GPU is held.
+`RewardScorer` scores a batch: a sample whose function raises, or returns a non-number or NaN,
+scores 0.0 and counts in "reward/errors" while the rest go on. A user's function runs in sandboxes
+(controller/reward_sandbox.py); a built-in here, or for large batches in a pool of spawned
+processes; either way only the reference string and plain data cross the process boundary.
 
 This module imports neither torch nor Ray at the top: spawned scoring processes import it and
 should start quickly.
@@ -41,7 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
-from workers.references import describe_exception, is_path_source, resolve_reference, split_reference
+from workers.references import (
+    describe_exception,
+    is_path_reference,
+    lookup_builtin,
+    parse_reference,
+    resolve_reference,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -140,14 +147,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 
 def load_reward_fn(ref: str) -> RewardFn:
     """Resolve `ref` into a validated reward function; raises RewardFunctionError saying why not."""
-    source, name = split_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError)
-    if source == "builtin":
-        if name not in BUILTIN_REWARDS:
-            raise RewardFunctionError(
-                f"reward function {ref!r} is not a built-in; choose one of "
-                + ", ".join(f"'builtin:{n}'" for n in sorted(BUILTIN_REWARDS))
-            )
-        return BUILTIN_REWARDS[name]
+    if parse_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form == "builtin":
+        return lookup_builtin(ref, BUILTIN_REWARDS, "reward function", RewardFunctionError)
     fn = resolve_reference(ref, "reward function", RewardFunctionError)
     _check_signature(ref, fn)
     return fn
@@ -187,12 +188,14 @@ class RewardResult:
 
 
 class RewardScorer:
-    """Scores batches with one reward function, serially or in a pool of spawned processes.
+    """Scores batches with one reward function.
 
-    The pool is used when num_workers > 0 and a batch has more than `parallel_threshold` rows; it
-    is started on first use and kept for later batches. Each pool call waits at most `timeout_s`:
-    samples that are not scored by then count as errors and the pool is replaced. (The serial path
-    cannot interrupt a function that hangs: it runs in the caller's thread.)
+    A user's function runs in sandboxes (controller/reward_sandbox.py): one, or `num_workers` for
+    batches of more than `parallel_threshold` rows; a call past `timeout_s` ends its sandbox and its
+    rows count as errors. A built-in runs here, serially or, with num_workers > 0 on large batches,
+    in a pool of spawned processes started on first use; each pool call waits at most `timeout_s`,
+    samples not scored by then count as errors and the pool is replaced. (The serial path cannot
+    interrupt a built-in that hangs: it runs in the caller's thread.)
     """
 
     MAX_ERROR_MESSAGES = 5
@@ -200,8 +203,17 @@ class RewardScorer:
     def __init__(
         self, ref: str, num_workers: int = 0, parallel_threshold: int = 64, timeout_s: float | None = 300.0
     ) -> None:
+        from controller.reward_sandbox import SandboxedRewards
+
         self.ref = _canonical_ref(ref)
-        self.fn = load_reward_fn(self.ref)
+        builtin = (
+            parse_reference(self.ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form
+            == "builtin"
+        )
+        self.fn = load_reward_fn(self.ref) if builtin else None
+        self.sandboxed = (
+            None if builtin else SandboxedRewards(self.ref, num_workers, timeout_s, parallel_threshold)
+        )
         self.num_workers = num_workers
         self.parallel_threshold = parallel_threshold
         self.timeout_s = timeout_s
@@ -224,14 +236,18 @@ class RewardScorer:
                 strict=True,  # a length mismatch is a bug upstream: fail, never truncate
             )
         )
-        if self.num_workers > 0 and n > self.parallel_threshold:
+        if self.sandboxed is not None:
+            results = self.sandboxed.score(rows)
+        elif self.num_workers > 0 and n > self.parallel_threshold:
             results = self._score_in_pool(rows)
         else:
-            results = [_score_one(self.fn, *row) for row in rows]
+            results = [score_sample(self.fn, *row) for row in rows]
         return _summarise(results, self.MAX_ERROR_MESSAGES)
 
     def close(self) -> None:
-        """Stop the process pool, if one was started."""
+        """Stop the sandboxes or the process pool, if any were started."""
+        if self.sandboxed is not None:
+            self.sandboxed.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -288,16 +304,16 @@ class RewardScorer:
 
 def _canonical_ref(ref: str) -> str:
     """The reference with a file path made absolute, so a worker process resolves the same file."""
-    if isinstance(ref, str) and ":" in ref:
+    if isinstance(ref, str) and is_path_reference(ref):
         source, _, name = ref.rpartition(":")
-        if source != "builtin" and is_path_source(source):
-            return f"{Path(source).expanduser().resolve()}:{name}"
+        return f"{Path(source).expanduser().resolve()}:{name}"
     return ref
 
 
-def _score_one(
+def score_sample(
     fn: RewardFn, prompt: str, response: str, ground_truth: Any, extra: dict | None
 ) -> SampleResult:
+    """One row's (score, extra metrics, error message or None): what a failing function gives is an error."""
     try:
         out = fn(prompt, response, ground_truth, extra)
     except Exception as exc:
@@ -330,9 +346,9 @@ def _as_float(value: Any) -> float | None:
 def score_rows(ref: str, rows: list[dict[str, Any]], max_messages: int = 5) -> dict[str, Any]:
     """Score plain rows ({prompt, response, ground_truth, extra}) with `ref`, as plain data.
 
-    What `POST /v1/rewards/validate` runs, in a child process (controller/user_code.py)."""
+    What `POST /v1/rewards/validate` runs, in a sandbox (controller/user_code.py)."""
     fn = load_reward_fn(_canonical_ref(ref))
-    results = [_score_one(fn, r.get("prompt", ""), r["response"], r.get("ground_truth"), r.get("extra"))
+    results = [score_sample(fn, r.get("prompt", ""), r["response"], r.get("ground_truth"), r.get("extra"))
                for r in rows]  # fmt: skip
     scores, log, errors, messages = _summary(results, max_messages)
     return {"scores": scores, "metrics": log, "errors": errors, "error_messages": messages}
@@ -374,4 +390,4 @@ def _init_worker(ref: str) -> None:
 
 def _score_chunk(rows: list[tuple]) -> list[SampleResult]:
     assert _WORKER_FN is not None, "reward pool process was not initialised"
-    return [_score_one(_WORKER_FN, *row) for row in rows]
+    return [score_sample(_WORKER_FN, *row) for row in rows]

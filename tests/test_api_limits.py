@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from api.settings import ServeSettings
-from controller.user_code import check_callable_in_subprocess
+from controller.user_code import check_callable
 from tests.api_util import start_service, tiny_job, wait_for
 
 SAMPLES = "tests.user_code_samples"
@@ -40,7 +40,7 @@ def _refused(response: httpx.Response, status: int, param: str) -> str:
 
 BAD_REWARDS = [
     ("venv.__main__:main", "SystemExit"),
-    (f"{SAMPLES}.exits_on_import:score", "ended the checking process (exit code 3)"),
+    (f"{SAMPLES}.exits_on_import:score", "did not finish: the sandbox's process ended (exit code 3)"),
     (f"{SAMPLES}.hangs_on_import:score", f"did not finish within {TIMEOUT_S:g} s"),
 ]
 
@@ -61,19 +61,19 @@ def test_a_reward_that_hangs_when_scoring_is_cut_off(api):
     assert "did not finish" in _refused(api.post("/v1/rewards/validate", json=body), 422, "function")
 
 
-def test_reward_scores_come_back_from_the_child_process(api):
+def test_reward_scores_come_back_from_the_sandbox(api):
     body = {"function": "tests.reward_fns:digit_reward", "rows": [{"response": "12ab"}, {"response": "xx"}]}
     scored = api.post("/v1/rewards/validate", json=body)
     assert scored.status_code == 200, scored.text
     assert scored.json()["scores"] == [0.5, 0.0] and scored.json()["metrics"]["reward/digits/mean"] == 1.0
 
 
-def test_user_code_checks_run_in_a_child_process():
-    assert check_callable_in_subprocess("tests.reward_fns:digit_reward", "reward", 30) is None
-    assert "SystemExit" in check_callable_in_subprocess("venv.__main__:main", "reward", 30)
-    assert "expected (prompt, response" in check_callable_in_subprocess("os:getcwd", "reward", 30)
+def test_user_code_checks_run_in_a_sandbox():
+    assert check_callable("tests.reward_fns:digit_reward", "reward", 30) is None
+    assert "SystemExit" in check_callable("venv.__main__:main", "reward", 30)
+    assert "expected (prompt, response" in check_callable("os:getcwd", "reward", 30)
     with pytest.raises(KeyError):
-        check_callable_in_subprocess("os:getcwd", "nonsense", 30)
+        check_callable("os:getcwd", "nonsense", 30)
 
 
 def test_an_oversized_body_is_413_declared_or_streamed(live, api):

@@ -161,12 +161,12 @@ def test_example_specs_validate(live, name):
 @pytest.mark.parametrize("name", ["grpo_calculator", "grpo_guess_number", "custom_env"])
 def test_environment_example_specs_validate(name):
     from api.cli_spec import build_spec
-    from controller.user_code import check_callable_in_subprocess
+    from controller.user_code import check_callable
 
     # Local validation only (the CLI's own step): the service would refuse words.jsonl outside its
     # allowed folders, which is the operator's choice, not the spec's fault.
     spec = build_spec(str(EXAMPLES / f"{name}.yaml"))[1].model_dump(mode="json")
-    assert check_callable_in_subprocess(spec["rollout"]["environment"], "environment") is None
+    assert check_callable(spec["rollout"]["environment"], "environment") is None
     if name == "custom_env":
         assert spec["rollout"]["environment"] == f"{EXAMPLES / 'my_env.py'}:TutorEnv"
 

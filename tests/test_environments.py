@@ -45,14 +45,12 @@ def test_bad_references_say_what_is_wrong(ref, message):
 
 
 def test_the_check_runs_in_a_separate_process():
-    from controller.user_code import check_callable_in_subprocess
+    from controller.user_code import check_callable
 
-    assert "without arguments" in check_callable_in_subprocess(
-        "tests.multiturn_envs:NeedsArgs", "environment"
-    )
-    assert check_callable_in_subprocess("tests.multiturn_envs:ScriptedEnv", "environment") is None
+    assert "without arguments" in check_callable("tests.multiturn_envs:NeedsArgs", "environment")
+    assert check_callable("tests.multiturn_envs:ScriptedEnv", "environment") is None
     # An environment module that ends its process is reported, not fatal to the caller.
-    assert "SystemExit" in check_callable_in_subprocess("venv.__main__:main", "environment", 30)
+    assert "SystemExit" in check_callable("venv.__main__:main", "environment", 30)
 
 
 def test_calculator_evaluates_arithmetic_and_nothing_else():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import textwrap
 import threading
 
@@ -40,9 +41,12 @@ class Scorer:
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
-    """An importable module `tandem_user_rewards` (on sys.path, as a pip-installed one would be)."""
+    """An importable module `tandem_user_rewards` (on sys.path, as a pip-installed one would be, and on
+    PYTHONPATH, which sandboxes see read-only)."""
     (tmp_path / "tandem_user_rewards.py").write_text(USER_MODULE)
+    tmp_path.chmod(0o755)  # pytest makes it 0700: a sandbox's uid could not read it
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     return "tandem_user_rewards"
 
 
@@ -205,8 +209,8 @@ def test_parallel_scoring_equals_serial_in_order(tmp_path):
     assert torch.equal(serial.scores, parallel.scores) and torch.equal(serial.scores, again.scores)
     assert parallel.errors == serial.errors == 6
     assert parallel.error_messages == serial.error_messages
-    # The work really ran elsewhere: the mean pid differs from this process's.
-    assert parallel.metrics["reward/pid/mean"] != serial.metrics["reward/pid/mean"]
+    # The work really ran elsewhere: in sandboxes, each with a pid namespace of its own.
+    assert os.getpid() not in (parallel.metrics["reward/pid/mean"], serial.metrics["reward/pid/mean"])
 
 
 def test_a_hanging_function_times_out_in_the_pool(tmp_path):
@@ -217,7 +221,7 @@ def test_a_hanging_function_times_out_in_the_pool(tmp_path):
     responses = ["hang"] + ["ok"] * 39
     with RewardScorer(f"{path}:score", num_workers=2, parallel_threshold=10, timeout_s=10) as scorer:
         result = scorer.score(["p"] * 40, responses, [None] * 40)
-        assert scorer._pool is None  # replaced: the hung process was terminated
+        assert scorer.score(["p"], ["ok"], [None]).scores.tolist() == [1.0]  # a fresh sandbox took over
     assert result.scores[0] == 0.0 and result.scores[-1] == 1.0
     assert 1 <= result.errors < 40 and "timed out after 10" in result.error_messages[0]
 

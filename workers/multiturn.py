@@ -6,7 +6,8 @@ contract of engines/rollout/base.py, so any backend serves it); then it steps th
 concurrently in a thread pool, each step with a time limit; a trajectory that is done, failed or
 out of turns or tokens drops out. Observations are appended as token deltas (workers/chat_delta.py),
 so the sampled tokens stay exactly as sampled. The environment interface is in
-workers/environments/base.py.
+workers/environments/base.py; a user's environments run in a sandbox and are stepped through proxies
+(workers/environments/sandboxed.py).
 
 `trajectory_tensors` lays trajectories out like single-turn rollouts: the first prompt left-padded
 to the prompt width, everything after it right-padded to `max_response_tokens`. response_mask is 1
@@ -29,7 +30,7 @@ from engines.rollout import RolloutEngine, SamplingParams
 from workers.chat_delta import ChatDelta
 from workers.config import EnvironmentConfig
 from workers.environments.base import StepResult, as_messages
-from workers.environments.loader import load_environment_class
+from workers.environments.sandboxed import environment_factory, release
 
 TRUNCATED = ("max_turns", "budget")
 FAILED = ("env_error", "env_timeout")
@@ -66,7 +67,7 @@ class MultiTurnRollout:
 
     def __init__(self, engine: RolloutEngine, delta: ChatDelta, config: EnvironmentConfig) -> None:
         self.engine, self.delta, self.config = engine, delta, config
-        self.env_class = load_environment_class(config.environment)
+        self.env_class = environment_factory(config)  # a built-in's class, or a sandbox's proxies
 
     def run(self, rows: list[dict[str, Any]], params: SamplingParams, prompt_width: int) -> list[Trajectory]:
         trajectories = [Trajectory(env=None) for _ in rows]
@@ -80,6 +81,7 @@ class MultiTurnRollout:
                 turn += 1
         finally:
             pool.shutdown(wait=False, cancel_futures=True)  # a hung step must not hold the worker
+            release([t.env for t in trajectories])
         return trajectories
 
     def _reset(

@@ -1,14 +1,17 @@
-"""References to user code: "package.module:name" or "path/to/file.py:name" -> the object named.
+"""References to code: "builtin:NAME", "package.module:name" or "path/to/file.py:name".
 
-Reward functions (controller/rewards.py) and environment classes (workers/environments/loader.py)
-are both addressed this way; each handles its own "builtin:NAME" table and checks the object's
-shape, and both resolve everything else through `resolve_reference`. It lives in workers/ because
+Reward functions (controller/rewards.py), environment classes (workers/environments/loader.py) and
+agents (controller/external_spec.py) are all addressed this way. `parse_reference` decides the form
+once, the same way for every caller: a reference that starts with "builtin:" names an entry of the
+caller's built-in table, exactly (`lookup_builtin`), and is never a module or a path, whatever
+follows the prefix; every other reference is split at its last ':' into a source (a Python file when
+it ends in .py or holds a '/', else a dotted module name) and an attribute name.
+
+`resolve_reference` imports a module or file reference. A file is executed afresh on every load,
+under one module name per absolute path (so two files both called rewards.py do not collide).
+Importing runs arbitrary code, so only sandboxed processes (workers/sandbox/) call it on users'
+references; the API looks up built-ins in its tables and nothing else. It lives in workers/ because
 environments are loaded by workers, which must not import the controller.
-
-A file is executed afresh on every load, under one module name per absolute path (so two files both
-called rewards.py do not collide): the API process is long-lived and users edit their files.
-Importing runs arbitrary code, so the API never calls this itself: it checks references in a child
-process (controller/user_code.py).
 """
 
 from __future__ import annotations
@@ -17,16 +20,51 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+BUILTIN_PREFIX = "builtin:"
 
-def split_reference(ref: Any, what: str, forms: str, error: type[ValueError]) -> tuple[str, str]:
-    """(source, name) of "source:name"; `error` names `what` and the accepted `forms` when malformed."""
-    source, _, name = ref.rpartition(":") if isinstance(ref, str) else ("", "", "")
-    if not source or not name:
+
+@dataclass(frozen=True)
+class Reference:
+    """A parsed reference: `form` is "builtin" (`name` is the table key), "module" or "file"."""
+
+    form: str
+    source: str
+    name: str
+
+
+def parse_reference(ref: Any, what: str, forms: str, error: type[ValueError]) -> Reference:
+    """The form, source and name of `ref`; `error` names `what` and the accepted `forms` when malformed."""
+    if not isinstance(ref, str):
         raise error(f"{what} {ref!r} is malformed: expected {forms}")
-    return source, name
+    if ref.startswith(BUILTIN_PREFIX):
+        return Reference("builtin", "", ref[len(BUILTIN_PREFIX) :])
+    source, _, name = ref.rpartition(":")
+    if not source or not _dotted(name):
+        raise error(f"{what} {ref!r} is malformed: expected {forms}")
+    if is_path_source(source):
+        return Reference("file", source, name)
+    if not _dotted(source):
+        raise error(f"{what} {ref!r} is malformed: '{source}' is neither a module name nor a .py file")
+    return Reference("module", source, name)
+
+
+def _dotted(name: str) -> bool:
+    return all(part.isidentifier() for part in name.split("."))
+
+
+def lookup_builtin(ref: str, table: dict[str, Any], what: str, error: type[ValueError]) -> Any:
+    """The entry of `table` that "builtin:NAME" names exactly; `error` lists the choices otherwise."""
+    name = ref[len(BUILTIN_PREFIX) :] if ref.startswith(BUILTIN_PREFIX) else None
+    if not table:
+        raise error(f"{what} {ref[:200]!r}: there is no built-in {what}; name a module or a .py file")
+    if name not in table:
+        choices = ", ".join(f"'{BUILTIN_PREFIX}{n}'" for n in sorted(table))
+        raise error(f"{what} {ref[:200]!r} is not a built-in; choose one of {choices}")
+    return table[name]
 
 
 def is_path_source(source: str) -> bool:
@@ -35,14 +73,18 @@ def is_path_source(source: str) -> bool:
 
 
 def is_path_reference(ref: str) -> bool:
-    """Whether `ref` names a Python file ('path/file.py:name'), not a module or a built-in."""
-    source = ref.rpartition(":")[0]
-    return source != "builtin" and is_path_source(source)
+    """Whether `ref` names a Python file ('path/file.py:name'); a 'builtin:' reference never does."""
+    if not isinstance(ref, str) or ref.startswith(BUILTIN_PREFIX):
+        return False
+    return is_path_source(ref.rpartition(":")[0])
 
 
 def resolve_reference(ref: str, what: str, error: type[ValueError]) -> Any:
-    """The object "source:name" names (a dotted name reaches nested attributes); raises `error`,
-    a message naming `what` and `ref`, when the module does not import or has no such attribute."""
+    """The object a module or file reference names (a dotted name reaches nested attributes); raises
+    `error`, a message naming `what` and `ref`, when the module does not import or has no such
+    attribute. A 'builtin:' reference is refused: built-ins are looked up in tables, never imported."""
+    if ref.startswith(BUILTIN_PREFIX):
+        raise error(f"{what} {ref[:200]!r} is a built-in name, not a module or file to import")
     source, _, name = ref.rpartition(":")
     module = (
         _load_file(ref, source, what, error) if is_path_source(source) else _import(ref, source, what, error)

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, BODY_ERRORS, WRITE, CallerDep, CheckerDep
 from api.errors import APIError
-from controller.user_code import UserCodeError, run_isolated
+from controller.user_code import UserCodeError, UserCodeRefused, run_sandboxed
 
 router = APIRouter(
     prefix="/v1/rewards", tags=["rewards"], route_class=CheckedRoute, responses={**AUTH_ERRORS, **BODY_ERRORS}
@@ -33,13 +33,16 @@ class RewardValidateRequest(BaseModel):
 
 @router.post("/validate", dependencies=WRITE)
 def validate_reward(body: RewardValidateRequest, checker: CheckerDep, caller: CallerDep) -> dict[str, Any]:
-    """Score the rows with the function, in a child process: user code never runs in the API. An
-    uploaded module must be the caller's."""
+    """Score the rows with the function, in a sandbox: user code never runs in the API. An uploaded
+    module must be the caller's."""
     ref = checker.reward_source(body.function, "function", caller.sees)
     rows = [row.model_dump() for row in body.rows]
+    s = checker.settings
     try:
-        result = run_isolated("controller.rewards:score_rows", [ref, rows],
-                              checker.settings.user_code_timeout_s, f"reward function '{body.function}'")  # fmt: skip
+        result = run_sandboxed("controller.rewards:score_rows", ref, [rows], s.user_code_timeout_s,
+                               f"reward function '{body.function}'", s.user_code_limits(), s.unsandboxed_user_code)  # fmt: skip
+    except UserCodeRefused as err:
+        raise APIError(422, f"function: {err}", "function", "user_code_refused") from None
     except UserCodeError as err:
         raise APIError(422, f"function: {err}", "function", "invalid_reward_function") from None
     return {"function": body.function, **result}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from workers.references import resolve_reference, split_reference
+from workers.references import lookup_builtin, parse_reference, resolve_reference
 
 REFERENCE_FORMS = "'builtin:NAME', 'module:Class' or 'path/to/file.py:Class'"
 
@@ -25,12 +25,8 @@ def load_environment_class(ref: str) -> type:
     """The class `ref` names, validated; raises EnvironmentReferenceError saying why not."""
     from workers.environments import BUILTIN_ENVIRONMENTS
 
-    source, name = split_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError)
-    if source == "builtin":
-        if name not in BUILTIN_ENVIRONMENTS:
-            choices = ", ".join(f"'builtin:{n}'" for n in sorted(BUILTIN_ENVIRONMENTS))
-            raise EnvironmentReferenceError(f"environment {ref!r} is not a built-in; choose one of {choices}")
-        return BUILTIN_ENVIRONMENTS[name]
+    if parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError).form == "builtin":
+        return lookup_builtin(ref, BUILTIN_ENVIRONMENTS, "environment", EnvironmentReferenceError)
     target = resolve_reference(ref, "environment", EnvironmentReferenceError)
     check_environment_class(ref, target)
     return target

@@ -1,0 +1,118 @@
+"""A user's reward function, scored in long-lived sandboxes (workers/sandbox/) for a job's controller.
+
+`SandboxedRewards` starts a sandbox holding a copy of the function's file (if it names one), checks
+the function there at once (a bad reference fails the job at setup, as before), and scores each batch
+with one call: the rows go over the pipe as JSON and `(score, metrics, error)` per row come back. With
+`workers` > 1, large batches are split over that many sandboxes. A call past `timeout_s` ends its
+sandbox; its rows score 0.0 as errors, and the next batch starts a fresh one. Built-in rewards never
+come here: they are the service's code and run in the controller (controller/rewards.py).
+
+`score_in_sandbox` is the sandbox's side; it resolves the reference once per process.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from workers.references import is_path_reference
+from workers.sandbox.channel import Sandbox, SandboxError, SandboxTimeout
+from workers.sandbox.limits import Limits
+
+CHECK_TIMEOUT_S = 120.0
+SampleResult = tuple[float, dict[str, float], str | None]
+
+
+class SandboxedRewards:
+    """Scores rows with a user's reward function in sandboxes; see the module docstring."""
+
+    def __init__(self, ref: str, workers: int = 1, timeout_s: float | None = 300.0, parallel_threshold: int = 64,
+                 limits: Limits | None = None) -> None:  # fmt: skip
+        self.ref, self.timeout_s = ref, timeout_s or 7 * 86400.0
+        self.parallel_threshold = parallel_threshold
+        self.limits = (limits or Limits.from_env()).long_lived()
+        self._boxes: list[Sandbox | None] = [None] * max(1, workers)
+        self._lock = threading.Lock()
+        self._box(0)
+
+    def _box(self, index: int) -> Sandbox:
+        from controller.rewards import RewardFunctionError
+
+        with self._lock:
+            box = self._boxes[index]
+            if box is not None and box.alive:
+                return box
+            files = [self.ref.rpartition(":")[0]] if is_path_reference(self.ref) else []
+            # stderr is the controller's, so what the function prints is in the job's log (its owner's)
+            box = Sandbox(files, self.limits, stderr=None)
+            try:
+                box.call("controller.user_code:check_here", [box.place(self.ref), "reward"], CHECK_TIMEOUT_S)
+            except SandboxError as err:
+                box.close()
+                raise RewardFunctionError(
+                    err.message if err.type else f"reward function '{self.ref}': {err}"
+                ) from None
+            self._boxes[index] = box
+            return box
+
+    def score(self, rows: list[tuple]) -> list[SampleResult]:
+        """(score, metrics, error) of each row (prompt, response, ground_truth, extra), in order."""
+        count = len(self._boxes) if len(rows) > self.parallel_threshold else 1
+        size = max(1, math.ceil(len(rows) / count))
+        chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
+        if len(chunks) == 1:
+            return self._score_chunk(0, chunks[0])
+        with ThreadPoolExecutor(len(chunks), thread_name_prefix="tandem-reward") as pool:
+            parts = pool.map(self._score_chunk, range(len(chunks)), chunks)
+            return [result for part in parts for result in part]
+
+    def _score_chunk(self, index: int, rows: list[tuple]) -> list[SampleResult]:
+        try:
+            box = self._box(index)
+            out = box.call(
+                "controller.reward_sandbox:score_in_sandbox", [box.place(self.ref), rows], self.timeout_s
+            )
+        except SandboxTimeout:
+            return [(0.0, {}, f"timed out after {self.timeout_s:g}s in the reward sandbox")] * len(rows)
+        except Exception as err:  # the sandbox ended, or a row is not plain data: these rows only
+            return [(0.0, {}, f"the reward sandbox failed: {err}"[:500])] * len(rows)
+        return _checked(out, len(rows))
+
+    def close(self) -> None:
+        with self._lock:
+            boxes, self._boxes = self._boxes, [None] * len(self._boxes)
+        for box in boxes:
+            if box is not None:
+                box.close()
+
+
+def _checked(out: Any, n: int) -> list[SampleResult]:
+    """The sandbox's answer as results, trusting nothing: it is the user's process that wrote it."""
+    if not isinstance(out, list) or len(out) != n:
+        return [(0.0, {}, "the reward sandbox answered something other than one result per row")] * n
+    results: list[SampleResult] = []
+    for item in out:
+        try:
+            score, metrics, error = item
+            score = float(score)
+            metrics = {str(k): float(v) for k, v in dict(metrics).items() if math.isfinite(float(v))}
+            results.append(
+                (score if math.isfinite(score) else 0.0, metrics, None if error is None else str(error)[:500])
+            )
+        except (TypeError, ValueError):
+            results.append((0.0, {}, "the reward sandbox answered a malformed result"))
+    return results
+
+
+_FUNCTIONS: dict[str, Any] = {}
+
+
+def score_in_sandbox(ref: str, rows: list[list[Any]]) -> list[SampleResult]:
+    """The sandbox's side: score `rows` with the function `ref` names (resolved once per process)."""
+    from controller.rewards import load_reward_fn, score_sample
+
+    if ref not in _FUNCTIONS:
+        _FUNCTIONS[ref] = load_reward_fn(ref)
+    return [score_sample(_FUNCTIONS[ref], *row) for row in rows]

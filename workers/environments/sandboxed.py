@@ -1,0 +1,147 @@
+"""User environments run in a sandbox; a worker's multi-turn rollouts step them through proxies.
+
+`environment_factory(config)` is what `MultiTurnRollout` constructs its environments with: for a
+built-in, its class (the service's own code, run here); for a user's reference, the `new` method of
+an `EnvironmentHost`, one long-lived sandbox (workers/sandbox/) per reference in this worker process,
+started and checked at once. `new()` makes an instance in the sandbox and returns a
+`RemoteEnvironment` whose reset/step forward to it as JSON, so the rollout code is the same either
+way (the interface is in base.py). Instances live until `release` drops them at the end of a batch.
+
+A step that passes its time limit is the rollout's to count (its future times out); the sandbox's
+thread that runs it is left, and the host is replaced after the batch, ending such threads. A host
+whose process died is replaced at the next batch; its trajectories end with an env_error.
+
+The `host_*` functions are the sandbox's side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import replace
+from typing import Any
+
+from workers.config import EnvironmentConfig
+from workers.environments.loader import REFERENCE_FORMS, EnvironmentReferenceError, load_environment_class
+from workers.references import is_path_reference, parse_reference
+from workers.sandbox.channel import Sandbox, SandboxError, SandboxTimeout
+from workers.sandbox.limits import Limits
+
+HOST = "workers.environments.sandboxed"
+CHECK_TIMEOUT_S = 120.0
+GRACE_S = 5.0  # past the rollout's own step limit, before a call stops waiting
+_hosts: dict[str, EnvironmentHost] = {}
+_hosts_lock = threading.Lock()
+
+
+def environment_factory(config: EnvironmentConfig) -> Any:
+    """What makes one environment of `config.environment`: a built-in class, or a sandbox's `new`."""
+    ref = config.environment
+    if parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError).form == "builtin":
+        return load_environment_class(ref)
+    with _hosts_lock:
+        host = _hosts.get(ref)
+        if host is None or not host.box.alive:
+            _hosts[ref] = host = EnvironmentHost(ref, config)
+    return host.new
+
+
+def release(envs: list[Any]) -> None:
+    """Drop a finished batch's environments from their sandboxes (one call per host)."""
+    by_host: dict[EnvironmentHost, list[int]] = {}
+    for env in envs:
+        if isinstance(env, RemoteEnvironment):
+            by_host.setdefault(env.host, []).append(env.env_id)
+    for host, ids in by_host.items():
+        host.drop(ids)
+
+
+class EnvironmentHost:
+    """One sandbox holding a reference's environment instances for this worker process."""
+
+    def __init__(self, ref: str, config: EnvironmentConfig) -> None:
+        limits = Limits.from_env().long_lived()
+        limits = replace(limits, processes=max(limits.processes, config.threads + 64))  # a thread per step
+        files = [ref.rpartition(":")[0]] if is_path_reference(ref) else []
+        self.ref, self.timeout_s, self.timed_out = ref, config.env_step_timeout_s + GRACE_S, False
+        self.box = Sandbox(files, limits, stderr=None)  # what it prints goes to the job's log
+        self.placed = self.box.place(ref)
+        try:
+            self.box.call(f"{HOST}:host_check", [self.placed], CHECK_TIMEOUT_S)
+        except SandboxError as err:
+            self.box.close()
+            raise EnvironmentReferenceError(
+                err.message if err.type else f"environment '{ref}': {err}"
+            ) from None
+
+    def new(self) -> RemoteEnvironment:
+        return RemoteEnvironment(self, self.call("host_new", [self.placed]))
+
+    def call(self, function: str, args: list[Any]) -> Any:
+        try:
+            return self.box.call(f"{HOST}:{function}", args, self.timeout_s, kill_on_timeout=False)
+        except SandboxTimeout:
+            self.timed_out = True
+            raise
+
+    def drop(self, ids: list[int]) -> None:
+        if self.timed_out:  # threads of steps that never returned: end them with the process
+            self.box.close("replaced after a batch with steps past their time limit")
+            return
+        try:
+            self.call("host_drop", [ids])
+        except SandboxError:
+            pass  # the process is gone: nothing left to drop
+
+
+class RemoteEnvironment:
+    """An environment instance that lives in a sandbox; reset and step forward to it."""
+
+    def __init__(self, host: EnvironmentHost, env_id: int) -> None:
+        self.host, self.env_id = host, env_id
+
+    def reset(self, row: dict[str, Any]) -> Any:
+        return self.host.call("host_reset", [self.env_id, row])
+
+    def step(self, assistant_text: str) -> Any:
+        out = self.host.call("host_step", [self.env_id, assistant_text])
+        if isinstance(out, dict) and isinstance(out.get("tuple"), list):
+            return tuple(out["tuple"])
+        return out.get("value") if isinstance(out, dict) else out  # not a tuple: StepResult says so
+
+
+# ---- the sandbox's side -----------------------------------------------------------------------
+
+_classes: dict[str, type] = {}
+_instances: dict[int, Any] = {}
+_ids = itertools.count(1)
+
+
+def host_check(ref: str) -> bool:
+    _classes[ref] = load_environment_class(ref)
+    return True
+
+
+def host_new(ref: str) -> int:
+    if ref not in _classes:
+        host_check(ref)
+    env_id = next(_ids)
+    _instances[env_id] = _classes[ref]()
+    return env_id
+
+
+def host_reset(env_id: int, row: dict[str, Any]) -> Any:
+    return _instances[env_id].reset(row)
+
+
+def host_step(env_id: int, assistant_text: str) -> Any:
+    out = _instances[env_id].step(assistant_text)
+    if isinstance(out, tuple) and len(out) == 4 and isinstance(out[3], dict):
+        info = {k: v for k, v in out[3].items() if isinstance(v, bool | int | float | str | None)}
+        out = (*out[:3], info)  # the rollout reads numbers and flags of info; the rest stays here
+    return {"tuple": list(out)} if isinstance(out, tuple) else {"value": out}
+
+
+def host_drop(ids: list[int]) -> None:
+    for env_id in ids:
+        _instances.pop(env_id, None)

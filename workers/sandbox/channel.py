@@ -1,0 +1,251 @@
+"""The parent's side of a sandbox: start it, call functions in it, answer what it asks, end it.
+
+    with Sandbox(["/path/to/user/mod.py"]) as box:
+        ref = box.place("/path/to/user/mod.py:score")       # "/code/0/mod.py:score" inside
+        box.call("controller.rewards:score_in_sandbox", [ref, rows], timeout_s=30)
+
+`Sandbox` copies the user's code files into a staging folder the sandbox sees read-only, starts the
+child (launch.py, child.py) and reads its replies in a thread; a call may run concurrently with
+others. A call past its time limit ends the process (`kill_on_timeout`, the default) and raises
+SandboxTimeout; a process that ends raises SandboxCrashed in every call waiting on it, saying how it
+ended; an exception in the sandbox raises SandboxError with its type and a bounded message. A sandbox
+that ended stays ended: callers that keep one start another (`alive`).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+from workers.references import is_path_reference
+from workers.sandbox.child import MAX_LINE, plain
+from workers.sandbox.launch import CODE, command, open_staging, sandbox_mode
+from workers.sandbox.limits import Limits
+
+log = logging.getLogger("tandem.sandbox")
+_LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="tandem-sandbox-launcher")  # never shut down
+MESSAGE_CHARS = 2000
+Asker = Callable[[str, Any], Any]  # (topic, payload) -> answer, for what the sandbox asks
+
+
+class SandboxError(Exception):
+    """An exception raised in the sandbox: its type name, message and traceback lines, bounded."""
+
+    def __init__(self, type_name: str, message: str, trace: str = "") -> None:
+        self.type, self.message, self.trace = type_name, message, trace
+        text = f"{type_name}: {message}" if type_name else message
+        super().__init__((text + (f"\n{trace.rstrip()}" if trace else ""))[:MESSAGE_CHARS])
+
+
+class SandboxCrashed(SandboxError):
+    """The sandbox's process ended (or broke the protocol) before it answered."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("", message)
+
+
+class SandboxTimeout(SandboxError):
+    """A call did not answer within its time limit."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("", message)
+
+
+class Sandbox:
+    """One sandboxed process serving calls; see the module docstring."""
+
+    def __init__(self, files: Sequence[str | Path] = (), limits: Limits | None = None,
+                 asker: Asker | None = None, stderr: int | None = subprocess.DEVNULL,
+                 allow_unsandboxed: bool | None = None, mode: str | None = None) -> None:  # fmt: skip
+        self.limits = limits or Limits.from_env()
+        self.mode = mode or sandbox_mode(allow_unsandboxed).name  # `mode`: a test's choice
+        self.staging = Path(tempfile.mkdtemp(prefix="tandem-sandbox-"))
+        self.code = CODE if self.mode != "none" else str(self.staging)
+        self.places = {str(Path(f).expanduser().resolve()): self._stage(i, f) for i, f in enumerate(files)}
+        open_staging(self.staging)
+        argv, env = command(self.mode, self.staging, self.limits)
+        self.asker = asker
+        self._ids = itertools.count(1)
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._reap_lock = threading.Lock()
+        self._askers = ThreadPoolExecutor(4, thread_name_prefix="tandem-sandbox-ask") if asker else None
+        self.ended: str | None = None
+        popen = functools.partial(subprocess.Popen, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=stderr, cwd=self.staging if self.mode == "none" else None,
+                                  start_new_session=True)  # fmt: skip
+        # bwrap's --die-with-parent follows the thread that started it: a pool thread that ends would
+        # take a job's sandbox with it, so every sandbox is started by one thread that lives on.
+        self.proc = _LAUNCHER.submit(popen).result()
+        self._reader = threading.Thread(target=self._read, name="tandem-sandbox-read", daemon=True)
+        self._reader.start()
+
+    # ---- the user's files ----------------------------------------------------------------------
+
+    def _stage(self, index: int, file: str | Path) -> str:
+        source = Path(file).expanduser().resolve()
+        folder = self.staging / str(index)
+        folder.mkdir()
+        shutil.copyfile(source, folder / source.name)
+        return f"{self.code}/{index}/{source.name}"
+
+    def place(self, ref: str) -> str:
+        """`ref` as the sandbox names it: a file reference points at the staged copy."""
+        if not is_path_reference(ref):
+            return ref
+        source, _, name = ref.rpartition(":")
+        staged = self.places.get(str(Path(source).expanduser().resolve()))
+        return f"{staged}:{name}" if staged else ref
+
+    def unplace(self, text: str) -> str:
+        """A message from the sandbox with the staged copies' paths put back as the caller named them."""
+        for source, staged in self.places.items():
+            text = text.replace(staged, source)
+        return text
+
+    # ---- calls ---------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> bool:
+        return self.ended is None and self.proc.poll() is None
+
+    def call(self, target: str, args: list[Any], timeout_s: float, kill_on_timeout: bool = True) -> Any:
+        """`target(*args)` in the sandbox ("module:function" of the service's code); its value."""
+        future: Future = Future()
+        with self._lock:
+            if self.ended is not None:
+                raise SandboxCrashed(self.ended)
+            call_id = next(self._ids)
+            self._pending[call_id] = future
+        self._send({"id": call_id, "call": target, "args": args})
+        try:
+            return future.result(timeout=timeout_s)
+        except FutureTimeout:
+            self._pending.pop(call_id, None)
+            if kill_on_timeout:
+                self.close(f"a call did not finish within {timeout_s:g} s")
+            raise SandboxTimeout(f"did not finish within {timeout_s:g} s") from None
+
+    def _send(self, message: dict[str, Any]) -> None:
+        line = json.dumps(message, default=plain).encode() + b"\n"
+        try:
+            with self._write_lock:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(line)
+                self.proc.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self._end(self._exit_reason())
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        try:
+            while line := self.proc.stdout.readline(MAX_LINE + 1):
+                if len(line) > MAX_LINE or not self._take(json.loads(line)):
+                    self._end("the sandbox broke its protocol (a reply too long or not understood)")
+                    return
+        except (ValueError, TypeError, OSError):  # not JSON, or an id that is no key: the child's doing
+            self._end("the sandbox broke its protocol (a line that is not a message)")
+            return
+        self._end(self._exit_reason())
+
+    def _take(self, message: Any) -> bool:
+        if not isinstance(message, dict):
+            return False
+        if "ask" in message:
+            if self._askers is None:
+                self._reply(message.get("id"), None, "this sandbox answers no questions")
+            else:
+                self._askers.submit(self._answer, message)
+            return True
+        future = self._pending.pop(message.get("id"), None)  # an unknown id: a call that timed out
+        if future is not None:
+            error = message.get("error")
+            if isinstance(error, dict):
+                future.set_exception(
+                    SandboxError(*(self.unplace(str(error.get(k, ""))) for k in ("type", "message", "trace")))
+                )
+            else:
+                future.set_result(message.get("ok"))
+        return True
+
+    def _answer(self, message: dict[str, Any]) -> None:
+        try:
+            self._reply(message.get("id"), self.asker(str(message["ask"]), message.get("args")), None)  # type: ignore[misc]
+        except Exception as err:  # the asker's failure is the sandbox's to see, the parent goes on
+            self._reply(message.get("id"), None, f"{type(err).__name__}: {err}")
+
+    def _reply(self, ask_id: Any, value: Any, error: str | None) -> None:
+        self._send({"id": ask_id, "error": {"message": error}} if error else {"id": ask_id, "ok": value})
+
+    def _exit_reason(self) -> str:
+        try:
+            with self._reap_lock:
+                code = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "the sandbox stopped answering"
+        return describe_exit(code, self.limits)
+
+    def _end(self, reason: str) -> None:
+        with self._lock:
+            if self.ended is None:
+                self.ended = reason
+            pending, self._pending = self._pending, {}
+        for future in pending.values():
+            future.set_exception(SandboxCrashed(reason))
+        self._kill()
+
+    # ---- the end -------------------------------------------------------------------------------
+
+    def close(self, reason: str = "the sandbox was closed") -> None:
+        """End the process (and all it started) and remove the staged files."""
+        self._end(reason)
+        if self._askers is not None:
+            self._askers.shutdown(wait=False, cancel_futures=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _kill(self) -> None:
+        # Only while not reaped: a reaped pid may be another process's by now (this lock keeps the
+        # reader thread from reaping it between the check and the kill).
+        with self._reap_lock:
+            if self.proc.poll() is None:
+                try:  # its own process group: bwrap, and through it (--die-with-parent) all in the sandbox
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            log.warning("sandbox process %d did not end after SIGKILL", self.proc.pid)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def describe_exit(code: int, limits: Limits) -> str:
+    """How the sandbox's process ended, in words (bwrap passes a signal on as 128 + its number)."""
+    signum = -code if code < 0 else code - 128 if code > 128 else None
+    if signum == signal.SIGXCPU:
+        return f"the sandbox reached its CPU time limit ({limits.cpu_s:g} s) and was stopped"
+    if signum == signal.SIGKILL:
+        return "the sandbox was killed (its memory or CPU limit, or the system's)"
+    if signum is not None:
+        name = signal.Signals(signum).name if signum in signal.valid_signals() else str(signum)
+        return f"the sandbox's process ended on signal {name}"
+    return f"the sandbox's process ended (exit code {code}) before it answered"
