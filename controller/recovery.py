@@ -115,20 +115,23 @@ def worker_lost(err: BaseException, groups: JobGroups | None) -> WorkerLost | No
             return WorkerLost("died", str(err), err.group, err.rank)
         if err.kind == "timeout":
             return WorkerLost("did not answer in time", str(err), err.group, err.rank)
-        # A rank raised. Its own error, unless a peer died under it: a collective fails on every rank.
-        dead = find_dead(groups) if groups is not None else []
-        if not dead:
-            return None
-        group, rank, why = dead[0]
-        return WorkerLost(
-            "died", f"{err} (after worker group '{group}', rank {rank} died: {why})", group, rank
-        )
-    if isinstance(err, RayTaskError):
-        return None
+        return _peer_died(err, groups)  # a rank raised: its own error, unless a peer died under it
+    if isinstance(err, RayTaskError):  # raised in another actor of the job (its endpoint, say)
+        return _peer_died(err, groups)
     if isinstance(err, _LOST):
         cause = "could not be placed" if isinstance(err, ResourcePoolError) else "died"
         return WorkerLost(cause, f"{type(err).__name__}: {err}")
     return None
+
+
+def _peer_died(err: BaseException, groups: JobGroups | None) -> WorkerLost | None:
+    """A lost worker when one of the job's workers is dead (a collective, or a call waiting on the dead
+    worker, fails with the death as its cause); else None: the error is the job's own."""
+    dead = find_dead(groups) if groups is not None else []
+    if not dead:
+        return None
+    group, rank, why = dead[0]
+    return WorkerLost("died", f"{err} (after worker group '{group}', rank {rank} died: {why})", group, rank)
 
 
 def worker_groups(groups: JobGroups) -> dict[str, RayWorkerGroup]:

@@ -3,9 +3,12 @@ and trains on its trajectories (controller/external_agents.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
-from tests.api_util import TERMINAL, tiny_job, wait_for
+from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -41,3 +44,21 @@ def test_an_agent_that_is_not_a_function_is_refused_at_submission(api):
     assert refused.status_code == 422, refused.text
     assert refused.json()["error"]["param"] == "rollout.external.agent"
     assert len(api.get("/v1/jobs").json()["data"]) == before
+
+
+@pytest.mark.slow  # the soak (bench/soak.py) kills such jobs' workers too
+def test_an_agent_job_whose_worker_dies_restarts_and_succeeds(live, api):
+    """The endpoint's calls wait on the dead worker and fail inside it (a RayTaskError of another
+    actor): that is a lost worker, retried, not the job's own error."""
+    from tests.test_recovery import worker_pids
+
+    spec = agent_job("tests.agent_fns:digits_agent")
+    spec["trainer"].update(total_steps=3, max_restarts=2, restart_backoff_s=0)
+    spec["checkpoint"] = {"every": 1}
+    job = api.post("/v1/jobs", json=spec).json()["id"]
+    pids = worker_pids(live, job)
+    wait_for_step(api, job, 1, timeout_s=240)
+    os.kill(pids[0], signal.SIGKILL)
+    final = wait_for(api, job, TERMINAL, timeout_s=300)
+    assert final["status"] == "succeeded", final["error"]
+    assert final["latest_metrics"]["job/restarts"] >= 1.0
