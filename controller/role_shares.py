@@ -4,8 +4,8 @@ A job's roles are its training workers and, on placement 'split', its rollout wo
 CPU sizes divide one budget among all of them: the largest node's CPUs, at most the physical cores
 (a rank never runs more torch threads than cores, engines/threads.py), less what sizes given
 explicitly take. Each default worker gets whole CPUs when there are enough to give every one at least
-one, else an equal fraction (Ray places bundles of 0.01 CPU and up). So a job whose sizes are all
-defaults always fits the node it is sized from; a size the user gives is kept as given, and the
+one, else an equal fraction, but never less than a quarter CPU. So a job whose sizes are all
+defaults fits the node it is sized from unless it asks for more than four workers a core; a size the user gives is kept as given, and the
 service refuses it when the cluster cannot hold it (Service.check_fits_cluster).
 
 GPUs: a worker left to the default takes one whole GPU when the cluster has any, none otherwise (two
@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from controller.spec_resources import ResourcesSpec, WorkerResources
 
 MIN_CPUS = 0.01  # Ray's resolution, and resources.cpus_per_worker's least value
+# The least a worker left to the default gets: each is a process holding torch and a model, so a job of
+# more default workers than four a core is refused as too big for the node rather than packed in.
+MIN_DEFAULT_CPUS = 0.25
 
 
 @dataclass(frozen=True)
@@ -71,4 +74,4 @@ def _default_cpus(groups: list[WorkerResources], budget: float) -> float:
     each = left / defaults
     if each >= 1:
         return float(math.floor(each))
-    return max(MIN_CPUS, round(math.floor(each / MIN_CPUS + 1e-9) * MIN_CPUS, 2))
+    return max(MIN_DEFAULT_CPUS, round(math.floor(each / MIN_CPUS + 1e-9) * MIN_CPUS, 2))

@@ -101,7 +101,7 @@ def cluster_env(tmp: str) -> dict[str, str]:
     return env
 
 
-def start_serve(root: Path, env: dict[str, str], token: str, name: str, num_cpus: int) -> Served:
+def start_serve(root: Path, env: dict[str, str], token: str, name: str, num_cpus: int = 4) -> Served:
     """`tandem serve` on a home under `root`, with a local Ray of `num_cpus` CPUs, once it is ready."""
     (port,) = free_ports(1)
     url, log = f"http://127.0.0.1:{port}", root / f"{name}.log"
