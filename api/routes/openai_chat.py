@@ -42,7 +42,7 @@ TrajectoryHeader = Header(None, alias="X-Tandem-Trajectory", min_length=1, max_l
                           pattern=r"^[A-Za-z0-9_.:-]+$")  # fmt: skip
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI's optional fields a job does not use are accepted
 
 
@@ -51,18 +51,18 @@ class FunctionCall(BaseModel):
     arguments: str = Field("{}", max_length=1_000_000)
 
 
-class ToolCall(_Lenient):
+class ToolCall(Lenient):
     id: str | None = Field(None, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     type: str = Field(..., max_length=64)
     text: str | None = Field(None, max_length=10_000_000)
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
@@ -78,18 +78,18 @@ class ChatMessage(_Lenient):
         return self
 
 
-class FunctionSpec(_Lenient):
+class FunctionSpec(Lenient):
     name: str = Field(..., min_length=1, max_length=256)
     description: str | None = Field(None, max_length=100_000)
     parameters: dict[str, Any] | None = None
 
 
-class ToolSpec(_Lenient):
+class ToolSpec(Lenient):
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
-class Sampling(_Lenient):
+class Sampling(Lenient):
     model: str = Field(..., min_length=1, max_length=512, description="the job's id (GET .../models)")
     n: int = Field(1, ge=1, le=64, description="choices; choice k > 0 is trajectory '<id>.<k>'")
     max_tokens: int | None = Field(None, ge=1, le=1_048_576)
