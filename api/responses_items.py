@@ -120,6 +120,8 @@ def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any
 
 def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     form = (text or {}).get("format")
+    if form is not None and not isinstance(form, dict):
+        raise _refuse("text.format", "must be an object with a 'type'")
     if form is None or form.get("type") == "text":
         return None
     if form.get("type") == "json_object":

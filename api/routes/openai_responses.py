@@ -31,7 +31,13 @@ from api.responses_items import (
     stream_events,
 )
 from api.routes.openai_bridge import call, check_model, external_job
-from api.routes.openai_chat import ChatCompletionRequest, Lenient, TrajectoryHeader, TrajectoryId
+from api.routes.openai_chat import (
+    ChatCompletionRequest,
+    Lenient,
+    TrajectoryHeader,
+    TrajectoryId,
+    refuse_unenforced,
+)
 
 router = APIRouter(
     prefix="/v1/jobs/{job_id}/openai",
@@ -110,6 +116,7 @@ async def _respond(job_id: str, tid: str | None, body: ResponsesRequest, service
     job = external_job(service, job_id, caller.sees)
     check_model(job, body.model)
     chat = chat_request(body)
+    refuse_unenforced(chat.response_format, chat.tool_choice, "text.format")
     out = await call(job_id, "chat", tid, chat.model_dump(exclude_none=True))
     response = response_object(out, body.model_dump(exclude_none=True))
     if not body.stream:
