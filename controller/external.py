@@ -42,6 +42,7 @@ from workers.chat_serving import content_text, cut_at_stop, strip_stop, tool_cal
 
 GENERATE_TIMEOUT_S = 900.0  # a call waits for a training step's update on a colocated worker
 ATTACH_TIMEOUT_S = 60.0
+STARTING_WAIT_S = 120.0  # a call that arrives before the rollout workers are attached waits this long
 TEMPLATING_THREADS = 4
 
 
@@ -71,6 +72,7 @@ class ExternalServer:
         self.requests = 0
         self.engine_calls = 0
         self.buffered: ExternalBuffer | None = None  # trainer.mode async
+        self._attached = asyncio.Event()
 
     # ---- wiring ------------------------------------------------------------------------------
 
@@ -93,6 +95,7 @@ class ExternalServer:
         if self._batcher is not None:
             self._batcher.cancel()
         self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
+        self._attached.set()
 
     async def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
         """trainer.mode async: admit and buffer trajectories (kept as they are when called again
@@ -352,10 +355,12 @@ class ExternalServer:
         return cut_at_stop(lambda x: self.tokenizer.decode(x, skip_special_tokens=True), list(ids), stops)
 
     async def _generate(self, prompt: list[int], params: Any) -> list[Any]:
-        if self._queue is None:
-            raise TrajectoryError(
-                503, "the job's rollout workers are not up yet; retry", None, "starting", 1.0
-            )
+        if self._queue is None:  # a new job's first calls wait for its workers (see attach)
+            try:
+                await asyncio.wait_for(self._attached.wait(), STARTING_WAIT_S)
+            except asyncio.TimeoutError:
+                raise TrajectoryError(503, f"the job's rollout workers did not come up within {STARTING_WAIT_S:.0f} s; "
+                                      "retry", None, "starting", 2.0) from None  # fmt: skip
         future = asyncio.get_running_loop().create_future()
         await self._queue.put((prompt, params, future))
         return await future

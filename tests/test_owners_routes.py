@@ -58,6 +58,11 @@ BODIES = {
         "model": "m",
         "prompt": "hi",
     },
+    ("POST", "/v1/jobs/{job_id}/openai/v1/responses"): {"model": "m", "input": "hi"},
+    ("POST", "/v1/jobs/{job_id}/openai/trajectories/{trajectory_id}/v1/responses"): {
+        "model": "m",
+        "input": "hi",
+    },
     ("POST", "/v1/jobs/{job_id}/trajectories/{trajectory_id}/reward"): {"reward": 1.0},
 }
 

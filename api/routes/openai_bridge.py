@@ -10,6 +10,7 @@ here in the API's error shape.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import ray
@@ -20,6 +21,8 @@ from service.service import Service
 
 REQUEST_TIMEOUT_S = 900.0  # a call may wait for a training step's update on a colocated worker
 LOOKUP_TIMEOUT_S = 10.0  # finding the job's endpoint actor by name (a GCS call)
+STARTING_WAIT_S = 120.0  # a running job's first calls wait this long for its endpoint actor
+STARTING_POLL_S = 0.5
 _servers: dict[str, Any] = {}  # job id -> actor handle, for this API process
 
 
@@ -48,21 +51,31 @@ def check_model(job: Any, model: str) -> None:
                        "model", "model_not_found")  # fmt: skip
 
 
-async def call(job_id: str, method: str, *args: Any) -> dict[str, Any]:
-    """`ExternalServer.<method>(*args)` of the job, its error answer raised as an APIError."""
-    server = _servers.get(job_id)
-    if server is None:
+async def _find_server(job_id: str) -> Any:
+    """The job's endpoint actor; a running job's first calls wait for it (up to STARTING_WAIT_S) rather
+    than answer 503, so that a client with default retries reaches a job that has just started."""
+    deadline = time.monotonic() + STARTING_WAIT_S
+    while True:
         try:
             lookup = asyncio.to_thread(ray.get_actor, server_name(job_id))
             server = await asyncio.wait_for(lookup, LOOKUP_TIMEOUT_S)
+            break
         except ValueError:
-            raise APIError(503, f"job '{job_id}' is starting: its endpoint is not up yet", None,
-                           "endpoint_starting", {"Retry-After": "2"}) from None  # fmt: skip
+            if time.monotonic() >= deadline:
+                raise APIError(503, f"job '{job_id}' is starting: its endpoint did not come up within "
+                               f"{STARTING_WAIT_S:.0f} s", None, "endpoint_starting", {"Retry-After": "2"}) from None  # fmt: skip
+            await asyncio.sleep(STARTING_POLL_S)
         except asyncio.TimeoutError:
             raise APIError(503, f"job '{job_id}''s endpoint actor {server_name(job_id)} was not found within "
                            f"{LOOKUP_TIMEOUT_S:.0f} s (Ray's control store did not answer)", None,
                            "endpoint_unavailable", {"Retry-After": "2"}) from None  # fmt: skip
-        _servers[job_id] = server
+    _servers[job_id] = server
+    return server
+
+
+async def call(job_id: str, method: str, *args: Any) -> dict[str, Any]:
+    """`ExternalServer.<method>(*args)` of the job, its error answer raised as an APIError."""
+    server = _servers.get(job_id) or await _find_server(job_id)
     try:
         out = await asyncio.wait_for(getattr(server, method).remote(*args), REQUEST_TIMEOUT_S)
     except (ray.exceptions.RayActorError, asyncio.TimeoutError) as err:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, CallerDep, ServiceDep
-from api.errors import documented
+from api.errors import APIError, documented
 from api.routes.openai_bridge import call, check_model, external_job, model_names
 
 router = APIRouter(
@@ -42,7 +42,7 @@ TrajectoryHeader = Header(None, alias="X-Tandem-Trajectory", min_length=1, max_l
                           pattern=r"^[A-Za-z0-9_.:-]+$")  # fmt: skip
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI's optional fields a job does not use are accepted
 
 
@@ -51,18 +51,18 @@ class FunctionCall(BaseModel):
     arguments: str = Field("{}", max_length=1_000_000)
 
 
-class ToolCall(_Lenient):
+class ToolCall(Lenient):
     id: str | None = Field(None, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     type: str = Field(..., max_length=64)
     text: str | None = Field(None, max_length=10_000_000)
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
@@ -78,18 +78,18 @@ class ChatMessage(_Lenient):
         return self
 
 
-class FunctionSpec(_Lenient):
+class FunctionSpec(Lenient):
     name: str = Field(..., min_length=1, max_length=256)
     description: str | None = Field(None, max_length=100_000)
     parameters: dict[str, Any] | None = None
 
 
-class ToolSpec(_Lenient):
+class ToolSpec(Lenient):
     type: Literal["function"] = "function"
     function: FunctionSpec
 
 
-class Sampling(_Lenient):
+class Sampling(Lenient):
     model: str = Field(..., min_length=1, max_length=512, description="the job's id (GET .../models)")
     n: int = Field(1, ge=1, le=64, description="choices; choice k > 0 is trajectory '<id>.<k>'")
     max_tokens: int | None = Field(None, ge=1, le=1_048_576)
@@ -113,8 +113,10 @@ class ChatCompletionRequest(Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=10_000)
     tools: list[ToolSpec] | None = Field(None, max_length=256)
     tool_choice: str | dict[str, Any] | None = Field(
-        None, description="'none' leaves the tools out of the prompt and parses no calls; others: as 'auto'"
+        None,
+        description="'auto', or 'none': the tools left out of the prompt and no calls parsed; others: 422",
     )
+    response_format: dict[str, Any] | None = Field(None, description="{'type': 'text'}; others: 422")
     logprobs: bool = False
 
 
@@ -172,9 +174,24 @@ async def trajectory_completions(
     return await _completion(job_id, trajectory_id, body, service, caller)
 
 
+def refuse_unenforced(response_format: dict[str, Any] | None, tool_choice: Any, format_param: str) -> None:
+    """A 422 naming the field whose constraint the job's rollout engines would not hold: they decode
+    without a grammar, so a structured output or a forced tool call could only be ignored."""
+    kind = (response_format or {}).get("type", "text")
+    if kind != "text":
+        raise APIError(422, f"{format_param}: '{kind}' output is not enforced by this job's rollout engines (they "
+                       f"decode without constrained decoding); leave {format_param} out and parse the reply",
+                       format_param, "unsupported_value")  # fmt: skip
+    if tool_choice not in (None, "auto", "none"):
+        raise APIError(422, f"tool_choice: {json.dumps(tool_choice)} is not enforced by this job's rollout engines "
+                       "(a forced tool call needs constrained decoding); use 'auto' or 'none'",
+                       "tool_choice", "unsupported_value")  # fmt: skip
+
+
 async def _chat(job_id: str, tid: str | None, body: ChatCompletionRequest, service: Any, caller: Any) -> Any:
     job = external_job(service, job_id, caller.sees)
     check_model(job, body.model)
+    refuse_unenforced(body.response_format, body.tool_choice, "response_format")
     out = await call(job_id, "chat", tid, body.model_dump(exclude_none=True))
     return (
         _sse(_chat_chunks(out, body)) if body.stream else JSONResponse(out)
