@@ -263,7 +263,7 @@ def resolve_job_id(client: TandemClient, given: str) -> str:
     """A job id from a unique prefix of it, with or without `job-`; a full id is taken as it is."""
     prefix = given if given.startswith(JOB_PREFIX) else JOB_PREFIX + given
     if len(prefix) >= FULL_ID_LENGTH:
-        return given
+        return prefix
     found, after = [], None
     while True:
         page = client.list_jobs(limit=100, after=after)
