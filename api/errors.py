@@ -47,6 +47,7 @@ MEANINGS = {
     404: "No such resource",
     409: "The resource is in a state that does not allow this",
     413: "The request body is larger than the service accepts",
+    415: "A JSON body sent without `Content-Type: application/json`",
     422: "A field is invalid; `error.param` names it (dotted)",
     429: "A quota of the owner is reached for now (`error.param` names it); Retry-After says when to retry",
     503: "The service is not ready",
@@ -118,6 +119,20 @@ def validation_error(first: dict[str, Any]) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
+def not_json_body(request: Request, first: dict[str, Any]) -> str | None:
+    """The message for a body the route reads as JSON but the client sent as something else (curl's
+    `-d` alone sends a form): FastAPI then validates the raw bytes, and its message would not say why."""
+    kind = request.headers.get("content-type")
+    loc = tuple(first.get("loc", ()))
+    if not kind or not loc or loc[0] != "body":
+        return None
+    media = kind.split(";")[0].strip().lower()
+    if media == "application/json" or media.endswith("+json"):
+        return None
+    return (f"body: this route reads a JSON body; send it with the header `Content-Type: application/json` "
+            f"(this request's Content-Type is '{media}')")  # fmt: skip
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> JSONResponse:
@@ -139,6 +154,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
+        wrong_kind = not_json_body(request, first)
+        if wrong_kind:
+            return shaped(request, 415, wrong_kind, "body", "unsupported_media_type")
         message, param = validation_error(first)
         code = "invalid_json" if param == "body" else "invalid_value"
         return shaped(request, 422, message, param, code)

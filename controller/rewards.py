@@ -185,6 +185,7 @@ class RewardResult:
     metrics: dict[str, float]  # "reward/<name>/mean" per extra metric, "reward/errors"
     errors: int  # samples whose function raised or returned a non-number / NaN
     error_messages: list[str] = field(default_factory=list)  # the first few, "sample i: ..."
+    row_errors: list[str | None] = field(default_factory=list)  # per sample: its error, or None
 
 
 class RewardScorer:
@@ -358,7 +359,8 @@ def _summarise(results: list[SampleResult], max_messages: int) -> RewardResult:
     import torch  # here, not at the top: spawned scoring processes never need it
 
     scores, log, errors, messages = _summary(results, max_messages)
-    return RewardResult(torch.tensor(scores, dtype=torch.float32), log, errors, messages)
+    row_errors = [error for _, _, error in results]
+    return RewardResult(torch.tensor(scores, dtype=torch.float32), log, errors, messages, row_errors)
 
 
 def _summary(

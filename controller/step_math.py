@@ -6,8 +6,10 @@ like the RL step of docs/ARCHITECTURE.md §4.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from controller.advantages import compute_advantages, scores_to_token_rewards
@@ -18,6 +20,8 @@ from engines.base import GlobalCounts
 from workers.batch import Batch
 from workers.loss_config import RolloutCorrectionConfig
 from workers.losses.rollout_correction import apply_rejection, mismatch_metrics
+
+log = logging.getLogger("tandem.job")
 
 
 def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
@@ -33,7 +37,9 @@ def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
 def score(
     batch: Batch, scorer: RewardScorer, tokenizer: Any
 ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
-    """Sequence scores [B] from the rule reward, its metrics, and the decoded responses."""
+    """Sequence scores [B] from the rule reward, its metrics, and the decoded responses. Each row's
+    error (None where it scored) goes with the batch as `reward_error`, for the stored samples; the
+    first few errors of the batch go to the job's log."""
     texts = decode_responses(batch, tokenizer)
     extras = [e if isinstance(e, dict) else None for e in batch.non_tensors.get("extra", [None] * len(batch))]
     result = scorer.score(
@@ -42,6 +48,10 @@ def score(
         list(batch.non_tensors.get("ground_truth", [None] * len(batch))),
         extras,
     )
+    batch.non_tensors["reward_error"] = np.array(result.row_errors or [None] * len(batch), dtype=object)
+    if result.errors:
+        log.warning("reward function %s failed on %d of %d samples (scored 0.0): %s", scorer.ref,
+                    result.errors, len(batch), "; ".join(result.error_messages))  # fmt: skip
     return result.scores.float(), result.metrics, texts
 
 

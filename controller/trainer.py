@@ -35,7 +35,7 @@ from controller.rollout_recovery import replace_lost_rollout
 from controller.sink import JobSink
 from controller.spec import JobSpec
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched, score
-from controller.trajectory_view import multiturn_metrics, step_samples
+from controller.trajectory_view import log_env_errors, multiturn_metrics, step_samples
 from workers.config import UpdateSchedule
 
 
@@ -327,6 +327,7 @@ class Trainer:
     def _rewards(self, batch: Any) -> tuple[Any, Any, dict[str, float]]:
         """Sequence scores: the environment's (multi-turn), else the reward model's, else the rule's."""
         if "env_rewards" in batch.tensors.keys():
+            log_env_errors(batch, self.spec.rollout.environment)
             return batch, batch.tensors["env_rewards"].float(), multiturn_metrics(batch)
         if self.job.groups.reward is not None:
             batch = self.job.groups.reward.compute_rm_score(batch)

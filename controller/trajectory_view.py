@@ -6,11 +6,14 @@ turns, tool calls, environment failures, truncation, and response tokens per tur
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
 from workers.batch import Batch
+
+log = logging.getLogger("tandem.job")
 
 
 def multiturn_metrics(batch: Batch) -> dict[str, float]:
@@ -29,6 +32,18 @@ def multiturn_metrics(batch: Batch) -> dict[str, float]:
         "multiturn/response_tokens_per_turn": float((sampled / turns.clamp(min=1)).mean()),
         "multiturn/reward/mean": float(t["env_rewards"].float().mean()),
     }
+
+
+MAX_LOGGED_ERRORS = 5  # a step's environment errors written to the job's log; the metrics count all
+
+
+def log_env_errors(batch: Batch, environment: str | None) -> None:
+    """The first few environment errors of a multi-turn batch, in the job's log."""
+    errors = [(i, e) for i, e in enumerate(batch.non_tensors.get("env_error", [])) if e]
+    if errors:
+        shown = "; ".join(f"trajectory {i}: {e}" for i, e in errors[:MAX_LOGGED_ERRORS])
+        log.warning("environment %s failed in %d of %d trajectories (scored 0.0): %s", environment,
+                    len(errors), len(batch), shown)  # fmt: skip
 
 
 MAX_TEXT = 2000  # characters kept of any one text field of a stored sample
@@ -64,6 +79,9 @@ def step_samples(batch: Batch, scores: Any, tokenizer: Any, count: int) -> list[
                 "spans": _spans(response, trained, tokenizer),
             }
         )
+        error = _error(nt, i)
+        if error:
+            out[-1]["error"] = _cut(error)
         if "trajectory_id" in nt:  # an agent's (rollout.source external): its calls are the turns
             out[-1]["trajectory"] = {
                 "id": str(nt["trajectory_id"][i]),
@@ -82,6 +100,14 @@ def _prompt_and_turns(
     first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages[:first])
     return prompt, messages[first:]
+
+
+def _error(nt: dict, i: int) -> str | None:
+    """What failed for this row: its reward function's error, or its environment's."""
+    for key in ("reward_error", "env_error"):
+        if key in nt and nt[key][i]:
+            return str(nt[key][i])
+    return None
 
 
 def _finish_reason(nt: dict, i: int, response: list[int], trained: list[int], width: int, tok: Any) -> str:

@@ -9,7 +9,8 @@ until the service restarts).
 
 What is beyond a quota is refused, and nothing is created:
 - a submission (or fork, or resume) past `queued_jobs` is a 429 with Retry-After: it clears when
-  one of the owner's jobs starts;
+  one of the owner's jobs starts. Every job waits in the queue before it starts, the one submitted
+  included, so `queued_jobs: 0` allows no submissions at all: that refusal is a 403;
 - a submission or upload when `stored_bytes` is reached, or a job that needs more CPUs or GPUs than
   the owner's quota allows at all, is a 403: it does not clear by waiting;
 - `running_jobs`, `cpus` and `gpus` are kept by the scheduler: an owner's queued job waits while
@@ -42,7 +43,10 @@ class Quota(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     running_jobs: int | None = Field(None, ge=0, le=1_000_000, description="jobs running at once")
-    queued_jobs: int | None = Field(None, ge=0, le=1_000_000, description="jobs waiting in the queue at once")
+    queued_jobs: int | None = Field(
+        None, ge=0, le=1_000_000,
+        description="jobs waiting in the queue at once, a new submission included (0: no submissions)",
+    )  # fmt: skip
     cpus: float | None = Field(None, ge=0, le=1e9, description="CPUs held by the owner's running jobs")
     gpus: float | None = Field(None, ge=0, le=1e9, description="GPUs held by the owner's running jobs")
     stored_bytes: int | None = Field(
@@ -65,14 +69,20 @@ class QuotaFile(BaseModel):
 
 
 class QuotaError(Exception):
-    """A request beyond a quota: 429 (clears by waiting: `retry_after_s`) or 403 (a hard limit)."""
+    """A request beyond a quota: 429 (clears by waiting: `retry_after_s`) or 403 (a hard limit).
+    `adding`: what the request would add to `have` (a submission adds one queued job)."""
 
-    def __init__(
-        self, owner: str, name: str, limit: float, have: float, retry_after_s: int | None = None
-    ) -> None:
-        clears = f"; retry in {retry_after_s} s" if retry_after_s else "; free some, or ask the operator"
+    def __init__(self, owner: str, name: str, limit: float, have: float, retry_after_s: int | None = None,
+                 adding: float = 0) -> None:  # fmt: skip
+        if limit == 0:  # waiting never clears a quota of 0
+            retry_after_s, clears = None, f"; a quota of 0 allows none: ask the operator to raise {name}"
+        elif retry_after_s:
+            clears = f"; retry in {retry_after_s} s"
+        else:
+            clears = "; free some, or ask the operator"
+        has = f"it has {have:g}" + (f" and this request adds {adding:g}" if adding else "")
         super().__init__(f"quota {name}: owner '{owner}' may have at most {limit:g} ({name.replace('_', ' ')}); "
-                         f"it has {have:g}{clears}")  # fmt: skip
+                         f"{has}{clears}")  # fmt: skip
         self.name, self.limit, self.retry_after_s = name, limit, retry_after_s
         self.status = 429 if retry_after_s else 403
 
@@ -162,7 +172,7 @@ def check_submission(quota: Quota, usage: Usage, cpus: float, gpus: float) -> No
             raise QuotaError(usage.owner, name, limit, need)
     if quota.queued_jobs is not None and usage.queued_jobs >= quota.queued_jobs:
         raise QuotaError(
-            usage.owner, "queued_jobs", quota.queued_jobs, usage.queued_jobs, QUEUED_RETRY_AFTER_S
+            usage.owner, "queued_jobs", quota.queued_jobs, usage.queued_jobs, QUEUED_RETRY_AFTER_S, adding=1
         )
 
 

@@ -290,7 +290,7 @@ class Service:
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(
                 f"trainer.total_steps = {spec.trainer.total_steps} leaves nothing to train after the checkpoint at "
-                f"step {chosen['step']}: give more steps", 422, "trainer.total_steps", "invalid_value",
+                f"step {chosen['step']}: set trainer.total_steps above {chosen['step']} (`tandem fork --steps N`)", 422, "trainer.total_steps", "invalid_value",
             )  # fmt: skip
         try:
             snapshot = self._snapshot_checkpoint(Path(chosen["path"]))

@@ -29,6 +29,17 @@ def test_unknown_routes_wrong_methods_and_bad_json_use_the_error_shape(live, api
     assert error["param"] == "body" and error["message"].startswith("body:")
 
 
+def test_a_json_body_sent_as_a_form_names_the_content_type_header(api):
+    """curl's `-d` alone sends `application/x-www-form-urlencoded`: the answer says which header to add."""
+    for path in ("/v1/rewards/validate", "/v1/jobs"):
+        sent = api.post(path, content=b'{"function": "builtin:exact_match", "rows": []}',
+                        headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+        error = _error(sent, 415)
+        assert "Content-Type: application/json" in error["message"], error
+        assert "application/x-www-form-urlencoded" in error["message"]
+        assert error["param"] == "body" and error["code"] == "unsupported_media_type"
+
+
 def test_a_trailing_slash_is_a_404_in_the_error_shape_never_a_redirect(api):
     """A REST client should not have to follow a 307: FastAPI's redirect_slashes is off."""
     for path in ("/v1/jobs/abc/", "/v1/jobs/", "/v1/jobs/job-0123456789ab/metrics/", "/v1/files/"):

@@ -103,7 +103,9 @@ def test_steering_a_running_job(live, api):
     step = wait_for(api, job_id, ("paused",))["step"]
     bad_fork = tandem(live, "fork", job_id, "--set", "trainer.total_steps=0")
     assert bad_fork.returncode == 2 and "trainer.total_steps" in bad_fork.stderr
-    forked = tandem(live, "fork", job_id, "--step", str(step), "--set", f"trainer.total_steps={step + 1}")
+    nothing_left = tandem(live, "fork", job_id, "--step", str(step), "--steps", str(step))
+    assert nothing_left.returncode == 2 and "`tandem fork --steps N`" in nothing_left.stderr
+    forked = tandem(live, "fork", job_id, "--step", str(step), "--steps", str(step + 1))
     assert forked.returncode == 0, forked.stderr
     child_id = forked.stdout.strip()
     assert api.get(f"/v1/jobs/{child_id}").json()["parent_id"] == job_id
@@ -171,6 +173,30 @@ def test_environment_example_specs_validate(name):
         assert spec["rollout"]["environment"] == f"{EXAMPLES / 'my_env.py'}:TutorEnv"
 
 
+def test_set_paths_are_read_from_the_current_folder(tmp_path, monkeypatch):
+    """`--set` resolves a relative file against the working directory, as a spec file's own values
+    are resolved against its folder; a relative file that is not there is named before sending."""
+    from api.cli_spec import SpecError, build_spec
+
+    (tmp_path / "my_env.py").write_text((EXAMPLES / "my_env.py").read_text())
+    monkeypatch.chdir(tmp_path)
+    given, _ = build_spec(str(EXAMPLES / "custom_env.yaml"), sets=["rollout.environment=my_env.py:TutorEnv"])
+    assert given["rollout"]["environment"] == f"{tmp_path / 'my_env.py'}:TutorEnv"
+    with pytest.raises(SpecError, match=r"^reward\.function: no file 'gone\.py' in "):
+        build_spec(str(EXAMPLES / "grpo_tiny.yaml"), sets=["reward.function=gone.py:score"])
+
+
+def test_models_lists_the_built_in_names():
+    from controller.models import BUILTIN_MODEL_NAMES
+
+    for argv in (["models"], ["models", "list"]):
+        shown = tandem(None, *argv)
+        assert shown.returncode == 0, shown.stderr
+        header, *rows = shown.stdout.splitlines()
+        assert header.split()[:3] == ["NAME", "ARCH", "WEIGHTS"]
+        assert [r.split()[0] for r in rows] == sorted(BUILTIN_MODEL_NAMES)
+
+
 def test_dry_run_runs_the_services_checks_and_creates_nothing(live, api):
     before = len(api.get("/v1/jobs", params={"limit": 100}).json()["data"])
     bad_model = tandem(live, "submit", str(EXAMPLES / "grpo_tiny.yaml"), "--model", "tiny-qwen3", "--dry-run")
@@ -201,7 +227,8 @@ def test_a_mistyped_flag_shows_that_subcommands_usage(live, finished):
 def test_job_ids_by_unique_prefix(live, api, finished):
     job_id, _ = finished
     other = api.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 1})).json()["id"]
-    for given in (job_id, job_id[:-3], job_id.removeprefix("job-")[:9]):
+    bare = job_id.removeprefix("job-")
+    for given in (job_id, job_id[:-3], bare[:9], bare):
         shown = tandem(live, "status", given, "--json")
         assert shown.returncode == 0, shown.stderr
         assert json.loads(shown.stdout)["id"] == job_id

@@ -61,6 +61,17 @@ def test_a_submission_past_the_queued_jobs_quota_is_a_429_with_retry_after_and_c
     assert qa.get("/v1/usage").json()["data"][0]["queued_jobs"] == 1
 
 
+def test_a_queued_jobs_quota_of_0_allows_no_submissions_and_says_so(unscheduled, admin):
+    """Every job is queued before it starts, the submitted one included: 0 is a hard 403, never a
+    Retry-After that cannot clear, and the message counts the job being submitted."""
+    none = owner(unscheduled, admin, "no-queue", queued_jobs=0)
+    answer = none.post("/v1/jobs", json=tiny_job(**ONE_CPU))
+    error = refused(answer, 403, "queued_jobs", "0")
+    assert "retry-after" not in answer.headers
+    assert "it has 0 and this request adds 1" in error["message"] and "allows none" in error["message"]
+    assert unscheduled.service.store.jobs_of("no-queue") == []
+
+
 def test_a_job_bigger_than_the_owners_cpus_is_a_403(unscheduled, admin):
     small = owner(unscheduled, admin, "small", cpus=1)
     answer = small.post("/v1/jobs", json=tiny_job(resources={"workers": 2, "cpus_per_worker": 1}))

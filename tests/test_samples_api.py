@@ -81,6 +81,48 @@ def test_single_turn_jobs_store_prompt_response_and_reward(api):
         assert "=" in row["prompt"]
 
 
+RAISING_REWARD = b"""
+def score(prompt, response, ground_truth, extra):
+    raise ValueError(f"reward broke on purpose for {prompt!r}")
+"""
+RAISING_ENV = b"""
+class Env:
+    def reset(self, row):
+        return "say something"
+
+    def step(self, text):
+        raise KeyError("the environment broke on purpose")
+"""
+
+
+def test_reward_and_environment_errors_reach_the_log_and_the_samples(live, api):
+    """A failing user function scores 0.0 and the job goes on; what it raised is in the job's log (the
+    first few per step) and on each stored sample it failed on."""
+    reward = upload(api, "raising_reward.py", RAISING_REWARD)["id"]
+    env = live.service.files.path(upload(api, "raising_env.py", RAISING_ENV)["id"])  # by path
+    steps = {"total_steps": 1, "samples_per_step": 2, "val_every": 0}
+    specs = {
+        "reward": tiny_job(reward={"function": f"{reward}:score"}, trainer=steps),
+        "environment": tiny_job(model={"builtin": "tiny-qwen2-chat"}, trainer=steps,
+                                rollout={"environment": f"{env}:Env", "max_turns": 2, "max_response_tokens": 32}),
+    }  # fmt: skip
+    ids = {}
+    for kind, spec in specs.items():
+        created = api.post("/v1/jobs", json=spec)
+        assert created.status_code == 201, created.text
+        ids[kind] = created.json()["id"]
+    for kind, words in (("reward", "ValueError: reward broke on purpose for"),
+                        ("environment", "KeyError: 'the environment broke on purpose'")):  # fmt: skip
+        job = wait_for(api, ids[kind], TERMINAL, timeout_s=300)
+        assert job["status"] == "succeeded", job
+        lines = [row["line"] for row in api.get(f"/v1/jobs/{job['id']}/logs").json()["data"]]
+        failed = [line for line in lines if words in line]
+        assert failed and f"{kind} " in failed[0], lines[-20:]
+        samples = api.get(f"/v1/jobs/{job['id']}/samples").json()["data"]
+        assert len(samples) == 2 and all(words in sample["error"] for sample in samples), samples
+        assert all(sample["reward"] == 0.0 for sample in samples)
+
+
 def test_a_bad_environment_is_refused_at_submission(live, api):
     code = b"class Env:\n    def __init__(self, level):\n        pass\n"
     bad = live.service.files.path(upload(api, "bad_env.py", code)["id"])  # one's own upload, by path

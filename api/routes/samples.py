@@ -28,8 +28,9 @@ def samples(
     after: int = Query(0, ge=0, le=INT64_MAX, description="cursor: the last sample id of the previous page"),
     limit: int = Query(20, ge=1, le=200),
 ) -> dict[str, Any]:
-    """Each sample: prompt, turns (role, content), reward, finish_reason, token counts and the
-    response as spans of trained (sampled) and untrained (observation / template) tokens."""
+    """Each sample: prompt, turns (role, content), reward, finish_reason, token counts, the
+    response as spans of trained (sampled) and untrained (observation / template) tokens, and
+    `error` where the reward function or the environment failed on it (scored 0.0)."""
     service.get(job_id, caller.sees)
     rows = service.store.samples(job_id, step, after, limit + 1)
     return listing(rows[:limit], len(rows) > limit)
