@@ -223,7 +223,8 @@ def report(served, admin, lanes, prober, chaos, args, duration_s: float) -> int:
     emit(figure="api_latency_between_kills", probes=len(latencies), p50_ms=round(p50 * 1000, 1),
          p99_ms=round(p99 * 1000, 1), failures=len(failures))  # fmt: skip
     host_kills = [row["at"] for row in chaos.kills if row["kill"] == "session_host"]
-    emit(figure="tinker", **lanes.tinker_counts(min(host_kills, default=None)))
+    tinker = lanes.tinker_counts(min(host_kills, default=None))
+    emit(figure="tinker", **tinker)
     emit(figure="agent_trajectories", **lanes.agent_counts())
     tinker_errors = {t["call"]: t["error"] for t in lanes.tinker if "error" in t}
     if tinker_errors:
@@ -236,6 +237,9 @@ def report(served, admin, lanes, prober, chaos, args, duration_s: float) -> int:
     )
     checks.append(("api_answered_between_kills", not failures, failures[:5]))
     checks.append(("processes_were_killed", bool(chaos.kills), kills))
+    after = tinker["loops_after_a_host_kill"], tinker["loops_after_a_host_kill_completed"]
+    checks.append(("tinker_loops_complete_after_a_host_kill", after[0] == 0 or after[1] > 0,
+                   f"{after[1]} of {after[0]} loops started after the first kill completed"))  # fmt: skip
     for name, ok, detail in checks:
         emit(check=name, ok=ok, detail=detail)
     failed = [name for name, ok, _ in checks if not ok]
