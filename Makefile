@@ -4,7 +4,8 @@ VENV      := .venv
 BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.installed
 CHROMIUM  := /usr/bin/chromium
-BROWSER   := $(VENV)/.chromium
+# chromium and bubblewrap installed (a new name: venvs stamped `.chromium` predate bubblewrap)
+BROWSER   := $(VENV)/.system-packages
 PYTEST    := $(BIN)/python -m pytest
 comma     := ,
 # Data (jobs, models, the admin token, the running service's URL) lives in TANDEM_HOME, default
