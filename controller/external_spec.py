@@ -8,6 +8,7 @@ trajectories form complete groups of `group_size` with the same task id.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -86,6 +87,18 @@ def load_agent_fn(ref: str) -> Any:
     if parse_reference(ref, "agent", REFERENCE_FORMS, AgentError).form == "builtin":
         return lookup_builtin(ref, BUILTIN_AGENTS, "agent", AgentError)
     fn = resolve_reference(ref, "agent", AgentError)
-    if not callable(fn):
-        raise AgentError(f"agent '{ref}' is not callable (type {type(fn).__name__})")
+    if inspect.isclass(fn) or not callable(fn):
+        raise AgentError(f"agent '{ref}' is not a function (type {type(fn).__name__})")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a C function): not an agent of ours
+        raise AgentError(
+            f"agent '{ref}' has no readable signature; expected (client, model, index)"
+        ) from None
+    try:
+        signature.bind("client", "model", 0)
+    except TypeError:
+        raise AgentError(
+            f"agent '{ref}' has signature {signature}; expected (client, model, index)"
+        ) from None
     return fn

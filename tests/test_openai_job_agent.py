@@ -38,9 +38,10 @@ def test_a_job_trains_on_the_agent_it_runs(api):
     assert sample["trajectory"]["id"].startswith("agent-") and sample["uid"].startswith("t")
 
 
-def test_an_agent_that_is_not_a_function_is_refused_at_submission(api):
+@pytest.mark.parametrize("agent", ["tests.agent_fns:not_a_function", "os:system", "json:dumps"])
+def test_an_agent_that_is_not_an_agent_function_is_refused_at_submission(api, agent):
     before = len(api.get("/v1/jobs").json()["data"])
-    refused = api.post("/v1/jobs", json=agent_job("tests.agent_fns:not_a_function"))
+    refused = api.post("/v1/jobs", json=agent_job(agent))
     assert refused.status_code == 422, refused.text
     assert refused.json()["error"]["param"] == "rollout.external.agent"
     assert len(api.get("/v1/jobs").json()["data"]) == before
