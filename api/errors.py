@@ -136,20 +136,16 @@ def not_json_body(request: Request, first: dict[str, Any]) -> str | None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(
-            error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers
-        )
+        return shaped(request, err.status, err.message, err.param, err.code, err.headers)
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, err: ServiceError) -> JSONResponse:
-        return JSONResponse(
-            error_body(err.status, str(err), err.param, err.code), err.status, headers=err.headers
-        )
+        return shaped(request, err.status, str(err), err.param, err.code, err.headers)
 
     @app.exception_handler(FileError)
     async def _file_error(request: Request, err: FileError) -> JSONResponse:
         code = "not_found" if err.status == 404 else "invalid_value"
-        return JSONResponse(error_body(err.status, str(err), err.param, code), err.status)
+        return shaped(request, err.status, str(err), err.param, code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:

@@ -70,6 +70,9 @@ def test_keys_pass_the_sdk_check_and_work_on_tandem_routes(svc, keys):
     with http(svc, "tml-unknown") as client:
         refused = client.get("/api/v1/get_server_capabilities")
     assert refused.status_code == 401
+    assert refused.json()["category"] == "user" and isinstance(
+        refused.json()["error"], str
+    )  # the SDK's shape
 
 
 def test_sdk_capabilities_and_refusals_name_the_field(svc, keys, sdk_env):
