@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -46,8 +47,11 @@ def wait_for_endpoint(api, job_id: str, timeout_s: float = 180) -> None:
     wait_for(api, job_id, ("running",), timeout_s=timeout_s)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if api.get(f"/v1/jobs/{job_id}/trajectories/probe").status_code == 404:
-            return
+        try:  # the endpoint holds calls until its workers are up: the probe may outwait the client
+            if api.get(f"/v1/jobs/{job_id}/trajectories/probe").status_code == 404:
+                return
+        except httpx.TimeoutException:
+            continue
         time.sleep(0.5)
     raise AssertionError(f"the endpoint of {job_id} did not come up within {timeout_s} s")
 
