@@ -9,6 +9,7 @@ from openai import OpenAI
 
 from examples import agent_agents_sdk
 from tests.api_util import tiny_job, wait_for, wait_for_step
+from tests.test_openai_endpoint import client as sdk
 from tests.test_openai_endpoint import record, sampled_runs, submit_external, templated
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -62,11 +63,6 @@ def tokenizer():
     from engines.tiny_models import build_tokenizer
 
     return build_tokenizer(chat_template=True)
-
-
-def sdk(live, job_id: str, trajectory: str) -> OpenAI:
-    base = f"{live.url}/v1/jobs/{job_id}/openai/trajectories/{trajectory}/v1"
-    return OpenAI(base_url=base, api_key=live.token, max_retries=5)
 
 
 def sampled_text(tokenizer, run: list[int]) -> str:
