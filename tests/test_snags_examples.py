@@ -40,7 +40,9 @@ def test_a_short_custom_env_run_reaches_the_third_turn(ray_cluster, tmp_path, mo
     """A random model rarely answers right, so most tutor trajectories ask for every turn they may."""
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     _, spec = build_spec(str(ROOT / "examples" / "custom_env.yaml"))
-    spec = spec.merged({"trainer": {"total_steps": 1, "prompts_per_step": 2}, "checkpoint": {"export_hf": False}})
+    spec = spec.merged(
+        {"trainer": {"total_steps": 1, "prompts_per_step": 2}, "checkpoint": {"export_hf": False}}
+    )
     sink = JsonlSink(tmp_path / "job")
     Trainer(spec, tmp_path / "job", sink, name="custom-env-turns").run()
     (step,) = [r["values"] for r in sink.history if r["step"] == 1]

@@ -66,7 +66,9 @@ def test_the_agent_examples_warm_start_calls_its_tool_as_the_endpoint_parses_cal
 def test_the_agent_examples_warm_start_keeps_every_trace_within_the_models_context(tmp_path, chat_tokenizer):
     spec = warm_start_spec()
     train, _ = get_task(spec.data.builtin_task).write_jsonl(tmp_path, train_size=50, val_size=4)
-    dataset = build_dataset(train, chat_tokenizer, spec.data, sft=True, max_response_length=spec.rollout.max_new_tokens)
+    dataset = build_dataset(
+        train, chat_tokenizer, spec.data, sft=True, max_response_length=spec.rollout.max_new_tokens
+    )
     assert len(dataset) == 100, dataset.stats  # nothing dropped as too long
     context = BUILTIN_MODELS[spec.model.builtin].max_position_embeddings
     assert max(len(r.ids) + len(r.response_ids or []) for r in dataset.rows) <= context
@@ -75,13 +77,20 @@ def test_the_agent_examples_warm_start_keeps_every_trace_within_the_models_conte
 def test_an_sft_target_of_a_chat_row_ends_with_the_templates_end_of_turn_token(chat_tokenizer):
     end = ChatDelta(chat_tokenizer).turn_end_id
     assert end == chat_tokenizer.convert_tokens_to_ids("<|im_end|>") != chat_tokenizer.eos_token_id
-    rows = [{"prompt": "hi", "response": "hello"}, {"prompt": [{"role": "user", "content": "2+2="}], "response": "4"}]
+    rows = [
+        {"prompt": "hi", "response": "hello"},
+        {"prompt": [{"role": "user", "content": "2+2="}], "response": "4"},
+    ]
     dataset = SFTDataset([(f"line {i}", r) for i, r in enumerate(rows)], chat_tokenizer)
     for row, record in zip(dataset.rows, rows, strict=True):
         assert row.response_ids is not None and row.response_ids[-1] == end
         assert chat_tokenizer.eos_token_id not in row.response_ids
         # prompt + target is the template's own rendering of the answered turn, up to its end token
-        messages = [{"role": "user", "content": record["prompt"]}] if isinstance(record["prompt"], str) else record["prompt"]
+        messages = (
+            [{"role": "user", "content": record["prompt"]}]
+            if isinstance(record["prompt"], str)
+            else record["prompt"]
+        )
         answered = chat_tokenizer.apply_chat_template(
             [*messages, {"role": "assistant", "content": record["response"]}], tokenize=False
         )
@@ -91,7 +100,9 @@ def test_an_sft_target_of_a_chat_row_ends_with_the_templates_end_of_turn_token(c
     assert row.response_ids == chat_tokenizer("b", add_special_tokens=False)["input_ids"] + [end]
 
 
-def test_after_sft_on_chat_rows_greedy_generation_stops_on_the_end_of_turn_token(ray_cluster, tmp_path, monkeypatch):
+def test_after_sft_on_chat_rows_greedy_generation_stops_on_the_end_of_turn_token(
+    ray_cluster, tmp_path, monkeypatch
+):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
