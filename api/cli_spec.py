@@ -19,7 +19,7 @@ import yaml
 from pydantic import ValidationError
 
 from controller.spec import JobSpec
-from controller.spec_section import deep_merge
+from controller.spec_section import deep_merge, error_message
 
 # Fields that name local files or folders, and fields that hold a 'path/file.py:name' reference.
 PATH_FIELDS = (
@@ -152,8 +152,7 @@ def validate(raw: dict[str, Any]) -> JobSpec:
 def describe(err: ValidationError) -> str:
     """The first error as 'field.path: message', the way the API names a field."""
     first = err.errors()[0]
-    field = ".".join(str(p) for p in first.get("loc", ()))
-    message = first.get("msg", "invalid value").removeprefix("Value error, ")
+    field = ".".join(str(p) for p in first.get("loc", ())) or None
     more = len(err.errors()) - 1
     suffix = f" (and {more} more)" if more else ""
-    return f"{field}: {message}{suffix}" if field else f"{message}{suffix}"
+    return error_message(first.get("msg", "invalid value"), field) + suffix

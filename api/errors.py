@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from controller.spec_section import error_message
 from service.files import FileError
 from service.service import ServiceError
 
@@ -105,7 +106,8 @@ def shaped(request: Request, status: int, message: str, param: str | None, code:
 def _field(loc: tuple) -> str | None:
     if len(loc) > 1 and loc[0] in ("query", "path", "header"):
         return str(loc[1])  # a repeated query parameter is named, not its index
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # Only the first element says where the field is: a field may be called "path" (model.path).
+    parts = [str(p) for p in (loc[1:] if loc and loc[0] == "body" else loc)]
     return ".".join(parts) or None
 
 
@@ -115,8 +117,7 @@ def validation_error(first: dict[str, Any]) -> tuple[str, str | None]:
         why = (first.get("ctx") or {}).get("error", "invalid JSON")
         return f"body: the request body is not valid JSON ({why})", "body"
     param = _field(tuple(first.get("loc", ())))
-    message = first.get("msg", "invalid request")
-    return (f"{param}: {message}" if param else message), param
+    return error_message(first.get("msg", "invalid request"), param), param
 
 
 def not_json_body(request: Request, first: dict[str, Any]) -> str | None:

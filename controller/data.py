@@ -9,7 +9,9 @@ tokens are dropped and counted, so the trainer can report how many.
 `PromptDataset` gives RL batches: left-padded prompt `input_ids` / `attention_mask`, and the
 non-tensors "prompt", "prompt_ids", "ground_truth", "extra" and "uid" (the row index: GRPO groups
 the n samples of one prompt by it). `SFTDataset` gives prompt/response pairs in the training
-engine's layout (engines/base.py): prompt left-padded, response right-padded and ending with EOS.
+engine's layout (engines/base.py): prompt left-padded, response right-padded and ending with the
+token that ends a turn: the chat template's end-of-turn token (`<|im_end|>` for Qwen-style
+templates) when the prompt is rendered through the template, else EOS.
 
 `PromptLoader` batches either dataset. Epoch e visits the rows in a permutation drawn from
 (seed, e) alone, so its state is just (epoch, position in the epoch): a resumed job continues with
@@ -30,6 +32,7 @@ from controller.data_files import DataError, read_records
 from controller.spec import DataSpec
 from controller.tasks import write_task_files
 from workers.batch import Batch
+from workers.chat_delta import ChatDelta
 
 # ---- datasets ---------------------------------------------------------------------------------
 
@@ -44,7 +47,7 @@ class PromptRow:
     ground_truth: Any
     extra: dict | None
     response_text: str | None = None  # SFT only
-    response_ids: list[int] | None = None  # SFT only, ends with EOS
+    response_ids: list[int] | None = None  # SFT only, ends with the turn's end token (SFTDataset)
     raw_prompt: Any = None  # the row's prompt as given (string or messages): environments reset from it
 
 
@@ -178,9 +181,11 @@ class PromptDataset:
 class SFTDataset(PromptDataset):
     """Prompt/response pairs for supervised fine-tuning, in the training engine's layout.
 
-    The response is tokenized without special tokens and the tokenizer's EOS appended, so the model
-    learns to stop. Pairs whose response (with EOS) exceeds `max_response_length` are dropped and
-    counted as "response_too_long".
+    The response is tokenized without special tokens and the end token appended, so the model learns
+    to stop: with a chat template, the token the template closes an assistant turn with (the model
+    must end its turns the way the template and the multi-turn rollouts expect); else EOS. A response
+    that already ends with it gets no second one. Pairs whose response (with the end token) exceeds
+    `max_response_length` are dropped and counted as "response_too_long".
     """
 
     def __init__(
@@ -194,9 +199,11 @@ class SFTDataset(PromptDataset):
     ) -> None:
         self.response_key = response_key
         self.max_response_length = max_response_length
-        self.eos_id = tokenizer.eos_token_id
-        if self.eos_id is None:
-            raise DataError(f"{options.get('source', '<rows>')}: SFT needs a tokenizer with an EOS token")
+        source = options.get("source", "<rows>")
+        chat = _decide_chat_template(tokenizer, options.get("chat_template"), source)
+        self.end_id = _turn_end_id(tokenizer) if chat else tokenizer.eos_token_id
+        if self.end_id is None:
+            raise DataError(f"{source}: SFT needs a tokenizer with an EOS token")
         super().__init__(records, tokenizer, **options)
 
     @classmethod
@@ -210,7 +217,9 @@ class SFTDataset(PromptDataset):
         if not isinstance(response, str):
             problem = "missing" if response is None else f"a {type(response).__name__}, not a string"
             raise DataError(f"{self.source} {where}: the response key '{self.response_key}' is {problem}")
-        response_ids = self.tokenizer(response, add_special_tokens=False)["input_ids"] + [self.eos_id]
+        response_ids = list(self.tokenizer(response, add_special_tokens=False)["input_ids"])
+        if not response_ids or response_ids[-1] != self.end_id:
+            response_ids.append(self.end_id)
         if self.max_response_length is not None and len(response_ids) > self.max_response_length:
             self._count("response_too_long")
             return None
@@ -238,6 +247,12 @@ def _decide_chat_template(tokenizer: Any, requested: bool | None, source: str) -
     if requested and not has_template:
         raise DataError(f"{source}: chat_template=True but the tokenizer has no chat template")
     return has_template if requested is None else requested
+
+
+def _turn_end_id(tokenizer: Any) -> int | None:
+    """The chat template's end-of-turn token (workers/chat_delta.py finds it), else EOS."""
+    end = ChatDelta(tokenizer).turn_end_id
+    return end if end is not None else tokenizer.eos_token_id
 
 
 def _pad_id(tokenizer: Any, source: str) -> int:

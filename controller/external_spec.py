@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from controller.spec_section import field_error
 from workers.references import lookup_builtin, parse_reference, resolve_reference
 
 REFERENCE_FORMS = "'module:function' or 'path/to/file.py:function'"
@@ -66,10 +67,10 @@ class ExternalSpec(BaseModel):
     @model_validator(mode="after")
     def _whole_groups(self) -> ExternalSpec:
         if self.trajectories_per_step % self.group_size:
-            raise ValueError(
+            raise field_error(("trajectories_per_step",),
                 f"trajectories_per_step = {self.trajectories_per_step} must be a multiple of "
-                f"group_size = {self.group_size}"
-            )
+                f"group_size = {self.group_size}", self.trajectories_per_step, named=False
+            )  # fmt: skip
         return self
 
     @property

@@ -27,7 +27,7 @@ from pydantic import (
 from controller.async_config import AsyncOptions, check_async
 from controller.external_spec import ExternalSpec
 from controller.spec_resources import ResourcesSpec
-from controller.spec_section import Section, deep_merge
+from controller.spec_section import Section, deep_merge, field_error
 from engines.config import (
     Dtype,
     LoraConfig,
@@ -88,7 +88,10 @@ class ModelSpec(Section):
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
         if (self.path is None) == (self.builtin is None):
-            raise ValueError("give exactly one of model.path or model.builtin")
+            field = "path" if self.path is not None else "builtin"
+            raise field_error(
+                (field,), "give exactly one of model.path or model.builtin", self.path, named=False
+            )
         return self
 
 
@@ -116,7 +119,7 @@ class DataSpec(Section):
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
         if self.train_path is None and self.builtin_task is None:
-            raise ValueError("give data.train_path or data.builtin_task")
+            raise field_error(("train_path",), "give data.train_path or data.builtin_task", None, named=False)
         return self
 
 
@@ -130,7 +133,10 @@ class RewardSpec(Section):
     @model_validator(mode="after")
     def _one_source(self) -> RewardSpec:
         if (self.function is None) == (self.model_path is None):
-            raise ValueError("give exactly one of reward.function or reward.model_path")
+            field = "model_path" if self.model_path is not None else "function"
+            raise field_error(
+                (field,), "give exactly one of reward.function or reward.model_path", None, named=False
+            )
         return self
 
 
@@ -153,9 +159,10 @@ class RolloutSpec(Section, RolloutOptions, SamplingKnobs, EnvironmentOptions):
     @model_validator(mode="after")
     def _external_source(self) -> RolloutSpec:
         if self.source != "external" and self.external is not None:
-            raise ValueError("rollout.external needs rollout.source: external")
+            raise field_error(("external",), "needs rollout.source: external", None, named=False)
         if self.source == "external" and self.environment is not None:
-            raise ValueError("rollout.source external runs no environment: remove rollout.environment")
+            raise field_error(("environment",), "rollout.source external runs no environment: remove it",
+                              self.environment, named=False)  # fmt: skip
         return self
 
     @property
@@ -353,7 +360,8 @@ class TrainerSpec(Section, AsyncOptions):
     @model_validator(mode="after")
     def _target_needs_validation(self) -> TrainerSpec:
         if self.stop_at_val_accuracy is not None and not self.val_every:
-            raise ValueError("trainer.stop_at_val_accuracy needs validation: set trainer.val_every > 0")
+            raise field_error(("stop_at_val_accuracy",), "trainer.stop_at_val_accuracy needs validation: set "
+                              "trainer.val_every > 0", self.stop_at_val_accuracy, named=False)  # fmt: skip
         return self
 
 
@@ -404,32 +412,42 @@ class JobSpec(JobLabels):
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
         if self.method == "ppo" and self.algorithm.advantage not in (None, "gae"):
-            raise ValueError("method 'ppo' uses GAE: leave algorithm.advantage unset or 'gae'")
+            raise field_error(("algorithm", "advantage"), "method 'ppo' uses GAE: leave it unset or 'gae'",
+                              self.algorithm.advantage)  # fmt: skip
         rollout_workers = self.resources.rollout_workers
         if rollout_workers is None and self.resources.workers % self.rollout.tensor_parallel_size:
-            raise ValueError("resources.workers must be a multiple of rollout.tensor_parallel_size")
+            raise field_error(("resources", "workers"), "resources.workers must be a multiple of "
+                              "rollout.tensor_parallel_size", self.resources.workers, named=False)  # fmt: skip
         if rollout_workers is not None and rollout_workers.workers % self.rollout.tensor_parallel_size:
-            raise ValueError("resources.rollout.workers must be a multiple of rollout.tensor_parallel_size")
+            raise field_error(("resources", "rollout", "workers"), "resources.rollout.workers must be a multiple "
+                              "of rollout.tensor_parallel_size", rollout_workers.workers, named=False)  # fmt: skip
         # Every rank must get the same number of real samples: padded rows would be trained on.
         samples = self.trainer.prompts_per_step * (1 if self.method == "sft" else self.rollout.n)
         if self.rollout.external_config is not None:
             if self.method == "sft":
-                raise ValueError("rollout.source external feeds RL jobs: use an RL method, not sft")
+                raise field_error(("rollout", "source"), "external feeds RL jobs: use an RL method, not sft",
+                                  self.rollout.source)  # fmt: skip
             samples = self.rollout.external_config.trajectories_per_step
+        # The field that sets the step's samples: an external job's trajectories, else the prompts.
+        at = (
+            ("rollout", "external", "trajectories_per_step")
+            if self.rollout.external_config
+            else ("trainer", "prompts_per_step")
+        )
         if samples > MAX_SAMPLES:
-            raise ValueError(f"trainer.prompts_per_step x rollout.n = {samples} samples per step; at most "
-                             f"{MAX_SAMPLES} are allowed")  # fmt: skip
+            raise field_error(at, f"trainer.prompts_per_step x rollout.n = {samples} samples per step; at most "
+                              f"{MAX_SAMPLES} are allowed", samples, named=False)  # fmt: skip
         if samples % self.resources.workers:
-            raise ValueError(
+            raise field_error(at,
                 f"trainer.prompts_per_step x rollout.n = {samples} samples per step must be a multiple of "
-                f"resources.workers = {self.resources.workers}"
-            )
+                f"resources.workers = {self.resources.workers}", samples, named=False
+            )  # fmt: skip
         mini = self.algorithm.ppo_mini_batch_size
         if mini is not None and (samples % mini or mini % self.resources.workers):
-            raise ValueError(
+            raise field_error(("algorithm", "ppo_mini_batch_size"),
                 f"algorithm.ppo_mini_batch_size = {mini} must divide the {samples} samples of a step and be a "
-                f"multiple of resources.workers = {self.resources.workers}"
-            )
+                f"multiple of resources.workers = {self.resources.workers}", mini, named=False
+            )  # fmt: skip
         self._check_overlong_and_dynamic_sampling()
         check_async(self, samples)
         return self
@@ -437,12 +455,13 @@ class JobSpec(JobLabels):
     def _check_overlong_and_dynamic_sampling(self) -> None:
         buffer = self.algorithm.overlong.penalty_buffer
         if buffer > self.rollout.response_budget:
-            raise ValueError(
+            raise field_error(("algorithm", "overlong", "penalty_buffer"),
                 f"algorithm.overlong.penalty_buffer = {buffer} must not exceed "
-                f"rollout.{self.rollout.response_budget_field} = {self.rollout.response_budget}"
-            )
+                f"rollout.{self.rollout.response_budget_field} = {self.rollout.response_budget}", buffer, named=False
+            )  # fmt: skip
         if self.algorithm.dynamic_sampling.enabled and (self.method == "sft" or self.rollout.n < 2):
-            raise ValueError("algorithm.dynamic_sampling needs groups: an RL method with rollout.n >= 2")
+            raise field_error(("algorithm", "dynamic_sampling", "enabled"), "algorithm.dynamic_sampling needs "
+                              "groups: an RL method with rollout.n >= 2", True, named=False)  # fmt: skip
 
     @property
     def advantage_estimator(self) -> str:

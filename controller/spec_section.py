@@ -32,14 +32,24 @@ def _kinds(annotation: Any) -> set[Any]:
     return {annotation} if not args else set().union(*(_kinds(a) for a in args))
 
 
-def field_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
-    """A validation error located at `loc` (a cross-section rule still names its field in the 422)."""
-    error = PydanticCustomError(
-        "value_error", ".".join(loc) + ": " + message.replace("{", "(").replace("}", ")")
-    )
+def field_error(loc: tuple[str, ...], message: str, value: Any, named: bool = True) -> ValidationError:
+    """A validation error located at `loc` (a cross-field rule still names its field in the 422).
+    `named`: the message starts with the dotted `loc`; a section's own rule, whose `loc` is relative
+    to the section, leaves that to whoever shows the error (`error_message`)."""
+    text = message.replace("{", "(").replace("}", ")")
+    error = PydanticCustomError("value_error", ".".join(loc) + ": " + text if named else text)
     return ValidationError.from_exception_data(
         "JobSpec", [InitErrorDetails(type=error, loc=loc, input=value)]
     )
+
+
+def error_message(message: str, field: str | None) -> str:
+    """A pydantic error's message as a person reads it: without pydantic's "Value error, " prefix,
+    after the dotted field at fault (once: a cross-field rule's message may start with it)."""
+    message = message.removeprefix("Value error, ")
+    if not field or message.startswith((f"{field}:", f"{field} ")):
+        return message
+    return f"{field}: {message}"
 
 
 def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -25,22 +25,12 @@ import httpx
 from openai import OpenAI
 
 from controller.tasks import get_task
+from controller.tasks.calculator import CALCULATOR_TOOL
 from workers.environments.calculator import CalculatorError, evaluate
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "evaluate an arithmetic expression",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+# One function tool, `calculator(expression)`. The SFT warm start of examples/agent_openai.yaml
+# teaches the built-in chat model to call it (controller/tasks/calculator.py writes its traces).
+TOOLS = [CALCULATOR_TOOL]
 
 
 def score(answer: str, truth: str, reward: str) -> float:
@@ -65,11 +55,10 @@ def solve(url: str, job: str, key: str, problem: dict, group: str, args: argpars
     )
     messages = [{"role": "user", "content": problem["prompt"]}]
     answer = ""
+    limit = {} if args.max_tokens is None else {"max_tokens": args.max_tokens}
     for _ in range(args.max_turns):
         reply = (
-            client.chat.completions.create(
-                model=job, messages=messages, tools=TOOLS, max_tokens=args.max_tokens
-            )
+            client.chat.completions.create(model=job, messages=messages, tools=TOOLS, **limit)
             .choices[0]
             .message
         )
@@ -97,7 +86,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--group-size", type=int, default=4, help="trajectories per problem (the job's)")
     parser.add_argument("--agents", type=int, default=8, help="agents at once")
     parser.add_argument("--max-turns", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="per call; default: what the model's context leaves, at most the endpoint's default")  # fmt: skip
     parser.add_argument("--reward", choices=("answer", "digits"), default="answer")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -82,6 +82,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._requeue_on_pause: set[str] = set()  # jobs paused by a service shutdown, not by a user
+        self._paused_for_shutdown: list[str] = []  # the shutdown's log line lists them
         self._draining = False
         self._asked_autoscaler = False
         self._served: dict[str, int] = {}  # owner -> the number of its latest start (fair_order)
@@ -145,6 +146,9 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout=10)
         with self._lock:
+            if self._paused_for_shutdown:
+                log.info("paused for the shutdown, each resumes from its checkpoint when the service starts: %s",
+                         ", ".join(self._paused_for_shutdown))  # fmt: skip
             for job_id, run in list(self.running.items()):
                 ray.kill(run.actor, no_restart=True)
                 if self.store.transition(job_id, (S.CANCELLING,), S.CANCELLED, finished_at=time.time()):
@@ -333,6 +337,9 @@ class Scheduler:
         status, now = result["status"], time.time()
         if status == S.PAUSED and job_id in self._requeue_on_pause:
             self._requeue_on_pause.discard(job_id)
+            self._paused_for_shutdown.append(job_id)
+            self.store.add_event(job_id, "paused", f"paused at step {result['step']}: the service is shutting down",
+                                 {"reason": "service_shutdown", "step": result["step"]})  # fmt: skip
             self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.QUEUED)
             self.store.add_event(
                 job_id, "requeued", f"checkpointed at step {result['step']}; resumes when the service starts"

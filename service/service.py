@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from controller.hyperparameters import hyperparameter_overrides
 from controller.spec import JobLabels, JobSpec
+from controller.spec_section import error_message
 from service.files import FileStore
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from service.keys import ADMIN_OWNER
@@ -401,7 +402,7 @@ def _invalid_value(err: ValidationError) -> ServiceError:
     """A 422 naming the first field at fault."""
     first = err.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
-    return ServiceError(f"{param}: {first['msg']}" if param else first["msg"], 422, param, "invalid_value")
+    return ServiceError(error_message(first["msg"], param), 422, param, "invalid_value")
 
 
 def _not_tinker(job: JobRecord) -> None:

@@ -80,6 +80,16 @@ def parse_tool_calls(text: str, call_id: str) -> tuple[str, list[dict[str, Any]]
     return (content.strip() if calls else content), calls
 
 
+def with_tools_header(messages: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:
+    """The messages with the tool schemas in the system message (Hermes/Qwen convention), for a
+    template that does not render `tools` itself: what the model is shown, and what a warm start's
+    traces must show it too (controller/tasks/calculator.py)."""
+    header = TOOLS_HEADER.format(tools="\n".join(json.dumps(t, sort_keys=True) for t in tools))
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": messages[0]["content"] + "\n\n" + header}, *messages[1:]]
+    return [{"role": "system", "content": header}, *messages]
+
+
 class ChatRenderer:
     """A model's chat template for OpenAI requests; see the module docstring."""
 
@@ -104,11 +114,7 @@ class ChatRenderer:
                 msg["tool_call_id"] = m["tool_call_id"]
             out.append(msg)
         if tools and not self.native_tools:
-            header = TOOLS_HEADER.format(tools="\n".join(json.dumps(t, sort_keys=True) for t in tools))
-            if out and out[0]["role"] == "system":
-                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + header}
-            else:
-                out.insert(0, {"role": "system", "content": header})
+            return with_tools_header(out, tools)
         return out
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from controller.tasks.arithmetic import ArithmeticTask
-from controller.tasks.calculator import CalculatorTracesTask
+from controller.tasks.calculator import CALCULATOR_TOOL, CalculatorTracesTask, endpoint_call
 from controller.tasks.guess_number import GuessNumberTask, GuessNumberTracesTask
 from controller.tasks.word_problems import WordProblemTask
 
@@ -42,6 +42,10 @@ BUILTIN_TASKS: dict[str, Task] = {
     # For rollout.environment "builtin:calculator": 3-digit products, a tool call away.
     "calculator": ArithmeticTask(digits=3, operations=("*",), name="calculator"),
     "calculator-traces": CalculatorTracesTask(),  # SFT warm start for "calculator"
+    # SFT warm start for an agent with the `calculator` tool on a job's OpenAI endpoint (agent_openai.py)
+    "calculator-tool-traces": CalculatorTracesTask(
+        name="calculator-tool-traces", call=endpoint_call, tools=(CALCULATOR_TOOL,)
+    ),
     "guess_number": GuessNumberTask(),
     "guess_number-traces": GuessNumberTracesTask(),  # SFT warm start for "guess_number"
     # One range of 8 ("Guess 1-8."): a game a tiny chat model learns from random weights.
