@@ -26,11 +26,11 @@ from service.tinker_proto import tinker_sdk_pb2 as pb
 MAX_UNKNOWN_BYTES = 64 * 1024
 _FORMATS = {pb.DTYPE_FLOAT32: "f", pb.DTYPE_INT64: "q", pb.DTYPE_INT32: "i"}
 _WIRE_TYPES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group", 5: "32-bit"}
-FBI = "forward_backward_input"
-CONFIG = f"{FBI}.loss_fn_config"
+_FBI = "forward_backward_input"
+_CONFIG = f"{_FBI}.loss_fn_config"
 # where a refusal points for each field of a message (dotted onto the message's own place)
-_REQUEST = {1: "model_id", 2: "seq_id", 3: f"{FBI}.data", 4: f"{FBI}.loss_fn", 5: CONFIG, 6: "forward_only",
-            7: CONFIG}  # fmt: skip
+_REQUEST = {1: "model_id", 2: "seq_id", 3: f"{_FBI}.data", 4: f"{_FBI}.loss_fn", 5: _CONFIG,
+            6: "forward_only", 7: _CONFIG}  # fmt: skip
 _DATUM = {1: ".model_input", 2: ".loss_fn_inputs", 3: ".model_input_spans", 4: ".loss_fn_input_spans"}
 _ENTRY = {1: "", 2: ".{key}"}
 
@@ -73,8 +73,8 @@ class _Reader:
     def request(self, msg: pb.ForwardBackwardRequest) -> dict[str, Any]:
         self.declared(msg, "", _REQUEST)
         return {"model_id": _text(msg.model_id, "model_id"), "seq_id": msg.seq_id,
-                "data": [self.datum(d, f"{FBI}.data[{i}]") for i, d in enumerate(msg.data)],
-                "loss_fn": _text(msg.loss_fn, f"{FBI}.loss_fn"), "loss_fn_config": self.config(msg) or None,
+                "data": [self.datum(d, f"{_FBI}.data[{i}]") for i, d in enumerate(msg.data)],
+                "loss_fn": _text(msg.loss_fn, f"{_FBI}.loss_fn"), "loss_fn_config": self.config(msg) or None,
                 "forward_only": msg.forward_only}  # fmt: skip
 
     def datum(self, msg: pb.Datum, where: str) -> dict[str, Any]:
@@ -106,18 +106,18 @@ class _Reader:
         """Field 5 maps to doubles; field 7 to a double or a text, and wins (the SDK writes both)."""
         config: dict[str, Any] = {}
         for entry in msg.loss_fn_config:
-            key = _text(entry.key, CONFIG)
-            self.declared(entry, CONFIG, _ENTRY, key)
+            key = _text(entry.key, _CONFIG)
+            self.declared(entry, _CONFIG, _ENTRY, key)
             config[key] = entry.value
         for entry in msg.loss_fn_config_v2:
-            key = _text(entry.key, CONFIG)
-            self.declared(entry, CONFIG, _ENTRY, key)
-            self.declared(entry.value, f"{CONFIG}.{key}")
+            key = _text(entry.key, _CONFIG)
+            self.declared(entry, _CONFIG, _ENTRY, key)
+            self.declared(entry.value, f"{_CONFIG}.{key}")
             kind = entry.value.WhichOneof("value")
             if kind == "number":
                 config[key] = entry.value.number
             elif kind == "text":
-                config[key] = _text(entry.value.text, f"{CONFIG}.{key}")
+                config[key] = _text(entry.value.text, f"{_CONFIG}.{key}")
         return config
 
     def declared(self, msg: Message, where: str, places: dict[int, str] | None = None, key: str = "") -> None:
