@@ -1,8 +1,9 @@
 """Tinker request bodies read off the event loop, with caps on their raw and decompressed size.
 
 A body is decoded (zstd, protobuf or JSON) and typed (service/tinker_requests.py) in a worker
-thread once it is larger than `INLINE_BYTES`, so that one large or hostile body never stalls the
-API's event loop (every other request, `/healthz` included, is answered meanwhile). A zstd body is
+thread once it is larger than `INLINE_BYTES`, so that one large or hostile body does not stall the
+API's event loop (every other request, `/healthz` included, is answered meanwhile, between the steps
+that run in C and hold the interpreter: the protobuf parse, a pydantic validation). A zstd body is
 decompressed as a stream that stops at its cap: a small body that expands a thousandfold is a 413
 after its first megabytes, never expanded whole. The raw cap is the body limit of the middleware
 (`ServeSettings.tinker_max_body_bytes`).

@@ -1,12 +1,13 @@
-"""The Tinker SDK's protobuf messages, read and written by hand (torch-free, no generated code).
+"""The Tinker SDK's protobuf bodies, read and written with the messages of service/tinker_proto/.
 
-The SDK (tinker 0.38.0, `tinker/proto/`) always sends `forward_backward` as a protobuf
-`ForwardBackwardRequest` (`Content-Type: application/x-protobuf`, zstd-compressed when the server's
-client config asks for it), and accepts `ForwardBackwardOutput` and `SampleResponse` results ONLY as
-protobuf (`PROTO_SUPPORTED_TYPES`): a JSON body for those two is refused by the client. The field
-numbers below are those of the SDK's `tinker_public.proto`; the wire format is protobuf's own
-(varints, length-delimited fields, packed repeated scalars, little-endian fixed-width numbers).
-The API process must not need the SDK installed, hence this small codec instead of its _pb2 module.
+The SDK (tinker 0.38.0) sends `forward_backward` as a protobuf `ForwardBackwardRequest` and reads
+`ForwardBackwardOutput` and `SampleResponse` only as protobuf (a JSON body for those is refused by
+the client); everything else it sends and reads is JSON. A request is turned into the plain shape a
+JSON body is typed into (service/tinker_requests.py), and a refusal names the field as a JSON one
+would. The parser refuses malformed bytes itself (truncated, a length past the end, nesting past
+its limit); what it would pass over is refused here: a known field sent with another wire type
+(which protobuf keeps as an unknown field), text that is not UTF-8, tensor bytes that are not a
+whole number of values.
 """
 
 from __future__ import annotations
@@ -14,9 +15,24 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-DTYPES = {1: "float32", 2: "int64", 3: "int32", 4: "bfloat16"}
-DTYPE_CODES = {"float32": 1, "int64": 2}
-_FORMATS = {"float32": "f", "int64": "q", "int32": "i"}
+from google.protobuf.descriptor_pb2 import FieldDescriptorProto
+from google.protobuf.message import DecodeError, Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from service.tinker_proto import tinker_sdk_pb2 as pb
+
+# Fields this service does not know are passed over, up to this many bytes in all: finding the
+# misplaced known ones among them costs per field, and the SDK's own requests have none.
+MAX_UNKNOWN_BYTES = 64 * 1024
+_FORMATS = {pb.DTYPE_FLOAT32: "f", pb.DTYPE_INT64: "q", pb.DTYPE_INT32: "i"}
+_WIRE_TYPES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group", 5: "32-bit"}
+_FBI = "forward_backward_input"
+_CONFIG = f"{_FBI}.loss_fn_config"
+# where a refusal points for each field of a message (dotted onto the message's own place)
+_REQUEST = {1: "model_id", 2: "seq_id", 3: f"{_FBI}.data", 4: f"{_FBI}.loss_fn", 5: _CONFIG,
+            6: "forward_only", 7: _CONFIG}  # fmt: skip
+_DATUM = {1: ".model_input", 2: ".loss_fn_inputs", 3: ".model_input_spans", 4: ".loss_fn_input_spans"}
+_ENTRY = {1: "", 2: ".{key}"}
 
 
 class WireError(ValueError):
@@ -27,264 +43,136 @@ class WireError(ValueError):
         self.field = field
 
 
-# ---- reading ------------------------------------------------------------------------------------
+def read_forward_backward(buf: bytes) -> dict[str, Any]:
+    """A `ForwardBackwardRequest` as plain python: model_id, seq_id, data (tokens and loss_fn_inputs
+    per datum), loss_fn, loss_fn_config, forward_only."""
+    request = _parsed(buf)
+    size = request.ByteSize()
+    request.DiscardUnknownFields()
+    unknown = size - request.ByteSize()
+    if unknown > MAX_UNKNOWN_BYTES:
+        raise WireError("body", f"{unknown} bytes of protobuf fields this service does not know "
+                                f"(at most {MAX_UNKNOWN_BYTES} are passed over)")  # fmt: skip
+    # only a body with unknown fields can hold a misplaced known one: read it again, keeping them
+    return _Reader(strict=unknown > 0).request(_parsed(buf) if unknown else request)
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise WireError("body", "truncated protobuf varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 70:
-            raise WireError("body", "protobuf varint too long")
-
-
-def fields(buf: bytes) -> list[tuple[int, int, Any]]:
-    """(field number, wire type, value) of every field of one message, in order."""
-    out: list[tuple[int, int, Any]] = []
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if number == 0:
-            raise WireError("body", "protobuf field number 0 is not valid")
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 1:
-            value, pos = buf[pos : pos + 8], pos + 8
-        elif wire == 2:
-            size, pos = _varint(buf, pos)
-            value, pos = buf[pos : pos + size], pos + size
-        elif wire == 5:
-            value, pos = buf[pos : pos + 4], pos + 4
-        else:
-            raise WireError("body", f"unsupported protobuf wire type {wire}")
-        if pos > len(buf):
-            raise WireError("body", "truncated protobuf message")
-        out.append((number, wire, value))
-    return out
-
-
-def _wire(wire: int, want: int, field: str) -> None:
-    """A known field sent with another wire type than its declared one is not this message."""
-    if wire != want:
-        names = {0: "varint", 1: "64-bit", 2: "length-delimited", 5: "32-bit"}
-        raise WireError(field, f"protobuf wire type {names.get(wire, wire)} where {names[want]} is declared")
-
-
-def _text(value: bytes, field: str) -> str:
+def _parsed(buf: bytes) -> pb.ForwardBackwardRequest:
+    request = pb.ForwardBackwardRequest()
     try:
-        return value.decode()
-    except UnicodeDecodeError:
-        raise WireError(field, "a string that is not UTF-8") from None
+        request.ParseFromString(buf)
+    except DecodeError as err:
+        raise WireError("body", f"malformed protobuf ({err})") from None
+    return request
 
 
-def _double(wire: int, value: Any, field: str) -> float:
-    _wire(wire, 1, field)
-    return struct.unpack("<d", value)[0]
+class _Reader:
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+
+    def request(self, msg: pb.ForwardBackwardRequest) -> dict[str, Any]:
+        self.declared(msg, "", _REQUEST)
+        return {"model_id": _text(msg.model_id, "model_id"), "seq_id": msg.seq_id,
+                "data": [self.datum(d, f"{_FBI}.data[{i}]") for i, d in enumerate(msg.data)],
+                "loss_fn": _text(msg.loss_fn, f"{_FBI}.loss_fn"), "loss_fn_config": self.config(msg) or None,
+                "forward_only": msg.forward_only}  # fmt: skip
+
+    def datum(self, msg: pb.Datum, where: str) -> dict[str, Any]:
+        self.declared(msg, where, _DATUM)
+        tokens: list[int] = []
+        for chunk in msg.model_input:
+            self.declared(chunk, f"{where}.model_input")
+            kind = chunk.WhichOneof("chunk")
+            if kind not in (None, "encoded_text"):
+                raise WireError(f"{where}.model_input", f"{kind} chunks are not supported (text only)")
+            self.declared(chunk.encoded_text, f"{where}.model_input")
+            tokens += _values(chunk.encoded_text.tokens, pb.DTYPE_INT32, f"{where}.model_input")
+        inputs, base = {}, f"{where}.loss_fn_inputs"
+        for entry in msg.loss_fn_inputs:
+            name = _text(entry.key, base)
+            self.declared(entry, base, _ENTRY, name)
+            inputs[name] = self.tensor(entry.value, f"{base}.{name}")
+        return {"tokens": tokens, "loss_fn_inputs": inputs}
+
+    def tensor(self, tensor: pb.Tensor, where: str) -> dict[str, Any]:
+        self.declared(tensor, where)
+        if tensor.WhichOneof("encoding") == "sparse_csr":
+            raise WireError(where, "sparse (CSR) tensors are not supported by this service; send them dense")
+        data = _values(tensor.dense, tensor.dtype, where)
+        dtype = "int64" if tensor.dtype in (pb.DTYPE_INT64, pb.DTYPE_INT32) else "float32"
+        return {"data": data, "dtype": dtype, "shape": list(tensor.shape) or [len(data)]}
+
+    def config(self, msg: pb.ForwardBackwardRequest) -> dict[str, Any]:
+        """Field 5 maps to doubles; field 7 to a double or a text, and wins (the SDK writes both)."""
+        config: dict[str, Any] = {}
+        for entry in msg.loss_fn_config:
+            key = _text(entry.key, _CONFIG)
+            self.declared(entry, _CONFIG, _ENTRY, key)
+            config[key] = entry.value
+        for entry in msg.loss_fn_config_v2:
+            key = _text(entry.key, _CONFIG)
+            self.declared(entry, _CONFIG, _ENTRY, key)
+            self.declared(entry.value, f"{_CONFIG}.{key}")
+            kind = entry.value.WhichOneof("value")
+            if kind == "number":
+                config[key] = entry.value.number
+            elif kind == "text":
+                config[key] = _text(entry.value.text, f"{_CONFIG}.{key}")
+        return config
+
+    def declared(self, msg: Message, where: str, places: dict[int, str] | None = None, key: str = "") -> None:
+        """A known field sent with another wire type than its declared one is not this message."""
+        if not self.strict:
+            return
+        fields = msg.DESCRIPTOR.fields_by_number
+        for unknown in UnknownFieldSet(msg):
+            field = fields.get(unknown.field_number)
+            if field is not None:
+                where += places[field.number].format(key=key) if places else ""
+                wire = _WIRE_TYPES.get(unknown.wire_type, str(unknown.wire_type))
+                kind = FieldDescriptorProto.Type.Name(field.type).removeprefix("TYPE_").lower()
+                raise WireError(where, f"protobuf wire type {wire} for {field.name}, declared as {kind}")
 
 
-def _numbers(raw: bytes, dtype: str, field: str) -> list:
-    if dtype == "bfloat16":  # upper 16 bits of a float32
+def _text(value: str | bytes, field: str) -> str:
+    """The parser leaves text unchecked (tinker_sdk.proto) and gives bytes where it is not UTF-8."""
+    if isinstance(value, bytes):
+        raise WireError(field, "a string that is not UTF-8")
+    return value
+
+
+def _values(raw: bytes, dtype: int, field: str) -> list:
+    if dtype == pb.DTYPE_BFLOAT16:  # the upper half of a float32
         if len(raw) % 2:
             raise WireError(field, f"{len(raw)} bytes are not a whole number of bfloat16 values")
-        halves = struct.unpack(f"<{len(raw) // 2}H", raw)
-        return list(
-            struct.unpack(f"<{len(halves)}f", struct.pack(f"<{len(halves)}I", *(h << 16 for h in halves)))
-        )
+        wide = bytearray(2 * len(raw))
+        wide[2::4], wide[3::4] = raw[0::2], raw[1::2]
+        raw, dtype = bytes(wide), pb.DTYPE_FLOAT32
     fmt = _FORMATS.get(dtype)
     if fmt is None:
-        raise WireError(field, f"unsupported tensor dtype {dtype!r}")
+        raise WireError(field, f"unknown tensor dtype code {dtype}")
     size = struct.calcsize(fmt)
     if len(raw) % size:
-        raise WireError(field, f"{len(raw)} bytes are not a whole number of {dtype} values")
+        name = pb.DType.Name(dtype).removeprefix("DTYPE_").lower()
+        raise WireError(field, f"{len(raw)} bytes are not a whole number of {name} values")
     return list(struct.unpack(f"<{len(raw) // size}{fmt}", raw))
-
-
-def _packed_ints(wire: int, value: Any, field: str) -> list[int]:
-    if wire == 0:
-        return [value]
-    _wire(wire, 2, field)
-    out, pos = [], 0
-    while pos < len(value):
-        number, pos = _varint(value, pos)
-        out.append(number - (1 << 64) if number >= 1 << 63 else number)
-    return out
-
-
-def _tensor(buf: bytes, field: str) -> dict[str, Any]:
-    dense, dtype_code, shape, sparse = b"", 0, [], False
-    for number, wire, value in fields(buf):
-        if number == 1:
-            _wire(wire, 2, field)
-            dense = value
-        elif number == 2:
-            sparse = True
-        elif number == 3:
-            _wire(wire, 0, field)
-            dtype_code = value
-        elif number == 4:
-            shape += _packed_ints(wire, value, field)
-    if sparse:
-        raise WireError(field, "sparse (CSR) tensors are not supported by this service; send them dense")
-    dtype = DTYPES.get(dtype_code)
-    if dtype is None:
-        raise WireError(field, f"unknown tensor dtype code {dtype_code}")
-    data = _numbers(dense, dtype, field)
-    public = "int64" if dtype in ("int64", "int32") else "float32"
-    return {"data": data, "dtype": public, "shape": shape or [len(data)]}
-
-
-def _map_entry(buf: bytes, field: str) -> tuple[str, list[tuple[int, int, Any]]]:
-    key, rest = "", []
-    for number, wire, value in fields(buf):
-        if number == 1:
-            _wire(wire, 2, field)
-            key = _text(value, field)
-        else:
-            rest.append((number, wire, value))
-    return key, rest
-
-
-def _datum(buf: bytes, where: str) -> dict[str, Any]:
-    tokens: list[int] = []
-    inputs: dict[str, Any] = {}
-    for number, wire, value in fields(buf):
-        if number == 1:  # a Chunk: only encoded_text is served
-            _wire(wire, 2, f"{where}.model_input")
-            for kind, kind_wire, chunk in fields(value):
-                if kind != 1:
-                    name = {2: "image", 3: "dmel"}.get(kind, str(kind))
-                    raise WireError(f"{where}.model_input", f"{name} chunks are not supported (text only)")
-                _wire(kind_wire, 2, f"{where}.model_input")
-                for sub, sub_wire, raw in fields(chunk):
-                    if sub == 1:
-                        _wire(sub_wire, 2, f"{where}.model_input")
-                        tokens += _numbers(raw, "int32", f"{where}.model_input")
-        elif number == 2:
-            _wire(wire, 2, f"{where}.loss_fn_inputs")
-            name, rest = _map_entry(value, f"{where}.loss_fn_inputs")
-            where_input = f"{where}.loss_fn_inputs.{name}"
-            tensor = b""
-            for n, tensor_wire, v in rest:
-                if n == 2:
-                    _wire(tensor_wire, 2, where_input)
-                    tensor = v
-            inputs[name] = _tensor(tensor, where_input)
-    return {"tokens": tokens, "loss_fn_inputs": inputs}
-
-
-def read_forward_backward(buf: bytes) -> dict[str, Any]:
-    """A `ForwardBackwardRequest` as plain python: model_id, seq_id, data, loss_fn, loss_fn_config,
-    forward_only."""
-    out: dict[str, Any] = {"model_id": "", "seq_id": 0, "data": [], "loss_fn": "", "forward_only": False}
-    config: dict[str, Any] = {}
-    where = "forward_backward_input"
-    for number, wire, value in fields(buf):
-        if number in (1, 3, 4, 5, 7):
-            _wire(wire, 2, _TOP_FIELDS[number])
-        elif number in (2, 6):
-            _wire(wire, 0, _TOP_FIELDS[number])
-        if number == 1:
-            out["model_id"] = _text(value, "model_id")
-        elif number == 2:
-            out["seq_id"] = value
-        elif number == 3:
-            out["data"].append(_datum(value, f"{where}.data[{len(out['data'])}]"))
-        elif number == 4:
-            out["loss_fn"] = _text(value, f"{where}.loss_fn")
-        elif number in (5, 7):
-            _config_entry(number, value, config)
-        elif number == 6:
-            out["forward_only"] = bool(value)
-    out["loss_fn_config"] = config or None
-    return out
-
-
-def _config_entry(number: int, value: bytes, config: dict[str, Any]) -> None:
-    """One `loss_fn_config` entry: field 5 maps to a double; field 7 (v2) to a double or a string,
-    and wins over field 5."""
-    where = "forward_backward_input.loss_fn_config"
-    key, rest = _map_entry(value, where)
-    field = f"{where}.{key}"
-    if number == 5:  # a map entry without its value holds the default, 0.0
-        doubles = [_double(wire, item, field) for n, wire, item in rest if n == 2]
-        config.setdefault(key, doubles[-1] if doubles else 0.0)
-        return
-    for n, wire, item in rest:
-        if n != 2:
-            continue
-        _wire(wire, 2, field)
-        for kind, item_wire, inner in fields(item):
-            if kind == 1:
-                config[key] = _double(item_wire, inner, field)
-            elif kind == 2:
-                _wire(item_wire, 2, field)
-                config[key] = _text(inner, field)
-
-
-_TOP_FIELDS = {1: "model_id", 2: "seq_id", 3: "forward_backward_input.data", 4: "forward_backward_input.loss_fn",
-               5: "forward_backward_input.loss_fn_config", 6: "forward_only",
-               7: "forward_backward_input.loss_fn_config"}  # fmt: skip
-
-
-# ---- writing ------------------------------------------------------------------------------------
-
-
-def _put_varint(value: int) -> bytes:
-    value &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _len_field(number: int, payload: bytes) -> bytes:
-    return _put_varint(number << 3 | 2) + _put_varint(len(payload)) + payload
-
-
-def _int_field(number: int, value: int) -> bytes:
-    return _put_varint(number << 3) + _put_varint(value)
-
-
-def _double_field(number: int, value: float) -> bytes:
-    return _put_varint(number << 3 | 1) + struct.pack("<d", value)
-
-
-def _packed(values: list[int]) -> bytes:
-    return b"".join(_put_varint(v) for v in values)
 
 
 def write_forward_backward_output(outputs: list[dict[str, dict]], metrics: dict[str, float]) -> bytes:
     """A `ForwardBackwardOutput`: one ArrayRecord per datum (any trailing shape), then the metrics."""
-    body = _len_field(1, b"ArrayRecord")
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     for datum in outputs:
-        record = _len_field(1, b"ArrayRecord") + _int_field(3, 1)
+        record = out.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=1)
         for name, tensor in datum.items():
-            dtype = "int64" if tensor.get("dtype") == "int64" else "float32"
+            dtype = pb.DTYPE_INT64 if tensor.get("dtype") == "int64" else pb.DTYPE_FLOAT32
             values = tensor["data"]
             data = struct.pack(f"<{len(values)}{_FORMATS[dtype]}", *values)
-            batched = _len_field(1, data) + _len_field(2, struct.pack("<2q", 0, len(data)))
-            batched += _int_field(3, DTYPE_CODES[dtype])
-            trailing = list(tensor.get("shape") or [len(values)])[1:]
-            if trailing:
-                batched += _len_field(4, _packed(trailing))
-            record += _len_field(2, _len_field(1, name.encode()) + _len_field(2, batched))
-        body += _len_field(2, record)
+            field = record.fields[name]
+            field.data, field.offsets, field.dtype = data, struct.pack("<2q", 0, len(data)), dtype
+            field.trailing_shape.extend(list(tensor.get("shape") or [len(values)])[1:])
     for key, value in metrics.items():
-        body += _len_field(3, _len_field(1, key.encode()) + _double_field(2, float(value)))
-    return body
+        out.metrics[key] = float(value)
+    return out.SerializeToString()
 
 
 def _floats(values: list) -> bytes:
@@ -293,13 +181,14 @@ def _floats(values: list) -> bytes:
 
 def write_sample_response(sequences: list[dict[str, Any]], prompt_logprobs: list | None) -> bytes:
     """A `SampleResponse`: tokens as int32, log-probs as float32 (NaN where there is none)."""
-    body = b""
+    out = pb.SampleResponse()
     for seq in sequences:
-        msg = _int_field(1, 1 if seq.get("stop_reason") == "length" else 0)
-        msg += _len_field(2, struct.pack(f"<{len(seq['tokens'])}i", *seq["tokens"]))
+        stop = pb.STOP_REASON_LENGTH if seq.get("stop_reason") == "length" else pb.STOP_REASON_STOP
+        sampled = out.sequences.add(
+            stop_reason=stop, tokens=struct.pack(f"<{len(seq['tokens'])}i", *seq["tokens"])
+        )
         if seq.get("logprobs") is not None:
-            msg += _len_field(3, _floats(seq["logprobs"]))
-        body += _len_field(1, msg)
+            sampled.logprobs = _floats(seq["logprobs"])
     if prompt_logprobs is not None:
-        body += _len_field(2, _floats(prompt_logprobs))
-    return body
+        out.prompt_logprobs = _floats(prompt_logprobs)
+    return out.SerializeToString()

@@ -6,6 +6,7 @@ error nobody expected still answers in the error shape, with its request id."""
 
 from __future__ import annotations
 
+import functools
 import struct
 import threading
 import time
@@ -20,9 +21,6 @@ zstandard = pytest.importorskip("zstandard")
 from api.settings import ServeSettings  # noqa: E402
 from api.tinker_bodies import FLOOR_BYTES, decompressed  # noqa: E402
 from service.tinker_service import TinkerError  # noqa: E402
-from service.tinker_wire import _int_field as _int  # noqa: E402
-from service.tinker_wire import _len_field as _len  # noqa: E402
-from service.tinker_wire import _put_varint as _varint  # noqa: E402
 from tests.api_util import start_service, tiny_job  # noqa: E402
 from tests.tinker_loops import owner_keys  # noqa: E402
 
@@ -160,11 +158,28 @@ def test_non_finite_numbers_are_refused(alice, ids, route, text, param):
     )
 
 
+# Hostile bodies are written byte by byte: a generated message cannot hold a wrong wire type.
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out) + bytes([value])
+
+
+def _len(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _int(number: int, value: int) -> bytes:
+    return _varint(number << 3) + _varint(value)
+
+
 def _tensor_entry(name: bytes, tensor: bytes) -> bytes:
     return _len(2, _len(1, name) + _len(2, tensor))
 
 
-# built with the codec's writers (service/tinker_wire.py): its reader is what is under test
 MODEL = _len(1, b"s:train:0")
 PROTO_CASES = [
     ("odd-length bf16", MODEL + _len(3, _tensor_entry(b"weights", _len(1, b"\x01\x02\x03") + _int(3, 4))),
@@ -191,6 +206,20 @@ PROTO_CASES = [
     ("a NaN float32 input", MODEL + _len(3, _len(1, _len(1, _len(1, struct.pack("<2i", 1, 2))))
                                            + _tensor_entry(b"weights", _len(1, struct.pack("<2f", 1.0, float("nan"))) + _int(3, 1))),
      "forward_backward_input.data[0].loss_fn_inputs.weights.data[1]"),
+    ("a length past the end", MODEL + b"\x1a\xff\xff\xff\xff\x0f" + b"\0" * 8, "body"),
+    ("a 64-bit length prefix", b"\x0a" + b"\xff" * 9 + b"\x01", "body"),
+    ("groups nested 100k deep", b"\x7b" * 100_000, "body"),
+    ("lengths nested 2000 deep", MODEL + functools.reduce(lambda inner, _: _len(15, inner), range(2000), b"")
+     + _int(4, 1), "forward_backward_input.loss_fn"),
+    ("megabytes of unknown fields", MODEL + b"\x78\x00" * (1 << 20), "body"),
+    ("a shape as 32-bit values", MODEL + _len(3, _tensor_entry(b"w", _int(3, 1) + b"\x25\0\0\0\0")),
+     "forward_backward_input.data[0].loss_fn_inputs.w"),
+    ("a tensor name that is not UTF-8", MODEL + _len(3, _tensor_entry(b"\xff", _int(3, 1))),
+     "forward_backward_input.data[0].loss_fn_inputs"),
+    ("an image chunk", MODEL + _len(3, _len(1, _len(2, _len(1, b"png")))),
+     "forward_backward_input.data[0].model_input"),
+    ("a sparse tensor", MODEL + _len(3, _tensor_entry(b"w", _len(2, b"") + _int(3, 1))),
+     "forward_backward_input.data[0].loss_fn_inputs.w"),
     ("a NaN config value", MODEL + _len(5, _len(1, b"beta") + _varint(2 << 3 | 1) + struct.pack("<d", float("nan"))),
      "forward_backward_input.loss_fn_config.beta"),
 ]  # fmt: skip
@@ -222,9 +251,11 @@ def test_a_zstd_bomb_is_413_after_its_first_megabyte(alice):
 
 
 def test_healthz_answers_while_a_slow_body_is_decoded(svc, alice):
-    """4M tiny protobuf fields take the reader seconds; /healthz meanwhile answers in a small part
-    of that (the body is decoded in a worker thread, not on the event loop)."""
-    slow = b"\x78\x00" * (4 << 20)  # field 15 (unknown, skipped), varint 0
+    """200k small datums take the reader seconds, datum by datum (the last is an image chunk, refused);
+    /healthz meanwhile answers in a small part of that (the body is decoded in a worker thread, not
+    on the event loop)."""
+    datum = _len(3, _len(1, _len(1, _len(1, struct.pack("<4i", 1, 2, 3, 4)))))
+    slow = MODEL + datum * 200_000 + _len(3, _len(1, _len(2, b"")))
     took: dict[str, float] = {}
 
     def send() -> None:
@@ -243,7 +274,7 @@ def test_healthz_answers_while_a_slow_body_is_decoded(svc, alice):
             waits.append(time.monotonic() - start)
             time.sleep(0.05)
     thread.join(120)
-    assert took["status"] == 400 and waits, took  # model_id: required
+    assert took["status"] == 400 and waits, took  # data[200000].model_input: text only
     assert max(waits) < took["body"] / 4, (max(waits), took)
 
 
