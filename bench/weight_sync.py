@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,10 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import free_port  # noqa: E402
 
 if TYPE_CHECKING:
     from engines.fsdp.engine import FSDPEngine
@@ -278,12 +281,6 @@ def worker(rank: int, world: int, settings: Settings, port: int, out_dir: str) -
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_world(world: int, settings: Settings, out_dir: str) -> list[dict]:
     print(f"== world size {world}: {settings.threads} thread(s) per rank", file=sys.stderr, flush=True)
     mp.spawn(worker, args=(world, settings, free_port(), out_dir), nprocs=world, join=True)
@@ -408,8 +405,7 @@ def parse_settings(argv: list[str] | None, model_root: str) -> Settings:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--cross-process" in argv:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from weight_transfer_cross import main as cross_process
+        from bench.weight_transfer_cross import main as cross_process
 
         cross_process([a for a in argv if a != "--cross-process"])
         return
