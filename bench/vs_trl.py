@@ -136,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--train", help=argparse.SUPPRESS)
     p.add_argument("--max-new-tokens", type=int, help=argparse.SUPPRESS)
-    return p  # fmt: skip
+    return p
 
 
 def run_side(side: str, args: argparse.Namespace, model_dir: Path, train: Path, max_new_tokens: int) -> dict:
@@ -183,16 +183,35 @@ def compare(args: argparse.Namespace, shape: str, model_name: str, max_new_token
         for side in ("trl", "tandem"):
             run = run_side(side, args, model_dir, train, max_new_tokens)
             times[side] += run["step_s"]
-            emit("vs_trl", shape=shape, round=round_index, side=side, step_s_median=median(run["step_s"]),
-                 step_s=run["step_s"], **run["medians"])  # fmt: skip
+            emit(
+                "vs_trl",
+                shape=shape,
+                round=round_index,
+                side=side,
+                step_s_median=median(run["step_s"]),
+                step_s=run["step_s"],
+                **run["medians"],
+            )
     trl, tandem = statistics.median(times["trl"]), statistics.median(times["tandem"])
     emit(
-        "vs_trl", shape=shape, model=model_name, params=parameter_count(model_dir), prompts=args.prompts,
-        n=args.n, max_new_tokens=max_new_tokens, reward=args.reward, device=args.device, served=args.served,
-        lora=LORA if args.lora else None, tandem_set=args.tandem_set, steps_timed_per_side=len(times["trl"]),
-        trl_s_per_step=round(trl, 4), tandem_s_per_step=round(tandem, 4),
-        ratio_tandem_vs_trl=ratio(tandem, trl), commit=git_commit(),
-    )  # fmt: skip
+        "vs_trl",
+        shape=shape,
+        model=model_name,
+        params=parameter_count(model_dir),
+        prompts=args.prompts,
+        n=args.n,
+        max_new_tokens=max_new_tokens,
+        reward=args.reward,
+        device=args.device,
+        served=args.served,
+        lora=LORA if args.lora else None,
+        tandem_set=args.tandem_set,
+        steps_timed_per_side=len(times["trl"]),
+        trl_s_per_step=round(trl, 4),
+        tandem_s_per_step=round(tandem, 4),
+        ratio_tandem_vs_trl=ratio(tandem, trl),
+        commit=git_commit(),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
