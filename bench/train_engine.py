@@ -249,7 +249,7 @@ def emit(line: dict) -> None:
     print(json.dumps(line), flush=True)
 
 
-def parse_settings(argv: list[str] | None, model_dir_root: str) -> tuple[Settings, float]:
+def cli() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model",
@@ -283,6 +283,11 @@ def parse_settings(argv: list[str] | None, model_dir_root: str) -> tuple[Setting
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: tiny shapes, one timed step (start-up dominates)"
     )
+    return parser
+
+
+def parse_settings(argv: list[str] | None, model_dir_root: str) -> tuple[Settings, float]:
+    parser = cli()
     args = parser.parse_args(argv)
     quick = args.quick
 

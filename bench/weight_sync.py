@@ -160,28 +160,29 @@ def time_copies_and_syncs(
             file=sys.stderr,
             flush=True,
         )
-    stats = {mb: sync.last for mb, sync in syncs.items()}
     pairs.clear()  # the baseline's two model copies are not part of any sync's memory
-    memory = {}
-    for mb, sync in syncs.items():
-        barrier()
-        memory[mb] = peak_extra_mib(lambda sync=sync: sync.transfer(engine.get_per_tensor_param()), device)
     w = settings.warmup
+    buckets = {str(mb): bucket_result(sync, sync_s[mb][w:], engine, barrier) for mb, sync in syncs.items()}
     return {
         "model_bytes": model_bytes,
         "copy_s": statistics.median(copy_s[w:]),
         "copy_best_s": min(copy_s[w:]),
-        "buckets": {
-            str(mb): {
-                "sync_s": statistics.median(sync_s[mb][w:]),
-                "sync_best_s": min(sync_s[mb][w:]),
-                "bytes": stats[mb].bytes,
-                "buckets": stats[mb].buckets,
-                "max_bucket_bytes": stats[mb].max_bucket_bytes,
-                "peak_extra_mib": memory[mb],
-            }
-            for mb in syncs
-        },
+        "buckets": buckets,
+    }
+
+
+def bucket_result(sync: InProcessTransfer, seconds: list[float], engine: FSDPEngine, barrier) -> dict:
+    """One bucket size's timed syncs, then one more sync for its peak memory."""
+    stats = sync.last
+    barrier()
+    memory = peak_extra_mib(lambda: sync.transfer(engine.get_per_tensor_param()), engine.device)
+    return {
+        "sync_s": statistics.median(seconds),
+        "sync_best_s": min(seconds),
+        "bytes": stats.bytes,
+        "buckets": stats.buckets,
+        "max_bucket_bytes": stats.max_bucket_bytes,
+        "peak_extra_mib": memory,
     }
 
 
