@@ -73,8 +73,12 @@ test-slow: install install-real
 run: install
 	$(BIN)/python -m examples.demo --seed $(SEED)
 
+# Every benchmark script with its defaults (bench/RESULTS.md has each figure's command); not the GPU
+# checks, the TRL comparison (bench-trl) or the modules the scripts share.
+BENCH_SCRIPTS = $(filter-out bench/vs_trl.py bench/gpu_check.py bench/soak_chaos.py bench/guess_number_policy.py \
+	bench/weight_transfer_cross.py,$(shell grep -l "__main__" bench/*.py))
 bench: install
-	@for f in $(filter-out bench/vs_trl.py,$(wildcard bench/*.py)); do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+	@for f in $(BENCH_SCRIPTS); do echo "== $$f"; $(BIN)/python $$f || exit 1; done
 
 # Tandem against TRL's GRPOTrainer on this machine (bench/vs_trl.py); TRL comes from the `bench` extra.
 bench-trl: install

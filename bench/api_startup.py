@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,9 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.harness import free_port  # noqa: E402
 
 
 def rss_mb(pid: int) -> float:
@@ -40,12 +42,6 @@ def bare_python() -> tuple[float, float]:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return time.perf_counter() - start, int(out.stdout) / 1024
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def one_round(timeout_s: float) -> dict:

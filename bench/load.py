@@ -39,6 +39,10 @@ import psutil
 import uvloop
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.harness import percentile  # noqa: E402
+
 JOB = {
     "method": "grpo",
     "model": {"builtin": "tiny-qwen2"},
@@ -48,11 +52,6 @@ JOB = {
     "checkpoint": {"every": 50, "keep_last": 1, "export_hf": False},
     "metadata": {"suite": "bench-load"},
 }
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def route_of(path: str) -> str:
@@ -123,8 +122,8 @@ def measure(
 def summary(phase: str, clients: int, seconds: float, times: dict[str, list[float]]) -> list[dict]:
     return [
         {"bench": "api_load", "phase": phase, "route": route, "clients": clients, "requests": len(values),
-         "rps": round(len(values) / seconds, 1), "p50_ms": round(1000 * percentile(values, 0.5), 2),
-         "p99_ms": round(1000 * percentile(values, 0.99), 2)}
+         "rps": round(len(values) / seconds, 1), "p50_ms": round(1000 * percentile(values, 50), 2),
+         "p99_ms": round(1000 * percentile(values, 99), 2)}
         for route, values in sorted(times.items())
     ]  # fmt: skip
 

@@ -37,7 +37,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.soak_chaos import Prober, descendants, kill, percentile, worker_targets  # noqa: E402
+from bench.harness import percentile  # noqa: E402
+from bench.soak_chaos import Prober, descendants, kill, worker_targets  # noqa: E402
 from bench.soak_load import Api, Lanes  # noqa: E402
 from tests.serve_util import BIN, cluster_env, free_ports, kill_leftovers, start_logged  # noqa: E402
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -156,12 +155,6 @@ class Prober:
             return not any(lo <= t <= hi for lo, hi in outages)
 
         return [s for t, s in self.samples if out(t)], [f for t, f in self.failures if out(t)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if len(values) < 2:
-        return values[0] if values else float("nan")
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if 1 <= q <= 99 else max(values)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--list-actors"]:

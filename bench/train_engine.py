@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from tensordict import TensorDict
 # re-run this.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.harness import free_port  # noqa: E402
 from bench.train_loops import (  # noqa: E402
     Settings,
     Turns,
@@ -122,12 +122,6 @@ def worker(
     result = {"seconds": seconds[settings.warmup :], "cpu_seconds": cpu[settings.warmup :]}
     result |= {"peak_mem_mib": peak, "peak_mem_kind": kind}
     Path(out_dir, f"{job.name}-rank{rank}.json").write_text(json.dumps(result))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_jobs(jobs: list[Job], settings: Settings, vocab: int, out_dir: str) -> dict[str, list[dict]]:
@@ -255,7 +249,7 @@ def emit(line: dict) -> None:
     print(json.dumps(line), flush=True)
 
 
-def parse_settings(argv: list[str] | None, model_dir_root: str) -> tuple[Settings, float]:
+def cli() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--model",
@@ -289,6 +283,11 @@ def parse_settings(argv: list[str] | None, model_dir_root: str) -> tuple[Setting
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: tiny shapes, one timed step (start-up dominates)"
     )
+    return parser
+
+
+def parse_settings(argv: list[str] | None, model_dir_root: str) -> tuple[Settings, float]:
+    parser = cli()
     args = parser.parse_args(argv)
     quick = args.quick
 

@@ -14,7 +14,6 @@ rank's figures are its own. Peak extra memory of one sync is measured after the 
 (torch.cuda.max_memory_allocated on GPU; on CPU the RSS high-water mark, reset through
 /proc/self/clear_refs, after malloc_trim so that reused heap pages count again) and set
 against the model's bytes: streaming holds about one bucket, never the whole state dict.
-A breakdown line per rank says where a sync's time goes.
 
     .venv/bin/python bench/weight_sync.py [--model qwen2-20m] [--device cpu|cuda] [--iters 10] [--quick]
 
@@ -30,7 +29,6 @@ import gc
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,18 +36,19 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.harness import free_port, ratio  # noqa: E402
 
 if TYPE_CHECKING:
     from engines.fsdp.engine import FSDPEngine
     from engines.rollout.hf import HFRolloutEngine
     from engines.transfer.in_process import InProcessTransfer
-
-T = TypeVar("T")
-PARTS = ("state_dict", "name_lookup_and_checks")  # breakdown stages timed apart, inside others
 
 
 @dataclass(frozen=True)
@@ -124,58 +123,6 @@ def build_engines(settings: Settings) -> tuple[FSDPEngine, HFRolloutEngine]:
     return engine, rollout
 
 
-class Stopwatch:
-    """Seconds spent per named stage, summed over calls; waits for the device around each call."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, stage: str, fn: Callable[[], T]) -> T:
-        device_sync(self.device)
-        start = time.perf_counter()
-        out = fn()
-        device_sync(self.device)
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
-        return out
-
-
-def instrumented_sync(engine: FSDPEngine, rollout: HFRolloutEngine, device: torch.device) -> dict[str, float]:
-    """One sync taken apart stage by stage, tensor by tensor: get_per_tensor_param's next tensor
-    (the state dict, then DTensor.full_tensor), the transfer's cast, update_weights. Inside
-    update_weights, its name lookup and shape check (without the copy) are timed apart by doing
-    the same again; so is the state dict that get_per_tensor_param starts with."""
-    clock, dtype = Stopwatch(device), rollout.dtype
-    targets = dict(rollout.model.named_parameters(remove_duplicate=False))
-    targets.update(rollout.model.named_buffers(remove_duplicate=False))
-
-    def lookup_and_check(name: str, tensor: torch.Tensor) -> bool:
-        target = targets.get(name)
-        return target is not None and target.shape == tensor.shape and target.data is not None
-
-    clock("state_dict", engine.model.state_dict)
-    stream = engine.get_per_tensor_param()
-    while (item := clock("get_per_tensor_param", lambda: next(stream, None))) is not None:
-        name, full = item
-        cast = clock("cast", lambda f=full: f.to(dtype))
-        clock("update_weights", lambda n=name, c=cast: rollout.update_weights([(n, c)]))
-        clock("name_lookup_and_checks", lambda n=name, c=cast: lookup_and_check(n, c))
-    return clock.seconds
-
-
-def breakdown(
-    engine: FSDPEngine, rollout: HFRolloutEngine, settings: Settings, barrier: Callable[[], None]
-) -> dict[str, float]:
-    """Median seconds of each stage of a sync over the timed passes."""
-    passes = []
-    for i in range(settings.warmup + settings.iters):
-        barrier()
-        seconds = instrumented_sync(engine, rollout, engine.device)
-        if i >= settings.warmup:
-            passes.append(seconds)
-    return {stage: statistics.median([p[stage] for p in passes]) for stage in passes[0]}
-
-
 def sources_of(engine: FSDPEngine, dtype: torch.dtype) -> list[torch.Tensor]:
     return [t.to(dtype, copy=True) for _, t in engine.get_per_tensor_param()]
 
@@ -213,36 +160,36 @@ def time_copies_and_syncs(
             file=sys.stderr,
             flush=True,
         )
-    stats = {mb: sync.last for mb, sync in syncs.items()}
     pairs.clear()  # the baseline's two model copies are not part of any sync's memory
-    memory = {}
-    for mb, sync in syncs.items():
-        barrier()
-        memory[mb] = peak_extra_mib(lambda sync=sync: sync.transfer(engine.get_per_tensor_param()), device)
     w = settings.warmup
+    buckets = {str(mb): bucket_result(sync, sync_s[mb][w:], engine, barrier) for mb, sync in syncs.items()}
     return {
         "model_bytes": model_bytes,
         "copy_s": statistics.median(copy_s[w:]),
         "copy_best_s": min(copy_s[w:]),
-        "buckets": {
-            str(mb): {
-                "sync_s": statistics.median(sync_s[mb][w:]),
-                "sync_best_s": min(sync_s[mb][w:]),
-                "bytes": stats[mb].bytes,
-                "buckets": stats[mb].buckets,
-                "max_bucket_bytes": stats[mb].max_bucket_bytes,
-                "peak_extra_mib": memory[mb],
-            }
-            for mb in syncs
-        },
+        "buckets": buckets,
+    }
+
+
+def bucket_result(sync: InProcessTransfer, seconds: list[float], engine: FSDPEngine, barrier) -> dict:
+    """One bucket size's timed syncs, then one more sync for its peak memory."""
+    stats = sync.last
+    barrier()
+    memory = peak_extra_mib(lambda: sync.transfer(engine.get_per_tensor_param()), engine.device)
+    return {
+        "sync_s": statistics.median(seconds),
+        "sync_best_s": min(seconds),
+        "bytes": stats.bytes,
+        "buckets": stats.buckets,
+        "max_bucket_bytes": stats.max_bucket_bytes,
+        "peak_extra_mib": memory,
     }
 
 
 def worker(rank: int, world: int, settings: Settings, port: int, out_dir: str) -> None:
-    """One rank: a cold first sync, timed copies and syncs, memory, then the breakdown."""
+    """One rank: a cold first sync, then timed copies and syncs, then memory."""
     import torch.distributed as dist
 
-    from engines.transfer.base import tensor_bytes
     from engines.transfer.in_process import InProcessTransfer
 
     torch.set_num_threads(settings.threads)
@@ -270,18 +217,10 @@ def worker(rank: int, world: int, settings: Settings, port: int, out_dir: str) -
         "tensors": first.tensors,
         "first_sync_s": first.seconds,
         **time_copies_and_syncs(engine, rollout, syncs, settings, barrier),
-        "breakdown": breakdown(engine, rollout, settings, barrier),
-        "misaligned_bytes": sum(tensor_bytes(p) for p in rollout.model.parameters() if p.data_ptr() % 64),
     }
     Path(out_dir, f"world{world}-rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_world(world: int, settings: Settings, out_dir: str) -> list[dict]:
@@ -294,76 +233,48 @@ def run_world(world: int, settings: Settings, out_dir: str) -> list[dict]:
 
 
 def report(world: int, ranks: list[dict], settings: Settings) -> list[dict]:
-    """One line per (bucket size, rank), then one breakdown line per rank."""
-    dtype = "bfloat16" if settings.device == "cuda" else "float32"
+    """One line per (bucket size, rank)."""
     common = {
-        "bench": "weight_sync",
         "model": settings.model,
         "device": settings.device,
-        "dtype": dtype,
         "world_size": world,
+        "dtype": "bfloat16" if settings.device == "cuda" else "float32",
         "threads_per_rank": settings.threads,
         "iters": settings.iters,
-    }
-    mem_kind = (
-        "torch.cuda.max_memory_allocated delta"
+        "peak_mem_kind": "torch.cuda.max_memory_allocated delta"
         if settings.device == "cuda"
-        else "ru_maxrss delta (high-water mark reset via /proc/self/clear_refs, after malloc_trim(0))"
-    )
-    lines = []
-    for rank, r in enumerate(ranks):
-        model_mib = r["model_bytes"] / 2**20
-        copy_gbps = r["model_bytes"] / r["copy_s"] / 1e9
-        for mb in settings.buckets_mb:
-            b = r["buckets"][str(mb)]
-            sync_gbps = b["bytes"] / b["sync_s"] / 1e9
-            lines.append(
-                {
-                    **common,
-                    "config": "sync",
-                    "rank": rank,
-                    "bucket_mb": mb,
-                    "tensors": r["tensors"],
-                    "buckets": b["buckets"],
-                    "bytes": b["bytes"],
-                    "sync_ms": round(b["sync_s"] * 1e3, 2),
-                    "sync_gbps": round(sync_gbps, 3),
-                    "copy_ms": round(r["copy_s"] * 1e3, 2),
-                    "copy_gbps": round(copy_gbps, 3),
-                    "ratio_vs_copy": round(sync_gbps / copy_gbps, 3),
-                    # best of the timed repeats: the least disturbed by neighbours on shared cores
-                    "ratio_vs_copy_best": round(r["copy_best_s"] / b["sync_best_s"], 3),
-                    "peak_extra_mib": round(b["peak_extra_mib"], 1),
-                    "max_bucket_mib": round(b["max_bucket_bytes"] / 2**20, 1),
-                    "model_mib": round(model_mib, 1),
-                    "peak_extra_vs_model": round(b["peak_extra_mib"] / model_mib, 3),
-                    "peak_mem_kind": mem_kind,
-                    "loadavg_1m": round(os.getloadavg()[0], 2),
-                }
-            )
-    for rank, r in enumerate(ranks):
-        stages = r["breakdown"]
-        sync_s = min(b["sync_s"] for b in r["buckets"].values())
-        total = sum(v for k, v in stages.items() if k not in PARTS)
-        lines.append(
-            {
-                **common,
-                "config": "breakdown",
-                "rank": rank,
-                "note": "one sync taken apart tensor by tensor, device synchronised around each stage; "
-                "state_dict is part of get_per_tensor_param, name_lookup_and_checks of update_weights",
-                "stages_ms": {k: round(v * 1e3, 2) for k, v in stages.items()},
-                "stages_share": {k: round(v / total, 3) for k, v in stages.items()},
-                "stages_total_ms": round(total * 1e3, 2),
-                "fastest_sync_ms": round(sync_s * 1e3, 2),
-                "copy_ms": round(r["copy_s"] * 1e3, 2),
-                "update_weights_vs_copy": round(stages["update_weights"] / r["copy_s"], 3),
-                "rollout_params_off_64b_alignment_mib": round(r["misaligned_bytes"] / 2**20, 1),
-                "first_sync_ms": round(r["first_sync_s"] * 1e3, 2),
-                "first_sync_ratio_vs_copy": round(r["copy_s"] / r["first_sync_s"], 3),
-            }
-        )
-    return lines
+        else "ru_maxrss delta (high-water mark reset via /proc/self/clear_refs, after malloc_trim(0))",
+    }
+    return [sync_line(common, rank, r, mb) for rank, r in enumerate(ranks) for mb in settings.buckets_mb]
+
+
+def sync_line(common: dict, rank: int, r: dict, mb: float) -> dict:
+    """One bucket size on one rank: the sync's bandwidth against the copy's, and its peak memory."""
+    b, model_mib = r["buckets"][str(mb)], r["model_bytes"] / 2**20
+    sync_gbps, copy_gbps = b["bytes"] / b["sync_s"] / 1e9, r["model_bytes"] / r["copy_s"] / 1e9
+    return {
+        "bench": "weight_sync",
+        **common,
+        "config": "sync",
+        "rank": rank,
+        "bucket_mb": mb,
+        "tensors": r["tensors"],
+        "buckets": b["buckets"],
+        "bytes": b["bytes"],
+        "sync_ms": round(b["sync_s"] * 1e3, 2),
+        "sync_gbps": round(sync_gbps, 3),
+        "copy_ms": round(r["copy_s"] * 1e3, 2),
+        "copy_gbps": round(copy_gbps, 3),
+        "ratio_vs_copy": ratio(sync_gbps, copy_gbps),
+        # best of the timed repeats: the least disturbed by neighbours on shared cores
+        "ratio_vs_copy_best": ratio(r["copy_best_s"], b["sync_best_s"]),
+        "first_sync_ratio_vs_copy": ratio(r["copy_s"], r["first_sync_s"]),
+        "peak_extra_mib": round(b["peak_extra_mib"], 1),
+        "max_bucket_mib": round(b["max_bucket_bytes"] / 2**20, 1),
+        "model_mib": round(model_mib, 1),
+        "peak_extra_vs_model": ratio(b["peak_extra_mib"], model_mib),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
 
 
 def parse_settings(argv: list[str] | None, model_root: str) -> Settings:
@@ -408,8 +319,7 @@ def parse_settings(argv: list[str] | None, model_root: str) -> Settings:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if "--cross-process" in argv:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from weight_transfer_cross import main as cross_process
+        from bench.weight_transfer_cross import main as cross_process
 
         cross_process([a for a in argv if a != "--cross-process"])
         return

@@ -1,5 +1,5 @@
 """bench/mm_probes.py: what the product clock counts, when it probes, what it logs, and that removing
-it gives aten::mm its own kernel back; bench/vs_trl.py's assignment of probes to steps."""
+it gives aten::mm its own kernel back; bench/tandem_side.py's assignment of probes to steps."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import torch
 
 from bench import mm_probes
-from bench.vs_trl import probes_per_step
+from bench.tandem_side import probes_per_step
 
 
 def test_counts_products_probes_every_kth_and_removes_itself(tmp_path):

@@ -8,6 +8,7 @@ import argparse
 import pytest
 
 from bench import vs_trl
+from bench.tandem_side import tandem_spec
 from controller.spec import JobSpec
 
 
@@ -24,7 +25,7 @@ def test_the_submitted_job_is_a_valid_spec_with_the_levers_applied():
         model_dir="/models/m", train="/data/train.jsonl", reward="digits", steps=4, prompts=16, n=8,
         max_new_tokens=256, lr=1e-4, lora=False, tandem_set=["rollout.backend=hf", "resources.workers=2"],
     )  # fmt: skip
-    spec = JobSpec.model_validate(vs_trl.tandem_spec(args))
+    spec = JobSpec.model_validate(tandem_spec(args))
     assert spec.rollout.max_new_tokens == 256 and spec.rollout.n == 8
     assert spec.rollout.backend == "hf" and spec.resources.workers == 2
-    assert spec.reward.function.endswith("vs_trl.py:digit_share")
+    assert spec.reward.function.endswith("vs_trl_task.py:digit_share")
