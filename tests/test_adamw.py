@@ -13,13 +13,14 @@ from engines.adamw import AdamWSettings, adamw_step, build_adamw
 from engines.config import OptimizerConfig
 from engines.lora_sessions import Session, SessionSpec
 
+# every setting off its default, so that a mapping that drops one shows
 ADAM = {
-    "learning_rate": 0.02,
-    "beta1": 0.8,
-    "beta2": 0.9,
-    "eps": 1e-8,
-    "weight_decay": 0.1,
-    "grad_clip_norm": 0.5,
+    "learning_rate": 0.05,
+    "beta1": 0.7,
+    "beta2": 0.99,
+    "eps": 1e-6,
+    "weight_decay": 0.01,
+    "grad_clip_norm": 1.0,
 }
 SPEC = SessionSpec(rank=2, alpha=4.0, seed=0, paths=("layer.0", "layer.1"))
 
@@ -58,7 +59,7 @@ def test_a_session_and_an_engine_config_take_the_same_step():
     s = session()
     engine_params = [p.detach().clone().requires_grad_() for p in s.params()]
     initial = [p.detach().clone() for p in engine_params]
-    config = OptimizerConfig(lr=0.02, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.1, grad_clip=0.5)
+    config = OptimizerConfig(lr=0.05, betas=(0.7, 0.99), eps=1e-6, weight_decay=0.01, grad_clip=1.0)
     assert AdamWSettings.of(config) == AdamWSettings.from_adam_params(ADAM)
     optimizer = build_adamw(engine_params, AdamWSettings.of(config))
     for seed in range(3):
@@ -66,7 +67,7 @@ def test_a_session_and_an_engine_config_take_the_same_step():
         set_grads(engine_params, seed)
         metrics = s.optim_step(ADAM)
         norm = adamw_step(optimizer, engine_params, AdamWSettings.of(config))
-        assert metrics == {"grad_norm": norm, "learning_rate": 0.02} and norm > 0.5  # clipped
+        assert metrics == {"grad_norm": norm, "learning_rate": 0.05} and norm > 1.0  # clipped
     for mine, theirs, start in zip(s.params(), engine_params, initial, strict=True):
         assert torch.equal(mine, theirs) and not torch.equal(mine, start)
         assert mine.grad is None  # zeroed by the step
