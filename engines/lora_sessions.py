@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from engines.adamw import AdamWSettings, adamw_step, build_adamw
 from engines.fsdp.lora import write_adapter
 from engines.lora_targets import ADAPTER_FILE
 from engines.multi_lora import from_peft_tensors, peft_tensors
@@ -24,6 +25,8 @@ from engines.multi_lora import from_peft_tensors, peft_tensors
 SESSION_FILE = "session.json"
 OPTIMIZER_FILE = "optimizer.pt"
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
+# Each step brings its own AdamParams; these only fill the optimizer's groups until the first one.
+SDK_DEFAULTS = AdamWSettings.from_adam_params({})
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Session:
     def __init__(self, model_id: str, spec: SessionSpec, weights: Weights, device: torch.device) -> None:
         self.model_id, self.spec, self.device = model_id, spec, device
         self.weights: Weights | None = weights
-        self.optimizer: torch.optim.AdamW | None = torch.optim.AdamW(self.params(), lr=0.0)
+        self.optimizer: torch.optim.AdamW | None = build_adamw(self.params(), SDK_DEFAULTS)
         self.packed: dict | None = None  # the offloaded state, in host memory
         self.packed_file: Path | None = None  # or on disk
 
@@ -81,7 +84,7 @@ class Session:
         params = self.params()
         for param, grad in zip(params, packed.get("grads") or [None] * len(params), strict=True):
             param.grad = grad.to(self.device).clone() if grad is not None else None
-        self.optimizer = torch.optim.AdamW(params, lr=0.0)
+        self.optimizer = build_adamw(params, SDK_DEFAULTS)
         if optimizer and packed.get("optimizer") is not None:
             self.optimizer.load_state_dict(packed["optimizer"])
 
@@ -108,25 +111,11 @@ class Session:
     # ---- optimizer ---------------------------------------------------------------------------
 
     def optim_step(self, adam: dict) -> dict[str, float]:
-        """One AdamW step with the SDK's AdamParams over this adapter only, then zero its grads."""
-        params = self.params()
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = (
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-            if grads
-            else None
-        )
-        clip = float(adam.get("grad_clip_norm", 0.0))
-        if clip > 0 and grads:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        group = self.optimizer.param_groups[0]
-        group["lr"] = float(adam.get("learning_rate", 1e-4))
-        group["betas"] = (float(adam.get("beta1", 0.9)), float(adam.get("beta2", 0.95)))
-        group["eps"] = float(adam.get("eps", 1e-12))
-        group["weight_decay"] = float(adam.get("weight_decay", 0.0))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(norm) if norm is not None else 0.0, "learning_rate": group["lr"]}
+        """One step of Tandem's AdamW (engines/adamw.py) with the SDK's AdamParams of this call, over
+        this adapter only; zeroes its grads. A non-finite grad norm skips the step."""
+        settings = AdamWSettings.from_adam_params(adam)
+        grad_norm = adamw_step(self.optimizer, self.params(), settings, override=True)
+        return {"grad_norm": grad_norm, "learning_rate": settings.lr}
 
     # ---- save / load -------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from engines.tinker_loss_spec import (
     config_defaults,
     required_inputs,
 )
-from engines.tinker_losses import compute_loss
+from workers.losses.tinker import compute_loss
 
 TOL = 1e-9  # float64 throughout: references agree to rounding
 

@@ -40,7 +40,7 @@ from engines.multi_lora import (
 from engines.multi_lora_sample import sample
 from engines.threads import limit_threads_for_model
 from engines.tinker_loss_spec import LossInputError
-from engines.tinker_losses import compute_loss
+from workers.losses.tinker import compute_loss
 from workers.session_inputs import (
     HostError,
     forward_data,

@@ -1,9 +1,15 @@
-"""RL and SFT losses as LossFn factories that follow engines/base.py's loss contract.
+"""Every built-in loss: the registry of per-token objectives, and the two ways they are reduced.
 
-A loss function gets one micro-batch, the model outputs for it and the global counts of the whole
-batch; it returns a scalar and additive metrics, both divided by those global counts, so the engine
-can sum them over micro-batches and ranks. aggregation.py holds the reductions, kl.py the KL
-estimators, policy.py the actor objectives (PPO, GSPO, CISPO), value.py the critic, sft.py SFT.
+registry.py holds each objective under its name with one contract (token log-probs, behaviour
+log-probs, advantages, options in; per-token loss and clip flags out), RL's and the Tinker API's
+side by side, one function where both compute the same math. aggregation.py reduces a per-token
+loss to a scalar: an RL job's modes over global counts, or the Tinker API's plain sum.
+
+RL and SFT losses are LossFn factories that follow engines/base.py's loss contract: a loss function
+gets one micro-batch, the model outputs for it and the global counts of the whole batch; it returns
+a scalar and additive metrics, both divided by those global counts, so the engine can sum them over
+micro-batches and ranks. policy.py is the actor's loss, value.py the critic's, sft.py SFT's, kl.py
+the KL estimators. tinker.py is the Tinker API's `compute_loss` over per-datum log-probs.
 """
 
 from engines.base import LossFn
@@ -12,14 +18,11 @@ from workers.losses.aggregation import AGG_MODES, AggMode, aggregate, check_agg_
 from workers.losses.kl import KL_TYPES, KLType, kl_estimate
 from workers.losses.policy import (
     PolicyLossConfig,
-    TokenPolicyLoss,
-    cispo_token_loss,
-    gspo_token_loss,
     make_policy_loss,
     make_token_objective,
-    ppo_token_loss,
     rows_with_gradient,
 )
+from workers.losses.registry import LOSSES, TokenInputs, TokenLoss, objective
 from workers.losses.sft import make_sft_loss
 from workers.losses.value import make_value_loss
 
@@ -40,20 +43,20 @@ def make_loss(spec: LossSpec) -> LossFn:
 __all__ = [
     "AGG_MODES",
     "KL_TYPES",
+    "LOSSES",
     "AggMode",
     "KLType",
     "PolicyLossConfig",
-    "TokenPolicyLoss",
+    "TokenInputs",
+    "TokenLoss",
     "aggregate",
     "check_agg_mode",
-    "cispo_token_loss",
-    "gspo_token_loss",
     "kl_estimate",
     "make_policy_loss",
     "make_loss",
     "make_sft_loss",
     "make_token_objective",
     "make_value_loss",
-    "ppo_token_loss",
+    "objective",
     "rows_with_gradient",
 ]

@@ -14,6 +14,10 @@ much weight a token gets:
                              every sequence weighs the same, whatever its length (GRPO paper).
     seq-mean-token-sum-norm  sum_{i,t} m_it l_it / (N_seqs * R)
                              a constant normaliser, free of any length bias (Dr.GRPO).
+
+One more reduction, not an RL job's choice: `sum`, sum_{i,t} m_it l_it with no denominator (m = 1
+on every token when no mask is given), the Tinker API's: each of its losses is a sum over tokens
+and data (workers/losses/tinker.py).
 """
 
 from __future__ import annotations
@@ -34,8 +38,17 @@ def check_agg_mode(mode: str) -> None:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
 
 
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, counts: GlobalCounts) -> torch.Tensor:
-    """Reduce `loss_mat` [mb, R] over the valid tokens `mask` [mb, R] to a scalar (see the module doc)."""
+def aggregate(
+    loss_mat: torch.Tensor, mask: torch.Tensor | None, mode: str, counts: GlobalCounts | None = None
+) -> torch.Tensor:
+    """Reduce `loss_mat` [mb, R] over the valid tokens `mask` [mb, R] to a scalar (see the module doc).
+
+    `sum` alone takes no counts and a mask of None."""
+    if mode == "sum":
+        return loss_mat.sum() if mask is None else (loss_mat * mask.to(loss_mat.dtype)).sum()
+    check_agg_mode(mode)
+    if mask is None or counts is None:
+        raise ValueError(f"loss_agg_mode {mode!r} needs the valid-token mask and the global counts")
     mask = mask.to(loss_mat.dtype)
     masked = loss_mat * mask
     if mode == "token-mean":
@@ -48,7 +61,7 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, counts: Glo
         return per_seq.sum() / max(counts.sequences, 1)
     if mode == "seq-mean-token-sum-norm":
         return masked.sum() / max(counts.sequences * counts.response_width, 1)
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
+    raise AssertionError(f"loss_agg_mode {mode!r} is declared but has no reduction")
 
 
 def token_fraction(flags: torch.Tensor, mask: torch.Tensor, counts: GlobalCounts) -> float:

@@ -1,4 +1,6 @@
-"""Supervised fine-tuning: the cross-entropy of the response tokens, -log pi(y_t), aggregated."""
+"""Supervised fine-tuning: the cross-entropy of the response tokens, -log pi(y_t), aggregated.
+
+The per-token loss is the registry's cross_entropy (registry.py), the Tinker API's one too."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from tensordict import TensorDict
 
 from engines.base import GlobalCounts, LossFn
 from workers.losses.aggregation import aggregate, check_agg_mode
+from workers.losses.registry import TokenInputs, cross_entropy
 
 
 def make_sft_loss(agg_mode: str = "token-mean") -> LossFn:
@@ -16,7 +19,8 @@ def make_sft_loss(agg_mode: str = "token-mean") -> LossFn:
     def sft_loss(
         micro_batch: TensorDict, outputs: dict[str, torch.Tensor], counts: GlobalCounts
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        loss = aggregate(-outputs["log_probs"], micro_batch["response_mask"], agg_mode, counts)
+        token_loss = cross_entropy(TokenInputs(outputs["log_probs"])).loss
+        loss = aggregate(token_loss, micro_batch["response_mask"], agg_mode, counts)
         return loss, {"sft/loss": float(loss.detach())}
 
     return sft_loss
