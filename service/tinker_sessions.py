@@ -2,14 +2,15 @@
 
 - A client session (`create_session`, kept alive by `session_heartbeat`) lives in memory: the SDK
   makes a new one per process, so there is nothing to keep across a restart.
-- A training model (`create_model`, a LoRA adapter on a served base) is also a row of the job store
-  (`method = "tinker"`), so it shows in `tandem list` and the dashboard with its owner, per-step
-  metrics and samples; its id there (`job-...`) is the Tinker training run id of its checkpoint
-  paths (`tinker://job-.../weights/NAME`). Its checkpoints are folders under the row's workdir
+- A training model (`create_model`, a LoRA adapter on a served base) is also a record of the
+  scheduler's Tinker workload, a row of the store's `tinker_runs` table (service/store_tinker.py),
+  so it shows in `tandem list` and the dashboard with its owner, per-step metrics and samples; its
+  id there (`job-...`) is the Tinker training run id of its checkpoint paths
+  (`tinker://job-.../weights/NAME`). Its checkpoints are folders under the row's workdir
   (`checkpoints/weights/NAME`, `checkpoints/sampler_weights/NAME`), so they outlive the service.
-  After a restart the adapter itself is gone (it lived in the host process): the row is marked
-  paused by the scheduler's recovery, and the model's next call is refused with its last saved
-  state named (service/tinker_service.py, `lost`).
+  After a restart the adapter itself is gone (it lived in the host process): the scheduler's
+  recovery pauses the run (`TinkerRunWorkload.recover`), and the model's next call is refused with
+  its last saved state named (`lost_message`).
 - A sampler (`save_weights_for_sampler`, `create_sampling_session`) is a frozen adapter snapshot
   or the bare base model, in memory.
 
@@ -25,8 +26,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from service.job_state import JobStatus
 
 METHOD = "tinker"
 CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
@@ -174,9 +173,7 @@ def lost_message(job_id: str, workdir: Path, cause: str = "the service restarted
             f"continue with service_client.create_training_client_from_state_with_optimizer('{last}')")  # fmt: skip
 
 
-def lost_tinker_model(store: Any, job: Any) -> None:
-    """At a service start: a Tinker training model whose host went with the old service is paused,
-    its error naming its last saved state (the row and its checkpoints stay)."""
-    message = lost_message(job.id, Path(job.workdir))
-    store.transition(job.id, (JobStatus.RUNNING, JobStatus.PAUSING), JobStatus.PAUSED, error=message)
-    store.add_event(job.id, "paused", message)
+def run_row(store: Any, run_id: str, owner: str | None) -> Any:
+    """The store's record of Tinker training run `run_id`, if `owner` may see it (None: the admin)."""
+    job = store.get_job(run_id)
+    return job if job is not None and job.method == METHOD and sees(job.owner, owner) else None
