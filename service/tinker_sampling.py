@@ -19,7 +19,7 @@ from typing import Any
 
 from service.tinker_futures import Future
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
-from service.tinker_service import NAME, TinkerError, TinkerService, host_id, host_of, not_found
+from service.tinker_service import NAME, TinkerError, TinkerService, host_id, not_found
 from service.tinker_sessions import Sampler, checkpoint_folder, list_checkpoints, parse_tinker_path, run_row
 from service.tinker_wire import write_sample_response
 
@@ -61,7 +61,7 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
         return {**answer, "type": "save_weights_for_sampler"}, None
 
     return svc.submit(
-        host_of(svc, model), owner, model.model_id, body, "save_weights_for_sampler", finish, saved
+        svc.hosts[model.base_model], owner, model.model_id, body, "save_weights_for_sampler", finish, saved
     )
 
 

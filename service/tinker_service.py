@@ -302,7 +302,7 @@ class TinkerService:
                 model.step_metrics = {}
             self.store.bump_step(model.job_id, model.step)
 
-        return self.submit(host_of(self, model), owner, model.model_id, body, "optim_step",
+        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "optim_step",
                            lambda ok: ({"metrics": ok.get("metrics") or {}, "type": "optim_step"}, None), stepped)  # fmt: skip
 
     # ---- state ------------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ class TinkerService:
             (folder / ".complete").write_text(tinker_path + "\n")
             self.store.add_event(model.job_id, "checkpoint", f"saved state {tinker_path}")
 
-        return self.submit(host_of(self, model), owner, model.model_id, body, "save_weights",
+        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "save_weights",
                            lambda ok: ({"path": tinker_path, "type": "save_weights"}, None), saved)  # fmt: skip
 
     def resolve_state(self, path: str, owner: str | None, field: str = "path") -> tuple[Any, Path]:
@@ -376,7 +376,7 @@ class TinkerService:
             self.store.add_event(model.job_id, "resumed", f"loaded {path} ({'with' if optimizer else 'without'} "
                                  "optimizer state)")  # fmt: skip
 
-        return self.submit(host_of(self, model), owner, model.model_id, body, "load_weights",
+        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "load_weights",
                            lambda ok: ({"path": path, "model_id": model.model_id, "type": "load_weights"}, None),
                            loaded, on_fail, deferred)  # fmt: skip
 
@@ -394,17 +394,13 @@ class TinkerService:
         if on_ok is None:
             self.records.drop_model(model.model_id)
         body = {"op": "drop_model", "model_id": host_id(model.model_id)}
-        return self.submit(host_of(self, model), model.owner, model.model_id, body, "unload_model",
+        return self.submit(self.hosts[model.base_model], model.owner, model.model_id, body, "unload_model",
                            lambda ok: (answer or {}, None), on_ok)  # fmt: skip
 
 
 def host_id(model_id: str) -> str:
     """The id a host knows a model by: the SDK's ids carry ':' (`SESSION:train:N`), the host's may not."""
     return re.sub(r"[^A-Za-z0-9._-]", "-", model_id)
-
-
-def host_of(service: TinkerService, model: TrainingModel) -> Host:
-    return service.hosts[model.base_model]
 
 
 def _safe(name: str) -> str:

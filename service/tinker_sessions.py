@@ -69,6 +69,10 @@ def sees(owner_of: str, caller_owner: str | None) -> bool:
     return caller_owner is None or owner_of == caller_owner
 
 
+def _seen(found: Any, owner: str | None) -> Any:
+    return found if found is not None and sees(found.owner, owner) else None
+
+
 class Records:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -84,12 +88,10 @@ class Records:
         return session
 
     def session(self, session_id: str, owner: str | None) -> ClientSession | None:
-        found = self.sessions.get(session_id)
-        return found if found is not None and sees(found.owner, owner) else None
+        return _seen(self.sessions.get(session_id), owner)
 
     def model(self, model_id: str, owner: str | None) -> TrainingModel | None:
-        found = self.models.get(model_id)
-        return found if found is not None and sees(found.owner, owner) else None
+        return _seen(self.models.get(model_id), owner)
 
     def model_of_job(self, job_id: str) -> TrainingModel | None:
         return next((m for m in list(self.models.values()) if m.job_id == job_id), None)
@@ -103,8 +105,7 @@ class Records:
             self.models.pop(model_id, None)
 
     def sampler(self, sampler_id: str, owner: str | None) -> Sampler | None:
-        found = self.samplers.get(sampler_id)
-        return found if found is not None and sees(found.owner, owner) else None
+        return _seen(self.samplers.get(sampler_id), owner)
 
     def add_sampler(self, sampler: Sampler) -> None:
         with self._lock:
