@@ -5,6 +5,10 @@ Each decode step the rows still decoding fill a bitmask of the tokens their gram
 so temperature, top-k and top-p act on the allowed tokens only and the recorded log-probability is
 that of the masked, renormalised distribution the token was drawn from. Once a row's grammar is
 complete only the stop tokens are allowed, so the row ends on one. Compiling is cached per grammar.
+
+xgrammar reads a special token such as `<|im_start|>` as its text, which a JSON string may hold;
+the tokenizer would read that text back as the special token, so special tokens other than the
+stop tokens are masked too (`banned_ids`): the constrained text re-tokenises to the sampled ids.
 """
 
 from __future__ import annotations
@@ -26,16 +30,24 @@ class GrammarCompilers:
         self._compilers: dict[tuple[int, ...], Any] = {}
         self._tokenizer: Any = None
 
+    def banned_ids(self, stop_ids: list[int]) -> list[int]:
+        """The special tokens a constrained completion never holds (all but the stop tokens)."""
+        return sorted(set(self._load_tokenizer().all_special_ids) - set(stop_ids))
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        if self._tokenizer is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
     def compiled(self, constraint: Constraint, stop_ids: list[int]) -> Any:
         import xgrammar
-        from transformers import AutoTokenizer
 
         stops = tuple(sorted(stop_ids))
         if stops not in self._compilers:
-            if self._tokenizer is None:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
             info = xgrammar.TokenizerInfo.from_huggingface(
-                self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(stops)
+                self._load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=list(stops)
             )
             self._compilers[stops] = _compile_with(xgrammar.GrammarCompiler(info))
         return self._compilers[stops](constraint.grammar)
@@ -52,9 +64,10 @@ def _compile_with(compiler: Any) -> Any:
 class GrammarMask:
     """The matchers of one generate call's rows (indexed by original row)."""
 
-    def __init__(self, compiled: Any, rows: int, vocab_size: int) -> None:
+    def __init__(self, compiled: Any, rows: int, vocab_size: int, banned_ids: list[int]) -> None:
         import xgrammar
 
+        self.banned = torch.tensor(banned_ids, dtype=torch.long)
         self._xgr = xgrammar
         self.matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(rows)]
         self.vocab_size = vocab_size
@@ -68,6 +81,7 @@ class GrammarMask:
             if not finished:
                 self.matchers[row].fill_next_token_bitmask(bitmask, i)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
+        logits[:, self.banned.to(logits.device)] = float("-inf")
 
     def accept(self, tokens: torch.Tensor, live: torch.Tensor, done: torch.Tensor) -> None:
         """Advance each decoding row's matcher by its sampled token."""

@@ -224,7 +224,9 @@ class HFRolloutEngine(RolloutEngine):
         grammar = None  # constrained decoding (engines/rollout/constrained_mask.py)
         if params.constraint is not None:
             compiled = self._grammars.compiled(params.constraint, stop_ids.tolist())
-            grammar = GrammarMask(compiled, batch, logits.shape[-1])
+            grammar = GrammarMask(
+                compiled, batch, logits.shape[-1], self._grammars.banned_ids(stop_ids.tolist())
+            )
         width = prompt_mask.shape[1]
         steps_mask = DecodeMask(prompt_mask, steps, self._plain_mask)
         live = torch.arange(batch, device=self.device)  # the original row of each row still in the batch

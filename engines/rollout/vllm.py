@@ -62,8 +62,11 @@ CPU_PREFILL_TOKENS = 65536  # prompt tokens one vLLM step takes on CPU (see _sta
 # ---- translations -----------------------------------------------------------------------------
 
 
-def to_vllm_sampling_params(params: SamplingParams, stop_token_ids: list[int], seed: int | None) -> Any:
-    """One request's vllm.SamplingParams (one sample: n is handled by repeating the prompt)."""
+def to_vllm_sampling_params(
+    params: SamplingParams, stop_token_ids: list[int], seed: int | None, allowed_ids: list[int] | None = None
+) -> Any:
+    """One request's vllm.SamplingParams (one sample: n is handled by repeating the prompt);
+    `allowed_ids`: the tokens a constrained request may draw from (see `_allowed_ids`)."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -72,6 +75,7 @@ def to_vllm_sampling_params(params: SamplingParams, stop_token_ids: list[int], s
     )
     return VLLMSamplingParams(
         structured_outputs=structured,
+        allowed_token_ids=allowed_ids if structured is not None else None,
         n=1,
         max_tokens=params.max_new_tokens,
         temperature=params.temperature,  # 0 is greedy in vLLM too
@@ -261,8 +265,11 @@ class VLLMRolloutEngine(RolloutEngine):
                                   "and this model folder has none")  # fmt: skip
         rows = [list(prompt) for prompt in prompts for _ in range(params.n)]
         stop_ids = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
+        allowed = None if params.constraint is None else self._allowed_ids(stop_ids)
         sampling = [
-            to_vllm_sampling_params(params, stop_ids, None if params.seed is None else params.seed + row)
+            to_vllm_sampling_params(
+                params, stop_ids, None if params.seed is None else params.seed + row, allowed
+            )
             for row in range(len(rows))
         ]
         try:
@@ -280,6 +287,14 @@ class VLLMRolloutEngine(RolloutEngine):
             )
             for i, out in enumerate(outputs)
         ]
+
+    def _allowed_ids(self, stop_ids: list[int]) -> list[int]:
+        """The tokenizer's tokens but its special ones other than the stop tokens: xgrammar reads a
+        special token as its text, which a JSON string may hold, and the text would re-tokenise as the
+        special token (the hf engine bans the same ids, engines/rollout/constrained_mask.py)."""
+        tokenizer = self._llm.get_tokenizer()
+        banned = set(tokenizer.all_special_ids) - set(stop_ids)
+        return [i for i in range(len(tokenizer)) if i not in banned]
 
     # ---- weights ----------------------------------------------------------------------------
 
