@@ -179,6 +179,8 @@ CHOICES = {
     "responses": [("required", "calculator"), ({"type": "function", "name": "lookup"}, "lookup")],
     "chat/completions": [("required", "calculator"), ({"type": "function", "function": {"name": "lookup"}}, "lookup")],
 }  # fmt: skip
+BOUNDED = [{**TOOLS[0], "parameters": {"type": "object", "required": ["expression"],
+                                       "properties": {"expression": {"type": "string", "maxLength": 12}}}}]  # fmt: skip
 LOOKUP = {"type": "function", "name": "lookup", "parameters": {
     "type": "object", "properties": {"key": {"enum": ["x", "y"]}}, "required": ["key"]}}  # fmt: skip
 
@@ -186,9 +188,9 @@ LOOKUP = {"type": "function", "name": "lookup", "parameters": {
 def call(api, job, route: str, tid: str, extra: dict, tools: list | None = None):
     tools = tools if tools is not None else TOOLS
     if route == "responses":
-        body = {"input": "1+1=", "max_output_tokens": 80, "tools": tools}
+        body = {"input": "1+1=", "max_output_tokens": 160, "tools": tools}
     else:
-        body = {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 80,
+        body = {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 160,
                 "tools": [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]}  # fmt: skip
     return api.post(
         f"/v1/jobs/{job}/openai/trajectories/{tid}/v1/{route}", json={"model": job, **body, **extra}
@@ -228,11 +230,12 @@ def test_structured_outputs_hold_and_the_record_states_the_constraint(live, api,
 def test_forced_tool_choices_always_yield_one_call_of_that_tool(live, api, job, route):
     import jsonschema
 
-    schemas = {"calculator": TOOLS[0]["parameters"], "lookup": LOOKUP["parameters"]}
+    """Arguments are bounded (maxLength): an unbounded string from random weights may outrun max tokens."""
+    schemas = {"calculator": BOUNDED[0]["parameters"], "lookup": LOOKUP["parameters"]}
     for choice, name in CHOICES[route]:
         for k in range(2):
             got = call(api, job, route, f"forced-{route[:4]}-{name}-{k}", {"tool_choice": choice, "seed": k,
-                                                                         "parallel_tool_calls": False}, TOOLS + [LOOKUP])  # fmt: skip
+                                                                         "parallel_tool_calls": False}, BOUNDED + [LOOKUP])  # fmt: skip
             assert got.status_code == 200, got.text
             _, calls = reply(route, got.json())
             assert len(calls) == 1 and calls[0][0] in ({name} if name == "lookup" else set(schemas)), calls

@@ -209,8 +209,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self, model_path: str, max_model_len: int | None, kv_cache_gib: int, seed: int, llm_args: dict
     ) -> Any:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
-        # Its INFO lines, and warnings such as a failed chat-template warm-up (there is no tokenizer
-        # by design), would flood the worker's log on every start; set the variable to see them.
+        # Its INFO lines, and warnings such as a failed chat-template warm-up (a folder may have no
+        # tokenizer), would flood the worker's log on every start; set the variable to see them.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         if self.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
