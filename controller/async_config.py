@@ -1,7 +1,8 @@
 """The settings of asynchronous RL (trainer.mode 'async'), declared once; TrainerSpec inherits them.
 
 Torch-free: controller/spec.py (and with it the API and the CLI) reads this module. The loop that
-uses them is controller/async_loop.py; the buffer controller/rollout_buffer.py.
+uses them is controller/async_loop.py (its lanes controller/rollout_lanes.py); the buffer
+controller/rollout_buffer.py.
 """
 
 from __future__ import annotations
@@ -107,6 +108,14 @@ def staleness_bound(spec: JobSpec) -> int:
     workers = spec.resources.rollout_workers
     lanes = workers.workers if workers is not None else spec.resources.workers
     return max(1, min(lanes - 1, AUTO_STALENESS_CAP))
+
+
+def batch_samples(spec: JobSpec) -> int:
+    """Samples of one step: prompts_per_step x rollout.n, or one per agent trajectory (external)."""
+    external = spec.rollout.external_config
+    if external is not None:
+        return external.trajectories_per_step
+    return spec.trainer.prompts_per_step * spec.rollout.n
 
 
 def buffer_capacity(spec: JobSpec, batch_samples: int) -> int:

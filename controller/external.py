@@ -175,7 +175,7 @@ class ExternalServer:
 
     async def take_step(self, version: int) -> dict[str, Any] | None:
         """Async: a step's rows trainable at trainer version `version` (controller/external_buffer.py)."""
-        return self.buffered.take_step(version, f"endpoint of job {self.job_id}")
+        return self.buffered.take_step(version)
 
     async def stats(self) -> dict[str, float]:
         out = {**self.store.stats(), "external/requests_total": float(self.requests),
