@@ -68,24 +68,31 @@ class LaneSource(BatchSource):
 
     def next_batch(self) -> Scored:
         t, producer = self.trainer, self._ensure_producer()
-        version, start, synced = t.step_index - 1, time.perf_counter(), {}
+        version, samples, start, synced = (
+            t.step_index - 1,
+            producer.buffer.batch_size,
+            time.perf_counter(),
+            {},
+        )
         with t.timed("wait_rollout"):
             while True:  # a pending sync goes out as soon as the rollout workers are free
                 synced = self.publisher.send_pending() or synced
                 try:
-                    item, dropped = producer.buffer.take(version, POLL_S, f"trainer of job {t.name}")
+                    items, dropped = producer.buffer.take(
+                        version, samples, POLL_S, f"trainer of job {t.name}"
+                    )
                     break
                 except BufferTimeout:
                     if time.perf_counter() - start > WAIT_TIMEOUT_S:
                         raise
         waited = time.perf_counter() - start
+        item = items[0]  # one draw: a step's samples
         producer.trained(item.index)
         batch, scores, metrics = item.payload
-        dropped_samples = sum(d.samples for d in dropped)
-        self.dropped_total += dropped_samples
+        self.dropped_total += dropped
         stats = producer.take_stats()
         fill = producer.buffer.buffered_samples() / producer.buffer.capacity
-        metrics = {**metrics, **synced, **buffer_metrics(fill, dropped_samples, self.dropped_total, waited)}
+        metrics = {**metrics, **synced, **buffer_metrics(fill, dropped, self.dropped_total, waited)}
         metrics.update(
             {
                 "async/draw_index": float(item.index),

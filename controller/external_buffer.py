@@ -9,8 +9,8 @@ per trajectory:
     a reward completes a group     put_groups: one item, version = the group's oldest call's version;
                                    each row's `policy_version` = its trajectory's oldest call's version
     the trainer's step s           take_step(s - 1): groups oldest first until a step's worth
-                                   (`take_samples`: the buffer's one staleness filter dropping, and
-                                   counting, those older than k; nothing taken while short of it)
+                                   (`take`: the buffer's one staleness filter dropping, and counting,
+                                   those older than k; nothing taken while short of it)
     the trainer's sync             buffer.set_version: admission widens
     a restart of the workers       rewind(checkpoint's step): what the lost attempt's newer weights
                                    sampled is dropped and counted; admission from that step on
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from controller.external_store import Trajectory, TrajectoryStore
-from controller.rollout_buffer import BufferedRollout, RolloutBuffer
+from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
 
 
 class ExternalBuffer:
@@ -66,11 +66,11 @@ class ExternalBuffer:
         self.buffer.set_version(version)
         return dropped + gone
 
-    def take_step(self, version: int, who: str = "") -> dict[str, Any] | None:
-        """A step's rows trainable at trainer version `version`, or None while the buffer holds fewer
-        (`who`, the caller, is not needed: this take never waits)."""
-        groups = self.buffer.take_samples(version, self.buffer.batch_size)
-        if groups is None:
+    def take_step(self, version: int, who: str) -> dict[str, Any] | None:
+        """A step's rows trainable at trainer version `version`, or None while the buffer holds fewer."""
+        try:
+            groups, _ = self.buffer.take(version, self.buffer.batch_size, 0.0, who)
+        except BufferTimeout:
             return None
         return {
             "rows": [row for g in groups for row in g.payload],

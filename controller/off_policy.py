@@ -27,10 +27,9 @@ def corrected_spec(spec: JobSpec) -> JobSpec:
                    skips the pass when the update is one optimizer step: its first forward is pi_prox).
     tis            L = - min(pi_theta.detach() / pi_behav, C) * min(r A, clip(r) A) with pi_prox =
                    pi_theta.detach(): for one epoch r = 1, an unclipped, truncated importance-sampling
-                   loss (Yao et al. 2025). Measured (bench/RESULTS.md, 2026-11-25): with one update
-                   per batch this is the same gradient as `decoupled` (the update's own forward gives
-                   the proximal log-probs the extra pass would), and with more mini-batches the trainer
-                   runs that pass for it too, so the two are then the same loss.
+                   loss (Yao et al. 2025): with one update per batch the same gradient as
+                   `decoupled` (the update's own forward gives the proximal log-probs), with more
+                   mini-batches the trainer runs that pass for it too, and the two are the same loss.
     behaviour_ppo  L = - min(rho A, clip(rho) A), rho = pi_theta / pi_behav (dual clip as in sync PPO):
                    PPO with the behaviour policy as its old policy and no proximal pass, AReaL's
                    "PPO" baseline under staleness (Fu et al. 2025, section 5 / Figure 6, "decoupled
@@ -38,11 +37,8 @@ def corrected_spec(spec: JobSpec) -> JobSpec:
                    token, k steps old. `behaviour_as_old` puts pi_behav in old_log_probs.
     none           the sync loss unchanged (samples treated as on-policy).
 
-    Why decoupled is the default (bench/RESULTS.md, "which off-policy correction is stable", k = 4,
-    8 optimizer steps a batch, 2 seeds): behaviour_ppo fell behind sync (a third of its tokens
-    outside a trust region around stale weights), the unclipped weight (tinker-cookbook's loss)
-    reached ratios of e^13, a 38x gradient spike and a collapsed entropy; decoupled kept pace with
-    sync with sync's ratios and gradient norms.
+    decoupled is the default: its trust region is around the proximal policy and its weight is
+    truncated, where behaviour_ppo clips around stale weights and an unclipped weight can explode.
 
     decoupled and tis use the token-level TIS of workers/losses/rollout_correction.py
     (`is_weights`); a level the user set ('sequence') is kept. behaviour_ppo has no behaviour weight

@@ -1,6 +1,6 @@
 """The job's one staleness filter (controller/rollout_buffer.py `too_stale`) at its boundaries: a
 sample exactly k versions old trains, one more is dropped and counted, whether the trainer takes one
-item (generated rollouts' lanes) or a step's worth of groups (the agents' endpoint), and the step's
+draw (generated rollouts' lanes) or a step's worth of groups (the agents' endpoint), and the step's
 staleness report refuses what the filter would have dropped."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from controller.batch_source import staleness_metrics
-from controller.rollout_buffer import BufferedRollout, RolloutBuffer, too_stale
+from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer, too_stale
 from workers.batch import Batch
 
 
@@ -29,7 +29,8 @@ def test_too_stale_is_staleness_past_k(trainer_version, sample_version, k, stale
 
 def buffer_with(versions: list[int], k: int, samples: int = 2) -> RolloutBuffer:
     """A buffer of k, one item of `samples` per version (admitted, then put, as a producer does)."""
-    buffer = RolloutBuffer(samples, k, capacity=samples * (len(versions) + 1), version=max(versions))
+    buffer = RolloutBuffer(samples, k, capacity=samples * (len(versions) + 1))
+    buffer.set_version(max(versions))  # the producers' weights: admission lets every item in
     for index, version in enumerate(versions):
         assert buffer.try_admit(samples) is None
         buffer.put(BufferedRollout(index, samples, version))
@@ -39,21 +40,24 @@ def buffer_with(versions: list[int], k: int, samples: int = 2) -> RolloutBuffer:
 def test_take_drops_exactly_the_items_past_k_and_gives_their_room_back():
     buffer = buffer_with([0, 1, 2], k=1)
     accepted = buffer.accepted
-    item, dropped = buffer.take(2, 1.0, "test")
-    assert [d.version for d in dropped] == [0] and item.version == 1  # 2 - 1 == k: trained
+    taken, dropped = buffer.take(2, 2, 1.0, "test")
+    assert dropped == 2 and [t.version for t in taken] == [1]  # 2 - 1 == k: trained
     assert buffer.dropped == 2 and buffer.accepted == accepted - 2  # the producers may replace them
-    item, dropped = buffer.take(2, 1.0, "test")
-    assert (item.version, dropped) == (2, [])
+    taken, dropped = buffer.take(2, 2, 1.0, "test")
+    assert ([t.version for t in taken], dropped) == ([2], 0)
 
 
-def test_take_samples_filters_as_take_does_and_takes_nothing_while_short():
+def test_a_step_of_groups_is_taken_whole_or_not_at_all_after_the_filter():
+    """The agents' endpoint: items are groups, several a step; none is taken while short of a step."""
     buffer = buffer_with([0, 1, 1], k=1)
-    assert buffer.take_samples(2, 6) is None  # v0 dropped; 4 samples left of 6 wanted: none taken
+    with pytest.raises(BufferTimeout, match="test: no rollout ready"):
+        buffer.take(2, 6, 0.0, "test")  # v0 dropped; 4 samples left of 6 wanted
     assert buffer.dropped == 2 and buffer.pending_indices() == [1, 2]
-    taken = buffer.take_samples(2, 4)
-    assert [(t.index, t.version) for t in taken] == [(1, 1), (2, 1)]
+    taken, dropped = buffer.take(2, 4, 0.0, "test")
+    assert [(t.index, t.version) for t in taken] == [(1, 1), (2, 1)] and dropped == 0
     assert buffer.buffered_samples() == 0
-    assert buffer_with([3], k=0).take_samples(4, 2) is None  # k = 0: one version old is dropped
+    with pytest.raises(BufferTimeout):  # k = 0: one version old is dropped
+        buffer_with([3], k=0).take(4, 2, 0.0, "test")
 
 
 def versions_batch(versions: list[int]) -> Batch:
