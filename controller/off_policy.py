@@ -55,14 +55,10 @@ def corrected_spec(spec: JobSpec) -> JobSpec:
 
 
 def needs_old_log_probs(spec: JobSpec, samples: int, asked_proximal: bool) -> bool:
-    """Whether the step runs the old (proximal) log-prob pass before the update; `asked_proximal`: the
-    user's algorithm.recompute_old_log_probs, before `corrected_spec` set it.
-
-    Sync: not for a single on-policy step (the first forward of update_actor then gives exactly the
-    old log-probs) unless something reads them before the update (KL in the reward, rollout rejection,
-    which narrows the loss mask). Async: behaviour_ppo's old policy is the behaviour one, so the pass
-    runs only for what else reads it; decoupled skips it when the update is one optimizer step and the
-    user did not ask for it (the update's first forward, detached, is pi_prox exactly, as for tis)."""
+    """Whether the step runs the old (proximal) log-prob pass before the update (`asked_proximal`: the
+    user's algorithm.recompute_old_log_probs, before `corrected_spec`). Not when the update is one
+    optimizer step (its first forward, detached, gives the same numbers) unless something reads them
+    first (KL in the reward, rollout rejection); behaviour_ppo's old policy is the behaviour one."""
     a, choice = spec.algorithm, spec.trainer.off_policy_correction
     rejection = a.rollout_correction.rejection != "off"
     single_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, samples)
