@@ -58,6 +58,7 @@ FENCE = re.compile(
 MARKER = re.compile(r"<!--\s*(?P<kind>not-run|slow)\b\s*:?(?P<reason>.*?)-->", re.S)
 KINDS = {"bash": "shell", "sh": "shell", "console": "console", "python": "python"}
 BLOCK_TIMEOUT_S = 300
+SLOW_BLOCK_TIMEOUT_S = 1800  # a `slow:` block trains for minutes, on a loaded machine for many
 DEFAULT_URL = "http://127.0.0.1:8000"
 SERVE_LINE = re.compile(r"^\s*tandem serve\b[^#\n]*&\s*(#.*)?$", re.M)
 VENV_PATH = re.compile(r"(?<![\w/.])\.venv/")
@@ -380,16 +381,17 @@ def run_page(machine: Machine, path: Path, slow: bool = False) -> list[str]:
 
 
 def run_block(reader: Reader, block: Block) -> None:
+    timeout_s = SLOW_BLOCK_TIMEOUT_S if block.slow else BLOCK_TIMEOUT_S
     if block.kind == "python":
-        ran = reader.run_python(block.code, block.name)
+        ran = reader.run_python(block.code, block.name, timeout_s)
         _check(ran.rc == 0, block, block.code, ran)
         return
     if block.kind == "shell":
-        ran = reader.shell(block.code)
+        ran = reader.shell(block.code, timeout_s)
         _check(ran.rc == 0, block, block.code, ran)
         return
     for command, shown in console_commands(block.code):
-        ran = reader.shell(command)
+        ran = reader.shell(command, timeout_s)
         if shown.strip():
             _check(output_matches(shown, ran.output), block, command, ran, f"the page shows:\n{shown}\n")
         else:

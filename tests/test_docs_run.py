@@ -62,10 +62,18 @@ def test_the_page_runs_as_written(machine: Machine, page: str) -> None:
     print("\n".join(["not run here:", *skipped]) if skipped else "every block ran")
 
 
+@pytest.fixture(scope="module")
+def long_machine(tmp_path_factory) -> Machine:
+    """A service of its own for the long trainings: the fast pages' Tinker session keeps a CPU."""
+    machine = start_machine(tmp_path_factory.mktemp("long-reader"), VENV)
+    yield machine
+    machine.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", SLOW_PAGES)
-def test_the_page_runs_with_its_long_trainings(machine: Machine, page: str) -> None:
-    skipped = run_page(machine, REPO / page, slow=True)
+def test_the_page_runs_with_its_long_trainings(long_machine: Machine, page: str) -> None:
+    skipped = run_page(long_machine, REPO / page, slow=True)
     print("\n".join(["not run here:", *skipped]) if skipped else "every block ran")
 
 
