@@ -49,7 +49,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.serve_util import cluster_env, free_ports, kill_leftovers, stop, wait_until
+from tests.serve_util import cluster_env, free_ports, kill_leftovers, stop, wait_ready
 
 REPO = Path(__file__).resolve().parents[1]
 FENCE = re.compile(
@@ -231,15 +231,7 @@ def start_machine(work: Path, venv: Path, cwd: Path = REPO, source_tree: bool = 
         service = subprocess.Popen([str(venv / "bin" / "tandem"), "serve"], env={**env, "TANDEM_PORT": str(port)},
                                    cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        assert service.poll() is None, f"tandem serve exited:\n{log.read_text()[-4000:]}"
-        try:
-            return httpx.get(url + "/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(ready, "tandem serve was not ready", 180, [log])
+    wait_ready(service, url, log, 180)
     return Machine(work, home, venv, cwd, url, env, service, log, ray_tmp)
 
 
