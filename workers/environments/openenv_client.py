@@ -62,15 +62,18 @@ class OpenEnvServer:
         try:
             with httpx.Client(transport=transport, timeout=self.timeout_s, trust_env=False) as client:
                 response = client.get(f"{base}/schema")
-            schema = response.json()
         except httpx.TimeoutException:
             raise EnvironmentReferenceError(
                 f"OpenEnv environment '{self.name}' did not answer GET /schema within {self.timeout_s:g} s"
             ) from None
-        except (httpx.HTTPError, ValueError) as err:
+        except httpx.HTTPError as err:
             raise EnvironmentReferenceError(
                 f"OpenEnv environment '{self.name}' could not be reached: {type(err).__name__}: {err}"
             ) from None
+        try:
+            schema = response.json()
+        except ValueError:
+            schema = None
         if (
             response.status_code != 200
             or not isinstance(schema, dict)
