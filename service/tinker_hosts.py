@@ -177,7 +177,8 @@ class Host:
         if self.accounts is not None:
             self.accounts.hold(self.name, self.options.cpus)
         timeout = self.options.start_timeout_s
-        self.pool = ResourcePool(1, self.options.cpus, gpus_per_bundle=0.0, ready_timeout_s=timeout)
+        self.pool = ResourcePool(1, self.options.cpus, gpus_per_bundle=0.0, name=f"session-host {self.base_model}",
+                                 ready_timeout_s=timeout)  # fmt: skip
         self.group = RayWorkerGroup(self.pool, SessionWorker, self.base_model, str(self.workdir), options,
                                     group_name=self.name, call_timeout_s=self.options.batch_timeout_s,
                                     start_timeout_s=timeout)  # fmt: skip
