@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from service.tinker_futures import Future
+from service.tinker_hosts import Call
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
 from service.tinker_service import NAME, TinkerError, TinkerService, host_id, not_found
 from service.tinker_sessions import Sampler, checkpoint_folder, list_checkpoints, parse_tinker_path, run_row
 from service.tinker_wire import write_sample_response
+from workers.session_host import SessionWorker
 
 MAX_SAMPLES = 128
 MAX_NEW_TOKENS = 4096
@@ -40,11 +42,8 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
         raise TinkerError(400, f"path: sampler name {name!r} must match {NAME.pattern}", "path")
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
     tinker_path = f"tinker://{model.job_id}/sampler_weights/{name}" if name else None
-    body = {
-        "op": "save_for_sampler",
-        "model_id": host_id(model.model_id),
-        "name": name or sampler_id.replace(":", "-"),
-    }
+    body = Call(SessionWorker.save_for_sampler,
+                {"adapter": host_id(model.model_id), "name": name or sampler_id.replace(":", "-")})  # fmt: skip
 
     def saved(ok: dict[str, Any]) -> None:
         svc.records.add_sampler(
@@ -134,12 +133,12 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
     if not 1 <= num <= MAX_SAMPLES:
         raise TinkerError(400, f"num_samples: {num} must be in [1, {MAX_SAMPLES}]", "num_samples")
     params = _sampling_params(req.sampling_params)
-    body = {"op": "sample", "sampler": sampler.path, "prompt": prompt, "num_samples": num,
-            "sampling_params": params, "prompt_logprobs": bool(req.prompt_logprobs)}  # fmt: skip
+    body = Call(SessionWorker.sample, {"sampler": sampler.path, "prompt": prompt, "num_samples": num,
+                                       "sampling_params": params, "prompt_logprobs": bool(req.prompt_logprobs)})  # fmt: skip
     sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
 
     def record(ok: dict[str, Any]) -> None:
-        if body["prompt_logprobs"]:  # scoring (compute_logprobs), not sampling: no sample rows
+        if req.prompt_logprobs:  # scoring (compute_logprobs), not sampling: no sample rows
             return
         if sampler.job_id is None or svc.store.get_job(sampler.job_id) is None:
             return

@@ -23,7 +23,7 @@ from engines.tinker_loss_spec import LossInputError, check_request
 from service.job_state import JobStatus
 from service.service import Service
 from service.tinker_futures import Future, FutureTable
-from service.tinker_hosts import Host, HostOptions, Op
+from service.tinker_hosts import Call, Host, HostOptions, Op
 from service.tinker_requests import (
     CreateModel,
     LoadWeights,
@@ -44,6 +44,7 @@ from service.tinker_sessions import (
     run_row,
 )
 from service.tinker_wire import write_forward_backward_output
+from workers.session_host import SessionWorker
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 BUILTIN_CONTEXT = 512
@@ -66,7 +67,7 @@ class TinkerService:
         self.records = Records()
         self.hosts = {
             name: Host(name, self.home / "tinker" / "hosts" / _safe(name), self.futures, self.options,
-                       self.scheduler.runtime_env, on_lost=self._host_lost, accounts=self.scheduler)
+                       on_lost=self._host_lost, accounts=self.scheduler)
             for name in base_models
         }  # fmt: skip
         self._admit = threading.Lock()
@@ -136,7 +137,7 @@ class TinkerService:
             for name, host in self.hosts.items()
         ]}  # fmt: skip
 
-    def submit(self, host: Host, owner: str, queue: str, body: dict[str, Any], kind: str, finish: Any,
+    def submit(self, host: Host, owner: str, queue: str, body: Call, kind: str, finish: Any,
                on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
         """Queue one op on `host` (or on `deferred`, sent later); the caller's future for it."""
         op = Op(self.futures.create(owner, kind), owner, queue, body, finish, on_ok, on_fail)
@@ -187,9 +188,9 @@ class TinkerService:
             model = TrainingModel(model_id, job.id, owner, session.id, host.base_model, rank, Path(job.workdir),
                                   optimizer)  # fmt: skip
             self.records.add_model(model)  # now: a second create_model of this id is refused
-        body = {"op": "create_model", "model_id": host_id(model_id), "rank": rank, "seed": lora.seed,
-                "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
-                "train_unembed": lora.train_unembed}  # fmt: skip
+        body = Call(SessionWorker.create_adapter, {"adapter": host_id(model_id), "rank": rank, "seed": lora.seed,
+                    "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
+                    "train_unembed": lora.train_unembed})  # fmt: skip
 
         def created(ok: dict[str, Any]) -> None:
             self.store.add_event(job.id, "created", f"LoRA rank {rank} on {host.base_model}: "
@@ -271,8 +272,9 @@ class TinkerService:
             if targets is not None:
                 self.check_tokens(host, [int(t) for t in targets["data"]],
                                   f"forward_backward_input.data[{i}].loss_fn_inputs.target_tokens")  # fmt: skip
-        body = {"op": "forward", "model_id": host_id(model.model_id), "data": data, "loss_fn": req["loss_fn"],
-                "loss_fn_config": req.get("loss_fn_config"), "backward": not forward_only}  # fmt: skip
+        body = Call(SessionWorker.forward_backward, {"adapter": host_id(model.model_id), "data": data,
+                    "loss_fn": req["loss_fn"], "loss_fn_config": req.get("loss_fn_config"),
+                    "backward": not forward_only})  # fmt: skip
 
         def record(ok: dict[str, Any]) -> None:
             if not forward_only:
@@ -292,7 +294,7 @@ class TinkerService:
     def optim_step(self, owner: str, req: OptimStep) -> Future:
         model = self.model(req.model_id, owner)
         adam = req.adam_params.model_dump(exclude={"type"})  # bounds and finiteness: its type
-        body = {"op": "optim_step", "model_id": host_id(model.model_id), "adam": adam}
+        body = Call(SessionWorker.optim_step, {"adapter": host_id(model.model_id), "adam": adam})
 
         def stepped(ok: dict[str, Any]) -> None:
             self._metrics(model, {"train/learning_rate": adam["learning_rate"],
@@ -316,12 +318,7 @@ class TinkerService:
         if folder.exists() and not req.overwrite:
             raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
         tinker_path = f"tinker://{model.job_id}/weights/{name}"
-        body = {
-            "op": "save_state",
-            "model_id": host_id(model.model_id),
-            "path": str(folder),
-            "optimizer": True,
-        }
+        body = Call(SessionWorker.save_state, {"adapter": host_id(model.model_id), "path": str(folder)})
 
         def saved(ok: dict[str, Any]) -> None:
             folder.mkdir(parents=True, exist_ok=True)
@@ -365,12 +362,8 @@ class TinkerService:
             raise TinkerError(400, f"path: {path} is a rank-{job.spec['model']['lora']['rank']} adapter of "
                               f"{job.spec['model']['builtin']}; this model is rank {model.rank} on "
                               f"{model.base_model}", "path")  # fmt: skip
-        body = {
-            "op": "load_state",
-            "model_id": host_id(model.model_id),
-            "path": str(folder),
-            "optimizer": optimizer,
-        }
+        body = Call(SessionWorker.load_state, {"adapter": host_id(model.model_id), "path": str(folder),
+                                               "optimizer": optimizer})  # fmt: skip
 
         def loaded(ok: dict[str, Any]) -> None:
             self.store.add_event(model.job_id, "resumed", f"loaded {path} ({'with' if optimizer else 'without'} "
@@ -393,7 +386,7 @@ class TinkerService:
         """Drop a model from its host (queued after its pending ops); without `on_ok`, forget it now."""
         if on_ok is None:
             self.records.drop_model(model.model_id)
-        body = {"op": "drop_model", "model_id": host_id(model.model_id)}
+        body = Call(SessionWorker.drop_adapter, {"adapter": host_id(model.model_id)})
         return self.submit(self.hosts[model.base_model], model.owner, model.model_id, body, "unload_model",
                            lambda ok: (answer or {}, None), on_ok)  # fmt: skip
 
