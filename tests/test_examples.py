@@ -20,6 +20,8 @@ from controller.sink import JsonlSink
 from controller.trainer import Trainer
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from tests import test_openai_learning as openai_learning  # not a test_ name: collected once, there
+from tests import test_reasoning_gym as reasoning_gym_tests
+from tests import test_reasoning_gym_smollm2 as reasoning_gym_smollm2
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -169,4 +171,6 @@ LEARNING_TESTS = {
     "grpo_guess_number": test_guess_number_pair_learns_a_better_strategy_than_its_warm_start,
     # fed by examples/agent_openai.py through the job's OpenAI-compatible endpoint
     "agent_openai": openai_learning.test_a_job_fed_by_the_agent_script_raises_its_reward,
+    "reasoning_gym": reasoning_gym_tests.test_the_example_trains_the_tiny_model_through_the_service,
+    "reasoning_gym_smollm2": reasoning_gym_smollm2.test_smollm2_raises_its_reasoning_gym_score,
 }

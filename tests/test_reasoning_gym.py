@@ -10,9 +10,11 @@ live service, trains the tiny model (its reward rises).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from api.cli_spec import build_spec
@@ -224,11 +226,10 @@ def test_the_example_trains_the_tiny_model_through_the_service(api, tmp_path):
     job = api.post("/v1/jobs", json=spec.model_dump(mode="json")).json()
     assert wait_for(api, job["id"], TERMINAL, timeout_s=600)["status"] == "succeeded"
     rows = api.get(f"/v1/jobs/{job['id']}/metrics", params={"keys": "critic/score/mean,reward/errors"}).json()
-    scores = [
-        row["values"]["critic/score/mean"] for row in rows["data"] if "critic/score/mean" in row["values"]
-    ]
+    steps = [row["values"] for row in rows["data"] if "critic/score/mean" in row["values"]]  # not step 0's
+    scores = [values["critic/score/mean"] for values in steps]
     assert len(scores) == spec.trainer.total_steps
-    assert all(row["values"]["reward/errors"] == 0 for row in rows["data"])
+    assert all(values["reward/errors"] == 0 for values in steps)
     third = len(scores) // 3
     assert sum(scores[-third:]) / third > sum(scores[:third]) / third + 0.08, scores
 
@@ -238,3 +239,21 @@ def test_the_example_is_a_valid_spec_whose_rows_fit_its_prompt_length():
     assert isinstance(spec, JobSpec) and spec.data.reasoning_gym is not None
     rows = make_rows(spec.data.reasoning_gym, "train", 50)
     assert max(len(row["prompt"]) for row in rows) <= spec.data.max_prompt_length  # one token a character
+
+
+# ---- the guide ----------------------------------------------------------------------------------
+
+GUIDE = EXAMPLE.parents[1] / "docs" / "guides" / "reasoning-gym.md"
+
+
+def guide_specs() -> list[dict]:
+    blocks = re.findall(r"```yaml\n(.*?)```", GUIDE.read_text(), re.S)
+    return [yaml.safe_load(block) for block in blocks]
+
+
+def test_the_guides_example_is_the_example_file_and_its_other_sections_validate():
+    shown, *others = guide_specs()
+    example = yaml.safe_load(EXAMPLE.read_text())
+    assert {key: example[key] for key in shown} == shown
+    for other in others:
+        JobSpec.model_validate(other)  # the mix, as a reader would paste it
