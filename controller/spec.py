@@ -26,6 +26,7 @@ from pydantic import (
 
 from controller.async_config import AsyncOptions, check_async
 from controller.external_spec import ExternalSpec
+from controller.reasoning_gym_spec import ReasoningGymSpec, check_data_source, check_reward
 from controller.spec_resources import ResourcesSpec
 from controller.spec_section import Section, deep_merge, field_error
 from engines.config import (
@@ -115,11 +116,13 @@ class DataSpec(Section):
         64, gt=0, le=1_048_576, description="longer prompts are dropped and counted"
     )
     shuffle: bool = Field(True, description="visit the training rows in a seeded random order each epoch")
+    reasoning_gym: ReasoningGymSpec | None = Field(None, description="generate reasoning-gym task rows")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSpec:
         if self.train_path is None and self.builtin_task is None:
             raise field_error(("train_path",), "give data.train_path or data.builtin_task", None, named=False)
+        check_data_source(self)
         return self
 
 
@@ -450,6 +453,7 @@ class JobSpec(JobLabels):
             )  # fmt: skip
         self._check_overlong_and_dynamic_sampling()
         check_async(self, samples)
+        check_reward(self)
         return self
 
     def _check_overlong_and_dynamic_sampling(self) -> None:
