@@ -17,7 +17,6 @@ from pathlib import Path
 from api.errors import APIError
 from api.settings import ServeSettings
 from controller.models import BUILTIN_MODEL_NAMES
-from controller.spec import JobSpec
 from controller.tasks import BUILTIN_TASKS
 from controller.user_code import UserCodeRefused, check_callable
 from engines.lora_targets import (
@@ -31,6 +30,7 @@ from engines.lora_targets import (
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from engines.rollout import available_backends
 from engines.tiny_models import BUILTIN_MODELS
+from schema.job import JobSpec
 from service.files import FileError, FileStore
 from service.owned_paths import OwnedPaths, PathRefused
 from service.store import JobStore
@@ -190,7 +190,7 @@ class Checker:
         self.user_code(ref, "environment", param, "invalid_environment")  # a path: owned (submittable)
 
     def agent(self, spec: JobSpec) -> None:
-        """rollout.external.agent: imported and checked in a child process (controller/external_spec.py)."""
+        """rollout.external.agent: imported and checked in a child process (controller/agent_sandbox.py)."""
         external, param = spec.rollout.external_config, "rollout.external.agent"
         if external is None or external.agent is None:
             return

@@ -96,7 +96,7 @@ def worker_side(spec: Any, prompts: Any) -> set[str]:
 def main() -> None:
     import ray
 
-    from controller.spec import JobSpec
+    from schema.job import JobSpec
 
     spec = JobSpec.model_validate(
         {

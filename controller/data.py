@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from controller.data_files import DataError, read_records
-from controller.spec import DataSpec
 from controller.tasks import write_task_files
+from schema.job import DataSpec
 from workers.batch import Batch
 from workers.chat_delta import ChatDelta
 

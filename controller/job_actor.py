@@ -23,12 +23,12 @@ from typing import Any
 from controller.async_loop import make_trainer
 from controller.metric_format import format_metrics
 from controller.recovery import worker_pids
-from controller.spec import JobSpec
 from controller.trackers import TrackerSink, with_trackers
 from controller.trainer import StopRequested
 from controller.worker_output import ENV as WORKER_OUTPUT_ENV
 from controller.worker_output import FILENAME as WORKER_OUTPUT_FILE
 from controller.worker_output import OutputTail
+from schema.job import JobSpec
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

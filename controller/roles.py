@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
 from controller.resource_pool import ResourcePool
-from controller.spec import JobSpec
 from controller.worker_group import PendingGroup, RayWorkerGroup, ready_all
-from engines.config import EngineConfig, fields_of
+from schema.engine import EngineConfig
+from schema.job import JobSpec
+from schema.section import fields_of
+from schema.workers import HybridWorkerConfig, RolloutConfig, RolloutWorkerConfig
 from workers.actor_role import ActorRefWorker
-from workers.config import HybridWorkerConfig, RolloutConfig, RolloutWorkerConfig
 from workers.critic import CriticWorker
 from workers.hybrid import ActorRolloutRefWorker
 from workers.reward_model import RewardModelConfig, RewardModelWorker

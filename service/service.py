@@ -20,8 +20,8 @@ import ray
 from pydantic import ValidationError
 
 from controller.hyperparameters import hyperparameter_overrides
-from controller.spec import JobLabels, JobSpec
-from controller.spec_section import error_message
+from schema.job import JobLabels, JobSpec
+from schema.section import error_message
 from service.files import FileStore
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from service.keys import ADMIN_OWNER

@@ -8,9 +8,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from controller.spec import JobSpec
+from schema.job import JobSpec
+from schema.workers import EnvironmentConfig, EnvironmentOptions
 from workers.batch import Batch, environment_of, prompt_length_of, put_environment, put_prompt_length
-from workers.config import EnvironmentConfig, EnvironmentOptions
 
 MULTI_TURN = {
     "environment": "builtin:guess_number",

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from api.settings import EXAMPLES_DIR, ServeSettings
-from controller.spec import JobSpec
+from schema.job import JobSpec
 from service.tracker_policy import TrackerPolicy, TrackerRefused, host_entry
 from tests.api_util import LiveService, start_service, tiny_job
 from tests.owners_util import owned_job, two_owners, upload

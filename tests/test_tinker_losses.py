@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engines.tinker_loss_spec import (
+from schema.tinker_losses import (
     LOSS_NAMES,
     LossInputError,
     check_request,

@@ -25,10 +25,10 @@ import torch
 from tensordict import TensorDict
 
 from engines.base import NEEDS_BACKWARD, EngineOutput, GlobalCounts, LossFn, TrainEngine
-from engines.config import OptimizerConfig
+from schema.engine import OptimizerConfig
+from schema.losses import LossSpec, PolicyLossConfig
 from workers.base import Dispatch, Reduce, Worker, register
 from workers.batch import Batch, sampling_of
-from workers.loss_config import LossSpec, PolicyLossConfig
 
 
 class TrainOps:

@@ -39,7 +39,7 @@ from engines.multi_lora import (
 )
 from engines.multi_lora_sample import sample
 from engines.threads import limit_threads_for_model
-from engines.tinker_loss_spec import LossInputError
+from schema.tinker_losses import LossInputError
 from workers.losses.tinker import compute_loss
 from workers.session_inputs import (
     HostError,
@@ -332,7 +332,7 @@ class SessionHost:
         return {"metrics": self._resident(session).optim_step(adam)}
 
     def _adapter_config(self, spec: SessionSpec) -> dict:
-        from engines.config import LoraConfig
+        from schema.engine import LoraConfig
 
         cfg = peft_config(
             LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0), self.model_path

@@ -21,7 +21,7 @@ import threading
 from dataclasses import replace
 from typing import Any
 
-from workers.config import EnvironmentConfig
+from schema.workers import EnvironmentConfig
 from workers.environments.loader import REFERENCE_FORMS, EnvironmentReferenceError, load_environment_class
 from workers.references import is_path_reference, parse_reference
 from workers.sandbox.channel import Sandbox, SandboxError, SandboxTimeout

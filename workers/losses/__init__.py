@@ -13,7 +13,7 @@ the KL estimators. tinker.py is the Tinker API's `compute_loss` over per-datum l
 """
 
 from engines.base import LossFn
-from workers.loss_config import LossSpec, SFTLossConfig, ValueLossConfig
+from schema.losses import LossSpec, SFTLossConfig, ValueLossConfig
 from workers.losses.aggregation import AGG_MODES, AggMode, aggregate, check_agg_mode
 from workers.losses.kl import KL_TYPES, KLType, kl_estimate
 from workers.losses.policy import (

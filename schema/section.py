@@ -1,14 +1,17 @@
-"""The base of every JobSpec section, and the two helpers the spec's cross-section rules use.
+"""The base of every JobSpec section, and the helpers the spec's cross-section rules use.
 
-Torch-free, like controller/spec.py: the API and the CLI read it.
+Torch-free, like the whole schema package: the API and the CLI read it.
 """
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+MAX_SAMPLES = 1 << 20  # prompts, samples or rows per step: far beyond any machine's memory
+M = TypeVar("M", bound=BaseModel)
 
 
 class Section(BaseModel):
@@ -61,3 +64,9 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
         else:
             out[key] = value
     return out
+
+
+def fields_of(source: BaseModel, cls: type[M], **values: Any) -> M:
+    """A `cls` from the fields `source` shares with it (it inherits them), plus `values`, validated."""
+    shared = {n: getattr(source, n) for n in cls.model_fields if n in type(source).model_fields}
+    return cls.model_validate({**shared, **values})
