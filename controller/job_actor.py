@@ -153,9 +153,10 @@ def mark(line: str, attempt: int) -> str:
 class JobController:
     """Ray actor body (created with max_concurrency > 1 by the service)."""
 
-    def __init__(self, job_id: str, spec: dict[str, Any], workdir: str, restarts: int = 0) -> None:
+    def __init__(self, job_id: str, spec: JobSpec | dict[str, Any], workdir: str, restarts: int = 0) -> None:
+        """`spec`: the scheduler sends the store's parsed JobSpec; a dict (scripts, tests) is validated."""
         self.job_id, self.workdir = job_id, Path(workdir)
-        self.spec = JobSpec.model_validate(spec)
+        self.spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
         self.sink = BufferSink()
         self.logs = _LogBuffer(attempt=lambda: self.trainer.recovery.attempt)
         root = logging.getLogger()

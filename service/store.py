@@ -22,9 +22,11 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from schema.job import JobSpec
 from service.audit import AUDIT_SCHEMA, AuditTable
 from service.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
 from service.keys import ADMIN_OWNER, KeyTable, migrate_keys
@@ -150,10 +152,17 @@ class JobRecord:
     run_started_at: float | None = None  # when the current run started (None when not running)
     owner: str = ADMIN_OWNER  # the owner of the key that submitted (or forked) it
     restart: dict[str, Any] | None = None  # while the job's controller restarts its workers (recovery.py)
+    stored_spec: str = field(default="", repr=False, compare=False)  # the spec column, as stored
+
+    @property
+    def job_spec(self) -> JobSpec:
+        """The spec, typed: what the scheduler and the job's controller read (never the dict)."""
+        return parse_spec(self.stored_spec or json.dumps(self.spec))
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
         values = dict(row)
+        values["stored_spec"] = values["spec"]
         for key in JSON_COLUMNS:
             values[key] = json.loads(values[key])
         return cls(**values)
@@ -162,6 +171,13 @@ class JobRecord:
         """Time spent running, summed over runs: a resume does not reset it."""
         current = (now or time.time()) - self.run_started_at if self.run_started_at is not None else 0.0
         return self.active_s + max(current, 0.0)
+
+
+@lru_cache(maxsize=1024)
+def parse_spec(stored: str) -> JobSpec:
+    """A stored spec parsed once per text in this process: every read of the same job (each scheduler
+    poll reads its queue again) shares one JobSpec, which nobody changes (a change is a new text)."""
+    return JobSpec.model_validate_json(stored)
 
 
 class JobStore(MetricsTable, KeyTable, AuditTable):
