@@ -7,7 +7,7 @@ role (actor + reference) takes them, and the rollout role runs on a pool of its 
 to the rollout workers with the strategy of `rollout.weight_transfer`. Either way a critic (PPO
 with GAE) and a reward model (when the job scores with one) are colocated on the training bundles
 in their own actors, the groups splitting every bundle evenly. Each
-worker receives its config model (workers/config.py, engines/config.py), built from the JobSpec
+worker receives its config model (schema/workers.py, schema/engine.py), built from the JobSpec
 sections that inherit its fields, and the trainer talks to each group through its typed surface
 (controller/groups.py).
 """

@@ -28,7 +28,7 @@ from workers.losses.value import make_value_loss
 
 
 def make_loss(spec: LossSpec) -> LossFn:
-    """The LossFn of a loss's options (workers.loss_config.LossSpec)."""
+    """The LossFn of a loss's options (schema.losses.LossSpec)."""
     if isinstance(spec, PolicyLossConfig):
         return make_policy_loss(spec)
     if isinstance(spec, SFTLossConfig):
@@ -36,7 +36,7 @@ def make_loss(spec: LossSpec) -> LossFn:
     if isinstance(spec, ValueLossConfig):
         return make_value_loss(spec.vf_clip, spec.loss_agg_mode)
     raise TypeError(
-        f"a loss is given by its options (workers.loss_config.LossSpec), not {type(spec).__name__}"
+        f"a loss is given by its options (schema.losses.LossSpec), not {type(spec).__name__}"
     )
 
 
