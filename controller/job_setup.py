@@ -20,8 +20,8 @@ from controller.resource_pool import describe_placement
 from controller.rewards import RewardScorer
 from controller.roles import JobGroups, needs_reference, start_groups
 from controller.sink import JobSink
+from controller.spec import JobSpec
 from engines.rollout import resolve_backend
-from schema.job import JobSpec
 from workers.batch import Batch, put_environment, put_prompt_length, put_sampling
 
 

@@ -255,7 +255,7 @@ class Service:
             raise ServiceError(
                 str(err.args[0]), 400, next(iter(changes), None), "unknown_hyperparameter"
             ) from None
-        spec = _validated_merge(job, overrides)
+        spec = _validated_merge(job.spec, overrides)
         self.store.update_job(job_id, spec=spec.model_dump(mode="json"))
         self.store.add_event(
             job_id, "hyperparameters_requested", f"requested for the next step: {changes}", changes
@@ -275,8 +275,9 @@ class Service:
         """The job's spec with `overrides` applied and validated (what a fork would run)."""
         job = self.get(job_id, sees)
         _not_tinker(job)
-        spec = _validated_merge(job, overrides)
-        _same_weights_shape(job.job_spec, spec)
+        parent = job.spec
+        spec = _validated_merge(parent, overrides)
+        _same_weights_shape(JobSpec.model_validate(parent), spec)
         return spec
 
     def fork(self, job_id: str, step: int | None, overrides: dict[str, Any], sees: str | None = None,
@@ -285,8 +286,8 @@ class Service:
         parent = self.get(job_id, sees)
         _not_tinker(parent)
         chosen = self._fork_point(job_id, step)
-        spec = _validated_merge(parent, overrides)
-        _same_weights_shape(parent.job_spec, spec)
+        spec = _validated_merge(parent.spec, overrides)
+        _same_weights_shape(JobSpec.model_validate(parent.spec), spec)
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(
                 f"trainer.total_steps = {spec.trainer.total_steps} leaves nothing to train after the checkpoint at "
@@ -389,10 +390,10 @@ def _gpu_hint(spec: JobSpec, gpus: float, cluster_gpus: float) -> str:
             "resources.rollout.gpus_per_worker) as fractions to share GPUs, or fewer workers")  # fmt: skip
 
 
-def _validated_merge(job: JobRecord, overrides: dict[str, Any]) -> JobSpec:
-    """The job's spec with nested overrides, validated; a bad value is a 422 naming the field."""
+def _validated_merge(spec: dict[str, Any], overrides: dict[str, Any]) -> JobSpec:
+    """The spec with nested overrides, validated; a bad value is a 422 naming the field."""
     try:
-        return job.job_spec.merged(overrides)
+        return JobSpec.model_validate(spec).merged(overrides)
     except ValidationError as err:
         raise _invalid_value(err) from None
 
