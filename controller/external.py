@@ -38,7 +38,8 @@ from controller.external_store import (
     tools_key,
     unknown_trajectory,
 )
-from workers.chat_serving import content_text, cut_at_stop, strip_stop, tool_call_text
+from engines.rollout.constrained import Constraint, ConstraintError, build_constraint
+from workers.chat_serving import TOOL_CALL_END, content_text, cut_at_stop, strip_stop, tool_call_text
 
 GENERATE_TIMEOUT_S = 900.0  # a call waits for a training step's update on a colocated worker
 ATTACH_TIMEOUT_S = 60.0
@@ -188,6 +189,7 @@ class ExternalServer:
 
     async def _chat(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
         self.requests += 1
+        constraint = await self._constraint(body)
         traj = self.store.open(tid)
         lock = self._locks.setdefault(tid, asyncio.Lock())
         async with lock:  # calls of one trajectory are recorded in order
@@ -198,6 +200,9 @@ class ExternalServer:
             before = [s.copy() for s in traj.segments]
             prompt = segment.sequence + delta
             params, stops = self._params(body, new_tokens(len(prompt), body, self.context, "messages"))
+            params = params.model_copy(update={"constraint": constraint})
+            # parallel_tool_calls false: the turn ends with its first call
+            single = use_tools and body.get("parallel_tool_calls") is False
             completions = await self._generate(prompt, params)
             choices, forks = [], []
             added = messages[len(segment.history) :]  # what this call adds to the readable conversation
@@ -207,11 +212,13 @@ class ExternalServer:
                     target = self.store.fork(f"{tid}.{k}", before)
                     seg = target.segments[-1]
                     forks.append(target.id)
-                ids, stopped = self._cut(comp.token_ids, stops)
+                ids, stopped = self._cut(comp.token_ids, stops + [TOOL_CALL_END] * single)
                 lps = list(comp.log_probs[: len(ids)])
                 reply = self.renderer.reply(ids, f"call_{uuid.uuid4().hex[:12]}", use_tools)
                 reply["content"] = strip_stop(reply["content"], stops)
                 seg.add_call(delta, ids, lps, comp.weight_version)
+                if constraint is not None:  # the record states the mask its tokens were drawn under
+                    seg.constraints.append({"call": len(seg.weight_versions) - 1, **constraint.record()})
                 seg.history = [canonical_message(m) for m in messages] + [canonical_message(reply)]
                 seg.tools_key = tools_key(shown_tools)
                 seg.messages += [_readable(m) for m in added] + [_readable(reply)]
@@ -246,6 +253,16 @@ class ExternalServer:
                 "weight_version": completions[0].weight_version,
             },  # fmt: skip
         }
+
+    async def _constraint(self, body: dict[str, Any]) -> Constraint | None:
+        """The grammar the call's output must follow (engines/rollout/constrained.py), built off the
+        event loop; a 422 naming the field whose constraint cannot be enforced."""
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        build = lambda: build_constraint(body.get("response_format"), tools, body.get("tool_choice"))  # noqa: E731
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._templating, build)
+        except ConstraintError as err:
+            raise TrajectoryError(422, str(err), err.param, "unsupported_value") from None
 
     async def _template(self, render: Any, *args: Any) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._templating, render, *args)
@@ -402,8 +419,14 @@ class ExternalServer:
             self.engine_calls += 1
             completions = await asyncio.wait_for(ref, GENERATE_TIMEOUT_S)
         except Exception as err:  # every caller of the batch hears it
+            refused = err if isinstance(err, ConstraintError) else getattr(err, "cause", None)
             failure = TrajectoryError(503, f"the rollout worker failed: {type(err).__name__}: {err}"[:2000],
                                       None, "rollout_failed", 5.0)  # fmt: skip
+            if isinstance(refused, ConstraintError):  # the engine cannot enforce the call's constraint
+                param = "tool_choice" if params.constraint.kind == "tool_call" else "response_format"
+                failure = TrajectoryError(
+                    422, str(refused).replace(refused.param, param, 1), param, "unsupported_value"
+                )
             for _, _, future in group:
                 if not future.done():
                     future.set_exception(failure)
@@ -429,7 +452,7 @@ def _trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
         out["segment_list"] = [
             {"reason": s.reason, "kind": s.kind, "prompt_ids": s.prompt_ids, "tokens": s.tokens,
              "loss_mask": s.loss_mask, "log_probs": s.log_probs, "weight_versions": s.weight_versions,
-             "messages": s.messages}
+             "messages": s.messages, "constraints": s.constraints}
             for s in t.segments
         ]  # fmt: skip
     return out

@@ -55,6 +55,8 @@ class Segment:
     messages: list[dict[str, str]] = field(default_factory=list)  # readable conversation (samples view)
     finish_reason: str = "stop"
     tool_calls: int = 0
+    # the constrained calls: their index, the constraint's kind and grammar hash
+    constraints: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def sequence(self) -> list[int]:

@@ -7,7 +7,8 @@ API"). Its process is set up as a job's ranks are (engines/host_memory.py): mall
 memory and asks for transparent huge pages, which took a SmolLM2 session's forward_backward +
 optim_step from ~700k minor page faults to 1-5k and to 0.86x the time (bench/session_malloc.py).
 A host is started lazily, by the first request that needs its base model, so serving many
-base models costs nothing until they are used.
+base models costs nothing until they are used; while it runs, the scheduler counts its CPUs as held
+(`accounts`: `Scheduler.hold`), so jobs are scheduled around it.
 
 Each host has one dispatcher thread. Requests are queued per queue key (a training model id or a
 sampler id) under their owner; the dispatcher builds each `run_batch` call by taking the head op of
@@ -92,9 +93,10 @@ class Host:
     """One base model's actor and dispatcher."""
 
     def __init__(self, base_model: str, workdir: Path, futures: FutureTable, options: HostOptions,
-                 runtime_env: dict | None = None, on_lost: Callable[[Host], None] | None = None) -> None:  # fmt: skip
+                 runtime_env: dict | None = None, on_lost: Callable[[Host], None] | None = None,
+                 accounts: Any = None) -> None:  # fmt: skip
         self.base_model, self.workdir, self.futures, self.options = base_model, workdir, futures, options
-        self.runtime_env, self.on_lost = runtime_env, on_lost
+        self.runtime_env, self.on_lost, self.accounts = runtime_env, on_lost, accounts
         self.restarts = 0
         self.name = f"session host '{base_model}'"
         self._cond = threading.Condition()
@@ -124,6 +126,11 @@ class Host:
             self._cond.notify_all()
         if self.actor is not None:
             ray.kill(self.actor)
+        self._release()
+
+    def _release(self) -> None:
+        if self.accounts is not None:
+            self.accounts.release(self.name)
 
     def queued(self) -> int:
         with self._cond:
@@ -181,6 +188,8 @@ class Host:
         opts: dict[str, Any] = {"num_cpus": self.options.cpus, "max_concurrency": 1, "runtime_env": env}
         options = {"max_rank": self.options.max_rank, **self.options.extra}
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.accounts is not None:
+            self.accounts.hold(self.name, self.options.cpus)
         self.actor = ray.remote(HostActor).options(**opts).remote(self.base_model, str(self.workdir), options)
         self.info = ray.get(self.actor.describe.remote(), timeout=self.options.start_timeout_s)
         log.info("%s is up: %s", self.name, self.info)
@@ -191,6 +200,7 @@ class Host:
         except Exception as err:  # noqa: BLE001 - every queued and later op is told why
             self.error = f"{self.name} failed to start: {type(err).__name__}: {err}"[:2000]
             log.error(self.error)
+            self._release()
 
     def _run(self) -> None:
         self._start()
@@ -233,6 +243,7 @@ class Host:
         """The actor died: forget it (the next batch starts another) and tell the service."""
         log.error("%s died; a new one starts with the next request: %s", self.name, why)
         self.actor, self.info = None, None
+        self._release()
         if self.on_lost is not None:
             self.on_lost(self)
 
