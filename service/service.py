@@ -115,9 +115,7 @@ class Service:
             needs = self.scheduler.workload.needs(spec.model_dump())
             self.check_quota(owner, needs.cpus, needs.gpus)
             self.check_fits_cluster(spec)
-            job = self.store.create_job(
-                spec.model_dump(mode="json"), self.jobs_root, idempotency_key, request_hash, parent_id, owner
-            )
+            job = self.store.create_job(spec, self.jobs_root, idempotency_key, request_hash, parent_id, owner)
         return job, True
 
     def admitting(self) -> threading.Lock:

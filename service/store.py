@@ -19,10 +19,10 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -174,11 +174,28 @@ class JobRecord:
         return self.active_s + max(current, 0.0)
 
 
-@lru_cache(maxsize=1024)
+_PARSED: OrderedDict[str, JobSpec] = OrderedDict()  # stored text -> its JobSpec, latest used last
+_PARSED_MAX = 1024
+_parsed_lock = threading.Lock()
+
+
 def parse_spec(stored: str) -> JobSpec:
     """A stored spec parsed once per text in this process: every read of the same job (each scheduler
-    poll reads its queue again) shares one JobSpec, which nobody changes (a change is a new text)."""
-    return JobSpec.model_validate_json(stored)
+    poll reads its queue again) shares one JobSpec, which nobody changes (a change is a new text). A
+    spec submitted in this process is not parsed at all: `create_job` keeps the submitted one."""
+    with _parsed_lock:
+        if stored in _PARSED:
+            _PARSED.move_to_end(stored)
+            return _PARSED[stored]
+    return _remember(stored, JobSpec.model_validate_json(stored))
+
+
+def _remember(stored: str, spec: JobSpec) -> JobSpec:
+    with _parsed_lock:
+        _PARSED[stored] = spec
+        while len(_PARSED) > _PARSED_MAX:
+            _PARSED.popitem(last=False)
+    return spec
 
 
 class JobStore(MetricsTable, KeyTable, AuditTable):
@@ -244,14 +261,18 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
 
     def create_job(
         self,
-        spec: dict[str, Any],
+        spec: JobSpec | dict[str, Any],
         workdir_root: Path,
         idempotency: str | None = None,
         request_hash: str | None = None,
         parent_id: str | None = None,
         owner: str = ADMIN_OWNER,
     ) -> JobRecord:
-        """A new row, queued: the scheduler runs it."""
+        """A new row, queued: the scheduler runs it. A JobSpec (the service's) is kept as the row's
+        parsed spec; a dict (tests, scripts) is parsed when the row is first read."""
+        if isinstance(spec, JobSpec):
+            parsed, spec = spec, spec.model_dump(mode="json")
+            _remember(json.dumps(spec), parsed)
         job_id = "job-" + uuid.uuid4().hex[:12]
         now = time.time()
         with self._tx("jobs") as db:

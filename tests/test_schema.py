@@ -82,26 +82,29 @@ def counted_parses() -> Iterator[list[int]]:
         sys.setprofile(None)
 
 
+@pytest.mark.parametrize("given", ["typed", "dict"])
 def test_the_store_parses_a_spec_once_and_the_controller_gets_it_typed(
-    unscheduled, tmp_path, monkeypatch
+    given, unscheduled, tmp_path, monkeypatch
 ) -> None:
+    """Submitted in this process (typed, as `Service.submit` stores it), the spec is never parsed again;
+    stored by another (a dict here, a row written before a restart), it is parsed once."""
     from controller.job_actor import JobController
     from controller.worker_output import ENV
 
     service = unscheduled.service
     submitted = JobSpec.model_validate(tiny_job(notes=uuid.uuid4().hex))  # a text no one parsed yet
-    job_id = service.store.create_job(
-        submitted.model_dump(mode="json"), service.jobs_root
-    ).id  # as submit does
+    row = submitted if given == "typed" else submitted.model_dump(mode="json")
+    job_id = service.store.create_job(row, service.jobs_root).id
     monkeypatch.setenv(ENV, str(tmp_path / "output"))  # the controller sets it for its workers
     with counted_parses() as parses:
         first, again = service.store.get_job(job_id), service.store.get_job(job_id)
-        assert first.job_spec is again.job_spec  # every read of the row shares one parse
+        assert first.job_spec is again.job_spec  # every read of the row shares one JobSpec
         spec = service.scheduler.spec_to_run(again, own_checkpoint=False)
         assert isinstance(spec, JobSpec) and spec == submitted  # nothing to resolve: the same values
         controller = JobController(job_id, spec, str(tmp_path / "job"))
-        assert parses[0] == 1, f"{parses[0]} parses of one stored spec"
     logging.getLogger().removeHandler(controller.logs)
+    assert parses[0] == (0 if given == "typed" else 1), f"{parses[0]} parses of one stored spec"
+    assert (first.job_spec is submitted) == (given == "typed")
     assert controller.spec is spec and controller.trainer.spec is spec
     assert first.job_spec.trainer.max_restarts == 3  # the default, read from the parsed spec
 
