@@ -35,9 +35,7 @@ def make_loss(spec: LossSpec) -> LossFn:
         return make_sft_loss(spec.loss_agg_mode)
     if isinstance(spec, ValueLossConfig):
         return make_value_loss(spec.vf_clip, spec.loss_agg_mode)
-    raise TypeError(
-        f"a loss is given by its options (schema.losses.LossSpec), not {type(spec).__name__}"
-    )
+    raise TypeError(f"a loss is given by its options (schema.losses.LossSpec), not {type(spec).__name__}")
 
 
 __all__ = [
