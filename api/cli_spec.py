@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from controller.spec import JobSpec
-from controller.spec_section import deep_merge, error_message
+from schema.job import JobSpec
+from schema.section import deep_merge, error_message
 
 # Fields that name local files or folders, and fields that hold a 'path/file.py:name' reference.
 PATH_FIELDS = (

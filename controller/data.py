@@ -30,8 +30,8 @@ import torch
 
 from controller.data_files import DataError, read_records
 from controller.reasoning_gym_data import write_reasoning_gym_files
-from controller.spec import DataSpec
 from controller.tasks import write_task_files
+from schema.job import DataSpec
 from workers.batch import Batch
 from workers.chat_delta import ChatDelta
 

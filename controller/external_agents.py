@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from controller.external_spec import AgentError
+from controller.agent_sandbox import AgentError
 from workers.references import is_path_reference
 from workers.sandbox.channel import Sandbox, SandboxError
 from workers.sandbox.limits import Limits

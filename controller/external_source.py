@@ -17,10 +17,10 @@ from typing import Any
 import ray
 import torch
 
-from controller.async_config import buffer_capacity, staleness_bound
 from controller.external import ExternalServer
-from controller.external_spec import server_name
-from controller.spec import JobSpec
+from schema.async_rl import buffer_capacity, staleness_bound
+from schema.external import server_name
+from schema.job import JobSpec
 from workers.batch import Batch
 from workers.multiturn import Trajectory, trajectory_non_tensors, trajectory_tensors
 

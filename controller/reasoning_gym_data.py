@@ -28,7 +28,7 @@ from typing import Any
 
 from controller.data_files import DataError
 from controller.reasoning_gym_reward import encode_entry
-from controller.reasoning_gym_spec import ReasoningGymSpec
+from schema.reasoning_gym import ReasoningGymSpec
 
 SPLITS = ("train", "val")
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from engines.config import OptimizerConfig
+from schema.engine import OptimizerConfig
 
 
 @dataclass(frozen=True)

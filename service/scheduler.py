@@ -33,6 +33,8 @@ from typing import Any
 
 import ray
 
+from schema.job import JobSpec
+from schema.section import changed_values, with_values
 from service.controller_pool import ControllerPool
 from service.files import FileError, FileStore
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus, allowed
@@ -375,12 +377,14 @@ class Scheduler:
         if self.store.get_job(record_id) is not None:
             self.store.delete_job(record_id)
 
-    def spec_to_run(self, job: JobRecord, own_checkpoint: bool) -> dict[str, Any]:
-        """The job's spec as its run gets it: its owner's uploads by path, each path it names resolved
-        and still the owner's to name (service/owned_paths.py)."""
+    def spec_to_run(self, job: JobRecord, own_checkpoint: bool) -> JobSpec:
+        """The job's spec as its run gets it, typed: its owner's uploads by path, each path it names
+        resolved and still the owner's to name (service/owned_paths.py). The store parsed it; the
+        resolved paths replace checked values, so it is not parsed again."""
         sees = None if job.owner == ADMIN_OWNER else job.owner
         spec = self.files.resolve_refs(job.spec, sees) if self.files else job.spec
-        return self.paths.check_spec(spec, sees, own_checkpoint) if self.paths is not None else spec
+        spec = self.paths.check_spec(spec, sees, own_checkpoint) if self.paths is not None else spec
+        return with_values(job.job_spec, changed_values(job.spec, spec))
 
     def _collect(self) -> None:
         with self._lock:
@@ -450,7 +454,7 @@ class Scheduler:
         """A running job whose controller actor died (its process or node) goes back to queued, within
         trainer.max_restarts (shared with the restarts its controllers made: `restart` events)."""
         job = self.store.get_job(job_id)
-        most = job.spec["trainer"].get("max_restarts", 3)
+        most = job.job_spec.trainer.max_restarts
         n = self.store.count_events(job_id, "restart") + 1
         if self._draining or n > most or not self.store.transition(job_id, (S.RUNNING,), S.QUEUED):
             return False

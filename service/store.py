@@ -19,12 +19,14 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from schema.job import JobSpec
 from service.audit import AUDIT_SCHEMA, AuditTable
 from service.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
 from service.keys import ADMIN_OWNER, KeyTable, migrate_keys
@@ -151,10 +153,17 @@ class JobRecord:
     run_started_at: float | None = None  # when the current run started (None when not running)
     owner: str = ADMIN_OWNER  # the owner of the key that submitted (or forked) it
     restart: dict[str, Any] | None = None  # while the job's controller restarts its workers (recovery.py)
+    stored_spec: str = field(default="", repr=False, compare=False)  # the spec column, as stored
+
+    @property
+    def job_spec(self) -> JobSpec:
+        """The spec, typed: what the scheduler and the job's controller read (never the dict)."""
+        return parse_spec(self.stored_spec or json.dumps(self.spec))
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> JobRecord:
         values = dict(row)
+        values["stored_spec"] = values["spec"]
         for key in JSON_COLUMNS:
             values[key] = json.loads(values[key])
         return cls(**values)
@@ -163,6 +172,30 @@ class JobRecord:
         """Time spent running, summed over runs: a resume does not reset it."""
         current = (now or time.time()) - self.run_started_at if self.run_started_at is not None else 0.0
         return self.active_s + max(current, 0.0)
+
+
+_PARSED: OrderedDict[str, JobSpec] = OrderedDict()  # stored text -> its JobSpec, latest used last
+_PARSED_MAX = 1024
+_parsed_lock = threading.Lock()
+
+
+def parse_spec(stored: str) -> JobSpec:
+    """A stored spec parsed once per text in this process: every read of the same job (each scheduler
+    poll reads its queue again) shares one JobSpec, which nobody changes (a change is a new text). A
+    spec submitted in this process is not parsed at all: `create_job` keeps the submitted one."""
+    with _parsed_lock:
+        if stored in _PARSED:
+            _PARSED.move_to_end(stored)
+            return _PARSED[stored]
+    return _remember(stored, JobSpec.model_validate_json(stored))
+
+
+def _remember(stored: str, spec: JobSpec) -> JobSpec:
+    with _parsed_lock:
+        _PARSED[stored] = spec
+        while len(_PARSED) > _PARSED_MAX:
+            _PARSED.popitem(last=False)
+    return spec
 
 
 class JobStore(MetricsTable, KeyTable, AuditTable):
@@ -228,14 +261,18 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
 
     def create_job(
         self,
-        spec: dict[str, Any],
+        spec: JobSpec | dict[str, Any],
         workdir_root: Path,
         idempotency: str | None = None,
         request_hash: str | None = None,
         parent_id: str | None = None,
         owner: str = ADMIN_OWNER,
     ) -> JobRecord:
-        """A new row, queued: the scheduler runs it."""
+        """A new row, queued: the scheduler runs it. A JobSpec (the service's) is kept as the row's
+        parsed spec; a dict (tests, scripts) is parsed when the row is first read."""
+        if isinstance(spec, JobSpec):
+            parsed, spec = spec, spec.model_dump(mode="json")
+            _remember(json.dumps(spec), parsed)
         job_id = "job-" + uuid.uuid4().hex[:12]
         now = time.time()
         with self._tx("jobs") as db:

@@ -21,9 +21,9 @@ from api.cli_spec import build_spec
 from controller.data_files import DataError
 from controller.reasoning_gym_data import make_rows, write_reasoning_gym_files
 from controller.reasoning_gym_reward import decode_entry, encode_entry, extract_answer, reasoning_gym_reward
-from controller.reasoning_gym_spec import MAX_ROWS, ReasoningGymSpec
 from controller.rewards import RewardScorer
-from controller.spec import JobSpec
+from schema.job import JobSpec
+from schema.reasoning_gym import MAX_ROWS, ReasoningGymSpec
 from tests.api_util import TERMINAL, tiny_job, wait_for
 
 reasoning_gym = pytest.importorskip("reasoning_gym", reason="the reasoning-gym extra (make install)")

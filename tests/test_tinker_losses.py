@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engines.tinker_loss_spec import (
+from schema.tinker_losses import (
     LOSS_NAMES,
     LossInputError,
     check_request,
@@ -297,5 +297,5 @@ def test_spec_module_is_torch_free():
     import subprocess
     import sys
 
-    code = "import sys, engines.tinker_loss_spec; assert 'torch' not in sys.modules"
+    code = "import sys, schema.tinker_losses; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

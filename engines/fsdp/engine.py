@@ -46,7 +46,6 @@ from engines.base import (
     TrainEngine,
     combine_metric,
 )
-from engines.config import EngineConfig
 from engines.distributed import (
     all_reduce_max,
     all_reduce_max_floats,
@@ -68,6 +67,7 @@ from engines.fsdp.state import CheckpointMixin
 from engines.microbatch import MicroBatchPlanner, PromptGroups
 from engines.packing import pack, response_columns, unpack
 from engines.shared_prompt import pack_shared, prompt_groups
+from schema.engine import EngineConfig
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
 

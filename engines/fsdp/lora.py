@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engines.config import ALL_LINEAR, LoraConfig
 from engines.lora_targets import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, adapter_file, base_module
+from schema.engine import ALL_LINEAR, LoraConfig
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's single adapter
 

@@ -3,21 +3,15 @@
 With `rollout.source: external` the job does not draw prompts from its data: agents call
 `/v1/jobs/{id}/openai/...` (api/routes/openai_chat.py), every call is recorded token-exact in its
 trajectory (controller/external.py), and a step trains once `trajectories_per_step` rewarded
-trajectories form complete groups of `group_size` with the same task id.
+trajectories form complete groups of `group_size` with the same task id. An agent the job runs
+itself (`agent`) is loaded by controller/agent_sandbox.py.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from controller.spec_section import field_error
-from workers.references import lookup_builtin, parse_reference, resolve_reference
-
-REFERENCE_FORMS = "'module:function' or 'path/to/file.py:function'"
-BUILTIN_AGENTS: dict[str, Any] = {}  # none yet: "builtin:..." names nothing an agent may be
+from schema.section import field_error
 
 
 def server_name(job_id: str) -> str:
@@ -76,30 +70,3 @@ class ExternalSpec(BaseModel):
     @property
     def pending_limit(self) -> int:
         return self.max_pending or 4 * self.trajectories_per_step
-
-
-class AgentError(ValueError):
-    """An agent reference that does not resolve to a usable function."""
-
-
-def load_agent_fn(ref: str) -> Any:
-    """The function `ref` names ('module:function' or 'path/file.py:function'); AgentError says why not.
-    (controller/user_code.py runs it in a child process when a job is submitted.)"""
-    if parse_reference(ref, "agent", REFERENCE_FORMS, AgentError).form == "builtin":
-        return lookup_builtin(ref, BUILTIN_AGENTS, "agent", AgentError)
-    fn = resolve_reference(ref, "agent", AgentError)
-    if inspect.isclass(fn) or not callable(fn):
-        raise AgentError(f"agent '{ref}' is not a function (type {type(fn).__name__})")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature to read (a C function): not an agent of ours
-        raise AgentError(
-            f"agent '{ref}' has no readable signature; expected (client, model, index)"
-        ) from None
-    try:
-        signature.bind("client", "model", 0)
-    except TypeError:
-        raise AgentError(
-            f"agent '{ref}' has signature {signature}; expected (client, model, index)"
-        ) from None
-    return fn

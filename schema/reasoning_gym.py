@@ -6,7 +6,7 @@ Everything the job could refuse later is refused here, naming the field: a task 
 does not have (with the choices), a config key or value the task's own config class or its
 `validate()` refuses, a weight that is not a positive number, a size beyond MAX_ROWS.
 
-Torch-free like controller/spec.py: the API and the CLI validate with it. The names and config
+Torch-free like the rest of schema/: the API and the CLI validate with it. The names and config
 classes come from the installed `reasoning_gym` package (imported on first use; the
 `reasoning-gym` extra); where it is missing, a spec that uses the section is refused saying so.
 Generation is controller/reasoning_gym_data.py, scoring controller/reasoning_gym_reward.py.
@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from controller.spec_section import Section, field_error
+from schema.section import Section, field_error
 
 MAX_ROWS = 100_000  # per split: generation runs at job start, in one process
 MAX_TASKS = 32
