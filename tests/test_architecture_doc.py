@@ -29,7 +29,9 @@ def expand(path: str) -> list[str]:
     found = re.search(r"\{([^{}]*)\}", path)
     if not found:
         return [path]
-    return [x for part in found[1].split(",") for x in expand(path[: found.start()] + part + path[found.end() :])]
+    return [
+        x for part in found[1].split(",") for x in expand(path[: found.start()] + part + path[found.end() :])
+    ]
 
 
 @cache
@@ -105,7 +107,9 @@ def problem(ref: str) -> str | None:
         stem, _, rest = last.partition(".")
         if not rest or rest.split(".")[0] in ("py", "md"):
             return f"no file {one}"
-        error = resolve_dotted([*folder.split("/"), stem], rest.split(".") + (attr.split(".") if attr else []))
+        error = resolve_dotted(
+            [*folder.split("/"), stem], rest.split(".") + (attr.split(".") if attr else [])
+        )
         if error:
             return error
     return None
