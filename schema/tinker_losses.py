@@ -98,11 +98,6 @@ def _spec(loss_fn: str) -> LossSpec:
     return SPECS[loss_fn]
 
 
-def required_inputs(loss_fn: str) -> dict[str, str]:
-    """Input name -> wire dtype of the inputs `loss_fn` needs."""
-    return dict(_spec(loss_fn).required)
-
-
 def config_defaults(loss_fn: str) -> dict[str, float]:
     """`loss_fn_config` keys of `loss_fn` with their defaults."""
     return {k: v.default for k, v in _spec(loss_fn).config.items()}
