@@ -11,10 +11,10 @@ import torch
 
 from schema.tinker_losses import (
     LOSS_NAMES,
+    SPECS,
     LossInputError,
     check_request,
     config_defaults,
-    required_inputs,
 )
 from workers.losses.tinker import compute_loss
 
@@ -40,7 +40,7 @@ def _run(loss_fn: str, data: list[dict], config: dict | None = None):
     inputs = []
     for d in data:
         inp = {"target_tokens": torch.tensor(d["target_tokens"], dtype=torch.int64)}
-        for name in required_inputs(loss_fn):
+        for name in SPECS[loss_fn].required:
             if name != "target_tokens":
                 inp[name] = torch.tensor(d[name], dtype=torch.float64)
         inputs.append(inp)
