@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from controller.spec_section import field_error
 from workers.references import lookup_builtin, parse_reference, resolve_reference
@@ -50,8 +50,10 @@ class ExternalSpec(BaseModel):
         max_length=2048,
         description="an agent the job runs itself, in worker processes: 'module:function' or "
         "'path/file.py:function', called as function(client, model, index) with an openai.OpenAI client "
-        "recording one trajectory; returns the reward or {reward, task_id?, turn_rewards?, metadata?}",
+        "recording one trajectory; returns the reward or {reward, task_id?, turn_rewards?, metadata?}; or a "
+        "verifiers environment's Taskset class (docs/guides/verifiers.md)",
     )
+    agent_args: dict[str, JsonValue] | None = Field(None, description="arguments of the verifiers environment agent names: its TasksetConfig's fields")  # fmt: skip
     agent_workers: int = Field(2, ge=1, le=256, description="agent calls under way at once (processes)")
     agent_timeout_s: float = Field(
         300.0, gt=0, le=86400, description="time limit of one agent call; past it its process is replaced"
@@ -71,6 +73,9 @@ class ExternalSpec(BaseModel):
                 f"trajectories_per_step = {self.trajectories_per_step} must be a multiple of "
                 f"group_size = {self.group_size}", self.trajectories_per_step, named=False
             )  # fmt: skip
+        if self.agent_args is not None and self.agent is None:
+            raise field_error(("agent_args",), "agent_args needs an agent: a verifiers environment's Taskset",
+                              self.agent_args, named=False)  # fmt: skip
         return self
 
     @property
@@ -83,11 +88,16 @@ class AgentError(ValueError):
 
 
 def load_agent_fn(ref: str) -> Any:
-    """The function `ref` names ('module:function' or 'path/file.py:function'); AgentError says why not.
+    """The function `ref` names ('module:function' or 'path/file.py:function'), or the verifiers Taskset
+    class it names (controller/verifiers_agent.py); AgentError says why not.
     (controller/user_code.py runs it in a child process when a job is submitted.)"""
     if parse_reference(ref, "agent", REFERENCE_FORMS, AgentError).form == "builtin":
         return lookup_builtin(ref, BUILTIN_AGENTS, "agent", AgentError)
     fn = resolve_reference(ref, "agent", AgentError)
+    from controller.verifiers_agent import is_taskset  # a verifiers environment (imports no verifiers)
+
+    if is_taskset(fn):
+        return fn
     if inspect.isclass(fn) or not callable(fn):
         raise AgentError(f"agent '{ref}' is not a function (type {type(fn).__name__})")
     try:
