@@ -8,7 +8,9 @@ takes the task of its index, sends its prompt to the job's endpoint through an `
 client (the sandbox's pipe transport, controller/agent_sandbox.py), records the reply in a
 `vf.Trace`, and scores that trace with the task's own rubric (`Task.score`: its `@vf.reward` and
 `@vf.metric` methods and plugged functions). The rubric's weighted sum is the trajectory's reward;
-the endpoint recorded its tokens, so the job trains on them exactly.
+the endpoint recorded its tokens, so the job trains on them exactly. `agent_args` are the taskset
+config's fields, and `agent_args.sampling` verifiers' `SamplingConfig` (max_tokens, temperature, ...)
+for every call, as verifiers' own `--sampling.*` are.
 
 Runs only in a sandbox (workers/sandbox/): it imports the user's module and calls its code.
 """
@@ -23,6 +25,7 @@ from typing import Any
 from controller.external_spec import AgentError
 
 MAX_TASK_INDEX = 1 << 20  # an infinite taskset is read this far at most
+SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "reasoning_effort")  # the rest go as extra_body
 
 
 def is_taskset(obj: Any) -> bool:
@@ -37,13 +40,19 @@ class VerifiersAgent:
 
     def __init__(self, ref: str, cls: type, args: dict[str, Any] | None) -> None:
         from pydantic import ValidationError
-        from verifiers.v1 import Taskset, TasksetConfig
+        from verifiers.v1 import SamplingConfig, Taskset, TasksetConfig
         from verifiers.v1.utils.generic import concrete_type
 
-        self.ref = ref
+        self.ref, args = ref, dict(args or {})
         config_cls = concrete_type(cls, TasksetConfig, origin=Taskset) or TasksetConfig
         try:
-            config = config_cls.model_validate({"id": ref.rpartition(":")[2], **(args or {})})
+            sampling = SamplingConfig.model_validate(args.pop("sampling", None) or {})
+        except ValidationError as err:
+            raise AgentError(f"verifiers environment '{ref}': rollout.external.agent_args.sampling: "
+                             f"{_errors(err)}") from None  # fmt: skip
+        self.sampling = sampling.model_dump(exclude_none=True)
+        try:
+            config = config_cls.model_validate({"id": ref.rpartition(":")[2], **args})
         except ValidationError as err:
             raise AgentError(f"verifiers environment '{ref}': rollout.external.agent_args do not fit its "
                              f"{config_cls.__name__}: {_errors(err)}") from None  # fmt: skip
@@ -93,9 +102,10 @@ class VerifiersAgent:
         )
         if data.system_prompt:
             prompt.insert(0, SystemMessage(content=data.system_prompt))
-        reply = await client.chat.completions.create(
-            model=model, messages=[message_to_wire(m) for m in prompt]
-        )
+        known = {k: v for k, v in self.sampling.items() if k in SAMPLING_KEYS}
+        extra = {k: v for k, v in self.sampling.items() if k not in SAMPLING_KEYS}
+        reply = await client.chat.completions.create(model=model, messages=[message_to_wire(m) for m in prompt],
+                                                     extra_body=extra or None, **known)  # fmt: skip
         choice = reply.choices[0]
         for k, message in enumerate(prompt):
             trace.nodes.append(MessageNode(parent=k - 1 if k else None, message=message))
