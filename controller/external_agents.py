@@ -108,6 +108,10 @@ class AgentWorker:
         try:
             out = self.box.call("controller.agent_sandbox:run_in_sandbox", [self.placed, self.model, index,
                                 self.args], CALL_TIMEOUT_S)  # fmt: skip
+        except SandboxError as err:  # its message last: the pool logs the tail of what it raises
+            raise AgentError(
+                f"agent '{self.ref}' raised {err.type or 'in its sandbox'}: {err.message}"
+            ) from None
         finally:
             self.routes = None
         if not isinstance(out, dict) or not isinstance(out.get("reward"), int | float):

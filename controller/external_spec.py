@@ -9,9 +9,10 @@ trajectories form complete groups of `group_size` with the same task id.
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from controller.spec_section import field_error
 from workers.references import lookup_builtin, parse_reference, resolve_reference
@@ -53,7 +54,7 @@ class ExternalSpec(BaseModel):
         "recording one trajectory; returns the reward or {reward, task_id?, turn_rewards?, metadata?}; or a "
         "verifiers environment's Taskset class (docs/guides/verifiers.md)",
     )
-    agent_args: dict[str, JsonValue] | None = Field(None, description="arguments of the verifiers environment agent names: its TasksetConfig's fields")  # fmt: skip
+    agent_args: dict[str, Any] | None = Field(None, description="arguments of the verifiers environment agent names: its TasksetConfig's fields")  # fmt: skip
     agent_workers: int = Field(2, ge=1, le=256, description="agent calls under way at once (processes)")
     agent_timeout_s: float = Field(
         300.0, gt=0, le=86400, description="time limit of one agent call; past it its process is replaced"
@@ -65,6 +66,15 @@ class ExternalSpec(BaseModel):
         description="the longest a call waits for others to share its engine batch: calls are gathered until "
         "as many arrived as the last batch held, or this passed (a lone agent never waits)",
     )
+
+    @field_validator("agent_args")
+    @classmethod
+    def _json_args(cls, args: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            json.dumps(args, allow_nan=False)
+        except (TypeError, ValueError) as err:  # NaN, Infinity: not JSON, whatever the parser let through
+            raise ValueError(f"must be JSON: {err}") from None
+        return args
 
     @model_validator(mode="after")
     def _whole_groups(self) -> ExternalSpec:

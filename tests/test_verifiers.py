@@ -14,6 +14,7 @@ import pytest
 from api.cli_spec import build_spec
 from controller.sink import JsonlSink
 from controller.trainer import Trainer
+from controller.user_code import UserCodeError, run_sandboxed
 from tests.api_util import TERMINAL, tiny_job, wait_for
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -52,10 +53,10 @@ def test_the_example_environment_learns(tmp_path, monkeypatch):
     ("agent", "args", "param"),
     [
         ("no_such_verifiers_env:Taskset", None, "rollout.external.agent"),  # not installed, not uploaded
-        ("tests.verifiers_envs:EchoTask", None, "rollout.external.agent"),  # a Task, not a Taskset
-        ("tests.verifiers_envs:RaisingTaskset", "num_tasks=3", "rollout.external.agent_args"),  # not JSON
-        ("tests.verifiers_envs:RaisingTaskset", {"x": math.nan}, "rollout.external.agent_args"),
-        ("tests.verifiers_envs:RaisingTaskset", [1, 2], "rollout.external.agent_args"),
+        ("tests.verifiers_envs:BrokenTask", None, "rollout.external.agent"),  # a Task, not a Taskset
+        ("tests.verifiers_envs:BrokenTaskset", "num_tasks=3", "rollout.external.agent_args"),  # not JSON
+        ("tests.verifiers_envs:BrokenTaskset", {"x": math.nan}, "rollout.external.agent_args"),
+        ("tests.verifiers_envs:BrokenTaskset", [1, 2], "rollout.external.agent_args"),
     ],
 )
 def test_a_bad_reference_or_arguments_are_refused_at_submission(api, agent, args, param):
@@ -71,39 +72,42 @@ def test_a_bad_reference_or_arguments_are_refused_at_submission(api, agent, args
     ("agent", "args", "says"),
     [
         ("examples.verifiers_arithmetic:ArithmeticTaskset", {"num_taks": 3}, "num_taks: Extra inputs"),
+        ("examples.verifiers_arithmetic:ArithmeticTaskset", {"sampling": {"max_tokens": "x"}}, "max_tokens"),
         ("tests.verifiers_envs:ContainerTaskset", None, "need a container runtime"),
+        ("tests.agent_fns:digits_agent", {"n": 1}, "is a function"),
     ],
 )
-def test_an_environment_that_cannot_run_fails_its_job_at_the_start(api, agent, args, says):
-    job = api.post("/v1/jobs", json=verifiers_job(agent, args))
+def test_an_environment_that_cannot_run_is_refused_by_the_start_check(agent, args, says):
+    """What the job checks once at its start, in a sandbox, before any agent worker runs."""
+    with pytest.raises(UserCodeError, match=says):
+        run_sandboxed("controller.agent_sandbox:check_agent", agent, [args], 120, f"agent '{agent}'")
+
+
+def test_a_job_whose_environment_cannot_run_fails_at_its_start_naming_it(api):
+    agent = "examples.verifiers_arithmetic:ArithmeticTaskset"
+    job = api.post("/v1/jobs", json=verifiers_job(agent, {"num_taks": 3}))
     assert job.status_code == 201, job.text
     final = wait_for(api, job.json()["id"], TERMINAL, timeout_s=240)
-    assert final["status"] == "failed" and says in final["error"] and agent in final["error"], final["error"]
+    assert final["status"] == "failed" and "num_taks" in final["error"] and agent in final["error"], final
 
 
-def logs_saying(api, job: str, text: str, timeout_s: float = 240) -> str:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
+def logs_saying(api, job: str, texts: list[str], timeout_s: float = 240) -> list[str]:
+    deadline, found = time.time() + timeout_s, {}
+    while time.time() < deadline and len(found) < len(texts):
         lines = [r["line"] for r in api.get(f"/v1/jobs/{job}/logs", params={"tail": 500}).json()["data"]]
-        found = [line for line in lines if text in line]
-        if found:
-            return found[0]
+        found = {t: line for t in texts for line in lines if t in line}
         time.sleep(1)
-    raise AssertionError(f"no line with {text!r} in the logs of {job}")
+    assert len(found) == len(texts), f"not all of {texts} in the logs of {job}: {found}"
+    return list(found.values())
 
 
-@pytest.mark.parametrize(
-    ("agent", "external", "says"),
-    [
-        ("tests.verifiers_envs:RaisingTaskset", {}, "rubric broke on purpose"),
-        ("tests.verifiers_envs:HangingTaskset", {"agent_timeout_s": 3}, "passed agent_timeout_s"),
-    ],
-)
-def test_a_rubric_that_raises_or_never_returns_is_in_the_jobs_logs(api, agent, external, says):
-    job = api.post("/v1/jobs", json=verifiers_job(agent, {"sampling": {"max_tokens": 2}}, **external)).json()
+def test_a_rubric_that_raises_or_never_returns_is_in_the_jobs_logs_naming_the_environment(api):
+    agent = "tests.verifiers_envs:BrokenTaskset"  # group_size 1: its two tasks alternate
+    spec = verifiers_job(agent, {"sampling": {"max_tokens": 2}}, agent_timeout_s=3, group_size=1)
+    job = api.post("/v1/jobs", json=spec).json()
     try:
-        line = logs_saying(api, job["id"], says)
-        assert agent in line, line
+        for line in logs_saying(api, job["id"], ["rubric broke on purpose", "passed agent_timeout_s"]):
+            assert agent in line, line
     finally:
         api.post(f"/v1/jobs/{job['id']}/cancel")
         wait_for(api, job["id"], TERMINAL, timeout_s=120)

@@ -1,5 +1,5 @@
-"""verifiers environments the tests' jobs name (rollout.external.agent 'tests.verifiers_envs:NAME'):
-one whose rubric raises, one whose rubric never returns, one that needs a container."""
+"""verifiers environments the tests name (rollout.external.agent 'tests.verifiers_envs:NAME'): one whose
+rubric raises on its first task and never returns on its second, one whose tasks need a container."""
 
 from __future__ import annotations
 
@@ -8,27 +8,19 @@ import asyncio
 import verifiers.v1 as vf
 
 
-class EchoTask(vf.Task[vf.TaskData]):
+class BrokenTask(vf.Task[vf.TaskData]):
     @vf.reward
     async def broken(self, trace: vf.Trace) -> float:
-        raise ValueError("rubric broke on purpose")
-
-
-class RaisingTaskset(vf.Taskset[EchoTask, vf.TasksetConfig]):
-    def load(self):
-        yield EchoTask(vf.TaskData(prompt="1+1="))
-
-
-class SlowTask(vf.Task[vf.TaskData]):
-    @vf.reward
-    async def forever(self, trace: vf.Trace) -> float:
-        await asyncio.sleep(3600)
+        if self.data.name == "raises":
+            raise ValueError("rubric broke on purpose")
+        await asyncio.sleep(3600)  # "hangs": never returns
         return 0.0
 
 
-class HangingTaskset(vf.Taskset[SlowTask, vf.TasksetConfig]):
+class BrokenTaskset(vf.Taskset[BrokenTask, vf.TasksetConfig]):
     def load(self):
-        yield SlowTask(vf.TaskData(prompt="1+1="))
+        yield BrokenTask(vf.TaskData(prompt="1+1=", name="raises"))
+        yield BrokenTask(vf.TaskData(prompt="2+2=", name="hangs"))
 
 
 class BoxedTask(vf.Task[vf.TaskData]):
