@@ -20,6 +20,7 @@ from controller.sink import JsonlSink
 from controller.trainer import Trainer
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from tests import test_openai_learning as openai_learning  # not a test_ name: collected once, there
+from tests import test_verifiers as verifiers_learning  # not a test_ name: collected once, there
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -169,4 +170,6 @@ LEARNING_TESTS = {
     "grpo_guess_number": test_guess_number_pair_learns_a_better_strategy_than_its_warm_start,
     # fed by examples/agent_openai.py through the job's OpenAI-compatible endpoint
     "agent_openai": openai_learning.test_a_job_fed_by_the_agent_script_raises_its_reward,
+    # a verifiers environment the job runs itself (tests/test_verifiers.py, make test)
+    "verifiers_arithmetic": verifiers_learning.test_the_example_environment_learns,
 }

@@ -111,3 +111,15 @@ def test_a_rubric_that_raises_or_never_returns_is_in_the_jobs_logs_naming_the_en
     finally:
         api.post(f"/v1/jobs/{job['id']}/cancel")
         wait_for(api, job["id"], TERMINAL, timeout_s=120)
+
+
+def test_the_guide_shows_the_example_it_runs():
+    """docs/guides/verifiers.md: its spec is examples/verifiers_arithmetic.yaml, which the learning test runs
+    (its Python is checked against the file by tests/test_docs_pages.py)."""
+    import re
+
+    import yaml
+
+    page = (EXAMPLE.parents[1] / "docs" / "guides" / "verifiers.md").read_text()
+    shown = re.findall(r"```yaml\n(.*?)```", page, re.S)
+    assert [yaml.safe_load(b) for b in shown] == [yaml.safe_load(EXAMPLE.read_text())]
