@@ -9,7 +9,10 @@ itself (`agent`) is loaded by controller/agent_sandbox.py.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schema.section import field_error
 
@@ -44,8 +47,10 @@ class ExternalSpec(BaseModel):
         max_length=2048,
         description="an agent the job runs itself, in worker processes: 'module:function' or "
         "'path/file.py:function', called as function(client, model, index) with an openai.OpenAI client "
-        "recording one trajectory; returns the reward or {reward, task_id?, turn_rewards?, metadata?}",
+        "recording one trajectory; returns the reward or {reward, task_id?, turn_rewards?, metadata?}; or a "
+        "verifiers environment's Taskset class (docs/guides/verifiers.md)",
     )
+    agent_args: dict[str, Any] | None = Field(None, description="arguments of the verifiers environment agent names: its TasksetConfig's fields")  # fmt: skip
     agent_workers: int = Field(2, ge=1, le=256, description="agent calls under way at once (processes)")
     agent_timeout_s: float = Field(
         300.0, gt=0, le=86400, description="time limit of one agent call; past it its process is replaced"
@@ -58,6 +63,15 @@ class ExternalSpec(BaseModel):
         "as many arrived as the last batch held, or this passed (a lone agent never waits)",
     )
 
+    @field_validator("agent_args")
+    @classmethod
+    def _json_args(cls, args: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            json.dumps(args, allow_nan=False)
+        except (TypeError, ValueError) as err:  # NaN, Infinity: not JSON, whatever the parser let through
+            raise ValueError(f"must be JSON: {err}") from None
+        return args
+
     @model_validator(mode="after")
     def _whole_groups(self) -> ExternalSpec:
         if self.trajectories_per_step % self.group_size:
@@ -65,6 +79,9 @@ class ExternalSpec(BaseModel):
                 f"trajectories_per_step = {self.trajectories_per_step} must be a multiple of "
                 f"group_size = {self.group_size}", self.trajectories_per_step, named=False
             )  # fmt: skip
+        if self.agent_args is not None and self.agent is None:
+            raise field_error(("agent_args",), "agent_args needs an agent: a verifiers environment's Taskset",
+                              self.agent_args, named=False)  # fmt: skip
         return self
 
     @property
