@@ -34,7 +34,11 @@ PATH_FIELDS = (
 CODE_FIELDS = (("reward", "function"), ("rollout", "environment"), ("rollout", "external", "agent"))
 
 
-class SpecError(ValueError):
+class UsageError(Exception):
+    """Bad input the CLI finds itself, a spec's or a flag's (exit code 2)."""
+
+
+class SpecError(UsageError, ValueError):
     """A spec that does not validate; the message starts with the field at fault."""
 
 
