@@ -49,16 +49,16 @@ RESERVED_OWNERS = {
 }
 
 
-def check_owner(name: str, param: str = "owner") -> str:
+def check_owner(name: str) -> str:
     """An owner's name, or a ValueError saying what a name may hold."""
     if not isinstance(name, str) or not OWNER_NAME.match(name):
         raise ValueError(
-            f"{param}: '{str(name)[:64]}' must be 1-64 letters, digits, '.', '_', '@' or '-', starting "
+            f"owner: '{str(name)[:64]}' must be 1-64 letters, digits, '.', '_', '@' or '-', starting "
             "with a letter or digit"
         )
     if name.lower() in RESERVED_OWNERS:  # 'Admin' too: in logs and listings it reads as the admin
         reason = RESERVED_OWNERS[name.lower()]
-        raise ValueError(f"{param}: '{name}' is reserved ({reason}); choose another name")
+        raise ValueError(f"owner: '{name}' is reserved ({reason}); choose another name")
     return name
 
 
@@ -120,10 +120,9 @@ def _record(row: sqlite3.Row) -> dict[str, Any]:
     return {**dict(row), "scopes": json.loads(row["scopes"]), "admin": bool(row["admin"])}
 
 
-def public_key(record: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+def public_key(record: dict[str, Any]) -> dict[str, Any]:
     """A key as the API lists it: never its hash."""
-    now = now or time.time()
-    expired = record["expires_at"] is not None and record["expires_at"] <= now
+    expired = record["expires_at"] is not None and record["expires_at"] <= time.time()
     state = "revoked" if record["revoked_at"] else "expired" if expired else "active"
     fields = (
         "id",

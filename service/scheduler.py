@@ -197,8 +197,9 @@ class Scheduler(HostedRecords, RunSettlement):
     def free(self) -> tuple[float, float]:
         total = ray.cluster_resources() if ray.is_initialized() else {}
         with self._lock:
-            held = [(r.cpus, r.gpus) for r in self.running.values()] + list(self.held.values())
-        return total.get("CPU", 0) - sum(c for c, _ in held), total.get("GPU", 0) - sum(g for _, g in held)
+            cpus = sum(r.cpus for r in self.running.values()) + sum(self.held.values())
+            gpus = sum(r.gpus for r in self.running.values())
+        return total.get("CPU", 0) - cpus, total.get("GPU", 0) - gpus
 
     def _schedule(self) -> None:
         if self._draining:

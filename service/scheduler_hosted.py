@@ -31,12 +31,12 @@ class HostedRecords:
 
     def __init__(self) -> None:
         self.hosted: dict[str, Any] = {"tinker": TinkerRunWorkload()}  # kinds with a table of their own
-        self.held: dict[str, tuple[float, float]] = {}  # CPUs and GPUs of the processes serving them
+        self.held: dict[str, float] = {}  # CPUs of the processes serving them
 
-    def hold(self, key: str, cpus: float, gpus: float = 0.0) -> None:
-        """Count a process that serves hosted records (a session host) as holding these resources."""
+    def hold(self, key: str, cpus: float) -> None:
+        """Count a process that serves hosted records (a session host) as holding these CPUs."""
         with self._lock:
-            self.held[key] = (cpus, gpus)
+            self.held[key] = cpus
 
     def release(self, key: str) -> None:
         with self._lock:
