@@ -141,11 +141,14 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
         return "tinker_runs" if found else "jobs"
 
     def get_job(self, job_id: str) -> JobRecord | None:
-        return next(iter(self._records("id = ?", (job_id,))), None)
+        row = self._db().execute(f"SELECT {JOB_COLUMNS} FROM records WHERE id = ?", (job_id,)).fetchone()
+        return JobRecord.from_row(row) if row else None
 
     def job_by_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
         """`owner`'s job submitted with Idempotency-Key `key`, if any."""
-        return next(iter(self._records("owner = ? AND idempotency = ?", (owner, key))), None)
+        query = f"SELECT {JOB_COLUMNS} FROM jobs WHERE owner = ? AND idempotency = ?"  # a run has no key
+        row = self._db().execute(query, (owner, key)).fetchone()
+        return JobRecord.from_row(row) if row else None
 
     def list_jobs(
         self,
