@@ -77,9 +77,9 @@ class Checker:
             self.owned(ref.rpartition(":")[0], param, sees)
         return ref
 
-    def reward_function(self, ref: str, param: str = "reward.function") -> None:
-        self.reward_source(ref, param)  # upload ids are resolved already (submittable)
-        self.user_code(ref, "reward", param, "invalid_reward_function")
+    def reward_function(self, ref: str) -> None:
+        self.reward_source(ref, "reward.function")  # upload ids are resolved already (submittable)
+        self.user_code(ref, "reward", "reward.function", "invalid_reward_function")
 
     def user_code(self, ref: str, kind: str, param: str, code: str) -> None:
         """A 422 with `code` when `ref` is not a usable `kind` (controller/user_code.py CHECKERS): a

@@ -139,6 +139,10 @@ class Usage:
     gpus: float = 0.0
     stored: dict[str, int] = field(default_factory=lambda: {"files": 0, "checkpoints": 0, "exports": 0})
 
+    def add_running(self, cpus: float, gpus: float) -> None:
+        """Count one more running record, holding these resources."""
+        self.running_jobs, self.cpus, self.gpus = self.running_jobs + 1, self.cpus + cpus, self.gpus + gpus
+
     @property
     def stored_bytes(self) -> int:
         return sum(self.stored.values())

@@ -23,7 +23,7 @@ import torch
 from ray.exceptions import RayActorError
 from safetensors.torch import load_file
 
-from api.cli import shown_status
+from api.cli_jobs import shown_status
 from controller.recovery import RestartsExhausted, WorkerLost, worker_lost
 from controller.recovery import worker_pids as recovery_worker_pids
 from controller.resource_pool import ResourcePoolError
