@@ -158,18 +158,21 @@ class SessionWorker(Worker):
         """Each call's loss on its adapter (gradients added unless `backward` is false), all in one forward."""
         return self._together(calls, self._prepare_forward, self._forward)
 
-    def _prepare_forward(self, call: Call) -> tuple[Call, list]:
+    def _prepare_forward(self, call: Call) -> tuple[Call, list, Any]:
+        """The call's data checked against the model and laid out once as RL rows (session_inputs)."""
         self.engine.session(call.get("adapter"))
-        return call, self.inputs.forward_data(call["data"], self.engine.vocab, self.engine.max_seq_len)
+        data = self.inputs.forward_data(call["data"], self.engine.vocab, self.engine.max_seq_len)
+        return call, data, self.inputs.rl_rows(data)
 
-    def _forward(self, prepared: list[tuple[Call, list]]) -> list[Result]:
+    def _forward(self, prepared: list[tuple[Call, list, Any]]) -> list[Result]:
         from workers.losses.tinker import compute_loss
 
         device = self.engine.device
 
-        def loss(i: int, logprobs: list) -> tuple[Any, Result]:
-            call, data = prepared[i]
+        def loss(i: int, log_probs: Any) -> tuple[Any, Result]:
+            call, data, _ = prepared[i]
             inputs = [{k: v.to(device) for k, v in d.inputs.items()} for d in data]
+            logprobs = self.inputs.per_datum(log_probs, data)
             answer = self._guard(
                 lambda: compute_loss(call["loss_fn"], logprobs, inputs, call.get("loss_fn_config"))
             )
@@ -179,24 +182,23 @@ class SessionWorker(Worker):
             outs = [{name: self.inputs.wire_tensor(t) for name, t in o.items()} for o in outputs]
             return value, {"ok": {"loss_fn_outputs": outs, "metrics": metrics}}
 
-        calls = [
-            (call["adapter"], [(d.tokens, d.inputs["target_tokens"]) for d in data])
-            for call, data in prepared
-        ]
-        return self.engine.forward_backward(calls, loss, [bool(call.get("backward")) for call, _ in prepared])
+        calls = [(call["adapter"], rows) for call, _, rows in prepared]
+        return self.engine.forward_backward(
+            calls, loss, [bool(call.get("backward")) for call, _, _ in prepared]
+        )
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def optim_step(self, adapter: str, adam: dict[str, float]) -> Result:
         """One AdamW step of `adapter` with the SDK's AdamParams of this call; its grad norm."""
 
-        return self._guard(lambda: {"metrics": self.engine.optimizer_step(adapter, adam)})
+        return self._guard(lambda: {"metrics": self.engine.optimizer_step(adam, adapter)})
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def save_state(self, adapter: str, path: str, optimizer: bool = True) -> Result:
         """The adapter (a PEFT folder), its session.json and, with `optimizer`, its AdamW state."""
 
         return self._guard(
-            lambda: self.engine.save_checkpoint(adapter, Path(path), optimizer) or {"path": path}
+            lambda: self.engine.save_checkpoint(Path(path), adapter, optimizer) or {"path": path}
         )
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
@@ -204,7 +206,7 @@ class SessionWorker(Worker):
         """Into `adapter` (made when absent) what save_state wrote at `path`."""
 
         return self._guard(
-            lambda: self.engine.load_checkpoint(adapter, Path(path), optimizer) or {"path": path}
+            lambda: self.engine.load_checkpoint(Path(path), adapter, optimizer) or {"path": path}
         )
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
@@ -214,7 +216,7 @@ class SessionWorker(Worker):
         def save() -> dict:
             self.engine.session(adapter)
             folder = self.engine.workdir / "samplers" / adapter / name
-            self.engine.save_checkpoint(adapter, folder, optimizer=False)
+            self.engine.save_checkpoint(folder, adapter, optimizer=False)
             return {"path": str(folder)}
 
         return self._guard(save)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tensordict import TensorDict
 
 from engines.adapter_engine import InputError
 from engines.multi_lora_sample import SampleRequest
@@ -50,6 +51,37 @@ def forward_data(data: list[dict], vocab: int, max_len: int) -> list[Datum]:
                 f"a token id is outside the vocabulary [0, {vocab})",
             )
         out.append(Datum(tokens, inputs))
+    return out
+
+
+def rl_rows(data: list[Datum]) -> TensorDict:
+    """The data as the RL batch's rows (engines/base.py), each datum once: a one-token prompt (its
+    first token), the rest of its tokens as the response, `response_mask` on its N positions, and
+    `target_tokens` [n, R, K], whose log-probs the engine takes in place of the responses' (a [N]
+    target is K = 1; top-K targets fill their K columns)."""
+    width = max(len(d.tokens) for d in data)
+    k = max(d.inputs["target_tokens"].reshape(len(d.tokens), -1).shape[1] for d in data)
+    ids = torch.zeros((len(data), width + 1), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    targets = torch.zeros((len(data), width, k), dtype=torch.long)
+    for i, d in enumerate(data):
+        n = len(d.tokens)
+        ids[i, :n], mask[i, :n] = torch.tensor(d.tokens), 1
+        target = d.inputs["target_tokens"].reshape(n, -1)
+        targets[i, :n, : target.shape[1]] = target
+    fields = {"input_ids": ids, "attention_mask": mask, "responses": ids[:, 1:],
+              "response_mask": mask[:, :-1].clone(), "target_tokens": targets}  # fmt: skip
+    return TensorDict(fields, batch_size=[len(data)])
+
+
+def per_datum(log_probs: torch.Tensor, data: list[Datum]) -> list[torch.Tensor]:
+    """The rows' [n, R, K] target log-probs back in each datum's target shape ([N] or [N, K])."""
+    out = []
+    for i, d in enumerate(data):
+        target = d.inputs["target_tokens"]
+        n = len(d.tokens)
+        width = target.reshape(n, -1).shape[1]
+        out.append(log_probs[i, :n, :width].reshape(target.shape))
     return out
 
 
