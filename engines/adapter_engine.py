@@ -16,6 +16,7 @@ leaves one fp32 rank unwrapped.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from engines.base import EngineOutput, GlobalCounts, LossFn
+from engines.config import OptimizerConfig
 from engines.fsdp.lora import peft_config
 from engines.lora_sessions import Session, SessionSpec, read_pack, read_spec
 from engines.multi_lora import (
@@ -277,16 +279,32 @@ class AdapterEngine:
             start += n
         return out
 
-    def optimizer_step(self, params: dict | None = None, adapter: str | None = None) -> dict[str, float]:
-        """One AdamW step of adapter `adapter` with the SDK's AdamParams of this call (engines/adamw.py;
-        None: its defaults); zeroes its gradients. Its grad norm before clipping and learning rate."""
-        if adapter is None:
-            raise InputError("model_id", "the base model has no optimizer: name an adapter")
-        return self.resident(adapter).optim_step(params or {})
+    def optimizer_step(
+        self, params: dict | OptimizerConfig | None = None, adapter: str | None = None
+    ) -> float:
+        """One AdamW step of adapter `adapter` (engines/adamw.py) with the SDK's AdamParams of this call
+        (or an RL job's OptimizerConfig; None: the SDK's defaults); zeroes its gradients. Its grad
+        norm before clipping; a non-finite one skips the step."""
+        if isinstance(params, OptimizerConfig):
+            params = {"learning_rate": params.lr, "beta1": params.betas[0], "beta2": params.betas[1],
+                      "eps": params.eps, "weight_decay": params.weight_decay,
+                      "grad_clip_norm": params.grad_clip or 0.0}  # fmt: skip
+        return self._adapter(adapter).optim_step(params or {})["grad_norm"]
 
-    def optimizer_zero_grad(self, adapter: str) -> None:
-        for param in self.resident(adapter).params():
+    def optimizer_zero_grad(self, adapter: str | None = None) -> None:
+        for param in self._adapter(adapter).params():
             param.grad = None
+
+    def train_mode(self) -> AbstractContextManager[None]:
+        """Nothing to onload; the base stays in eval mode (no dropout), adapters have no modes."""
+        return nullcontext()
+
+    eval_mode = train_mode
+
+    def _adapter(self, key: str | None) -> Session:
+        if key is None:
+            raise InputError("model_id", "the base model is frozen: name an adapter")
+        return self.resident(key)
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -299,14 +317,22 @@ class AdapterEngine:
         cfg["target_modules"] = sorted({p.rsplit(".", 1)[-1] for p in spec.paths})
         return {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
 
-    def save_checkpoint(self, folder: Path, key: str, optimizer: bool = True) -> None:
-        """The adapter as a PEFT folder plus session.json (and optimizer.pt when `optimizer`)."""
-        session = self.resident(key)
+    def save_checkpoint(
+        self, folder: Path, step: int = 0, adapter: str | None = None, optimizer: bool = True
+    ) -> None:
+        """Adapter `adapter` as a PEFT folder plus session.json (and optimizer.pt when `optimizer`);
+        an adapter has no step of its own."""
+        session = self._adapter(adapter)
+        folder = Path(folder)
         session.save(folder, self.adapter_config(session.spec), optimizer=optimizer)
         self._forget(f"s:{folder}")  # a snapshot of the same folder taken again replaces the old one
 
-    def load_checkpoint(self, folder: Path, key: str, optimizer: bool = True) -> None:
-        """Into adapter `key` (made when absent, else of the same rank and layers) what a save wrote."""
+    def load_checkpoint(self, folder: Path, optimizer: bool = True, adapter: str | None = None) -> int:
+        """Into adapter `adapter` (made when absent, else of the same rank and layers) what a save
+        wrote; returns step 0."""
+        key, folder = adapter, Path(folder)
+        if key is None:
+            raise InputError("model_id", "the base model is frozen: name an adapter")
         if not (folder / "session.json").is_file():
             raise InputError("path", f"'{folder}' holds no saved session state")
         spec = read_spec(folder)
@@ -331,6 +357,7 @@ class AdapterEngine:
             self.sessions[key] = Session(key, spec, weights, self.device)
         self.resident(key).unpack(packed, optimizer=optimizer)
         attach(self.layers, f"m:{key}", self.sessions[key].weights, spec.scaling)  # new leaves
+        return 0
 
     # ---- sampling ------------------------------------------------------------------------------
 

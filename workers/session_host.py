@@ -50,6 +50,7 @@ class SessionWorker(Worker):
         from engines.threads import limit_threads_for_model
         from engines.tiny_models import BUILTIN_MODELS, build_builtin_model
         from workers import session_inputs
+        from workers.operations import TrainOps
 
         self.keeps_freed_memory = keep_freed_memory()  # this process is the host's alone
         model_path = base_model
@@ -61,6 +62,7 @@ class SessionWorker(Worker):
             limit_threads_for_model(model_path)  # a small model computes faster on one thread
         self.base_model, self.inputs = base_model, session_inputs
         self.engine = AdapterEngine(model_path, Path(workdir), EngineOptions.of(options))
+        self.ops = TrainOps(self.engine)  # the RL roles' operations, each naming its adapter
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def _guard(self, fn: Callable[[], Any]) -> Result:
@@ -191,23 +193,27 @@ class SessionWorker(Worker):
     def optim_step(self, adapter: str, adam: dict[str, float]) -> Result:
         """One AdamW step of `adapter` with the SDK's AdamParams of this call; its grad norm."""
 
-        return self._guard(lambda: {"metrics": self.engine.optimizer_step(adam, adapter)})
+        from engines.adamw import AdamWSettings
+
+        def step() -> dict:
+            norm = self.ops.optim_step(adam, adapter)
+            return {"metrics": {"grad_norm": norm, "learning_rate": AdamWSettings.from_adam_params(adam).lr}}
+
+        return self._guard(step)
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def save_state(self, adapter: str, path: str, optimizer: bool = True) -> Result:
         """The adapter (a PEFT folder), its session.json and, with `optimizer`, its AdamW state."""
 
         return self._guard(
-            lambda: self.engine.save_checkpoint(Path(path), adapter, optimizer) or {"path": path}
+            lambda: self.ops.save_state(path, adapter=adapter, optimizer=optimizer) or {"path": path}
         )
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def load_state(self, adapter: str, path: str, optimizer: bool = True) -> Result:
         """Into `adapter` (made when absent) what save_state wrote at `path`."""
 
-        return self._guard(
-            lambda: self.engine.load_checkpoint(Path(path), adapter, optimizer) or {"path": path}
-        )
+        return self._guard(lambda: self.ops.load_state(path, optimizer, adapter) or {"path": path})
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def save_for_sampler(self, adapter: str, name: str) -> Result:
@@ -216,7 +222,7 @@ class SessionWorker(Worker):
         def save() -> dict:
             self.engine.session(adapter)
             folder = self.engine.workdir / "samplers" / adapter / name
-            self.engine.save_checkpoint(folder, adapter, optimizer=False)
+            self.ops.save_state(str(folder), adapter=adapter, optimizer=False)
             return {"path": str(folder)}
 
         return self._guard(save)
