@@ -65,7 +65,9 @@ def driven(request, tiny_model_dir, tmp_path) -> Driven:
 
 @pytest.fixture(scope="module")
 def hf_base(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
 
 
 def test_forward_gives_the_response_log_probs_of_a_padded_forward(driven, hf_base):
