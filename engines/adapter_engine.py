@@ -24,7 +24,6 @@ import torch
 from tensordict import TensorDict
 
 from engines.base import EngineOutput, GlobalCounts, LossFn
-from engines.config import OptimizerConfig
 from engines.fsdp.lora import peft_config
 from engines.lora_sessions import Session, SessionSpec, read_pack, read_spec
 from engines.multi_lora import (
@@ -40,6 +39,7 @@ from engines.multi_lora import (
 )
 from engines.multi_lora import rows as rows_of
 from engines.multi_lora_sample import SampleRequest, Sequence, sample
+from schema.engine import OptimizerConfig
 
 BASE_LOADS = 0  # reads of base weights in this process: the API's tests assert it stays 1
 

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines.base import GlobalCounts
-from engines.config import OptimizerConfig
+from schema.engine import OptimizerConfig
 from tests.engine_util import full_grads, make_batch, max_rel_diff, pg_loss, reference_log_probs
 from workers.operations import TrainOps
 
@@ -46,8 +46,8 @@ class Driven:
 @pytest.fixture(params=["fsdp", "adapter"])
 def driven(request, tiny_model_dir, tmp_path) -> Driven:
     if request.param == "fsdp":
-        from engines.config import EngineConfig
         from engines.fsdp.engine import FSDPEngine
+        from schema.engine import EngineConfig
 
         engine = FSDPEngine(EngineConfig(model_path=str(tiny_model_dir), optim={"lr": LR}))
         engine.initialize()
