@@ -82,12 +82,11 @@ class RoleGroup:
 
     # Derived from the class's operations (__init_subclass__), never written by hand.
     operations: ClassVar[dict[str, operation]] = {}
-    methods: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         ops = {n: v for k in reversed(cls.__mro__) for n, v in vars(k).items() if isinstance(v, operation)}
-        cls.operations, cls.methods = ops, tuple(ops)
+        cls.operations = ops
 
     def __init__(self, group: RayWorkerGroup) -> None:
         registered = registered_methods(group.worker_cls)
