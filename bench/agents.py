@@ -81,9 +81,7 @@ def agents_client(
     }
 
 
-def direct_run(
-    host, prompt: list[int], stop: int, agents: int, requests: int, max_tokens: int
-) -> dict:
+def direct_run(host, prompt: list[int], stop: int, agents: int, requests: int, max_tokens: int) -> dict:
     """The same rollout worker's engine, called with the whole batch at once (no HTTP, API, templating,
     batching window or recording)."""
     import ray

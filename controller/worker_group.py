@@ -82,7 +82,7 @@ class _Hosts:
     """
 
     def __init__(
-        self, pool: ResourcePool, worker: tuple[type, tuple, dict], name: str, share: float, start_timeout_s: float
+        self, pool: ResourcePool, worker: tuple, name: str, share: float, start_timeout_s: float
     ) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
@@ -277,15 +277,13 @@ class RayWorkerGroup:
         return PendingCall(self, method, refs, lambda outs: collect_from_mesh(layout, outs, pad))
 
     def _run_all(self, method: str, per_rank: list[tuple[tuple, dict]]) -> list[Any]:
-        refs = [
-            a.execute.remote(method, p) for a, p in zip(self._hosts.actors, per_rank, strict=True)
-        ]
+        refs = [a.execute.remote(method, p) for a, p in zip(self._hosts.actors, per_rank, strict=True)]
         return wait_all(self.name, method, refs, self.call_timeout_s)
 
 
 def _shared(value: Any, readers: int) -> Any:
     """`value` as one object-store copy when several ranks read it, else as itself: Ray then sends
-    a small argument inside the call (a `ray.put` costs ~0.5 ms at quiet, and the rank a fetch) and
+    a small argument inside the call (a `ray.put` costs a round trip, and the rank a fetch) and
     stores a large one once anyway."""
     return ray.put(value) if readers > 1 else value
 
@@ -305,4 +303,3 @@ class PendingCall:
     def result(self, timeout_s: float | None = None) -> Any:
         outputs = wait_all(self.group.name, self.method, self.refs, timeout_s or self.group.call_timeout_s)
         return self._collect(outputs)
-
