@@ -9,8 +9,7 @@ declares (`workers.base.Reduce`):
 - `Reduce.GLOBAL`: results the engine already reduced over ranks (update metrics, the grad norm),
   identical on every rank, so rank 0's;
 - `Reduce.RANK_ZERO`: a per-rank measurement (a weight sync's timing) or acknowledgement: rank 0's.
-Nothing is restated: no method name as a string, no signature written twice. A group checks at
-construction that its worker registers every operation it offers with the same spec, so a renamed
+A group checks at construction that its worker registers every operation it offers with the same spec, so a renamed
 or re-declared worker method fails when the group starts, not in the middle of a job.
 
 The actor's group holds its rollout group: the same workers for the hybrid worker, or a rollout
