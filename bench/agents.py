@@ -81,9 +81,7 @@ def agents_client(
     }
 
 
-def direct_run(
-    host, role: str, prompt: list[int], stop: int, agents: int, requests: int, max_tokens: int
-) -> dict:
+def direct_run(host, prompt: list[int], stop: int, agents: int, requests: int, max_tokens: int) -> dict:
     """The same rollout worker's engine, called with the whole batch at once (no HTTP, API, templating,
     batching window or recording)."""
     import ray
@@ -91,7 +89,7 @@ def direct_run(
     params = {"max_new_tokens": max_tokens, "stop_token_ids": [stop]}
     tokens, start = 0, time.perf_counter()
     for _ in range(requests):
-        out = ray.get(host.execute.remote(role, "generate", (([prompt] * agents, params), {})), timeout=900)
+        out = ray.get(host.execute.remote("generate", (([prompt] * agents, params), {})), timeout=900)
         tokens += sum(len(c.token_ids) for c in out)
     wall = time.perf_counter() - start
     return {"requests_per_s": agents * requests / wall, "tokens_per_s": tokens / wall, "wall_s": wall}
@@ -164,13 +162,13 @@ def main() -> None:
                 time.sleep(0.5)
             endpoint_run(live, job, 1, 2, args.max_tokens)  # warm: the endpoint is up, the engine has run
             server = ray.get_actor(server_name(job))
-            hosts, role = ray.get(server.replicas.remote(), timeout=60)
+            hosts = ray.get(server.replicas.remote(), timeout=60)
             renderer = ChatRenderer(AutoTokenizer.from_pretrained(path))
             prompt, stop = renderer.prompt_ids(MESSAGES), renderer.turn_end_id
             for agents in args.concurrency:
                 direct, served = [], []
                 for _ in range(args.rounds):  # interleaved, so both see the same load
-                    direct.append(direct_run(hosts[0], role, prompt, stop, agents, requests, args.max_tokens))
+                    direct.append(direct_run(hosts[0], prompt, stop, agents, requests, args.max_tokens))
                     served.append(endpoint_run(live, job, agents, requests, args.max_tokens))
                 d, e = best(direct), best(served)
                 print(json.dumps({

@@ -58,10 +58,11 @@ def chat_prompts(model_dir: Path, count: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from controller.tasks.arithmetic import ArithmeticTask
+    from controller.tasks.splits import write_splits
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as folder:
-        train, _ = ArithmeticTask().write_jsonl(folder, train_size=count, val_size=1, seed=0)
+        train, _ = write_splits(ArithmeticTask(), folder, train_size=count, val_size=1, seed=0)
         rows = [json.loads(line) for line in Path(train).read_text().splitlines()]
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False)

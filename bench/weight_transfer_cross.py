@@ -71,7 +71,7 @@ def start_pair(strategy: str, model_dir: str, bucket_mb: float):
         {"model_path": model_dir, "rollout": rollout_cfg},
         group_name=f"bench-{strategy}-rollout",
     )
-    trainer.connect_rollout(RolloutLink(rollout.actors, rollout.role, rollout.name, strategy, timeout_s=300))
+    trainer.connect_rollout(RolloutLink(rollout.actors, rollout.name, strategy, timeout_s=300))
     return pools, trainer, rollout
 
 

@@ -5,13 +5,6 @@ rollout buffer (controller/rollout_buffer.py) that lanes (controller/rollout_lan
 the rollout workers while the training ranks update; its weights go back at the next safe point,
 between the rollout workers' generation calls (controller/weight_publisher.py).
 
-    lanes (RolloutProducer threads)                   trainer thread (Trainer.step)
-    admit B samples (AReaL's rule, the buffer)        take the oldest batch young enough
-    draw prompts i (seed of i), generate on the       (older ones dropped: async/dropped_stale)
-      rollout workers, score, put                     log-probs, advantages, update_actor
-    ... next i while the trainer updates ...          publish: now if no generation call is in
-                                                      flight, else when the workers are free
-
 Versions count optimizer steps: step s trains at version s - 1; a sample of version v has staleness
 s - 1 - v <= trainer.max_staleness. k = 0 computes what sync computes: the buffer admits draw i only
 once the weights of version i - 1 are on the rollout workers, and draw i takes the loader's i-th

@@ -313,11 +313,6 @@ class PromptLoader:
         self.epoch, self.position = 0, 0
         self._order_epoch, self._order = -1, np.arange(0)
 
-    @property
-    def steps_per_epoch(self) -> int:
-        full, rest = divmod(len(self.dataset), self.batch_size)
-        return full if self.drop_last or rest == 0 else full + 1
-
     def order(self, epoch: int) -> np.ndarray:
         """The row order of `epoch`, a function of (seed, epoch) alone."""
         if not self.shuffle:

@@ -1,10 +1,8 @@
 """DAPO dynamic sampling (Yu et al. 2025): fill the step's batch with groups that carry a signal.
 
 A group-relative advantage (GRPO, RLOO, ...) is zero for every sample of a group whose rollout.n
-samples got the same score: the group costs a forward and backward pass and teaches nothing, and
-it shrinks the effective batch as the policy gets better or worse at a prompt. Dynamic sampling
-drops such groups and generates for more prompts until the batch holds the step's number of
-groups again ("over-sample and filter out prompts with the accuracy equal to 1 and 0").
+samples got the same score, so such a group teaches nothing; dynamic sampling drops it and
+generates for more prompts until the batch holds the step's number of groups again.
 
 Each round draws one full batch of prompts from the data loader (so the loader's position, saved
 in checkpoints, always counts exactly the prompts drawn: a resumed job neither skips nor repeats

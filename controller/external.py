@@ -68,14 +68,14 @@ class ExternalServer:
 
     # ---- wiring ------------------------------------------------------------------------------
 
-    async def attach(self, hosts: list[Any], role: str, version: int = 0) -> None:
-        """The rollout replicas to serve from (their WorkerHost actors and the role's name on them);
+    async def attach(self, hosts: list[Any], version: int = 0) -> None:
+        """The rollout replicas to serve from (their WorkerHost actors);
         called again with new workers after a restart or a resume. `version`: the trainer's version of
         the weights they hold now (a resumed job's checkpoint step), which every call then records
         (controller/external_batcher.py) and the staleness bound compares with."""
         if self.buffered is not None:  # a buffer that outlived the workers (a restart from a checkpoint)
             self.buffered.rewind(version)
-        await self.batcher.attach(hosts, role, version)
+        await self.batcher.attach(hosts, version)
 
     async def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
         """trainer.mode async: admit and buffer trajectories (kept as they are when called again
@@ -88,10 +88,10 @@ class ExternalServer:
         """The rollout workers now hold the weights of `version` (after a sync): admission widens."""
         self.buffered.buffer.set_version(version)
 
-    async def replicas(self) -> tuple[list[Any], str]:
-        """The rollout worker actors served from and the role's name on them (bench/agents.py calls
-        their engine directly, beside the endpoint, for its baseline)."""
-        return list(self.batcher.hosts), self.batcher.role
+    async def replicas(self) -> list[Any]:
+        """The rollout worker actors served from (a benchmark calls their engine directly, beside the
+        endpoint, for its baseline)."""
+        return list(self.batcher.hosts)
 
     # ---- requests ----------------------------------------------------------------------------
 

@@ -27,19 +27,19 @@ class ReplicaBatcher:
         self.window_ms = window_ms
         self.queue: asyncio.Queue | None = None
         self.free: asyncio.Queue | None = None
-        self.role, self.hosts = "", []
+        self.hosts: list[Any] = []
         self.task: asyncio.Task | None = None
         self.offset = 0  # trainer version - engine version of the attached workers (see attach)
         self.engine_calls = 0
         self.attached = asyncio.Event()
 
-    async def attach(self, hosts: list[Any], role: str, version: int) -> None:
-        """Serve from `hosts` (WorkerHost actors, `role` on them), which hold the weights of trainer
+    async def attach(self, hosts: list[Any], version: int) -> None:
+        """Serve from `hosts` (WorkerHost actors), which hold the weights of trainer
         version `version`. An engine counts its syncs from 0 in every new process, so a call records
         engine version + (`version` - the engine's version now): the trainer's version."""
-        engine = hosts[0].execute.remote(role, "weight_version", ((), {}))
+        engine = hosts[0].execute.remote("weight_version", ((), {}))
         self.offset = version - int(await asyncio.wait_for(engine, ATTACH_TIMEOUT_S))
-        self.role, self.hosts = role, list(hosts)
+        self.hosts = list(hosts)
         self.free = asyncio.Queue()
         for host in hosts:
             self.free.put_nowait(host)
@@ -95,7 +95,7 @@ class ReplicaBatcher:
         params, offset = group[0][1], self.offset
         prompts = [g[0] for g in group]
         try:
-            ref = host.execute.remote(self.role, "generate", ((prompts, params.model_dump()), {}))
+            ref = host.execute.remote("generate", ((prompts, params.model_dump()), {}))
             self.engine_calls += 1
             completions = await asyncio.wait_for(ref, GENERATE_TIMEOUT_S)
         except Exception as err:  # every caller of the batch hears it

@@ -50,7 +50,7 @@ class ExternalSource:
         hold the weights of trainer version `version` (calls record versions counted from it)."""
         rollout = groups.actor.rollout.group
         tp = self.spec.rollout.tensor_parallel_size
-        ray.get(self.actor.attach.remote(rollout.actors[::tp], rollout.role, version), timeout=CALL_TIMEOUT_S)
+        ray.get(self.actor.attach.remote(rollout.actors[::tp], version), timeout=CALL_TIMEOUT_S)
         if self.config.agent is not None and self.agents is None:  # rollout.external.agent: the job's own
             from controller.external_agents import AgentPool
             from controller.user_code import run_sandboxed

@@ -9,8 +9,7 @@ declares (`workers.base.Reduce`):
 - `Reduce.GLOBAL`: results the engine already reduced over ranks (update metrics, the grad norm),
   identical on every rank, so rank 0's;
 - `Reduce.RANK_ZERO`: a per-rank measurement (a weight sync's timing) or acknowledgement: rank 0's.
-Nothing is restated: no method name as a string, no signature written twice. A group checks at
-construction that its worker registers every operation it offers with the same spec, so a renamed
+A group checks at construction that its worker registers every operation it offers with the same spec, so a renamed
 or re-declared worker method fails when the group starts, not in the middle of a job.
 
 The actor's group holds its rollout group: the same workers for the hybrid worker, or a rollout
@@ -82,12 +81,11 @@ class RoleGroup:
 
     # Derived from the class's operations (__init_subclass__), never written by hand.
     operations: ClassVar[dict[str, operation]] = {}
-    methods: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         ops = {n: v for k in reversed(cls.__mro__) for n, v in vars(k).items() if isinstance(v, operation)}
-        cls.operations, cls.methods = ops, tuple(ops)
+        cls.operations = ops
 
     def __init__(self, group: RayWorkerGroup) -> None:
         registered = registered_methods(group.worker_cls)

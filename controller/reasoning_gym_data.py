@@ -30,8 +30,6 @@ from controller.data_files import DataError
 from controller.reasoning_gym_reward import encode_entry
 from schema.reasoning_gym import ReasoningGymSpec
 
-SPLITS = ("train", "val")
-
 
 def make_rows(
     spec: ReasoningGymSpec, split: str, size: int, skip: frozenset[str] = frozenset()

@@ -1,11 +1,5 @@
-"""Recovery: a job that survives its workers.
-
-When a worker of a job is lost (its process is gone, its node died, or a call to it timed out), the
-job's controller restarts instead of failing: it tears every worker group down with their placement
-group, waits a backoff (`trainer.restart_backoff_s`, doubled each time), waits for the cluster to have
-room for the workers again (at most `trainer.restart_wait_s`), starts them afresh, loads the last
-committed checkpoint and goes on. After `trainer.max_restarts` restarts the next loss fails the job
-with every error on record. The trainer drives this (`Trainer.run`); this module decides and records:
+"""Recovery: a job that survives its workers (docs/ARCHITECTURE.md §6.1). The trainer drives the
+restart (`Trainer.run`); this module decides and records:
 
 - `worker_lost(err, groups)`: whether an error means a lost worker (retried) or is the job's own
   (never retried): a rank that raised, a reward function that raised, a bad spec, a missing file.
@@ -16,10 +10,8 @@ with every error on record. The trainer drives this (`Trainer.run`); this module
 - `AttemptSink`: events and samples made after a restart carry the attempt number (2, 3, ...); the
   metric rows of the steps after the checkpoint are replaced (`JobSink.rewind`), one row per step.
 
-The scope of a restart is the whole job: with colocated roles every process holds a training rank,
-so a lost process takes the job's training state with it. A split placement's rollout worker lost
-alone is replaced without a restart (controller/rollout_recovery.py), within the same budget
-(`Recovery.begin_replacement`); anything else falls back to this one (docs/ARCHITECTURE.md §6.1).
+A split placement's rollout worker lost alone is replaced without a restart
+(controller/rollout_recovery.py), within the same budget (`Recovery.begin_replacement`).
 """
 
 from __future__ import annotations

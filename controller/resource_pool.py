@@ -105,10 +105,6 @@ class ResourcePool:
             ready_timeout_s=ready_timeout_s,
         )
 
-    @property
-    def use_gpu(self) -> bool:
-        return self.gpus_per_bundle > 0
-
     def _wait_ready(self, timeout_s: float) -> None:
         try:
             ray.get(self.placement_group.ready(), timeout=timeout_s)
@@ -128,11 +124,6 @@ class ResourcePool:
         """Node id of each rank's bundle, in rank order."""
         table = placement_group_table(self.placement_group)
         return [table["bundles_to_node_id"][b] for b in self.bundle_order]
-
-    def node_ip_of_rank(self) -> list[str]:
-        """Node IP of each rank's bundle, in rank order."""
-        ips = _node_ips()
-        return [ips.get(node, "") for node in self.node_of_rank()]
 
     def placement(self) -> dict[str, list[str]]:
         """Where each rank runs, in rank order: {"node_ids": [...], "node_ips": [...]}."""

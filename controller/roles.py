@@ -209,9 +209,7 @@ def link_rollout(training: RayWorkerGroup, rollout: RayWorkerGroup, plan: Rollou
     """Connect the training rank 0 to `rollout` with the plan's strategy (a collective group is formed
     with its workers; an earlier one is closed first, workers/actor_role.py)."""
     timeout_s = min(plan.call_timeout_s, TRANSFER_TIMEOUT_S)
-    training.connect_rollout(
-        RolloutLink(rollout.actors, rollout.role, rollout.name, plan.strategy, timeout_s)
-    )
+    training.connect_rollout(RolloutLink(rollout.actors, rollout.name, plan.strategy, timeout_s))
 
 
 def rollout_pool_of(spec: JobSpec, name: str) -> ResourcePool:

@@ -14,17 +14,15 @@ scores tensor, a metrics dict); one item is one step's batch (`samples` = prompt
 `take(version, B)` for a step's worth of items young enough to train at trainer version `version`
 (the agents' endpoint's items are groups, several a step).
 
-Admission (AReaL's rule, Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning
-System", §5; SkyRL's is the same): with k = max_staleness, B = samples of one step and v the
-version of the weights the producers hold, a new rollout of n samples starts only while
+Admission (AReaL's rule): with k = max_staleness, B = samples of one step and v the version of the
+weights the producers hold, a new rollout of n samples starts only while
 
     accepted + running + n <= (k + v + 1) * B      and      buffered + running + n <= capacity
 
 where `accepted` counts every sample put and not dropped (trained ones included), so generation
 waits instead of producing samples that would be too old to train. Filtering stays as the second
-guard: `take` drops an item with s - v_item > k (`too_stale`, the job's one staleness filter;
-`dropped`), and a dropped item's samples leave `accepted`, so the producers may
-replace them.
+guard: `take` drops an item with s - v_item > k (`too_stale`, the job's one staleness filter), and
+a dropped item's samples leave `accepted`, so the producers may replace them.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ import torch
 from controller.partial_rollout import generate_in_segments
 from controller.rollout_buffer import BufferedRollout, RolloutBuffer
 from controller.rollout_turn import RolloutTurn
-from controller.worker_group import DEFAULT_ROLE
 from engines.rollout.hf import read_special_token_ids
 from schema.async_rl import resolved_lanes
 from workers.remote import wait_all
@@ -143,7 +142,7 @@ class RolloutProducer:
         if actor is None:
             return actors.generate_sequences(prompts)
         group = actors.rollout.group
-        ref = actor.execute.remote(DEFAULT_ROLE, "generate_sequences", ((prompts,), {}))
+        ref = actor.execute.remote("generate_sequences", ((prompts,), {}))
         return wait_all(who, "generate_sequences", [ref], group.call_timeout_s)[0]
 
     def _low_level(self, actor: Any, rows: list[list[int]], params: Any, who: str) -> list:
@@ -151,7 +150,7 @@ class RolloutProducer:
         if actor is None:
             return self.trainer.job.groups.actor.rollout.generate(rows, params)
         group = self.trainer.job.groups.actor.rollout.group
-        ref = actor.execute.remote(DEFAULT_ROLE, "generate", ((rows, params), {}))
+        ref = actor.execute.remote("generate", ((rows, params), {}))
         return wait_all(who, "generate", [ref], group.call_timeout_s)[0]
 
     def resume_point(self) -> tuple[int, dict[str, Any], list[int]]:

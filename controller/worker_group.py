@@ -1,11 +1,9 @@
 """RayWorkerGroup: one Ray actor per bundle of a ResourcePool, with the workers' registered methods
 bound as methods of the group.
 
-Every actor is a `WorkerHost` that holds one or more worker roles (plain `workers.base.Worker`
-subclasses). A group made with `RayWorkerGroup(pool, cls, ...)` hosts one role; `fused_groups(...)`
-hosts several roles in the same processes and returns one group view per role over the same actors,
-each role keeping its own mesh registry. Every blocking call has a timeout, and the first rank to
-fail ends the call with an error naming the group, the rank and the method.
+Every actor is a `WorkerHost` that builds one worker (a plain `workers.base.Worker` subclass) and
+runs its methods. Every blocking call has a timeout, and the first rank to fail ends the call with
+an error naming the group, the rank and the method.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -29,8 +26,6 @@ from workers.base import Dispatch, MethodSpec, registered_methods
 from workers.remote import WorkerGroupError as WorkerGroupError  # re-exported: callers catch it here
 from workers.remote import wait_all
 
-DEFAULT_ROLE = "main"
-
 
 # Settings that libgomp and glibc read when a rank's process starts, so they go in the actor's
 # environment (Ray merges them into the job's env_vars): OpenMP threads spin between ops unless
@@ -42,21 +37,12 @@ def _rank_env(share: float) -> dict[str, dict[str, str]]:
     return {"env_vars": env}
 
 
-@dataclass
-class RoleSpec:
-    """How to build one worker role inside a host actor."""
-
-    cls: type
-    args: tuple = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-
 class WorkerHost:
-    """The Ray actor body: sets the distributed env, then builds and serves its worker roles."""
+    """The Ray actor body: sets the distributed env, then builds and serves its worker."""
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
-        self.roles: dict[str, Any] = {}
+        self.worker: Any = None
 
     def node_address(self) -> tuple[str, int]:
         """This node's IP and a free TCP port, for MASTER_ADDR / MASTER_PORT."""
@@ -65,7 +51,7 @@ class WorkerHost:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def start(self, env: dict[str, str], roles: dict[str, RoleSpec], bundle_cpus: float = 1.0) -> None:
+    def start(self, env: dict[str, str], worker: tuple[type, tuple, dict], bundle_cpus: float = 1.0) -> None:
         os.environ.update(env)
         # Ray leaves an actor one OpenMP thread per CPU it asked for, and colocated groups ask for a
         # share of the bundle; they take turns, so each uses the whole bundle (up to the cores).
@@ -73,35 +59,34 @@ class WorkerHost:
         keep_freed_memory()  # no mmap / munmap of every step's tensors (engines/host_memory.py)
         if env.get(WORKER_OUTPUT_ENV):  # a service job: output goes to the job's log
             redirect_output(env[WORKER_OUTPUT_ENV])
-        for name, spec in roles.items():
-            self.roles[name] = spec.cls(*spec.args, **spec.kwargs)
+        cls, args, kwargs = worker
+        self.worker = cls(*args, **kwargs)
 
-    def execute(self, role: str, method: str, payload: tuple[tuple, dict]) -> Any:
+    def execute(self, method: str, payload: tuple[tuple, dict]) -> Any:
         args, kwargs = payload
-        return getattr(self.roles[role], method)(*args, **kwargs)
+        return getattr(self.worker, method)(*args, **kwargs)
 
-    def execute_on_batch(self, role: str, method: str, batch: Any, payload: tuple[tuple, dict]) -> Any:
+    def execute_on_batch(self, method: str, batch: Any, payload: tuple[tuple, dict]) -> Any:
         args, kwargs = payload
-        return getattr(self.roles[role], method)(batch, *args, **kwargs)
+        return getattr(self.worker, method)(batch, *args, **kwargs)
 
     def pid(self) -> int:
         return os.getpid()
 
 
 class _Hosts:
-    """The actors of one placement, shared by every role view over them.
-
-    Made in two phases so that several groups start at once (`RayWorkerGroup.launch`): the
-    constructor only asks Ray for the actors; `begin()` sends each its roles, `wait()` waits for
-    them. A process's start (its imports, its model) is most of a group's start-up.
+    """The actors of one placement, made in two phases so that several groups start at once
+    (`RayWorkerGroup.launch`): the constructor only asks Ray for the actors; `begin()` sends each its
+    worker, `wait()` waits for them. A process's start (its imports, its model) is most of a group's
+    start-up.
     """
 
     def __init__(
-        self, pool: ResourcePool, roles: dict[str, RoleSpec], name: str, share: float, start_timeout_s: float
+        self, pool: ResourcePool, worker: tuple, name: str, share: float, start_timeout_s: float
     ) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
-        self.name, self.pool, self.roles = name, pool, roles
+        self.name, self.pool, self.worker = name, pool, worker
         self.start_timeout_s = start_timeout_s
         self.starts: list[ray.ObjectRef] | None = None
         remote_host, env = ray.remote(WorkerHost), _rank_env(share)
@@ -121,7 +106,7 @@ class _Hosts:
         self.address = self.actors[0].node_address.remote()
 
     def begin(self) -> None:
-        """Hand every actor its rank's environment and roles (once rank 0 has named the rendezvous)."""
+        """Hand every actor its rank's environment and worker (once rank 0 has named the rendezvous)."""
         if self.starts is not None:
             return
         world, pool = len(self.actors), self.pool
@@ -140,14 +125,14 @@ class _Hosts:
                     "TANDEM_GROUP": self.name,
                     WORKER_OUTPUT_ENV: os.environ.get(WORKER_OUTPUT_ENV, ""),
                 },
-                self.roles,
+                self.worker,
                 pool.cpus_per_bundle,
             )
             for rank, actor in enumerate(self.actors)
         ]
 
     def wait(self) -> None:
-        """Until every rank has built its roles; the first failure raises, naming the group and rank."""
+        """Until every rank has built its worker; the first failure raises, naming the group and rank."""
         self.begin()
         assert self.starts is not None
         wait_all(self.name, "__init__", self.starts, self.start_timeout_s)
@@ -168,12 +153,12 @@ class PendingGroup:
         return self.hosts
 
     def ready(self) -> RayWorkerGroup:
-        """The group, once every rank has built its role; raises as a group's start does."""
-        return RayWorkerGroup._view(self.wait(), DEFAULT_ROLE, self.worker_cls, self.call_timeout_s)
+        """The group, once every rank has built its worker; raises as a group's start does."""
+        return RayWorkerGroup._view(self.wait(), self.worker_cls, self.call_timeout_s)
 
 
 def ready_all(pending: dict[str, PendingGroup]) -> dict[str, RayWorkerGroup]:
-    """Every launched group, started side by side: each gets its roles as soon as its rank 0 answers,
+    """Every launched group, started side by side: each gets its worker as soon as its rank 0 answers,
     before any is waited for. The first failure raises (the caller removes the pools, and with them
     the other groups' actors)."""
     for group in pending.values():
@@ -182,12 +167,12 @@ def ready_all(pending: dict[str, PendingGroup]) -> dict[str, RayWorkerGroup]:
 
 
 class RayWorkerGroup:
-    """One role's view over a set of worker actors, with its registered methods bound."""
+    """A set of worker actors, with the worker's registered methods bound."""
 
     def __init__(self, pool: ResourcePool, worker_cls: type, *args: Any, **kwargs: Any) -> None:
         """Start the group and wait for it (`launch` names the options; the rest go to the workers)."""
         pending = RayWorkerGroup.launch(pool, worker_cls, *args, **kwargs)
-        self._init_view(pending.wait(), DEFAULT_ROLE, worker_cls, pending.call_timeout_s)
+        self._init_view(pending.wait(), worker_cls, pending.call_timeout_s)
 
     @staticmethod
     def launch(
@@ -202,21 +187,18 @@ class RayWorkerGroup:
     ) -> PendingGroup:
         """Start a group without waiting for it: groups launched one after another start at the same
         time, and `PendingGroup.ready()` returns each (controller/roles.py `start_groups`)."""
-        hosts = _Hosts(
-            pool, {DEFAULT_ROLE: RoleSpec(worker_cls, args, kwargs)}, group_name, share, start_timeout_s
-        )
+        hosts = _Hosts(pool, (worker_cls, args, kwargs), group_name, share, start_timeout_s)
         return PendingGroup(hosts, worker_cls, call_timeout_s)
 
     @classmethod
-    def _view(cls, hosts: _Hosts, role: str, worker_cls: type, call_timeout_s: float) -> RayWorkerGroup:
+    def _view(cls, hosts: _Hosts, worker_cls: type, call_timeout_s: float) -> RayWorkerGroup:
         group = cls.__new__(cls)
-        group._init_view(hosts, role, worker_cls, call_timeout_s)
+        group._init_view(hosts, worker_cls, call_timeout_s)
         return group
 
-    def _init_view(self, hosts: _Hosts, role: str, worker_cls: type, call_timeout_s: float) -> None:
-        self._hosts, self.role, self.worker_cls = hosts, role, worker_cls
+    def _init_view(self, hosts: _Hosts, worker_cls: type, call_timeout_s: float) -> None:
+        self._hosts, self.worker_cls, self.name = hosts, worker_cls, hosts.name
         self.call_timeout_s = call_timeout_s
-        self.name = hosts.name if role == DEFAULT_ROLE else f"{hosts.name}/{role}"
         self._layouts: dict[str, MeshLayout] = {}
         for method, spec in registered_methods(worker_cls).items():
             if hasattr(type(self), method):
@@ -234,7 +216,7 @@ class RayWorkerGroup:
         return list(self._hosts.actors)
 
     def mesh_layout(self, mesh: str) -> MeshLayout:
-        """The mesh's layout, queried from all ranks on first use and cached for this role."""
+        """The mesh's layout, queried from all ranks on first use and cached."""
         if mesh not in self._layouts:
             info = self._run_all("mesh_info", [((mesh,), {})] * self.world_size)
             self._layouts[mesh] = MeshLayout.from_info(mesh, info)
@@ -249,7 +231,7 @@ class RayWorkerGroup:
         return self._submit(method, spec, args, kwargs)
 
     def shutdown(self) -> None:
-        """Kill the actors (every role view over them goes with them)."""
+        """Kill the actors."""
         self._hosts.kill()
 
     # ---- binding and execution ---------------------------------------------------------------
@@ -267,14 +249,14 @@ class RayWorkerGroup:
         actors = self._hosts.actors
         if spec.mode is Dispatch.ONE_TO_ALL:
             payload = _shared((args, kwargs), len(actors))
-            refs = [a.execute.remote(self.role, method, payload) for a in actors]
+            refs = [a.execute.remote(method, payload) for a in actors]
             return PendingCall(self, method, refs, lambda outs: outs)
         if spec.mode is Dispatch.ALL_TO_ALL:
             per_rank = scatter_all_to_all(self.world_size, args, kwargs)
-            refs = [a.execute.remote(self.role, method, p) for a, p in zip(actors, per_rank, strict=True)]
+            refs = [a.execute.remote(method, p) for a, p in zip(actors, per_rank, strict=True)]
             return PendingCall(self, method, refs, lambda outs: outs)
         if spec.mode is Dispatch.RANK_ZERO:
-            refs = [actors[0].execute.remote(self.role, method, (args, kwargs))]
+            refs = [actors[0].execute.remote(method, (args, kwargs))]
             return PendingCall(self, method, refs, lambda outs: outs[0])
         if spec.mode is Dispatch.MESH:
             return self._submit_mesh(method, spec, args, kwargs)
@@ -289,21 +271,19 @@ class RayWorkerGroup:
         chunk_refs = [_shared(chunk, n) for chunk, n in zip(chunks, readers, strict=True)]  # tp peers
         rest = _shared((args[1:], kwargs), self.world_size)
         refs = [
-            actor.execute_on_batch.remote(self.role, method, chunk_refs[layout.dp_rank[rank]], rest)
+            actor.execute_on_batch.remote(method, chunk_refs[layout.dp_rank[rank]], rest)
             for rank, actor in enumerate(self._hosts.actors)
         ]
         return PendingCall(self, method, refs, lambda outs: collect_from_mesh(layout, outs, pad))
 
     def _run_all(self, method: str, per_rank: list[tuple[tuple, dict]]) -> list[Any]:
-        refs = [
-            a.execute.remote(self.role, method, p) for a, p in zip(self._hosts.actors, per_rank, strict=True)
-        ]
+        refs = [a.execute.remote(method, p) for a, p in zip(self._hosts.actors, per_rank, strict=True)]
         return wait_all(self.name, method, refs, self.call_timeout_s)
 
 
 def _shared(value: Any, readers: int) -> Any:
     """`value` as one object-store copy when several ranks read it, else as itself: Ray then sends
-    a small argument inside the call (a `ray.put` costs ~0.5 ms at quiet, and the rank a fetch) and
+    a small argument inside the call (a `ray.put` costs a round trip, and the rank a fetch) and
     stores a large one once anyway."""
     return ray.put(value) if readers > 1 else value
 
@@ -323,17 +303,3 @@ class PendingCall:
     def result(self, timeout_s: float | None = None) -> Any:
         outputs = wait_all(self.group.name, self.method, self.refs, timeout_s or self.group.call_timeout_s)
         return self._collect(outputs)
-
-
-def fused_groups(
-    pool: ResourcePool,
-    roles: dict[str, RoleSpec],
-    group_name: str = "workers",
-    share: float = 1.0,
-    call_timeout_s: float = 3600.0,
-    start_timeout_s: float = 300.0,
-) -> dict[str, RayWorkerGroup]:
-    """Host several roles in the same actors; one group view per role, each with its own meshes."""
-    hosts = _Hosts(pool, roles, group_name, share, start_timeout_s)
-    hosts.wait()
-    return {role: RayWorkerGroup._view(hosts, role, spec.cls, call_timeout_s) for role, spec in roles.items()}

@@ -118,4 +118,4 @@ def test_sampling_settings_are_written_and_read_in_one_place():
 def test_each_group_surface_forwards_only_methods_its_worker_registers():
     for surface, worker in ((ActorGroup, ActorRolloutRefWorker), (CriticGroup, CriticWorker),
                             (RewardGroup, RewardModelWorker)):  # fmt: skip
-        assert set(surface.methods) <= set(registered_methods(worker)), surface.__name__
+        assert set(surface.operations) <= set(registered_methods(worker)), surface.__name__

@@ -58,7 +58,7 @@ def test_a_split_lora_job_matches_the_colocated_one_and_syncs_only_the_adapter(r
 def test_a_probe_past_the_tolerance_names_the_rollout_worker():
     """The sender's check, fed a worker whose log-probs are off (an adapter that never loaded)."""
     transfer = RemoteAdapterTransfer(
-        RolloutPeers([], "rollout", "job-rollout", 1.0), {}, default_tolerance(torch.float32)
+        RolloutPeers([], "job-rollout", 1.0), {}, default_tolerance(torch.float32)
     )
     moved = TransferStats(
         bytes=400, seconds=0.1, buckets=1, tensors=2, max_bucket_bytes=400, weight_version=3

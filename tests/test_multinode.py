@@ -90,7 +90,7 @@ def run_scenario() -> dict[str, Any]:
         placements = []
         for attempt in range(2):  # the same rank -> node mapping each time the pool is rebuilt
             pool = ResourcePool.for_resources(spread, name=f"spread-{attempt}", ready_timeout_s=60)
-            placements.append({"nodes": pool.node_of_rank(), "ips": pool.node_ip_of_rank()})
+            placements.append({"nodes": pool.node_of_rank(), "ips": pool.placement()["node_ips"]})
             if attempt == 0:
                 pool.remove()
         report["placements"] = placements

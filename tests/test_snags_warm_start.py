@@ -15,6 +15,7 @@ from api.cli_spec import build_spec
 from controller.data import SFTDataset, build_dataset
 from controller.sink import JsonlSink
 from controller.tasks import get_task
+from controller.tasks.splits import write_splits
 from controller.trainer import Trainer
 from engines.tiny_models import BUILTIN_MODELS, build_tokenizer
 from examples import agent_openai
@@ -65,7 +66,7 @@ def test_the_agent_examples_warm_start_calls_its_tool_as_the_endpoint_parses_cal
 
 def test_the_agent_examples_warm_start_keeps_every_trace_within_the_models_context(tmp_path, chat_tokenizer):
     spec = warm_start_spec()
-    train, _ = get_task(spec.data.builtin_task).write_jsonl(tmp_path, train_size=50, val_size=4)
+    train, _ = write_splits(get_task(spec.data.builtin_task), tmp_path, train_size=50, val_size=4)
     dataset = build_dataset(
         train, chat_tokenizer, spec.data, sft=True, max_response_length=spec.rollout.max_new_tokens
     )

@@ -71,7 +71,7 @@ def groups(ray_cluster, tiny_model_dir):
 def pair(request, groups):
     """The two linked by the strategy (connecting again replaces the previous link)."""
     trainer, rollout = groups
-    link = RolloutLink(rollout.actors, rollout.role, rollout.name, request.param, timeout_s=60)
+    link = RolloutLink(rollout.actors, rollout.name, request.param, timeout_s=60)
     trainer.connect_rollout(link)
     return request.param, trainer, rollout
 

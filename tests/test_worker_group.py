@@ -12,7 +12,7 @@ import torch
 
 from controller.dispatch import MeshLayout
 from controller.resource_pool import ResourcePool, cluster_capacity, job_shares
-from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups, ready_all
+from controller.worker_group import RayWorkerGroup, WorkerGroupError, ready_all
 from engines.host_memory import transparent_huge_pages
 from engines.threads import logical_cpus, physical_cores
 from schema.resources import ResourcesSpec
@@ -256,46 +256,6 @@ def test_dead_actor_fails_the_next_call_quickly(pool, ray_cluster):
         assert time.monotonic() - start < 30
     finally:
         group.shutdown()
-
-
-class CriticRole(Worker):
-    """A second role with its own mesh registration: dp ranks reversed."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_mesh("train", self.world_size - 1 - self.rank, True)
-
-    @register(Dispatch.MESH, mesh="train")
-    def score(self, batch: Batch) -> Batch:
-        return Batch.from_dict(
-            tensors={
-                "row": batch.tensors["row"],
-                "rank": torch.full((len(batch),), self.rank),
-                "pid": torch.full((len(batch),), os.getpid()),
-            }
-        )
-
-
-class ActorRole(CriticRole):
-    def __init__(self) -> None:
-        Worker.__init__(self)
-        self.register_mesh("train", self.rank, True)
-
-
-def test_fused_roles_share_processes_but_not_meshes(pool):
-    groups = fused_groups(
-        pool, {"actor": RoleSpec(ActorRole), "critic": RoleSpec(CriticRole)}, group_name="fused", share=0.25
-    )
-    try:
-        actor, critic = groups["actor"], groups["critic"]
-        a, c = actor.score(make_batch(4)), critic.score(make_batch(4))
-        assert a.tensors["row"].tolist() == c.tensors["row"].tolist() == [0, 1, 2, 3]
-        assert a.tensors["rank"].tolist() == [0, 1, 2, 3]
-        assert c.tensors["rank"].tolist() == [3, 2, 1, 0]  # the critic's own registry: dp reversed
-        assert sorted(a.tensors["pid"].tolist()) == sorted(c.tensors["pid"].tolist())  # same processes
-        assert actor.name == "fused/actor" and critic.mesh_layout("train").dp_rank == (3, 2, 1, 0)
-    finally:
-        groups["actor"].shutdown()
 
 
 class MeetingWorker(Worker):

@@ -64,7 +64,7 @@ def test_forward_gives_the_log_probs_of_compute_log_prob(actor):
 
 
 def test_surfaces_are_derived_from_the_registered_methods():
-    assert set(CheckpointedGroup.methods) <= set(ActorGroup.methods) & set(CriticGroup.methods)
+    assert set(CheckpointedGroup.operations) <= set(ActorGroup.operations) & set(CriticGroup.operations)
     assert ActorGroup.update_actor.spec.reduce is Reduce.GLOBAL
     assert ActorGroup.sync_weights.spec.reduce is Reduce.RANK_ZERO
 

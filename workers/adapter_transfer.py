@@ -1,14 +1,12 @@
 """Adapter-only sync to rollout workers in other processes (placement 'split' with model.lora).
 
 The colocated path (`AdapterTransfer`, engines/transfer/adapter.py) hands the adapter to the rollout
-engine in its own process. Split, `RemoteAdapterTransfer` on training rank 0 collects the adapter
-(PEFT-named fp32 tensors: megabytes, not the model), puts it in Ray's object store once as one
-object (`encode_bucket`: each tensor's bytes, bit for bit) and makes one call per rollout worker,
-`RolloutWorker.receive_adapter`, which loads it as the colocated path does
-(`RolloutEngine.load_adapter`: the hf engine merges it into its weights from its fp32 copy of the
-base, vllm loads it as a LoRA adapter), closes the update and generates the probe's greedy
-sequence. The object store rather than a collective group whatever `rollout.weight_transfer`
-says: for megabytes the group adds a rendezvous and nothing measurable.
+engine in its own process. Split, `RemoteAdapterTransfer` on training rank 0 puts the adapter
+(PEFT-named fp32 tensors) in Ray's object store once as one object (`encode_bucket`, bit for bit)
+and makes one call per rollout worker, `RolloutWorker.receive_adapter`, which loads it as the
+colocated path does, closes the update and generates the probe's greedy sequence. The object store
+rather than a collective group whatever `rollout.weight_transfer` says: an adapter is small, so a
+group would add a rendezvous for nothing.
 
 The probe then needs the trainer's log-probs of each worker's probe sequence, and the trainer's
 forward is collective over the FSDP ranks: `probe_all_ranks` broadcasts the sequences from rank 0

@@ -9,15 +9,12 @@ Generation layout. The controller sends a Batch whose non_tensors["prompt_ids"] 
 (one row per sample: prompts already repeated n times) and whose meta holds the SamplingParams
 (`workers.batch.put_sampling`) and the prompt width (`put_prompt_length`); the result has the
 fixed-width layout of workers/rollout_layout.py. With an environment in the meta
-(`put_environment`) each row is a multi-turn trajectory (workers/multiturn.py). `generate(token ids, SamplingParams)` is the low-level call: completions,
-no layout.
+(`put_environment`) each row is a multi-turn trajectory (workers/multiturn.py).
+`generate(token ids, SamplingParams)` is the low-level call: completions, no layout.
 
-Weights arrive from a training rank in another process (engines/transfer/): over a transfer group
-(`join_transfer`, then `receive_weights` per transfer) or bucket by bucket from the object store
-(`receive_bucket`, the last one closing the transfer); a LoRA adapter arrives whole
-(`receive_adapter`, workers/adapter_transfer.py), followed by the probe's greedy sequence. The sender, not the controller, calls these. A
-transfer may carry any named subset of the model's tensors; the engine copies each by name into
-its own parameters (or the fused decode buffers they are views of) and leaves the rest.
+Weights arrive from a training rank in another process (engines/transfer/), which calls
+`join_transfer` and `receive_weights`, `receive_bucket`, or `receive_adapter`
+(workers/adapter_transfer.py); a transfer may carry any named subset of the model's tensors.
 """
 
 from __future__ import annotations

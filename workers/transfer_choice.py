@@ -33,7 +33,6 @@ class RolloutLink:
     """What a training rank needs to send weights to a rollout group placed apart from it."""
 
     actors: list[Any]  # the rollout group's Ray actor handles, in rank order
-    role: str  # the rollout worker's role name inside its host actors
     group: str  # the rollout group's name, for errors
     strategy: str  # "collective" or "object_store"
     timeout_s: float = 300.0
@@ -55,7 +54,7 @@ def connect(
 ) -> WeightTransfer:
     """The sending side of `link.strategy`, connected to every rollout worker of the link; the
     adapter alone (one object-store object, workers/adapter_transfer.py) when `train` trains LoRA."""
-    peers = RolloutPeers(link.actors, link.role, link.group, link.timeout_s)
+    peers = RolloutPeers(link.actors, link.group, link.timeout_s)
     if train is not None and train.adapter_config() is not None:
         return RemoteAdapterTransfer(peers, train.adapter_config(), default_tolerance(dtype))
     if link.strategy == "object_store":

@@ -1,7 +1,7 @@
 """The rollout workers as a training rank sees them when it sends them weights (over Ray).
 
 The controller hands the sending rank the rollout group's actor handles; `RolloutPeers` starts a
-method on all of them through the host actor's `execute(role, method, (args, kwargs))` and waits
+method on all of them through the host actor's `execute(method, (args, kwargs))` and waits
 for the results with a timeout, so that a receiver that died or hung fails the transfer with a
 `TransferError` naming the rollout group and the rank.
 """
@@ -19,8 +19,8 @@ from workers.remote import WorkerGroupError, wait_all
 class RolloutPeers:
     """The `Receivers` of engines/transfer/base.py over the rollout group's Ray actors."""
 
-    def __init__(self, actors: list[Any], role: str, group: str, timeout_s: float) -> None:
-        self.actors, self.role, self.group, self.timeout_s = list(actors), role, group, timeout_s
+    def __init__(self, actors: list[Any], group: str, timeout_s: float) -> None:
+        self.actors, self.group, self.timeout_s = list(actors), group, timeout_s
         self._method = ""
         self._refs: list[ray.ObjectRef] = []
 
@@ -29,13 +29,13 @@ class RolloutPeers:
 
     def start(self, method: str, *args: Any) -> None:
         self._method = method
-        self._refs = [actor.execute.remote(self.role, method, (args, {})) for actor in self.actors]
+        self._refs = [actor.execute.remote(method, (args, {})) for actor in self.actors]
 
     def start_each(self, method: str, per_rank: list[tuple]) -> None:
         """Start `method` with rank i's own arguments `per_rank[i]`."""
         self._method = method
         self._refs = [
-            actor.execute.remote(self.role, method, (args, {}))
+            actor.execute.remote(method, (args, {}))
             for actor, args in zip(self.actors, per_rank, strict=True)
         ]
 

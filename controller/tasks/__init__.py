@@ -14,6 +14,7 @@ from typing import Protocol
 from controller.tasks.arithmetic import ArithmeticTask
 from controller.tasks.calculator import CALCULATOR_TOOL, CalculatorTracesTask, endpoint_call
 from controller.tasks.guess_number import GuessNumberTask, GuessNumberTracesTask
+from controller.tasks.splits import write_splits
 from controller.tasks.word_problems import WordProblemTask
 
 
@@ -24,10 +25,6 @@ class Task(Protocol):
     default_val_size: int
 
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]: ...
-
-    def write_jsonl(
-        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
-    ) -> tuple[Path, Path]: ...
 
 
 BUILTIN_TASKS: dict[str, Task] = {
@@ -80,4 +77,4 @@ def write_task_files(
     seed: int = 0,
 ) -> tuple[Path, Path]:
     """Write the task's train.jsonl and val.jsonl under `directory`; returns their paths."""
-    return get_task(name).write_jsonl(directory, train_size, val_size, seed)
+    return write_splits(get_task(name), directory, train_size, val_size, seed)

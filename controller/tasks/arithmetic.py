@@ -17,10 +17,7 @@ import random
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from controller.tasks.splits import write_splits
 
 # Decoders may keep special tokens in the text; the answer ends at the first of them.
 _END_MARKERS = ("<|endoftext|>", "<|im_end|>", "<|pad|>")
@@ -123,14 +120,6 @@ class ArithmeticTask:
             if row["prompt"] not in rows and self.split_of(row["prompt"]) == split:
                 rows[row["prompt"]] = row
         return list(rows.values())
-
-    # ---- files --------------------------------------------------------------------------------
-
-    def write_jsonl(
-        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
-    ) -> tuple[Path, Path]:
-        """Write train.jsonl and val.jsonl under `directory`, so jobs read the task like user data."""
-        return write_splits(self, directory, train_size, val_size, seed)
 
 
 def score_answer(response: str, ground_truth: Any) -> dict[str, float]:

@@ -20,11 +20,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from controller.tasks.arithmetic import ArithmeticTask
-from controller.tasks.splits import write_splits
 from workers.chat_serving import tool_call_text, with_tools_header
 
 # The schema is kept short: the endpoint writes it into every prompt, and the built-in chat models
@@ -81,8 +79,3 @@ class CalculatorTracesTask:
             ]
             rows.append({"prompt": conversation, "response": answer, "ground_truth": answer})
         return rows
-
-    def write_jsonl(
-        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
-    ) -> tuple[Path, Path]:
-        return write_splits(self, directory, train_size, val_size, seed)

@@ -14,10 +14,7 @@ import hashlib
 import math
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
-
-from controller.tasks.splits import write_splits
 
 
 @dataclass(frozen=True)
@@ -54,11 +51,6 @@ class GuessNumberTask:
 
     def _prompt(self, low: int) -> str:
         return f"Guess {low}-{low + self.span - 1}."
-
-    def write_jsonl(
-        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
-    ) -> tuple[Path, Path]:
-        return write_splits(self, directory, train_size, val_size, seed)
 
 
 @dataclass(frozen=True)
@@ -99,8 +91,3 @@ class GuessNumberTracesTask:
                     {"role": "user", "content": hint},
                 ]
         return rows[:size] if size < len(rows) else rows
-
-    def write_jsonl(
-        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
-    ) -> tuple[Path, Path]:
-        return write_splits(self, directory, train_size, val_size, seed)

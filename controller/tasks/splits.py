@@ -15,7 +15,11 @@ class _Splits(Protocol):
 
 
 def write_splits(
-    task: _Splits, directory: str | Path, train_size: int | None, val_size: int | None, seed: int
+    task: _Splits,
+    directory: str | Path,
+    train_size: int | None = None,
+    val_size: int | None = None,
+    seed: int = 0,
 ) -> tuple[Path, Path]:
     """train.jsonl and val.jsonl of `task` under `directory` (default sizes when None)."""
     directory = Path(directory)

@@ -16,11 +16,9 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from controller.tasks.arithmetic import ArithmeticTask, extract_answer_text
-from controller.tasks.splits import write_splits
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eli", "Ana", "Ben", "Kim")
 THINGS = ("apples", "shells", "stickers", "marbles", "books", "coins", "pencils", "cards", "stamps", "eggs")
@@ -79,12 +77,6 @@ class WordProblemTask:
             if row["prompt"] not in rows and splitter.split_of(row["prompt"]) == split:
                 rows[row["prompt"]] = row
         return list(rows.values())
-
-    def write_jsonl(
-        self, directory: str | Path, train_size: int | None = None, val_size: int | None = None, seed: int = 0
-    ) -> tuple[Path, Path]:
-        """Write train.jsonl and val.jsonl under `directory`."""
-        return write_splits(self, directory, train_size, val_size, seed)
 
 
 def extract_final_number(response: str) -> str | None:
