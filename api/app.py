@@ -92,12 +92,10 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     app.state.settings = settings = settings or ServeSettings()
     app.state.checker = Checker(settings, service.home, service.files, service.store)
     service.scheduler.paths = app.state.checker.paths  # a job's paths are checked again when it starts
+    # the server of the scheduler's Tinker workload: the scheduler starts, counts and stops its runs
     app.state.tinker = TinkerService(
-        service.store, service.home, service.quotas, settings.tinker_models(),
-        HostOptions(max_rank=settings.tinker_max_rank), service.scheduler.runtime_env,
-    )  # fmt: skip
-    service.closers.append(app.state.tinker.shutdown)
-    service.tinker_cancel = app.state.tinker.cancel_run
+        service, settings.tinker_models(), HostOptions(max_rank=settings.tinker_max_rank)
+    )
 
     def body_limit(scope: dict) -> int:
         path = scope["path"].rstrip("/")

@@ -223,10 +223,24 @@ def metric_rows(
 def _lifecycle(action: str) -> Callable[[argparse.Namespace, TandemClient], int]:
     def run(args: argparse.Namespace, client: TandemClient) -> int:
         job = getattr(client, action)(args.job_id)
+        if getattr(args, "wait", False):
+            job = _settled(client, job)
         print(f"{job['id']}: {job['status']}")
         return 0
 
     return run
+
+
+def _settled(client: TandemClient, job: dict, timeout_s: float = 600.0) -> dict:
+    """The job once it has left `pausing` or `cancelling` (it stops at a step boundary, which takes a
+    step, or its workers' start), so that `tandem pause JOB --wait && tandem resume JOB` holds."""
+    deadline = time.monotonic() + timeout_s
+    while job["status"] in ("pausing", "cancelling"):
+        if time.monotonic() > deadline:
+            raise TandemError(f"job {job['id']} is still {job['status']} after {timeout_s:.0f} s")
+        time.sleep(0.5)
+        job = client.get_job(job["id"])
+    return job
 
 
 def _fork(args: argparse.Namespace, client: TandemClient) -> int:
@@ -448,7 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true")
     for action in ("cancel", "pause", "resume"):
-        command(action, _lifecycle(action), f"{action} a job")
+        p = command(action, _lifecycle(action), f"{action} a job")
+        if action != "resume":
+            p.add_argument("--wait", action="store_true", help="return once the job is paused or cancelled")
     p = command("fork", _fork, "a new job from one of a job's checkpoints, with changes")
     p.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     p.add_argument("--steps", type=int, help="the child's trainer.total_steps (above the checkpoint's step)")

@@ -1,6 +1,6 @@
 """A Tinker session host's process with the ranks' malloc setup against one without it.
 
-A SessionHost (workers/session_host.py) in a process where malloc keeps freed memory and maps with
+A SessionWorker (workers/session_host.py) in a process where malloc keeps freed memory and maps with
 transparent huge pages (engines/host_memory.py: `keep_freed_memory`, and `malloc_tunables` in the
 process's GLIBC_TUNABLES, as service/tinker_hosts.py starts its host actors) against one in a plain
 process (glibc's defaults, as host actors had before). Each configuration is a child process, rounds
@@ -35,26 +35,25 @@ def child(args: argparse.Namespace) -> None:
     import torch
 
     from controller.models import builtin_model_path
-    from workers.session_host import SessionHost
+    from workers.session_host import SessionWorker
 
-    host = SessionHost(args.model, str(builtin_model_path(args.model)), tempfile.mkdtemp(), {"threads": 2})
-    host.run_batch([{"op": "create_model", "model_id": "s0", "rank": 16, "seed": 0}])
+    host = SessionWorker(str(builtin_model_path(args.model)), tempfile.mkdtemp(), {"threads": 2})
+    host.create_adapter("s0", 16, seed=0)
     g, n = torch.Generator().manual_seed(0), args.seq_len
     data = []
     for _ in range(args.rows):
-        toks = torch.randint(10, host.vocab, (n + 1,), generator=g).tolist()
+        toks = torch.randint(10, host.engine.vocab, (n + 1,), generator=g).tolist()
         inputs = {
             "target_tokens": {"data": toks[1:], "dtype": "int64", "shape": [n]},
             "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]},
         }
         data.append({"tokens": toks[:-1], "loss_fn_inputs": inputs})
-    fb = [{"op": "forward", "model_id": "s0", "data": data, "loss_fn": "cross_entropy", "backward": True}]
-    step = [{"op": "optim_step", "model_id": "s0", "adam": {"learning_rate": 1e-4}}]
+    fb = [{"adapter": "s0", "data": data, "loss_fn": "cross_entropy", "backward": True}]
     seconds, faults = [], 0
     for i in range(1 + args.steps):
         before, start = minor_page_faults(), time.perf_counter()
-        results = host.run_batch(fb)
-        host.run_batch(step)
+        results = host.forward_backward(fb)
+        host.optim_step("s0", {"learning_rate": 1e-4})
         if i:  # the first round is a warm-up
             seconds.append(time.perf_counter() - start)
             faults += minor_page_faults() - before

@@ -1,8 +1,8 @@
-"""Many LoRA sessions on one SessionHost against one process (one base copy) per session.
+"""Many LoRA sessions on one SessionWorker against one process (one base copy) per session.
 
-For N = 1, 2, 4, 8: (shared) one child process hosting N sessions, each step one `run_batch` of N
+For N = 1, 2, 4, 8: (shared) one child process hosting N sessions, each step one `forward_backward` of N
 forward_backward ops (one multi-adapter forward) and N optim_steps; (separate) N child processes at
-once, each a SessionHost with one session (its own copy of the base, as N single-model RL jobs have).
+once, each a SessionWorker with one session (its own copy of the base, as N single-model RL jobs have).
 Each child reports its resident memory (RSS after the steps, and peak) and the forward_backward
 tokens it computed and the seconds they took; the separate runs add RSS over processes and divide
 all their tokens by the wall time of the slowest. Baseline, measured in the same run: one session
@@ -31,23 +31,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from workers.session_host import SessionHost
+    from workers.session_host import SessionWorker
 
-    host = SessionHost(
-        args.model,
+    host = SessionWorker(
         args.model_path,
         args.workdir,
         {"max_resident_adapters": 16, "max_batch_tokens": args.max_batch_tokens},
     )
     ids = [f"s{i}" for i in range(args.sessions)]
-    host.run_batch(
-        [{"op": "create_model", "model_id": m, "rank": args.rank, "seed": i} for i, m in enumerate(ids)]
-    )
+    for i, m in enumerate(ids):
+        host.create_adapter(m, args.rank, seed=i)
     g = torch.Generator().manual_seed(0)
     n = args.seq_len
 
     def datum() -> dict:
-        toks = torch.randint(10, host.vocab, (n + 1,), generator=g).tolist()
+        toks = torch.randint(10, host.engine.vocab, (n + 1,), generator=g).tolist()
         ones = {"data": [1.0] * n, "dtype": "float32", "shape": [n]}
         return {
             "tokens": toks[:-1],
@@ -58,19 +56,16 @@ def child(args: argparse.Namespace) -> None:
         }
 
     data = {m: [datum() for _ in range(args.rows)] for m in ids}
-    fb = [
-        {"op": "forward", "model_id": m, "data": data[m], "loss_fn": "cross_entropy", "backward": True}
-        for m in ids
-    ]
-    step = [{"op": "optim_step", "model_id": m, "adam": {"learning_rate": 1e-4}} for m in ids]
+    fb = [{"adapter": m, "data": data[m], "loss_fn": "cross_entropy", "backward": True} for m in ids]
     seconds = 0.0
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()
-        results = host.run_batch(fb)
+        results = host.forward_backward(fb)
         if i >= args.warmup:
             seconds += time.perf_counter() - start
         assert all("ok" in r for r in results), results
-        host.run_batch(step)
+        for m in ids:
+            host.optim_step(m, {"learning_rate": 1e-4})
     tokens = args.steps * args.sessions * args.rows * n
     print(
         json.dumps(
@@ -91,29 +86,26 @@ def paired(args: argparse.Namespace, model_path: Path) -> dict:
     forward_backward round on each, `steps` times; medians and their ratio."""
     import statistics
 
-    from workers.session_host import SessionHost
+    from workers.session_host import SessionWorker
 
     def setup(sessions: int, rows: int, seed: int):
-        host = SessionHost(args.model, str(model_path), tempfile.mkdtemp(prefix="bench-paired-"), {})
+        host = SessionWorker(str(model_path), tempfile.mkdtemp(prefix="bench-paired-"), {})
         ids = [f"s{i}" for i in range(sessions)]
-        host.run_batch(
-            [{"op": "create_model", "model_id": m, "rank": args.rank, "seed": i} for i, m in enumerate(ids)]
-        )
+        for i, m in enumerate(ids):
+            host.create_adapter(m, args.rank, seed=i)
         g = torch.Generator().manual_seed(seed)
         n = args.seq_len
         ops = []
         for m in ids:
             data = []
             for _ in range(rows):
-                toks = torch.randint(10, host.vocab, (n + 1,), generator=g).tolist()
+                toks = torch.randint(10, host.engine.vocab, (n + 1,), generator=g).tolist()
                 inputs = {
                     "target_tokens": {"data": toks[1:], "dtype": "int64", "shape": [n]},
                     "weights": {"data": [1.0] * n, "dtype": "float32", "shape": [n]},
                 }
                 data.append({"tokens": toks[:-1], "loss_fn_inputs": inputs})
-            ops.append(
-                {"op": "forward", "model_id": m, "data": data, "loss_fn": "cross_entropy", "backward": True}
-            )
+            ops.append({"adapter": m, "data": data, "loss_fn": "cross_entropy", "backward": True})
         return host, ops
 
     import torch
@@ -124,7 +116,7 @@ def paired(args: argparse.Namespace, model_path: Path) -> dict:
         for name in list(pairs) if i % 2 == 0 else list(reversed(pairs)):
             host, ops = pairs[name]
             start = time.perf_counter()
-            assert all("ok" in r for r in host.run_batch(ops))
+            assert all("ok" in r for r in host.forward_backward(ops))
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - start)
     tokens = 4 * args.rows * args.seq_len

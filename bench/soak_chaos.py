@@ -5,7 +5,7 @@ A worker is found through the service's own Ray cluster: this file, run with `--
 child process (Ray's driver state stays out of the soak), connects to the cluster and prints every
 live actor's class, pid and placement group. A job's training workers are `WorkerHost` actors in its
 `<name>-pool` group, its rollout workers (placement split) those in `<name>-rollout-pool`, a Tinker
-session host is a `HostActor`. A pid is killed only when it is a descendant of the soak's service
+session host is a `WorkerHost` in a `session-host ...` placement group. A pid is killed only when it is a descendant of the soak's service
 process and its title is Ray's (`ray::...`): nothing outside the soak is ever signalled.
 """
 
@@ -46,7 +46,7 @@ def list_actors(address: str) -> None:
 
 
 def kind_of(actor: dict) -> str | None:
-    if actor["class"] == "HostActor":
+    if actor["class"] == "WorkerHost" and actor["group"].startswith("session-host"):
         return "session_host"
     if actor["class"] == "WorkerHost":
         return "rollout" if actor["group"].endswith("-rollout-pool") else "training"

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from workers.batch import Batch
+if TYPE_CHECKING:  # imported where used: the Tinker API binds a worker group without importing torch
+    from workers.batch import Batch
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ class MeshLayout:
 def split_for_mesh(layout: MeshLayout, batch: Batch, pad: bool = True) -> tuple[list[Batch], int]:
     """Pad `batch` to a multiple of the dp size and split it: one chunk per dp rank, and the pad.
     pad=False (a method whose every row counts, e.g. in a gradient) refuses a batch that needs it."""
+    from workers.batch import Batch
+
     if not isinstance(batch, Batch):
         raise TypeError(
             f"a MESH call on mesh '{layout.name}' takes a Batch first, got {type(batch).__name__}"
@@ -72,6 +75,8 @@ def split_for_mesh(layout: MeshLayout, batch: Batch, pad: bool = True) -> tuple[
 
 def collect_from_mesh(layout: MeshLayout, outputs_by_rank: Sequence[Any], pad: int) -> Any:
     """Gather the collect ranks' outputs by dp rank; Batches are concatenated and unpadded."""
+    from workers.batch import Batch
+
     gathered = [outputs_by_rank[r] for r in layout.collect_ranks()]
     if all(isinstance(out, Batch) for out in gathered):
         return Batch.concat(gathered).unpad(pad)

@@ -6,9 +6,7 @@ The API process (api/routes/openai_chat.py) checks a request and forwards it to 
 - templating and tokenizing (workers/chat_serving.py), never in the API process, in threads beside
   the actor's event loop so that a long prompt never stalls its other calls; then the call's bounds
   (controller/external_bounds.py: prompt + max_tokens within the model's context), before generating;
-- batching: calls that arrive while a replica is busy, or within `batch_window_ms`, go to that
-  replica's engine as one `generate` (grouped by sampling settings), straight to the rollout worker
-  actors (`RolloutWorker.generate`, one call per replica at a time);
+- batching onto the rollout replicas (controller/external_batcher.py);
 - recording: every call in its trajectory (controller/external_store.py), token-exact;
 - rewards, and `take()`, which the trainer calls for a step's trajectories;
 - trainer.mode async (`use_buffer`): the job's rollout buffer, which admits new trajectories and
@@ -21,12 +19,12 @@ raised, so the API answers them in its own shape.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from controller.external_batcher import ReplicaBatcher
 from controller.external_bounds import context_length, new_tokens
 from controller.external_buffer import ExternalBuffer
 from controller.external_spec import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
@@ -35,14 +33,15 @@ from controller.external_store import (
     TrajectoryError,
     TrajectoryStore,
     canonical_message,
+    readable_message,
     tools_key,
+    trajectory_row,
+    trajectory_view,
     unknown_trajectory,
 )
-from workers.chat_serving import content_text, cut_at_stop, strip_stop, tool_call_text
+from engines.rollout.constrained import Constraint, ConstraintError, build_constraint
+from workers.chat_serving import TOOL_CALL_END, cut_at_stop, strip_stop
 
-GENERATE_TIMEOUT_S = 900.0  # a call waits for a training step's update on a colocated worker
-ATTACH_TIMEOUT_S = 60.0
-STARTING_WAIT_S = 120.0  # a call that arrives before the rollout workers are attached waits this long
 TEMPLATING_THREADS = 4
 
 
@@ -63,58 +62,36 @@ class ExternalServer:
         self._templating = ThreadPoolExecutor(TEMPLATING_THREADS, thread_name_prefix="templating")
         self.store = TrajectoryStore(self.config)
         self._locks: dict[str, asyncio.Lock] = {}
-        self._queue: asyncio.Queue | None = None
-        self._free: asyncio.Queue | None = None
-        self._role = ""
-        self._hosts: list[Any] = []
-        self._batcher: asyncio.Task | None = None
-        self._offset = 0  # trainer version - engine version of the attached workers (see attach)
+        self.batcher = ReplicaBatcher(self.config.batch_window_ms)
         self.requests = 0
-        self.engine_calls = 0
         self.buffered: ExternalBuffer | None = None  # trainer.mode async
-        self._attached = asyncio.Event()
 
     # ---- wiring ------------------------------------------------------------------------------
 
     async def attach(self, hosts: list[Any], role: str, version: int = 0) -> None:
         """The rollout replicas to serve from (their WorkerHost actors and the role's name on them);
         called again with new workers after a restart or a resume. `version`: the trainer's version of
-        the weights they hold now (a resumed job's checkpoint step). An engine counts its syncs from 0
-        in every new process, so a call records engine version + (`version` - the engine's version
-        now): the trainer's version, which the staleness bound compares with."""
-        engine = hosts[0].execute.remote(role, "weight_version", ((), {}))
-        self._offset = version - int(await asyncio.wait_for(engine, ATTACH_TIMEOUT_S))
+        the weights they hold now (a resumed job's checkpoint step), which every call then records
+        (controller/external_batcher.py) and the staleness bound compares with."""
         if self.buffered is not None:  # a buffer that outlived the workers (a restart from a checkpoint)
             self.buffered.rewind(version)
-        self._role, self._hosts = role, list(hosts)
-        self._free = asyncio.Queue()
-        for host in hosts:
-            self._free.put_nowait(host)
-        if self._queue is None:
-            self._queue = asyncio.Queue()
-        if self._batcher is not None:
-            self._batcher.cancel()
-        self._batcher = asyncio.get_running_loop().create_task(self._batch_loop())
-        self._attached.set()
+        await self.batcher.attach(hosts, role, version)
 
     async def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
         """trainer.mode async: admit and buffer trajectories (kept as they are when called again
         after a restart of the workers: the buffer outlives them, as the trajectories do)."""
         if self.buffered is None:
-            rows = lambda t: [_row(t, k, s) for k, s in enumerate(t.segments)]  # noqa: E731
+            rows = lambda t: [trajectory_row(t, k, s) for k, s in enumerate(t.segments)]  # noqa: E731
             self.buffered = ExternalBuffer(self.store, rows, max_staleness, capacity, version)
 
     async def set_version(self, version: int) -> None:
         """The rollout workers now hold the weights of `version` (after a sync): admission widens."""
         self.buffered.buffer.set_version(version)
 
-    async def ready(self) -> bool:
-        return self._batcher is not None
-
     async def replicas(self) -> tuple[list[Any], str]:
         """The rollout worker actors served from and the role's name on them (bench/agents.py calls
         their engine directly, beside the endpoint, for its baseline)."""
-        return list(self._hosts), self._role
+        return list(self.batcher.hosts), self.batcher.role
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -153,7 +130,7 @@ class ExternalServer:
             return {"error": err.as_dict()}
         if self.buffered is not None:
             self.buffered.put_groups()
-        return _trajectory_view(t)
+        return trajectory_view(t)
 
     async def trajectory(self, tid: str) -> dict[str, Any]:
         t = self.store.trajectories.get(tid)
@@ -161,14 +138,14 @@ class ExternalServer:
             return {
                 "error": TrajectoryError(404, unknown_trajectory(tid), "trajectory_id", "not_found").as_dict()
             }
-        return _trajectory_view(t, tokens=True)
+        return trajectory_view(t, tokens=True)
 
     async def take(self) -> list[dict[str, Any]] | None:
         """A step's trajectories as rows (one per segment), or None while they are not all rewarded."""
         chosen = self.store.take()
         if chosen is None:
             return None
-        rows = [_row(t, k, s) for t in chosen for k, s in enumerate(t.segments)]
+        rows = [trajectory_row(t, k, s) for t in chosen for k, s in enumerate(t.segments)]
         for t in chosen:  # their tokens are in the step's batch now: keep only the ids (a late reward: 409)
             t.segments = []
         return rows
@@ -179,7 +156,7 @@ class ExternalServer:
 
     async def stats(self) -> dict[str, float]:
         out = {**self.store.stats(), "external/requests_total": float(self.requests),
-               "external/engine_calls_total": float(self.engine_calls)}  # fmt: skip
+               "external/engine_calls_total": float(self.batcher.engine_calls)}  # fmt: skip
         if self.buffered is not None:
             out["external/admitted_running"] = float(self.buffered.buffer.running)
         return out
@@ -188,6 +165,7 @@ class ExternalServer:
 
     async def _chat(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
         self.requests += 1
+        constraint = await self._constraint(body)
         traj = self.store.open(tid)
         lock = self._locks.setdefault(tid, asyncio.Lock())
         async with lock:  # calls of one trajectory are recorded in order
@@ -198,7 +176,10 @@ class ExternalServer:
             before = [s.copy() for s in traj.segments]
             prompt = segment.sequence + delta
             params, stops = self._params(body, new_tokens(len(prompt), body, self.context, "messages"))
-            completions = await self._generate(prompt, params)
+            params = params.model_copy(update={"constraint": constraint})
+            # parallel_tool_calls false: the turn ends with its first call
+            single = use_tools and body.get("parallel_tool_calls") is False
+            completions = await self.batcher.generate(prompt, params)
             choices, forks = [], []
             added = messages[len(segment.history) :]  # what this call adds to the readable conversation
             for k, comp in enumerate(completions):
@@ -207,14 +188,16 @@ class ExternalServer:
                     target = self.store.fork(f"{tid}.{k}", before)
                     seg = target.segments[-1]
                     forks.append(target.id)
-                ids, stopped = self._cut(comp.token_ids, stops)
+                ids, stopped = self._cut(comp.token_ids, stops + [TOOL_CALL_END] * single)
                 lps = list(comp.log_probs[: len(ids)])
                 reply = self.renderer.reply(ids, f"call_{uuid.uuid4().hex[:12]}", use_tools)
                 reply["content"] = strip_stop(reply["content"], stops)
                 seg.add_call(delta, ids, lps, comp.weight_version)
+                if constraint is not None:  # the record states the mask its tokens were drawn under
+                    seg.constraints.append({"call": len(seg.weight_versions) - 1, **constraint.record()})
                 seg.history = [canonical_message(m) for m in messages] + [canonical_message(reply)]
                 seg.tools_key = tools_key(shown_tools)
-                seg.messages += [_readable(m) for m in added] + [_readable(reply)]
+                seg.messages += [readable_message(m) for m in added] + [readable_message(reply)]
                 seg.tool_calls += len(reply["tool_calls"])
                 ended = stopped or comp.finish_reason == "stop"
                 finish = "tool_calls" if reply["tool_calls"] else ("stop" if ended else "length")
@@ -246,6 +229,16 @@ class ExternalServer:
                 "weight_version": completions[0].weight_version,
             },  # fmt: skip
         }
+
+    async def _constraint(self, body: dict[str, Any]) -> Constraint | None:
+        """The grammar the call's output must follow (engines/rollout/constrained.py), built off the
+        event loop; a 422 naming the field whose constraint cannot be enforced."""
+        tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        build = lambda: build_constraint(body.get("response_format"), tools, body.get("tool_choice"))  # noqa: E731
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._templating, build)
+        except ConstraintError as err:
+            raise TrajectoryError(422, str(err), err.param, "unsupported_value") from None
 
     async def _template(self, render: Any, *args: Any) -> list[int]:
         return await asyncio.get_running_loop().run_in_executor(self._templating, render, *args)
@@ -309,7 +302,7 @@ class ExternalServer:
                 delta = []
             prompt = segment.sequence + delta
             params, stops = self._params(body, new_tokens(len(prompt), body, self.context, "prompt"))
-            comps = await self._generate(prompt, params.model_copy(update={"n": 1}))
+            comps = await self.batcher.generate(prompt, params.model_copy(update={"n": 1}))
             comp = comps[0]
             ids, stopped = self._cut(comp.token_ids, stops)
             lps = list(comp.log_probs[: len(ids)])
@@ -353,92 +346,3 @@ class ExternalServer:
 
     def _cut(self, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
         return cut_at_stop(lambda x: self.tokenizer.decode(x, skip_special_tokens=True), list(ids), stops)
-
-    async def _generate(self, prompt: list[int], params: Any) -> list[Any]:
-        if self._queue is None:  # a new job's first calls wait for its workers (see attach)
-            try:
-                await asyncio.wait_for(self._attached.wait(), STARTING_WAIT_S)
-            except asyncio.TimeoutError:
-                raise TrajectoryError(503, f"the job's rollout workers did not come up within {STARTING_WAIT_S:.0f} s; "
-                                      "retry", None, "starting", 2.0) from None  # fmt: skip
-        future = asyncio.get_running_loop().create_future()
-        await self._queue.put((prompt, params, future))
-        return await future
-
-    async def _batch_loop(self) -> None:
-        """Gather calls into one batch: from the first, until as many have arrived as the last batch
-        held (agents that got their answers together call again together) or batch_window_ms passed;
-        then take a free replica, add whatever else waits, and send it. A lone agent never waits."""
-        queue, free, loop = self._queue, self._free, asyncio.get_running_loop()
-        expected = 1
-        while True:
-            items = [await queue.get()]
-            deadline = loop.time() + self.config.batch_window_ms / 1000
-            while len(items) < expected and (left := deadline - loop.time()) > 0:
-                try:
-                    items.append(await asyncio.wait_for(queue.get(), left))
-                except asyncio.TimeoutError:
-                    break
-            host = await free.get()
-            while not queue.empty():
-                items.append(queue.get_nowait())
-            expected = len(items)
-            loop.create_task(self._run(host, items))
-
-    async def _run(self, host: Any, items: list[tuple]) -> None:
-        try:
-            key = lambda item: item[1].model_dump_json()  # noqa: E731
-            for _, group in itertools.groupby(sorted(items, key=key), key=key):
-                group = list(group)
-                await self._run_group(host, group)
-        finally:
-            self._free.put_nowait(host)
-
-    async def _run_group(self, host: Any, group: list[tuple]) -> None:
-        params, offset = group[0][1], self._offset
-        prompts = [g[0] for g in group]
-        try:
-            ref = host.execute.remote(self._role, "generate", ((prompts, params.model_dump()), {}))
-            self.engine_calls += 1
-            completions = await asyncio.wait_for(ref, GENERATE_TIMEOUT_S)
-        except Exception as err:  # every caller of the batch hears it
-            failure = TrajectoryError(503, f"the rollout worker failed: {type(err).__name__}: {err}"[:2000],
-                                      None, "rollout_failed", 5.0)  # fmt: skip
-            for _, _, future in group:
-                if not future.done():
-                    future.set_exception(failure)
-            return
-        for comp in completions:  # the trainer's version of the weights that sampled it
-            comp.weight_version += offset
-        for i, (_, _, future) in enumerate(group):
-            if not future.done():
-                future.set_result(completions[i * params.n : (i + 1) * params.n])
-
-
-def _readable(m: dict[str, Any]) -> dict[str, str]:
-    text = content_text(m.get("content"))
-    text += "".join(tool_call_text(c) for c in m.get("tool_calls") or [])
-    return {"role": str(m.get("role")), "content": text}
-
-
-def _trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
-    out = {"id": t.id, "object": "trajectory", "state": t.state, "task_id": t.task_id, "reward": t.reward,
-           "turn_rewards": t.turn_rewards, "metadata": t.metadata, "calls": t.calls,
-           "segments": len(t.segments)}  # fmt: skip
-    if tokens:
-        out["segment_list"] = [
-            {"reason": s.reason, "kind": s.kind, "prompt_ids": s.prompt_ids, "tokens": s.tokens,
-             "loss_mask": s.loss_mask, "log_probs": s.log_probs, "weight_versions": s.weight_versions,
-             "messages": s.messages}
-            for s in t.segments
-        ]  # fmt: skip
-    return out
-
-
-def _row(t: Any, k: int, s: Segment) -> dict[str, Any]:
-    return {
-        "trajectory_id": t.id, "segment": k, "reason": s.reason, "task_id": t.task_id, "reward": t.reward,
-        "prompt_ids": s.prompt_ids, "tokens": s.tokens, "loss_mask": s.loss_mask, "log_probs": s.log_probs,
-        "weight_version": min(s.weight_versions) if s.weight_versions else 0, "calls": len(s.weight_versions),
-        "tool_calls": s.tool_calls, "finish_reason": s.finish_reason, "messages": s.messages,
-    }  # fmt: skip

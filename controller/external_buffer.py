@@ -8,8 +8,9 @@ per trajectory:
     no reward in time, failed call buffer.cancel(1) (the store does both)
     a reward completes a group     put_groups: one item, version = the group's oldest call's version;
                                    each row's `policy_version` = its trajectory's oldest call's version
-    the trainer's step s           take_step(s - 1): groups oldest first until a step's worth, the
-                                   buffer's filter dropping (and counting) those older than k
+    the trainer's step s           take_step(s - 1): groups oldest first until a step's worth
+                                   (`take`: the buffer's one staleness filter dropping, and counting,
+                                   those older than k; nothing taken while short of it)
     the trainer's sync             buffer.set_version: admission widens
     a restart of the workers       rewind(checkpoint's step): what the lost attempt's newer weights
                                    sampled is dropped and counted; admission from that step on
@@ -34,7 +35,6 @@ class ExternalBuffer:
         self.store, self.rows = store, rows
         self.buffer = RolloutBuffer(store.config.trajectories_per_step, max_staleness, capacity, version)
         store.buffer = self.buffer  # the store admits new trajectories through it
-        self._held: list[BufferedRollout] = []  # groups taken for the step being gathered
         self._groups = 0
 
     def put_groups(self) -> None:
@@ -59,33 +59,21 @@ class ExternalBuffer:
         starts again from `version`. Returns how many trajectories were dropped."""
         newer = lambda g: g.extra.get("newest", g.version) > version  # noqa: E731
         dropped = self.buffer.drop_where(newer)
-        held = [g for g in self._held if newer(g)]
-        self.buffer.drop(sum(g.samples for g in held))
-        self._held = [g for g in self._held if not newer(g)]
         gone = self.store.drop_where(
             lambda t: any(v > version for s in t.segments for v in s.weight_versions)
         )
         self.buffer.cancel(gone)  # admitted, not put yet: their room goes back
         self.buffer.set_version(version)
-        return dropped + sum(g.samples for g in held) + gone
+        return dropped + gone
 
     def take_step(self, version: int, who: str) -> dict[str, Any] | None:
         """A step's rows trainable at trainer version `version`, or None while the buffer holds fewer."""
-        buffer = self.buffer
-        stale = [g for g in self._held if version - g.version > buffer.max_staleness]
-        if stale:  # held across a change of version (a restart): counted as the filter counts
-            buffer.drop(sum(g.samples for g in stale))
-            self._held = [g for g in self._held if g not in stale]
-        while sum(g.samples for g in self._held) < buffer.batch_size:
-            try:
-                item, _ = buffer.take(version, 0.0, who)
-            except BufferTimeout:
-                return None
-            self._held.append(item)
-        rows = [row for g in self._held for row in g.payload]
-        self._held = []
+        try:
+            groups, _ = self.buffer.take(version, self.buffer.batch_size, 0.0, who)
+        except BufferTimeout:
+            return None
         return {
-            "rows": rows,
-            "dropped_total": buffer.dropped,
-            "fill": buffer.buffered_samples() / buffer.capacity,
+            "rows": [row for g in groups for row in g.payload],
+            "dropped_total": self.buffer.dropped,
+            "fill": self.buffer.buffered_samples() / self.buffer.capacity,
         }

@@ -57,33 +57,31 @@ class ExternalSource:
             self.agents = AgentPool(c.agent, self.actor, server_name(self.job_id), self.job_id, c.agent_workers,
                                     c.agent_timeout_s, c.group_size)  # fmt: skip
 
-    def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch:
-        """The next step's trajectories, waiting for agents to reward them; returns None when asked to stop."""
-        while True:
-            rows = ray.get(self.actor.take.remote(), timeout=CALL_TIMEOUT_S)
-            if rows is not None:
-                return rows_batch(whole_ranks(rows, self.spec.resources.workers), pad)
-            if stopping():
-                return None
-            time.sleep(POLL_S)
-
-    def set_version(self, version: int) -> None:
-        ray.get(self.actor.set_version.remote(version), timeout=CALL_TIMEOUT_S)
+    def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch | None:
+        """Sync: the next step's trajectories, waiting for agents to reward them; None when asked to stop."""
+        rows = self._poll(self.actor.take.remote, stopping)
+        return None if rows is None else rows_batch(whole_ranks(rows, self.spec.resources.workers), pad)
 
     def next_async(self, version: int, stopping: Callable[[], bool], pad: int) -> tuple[Batch, dict] | None:
         """Async: the next step's groups trainable at trainer version `version`, with a `policy_version`
         row tensor (each trajectory's oldest token's version), and the buffer's counts; None when asked to stop."""
+        got = self._poll(lambda: self.actor.take_step.remote(version), stopping)
+        if got is None:
+            return None
+        rows = whole_ranks(got.pop("rows"), self.spec.resources.workers)
+        batch = rows_batch(rows, pad)
+        batch.tensors["policy_version"] = torch.tensor([r["policy_version"] for r in rows], dtype=torch.long)
+        return batch, got
+
+    def set_version(self, version: int) -> None:
+        ray.get(self.actor.set_version.remote(version), timeout=CALL_TIMEOUT_S)
+
+    def _poll(self, call: Callable[[], Any], stopping: Callable[[], bool]) -> Any:
+        """`call()`'s answer once it is not None; None when `stopping()` says so first."""
         while True:
-            got = ray.get(self.actor.take_step.remote(version), timeout=CALL_TIMEOUT_S)
-            if got is not None:
-                rows = whole_ranks(got.pop("rows"), self.spec.resources.workers)
-                batch = rows_batch(rows, pad)
-                batch.tensors["policy_version"] = torch.tensor(
-                    [r["policy_version"] for r in rows], dtype=torch.long
-                )
-                return batch, got
-            if stopping():
-                return None
+            got = ray.get(call(), timeout=CALL_TIMEOUT_S)
+            if got is not None or stopping():
+                return got
             time.sleep(POLL_S)
 
     def stats(self) -> dict[str, float]:

@@ -55,6 +55,8 @@ class Segment:
     messages: list[dict[str, str]] = field(default_factory=list)  # readable conversation (samples view)
     finish_reason: str = "stop"
     tool_calls: int = 0
+    # the constrained calls: their index, the constraint's kind and grammar hash
+    constraints: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def sequence(self) -> list[int]:
@@ -255,3 +257,37 @@ class TrajectoryStore:
             "external/consumed_total": float(self.consumed),
             "external/new_segments_total": float(self.new_segments),
         }
+
+
+def readable_message(m: dict[str, Any]) -> dict[str, str]:
+    """A message as the samples view shows it: its text, tool calls written out."""
+    from workers.chat_serving import content_text, tool_call_text
+
+    text = content_text(m.get("content"))
+    text += "".join(tool_call_text(c) for c in m.get("tool_calls") or [])
+    return {"role": str(m.get("role")), "content": text}
+
+
+def trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
+    """What the API answers about a trajectory (`tokens`: with its segments' tokens)."""
+    out = {"id": t.id, "object": "trajectory", "state": t.state, "task_id": t.task_id, "reward": t.reward,
+           "turn_rewards": t.turn_rewards, "metadata": t.metadata, "calls": t.calls,
+           "segments": len(t.segments)}  # fmt: skip
+    if tokens:
+        out["segment_list"] = [
+            {"reason": s.reason, "kind": s.kind, "prompt_ids": s.prompt_ids, "tokens": s.tokens,
+             "loss_mask": s.loss_mask, "log_probs": s.log_probs, "weight_versions": s.weight_versions,
+             "messages": s.messages, "constraints": s.constraints}
+            for s in t.segments
+        ]  # fmt: skip
+    return out
+
+
+def trajectory_row(t: Any, k: int, s: Segment) -> dict[str, Any]:
+    """Segment k of trajectory t as the trainer's row (controller/external_source.py lays rows out)."""
+    return {
+        "trajectory_id": t.id, "segment": k, "reason": s.reason, "task_id": t.task_id, "reward": t.reward,
+        "prompt_ids": s.prompt_ids, "tokens": s.tokens, "loss_mask": s.loss_mask, "log_probs": s.log_probs,
+        "weight_version": min(s.weight_versions) if s.weight_versions else 0, "calls": len(s.weight_versions),
+        "tool_calls": s.tool_calls, "finish_reason": s.finish_reason, "messages": s.messages,
+    }  # fmt: skip

@@ -20,12 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from controller.async_loop import make_trainer
 from controller.metric_format import format_metrics
 from controller.recovery import worker_pids
 from controller.spec import JobSpec
 from controller.trackers import TrackerSink, with_trackers
-from controller.trainer import StopRequested
+from controller.trainer import StopRequested, Trainer
 from controller.worker_output import ENV as WORKER_OUTPUT_ENV
 from controller.worker_output import FILENAME as WORKER_OUTPUT_FILE
 from controller.worker_output import OutputTail
@@ -167,7 +166,7 @@ class JobController:
         self.worker_output = OutputTail(self.workdir / WORKER_OUTPUT_FILE)
         # Trackers (trainer.loggers) get a copy of the records from a thread of their own.
         self.trackers = with_trackers(self.sink, self.spec, self.workdir, job_id)
-        self.trainer = make_trainer(self.spec, self.workdir, self.trackers, name=job_id, restarts=restarts)
+        self.trainer = Trainer(self.spec, self.workdir, self.trackers, name=job_id, restarts=restarts)
 
     def run(self) -> dict[str, Any]:
         log = logging.getLogger("tandem.job")

@@ -2,25 +2,31 @@
 
 `JobSetup.build` runs the build order once (model → tokenizer → data → reward → worker groups) and
 then serves the trainer: the next prompt batch with its sampling settings, the next SFT batch, the
-validation batch, and hyper-parameter edits.
+validation batch, the samples' scores (`scored`: the reward, then the over-long options, wherever
+the samples came from), and hyper-parameter edits.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 
 from controller.data import PromptLoader, build_dataset, resolve_data_files
 from controller.hyperparameters import hyperparameter_overrides
 from controller.models import resolve_model_path
+from controller.overlong import apply_overlong
 from controller.resource_pool import describe_placement
 from controller.rewards import RewardScorer
 from controller.roles import JobGroups, needs_reference, start_groups
 from controller.sink import JobSink
 from controller.spec import JobSpec
+from controller.step_math import score
+from controller.trajectory_view import log_env_errors, multiturn_metrics
 from engines.rollout import resolve_backend
 from workers.batch import Batch, put_environment, put_prompt_length, put_sampling
 
@@ -34,6 +40,8 @@ class JobSetup:
     val_batch: Batch | None
     scorer: RewardScorer | None  # None when a reward model scores the job
     groups: JobGroups
+    # The scorer's processes serve one thread at a time (async lanes score side by side).
+    scoring: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def build(cls, spec: JobSpec, workdir: Path, sink: JobSink, name: str) -> JobSetup:
@@ -104,6 +112,27 @@ class JobSetup:
         put_environment(batch, self.spec.rollout.environment_config())
         batch.meta["step"] = step
         return batch
+
+    def rewards(self, batch: Batch) -> tuple[Batch, torch.Tensor, dict[str, float]]:
+        """Sequence scores: the environment's (multi-turn), else the reward model's, else the rule's."""
+        with self.scoring:
+            if "env_rewards" in batch.tensors.keys():
+                log_env_errors(batch, self.spec.rollout.environment)
+                return batch, batch.tensors["env_rewards"].float(), multiturn_metrics(batch)
+            if self.groups.reward is not None:
+                batch = self.groups.reward.compute_rm_score(batch)
+                return batch, batch.tensors["rm_scores"].float(), {}
+            scores, metrics, _ = score(batch, self.scorer, self.tokenizer)
+            return batch, scores, metrics
+
+    def scored(self, batch: Batch) -> tuple[Batch, torch.Tensor, dict[str, float]]:
+        """What a step trains on from generated samples: their rewards, then the over-long options
+        (controller/overlong.py: the penalty shapes the scores, the filter the response mask)."""
+        batch, scores, metrics = self.rewards(batch)
+        batch, scores, overlong = apply_overlong(
+            batch, scores, self.spec.algorithm.overlong, self.spec.rollout.response_budget
+        )
+        return batch, scores, {**metrics, **overlong}
 
     def next_sft_batch(self) -> Batch:
         return next(self.loader)

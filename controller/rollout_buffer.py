@@ -7,11 +7,12 @@ uses two calls:
                                        # else "full, retry after `wait` seconds" (nothing reserved)
     buffer.put(item)                   # the admitted samples, scored; or buffer.cancel(samples)
 
-`admit(samples, timeout_s, who)` is the blocking form. What AsyncTrainer trains from an item: `payload`
+`admit(samples, timeout_s, who)` is the blocking form. What a step trains from an item: `payload`
 = (Batch in the training layout of workers/rollout_layout.py with a `policy_version` row tensor, the
 scores tensor, a metrics dict); one item is one step's batch (`samples` = prompts_per_step x n), and
-`version` is the oldest token's weight version (the staleness filter reads it). The trainer calls `take(version)` for the
-next item young enough to train at trainer version `version`.
+`version` is the oldest token's weight version (the staleness filter reads it). The trainer calls
+`take(version, B)` for a step's worth of items young enough to train at trainer version `version`
+(the agents' endpoint's items are groups, several a step).
 
 Admission (AReaL's rule, Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning
 System", §5; SkyRL's is the same): with k = max_staleness, B = samples of one step and v the
@@ -21,8 +22,9 @@ version of the weights the producers hold, a new rollout of n samples starts onl
 
 where `accepted` counts every sample put and not dropped (trained ones included), so generation
 waits instead of producing samples that would be too old to train. Filtering stays as the second
-guard: `take` drops an item with s - v_item > k (`dropped`), and a dropped item's samples leave
-`accepted`, so the producers may replace them.
+guard: `take` drops an item with s - v_item > k (`too_stale`, the job's one staleness filter;
+`dropped`), and a dropped item's samples leave `accepted`, so the producers may
+replace them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RETRY_AFTER_S = 0.05  # the hint of a refused admission: a put or a take changes the answer
+
+
+def too_stale(trainer_version: int, sample_version: int, max_staleness: int) -> bool:
+    """The staleness filter: a sample of weight version v is trained at trainer version s only if
+    s - v <= k (trainer.max_staleness)."""
+    return trainer_version - sample_version > max_staleness
 
 
 @dataclass
@@ -117,22 +125,22 @@ class RolloutBuffer:
 
     # ---- the trainer's side ----------------------------------------------------------------------
 
-    def take(self, version: int, timeout_s: float, who: str) -> tuple[BufferedRollout, list[BufferedRollout]]:
-        """The oldest item trainable at trainer version `version`, and the items dropped as too old on
-        the way. Raises the producers' error, or BufferTimeout naming `who`."""
-        deadline, dropped = time.monotonic() + timeout_s, []
+    def take(
+        self, version: int, samples: int, timeout_s: float, who: str
+    ) -> tuple[list[BufferedRollout], int]:
+        """The oldest items trainable at trainer version `version` that hold at least `samples` (a
+        step's worth: one draw of the lanes, or groups of the agents), and the samples dropped as too
+        old on the way. Raises the producers' error, or BufferTimeout naming `who` (nothing taken)."""
+        deadline, dropped = time.monotonic() + timeout_s, 0
         with self._cond:
             while True:
-                while self._items and version - self._items[0].version > self.max_staleness:
-                    item = self._items.pop(0)
-                    self.accepted -= item.samples
-                    self.dropped += item.samples
-                    dropped.append(item)
+                dropped += self._drop_stale(version)
+                if sum(item.samples for item in self._items) >= samples:
+                    taken: list[BufferedRollout] = []
+                    while sum(item.samples for item in taken) < samples:
+                        taken.append(self._items.pop(0))
                     self._cond.notify_all()
-                if self._items:
-                    item = self._items.pop(0)
-                    self._cond.notify_all()
-                    return item, dropped
+                    return taken, dropped
                 if self.closed is not None:
                     raise self.closed
                 left = deadline - time.monotonic()
@@ -140,25 +148,29 @@ class RolloutBuffer:
                     raise BufferTimeout(f"{who}: no rollout ready within {timeout_s:.0f} s")
                 self._cond.wait(min(left, 0.5))
 
-    def drop(self, samples: int) -> None:
-        """Items taken but not trained, too old now (the external source holds a step's groups while
-        it gathers them): counted as `take` counts the ones it drops."""
-        with self._cond:
-            self.accepted -= samples
-            self.dropped += samples
-            self._cond.notify_all()
-
     def drop_where(self, predicate: Any) -> int:
         """Buffered items for which `predicate(item)` holds, dropped and counted as `take` counts too
         old ones; returns their samples."""
         with self._cond:
-            gone = [item for item in self._items if predicate(item)]
+            samples = sum(item.samples for item in self._items if predicate(item))
             self._items = [item for item in self._items if not predicate(item)]
-            samples = sum(item.samples for item in gone)
-            self.accepted -= samples
-            self.dropped += samples
-            self._cond.notify_all()
+            self._count_dropped(samples)
             return samples
+
+    def _drop_stale(self, version: int) -> int:
+        """The filter, applied to the oldest items (FIFO: the oldest versions); returns the samples
+        dropped. The lock is held."""
+        gone = 0
+        while self._items and too_stale(version, self._items[0].version, self.max_staleness):
+            gone += self._items.pop(0).samples
+        self._count_dropped(gone)
+        return gone
+
+    def _count_dropped(self, samples: int) -> None:
+        self.accepted -= samples
+        self.dropped += samples
+        if samples:
+            self._cond.notify_all()
 
     # ---- state -----------------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 `Trainer.run()` builds the job (model, data, rewards, worker groups), resumes from a checkpoint
 when there is one, then loops: one `step()` per iteration, validation every `val_every` steps, a
 checkpoint every `checkpoint.every` steps, an HF export at the end. `step()` is the RL step, every
-remote call visible; `sft_step()` is its supervised sibling.
+remote call visible; `sft_step()` is its supervised sibling. Sync, async and agent-fed jobs run
+this one step: its samples come from the job's batch source and its weights go back through the
+job's publisher, now or at the next safe point (controller/batch_source.py, async_loop.py).
 
 A worker that dies (process gone, node lost, a call timed out) does not end the job: `run()` tears the
 workers down, starts them again and resumes from the last checkpoint, up to trainer.max_restarts
@@ -19,24 +21,26 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from controller import checkpoints
-from controller.dynamic_sampling import sample_signal_groups
+from controller.batch_source import make_source
 from controller.job_setup import JobSetup
 from controller.kl_reward import make_kl_controller
-from controller.overlong import apply_overlong
+from controller.off_policy import actor_inputs, corrected_spec, needs_old_log_probs
 from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
 from controller.resource_pool import ResourcePoolError
 from controller.rollout_recovery import replace_lost_rollout
 from controller.sink import JobSink
 from controller.spec import JobSpec
-from controller.step_math import add_advantages, batch_metrics, reject_mismatched, score
-from controller.trajectory_view import log_env_errors, multiturn_metrics, step_samples
+from controller.step_math import add_advantages, batch_metrics, reject_mismatched
+from controller.trajectory_view import step_samples
 from workers.config import UpdateSchedule
+
+VALIDATION_WAIT_S = 3600.0  # an async validation waits this long for the lanes' calls in flight
 
 
 class StopRequested(Exception):
@@ -71,7 +75,8 @@ class Trainer:
         self, spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job", restarts: int = 0
     ) -> None:
         """`restarts`: the job's restarts before this run (its budget is the job's: trainer.max_restarts)."""
-        self.spec, self.workdir, self.name = spec, Path(workdir), name
+        self.asked_proximal = spec.algorithm.recompute_old_log_probs  # the user's, before the correction's
+        self.spec, self.workdir, self.name = corrected_spec(spec), Path(workdir), name
         self.sink = AttemptSink(sink)  # marks what a restarted attempt records
         self.control = TrainerControl()
         self.recovery = Recovery(spec.trainer, earlier=restarts)
@@ -81,9 +86,7 @@ class Trainer:
         self.completed_steps = 0  # steps whose metrics have been recorded (or restored from a checkpoint)
         self.kl = make_kl_controller(spec.algorithm.kl_reward_coef, spec.algorithm.kl_target)
         self._timings: dict[str, float] = {}
-        self.external = (
-            None  # rollout.source 'external': the endpoint's actor (controller/external_source.py)
-        )
+        self.source, self.publisher = make_source(self)  # where samples come from, how weights go back
 
     # ---- the loop ------------------------------------------------------------------------------
 
@@ -107,7 +110,7 @@ class Trainer:
         try:
             self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name)
             self._resume()
-            self._serve_external()  # after the checkpoint's weights reached the rollout workers
+            self.source.start()  # after the checkpoint's weights reached the rollout workers
             self.recovery.resumed()
             total = self.spec.trainer.total_steps
             if self.step_index == 0 and self.spec.trainer.val_every:
@@ -138,17 +141,9 @@ class Trainer:
                 raise
             raise lost from err
         finally:
-            self._end_attempt()
+            self.source.stop()
             if self.job is not None:
                 self.job.shutdown()
-
-    def _end_attempt(self) -> None:
-        """Before the workers go: a hook (the async trainer stops its rollout producer here)."""
-
-    def _start_sync(self) -> Callable[[], dict[str, float]]:
-        """The step's weight sync, started; call the result to wait (the async trainer first waits
-        for the rollout workers' current generation call, controller/async_loop.py)."""
-        return self.job.groups.actor.start_sync_weights()
 
     def _recover(self, lost: WorkerLost) -> None:
         """Restart the whole job from its last checkpoint (a split placement's lost rollout worker was
@@ -169,44 +164,43 @@ class Trainer:
         self.sink.attempt = self.recovery.attempt
 
     def step(self) -> dict[str, float]:
-        """One RL step: generate, score, log-probs, advantages, update, sync."""
+        """One RL step: the source's scored samples, log-probs, advantages, update, the weights back."""
         spec, actor, critic = self.spec, self.job.groups.actor, self.job.groups.critic
         self._timings = {}
-        with self._timed("step"):
-            batch, scores, metrics = self._sample()
-            if self._needs_old_log_probs(len(batch)):
-                with self._timed("old_log_prob"):
+        with self.timed("step"):
+            batch, scores, metrics = self.source.next_batch()
+            if needs_old_log_probs(spec, len(batch), self.asked_proximal):
+                with self.timed("old_log_prob"):
                     batch = actor.compute_log_prob(batch)
             if self.job.uses_reference:
-                with self._timed("ref"):
+                with self.timed("ref"):
                     batch = actor.compute_ref_log_prob(batch)
             if critic is not None:
-                with self._timed("values"):
+                with self.timed("values"):
                     batch = critic.compute_values(batch)
-            with self._timed("adv"):
+            with self.timed("adv"):
                 batch, adv_metrics = add_advantages(batch, scores, spec, self.kl.value)
             if critic is not None:
-                with self._timed("update_critic"):
+                with self.timed("update_critic"):
                     metrics.update(
                         critic.update_critic(
                             batch, spec.algorithm.vf_clip, spec.algorithm.loss_agg_mode, self._schedule()
                         )
                     )
             actor_batch, rejection = reject_mismatched(batch, spec.algorithm.rollout_correction)
-            actor_batch = self._actor_inputs(actor_batch)
-            with self._timed("update_actor"):
+            actor_batch = actor_inputs(spec, actor_batch)
+            with self.timed("update_actor"):
                 metrics.update(
                     actor.update_actor(actor_batch, spec.algorithm.policy_loss_config(), self._schedule())
                 )
             metrics.update(rejection)  # its mismatch report covers the tokens the loss no longer sees
-            with self._timed("sync"):
-                sync_done = self._start_sync()
+            with self.timed("sync"):
+                sync_done = self.publisher.publish()
             # The step's own records are written while the ranks load the new weights.
             self._record_step(metrics, adv_metrics, batch, scores)
-            with self._timed("sync"):
+            with self.timed("sync"):
                 metrics.update(self._synced(sync_done))
-            if self.external is not None:
-                metrics.update(self.external.stats())
+            metrics.update(self.source.stats())
         return self._finish_metrics(metrics, batch)
 
     def _record_step(
@@ -228,11 +222,11 @@ class Trainer:
         """One supervised step on prompt/response pairs, then a sync so validation sees it."""
         actor = self.job.groups.actor
         self._timings = {}
-        with self._timed("step"):
+        with self.timed("step"):
             batch = self.job.next_sft_batch()
-            with self._timed("update_actor"):
+            with self.timed("update_actor"):
                 metrics = actor.update_sft(batch, self.spec.algorithm.loss_agg_mode, self._schedule())
-            with self._timed("sync"):
+            with self.timed("sync"):
                 metrics.update(self._synced(actor.sync_weights))
         return self._finish_metrics(metrics, batch)
 
@@ -241,9 +235,10 @@ class Trainer:
         val/accuracy."""
         if self.job.val_batch is None:
             return {}
-        with self._timed("validate"):
-            batch = self._generate(self.job.val_batch)
-            batch, scores, metrics = self._rewards(batch)
+        with self.timed("validate"):
+            with self.publisher.exclusive(VALIDATION_WAIT_S):  # async: the lanes wait, as in sync
+                batch = self.generate(self.job.val_batch)
+            batch, scores, metrics = self.job.rewards(batch)
         out = {f"val/{k}": v for k, v in metrics.items()}
         out.update(
             {"val/score/mean": float(scores.mean()), "val/accuracy": float((scores >= 1.0).float().mean())}
@@ -253,32 +248,7 @@ class Trainer:
         )
         return out
 
-    def _sample(self) -> tuple[Any, Any, dict[str, float]]:
-        """The step's scored samples: one round of prompts, or DAPO dynamic sampling's rounds."""
-        ds = self.spec.algorithm.dynamic_sampling
-        if not ds.enabled:
-            return self._generate_and_score(0)
-        return sample_signal_groups(
-            self._generate_and_score, self.spec.trainer.prompts_per_step, self.spec.rollout.n, ds.max_rounds
-        )
-
-    def _generate_and_score(self, round_index: int) -> tuple[Any, Any, dict[str, float]]:
-        """Generate for the next prompts of the loader, score, and apply the over-long options."""
-        if self.external is not None:
-            with self._timed("gen"):  # waiting for agents' rewarded trajectories
-                batch = self._external_batch()
-        else:
-            prompts = self.job.next_prompts(self.step_index, round_index)
-            with self._timed("gen"):
-                batch = self._generate(prompts)
-        with self._timed("reward"):
-            batch, scores, metrics = self._rewards(batch)
-        batch, scores, overlong = apply_overlong(
-            batch, scores, self.spec.algorithm.overlong, self.spec.rollout.response_budget
-        )
-        return batch, scores, {**metrics, **overlong}
-
-    def _generate(self, prompts: Any) -> Any:
+    def generate(self, prompts: Any) -> Any:
         """The rollout role's responses. A split placement's rollout worker lost on the way is replaced
         (the training ranks keep running) and the same prompts are generated again: the loader does
         not move, the sampling seeds are the step's (controller/rollout_recovery.py)."""
@@ -288,27 +258,11 @@ class Trainer:
             self._replace_rollout(err)
         return self.job.groups.actor.generate_sequences(prompts)
 
-    def _serve_external(self) -> None:
-        """rollout.source 'external': start (or find again after a restart) the job's endpoint and
-        point it at this attempt's rollout workers."""
-        if self.spec.rollout.source != "external":
-            return
-        from controller.external_source import ExternalSource
-
-        if self.external is None:
-            self.external = ExternalSource(self.name, self.spec, self.job.model_path, self.step_index)
-        self.external.attach(self.job.groups, self.step_index)
-        self.sink.event("endpoint", "the OpenAI-compatible endpoint serves this job's rollout workers")
-
-    def _external_batch(self) -> Any:
-        """The step's trajectories from agents; a pause or cancel while waiting for them stops the job
-        at the previous step's boundary (a pause checkpoints it)."""
-        pad = self.job.tokenizer.pad_token_id or 0
-        batch = self.external.next_batch(lambda: self.control.stop_reason is not None, pad)
-        if batch is None:
-            self.step_index -= 1
-            self._check_stop()
-        return batch
+    def stop_while_waiting(self) -> None:
+        """A pause or cancel arrived while the step waited for its samples: the job stops at the
+        previous step's boundary (a pause checkpoints it)."""
+        self.step_index -= 1
+        self._check_stop()
 
     def _synced(self, wait: Callable[[], dict[str, float]]) -> dict[str, float]:
         """The weight sync's measurements; a rollout worker lost in it is replaced, and the replacement's
@@ -319,32 +273,27 @@ class Trainer:
             return self._replace_rollout(err)
 
     def _replace_rollout(self, err: Exception) -> dict[str, float]:
-        """Re-raises `err` unless it is a split placement's rollout worker lost alone."""
+        """Re-raises `err` unless it is a split placement's rollout worker lost alone in a sync job (an
+        async one restarts from its checkpoint and regenerates the samples in flight)."""
+        if self.spec.trainer.mode == "async":
+            raise err
         return replace_lost_rollout(
             err, self.job.groups, self.recovery, self.sink, self.step_index, self.spec.trainer
         )
-
-    def _rewards(self, batch: Any) -> tuple[Any, Any, dict[str, float]]:
-        """Sequence scores: the environment's (multi-turn), else the reward model's, else the rule's."""
-        if "env_rewards" in batch.tensors.keys():
-            log_env_errors(batch, self.spec.rollout.environment)
-            return batch, batch.tensors["env_rewards"].float(), multiturn_metrics(batch)
-        if self.job.groups.reward is not None:
-            batch = self.job.groups.reward.compute_rm_score(batch)
-            return batch, batch.tensors["rm_scores"].float(), {}
-        scores, metrics, _ = score(batch, self.job.scorer, self.job.tokenizer)
-        return batch, scores, metrics
 
     # ---- checkpoints and the end ---------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The controller's own resumable state (the workers checkpoint theirs): step, data position, KL."""
-        return {"step": self.step_index, "loader": self.job.loader.state_dict(), "kl_coef": self.kl.value}
+        state = {"step": self.step_index, "loader": self.job.loader.state_dict(), "kl_coef": self.kl.value}
+        state.update(self.source.state_dict(state["loader"]))  # async: the oldest draw not trained
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step_index = self.completed_steps = int(state["step"])
         self.job.loader.load_state_dict(state["loader"])
         self.kl.value = state["kl_coef"]
+        self.source.load_state_dict(state)
 
     def save_checkpoint(self) -> Path:
         self.control.checkpoint_now = False
@@ -379,19 +328,6 @@ class Trainer:
             self.sink.event("exported", f"{what} written to {export}", path=str(export))
 
     # ---- helpers -------------------------------------------------------------------------------
-
-    def _needs_old_log_probs(self, samples: int) -> bool:
-        """False when the update is a single on-policy step: the first forward of update_actor then
-        gives exactly the old log-probs, and a separate pass would compute the same numbers again.
-        Rollout rejection needs them before the update: it narrows the loss mask."""
-        a = self.spec.algorithm
-        single_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, samples)
-        rejection = a.rollout_correction.rejection != "off"
-        return a.recompute_old_log_probs or not single_step or a.kl_in_reward or rejection
-
-    def _actor_inputs(self, batch: Any) -> Any:
-        """The batch the actor's loss reads (the async trainer's behaviour_ppo swaps its old log-probs)."""
-        return batch
 
     def _schedule(self) -> UpdateSchedule:
         return self.spec.algorithm.update_schedule(seed=self.step_index)
@@ -431,7 +367,7 @@ class Trainer:
             self.sink.event("hyperparameters", f"applied at step {self.step_index + 1}: {changes}", **changes)
 
     @contextmanager
-    def _timed(self, phase: str):
+    def timed(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
@@ -443,6 +379,9 @@ class Trainer:
         tokens = float(batch.tensors["attention_mask"].sum())
         metrics["perf/total_num_tokens"] = tokens
         metrics["perf/throughput"] = tokens / max(self._timings.get("step", 0.0), 1e-9)
+        if self.spec.trainer.mode == "async":  # the step's time not spent waiting for samples
+            busy = self._timings.get("step", 0.0) - self._timings.get("wait_rollout", 0.0)
+            metrics["perf/trainer_tokens_per_s"] = tokens / max(busy, 1e-9)
         metrics["training/step"] = float(self.step_index)
         metrics["training/epoch"] = float(self.job.epoch)
         return metrics

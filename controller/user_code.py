@@ -17,6 +17,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from workers.environments.openenv_ref import is_openenv_url, openenv_url_problem
 from workers.references import BUILTIN_PREFIX, is_path_reference, lookup_builtin
 from workers.sandbox.channel import Sandbox, SandboxCrashed, SandboxError, SandboxTimeout
 from workers.sandbox.launch import SandboxUnavailable
@@ -54,6 +55,8 @@ def check_callable(ref: str, kind: str, timeout_s: float = DEFAULT_TIMEOUT_S, li
         raise KeyError(f"unknown kind of user code {kind!r}; known: {sorted(CHECKERS)}")
     if ref.startswith(BUILTIN_PREFIX):
         return check_builtin(ref, kind)
+    if kind == "environment" and is_openenv_url(ref):  # an address, not code: checked here
+        return openenv_url_problem(ref)
     try:
         run_sandboxed("controller.user_code:check_here", ref, [kind], timeout_s, f"{CHECKERS[kind][1]} '{ref}'",
                       limits, allow_unsandboxed)  # fmt: skip

@@ -4,7 +4,8 @@ Each request (one sampler snapshot or the base, one prompt, `num_samples` rows) 
 block of rows; the multi-LoRA layers apply the request's adapter to its block (`engines.multi_lora.rows`),
 so one prefill and one decode step per token serve every request at once. Prompts are left-padded
 (the hf rollout engine's `left_pad`) with explicit position ids, and every request samples from its
-own seeded generator: what it draws does not depend on the other requests in the batch.
+own seeded generator: what it draws does not depend on the other requests in the batch. Tokens are
+drawn by the RL rollouts' sampling function (`engines.rollout.sampling.sample_next`).
 
 A sampled token's log-prob is that of the temperature-scaled distribution before top-k / top-p
 filtering (at temperature 1, the trainer's log-prob of the same token); temperature 0 is greedy and
@@ -20,7 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.multi_lora import MultiLoraLinear, rows
-from engines.rollout.hf import filter_logits, left_pad
+from engines.rollout.base import SamplingParams
+from engines.rollout.hf import left_pad
+from engines.rollout.sampling import sample_next
 
 
 @dataclass
@@ -103,15 +106,14 @@ def sample(
 
 
 def _pick(logits: torch.Tensor, r: SampleRequest, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    temperature = r.temperature if r.temperature > 0 else 1.0
-    scaled = logits / temperature
-    log_probs = scaled.log_softmax(dim=-1)
-    if r.temperature == 0:
-        tokens = scaled.argmax(dim=-1)
-    else:
-        filtered = filter_logits(scaled, r.top_k, r.top_p)
-        tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=gen).squeeze(-1)
-    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    """The rollout engine's draw (engines/rollout/sampling.py); the log-prob is read before top-k /
+    top-p filtering, where the rollout engine reads it after."""
+    params = SamplingParams.model_construct(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    tokens, log_probs = sample_next(logits, params, gen)
+    if 0 < r.top_k < logits.shape[-1] or r.top_p < 1:
+        scaled = logits / (r.temperature if r.temperature > 0 else 1.0)
+        log_probs = scaled.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, log_probs
 
 
 def _append(s: Sequence, token: int, logprob: float, r: SampleRequest, tokenizer) -> None:

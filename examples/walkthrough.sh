@@ -2,7 +2,7 @@
 # The REST API with nothing but curl: submit a job, watch it, pause, resume, fork it from a
 # checkpoint, change a hyper-parameter while it runs, cancel it.
 #
-#   tandem serve &                         # in another terminal (or `make run`)
+#   source .venv/bin/activate && tandem serve &   # in another terminal (or `make run`)
 #   bash examples/walkthrough.sh
 #
 # TANDEM_URL (default: the URL the running service recorded in $TANDEM_HOME/service.json, else

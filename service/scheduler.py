@@ -8,6 +8,12 @@ quota of running jobs, CPUs or GPUs (service/quotas.py) is passed over until one
 ends. Requests never wait on it: the Service changes the store and calls `tell` or `stop`, which only
 send a message.
 
+A hosted record (a Tinker training run, service/workloads.py) is queued, scheduled and counted the
+same way, but a launch hands it to the process that serves it (its base model's session host), and
+it holds its slot until that server ends it (`end`); a request may start it at once (`admit`), so a
+client need not wait for the next poll. The hosts themselves hold CPUs while they run (`hold`): RL
+jobs are scheduled around them.
+
 A job that starts again after a crash resumes from its last complete checkpoint: at launch the
 store forgets the metrics recorded after that step, so the re-run steps are stored once. A job whose
 controller restarts its workers (controller/recovery.py) says so in its drain: the step it went back
@@ -29,15 +35,13 @@ import ray
 
 from service.controller_pool import ControllerPool
 from service.files import FileError, FileStore
-from service.job_state import RUN_HOLDING, JobStatus
+from service.job_state import RUN_HOLDING, TERMINAL, JobStatus, allowed
 from service.keys import ADMIN_OWNER
 from service.owned_paths import OwnedPaths, PathRefused
 from service.quotas import QuotaBook, Usage, fair_order, may_run
 from service.store import JobRecord, JobStore
-from service.tinker_sessions import METHOD as TINKER_METHOD
-from service.tinker_sessions import lost_tinker_model
 from service.tracker_policy import TrackerRefused
-from service.workloads import RL_JOB, Workload, resume_step
+from service.workloads import RL_JOB, TinkerRunWorkload, Workload, resume_step
 
 log = logging.getLogger("tandem.scheduler")
 S = JobStatus
@@ -45,7 +49,7 @@ S = JobStatus
 
 @dataclass
 class RunningJob:
-    actor: Any
+    actor: Any  # None for a hosted record: its server runs it
     run_ref: Any
     cpus: float
     gpus: float
@@ -66,7 +70,9 @@ class Scheduler:
         warm_controllers: int = 1,
     ) -> None:
         self.store = store
-        self.workload = workload  # what the jobs table holds; a second kind brings its own table
+        self.workload = workload  # what the jobs table holds
+        self.hosted: dict[str, Any] = {"tinker": TinkerRunWorkload()}  # kinds with a table of their own
+        self.held: dict[str, tuple[float, float]] = {}  # CPUs and GPUs of the processes serving them
         self.files = files
         self.paths: OwnedPaths | None = None  # set by the API (api/app.py), which knows the shared folders
         self.quotas = quotas or QuotaBook()
@@ -100,10 +106,15 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="tandem-scheduler", daemon=True)
         self._thread.start()
 
+    def workload_of(self, record: JobRecord) -> Any:
+        return self.hosted.get(record.method, self.workload)
+
     def _recover(self) -> None:
-        for job in self.store.jobs_in((S.RUNNING, S.PAUSING)):
-            if job.method == TINKER_METHOD:  # its adapter lived in a session host, gone with the service
-                lost_tinker_model(self.store, job)
+        for job in self.store.jobs_in((S.QUEUED, S.RUNNING, S.PAUSING)):
+            if job.method in self.hosted:  # its server went with the old service
+                self.end(job.id, *self.hosted[job.method].recover(job))
+                continue
+            if job.status == S.QUEUED:
                 continue
             self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
             self.store.set_restart(job.id, None)  # a restart under way ended with the service
@@ -131,7 +142,12 @@ class Scheduler:
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Pause every running job (each checkpoints at its next step boundary), then stop."""
         self._draining = True  # start nothing new; the loop keeps collecting until the jobs paused
+        for kind in self.hosted.values():
+            if kind.server is not None:
+                kind.server.shutdown()  # its runs stay `running` until the next start recovers them
         with self._lock:
+            for job_id in [i for i, run in self.running.items() if run.actor is None]:
+                del self.running[job_id]
             for job_id, run in self.running.items():
                 if self.store.transition(job_id, (S.RUNNING,), S.PAUSING):
                     self._requeue_on_pause.add(job_id)
@@ -166,7 +182,7 @@ class Scheduler:
         """Send a message to the job's controller actor, if it runs (never waits for an answer)."""
         with self._lock:
             run = self.running.get(job_id)
-        if run is not None:
+        if run is not None and run.actor is not None:
             getattr(run.actor, method).remote(*args)
 
     def controller(self, job_id: str) -> Any:
@@ -177,7 +193,15 @@ class Scheduler:
 
     def stop(self, job_id: str, reason: str) -> None:
         """Ask a running job to stop ("pause" or "cancel") at its next step boundary. A job cancelled
-        while it is still starting up has nothing to keep: its actor is killed at once."""
+        while it is still starting up has nothing to keep: its actor is killed at once. A hosted
+        record's server drops it at once."""
+        record = self.store.get_job(job_id)
+        if record is not None and record.method in self.hosted:
+            self.hosted[record.method].stop(job_id)
+            self.end(
+                job_id, S.CANCELLED, "cancelled through Tandem's API (tandem cancel); its checkpoints stay"
+            )
+            return
         with self._lock:
             run = self.running.get(job_id)
             if run is None:
@@ -216,11 +240,19 @@ class Scheduler:
             self.controllers.fill()
 
     def free(self) -> tuple[float, float]:
-        total = ray.cluster_resources()
+        total = ray.cluster_resources() if ray.is_initialized() else {}
         with self._lock:
-            used_cpu = sum(r.cpus for r in self.running.values())
-            used_gpu = sum(r.gpus for r in self.running.values())
-        return total.get("CPU", 0) - used_cpu, total.get("GPU", 0) - used_gpu
+            held = [(r.cpus, r.gpus) for r in self.running.values()] + list(self.held.values())
+        return total.get("CPU", 0) - sum(c for c, _ in held), total.get("GPU", 0) - sum(g for _, g in held)
+
+    def hold(self, key: str, cpus: float, gpus: float = 0.0) -> None:
+        """Count a process that serves hosted records (a session host) as holding these resources."""
+        with self._lock:
+            self.held[key] = (cpus, gpus)
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self.held.pop(key, None)
 
     def _schedule(self) -> None:
         if self._draining:
@@ -228,14 +260,32 @@ class Scheduler:
         used = self.owner_usage()
         running = {o: u.running_jobs for o, u in used.items()}
         for job in fair_order(self.store.jobs_in((S.QUEUED,)), running, self._served):
-            needs = self.workload.needs(job.spec)
-            cpus, gpus = needs.cpus, needs.gpus
-            if not may_run(self.quotas.of(job.owner), used[job.owner], cpus, gpus):
-                continue  # its owner is at its quota: the job waits, other owners' jobs go ahead
-            free_cpu, free_gpu = self.free()
-            if cpus > free_cpu + 1e-9 or gpus > free_gpu + 1e-9:
+            if self._try_start(job, used) == "room":
                 self._ask_autoscaler(job)
                 return  # strict order: no later job jumps the one that waits for room
+        if self._asked_autoscaler:  # nothing waits any more: withdraw the request
+            self._ask_autoscaler(None)
+
+    def admit(self, record_id: str) -> bool:
+        """Start a queued record now if its owner's quota and the cluster allow (a request that made
+        it need not wait for the next poll); else it waits in the queue. True when it started."""
+        record = self.store.get_job(record_id)
+        return (
+            record is not None
+            and not self._draining
+            and self._try_start(record, self.owner_usage()) == "started"
+        )
+
+    def _try_start(self, job: JobRecord, used: defaultdict[str, Usage]) -> str:
+        """Launch `job` if its owner's quota and the free room allow: "started", "quota" or "room"."""
+        needs = self.workload_of(job).needs(job.spec)
+        cpus, gpus = needs.cpus, needs.gpus
+        with self._lock:  # one start at a time: the loop and a request's `admit` see each other's
+            if not may_run(self.quotas.of(job.owner), used[job.owner], cpus, gpus):
+                return "quota"  # its owner is at its quota: the job waits, other owners' jobs go ahead
+            free_cpu, free_gpu = self.free()
+            if cpus > free_cpu + 1e-9 or gpus > free_gpu + 1e-9:
+                return "room"
             self._launch(job, cpus, gpus)
             self._starts += 1
             self._served[job.owner] = self._starts
@@ -245,8 +295,7 @@ class Scheduler:
                 mine.cpus + cpus,
                 mine.gpus + gpus,
             )
-        if self._asked_autoscaler:  # nothing waits any more: withdraw the request
-            self._ask_autoscaler(None)
+        return "started"
 
     def owner_usage(self) -> defaultdict[str, Usage]:
         """Jobs, CPUs and GPUs each owner's running jobs hold now (what the quotas cap)."""
@@ -264,7 +313,7 @@ class Scheduler:
     def _ask_autoscaler(self, job: JobRecord | None) -> None:
         """Tell Ray's autoscaler (where there is one) what the waiting job needs, so nodes are added;
         None withdraws the request."""
-        bundles = self.workload.needs(job.spec).bundles if job is not None else []
+        bundles = self.workload_of(job).needs(job.spec).bundles if job is not None else []
         self._asked_autoscaler = job is not None
         try:
             from ray.autoscaler.sdk import request_resources
@@ -280,6 +329,10 @@ class Scheduler:
             if not self.store.transition(job.id, (S.QUEUED,), S.RUNNING, error=None):
                 return
             self.store.started(job.id, time.time())
+            if job.method in self.hosted:
+                self.running[job.id] = RunningJob(None, None, cpus, gpus, -1, job.owner)
+                self._launch_hosted(job)
+                return
             first_step = resume_step(self.workload, job.workdir)
             try:  # upload ids -> stored paths and every path checked again, now that it starts
                 spec = self.spec_to_run(job, first_step > 0)
@@ -295,6 +348,33 @@ class Scheduler:
             self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step, job.owner)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 
+    def _launch_hosted(self, job: JobRecord) -> None:
+        try:
+            self.hosted[job.method].launch(job)
+        except Exception as err:  # noqa: BLE001 - the record fails, naming why; the loop goes on
+            self.end(job.id, S.FAILED, f"could not start: {type(err).__name__}: {err}")
+            return
+        self.store.add_event(job.id, "started", "served by its base model's session host")
+
+    def end(self, record_id: str, status: JobStatus, why: str | None = None) -> bool:
+        """A hosted record's run ended (its server says why): its status and an event, its slot free.
+        True when its status changed."""
+        sources = tuple(s for s in (S.QUEUED, *RUN_HOLDING) if allowed(s, status))
+        done = {"finished_at": time.time()} if status in TERMINAL else {}
+        moved = self.store.transition(record_id, sources, status, error=why, **done)
+        if moved:
+            self.store.add_event(record_id, status, why or str(status))
+        with self._lock:
+            self.running.pop(record_id, None)
+        return moved
+
+    def forget(self, record_id: str) -> None:
+        """A hosted record its server refused to start leaves no trace: its slot and its rows go."""
+        with self._lock:
+            self.running.pop(record_id, None)
+        if self.store.get_job(record_id) is not None:
+            self.store.delete_job(record_id)
+
     def spec_to_run(self, job: JobRecord, own_checkpoint: bool) -> dict[str, Any]:
         """The job's spec as its run gets it: its owner's uploads by path, each path it names resolved
         and still the owner's to name (service/owned_paths.py)."""
@@ -306,6 +386,8 @@ class Scheduler:
         with self._lock:
             items = list(self.running.items())
         for job_id, run in items:
+            if run.run_ref is None:  # a hosted record: its server reports its end (`end`)
+                continue
             done = bool(ray.wait([run.run_ref], timeout=0)[0])
             if run.killed_for is None:
                 self._drain(job_id, run)

@@ -2,7 +2,8 @@
 
 Requests only change the store and send a message to the job's controller actor through the
 Scheduler (service/scheduler.py), which runs the jobs; no request waits on a job. Status changes
-follow the one table in service/job_state.py.
+follow the one table in service/job_state.py. A record of another workload kind (a Tinker training
+run, service/workloads.py) takes the requests its kind lists in `actions`; others are a 409.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from service.owned_paths import FORK_SOURCES
 from service.quotas import QuotaBook, QuotaError, Usage, check_storage, check_submission
 from service.scheduler import Scheduler
 from service.store import JobRecord, JobStore
-from service.tinker_sessions import METHOD as TINKER_METHOD
 from service.usage import measure
 
 log = logging.getLogger("tandem.service")
@@ -84,8 +84,6 @@ class Service:
         )
         self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
         self.started_at = time.time()
-        self.closers: list[Any] = []  # called at shutdown, e.g. the Tinker API's session hosts (api/app.py)
-        self.tinker_cancel: Any = None  # (job) -> None: ends a Tinker training run's model (api/app.py)
 
     @property
     def is_alive(self) -> bool:
@@ -96,8 +94,6 @@ class Service:
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Pause every running job (each checkpoints at its next step boundary), then stop."""
-        for close in self.closers:
-            close()
         self.scheduler.shutdown(timeout_s)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -124,6 +120,10 @@ class Service:
             )
         return job, True
 
+    def admitting(self) -> threading.Lock:
+        """Held from a quota check to the row it admits (a Tinker run's too): no two pass on a race."""
+        return self._admit
+
     def check_quota(self, owner: str, cpus: float = 0.0, gpus: float = 0.0) -> None:
         """Refuse one more queued job of `owner` (needing `cpus` and `gpus` to run) beyond its quota
         (429 or 403, naming the quota)."""
@@ -133,7 +133,7 @@ class Service:
             raise quota_refusal(err) from None
 
     def usage(self, owner: str) -> Usage:
-        return measure(self.store, self.files, owner, self.scheduler.workload)
+        return measure(self.store, self.files, owner, self.scheduler.workload_of)
 
     def check_storage(self, owner: str, adding: int = 0) -> None:
         """Refuse an upload of `adding` bytes beyond the owner's stored bytes (403)."""
@@ -174,19 +174,20 @@ class Service:
             raise ServiceError(f"no job '{job_id}'", 404, "job_id", "not_found")
         return job
 
+    def steered(self, job_id: str, sees: str | None, action: str) -> JobRecord:
+        """The job, if `action` is a request its workload kind takes; else a 409 naming what does."""
+        job = self.get(job_id, sees)
+        kind = self.scheduler.workload_of(job)
+        if action not in kind.actions:
+            raise ServiceError(f"job '{job.id}' is {kind.refusal}; only {', '.join(sorted(kind.actions))} apply",
+                               409, "job_id", "invalid_state")  # fmt: skip
+        return job
+
     def cancel(self, job_id: str, sees: str | None = None) -> JobRecord:
         job = self.get(job_id, sees)
-        if job.method == TINKER_METHOD and job.status not in TERMINAL:  # its model leaves its host at once
-            if self.tinker_cancel is not None:
-                self.tinker_cancel(job)
-            self.store.transition(job_id, (S.RUNNING, S.PAUSING, S.PAUSED), S.CANCELLED, finished_at=time.time(),
-                                  error="cancelled through Tandem's API (tandem cancel); its checkpoints stay")  # fmt: skip
-            self.store.add_event(
-                job_id, "cancelled", "cancelled: its Tinker model was dropped (checkpoints stay)"
-            )
-            return self.get(job_id, sees)
         if self.store.transition(job_id, (S.QUEUED, S.PAUSED), S.CANCELLED, finished_at=time.time()):
             self.store.add_event(job_id, "cancelled", "cancelled before it ran again")
+            self.scheduler.stop(job_id, "cancel")  # a hosted record's server forgets it
         elif self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.CANCELLING):
             self.store.add_event(
                 job_id, "cancelling", "cancel requested: the job stops after its current step"
@@ -197,8 +198,7 @@ class Service:
         return self.get(job_id, sees)
 
     def pause(self, job_id: str, sees: str | None = None) -> JobRecord:
-        job = self.get(job_id, sees)
-        _not_tinker(job)
+        job = self.steered(job_id, sees, "pause")
         if self.store.transition(job_id, (S.QUEUED,), S.PAUSED):
             self.store.add_event(job_id, "paused", "paused before it started")
         elif self.store.transition(job_id, (S.RUNNING,), S.PAUSING):
@@ -211,13 +211,11 @@ class Service:
         return self.get(job_id, sees)
 
     def resume(self, job_id: str, sees: str | None = None) -> JobRecord:
-        job = self.get(job_id, sees)
-        _not_tinker(job)
+        job = self.steered(job_id, sees, "resume")
         with self._admit:
             if job.status == S.PAUSED:  # queued again: within the owner's queued jobs
-                self.check_quota(
-                    job.owner, {**job.spec, "resources": {**job.spec["resources"], "workers": 0}}
-                )
+                needs = self.scheduler.workload_of(job).needs(job.spec)
+                self.check_quota(job.owner, needs.cpus, needs.gpus)
             if not self.store.transition(job_id, (S.PAUSED,), S.QUEUED):
                 raise _invalid_state(job, "only a paused job can be resumed")
         self.store.add_event(job_id, "resumed", "queued again; it continues from its last checkpoint")
@@ -245,8 +243,7 @@ class Service:
         return self.get(job_id, sees)
 
     def set_hyperparameters(self, job_id: str, changes: dict[str, Any], sees: str | None = None) -> JobRecord:
-        job = self.get(job_id, sees)
-        _not_tinker(job)
+        job = self.steered(job_id, sees, "hyperparameters")
         if job.status in TERMINAL:
             raise _invalid_state(job, "it has no next step")
         try:
@@ -264,8 +261,7 @@ class Service:
         return self.get(job_id, sees)
 
     def checkpoint_now(self, job_id: str, sees: str | None = None) -> None:
-        job = self.get(job_id, sees)
-        _not_tinker(job)
+        job = self.steered(job_id, sees, "checkpoint")
         if job.status != S.RUNNING:
             raise _invalid_state(job, "only a running job can checkpoint now")
         self.scheduler.tell(job_id, "checkpoint_now")
@@ -273,9 +269,7 @@ class Service:
 
     def merged_spec(self, job_id: str, overrides: dict[str, Any], sees: str | None = None) -> JobSpec:
         """The job's spec with `overrides` applied and validated (what a fork would run)."""
-        job = self.get(job_id, sees)
-        _not_tinker(job)
-        parent = job.spec
+        parent = self.steered(job_id, sees, "fork").spec
         spec = _validated_merge(parent, overrides)
         _same_weights_shape(JobSpec.model_validate(parent), spec)
         return spec
@@ -283,8 +277,7 @@ class Service:
     def fork(self, job_id: str, step: int | None, overrides: dict[str, Any], sees: str | None = None,
              owner: str = ADMIN_OWNER) -> JobRecord:  # fmt: skip
         """A new job of `owner` (the forking key's) from one of the job's checkpoints."""
-        parent = self.get(job_id, sees)
-        _not_tinker(parent)
+        parent = self.steered(job_id, sees, "fork")
         chosen = self._fork_point(job_id, step)
         spec = _validated_merge(parent.spec, overrides)
         _same_weights_shape(JobSpec.model_validate(parent.spec), spec)
@@ -403,14 +396,6 @@ def _invalid_value(err: ValidationError) -> ServiceError:
     first = err.errors()[0]
     param = ".".join(str(p) for p in first["loc"]) or None
     return ServiceError(error_message(first["msg"], param), 422, param, "invalid_value")
-
-
-def _not_tinker(job: JobRecord) -> None:
-    """A Tinker training run is driven by its client through the Tinker API (docs/tinker.md):
-    only its labels, cancel and delete apply here."""
-    if job.method == TINKER_METHOD:
-        raise ServiceError(f"job '{job.id}' is a Tinker training run: its client drives it through the Tinker "
-                           "API; only labels, cancel and delete apply", 409, "job_id", "invalid_state")  # fmt: skip
 
 
 def _invalid_state(job: JobRecord, why: str) -> ServiceError:

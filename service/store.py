@@ -29,6 +29,7 @@ from service.audit import AUDIT_SCHEMA, AuditTable
 from service.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
 from service.keys import ADMIN_OWNER, KeyTable, migrate_keys
 from service.store_metrics import METRICS_SCHEMA, MetricsQuery, MetricsTable, metrics_topic
+from service.store_tinker import MIGRATE, TINKER_COLUMNS, TINKER_SCHEMA
 
 __all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery", "metrics_topic"]
 
@@ -182,6 +183,8 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
             if "idempotency" not in have and "idempotency_key" in have:
                 db.execute(FROM_ENCODED_KEYS, (ADMIN_OWNER,))
             db.execute(IDEMPOTENCY_INDEX)
+            db.executescript(TINKER_SCHEMA)
+            db.executescript(MIGRATE)
             db.executescript(METRICS_SCHEMA)
             migrate_keys(db)
             db.executescript(AUDIT_SCHEMA)
@@ -231,30 +234,55 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         request_hash: str | None = None,
         parent_id: str | None = None,
         owner: str = ADMIN_OWNER,
-        status: str = JobStatus.QUEUED,
     ) -> JobRecord:
-        """A new row, queued (the scheduler runs it); a Tinker training model's starts `running`
-        (service/tinker_sessions.py: its work is done by a session host, not by the scheduler)."""
+        """A new row, queued: the scheduler runs it."""
         job_id = "job-" + uuid.uuid4().hex[:12]
         now = time.time()
         with self._tx("jobs") as db:
-            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM jobs").fetchone()[0]
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM records").fetchone()[0]
             db.execute(
                 f"INSERT INTO jobs ({JOB_COLUMNS}) VALUES ({','.join('?' * 25)})",
                 (
-                    job_id, seq, status, spec["method"], json.dumps(spec),
+                    job_id, seq, JobStatus.QUEUED, spec["method"], json.dumps(spec),
                     json.dumps(spec.get("metadata", {})), now, None, None, 0, spec["trainer"]["total_steps"], "{}",
                     None, parent_id, str(Path(workdir_root) / job_id), idempotency, request_hash, None,
                     spec.get("name"), json.dumps(spec.get("tags", [])), spec.get("notes", ""), 0.0, None, owner,
                     "null",
                 ),
             )  # fmt: skip
-        self.add_event(job_id, "created", "job created and queued" if status == JobStatus.QUEUED else
-                       f"created ({status})")  # fmt: skip
+        self.add_event(job_id, "created", "job created and queued")
         return self.get_job(job_id)
 
+    def create_tinker_run(self, owner: str, model_id: str, session_id: str, base_model: str, rank: int,
+                          targets: list[str], workdir_root: Path) -> JobRecord:  # fmt: skip
+        """A Tinker training run's row (service/store_tinker.py), queued: the scheduler admits it."""
+        run_id = "job-" + uuid.uuid4().hex[:12]  # the run id of its tinker:// checkpoint paths
+        with self._tx("jobs") as db:
+            seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM records").fetchone()[0]
+            db.execute(
+                f"INSERT INTO tinker_runs ({TINKER_COLUMNS}) VALUES ({','.join('?' * 21)})",
+                (run_id, seq, JobStatus.QUEUED, owner, model_id, session_id, base_model, rank, json.dumps(targets),
+                 str(Path(workdir_root) / run_id), time.time(), None, None, 0, "{}", None, model_id,
+                 '["tinker"]', "", 0.0, None),
+            )  # fmt: skip
+        self.add_event(run_id, "created", f"Tinker training run of {model_id}, queued")
+        return self.get_job(run_id)
+
+    def tinker_runs(self, owner: str | None = None) -> list[JobRecord]:
+        """Tinker training runs, newest first: `owner`'s, or everyone's."""
+        rows = self._db().execute(
+            f"SELECT {JOB_COLUMNS} FROM records WHERE method = 'tinker' AND (?1 IS NULL OR owner = ?1) "
+            "ORDER BY seq DESC", (owner,),
+        )  # fmt: skip
+        return [JobRecord.from_row(r) for r in rows.fetchall()]
+
+    def _table(self, record_id: str) -> str:
+        """The table that holds a record: a Tinker run's own, or the jobs'."""
+        found = self._db().execute("SELECT 1 FROM tinker_runs WHERE id = ?", (record_id,)).fetchone()
+        return "tinker_runs" if found else "jobs"
+
     def get_job(self, job_id: str) -> JobRecord | None:
-        row = self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        row = self._db().execute(f"SELECT {JOB_COLUMNS} FROM records WHERE id = ?", (job_id,)).fetchone()
         return JobRecord.from_row(row) if row else None
 
     def job_by_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
@@ -288,13 +316,13 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
             )
             args.append(q)
         if tag:
-            where.append("EXISTS (SELECT 1 FROM json_each(jobs.tags) WHERE value = ?)")
+            where.append("EXISTS (SELECT 1 FROM json_each(records.tags) WHERE value = ?)")
             args.append(tag)
         if status:
             where.append(f"status IN ({','.join('?' * len(status))})")
             args.extend(status)
         for key, value in (metadata or {}).items():  # the key as a value, never inside a JSON path
-            where.append("EXISTS (SELECT 1 FROM json_each(jobs.metadata) WHERE key = ? AND value = ?)")
+            where.append("EXISTS (SELECT 1 FROM json_each(records.metadata) WHERE key = ? AND value = ?)")
             args.extend([key, value])
         if after is not None:
             cursor = self.get_job(after)
@@ -302,14 +330,14 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
                 raise KeyError(after)
             where.append("seq < ?")
             args.append(cursor.seq)
-        sql = f"SELECT {JOB_COLUMNS} FROM jobs"
+        sql = f"SELECT {JOB_COLUMNS} FROM records"
         if where:
             sql += " WHERE " + " AND ".join(where)
         rows = self._db().execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
         return [JobRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
 
     def jobs_of(self, owner: str) -> list[JobRecord]:
-        rows = self._db().execute(f"SELECT {JOB_COLUMNS} FROM jobs WHERE owner = ? ORDER BY seq", (owner,))
+        rows = self._db().execute(f"SELECT {JOB_COLUMNS} FROM records WHERE owner = ? ORDER BY seq", (owner,))
         return [JobRecord.from_row(r) for r in rows.fetchall()]
 
     def owners_resuming_from(self, fragment: str) -> set[str]:
@@ -321,13 +349,13 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         return {r[0] for r in rows.fetchall()}
 
     def job_owners(self) -> list[str]:
-        return [r[0] for r in self._db().execute("SELECT DISTINCT owner FROM jobs").fetchall()]
+        return [r[0] for r in self._db().execute("SELECT DISTINCT owner FROM records").fetchall()]
 
     def jobs_in(self, statuses: tuple[str, ...]) -> list[JobRecord]:
         rows = (
             self._db()
             .execute(
-                f"SELECT {JOB_COLUMNS} FROM jobs WHERE status IN ({','.join('?' * len(statuses))}) ORDER BY seq",
+                f"SELECT {JOB_COLUMNS} FROM records WHERE status IN ({','.join('?' * len(statuses))}) ORDER BY seq",
                 statuses,
             )
             .fetchall()
@@ -338,9 +366,12 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         for key in JSON_COLUMNS:
             if key in values:
                 values[key] = json.dumps(values[key])
+        table = self._table(job_id)
+        if table == "tinker_runs":  # a run's spec is its columns (service/store_tinker.py)
+            values.pop("spec", None)
         sets = ", ".join(f"{k} = ?" for k in values)
         with self._tx("jobs") as db:
-            db.execute(f"UPDATE jobs SET {sets} WHERE id = ?", (*values.values(), job_id))
+            db.execute(f"UPDATE {table} SET {sets} WHERE id = ?", (*values.values(), job_id))
 
     def transition(
         self, job_id: str, allowed_from: tuple[JobStatus, ...], to: JobStatus, **values: Any
@@ -354,9 +385,10 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
         if to not in RUN_HOLDING:
             sets += ", active_s = active_s + COALESCE(? - run_started_at, 0), run_started_at = NULL"
             values = {**values, "_now": time.time()}
+        table = self._table(job_id)
         with self._tx("jobs") as db:
             cur = db.execute(
-                f"UPDATE jobs SET {sets} WHERE id = ? AND status IN ({','.join('?' * len(allowed_from))})",
+                f"UPDATE {table} SET {sets} WHERE id = ? AND status IN ({','.join('?' * len(allowed_from))})",
                 (to, *values.values(), job_id, *allowed_from),
             )
             return cur.rowcount == 1
@@ -364,12 +396,15 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
     def started(self, job_id: str, at: float) -> None:
         """Record the job's first start (a resumed job keeps it)."""
         with self._tx("jobs") as db:
-            db.execute("UPDATE jobs SET started_at = COALESCE(started_at, ?) WHERE id = ?", (at, job_id))
+            db.execute(f"UPDATE {self._table(job_id)} SET started_at = COALESCE(started_at, ?) WHERE id = ?",
+                       (at, job_id))  # fmt: skip
 
     def bump_step(self, job_id: str, step: int) -> None:
         """Raise the job's step to `step` (a resumed job starts past 0 before its first metrics)."""
         with self._tx("jobs") as db:  # no row changes when the step is already there: readers keep theirs
-            db.execute("UPDATE jobs SET step = ? WHERE id = ? AND step < ?", (step, job_id, step))
+            db.execute(
+                f"UPDATE {self._table(job_id)} SET step = ? WHERE id = ? AND step < ?", (step, job_id, step)
+            )
 
     def set_restart(self, job_id: str, restart: dict[str, Any] | None) -> None:
         """The restart under way (its message, phase, counts), or None once the job resumed or ended."""
@@ -385,15 +420,16 @@ class JobStore(MetricsTable, KeyTable, AuditTable):
             for table in ("events", "metrics", "logs", "checkpoints", "samples"):
                 db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            db.execute("DELETE FROM tinker_runs WHERE id = ?", (job_id,))
 
     def counts_by_status(self, owner: str | None = None) -> dict[str, int]:
         """Jobs per status: every owner's, or `owner`'s only."""
         if owner is None:
-            rows = self._db().execute("SELECT status, COUNT(*) FROM jobs GROUP BY status").fetchall()
+            rows = self._db().execute("SELECT status, COUNT(*) FROM records GROUP BY status").fetchall()
         else:
             rows = (
                 self._db()
-                .execute("SELECT status, COUNT(*) FROM jobs WHERE owner = ? GROUP BY status", (owner,))
+                .execute("SELECT status, COUNT(*) FROM records WHERE owner = ? GROUP BY status", (owner,))
                 .fetchall()
             )
         return {r[0]: r[1] for r in rows}

@@ -97,10 +97,11 @@ class MetricsTable:
                 "INSERT INTO metrics (job_id, step, time, data) VALUES (?,?,?,?)",
                 (job_id, step, at or time.time(), json.dumps(values)),
             )
-            db.execute(
-                "UPDATE jobs SET step = MAX(step, ?), latest_metrics = ? WHERE id = ?",
-                (step, json.dumps(values), job_id),
-            )
+            for table in ("jobs", "tinker_runs"):  # the record's own table holds it; the other has no such id
+                db.execute(
+                    f"UPDATE {table} SET step = MAX(step, ?), latest_metrics = ? WHERE id = ?",
+                    (step, json.dumps(values), job_id),
+                )
             return int(cur.lastrowid)
 
     def truncate_after(self: _Db, job_id: str, step: int) -> None:
@@ -112,7 +113,10 @@ class MetricsTable:
                 "SELECT data FROM metrics WHERE job_id = ? ORDER BY step DESC LIMIT 1", (job_id,)
             ).fetchone()
             latest = row["data"] if row else "{}"
-            db.execute("UPDATE jobs SET step = ?, latest_metrics = ? WHERE id = ?", (step, latest, job_id))
+            for table in ("jobs", "tinker_runs"):
+                db.execute(
+                    f"UPDATE {table} SET step = ?, latest_metrics = ? WHERE id = ?", (step, latest, job_id)
+                )
 
     def metrics_since(self: _Db, job_id: str, after_id: int = 0, limit: int = 200) -> list[dict[str, Any]]:
         """Rows written after row `after_id`, in write order: what a live stream sends next."""

@@ -1,27 +1,24 @@
-"""One SessionHost Ray actor per served base model, and the dispatcher that feeds it.
+"""One session-host worker group per served base model, and the dispatcher that feeds it.
 
-The API process never imports torch: `HostActor` below is the torch-free shim that Ray runs as the
-actor's body; only inside that process does it build a built-in model's folder
-(engines/tiny_models.py) and import `workers.session_host.SessionHost` (docs/ARCHITECTURE.md, "Tinker
-API"). Its process is set up as a job's ranks are (engines/host_memory.py): malloc keeps freed
-memory and asks for transparent huge pages, which took a SmolLM2 session's forward_backward +
-optim_step from ~700k minor page faults to 1-5k and to 0.86x the time (bench/session_malloc.py).
-A host is started lazily, by the first request that needs its base model, so serving many
-base models costs nothing until they are used.
+A host is a one-rank `RayWorkerGroup` of `workers.session_host.SessionWorker` (one base, many adapters)
+on a one-bundle resource pool, started as a job's ranks are (malloc and threads set by the group's
+`WorkerHost`); the API process binds its registered operations without importing torch. A host is
+started lazily, by the first request that needs its base model, so serving many base models costs
+nothing until they are used; while it runs, the scheduler counts its CPUs as held (`accounts`:
+`Scheduler.hold`), so jobs are scheduled around it.
 
 Each host has one dispatcher thread. Requests are queued per queue key (a training model id or a
-sampler id) under their owner; the dispatcher builds each `run_batch` call by taking the head op of
-one queue after another, round-robin between owners and, within an owner, between its queues, at
-most one op per queue per batch (a session's ops run in the order it sent them). One batch is in
-flight per host; its `ray.get` has a timeout, and a timeout or a dead actor fails the batch's
-futures with a message that names the host.
+sampler id) under their owner; the dispatcher takes the head op of one queue after another,
+round-robin between owners and, within an owner, between its queues, at most one op per queue per
+batch (a session's ops run in the order it sent them), so the ops of a batch commute. A batch's
+forwards go in one `forward_backward` call, its samples in one `sample` call, its log-prob requests
+in one `compute_logprobs` call, the rest one call each. Every call has the group's timeout; a
+timeout or a dead worker fails the futures with a message that names the host.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -32,39 +29,28 @@ from typing import Any
 
 import ray
 
-from engines.host_memory import keep_freed_memory, malloc_tunables
+from controller.resource_pool import ResourcePool
+from controller.worker_group import RayWorkerGroup, WorkerGroupError
 from service.tinker_futures import Future, FutureTable
+from workers.session_host import Result, SessionWorker, error
 
 log = logging.getLogger("tandem.tinker")
+BATCHED = (SessionWorker.forward_backward, SessionWorker.sample, SessionWorker.compute_logprobs)
 
 # (ok result) -> (json result, protobuf result): what the future answers
 Finish = Callable[[dict[str, Any]], tuple[dict[str, Any] | None, bytes | None]]
 
 
-class HostActor:
-    """The body of a SessionHost actor (runs in its own process, where torch may be imported)."""
+@dataclass(frozen=True)
+class Call:
+    """One SessionWorker operation and its arguments; a batched one's are one item of its list."""
 
-    def __init__(self, base_model: str, workdir: str, options: dict[str, Any]) -> None:
-        from engines.tiny_models import BUILTIN_MODELS, build_builtin_model
+    operation: Callable[..., Any]  # a registered method of SessionWorker
+    kwargs: dict[str, Any]
 
-        self.keeps_freed_memory = keep_freed_memory()  # this process is the host's alone
-
-        if base_model in BUILTIN_MODELS:
-            model_path = str(build_builtin_model(base_model, Path(workdir) / "models"))
-        else:
-            model_path = base_model
-        module = importlib.import_module("workers.session_host")
-        self.host = module.SessionHost(base_model, model_path, workdir, options)
-
-    def describe(self) -> dict[str, Any]:
-        malloc = {
-            "keeps_freed_memory": self.keeps_freed_memory,
-            "tunables": os.environ.get("GLIBC_TUNABLES", ""),
-        }
-        return {**self.host.describe(), "malloc": malloc}
-
-    def run_batch(self, ops: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return self.host.run_batch(ops)
+    @property
+    def batched(self) -> bool:
+        return self.operation in BATCHED
 
 
 @dataclass
@@ -72,7 +58,7 @@ class Op:
     future: Future
     owner: str
     queue: str  # the model id or sampler id whose order it keeps
-    body: dict[str, Any]
+    call: Call
     finish: Finish
     on_ok: Callable[[dict[str, Any]], None] | None = None  # bookkeeping after success (store rows)
     on_fail: Callable[[], None] | None = None  # undo after a failure (a refused create stores nothing)
@@ -92,16 +78,17 @@ class Host:
     """One base model's actor and dispatcher."""
 
     def __init__(self, base_model: str, workdir: Path, futures: FutureTable, options: HostOptions,
-                 runtime_env: dict | None = None, on_lost: Callable[[Host], None] | None = None) -> None:  # fmt: skip
+                 on_lost: Callable[[Host], None] | None = None, accounts: Any = None) -> None:  # fmt: skip
         self.base_model, self.workdir, self.futures, self.options = base_model, workdir, futures, options
-        self.runtime_env, self.on_lost = runtime_env, on_lost
+        self.on_lost, self.accounts = on_lost, accounts
         self.restarts = 0
         self.name = f"session host '{base_model}'"
         self._cond = threading.Condition()
         self._queues: OrderedDict[str, OrderedDict[str, deque[Op]]] = OrderedDict()  # owner -> key -> ops
         self._thread: threading.Thread | None = None
         self._stop = False
-        self.actor: Any = None
+        self.group: RayWorkerGroup | None = None
+        self.pool: ResourcePool | None = None
         self.info: dict[str, Any] | None = None
         self.error: str | None = None
         self.batches = 0
@@ -122,8 +109,22 @@ class Host:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self.actor is not None:
-            ray.kill(self.actor)
+        self._release()
+
+    @property
+    def actor(self) -> Any:
+        """The worker's Ray actor while the host runs."""
+        return self.group.actors[0] if self.group is not None else None
+
+    def _release(self) -> None:
+        """The group and its pool go, and the scheduler no longer counts their CPUs."""
+        group, pool, self.group, self.pool, self.info = self.group, self.pool, None, None, None
+        if group is not None:
+            group.shutdown()
+        if pool is not None:
+            pool.remove()
+        if self.accounts is not None:
+            self.accounts.release(self.name)
 
     def queued(self) -> int:
         with self._cond:
@@ -171,18 +172,17 @@ class Host:
             raise FileNotFoundError(f"{self.base_model} is neither a built-in model nor a model folder")
         if not ray.is_initialized():  # ray.remote would start a private cluster in the API process
             raise RuntimeError("Ray is not running in this service (a service started without a cluster)")
-        # glibc reads GLIBC_TUNABLES when the process starts: it goes in the actor's environment (Ray
-        # merges its env_vars into the job's).
-        env = dict(self.runtime_env or {})
-        env["env_vars"] = {
-            **env.get("env_vars", {}),
-            "GLIBC_TUNABLES": malloc_tunables(os.environ.get("GLIBC_TUNABLES")),
-        }
-        opts: dict[str, Any] = {"num_cpus": self.options.cpus, "max_concurrency": 1, "runtime_env": env}
         options = {"max_rank": self.options.max_rank, **self.options.extra}
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.actor = ray.remote(HostActor).options(**opts).remote(self.base_model, str(self.workdir), options)
-        self.info = ray.get(self.actor.describe.remote(), timeout=self.options.start_timeout_s)
+        if self.accounts is not None:
+            self.accounts.hold(self.name, self.options.cpus)
+        timeout = self.options.start_timeout_s
+        self.pool = ResourcePool(1, self.options.cpus, gpus_per_bundle=0.0, name=f"session-host {self.base_model}",
+                                 ready_timeout_s=timeout)  # fmt: skip
+        self.group = RayWorkerGroup(self.pool, SessionWorker, self.base_model, str(self.workdir), options,
+                                    group_name=self.name, call_timeout_s=self.options.batch_timeout_s,
+                                    start_timeout_s=timeout)  # fmt: skip
+        self.info = self.group.describe()
         log.info("%s is up: %s", self.name, self.info)
 
     def _start(self) -> None:
@@ -191,6 +191,7 @@ class Host:
         except Exception as err:  # noqa: BLE001 - every queued and later op is told why
             self.error = f"{self.name} failed to start: {type(err).__name__}: {err}"[:2000]
             log.error(self.error)
+            self._release()
 
     def _run(self) -> None:
         self._start()
@@ -205,34 +206,38 @@ class Host:
                 self._dispatch(batch)
 
     def _dispatch(self, batch: list[Op]) -> None:
-        if self.actor is None and self.error is None:  # the last one died: a fresh host for this batch
+        if self.group is None and self.error is None:  # the last one died: a fresh host for this batch
             self.restarts += 1
             self._start()
-        if self.error is not None:
-            for op in batch:
-                self._settle(op, {"error": {"category": "server", "field": None, "message": self.error}})
-            return
         started = time.monotonic()
-        try:
-            results = ray.get(self.actor.run_batch.remote([op.body for op in batch]),
-                              timeout=self.options.batch_timeout_s)  # fmt: skip
-        except ray.exceptions.GetTimeoutError:
-            message = f"{self.name} did not answer run_batch within {self.options.batch_timeout_s:g} s"
-            results = [{"error": {"category": "server", "field": None, "message": message}}] * len(batch)
-        except Exception as err:  # noqa: BLE001 - a dead actor: every op of the batch is told
-            message = f"{self.name} failed: {type(err).__name__}: {err}"[:2000]
-            results = [{"error": {"category": "server", "field": None, "message": message}}] * len(batch)
-            if isinstance(err, ray.exceptions.RayActorError):
-                self._lost(message)
+        singles = [[op] for op in batch if not op.call.batched]
+        batched = [[op for op in batch if op.call.operation is kind] for kind in BATCHED]
+        for ops in [ops for ops in batched if ops] + singles:
+            for op, result in zip(ops, self._call(ops), strict=True):
+                self._settle(op, result)
         self.batches += 1
         log.debug("%s ran %d ops in %.3f s", self.name, len(batch), time.monotonic() - started)
-        for op, result in zip(batch, results, strict=False):
-            self._settle(op, result)
+
+    def _call(self, ops: list[Op]) -> list[Result]:
+        """One group call for `ops` (all of one batched operation, or a single op): a result each."""
+        if self.error is not None or self.group is None:
+            return [error("server", None, self.error or f"{self.name} is not running")] * len(ops)
+        call = ops[0].call
+        method = getattr(self.group, call.operation.__name__)
+        try:
+            if call.batched:
+                return method([op.call.kwargs for op in ops])
+            return [method(**call.kwargs)]
+        except WorkerGroupError as err:  # a dead worker or a timeout: every op of the call is told
+            message = f"{self.name} failed: {err}"[:2000]
+            if err.kind == "died":
+                self._lost(message)
+            return [error("server", None, message)] * len(ops)
 
     def _lost(self, why: str) -> None:
         """The actor died: forget it (the next batch starts another) and tell the service."""
         log.error("%s died; a new one starts with the next request: %s", self.name, why)
-        self.actor, self.info = None, None
+        self._release()
         if self.on_lost is not None:
             self.on_lost(self)
 
@@ -255,7 +260,8 @@ class Host:
                 op.on_ok(result["ok"])
             json_body, proto = op.finish(result["ok"])
         except Exception as err:  # noqa: BLE001 - a result the API cannot read fails that op only
-            log.exception("%s: reading the result of %s", self.name, op.body.get("op"))
-            self.futures.fail(op.future, f"{self.name}: unreadable result of {op.body.get('op')}: {err}")
+            name = op.call.operation.__name__
+            log.exception("%s: reading the result of %s", self.name, name)
+            self.futures.fail(op.future, f"{self.name}: unreadable result of {name}: {err}")
             return
         self.futures.finish(op.future, json_body, proto)

@@ -18,16 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from service.tinker_futures import Future
+from service.tinker_hosts import Call
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
-from service.tinker_service import NAME, TinkerError, TinkerService, host_id, host_of, not_found
-from service.tinker_sessions import (
-    METHOD,
-    Sampler,
-    checkpoint_folder,
-    list_checkpoints,
-    parse_tinker_path,
-)
+from service.tinker_service import NAME, TinkerError, TinkerService, host_id, not_found
+from service.tinker_sessions import Sampler, checkpoint_folder, list_checkpoints, parse_tinker_path, run_row
 from service.tinker_wire import write_sample_response
+from workers.session_host import SessionWorker
 
 MAX_SAMPLES = 128
 MAX_NEW_TOKENS = 4096
@@ -46,11 +42,8 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
         raise TinkerError(400, f"path: sampler name {name!r} must match {NAME.pattern}", "path")
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
     tinker_path = f"tinker://{model.job_id}/sampler_weights/{name}" if name else None
-    body = {
-        "op": "save_for_sampler",
-        "model_id": host_id(model.model_id),
-        "name": name or sampler_id.replace(":", "-"),
-    }
+    body = Call(SessionWorker.save_for_sampler,
+                {"adapter": host_id(model.model_id), "name": name or sampler_id.replace(":", "-")})  # fmt: skip
 
     def saved(ok: dict[str, Any]) -> None:
         svc.records.add_sampler(
@@ -67,7 +60,7 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
         return {**answer, "type": "save_weights_for_sampler"}, None
 
     return svc.submit(
-        host_of(svc, model), owner, model.model_id, body, "save_weights_for_sampler", finish, saved
+        svc.hosts[model.base_model], owner, model.model_id, body, "save_weights_for_sampler", finish, saved
     )
 
 
@@ -80,8 +73,8 @@ def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingS
         if parsed is None or parsed[1] != "sampler_weights":
             raise TinkerError(400, f"model_path: {path!r} is not a sampler checkpoint path "
                               "(tinker://RUN/sampler_weights/NAME)", "model_path")  # fmt: skip
-        job = svc.store.get_job(parsed[0])
-        if job is None or job.method != METHOD or job.owner != owner:
+        job = run_row(svc.store, parsed[0], owner)
+        if job is None:
             raise not_found("sampler checkpoint", path, "model_path")
         folder = checkpoint_folder(Path(job.workdir), "sampler_weights", parsed[2])
         if not (folder / ".complete").exists():
@@ -140,12 +133,12 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
     if not 1 <= num <= MAX_SAMPLES:
         raise TinkerError(400, f"num_samples: {num} must be in [1, {MAX_SAMPLES}]", "num_samples")
     params = _sampling_params(req.sampling_params)
-    body = {"op": "sample", "sampler": sampler.path, "prompt": prompt, "num_samples": num,
-            "sampling_params": params, "prompt_logprobs": bool(req.prompt_logprobs)}  # fmt: skip
+    body = Call(SessionWorker.sample, {"sampler": sampler.path, "prompt": prompt, "num_samples": num,
+                                       "sampling_params": params, "prompt_logprobs": bool(req.prompt_logprobs)})  # fmt: skip
     sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
 
     def record(ok: dict[str, Any]) -> None:
-        if body["prompt_logprobs"]:  # scoring (compute_logprobs), not sampling: no sample rows
+        if req.prompt_logprobs:  # scoring (compute_logprobs), not sampling: no sample rows
             return
         if sampler.job_id is None or svc.store.get_job(sampler.job_id) is None:
             return
@@ -197,8 +190,8 @@ def run_view(svc: TinkerService, job: Any) -> dict[str, Any]:
 
 
 def run_of(svc: TinkerService, owner: str | None, run_id: str) -> Any:
-    job = svc.store.get_job(run_id)
-    if job is None or job.method != METHOD or (owner is not None and job.owner != owner):
+    job = run_row(svc.store, run_id, owner)
+    if job is None:
         model = svc.records.model(run_id, owner)  # a model id names its run too
         if model is None:
             raise not_found("training run", run_id, "training_run_id")
@@ -208,8 +201,7 @@ def run_of(svc: TinkerService, owner: str | None, run_id: str) -> Any:
 
 def list_runs(svc: TinkerService, owner: str | None, limit: int, offset: int) -> dict[str, Any]:
     """The caller's training runs (an admin's: everyone's), newest first."""
-    jobs = svc.store.jobs_of(owner) if owner is not None else svc.store.list_jobs(limit=1_000_000)[0]
-    rows = sorted((j for j in jobs if j.method == METHOD), key=lambda j: -j.created_at)
+    rows = svc.store.tinker_runs(owner)
     return {
         "training_runs": [run_view(svc, j) for j in rows[offset : offset + limit]],
         "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)},

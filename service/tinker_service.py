@@ -4,6 +4,11 @@ Every request is checked here, in the API process, before anything is stored or 
 is a `TinkerError`: a 4xx naming the field, in the SDK's error shape); then its work becomes one op
 of the contract's `run_batch` (docs/ARCHITECTURE.md, "Tinker API"), queued on its base model's host
 under the caller's owner, and the caller gets a future. The sampling side is service/tinker_sampling.py.
+
+A training model is a record of the scheduler's Tinker workload (service/workloads.py), in a table
+of its own: `create_model` queues it within the owner's quotas, the scheduler admits it as it does a
+job (at once when the quota and the cluster allow) and calls `launch`, which sends its creation to
+the host; it ends through `Scheduler.end` (unloaded, cancelled, its session or its host gone).
 """
 
 from __future__ import annotations
@@ -16,10 +21,9 @@ from typing import Any
 
 from engines.tinker_loss_spec import LossInputError, check_request
 from service.job_state import JobStatus
-from service.quotas import QuotaBook
-from service.store import JobStore
+from service.service import Service
 from service.tinker_futures import Future, FutureTable
-from service.tinker_hosts import Host, HostOptions, Op
+from service.tinker_hosts import Call, Host, HostOptions, Op
 from service.tinker_requests import (
     CreateModel,
     LoadWeights,
@@ -30,7 +34,6 @@ from service.tinker_requests import (
     TinkerError,
 )
 from service.tinker_sessions import (
-    METHOD,
     ClientSession,
     Records,
     TrainingModel,
@@ -38,8 +41,10 @@ from service.tinker_sessions import (
     last_saved_state,
     lost_message,
     parse_tinker_path,
+    run_row,
 )
 from service.tinker_wire import write_forward_backward_output
+from workers.session_host import SessionWorker
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 BUILTIN_CONTEXT = 512
@@ -51,18 +56,22 @@ def not_found(what: str, ident: str, field: str) -> TinkerError:
 
 
 class TinkerService:
-    def __init__(self, store: JobStore, home: Path, quotas: QuotaBook, base_models: list[str],
-                 options: HostOptions | None = None, runtime_env: dict | None = None) -> None:  # fmt: skip
-        self.store, self.home, self.quotas = store, Path(home), quotas
+    """The Tinker API's requests, and the server of the scheduler's Tinker workload (`launch`, `stop`)."""
+
+    def __init__(self, service: Service, base_models: list[str], options: HostOptions | None = None) -> None:
+        self.service, self.store, self.quotas = service, service.store, service.quotas
+        self.scheduler, self.home = service.scheduler, service.home
+        self.scheduler.hosted["tinker"].server = self
         self.options = options or HostOptions()
         self.futures = FutureTable()
         self.records = Records()
         self.hosts = {
-            name: Host(name, self.home / "tinker" / "hosts" / _safe(name), self.futures, self.options, runtime_env,
-                       on_lost=self._host_lost)
+            name: Host(name, self.home / "tinker" / "hosts" / _safe(name), self.futures, self.options,
+                       on_lost=self._host_lost, accounts=self.scheduler)
             for name in base_models
         }  # fmt: skip
         self._admit = threading.Lock()
+        self._launches: dict[str, Any] = {}  # model id -> what its launch sends to the host
         self.session_ttl_s = SESSION_TTL_S
 
     def shutdown(self) -> None:
@@ -81,21 +90,11 @@ class TinkerService:
         for session in gone:
             self.records.sessions.pop(session.id, None)
             for model in [m for m in list(self.records.models.values()) if m.session_id == session.id]:
-                self.records.drop_model(model.model_id)
                 last = last_saved_state(model.job_id, model.workdir) or "none (no save_state)"
-                why = (f"session {session.id} ended: no heartbeat for {self.session_ttl_s:g} s; "
-                       f"the last saved state of training run {model.job_id} is {last}")  # fmt: skip
-                self.store.transition(model.job_id, (JobStatus.RUNNING,), JobStatus.PAUSED, error=why)
-                self.store.add_event(model.job_id, "paused", why)
-                body = {"op": "drop_model", "model_id": host_id(model.model_id)}
-                self.submit(
-                    host_of(self, model),
-                    model.owner,
-                    model.model_id,
-                    body,
-                    "unload_model",
-                    lambda ok: ({}, None),
-                )
+                self._drop(model)
+                self.scheduler.end(model.job_id, JobStatus.PAUSED, f"session {session.id} ended: no heartbeat for "
+                                   f"{self.session_ttl_s:g} s; the last saved state of training run "
+                                   f"{model.job_id} is {last}")  # fmt: skip
         return [s.id for s in gone]
 
     def _host_lost(self, host: Host) -> None:
@@ -104,8 +103,7 @@ class TinkerService:
         for model in [m for m in list(self.records.models.values()) if m.base_model == host.base_model]:
             self.records.drop_model(model.model_id)
             why = lost_message(model.job_id, model.workdir, f"its session host ({host.base_model}) died")
-            self.store.transition(model.job_id, (JobStatus.RUNNING,), JobStatus.PAUSED, error=why)
-            self.store.add_event(model.job_id, "paused", why)
+            self.scheduler.end(model.job_id, JobStatus.PAUSED, why)
 
     def create_session(self, owner: str, tags: list[str]) -> ClientSession:
         self.expire_sessions()
@@ -139,11 +137,12 @@ class TinkerService:
             for name, host in self.hosts.items()
         ]}  # fmt: skip
 
-    def submit(self, host: Host, owner: str, queue: str, body: dict[str, Any], kind: str,
-               finish: Any, on_ok: Any = None, on_fail: Any = None) -> Future:  # fmt: skip
-        future = self.futures.create(owner, kind)
-        host.submit(Op(future, owner, queue, body, finish, on_ok, on_fail))
-        return future
+    def submit(self, host: Host, owner: str, queue: str, body: Call, kind: str, finish: Any,
+               on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
+        """Queue one op on `host` (or on `deferred`, sent later); the caller's future for it."""
+        op = Op(self.futures.create(owner, kind), owner, queue, body, finish, on_ok, on_fail)
+        host.submit(op) if deferred is None else deferred.append(op)
+        return op.future
 
     # ---- training models --------------------------------------------------------------------------
 
@@ -174,21 +173,24 @@ class TinkerService:
         model_id = f"{session.id}:train:{req.model_seq_id}"
         if model_id in self.records.models:
             raise TinkerError(400, f"model_seq_id: model {model_id} exists already", "model_seq_id")
+        targets = [t for t, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp),
+                                   ("unembed", lora.train_unembed)) if on]  # fmt: skip
         with self._admit:
             limit = self.quotas.of(owner).tinker_models
             have = self.records.live_models_of(owner)
             if limit is not None and have >= limit:
                 raise TinkerError(403, f"quota tinker_models: owner '{owner}' may have at most {limit} live "
                                   f"training models; it has {have}", "quota.tinker_models")  # fmt: skip
-            job = self.store.create_job(_row_spec(host.base_model, lora, model_id, req.session_id),
-                                        self.home / "jobs", owner=owner, status=JobStatus.RUNNING)  # fmt: skip
+            with self.service.admitting():  # the owner's queued and stored quotas, as a job's submission
+                self.service.check_quota(owner)
+                job = self.store.create_tinker_run(owner, model_id, session.id, host.base_model, rank, targets,
+                                                   self.home / "jobs")  # fmt: skip
             model = TrainingModel(model_id, job.id, owner, session.id, host.base_model, rank, Path(job.workdir),
                                   optimizer)  # fmt: skip
             self.records.add_model(model)  # now: a second create_model of this id is refused
-        self.store.started(job.id, job.created_at)
-        body = {"op": "create_model", "model_id": host_id(model_id), "rank": rank, "seed": lora.seed,
-                "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
-                "train_unembed": lora.train_unembed}  # fmt: skip
+        body = Call(SessionWorker.create_adapter, {"adapter": host_id(model_id), "rank": rank, "seed": lora.seed,
+                    "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
+                    "train_unembed": lora.train_unembed})  # fmt: skip
 
         def created(ok: dict[str, Any]) -> None:
             self.store.add_event(job.id, "created", f"LoRA rank {rank} on {host.base_model}: "
@@ -196,15 +198,32 @@ class TinkerService:
 
         def forget() -> None:  # a model the host refused goes with its row: a failed create stores nothing
             self.records.drop_model(model_id)
-            if self.store.get_job(job.id) is not None:
-                self.store.delete_job(job.id)
+            self.scheduler.forget(job.id)
 
-        if load is None:
-            return self.submit(host, owner, model_id, body, "create_model",
-                               lambda ok: ({"model_id": model_id, "type": "create_model"}, None), created, forget)  # fmt: skip
-        # create_training_client_from_state: the same queue runs the load right after
-        self.submit(host, owner, model_id, body, "create_model", lambda ok: ({}, None), created, forget)
-        return self._load(model, load["path"], load["optimizer"], owner, forget)
+        answer = {"model_id": model_id, "type": "create_model"} if load is None else {}
+        ops: list[Op] = []  # sent when the scheduler launches the run
+        future = self.submit(host, owner, model_id, body, "create_model", lambda ok: (answer, None), created,
+                             forget, ops)  # fmt: skip
+        if load is not None:  # create_training_client_from_state: the same queue runs the load right after
+            try:
+                future = self._load(model, load["path"], load["optimizer"], owner, forget, ops)
+            except TinkerError:
+                forget()
+                raise
+        self._launches[model_id] = lambda: [host.submit(op) for op in ops]
+        self.scheduler.admit(job.id)  # else it waits in the queue for its owner's quota or for room
+        return future
+
+    def launch(self, record: Any) -> None:
+        """The scheduler admitted a run: its creation (and a load) go to its host."""
+        self._launches.pop(record.metadata["tinker_model_id"])()
+
+    def stop(self, record_id: str) -> None:
+        """A run cancelled through Tandem's API: its model leaves its host (its checkpoints stay)."""
+        model = self.records.model_of_job(record_id)
+        if model is not None:
+            self._launches.pop(model.model_id, None)
+            self._drop(model)
 
     def info(self, model_id: str, owner: str | None) -> dict[str, Any]:
         model = self.model(model_id, owner)
@@ -253,8 +272,9 @@ class TinkerService:
             if targets is not None:
                 self.check_tokens(host, [int(t) for t in targets["data"]],
                                   f"forward_backward_input.data[{i}].loss_fn_inputs.target_tokens")  # fmt: skip
-        body = {"op": "forward", "model_id": host_id(model.model_id), "data": data, "loss_fn": req["loss_fn"],
-                "loss_fn_config": req.get("loss_fn_config"), "backward": not forward_only}  # fmt: skip
+        body = Call(SessionWorker.forward_backward, {"adapter": host_id(model.model_id), "data": data,
+                    "loss_fn": req["loss_fn"], "loss_fn_config": req.get("loss_fn_config"),
+                    "backward": not forward_only})  # fmt: skip
 
         def record(ok: dict[str, Any]) -> None:
             if not forward_only:
@@ -274,7 +294,7 @@ class TinkerService:
     def optim_step(self, owner: str, req: OptimStep) -> Future:
         model = self.model(req.model_id, owner)
         adam = req.adam_params.model_dump(exclude={"type"})  # bounds and finiteness: its type
-        body = {"op": "optim_step", "model_id": host_id(model.model_id), "adam": adam}
+        body = Call(SessionWorker.optim_step, {"adapter": host_id(model.model_id), "adam": adam})
 
         def stepped(ok: dict[str, Any]) -> None:
             self._metrics(model, {"train/learning_rate": adam["learning_rate"],
@@ -284,7 +304,7 @@ class TinkerService:
                 model.step_metrics = {}
             self.store.bump_step(model.job_id, model.step)
 
-        return self.submit(host_of(self, model), owner, model.model_id, body, "optim_step",
+        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "optim_step",
                            lambda ok: ({"metrics": ok.get("metrics") or {}, "type": "optim_step"}, None), stepped)  # fmt: skip
 
     # ---- state ------------------------------------------------------------------------------------
@@ -298,19 +318,14 @@ class TinkerService:
         if folder.exists() and not req.overwrite:
             raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
         tinker_path = f"tinker://{model.job_id}/weights/{name}"
-        body = {
-            "op": "save_state",
-            "model_id": host_id(model.model_id),
-            "path": str(folder),
-            "optimizer": True,
-        }
+        body = Call(SessionWorker.save_state, {"adapter": host_id(model.model_id), "path": str(folder)})
 
         def saved(ok: dict[str, Any]) -> None:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / ".complete").write_text(tinker_path + "\n")
             self.store.add_event(model.job_id, "checkpoint", f"saved state {tinker_path}")
 
-        return self.submit(host_of(self, model), owner, model.model_id, body, "save_weights",
+        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "save_weights",
                            lambda ok: ({"path": tinker_path, "type": "save_weights"}, None), saved)  # fmt: skip
 
     def resolve_state(self, path: str, owner: str | None, field: str = "path") -> tuple[Any, Path]:
@@ -319,8 +334,8 @@ class TinkerService:
         if parsed is None or parsed[1] != "weights":
             raise TinkerError(400, f"{field}: {path!r} is not a training checkpoint path "
                               "(tinker://RUN/weights/NAME)", field)  # fmt: skip
-        job = self.store.get_job(parsed[0])
-        if job is None or job.method != METHOD or (owner is not None and job.owner != owner):
+        job = run_row(self.store, parsed[0], owner)
+        if job is None:
             raise not_found("checkpoint", path, field)
         folder = checkpoint_folder(Path(job.workdir), "weights", parsed[2])
         if not (folder / ".complete").exists():
@@ -337,9 +352,8 @@ class TinkerService:
                              optimizer_config=req.optimizer_config)  # fmt: skip
         return self.create_model(owner, create, load={"path": req.path, "optimizer": req.optimizer})
 
-    def _load(
-        self, model: TrainingModel, path: str, optimizer: bool, owner: str, on_fail: Any = None
-    ) -> Future:
+    def _load(self, model: TrainingModel, path: str, optimizer: bool, owner: str, on_fail: Any = None,
+              deferred: list[Op] | None = None) -> Future:  # fmt: skip
         job, folder = self.resolve_state(path, owner)
         if (
             job.spec["model"]["builtin"] != model.base_model
@@ -348,45 +362,33 @@ class TinkerService:
             raise TinkerError(400, f"path: {path} is a rank-{job.spec['model']['lora']['rank']} adapter of "
                               f"{job.spec['model']['builtin']}; this model is rank {model.rank} on "
                               f"{model.base_model}", "path")  # fmt: skip
-        body = {
-            "op": "load_state",
-            "model_id": host_id(model.model_id),
-            "path": str(folder),
-            "optimizer": optimizer,
-        }
+        body = Call(SessionWorker.load_state, {"adapter": host_id(model.model_id), "path": str(folder),
+                                               "optimizer": optimizer})  # fmt: skip
 
         def loaded(ok: dict[str, Any]) -> None:
             self.store.add_event(model.job_id, "resumed", f"loaded {path} ({'with' if optimizer else 'without'} "
                                  "optimizer state)")  # fmt: skip
 
-        return self.submit(host_of(self, model), owner, model.model_id, body, "load_weights",
+        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "load_weights",
                            lambda ok: ({"path": path, "model_id": model.model_id, "type": "load_weights"}, None),
-                           loaded, on_fail)  # fmt: skip
+                           loaded, on_fail, deferred)  # fmt: skip
 
     def unload(self, owner: str, model_id: str) -> Future:
         model = self.model(model_id, owner)
 
         def dropped(ok: dict[str, Any]) -> None:
             self.records.drop_model(model.model_id)
-            self.store.transition(model.job_id, (JobStatus.RUNNING,), JobStatus.SUCCEEDED)
+            self.scheduler.end(model.job_id, JobStatus.SUCCEEDED)
 
-        return self.submit(host_of(self, model), owner, model.model_id, {"op": "drop_model", "model_id": host_id(model_id)},
-                           "unload_model", lambda ok: ({"model_id": model_id, "type": "unload_model"}, None),
-                           dropped)  # fmt: skip
+        return self._drop(model, {"model_id": model_id, "type": "unload_model"}, dropped)
 
-    def cancel_run(self, job: Any) -> None:
-        """`tandem cancel` of a training run: its model leaves the host (its checkpoints stay)."""
-        model = self.records.model_of_job(job.id)
-        if model is not None:
-            self._drop(model)
-
-    def _drop(self, model: TrainingModel) -> None:
-        """Forget a model here and drop it from its host (queued after its pending ops)."""
-        self.records.drop_model(model.model_id)
-        body = {"op": "drop_model", "model_id": host_id(model.model_id)}
-        self.submit(
-            host_of(self, model), model.owner, model.model_id, body, "unload_model", lambda ok: ({}, None)
-        )
+    def _drop(self, model: TrainingModel, answer: dict[str, Any] | None = None, on_ok: Any = None) -> Future:
+        """Drop a model from its host (queued after its pending ops); without `on_ok`, forget it now."""
+        if on_ok is None:
+            self.records.drop_model(model.model_id)
+        body = Call(SessionWorker.drop_adapter, {"adapter": host_id(model.model_id)})
+        return self.submit(self.hosts[model.base_model], model.owner, model.model_id, body, "unload_model",
+                           lambda ok: (answer or {}, None), on_ok)  # fmt: skip
 
 
 def host_id(model_id: str) -> str:
@@ -394,24 +396,5 @@ def host_id(model_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", model_id)
 
 
-def host_of(service: TinkerService, model: TrainingModel) -> Host:
-    return service.hosts[model.base_model]
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[-100:]
-
-
-def _row_spec(base: str, lora: LoraConfig, model_id: str, session_id: str) -> dict[str, Any]:
-    """The job-store row of a training model: enough for `tandem list`, the dashboard and the views."""
-    targets = [t for t, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp),
-                               ("unembed", lora.train_unembed)) if on]  # fmt: skip
-    rank = lora.rank
-    return {
-        "method": METHOD,
-        "model": {"builtin": base, "lora": {"rank": rank, "alpha": rank, "target_modules": targets}},
-        "trainer": {"total_steps": 0},
-        "name": model_id,
-        "metadata": {"tinker_model_id": model_id, "tinker_session_id": session_id},
-        "tags": ["tinker"],
-    }

@@ -2,14 +2,15 @@
 
 - A client session (`create_session`, kept alive by `session_heartbeat`) lives in memory: the SDK
   makes a new one per process, so there is nothing to keep across a restart.
-- A training model (`create_model`, a LoRA adapter on a served base) is also a row of the job store
-  (`method = "tinker"`), so it shows in `tandem list` and the dashboard with its owner, per-step
-  metrics and samples; its id there (`job-...`) is the Tinker training run id of its checkpoint
-  paths (`tinker://job-.../weights/NAME`). Its checkpoints are folders under the row's workdir
+- A training model (`create_model`, a LoRA adapter on a served base) is also a record of the
+  scheduler's Tinker workload, a row of the store's `tinker_runs` table (service/store_tinker.py),
+  so it shows in `tandem list` and the dashboard with its owner, per-step metrics and samples; its
+  id there (`job-...`) is the Tinker training run id of its checkpoint paths
+  (`tinker://job-.../weights/NAME`). Its checkpoints are folders under the row's workdir
   (`checkpoints/weights/NAME`, `checkpoints/sampler_weights/NAME`), so they outlive the service.
-  After a restart the adapter itself is gone (it lived in the host process): the row is marked
-  paused by the scheduler's recovery, and the model's next call is refused with its last saved
-  state named (service/tinker_service.py, `lost`).
+  After a restart the adapter itself is gone (it lived in the host process): the scheduler's
+  recovery pauses the run (`TinkerRunWorkload.recover`), and the model's next call is refused with
+  its last saved state named (`lost_message`).
 - A sampler (`save_weights_for_sampler`, `create_sampling_session`) is a frozen adapter snapshot
   or the bare base model, in memory.
 
@@ -25,8 +26,6 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-from service.job_state import JobStatus
 
 METHOD = "tinker"
 CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
@@ -70,6 +69,10 @@ def sees(owner_of: str, caller_owner: str | None) -> bool:
     return caller_owner is None or owner_of == caller_owner
 
 
+def _seen(found: Any, owner: str | None) -> Any:
+    return found if found is not None and sees(found.owner, owner) else None
+
+
 class Records:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -85,12 +88,10 @@ class Records:
         return session
 
     def session(self, session_id: str, owner: str | None) -> ClientSession | None:
-        found = self.sessions.get(session_id)
-        return found if found is not None and sees(found.owner, owner) else None
+        return _seen(self.sessions.get(session_id), owner)
 
     def model(self, model_id: str, owner: str | None) -> TrainingModel | None:
-        found = self.models.get(model_id)
-        return found if found is not None and sees(found.owner, owner) else None
+        return _seen(self.models.get(model_id), owner)
 
     def model_of_job(self, job_id: str) -> TrainingModel | None:
         return next((m for m in list(self.models.values()) if m.job_id == job_id), None)
@@ -104,8 +105,7 @@ class Records:
             self.models.pop(model_id, None)
 
     def sampler(self, sampler_id: str, owner: str | None) -> Sampler | None:
-        found = self.samplers.get(sampler_id)
-        return found if found is not None and sees(found.owner, owner) else None
+        return _seen(self.samplers.get(sampler_id), owner)
 
     def add_sampler(self, sampler: Sampler) -> None:
         with self._lock:
@@ -174,9 +174,7 @@ def lost_message(job_id: str, workdir: Path, cause: str = "the service restarted
             f"continue with service_client.create_training_client_from_state_with_optimizer('{last}')")  # fmt: skip
 
 
-def lost_tinker_model(store: Any, job: Any) -> None:
-    """At a service start: a Tinker training model whose host went with the old service is paused,
-    its error naming its last saved state (the row and its checkpoints stay)."""
-    message = lost_message(job.id, Path(job.workdir))
-    store.transition(job.id, (JobStatus.RUNNING, JobStatus.PAUSING), JobStatus.PAUSED, error=message)
-    store.add_event(job.id, "paused", message)
+def run_row(store: Any, run_id: str, owner: str | None) -> Any:
+    """The store's record of Tinker training run `run_id`, if `owner` may see it (None: the admin)."""
+    job = store.get_job(run_id)
+    return job if job is not None and job.method == METHOD and sees(job.owner, owner) else None

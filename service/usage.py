@@ -6,23 +6,26 @@ could drift."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from service.files import FileStore
 from service.job_state import RUN_HOLDING, JobStatus
 from service.quotas import Usage
-from service.store import JobStore
-from service.tinker_sessions import METHOD as TINKER_METHOD
-from service.workloads import RL_JOB, Workload
+from service.store import JobRecord, JobStore
+from service.workloads import RL_JOB
 
 
-def measure(store: JobStore, files: FileStore, owner: str, workload: Workload = RL_JOB) -> Usage:
+def measure(store: JobStore, files: FileStore, owner: str,
+            workload_of: Callable[[JobRecord], Any] = lambda record: RL_JOB) -> Usage:  # fmt: skip
+    """Every record of the owner counts, of whatever workload kind (a Tinker run as a job)."""
     usage = Usage(owner)
     for job in store.jobs_of(owner):
         if job.status == JobStatus.QUEUED:
             usage.queued_jobs += 1
-        elif job.status in RUN_HOLDING and job.method != TINKER_METHOD:  # a session host's, not a job's
-            needs = workload.needs(job.spec)
+        elif job.status in RUN_HOLDING:
+            needs = workload_of(job).needs(job.spec)
             cpus, gpus = needs.cpus, needs.gpus
             usage.running_jobs += 1
             usage.cpus += cpus

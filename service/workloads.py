@@ -1,10 +1,16 @@
 """Workloads: what the scheduler launches, accounts for and steers, without knowing what they run.
 
-A workload kind (today the RL/SFT job, `RL_JOB` below; a training session of the Tinker API next) tells the service three things, all without torch: the resources a record needs
-(`needs`), the checkpoints it has committed on disk (where a restarted record resumes), and the
-import path of its runner, the class that does the work. The runner is imported only inside the
-record's own Ray actor (`WorkloadActor`), never in the API process, so the service starts without
-loading torch, transformers or any worker class (bench/api_startup.py measures it).
+A workload kind tells the service, without torch, the resources a record needs (`needs`) and the
+requests of Tandem's API that steer it (`actions`). Two kinds exist:
+
+- an RL/SFT job (`RLJobWorkload`): the checkpoints it has committed on disk (where a restarted
+  record resumes) and the import path of its runner, the class that does the work. The runner is
+  imported only inside the record's own Ray actor (`WorkloadActor`), never in the API process, so
+  the service starts without loading torch, transformers or any worker class (bench/api_startup.py);
+- a Tinker training run (`TinkerRunWorkload`), a *hosted* kind: its records are served many at
+  once by a process the service keeps per base model (service/tinker_hosts.py), so a launch hands
+  the record to that server (`launch`), and the scheduler accounts for the server's own resources
+  while it runs (`Scheduler.hold`).
 
 A runner is constructed as `Runner(record_id, spec_dict, workdir, **options)` (options: what the
 scheduler knows of the record's past, e.g. `restarts` it already used) and answers the `Runner`
@@ -22,6 +28,8 @@ from typing import Any, Protocol
 
 from controller import checkpoints
 from controller.resource_pool import job_needs
+from service.job_state import JobStatus
+from service.tinker_sessions import lost_message
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class Needs:
 class Workload(Protocol):
     kind: str
     runner: str  # "module:Class", imported in the record's actor process only
+    actions: frozenset[str]  # the requests that steer its records (Service: pause, fork, ...)
 
     def needs(self, spec: dict[str, Any]) -> Needs: ...
 
@@ -146,8 +155,14 @@ class WorkloadActor:
 class RLJobWorkload:
     """An RL or SFT job (controller/): a JobSpec run by `controller.job_actor.JobController`."""
 
+    hosted = False
+    refusal = "an RL job"
+
     kind = "job"
     runner = "controller.job_actor:JobController"
+    actions = frozenset(
+        {"pause", "resume", "fork", "hyperparameters", "checkpoint", "labels", "cancel", "delete"}
+    )
 
     def needs(self, spec: dict[str, Any]) -> Needs:
         return Needs(*job_needs(spec))
@@ -157,3 +172,50 @@ class RLJobWorkload:
 
 
 RL_JOB = RLJobWorkload()
+
+
+class RunServer(Protocol):
+    """What serves a hosted kind's records (the Tinker API's TinkerService)."""
+
+    def launch(self, record: Any) -> None: ...
+
+    def stop(self, record_id: str) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class TinkerRunWorkload:
+    """A Tinker API training run (service/tinker_service.py): a LoRA adapter on its base model's
+    shared session host. A run needs no CPUs or GPUs of its own (the host's are held once per base,
+    `Scheduler.hold`), but it is a running record of its owner, within `running_jobs`; its client
+    drives it, so Tandem's API only labels, cancels and deletes it."""
+
+    kind = "tinker"
+    hosted = True
+    actions = frozenset({"labels", "cancel", "delete"})
+    refusal = "a Tinker training run: its client drives it through the Tinker API"
+
+    def __init__(self) -> None:
+        self.server: RunServer | None = None  # set when the Tinker API starts (api/app.py)
+
+    def needs(self, spec: dict[str, Any]) -> Needs:
+        return Needs(0.0, 0.0)
+
+    def launch(self, record: Any) -> None:
+        if self.server is None:
+            raise RuntimeError("this service serves no Tinker API")
+        self.server.launch(record)
+
+    def stop(self, record_id: str) -> None:
+        if self.server is not None:
+            self.server.stop(record_id)
+
+    def recover(self, record: Any) -> tuple[JobStatus, str]:
+        """At a service start: the adapter of a run left running lived in a host gone with the old
+        service (paused, naming its last saved state); a queued one's client request went too."""
+        if record.status == JobStatus.QUEUED:
+            return (
+                JobStatus.CANCELLED,
+                "the service restarted before the run started: create a new training client",
+            )
+        return JobStatus.PAUSED, lost_message(record.id, Path(record.workdir))

@@ -108,6 +108,12 @@ def start_serve(root: Path, env: dict[str, str], token: str, name: str, num_cpus
     args = [str(BIN / "tandem"), "serve", "--port", str(port), "--home", str(root / "home"),
             "--num-cpus", str(num_cpus)]  # fmt: skip
     process = start_logged(args, {**env, "TANDEM_ADMIN_TOKEN": token}, log)
+    wait_ready(process, url, log, 120)
+    return Served(url, token, root / "home", process, log)
+
+
+def wait_ready(process: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    """Until the `tandem serve` of `process` answers /readyz at `url`; its exit fails with its log."""
 
     def ready() -> bool:
         assert process.poll() is None, f"tandem serve exited:\n{log.read_text()[-4000:]}"
@@ -116,5 +122,4 @@ def start_serve(root: Path, env: dict[str, str], token: str, name: str, num_cpus
         except httpx.HTTPError:
             return False
 
-    wait_until(ready, "tandem serve was not ready", 120, [log])
-    return Served(url, token, root / "home", process, log)
+    wait_until(ready, "tandem serve was not ready", timeout_s, [log])

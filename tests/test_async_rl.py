@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from controller.async_loop import AsyncTrainer, make_trainer
+from controller.async_loop import LaneSource, make_trainer
 from controller.sink import JsonlSink
 from controller.spec import JobSpec
 from controller.trainer import StopRequested
@@ -79,7 +79,7 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
     )
     sink = JsonlSink(tmp_path)
     trainer = make_trainer(spec, tmp_path, sink, name="first")
-    assert isinstance(trainer, AsyncTrainer)
+    assert isinstance(trainer.source, LaneSource)
     assert trainer.spec.algorithm.recompute_old_log_probs  # the decoupled objective's proximal pass
     assert trainer.spec.algorithm.rollout_correction.is_weights == "token"
     progress = sink.progress

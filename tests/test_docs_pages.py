@@ -1,6 +1,8 @@
 """The user's pages against the code they describe, without a service: code shown as a file's is that
 file's, every curl that sends JSON says so, every variable a block uses is set on the page before it,
-and a fork's `--step` names a checkpoint the example it forks keeps."""
+a fork's `--step` names a checkpoint the example it forks keeps, a page puts `tandem` on PATH before
+it runs it, and a ratio a page quotes is the one in bench/RESULTS.md's current table.
+(tests/test_docs_run.py runs the pages.)"""
 
 from __future__ import annotations
 
@@ -97,3 +99,55 @@ def test_a_pages_fork_names_a_checkpoint_its_example_keeps(page: str, spec_file:
         assert int(steps or total) > int(step), (
             f"{page}: a fork at {step} with {steps or total} steps trains nothing"
         )
+
+
+ACTIVATE = "source .venv/bin/activate"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=named)
+def test_a_page_activates_the_virtualenv_before_its_first_tandem(page: Path) -> None:
+    """One way onto PATH for every page: `tandem` after `source .venv/bin/activate` (make install
+    puts nothing on PATH by itself); a page that runs no `tandem` needs none."""
+    from tests.docs_runner import page_blocks
+
+    code = "\n".join(b.code for b in page_blocks(page) if b.kind != "python" and not b.not_run)
+    first = re.search(r"^\$? ?(?:[A-Z_]+=\$\()?tandem\b", code, re.M)
+    if first:
+        assert ACTIVATE in code[: first.start()], f"{named(page)} runs `tandem` before `{ACTIVATE}`"
+    assert not re.search(r"(?<![\w/])\.venv/bin/tandem ", code), (
+        f"{named(page)}: say `tandem`, once activated"
+    )
+
+
+RESULTS = ROOT / "bench" / "RESULTS.md"
+RATIO = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?x\b")
+# TODO: troubleshooting.md joins once its rewrite (its own helper) lands; its "Ray 2.5x" is a version.
+FIGURE_PAGES = [p for p in PAGES if p.name != "troubleshooting.md"] + [
+    ROOT / "docs" / "reference" / "performance.md"
+]
+
+
+def current_table() -> str:
+    """bench/RESULTS.md's first table: the current figure for each question."""
+    lines = RESULTS.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+@pytest.mark.parametrize("page", FIGURE_PAGES, ids=named)
+def test_a_ratio_a_page_quotes_is_in_the_current_table(page: Path) -> None:
+    """Figures come from one place: a ratio on a page (0.125x, 1.82x, 0.147-0.165x) is written as
+    bench/RESULTS.md's current table has it, so two pages cannot quote one question differently."""
+    table = current_table()
+    stray = [m.group() for m in RATIO.finditer(page.read_text()) if m.group() not in table]
+    assert not stray, f"{named(page)} quotes {stray}, which bench/RESULTS.md's first table does not hold"
+
+
+def test_the_ratio_check_catches_the_figure_two_pages_disagreed_on() -> None:
+    table = current_table()
+    assert "0.125x" in table and RATIO.findall("0.145x with the exact-answer reward") == ["0.145x"]
+    assert (
+        "0.145x with the exact-answer reward"
+        not in (ROOT / "docs" / "reference" / "performance.md").read_text()
+    )

@@ -20,6 +20,7 @@ from controller.sink import JsonlSink
 from controller.trainer import Trainer
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from tests import test_openai_learning as openai_learning  # not a test_ name: collected once, there
+from tests import test_openenv_job as openenv_job
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -169,4 +170,5 @@ LEARNING_TESTS = {
     "grpo_guess_number": test_guess_number_pair_learns_a_better_strategy_than_its_warm_start,
     # fed by examples/agent_openai.py through the job's OpenAI-compatible endpoint
     "agent_openai": openai_learning.test_a_job_fed_by_the_agent_script_raises_its_reward,
+    "openenv_digits": openenv_job.test_the_openenv_example_learns_on_its_server,  # in make test
 }

@@ -4,6 +4,8 @@ events the SDK accumulates, and hostile items refused. One external job serves t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from openai import OpenAI
 
@@ -167,77 +169,153 @@ def test_hostile_bodies_are_refused_naming_the_field_and_store_nothing(live, api
     assert api.get(f"/v1/jobs/{job}/trajectories/resp-bad").status_code == 404
 
 
-SCHEMA = {"type": "json_schema", "name": "final_output", "strict": True,
-          "schema": {"type": "object", "properties": {"response": {"type": "integer"}}, "required": ["response"]}}  # fmt: skip
-NAMED = {"type": "function", "name": "calculator"}
+SCHEMA = {"type": "object", "properties": {"value": {"type": "integer", "minimum": 0, "maximum": 999},
+                                        "op": {"enum": ["add", "mul"]}}, "required": ["value", "op"]}  # fmt: skip
+FORMATS = {
+    "responses": {"text": {"format": {"type": "json_schema", "name": "out", "strict": True, "schema": SCHEMA}}},
+    "chat/completions": {"response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": SCHEMA}}},
+}  # fmt: skip
+CHOICES = {
+    "responses": [("required", "calculator"), ({"type": "function", "name": "lookup"}, "lookup")],
+    "chat/completions": [("required", "calculator"), ({"type": "function", "function": {"name": "lookup"}}, "lookup")],
+}  # fmt: skip
+BOUNDED = [{**TOOLS[0], "parameters": {"type": "object", "required": ["expression"],
+                                       "properties": {"expression": {"type": "string", "maxLength": 12}}}}]  # fmt: skip
+LOOKUP = {"type": "function", "name": "lookup", "parameters": {
+    "type": "object", "properties": {"key": {"enum": ["x", "y"]}}, "required": ["key"]}}  # fmt: skip
+
+
+def call(api, job, route: str, tid: str, extra: dict, tools: list | None = None):
+    tools = tools if tools is not None else TOOLS
+    if route == "responses":
+        body = {"input": "1+1=", "max_output_tokens": 160, "tools": tools}
+    else:
+        body = {"messages": [{"role": "user", "content": "1+1="}], "max_tokens": 160,
+                "tools": [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in tools]}  # fmt: skip
+    return api.post(
+        f"/v1/jobs/{job}/openai/trajectories/{tid}/v1/{route}", json={"model": job, **body, **extra}
+    )
+
+
+def reply(route: str, got: dict) -> tuple[str, list[tuple[str, str]]]:
+    """(the reply's text, its tool calls as (name, arguments)) on either route."""
+    if route == "responses":
+        text = "".join(p["text"] for i in got["output"] if i["type"] == "message" for p in i["content"])
+        return text, [(i["name"], i["arguments"]) for i in got["output"] if i["type"] == "function_call"]
+    message = got["choices"][0]["message"]
+    return message["content"] or "", [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]  # fmt: skip
+
+
+@pytest.mark.parametrize("route", ["responses", "chat/completions"])
+def test_structured_outputs_hold_and_the_record_states_the_constraint(live, api, job, tokenizer, route):
+    """json_schema with tool_choice none: every reply parses and validates; the record names the
+    constraint and its sampled tokens are the reply's (token-exact)."""
+    import jsonschema
+
+    for k in range(3):
+        tid = f"fmt-{route[:4]}-{k}"
+        got = call(api, job, route, tid, {**FORMATS[route], "tool_choice": "none", "seed": k})
+        assert got.status_code == 200, got.text
+        text, calls = reply(route, got.json())
+        assert calls == []
+        jsonschema.validate(json.loads(text), SCHEMA)
+        seg = record(api, job, tid)["segment_list"][0]
+        assert sampled_text(tokenizer, sampled_runs(seg)[0]) == text
+        assert seg["constraints"] == [
+            {"call": 0, "kind": "json_schema", "grammar_sha256": seg["constraints"][0]["grammar_sha256"]}
+        ]
+
+
+@pytest.mark.parametrize("route", ["responses", "chat/completions"])
+def test_forced_tool_choices_always_yield_one_call_of_that_tool(live, api, job, route):
+    import jsonschema
+
+    """Arguments are bounded (maxLength): an unbounded string from random weights may outrun max tokens."""
+    schemas = {"calculator": BOUNDED[0]["parameters"], "lookup": LOOKUP["parameters"]}
+    for choice, name in CHOICES[route]:
+        for k in range(2):
+            got = call(api, job, route, f"forced-{route[:4]}-{name}-{k}", {"tool_choice": choice, "seed": k,
+                                                                         "parallel_tool_calls": False}, BOUNDED + [LOOKUP])  # fmt: skip
+            assert got.status_code == 200, got.text
+            _, calls = reply(route, got.json())
+            assert len(calls) == 1 and calls[0][0] in ({name} if name == "lookup" else set(schemas)), calls
+            jsonschema.validate(json.loads(calls[0][1]), schemas[calls[0][0]])
+
+
+DEEP: dict = {"type": "string"}
+for _ in range(300):
+    DEEP = {"type": "array", "items": DEEP}
+HOSTILE = [
+    ({"type": "object", "not": {"type": "string"}}, "keyword 'not'"),
+    ({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"}, "recursive"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(400)}}, "characters"),
+    (DEEP, "nests deeper"),
+    ([1, 2], "must be an object"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("route", ["responses", "chat/completions"])
+@pytest.mark.parametrize(("schema", "says"), HOSTILE, ids=["keyword", "recursive", "huge", "deep", "list"])
+def test_hostile_schemas_are_a_4xx_naming_the_field_and_store_nothing(live, api, job, route, schema, says):
+    if route == "responses":
+        extra = {"text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+    else:
+        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    got = call(api, job, route, "hostile", extra)
+    assert 400 <= got.status_code < 500, got.text
+    error = got.json()["error"]
+    assert error["param"] == ("text.format" if route == "responses" else "response_format"), error
+    assert says in error["message"]
+    assert api.get(f"/v1/jobs/{job}/trajectories/hostile").status_code == 404
 
 
 @pytest.mark.parametrize(("route", "extra", "param"), [
-    ("responses", {"text": {"format": {"type": "json_object"}}}, "text.format"),
-    ("responses", {"text": {"format": SCHEMA}}, "text.format"),
-    ("responses", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ("responses", {"tools": TOOLS, "tool_choice": NAMED}, "tool_choice"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": SCHEMA}}, "response_format"),
-    ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
-    ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "calculator"}}}, "tool_choice"),
+    ("responses", {"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("responses", {"tool_choice": "required", "tools": [{**LOOKUP, "parameters": {"type": "object", "oneOf": []}}]},
+     "tools[0].parameters"),
+    ("chat/completions", {"tool_choice": "required", "tools": []}, "tool_choice"),
 ])  # fmt: skip
-def test_constraints_the_engines_would_not_hold_are_refused_never_ignored(
-    live, api, job, route, extra, param
-):
-    """The rollout engines decode without a grammar: a structured output or a forced tool call is a
-    422 naming the field, on both routes, and nothing is generated or stored."""
-    body = {"model": job, **({"input": "1+1="} if route == "responses" else
-                             {"messages": [{"role": "user", "content": "1+1="}]}), **extra}  # fmt: skip
-    got = api.post(f"/v1/jobs/{job}/openai/trajectories/resp-forced/v1/{route}", json=body)
+def test_tool_choices_that_cannot_hold_are_a_422_naming_the_field(live, api, job, route, extra, param):
+    tools = extra.pop("tools", None)
+    if tools is not None and route == "chat/completions":
+        extra["tools"] = tools
+        tools = None
+    got = call(api, job, route, "bad-choice", extra, tools)
     assert got.status_code == 422, got.text
-    assert got.json()["error"]["param"] == param and got.json()["error"]["code"] == "unsupported_value"
-    assert api.get(f"/v1/jobs/{job}/trajectories/resp-forced").status_code == 404
-    plain = (
-        {"text": {"format": {"type": "text"}}}
-        if route == "responses"
-        else {"response_format": {"type": "text"}}
-    )
-    ok = api.post(f"/v1/jobs/{job}/openai/v1/{route}", json={**body, **plain, "tool_choice": "auto"} | (
-        {"max_output_tokens": 2} if route == "responses" else {"max_tokens": 2}))  # fmt: skip
-    assert ok.status_code == 200, ok.text
+    assert got.json()["error"]["param"] == param
+    assert api.get(f"/v1/jobs/{job}/trajectories/bad-choice").status_code == 404
 
 
-def test_an_agents_sdk_agent_with_its_default_model_trains_the_job_token_exact(live, api, job, tokenizer):
-    """examples/agent_agents_sdk.py: `Agent(model=<job>)` (OpenAIResponsesModel) with a @function_tool,
-    one group of runs; every run's calls are one trajectory whose first prompt is the templated
-    instructions + task with the tool, whose sampled tokens decode to what the SDK got, and the step
-    trained on them has the engine's log-probs (the trainer's recomputation within 1e-4)."""
+def test_an_agents_sdk_agent_with_its_default_model_and_output_type_trains_the_job(live, api, job, tokenizer):
+    """examples/agent_agents_sdk.py: `Agent(model=<job>, output_type=Answer)` (OpenAIResponsesModel,
+    a json_schema text.format), one group of runs: every final output parses into `Answer`; every
+    run's calls are one trajectory whose first prompt is the templated instructions + task
+    (tool_choice none: no tools shown), whose sampled tokens decode to the JSON the SDK parsed, whose
+    record states the constraint; and a step trains on them."""
     runs = agent_agents_sdk.main(["--url", live.url, "--job", job, "--key", live.token, "--task", "arithmetic",
                                   "--reward", "digits", "--problems", "1", "--group-size", "2", "--agents", "2",
-                                  "--max-tokens", "48", "--max-turns", "2", "--seed", "3"])  # fmt: skip
+                                  "--max-tokens", "48", "--max-turns", "2", "--seed", "3",
+                                  "--output-type", "answer", "--tool-choice", "none"])  # fmt: skip
     assert len(runs) == 2
-    tools = [{"type": "function", "function": {"name": "calculator",
-                                               "description": "Evaluate an arithmetic expression such as 347*218.",
-                                               "parameters": agent_agents_sdk.calculator.params_json_schema,
-                                               "strict": True}}]  # fmt: skip
-    for trajectory, reward in runs:
+    system = {"role": "system", "content": "Solve the arithmetic problem; use the calculator."}
+    for trajectory, reward, answer in runs:
+        assert answer.lstrip("-").isdigit(), answer  # the SDK parsed the reply into Answer
         rec = record(api, job, trajectory)
-        assert rec["state"] == "rewarded" and rec["reward"] == pytest.approx(reward) and rec["calls"] >= 1
+        assert rec["state"] == "rewarded" and rec["reward"] == pytest.approx(reward) and rec["calls"] == 1
         seg = rec["segment_list"][0]
-        assert seg["messages"][0]["role"] == "system"
         first_user = seg["messages"][1]["content"]
-        system = {"role": "system", "content": "Solve the arithmetic problem; use the calculator."}
-        from workers.chat_serving import ChatRenderer
-
-        expected = ChatRenderer(tokenizer).prompt_ids(
-            [system, {"role": "user", "content": first_user}], tools
-        )
-        assert seg["prompt_ids"] == expected
+        assert seg["prompt_ids"] == templated(tokenizer, [system, {"role": "user", "content": first_user}])
+        text = sampled_text(tokenizer, sampled_runs(seg)[0])
+        assert agent_agents_sdk.Answer.model_validate_json(text).value == int(answer)
+        assert seg["tokens"] == tokenizer.encode(text, add_special_tokens=False) + [seg["tokens"][-1]]
+        assert seg["constraints"][0]["kind"] == "json_schema"
         assert len(seg["log_probs"]) == len(seg["tokens"]) == len(seg["loss_mask"])
     step = wait_for_step(api, job, 1, timeout_s=240)
     assert step["step"] >= 1, step
-    metrics = api.get(
-        f"/v1/jobs/{job}/metrics", params={"keys": "critic/score/mean,rollout/log_prob_diff_max"}
-    )
+    metrics = api.get(f"/v1/jobs/{job}/metrics", params={"keys": "critic/score/mean"})
     row = next(r for r in metrics.json()["data"] if r["step"] == 1)["values"]
-    assert row["critic/score/mean"] == pytest.approx(sum(r for _, r in runs) / 2, abs=1e-6)
-    assert row["rollout/log_prob_diff_max"] <= 1e-4
+    assert row["critic/score/mean"] == pytest.approx(sum(r for _, r, _ in runs) / 2, abs=1e-6)
 
 
 def test_a_client_with_default_retries_reaches_a_job_that_just_started(live, api):

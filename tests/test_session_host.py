@@ -1,9 +1,10 @@
-"""SessionHost (workers/session_host.py): many LoRA sessions on one base model, in process.
+"""SessionWorker (workers/session_host.py, engines/adapter_engine.py): many LoRA adapters on one base
+model, called in process through the worker's operations.
 
-References computed another way: each op run alone (one session per forward) for the batched path,
+References computed another way: each call made alone (one adapter per forward) for the batched path,
 PEFT's own LoRA layers (`PeftModel.from_pretrained` on the saved snapshot) and torch.optim.AdamW for
 the gradients and the optimizer, the trainer's forward for sampled log-probs, a host that never
-evicts for eviction, a second SessionHost reading the folder for save/load.
+evicts for eviction, a second worker reading the folder for save/load.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import workers.session_host as session_host
-from workers.session_host import SessionHost
+import engines.adapter_engine as adapter_engine
+from workers.session_host import SessionWorker
 
 TOL = 1e-5
 ADAM = {
@@ -42,31 +43,23 @@ DATA = {
     "b": [datum([70, 71, 72, 73, 20])],
 }
 CREATE = {
-    "a": {"op": "create_model", "model_id": "a", "rank": 4, "seed": 1},
+    "a": {"adapter": "a", "rank": 4, "seed": 1},
     # another rank and another layer set on the same base
-    "b": {
-        "op": "create_model",
-        "model_id": "b",
-        "rank": 8,
-        "seed": 2,
-        "train_mlp": False,
-        "train_unembed": False,
-    },
+    "b": {"adapter": "b", "rank": 8, "seed": 2, "train_mlp": False, "train_unembed": False},
 }
 
 
-def fwd(model_id: str, backward: bool = True) -> dict:
-    return {
-        "op": "forward",
-        "model_id": model_id,
-        "data": DATA[model_id],
-        "loss_fn": "cross_entropy",
-        "backward": backward,
-    }
+def create(host: SessionWorker, *keys: str) -> None:
+    for key in keys:
+        ok(host.create_adapter(**CREATE[key]))
 
 
-def step(model_id: str) -> dict:
-    return {"op": "optim_step", "model_id": model_id, "adam": ADAM}
+def fwd(adapter: str, backward: bool = True) -> dict:
+    return {"adapter": adapter, "data": DATA[adapter], "loss_fn": "cross_entropy", "backward": backward}
+
+
+def step(host: SessionWorker, adapter: str) -> dict:
+    return ok(host.optim_step(adapter, ADAM))
 
 
 def ok(result: dict) -> dict:
@@ -78,10 +71,10 @@ def logprobs(result: dict) -> list[torch.Tensor]:
     return [torch.tensor(o["logprobs"]["data"]) for o in ok(result)["loss_fn_outputs"]]
 
 
-def weights(host: SessionHost, model_id: str) -> dict[str, torch.Tensor]:
-    session = host.sessions[model_id]
+def weights(host: SessionWorker, adapter: str) -> dict[str, torch.Tensor]:
+    session = host.engine.sessions[adapter]
     if not session.resident:
-        host._make_resident({f"m:{model_id}"})
+        host.engine.make_resident({f"m:{adapter}"})
     return {
         f"{p}.{part}": t.detach().clone()
         for p, ab in session.weights.items()
@@ -97,51 +90,57 @@ def close(x: dict[str, torch.Tensor], y: dict[str, torch.Tensor], tol: float = T
 
 @pytest.fixture
 def make_host(tiny_model_dir, tmp_path):
-    def make(**options) -> SessionHost:
-        return SessionHost(
-            "tiny-qwen2", str(tiny_model_dir), str(tmp_path / f"host{len(list(tmp_path.iterdir()))}"), options
+    def make(**options) -> SessionWorker:
+        return SessionWorker(
+            str(tiny_model_dir), str(tmp_path / f"host{len(list(tmp_path.iterdir()))}"), options
         )
 
     return make
 
 
-def count_forwards(host: SessionHost) -> list[int]:
+def count_forwards(host: SessionWorker) -> list[int]:
     calls = [0]
-    host.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    host.engine.model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 
+def rounds(host: SessionWorker) -> list[dict]:
+    """Two rounds of both adapters: forward_backward, optim_step; the forwards' results."""
+    first = host.forward_backward([fwd("a"), fwd("b")])
+    step(host, "a"), step(host, "b")
+    return first + host.forward_backward([fwd("a"), fwd("b")])
+
+
 def test_two_sessions_batched_equal_each_alone_and_peft(make_host, tmp_path):
-    before = session_host.BASE_LOADS
+    before = adapter_engine.BASE_LOADS
     batched, alone, parts = make_host(), make_host(), make_host(max_batch_tokens=8)
-    assert session_host.BASE_LOADS == before + 3  # one read per host, none per session
+    assert adapter_engine.BASE_LOADS == before + 3  # one read per host, none per session
     for host in (batched, alone, parts):
-        host.run_batch([CREATE["a"], CREATE["b"]])
+        create(host, "a", "b")
     assert batched.describe()["base_loads"] == before + 3
     calls, part_calls = count_forwards(batched), count_forwards(parts)
-    # two rounds: the batched host gets both sessions' ops in one call (one forward per round)
-    ops = [fwd("a"), fwd("b"), step("a"), step("b"), fwd("a"), fwd("b")]
-    got = batched.run_batch(ops)
+    got = rounds(batched)  # both adapters' forwards in one call: one forward per round
     assert calls[0] == 2
     # a token budget below a round's batch: one forward per session, the same results
-    for g, w in zip(got, parts.run_batch(ops), strict=True):
-        if "loss_fn_outputs" in ok(w):
-            assert abs(ok(g)["metrics"]["loss:sum"] - ok(w)["metrics"]["loss:sum"]) <= TOL
+    for g, w in zip(got, rounds(parts), strict=True):
+        assert abs(ok(g)["metrics"]["loss:sum"] - ok(w)["metrics"]["loss:sum"]) <= TOL
     assert part_calls[0] == 4
-    want = [alone.run_batch([op])[0] for op in [fwd("a"), fwd("b"), step("a"), step("b"), fwd("a"), fwd("b")]]
+    want = alone.forward_backward([fwd("a")]) + alone.forward_backward([fwd("b")])
+    step(alone, "a"), step(alone, "b")
+    want += alone.forward_backward([fwd("a")]) + alone.forward_backward([fwd("b")])
     for g, w in zip(got, want, strict=True):
-        if "loss_fn_outputs" in ok(w):
-            assert abs(ok(g)["metrics"]["loss:sum"] - ok(w)["metrics"]["loss:sum"]) <= TOL
-            for x, y in zip(logprobs(g), logprobs(w), strict=True):
-                assert torch.allclose(x, y, atol=TOL, rtol=0)
+        assert abs(ok(g)["metrics"]["loss:sum"] - ok(w)["metrics"]["loss:sum"]) <= TOL
+        for x, y in zip(logprobs(g), logprobs(w), strict=True):
+            assert torch.allclose(x, y, atol=TOL, rtol=0)
     for model_id in ("a", "b"):  # the second forward_backward's gradients, then the step they feed
-        pairs = zip(batched.sessions[model_id].params(), alone.sessions[model_id].params(), strict=True)
+        sessions = [host.engine.sessions[model_id] for host in (batched, alone)]
+        pairs = zip(sessions[0].params(), sessions[1].params(), strict=True)
         for x, y in pairs:
             # fp32 sums in another order (one forward of both sessions' rows against one each), at
             # weights the first step left up to ~4e-6 apart: ~1.3e-5 of a tensor's largest entry seen
             assert torch.allclose(x.grad, y.grad, atol=1e-4 * float(y.grad.abs().max()), rtol=0)
         for host in (batched, alone):
-            host.run_batch([step(model_id)])
+            step(host, model_id)
         # Adam divides by sqrt(v): an entry whose gradient is float noise moves by up to lr either
         # way, so the weights after the step agree less closely than the gradients (2.7e-5 seen).
         close(weights(batched, model_id), weights(alone, model_id), tol=1e-4)
@@ -151,9 +150,10 @@ def test_two_sessions_batched_equal_each_alone_and_peft(make_host, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    path = ok(batched.run_batch([{"op": "save_for_sampler", "model_id": "b", "name": "s"}])[0])["path"]
-    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(batched.model_path), path).eval()
-    mine = logprobs(batched.run_batch([fwd("b", backward=False)])[0])
+    path = ok(batched.save_for_sampler("b", "s"))["path"]
+    model_path = batched.engine.model_path
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), path).eval()
+    mine = logprobs(batched.forward_backward([fwd("b", backward=False)])[0])
     for d, lp in zip(DATA["b"], mine, strict=True):
         logits = peft(input_ids=torch.tensor([d["tokens"]])).logits[0].log_softmax(-1)
         target = torch.tensor(d["loss_fn_inputs"]["target_tokens"]["data"])
@@ -165,10 +165,10 @@ def test_optim_step_matches_torch_adamw_on_peft(make_host):
     from transformers import AutoModelForCausalLM
 
     host = make_host()
-    host.run_batch([CREATE["a"]])
-    path = ok(host.run_batch([{"op": "save_for_sampler", "model_id": "a", "name": "init"}])[0])["path"]
+    create(host, "a")
+    path = ok(host.save_for_sampler("a", "init"))["path"]
     peft = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(host.model_path), path, is_trainable=True
+        AutoModelForCausalLM.from_pretrained(host.engine.model_path), path, is_trainable=True
     )
     params = {n: p for n, p in peft.named_parameters() if p.requires_grad}
     adam = torch.optim.AdamW(
@@ -179,7 +179,8 @@ def test_optim_step_matches_torch_adamw_on_peft(make_host):
         weight_decay=ADAM["weight_decay"],
     )
     for _ in range(2):
-        host.run_batch([fwd("a"), step("a")])
+        ok(host.forward_backward([fwd("a")])[0])
+        step(host, "a")
         loss = 0
         for d in DATA["a"]:
             logits = peft(input_ids=torch.tensor([d["tokens"]])).logits[0].log_softmax(-1)
@@ -202,17 +203,14 @@ def test_optim_step_matches_torch_adamw_on_peft(make_host):
 
 def test_sampled_logprobs_match_trainer_and_batching(make_host):
     host = make_host()
-    host.run_batch([CREATE["a"], CREATE["b"]])
-    host.run_batch([fwd("a"), fwd("b"), step("a"), step("b")])
-    paths = [
-        ok(r)["path"]
-        for r in host.run_batch([{"op": "save_for_sampler", "model_id": m, "name": "s"} for m in "ab"])
-    ]
+    create(host, "a", "b")
+    host.forward_backward([fwd("a"), fwd("b")])
+    step(host, "a"), step(host, "b")
+    paths = [ok(host.save_for_sampler(m, "s"))["path"] for m in "ab"]
 
     def sample(path, prompt, seed):
         params = {"max_tokens": 6, "temperature": 1.0, "seed": seed, "stop": []}
         return {
-            "op": "sample",
             "sampler": path,
             "prompt": prompt,
             "num_samples": 3,
@@ -221,9 +219,9 @@ def test_sampled_logprobs_match_trainer_and_batching(make_host):
         }
 
     ops = [sample(paths[0], [5, 6, 7, 8], 11), sample(paths[1], [40], 12), sample(None, [9, 9], 13)]
-    together = host.run_batch(ops)
+    together = host.sample(ops)
     for op, got in zip(ops, together, strict=True):
-        alone = ok(host.run_batch([op])[0])
+        alone = ok(host.sample([op])[0])
         for s, t in zip(ok(got)["sequences"], alone["sequences"], strict=True):
             assert s["tokens"] == t["tokens"] and len(s["tokens"]) == 6 and s["stop_reason"] == "length"
             assert max(abs(x - y) for x, y in zip(s["logprobs"], t["logprobs"], strict=True)) <= TOL
@@ -232,66 +230,67 @@ def test_sampled_logprobs_match_trainer_and_batching(make_host):
     for seq in ok(together[0])["sequences"]:
         full = prompt + seq["tokens"]
         trainer = logprobs(
-            host.run_batch(
-                [{"op": "forward", "model_id": "a", "data": [datum(full)], "loss_fn": "cross_entropy"}]
-            )[0]
+            host.forward_backward([{"adapter": "a", "data": [datum(full)], "loss_fn": "cross_entropy"}])[0]
         )[0]
         assert torch.allclose(trainer[len(prompt) - 1 :], torch.tensor(seq["logprobs"]), atol=1e-4, rtol=0)
-        lps = ok(host.run_batch([{"op": "compute_logprobs", "sampler": paths[0], "tokens": full}])[0])[
-            "logprobs"
-        ]
+        lps = ok(host.compute_logprobs([{"sampler": paths[0], "tokens": full}])[0])["logprobs"]
         assert lps[0] is None and torch.allclose(torch.tensor(lps[1:]), trainer, atol=1e-4, rtol=0)
         assert torch.allclose(
             torch.tensor(ok(together[0])["prompt_logprobs"][1:]), trainer[: len(prompt) - 1], atol=1e-4
         )
 
 
+def _evicting_script(host: SessionWorker) -> list[dict]:
+    """Every call alone, so that a host holding one adapter evicts at each switch."""
+    create(host, "a", "b")
+    got = [host.forward_backward([fwd(m)])[0] for m in "ab"]
+    step(host, "a")
+    got += [host.forward_backward([fwd(m)])[0] for m in "ba"]
+    step(host, "b"), step(host, "a")
+    return got + [host.save_for_sampler(m, "s") for m in "ab"]
+
+
 @pytest.mark.parametrize("offload", ["disk", "memory"])
 def test_eviction_round_trip_is_exact(make_host, offload):
-    ops = [CREATE["a"], CREATE["b"], fwd("a"), fwd("b"), step("a"), fwd("b"), fwd("a"), step("b"), step("a")]
-    ops += [{"op": "save_for_sampler", "model_id": m, "name": "s"} for m in "ab"]
-    evicting, keeping = (
-        make_host(max_resident_adapters=1, offload=offload),
-        make_host(max_resident_adapters=8),
-    )
-    got = [evicting.run_batch([op])[0] for op in ops]
-    want = [keeping.run_batch([op])[0] for op in ops]
+    evicting = make_host(max_resident_adapters=1, offload=offload)
+    keeping = make_host(max_resident_adapters=8)
+    got, want = _evicting_script(evicting), _evicting_script(keeping)
     assert evicting.describe()["offloaded"] == ["a"]  # b was used last
-    for g, w in zip(got, want, strict=True):
-        if "loss_fn_outputs" in ok(w):
-            assert ok(g)["metrics"] == ok(w)["metrics"]
+    for g, w in zip(got[:4], want[:4], strict=True):
+        assert ok(g)["metrics"] == ok(w)["metrics"]
     for model_id in "ab":
         close(weights(evicting, model_id), weights(keeping, model_id), tol=0.0)
     prompt = {"prompt": [3, 4], "num_samples": 2, "sampling_params": {"max_tokens": 4, "seed": 5}}
     for i in (-2, -1):  # one sampler per call on both hosts: the same batch shapes, so bit for bit
-        op = {"op": "sample", "sampler": ok(got[i])["path"], **prompt}
-        assert ok(evicting.run_batch([op])[0]) == ok(
-            keeping.run_batch([{**op, "sampler": ok(want[i])["path"]}])[0]
-        )
+        mine = evicting.sample([{"sampler": ok(got[i])["path"], **prompt}])[0]
+        assert ok(mine) == ok(keeping.sample([{"sampler": ok(want[i])["path"], **prompt}])[0])
 
 
 def test_save_and_load_state_in_a_new_host(make_host, tmp_path):
     host = make_host()
-    host.run_batch([CREATE["a"], fwd("a"), step("a")])
+    create(host, "a")
+    host.forward_backward([fwd("a")])
+    step(host, "a")
     full, bare = str(tmp_path / "full"), str(tmp_path / "bare")
-    ok(host.run_batch([{"op": "save_state", "model_id": "a", "path": full, "optimizer": True}])[0])
-    ok(host.run_batch([{"op": "save_state", "model_id": "a", "path": bare, "optimizer": False}])[0])
+    ok(host.save_state("a", full, optimizer=True))
+    ok(host.save_state("a", bare, optimizer=False))
     saved = weights(host, "a")
-    host.run_batch([fwd("a"), step("a")])
+    host.forward_backward([fwd("a")])
+    step(host, "a")
     after = weights(host, "a")
 
     fresh = make_host()  # another host: nothing but the folder carries the state
-    ok(fresh.run_batch([{"op": "load_state", "model_id": "r", "path": full, "optimizer": True}])[0])
+    ok(fresh.load_state("r", full, optimizer=True))
     close(weights(fresh, "r"), saved, tol=0.0)
-    fresh.run_batch([{**fwd("a"), "model_id": "r"}, step("r")])
+    fresh.forward_backward([{**fwd("a"), "adapter": "r"}])
+    step(fresh, "r")
     close(weights(fresh, "r"), after)
-    ok(fresh.run_batch([{"op": "load_state", "model_id": "w", "path": bare, "optimizer": False}])[0])
+    ok(fresh.load_state("w", bare, optimizer=False))
     close(weights(fresh, "w"), saved, tol=0.0)
-    fresh.run_batch([{**fwd("a"), "model_id": "w"}, step("w")])  # a fresh Adam takes another step
+    fresh.forward_backward([{**fwd("a"), "adapter": "w"}])
+    step(fresh, "w")  # a fresh Adam takes another step
     assert max((weights(fresh, "w")[k] - after[k]).abs().max() for k in after) > 1e-4
-    err = fresh.run_batch([{"op": "load_state", "model_id": "x", "path": bare, "optimizer": True}])[0][
-        "error"
-    ]
+    err = fresh.load_state("x", bare, optimizer=True)["error"]
     assert (err["category"], err["field"]) == ("user", "optimizer")
 
 
@@ -300,45 +299,38 @@ def test_bad_inputs_are_user_errors_naming_the_field(make_host):
     bad_token = {**datum([1, 2, 3]), "tokens": [1, 100]}
     short = datum([1, 2, 3])
     short["loss_fn_inputs"]["weights"] = {"data": [1.0], "dtype": "float32", "shape": [1]}
-    cases = [
-        ({"op": "create_model", "model_id": "big", "rank": 17}, "rank"),
+    forwards = [
+        ({"adapter": "a", "data": [bad_token], "loss_fn": "cross_entropy"}, "data[0].tokens"),
         (
-            {"op": "forward", "model_id": "a", "data": [bad_token], "loss_fn": "cross_entropy"},
-            "data[0].tokens",
-        ),
-        (
-            {"op": "forward", "model_id": "a", "data": [datum([1, 2, 999])], "loss_fn": "cross_entropy"},
+            {"adapter": "a", "data": [datum([1, 2, 999])], "loss_fn": "cross_entropy"},
             "data[0].loss_fn_inputs.target_tokens",
         ),
-        (
-            {"op": "forward", "model_id": "a", "data": [short], "loss_fn": "cross_entropy"},
-            "data[0].loss_fn_inputs.weights",
-        ),
-        ({"op": "forward", "model_id": "a", "data": DATA["a"], "loss_fn": "no_such_loss"}, "loss_fn"),
-        ({"op": "forward", "model_id": "nobody", "data": DATA["a"], "loss_fn": "cross_entropy"}, "model_id"),
-        ({"op": "sample", "sampler": None, "prompt": [5, 100]}, "prompt"),
-        ({"op": "sample", "sampler": "/nowhere", "prompt": [5]}, "sampler"),
-        (
-            {"op": "sample", "sampler": None, "prompt": [5], "sampling_params": {"top_p": 0}},
-            "sampling_params.top_p",
-        ),
-        ({"op": "optim_step", "model_id": "a", "adam": {"learning_rate": -1}}, "adam.learning_rate"),
-        ({"op": "no_such_op"}, "op"),
+        ({"adapter": "a", "data": [short], "loss_fn": "cross_entropy"}, "data[0].loss_fn_inputs.weights"),
+        ({"adapter": "a", "data": DATA["a"], "loss_fn": "no_such_loss"}, "loss_fn"),
+        ({"adapter": "nobody", "data": DATA["a"], "loss_fn": "cross_entropy"}, "model_id"),
     ]
-    host.run_batch([CREATE["a"], CREATE["b"]])
-    # the bad ops share their batch with a good forward of another session: it is unaffected
-    results = host.run_batch([fwd("b")] + [op for op, _ in cases])
-    for (_, field), res in zip(cases, results[1:], strict=True):
+    samples = [
+        ({"sampler": None, "prompt": [5, 100]}, "prompt"),
+        ({"sampler": "/nowhere", "prompt": [5]}, "sampler"),
+        ({"sampler": None, "prompt": [5], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ]
+    create(host, "a", "b")
+    # the bad calls share their forward with a good one of another adapter: it is unaffected
+    results = host.forward_backward([fwd("b")] + [call for call, _ in forwards])
+    results += host.sample([call for call, _ in samples])
+    results += [host.create_adapter("big", 17), host.optim_step("a", {"learning_rate": -1})]
+    fields = [f for _, f in forwards + samples] + ["rank", "adam.learning_rate"]
+    for field, res in zip(fields, results[1:], strict=True):
         assert res["error"]["category"] == "user" and res["error"]["field"] == field, res
     alone = make_host(max_rank=16)
-    alone.run_batch([CREATE["b"]])
-    assert ok(results[0])["metrics"] == ok(alone.run_batch([fwd("b")])[0])["metrics"]
+    create(alone, "b")
+    assert ok(results[0])["metrics"] == ok(alone.forward_backward([fwd("b")])[0])["metrics"]
     assert host.describe()["resident"] == ["a", "b"]  # nothing else was created
 
 
 def test_drop_model_and_top_k_targets(make_host):
     host = make_host()
-    host.run_batch([CREATE["a"], CREATE["b"]])
+    create(host, "a", "b")
     # (N, K) targets: the log-prob of each of K candidates per position, each equal to its (N,) run
     seq = [5, 17, 33, 40]
     k2 = [[t, (t + 7) % 100] for t in seq[1:]]
@@ -349,13 +341,13 @@ def test_drop_model_and_top_k_targets(make_host):
             "weights": {"data": [1.0] * 6, "dtype": "float32", "shape": [3, 2]},
         },
     }
-    got = logprobs(
-        host.run_batch([{"op": "forward", "model_id": "a", "data": [top_k], "loss_fn": "cross_entropy"}])[0]
-    )[0]
+    got = logprobs(host.forward_backward([{"adapter": "a", "data": [top_k], "loss_fn": "cross_entropy"}])[0])[
+        0
+    ]
     assert got.shape == (6,)  # flattened on the wire
-    first = logprobs(host.run_batch([{**fwd("a", backward=False), "data": [datum(seq)]}])[0])[0]
+    first = logprobs(host.forward_backward([{**fwd("a", backward=False), "data": [datum(seq)]}])[0])[0]
     assert torch.allclose(got.reshape(3, 2)[:, 0], first, atol=TOL, rtol=0)
-    assert ok(host.run_batch([{"op": "drop_model", "model_id": "a"}])[0]) == {}
-    err = host.run_batch([fwd("a")])[0]["error"]
+    assert ok(host.drop_adapter("a")) == {}
+    err = host.forward_backward([fwd("a")])[0]["error"]
     assert (err["category"], err["field"]) == ("user", "model_id")
     assert host.describe()["resident"] == ["b"]

@@ -64,7 +64,7 @@ def tinker_service(svc):
 
 
 def describe(svc, base: str = BASE) -> dict:
-    return ray.get(tinker_service(svc).hosts[base].actor.describe.remote(), timeout=60)
+    return tinker_service(svc).hosts[base].group.describe()
 
 
 def test_the_issue_snippet_runs_unchanged(svc, sdk):

@@ -251,7 +251,7 @@ def test_the_dispatcher_takes_turns_between_owners_then_their_sessions(tmp_path)
     futures.cancel(ops[("b1", 2)].future)
     batches = []
     while host._queues:
-        batches.append([(op.queue, op.body["i"]) for op in host._next_batch()])
+        batches.append([(op.queue, op.call["i"]) for op in host._next_batch()])
     assert batches[0] == [("a1", 0), ("b1", 0)] and batches[1] == [("a2", 0), ("b1", 1)]
     assert batches[2] == [("a3", 0), ("b1", 3)]  # b1's op 2 was cancelled
     bob_first = [i for i, b in enumerate(batches) if ("b1", 5) in b][0]

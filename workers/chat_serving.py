@@ -20,6 +20,7 @@ from typing import Any
 
 from workers.chat_delta import ChatDelta
 
+TOOL_CALL_END = "</tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOLS_HEADER = (
     "# Tools\nYou may call functions. Their signatures, within <tools></tools>:\n<tools>\n{tools}\n</tools>\n"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 BUILTIN_PREFIX = "builtin:"
+OPENENV_PREFIX = "openenv:"
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,9 @@ def is_path_source(source: str) -> bool:
 
 
 def is_path_reference(ref: str) -> bool:
-    """Whether `ref` names a Python file ('path/file.py:name'); a 'builtin:' reference never does."""
-    if not isinstance(ref, str) or ref.startswith(BUILTIN_PREFIX):
+    """Whether `ref` names a Python file ('path/file.py:name'); a 'builtin:' reference never does,
+    nor does an OpenEnv server's address ('openenv:http://...', workers/environments/openenv_ref.py)."""
+    if not isinstance(ref, str) or ref.startswith((BUILTIN_PREFIX, OPENENV_PREFIX)):
         return False
     return is_path_source(ref.rpartition(":")[0])
 

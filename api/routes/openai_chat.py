@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, CallerDep, ServiceDep
-from api.errors import APIError, documented
+from api.errors import documented
 from api.routes.openai_bridge import call, check_model, external_job, model_names
 
 router = APIRouter(
@@ -114,9 +114,15 @@ class ChatCompletionRequest(Sampling):
     tools: list[ToolSpec] | None = Field(None, max_length=256)
     tool_choice: str | dict[str, Any] | None = Field(
         None,
-        description="'auto', or 'none': the tools left out of the prompt and no calls parsed; others: 422",
+        description="'auto'; 'none': the tools left out of the prompt and no calls parsed; 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}: the reply is one call (constrained decoding)",
     )
-    response_format: dict[str, Any] | None = Field(None, description="{'type': 'text'}; others: 422")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call per reply")
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {'name', 'schema', "
+        "'strict'}}: enforced by constrained decoding; a schema keyword it cannot enforce is a 422",
+    )
     logprobs: bool = False
 
 
@@ -174,24 +180,9 @@ async def trajectory_completions(
     return await _completion(job_id, trajectory_id, body, service, caller)
 
 
-def refuse_unenforced(response_format: dict[str, Any] | None, tool_choice: Any, format_param: str) -> None:
-    """A 422 naming the field whose constraint the job's rollout engines would not hold: they decode
-    without a grammar, so a structured output or a forced tool call could only be ignored."""
-    kind = (response_format or {}).get("type", "text")
-    if kind != "text":
-        raise APIError(422, f"{format_param}: '{kind}' output is not enforced by this job's rollout engines (they "
-                       f"decode without constrained decoding); leave {format_param} out and parse the reply",
-                       format_param, "unsupported_value")  # fmt: skip
-    if tool_choice not in (None, "auto", "none"):
-        raise APIError(422, f"tool_choice: {json.dumps(tool_choice)} is not enforced by this job's rollout engines "
-                       "(a forced tool call needs constrained decoding); use 'auto' or 'none'",
-                       "tool_choice", "unsupported_value")  # fmt: skip
-
-
 async def _chat(job_id: str, tid: str | None, body: ChatCompletionRequest, service: Any, caller: Any) -> Any:
     job = external_job(service, job_id, caller.sees)
     check_model(job, body.model)
-    refuse_unenforced(body.response_format, body.tool_choice, "response_format")
     out = await call(job_id, "chat", tid, body.model_dump(exclude_none=True))
     return (
         _sse(_chat_chunks(out, body)) if body.stream else JSONResponse(out)

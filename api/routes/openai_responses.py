@@ -36,7 +36,6 @@ from api.routes.openai_chat import (
     Lenient,
     TrajectoryHeader,
     TrajectoryId,
-    refuse_unenforced,
 )
 
 router = APIRouter(
@@ -101,7 +100,7 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "tools": chat_tools(body.tools), "tool_choice": chat_tool_choice(body.tool_choice),
         "response_format": chat_response_format(body.text), "max_tokens": body.max_output_tokens,
         "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-        "logprobs": LOGPROBS in (body.include or []),
+        "logprobs": LOGPROBS in (body.include or []), "parallel_tool_calls": body.parallel_tool_calls,
     }  # fmt: skip
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
@@ -112,12 +111,26 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(422, f"{param}: {first['msg']}", param, "invalid_value") from None
 
 
+def responses_param(param: str | None) -> str | None:
+    """The Responses field that a chat field at fault stands for."""
+    if param == "response_format":
+        return "text.format"
+    if param and param.startswith("tools[") and ".function." in param:
+        return param.replace(".function.", ".", 1)
+    return param
+
+
 async def _respond(job_id: str, tid: str | None, body: ResponsesRequest, service: Any, caller: Any) -> Any:
     job = external_job(service, job_id, caller.sees)
     check_model(job, body.model)
     chat = chat_request(body)
-    refuse_unenforced(chat.response_format, chat.tool_choice, "text.format")
-    out = await call(job_id, "chat", tid, chat.model_dump(exclude_none=True))
+    try:
+        out = await call(job_id, "chat", tid, chat.model_dump(exclude_none=True))
+    except APIError as err:  # the endpoint names the chat field: name the Responses one
+        param = responses_param(err.param)
+        if param != err.param:
+            err.message, err.param = err.message.replace(err.param, param, 1), param
+        raise
     response = response_object(out, body.model_dump(exclude_none=True))
     if not body.stream:
         return JSONResponse(response)

@@ -59,9 +59,7 @@ async def training_run(request: Request, run_id: str) -> dict[str, Any]:
 async def run_checkpoints(request: Request, run_id: str) -> dict[str, Any]:
     who = await caller(request, "read")
     job = sampling.run_of(tinker(request), who.sees, run_id)
-    from pathlib import Path
-
-    return {"checkpoints": list_checkpoints(job.id, Path(job.workdir))}
+    return {"checkpoints": list_checkpoints(job.id, job.workdir)}
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive",

@@ -106,8 +106,8 @@ async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     return {"training_run_ids": [m.job_id for m in models], "sampler_ids": samplers}
 
 
-@router.post("/retrieve_future", summary="Tinker: a future's result, or try_again")
-async def retrieve_future(request: Request) -> Any:
+async def _future(request: Request) -> Any:
+    """The caller's future named by the body's request_id; another owner's is a 404 like an unknown one."""
     who = await caller(request)
     request_id = (await parsed(request, FutureRef)).request_id
     future = tinker(request).futures.get(request_id, who.sees)
@@ -115,6 +115,12 @@ async def retrieve_future(request: Request) -> Any:
         raise TinkerError(
             404, f"request_id: no future '{request_id}' (or it is another owner's)", "request_id"
         )
+    return future
+
+
+@router.post("/retrieve_future", summary="Tinker: a future's result, or try_again")
+async def retrieve_future(request: Request) -> Any:
+    future = await _future(request)
     deadline, pause = time.monotonic() + LONG_POLL_S, 0.005
     while not future.done and time.monotonic() < deadline:
         await asyncio.sleep(pause)
@@ -128,15 +134,7 @@ async def retrieve_future(request: Request) -> Any:
 
 @router.post("/cancel_future", summary="Tinker: cancel a queued request")
 async def cancel_future(request: Request) -> dict[str, Any]:
-    who = await caller(request)
-    request_id = (await parsed(request, FutureRef)).request_id
-    futures = tinker(request).futures
-    future = futures.get(request_id, who.sees)
-    if future is None:
-        raise TinkerError(
-            404, f"request_id: no future '{request_id}' (or it is another owner's)", "request_id"
-        )
-    return {"cancelled": futures.cancel(future)}
+    return {"cancelled": tinker(request).futures.cancel(await _future(request))}
 
 
 @router.post("/telemetry", include_in_schema=False)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engines.rollout.constrained import Constraint
+
 if TYPE_CHECKING:  # torch only in annotations: the backend registry imports without it
     import torch
 
@@ -39,6 +41,9 @@ class SamplingParams(SamplingKnobs):
     stop_token_ids: list[int] = Field(default_factory=list, description="besides the model's EOS")
     n: int = Field(1, ge=1, description="completions per prompt")
     seed: int | None = Field(None, description="makes sampling reproducible")
+    constraint: Constraint | None = Field(
+        None, description="a grammar the tokens must follow (constrained decoding)"
+    )
 
 
 FinishReason = Literal["stop", "length"]
@@ -51,7 +56,8 @@ class Completion:
     `log_probs[i]` is the log-probability of `token_ids[i]` under the distribution the token was
     sampled from: the model's logits divided by the temperature (temperature 0: divided by 1),
     then restricted to the top-k / top-p set and renormalised. With temperature 1 and no top-k /
-    top-p it is the plain model log-probability, which the trainer recomputes exactly.
+    top-p it is the plain model log-probability, which the trainer recomputes exactly. Under a
+    `constraint` the tokens the grammar forbids are removed before the renormalisation.
     A stop token that ended the completion is included in `token_ids` (and its log-prob).
     """
 

@@ -12,7 +12,8 @@ outputs are ignored) until the stopped rows are a quarter of the batch; then the
 Sampling (engines/rollout/sampling.py) follows the `Completion` contract in base.py: logits /
 temperature, then top-k, then top-p, then renormalise; the sampled token's log-probability is read
 from that same distribution, so with temperature 1 and no filtering it is the plain model
-log-probability the trainer recomputes. Randomness comes from a private `torch.Generator`, never
+log-probability the trainer recomputes. A `constraint` (constrained decoding) masks the logits
+first, so the log-probability is that of the allowed tokens, renormalised. Randomness comes from a private `torch.Generator`, never
 from the global RNG.
 """
 
@@ -27,6 +28,7 @@ import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
 from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.constrained_mask import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder
 from engines.rollout.kv_cache import full_attention_only, preallocated_cache
 from engines.rollout.lora_merge import AdapterMerger
@@ -155,6 +157,7 @@ class HFRolloutEngine(RolloutEngine):
         self._released = False
         self._targets = self._update_targets()
         self._merger = AdapterMerger()
+        self._grammars = GrammarCompilers(model_path, self.model.config.vocab_size)
 
     def _load_model(self, model_path: str) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation="sdpa")
@@ -218,13 +221,24 @@ class HFRolloutEngine(RolloutEngine):
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
 
         logits, cache, prompt_mask, positions = self._prefill(rows, steps)
+        grammar = None  # constrained decoding (engines/rollout/constrained_mask.py)
+        if params.constraint is not None:
+            compiled = self._grammars.compiled(params.constraint, stop_ids.tolist())
+            grammar = GrammarMask(
+                compiled, batch, logits.shape[-1], self._grammars.banned_ids(stop_ids.tolist())
+            )
         width = prompt_mask.shape[1]
         steps_mask = DecodeMask(prompt_mask, steps, self._plain_mask)
         live = torch.arange(batch, device=self.device)  # the original row of each row still in the batch
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)  # finished, not yet dropped
         next_position = positions[:, -1:] + 1
         for step in range(steps):
+            if grammar is not None:
+                logits = logits.float()
+                grammar.apply(logits, live, done)
             token, log_prob = sample_next(logits, params, generator)
+            if grammar is not None:
+                grammar.accept(token, live, done)
             active = live[~done]
             out_tokens[active, step] = token[~done]
             out_log_probs[active, step] = log_prob[~done]

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.constrained import ConstraintError
 from engines.rollout.probes import SGLANG_INSTALL_HINT as INSTALL_HINT
 from engines.transfer.base import iter_buckets as bucket_named_tensors  # one bucketing rule for every engine
 
@@ -224,6 +225,9 @@ class SGLangRolloutEngine(RolloutEngine):
             raise RolloutEngineError(
                 "sglang rollout engine memory is released: call resume_memory() before generate()"
             )
+        if params.constraint is not None:
+            raise ConstraintError("response_format", "the sglang rollout engine does not enforce constraints here: "
+                                  "serve the job with the hf or vllm rollout backend")  # fmt: skip
         if not prompts:
             return []
         rows = expand_prompts(prompts, params.n)

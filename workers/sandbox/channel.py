@@ -69,7 +69,9 @@ class Sandbox:
 
     def __init__(self, files: Sequence[str | Path] = (), limits: Limits | None = None,
                  asker: Asker | None = None, stderr: int | None = subprocess.DEVNULL,
-                 allow_unsandboxed: bool | None = None, mode: str | None = None) -> None:  # fmt: skip
+                 allow_unsandboxed: bool | None = None, mode: str | None = None,
+                 pass_fds: Sequence[int] = ()) -> None:  # fmt: skip
+        """`pass_fds`: descriptors the process inherits (a listening socket for a server in it)."""
         self.limits = limits or Limits.from_env()
         self.mode = mode or sandbox_mode(allow_unsandboxed).name  # `mode`: a test's choice
         self.staging = Path(tempfile.mkdtemp(prefix="tandem-sandbox-"))
@@ -87,7 +89,7 @@ class Sandbox:
         self.ended: str | None = None
         popen = functools.partial(subprocess.Popen, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=stderr, cwd=self.staging if self.mode == "none" else None,
-                                  start_new_session=True)  # fmt: skip
+                                  start_new_session=True, pass_fds=tuple(pass_fds))  # fmt: skip
         # bwrap's --die-with-parent follows the thread that started it: a pool thread that ends would
         # take a job's sandbox with it, so every sandbox is started by one thread that lives on.
         self.proc = _LAUNCHER.submit(popen).result()

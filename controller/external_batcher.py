@@ -1,0 +1,118 @@
+"""The endpoint's calls, batched onto the job's rollout replicas (controller/external.py).
+
+Calls that arrive while a replica is busy, or within batch_window_ms, go to a free replica's engine
+as one `generate` per sampling setting, straight to the rollout worker actors
+(`RolloutWorker.generate`, one call per replica at a time). Every completion carries the trainer's
+version of the weights that sampled it: the engine's, plus the offset `attach` measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+from controller.external_store import TrajectoryError
+from engines.rollout.constrained import ConstraintError
+
+GENERATE_TIMEOUT_S = 900.0  # a call waits for a training step's update on a colocated worker
+ATTACH_TIMEOUT_S = 60.0
+STARTING_WAIT_S = 120.0  # a call that arrives before the rollout workers are attached waits this long
+
+
+class ReplicaBatcher:
+    """See the module docstring; one per endpoint, attached again to each attempt's replicas."""
+
+    def __init__(self, window_ms: float) -> None:
+        self.window_ms = window_ms
+        self.queue: asyncio.Queue | None = None
+        self.free: asyncio.Queue | None = None
+        self.role, self.hosts = "", []
+        self.task: asyncio.Task | None = None
+        self.offset = 0  # trainer version - engine version of the attached workers (see attach)
+        self.engine_calls = 0
+        self.attached = asyncio.Event()
+
+    async def attach(self, hosts: list[Any], role: str, version: int) -> None:
+        """Serve from `hosts` (WorkerHost actors, `role` on them), which hold the weights of trainer
+        version `version`. An engine counts its syncs from 0 in every new process, so a call records
+        engine version + (`version` - the engine's version now): the trainer's version."""
+        engine = hosts[0].execute.remote(role, "weight_version", ((), {}))
+        self.offset = version - int(await asyncio.wait_for(engine, ATTACH_TIMEOUT_S))
+        self.role, self.hosts = role, list(hosts)
+        self.free = asyncio.Queue()
+        for host in hosts:
+            self.free.put_nowait(host)
+        if self.queue is None:
+            self.queue = asyncio.Queue()
+        if self.task is not None:
+            self.task.cancel()
+        self.task = asyncio.get_running_loop().create_task(self._batch_loop())
+        self.attached.set()
+
+    async def generate(self, prompt: list[int], params: Any) -> list[Any]:
+        """The call's completions, generated in the next batch of a free replica."""
+        if self.queue is None:  # a new job's first calls wait for its workers (see attach)
+            try:
+                await asyncio.wait_for(self.attached.wait(), STARTING_WAIT_S)
+            except asyncio.TimeoutError:
+                raise TrajectoryError(503, f"the job's rollout workers did not come up within {STARTING_WAIT_S:.0f} s; "
+                                      "retry", None, "starting", 2.0) from None  # fmt: skip
+        future = asyncio.get_running_loop().create_future()
+        await self.queue.put((prompt, params, future))
+        return await future
+
+    async def _batch_loop(self) -> None:
+        """Gather calls into one batch: from the first, until as many have arrived as the last batch
+        held (agents that got their answers together call again together) or batch_window_ms passed;
+        then take a free replica, add whatever else waits, and send it. A lone agent never waits."""
+        queue, free, loop = self.queue, self.free, asyncio.get_running_loop()
+        expected = 1
+        while True:
+            items = [await queue.get()]
+            deadline = loop.time() + self.window_ms / 1000
+            while len(items) < expected and (left := deadline - loop.time()) > 0:
+                try:
+                    items.append(await asyncio.wait_for(queue.get(), left))
+                except asyncio.TimeoutError:
+                    break
+            host = await free.get()
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            expected = len(items)
+            loop.create_task(self._run(host, items))
+
+    async def _run(self, host: Any, items: list[tuple]) -> None:
+        try:
+            key = lambda item: item[1].model_dump_json()  # noqa: E731
+            for _, group in itertools.groupby(sorted(items, key=key), key=key):
+                group = list(group)
+                await self._run_group(host, group)
+        finally:
+            self.free.put_nowait(host)
+
+    async def _run_group(self, host: Any, group: list[tuple]) -> None:
+        params, offset = group[0][1], self.offset
+        prompts = [g[0] for g in group]
+        try:
+            ref = host.execute.remote(self.role, "generate", ((prompts, params.model_dump()), {}))
+            self.engine_calls += 1
+            completions = await asyncio.wait_for(ref, GENERATE_TIMEOUT_S)
+        except Exception as err:  # every caller of the batch hears it
+            refused = err if isinstance(err, ConstraintError) else getattr(err, "cause", None)
+            failure = TrajectoryError(503, f"the rollout worker failed: {type(err).__name__}: {err}"[:2000],
+                                      None, "rollout_failed", 5.0)  # fmt: skip
+            if isinstance(refused, ConstraintError):  # the engine cannot enforce the call's constraint
+                param = "tool_choice" if params.constraint.kind == "tool_call" else "response_format"
+                failure = TrajectoryError(
+                    422, str(refused).replace(refused.param, param, 1), param, "unsupported_value"
+                )
+            for _, _, future in group:
+                if not future.done():
+                    future.set_exception(failure)
+            return
+        for comp in completions:  # the trainer's version of the weights that sampled it
+            comp.weight_version += offset
+        for i, (_, _, future) in enumerate(group):
+            if not future.done():
+                future.set_result(completions[i * params.n : (i + 1) * params.n])

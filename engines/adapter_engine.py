@@ -1,0 +1,313 @@
+"""One base model and many LoRA adapters on it, each adapter with its own gradients and AdamW state:
+a training engine whose every operation names the adapter it acts on.
+
+The base weights are read once (`BASE_LOADS`), frozen and shared; an adapter (`engines/lora_sessions.Session`)
+is attached to the multi-LoRA layers (`engines/multi_lora.py`) under its key. `forward_backward` takes the
+calls of any number of adapters and runs them as one right-padded forward (and one backward through the
+sum of their losses: rows never mix, so each adapter gets the gradient of its own loss alone), in parts of
+at most `max_batch_tokens` padded tokens, each call whole. `sample` decodes every request in one batch and
+`logprobs` scores every token list in one forward; a request names a sampler snapshot folder or the base.
+Beyond `max_resident` the least recently used adapters leave: a session's adapter, gradients and
+optimizer state go to host memory or disk and come back when it is next named, bit for bit; a sampler
+snapshot is dropped and read again from its folder. Single rank: no FSDP wrapping, as FSDPEngine itself
+leaves one fp32 rank unwrapped.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engines.fsdp.lora import peft_config
+from engines.lora_sessions import Session, SessionSpec, read_pack, read_spec
+from engines.multi_lora import (
+    ATTN_MODULES,
+    MLP_MODULES,
+    UNEMBED_MODULES,
+    attach,
+    detach,
+    from_peft_tensors,
+    init_adapter,
+    inject,
+    linear_modules,
+    rows,
+)
+from engines.multi_lora_sample import SampleRequest, Sequence, sample
+
+BASE_LOADS = 0  # reads of base weights in this process: the API's tests assert it stays 1
+Targets = list[tuple[list[int], torch.Tensor]]  # per datum: input tokens, target tokens ([N] or [N, K])
+
+
+class InputError(ValueError):
+    """A caller's input the engine cannot take; `field` names it."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    max_rank: int = 64
+    max_resident: int = 8  # adapters attached at once (sessions and sampler snapshots)
+    lora_alpha: float = 32.0
+    seed: int = 0  # an adapter's initialisation seed when its creation names none
+    max_batch_tokens: int = 16384  # padded tokens of one forward part
+    device: str | None = None  # None: cuda when there is one
+    offload: str | None = None  # "memory" or "disk"; None: disk on CPU, memory on a GPU
+
+    @classmethod
+    def of(cls, raw: dict) -> EngineOptions:
+        """From a host's options (`max_resident_adapters` for `max_resident`; unknown keys ignored)."""
+        if raw.get("sampler_engine", "hf") != "hf":
+            raise ValueError(
+                f"options.sampler_engine: only 'hf' is implemented, not {raw['sampler_engine']!r}"
+            )
+        names = {"max_resident_adapters": "max_resident"}
+        known = {names.get(k, k): v for k, v in raw.items() if names.get(k, k) in cls.__dataclass_fields__}
+        options = cls(**known)
+        return options if options.max_resident >= 1 else cls(**{**known, "max_resident": 1})
+
+
+def _load_base(model_path: str, device: torch.device) -> torch.nn.Module:
+    global BASE_LOADS
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    BASE_LOADS += 1
+    model.to(device).eval().requires_grad_(False)  # eval: no dropout; the base stays frozen
+    return model
+
+
+class AdapterEngine:
+    def __init__(self, model_path: str, workdir: Path, options: EngineOptions) -> None:
+        from engines.rollout.hf import read_special_token_ids
+
+        self.model_path, self.workdir, self.options = str(model_path), Path(workdir), options
+        self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        offload = options.offload or ("disk" if self.device.type == "cpu" else "memory")
+        self.offload_dir = self.workdir / "offload" if offload == "disk" else None
+        self.model = _load_base(self.model_path, self.device)
+        targets = linear_modules(self.model, ATTN_MODULES + MLP_MODULES + UNEMBED_MODULES)
+        self.layers = inject(self.model, targets)
+        self.eos_ids, self.pad_id = read_special_token_ids(self.model_path)
+        self.vocab = int(self.model.config.vocab_size)
+        self.max_seq_len = int(self.model.config.max_position_embeddings)
+        self.sessions: dict[str, Session] = {}
+        self.lru: OrderedDict[str, None] = OrderedDict()  # attached keys ("m:" session, "s:" snapshot)
+
+    # ---- adapters ------------------------------------------------------------------------------
+
+    def adapter_spec(self, rank: int, seed: int | None, attn: bool, mlp: bool, unembed: bool) -> SessionSpec:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= self.options.max_rank:
+            raise InputError(
+                "rank",
+                f"must be an integer in [1, {self.options.max_rank}] (this host's max_rank), got {rank!r}",
+            )
+        names = (
+            (ATTN_MODULES if attn else ())
+            + (MLP_MODULES if mlp else ())
+            + (UNEMBED_MODULES if unembed else ())
+        )
+        if not names:
+            raise InputError("train_mlp", "at least one of train_attn, train_mlp, train_unembed must be true")
+        seed = self.options.seed if seed is None else seed
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InputError("seed", "must be an integer")
+        paths = tuple(linear_modules(self.model, names))
+        return SessionSpec(rank, self.options.lora_alpha, seed, paths, attn, mlp, unembed)
+
+    def create_adapter(self, key: str, spec: SessionSpec) -> Session:
+        if key in self.sessions:
+            raise InputError("model_id", f"model {key!r} exists on this host")
+        weights = init_adapter(self.layers, list(spec.paths), spec.rank, spec.seed, self.device)
+        self.sessions[key] = Session(key, spec, weights, self.device)
+        self.make_resident({f"m:{key}"})
+        return self.sessions[key]
+
+    def session(self, key: str) -> Session:
+        if key not in self.sessions:
+            raise InputError("model_id", f"no model {key!r} on this host")
+        return self.sessions[key]
+
+    def resident(self, key: str) -> Session:
+        session = self.session(key)
+        self.make_resident({f"m:{key}"})
+        return session
+
+    def drop_adapter(self, key: str) -> None:
+        session = self.session(key)
+        self._forget(f"m:{key}")
+        if session.packed_file is not None:
+            session.packed_file.unlink(missing_ok=True)
+        del self.sessions[key]
+
+    def _forget(self, key: str) -> None:
+        detach(self.layers, key)
+        self.lru.pop(key, None)
+
+    def make_resident(self, keys: set[str]) -> None:
+        for key in sorted(keys):
+            if key not in self.lru:
+                self._bring_in(key)
+            self.lru.move_to_end(key)
+        for key in [k for k in self.lru if k not in keys][
+            : max(0, len(self.lru) - self.options.max_resident)
+        ]:
+            self._forget(key)
+            if key.startswith("m:") and key[2:] in self.sessions:
+                self.sessions[key[2:]].offload(self.offload_dir)
+
+    def _bring_in(self, key: str) -> None:
+        if key.startswith("m:"):
+            session = self.sessions[key[2:]]
+            if not session.resident:
+                session.restore()
+            attach(self.layers, key, session.weights, session.spec.scaling)
+        else:
+            from safetensors.torch import load_file
+
+            folder = Path(key[2:])
+            weights = from_peft_tensors(load_file(str(folder / "adapter_model.safetensors")))
+            on_device = {p: (a.to(self.device), b.to(self.device)) for p, (a, b) in weights.items()}
+            attach(self.layers, key, on_device, read_spec(folder).scaling)
+        self.lru[key] = None
+
+    # ---- training ------------------------------------------------------------------------------
+
+    def forward_backward(
+        self, calls: list[tuple[str, Targets]], loss: callable, backward: list[bool]
+    ) -> list[object]:
+        """`loss(i, logprobs)` of each call i on its data's target log-probs, one forward (in parts of
+        at most `max_batch_tokens`); one backward through the sum of the losses of the calls with
+        `backward[i]`. `loss` returns (scalar or None, result): None skips that call's backward."""
+        self.make_resident({f"m:{key}" for key, _ in calls})
+        results: list[object] = [None] * len(calls)
+        for part in self._by_tokens(list(range(len(calls))), calls):
+            with torch.set_grad_enabled(any(backward[i] for i in part)):
+                per_call = self.target_logprobs([(f"m:{calls[i][0]}", calls[i][1]) for i in part])
+                total = None
+                for i, lps in zip(part, per_call, strict=True):
+                    value, results[i] = loss(i, lps)
+                    if backward[i] and value is not None:
+                        total = value if total is None else total + value
+                if total is not None:
+                    total.backward()  # each adapter's rows feed only its own loss: one backward for all
+        return results
+
+    def _by_tokens(self, order: list[int], calls: list[tuple[str, Targets]]) -> list[list[int]]:
+        """Consecutive parts of at most `max_batch_tokens` padded tokens, each call whole: peak
+        activation memory stays bounded however many adapters share the forward."""
+        parts: list[list[int]] = [[]]
+        n_rows, width = 0, 0
+        for i in order:
+            data = calls[i][1]
+            r, w = n_rows + len(data), max(width, *(len(t) for t, _ in data))
+            if parts[-1] and r * w > self.options.max_batch_tokens:
+                parts.append([])
+                r, w = len(data), max(len(t) for t, _ in data)
+            parts[-1].append(i)
+            n_rows, width = r, w
+        return parts
+
+    def target_logprobs(self, groups: list[tuple[str | None, Targets]]) -> list[list[torch.Tensor]]:
+        """log p(target[t] | tokens[:t+1]) per datum, every group's rows in one right-padded forward."""
+        flat = [(tokens, targets) for _, data in groups for tokens, targets in data]
+        width = max(len(t) for t, _ in flat)
+        ids = torch.full((len(flat), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(flat), width), dtype=torch.long)
+        for j, (tokens, _) in enumerate(flat):
+            ids[j, : len(tokens)] = torch.tensor(tokens)
+            mask[j, : len(tokens)] = 1
+        with rows(self.layers, [(key, len(data)) for key, data in groups]):
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+        out, j = [], 0
+        for _, data in groups:
+            per = []
+            for tokens, targets in data:
+                logp = logits[j, : len(tokens)].float().log_softmax(-1)
+                t = targets.to(self.device).long()
+                per.append(logp.gather(-1, t.reshape(len(tokens), -1)).reshape(t.shape))
+                j += 1
+            out.append(per)
+        return out
+
+    def optimizer_step(self, key: str, adam: dict) -> dict[str, float]:
+        """One AdamW step of adapter `key` with the SDK's AdamParams of this call (engines/adamw.py)."""
+        return self.resident(key).optim_step(adam)
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def adapter_config(self, spec: SessionSpec) -> dict:
+        from engines.config import LoraConfig
+
+        cfg = peft_config(
+            LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0), self.model_path
+        ).to_dict()
+        cfg["target_modules"] = sorted({p.rsplit(".", 1)[-1] for p in spec.paths})
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
+
+    def save_checkpoint(self, key: str, folder: Path, optimizer: bool) -> None:
+        """The adapter as a PEFT folder plus session.json (and optimizer.pt when `optimizer`)."""
+        session = self.resident(key)
+        session.save(folder, self.adapter_config(session.spec), optimizer=optimizer)
+        self._forget(f"s:{folder}")  # a snapshot of the same folder taken again replaces the old one
+
+    def load_checkpoint(self, key: str, folder: Path, optimizer: bool) -> None:
+        """Into adapter `key` (made when absent, else of the same rank and layers) what a save wrote."""
+        if not (folder / "session.json").is_file():
+            raise InputError("path", f"'{folder}' holds no saved session state")
+        spec = read_spec(folder)
+        if spec.rank > self.options.max_rank:
+            raise InputError(
+                "path",
+                f"the saved adapter's rank {spec.rank} exceeds this host's max_rank {self.options.max_rank}",
+            )
+        try:
+            packed = read_pack(folder, optimizer)
+        except FileNotFoundError as err:
+            raise InputError("optimizer", str(err)) from err
+        session = self.sessions.get(key)
+        if session is not None and (session.spec.rank, session.spec.paths) != (spec.rank, spec.paths):
+            raise InputError(
+                "path",
+                f"the saved adapter (rank {spec.rank}) does not match model {key!r} "
+                f"(rank {session.spec.rank}, or other layers)",
+            )
+        if session is None:
+            weights = init_adapter(self.layers, list(spec.paths), spec.rank, 0, self.device)
+            self.sessions[key] = Session(key, spec, weights, self.device)
+        self.resident(key).unpack(packed, optimizer=optimizer)
+        attach(self.layers, f"m:{key}", self.sessions[key].weights, spec.scaling)  # new leaves
+
+    # ---- sampling ------------------------------------------------------------------------------
+
+    def snapshot_key(self, folder: str | None) -> str | None:
+        """The adapter key of a sampler snapshot folder (None: the base model)."""
+        if folder is None:
+            return None
+        if not isinstance(folder, str) or not (Path(folder) / "session.json").is_file():
+            raise InputError("sampler", f"{folder!r} is not a sampler snapshot saved by this service")
+        return f"s:{folder}"
+
+    def sample(self, requests: list[SampleRequest], tokenizer: object = None) -> list[list[Sequence]]:
+        self.make_resident({r.adapter for r in requests if r.adapter is not None})
+        return sample(self.model, self.layers, requests, self.pad_id, tokenizer)
+
+    @torch.no_grad()
+    def logprobs(self, items: list[tuple[str | None, list[int]]]) -> list[list[float | None]]:
+        """[None, log p(t1 | t0), log p(t2 | t0 t1), ...] per token list, all in one forward."""
+        if not items:
+            return []
+        self.make_resident({key for key, _ in items if key is not None})
+        groups = [
+            (key, [(tokens[:-1] or tokens[:1], torch.tensor(tokens[1:] or [0]))]) for key, tokens in items
+        ]
+        per = self.target_logprobs(groups)
+        return [
+            [None] + (lps[0].tolist() if len(tokens) > 1 else [])
+            for (_, tokens), lps in zip(items, per, strict=True)
+        ]

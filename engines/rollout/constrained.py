@@ -1,0 +1,250 @@
+"""Constrained decoding: what a call's output must match, as one grammar every engine can enforce.
+
+A chat call may ask for structured output (`response_format`: a JSON object, or JSON matching a
+schema) or force a tool call (`tool_choice`: "required" or a named function). `build_constraint`
+turns those into a `Constraint`: an EBNF grammar in xgrammar's dialect, built with xgrammar from
+the JSON schemas, plus its kind and hash. The hf engine enforces it with its own per-row matchers
+(engines/rollout/constrained_mask.py); the vLLM engine hands the same grammar to vLLM's structured
+outputs. A forced tool call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the
+format the endpoint parses (workers/chat_serving.py), with arguments that match the tool's
+parameters; JSON is compact with json.dumps' separators, so it reads back as the template renders it.
+
+xgrammar ignores the JSON-schema keywords it does not implement, so the schemas are checked here
+first against the keywords it enforces; anything else (and a schema too big, too deep, or
+recursive) is a `ConstraintError` naming the request field, never a constraint that silently does
+not hold. This module imports without torch; xgrammar (which imports torch) is loaded on first use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_SCHEMA_CHARS = 65_536
+MAX_SCHEMA_DEPTH = 24
+SEPARATORS = (", ", ": ")  # json.dumps' own, so a constrained call reads back as the template writes it
+# The keywords xgrammar turns into grammar rules; annotations constrain nothing and are allowed.
+ENFORCED = {
+    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems",
+    "maxItems", "enum", "const", "anyOf", "$ref", "$defs", "definitions", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern",
+}  # fmt: skip
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+               "readOnly", "writeOnly"}  # fmt: skip
+TYPES = {"object", "array", "string", "integer", "number", "boolean", "null"}
+ConstraintKind = Literal["json_object", "json_schema", "tool_call", "json_schema_or_tool_call",
+                         "json_object_or_tool_call"]  # fmt: skip
+
+
+class Constraint(BaseModel):
+    """The grammar a completion's tokens must follow (from its first token to its stop token)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: ConstraintKind = Field(..., description="what the grammar stands for")
+    grammar: str = Field(..., description="EBNF in xgrammar's dialect (root rule: root)")
+    sha256: str = Field(..., description="hash of the grammar text: names the constraint in records")
+
+    def record(self) -> dict[str, str]:
+        """How a trajectory states the constraint its sampled tokens were drawn under."""
+        return {"kind": self.kind, "grammar_sha256": self.sha256}
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be enforced; `param` names the request field that asked for it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+# ---- schema checks ----------------------------------------------------------------------------
+
+
+def check_schema(schema: Any, param: str) -> dict[str, Any]:
+    """`schema` if every keyword in it is enforced, it is small and not recursive; else ConstraintError."""
+    if not isinstance(schema, dict):
+        raise ConstraintError(param, f"the JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        size = len(json.dumps(schema))
+    except (TypeError, ValueError, RecursionError) as err:
+        raise ConstraintError(param, f"the JSON schema is not JSON: {err}") from None
+    if size > MAX_SCHEMA_CHARS:
+        raise ConstraintError(param, f"the JSON schema has {size} characters; at most {MAX_SCHEMA_CHARS}")
+    definitions = {**(schema.get("$defs") or {}), **(schema.get("definitions") or {})}
+    _walk(schema, param, "#", 0)
+    _refuse_cycles(schema, definitions, param)
+    return schema
+
+
+def _walk(node: Any, param: str, at: str, depth: int) -> None:
+    if isinstance(node, bool):
+        return  # true / false: anything / nothing
+    if not isinstance(node, dict):
+        raise ConstraintError(param, f"{at}: a schema must be an object or a boolean")
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ConstraintError(param, f"{at}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    for key, value in node.items():
+        if key in ANNOTATIONS:
+            continue
+        if key not in ENFORCED:
+            raise ConstraintError(param, f"{at}: keyword '{key}' is not enforced by constrained decoding; "
+                                  f"use only {', '.join(sorted(ENFORCED))}")  # fmt: skip
+        if key == "type":
+            kinds = value if isinstance(value, list) else [value]
+            if not kinds or any(k not in TYPES for k in kinds):
+                raise ConstraintError(param, f"{at}.type: {json.dumps(value)} is not one of {sorted(TYPES)}")
+        elif key in ("properties", "$defs", "definitions"):
+            if not isinstance(value, dict):
+                raise ConstraintError(param, f"{at}.{key}: must be an object")
+            for name, sub in value.items():
+                _walk(sub, param, f"{at}.{key}.{name}", depth + 1)
+        elif key in ("items", "additionalProperties"):
+            _walk(value, param, f"{at}.{key}", depth + 1)
+        elif key in ("anyOf", "prefixItems"):
+            if not isinstance(value, list) or not value:
+                raise ConstraintError(param, f"{at}.{key}: must be a non-empty list of schemas")
+            for k, sub in enumerate(value):
+                _walk(sub, param, f"{at}.{key}[{k}]", depth + 1)
+        elif key == "$ref" and not (
+            isinstance(value, str) and value.startswith(("#/$defs/", "#/definitions/"))
+        ):
+            raise ConstraintError(
+                param, f"{at}.$ref: only references into '#/$defs/' or '#/definitions/' are served"
+            )
+
+
+def _refs(node: Any) -> set[str]:
+    if isinstance(node, dict):
+        found = {node["$ref"].rsplit("/", 1)[-1]} if isinstance(node.get("$ref"), str) else set()
+        for key, value in node.items():
+            if key not in ("$defs", "definitions"):
+                found |= _refs(value)
+        return found
+    if isinstance(node, list):
+        return set().union(*(_refs(v) for v in node)) if node else set()
+    return set()
+
+
+def _refuse_cycles(schema: dict[str, Any], definitions: dict[str, Any], param: str) -> None:
+    """A recursive schema has no bounded grammar: a definition that reaches itself is refused."""
+    edges = {name: _refs(body) for name, body in definitions.items()}
+    for name in _refs(schema) | set(edges):
+        if name not in edges:
+            raise ConstraintError(param, f"$ref to '{name}', which the schema does not define")
+    for start in edges:
+        seen, todo = set(), list(edges[start])
+        while todo:
+            name = todo.pop()
+            if name == start:
+                raise ConstraintError(
+                    param, f"definition '{start}' refers to itself: recursive schemas are not served"
+                )
+            if name not in seen:
+                seen.add(name)
+                todo.extend(edges.get(name, ()))
+
+
+# ---- grammars ---------------------------------------------------------------------------------
+
+
+def _grammar_of_schema(schema: dict[str, Any], param: str, strict: bool = True) -> Any:
+    import xgrammar
+
+    try:
+        return xgrammar.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=SEPARATORS, strict_mode=strict
+        )
+    except (RuntimeError, ValueError) as err:
+        raise ConstraintError(
+            param, f"the JSON schema could not be turned into a grammar: {err}".strip()
+        ) from None
+
+
+def _tool_call_grammar(tools: list[dict[str, Any]], name: str | None) -> Any:
+    """`<tool_call>{"name": <one of the tools, or `name`>, "arguments": <its parameters>}</tool_call>`."""
+    import xgrammar
+
+    calls = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") or {}
+        if name is not None and function.get("name") != name:
+            continue
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        where = f"tools[{i}].function.parameters"
+        check_schema(parameters, where)
+        calls.append({"type": "object", "properties": {"name": {"const": function.get("name")},
+                      "arguments": parameters}, "required": ["name", "arguments"],
+                      "additionalProperties": False})  # fmt: skip
+    if not calls:
+        raise ConstraintError(
+            "tool_choice", f"names the function '{name}', which is not among the request's tools"
+        )
+    body = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return xgrammar.Grammar.concat(
+        xgrammar.Grammar.from_ebnf('root ::= "<tool_call>"'),
+        _grammar_of_schema(body, "tool_choice"),
+        xgrammar.Grammar.from_ebnf('root ::= "</tool_call>"'),
+    )
+
+
+def _format_grammar(response_format: dict[str, Any] | None, param: str) -> tuple[str | None, Any]:
+    kind = (response_format or {}).get("type", "text")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return kind, _grammar_of_schema({"type": "object"}, param, strict=False)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ConstraintError(param, "json_schema needs {'name': ..., 'schema': {...}}")
+        return kind, _grammar_of_schema(check_schema(spec["schema"], param), param)
+    raise ConstraintError(param, f"type '{kind}' is not one of text, json_object, json_schema")
+
+
+def forced_tool(tool_choice: Any, tools: list[dict[str, Any]] | None) -> tuple[bool, str | None]:
+    """(whether the call must be a tool call, the function it must call or None for any)."""
+    if tool_choice in (None, "auto", "none"):
+        return False, None
+    if tool_choice == "required":
+        name = None
+    elif isinstance(tool_choice, dict) and isinstance((tool_choice.get("function") or {}).get("name"), str):
+        name = tool_choice["function"]["name"]
+    else:
+        raise ConstraintError("tool_choice", f"{json.dumps(tool_choice)[:200]} is not 'none', 'auto', 'required' "
+                              "or {'type': 'function', 'function': {'name': ...}}")  # fmt: skip
+    if not tools:
+        raise ConstraintError(
+            "tool_choice", f"{json.dumps(tool_choice)[:200]} forces a tool call, but the request has no tools"
+        )
+    return True, name
+
+
+def build_constraint(
+    response_format: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None,
+    tool_choice: Any,
+    format_param: str = "response_format",
+) -> Constraint | None:
+    """The grammar a chat call's output must follow, or None when it is free text.
+
+    A forced tool call (required / named) is the whole output; with tools offered ("auto") and a
+    structured format the output is either the format or one tool call; "none" offers no tools.
+    """
+    import xgrammar
+
+    forced, name = forced_tool(tool_choice, tools)
+    kind, form = _format_grammar(response_format, format_param)
+    if forced:
+        kind, grammar = "tool_call", _tool_call_grammar(tools or [], name)
+    elif form is None:
+        return None
+    elif tools and tool_choice != "none":
+        kind, grammar = f"{kind}_or_tool_call", xgrammar.Grammar.union(form, _tool_call_grammar(tools, None))
+    else:
+        grammar = form
+    text = str(grammar)
+    return Constraint(kind=kind, grammar=text, sha256=hashlib.sha256(text.encode()).hexdigest())
