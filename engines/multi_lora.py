@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engines.lora_targets import PEFT_PREFIX
+from engines.lora_targets import PEFT_PREFIX, base_module
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -213,9 +213,8 @@ def peft_tensors(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[
 
 
 def from_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The inverse of `peft_tensors` (also reads PEFT's '.lora_A.default.weight' names)."""
-    from engines.lora_targets import base_module
-
+    """The inverse of `peft_tensors` (also reads PEFT's '.lora_A.default.weight' names); tensors of
+    other names are left out."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         parsed = base_module(name)

@@ -22,7 +22,7 @@ from torch import nn
 
 from engines.config import ALL_LINEAR, LoraConfig
 from engines.lora_targets import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, adapter_file, base_module
-from engines.multi_lora import inject
+from engines.multi_lora import from_peft_tensors, inject
 
 
 def peft_config(cfg: LoraConfig, base_model_path: str | None = None):  # -> peft.LoraConfig
@@ -129,18 +129,10 @@ def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict) 
 
 
 def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """An injected model's full state dict (HF names, with `.base_layer.` and LoRA entries) as the
+    """An adapted model's full state dict (HF names, with `.base_layer.` and LoRA entries) as the
     plain model's: every adapted layer's weight is W + scaling * B @ A."""
-    out: dict[str, torch.Tensor] = {}
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in state.items():
-        parsed = base_module(name)
-        if parsed is not None:
-            pairs.setdefault(parsed[0], {})[parsed[1]] = tensor
-        else:
-            out[name.replace(".base_layer.", ".")] = tensor
-    for module, ab in pairs.items():
+    out = {k.replace(".base_layer.", "."): v for k, v in state.items() if not is_adapter(k)}
+    for module, (a, b) in from_peft_tensors({k: v for k, v in state.items() if is_adapter(k)}).items():
         key = f"{module}.weight"
-        delta = scaling * (ab["B"].double() @ ab["A"].double())
-        out[key] = (out[key].double() + delta).to(out[key].dtype)
+        out[key] = (out[key].double() + scaling * (b.double() @ a.double())).to(out[key].dtype)
     return out
