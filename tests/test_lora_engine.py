@@ -74,6 +74,8 @@ def test_an_adapter_on_the_output_projection_is_refused_not_silently_untrained(t
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="output projection"):
         attach(lm, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="target_modules: no linear layer of this model is named"):
+        attach(lm, LoraConfig(rank=4, target_modules=["qkv_proj"]))
 
 
 def test_the_reference_is_the_base_model_with_adapters_off(tiny_model_dir, trained):
