@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from engines.fsdp.lora import peft_config
+from engines.fsdp.lora import adapter_config_dict
 from engines.lora_sessions import Session, SessionSpec, read_pack, read_spec
 from engines.multi_lora import (
     ATTN_MODULES,
@@ -244,11 +244,8 @@ class AdapterEngine:
     def adapter_config(self, spec: SessionSpec) -> dict:
         from engines.config import LoraConfig
 
-        cfg = peft_config(
-            LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0), self.model_path
-        ).to_dict()
-        cfg["target_modules"] = sorted({p.rsplit(".", 1)[-1] for p in spec.paths})
-        return {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
+        lora = LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0)
+        return adapter_config_dict(lora, self.model_path, list(spec.paths))
 
     def save_checkpoint(self, key: str, folder: Path, optimizer: bool) -> None:
         """The adapter as a PEFT folder plus session.json (and optimizer.pt when `optimizer`)."""

@@ -12,12 +12,12 @@ from one of two kinds of adapter:
   shards them with their decoder layer and reduces their gradients, and the distributed state-dict
   API checkpoints them; `adapters_off(model)` switches them off (the reference policy without a
   second model).
-- a table `adapters[key] = (A, B, scaling)` of plain tensors owned by callers (Tinker sessions on a
-  shared base, engines/lora_sessions.py): adding, removing or offloading one is a dict update, never
-  a change to the module tree. `rows(layers, segments)` says, for one forward, which contiguous rows
-  of the batch use which of them (`None`: the base alone): one base matmul for the whole batch and
-  two small ones per segment, the deltas concatenated in row order, so autograd gives each adapter
-  exactly the gradient of its own rows' loss.
+- a table `adapters[key] = (A, B, scaling)` of plain tensors owned by callers (the Tinker adapters
+  of engines/adapter_engine.py, one base and many adapters): adding, removing or offloading one is a
+  dict update, never a change to the module tree. `rows(layers, segments)` says, for one forward,
+  which contiguous rows of the batch use which of them (`None`: the base alone): one base matmul for
+  the whole batch and two small ones per segment, the deltas concatenated in row order, so autograd
+  gives each adapter exactly the gradient of its own rows' loss.
 
 Why not PEFT's layers: PEFT's mixed-batch path (`adapter_names`) is refused in training mode
 (`peft/tuners/lora/model.py`: "Cannot pass `adapter_names` when the model is in training mode") and
