@@ -2,10 +2,7 @@
 every route: a POST, PUT, PATCH or DELETE answered with a 2xx by a route that identified its caller.
 
 Recording in one ASGI layer rather than in each route means a write route added later is audited
-without being told to (the route walk of tests/test_owners_routes.py checks accepted writes are). The row names the caller's owner and key id, the route's name as the action, the resource
-(the path's id, else the `id` of the JSON answer: what a create made) and its owner (the answer's
-`owner`), the request id the response carries, and a small JSON request body (at most 4 KiB, sent as
-application/json: a hyper-parameter change, a label patch, a fork's overrides; never an upload).
+without being told to. What a row holds: docs/ARCHITECTURE.md §8.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import argparse
 import time
 from typing import Any
 
+from api.cli_format import table
 from api.client import TandemClient
 
 
@@ -20,8 +21,6 @@ def create_command(args: argparse.Namespace, client: TandemClient) -> int:
 
 
 def list_command(args: argparse.Namespace, client: TandemClient) -> int:
-    from api.cli import table  # the CLI's one table format
-
     keys = client.list_keys(args.owner)["data"]
     rows = [
         (k["id"], k["owner"], ",".join(k["scopes"]) + (" (admin)" if k["admin"] else ""), _when(k["created_at"]),

@@ -18,8 +18,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from controller.spec import JobSpec
-from controller.spec_section import deep_merge, error_message
+from schema.job import JobSpec
+from schema.section import deep_merge, error_message
 
 # Fields that name local files or folders, and fields that hold a 'path/file.py:name' reference.
 PATH_FIELDS = (
@@ -34,7 +34,11 @@ PATH_FIELDS = (
 CODE_FIELDS = (("reward", "function"), ("rollout", "environment"), ("rollout", "external", "agent"))
 
 
-class SpecError(ValueError):
+class UsageError(Exception):
+    """Bad input the CLI finds itself, a spec's or a flag's (exit code 2)."""
+
+
+class SpecError(UsageError, ValueError):
     """A spec that does not validate; the message starts with the field at fault."""
 
 
@@ -45,19 +49,19 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def parse_assignments(items: list[str], what: str = "--set") -> dict[str, Any]:
+def parse_assignments(items: list[str]) -> dict[str, Any]:
     """["trainer.total_steps=5", "optim.lr=1e-4"] as nested {"trainer": {"total_steps": 5}, ...}."""
     nested: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise SpecError(f"{what}: '{item}' must be 'key.path=value'")
+            raise SpecError(f"--set: '{item}' must be 'key.path=value'")
         *parents, leaf = key.strip().split(".")
         node = nested
         for part in parents:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise SpecError(f"{what}: '{key}' sets a field inside a value set earlier")
+                raise SpecError(f"--set: '{key}' sets a field inside a value set earlier")
         node[leaf] = parse_value(value)
     return nested
 

@@ -11,11 +11,11 @@ trainer.stop_at_val_accuracy 0.3".
 from __future__ import annotations
 
 import sys
-import time
 from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from api.cli_format import clock
 from api.client import TandemClient
 from controller.metric_format import format_metric
 
@@ -155,7 +155,3 @@ def print_logs(client: TandemClient, job_id: str, tail: int, live: bool) -> None
         for sse in client.stream(job_id, "logs", after=rows[-1]["id"] if rows else 0):
             if sse.event != "end":
                 print(log_line(sse.data), flush=True)
-
-
-def clock(at: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if at else "-"

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from controller.spec_section import error_message
+from schema.section import error_message
 from service.files import FileError
 from service.service import ServiceError
 

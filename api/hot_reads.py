@@ -1,7 +1,7 @@
 """Repeated hot GETs answered from the read cache before FastAPI sees them.
 
 Through FastAPI, a read the cache can answer still spends most of its CPU solving the route's
-dependencies and query parameters (~80% of ~0.4 ms), far more than the answer itself. Here a GET of
+dependencies and query parameters, far more than the answer itself. Here a GET of
 the job list or of a job's metrics is answered as plain ASGI when all of these hold:
 - the route itself answered this exact path and query string before: it validated them and told
   this table which cached page they name (`HotReads.answer`);

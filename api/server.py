@@ -174,10 +174,10 @@ def _already_stopping(signum: int, _frame: object) -> None:
 
 
 def freeze_heap() -> None:
-    """Keep the garbage collector off what start-up made. This process holds ~430k objects from its
-    imports (Ray, torch, transformers, pydantic models): every full collection walked them all, a
-    ~0.4 s stop of every request in flight (on this 2-core machine). Frozen, they are never scanned;
-    what the service makes afterwards is collected as before."""
+    """Keep the garbage collector off what start-up made. This process holds hundreds of thousands of
+    objects from its imports (Ray, transformers, pydantic models): every full collection would walk
+    them all, stopping every request in flight. Frozen, they are never scanned; what the service
+    makes afterwards is collected as before."""
     gc.collect()
     gc.freeze()
 

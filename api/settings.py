@@ -71,7 +71,7 @@ class ServeSettings(BaseModel):
     # The SDK splits a forward_backward into requests of ~5 MB of protobuf (its
     # fwdbwd_max_chunk_bytes_count) unless one datum is larger; a datum takes ~24 bytes a token
     # (token, target, three float inputs), so a 1M-token context is ~24 MiB, and the same as JSON
-    # (curl) ~2.5x that. Decompressed, a body may be twice its raw cap (real bodies compress a few times
+    # (curl) a few times that. Decompressed, a body may be twice its raw cap (real bodies compress a few times
     # and are refused past 64x: api/tinker_bodies.py).
     tinker_max_body_bytes: int = Field(
         64 * MiB, gt=0, description="largest Tinker forward/forward_backward body as sent; more is a 413"

@@ -17,7 +17,6 @@ from pathlib import Path
 from api.errors import APIError
 from api.settings import ServeSettings
 from controller.models import BUILTIN_MODEL_NAMES
-from controller.spec import JobSpec
 from controller.tasks import BUILTIN_TASKS
 from controller.user_code import UserCodeRefused, check_callable
 from engines.lora_targets import (
@@ -31,6 +30,8 @@ from engines.lora_targets import (
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from engines.rollout import available_backends
 from engines.tiny_models import BUILTIN_MODELS
+from schema.job import JobSpec
+from schema.section import changed_values, with_values
 from service.files import FileError, FileStore
 from service.owned_paths import OwnedPaths, PathRefused
 from service.store import JobStore
@@ -76,9 +77,9 @@ class Checker:
             self.owned(ref.rpartition(":")[0], param, sees)
         return ref
 
-    def reward_function(self, ref: str, param: str = "reward.function") -> None:
-        self.reward_source(ref, param)  # upload ids are resolved already (submittable)
-        self.user_code(ref, "reward", param, "invalid_reward_function")
+    def reward_function(self, ref: str) -> None:
+        self.reward_source(ref, "reward.function")  # upload ids are resolved already (submittable)
+        self.user_code(ref, "reward", "reward.function", "invalid_reward_function")
 
     def user_code(self, ref: str, kind: str, param: str, code: str) -> None:
         """A 422 with `code` when `ref` is not a usable `kind` (controller/user_code.py CHECKERS): a
@@ -109,14 +110,15 @@ class Checker:
     def submittable(self, spec: JobSpec, sees: str | None = None) -> None:
         """Refuse, with the field named, a spec whose references do not resolve here (uploads by id,
         of the submitter's own when `sees` names them)."""
+        dumped = spec.model_dump()
         try:
-            given = self.files.resolve_refs(spec.model_dump(), sees)
+            given = self.files.resolve_refs(dumped, sees)
             self.paths.check_spec(given, sees)  # every path is sees's to name; trackers the operator's
         except FileError as err:
             raise APIError(422, str(err), err.param, "not_found") from None
         except (PathRefused, TrackerRefused) as err:
             raise APIError(422, str(err), err.param, err.code) from None
-        spec = JobSpec.model_validate(given)
+        spec = with_values(spec, changed_values(dumped, given))  # uploads by path; validated once, above
         m, d, r = spec.model, spec.data, spec.reward
         self.metadata(spec.metadata)
         if m.builtin is not None and m.builtin not in BUILTIN_MODEL_NAMES:
@@ -190,7 +192,7 @@ class Checker:
         self.user_code(ref, "environment", param, "invalid_environment")  # a path: owned (submittable)
 
     def agent(self, spec: JobSpec) -> None:
-        """rollout.external.agent: imported and checked in a child process (controller/external_spec.py)."""
+        """rollout.external.agent: imported and checked in a child process (controller/agent_sandbox.py)."""
         external, param = spec.rollout.external_config, "rollout.external.agent"
         if external is None or external.agent is None:
             return

@@ -76,7 +76,7 @@ def live_summary(job: JobRecord) -> dict[str, Any]:
 
 def _outputs(job: JobRecord) -> dict[str, str | None]:
     """Where the job writes on the server: its folder, and the HF export once it exists."""
-    export = os.path.join(job.workdir, "export")  # os.path: ~3x cheaper than pathlib, per job per list
+    export = os.path.join(job.workdir, "export")  # os.path: cheaper than pathlib, per job per list
     done = os.path.exists(export + "/config.json") or os.path.exists(export + "/adapter_config.json")
     return {"workdir": job.workdir, "export": export if done else None}
 

@@ -136,7 +136,7 @@ def main() -> None:
 
     from api.server import ray_init
     from api.settings import ServeSettings
-    from controller.external_spec import server_name
+    from schema.external import server_name
     from tests.api_util import start_service, wait_for
     from workers.chat_serving import ChatRenderer
 

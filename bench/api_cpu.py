@@ -26,7 +26,7 @@ import uvloop
 
 from api.app import create_app
 from api.auth import ensure_admin_token
-from controller.spec import JobSpec
+from schema.job import JobSpec
 from service.service import Service
 
 JOB = {"method": "grpo", "model": {"builtin": "tiny-qwen2"}, "reward": {"function": "builtin:arithmetic"},

@@ -181,10 +181,10 @@ def stability(rows: list[dict]) -> dict:
 def run_job(
     args: argparse.Namespace, task: str, mode: str, seed: int = 1, correction: str = "decoupled"
 ) -> dict:
-    from controller.async_config import resolved_lanes, staleness_bound
     from controller.async_loop import make_trainer
     from controller.sink import JsonlSink
-    from controller.spec import JobSpec
+    from schema.async_rl import resolved_lanes, staleness_bound
+    from schema.job import JobSpec
 
     spec = JobSpec.model_validate(job_spec(args, task, mode, seed, correction))
     workdir = Path(tempfile.mkdtemp(prefix=f"async-rl-{task}-{mode}-"))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path.cwd()  # the checkout measured: run from its root (another checkout gives "before" counts)
-PACKAGES = ("api", "controller", "workers", "engines")
+PACKAGES = ("api", "controller", "workers", "engines", "schema")
 
 
 def traced(fn: Callable[[], Any]) -> tuple[Any, set[str]]:
@@ -96,7 +96,7 @@ def worker_side(spec: Any, prompts: Any) -> set[str]:
 def main() -> None:
     import ray
 
-    from controller.spec import JobSpec
+    from schema.job import JobSpec
 
     spec = JobSpec.model_validate(
         {

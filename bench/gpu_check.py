@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
-from engines.config import EngineConfig  # noqa: E402
 from engines.fsdp.engine import FSDPEngine  # noqa: E402
 from engines.logprobs import token_log_probs  # noqa: E402
 from engines.rollout import SamplingParams, build_rollout_engine  # noqa: E402
 from engines.tiny_models import builtin_or_folder  # noqa: E402
 from engines.transfer.in_process import InProcessTransfer  # noqa: E402
+from schema.engine import EngineConfig  # noqa: E402
 from tests.engine_util import make_batch, pg_loss, reference_log_probs  # noqa: E402
 
 

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from controller import roles  # noqa: E402
-from controller.spec import JobSpec  # noqa: E402
 from engines.tiny_models import build_builtin_model  # noqa: E402
+from schema.job import JobSpec  # noqa: E402
 
 SHAPES = {
     "split": {"resources": {"placement": "split", "workers": 1, "cpus_per_worker": 1,

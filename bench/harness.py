@@ -88,8 +88,8 @@ def train(spec: dict, name: str, wrap: Callable[[Any, Path], Any] | None = None)
     put another sink around the job's (the trackers). The first step includes warm-up: callers drop
     it from timings."""
     from controller.sink import JsonlSink
-    from controller.spec import JobSpec
     from controller.trainer import Trainer
+    from schema.job import JobSpec
 
     workdir = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
     inner = JsonlSink(workdir)

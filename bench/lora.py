@@ -75,12 +75,12 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def child(args: argparse.Namespace) -> dict:
-    from engines.config import EngineConfig
     from engines.fsdp.engine import FSDPEngine
     from engines.rollout.base import SamplingParams
     from engines.rollout.hf import HFRolloutEngine
     from engines.transfer.adapter import AdapterTransfer, probe
     from engines.transfer.in_process import InProcessTransfer
+    from schema.engine import EngineConfig
 
     torch.set_num_threads(args.threads)
     os.environ.update(
@@ -139,9 +139,9 @@ def serve_ways(args, engine, merged, sampling_params) -> dict:
     from peft import inject_adapter_in_model
     from safetensors.torch import load_file
 
-    from engines.config import LoraConfig
     from engines.fsdp.lora import peft_config
     from engines.rollout.hf import HFRolloutEngine
+    from schema.engine import LoraConfig
 
     params = sampling_params(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)
     prompts = [list(range(10, 10 + args.prompt)) for _ in range(args.gen_rows)]

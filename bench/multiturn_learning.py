@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.trainer import Trainer
+from schema.job import JobSpec
 
 # guess_number, measured in bench/RESULTS.md (it does not learn yet):
 # - budget: the trajectory's tokens after its first prompt. With the character-level chat model one

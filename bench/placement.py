@@ -29,8 +29,8 @@ PHASES = ("gen", "reward", "update_actor", "sync")
 
 def run_job(args: argparse.Namespace, placement: str, transfer: str = "collective") -> list[dict[str, float]]:
     from controller.sink import JsonlSink
-    from controller.spec import JobSpec
     from controller.trainer import Trainer
+    from schema.job import JobSpec
 
     resources: dict = {"workers": args.workers}
     if placement == "split":

@@ -100,8 +100,8 @@ def train_clocked(args: argparse.Namespace) -> tuple[ClockSink, list[list[dict]]
     import ray
 
     from bench import mm_probes
-    from controller.spec import JobSpec
     from controller.trainer import Trainer
+    from schema.job import JobSpec
 
     spec = JobSpec.model_validate(tandem_spec(args))
     # The job's folder holds its final checkpoint (1.7 GB at SmolLM2-135M): removed with the run.

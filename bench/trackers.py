@@ -29,9 +29,9 @@ TRACKERS = ["tensorboard", "wandb", "mlflow"]
 
 def run_job(steps: int, loggers: list[str]) -> tuple[list[float], float]:
     from controller.sink import JsonlSink
-    from controller.spec import JobSpec
     from controller.trackers import TrackerSink, with_trackers
     from controller.trainer import Trainer
+    from schema.job import JobSpec
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-trackers-"))
     spec = JobSpec.model_validate({

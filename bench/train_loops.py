@@ -119,8 +119,8 @@ def baseline_step_fn(settings: Settings, device: torch.device) -> Callable[[Tens
 
 def engine_step_fn(settings: Settings, micro_batch: dict) -> tuple[Callable[[TensorDict], None], FSDPEngine]:
     """FSDPEngine's training step (forward_backward_batch + optimizer_step); returns it and the engine."""
-    from engines.config import EngineConfig
     from engines.fsdp.engine import FSDPEngine
+    from schema.engine import EngineConfig
 
     config = EngineConfig(
         model_path=settings.model_dir,

@@ -113,9 +113,9 @@ def peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def build_engines(settings: Settings) -> tuple[FSDPEngine, HFRolloutEngine]:
-    from engines.config import EngineConfig
     from engines.fsdp.engine import FSDPEngine
     from engines.rollout.hf import HFRolloutEngine
+    from schema.engine import EngineConfig
 
     engine = FSDPEngine(EngineConfig(model_path=settings.model_dir, device=settings.device, trainable=False))
     engine.initialize()

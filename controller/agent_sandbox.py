@@ -3,45 +3,129 @@
 `run_in_sandbox` calls the user's agent function with an `openai.OpenAI` client whose httpx
 transport (`PipeTransport`) sends each request over the sandbox's pipe to the AgentWorker that owns
 the sandbox, which has the job's endpoint answer it over Ray. So an agent reaches its job's model
-and nothing else: the sandbox has no network.
+and nothing else: the sandbox has no network. `load_agent_fn` resolves and checks the reference
+(also at submission, in a child process: controller/user_code.py). A verifiers environment (controller/verifiers_agent.py)
+gets an `openai.AsyncOpenAI` client over the same pipe (`AsyncPipeTransport`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 from typing import Any
 
 import httpx
 
+from workers.references import lookup_builtin, parse_reference, resolve_reference
 from workers.sandbox.child import ask
 
+REFERENCE_FORMS = "'module:function' or 'path/to/file.py:function'"
+BUILTIN_AGENTS: dict[str, Any] = {}  # none yet: "builtin:..." names nothing an agent may be
+
 CALL_TIMEOUT_S = 900.0
-_functions: dict[str, Any] = {}
+BASE_URL = "http://tandem-job/v1"  # any host: the transport never opens a connection
+_agents: dict[str, Any] = {}
+
+
+def _ask_parent(request: httpx.Request, body: bytes) -> dict[str, Any]:
+    payload = {"method": request.method, "path": request.url.path, "body": body.decode("utf-8", "replace")}
+    return ask("http", payload, CALL_TIMEOUT_S)
+
+
+def _response(answer: dict[str, Any]) -> httpx.Response:
+    return httpx.Response(int(answer["status"]), json=answer["json"], headers=answer.get("headers") or {})
 
 
 class PipeTransport(httpx.BaseTransport):
     """Requests out as plain data to the sandbox's parent; its answers back as responses."""
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        payload = {
-            "method": request.method,
-            "path": request.url.path,
-            "body": request.read().decode("utf-8", "replace"),
-        }
-        answer = ask("http", payload, CALL_TIMEOUT_S)
-        return httpx.Response(int(answer["status"]), json=answer["json"], headers=answer.get("headers") or {})
+        return _response(_ask_parent(request, request.read()))
 
 
-def run_in_sandbox(ref: str, model: str, index: int) -> dict[str, Any]:
+class AsyncPipeTransport(httpx.AsyncBaseTransport):
+    """The same for an async client: the pipe's blocking wait runs in a thread."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = await request.aread()
+        return _response(await asyncio.to_thread(_ask_parent, request, body))
+
+
+def load_agent(ref: str, args: dict[str, Any] | None = None) -> Any:
+    """The agent function `ref` names, or the verifiers environment it names built with `args` and its
+    first task read (so a taskset that cannot load fails here, at the job's start); kept for later calls."""
+    from controller.verifiers_agent import VerifiersAgent, is_taskset
+
+    if ref not in _agents:
+        agent = load_agent_fn(ref)
+        if is_taskset(agent):
+            agent = VerifiersAgent(ref, agent, args)
+            agent.task(0)
+        elif args is not None:
+            raise AgentError(f"agent '{ref}' is a function: rollout.external.agent_args are the arguments of "
+                             "a verifiers environment's Taskset only")  # fmt: skip
+        _agents[ref] = agent
+    return _agents[ref]
+
+
+def check_agent(ref: str, args: dict[str, Any] | None = None) -> bool:
+    load_agent(ref, args)
+    return True
+
+
+def run_in_sandbox(ref: str, model: str, index: int, args: dict[str, Any] | None = None) -> dict[str, Any]:
     """One agent call: the user's function with a client of the job's endpoint; its result, plain."""
     from openai import OpenAI
 
-    from controller.external_spec import load_agent_fn
+    from controller.verifiers_agent import VerifiersAgent
 
-    if ref not in _functions:
-        _functions[ref] = load_agent_fn(ref)
-    client = OpenAI(base_url="http://tandem-job/v1", api_key="in-job", max_retries=10,
-                    http_client=httpx.Client(transport=PipeTransport()))  # fmt: skip
-    out = _functions[ref](client, model, index)
+    agent = load_agent(ref, args)
+    if isinstance(agent, VerifiersAgent):
+        out = asyncio.run(_verifiers_call(agent, model, index))
+    else:
+        client = OpenAI(base_url=BASE_URL, api_key="in-job", max_retries=10,
+                        http_client=httpx.Client(transport=PipeTransport()))  # fmt: skip
+        out = agent(client, model, index)
     result = out if isinstance(out, dict) else {"reward": out}
     return {"reward": float(result["reward"]),
             **{k: result[k] for k in ("task_id", "turn_rewards", "metadata") if k in result}}  # fmt: skip
+
+
+async def _verifiers_call(agent: Any, model: str, index: int) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=BASE_URL, api_key="in-job", max_retries=10,
+                           http_client=httpx.AsyncClient(transport=AsyncPipeTransport())) as client:  # fmt: skip
+        return await agent.rollout(client, model, index)
+
+
+class AgentError(ValueError):
+    """An agent reference that does not resolve to a usable function."""
+
+
+def load_agent_fn(ref: str) -> Any:
+    """The function `ref` names ('module:function' or 'path/file.py:function'), or the verifiers Taskset
+    class it names (controller/verifiers_agent.py); AgentError says why not.
+    (controller/user_code.py runs it in a child process when a job is submitted.)"""
+    if parse_reference(ref, "agent", REFERENCE_FORMS, AgentError).form == "builtin":
+        return lookup_builtin(ref, BUILTIN_AGENTS, "agent", AgentError)
+    fn = resolve_reference(ref, "agent", AgentError)
+    from controller.verifiers_agent import is_taskset  # a verifiers environment (imports no verifiers)
+
+    if is_taskset(fn):
+        return fn
+    if inspect.isclass(fn) or not callable(fn):
+        raise AgentError(f"agent '{ref}' is not a function (type {type(fn).__name__})")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a C function): not an agent of ours
+        raise AgentError(
+            f"agent '{ref}' has no readable signature; expected (client, model, index)"
+        ) from None
+    try:
+        signature.bind("client", "model", 0)
+    except TypeError:
+        raise AgentError(
+            f"agent '{ref}' has signature {signature}; expected (client, model, index)"
+        ) from None
+    return fn

@@ -26,15 +26,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.async_config import batch_samples, buffer_capacity, staleness_bound
 from controller.batch_source import BatchSource, Scored, buffer_metrics, staleness_metrics
 from controller.off_policy import corrected_spec  # noqa: F401 (re-exported: the async loss settings)
 from controller.rollout_buffer import BufferTimeout, RolloutBuffer
 from controller.rollout_lanes import WAIT_TIMEOUT_S, RolloutProducer
 from controller.rollout_turn import RolloutTurn
 from controller.sink import JobSink
-from controller.spec import JobSpec
 from controller.weight_publisher import WeightPublisher
+from schema.async_rl import batch_samples, buffer_capacity, staleness_bound
+from schema.job import JobSpec
 
 if TYPE_CHECKING:
     from controller.trainer import Trainer

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from controller.async_config import staleness_bound
 from controller.dynamic_sampling import sample_signal_groups
 from controller.rollout_buffer import too_stale
 from controller.weight_publisher import WeightPublisher
+from schema.async_rl import staleness_bound
 from workers.batch import Batch
 
 if TYPE_CHECKING:

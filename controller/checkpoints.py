@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from controller.spec import JobSpec
 from engines.checkpoint_paths import list_checkpoints, step_dir
+from schema.job import JobSpec
 
 if TYPE_CHECKING:
     from controller.roles import JobGroups

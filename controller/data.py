@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from controller.data_files import DataError, read_records
-from controller.spec import DataSpec
+from controller.reasoning_gym_data import write_reasoning_gym_files
 from controller.tasks import write_task_files
+from schema.job import DataSpec
 from workers.batch import Batch
 from workers.chat_delta import ChatDelta
 
@@ -359,7 +360,10 @@ class PromptLoader:
 
 
 def resolve_data_files(spec: DataSpec, workdir: str | Path, seed: int = 0) -> tuple[Path, Path | None]:
-    """The train and val files of a job: the user's, or a built-in task's written under `workdir`."""
+    """The train and val files of a job: the user's, or generated ones (reasoning-gym's tasks, a
+    built-in task's) written under `workdir`."""
+    if spec.reasoning_gym is not None:
+        return write_reasoning_gym_files(spec.reasoning_gym, Path(workdir) / "data" / "reasoning_gym")
     if spec.train_path is not None:
         return Path(spec.train_path), Path(spec.val_path) if spec.val_path else None
     assert spec.builtin_task is not None  # DataSpec guarantees one of the two

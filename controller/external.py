@@ -27,7 +27,6 @@ from typing import Any
 from controller.external_batcher import ReplicaBatcher
 from controller.external_bounds import context_length, new_tokens
 from controller.external_buffer import ExternalBuffer
-from controller.external_spec import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
 from controller.external_store import (
     Segment,
     TrajectoryError,
@@ -40,6 +39,7 @@ from controller.external_store import (
     unknown_trajectory,
 )
 from engines.rollout.constrained import Constraint, ConstraintError, build_constraint
+from schema.external import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
 from workers.chat_serving import TOOL_CALL_END, cut_at_stop, strip_stop
 
 TEMPLATING_THREADS = 4

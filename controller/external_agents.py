@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from controller.external_spec import AgentError
+from controller.agent_sandbox import AgentError
 from workers.references import is_path_reference
 from workers.sandbox.channel import Sandbox, SandboxError
 from workers.sandbox.limits import Limits
@@ -86,14 +86,14 @@ class AgentWorker:
     the actor answers them from the job's endpoint. The actor's death (AgentPool kills it past
     agent_timeout_s) ends the sandbox with it."""
 
-    def __init__(self, ref: str, server_name: str, model: str) -> None:
-        self.ref, self.model, self.routes = ref, model, None
+    def __init__(self, ref: str, server_name: str, model: str, args: dict[str, Any] | None = None) -> None:
+        self.ref, self.model, self.routes, self.args = ref, model, None, args
         self.server = ray.get_actor(server_name)
         files = [ref.rpartition(":")[0]] if is_path_reference(ref) else []
         self.box = Sandbox(files, Limits.from_env().long_lived(), asker=self._ask, stderr=None)
         self.placed = self.box.place(ref)
         try:
-            self.box.call("controller.user_code:check_here", [self.placed, "agent"], CHECK_TIMEOUT_S)
+            self.box.call("controller.agent_sandbox:check_agent", [self.placed, args], CHECK_TIMEOUT_S)
         except SandboxError as err:
             self.box.close()
             raise AgentError(err.message if err.type else f"agent '{ref}': {err}") from None
@@ -106,8 +106,12 @@ class AgentWorker:
     def run(self, index: int, trajectory: str) -> dict[str, Any]:
         self.routes = EndpointRoutes(self.server, trajectory, self.model)
         try:
-            out = self.box.call("controller.agent_sandbox:run_in_sandbox", [self.placed, self.model, index],
-                                CALL_TIMEOUT_S)  # fmt: skip
+            out = self.box.call("controller.agent_sandbox:run_in_sandbox", [self.placed, self.model, index,
+                                self.args], CALL_TIMEOUT_S)  # fmt: skip
+        except SandboxError as err:  # its message last: the pool logs the tail of what it raises
+            raise AgentError(
+                f"agent '{self.ref}' raised {err.type or 'in its sandbox'}: {err.message}"
+            ) from None
         finally:
             self.routes = None
         if not isinstance(out, dict) or not isinstance(out.get("reward"), int | float):
@@ -122,8 +126,8 @@ class AgentPool:
     """Keeps `agent_workers` agent calls under way while the job runs; see the module docstring."""
 
     def __init__(self, ref: str, server: Any, server_name: str, model: str, workers: int, timeout_s: float,
-                 group_size: int) -> None:  # fmt: skip
-        self.ref, self.server, self.server_name, self.model = ref, server, server_name, model
+                 group_size: int, args: dict[str, Any] | None = None) -> None:  # fmt: skip
+        self.ref, self.server, self.server_name, self.model, self.args = ref, server, server_name, model, args
         self.timeout_s, self.group_size, self.workers = timeout_s, group_size, workers
         self.started = self.finished = self.failed = self.timed_out = 0
         self._stop = threading.Event()
@@ -131,7 +135,11 @@ class AgentPool:
         self._thread.start()
 
     def _new_worker(self) -> Any:
-        return ray.remote(AgentWorker).options(num_cpus=0).remote(self.ref, self.server_name, self.model)
+        return (
+            ray.remote(AgentWorker)
+            .options(num_cpus=0)
+            .remote(self.ref, self.server_name, self.model, self.args)
+        )
 
     def _loop(self) -> None:
         idle = [self._new_worker() for _ in range(self.workers)]
@@ -152,8 +160,8 @@ class AgentPool:
                     running.pop(ref)
                     ray.kill(worker, no_restart=True)
                     self.timed_out += 1
-                    log.warning("agent call for %s passed agent_timeout_s=%g s: its process was replaced",
-                                trajectory, self.timeout_s)  # fmt: skip
+                    log.warning("agent %s: the call for %s passed agent_timeout_s=%g s: its process was replaced",
+                                self.ref, trajectory, self.timeout_s)  # fmt: skip
                     idle.append(self._new_worker())
         for worker, _, _ in running.values():
             ray.kill(worker, no_restart=True)

@@ -17,15 +17,16 @@ from typing import Any
 import ray
 import torch
 
-from controller.async_config import buffer_capacity, staleness_bound
 from controller.external import ExternalServer
-from controller.external_spec import server_name
-from controller.spec import JobSpec
+from schema.async_rl import buffer_capacity, staleness_bound
+from schema.external import server_name
+from schema.job import JobSpec
 from workers.batch import Batch
 from workers.multiturn import Trajectory, trajectory_non_tensors, trajectory_tensors
 
 POLL_S = 0.2
 CALL_TIMEOUT_S = 60.0
+START_CHECK_S = 120.0
 
 
 class ExternalSource:
@@ -52,10 +53,15 @@ class ExternalSource:
         ray.get(self.actor.attach.remote(rollout.actors[::tp], rollout.role, version), timeout=CALL_TIMEOUT_S)
         if self.config.agent is not None and self.agents is None:  # rollout.external.agent: the job's own
             from controller.external_agents import AgentPool
+            from controller.user_code import run_sandboxed
 
             c = self.config
+            # once, before any worker: an agent (a verifiers environment with its arguments) that cannot
+            # load fails the job here, saying why, rather than each of its calls
+            run_sandboxed("controller.agent_sandbox:check_agent", c.agent, [c.agent_args], START_CHECK_S,
+                          f"agent '{c.agent}'")  # fmt: skip
             self.agents = AgentPool(c.agent, self.actor, server_name(self.job_id), self.job_id, c.agent_workers,
-                                    c.agent_timeout_s, c.group_size)  # fmt: skip
+                                    c.agent_timeout_s, c.group_size, c.agent_args)  # fmt: skip
 
     def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch | None:
         """Sync: the next step's trajectories, waiting for agents to reward them; None when asked to stop."""

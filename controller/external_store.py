@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.external_spec import ExternalSpec
 from controller.rollout_buffer import RolloutBuffer
+from schema.external import ExternalSpec
 
 
 class TrajectoryError(Exception):

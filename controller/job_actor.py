@@ -22,12 +22,12 @@ from typing import Any
 
 from controller.metric_format import format_metrics
 from controller.recovery import worker_pids
-from controller.spec import JobSpec
 from controller.trackers import TrackerSink, with_trackers
 from controller.trainer import StopRequested, Trainer
 from controller.worker_output import ENV as WORKER_OUTPUT_ENV
 from controller.worker_output import FILENAME as WORKER_OUTPUT_FILE
 from controller.worker_output import OutputTail
+from schema.job import JobSpec
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -152,9 +152,10 @@ def mark(line: str, attempt: int) -> str:
 class JobController:
     """Ray actor body (created with max_concurrency > 1 by the service)."""
 
-    def __init__(self, job_id: str, spec: dict[str, Any], workdir: str, restarts: int = 0) -> None:
+    def __init__(self, job_id: str, spec: JobSpec | dict[str, Any], workdir: str, restarts: int = 0) -> None:
+        """`spec`: the scheduler sends the store's parsed JobSpec; a dict (scripts, tests) is validated."""
         self.job_id, self.workdir = job_id, Path(workdir)
-        self.spec = JobSpec.model_validate(spec)
+        self.spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
         self.sink = BufferSink()
         self.logs = _LogBuffer(attempt=lambda: self.trainer.recovery.attempt)
         root = logging.getLogger()

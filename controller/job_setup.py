@@ -24,10 +24,10 @@ from controller.resource_pool import describe_placement
 from controller.rewards import RewardScorer
 from controller.roles import JobGroups, needs_reference, start_groups
 from controller.sink import JobSink
-from controller.spec import JobSpec
 from controller.step_math import score
 from controller.trajectory_view import log_env_errors, multiturn_metrics
 from engines.rollout import resolve_backend
+from schema.job import JobSpec
 from workers.batch import Batch, put_environment, put_prompt_length, put_sampling
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from controller.spec import ModelSpec
 from engines.pretrained import PACKAGED_MODELS, build_packaged_model
 from engines.tiny_models import BUILTIN_MODELS, build_builtin_model
+from schema.job import ModelSpec
 
 BUILTIN_MODEL_NAMES: tuple[str, ...] = tuple(sorted([*BUILTIN_MODELS, *PACKAGED_MODELS]))
 

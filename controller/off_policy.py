@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from controller.spec import JobSpec
+from schema.job import JobSpec
 from workers.batch import Batch
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from controller.spec import OverlongSpec
 from controller.step_math import response_lengths, with_tensors
+from schema.training import OverlongSpec
 from workers.batch import Batch
 
 

@@ -50,9 +50,9 @@ from ray.exceptions import (
 from controller.groups import RoleGroup
 from controller.resource_pool import ResourcePool, ResourcePoolError
 from controller.sink import JobSink
-from controller.spec import TrainerSpec
-from controller.spec_resources import ResourcesSpec
 from controller.worker_group import RayWorkerGroup, WorkerGroupError, wait_all
+from schema.resources import ResourcesSpec
+from schema.training import TrainerSpec
 
 if TYPE_CHECKING:
     from controller.roles import JobGroups

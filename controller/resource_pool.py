@@ -24,8 +24,8 @@ from ray.util.placement_group import (
 )
 
 from controller.role_shares import Capacity, Share, role_shares
-from controller.spec_resources import ResourcesSpec
 from engines.threads import logical_cpus, physical_cores
+from schema.resources import ResourcesSpec
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 

@@ -4,8 +4,9 @@
 the function there at once (a bad reference fails the job at setup, as before), and scores each batch
 with one call: the rows go over the pipe as JSON and `(score, metrics, error)` per row come back. With
 `workers` > 1, large batches are split over that many sandboxes. A call past `timeout_s` ends its
-sandbox; its rows score 0.0 as errors, and the next batch starts a fresh one. Built-in rewards never
-come here: they are the service's code and run in the controller (controller/rewards.py).
+sandbox; its rows score 0.0 as errors, and the next batch starts a fresh one. Built-in rewards
+come here only when their scoring runs code on the completion (rewards.SANDBOXED_BUILTINS); the
+others are the service's code and run in the controller (controller/rewards.py).
 
 `score_in_sandbox` is the sandbox's side; it resolves the reference once per process.
 """

@@ -19,8 +19,9 @@ References:
 submission (controller/user_code.py), so a bad reference is a clear error before any GPU is held.
 `RewardScorer` scores a batch: a sample whose function raises, or returns a non-number or NaN,
 scores 0.0 and counts in "reward/errors" while the rest go on. A user's function runs in sandboxes
-(controller/reward_sandbox.py); a built-in here, or for large batches in a pool of spawned
-processes; either way only the reference string and plain data cross the process boundary.
+(controller/reward_sandbox.py), as does a built-in in SANDBOXED_BUILTINS; any other built-in here,
+or for large batches in a pool of spawned processes; either way only the reference string and plain
+data cross the process boundary.
 
 This module imports neither torch nor Ray at the top: spawned scoring processes import it and
 should start quickly.
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from controller.reasoning_gym_reward import reasoning_gym_reward
 from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
 from workers.references import (
@@ -139,7 +141,11 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "arithmetic": arithmetic_reward,
     "arithmetic_partial": arithmetic_partial_reward,
     "word_problems": word_problem_reward,
+    "reasoning_gym": reasoning_gym_reward,
 }
+# Built-ins whose scoring runs code on the completion (reasoning-gym's scorers eval answers): they run
+# in the reward sandbox like a user's function.
+SANDBOXED_BUILTINS = ("builtin:reasoning_gym",)
 
 
 # ---- resolving references ---------------------------------------------------------------------
@@ -191,9 +197,10 @@ class RewardResult:
 class RewardScorer:
     """Scores batches with one reward function.
 
-    A user's function runs in sandboxes (controller/reward_sandbox.py): one, or `num_workers` for
-    batches of more than `parallel_threshold` rows; a call past `timeout_s` ends its sandbox and its
-    rows count as errors. A built-in runs here, serially or, with num_workers > 0 on large batches,
+    A user's function, or a built-in in SANDBOXED_BUILTINS, runs in sandboxes
+    (controller/reward_sandbox.py): one, or `num_workers` for batches of more than
+    `parallel_threshold` rows; a call past `timeout_s` ends its sandbox and its rows count as
+    errors. Any other built-in runs here, serially or, with num_workers > 0 on large batches,
     in a pool of spawned processes started on first use; each pool call waits at most `timeout_s`,
     samples not scored by then count as errors and the pool is replaced. (The serial path cannot
     interrupt a built-in that hangs: it runs in the caller's thread.)
@@ -207,10 +214,8 @@ class RewardScorer:
         from controller.reward_sandbox import SandboxedRewards
 
         self.ref = _canonical_ref(ref)
-        builtin = (
-            parse_reference(self.ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form
-            == "builtin"
-        )
+        form = parse_reference(self.ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form
+        builtin = form == "builtin" and self.ref not in SANDBOXED_BUILTINS
         self.fn = load_reward_fn(self.ref) if builtin else None
         self.sandboxed = (
             None if builtin else SandboxedRewards(self.ref, num_workers, timeout_s, parallel_threshold)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from controller.spec_resources import ResourcesSpec, WorkerResources
+from schema.resources import ResourcesSpec, WorkerResources
 
 MIN_CPUS = 0.01  # Ray's resolution, and resources.cpus_per_worker's least value
 # The least a worker left to the default gets: each is a process holding torch and a model, so a job of

@@ -7,7 +7,7 @@ role (actor + reference) takes them, and the rollout role runs on a pool of its 
 to the rollout workers with the strategy of `rollout.weight_transfer`. Either way a critic (PPO
 with GAE) and a reward model (when the job scores with one) are colocated on the training bundles
 in their own actors, the groups splitting every bundle evenly. Each
-worker receives its config model (workers/config.py, engines/config.py), built from the JobSpec
+worker receives its config model (schema/workers.py, schema/engine.py), built from the JobSpec
 sections that inherit its fields, and the trainer talks to each group through its typed surface
 (controller/groups.py).
 """
@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
 from controller.resource_pool import ResourcePool
-from controller.spec import JobSpec
 from controller.worker_group import PendingGroup, RayWorkerGroup, ready_all
-from engines.config import EngineConfig, fields_of
+from schema.engine import EngineConfig
+from schema.job import JobSpec
+from schema.section import fields_of
+from schema.workers import HybridWorkerConfig, RolloutConfig, RolloutWorkerConfig
 from workers.actor_role import ActorRefWorker
-from workers.config import HybridWorkerConfig, RolloutConfig, RolloutWorkerConfig
 from workers.critic import CriticWorker
 from workers.hybrid import ActorRolloutRefWorker
 from workers.reward_model import RewardModelConfig, RewardModelWorker

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from controller.async_config import resolved_lanes
 from controller.partial_rollout import generate_in_segments
 from controller.rollout_buffer import BufferedRollout, RolloutBuffer
 from controller.rollout_turn import RolloutTurn
 from controller.worker_group import DEFAULT_ROLE
 from engines.rollout.hf import read_special_token_ids
+from schema.async_rl import resolved_lanes
 from workers.remote import wait_all
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from controller.worker_group import wait_all
 
 if TYPE_CHECKING:
     from controller.roles import JobGroups
-    from controller.spec import TrainerSpec
+    from schema.training import TrainerSpec
 
 
 def rollout_lost(err: BaseException, groups: JobGroups) -> WorkerLost | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from controller.spec import JobSpec
+from schema.job import JobSpec
 
 
 def load_spec(path: str | Path) -> JobSpec:

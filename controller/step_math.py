@@ -15,10 +15,10 @@ import torch
 from controller.advantages import compute_advantages, scores_to_token_rewards
 from controller.kl_reward import apply_kl_penalty
 from controller.rewards import RewardScorer
-from controller.spec import JobSpec
 from engines.base import GlobalCounts
+from schema.job import JobSpec
+from schema.losses import RolloutCorrectionConfig
 from workers.batch import Batch
-from workers.loss_config import RolloutCorrectionConfig
 from workers.losses.rollout_correction import apply_rejection, mismatch_metrics
 
 log = logging.getLogger("tandem.job")

@@ -35,10 +35,10 @@ from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
 from controller.resource_pool import ResourcePoolError
 from controller.rollout_recovery import replace_lost_rollout
 from controller.sink import JobSink
-from controller.spec import JobSpec
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched
 from controller.trajectory_view import step_samples
-from workers.config import UpdateSchedule
+from schema.job import JobSpec
+from schema.workers import UpdateSchedule
 
 VALIDATION_WAIT_S = 3600.0  # an async validation waits this long for the lanes' calls in flight
 

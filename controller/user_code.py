@@ -27,13 +27,13 @@ from workers.sandbox.limits import Limits
 CHECKERS: dict[str, tuple[str, str]] = {
     "reward": ("controller.rewards:load_reward_fn", "reward function"),
     "environment": ("workers.environments.loader:load_environment_class", "environment"),
-    "agent": ("controller.external_spec:load_agent_fn", "agent"),
+    "agent": ("controller.agent_sandbox:load_agent_fn", "agent"),
 }
 # kind -> its built-ins' table ("module:attribute"): the service's own code, looked up in-process
 BUILTINS: dict[str, str] = {
     "reward": "controller.rewards:BUILTIN_REWARDS",
     "environment": "workers.environments:BUILTIN_ENVIRONMENTS",
-    "agent": "controller.external_spec:BUILTIN_AGENTS",
+    "agent": "controller.agent_sandbox:BUILTIN_AGENTS",
 }
 # what the checkers raise: their messages name the reference and say what is wrong
 CHECKER_ERRORS = {"RewardFunctionError", "EnvironmentReferenceError", "AgentError"}

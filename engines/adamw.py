@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from engines.config import OptimizerConfig
+from schema.engine import OptimizerConfig
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class AdamWSettings:
 
 def build_adamw(params: Sequence[torch.Tensor], settings: AdamWSettings) -> torch.optim.AdamW:
     # fused: one kernel over all parameters instead of a dozen foreach ops, each dispatched
-    # through DTensor: 25 -> 5 ms a step at 1M parameters on CPU, 150 -> 45 ms at 20M.
+    # through DTensor.
     return torch.optim.AdamW(
         list(params),
         lr=settings.lr,

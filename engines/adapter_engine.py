@@ -242,7 +242,7 @@ class AdapterEngine:
     # ---- state ---------------------------------------------------------------------------------
 
     def adapter_config(self, spec: SessionSpec) -> dict:
-        from engines.config import LoraConfig
+        from schema.engine import LoraConfig
 
         lora = LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0)
         return adapter_config_dict(lora, self.model_path, list(spec.paths))

@@ -2,7 +2,7 @@
 
 The packed forward lays the sequences of a micro-batch end to end. A block-diagonal mask over that
 row is correct but costs (sum of lengths)^2 attention work, several times the padded batch's
-sum of squared lengths; measured on CPU it made a training step ~1.7x slower than a padded loop.
+sum of squared lengths.
 With flash-attention the varlen kernel does the right thing; without it, this function, registered
 with transformers as the "tandem_segments" attention implementation, scatters the packed q/k/v
 into a right-padded [sequences, heads, longest, dim] layout, runs one causal SDPA call over it and
@@ -16,8 +16,7 @@ prompts run causal in one grid, the responses in another, each response reading 
 keys and values followed by its own (a mask per response says which are real). On a CPU with short
 rows those two grids are computed by engines/shared_attention.py's batched products instead.
 
-One call per layer replaced one call per sequence per layer (2,000+ small calls, forward and
-backward, for 128 sequences x 8 layers); see bench/RESULTS.md for what it measured.
+One call per layer, not one per sequence per layer: thousands of small calls a step otherwise.
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ def segment_attention(
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, N, D], key/value [1, Hkv, N, D] → output [1, N, H, D]."""
     if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        # bf16 on a CPU (engines/fsdp/engine.py): attention in fp32. The CPU's bf16 SDPA kernel took
-        # 20 ms a call at SmolLM2's GRPO shape, against ~7 ms in fp32 with the upcasts.
+        # bf16 on a CPU (engines/fsdp/engine.py): attention in fp32, since the CPU's bf16 SDPA kernel
+        # is slower than fp32 with the upcasts.
         with torch.autocast("cpu", enabled=False):
             q, k, v = query.float(), key.float(), value.float()
             return segment_attention(module, q, k, v, attention_mask, dropout, scaling, **kwargs)
@@ -77,8 +76,7 @@ def segment_attention(
 
     q, k, v = to_padded(query), to_padded(key), to_padded(value)
     p = dropout if module.training else 0.0
-    # Not cuDNN: it builds and caches a plan per shape, and RL lengths rarely repeat
-    # (measured on an H100: a fresh packed batch 3x slower than a repeated one).
+    # Not cuDNN: it builds and caches a plan per shape, and RL lengths rarely repeat.
     with sdpa_kernel(_BACKENDS):
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=p, is_causal=True, scale=scaling, enable_gqa=k.shape[1] != q.shape[1]
@@ -111,7 +109,7 @@ def _shared_prompt_attention(
     def to_grids(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, h, N, D] -> the prompts [G, h, P, D] and the responses [S, h, R, D]."""
         tokens = x[0].transpose(0, 1)  # [N, h, D]
-        # In place: the out-of-place index_copy copies the whole zero grid first (~5% of attention).
+        # In place: the out-of-place index_copy copies the whole zero grid first.
         cells = tokens.new_zeros(g * p_len + responses * r_len, *tokens.shape[1:])
         cells.index_copy_(0, grids.slot, tokens)
         prompts, answers = cells[: g * p_len], cells[g * p_len :]
@@ -146,7 +144,7 @@ def _per_response(prompt: torch.Tensor, grids: AttentionLayout) -> torch.Tensor:
 
 class _TakeRows(torch.autograd.Function):
     """x.index_select(0, index) for an index without repeats: the backward copies the gradient's rows
-    back (index_copy) where index_select's accumulates them (a scatter-add, 2-3x slower on CPU)."""
+    back (index_copy) where index_select's accumulates them (a scatter-add, slower on CPU)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import TensorDict
 
-from engines.config import OptimizerConfig
+from schema.engine import OptimizerConfig
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,6 @@ FORMAT_VERSION = 1
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".index.json")
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
-
-
 def prune(root: str | Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` step folders; returns what was deleted."""
     if keep_last < 1:

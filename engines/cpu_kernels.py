@@ -4,9 +4,7 @@ vocabulary head's log-softmax, forward and backward.
 Eager PyTorch runs an element-wise expression as one pass over memory per operation: SwiGLU's
 `silu(gate) * up` is two passes forward and three backward (two products and SiLU's backward), an
 RMSNorm's written-out backward (engines/rms_norm.py) about eight. The kernels in cpu_kernels.c read
-each input once and write each output once. At SmolLM2-135M's GRPO shape (1312 packed tokens) they
-take 0.56x (SwiGLU) and 0.34x (RMSNorm) the eager time, forward + backward (`bench/cpu_kernels.py`),
-and an update's work outside the matrix products 0.82x (bench/RESULTS.md, issue 34). Rotary
+each input once and write each output once (`bench/cpu_kernels.py` compares them). Rotary
 embedding (engines/rotary.py) is one pass a rotation instead of four, and the head's log-softmax,
 entropy and their gradient (engines/logprobs.py) two passes over each row of logits forward and one
 backward, instead of eight and six over blocks of rows.

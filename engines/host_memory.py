@@ -2,27 +2,18 @@
 
 glibc's malloc serves a block of 128 KiB or more (its threshold rises with what is freed, up to
 32 MiB) with a fresh mmap and returns it with munmap when it is freed. A training or decoding step
-on the CPU allocates thousands of tensors of that size (a [1090, 384] float32 activation is 1.6 MiB)
-and frees them at once, so every step maps, zero-fills and unmaps the same memory again: at
-qwen2-1m a rank took 3,700-5,400 minor page faults a step, and its step ran ~20% slower than with the
-memory kept (bench/RESULTS.md, issue 17). `keep_freed_memory` tells malloc to serve blocks below
-MMAP_THRESHOLD from its heap and to keep up to TRIM_THRESHOLD of free memory at the heap's top, so
-the next step reuses pages that are already mapped (~100 faults a step).
+on the CPU allocates thousands of tensors of that size and frees them at once, so every step maps,
+zero-fills and unmaps the same memory again (page faults that slow the step). `keep_freed_memory`
+tells malloc to serve blocks below MMAP_THRESHOLD from its heap and to keep up to TRIM_THRESHOLD of
+free memory at the heap's top, so the next step reuses pages that are already mapped.
 
-The cost is memory: a rank holds up to TRIM_THRESHOLD (2 GiB) more than it uses at the moment, and
-blocks above MMAP_THRESHOLD (512 MiB: a large model's weights and gradients) are mapped and unmapped
-as before. Both were 128 / 512 MiB until 2026-11-27: SmolLM2-135M's kept log-softmax of a
-micro-batch (201 MB) was then mapped afresh in every micro-batch, ~1,000 faults each in a job, and
-with the larger values a job's update took 0.80-0.93x the time in four of five alternating pairs
-(the fifth ran in a slower minute of the host; against the loops of products between steps every
-pair gained: 0.70 against 0.62 of that peak, medians; bench/RESULTS.md, issue 34).
+The cost is memory: a rank holds up to TRIM_THRESHOLD more than it uses at the moment, and blocks
+above MMAP_THRESHOLD (a large model's weights and gradients) are mapped and unmapped as before.
 
 `malloc_tunables` adds `glibc.malloc.hugetlb=1` to a worker's GLIBC_TUNABLES (glibc reads it when
 the process starts, so it goes in the actor's environment): malloc then asks for transparent huge
 pages (madvise) on what it maps, so a block mapped afresh faults in 2 MiB at a time, not 4 KiB.
-A SmolLM2 update at two threads took 7.7k-418k minor page faults without it and 71-262 with it, and
-ran 0-7% faster (mean 3.4% over four alternating pairs; bench/RESULTS.md, issue 34). Where the
-kernel's THP setting is "never", or glibc is older than 2.35, the tunable does nothing. A
+Where the kernel's THP setting is "never", or glibc is older than 2.35, the tunable does nothing. A
 GLIBC_TUNABLES that already names `glibc.malloc.hugetlb` (0 opts out) is kept as it is.
 """
 
@@ -39,9 +30,8 @@ M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 
-# Above glibc's documented 32 MiB ceiling for the threshold, which glibc 2.36 accepts (mallopt
-# returns 1, and the faults fall): SmolLM2's 113 MB head and embedding gradients and its 100-200 MB
-# log-prob chunks were mapped afresh at 32 MiB, 202k faults an update, 17k-82k at 128-256 MiB.
+# Above glibc's documented 32 MiB ceiling for the threshold, which glibc 2.36 accepts: a model's
+# head gradients and log-prob chunks are larger than 32 MiB and would be mapped afresh each step.
 # mallopt takes a C int: both values stay under 2^31.
 MMAP_THRESHOLD = 512 * 1024 * 1024
 MMAP_THRESHOLD_FALLBACK = 32 * 1024 * 1024  # the documented ceiling

@@ -6,13 +6,12 @@ one entropy) per token, as fused linear-cross-entropy kernels do. `ChunkedLogPro
 autograd Function: the forward keeps only the hidden states, the targets and two numbers per token
 (log-normaliser, entropy); the backward recomputes each chunk's logits once and forms their gradient
 in closed form (or, when the [N, V] log-softmax fits the caller's `keep_bytes`, takes it as the
-forward left it: at SmolLM2's 49k vocabulary a micro-batch's 512 response tokens keep 100 MB and
-save a fifth of the head's work),
+forward left it, which saves part of the head's work),
 
     d log p(t) / d z = onehot(t) - p,        d H / d z = -p * (log p + H),
 
 then multiplies it into the hidden-state and weight gradients. Against activation checkpointing of
-a plain log-softmax (the earlier way) this skips re-running the entropy and the autograd graph of
+a plain log-softmax this skips re-running the entropy and the autograd graph of
 the softmax, the gather's scatter into a zero [chunk, V] tensor, and a backward through the entropy
 when no loss term reads it (its gradient arrives as None).
 """
@@ -41,10 +40,9 @@ def _add_weight_grad(
     grad_weight: torch.Tensor | None, grad_logits: torch.Tensor, hidden: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """grad_weight (fp32) += grad_logits.T @ hidden; the first chunk's product is the tensor (None:
-    no [V, H] zero-fill, 113 MB at SmolLM2's head). On CUDA with bf16/fp16 inputs the product runs on
-    the tensor cores with an fp32 result (`out_dtype`); casting the inputs up first would make it an
-    fp32 matmul, which with TF32 off is ~5 ms a micro-batch for a 151k vocabulary on an H100. Elsewhere
-    in place (addmm_): no [V, H] temporary."""
+    no [V, H] zero-fill). On CUDA with bf16/fp16 inputs the product runs on the tensor cores with an
+    fp32 result (`out_dtype`); casting the inputs up first would make it a slow fp32 matmul (TF32
+    off). Elsewhere in place (addmm_): no [V, H] temporary."""
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
         product = torch.mm(grad_logits.t(), hidden, out_dtype=dtype)
         return product if grad_weight is None else grad_weight.add_(product)
@@ -58,12 +56,9 @@ BLOCK_ELEMENTS = 1 << 19  # 2 MB of fp32 logits
 def _row_blocks(start: int, end: int, vocab: int, device: torch.device):
     """Row slices of [start, end) of about BLOCK_ELEMENTS logits each: the element-wise passes over a
     chunk's logits (log-softmax, entropy, their gradient) run block by block, so that each pass after
-    the first reads the block from cache rather than memory, and temporaries stay small (a fresh
-    100 MB tensor is fresh pages from the kernel: the old whole-chunk `exp` took 3x an in-place one).
-    0.85x the head's forward + backward time at SmolLM2's shapes (bench/RESULTS.md, issue 34).
-    On a GPU one block (the whole chunk): there each block is several kernel launches, and at a
-    151k vocabulary 2 MB is 3 rows (measured on an H100 at qwen2-0.5b: the engine's default step took
-    0.38 s in blocks, 0.23 s without)."""
+    the first reads the block from cache rather than memory, and temporaries stay small (a large
+    fresh tensor is fresh pages from the kernel). On a GPU one block (the whole chunk): there each
+    block is several kernel launches, and at a large vocabulary a block would be a few rows."""
     if device.type != "cpu":
         yield slice(start, end)
         return

@@ -14,7 +14,7 @@ import json
 import struct
 from pathlib import Path
 
-from engines.config import ALL_LINEAR, LoraConfig
+from schema.engine import ALL_LINEAR, LoraConfig
 
 # The linear layers of every Llama-family decoder (llama, qwen2, mistral, smollm2, the tiny models).
 LLAMA_LINEAR = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")

@@ -18,9 +18,9 @@ from functools import cached_property
 from typing import NamedTuple
 
 # Auto token budget: TOKEN_BUDGET_SCALE[device] / hidden_size real tokens per micro-batch. On CPU a
-# whole-rank micro-batch was the slowest choice measured (its activations fall out of the caches):
-# qwen2-20m (hidden 512) ran best near 2048 tokens (bench/RESULTS.md). On CUDA the scale only keeps
-# activation memory bounded as models grow (32k tokens at hidden 1024, 8k at 4096).
+# whole-rank micro-batch is slow (its activations fall out of the caches), so the budget keeps a
+# micro-batch's activations small. On CUDA the scale only keeps activation memory bounded as
+# models grow.
 TOKEN_BUDGET_SCALE = {"cpu": 2048 * 512, "cuda": 32768 * 1024}
 
 

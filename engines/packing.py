@@ -2,8 +2,8 @@
 
 A padded micro-batch [mb, T] becomes one packed row of N = sum(attention_mask) tokens, with
 `position_ids` restarting at 0 for every sequence. Restarting positions alone does not stop a
-sequence from attending to the one before it (measured: with SDPA on CPU the second sequence's
-logits moved by ~0.57), so the packed forward also gets a block-diagonal causal mask, or, with
+sequence from attending to the one before it (the second sequence's logits would change), so
+the packed forward also gets a block-diagonal causal mask, or, with
 flash-attention, the sequence boundaries through the restarting positions.
 
 Next-token log-probs are computed per packed position (position i predicts token i+1 of the same

@@ -5,7 +5,9 @@ A new engine is one file (the class, implementing `engines.base.TrainEngine` or
 lazily, so this module and the name lists stay importable without torch, sglang or vllm: the
 JobSpec validates a backend name against a registry in the API process, where no engine is built.
 
-An optional `probe` says, without building anything, why an engine cannot run here (a missing
+An entry also states what its engine cannot run (`tensor_parallel`, `max_lora_rank`): the JobSpec
+checks a job against its backend's entry at submission, naming the field, rather than the engine
+failing when the workers start. An optional `probe` says, without building anything, why an engine cannot run here (a missing
 package, no GPU): `available()` reports it and `build` refuses with that message, so a job asking
 for it fails early and says what to install.
 
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     from engines.base import TrainEngine
-    from engines.config import EngineConfig
+    from schema.engine import EngineConfig
 
 T = TypeVar("T")
 Builder = TypeVar("Builder", bound=Callable[..., Any])
@@ -36,6 +38,15 @@ class EngineEntry:
     build: Callable[..., Any]
     probe: Probe | None = None
     tensor_parallel: bool = False  # can one replica span several devices (rollout engines)
+    max_lora_rank: int | None = None  # the largest LoRA rank it serves adapters of (None: any)
+
+    def check_lora_rank(self, rank: int) -> None:
+        """Refuse (ValueError) adapters of a rank this engine cannot serve."""
+        if self.max_lora_rank is not None and rank > self.max_lora_rank:
+            raise ValueError(
+                f"rollout backend '{self.name}' serves LoRA adapters up to rank {self.max_lora_rank}, not "
+                f"{rank}: choose a rank of at most {self.max_lora_rank}, or another rollout.backend"
+            )
 
 
 class Registry(Generic[T]):
@@ -46,14 +57,19 @@ class Registry(Generic[T]):
         self._entries: dict[str, EngineEntry] = {}
 
     def register(
-        self, name: str, *, probe: Probe | None = None, tensor_parallel: bool = False
+        self,
+        name: str,
+        *,
+        probe: Probe | None = None,
+        tensor_parallel: bool = False,
+        max_lora_rank: int | None = None,
     ) -> Callable[[Builder], Builder]:
         """Decorator: `@REGISTRY.register("name")` over a function that builds the engine."""
 
         def decorate(builder: Builder) -> Builder:
             if name in self._entries:
                 raise ValueError(f"{self.kind} '{name}' is already registered")
-            self._entries[name] = EngineEntry(name, builder, probe, tensor_parallel)
+            self._entries[name] = EngineEntry(name, builder, probe, tensor_parallel, max_lora_rank)
             return builder
 
         return decorate

@@ -8,11 +8,9 @@ fresh [tokens, hidden] tensor. With r = 1 / sqrt(mean(x^2) + eps) per token and 
     dx = r * (g - x^ * mean(g * x^)),   g = dy * w,
 
 so the forward is one norm reduction and two passes, and the backward reads x once to rebuild x^
-(nothing but r is kept beside the input). At SmolLM2-135M's GRPO shape (1312 packed tokens x 576)
-one norm's forward + backward took 2.2-2.3 ms against transformers' 4.3-5.7; in place in SmolLM2
-updates the 61 norms took 0.33 s against 0.53 of an ~11 s update (bench/RESULTS.md, issue 34).
-Where the fused kernels of engines/cpu_kernels.py build, the same formulas run as two passes
-forward (squares, then y) and two backward (dw's and the dot's sums, then dx): 0.34x that time.
+(nothing but r is kept beside the input). Where the fused kernels of engines/cpu_kernels.py build,
+the same formulas run as two passes forward (squares, then y) and two backward (dw's and the dot's
+sums, then dx).
 
 `install(model)` gives each of those norms in `model` this forward, instance by instance (the
 rollout engine's copy of the model in the same process is untouched). Anything it does not fit

@@ -11,9 +11,7 @@ and its gradient, the rotation run backwards,
     dx1 = dy1 * cos1 + dy2 * sin2,     dx2 = dy2 * cos2 - dy1 * sin1,
 
 four in-place element-wise calls a tensor each way, written into one output laid out as q is (the
-projections' [tokens, heads, dim] order). At SmolLM2-135M's GRPO shape (1312 packed tokens, 9 query
-and 3 key heads of 64) forward + backward took 2.7-2.9 ms a layer against transformers' 5.1-5.4
-(bench/RESULTS.md, issue 34). In fp32 on a CPU the fused kernel of engines/cpu_kernels.c does each
+projections' [tokens, heads, dim] order). In fp32 on a CPU the fused kernel of engines/cpu_kernels.c does each
 rotation in one pass over x instead. cos and sin get no gradient (they come from the model's rotary buffers).
 
 `install(module)` puts `apply_rotary_pos_emb` of a transformers modeling module (Llama's, Qwen2's:

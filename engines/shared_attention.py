@@ -1,9 +1,8 @@
 """Shared-prompt attention on a CPU as row gathers and batched matrix products, one autograd Function.
 
-At RL shapes the attention of engines/shared_prompt.py's grids is tiny work (SmolLM2-135M's GRPO
-micro-batch: ~0.4 GFLOP a layer, forward and backward) spread over many small calls: three zeroed
-grids filled by index_copy, a copy of the prompt's keys per response, two SDPA calls whose CPU
-flash kernel runs 16-query blocks at ~20 GFLOP/s, a gather of the outputs, and in the backward the
+At RL shapes the attention of engines/shared_prompt.py's grids is tiny work spread over many small
+calls: three zeroed grids filled by index_copy, a copy of the prompt's keys per response, two SDPA
+calls whose CPU flash kernel runs small query blocks slowly, a gather of the outputs, and in the backward the
 zero-filled gradients of every slice, copy and gather. Here each of q, k and v is gathered once,
 straight into the layout the products want, and the backward is written out:
 
@@ -19,15 +18,11 @@ some real token (finite) and its output is never gathered back; its dO row is ze
 nothing to dK or dV. A padded key is masked (bias -inf, probability exactly 0), so its gradient rows
 are exactly zero and the scatter-add back to the tokens adds nothing from them.
 
-It keeps each layer's probabilities for the backward (the flash kernel keeps one number a query):
-at MAX_KEYS keys and 9 heads that is ~7 KB a token a layer, against ~18 KB of the MLP's own saved
-activations at SmolLM2's width. Rows whose queries read more keys go to SDPA, whose blocked kernel
-pays off there. What decides is the scores' size against q, k and v's: bench/attention.py
---shared-prompt measured this path at 0.66-0.80x SDPA's time up to 192 keys and 1.12x at 256 with
-64-dimensional heads, and with 16-dimensional heads (the tiny test models) 0.22x at 18 keys, 0.90x
-at 28 and 1.04-1.22x at 52: so at most MAX_KEYS keys and KEYS_PER_DIM per head dimension. At
-SmolLM2-135M's GRPO shape (36 + 16 tokens) a layer's attention forward + backward took 8.7 ms
-against 15.9 ms through SDPA (bench/RESULTS.md, issue 34).
+It keeps each layer's probabilities for the backward (the flash kernel keeps one number a query),
+which at MAX_KEYS keys stays below the MLP's own saved activations. Rows whose queries read more
+keys go to SDPA, whose blocked kernel pays off there. What decides is the scores' size against q, k
+and v's (`bench/attention.py --shared-prompt` compares the two): so at most MAX_KEYS keys and
+KEYS_PER_DIM per head dimension.
 """
 
 from __future__ import annotations

@@ -11,10 +11,8 @@ The layout is built once per micro-batch and handed to the attention function (e
 as a keyword that transformers passes down to every attention call. Attention computes only the
 blocks it needs: the prompts, causal, in a [groups, longest prompt] grid, and every response's
 queries over [its group's prompt keys ; its own keys] in a [responses, longest response] grid with
-one mask row per response. A [groups, longest group] grid with a mask per group (the layout before)
-computed 3-4x the needed score entries at 8 responses of 16 tokens after a 36-token prompt; one
-gather of the prompt's keys per response segment with an index_add backward (the layout before that)
-was 1.6-2x slower again (bench/RESULTS.md, issue 34). The outputs: the hidden state
+one mask row per response; a [groups, longest group] grid with a mask per group would compute
+several times the needed score entries. The outputs: the hidden state
 that predicts response token t of a row is the prompt's last token for t = 0 and the row's own
 token t - 1 after it; `select` names those positions of the packed row, `grid_index` where each
 lands in the [mb, R] response grid.

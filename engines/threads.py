@@ -7,7 +7,7 @@ node that advertises more logical CPUs than it has cores (hyper-threads, or a Ra
 num_cpus above the core count), extra OpenMP threads only contend for the same cores.
 
 A small model is the exception: it computes on one thread (`limit_threads_for_model`). Its ops
-(a [128, 128] x [128, 384] matmul, a norm over 16k numbers) take microseconds, so waking a second
+take microseconds, so waking a second
 OpenMP thread for each costs more than the thread computes, and the core stays free for the
 controller and Ray.
 """
@@ -65,9 +65,8 @@ def set_torch_threads(bundle_cpus: float, ranks_on_node: int = 1) -> int:
     return threads
 
 
-# Models narrower than this compute on one thread. Measured on 2 cores (bench/RESULTS.md, issue 17):
-# at hidden 128 (qwen2-1m) one thread generated and updated faster than two passively waiting
-# threads; at hidden 512 (qwen2-20m) two threads were ~1.4x faster than one.
+# Models narrower than this compute on one thread: below it a second thread's wake-ups cost more than
+# its share of the work.
 ONE_THREAD_BELOW_HIDDEN = 256
 
 
@@ -105,11 +104,8 @@ def openmp_wait_env(cores_shared: bool, inherited: Mapping[str, str]) -> dict[st
 
     When an op's threads finish their shares, libgomp by default lets them spin a while before they
     sleep, so the next op finds them awake (torch's own default, and TRL's). On cores the rank has
-    to itself that is the faster choice: SmolLM2-135M's GRPO step in a job took 0.88x the time of
-    sleeping threads (PASSIVE), its update 0.85x and its generation 0.88x (bench/RESULTS.md, issue
-    34). On cores other busy processes share, spinning threads take the time the working one needs
-    (the same step 2.1x PASSIVE's with two other busy processes on 2 cores; a qwen2-1m update 31 s
-    against 0.7 s at load ~30, issue 17), so there they sleep. A user's own OMP_WAIT_POLICY or
+    to itself that is the faster choice. On cores other busy processes share, spinning threads take
+    the time the working one needs, so there they sleep. A user's own OMP_WAIT_POLICY or
     GOMP_SPINCOUNT is kept (docs/troubleshooting.md: a machine busy with work Ray does not place).
     """
     own = {name: inherited[name] for name in OPENMP_WAIT_VARS if name in inherited}

@@ -9,11 +9,11 @@ or the id of what it created), the resource's owner, and the request id the resp
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
+
+from service.store_db import StoreDb
 
 AUDIT_SCHEMA = """
 CREATE TABLE IF NOT EXISTS audit (
@@ -48,16 +48,10 @@ class AuditEntry:
     data: dict[str, Any]
 
 
-class _Db(Protocol):
-    def _db(self) -> sqlite3.Connection: ...
-
-    def _tx(self, *topics: str) -> AbstractContextManager[sqlite3.Connection]: ...
-
-
-class AuditTable:
+class AuditTable(StoreDb):
     """The store's audit log (mixed into JobStore)."""
 
-    def add_audit(self: _Db, entry: AuditEntry, at: float | None = None) -> int:
+    def add_audit(self, entry: AuditEntry, at: float | None = None) -> int:
         e = entry
         with self._tx("audit") as db:
             cur = db.execute(
@@ -69,7 +63,7 @@ class AuditTable:
             return int(cur.lastrowid)
 
     def audit(
-        self: _Db,
+        self,
         before: int | None = None,
         limit: int = 100,
         owner: str | None = None,

@@ -1,7 +1,7 @@
 """Warm controllers: a record's controller actor started before the record needs it.
 
 A controller's process spends most of its start importing what its runner needs (torch, tensordict
-with `torch._dynamo`, transformers: ~7 s on a 2-core machine) before it builds anything. The
+with `torch._dynamo`, transformers) before it builds anything. The
 scheduler keeps `size` controllers that have imported their runner's module and wait for a record
 (service/workloads.py, `WorkloadActor.begin`); a launch takes one, so a job asks for its placement
 group and workers that much sooner (bench/job_start.py measures it). The scheduler starts the next

@@ -16,8 +16,9 @@ import re
 import sqlite3
 import time
 import uuid
-from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any
+
+from service.store_db import StoreDb
 
 KEYS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS tokens (
@@ -41,12 +42,6 @@ ADMIN_OWNER = "admin"
 OWNER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 
 
-class _Db(Protocol):
-    def _db(self) -> sqlite3.Connection: ...
-
-    def _tx(self, *topics: str) -> AbstractContextManager[sqlite3.Connection]: ...
-
-
 # Names no key may be made for: each already means something the service gives no other owner.
 RESERVED_OWNERS = {
     ADMIN_OWNER: "the admin token's owner: its work has no quota and every owner's is visible to it",
@@ -54,16 +49,16 @@ RESERVED_OWNERS = {
 }
 
 
-def check_owner(name: str, param: str = "owner") -> str:
+def check_owner(name: str) -> str:
     """An owner's name, or a ValueError saying what a name may hold."""
     if not isinstance(name, str) or not OWNER_NAME.match(name):
         raise ValueError(
-            f"{param}: '{str(name)[:64]}' must be 1-64 letters, digits, '.', '_', '@' or '-', starting "
+            f"owner: '{str(name)[:64]}' must be 1-64 letters, digits, '.', '_', '@' or '-', starting "
             "with a letter or digit"
         )
     if name.lower() in RESERVED_OWNERS:  # 'Admin' too: in logs and listings it reads as the admin
         reason = RESERVED_OWNERS[name.lower()]
-        raise ValueError(f"{param}: '{name}' is reserved ({reason}); choose another name")
+        raise ValueError(f"owner: '{name}' is reserved ({reason}); choose another name")
     return name
 
 
@@ -75,11 +70,11 @@ def migrate_keys(db: sqlite3.Connection) -> None:
             db.execute(f"ALTER TABLE tokens ADD COLUMN {name} {kind}")
 
 
-class KeyTable:
+class KeyTable(StoreDb):
     """The store's API keys (mixed into JobStore)."""
 
     def add_token(
-        self: _Db,
+        self,
         name: str,
         token_hash: str,
         scopes: list[str],
@@ -96,7 +91,7 @@ class KeyTable:
             )  # fmt: skip
         return token_id
 
-    def tokens(self: _Db) -> list[dict[str, Any]]:
+    def tokens(self) -> list[dict[str, Any]]:
         """Every key with its hash (the token check reads these); revoked ones included."""
         rows = self._db().execute(f"SELECT {KEY_FIELDS} FROM tokens ORDER BY created_at").fetchall()
         return [_record(r) for r in rows]
@@ -104,7 +99,7 @@ class KeyTable:
     def key(self, key_id: str) -> dict[str, Any] | None:
         return next((k for k in self.tokens() if k["id"] == key_id), None)
 
-    def revoke_key(self: _Db, key_id: str) -> bool:
+    def revoke_key(self, key_id: str) -> bool:
         """Revoke a key now; False when there is no such key or it was revoked already."""
         with self._tx("tokens") as db:
             cur = db.execute(
@@ -112,11 +107,11 @@ class KeyTable:
             )
             return cur.rowcount == 1
 
-    def touch_key(self: _Db, key_id: str, at: float) -> None:
+    def touch_key(self, key_id: str, at: float) -> None:
         with self._tx("key_usage") as db:
             db.execute("UPDATE tokens SET last_used_at = ? WHERE id = ?", (at, key_id))
 
-    def key_owners(self: _Db) -> list[str]:
+    def key_owners(self) -> list[str]:
         rows = self._db().execute("SELECT DISTINCT owner FROM tokens WHERE revoked_at IS NULL").fetchall()
         return [r[0] for r in rows]
 
@@ -125,10 +120,9 @@ def _record(row: sqlite3.Row) -> dict[str, Any]:
     return {**dict(row), "scopes": json.loads(row["scopes"]), "admin": bool(row["admin"])}
 
 
-def public_key(record: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+def public_key(record: dict[str, Any]) -> dict[str, Any]:
     """A key as the API lists it: never its hash."""
-    now = now or time.time()
-    expired = record["expires_at"] is not None and record["expires_at"] <= now
+    expired = record["expires_at"] is not None and record["expires_at"] <= time.time()
     state = "revoked" if record["revoked_at"] else "expired" if expired else "active"
     fields = (
         "id",

@@ -1,19 +1,9 @@
-"""Which server paths a spec may name, and for whom.
+"""Which server paths a spec may name, and for whom (docs/ARCHITECTURE.md §8).
 
-A spec names files on the server where it gives data, models, checkpoints, user code by path, and a
-local MLflow store. Each such path must be absolute and, once `..` and symlinks are resolved, lie
-- in an upload of the submitter's own: `<home>/files/<id>/`, whose meta.json names its owner;
-- in the outputs of a job of the submitter's own: `<home>/jobs/<job id>/` (the store's owner of the
-  job), or in a fork's private copy of a checkpoint, `<home>/jobs/fork-sources/<copy>/`, that a job
-  of theirs resumes from;
-- or, to be read, under a folder the operator shares (`tandem serve --allow-path`).
-An admin (`sees` None) owns every upload and every job's outputs. Nothing else in the home may be
-named, by anyone: the store, the admin token, service.json, logs, built models. The home's rules
-win over a shared folder that holds it. A refusal reads the same whether the path exists, is another
-owner's or is the service's own. Symlinks inside a folder a spec names must lead to places the
-owner may name too. A local MLflow store is written to: it may lie only in the owner's jobs' outputs.
-
-The API checks a spec at submission (api/validation.py); the scheduler checks it again when the job
+A path must be absolute and, once `..` and symlinks are resolved, lie in an upload or a job's
+outputs of the submitter's own, or under a folder the operator shares; an admin (`sees` None) owns
+every upload and output. A refusal reads the same whether the path exists, is another owner's or is
+the service's own. The API checks a spec at submission; the scheduler checks it again when the job
 starts and hands the job the resolved paths, so what was checked is what is opened.
 """
 

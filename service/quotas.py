@@ -1,21 +1,10 @@
-"""Quotas per owner, set by the operator, and what each owner uses now.
+"""Quotas per owner, set by the operator, and what each owner uses now (docs/ARCHITECTURE.md §8).
 
-A `Quota` caps an owner's running jobs, queued jobs, CPUs and GPUs in use (by its running jobs) and
-stored bytes (uploads, checkpoints, exports); a field left None is unlimited. The `QuotaBook` holds
-a default, which applies to every owner but the admin, and per-owner quotas that replace it; it
-comes from `tandem serve --quota-...` flags or a quotas file (JSON or YAML: `{"default": {...},
-"owners": {"alice": {...}}}`), and an admin changes it live (`PUT /v1/quotas/{owner}`; changes last
-until the service restarts).
-
-What is beyond a quota is refused, and nothing is created:
-- a submission (or fork, or resume) past `queued_jobs` is a 429 with Retry-After: it clears when
-  one of the owner's jobs starts. Every job waits in the queue before it starts, the one submitted
-  included, so `queued_jobs: 0` allows no submissions at all: that refusal is a 403;
-- a submission or upload when `stored_bytes` is reached, or a job that needs more CPUs or GPUs than
-  the owner's quota allows at all, is a 403: it does not clear by waiting;
-- `running_jobs`, `cpus` and `gpus` are kept by the scheduler: an owner's queued job waits while
-  starting it would pass them, and other owners' jobs go ahead (service/scheduler.py), in the
-  order `fair_order` gives: one owner's many queued jobs do not starve another's one.
+A `Quota` field left None is unlimited. The `QuotaBook` holds a default for every owner but the
+admin and per-owner quotas that replace it; an admin's live changes last until the service restarts.
+Past `queued_jobs` a submission is a 429 (it clears when one of the owner's jobs starts), past a
+quota that waiting cannot clear a 403; `running_jobs`, `cpus` and `gpus` are kept by the scheduler,
+in the order `fair_order` gives.
 """
 
 from __future__ import annotations
@@ -149,6 +138,10 @@ class Usage:
     cpus: float = 0.0
     gpus: float = 0.0
     stored: dict[str, int] = field(default_factory=lambda: {"files": 0, "checkpoints": 0, "exports": 0})
+
+    def add_running(self, cpus: float, gpus: float) -> None:
+        """Count one more running record, holding these resources."""
+        self.running_jobs, self.cpus, self.gpus = self.running_jobs + 1, self.cpus + cpus, self.gpus + gpus
 
     @property
     def stored_bytes(self) -> int:

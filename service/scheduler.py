@@ -1,24 +1,16 @@
 """The scheduler: one background thread that runs each job in its own controller actor.
 
-Every `poll_s` it copies what running jobs produced (events, metrics, logs, checkpoints) into the
-store, settles jobs whose run ended, and starts queued jobs while the cluster has room for them (a
-job needs each role's workers x its per-worker CPUs and GPUs, controller/role_shares.py). Queued jobs go in fair order between
-owners (`fair_order`): one owner's ten queued jobs do not starve another's one. An owner at its
-quota of running jobs, CPUs or GPUs (service/quotas.py) is passed over until one of its jobs
-ends. Requests never wait on it: the Service changes the store and calls `tell` or `stop`, which only
-send a message.
+Every `poll_s` it copies what running jobs produced into the store and settles jobs whose run ended
+(service/scheduler_runs.py), and starts queued jobs while the cluster has room for them (a job
+needs each role's workers x its per-worker CPUs and GPUs, controller/role_shares.py). Queued jobs go
+in fair order between owners (`fair_order`): one owner's ten queued jobs do not starve another's
+one. An owner at its quota of running jobs, CPUs or GPUs (service/quotas.py) is passed over until
+one of its jobs ends. Requests never wait on it: the Service changes the store and calls `tell` or
+`stop`, which only send a message.
 
-A hosted record (a Tinker training run, service/workloads.py) is queued, scheduled and counted the
-same way, but a launch hands it to the process that serves it (its base model's session host), and
-it holds its slot until that server ends it (`end`); a request may start it at once (`admit`), so a
-client need not wait for the next poll. The hosts themselves hold CPUs while they run (`hold`): RL
-jobs are scheduled around them.
-
-A job that starts again after a crash resumes from its last complete checkpoint: at launch the
-store forgets the metrics recorded after that step, so the re-run steps are stored once. A job whose
-controller restarts its workers (controller/recovery.py) says so in its drain: the step it went back
-to (the store forgets the later metrics the same way) and the restart under way, which the job's
-API view shows until it resumed.
+A hosted record (a Tinker training run, service/scheduler_hosted.py) is queued, scheduled and
+counted the same way, but its server runs it; a request may start it at once (`admit`), so a client
+need not wait for the next poll.
 """
 
 from __future__ import annotations
@@ -27,38 +19,30 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from schema.job import JobSpec
+from schema.section import changed_values, with_values
 from service.controller_pool import ControllerPool
 from service.files import FileError, FileStore
-from service.job_state import RUN_HOLDING, TERMINAL, JobStatus, allowed
+from service.job_state import JobStatus
 from service.keys import ADMIN_OWNER
 from service.owned_paths import OwnedPaths, PathRefused
 from service.quotas import QuotaBook, Usage, fair_order, may_run
+from service.scheduler_hosted import HostedRecords
+from service.scheduler_runs import RunningJob, RunSettlement
 from service.store import JobRecord, JobStore
 from service.tracker_policy import TrackerRefused
-from service.workloads import RL_JOB, TinkerRunWorkload, Workload, resume_step
+from service.workloads import RL_JOB, Workload, resume_step
 
 log = logging.getLogger("tandem.scheduler")
 S = JobStatus
 
 
-@dataclass
-class RunningJob:
-    actor: Any  # None for a hosted record: its server runs it
-    run_ref: Any
-    cpus: float
-    gpus: float
-    first_step: int  # the step it resumed from: until it passes it, the job is starting up
-    owner: str = "admin"
-    killed_for: str | None = None  # "cancel" when stopped by killing its actor during start-up
-
-
-class Scheduler:
+class Scheduler(HostedRecords, RunSettlement):
     def __init__(
         self,
         store: JobStore,
@@ -69,10 +53,9 @@ class Scheduler:
         workload: Workload = RL_JOB,
         warm_controllers: int = 1,
     ) -> None:
+        super().__init__()
         self.store = store
         self.workload = workload  # what the jobs table holds
-        self.hosted: dict[str, Any] = {"tinker": TinkerRunWorkload()}  # kinds with a table of their own
-        self.held: dict[str, tuple[float, float]] = {}  # CPUs and GPUs of the processes serving them
         self.files = files
         self.paths: OwnedPaths | None = None  # set by the API (api/app.py), which knows the shared folders
         self.quotas = quotas or QuotaBook()
@@ -110,44 +93,21 @@ class Scheduler:
         return self.hosted.get(record.method, self.workload)
 
     def _recover(self) -> None:
+        """At a service start: what the old service left queued, running or stopping."""
         for job in self.store.jobs_in((S.QUEUED, S.RUNNING, S.PAUSING)):
-            if job.method in self.hosted:  # its server went with the old service
-                self.end(job.id, *self.hosted[job.method].recover(job))
-                continue
-            if job.status == S.QUEUED:
-                continue
-            self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
-            self.store.set_restart(job.id, None)  # a restart under way ended with the service
-            self.store.truncate_after(
-                job.id, resume_step(self.workload, job.workdir)
-            )  # shown at its checkpoint until it runs
-            self._record_checkpoints_on_disk(job)
-            self.store.add_event(
-                job.id, "requeued", "the service restarted; the job resumes from its last checkpoint"
-            )
+            if job.method in self.hosted:
+                self.recover_hosted(job)
+            elif job.status != S.QUEUED:
+                self._requeue_after_restart(job)
         for job in self.store.jobs_in((S.CANCELLING,)):
             self.store.transition(job.id, (S.CANCELLING,), S.CANCELLED, finished_at=time.time())
             self.store.add_event(job.id, "cancelled", "cancelled while the service was down")
 
-    def _record_checkpoints_on_disk(self, job: JobRecord) -> None:
-        """A checkpoint committed just before the service died may not be in the store yet."""
-        known = {c["step"] for c in self.store.checkpoints(job.id)}
-        for step, folder in self.workload.committed_checkpoints(Path(job.workdir)):
-            if step not in known:
-                self.store.add_checkpoint(job.id, step, str(folder))
-                self.store.add_event(
-                    job.id, "checkpoint", f"saved step {step}", {"path": str(folder), "step": step}
-                )
-
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Pause every running job (each checkpoints at its next step boundary), then stop."""
         self._draining = True  # start nothing new; the loop keeps collecting until the jobs paused
-        for kind in self.hosted.values():
-            if kind.server is not None:
-                kind.server.shutdown()  # its runs stay `running` until the next start recovers them
+        self.shutdown_hosted()
         with self._lock:
-            for job_id in [i for i, run in self.running.items() if run.actor is None]:
-                del self.running[job_id]
             for job_id, run in self.running.items():
                 if self.store.transition(job_id, (S.RUNNING,), S.PAUSING):
                     self._requeue_on_pause.add(job_id)
@@ -197,10 +157,7 @@ class Scheduler:
         record's server drops it at once."""
         record = self.store.get_job(job_id)
         if record is not None and record.method in self.hosted:
-            self.hosted[record.method].stop(job_id)
-            self.end(
-                job_id, S.CANCELLED, "cancelled through Tandem's API (tandem cancel); its checkpoints stay"
-            )
+            self.stop_hosted(record)
             return
         with self._lock:
             run = self.running.get(job_id)
@@ -231,7 +188,7 @@ class Scheduler:
 
     def _warm_up(self) -> None:
         """Start the warm controllers the pool lacks, while no job is starting up: a controller's
-        imports take ~7 s of a core, which a starting job's own processes need on a small machine."""
+        imports take seconds of a core, which a starting job's own processes need on a small machine."""
         if self._draining:
             return
         with self._lock:
@@ -242,17 +199,9 @@ class Scheduler:
     def free(self) -> tuple[float, float]:
         total = ray.cluster_resources() if ray.is_initialized() else {}
         with self._lock:
-            held = [(r.cpus, r.gpus) for r in self.running.values()] + list(self.held.values())
-        return total.get("CPU", 0) - sum(c for c, _ in held), total.get("GPU", 0) - sum(g for _, g in held)
-
-    def hold(self, key: str, cpus: float, gpus: float = 0.0) -> None:
-        """Count a process that serves hosted records (a session host) as holding these resources."""
-        with self._lock:
-            self.held[key] = (cpus, gpus)
-
-    def release(self, key: str) -> None:
-        with self._lock:
-            self.held.pop(key, None)
+            cpus = sum(r.cpus for r in self.running.values()) + sum(self.held.values())
+            gpus = sum(r.gpus for r in self.running.values())
+        return total.get("CPU", 0) - cpus, total.get("GPU", 0) - gpus
 
     def _schedule(self) -> None:
         if self._draining:
@@ -289,12 +238,7 @@ class Scheduler:
             self._launch(job, cpus, gpus)
             self._starts += 1
             self._served[job.owner] = self._starts
-            mine = used[job.owner]
-            mine.running_jobs, mine.cpus, mine.gpus = (
-                mine.running_jobs + 1,
-                mine.cpus + cpus,
-                mine.gpus + gpus,
-            )
+            used[job.owner].add_running(cpus, gpus)
         return "started"
 
     def owner_usage(self) -> defaultdict[str, Usage]:
@@ -302,12 +246,7 @@ class Scheduler:
         used: defaultdict[str, Usage] = defaultdict(lambda: Usage(""))
         with self._lock:
             for run in self.running.values():
-                mine = used[run.owner]
-                mine.running_jobs, mine.cpus, mine.gpus = (
-                    mine.running_jobs + 1,
-                    mine.cpus + run.cpus,
-                    mine.gpus + run.gpus,
-                )
+                used[run.owner].add_running(run.cpus, run.gpus)
         return used
 
     def _ask_autoscaler(self, job: JobRecord | None) -> None:
@@ -330,8 +269,7 @@ class Scheduler:
                 return
             self.store.started(job.id, time.time())
             if job.method in self.hosted:
-                self.running[job.id] = RunningJob(None, None, cpus, gpus, -1, job.owner)
-                self._launch_hosted(job)
+                self.launch_hosted(job, cpus, gpus)
                 return
             first_step = resume_step(self.workload, job.workdir)
             try:  # upload ids -> stored paths and every path checked again, now that it starts
@@ -348,150 +286,11 @@ class Scheduler:
             self.running[job.id] = RunningJob(actor, actor.run.remote(), cpus, gpus, first_step, job.owner)
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 
-    def _launch_hosted(self, job: JobRecord) -> None:
-        try:
-            self.hosted[job.method].launch(job)
-        except Exception as err:  # noqa: BLE001 - the record fails, naming why; the loop goes on
-            self.end(job.id, S.FAILED, f"could not start: {type(err).__name__}: {err}")
-            return
-        self.store.add_event(job.id, "started", "served by its base model's session host")
-
-    def end(self, record_id: str, status: JobStatus, why: str | None = None) -> bool:
-        """A hosted record's run ended (its server says why): its status and an event, its slot free.
-        True when its status changed."""
-        sources = tuple(s for s in (S.QUEUED, *RUN_HOLDING) if allowed(s, status))
-        done = {"finished_at": time.time()} if status in TERMINAL else {}
-        moved = self.store.transition(record_id, sources, status, error=why, **done)
-        if moved:
-            self.store.add_event(record_id, status, why or str(status))
-        with self._lock:
-            self.running.pop(record_id, None)
-        return moved
-
-    def forget(self, record_id: str) -> None:
-        """A hosted record its server refused to start leaves no trace: its slot and its rows go."""
-        with self._lock:
-            self.running.pop(record_id, None)
-        if self.store.get_job(record_id) is not None:
-            self.store.delete_job(record_id)
-
-    def spec_to_run(self, job: JobRecord, own_checkpoint: bool) -> dict[str, Any]:
-        """The job's spec as its run gets it: its owner's uploads by path, each path it names resolved
-        and still the owner's to name (service/owned_paths.py)."""
+    def spec_to_run(self, job: JobRecord, own_checkpoint: bool) -> JobSpec:
+        """The job's spec as its run gets it, typed: its owner's uploads by path, each path it names
+        resolved and still the owner's to name (service/owned_paths.py). The store parsed it; the
+        resolved paths replace checked values, so it is not parsed again."""
         sees = None if job.owner == ADMIN_OWNER else job.owner
         spec = self.files.resolve_refs(job.spec, sees) if self.files else job.spec
-        return self.paths.check_spec(spec, sees, own_checkpoint) if self.paths is not None else spec
-
-    def _collect(self) -> None:
-        with self._lock:
-            items = list(self.running.items())
-        for job_id, run in items:
-            if run.run_ref is None:  # a hosted record: its server reports its end (`end`)
-                continue
-            done = bool(ray.wait([run.run_ref], timeout=0)[0])
-            if run.killed_for is None:
-                self._drain(job_id, run)
-            if done:
-                self._settle(job_id, run)
-
-    def _drain(self, job_id: str, run: RunningJob) -> None:
-        try:
-            out = ray.get(run.actor.drain.remote(), timeout=30)
-        except Exception:  # a dead actor is settled from its run result
-            return
-        for at, kind, message, data in out["events"]:
-            self.store.add_event(job_id, kind, message, data, at=at)
-        if out.get("rewind") is not None:  # the job restarted from a checkpoint: later steps are re-run
-            self.store.truncate_after(job_id, out["rewind"])
-        for at, step, values in out["metrics"]:
-            self.store.add_metrics(job_id, step, values, at=at)
-        for at, step, rows in out["samples"]:
-            self.store.add_samples(job_id, step, rows, at=at)
-        for step, path in out["checkpoints"]:
-            self.store.add_checkpoint(job_id, step, path)
-        self.store.add_logs(job_id, out["logs"])
-        self.store.bump_step(job_id, out["step"])
-        self.store.set_restart(job_id, out.get("restart"))
-        run.actor.committed.remote(out["seq"])  # the job may now commit a checkpoint past these records
-
-    def _settle(self, job_id: str, run: RunningJob) -> None:
-        result = self._result(run)
-        status, now = result["status"], time.time()
-        if status == S.PAUSED and job_id in self._requeue_on_pause:
-            self._requeue_on_pause.discard(job_id)
-            self._paused_for_shutdown.append(job_id)
-            self.store.add_event(job_id, "paused", f"paused at step {result['step']}: the service is shutting down",
-                                 {"reason": "service_shutdown", "step": result["step"]})  # fmt: skip
-            self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.QUEUED)
-            self.store.add_event(
-                job_id, "requeued", f"checkpointed at step {result['step']}; resumes when the service starts"
-            )
-        elif status == S.PAUSED:
-            self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.PAUSED)
-            self.store.add_event(job_id, "paused", f"paused at step {result['step']}")
-        elif status == S.FAILED and result.get("controller_lost") and self._requeue_lost(job_id, result):
-            pass  # it waits in queued for room, then resumes from its last checkpoint
-        elif status == S.FAILED:
-            self.store.transition(job_id, RUN_HOLDING, S.FAILED, finished_at=now, error=result.get("error"))
-            self.store.add_event(job_id, "failed", result.get("error") or "failed")
-        else:  # succeeded, or cancelled at a step boundary or during start-up
-            self.store.transition(job_id, RUN_HOLDING, S(status), finished_at=now)
-            self.store.add_event(
-                job_id, status, result.get("message") or f"{status} at step {result.get('step')}"
-            )
-        if self.store.get_job(job_id).status != S.QUEUED:
-            self.store.set_restart(job_id, None)
-        ray.kill(run.actor, no_restart=True)
-        _remove_placement_group(f"{job_id}-pool")
-        with self._lock:
-            self.running.pop(job_id, None)
-
-    def _requeue_lost(self, job_id: str, result: dict[str, Any]) -> bool:
-        """A running job whose controller actor died (its process or node) goes back to queued, within
-        trainer.max_restarts (shared with the restarts its controllers made: `restart` events)."""
-        job = self.store.get_job(job_id)
-        most = job.spec["trainer"].get("max_restarts", 3)
-        n = self.store.count_events(job_id, "restart") + 1
-        if self._draining or n > most or not self.store.transition(job_id, (S.RUNNING,), S.QUEUED):
-            return False
-        message, resume = (
-            f"restarting ({n}/{most}): the job's controller died",
-            resume_step(self.workload, job.workdir),
-        )
-        self.store.add_event(
-            job_id,
-            "restart",
-            f"{message}; it waits in queued for room, then resumes from step {resume}: {result['error']}",
-            {
-                "cause": "controller died",
-                "error": result["error"],
-                "restart": n,
-                "max_restarts": most,
-                "attempt": n + 1,
-                "step": job.step,
-                "resume_step": resume,
-            },  # fmt: skip
-        )
-        self.store.set_restart(
-            job_id, {"message": message, "phase": "queued", "restart": n, "max_restarts": most}
-        )
-        return True
-
-    def _result(self, run: RunningJob) -> dict[str, Any]:
-        if run.killed_for == "cancel":
-            return {"status": "cancelled", "message": "cancelled while it was starting up"}
-        try:
-            return ray.get(run.run_ref, timeout=30)
-        except Exception as err:
-            error = f"the job's controller died: {type(err).__name__}: {err}"
-            return {"status": "failed", "error": error, "controller_lost": True}
-
-
-def _remove_placement_group(name: str) -> None:
-    """A job's placement group outlives a controller actor that was killed or died (its lifetime is
-    the service's Ray driver): remove it, or its CPUs and GPUs stay held."""
-    try:
-        group = ray.util.get_placement_group(name)
-    except ValueError:  # none by that name: the job removed it when it ended
-        return
-    ray.util.remove_placement_group(group)
+        spec = self.paths.check_spec(spec, sees, own_checkpoint) if self.paths is not None else spec
+        return with_values(job.job_spec, changed_values(job.spec, spec))

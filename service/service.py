@@ -21,8 +21,8 @@ import ray
 from pydantic import ValidationError
 
 from controller.hyperparameters import hyperparameter_overrides
-from controller.spec import JobLabels, JobSpec
-from controller.spec_section import error_message
+from schema.job import JobLabels, JobSpec
+from schema.section import error_message
 from service.files import FileStore
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from service.keys import ADMIN_OWNER
@@ -115,9 +115,7 @@ class Service:
             needs = self.scheduler.workload.needs(spec.model_dump())
             self.check_quota(owner, needs.cpus, needs.gpus)
             self.check_fits_cluster(spec)
-            job = self.store.create_job(
-                spec.model_dump(mode="json"), self.jobs_root, idempotency_key, request_hash, parent_id, owner
-            )
+            job = self.store.create_job(spec, self.jobs_root, idempotency_key, request_hash, parent_id, owner)
         return job, True
 
     def admitting(self) -> threading.Lock:
@@ -252,7 +250,7 @@ class Service:
             raise ServiceError(
                 str(err.args[0]), 400, next(iter(changes), None), "unknown_hyperparameter"
             ) from None
-        spec = _validated_merge(job.spec, overrides)
+        spec = _validated_merge(job, overrides)
         self.store.update_job(job_id, spec=spec.model_dump(mode="json"))
         self.store.add_event(
             job_id, "hyperparameters_requested", f"requested for the next step: {changes}", changes
@@ -269,9 +267,9 @@ class Service:
 
     def merged_spec(self, job_id: str, overrides: dict[str, Any], sees: str | None = None) -> JobSpec:
         """The job's spec with `overrides` applied and validated (what a fork would run)."""
-        parent = self.steered(job_id, sees, "fork").spec
+        parent = self.steered(job_id, sees, "fork")
         spec = _validated_merge(parent, overrides)
-        _same_weights_shape(JobSpec.model_validate(parent), spec)
+        _same_weights_shape(parent.job_spec, spec)
         return spec
 
     def fork(self, job_id: str, step: int | None, overrides: dict[str, Any], sees: str | None = None,
@@ -279,8 +277,8 @@ class Service:
         """A new job of `owner` (the forking key's) from one of the job's checkpoints."""
         parent = self.steered(job_id, sees, "fork")
         chosen = self._fork_point(job_id, step)
-        spec = _validated_merge(parent.spec, overrides)
-        _same_weights_shape(JobSpec.model_validate(parent.spec), spec)
+        spec = _validated_merge(parent, overrides)
+        _same_weights_shape(parent.job_spec, spec)
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(
                 f"trainer.total_steps = {spec.trainer.total_steps} leaves nothing to train after the checkpoint at "
@@ -383,10 +381,11 @@ def _gpu_hint(spec: JobSpec, gpus: float, cluster_gpus: float) -> str:
             "resources.rollout.gpus_per_worker) as fractions to share GPUs, or fewer workers")  # fmt: skip
 
 
-def _validated_merge(spec: dict[str, Any], overrides: dict[str, Any]) -> JobSpec:
-    """The spec with nested overrides, validated; a bad value is a 422 naming the field."""
+def _validated_merge(job: JobRecord, overrides: dict[str, Any]) -> JobSpec:
+    """The job's spec (parsed once, by the store) with nested overrides, validated as a whole; a bad
+    value is a 422 naming the field."""
     try:
-        return JobSpec.model_validate(spec).merged(overrides)
+        return job.job_spec.merged(overrides)
     except ValidationError as err:
         raise _invalid_value(err) from None
 

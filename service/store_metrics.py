@@ -16,9 +16,10 @@ import math
 import sqlite3
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
+
+from service.store_db import StoreDb
 
 METRICS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS metrics (
@@ -47,12 +48,6 @@ class MetricsQuery:
     every: int | None = None  # only steps divisible by K
     max_points: int | None = None  # at most P steps, evenly spaced, the last always kept
     limit: int = 10_000  # a page: at most this many rows, in step order
-
-
-class _Db(Protocol):
-    def _db(self) -> sqlite3.Connection: ...
-
-    def _tx(self, *topics: str) -> AbstractContextManager[sqlite3.Connection]: ...
 
 
 def metrics_topic(job_id: str) -> str:
@@ -84,12 +79,10 @@ def evenly(steps: list[int], points: int) -> list[int]:
     return [steps[round(i * span / (points - 1))] for i in range(points)]
 
 
-class MetricsTable:
+class MetricsTable(StoreDb):
     """The metrics part of JobStore (mixed in: it uses the store's connections and write lock)."""
 
-    def add_metrics(
-        self: _Db, job_id: str, step: int, values: dict[str, float], at: float | None = None
-    ) -> int:
+    def add_metrics(self, job_id: str, step: int, values: dict[str, float], at: float | None = None) -> int:
         values = finite(values)
         with self._tx(metrics_topic(job_id), "jobs") as db:  # the job's step and latest metrics too
             db.execute("DELETE FROM metrics WHERE job_id = ? AND step = ?", (job_id, step))
@@ -104,7 +97,7 @@ class MetricsTable:
                 )
             return int(cur.lastrowid)
 
-    def truncate_after(self: _Db, job_id: str, step: int) -> None:
+    def truncate_after(self, job_id: str, step: int) -> None:
         """Forget what was recorded after `step` (the checkpoint a job resumes from): the job's step
         and latest metrics go back to that step's."""
         with self._tx(metrics_topic(job_id), "jobs") as db:
@@ -118,7 +111,7 @@ class MetricsTable:
                     f"UPDATE {table} SET step = ?, latest_metrics = ? WHERE id = ?", (step, latest, job_id)
                 )
 
-    def metrics_since(self: _Db, job_id: str, after_id: int = 0, limit: int = 200) -> list[dict[str, Any]]:
+    def metrics_since(self, job_id: str, after_id: int = 0, limit: int = 200) -> list[dict[str, Any]]:
         """Rows written after row `after_id`, in write order: what a live stream sends next."""
         rows = (
             self._db()
@@ -142,7 +135,7 @@ class MetricsTable:
         rows, more = self._page_rows(job_id, query)
         return [_row_json(r, query.keys) for r in rows], more
 
-    def export_metrics(self: _Db, job_id: str, keys: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
+    def export_metrics(self, job_id: str, keys: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
         """Every row of the series in step order, read in batches (for the export route)."""
         after = -(2**62)
         while True:
@@ -170,7 +163,7 @@ class MetricsTable:
         page, more = chosen[: query.limit], len(chosen) > query.limit
         return self._rows_at(job_id, page), more
 
-    def _rows_at(self: _Db, job_id: str, steps: list[int]) -> list[sqlite3.Row]:
+    def _rows_at(self, job_id: str, steps: list[int]) -> list[sqlite3.Row]:
         out: list[sqlite3.Row] = []
         for start in range(0, len(steps), 500):  # SQLite caps the number of bound parameters
             chunk = steps[start : start + 500]

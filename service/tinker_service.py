@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.tinker_loss_spec import LossInputError, check_request
+from schema.tinker_losses import LossInputError, check_request
 from service.job_state import JobStatus
 from service.service import Service
 from service.tinker_futures import Future, FutureTable

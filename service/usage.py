@@ -14,11 +14,9 @@ from service.files import FileStore
 from service.job_state import RUN_HOLDING, JobStatus
 from service.quotas import Usage
 from service.store import JobRecord, JobStore
-from service.workloads import RL_JOB
 
 
-def measure(store: JobStore, files: FileStore, owner: str,
-            workload_of: Callable[[JobRecord], Any] = lambda record: RL_JOB) -> Usage:  # fmt: skip
+def measure(store: JobStore, files: FileStore, owner: str, workload_of: Callable[[JobRecord], Any]) -> Usage:
     """Every record of the owner counts, of whatever workload kind (a Tinker run as a job)."""
     usage = Usage(owner)
     for job in store.jobs_of(owner):
@@ -26,10 +24,7 @@ def measure(store: JobStore, files: FileStore, owner: str,
             usage.queued_jobs += 1
         elif job.status in RUN_HOLDING:
             needs = workload_of(job).needs(job.spec)
-            cpus, gpus = needs.cpus, needs.gpus
-            usage.running_jobs += 1
-            usage.cpus += cpus
-            usage.gpus += gpus
+            usage.add_running(needs.cpus, needs.gpus)
         usage.stored["checkpoints"] += folder_bytes(Path(job.workdir, "checkpoints"))
         usage.stored["exports"] += folder_bytes(Path(job.workdir, "export"))
     usage.stored["files"] = sum(r.bytes for r in files.records(owner))

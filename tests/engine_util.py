@@ -63,7 +63,7 @@ def pg_loss(mode: str):
 
 def rollout_corrected_loss():
     """The actor's PPO loss with token-level truncated IS (a cap that bites on part of the tokens)."""
-    from workers.loss_config import RolloutCorrectionConfig
+    from schema.losses import RolloutCorrectionConfig
     from workers.losses import PolicyLossConfig, make_policy_loss
 
     correction = RolloutCorrectionConfig(is_weights="token", is_cap=1.5)
@@ -136,8 +136,8 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, cases: list, out
 
     import torch.distributed as dist
 
-    from engines.config import EngineConfig
     from engines.fsdp.engine import FSDPEngine
+    from schema.engine import EngineConfig
 
     torch.set_num_threads(1)
     os.environ.update(
@@ -188,8 +188,8 @@ def checkpoint_rank_main(rank: int, world: int, port: int, model_dir: str, folde
 
     import torch.distributed as dist
 
-    from engines.config import EngineConfig
     from engines.fsdp.engine import FSDPEngine
+    from schema.engine import EngineConfig
 
     torch.set_num_threads(1)
     os.environ.update(

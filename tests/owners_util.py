@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from controller.spec import JobSpec
+from schema.job import JobSpec
 from tests.api_util import LiveService, tiny_job
 
 

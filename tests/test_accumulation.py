@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engines.base import GlobalCounts
-from engines.config import EngineConfig, OptimizerConfig
 from engines.fsdp.engine import FSDPEngine
+from schema.engine import EngineConfig, OptimizerConfig
 from tests.engine_util import MODES, full_grads, make_batch, max_rel_diff, pg_loss
 
 CALLS = 3  # the batch of 6 rows in calls of 2: rows of different lengths land in different calls
@@ -92,9 +92,9 @@ def test_an_sft_update_reports_its_loss_once(tiny_model_dir):
     rows (before the step), not twice it (the engine's `loss` and the SFT loss's own `sft/loss`)."""
     from transformers import AutoModelForCausalLM
 
+    from schema.workers import UpdateSchedule
     from tests.engine_util import reference_log_probs
     from workers.batch import Batch
-    from workers.config import UpdateSchedule
     from workers.losses import make_sft_loss
     from workers.training import train_on_batch
 

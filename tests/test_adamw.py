@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engines.adamw import AdamWSettings, adamw_step, build_adamw
-from engines.config import OptimizerConfig
 from engines.lora_sessions import Session, SessionSpec
+from schema.engine import OptimizerConfig
 
 # every setting off its default, so that a mapping that drops one shows
 ADAM = {

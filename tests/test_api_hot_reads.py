@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from api.auth import hash_token, new_token
-from controller.spec import JobSpec
+from schema.job import JobSpec
 from tests.api_util import tiny_job
 
 SENT_PER_REQUEST = ("x-request-id", "date")

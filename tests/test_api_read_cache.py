@@ -21,7 +21,7 @@ from api.auth import hash_token, new_token
 from api.errors import APIError
 from api.read_cache import ReadCache
 from api.views import EncodedSummary, job_summary
-from controller.spec import JobSpec
+from schema.job import JobSpec
 from service.store import JobStore, MetricsQuery, metrics_topic
 from tests.api_util import tiny_job
 

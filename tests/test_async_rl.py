@@ -10,8 +10,8 @@ import pytest
 
 from controller.async_loop import LaneSource, make_trainer
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.trainer import StopRequested
+from schema.job import JobSpec
 from tests.test_trainer import job_spec
 
 SPLIT = {"placement": "split", "workers": 1, "rollout": {"workers": 1}}
@@ -178,7 +178,7 @@ def rollout_workers(n: int) -> dict:
     ],
 )
 def test_auto_lanes_and_staleness_resolve_by_the_rule(rollout, resources, trainer, lanes, k):
-    from controller.async_config import buffer_capacity, resolved_lanes, staleness_bound
+    from schema.async_rl import buffer_capacity, resolved_lanes, staleness_bound
 
     spec = small_spec(mode="async", **trainer).merged({"rollout": rollout, "resources": resources})
     assert spec.trainer.rollout_lanes == trainer.get("rollout_lanes", "auto")
@@ -187,7 +187,7 @@ def test_auto_lanes_and_staleness_resolve_by_the_rule(rollout, resources, traine
 
 
 def test_auto_lanes_resolve_to_group_for_an_external_source():
-    from controller.async_config import resolved_lanes, staleness_bound
+    from schema.async_rl import resolved_lanes, staleness_bound
 
     spec = small_spec(mode="async").merged(
         {"rollout": {"source": "external", "external": {"group_size": 2, "trajectories_per_step": 4}}}

@@ -8,11 +8,11 @@ from importlib import metadata
 import pytest
 
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.trainer import Trainer
 from engines.rollout import ROLLOUT_ENGINES, build_rollout_engine, choose_backend, resolve_backend
 from engines.rollout.probes import installed_for_cuda
-from workers.config import RolloutConfig
+from schema.job import JobSpec
+from schema.workers import RolloutConfig
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ from controller.data import (
     read_records,
     resolve_data_files,
 )
-from controller.spec import DataSpec
 from engines.tiny_models import build_tokenizer
+from schema.job import DataSpec
 
 ROWS = [
     {"question": "1+1=", "answer": "2", "meta": {"level": 1}},

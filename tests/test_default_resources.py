@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from controller.role_shares import Capacity, Share, role_shares
-from controller.spec_resources import ResourcesSpec
+from schema.resources import ResourcesSpec
 from tests.api_util import tiny_job, wait_for
 from tests.serve_util import Served, cluster_env, kill_leftovers, start_serve, stop
 

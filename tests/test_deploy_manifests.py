@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from controller.run_spec import load_spec
-from controller.spec import JobSpec
+from schema.job import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

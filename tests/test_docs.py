@@ -58,7 +58,7 @@ def field_paths(model: type, prefix: str = "") -> list[str]:
 
 
 def test_the_config_reference_lists_every_jobspec_field_with_its_bounds() -> None:
-    from controller.spec import JobSpec
+    from schema.job import JobSpec
 
     text = (ROOT / "docs" / "reference" / "config.md").read_text()
     paths = field_paths(JobSpec)

@@ -8,9 +8,9 @@ import pytest
 from pydantic import ValidationError
 
 from engines.base import TrainEngine
-from engines.config import EngineConfig
 from engines.registry import TRAIN_ENGINES, Registry, build_train_engine
 from engines.rollout import ROLLOUT_ENGINES, RolloutEngine, build_rollout_engine, check_tensor_parallel
+from schema.engine import EngineConfig
 
 
 def test_a_registered_builder_is_built_by_name_with_its_arguments():

@@ -1,4 +1,4 @@
-"""The multi-turn settings are declared once (workers.config.EnvironmentOptions): the JobSpec's
+"""The multi-turn settings are declared once (schema.workers.EnvironmentOptions): the JobSpec's
 rollout section inherits them with their bounds, the worker's EnvironmentConfig is built from it,
 and they travel in a batch's meta through one typed pair of functions, as the prompt width does."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from controller.spec import JobSpec
+from schema.job import JobSpec
+from schema.workers import EnvironmentConfig, EnvironmentOptions
 from workers.batch import Batch, environment_of, prompt_length_of, put_environment, put_prompt_length
-from workers.config import EnvironmentConfig, EnvironmentOptions
 
 MULTI_TURN = {
     "environment": "builtin:guess_number",

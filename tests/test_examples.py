@@ -21,6 +21,9 @@ from controller.trainer import Trainer
 from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from tests import test_openai_learning as openai_learning  # not a test_ name: collected once, there
 from tests import test_openenv_job as openenv_job
+from tests import test_reasoning_gym as reasoning_gym_tests
+from tests import test_reasoning_gym_smollm2 as reasoning_gym_smollm2
+from tests import test_verifiers as verifiers_learning  # not a test_ name: collected once, there
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -171,4 +174,8 @@ LEARNING_TESTS = {
     # fed by examples/agent_openai.py through the job's OpenAI-compatible endpoint
     "agent_openai": openai_learning.test_a_job_fed_by_the_agent_script_raises_its_reward,
     "openenv_digits": openenv_job.test_the_openenv_example_learns_on_its_server,  # in make test
+    "reasoning_gym": reasoning_gym_tests.test_the_example_trains_the_tiny_model_through_the_service,
+    "reasoning_gym_smollm2": reasoning_gym_smollm2.test_smollm2_raises_its_reasoning_gym_score,
+    # a verifiers environment the job runs itself (tests/test_verifiers.py, make test)
+    "verifiers_arithmetic": verifiers_learning.test_the_example_environment_learns,
 }

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from controller.external_buffer import ExternalBuffer
-from controller.external_spec import ExternalSpec
 from controller.external_store import Segment, TrajectoryError, TrajectoryStore
 from examples import agent_openai
+from schema.external import ExternalSpec
 from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
 from tests.test_openai_endpoint import client, submit_external, wait_for_endpoint
 
@@ -208,7 +208,7 @@ def test_a_restart_from_a_checkpoint_drops_what_the_lost_attempts_weights_sample
 def test_generated_rollouts_options_are_refused_with_an_external_source(field, value):
     from pydantic import ValidationError
 
-    from controller.spec import JobSpec
+    from schema.job import JobSpec
 
     spec = tiny_job(
         model={"builtin": "tiny-qwen2-chat"},

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from controller.external_spec import ExternalSpec
 from controller.external_store import Segment, TrajectoryError, TrajectoryStore
+from schema.external import ExternalSpec
 
 
 def store(**config) -> TrajectoryStore:

@@ -12,8 +12,8 @@ import torch
 
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, ready_all
+from schema.workers import RolloutConfig
 from workers.batch import Batch
-from workers.config import RolloutConfig
 from workers.critic import CriticWorker
 from workers.hybrid import ActorRolloutRefWorker
 from workers.rollout_role import rollout_mesh_coords

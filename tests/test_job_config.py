@@ -10,16 +10,16 @@ from pydantic import ValidationError
 from api.cli_spec import SpecError, validate
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
 from controller.roles import engine_config, hybrid_config
-from controller.spec import JobSpec
-from engines.config import EngineConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
 from engines.registry import EngineEntry
 from engines.rollout import ROLLOUT_ENGINES, SamplingParams
+from schema.engine import EngineConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
+from schema.job import JobSpec
+from schema.losses import PolicyLossConfig
+from schema.workers import RolloutConfig, UpdateSchedule
 from workers.base import registered_methods
 from workers.batch import Batch, put_sampling, sampling_of
-from workers.config import RolloutConfig, UpdateSchedule
 from workers.critic import CriticWorker
 from workers.hybrid import ActorRolloutRefWorker
-from workers.loss_config import PolicyLossConfig
 from workers.reward_model import RewardModelWorker
 
 

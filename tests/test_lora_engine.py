@@ -16,11 +16,11 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
-from engines.config import EngineConfig
 from engines.fsdp.engine import FSDPEngine
 from engines.rollout.base import SamplingParams
 from engines.rollout.hf import HFRolloutEngine
 from engines.transfer.adapter import AdapterSyncError, AdapterTransfer
+from schema.engine import EngineConfig
 from tests.engine_util import make_batch, pg_loss, reference_log_probs
 
 LORA = {"rank": 4, "alpha": 8.0}
@@ -68,8 +68,8 @@ def test_the_optimizer_holds_exactly_the_adapters_and_the_base_gets_no_gradient(
 def test_an_adapter_on_the_output_projection_is_refused_not_silently_untrained(tiny_model_dir):
     """The log-probs read the output projection's weight directly, so its adapter would get no
     gradient; the service refuses the name at submission, the engine refuses it too."""
-    from engines.config import LoraConfig
     from engines.fsdp.lora import attach
+    from schema.engine import LoraConfig
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="output projection"):
@@ -286,9 +286,9 @@ def _one_row(ids: torch.Tensor, response: int):
 def test_init_from_is_checked_against_the_base_it_was_trained_on(tiny_model_dir, trained, tmp_path):
     """Same shapes, another base: tiny-llama has tiny-qwen2's sizes, so only the adapter's own
     config (base_model_name_or_path) tells them apart."""
-    from engines.config import LoraConfig
     from engines.lora_targets import init_from_errors, linear_layers
     from engines.tiny_models import build_builtin_model
+    from schema.engine import LoraConfig
 
     trained.export_hf(str(tmp_path / "adapter"))
     llama = build_builtin_model("tiny-llama", tmp_path / "models")

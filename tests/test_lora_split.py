@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from controller.spec import JobSpec
 from engines.lora_targets import linear_layers
 from engines.tiny_models import build_builtin_model
 from engines.transfer.adapter import AdapterSyncError, default_tolerance
 from engines.transfer.base import TransferStats
+from schema.job import JobSpec
 from tests.test_placement import assert_same_steps, greedy_spec, run_job
 from workers.adapter_transfer import RemoteAdapterTransfer
 from workers.transfer_peers import RolloutPeers

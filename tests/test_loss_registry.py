@@ -15,8 +15,8 @@ import torch
 from tensordict import TensorDict
 
 from engines.base import GlobalCounts
-from engines.tinker_loss_spec import LOSS_NAMES
-from workers.loss_config import PolicyLossConfig
+from schema.losses import PolicyLossConfig
+from schema.tinker_losses import LOSS_NAMES
 from workers.losses import LOSSES, aggregate, make_policy_loss, make_sft_loss, objective
 from workers.losses.tinker import compute_loss
 

@@ -10,9 +10,9 @@ import torch
 from pydantic import ValidationError
 from tensordict import TensorDict
 
-from controller.spec import AlgorithmSpec
 from engines.base import GlobalCounts, combine_metric
-from workers.loss_config import RolloutCorrectionConfig
+from schema.losses import RolloutCorrectionConfig
+from schema.training import AlgorithmSpec
 from workers.losses import (
     AGG_MODES,
     PolicyLossConfig,

@@ -71,8 +71,8 @@ def run_scenario() -> dict[str, Any]:
     from ray.cluster_utils import Cluster
 
     from controller.resource_pool import ResourcePool, ResourcePoolError
-    from controller.spec_resources import ResourcesSpec
     from controller.worker_group import RayWorkerGroup
+    from schema.resources import ResourcesSpec
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     cluster.add_node(num_cpus=2, node_ip_address=WORKER_NODE_IP)

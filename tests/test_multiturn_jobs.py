@@ -11,8 +11,8 @@ import math
 import pytest
 
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.trainer import Trainer
+from schema.job import JobSpec
 
 
 def env_spec(environment: str, task: str) -> JobSpec:

@@ -122,8 +122,8 @@ def test_vllm_trajectories_are_the_rendering_of_their_conversation_with_sampled_
 @pytest.mark.slow  # ~60 s more: a vLLM engine starts in the worker too
 def test_a_multiturn_grpo_job_runs_on_vllm_with_the_trainers_log_probs(ray_cluster, tmp_path, monkeypatch):
     from controller.sink import JsonlSink
-    from controller.spec import JobSpec
     from controller.trainer import Trainer
+    from schema.job import JobSpec
 
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     spec = JobSpec.model_validate(

@@ -13,8 +13,8 @@ import pytest
 import ray
 
 from controller.external_bounds import CALL_TOKEN_BUDGET, new_tokens
-from controller.external_spec import server_name
 from controller.external_store import TrajectoryError
+from schema.external import server_name
 from tests.api_util import tiny_job
 from tests.test_openai_endpoint import submit_external
 

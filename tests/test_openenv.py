@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import uvicorn
 
+from schema.workers import EnvironmentConfig
 from tests.api_util import free_port, tiny_job
-from workers.config import EnvironmentConfig
 from workers.environments.loader import EnvironmentReferenceError
 from workers.environments.openenv_client import client_classes
 from workers.environments.openenv_ref import openenv_url_problem, openenv_ws_url

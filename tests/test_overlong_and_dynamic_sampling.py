@@ -9,7 +9,8 @@ import torch
 
 from controller.dynamic_sampling import sample_signal_groups, uniform_groups
 from controller.overlong import apply_overlong, overlong_penalty
-from controller.spec import JobSpec, OverlongSpec
+from schema.job import JobSpec
+from schema.training import OverlongSpec
 from workers.batch import Batch
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from api.settings import EXAMPLES_DIR, ServeSettings
-from controller.spec import JobSpec
+from schema.job import JobSpec
 from service.tracker_policy import TrackerPolicy, TrackerRefused, host_entry
 from tests.api_util import LiveService, start_service, tiny_job
 from tests.owners_util import owned_job, two_owners, upload
@@ -233,7 +233,7 @@ def test_a_job_whose_paths_are_not_its_owners_fails_when_it_starts(svc, world):
         spec_of(model={"builtin": None, "path": link}), svc.service.jobs_root, owner="bob"
     )
     spec = scheduler.spec_to_run(store.get_job(mine.id), own_checkpoint=False)
-    assert spec["model"]["path"] == str(Path(world["bob_export"]).resolve())  # what was checked is what runs
+    assert spec.model.path == str(Path(world["bob_export"]).resolve())  # what was checked is what runs
 
 
 def test_mlflow_servers_and_schemes_are_the_operators_to_allow(owners, world):

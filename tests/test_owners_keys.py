@@ -127,7 +127,8 @@ def test_a_store_made_before_owners_gives_its_rows_and_keys_to_the_admin(tmp_pat
 
     from api.auth import hash_token
     from service.keys import KEYS_SCHEMA
-    from service.store import SCHEMA, JobStore
+    from service.store import JobStore
+    from service.store_schema import SCHEMA
 
     path = tmp_path / "tandem.db"
     with sqlite3.connect(path) as db:

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from controller import checkpoints
 from controller.role_shares import Capacity, Share, role_shares
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.trainer import Trainer
+from schema.job import JobSpec
 from tests.test_trainer import job_spec
 
 TOL = 1e-5

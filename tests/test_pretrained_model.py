@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.trainer import Trainer
 from engines.pretrained import PACKAGED_MODELS, build_packaged_model, packaged_gguf
+from schema.job import JobSpec
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2-135m-instruct"

@@ -23,14 +23,14 @@ import torch
 from ray.exceptions import RayActorError
 from safetensors.torch import load_file
 
-from api.cli import shown_status
+from api.cli_jobs import shown_status
 from controller.recovery import RestartsExhausted, WorkerLost, worker_lost
 from controller.recovery import worker_pids as recovery_worker_pids
 from controller.resource_pool import ResourcePoolError
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.trainer import Trainer
 from controller.worker_group import WorkerGroupError
+from schema.job import JobSpec
 from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
 
 TOTAL = 5

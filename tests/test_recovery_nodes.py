@@ -49,8 +49,8 @@ def run_job(cluster: Any, workdir: Path, strategy: str, add_node: bool) -> dict[
     and report what the job recorded and which restart phases it showed."""
     from controller import checkpoints
     from controller.sink import JsonlSink
-    from controller.spec import JobSpec
     from controller.trainer import Trainer
+    from schema.job import JobSpec
 
     worker_node = cluster.add_node(num_cpus=2, node_ip_address=WORKER_NODE_IP)
     cluster.wait_for_nodes()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller.external_spec import AgentError, load_agent_fn
+from controller.agent_sandbox import AgentError, load_agent_fn
 from controller.rewards import RewardFunctionError, load_reward_fn
 from tests.owners_util import as_key, make_key, upload
 from workers.environments.loader import EnvironmentReferenceError, load_environment_class

@@ -20,8 +20,9 @@ import pytest
 
 from controller.recovery import Recovery, RestartsExhausted, WorkerLost, worker_pids
 from controller.sink import JsonlSink
-from controller.spec import JobSpec, TrainerSpec
 from controller.trainer import Trainer
+from schema.job import JobSpec
+from schema.training import TrainerSpec
 from tests.test_placement import read_samples
 from tests.test_trainer import job_spec
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from api.settings import ServeSettings
+from schema.workers import EnvironmentConfig
 from tests.api_util import TERMINAL, start_service, tiny_job, wait_for
 from tests.owners_util import as_key, make_key, upload
-from workers.config import EnvironmentConfig
 from workers.environments.sandboxed import environment_factory, release
 from workers.sandbox.launch import probe
 

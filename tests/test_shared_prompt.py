@@ -13,10 +13,10 @@ import torch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
-from engines.config import EngineConfig, MicroBatchConfig
 from engines.fsdp.engine import FSDPEngine
 from engines.microbatch import PromptGroups, dynamic_micro_batches
 from engines.shared_prompt import pack_shared, prompt_groups
+from schema.engine import EngineConfig, MicroBatchConfig
 from tests.engine_util import MODES, full_grads, max_rel_diff, pg_loss, reference_log_probs, reference_loss
 
 PROMPT_WIDTH, RESPONSE_WIDTH = 5, 6

@@ -14,11 +14,11 @@ import pytest
 from api.cli_spec import build_spec
 from controller.data import SFTDataset, build_dataset
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.tasks import get_task
 from controller.trainer import Trainer
 from engines.tiny_models import BUILTIN_MODELS, build_tokenizer
 from examples import agent_openai
+from schema.job import JobSpec
 from workers.chat_delta import ChatDelta
 from workers.chat_serving import ChatRenderer, parse_tool_calls
 from workers.environments.calculator import evaluate

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.config import EngineConfig, MicroBatchConfig
 from engines.fsdp.engine import FSDPEngine
 from engines.tiny_models import TinyModelSpec, build_tiny_model
+from schema.engine import EngineConfig, MicroBatchConfig
 from tests.engine_util import full_grads, make_batch, max_rel_diff, pg_loss, reference_loss
 
 

@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 
-from engines.tinker_loss_spec import (
+from schema.tinker_losses import (
     LOSS_NAMES,
+    SPECS,
     LossInputError,
     check_request,
     config_defaults,
-    required_inputs,
 )
 from workers.losses.tinker import compute_loss
 
@@ -40,7 +40,7 @@ def _run(loss_fn: str, data: list[dict], config: dict | None = None):
     inputs = []
     for d in data:
         inp = {"target_tokens": torch.tensor(d["target_tokens"], dtype=torch.int64)}
-        for name in required_inputs(loss_fn):
+        for name in SPECS[loss_fn].required:
             if name != "target_tokens":
                 inp[name] = torch.tensor(d[name], dtype=torch.float64)
         inputs.append(inp)
@@ -297,5 +297,5 @@ def test_spec_module_is_torch_free():
     import subprocess
     import sys
 
-    code = "import sys, engines.tinker_loss_spec; assert 'torch' not in sys.modules"
+    code = "import sys, schema.tinker_losses; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

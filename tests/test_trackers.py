@@ -16,9 +16,9 @@ import pytest
 
 from api.settings import ServeSettings
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.trackers import TrackerSink, with_trackers
 from controller.trackers.base import RUN_IDS_FILE
+from schema.job import JobSpec
 from tests.api_util import start_service, tiny_job, wait_for
 from tests.tracker_records import (
     mlflow_client,

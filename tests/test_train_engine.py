@@ -15,10 +15,10 @@ from transformers import AutoModelForCausalLM
 
 from engines import checkpoint as ckpt
 from engines import checkpoint_paths
-from engines.config import EngineConfig, MicroBatchConfig
 from engines.fsdp.engine import FSDPEngine
 from engines.fsdp.modules import ModelLoadError
 from engines.microbatch import TOKEN_BUDGET_SCALE, MicroBatchError, auto_token_budget
+from schema.engine import EngineConfig, MicroBatchConfig
 from tests.engine_util import (
     MODES,
     full_grads,

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from controller.sink import JsonlSink
-from controller.spec import JobSpec
 from controller.trainer import StopRequested, Trainer
+from schema.job import JobSpec
 
 # Metrics that measure time, or count syncs since the process started, legitimately differ on resume.
 NONDETERMINISTIC = (

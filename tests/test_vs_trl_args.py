@@ -9,7 +9,7 @@ import pytest
 
 from bench import vs_trl
 from bench.tandem_side import tandem_spec
-from controller.spec import JobSpec
+from schema.job import JobSpec
 
 
 def test_several_token_counts_parse_and_the_in_process_levers_are_refused_when_served(capsys):

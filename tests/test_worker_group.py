@@ -12,10 +12,10 @@ import torch
 
 from controller.dispatch import MeshLayout
 from controller.resource_pool import ResourcePool, cluster_capacity, job_shares
-from controller.spec_resources import ResourcesSpec
 from controller.worker_group import RayWorkerGroup, RoleSpec, WorkerGroupError, fused_groups, ready_all
 from engines.host_memory import transparent_huge_pages
 from engines.threads import logical_cpus, physical_cores
+from schema.resources import ResourcesSpec
 from tests.wait_worker import WaitWorker
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch

@@ -13,12 +13,12 @@ from controller.groups import ActorGroup, CheckpointedGroup, CriticGroup, operat
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup
 from engines.base import GlobalCounts
-from engines.config import OptimizerConfig
+from schema.engine import OptimizerConfig
+from schema.losses import SFTLossConfig
 from tests.engine_util import make_batch
 from workers.base import Dispatch, Reduce, Worker, register, registered_methods
 from workers.batch import Batch
 from workers.hybrid import ActorRolloutRefWorker
-from workers.loss_config import SFTLossConfig
 
 LR = 5e-2
 

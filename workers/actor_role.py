@@ -19,11 +19,11 @@ from engines.base import TrainEngine
 from engines.registry import build_train_engine
 from engines.threads import limit_threads_for_model
 from engines.transfer.base import NamedTensor, WeightTransfer
+from schema.losses import PolicyLossConfig, SFTLossConfig
+from schema.workers import HybridWorkerConfig, UpdateSchedule
 from workers.adapter_transfer import RemoteAdapterTransfer, probe_all_ranks
 from workers.base import Dispatch, Reduce, Worker, register
 from workers.batch import Batch
-from workers.config import HybridWorkerConfig, UpdateSchedule
-from workers.loss_config import PolicyLossConfig, SFTLossConfig
 from workers.operations import TrainingOperations, TrainOps, prepare_loss, temperature_of
 from workers.training import train_on_batch
 from workers.transfer_choice import RolloutLink, connect

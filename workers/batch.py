@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from engines.rollout.base import SamplingParams
-from workers.config import EnvironmentConfig
+from schema.workers import EnvironmentConfig
 
 Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
 

@@ -7,13 +7,13 @@ into the same processes as another role.
 
 from __future__ import annotations
 
-from engines.config import EngineConfig
 from engines.registry import build_train_engine
 from engines.threads import limit_threads_for_model
+from schema.engine import EngineConfig
+from schema.losses import ValueLossConfig
+from schema.workers import UpdateSchedule
 from workers.base import Dispatch, Reduce, register
 from workers.batch import Batch
-from workers.config import UpdateSchedule
-from workers.loss_config import ValueLossConfig
 from workers.operations import TrainingOperations, TrainOps, prepare_loss
 from workers.training import train_on_batch
 

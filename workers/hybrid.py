@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 from engines.threads import limit_threads_for_model
 from engines.transfer.base import NamedTensor
+from schema.workers import HybridWorkerConfig
 from workers.actor_role import ActorRefWorker
 from workers.base import Worker
-from workers.config import HybridWorkerConfig
 from workers.rollout_role import RolloutWorker
 from workers.transfer_choice import in_process
 

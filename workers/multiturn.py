@@ -27,8 +27,8 @@ import torch
 from tensordict import TensorDict
 
 from engines.rollout import RolloutEngine, SamplingParams
+from schema.workers import EnvironmentConfig
 from workers.chat_delta import ChatDelta
-from workers.config import EnvironmentConfig
 from workers.environments.base import StepResult, as_messages
 from workers.environments.sandboxed import environment_factory, release
 

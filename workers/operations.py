@@ -8,7 +8,7 @@ optional AdamW settings for that step alone; returns the grad norm), `lr_schedul
 
 `TrainingOperations` is a worker mixin that registers the same operations as worker-group methods
 on the "actor" mesh, each in its own train/eval mode, with the loss given by its options
-(`workers.loss_config.LossSpec`), plus `save_state` / `load_state`. A caller that accumulates over
+(`schema.losses.LossSpec`), plus `save_state` / `load_state`. A caller that accumulates over
 several `forward_backward` calls before one `optim_step` passes the counts of all of them
 (`GlobalCounts.of`, the loss contract of engines/base.py), so the gradient is that of one call
 with the whole batch. A MESH call pads a batch that does not divide by the dp size with copies of
@@ -25,10 +25,10 @@ import torch
 from tensordict import TensorDict
 
 from engines.base import NEEDS_BACKWARD, EngineOutput, GlobalCounts, LossFn, TrainEngine
-from engines.config import OptimizerConfig
+from schema.engine import OptimizerConfig
+from schema.losses import LossSpec, PolicyLossConfig
 from workers.base import Dispatch, Reduce, Worker, register
 from workers.batch import Batch, sampling_of
-from workers.loss_config import LossSpec, PolicyLossConfig
 
 
 class TrainOps:

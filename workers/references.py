@@ -1,7 +1,7 @@
 """References to code: "builtin:NAME", "package.module:name" or "path/to/file.py:name".
 
 Reward functions (controller/rewards.py), environment classes (workers/environments/loader.py) and
-agents (controller/external_spec.py) are all addressed this way. `parse_reference` decides the form
+agents (controller/agent_sandbox.py) are all addressed this way. `parse_reference` decides the form
 once, the same way for every caller: a reference that starts with "builtin:" names an entry of the
 caller's built-in table, exactly (`lookup_builtin`), and is never a module or a path, whatever
 follows the prefix; every other reference is split at its last ':' into a source (a Python file when

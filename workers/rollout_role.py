@@ -33,9 +33,9 @@ from engines.threads import limit_threads_for_model
 from engines.transfer.adapter import probe_completion
 from engines.transfer.base import NamedTensor
 from engines.transfer.collective import TransferGroup
+from schema.workers import EnvironmentConfig, RolloutConfig, RolloutWorkerConfig
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch, environment_of, prompt_length_of, sampling_of
-from workers.config import EnvironmentConfig, RolloutConfig, RolloutWorkerConfig
 from workers.object_store_transfer import decode_bucket
 from workers.rollout_layout import rollout_tensors
 

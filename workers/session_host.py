@@ -77,7 +77,7 @@ class SessionWorker(Worker):
     def _guard(self, fn: Callable[[], Any]) -> Result:
         """`fn`'s answer as {"ok"}; its input error as a user error, anything else a server error."""
         from engines.adapter_engine import InputError
-        from engines.tinker_loss_spec import LossInputError
+        from schema.tinker_losses import LossInputError
 
         try:
             return {"ok": fn()}

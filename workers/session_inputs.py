@@ -11,7 +11,7 @@ import torch
 
 from engines.adapter_engine import InputError
 from engines.multi_lora_sample import SampleRequest
-from engines.tinker_loss_spec import LossInputError, check_request
+from schema.tinker_losses import LossInputError, check_request
 
 WIRE_DTYPES = {"int64": torch.long, "float32": torch.float32}
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

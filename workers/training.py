@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from engines.base import MAX_SUFFIX, LossFn, TrainEngine, combine_metric
+from schema.workers import UpdateSchedule
 from workers.batch import Batch
-from workers.config import UpdateSchedule
 from workers.operations import TrainOps
 
 

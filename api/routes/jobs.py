@@ -26,7 +26,7 @@ from api.deps import (
 from api.errors import APIError, documented
 from api.settings import ServeSettings
 from api.views import EncodedSummary, job_view, listing_json
-from controller.spec import METADATA_KEY, JobSpec
+from schema.job import METADATA_KEY, JobSpec
 
 router = APIRouter(
     prefix="/v1/jobs", tags=["jobs"], route_class=CheckedRoute, responses={**AUTH_ERRORS, **documented(404)}

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from api.errors import APIError
-from controller.external_spec import server_name
+from schema.external import server_name
 from service.service import Service
 
 REQUEST_TIMEOUT_S = 900.0  # a call may wait for a training step's update on a colocated worker

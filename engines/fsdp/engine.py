@@ -46,7 +46,6 @@ from engines.base import (
     TrainEngine,
     combine_metric,
 )
-from engines.config import EngineConfig
 from engines.distributed import (
     all_reduce_max,
     all_reduce_max_floats,
@@ -69,6 +68,7 @@ from engines.microbatch import MicroBatchPlanner, PromptGroups
 from engines.multi_lora import adapters_off
 from engines.packing import pack, response_columns, unpack
 from engines.shared_prompt import pack_shared, prompt_groups
+from schema.engine import EngineConfig
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engines.config import ALL_LINEAR, LoraConfig
 from engines.lora_targets import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, adapter_file, base_module
 from engines.multi_lora import from_peft_tensors, inject
+from schema.engine import ALL_LINEAR, LoraConfig
 
 
 def peft_config(cfg: LoraConfig, base_model_path: str | None = None):  # -> peft.LoraConfig

@@ -152,8 +152,8 @@ class ValueModel(nn.Module):
 def sparse_tied_embedding(model: torch.nn.Module, device: torch.device) -> bool:
     """Where the input embedding is the output head's weight (tied, as SmolLM2's), one rank on a CPU:
     the embedding's backward returns its few rows as a sparse gradient, which autograd adds into the
-    head's dense one. Its dense gradient was a zero-filled [vocabulary, hidden] tensor every
-    micro-batch (113 MB at SmolLM2, 48 ms) plus one more pass to sum the two. A micro-batch whose
+    head's dense one, instead of a zero-filled [vocabulary, hidden] tensor every micro-batch plus
+    one more pass to sum the two. A micro-batch whose
     loss reads no head would leave the gradient sparse: optimizer_step (engines/fsdp/optim.py)
     makes it dense."""
     inner = model.lm if isinstance(model, PolicyModel) else None

@@ -13,7 +13,7 @@ import math
 import torch
 
 from engines.adamw import AdamWSettings, adamw_step, build_adamw
-from engines.config import OptimizerConfig
+from schema.engine import OptimizerConfig
 
 
 class OptimizerMixin:

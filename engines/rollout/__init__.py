@@ -93,7 +93,7 @@ def _probe_vllm() -> str | None:
     return probe_vllm()
 
 
-@register_rollout_engine("vllm", probe=_probe_vllm)
+@register_rollout_engine("vllm", probe=_probe_vllm, max_lora_rank=512)  # vllm.VLLM_LORA_RANKS[-1]
 def _build_vllm(model_path: str | Path, device: str = "cpu", dtype: str = "auto", **kw: Any) -> RolloutEngine:
     from engines.rollout.vllm import VLLMRolloutEngine
 

@@ -5,8 +5,7 @@ calls per layer (separate q, k and v projections, separate gate and up projectio
 five element-wise ops, rotary embedding as seven), and on a small model on the CPU the calls, not
 their arithmetic, are most of the time. `FusedDecoder.step` computes the same step with one
 projection for q, k and v, one for gate and up, `F.rms_norm`, and attention for the one query as two
-matmuls: ~0.75x the time of transformers' step at qwen2-1m, 128 rows (bench/RESULTS.md, issue 17);
-at SmolLM2-135M, where the GEMMs dominate, the two cost the same (issue 34, generation).
+matmuls. It pays off on small models; where the matrix products dominate, the two cost the same.
 
 The fused weights are the model's own: `fuse` allocates one [q; k; v] and one [gate; up] buffer per
 layer and turns each projection's parameter into a view of its rows, so a weight sync that copies

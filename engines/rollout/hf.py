@@ -122,9 +122,8 @@ def own_weights(model: torch.nn.Module) -> None:
     """Give every parameter its own, 64-byte aligned storage (buffers are computed at init).
 
     On CPU, from_pretrained leaves the weights as views into a copy-on-write mmap of the
-    safetensors file, at the file's offsets (40 bytes off a cache line for qwen2-20m). Every weight
-    sync copies into them: misaligned, those copies ran ~1.3x slower, and the first sync also
-    page-faulted the whole file in (up to ~10x a warm sync; bench/RESULTS.md, weight sync).
+    safetensors file, at the file's offsets (not cache-line aligned). Every weight sync copies into
+    them: misaligned, those copies are slower, and the first sync also page-faults the whole file in.
     Tied weights share one Parameter, so they stay tied.
     """
     for param in model.parameters():
@@ -194,7 +193,7 @@ class HFRolloutEngine(RolloutEngine):
         else:
             generator.manual_seed(params.seed)
         tokens, log_probs, lengths, stopped = self._decode(rows, params, generator)
-        # Whole tensors to lists once: a slice and a .tolist() per row cost ~10x more.
+        # Whole tensors to lists once: a slice and a .tolist() per row cost far more.
         tokens_rows, log_prob_rows = tokens.tolist(), log_probs.tolist()
         return [
             Completion(
@@ -356,7 +355,7 @@ class HFRolloutEngine(RolloutEngine):
         if self.device.type == "cuda":
             self.model.to("cpu")
             self._refresh_after_move()
-            gc.collect()  # drop the last references before the cache is emptied (0.3-0.7 s: CUDA only)
+            gc.collect()  # drop the last references before the cache is emptied (slow: CUDA only)
             torch.cuda.empty_cache()
         self._released = True
 

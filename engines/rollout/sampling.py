@@ -6,9 +6,8 @@ the log-probability is read from that same distribution.
 A token is drawn by inverting the row's cumulative distribution with one uniform number per row:
 exp(logits - max) once, then a two-level search (`_draw`: block sums, then a running sum inside
 one block). `torch.multinomial` draws the same distribution as an exponential race, one
-exponential number per vocabulary entry from the CPU generator: at SmolLM2's 49k vocabulary and
-128 rows a step's sampling took ~0.19 s on one thread that way (bench/RESULTS.md, issue 34,
-generation). The log-probability comes from the same sums (logit - max - log sum), so no [B, V]
+exponential number per vocabulary entry from the CPU generator, which is slow on one thread at a
+real vocabulary. The log-probability comes from the same sums (logit - max - log sum), so no [B, V]
 log-softmax is written; top-k and top-p cost their sort only when set.
 
 Why the draw is exact: u = (1 - r) * total with r uniform in [0, 1) lies in (0, total]; each search
@@ -54,7 +53,7 @@ def _draw(terms: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor
     terms / row sum, and the row sums [B, 1] in float64.
 
     Two levels, so that no [B, V] float64 running sum is written (on one CPU thread a float64
-    cumsum of [128, 49152] took 50 ms, the rest of sampling 10 ms): the block sums (float32
+    cumsum over the whole vocabulary costs more than the rest of sampling): the block sums (float32
     pairwise sums, relative error ~1e-7) pick a block, then a float64 running sum over that block's
     1024 entries picks the entry. Both searches are "first running sum >= u" with u in (0, sum], so
     an entry (or block) of mass 0 is never picked.

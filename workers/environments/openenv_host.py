@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from workers.config import EnvironmentConfig
+from schema.workers import EnvironmentConfig
 from workers.environments.loader import EnvironmentReferenceError, load_environment_class
 from workers.environments.openenv_client import OpenEnvEnvironment, OpenEnvServer
 from workers.environments.openenv_ref import is_openenv_app

@@ -23,7 +23,7 @@ import threading
 from dataclasses import replace
 from typing import Any
 
-from workers.config import EnvironmentConfig
+from schema.workers import EnvironmentConfig
 from workers.environments.loader import REFERENCE_FORMS, EnvironmentReferenceError, load_environment_class
 from workers.environments.openenv_client import OpenEnvEnvironment, OpenEnvServer
 from workers.environments.openenv_host import OpenEnvHost

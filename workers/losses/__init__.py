@@ -13,7 +13,7 @@ the KL estimators. tinker.py is the Tinker API's `compute_loss` over per-datum l
 """
 
 from engines.base import LossFn
-from workers.loss_config import LossSpec, SFTLossConfig, ValueLossConfig
+from schema.losses import LossSpec, SFTLossConfig, ValueLossConfig
 from workers.losses.aggregation import AGG_MODES, AggMode, aggregate, check_agg_mode
 from workers.losses.kl import KL_TYPES, KLType, kl_estimate
 from workers.losses.policy import (
@@ -28,16 +28,14 @@ from workers.losses.value import make_value_loss
 
 
 def make_loss(spec: LossSpec) -> LossFn:
-    """The LossFn of a loss's options (workers.loss_config.LossSpec)."""
+    """The LossFn of a loss's options (schema.losses.LossSpec)."""
     if isinstance(spec, PolicyLossConfig):
         return make_policy_loss(spec)
     if isinstance(spec, SFTLossConfig):
         return make_sft_loss(spec.loss_agg_mode)
     if isinstance(spec, ValueLossConfig):
         return make_value_loss(spec.vf_clip, spec.loss_agg_mode)
-    raise TypeError(
-        f"a loss is given by its options (workers.loss_config.LossSpec), not {type(spec).__name__}"
-    )
+    raise TypeError(f"a loss is given by its options (schema.losses.LossSpec), not {type(spec).__name__}")
 
 
 __all__ = [

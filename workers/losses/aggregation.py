@@ -27,7 +27,7 @@ from typing import get_args
 import torch
 
 from engines.base import GlobalCounts
-from workers.loss_config import AggMode
+from schema.losses import AggMode
 
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 

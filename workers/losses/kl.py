@@ -16,7 +16,7 @@ from typing import get_args
 
 import torch
 
-from workers.loss_config import KLType
+from schema.losses import KLType
 
 KL_TYPES: tuple[str, ...] = get_args(KLType)
 _ALIASES = {"low_var_kl": "k3", "kl": "k1", "mse": "k2"}

@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from engines.base import GlobalCounts, LossFn
-from workers.loss_config import PolicyLossConfig, RolloutCorrectionConfig
+from schema.losses import PolicyLossConfig, RolloutCorrectionConfig
 from workers.losses.aggregation import aggregate, check_agg_mode, token_fraction, token_mean
 from workers.losses.kl import kl_estimate
 from workers.losses.registry import TokenInputs, TokenLoss, objective

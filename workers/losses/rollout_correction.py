@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 
 from engines.base import GlobalCounts
-from workers.loss_config import RolloutCorrectionConfig
+from schema.losses import RolloutCorrectionConfig
 from workers.losses.kl import kl_estimate
 
 # exp(delta) past this overflows in low precision; ratios this far out are truncated or rejected anyway.

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from engines.tinker_loss_spec import SPECS, LossInputError, resolve_config
+from schema.tinker_losses import SPECS, LossInputError, resolve_config
 from workers.losses.aggregation import aggregate
 from workers.losses.registry import LOSSES, TokenInputs
 

@@ -1,14 +1,17 @@
-"""The base of every JobSpec section, and the two helpers the spec's cross-section rules use.
+"""The base of every JobSpec section, and the helpers the spec's cross-section rules use.
 
-Torch-free, like controller/spec.py: the API and the CLI read it.
+Torch-free, like the whole schema package: the API and the CLI read it.
 """
 
 from __future__ import annotations
 
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+MAX_SAMPLES = 1 << 20  # prompts, samples or rows per step: far beyond any machine's memory
+M = TypeVar("M", bound=BaseModel)
 
 
 class Section(BaseModel):
@@ -59,5 +62,35 @@ def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
         if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = deep_merge(out[key], value)
         else:
+            out[key] = value
+    return out
+
+
+def fields_of(source: BaseModel, cls: type[M], **values: Any) -> M:
+    """A `cls` from the fields `source` shares with it (it inherits them), plus `values`, validated."""
+    shared = {n: getattr(source, n) for n in cls.model_fields if n in type(source).model_fields}
+    return cls.model_validate({**shared, **values})
+
+
+def with_values(model: M, changes: dict[str, Any]) -> M:
+    """A copy of `model` with the nested `changes` set, not validated again: for values that replace
+    checked ones with their resolved form (an upload id by its stored path)."""
+    update = {}
+    for key, value in changes.items():
+        current = getattr(model, key)
+        nested = isinstance(current, BaseModel) and isinstance(value, dict)
+        update[key] = with_values(current, value) if nested else value
+    return model.model_copy(update=update)
+
+
+def changed_values(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The nested values of `after` that differ from `before`'s (what `with_values` takes)."""
+    out: dict[str, Any] = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            if inner := changed_values(old, value):
+                out[key] = inner
+        elif value != old:
             out[key] = value
     return out

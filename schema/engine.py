@@ -6,16 +6,15 @@ and how a batch is cut into micro-batches. Every section forbids unknown keys an
 can on construction, so a bad value fails where it was written rather than deep inside a training
 step.
 
-These are the lowest-layer declarations of their settings: the JobSpec sections of
-controller/spec.py inherit them (JobSpec.optim from OptimizerConfig and WarmupDecay,
-JobSpec.algorithm from MicroBatchConfig) and rebuild the engine's models with `fields_of`, so a
-bound or a cross-field rule written here is checked when a job is submitted. This module imports
-neither torch nor Ray.
+Each setting is declared once, here: the JobSpec sections (schema/training.py) inherit these
+models (JobSpec.optim from OptimizerConfig and WarmupDecay, JobSpec.algorithm from
+MicroBatchConfig) and rebuild the engine's models with `schema.section.fields_of`, so a bound or a
+cross-field rule written here is checked when a job is submitted. Neither torch nor Ray.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -23,13 +22,6 @@ from engines.registry import TRAIN_ENGINES
 
 Dtype = Literal["auto", "float32", "bfloat16"]
 ScheduleKind = Literal["constant", "cosine"]
-M = TypeVar("M", bound=BaseModel)
-
-
-def fields_of(source: BaseModel, cls: type[M], **values: Any) -> M:
-    """A `cls` from the fields `source` shares with it (it inherits them), plus `values`, validated."""
-    shared = {n: getattr(source, n) for n in cls.model_fields if n in type(source).model_fields}
-    return cls.model_validate({**shared, **values})
 
 
 class _Section(BaseModel):

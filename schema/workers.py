@@ -1,10 +1,9 @@
 """The workers' configuration: what a worker is built with, and the typed arguments of its calls.
 
-These models import neither torch nor Ray, so `controller/spec.py` builds the JobSpec sections on
-them (a JobSpec section inherits the fields it shares with a model here) and every setting is
-declared, bounded and validated once. The controller hands the workers these models, never dicts;
-a worker also accepts the equivalent dict (tests and scripts), validated by the same model. The
-loss options (PolicyLossConfig, RolloutCorrectionConfig) live beside them in workers/loss_config.py.
+Neither torch nor Ray: the JobSpec sections (schema/rollout.py, schema/training.py) inherit the
+fields they share with a model here, so every setting is declared and bounded once. The controller
+hands the workers these models, never dicts; a worker also accepts the equivalent dict (tests and
+scripts), validated by the same model. The loss options live beside them in schema/losses.py.
 """
 
 from __future__ import annotations
@@ -13,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engines.config import Dtype, EngineConfig
 from engines.rollout import ROLLOUT_ENGINES, check_tensor_parallel
+from schema.engine import Dtype, EngineConfig
 
 
 class _Config(BaseModel):
@@ -51,8 +50,8 @@ class RolloutOptions(_Config):
     weight_transfer: Literal["collective", "object_store"] = Field(
         "collective",
         description="how weights reach rollout workers placed apart (resources.placement 'split'): "
-        "'collective' (a torch.distributed group made for it: gloo on CPU, NCCL on GPU; the faster in split "
-        "jobs, bench/RESULTS.md) or 'object_store' (Ray's); colocated workers always copy in process; with "
+        "'collective' (a torch.distributed group made for it: gloo on CPU, NCCL on GPU) or 'object_store' "
+        "(Ray's); colocated workers always copy in process; with "
         "model.lora the adapter alone goes through the object store either way",
     )
 

@@ -3,21 +3,18 @@
 With `rollout.source: external` the job does not draw prompts from its data: agents call
 `/v1/jobs/{id}/openai/...` (api/routes/openai_chat.py), every call is recorded token-exact in its
 trajectory (controller/external.py), and a step trains once `trajectories_per_step` rewarded
-trajectories form complete groups of `group_size` with the same task id.
+trajectories form complete groups of `group_size` with the same task id. An agent the job runs
+itself (`agent`) is loaded by controller/agent_sandbox.py.
 """
 
 from __future__ import annotations
 
-import inspect
+import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from controller.spec_section import field_error
-from workers.references import lookup_builtin, parse_reference, resolve_reference
-
-REFERENCE_FORMS = "'module:function' or 'path/to/file.py:function'"
-BUILTIN_AGENTS: dict[str, Any] = {}  # none yet: "builtin:..." names nothing an agent may be
+from schema.section import field_error
 
 
 def server_name(job_id: str) -> str:
@@ -50,8 +47,10 @@ class ExternalSpec(BaseModel):
         max_length=2048,
         description="an agent the job runs itself, in worker processes: 'module:function' or "
         "'path/file.py:function', called as function(client, model, index) with an openai.OpenAI client "
-        "recording one trajectory; returns the reward or {reward, task_id?, turn_rewards?, metadata?}",
+        "recording one trajectory; returns the reward or {reward, task_id?, turn_rewards?, metadata?}; or a "
+        "verifiers environment's Taskset class (docs/guides/verifiers.md)",
     )
+    agent_args: dict[str, Any] | None = Field(None, description="arguments of the verifiers environment agent names: its TasksetConfig's fields")  # fmt: skip
     agent_workers: int = Field(2, ge=1, le=256, description="agent calls under way at once (processes)")
     agent_timeout_s: float = Field(
         300.0, gt=0, le=86400, description="time limit of one agent call; past it its process is replaced"
@@ -64,6 +63,15 @@ class ExternalSpec(BaseModel):
         "as many arrived as the last batch held, or this passed (a lone agent never waits)",
     )
 
+    @field_validator("agent_args")
+    @classmethod
+    def _json_args(cls, args: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            json.dumps(args, allow_nan=False)
+        except (TypeError, ValueError) as err:  # NaN, Infinity: not JSON, whatever the parser let through
+            raise ValueError(f"must be JSON: {err}") from None
+        return args
+
     @model_validator(mode="after")
     def _whole_groups(self) -> ExternalSpec:
         if self.trajectories_per_step % self.group_size:
@@ -71,35 +79,11 @@ class ExternalSpec(BaseModel):
                 f"trajectories_per_step = {self.trajectories_per_step} must be a multiple of "
                 f"group_size = {self.group_size}", self.trajectories_per_step, named=False
             )  # fmt: skip
+        if self.agent_args is not None and self.agent is None:
+            raise field_error(("agent_args",), "agent_args needs an agent: a verifiers environment's Taskset",
+                              self.agent_args, named=False)  # fmt: skip
         return self
 
     @property
     def pending_limit(self) -> int:
         return self.max_pending or 4 * self.trajectories_per_step
-
-
-class AgentError(ValueError):
-    """An agent reference that does not resolve to a usable function."""
-
-
-def load_agent_fn(ref: str) -> Any:
-    """The function `ref` names ('module:function' or 'path/file.py:function'); AgentError says why not.
-    (controller/user_code.py runs it in a child process when a job is submitted.)"""
-    if parse_reference(ref, "agent", REFERENCE_FORMS, AgentError).form == "builtin":
-        return lookup_builtin(ref, BUILTIN_AGENTS, "agent", AgentError)
-    fn = resolve_reference(ref, "agent", AgentError)
-    if inspect.isclass(fn) or not callable(fn):
-        raise AgentError(f"agent '{ref}' is not a function (type {type(fn).__name__})")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature to read (a C function): not an agent of ours
-        raise AgentError(
-            f"agent '{ref}' has no readable signature; expected (client, model, index)"
-        ) from None
-    try:
-        signature.bind("client", "model", 0)
-    except TypeError:
-        raise AgentError(
-            f"agent '{ref}' has signature {signature}; expected (client, model, index)"
-        ) from None
-    return fn

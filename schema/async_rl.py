@@ -1,8 +1,7 @@
 """The settings of asynchronous RL (trainer.mode 'async'), declared once; TrainerSpec inherits them.
 
-Torch-free: controller/spec.py (and with it the API and the CLI) reads this module. The loop that
-uses them is controller/async_loop.py (its lanes controller/rollout_lanes.py); the buffer
-controller/rollout_buffer.py.
+Torch-free, like the whole schema package. The loop that uses them is controller/async_loop.py; the
+buffer controller/rollout_buffer.py.
 """
 
 from __future__ import annotations
@@ -11,10 +10,10 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from controller.spec_section import field_error
+from schema.section import field_error
 
 if TYPE_CHECKING:
-    from controller.spec import JobSpec
+    from schema.job import JobSpec
 
 OffPolicyCorrection = Literal["decoupled", "tis", "behaviour_ppo", "none"]
 AUTO_STALENESS_CAP = 4  # the default bound never goes past this k (a larger one is the user's to set)

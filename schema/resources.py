@@ -1,6 +1,6 @@
 """The `resources` section of a job: its training workers, and the rollout's own on placement 'split'.
 
-Torch-free, like controller/spec.py, which holds it in JobSpec.
+Torch-free, like the whole schema package; JobSpec (schema/job.py) holds it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from controller.spec_section import Section
+from schema.section import Section
 
 
 class WorkerResources(Section):

@@ -1,7 +1,7 @@
 """Options of the RL losses that JobSpec embeds as they are, so that they are declared once.
 
-Torch-free on purpose: controller/spec.py (and with it the CLI, which never imports torch) reads
-this module, while workers/losses/ holds the arithmetic that the options select.
+Torch-free on purpose: JobSpec (and with it the CLI, which never imports torch) reads this module,
+while workers/losses/ holds the arithmetic that the options select.
 """
 
 from __future__ import annotations

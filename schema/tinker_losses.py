@@ -1,7 +1,7 @@
 """What each Tinker built-in loss accepts: inputs, dtypes, config keys, bounds. Torch-free.
 
 The API process imports this module to reject a bad `forward`/`forward_backward` request with a
-field-named 4xx before anything is stored; `engines/tinker_losses.py` computes the losses (torch).
+field-named 4xx before anything is stored; `workers/losses/tinker.py` computes the losses (torch).
 The names are the official SDK's (`tinker/types/loss_fn_type.py`, tinker 0.38.0, less `custom`,
 whose client-side path reaches the service as `cross_entropy`). Input names and wire dtypes follow
 `tinker/types/datum.py` (`_KEY_TO_TYPE`) and the Tinker docs' loss pages
@@ -96,16 +96,6 @@ def _spec(loss_fn: str) -> LossSpec:
     if loss_fn not in SPECS:
         raise LossInputError("loss_fn", f"unknown loss {loss_fn!r}; built-in losses: {', '.join(LOSS_NAMES)}")
     return SPECS[loss_fn]
-
-
-def required_inputs(loss_fn: str) -> dict[str, str]:
-    """Input name -> wire dtype of the inputs `loss_fn` needs."""
-    return dict(_spec(loss_fn).required)
-
-
-def optional_inputs(loss_fn: str) -> dict[str, str]:
-    """Inputs `loss_fn` accepts but does not need."""
-    return dict(_spec(loss_fn).optional)
 
 
 def config_defaults(loss_fn: str) -> dict[str, float]:

@@ -1,0 +1,149 @@
+"""Rows from reasoning-gym tasks (data.reasoning_gym), written as train.jsonl and val.jsonl.
+
+Each row of a split picks its task by weight (a seeded draw, the same for the same spec), and each
+task hands out its own items in order from a dataset seeded by (seed, split, task): so a spec gives
+the same rows on every run. A row is
+
+    {"prompt": instructions + question, "ground_truth": the task's answer,
+     "response": the answer as the format asks for it (SFT),
+     "extra": {"reasoning_gym": {"task", "config", "answer_format", "entry"}}}
+
+which builtin:reasoning_gym (controller/reasoning_gym_reward.py) scores. The prompt is one string,
+so it works with and without a chat template (with one it becomes the user turn). Validation rows
+come from other seeds, and any whose question is among the training rows' is left out.
+
+Generating runs in a spawned process bounded by `timeout_s`: a task is reasoning-gym's code and
+some generate slowly, so the job fails naming the limit rather than hanging its controller. The
+files are kept beside the spec that made them, so a restarted job reads them back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import random
+from pathlib import Path
+from typing import Any
+
+from controller.data_files import DataError
+from controller.reasoning_gym_reward import encode_entry
+from schema.reasoning_gym import ReasoningGymSpec
+
+SPLITS = ("train", "val")
+
+
+def make_rows(
+    spec: ReasoningGymSpec, split: str, size: int, skip: frozenset[str] = frozenset()
+) -> list[dict]:
+    """`size` rows of `split` (fewer when questions in `skip` are left out)."""
+    import reasoning_gym
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    picks = random.Random(f"{spec.seed}/{split}").choices(
+        range(len(spec.tasks)), [task.weight for task in spec.tasks], k=size
+    )
+    datasets = [
+        reasoning_gym.create_dataset(task.name, **task.config, seed=_task_seed(spec, split, k),
+                                     size=max(picks.count(k), 1))
+        for k, task in enumerate(spec.tasks)
+    ]  # fmt: skip
+    taken = [0] * len(spec.tasks)
+    instructions = SYSTEM_PROMPTS[spec.instructions].strip() + "\n\n" if spec.instructions else ""
+    rows = []
+    for k in picks:
+        task, entry = spec.tasks[k], datasets[k][taken[k]]
+        taken[k] += 1
+        if entry["question"] in skip:
+            continue
+        answer = None if entry["answer"] is None else str(entry["answer"])
+        rows.append({
+            "prompt": instructions + entry["question"],
+            "ground_truth": answer,
+            "response": None if answer is None else _formatted(answer, spec.answer_format),
+            "extra": {"reasoning_gym": {"task": task.name, "config": task.config,
+                                        "answer_format": spec.answer_format, "entry": encode_entry(entry)}},
+        })  # fmt: skip
+    return rows
+
+
+def _task_seed(spec: ReasoningGymSpec, split: str, k: int) -> int:
+    # Datasets seed item i with seed + i: far-apart seeds keep the splits' items apart.
+    digest = hashlib.sha256(f"{spec.seed}/{split}/{k}/{spec.tasks[k].name}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def _formatted(answer: str, answer_format: str) -> str:
+    return f"<answer>{answer}</answer>" if answer_format == "answer_tag" else answer
+
+
+def write_reasoning_gym_files(spec: ReasoningGymSpec, directory: str | Path) -> tuple[Path, Path | None]:
+    """train.jsonl (and val.jsonl unless val_size is 0) under `directory`; kept from an earlier
+    call with the same spec. Raises DataError saying what failed or that `timeout_s` passed."""
+    directory = Path(directory)
+    made_by, train, val = directory / "spec.json", directory / "train.jsonl", directory / "val.jsonl"
+    wanted = spec.model_dump_json()
+    if not (made_by.is_file() and made_by.read_text() == wanted and train.is_file()):
+        directory.mkdir(parents=True, exist_ok=True)
+        made_by.unlink(missing_ok=True)
+        _generate_in_child(spec, directory)
+        made_by.write_text(wanted)
+    return train, val if val.is_file() else None
+
+
+def _generate_in_child(spec: ReasoningGymSpec, directory: Path) -> None:
+    context = multiprocessing.get_context("spawn")  # fork would copy the controller's threads
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_generate, args=(spec.model_dump_json(), str(directory), send), daemon=True
+    )
+    child.start()
+    send.close()
+    names = ", ".join(task.name for task in spec.tasks)
+    try:
+        if not receive.poll(spec.timeout_s):
+            raise DataError(
+                f"data.reasoning_gym: generating {spec.size} + {spec.val_size} rows of {names} did not "
+                f"finish within {spec.timeout_s:g} s; lower data.reasoning_gym.size or raise timeout_s"
+            )
+        status, detail = receive.recv()
+    except EOFError:
+        child.join(5)
+        raise DataError(
+            f"data.reasoning_gym: the process generating rows of {names} ended (exit code "
+            f"{child.exitcode}) before it finished"
+        ) from None
+    finally:
+        receive.close()
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+    if status != "ok":
+        raise DataError(f"data.reasoning_gym: generating rows of {names} failed: {detail}")
+
+
+def _generate(spec_json: str, directory: str, send: Any) -> None:
+    """The child's side: write the split files, then send ("ok", row counts) or ("error", why)."""
+    try:
+        spec = ReasoningGymSpec.model_validate_json(spec_json)
+        train = make_rows(spec, "train", spec.size)
+        _write(Path(directory) / "train.jsonl", train)
+        val_file = Path(directory) / "val.jsonl"
+        val_file.unlink(missing_ok=True)
+        seen = frozenset(row["extra"]["reasoning_gym"]["entry"]["question"] for row in train)
+        val = make_rows(spec, "val", spec.val_size, skip=seen) if spec.val_size else []
+        if val:
+            _write(val_file, val)
+        send.send(("ok", {"train": len(train), "val": len(val)}))
+    except Exception as err:  # reasoning-gym's code: whatever it raises is the job's error
+        send.send(("error", f"{type(err).__name__}: {err}"[:2000]))
+    finally:
+        send.close()
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    temporary = path.with_suffix(".partial")
+    with temporary.open("w") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+    temporary.replace(path)

@@ -1,0 +1,186 @@
+"""How a job's run reaches the store: what it produced while it ran, and its record when it ended.
+
+Every poll the scheduler drains each running job's controller actor (`_drain`: its events,
+metrics, samples, logs and checkpoints, copied into the store) and settles the jobs whose run ended
+(`_settle`): succeeded, failed, cancelled or paused, or back to queued when the service is shutting
+down or the job's controller died within its restart budget (`_requeue_lost`).
+
+A job that starts again after a crash resumes from its last complete checkpoint: at a service start
+(`_recover`) and at each launch the store forgets the metrics recorded after that step, so the re-run
+steps are stored once. A job whose controller restarts its workers (controller/recovery.py) says so
+in its drain: the step it went back to (the store forgets the later metrics the same way) and the
+restart under way, which the job's API view shows until it resumed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from service.job_state import RUN_HOLDING, JobStatus
+from service.store import JobRecord, JobStore
+from service.workloads import Workload, resume_step
+
+S = JobStatus
+
+
+@dataclass
+class RunningJob:
+    actor: Any  # None for a hosted record: its server runs it
+    run_ref: Any
+    cpus: float
+    gpus: float
+    first_step: int  # the step it resumed from: until it passes it, the job is starting up
+    owner: str
+    killed_for: str | None = None  # "cancel" when stopped by killing its actor during start-up
+
+
+class RunSettlement:
+    """Mixed into the Scheduler, whose store, running jobs, lock and shutdown state these share."""
+
+    store: JobStore
+    workload: Workload
+    running: dict[str, RunningJob]
+    _lock: threading.RLock
+    _draining: bool
+    _requeue_on_pause: set[str]  # jobs paused by a service shutdown, not by a user
+    _paused_for_shutdown: list[str]  # the shutdown's log line lists them
+
+    def _requeue_after_restart(self, job: JobRecord) -> None:
+        """A job the old service left running resumes from its last checkpoint when it runs again."""
+        self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
+        self.store.set_restart(job.id, None)  # a restart under way ended with the service
+        self.store.truncate_after(job.id, resume_step(self.workload, job.workdir))  # shown at its checkpoint
+        self._record_checkpoints_on_disk(job)
+        self.store.add_event(
+            job.id, "requeued", "the service restarted; the job resumes from its last checkpoint"
+        )
+
+    def _record_checkpoints_on_disk(self, job: JobRecord) -> None:
+        """A checkpoint committed just before the service died may not be in the store yet."""
+        known = {c["step"] for c in self.store.checkpoints(job.id)}
+        for step, folder in self.workload.committed_checkpoints(Path(job.workdir)):
+            if step not in known:
+                self.store.add_checkpoint(job.id, step, str(folder))
+                self.store.add_event(
+                    job.id, "checkpoint", f"saved step {step}", {"path": str(folder), "step": step}
+                )
+
+    def _collect(self) -> None:
+        with self._lock:
+            items = list(self.running.items())
+        for job_id, run in items:
+            if run.run_ref is None:  # a hosted record: its server reports its end (`end`)
+                continue
+            done = bool(ray.wait([run.run_ref], timeout=0)[0])
+            if run.killed_for is None:
+                self._drain(job_id, run)
+            if done:
+                self._settle(job_id, run)
+
+    def _drain(self, job_id: str, run: RunningJob) -> None:
+        try:
+            out = ray.get(run.actor.drain.remote(), timeout=30)
+        except Exception:  # a dead actor is settled from its run result
+            return
+        for at, kind, message, data in out["events"]:
+            self.store.add_event(job_id, kind, message, data, at=at)
+        if out.get("rewind") is not None:  # the job restarted from a checkpoint: later steps are re-run
+            self.store.truncate_after(job_id, out["rewind"])
+        for at, step, values in out["metrics"]:
+            self.store.add_metrics(job_id, step, values, at=at)
+        for at, step, rows in out["samples"]:
+            self.store.add_samples(job_id, step, rows, at=at)
+        for step, path in out["checkpoints"]:
+            self.store.add_checkpoint(job_id, step, path)
+        self.store.add_logs(job_id, out["logs"])
+        self.store.bump_step(job_id, out["step"])
+        self.store.set_restart(job_id, out.get("restart"))
+        run.actor.committed.remote(out["seq"])  # the job may now commit a checkpoint past these records
+
+    def _settle(self, job_id: str, run: RunningJob) -> None:
+        result = self._result(run)
+        status, now = result["status"], time.time()
+        if status == S.PAUSED and job_id in self._requeue_on_pause:
+            self._requeue_on_pause.discard(job_id)
+            self._paused_for_shutdown.append(job_id)
+            self.store.add_event(job_id, "paused", f"paused at step {result['step']}: the service is shutting down",
+                                 {"reason": "service_shutdown", "step": result["step"]})  # fmt: skip
+            self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.QUEUED)
+            self.store.add_event(
+                job_id, "requeued", f"checkpointed at step {result['step']}; resumes when the service starts"
+            )
+        elif status == S.PAUSED:
+            self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.PAUSED)
+            self.store.add_event(job_id, "paused", f"paused at step {result['step']}")
+        elif status == S.FAILED and result.get("controller_lost") and self._requeue_lost(job_id, result):
+            pass  # it waits in queued for room, then resumes from its last checkpoint
+        elif status == S.FAILED:
+            self.store.transition(job_id, RUN_HOLDING, S.FAILED, finished_at=now, error=result.get("error"))
+            self.store.add_event(job_id, "failed", result.get("error") or "failed")
+        else:  # succeeded, or cancelled at a step boundary or during start-up
+            self.store.transition(job_id, RUN_HOLDING, S(status), finished_at=now)
+            self.store.add_event(
+                job_id, status, result.get("message") or f"{status} at step {result.get('step')}"
+            )
+        if self.store.get_job(job_id).status != S.QUEUED:
+            self.store.set_restart(job_id, None)
+        ray.kill(run.actor, no_restart=True)
+        _remove_placement_group(f"{job_id}-pool")
+        with self._lock:
+            self.running.pop(job_id, None)
+
+    def _requeue_lost(self, job_id: str, result: dict[str, Any]) -> bool:
+        """A running job whose controller actor died (its process or node) goes back to queued, within
+        trainer.max_restarts (shared with the restarts its controllers made: `restart` events)."""
+        job = self.store.get_job(job_id)
+        most = job.job_spec.trainer.max_restarts
+        n = self.store.count_events(job_id, "restart") + 1
+        if self._draining or n > most or not self.store.transition(job_id, (S.RUNNING,), S.QUEUED):
+            return False
+        message, resume = (
+            f"restarting ({n}/{most}): the job's controller died",
+            resume_step(self.workload, job.workdir),
+        )
+        self.store.add_event(
+            job_id,
+            "restart",
+            f"{message}; it waits in queued for room, then resumes from step {resume}: {result['error']}",
+            {
+                "cause": "controller died",
+                "error": result["error"],
+                "restart": n,
+                "max_restarts": most,
+                "attempt": n + 1,
+                "step": job.step,
+                "resume_step": resume,
+            },  # fmt: skip
+        )
+        self.store.set_restart(
+            job_id, {"message": message, "phase": "queued", "restart": n, "max_restarts": most}
+        )
+        return True
+
+    def _result(self, run: RunningJob) -> dict[str, Any]:
+        if run.killed_for == "cancel":
+            return {"status": "cancelled", "message": "cancelled while it was starting up"}
+        try:
+            return ray.get(run.run_ref, timeout=30)
+        except Exception as err:
+            error = f"the job's controller died: {type(err).__name__}: {err}"
+            return {"status": "failed", "error": error, "controller_lost": True}
+
+
+def _remove_placement_group(name: str) -> None:
+    """A job's placement group outlives a controller actor that was killed or died (its lifetime is
+    the service's Ray driver): remove it, or its CPUs and GPUs stay held."""
+    try:
+        group = ray.util.get_placement_group(name)
+    except ValueError:  # none by that name: the job removed it when it ended
+        return
+    ray.util.remove_placement_group(group)

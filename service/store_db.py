@@ -1,0 +1,72 @@
+"""The store's SQLite file: one connection per thread, and writes that count what they changed.
+
+One database file (WAL mode, so readers never block the writer), readable by its owner only. Every
+table of the store (service/store.py and the tables mixed into it) reads through `_db` and writes
+through `_tx`, which names the topics a write may change.
+
+`changes(topic)` counts the committed writes that changed a topic's rows: a table ("jobs", "tokens",
+...), or one job's metric series (`metrics_topic(job_id)`). The service is the only writer of its
+home's store (one home has one service), so an unchanged count means unchanged rows: the API's read
+cache relies on it. A write that changes no row counts nowhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class StoreDb:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._write_lock = threading.Lock()
+        self._changes: dict[str, int] = {}  # topic -> committed writes that changed it (api/read_cache.py)
+        _create_private(self.path)
+
+    def _db(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            self._local.conn = conn
+        return conn
+
+    def changes(self, topic: str) -> int:
+        """How many committed writes changed `topic`'s rows so far (a table name, or `metrics_topic`)."""
+        return self._changes.get(topic, 0)
+
+    @contextmanager
+    def _tx(self, *topics: str) -> Iterator[sqlite3.Connection]:
+        """A write transaction over `topics`: every topic whose rows it may change must be named."""
+        if not topics:
+            raise TypeError("a write names the topics it changes: readers' caches depend on them")
+        db = self._db()
+        with self._write_lock:
+            before = db.total_changes
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            # after the commit, never before: a reader that sees the new count reads the new rows
+            if db.total_changes != before:
+                for topic in topics:
+                    self._changes[topic] = self._changes.get(topic, 0) + 1
+
+
+def _create_private(path: Path) -> None:
+    """The database holds token hashes and every job's data: readable by its owner only (0600).
+    SQLite gives its -wal and -shm files the database file's mode."""
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+    os.chmod(path, 0o600)

@@ -1,0 +1,119 @@
+"""The store's tables, and how a database made by an older version is brought up to date on open.
+
+`migrate` runs every table's schema (each `CREATE ... IF NOT EXISTS`) and every migration, in one
+place and one order, so opening a store of any earlier version gives today's tables: columns added
+since the first schema, the idempotency keys as their owners sent them, Tinker runs moved to their
+own table (service/store_tinker.py), metric rows one per step (service/store_metrics.py), API keys'
+owners and scopes (service/keys.py) and the audit log (service/audit.py).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from service.audit import AUDIT_SCHEMA
+from service.keys import ADMIN_OWNER, migrate_keys
+from service.store_metrics import METRICS_SCHEMA
+from service.store_tinker import MIGRATE, TINKER_SCHEMA
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    seq INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    method TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    step INTEGER NOT NULL DEFAULT 0,
+    total_steps INTEGER NOT NULL,
+    latest_metrics TEXT NOT NULL DEFAULT '{}',
+    error TEXT,
+    parent_id TEXT,
+    workdir TEXT NOT NULL,
+    idempotency TEXT,
+    request_hash TEXT,
+    stop_reason TEXT,
+    name TEXT,
+    tags TEXT NOT NULL DEFAULT '[]',
+    notes TEXT NOT NULL DEFAULT '',
+    active_s REAL NOT NULL DEFAULT 0,
+    run_started_at REAL,
+    restart TEXT NOT NULL DEFAULT 'null'
+);
+CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    message TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
+CREATE TABLE IF NOT EXISTS logs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    time REAL NOT NULL,
+    level TEXT NOT NULL,
+    line TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS logs_job ON logs(job_id, id);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    time REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+);
+CREATE TABLE IF NOT EXISTS samples (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    time REAL NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS samples_job ON samples(job_id, step, id);
+"""
+
+ADDED_COLUMNS = {  # columns added since the first schema: a database made before gets them on open
+    "name": "TEXT",
+    "tags": "TEXT NOT NULL DEFAULT '[]'",
+    "notes": "TEXT NOT NULL DEFAULT ''",
+    "active_s": "REAL NOT NULL DEFAULT 0",
+    "run_started_at": "REAL",
+    "owner": "TEXT NOT NULL DEFAULT 'admin'",  # jobs made before owners existed are the admin's
+    "restart": "TEXT NOT NULL DEFAULT 'null'",
+    "idempotency": "TEXT",  # the client's Idempotency-Key; unique per owner (jobs_idempotency)
+}
+# The key as the client sent it, unique per (owner, key): no encoding of the two into one string,
+# which an admin's key could imitate. Stores made before kept `idempotency_key`, globally unique:
+# an owner's as "owner/key", the admin's as sent; it is read once, into `idempotency`, and no longer
+# written.
+IDEMPOTENCY_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner, idempotency)"
+FROM_ENCODED_KEYS = """
+UPDATE jobs SET idempotency = CASE
+    WHEN owner != ? AND substr(idempotency_key, 1, length(owner) + 1) = owner || '/'
+    THEN substr(idempotency_key, length(owner) + 2) ELSE idempotency_key END
+WHERE idempotency_key IS NOT NULL
+"""
+
+
+def migrate(db: sqlite3.Connection) -> None:
+    """Create what is missing and migrate what an older version made (outside a transaction:
+    executescript manages its own)."""
+    db.executescript(SCHEMA)
+    have = {r["name"] for r in db.execute("PRAGMA table_info(jobs)")}
+    for name, kind in ADDED_COLUMNS.items():
+        if name not in have:
+            db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+    if "idempotency" not in have and "idempotency_key" in have:
+        db.execute(FROM_ENCODED_KEYS, (ADMIN_OWNER,))
+    db.execute(IDEMPOTENCY_INDEX)
+    db.executescript(TINKER_SCHEMA)
+    db.executescript(MIGRATE)
+    db.executescript(METRICS_SCHEMA)
+    migrate_keys(db)
+    db.executescript(AUDIT_SCHEMA)
