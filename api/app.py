@@ -43,7 +43,7 @@ from api.routes import (
     usage,
 )
 from api.routes.health import VERSION
-from api.routes.tinker_common import install_tinker_errors
+from api.routes.tinker_session import install_tinker_errors
 from api.settings import ServeSettings
 from api.validation import Checker
 from service.service import Service

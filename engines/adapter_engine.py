@@ -16,12 +16,15 @@ leaves one fp32 rank unwrapped.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tensordict import TensorDict
 
-from engines.fsdp.lora import adapter_config_dict
+from engines.base import EngineOutput, GlobalCounts, LossFn
+from engines.fsdp.lora import peft_config
 from engines.lora_sessions import Session, SessionSpec, read_pack, read_spec
 from engines.multi_lora import (
     ATTN_MODULES,
@@ -33,12 +36,12 @@ from engines.multi_lora import (
     init_adapter,
     inject,
     linear_modules,
-    rows,
 )
+from engines.multi_lora import rows as rows_of
 from engines.multi_lora_sample import SampleRequest, Sequence, sample
+from schema.engine import OptimizerConfig
 
 BASE_LOADS = 0  # reads of base weights in this process: the API's tests assert it stays 1
-Targets = list[tuple[list[int], torch.Tensor]]  # per datum: input tokens, target tokens ([N] or [N, K])
 
 
 class InputError(ValueError):
@@ -176,21 +179,55 @@ class AdapterEngine:
             attach(self.layers, key, on_device, read_spec(folder).scaling)
         self.lru[key] = None
 
-    # ---- training ------------------------------------------------------------------------------
+    # ---- training: the TrainEngine contract (engines/base.py) on RL rows, per adapter ------------
+
+    def forward_backward_batch(
+        self,
+        batch: TensorDict,
+        loss_fn: LossFn | None,
+        forward_only: bool = False,
+        compute_entropy: bool = False,
+        temperature: float = 1.0,
+        counts: GlobalCounts | None = None,
+        adapter: str | None = None,
+    ) -> EngineOutput:
+        """`TrainEngine.forward_backward_batch` on adapter `adapter` (None: the frozen base, forward
+        only), the batch as one micro-batch. Entropy is not computed here."""
+        if compute_entropy:
+            raise ValueError("the adapter engine does not compute entropy")
+        out: dict = {}
+
+        def loss(_: int, log_probs: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+            out["log_probs"] = log_probs.detach()
+            if loss_fn is None:
+                return None, None
+            value, out["metrics"] = loss_fn(
+                batch, {"log_probs": log_probs}, counts or GlobalCounts.of([batch])
+            )
+            return value, None
+
+        backward = not forward_only and adapter is not None
+        self.forward_backward([(adapter, batch)], loss, [backward], temperature)
+        return EngineOutput({"log_probs": out["log_probs"]}, out.get("metrics", {}))
 
     def forward_backward(
-        self, calls: list[tuple[str, Targets]], loss: callable, backward: list[bool]
+        self,
+        calls: list[tuple[str | None, TensorDict]],
+        loss: callable,
+        backward: list[bool],
+        temperature: float = 1.0,
     ) -> list[object]:
-        """`loss(i, logprobs)` of each call i on its data's target log-probs, one forward (in parts of
-        at most `max_batch_tokens`); one backward through the sum of the losses of the calls with
-        `backward[i]`. `loss` returns (scalar or None, result): None skips that call's backward."""
-        self.make_resident({f"m:{key}" for key, _ in calls})
+        """`loss(i, log_probs)` of each call i on its rows' response log-probs (`response_logprobs`), one
+        forward (in parts of at most `max_batch_tokens`); one backward through the sum of the losses
+        of the calls with `backward[i]`. `loss` returns (scalar or None, result): None skips that
+        call's backward. Gradients add up until the adapter's optimizer step."""
+        self.make_resident({f"m:{key}" for key, _ in calls if key is not None})
         results: list[object] = [None] * len(calls)
-        for part in self._by_tokens(list(range(len(calls))), calls):
+        for part in self._by_tokens(calls):
             with torch.set_grad_enabled(any(backward[i] for i in part)):
-                per_call = self.target_logprobs([(f"m:{calls[i][0]}", calls[i][1]) for i in part])
+                groups = [(None if calls[i][0] is None else f"m:{calls[i][0]}", calls[i][1]) for i in part]
                 total = None
-                for i, lps in zip(part, per_call, strict=True):
+                for i, lps in zip(part, self.response_logprobs(groups, temperature), strict=True):
                     value, results[i] = loss(i, lps)
                     if backward[i] and value is not None:
                         total = value if total is None else total + value
@@ -198,63 +235,104 @@ class AdapterEngine:
                     total.backward()  # each adapter's rows feed only its own loss: one backward for all
         return results
 
-    def _by_tokens(self, order: list[int], calls: list[tuple[str, Targets]]) -> list[list[int]]:
+    def _by_tokens(self, calls: list[tuple[str | None, TensorDict]]) -> list[list[int]]:
         """Consecutive parts of at most `max_batch_tokens` padded tokens, each call whole: peak
         activation memory stays bounded however many adapters share the forward."""
         parts: list[list[int]] = [[]]
         n_rows, width = 0, 0
-        for i in order:
-            data = calls[i][1]
-            r, w = n_rows + len(data), max(width, *(len(t) for t, _ in data))
+        for i, (_, rows) in enumerate(calls):
+            n, w = rows["input_ids"].shape
+            r, w = n_rows + n, max(width, w)
             if parts[-1] and r * w > self.options.max_batch_tokens:
                 parts.append([])
-                r, w = len(data), max(len(t) for t, _ in data)
+                r, w = rows["input_ids"].shape
             parts[-1].append(i)
             n_rows, width = r, w
         return parts
 
-    def target_logprobs(self, groups: list[tuple[str | None, Targets]]) -> list[list[torch.Tensor]]:
-        """log p(target[t] | tokens[:t+1]) per datum, every group's rows in one right-padded forward."""
-        flat = [(tokens, targets) for _, data in groups for tokens, targets in data]
-        width = max(len(t) for t, _ in flat)
-        ids = torch.full((len(flat), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(flat), width), dtype=torch.long)
-        for j, (tokens, _) in enumerate(flat):
-            ids[j, : len(tokens)] = torch.tensor(tokens)
-            mask[j, : len(tokens)] = 1
-        with rows(self.layers, [(key, len(data)) for key, data in groups]):
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
-        out, j = [], 0
-        for _, data in groups:
-            per = []
-            for tokens, targets in data:
-                logp = logits[j, : len(tokens)].float().log_softmax(-1)
-                t = targets.to(self.device).long()
-                per.append(logp.gather(-1, t.reshape(len(tokens), -1)).reshape(t.shape))
-                j += 1
-            out.append(per)
+    def response_logprobs(
+        self, groups: list[tuple[str | None, TensorDict]], temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        """Per group, log p(target | input_ids[:P + r]) at each response column r (P = T - R): of
+        `target_tokens` ([n, R] or [n, R, K]) when the rows carry them, else of `responses` ([n, R]);
+        every group's rows right-padded into one forward, each row through its group's adapter."""
+        width = max(rows["input_ids"].shape[1] for _, rows in groups)
+        ids = torch.cat([_pad(rows["input_ids"], width, self.pad_id) for _, rows in groups])
+        mask = torch.cat([_pad(rows["attention_mask"], width, 0) for _, rows in groups])
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        with rows_of(self.layers, [(key, len(rows)) for key, rows in groups]):
+            logits = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=positions.to(self.device),
+            ).logits
+        out, start = [], 0
+        for _, rows in groups:
+            n, t, r = len(rows), rows["input_ids"].shape[1], rows["responses"].shape[1]
+            scores = logits[start : start + n, t - r - 1 : t - 1].float()
+            logp = (scores if temperature == 1.0 else scores / temperature).log_softmax(-1)
+            target = rows["target_tokens"] if "target_tokens" in rows.keys() else rows["responses"]
+            target = target.to(self.device).long()
+            flat = target if target.dim() == 3 else target[..., None]
+            picked = logp.gather(-1, flat)
+            out.append(picked if target.dim() == 3 else picked.squeeze(-1))
+            start += n
         return out
 
-    def optimizer_step(self, key: str, adam: dict) -> dict[str, float]:
-        """One AdamW step of adapter `key` with the SDK's AdamParams of this call (engines/adamw.py)."""
-        return self.resident(key).optim_step(adam)
+    def optimizer_step(
+        self, params: dict | OptimizerConfig | None = None, adapter: str | None = None
+    ) -> float:
+        """One AdamW step of adapter `adapter` (engines/adamw.py) with the SDK's AdamParams of this call
+        (or an RL job's OptimizerConfig; None: the SDK's defaults); zeroes its gradients. Its grad
+        norm before clipping; a non-finite one skips the step."""
+        if isinstance(params, OptimizerConfig):
+            params = {"learning_rate": params.lr, "beta1": params.betas[0], "beta2": params.betas[1],
+                      "eps": params.eps, "weight_decay": params.weight_decay,
+                      "grad_clip_norm": params.grad_clip or 0.0}  # fmt: skip
+        return self._adapter(adapter).optim_step(params or {})["grad_norm"]
+
+    def optimizer_zero_grad(self, adapter: str | None = None) -> None:
+        for param in self._adapter(adapter).params():
+            param.grad = None
+
+    def train_mode(self) -> AbstractContextManager[None]:
+        """Nothing to onload; the base stays in eval mode (no dropout), adapters have no modes."""
+        return nullcontext()
+
+    eval_mode = train_mode
+
+    def _adapter(self, key: str | None) -> Session:
+        if key is None:
+            raise InputError("model_id", "the base model is frozen: name an adapter")
+        return self.resident(key)
 
     # ---- state ---------------------------------------------------------------------------------
 
     def adapter_config(self, spec: SessionSpec) -> dict:
         from schema.engine import LoraConfig
 
-        lora = LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0)
-        return adapter_config_dict(lora, self.model_path, list(spec.paths))
+        cfg = peft_config(
+            LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0), self.model_path
+        ).to_dict()
+        cfg["target_modules"] = sorted({p.rsplit(".", 1)[-1] for p in spec.paths})
+        return {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
 
-    def save_checkpoint(self, key: str, folder: Path, optimizer: bool) -> None:
-        """The adapter as a PEFT folder plus session.json (and optimizer.pt when `optimizer`)."""
-        session = self.resident(key)
+    def save_checkpoint(
+        self, folder: Path, step: int = 0, adapter: str | None = None, optimizer: bool = True
+    ) -> None:
+        """Adapter `adapter` as a PEFT folder plus session.json (and optimizer.pt when `optimizer`);
+        an adapter has no step of its own."""
+        session = self._adapter(adapter)
+        folder = Path(folder)
         session.save(folder, self.adapter_config(session.spec), optimizer=optimizer)
         self._forget(f"s:{folder}")  # a snapshot of the same folder taken again replaces the old one
 
-    def load_checkpoint(self, key: str, folder: Path, optimizer: bool) -> None:
-        """Into adapter `key` (made when absent, else of the same rank and layers) what a save wrote."""
+    def load_checkpoint(self, folder: Path, optimizer: bool = True, adapter: str | None = None) -> int:
+        """Into adapter `adapter` (made when absent, else of the same rank and layers) what a save
+        wrote; returns step 0."""
+        key, folder = adapter, Path(folder)
+        if key is None:
+            raise InputError("model_id", "the base model is frozen: name an adapter")
         if not (folder / "session.json").is_file():
             raise InputError("path", f"'{folder}' holds no saved session state")
         spec = read_spec(folder)
@@ -279,6 +357,7 @@ class AdapterEngine:
             self.sessions[key] = Session(key, spec, weights, self.device)
         self.resident(key).unpack(packed, optimizer=optimizer)
         attach(self.layers, f"m:{key}", self.sessions[key].weights, spec.scaling)  # new leaves
+        return 0
 
     # ---- sampling ------------------------------------------------------------------------------
 
@@ -300,11 +379,22 @@ class AdapterEngine:
         if not items:
             return []
         self.make_resident({key for key, _ in items if key is not None})
-        groups = [
-            (key, [(tokens[:-1] or tokens[:1], torch.tensor(tokens[1:] or [0]))]) for key, tokens in items
-        ]
-        per = self.target_logprobs(groups)
+        groups = [(key, score_rows(tokens)) for key, tokens in items]
+        per = self.response_logprobs(groups)
         return [
-            [None] + (lps[0].tolist() if len(tokens) > 1 else [])
-            for (_, tokens), lps in zip(items, per, strict=True)
+            [None] + lps[0, : len(tokens) - 1].tolist() for (_, tokens), lps in zip(items, per, strict=True)
         ]
+
+
+def score_rows(tokens: list[int]) -> TensorDict:
+    """One token list as an RL row whose responses are all its tokens after the first."""
+    ids = torch.tensor([tokens + [0]])
+    responses = ids[:, 1:]
+    mask = torch.ones_like(ids)
+    mask[:, -1] = 0
+    return TensorDict({"input_ids": ids, "attention_mask": mask, "responses": responses}, batch_size=[1])
+
+
+def _pad(t: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    """Right-padded to `width` columns."""
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)

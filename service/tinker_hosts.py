@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,8 +178,11 @@ class Host:
         if self.accounts is not None:
             self.accounts.hold(self.name, self.options.cpus)
         timeout = self.options.start_timeout_s
-        self.pool = ResourcePool(1, self.options.cpus, gpus_per_bundle=0.0, name=f"session-host {self.base_model}",
-                                 ready_timeout_s=timeout)  # fmt: skip
+        # unique per start: a group left by a service that died still holds its name in the cluster
+        name = f"session-host {self.base_model} {uuid.uuid4().hex[:8]}"
+        self.pool = ResourcePool(
+            1, self.options.cpus, gpus_per_bundle=0.0, name=name, ready_timeout_s=timeout
+        )
         self.group = RayWorkerGroup(self.pool, SessionWorker, self.base_model, str(self.workdir), options,
                                     group_name=self.name, call_timeout_s=self.options.batch_timeout_s,
                                     start_timeout_s=timeout)  # fmt: skip

@@ -177,51 +177,21 @@ class ForwardInput(Body):
 
 
 class ForwardBackward(Body):
-    """A JSON ForwardBackwardRequest (curl); the SDK sends the same as protobuf (service/tinker_wire.py)."""
+    """A ForwardBackwardRequest, sent as JSON (curl) or as protobuf (the SDK; service/tinker_wire.py
+    reads it into this shape, so that a refusal names the same field either way)."""
 
     model_id: str = Field("", max_length=512)
     forward_backward_input: ForwardInput = Field(default_factory=ForwardInput)
     forward_only: bool = False
 
     def plain(self) -> dict[str, Any]:
-        """In the shape the protobuf reader gives (service/tinker_wire.py `read_forward_backward`)."""
+        """Tokens per datum and plain tensors: what the host's forward_backward takes."""
         given = self.forward_backward_input
         data = [{"tokens": d.model_input.tokens(f"forward_backward_input.data[{i}].model_input"),
                  "loss_fn_inputs": {name: t.plain() for name, t in d.loss_fn_inputs.items()}}
                 for i, d in enumerate(given.data)]  # fmt: skip
         return {"model_id": self.model_id, "data": data, "loss_fn": given.loss_fn,
                 "loss_fn_config": given.loss_fn_config, "forward_only": self.forward_only}  # fmt: skip
-
-
-class WireDatum(Body):
-    """A datum as the protobuf reader gives it: checked like a JSON one (finite, consistent)."""
-
-    tokens: list[Token]
-    loss_fn_inputs: dict[str, Tensor]
-
-
-class WireInput(Body):
-    data: list[WireDatum]
-    loss_fn: str = Field("", max_length=128)
-    loss_fn_config: dict[str, ConfigValue] | None = None
-
-
-class WireForward(Body):
-    """The protobuf reader's request, nested as the JSON one so that a refusal names the same field."""
-
-    model_id: str = Field("", max_length=512)
-    forward_backward_input: WireInput
-    forward_only: bool = False
-
-    @classmethod
-    def of(cls, read: dict[str, Any]) -> WireForward:
-        given = {k: read[k] for k in ("data", "loss_fn", "loss_fn_config")}
-        return checked(cls, {"model_id": read["model_id"], "forward_only": read["forward_only"],
-                             "forward_backward_input": given})  # fmt: skip
-
-    def plain(self) -> dict[str, Any]:
-        given = self.forward_backward_input.model_dump()
-        return {"model_id": self.model_id, "forward_only": self.forward_only, **given}
 
 
 class SamplingParams(Body):

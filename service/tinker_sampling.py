@@ -21,7 +21,7 @@ from service.tinker_futures import Future
 from service.tinker_hosts import Call
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
 from service.tinker_service import NAME, TinkerError, TinkerService, host_id, not_found
-from service.tinker_sessions import Sampler, checkpoint_folder, list_checkpoints, parse_tinker_path, run_row
+from service.tinker_sessions import Sampler, checkpoint_folder, list_checkpoints, run_row
 from service.tinker_wire import write_sample_response
 from workers.session_host import SessionWorker
 
@@ -69,16 +69,7 @@ def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingS
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}:{uuid.uuid4().hex[:6]}"
     path = req.model_path
     if path:
-        parsed = parse_tinker_path(path)
-        if parsed is None or parsed[1] != "sampler_weights":
-            raise TinkerError(400, f"model_path: {path!r} is not a sampler checkpoint path "
-                              "(tinker://RUN/sampler_weights/NAME)", "model_path")  # fmt: skip
-        job = run_row(svc.store, parsed[0], owner)
-        if job is None:
-            raise not_found("sampler checkpoint", path, "model_path")
-        folder = checkpoint_folder(Path(job.workdir), "sampler_weights", parsed[2])
-        if not (folder / ".complete").exists():
-            raise not_found("sampler checkpoint", path, "model_path")
+        job, folder = svc.resolve_state(path, owner, "model_path", "sampler_weights")
         base = job.spec["model"]["builtin"]
         svc.host(base, "model_path")
         sampler = Sampler(sampler_id, owner, base, (folder / "SOURCE").read_text(), path, job.id)

@@ -328,18 +328,19 @@ class TinkerService:
         return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "save_weights",
                            lambda ok: ({"path": tinker_path, "type": "save_weights"}, None), saved)  # fmt: skip
 
-    def resolve_state(self, path: str, owner: str | None, field: str = "path") -> tuple[Any, Path]:
-        """(run row, folder) of a caller's `tinker://RUN/weights/NAME`; 404 for another owner's."""
+    def resolve_state(
+        self, path: str, owner: str | None, field: str = "path", kind: str = "weights"
+    ) -> tuple[Any, Path]:
+        """(run row, folder) of a caller's `tinker://RUN/KIND/NAME`; 404 for another owner's."""
         parsed = parse_tinker_path(path)
-        if parsed is None or parsed[1] != "weights":
-            raise TinkerError(400, f"{field}: {path!r} is not a training checkpoint path "
-                              "(tinker://RUN/weights/NAME)", field)  # fmt: skip
+        label = "training" if kind == "weights" else "sampler"
+        if parsed is None or parsed[1] != kind:
+            raise TinkerError(400, f"{field}: {path!r} is not a {label} checkpoint path "
+                              f"(tinker://RUN/{kind}/NAME)", field)  # fmt: skip
         job = run_row(self.store, parsed[0], owner)
-        if job is None:
-            raise not_found("checkpoint", path, field)
-        folder = checkpoint_folder(Path(job.workdir), "weights", parsed[2])
-        if not (folder / ".complete").exists():
-            raise not_found("checkpoint", path, field)
+        folder = checkpoint_folder(Path(job.workdir), kind, parsed[2]) if job is not None else None
+        if folder is None or not (folder / ".complete").exists():
+            raise not_found(f"{label} checkpoint" if kind != "weights" else "checkpoint", path, field)
         return job, folder
 
     def load_state(self, owner: str, req: LoadWeights) -> Future:

@@ -312,14 +312,19 @@ def test_bad_inputs_are_user_errors_naming_the_field(make_host):
     samples = [
         ({"sampler": None, "prompt": [5, 100]}, "prompt"),
         ({"sampler": "/nowhere", "prompt": [5]}, "sampler"),
-        ({"sampler": None, "prompt": [5], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        (
+            {"sampler": None, "prompt": [5], "sampling_params": {"max_tokens": 10**6}},
+            "sampling_params.max_tokens",
+        ),
     ]
     create(host, "a", "b")
     # the bad calls share their forward with a good one of another adapter: it is unaffected
     results = host.forward_backward([fwd("b")] + [call for call, _ in forwards])
     results += host.sample([call for call, _ in samples])
-    results += [host.create_adapter("big", 17), host.optim_step("a", {"learning_rate": -1})]
-    fields = [f for _, f in forwards + samples] + ["rank", "adam.learning_rate"]
+    # the types and ranges of the API's typed requests are the API's (tests/test_tinker_bad_input.py);
+    # the host checks what only it knows: its adapters, snapshots, vocabulary, context and max_rank
+    results += [host.create_adapter("big", 17), host.optim_step("nobody", ADAM)]
+    fields = [f for _, f in forwards + samples] + ["rank", "model_id"]
     for field, res in zip(fields, results[1:], strict=True):
         assert res["error"]["category"] == "user" and res["error"]["field"] == field, res
     alone = make_host(max_rank=16)

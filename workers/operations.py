@@ -32,7 +32,10 @@ from workers.batch import Batch, sampling_of
 
 
 class TrainOps:
-    """One engine's operations; the caller holds it in train mode (see the module docstring)."""
+    """One engine's operations; the caller holds it in train mode (see the module docstring).
+
+    Each takes an optional adapter key: None acts on the engine's own weights (an RL job's), a key
+    on that adapter of an engine that holds many on one base (engines/adapter_engine.py)."""
 
     def __init__(self, engine: TrainEngine) -> None:
         self.engine = engine
@@ -45,30 +48,64 @@ class TrainOps:
         counts: GlobalCounts | None = None,
         compute_entropy: bool = False,
         temperature: float = 1.0,
+        adapter: str | None = None,
     ) -> EngineOutput:
         """Add this batch's gradient; `counts`: the whole accumulated batch's (engines/base.py)."""
         out = self.engine.forward_backward_batch(
-            tensors, loss_fn, compute_entropy=compute_entropy, temperature=temperature, counts=counts
+            tensors,
+            loss_fn,
+            compute_entropy=compute_entropy,
+            temperature=temperature,
+            counts=counts,
+            **_on(adapter),
         )
         self.pending_calls += 1
         return out
 
-    def optim_step(self, params: OptimizerConfig | None = None) -> float:
-        """Step on the accumulated gradient and zero it; returns the global grad norm before clipping."""
+    def optim_step(self, params: OptimizerConfig | dict | None = None, adapter: str | None = None) -> float:
+        """Step on the accumulated gradient and zero it; returns the global grad norm before clipping.
+        `params`: AdamW's settings for this step (an adapter engine also takes the SDK's AdamParams)."""
         self.pending_calls = 0
-        return self.engine.optimizer_step(params)
+        return self.engine.optimizer_step(params, **_on(adapter))
 
     def lr_scheduler_step(self) -> float:
         return self.engine.lr_scheduler_step()
 
     def forward(
-        self, tensors: TensorDict, compute_entropy: bool = False, temperature: float = 1.0
+        self,
+        tensors: TensorDict,
+        compute_entropy: bool = False,
+        temperature: float = 1.0,
+        adapter: str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token outputs ([B, R] log_probs, entropy when asked, values of a value engine)."""
         out = self.engine.forward_backward_batch(
-            tensors, None, forward_only=True, compute_entropy=compute_entropy, temperature=temperature
+            tensors,
+            None,
+            forward_only=True,
+            compute_entropy=compute_entropy,
+            temperature=temperature,
+            **_on(adapter),
         )
         return out.outputs
+
+    def save_state(
+        self, path: str, step: int = 0, adapter: str | None = None, optimizer: bool = True
+    ) -> None:
+        """The weights (an adapter's: that adapter), optimizer state and step under `path`."""
+        if adapter is None:
+            self.engine.save_checkpoint(path, step)
+        else:
+            self.engine.save_checkpoint(path, step, adapter=adapter, optimizer=optimizer)
+
+    def load_state(self, path: str, optimizer: bool = True, adapter: str | None = None) -> int:
+        """Restore what save_state wrote (optimizer=False: the weights only); returns its step."""
+        return self.engine.load_checkpoint(path, optimizer=optimizer, **_on(adapter))
+
+
+def _on(adapter: str | None) -> dict[str, str]:
+    """The adapter keyword for an engine that holds adapters; none for the engine's own weights."""
+    return {} if adapter is None else {"adapter": adapter}
 
 
 @dataclass
@@ -176,12 +213,12 @@ class TrainingOperations(Worker):
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
     def save_state(self, path: str, step: int) -> None:
         """The engine's weights, optimizer, schedule and RNG under `path` (atomically)."""
-        self.ops.engine.save_checkpoint(path, step)
+        self.ops.save_state(path, step)
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
     def load_state(self, path: str, optimizer: bool = True) -> int:
         """Restore what save_state wrote (optimizer=False: the weights only); returns its step."""
-        return self.ops.engine.load_checkpoint(path, optimizer=optimizer)
+        return self.ops.load_state(path, optimizer)
 
     # ---- the job's checkpoints and hyper-parameter edits ----------------------------------------
 

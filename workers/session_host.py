@@ -5,8 +5,9 @@ The service starts it as a one-rank worker group (service/tinker_hosts.py) and c
 operations as RL jobs call theirs. `forward_backward`, `sample` and `compute_logprobs` take the calls of
 many adapters at once and compute them together (one forward, one decode batch); the others take one.
 Every call answers `{"ok": ...}` or `{"error": {"category", "field", "message"}}`: a bad input is a
-"user" error naming its field, checked call by call before anything runs (workers/session_inputs.py),
-so it never fails another call; a group that fails as a whole is rerun call by call. This module
+"user" error naming its field, found call by call before anything runs (workers/session_inputs.py:
+only what the API's typed requests cannot know, the adapters, snapshots and the model's limits), so it
+never fails another call; a group that fails as a whole is rerun call by call. This module
 imports no torch, so that the API process can bind the group's methods.
 """
 
@@ -15,27 +16,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 from workers.base import Dispatch, Reduce, Worker, register
 
 Result = dict[str, Any]  # {"ok": ...} or {"error": {"category", "field", "message"}}
-
-
-class ForwardCall(TypedDict, total=False):
-    adapter: str
-    data: list[dict]  # {tokens, loss_fn_inputs: {name: {data, dtype, shape}}}
-    loss_fn: str
-    loss_fn_config: dict | None
-    backward: bool
-
-
-class SampleCall(TypedDict, total=False):
-    sampler: str | None  # a snapshot folder of save_for_sampler; None: the base model
-    prompt: list[int]
-    num_samples: int
-    sampling_params: dict
-    prompt_logprobs: bool
+# a forward call: {adapter, data: [{tokens, loss_fn_inputs: {name: {data, dtype, shape}}}], loss_fn,
+# loss_fn_config, backward}; a sample call: {sampler (a save_for_sampler folder; None: the base),
+# prompt, num_samples, sampling_params, prompt_logprobs}
+Call = dict[str, Any]
 
 
 def error(category: str, field: str | None, message: str) -> Result:
@@ -61,6 +50,7 @@ class SessionWorker(Worker):
         from engines.threads import limit_threads_for_model
         from engines.tiny_models import BUILTIN_MODELS, build_builtin_model
         from workers import session_inputs
+        from workers.operations import TrainOps
 
         self.keeps_freed_memory = keep_freed_memory()  # this process is the host's alone
         model_path = base_model
@@ -72,6 +62,7 @@ class SessionWorker(Worker):
             limit_threads_for_model(model_path)  # a small model computes faster on one thread
         self.base_model, self.inputs = base_model, session_inputs
         self.engine = AdapterEngine(model_path, Path(workdir), EngineOptions.of(options))
+        self.ops = TrainOps(self.engine)  # the RL roles' operations, each naming its adapter
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
 
     def _guard(self, fn: Callable[[], Any]) -> Result:
@@ -151,9 +142,8 @@ class SessionWorker(Worker):
         """A fresh LoRA adapter (B = 0: it starts as the base) with its own AdamW state."""
 
         def create() -> dict:
-            key = self.inputs.name_of(adapter, "model_id")
             spec = self.engine.adapter_spec(rank, seed, train_attn, train_mlp, train_unembed)
-            numel = self.engine.create_adapter(key, spec).numel()
+            numel = self.engine.create_adapter(adapter, spec).numel()
             return {"trainable_params": numel, "adapter_bytes": numel * 4}
 
         return self._guard(create)
@@ -166,22 +156,25 @@ class SessionWorker(Worker):
     # ---- the training operations, each naming its adapter --------------------------------------
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def forward_backward(self, calls: list[ForwardCall]) -> list[Result]:
+    def forward_backward(self, calls: list[Call]) -> list[Result]:
         """Each call's loss on its adapter (gradients added unless `backward` is false), all in one forward."""
         return self._together(calls, self._prepare_forward, self._forward)
 
-    def _prepare_forward(self, call: ForwardCall) -> tuple[ForwardCall, list]:
+    def _prepare_forward(self, call: Call) -> tuple[Call, list, Any]:
+        """The call's data checked against the model and laid out once as RL rows (session_inputs)."""
         self.engine.session(call.get("adapter"))
-        return call, self.inputs.forward_data(call, self.engine.vocab, self.engine.max_seq_len)
+        data = self.inputs.forward_data(call["data"], self.engine.vocab, self.engine.max_seq_len)
+        return call, data, self.inputs.rl_rows(data)
 
-    def _forward(self, prepared: list[tuple[ForwardCall, list]]) -> list[Result]:
+    def _forward(self, prepared: list[tuple[Call, list, Any]]) -> list[Result]:
         from workers.losses.tinker import compute_loss
 
         device = self.engine.device
 
-        def loss(i: int, logprobs: list) -> tuple[Any, Result]:
-            call, data = prepared[i]
+        def loss(i: int, log_probs: Any) -> tuple[Any, Result]:
+            call, data, _ = prepared[i]
             inputs = [{k: v.to(device) for k, v in d.inputs.items()} for d in data]
+            logprobs = self.inputs.per_datum(log_probs, data)
             answer = self._guard(
                 lambda: compute_loss(call["loss_fn"], logprobs, inputs, call.get("loss_fn_config"))
             )
@@ -191,20 +184,20 @@ class SessionWorker(Worker):
             outs = [{name: self.inputs.wire_tensor(t) for name, t in o.items()} for o in outputs]
             return value, {"ok": {"loss_fn_outputs": outs, "metrics": metrics}}
 
-        calls = [
-            (call["adapter"], [(d.tokens, d.inputs["target_tokens"]) for d in data])
-            for call, data in prepared
-        ]
-        return self.engine.forward_backward(calls, loss, [bool(call.get("backward")) for call, _ in prepared])
+        calls = [(call["adapter"], rows) for call, _, rows in prepared]
+        return self.engine.forward_backward(
+            calls, loss, [bool(call.get("backward")) for call, _, _ in prepared]
+        )
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def optim_step(self, adapter: str, adam: dict[str, float]) -> Result:
         """One AdamW step of `adapter` with the SDK's AdamParams of this call; its grad norm."""
 
+        from engines.adamw import AdamWSettings
+
         def step() -> dict:
-            self.engine.session(adapter)
-            self.inputs.check_adam(adam)
-            return {"metrics": self.engine.optimizer_step(adapter, adam)}
+            norm = self.ops.optim_step(adam, adapter)
+            return {"metrics": {"grad_norm": norm, "learning_rate": AdamWSettings.from_adam_params(adam).lr}}
 
         return self._guard(step)
 
@@ -212,23 +205,15 @@ class SessionWorker(Worker):
     def save_state(self, adapter: str, path: str, optimizer: bool = True) -> Result:
         """The adapter (a PEFT folder), its session.json and, with `optimizer`, its AdamW state."""
 
-        def save() -> dict:
-            if not path:
-                raise self.inputs.InputError("path", "a folder to save into is required")
-            self.engine.save_checkpoint(adapter, Path(path), optimizer)
-            return {"path": path}
-
-        return self._guard(save)
+        return self._guard(
+            lambda: self.ops.save_state(path, adapter=adapter, optimizer=optimizer) or {"path": path}
+        )
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def load_state(self, adapter: str, path: str, optimizer: bool = True) -> Result:
         """Into `adapter` (made when absent) what save_state wrote at `path`."""
 
-        def load() -> dict:
-            self.engine.load_checkpoint(self.inputs.name_of(adapter, "model_id"), Path(path or ""), optimizer)
-            return {"path": path}
-
-        return self._guard(load)
+        return self._guard(lambda: self.ops.load_state(path, optimizer, adapter) or {"path": path})
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def save_for_sampler(self, adapter: str, name: str) -> Result:
@@ -236,8 +221,8 @@ class SessionWorker(Worker):
 
         def save() -> dict:
             self.engine.session(adapter)
-            folder = self.engine.workdir / "samplers" / adapter / self.inputs.name_of(name, "name")
-            self.engine.save_checkpoint(adapter, folder, optimizer=False)
+            folder = self.engine.workdir / "samplers" / adapter / name
+            self.ops.save_state(str(folder), adapter=adapter, optimizer=False)
             return {"path": str(folder)}
 
         return self._guard(save)
@@ -245,16 +230,16 @@ class SessionWorker(Worker):
     # ---- sampling ------------------------------------------------------------------------------
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def sample(self, calls: list[SampleCall]) -> list[Result]:
+    def sample(self, calls: list[Call]) -> list[Result]:
         """Each call's `num_samples` sequences (and its prompt's log-probs when asked), one decode batch."""
         return self._together(calls, self._prepare_sample, self._sample)
 
-    def _prepare_sample(self, call: SampleCall) -> tuple[SampleCall, Any]:
+    def _prepare_sample(self, call: Call) -> tuple[Call, Any]:
         engine = self.engine
         key = engine.snapshot_key(call.get("sampler"))
         return call, self.inputs.sample_request(call, key, engine.vocab, engine.max_seq_len, engine.eos_ids)
 
-    def _sample(self, prepared: list[tuple[SampleCall, Any]]) -> list[Result]:
+    def _sample(self, prepared: list[tuple[Call, Any]]) -> list[Result]:
         seqs = self.engine.sample([request for _, request in prepared], self.tokenizer)
         asked = [(r.adapter, r.prompt) for call, r in prepared if call.get("prompt_logprobs")]
         prompt_lps = iter(self.engine.logprobs(asked))
@@ -274,7 +259,7 @@ class SessionWorker(Worker):
         def prepare(call: dict) -> tuple[str | None, list[int]]:
             engine = self.engine
             key = engine.snapshot_key(call.get("sampler"))
-            return key, self.inputs.tokens_of(call.get("tokens"), "tokens", engine.vocab, engine.max_seq_len)
+            return key, self.inputs.tokens_of(call["tokens"], "tokens", engine.vocab, engine.max_seq_len)
 
         return self._together(
             calls, prepare, lambda items: [{"ok": {"logprobs": lp}} for lp in self.engine.logprobs(items)]

@@ -1,31 +1,19 @@
-"""The session host's input checks: plain python from the API in, tensors out, a bad part an
-`InputError` naming its field (the API answers it 4xx in the SDK's error shape). No model is touched here."""
+"""The session host's inputs: typed requests from the API (service/tinker_requests.py checked their
+types, ranges and losses) turned into tensors. Only the model's own limits are checked here, the
+vocabulary and the context length, which the API knows only once the host has described itself; a
+token outside them is an `InputError` naming its field (a user error, not a crash in the forward)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from engines.adapter_engine import InputError
 from engines.multi_lora_sample import SampleRequest
-from schema.tinker_losses import LossInputError, check_request
 
 WIRE_DTYPES = {"int64": torch.long, "float32": torch.float32}
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-def check_adam(adam: dict) -> None:
-    """The SDK's AdamParams: non-negative numbers, betas below 1."""
-    for name in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
-        value = adam.get(name, 0.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise InputError(f"adam.{name}", f"must be a non-negative number, got {value!r}")
-    for name in ("beta1", "beta2"):
-        if adam.get(name, 0.9) >= 1:
-            raise InputError(f"adam.{name}", "must be below 1")
 
 
 @dataclass
@@ -34,68 +22,67 @@ class Datum:
     inputs: dict[str, torch.Tensor]
 
 
-def tokens_of(value: Any, field: str, vocab: int, max_len: int) -> list[int]:
-    if not isinstance(value, list) or not value:
-        raise InputError(field, "must be a non-empty list of token ids")
-    if len(value) > max_len:
-        raise InputError(field, f"{len(value)} tokens exceed the model's {max_len}")
-    for j, tok in enumerate(value):
-        if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < vocab:
+def tokens_of(tokens: list[int], field: str, vocab: int, max_len: int) -> list[int]:
+    if len(tokens) > max_len:
+        raise InputError(field, f"{len(tokens)} tokens exceed the model's {max_len}")
+    for j, tok in enumerate(tokens):
+        if not 0 <= tok < vocab:
             raise InputError(field, f"token {tok!r} at position {j} is outside the vocabulary [0, {vocab})")
-    return value
+    return tokens
 
 
-def tensor_of(raw: Any, field: str) -> torch.Tensor:
-    if (
-        not isinstance(raw, dict)
-        or raw.get("dtype") not in WIRE_DTYPES
-        or not isinstance(raw.get("data"), list)
-    ):
-        raise InputError(field, "must be {data: list, dtype: 'int64'|'float32', shape: list|None}")
-    try:
-        t = torch.tensor(raw["data"], dtype=WIRE_DTYPES[raw["dtype"]])
-        return t.reshape(raw["shape"]) if raw.get("shape") is not None else t
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise InputError(field, f"cannot be read as a {raw['dtype']} tensor: {err}") from err
-
-
-def forward_data(op: dict, vocab: int, max_len: int) -> list[Datum]:
-    """A forward op's data, checked against the loss (`check_request`) and the vocabulary."""
-    data = op.get("data")
-    if not isinstance(data, list) or not data:
-        raise InputError("data", "must hold at least one datum")
+def forward_data(data: list[dict], vocab: int, max_len: int) -> list[Datum]:
+    """A forward call's data as tensors, its tokens and target tokens inside the model's limits."""
     out: list[Datum] = []
     for i, datum in enumerate(data):
-        if not isinstance(datum, dict):
-            raise InputError(f"data[{i}]", "must be {tokens, loss_fn_inputs}")
-        tokens = tokens_of(datum.get("tokens"), f"data[{i}].tokens", vocab, max_len)
-        raw_inputs = datum.get("loss_fn_inputs") or {}
+        tokens = tokens_of(datum["tokens"], f"data[{i}].tokens", vocab, max_len)
         inputs = {
-            name: tensor_of(raw, f"data[{i}].loss_fn_inputs.{name}") for name, raw in raw_inputs.items()
+            name: torch.tensor(raw["data"], dtype=WIRE_DTYPES[raw["dtype"]]).reshape(raw["shape"])
+            for name, raw in datum["loss_fn_inputs"].items()
         }
         targets = inputs.get("target_tokens")
         if (
             targets is not None
             and targets.numel()
-            and not (0 <= int(targets.min()) and int(targets.max()) < vocab)
+            and not 0 <= int(targets.min()) <= int(targets.max()) < vocab
         ):
             raise InputError(
                 f"data[{i}].loss_fn_inputs.target_tokens",
                 f"a token id is outside the vocabulary [0, {vocab})",
             )
         out.append(Datum(tokens, inputs))
-    described = [
-        (len(d.tokens), {name: (_wire(t), list(t.shape)) for name, t in d.inputs.items()}) for d in out
-    ]
-    try:
-        check_request(op.get("loss_fn"), described, op.get("loss_fn_config"))
-    except LossInputError as err:
-        raise InputError(err.field, str(err)) from err
     return out
 
 
-def _wire(t: torch.Tensor) -> str:
-    return "int64" if t.dtype == torch.long else "float32"
+def rl_rows(data: list[Datum]) -> TensorDict:
+    """The data as the RL batch's rows (engines/base.py), each datum once: a one-token prompt (its
+    first token), the rest of its tokens as the response, `response_mask` on its N positions, and
+    `target_tokens` [n, R, K], whose log-probs the engine takes in place of the responses' (a [N]
+    target is K = 1; top-K targets fill their K columns)."""
+    width = max(len(d.tokens) for d in data)
+    k = max(d.inputs["target_tokens"].reshape(len(d.tokens), -1).shape[1] for d in data)
+    ids = torch.zeros((len(data), width + 1), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    targets = torch.zeros((len(data), width, k), dtype=torch.long)
+    for i, d in enumerate(data):
+        n = len(d.tokens)
+        ids[i, :n], mask[i, :n] = torch.tensor(d.tokens), 1
+        target = d.inputs["target_tokens"].reshape(n, -1)
+        targets[i, :n, : target.shape[1]] = target
+    fields = {"input_ids": ids, "attention_mask": mask, "responses": ids[:, 1:],
+              "response_mask": mask[:, :-1].clone(), "target_tokens": targets}  # fmt: skip
+    return TensorDict(fields, batch_size=[len(data)])
+
+
+def per_datum(log_probs: torch.Tensor, data: list[Datum]) -> list[torch.Tensor]:
+    """The rows' [n, R, K] target log-probs back in each datum's target shape ([N] or [N, K])."""
+    out = []
+    for i, d in enumerate(data):
+        target = d.inputs["target_tokens"]
+        n = len(d.tokens)
+        width = target.reshape(n, -1).shape[1]
+        out.append(log_probs[i, :n, :width].reshape(target.shape))
+    return out
 
 
 def wire_tensor(t: torch.Tensor) -> dict:
@@ -108,50 +95,25 @@ def wire_tensor(t: torch.Tensor) -> dict:
 
 
 def sample_request(
-    op: dict, adapter: str | None, vocab: int, max_len: int, eos_ids: list[int]
+    call: dict, adapter: str | None, vocab: int, max_len: int, eos_ids: list[int]
 ) -> SampleRequest:
-    prompt = tokens_of(op.get("prompt"), "prompt", vocab, max_len - 1)
-    n = op.get("num_samples", 1)
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 128:
-        raise InputError("num_samples", "must be an integer in [1, 128]")
-    params = op.get("sampling_params") or {}
+    """A sample call as the sampler's request; `stop` None = the EOS ids, strings or token ids otherwise."""
+    prompt = tokens_of(call["prompt"], "prompt", vocab, max_len - 1)
+    params = call.get("sampling_params") or {}
     room = max_len - len(prompt)
     max_tokens = params.get("max_tokens") or room
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= room:
+    if max_tokens > room:
         raise InputError(
             "sampling_params.max_tokens",
             f"must be an integer in [1, {room}] (prompt {len(prompt)} of {max_len})",
         )
-    temperature = float(params.get("temperature", 1.0))
-    if not 0 <= temperature <= 100:
-        raise InputError("sampling_params.temperature", "must be in [0, 100]")
-    top_p = float(params.get("top_p", 1.0))
-    if not 0 < top_p <= 1:
-        raise InputError("sampling_params.top_p", "must be in (0, 1]")
-    top_k = params.get("top_k", -1)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
-        raise InputError("sampling_params.top_k", "must be -1 (no limit) or a positive integer")
-    seed = params.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InputError("sampling_params.seed", "must be an integer")
     stop = params.get("stop")
     stop_ids, stop_strings = list(eos_ids), []
     if stop is not None:
-        stop = [stop] if isinstance(stop, str) else list(stop)
         if all(isinstance(s, str) for s in stop):
-            stop_ids, stop_strings = [], stop
-        elif all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < vocab for s in stop):
-            stop_ids = stop
+            stop_ids, stop_strings = [], list(stop)
         else:
-            raise InputError("sampling_params.stop", "must be strings, or token ids inside the vocabulary")
-    return SampleRequest(
-        adapter, prompt, n, max_tokens, temperature, top_p, top_k, stop_ids, stop_strings, seed
-    )
-
-
-def name_of(value: Any, field: str) -> str:
-    if not isinstance(value, str) or not NAME.match(value):
-        raise InputError(
-            field, "must be 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    return value
+            stop_ids = tokens_of(list(stop), "sampling_params.stop", vocab, len(stop))
+    return SampleRequest(adapter, prompt, call.get("num_samples", 1), max_tokens,
+                         float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0)),
+                         params.get("top_k", -1), stop_ids, stop_strings, params.get("seed"))  # fmt: skip

@@ -8,7 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
-from api.routes.tinker_common import caller, future_answer, tinker
+from api.routes.tinker_session import caller, future_answer, tinker
 from api.tinker_bodies import parsed
 from service import tinker_sampling as sampling
 from service.tinker_requests import CreateSamplingSession, Sample

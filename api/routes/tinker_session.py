@@ -1,5 +1,12 @@
-"""Tinker API: the client's configuration, sessions, heartbeats, capabilities, futures, and the
-answer to anything else the SDK calls (a 400 naming the unsupported feature, at once)."""
+"""Tinker API: the client's configuration, sessions, heartbeats, capabilities, futures, the answer
+to anything else the SDK calls (a 400 naming the unsupported feature, at once), and what every
+Tinker route shares: the caller, its answers and the SDK's error shape.
+
+The official SDK reads a failure as `{"error": str, "category": "user"|"server"|"unknown"}`
+(`tinker/types/request_failed_response.py`); Tandem adds `param`, the field at fault. Statuses are
+chosen for the SDK's retry rules (`InternalClientHolder._is_retryable_status_code`): a refusal is a
+400/404/429, never a 5xx or 408/409, which the SDK would retry for minutes instead of showing.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +14,14 @@ import asyncio
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from api.routes.tinker_common import caller, tinker, tinker_error_body
+from api.auth import Caller
+from api.errors import tinker_error_body
 from api.tinker_bodies import parsed
 from service.tinker_requests import MAX_TAGS, CreateSession, FutureRef, SessionRef
-from service.tinker_service import TinkerError
+from service.tinker_service import TinkerError, TinkerService
 
 router = APIRouter(
     prefix="/api/v1", tags=["tinker"], include_in_schema=False
@@ -39,6 +47,25 @@ DYNAMIC_CONFIG = {
     "sample_cancel_enabled": True,
     "sample_cancel_max_batch_size": 64,
 }
+
+
+def install_tinker_errors(app: FastAPI) -> None:
+    @app.exception_handler(TinkerError)
+    async def _tinker_error(request: Request, err: TinkerError) -> JSONResponse:
+        return JSONResponse(tinker_error_body(err.message, err.field, err.category), err.status)
+
+
+def tinker(request: Request) -> TinkerService:
+    return request.app.state.tinker
+
+
+async def caller(request: Request, scope: str = "write") -> Caller:
+    return await request.app.state.auth.require(request, scope)
+
+
+def future_answer(future: Any, **extra: Any) -> dict[str, Any]:
+    """An `UntypedAPIFuture`: what every queued piece of work answers at once."""
+    return {"request_id": future.id, **{k: v for k, v in extra.items() if v is not None}}
 
 
 @router.post("/client/config", include_in_schema=False)

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from api.routes.tinker_common import caller, future_answer, tinker
+from api.routes.tinker_session import caller, future_answer, tinker
 from api.tinker_bodies import forward_body, parsed
 from service.tinker_requests import CreateModel, LoadWeights, ModelRef, OptimStep, SaveWeights
 from service.tinker_service import TinkerError
