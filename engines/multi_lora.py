@@ -1,21 +1,29 @@
-"""Many LoRA adapters on one copy of a base model, each batch row computed with its own adapter.
+"""The LoRA layer: a frozen linear layer plus low-rank adapters, for every LoRA model in Tandem.
 
-`inject(model, modules)` replaces each named `nn.Linear` by a `MultiLoraLinear` that keeps the base
-layer (frozen, shared) and a table `adapters[key] = (A, B, scaling)`; an adapter is plain tensors
-owned by its session, so adding, removing or offloading one is a dict update, never a change to the
-module tree. `rows(model, segments)` says, for one forward, which contiguous rows of the batch use
-which adapter (`None`: the base alone): every layer then computes
+`MultiLoraLinear` wraps an `nn.Linear` (its `base_layer`, frozen) and adds to y = x W^T, for the
+rows an adapter applies to,
 
-    y[rows] = x[rows] W^T + (scaling * x[rows] A^T) B^T
+    scaling * B(A(dropout(x)))        A [rank, in], B [out, rank], computed as PEFT computes it
 
-one base matmul for the whole batch and two small ones per adapter segment, the deltas concatenated
-in row order, so autograd gives each adapter exactly the gradient of its own rows' loss.
+from one of two kinds of adapter:
 
-Why not PEFT's layers here (the FSDP engine keeps them): PEFT's mixed-batch path (`adapter_names`) is
-refused in training mode (`peft/tuners/lora/model.py`: "Cannot pass `adapter_names` when the model
-is in training mode") and holds every adapter as a submodule, so evicting one is a module surgery.
-The names and the saved format stay PEFT's (`peft_tensors`): a snapshot loads with
-`PeftModel.from_pretrained`, vLLM, and `engines/fsdp/lora.load_adapter_weights`.
+- the layer's own adapter (`add_own`): the parameters `lora_A` and `lora_B`, applied to every row.
+  A training engine's (engines/fsdp/lora.py, RL jobs with `model.lora`). Parameters, so that FSDP2
+  shards them with their decoder layer and reduces their gradients, and the distributed state-dict
+  API checkpoints them; `adapters_off(model)` switches them off (the reference policy without a
+  second model).
+- a table `adapters[key] = (A, B, scaling)` of plain tensors owned by callers (the Tinker adapters
+  of engines/adapter_engine.py, one base and many adapters): adding, removing or offloading one is a
+  dict update, never a change to the module tree. `rows(layers, segments)` says, for one forward,
+  which contiguous rows of the batch use which of them (`None`: the base alone): one base matmul for
+  the whole batch and two small ones per segment, the deltas concatenated in row order, so autograd
+  gives each adapter exactly the gradient of its own rows' loss.
+
+Why not PEFT's layers: PEFT's mixed-batch path (`adapter_names`) is refused in training mode
+(`peft/tuners/lora/model.py`: "Cannot pass `adapter_names` when the model is in training mode") and
+holds every adapter as a submodule, so evicting one is a module surgery. The names and the saved
+format stay PEFT's (`peft_tensors`; the own adapter's state-dict names are PEFT's saved names): an
+adapter loads with `PeftModel.from_pretrained`, vLLM, and `engines/fsdp/lora.load_adapter_weights`.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engines.lora_targets import PEFT_PREFIX
+from engines.lora_targets import PEFT_PREFIX, base_module
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -44,14 +52,30 @@ class LayerAdapter:
     scaling: float
 
 
+def lora_delta(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, dropout: nn.Module | None = None
+) -> torch.Tensor:
+    """scaling * B(A(dropout(x))) in PEFT's order and dtypes (x cast to the adapter's dtype first),
+    so that an adapter computes here exactly what it computes in PEFT."""
+    x = x.to(a.dtype)
+    if dropout is not None:
+        x = dropout(x)
+    return nn.functional.linear(nn.functional.linear(x, a), b) * scaling
+
+
 class MultiLoraLinear(nn.Module):
-    """A frozen linear layer plus any number of LoRA adapters, chosen per row by `segments`."""
+    """A frozen linear layer plus its own adapter and any number of table adapters (module docstring)."""
 
     def __init__(self, base: nn.Linear) -> None:
         super().__init__()
         self.base_layer = base
         self.adapters: dict[str, LayerAdapter] = {}
         self.segments: list[Segment] | None = None
+        self.lora_A: nn.Linear | None = None
+        self.lora_B: nn.Linear | None = None
+        self.lora_dropout: nn.Module | None = None
+        self.scaling = 1.0
+        self.own_on = True
 
     @property
     def in_features(self) -> int:
@@ -61,10 +85,29 @@ class MultiLoraLinear(nn.Module):
     def out_features(self) -> int:
         return self.base_layer.out_features
 
+    def add_own(self, rank: int, scaling: float, dropout: float) -> None:
+        """This layer's own trainable adapter, initialised as PEFT does from the global RNG: both
+        nn.Linear construct (each draws its default init), then A is drawn again Kaiming-uniform
+        (a = sqrt 5) and B zeroed. The same draws in the same order give a seed the same adapter as
+        PEFT, and B = 0 starts the adapted model at the base."""
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else None
+        self.scaling = scaling
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
-        segments = self.segments
-        if not segments or all(key is None or key not in self.adapters for key, _ in segments):
+        if self.segments:
+            return self._table_forward(x, y, self.segments)
+        if self.lora_A is None or not self.own_on:
+            return y
+        delta = lora_delta(x, self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_dropout)
+        return (y + delta).to(y.dtype)
+
+    def _table_forward(self, x: torch.Tensor, y: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        if all(key is None or key not in self.adapters for key, _ in segments):
             return y
         if sum(n for _, n in segments) != x.shape[0]:
             raise RuntimeError(
@@ -78,8 +121,7 @@ class MultiLoraLinear(nn.Module):
             if adapter is None:
                 deltas.append(torch.zeros(part.shape[:-1] + (y.shape[-1],), dtype=y.dtype, device=y.device))
             else:
-                a, b = adapter.a.to(part.dtype), adapter.b.to(part.dtype)
-                deltas.append(((part @ a.T) * adapter.scaling) @ b.T)  # scale the rank-wide product
+                deltas.append(lora_delta(part, adapter.a, adapter.b, adapter.scaling).to(y.dtype))
         return y + torch.cat(deltas, dim=0)
 
 
@@ -106,8 +148,21 @@ def inject(model: nn.Module, paths: list[str]) -> dict[str, MultiLoraLinear]:
 
 
 @contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Within the block every layer's own adapter passes through: `model` computes as its base."""
+    layers = [m for m in model.modules() if isinstance(m, MultiLoraLinear)]
+    for layer in layers:
+        layer.own_on = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.own_on = True
+
+
+@contextmanager
 def rows(layers: dict[str, MultiLoraLinear], segments: list[Segment]) -> Iterator[None]:
-    """Within the block every wrapped layer applies adapter `key` to its segment of rows."""
+    """Within the block every wrapped layer applies table adapter `key` to its segment of rows."""
     for layer in layers.values():
         layer.segments = segments
     try:
@@ -158,9 +213,8 @@ def peft_tensors(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[
 
 
 def from_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The inverse of `peft_tensors` (also reads PEFT's '.lora_A.default.weight' names)."""
-    from engines.lora_targets import base_module
-
+    """The inverse of `peft_tensors` (also reads PEFT's '.lora_A.default.weight' names); tensors of
+    other names are left out."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         parsed = base_module(name)

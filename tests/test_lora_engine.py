@@ -74,6 +74,8 @@ def test_an_adapter_on_the_output_projection_is_refused_not_silently_untrained(t
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with pytest.raises(ValueError, match="output projection"):
         attach(lm, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match="target_modules: no linear layer of this model is named"):
+        attach(lm, LoraConfig(rank=4, target_modules=["qkv_proj"]))
 
 
 def test_the_reference_is_the_base_model_with_adapters_off(tiny_model_dir, trained):
@@ -85,6 +87,58 @@ def test_the_reference_is_the_base_model_with_adapters_off(tiny_model_dir, train
         reference = trained.forward_backward_batch(batch, None, forward_only=True).outputs["log_probs"]
     assert torch.allclose(reference, expected, atol=1e-5)
     assert (log_probs(trained, batch) - expected).abs().max() > 1e-3  # the adapters are back on
+
+
+def test_the_jobs_adapter_in_the_layers_session_table_gives_its_log_probs(trained):
+    """One LoRA layer: a job trains its adapter in the layers Tinker sessions use (engines/multi_lora.py).
+    Put in their table as a session's adapter is, chosen by row, the job's adapter computes what the
+    layers' own adapter computes (the same arithmetic: 1e-6)."""
+    from engines.multi_lora import MultiLoraLinear, attach, detach, rows
+
+    layers = {n: m for n, m in trained.model.named_modules() if isinstance(m, MultiLoraLinear)}
+    weights = {n: (m.lora_A.weight.detach(), m.lora_B.weight.detach()) for n, m in layers.items()}
+    batch = make_batch(seed=13)
+    own = log_probs(trained, batch)
+    with trained.adapters_off():
+        base = log_probs(trained, batch)
+    attach(layers, "session", weights, LORA["alpha"] / LORA["rank"])
+    try:
+        # the engine packs each micro-batch into one row, so one segment covers it
+        with trained.adapters_off(), rows(layers, [("session", 1)]):
+            as_session = log_probs(trained, batch)
+    finally:
+        detach(layers, "session")
+    assert (own - base).abs().max() > 1e-3  # the adapter is not the base
+    assert torch.allclose(as_session, own, atol=1e-6)
+
+
+def test_training_a_lora_engine_does_not_import_peft(tiny_model_dir):
+    """PEFT only reads and writes the adapter format: building a LoRA engine, an update and the
+    reference forward run in a fresh interpreter without importing it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import sys\n"
+        "from tests.test_lora_engine import make_batch, make_engine, log_probs, train_steps\n"
+        f"engine = make_engine({str(tiny_model_dir)!r})\n"
+        "train_steps(engine, 1)\n"
+        "with engine.adapters_off():\n"
+        "    log_probs(engine, make_batch())\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'peft'))\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    # a process group of its own: this process's engines set MASTER_PORT to a port they hold
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_split_and_dynamic_batches_give_the_same_adapter_gradients(tiny_model_dir):

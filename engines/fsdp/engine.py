@@ -65,6 +65,7 @@ from engines.fsdp.modules import (
 from engines.fsdp.optim import OptimizerMixin
 from engines.fsdp.state import CheckpointMixin
 from engines.microbatch import MicroBatchPlanner, PromptGroups
+from engines.multi_lora import adapters_off
 from engines.packing import pack, response_columns, unpack
 from engines.shared_prompt import pack_shared, prompt_groups
 from schema.engine import EngineConfig
@@ -152,7 +153,7 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
         return model
 
     def _attach_adapters(self, hf_model: torch.nn.Module) -> None:
-        """LoRA (engines/fsdp/lora.py): adapters fp32, the frozen base in the compute dtype (bf16 on
+        """LoRA (engines/fsdp/lora.py, the layer of engines/multi_lora.py): adapters fp32, the frozen base in the compute dtype (bf16 on
         GPU: it has no gradient or optimizer state, so fp32 master copies would buy nothing)."""
         cfg = self.config.lora
         self.adapted_modules = lora.attach(hf_model, cfg)
@@ -447,5 +448,5 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
         """Compute as the base model (the reference policy of a LoRA engine)."""
         if not self.adapted_modules:
             raise RuntimeError("adapters_off: this engine has no LoRA adapters")
-        with lora.adapters_off(self.model):
+        with adapters_off(self.model):
             yield

@@ -1,28 +1,28 @@
-"""LoRA on the FSDP engine: PEFT's LoRA layers injected into the Hugging Face model, the base frozen.
+"""LoRA on the FSDP engine: the LoRA layer of engines/multi_lora.py with one adapter of its own per
+target layer, the base frozen; and the PEFT adapter format in and out.
 
-`attach` puts PEFT's `lora.Linear` around each target layer in place (`peft.inject_adapter_in_model`,
-no PeftModel wrapper, so the engine's PolicyModel, the decoder layers that FSDP shards and the
-packed attention stay as they are) and freezes everything else: the optimizer then holds only the
-adapters, and FSDP2 reduces gradients for them alone. `adapters_off` runs the same model as its
-base (the reference policy without a second model). Names cross the engine boundary in PEFT's saved
-format (`base_model.model.<module>.lora_A.weight`), the one that `PeftModel.from_pretrained`, vLLM
-and the rollout engines read, with the PEFT `adapter_config.json` as the adapter's config.
+`attach` wraps each target linear layer of the Hugging Face model in place (no PeftModel wrapper, so
+the engine's PolicyModel, the decoder layers that FSDP shards and the packed attention stay as they
+are), gives it its own adapter and freezes everything else: the optimizer then holds only the
+adapters, and FSDP2 reduces gradients for them alone. The targets, initialisation and arithmetic are
+PEFT's, so a seed trains the adapter PEFT's layers trained. `multi_lora.adapters_off` runs the same
+model as its base (the reference policy without a second model). PEFT itself only reads and writes
+the format: names cross the engine boundary as PEFT saves them (`base_model.model.<module>.lora_A.weight`),
+the ones that `PeftModel.from_pretrained`, vLLM and the rollout engines read, with PEFT's
+`adapter_config.json` as the adapter's config.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from engines.lora_targets import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, adapter_file, base_module
+from engines.multi_lora import from_peft_tensors, inject
 from schema.engine import ALL_LINEAR, LoraConfig
-
-ADAPTER_NAME = "default"  # PEFT's name for a model's single adapter
 
 
 def peft_config(cfg: LoraConfig, base_model_path: str | None = None):  # -> peft.LoraConfig
@@ -44,19 +44,35 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def attach(lm: nn.Module, cfg: LoraConfig) -> list[str]:
-    """Inject LoRA layers into `lm` in place and freeze the base; returns the adapted module paths."""
-    from peft import inject_adapter_in_model
-    from peft.tuners.lora import LoraLayer
-
-    inject_adapter_in_model(peft_config(cfg), lm, adapter_name=ADAPTER_NAME)
-    if isinstance(lm.get_output_embeddings(), LoraLayer):
+def target_paths(lm: nn.Module, cfg: LoraConfig) -> list[str]:
+    """The linear layers `cfg.target_modules` names, in module order (the order PEFT adds adapters
+    in, so the same draws initialise the same layers), as PEFT matches them: 'all-linear' is every
+    linear layer but the output projection; a name matches a path equal to it or ending in '.name'."""
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    linear = [(name, m) for name, m in lm.named_modules() if isinstance(m, nn.Linear)]
+    if cfg.target_modules == ALL_LINEAR:
+        return [name for name, m in linear if m is not head]
+    names = cfg.target_modules
+    paths = [(n, m) for n, m in linear if any(n == t or n.endswith(f".{t}") for t in names)]
+    if any(m is head for _, m in paths):
         # The policy's log-probs read the output projection's weight directly (modules.PolicyModel),
         # so an adapter there would get no gradient and silently train nothing.
         raise ValueError("model.lora.target_modules: the output projection cannot take an adapter")
+    if not paths:
+        raise ValueError(f"model.lora.target_modules: no linear layer of this model is named {names}")
+    return [name for name, _ in paths]
+
+
+def attach(lm: nn.Module, cfg: LoraConfig) -> list[str]:
+    """Give each target layer of `lm` its own adapter (in place) and freeze the base; returns the
+    adapted module paths."""
+    paths = target_paths(lm, cfg)
+    layers = inject(lm, paths)
+    for path in paths:
+        layers[path].add_own(cfg.rank, cfg.scaling, cfg.dropout)
     for name, param in lm.named_parameters():
         param.requires_grad_(is_adapter(name))
-    return sorted(name for name, m in lm.named_modules() if isinstance(m, LoraLayer))
+    return sorted(paths)
 
 
 def load_adapter_weights(lm: nn.Module, init_from: str) -> int:
@@ -71,7 +87,7 @@ def load_adapter_weights(lm: nn.Module, init_from: str) -> int:
         if parsed is None:
             continue
         module, part = parsed
-        target = params.get(f"{module}.lora_{part}.{ADAPTER_NAME}.weight")
+        target = params.get(f"{module}.lora_{part}.weight")
         if target is None or target.shape != tensor.shape:
             raise ValueError(
                 f"model.lora.init_from: '{name}' {list(tensor.shape)} has no matching adapter in this model "
@@ -84,24 +100,8 @@ def load_adapter_weights(lm: nn.Module, init_from: str) -> int:
 
 
 def peft_name(engine_name: str) -> str:
-    """'model.layers.0.q_proj.lora_A.default.weight' -> 'base_model.model.model.layers.0.q_proj.lora_A.weight'."""
-    return PEFT_PREFIX + engine_name.replace(f".{ADAPTER_NAME}.", ".")
-
-
-@contextmanager
-def adapters_off(model: nn.Module) -> Iterator[None]:
-    """Run `model` as its base: every LoRA layer passes through (PEFT's disable flag)."""
-    from peft.tuners.lora import LoraLayer
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-            # enable_adapters marks the active adapter trainable again; the base stays frozen.
+    """'model.layers.0.q_proj.lora_A.weight' -> 'base_model.model.model.layers.0.q_proj.lora_A.weight'."""
+    return PEFT_PREFIX + engine_name
 
 
 def adapter_config_dict(cfg: LoraConfig, base_model_path: str, modules: list[str]) -> dict:
@@ -129,18 +129,10 @@ def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict) 
 
 
 def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """An injected model's full state dict (HF names, with `.base_layer.` and LoRA entries) as the
+    """An adapted model's full state dict (HF names, with `.base_layer.` and LoRA entries) as the
     plain model's: every adapted layer's weight is W + scaling * B @ A."""
-    out: dict[str, torch.Tensor] = {}
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in state.items():
-        parsed = base_module(name)
-        if parsed is not None:
-            pairs.setdefault(parsed[0], {})[parsed[1]] = tensor
-        else:
-            out[name.replace(".base_layer.", ".")] = tensor
-    for module, ab in pairs.items():
+    out = {k.replace(".base_layer.", "."): v for k, v in state.items() if not is_adapter(k)}
+    for module, (a, b) in from_peft_tensors({k: v for k, v in state.items() if is_adapter(k)}).items():
         key = f"{module}.weight"
-        delta = scaling * (ab["B"].double() @ ab["A"].double())
-        out[key] = (out[key].double() + delta).to(out[key].dtype)
+        out[key] = (out[key].double() + scaling * (b.double() @ a.double())).to(out[key].dtype)
     return out

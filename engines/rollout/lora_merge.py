@@ -17,22 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from engines.lora_targets import base_module
-
-
-def adapter_pairs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
-    """{'model.layers.0.self_attn.q_proj': {'A': ..., 'B': ...}} from PEFT-named tensors."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in named_tensors:
-        parsed = base_module(name)
-        if parsed is None:
-            raise KeyError(
-                f"'{name}' is not a LoRA tensor (expected PEFT names ending in lora_A/lora_B.weight)"
-            )
-        pairs.setdefault(parsed[0], {})[parsed[1]] = tensor
-    missing = [m for m, ab in pairs.items() if set(ab) != {"A", "B"}]
-    if missing:
-        raise ValueError(f"adapter layer '{missing[0]}' has only one of lora_A / lora_B")
-    return pairs
+from engines.multi_lora import from_peft_tensors
 
 
 def scaling_of(config: dict) -> float:
@@ -51,13 +36,19 @@ class AdapterMerger:
     def merge(self, weights: dict[str, torch.Tensor], config: dict, named_tensors: Iterable) -> int:
         """Write base + scaling * B @ A into every adapted layer's weight; returns the layers merged."""
         scaling = scaling_of(config)
-        pairs = adapter_pairs(named_tensors)
-        for module, ab in pairs.items():
+        tensors = dict(named_tensors)
+        stray = [name for name in tensors if base_module(name) is None]
+        if stray:
+            raise KeyError(
+                f"'{stray[0]}' is not a LoRA tensor (expected PEFT names ending in lora_A/lora_B.weight)"
+            )
+        pairs = from_peft_tensors(tensors)
+        for module, (a, b) in pairs.items():
             key = f"{module}.weight"
             target = weights.get(key)
             if target is None:
                 raise KeyError(f"the adapter adapts '{module}', which the rollout model does not have")
-            a, b = ab["A"].to(target.device, torch.float32), ab["B"].to(target.device, torch.float32)
+            a, b = a.to(target.device, torch.float32), b.to(target.device, torch.float32)
             if (b.shape[0], a.shape[1]) != tuple(target.shape):
                 raise ValueError(
                     f"adapter layer '{module}' is [{b.shape[0]}, {a.shape[1]}] but the rollout model's "
