@@ -12,6 +12,7 @@ import pytest
 
 from tests.docs_runner import (
     REPO,
+    SLOW_BLOCK_TIMEOUT_S,
     Machine,
     PageError,
     Reader,
@@ -75,6 +76,7 @@ def test_the_page_runs_as_written(request: pytest.FixtureRequest, page: str) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * SLOW_BLOCK_TIMEOUT_S)  # beyond pyproject's 600 s: each slow block has its own limit
 @pytest.mark.parametrize("page", SLOW_PAGES)
 def test_the_page_runs_with_its_long_trainings(request: pytest.FixtureRequest, page: str) -> None:
     skipped = run_page(machine_for(request, page), REPO / page, slow=True)
