@@ -75,6 +75,7 @@ class Scheduler(HostedRecords, RunSettlement):
         self._draining = False
         self._asked_autoscaler = False
         self._served: dict[str, int] = {}  # owner -> the number of its latest start (fair_order)
+        self._told_waiting: str | None = None  # the job waiting for room that was told why
         self._starts = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -210,10 +211,27 @@ class Scheduler(HostedRecords, RunSettlement):
         running = {o: u.running_jobs for o, u in used.items()}
         for job in fair_order(self.store.jobs_in((S.QUEUED,)), running, self._served):
             if self._try_start(job, used) == "room":
+                self._say_waiting(job)
                 self._ask_autoscaler(job)
                 return  # strict order: no later job jumps the one that waits for room
+        self._told_waiting = None
         if self._asked_autoscaler:  # nothing waits any more: withdraw the request
             self._ask_autoscaler(None)
+
+    def _say_waiting(self, job: JobRecord) -> None:
+        """Tell a job that waits for room (once) what it needs and what holds the rest: a session host
+        holds its CPUs for as long as the service runs, so a job may wait for a restart."""
+        if self._told_waiting == job.id:
+            return
+        self._told_waiting = job.id
+        needs, (free_cpus, free_gpus) = self.workload_of(job).needs(job.spec), self.free()
+        with self._lock:
+            holders = [*((key, (c, 0.0)) for key, c in self.held.items()),
+                       *((key, (r.cpus, r.gpus)) for key, r in self.running.items())]  # fmt: skip
+        held = ", ".join(f"{key}: {c:g} CPUs, {g:g} GPUs" for key, (c, g) in holders if c or g)
+        message = (f"waiting for room: it needs {needs.cpus:g} CPUs and {needs.gpus:g} GPUs; {free_cpus:g} CPUs "
+                   f"and {free_gpus:g} GPUs are free (held by {held or 'nothing'})")  # fmt: skip
+        self.store.add_event(job.id, "waiting", message, {"free_cpus": free_cpus, "free_gpus": free_gpus})
 
     def admit(self, record_id: str) -> bool:
         """Start a queued record now if its owner's quota and the cluster allow (a request that made

@@ -121,6 +121,26 @@ def test_steering_a_running_job(live, api):
     )
 
 
+def test_pause_and_cancel_wait_return_once_the_job_has_stopped(live, api):
+    """`--wait` returns only once the job left `pausing` / `cancelling` (at a step boundary), so the
+    next command finds it paused or cancelled."""
+    submitted = tandem(live, "submit", "--model", "tiny-qwen2", "--steps", "4000", "--set",
+                       "trainer.val_every=0", "--set", "trainer.prompts_per_step=4", "--set", "rollout.n=4",
+                       "--set", "checkpoint.every=1")  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    wait_for_step(api, job_id, 1)
+    paused = tandem(live, "pause", job_id, "--wait")
+    assert paused.returncode == 0 and paused.stdout.strip() == f"{job_id}: paused", paused.stderr
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "paused"
+    assert tandem(live, "resume", job_id).returncode == 0
+    wait_for_step(api, job_id, job["step"] + 1)  # running again, past its start-up: it stops at a step's end
+    cancelled = tandem(live, "cancel", job_id, "--wait")
+    assert cancelled.returncode == 0 and cancelled.stdout.strip() == f"{job_id}: cancelled", cancelled.stderr
+    assert api.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
+
+
 def test_a_bad_spec_is_one_line_naming_the_field(live, tmp_path):
     spec = tmp_path / "bad.yaml"
     spec.write_text("method: grpo\ntrainer:\n  total_steps: 0\n")

@@ -5,12 +5,14 @@ normalises). Each page is one test; a block that cannot run here is marked on th
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.docs_runner import (
     REPO,
+    SLOW_BLOCK_TIMEOUT_S,
     Machine,
     PageError,
     Reader,
@@ -25,6 +27,9 @@ PAGES = [
     "docs/quickstart.md",
     "docs/using.md",
     "docs/dashboard.md",
+    "docs/tinker.md",
+    "docs/troubleshooting.md",
+    "docs/guides/agents.md",
     "docs/guides/custom-reward.md",
     "docs/guides/environments.md",
     "docs/guides/multi-turn.md",
@@ -35,53 +40,54 @@ PAGES = [
     "docs/guides/gpus.md",
     "docs/guides/offline.md",
     "docs/guides/not-yet.md",
-    # Last: a Tinker session's host keeps a CPU for good, and the scheduler does not count it, so on
-    # 2 cores a job submitted after it waits for a placement it never gets (reported, service/).
-    "docs/tinker.md",
 ]
-# TODO: run these too once the rewrites under way land (each has its own helper now): the runner
-# takes them as they are, with `<!-- not-run: ... -->` on the blocks that need a live agent or a signal.
-NOT_YET = {
-    "docs/guides/agents.md": "being rewritten for the Agents SDK",
-    "docs/troubleshooting.md": "being rewritten (401 text, param names, SIGTERM)",
-}
+# A Tinker session's host holds a CPU for as long as its service runs: on a 2-core machine a later
+# page's job would wait for it (saying so), so this page gets a service of its own.
+OWN_SERVICE = {"docs/tinker.md"}
 SLOW_PAGES = [p for p in PAGES if any(b.slow for b in page_blocks(REPO / p))]
 VENV = Path(sys.prefix)  # what the pages' `.venv` is: the virtualenv running these tests
 
 
-@pytest.fixture(scope="module")
-def machine(tmp_path_factory) -> Machine:
-    machine = start_machine(tmp_path_factory.mktemp("reader"), VENV)
+def reader_machine(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[Machine]:
+    machine = start_machine(tmp_path_factory.mktemp(name), VENV)
     yield machine
     machine.stop()
+
+
+@pytest.fixture(scope="module")
+def machine(tmp_path_factory) -> Iterator[Machine]:
+    """The service the pages share, one after another, as one reader's."""
+    yield from reader_machine(tmp_path_factory, "reader")
+
+
+@pytest.fixture(scope="module")
+def own_machine(tmp_path_factory) -> Iterator[Machine]:
+    yield from reader_machine(tmp_path_factory, "own-reader")
+
+
+def machine_for(request: pytest.FixtureRequest, page: str) -> Machine:
+    return request.getfixturevalue("own_machine" if page in OWN_SERVICE else "machine")
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_the_page_runs_as_written(machine: Machine, page: str) -> None:
-    skipped = run_page(machine, REPO / page)
+def test_the_page_runs_as_written(request: pytest.FixtureRequest, page: str) -> None:
+    skipped = run_page(machine_for(request, page), REPO / page)
     print("\n".join(["not run here:", *skipped]) if skipped else "every block ran")
-
-
-@pytest.fixture(scope="module")
-def long_machine(tmp_path_factory) -> Machine:
-    """A service of its own for the long trainings: the fast pages' Tinker session keeps a CPU."""
-    machine = start_machine(tmp_path_factory.mktemp("long-reader"), VENV)
-    yield machine
-    machine.stop()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * SLOW_BLOCK_TIMEOUT_S)  # beyond pyproject's 600 s: each slow block has its own limit
 @pytest.mark.parametrize("page", SLOW_PAGES)
-def test_the_page_runs_with_its_long_trainings(long_machine: Machine, page: str) -> None:
-    skipped = run_page(long_machine, REPO / page, slow=True)
+def test_the_page_runs_with_its_long_trainings(request: pytest.FixtureRequest, page: str) -> None:
+    skipped = run_page(machine_for(request, page), REPO / page, slow=True)
     print("\n".join(["not run here:", *skipped]) if skipped else "every block ran")
 
 
-def test_every_user_page_is_run_or_named_as_not_yet() -> None:
+def test_every_user_page_is_run() -> None:
     user_pages = {"README.md", *(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))}
     user_pages |= {f"docs/guides/{p.name}" for p in (REPO / "docs" / "guides").glob("*.md")}
     contributors = {"docs/ARCHITECTURE.md", "docs/concepts.md", "docs/index.md"}  # no commands to run
-    assert user_pages - contributors == set(PAGES) | set(NOT_YET)
+    assert user_pages - contributors == set(PAGES)
 
 
 def test_a_marker_must_say_why_a_block_is_not_run(tmp_path: Path) -> None:
