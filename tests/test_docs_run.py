@@ -40,6 +40,9 @@ PAGES = [
     "docs/guides/gpus.md",
     "docs/guides/offline.md",
     "docs/guides/not-yet.md",
+    "docs/guides/openenv.md",
+    "docs/guides/reasoning-gym.md",
+    "docs/guides/verifiers.md",
 ]
 # A Tinker session's host holds a CPU for as long as its service runs: on a 2-core machine a later
 # page's job would wait for it (saying so), so this page gets a service of its own.
