@@ -121,6 +121,7 @@ def test_steering_a_running_job(live, api):
     )
 
 
+@pytest.mark.slow  # README.md's page test runs `tandem pause --wait` in make test
 def test_pause_and_cancel_wait_return_once_the_job_has_stopped(live, api):
     """`--wait` returns only once the job left `pausing` / `cancelling` (at a step boundary), so the
     next command finds it paused or cancelled."""

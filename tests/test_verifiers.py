@@ -43,8 +43,9 @@ def test_the_example_environment_learns(tmp_path, monkeypatch):
     try:
         trainer.run()
     finally:  # the pool's thread ends with a job's process; this one is the test's
-        if trainer.external is not None and trainer.external.agents is not None:
-            trainer.external.agents.stop()
+        endpoint = getattr(trainer.source, "endpoint", None)  # AgentSource's (controller/batch_source.py)
+        if endpoint is not None and endpoint.agents is not None:
+            endpoint.agents.stop()
     scores = [r["values"]["critic/score/mean"] for r in sink.history if "critic/score/mean" in r["values"]]
     assert len(scores) == spec.trainer.total_steps
     third = len(scores) // 3
@@ -88,6 +89,7 @@ def test_an_environment_that_cannot_run_is_refused_by_the_start_check(agent, arg
         run_sandboxed("controller.agent_sandbox:check_agent", agent, [args], 120, f"agent '{agent}'")
 
 
+@pytest.mark.slow  # the start check itself runs in make test (test_an_environment_that_cannot_run_is_refused_by_the_start_check)
 def test_a_job_whose_environment_cannot_run_fails_at_its_start_naming_it(api):
     agent = "examples.verifiers_arithmetic:ArithmeticTaskset"
     job = api.post("/v1/jobs", json=verifiers_job(agent, {"num_taks": 3}))
