@@ -9,6 +9,7 @@
 #
 #   bash bench/gpu_suite.sh            # the machine's python3 (torch with CUDA)
 #   CHECKS=0 bash bench/gpu_suite.sh   # the comparison with TRL alone
+#   ONLY="gpu_check_05b vs_trl_digits" bash bench/gpu_suite.sh   # these steps alone
 #
 # What the machine lacks comes from the offline bundle (`make bundle PYTHON=3.12`, dist/offline/,
 # installed by its install.sh into /tmp/site) and from wheels in .whl/ (TRL and its needs for the
@@ -30,6 +31,7 @@ fi
 step() {  # step NAME SECONDS COMMAND...: run with a limit, output to $OUT/NAME.log, JSON lines to NAME.jsonl
     local name=$1 limit=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
     echo "== $name ($(date +%T), load $(cut -d' ' -f1 /proc/loadavg))"
     timeout "$limit" "$@" 2> >(tail -n 40 >"$OUT/$name.err") | tee "$OUT/$name.jsonl"
     echo "== $name exit ${PIPESTATUS[0]}"

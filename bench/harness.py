@@ -72,7 +72,9 @@ def run_child(argv: list[str], timeout_s: float, env: dict[str, str] | None = No
     """Run `python ARGV` (a script of bench/ in its own process) and return the JSON lines it printed;
     a failure or a timeout raises, naming the command and the end of its stderr."""
     command = [sys.executable, *argv]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    # ROOT first, then what the caller had (an offline bundle's target folder on a lent GPU machine)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=full_env, timeout=timeout_s)
     except subprocess.TimeoutExpired as e:

@@ -40,16 +40,17 @@ def run_served_job(spec: dict[str, Any], home: Path, allow: list[Path], timeout_
 
 
 def connect(server: subprocess.Popen, home: Path) -> Any:
-    """A client of the service once it has recorded its URL in `home`; the serve log's tail when it
-    exits or does not within START_TIMEOUT_S."""
+    """A client of the service once it answers /readyz at the URL it recorded in `home` (the record is
+    written before the socket listens); the serve log's tail when it exits or does not within
+    START_TIMEOUT_S."""
     from api.client import TandemClient
-    from api.service_record import read_record
+    from api.service_record import ready_url
 
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline and server.poll() is None:
-        record = read_record(home)
-        if record is not None:
-            return TandemClient(record["url"], (home / "admin_token").read_text().strip())
+        url = ready_url(home, server.pid)
+        if url is not None:
+            return TandemClient(url, (home / "admin_token").read_text().strip())
         time.sleep(1.0)
     tail = (home / "serve.log").read_text()[-3000:]
     raise RuntimeError(f"`tandem serve` did not start within {START_TIMEOUT_S:.0f} s:\n{tail}")
