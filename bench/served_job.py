@@ -18,14 +18,19 @@ START_TIMEOUT_S = 180.0
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
 
-def run_served_job(spec: dict[str, Any], home: Path, allow: list[Path], timeout_s: float) -> dict[str, Any]:
+def run_served_job(
+    spec: dict[str, Any], home: Path, allow: list[Path], timeout_s: float, unsandboxed: bool = False
+) -> dict[str, Any]:
     """{"job": the final job, "metrics": rows of {"step", "time", "values"}, "events": [...]}; raises
-    when the service does not start, the job does not succeed, or it runs past `timeout_s`."""
+    when the service does not start, the job does not succeed, or it runs past `timeout_s`.
+    `unsandboxed`: the service runs user code (the bench's own reward) without a sandbox, for a
+    machine that has none (a lent GPU image without bubblewrap)."""
     home.mkdir(parents=True, exist_ok=True)
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "TANDEM_HOME": str(home), "PYTHONPATH": path}
     command = [sys.executable, "-m", "api.cli", "serve", "--home", str(home)]
     command += [f"--allow-path={p}" for p in allow]
+    command += ["--unsandboxed-user-code"] if unsandboxed else []
     with (home / "serve.log").open("w") as log:
         server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:

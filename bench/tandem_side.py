@@ -209,9 +209,10 @@ def run_tandem_served(args: argparse.Namespace) -> tuple[list[float], dict]:
     measure = cuda_peak if args.device == "cuda" else lambda: machine_peak(physical_cores())
     before = measure()
     work = Path(tempfile.mkdtemp(prefix="vs-served-"))
+    unsandboxed = shutil.which("bwrap") is None  # the reward is this repository's code
     allow = sorted({Path(args.model_dir).parent, Path(args.train).parent, ROOT / "bench"})
     try:
-        run = run_served_job(tandem_spec(args), work / "home", allow, timeout_s=args.job_timeout)
+        run = run_served_job(tandem_spec(args), work / "home", allow, args.job_timeout, unsandboxed)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     peak = max(before, measure(), key=lambda p: p["matmul_flops"])
@@ -228,5 +229,6 @@ def run_tandem_served(args: argparse.Namespace) -> tuple[list[float], dict]:
     if sync_s and medians.get(TRANSFER):
         medians["sync_over_transfer"] = round(sync_s / medians[TRANSFER], 2)
     building = [e for e in run["events"] if e.get("kind") == "building"]
+    medians["user_code_sandboxed"] = not unsandboxed
     medians["rollout_backend"] = building[0].get("data", {}).get("rollout_backend") if building else None
     return step_intervals([r["time"] for r in rows]), medians
