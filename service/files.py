@@ -1,20 +1,10 @@
-"""Uploaded files: data (JSONL, JSON, Parquet) and Python modules (reward functions, environments)
-kept under the service's home, so a remote user never needs a path on the server.
+"""Uploaded files (data, Python modules, LoRA adapters) under the service's home, so a remote user never
+needs a path on the server: `$TANDEM_HOME/files/<id>/<filename>` plus `meta.json`.
 
-A file is `$TANDEM_HOME/files/<id>/<filename>` plus `meta.json`; its id is `file-` and 12 hex
-digits. A spec names an upload by its id where it would name a server path:
-
-    data.train_path: "file-0123456789ab"
-    reward.function: "file-0123456789ab:score"      (an uploaded .py file and a function in it)
-    model.lora.init_from: "file-0123456789ab"       (an uploaded adapter_model.safetensors)
-
-The spec keeps the id; `resolve_refs` replaces ids with stored paths when a job is checked and when
-it starts (with its owner's view), so a file deleted in between fails the job with the id named.
-Uploads named by path are the owner's too (service/owned_paths.py).
-
-A file belongs to the owner of the key that uploaded it (`meta.json`'s `owner`; files uploaded before
-owners existed are the admin's). Every read takes `sees`, the caller's owner (None for an admin):
-another owner's file is "no file" to it, in a listing, a read, a delete and a spec's reference alike.
+A spec names an upload by its id (`data.train_path: "file-0123456789ab"`, `reward.function:
+"file-0123456789ab:score"`); `resolve_refs` replaces ids with paths when a job is checked and when it
+starts. Every read takes `sees`, the caller's owner (None for an admin): another owner's file is
+"no file" to it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Which server paths a spec may name, and for whom (docs/ARCHITECTURE.md §8).
 
-A path must be absolute and, once `..` and symlinks are resolved, lie in an upload or a job's
-outputs of the submitter's own, or under a folder the operator shares; an admin (`sees` None) owns
-every upload and output. A refusal reads the same whether the path exists, is another owner's or is
-the service's own. The API checks a spec at submission; the scheduler checks it again when the job
-starts and hands the job the resolved paths, so what was checked is what is opened.
+Resolved, a path must lie in the submitter's uploads or jobs' outputs (an admin's: anyone's) or a folder
+the operator shares. A refusal reads the same whether the path exists or not. Checked at submission and
+again at start, which hands the job the resolved paths: what was checked is what is opened.
 """
 
 from __future__ import annotations
