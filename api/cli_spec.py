@@ -20,18 +20,7 @@ from pydantic import ValidationError
 
 from schema.job import JobSpec
 from schema.section import deep_merge, error_message
-
-# Fields that name local files or folders, and fields that hold a 'path/file.py:name' reference.
-PATH_FIELDS = (
-    ("model", "path"),
-    ("model", "critic_path"),
-    ("model", "lora", "init_from"),
-    ("data", "train_path"),
-    ("data", "val_path"),
-    ("reward", "model_path"),
-    ("checkpoint", "resume_from"),
-)
-CODE_FIELDS = (("reward", "function"), ("rollout", "environment"), ("rollout", "external", "agent"))
+from service.files import CODE_FIELDS, PATH_FIELDS, spec_field
 
 
 class UsageError(Exception):
@@ -88,11 +77,11 @@ def absolutize_paths(spec: dict[str, Any], base: Path, strict: bool = False) -> 
     .py file that is not under `base` is a SpecError (the service only takes absolute paths)."""
     out = copy.deepcopy(spec)
     for fields in PATH_FIELDS:
-        parent, value = _field(out, fields)
+        parent, value = spec_field(out, fields)
         if isinstance(value, str) and (base / value).expanduser().exists():
             parent[fields[-1]] = str((base / value).expanduser().resolve())
     for fields in CODE_FIELDS:
-        parent, value = _field(out, fields)
+        parent, value = spec_field(out, fields)
         if not isinstance(value, str):
             continue
         source, sep, name = value.rpartition(":")
@@ -104,14 +93,6 @@ def absolutize_paths(spec: dict[str, Any], base: Path, strict: bool = False) -> 
             raise SpecError(f"{'.'.join(fields)}: no file '{source}' in {base} (a relative path given as a "
                             "flag is read from the current folder)")  # fmt: skip
     return out
-
-
-def _field(spec: dict[str, Any], fields: tuple[str, ...]) -> tuple[dict[str, Any], Any]:
-    """(the dict holding the last field, its value), or ({}, None) where a section is absent."""
-    node = spec
-    for part in fields[:-1]:
-        node = node.get(part) if isinstance(node, dict) else None
-    return (node, node.get(fields[-1])) if isinstance(node, dict) else ({}, None)
 
 
 def model_override(model: str) -> dict[str, Any]:

@@ -52,7 +52,6 @@ class Scheduler(HostedRecords, RunSettlement):
         self.paths: OwnedPaths | None = None  # set by the API (api/app.py), which knows the shared folders
         self.quotas = quotas or QuotaBook()
         self.poll_s = poll_s
-        self.runtime_env = runtime_env
         options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8}
         if runtime_env:
             options["runtime_env"] = runtime_env
