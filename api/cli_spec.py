@@ -1,11 +1,8 @@
 """A JobSpec from a YAML/JSON file and command-line flags, validated here before it is sent.
 
-The file and the flags build the same model the REST API takes: `--method`, `--model`, `--steps`
-are shorthands, and `--set a.b.c=value` reaches any field (the value is read as JSON when it parses,
-so `1e-4`, `true`, `null` and `[0.9, 0.95]` are typed; anything else is a string). Local files a
-spec names (reward files, data, model folders) are made absolute when they exist: relative to the
-spec file for paths written in it, relative to the working directory for flags. A bad field is a
-`SpecError` naming it, e.g. "trainer.total_steps: Input should be greater than 0".
+`--set a.b.c=value` reaches any field (the value is read as JSON when it parses, else a string).
+Local paths a spec names are made absolute where they exist: relative to the spec file for paths
+written in it, to the working directory for flags.
 """
 
 from __future__ import annotations
@@ -73,8 +70,8 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
 
 
 def absolutize_paths(spec: dict[str, Any], base: Path, strict: bool = False) -> dict[str, Any]:
-    """A copy whose relative local paths (that exist under `base`) are absolute. `strict`: a relative
-    .py file that is not under `base` is a SpecError (the service only takes absolute paths)."""
+    """A copy whose relative local paths that exist under `base` are absolute. `strict`: a relative .py
+    file not under `base` is a SpecError (the service takes absolute paths only)."""
     out = copy.deepcopy(spec)
     for fields in PATH_FIELDS:
         parent, value = spec_field(out, fields)
@@ -110,10 +107,8 @@ def build_spec(
     sets: list[str] | None = None,
 ) -> tuple[dict[str, Any], JobSpec]:
     """The file, then the shorthands, then --set, merged: (what the user gave, validated as a JobSpec).
-
-    What the user gave is what is sent, not the dump with every default filled in, so a CLI and a
-    service of slightly different versions agree on any spec both understand.
-    """
+    What the user gave is sent, not the dump with defaults, so that a CLI and a service of slightly
+    different versions agree on any spec both understand."""
     raw = load_spec_file(file) if file else {}
     flags: dict[str, Any] = {}
     if method:
