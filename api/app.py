@@ -1,13 +1,6 @@
-"""The REST control plane: FastAPI routers over the Service, under /v1, with bearer-token auth.
-
-Conventions (docs/ARCHITECTURE.md §5): lists are {"object": "list", "data", "has_more"} with after/limit
-cursors; errors are {"error": {...}} naming the field at fault; every response carries
-x-request-id; POST /v1/jobs honours Idempotency-Key. Open without a token: /healthz, /readyz and the
-dashboard's static page and assets (they hold no data; the page asks the API with the token).
-
-Each resource is one router module under api/routes/; this module only assembles them with the
-app-wide pieces (auth, error shape, request ids and latency, repeated hot reads answered before
-FastAPI (api/hot_reads.py), the dashboard).
+"""The REST control plane: one router per resource (api/routes/) over the Service, assembled here with
+the app-wide pieces: auth, the error shape, request ids and latency, hot reads, the dashboard.
+Conventions: docs/ARCHITECTURE.md §5.
 """
 
 from __future__ import annotations
@@ -16,13 +9,11 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 
-from api.audit import AuditTrail
 from api.auth import Authenticator
 from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
 from api.hot_reads import HotReadPath, HotReads
-from api.middleware import BodyLimit, RequestId
-from api.prom import make_registry
+from api.middleware import AuditTrail, BodyLimit, RequestId
 from api.read_cache import ReadCache
 from api.routes import (
     audit,
@@ -36,13 +27,12 @@ from api.routes import (
     openai_responses,
     openai_trajectories,
     rewards,
-    samples,
     tinker_sample,
     tinker_session,
     tinker_train,
     usage,
 )
-from api.routes.health import VERSION
+from api.routes.health import VERSION, make_registry
 from api.routes.tinker_session import install_tinker_errors
 from api.settings import ServeSettings
 from api.validation import Checker
@@ -55,7 +45,6 @@ ROUTERS = (
     jobs.router,
     job_outputs.router,
     metrics.router,
-    samples.router,
     rewards.router,
     openai_chat.router,
     openai_responses.router,
@@ -92,7 +81,6 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     app.state.settings = settings = settings or ServeSettings()
     app.state.checker = Checker(settings, service.home, service.files, service.store)
     service.scheduler.paths = app.state.checker.paths  # a job's paths are checked again when it starts
-    # the server of the scheduler's Tinker workload: the scheduler starts, counts and stops its runs
     app.state.tinker = TinkerService(
         service, settings.tinker_models(), HostOptions(max_rank=settings.tinker_max_rank)
     )

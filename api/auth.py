@@ -1,15 +1,9 @@
 """API keys: who a request is (its key's owner) and what it may do (scopes), checked in constant time.
 
-A key is sent as `Authorization: Bearer <key>` or as `X-API-Key: <key>` (what the tinker SDK sends).
-Keys are 32 random bytes, so a plain SHA-256 hash is enough at rest (no password stretching). New
-keys, the admin token included, start with `tml-` (the tinker SDK refuses any other prefix); older `tdm_`
-tokens keep working.
-The first start of a service creates the admin token (read + write, sees every owner's work), writes
-it to `$TANDEM_HOME/admin_token` with mode 600, and keeps only its hash; TANDEM_ADMIN_TOKEN, when
-set, is registered instead (for a Kubernetes Secret). Other keys are made by an admin (`tandem keys
-create --owner NAME`, service/keys.py). The check reads the stored hashes through the read cache
-(api/read_cache.py), once per change of the key table: a revoked key is refused from the next
-request on, and an expired one from the moment it expires.
+A key is sent as `Authorization: Bearer <key>` or `X-API-Key: <key>` (the tinker SDK's). Keys are 32
+random bytes, so a plain SHA-256 hash is enough at rest; they start with `tml-`, the only prefix the
+tinker SDK accepts. The first start writes the admin token to `$TANDEM_HOME/admin_token` (mode 600),
+unless TANDEM_ADMIN_TOKEN is set.
 """
 
 from __future__ import annotations
@@ -60,12 +54,6 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def new_token() -> str:
-    """A new admin token: `tml-` like every key made from now on, so the tinker SDK accepts it too
-    (admin tokens made before, `tdm_...`, stay valid)."""
-    return new_key()
-
-
 def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
@@ -81,7 +69,7 @@ def ensure_admin_token(store: JobStore, home: Path) -> Path:
         return path
     if path.exists() and hash_token(path.read_text().strip()) in known:
         return path
-    token = new_token()
+    token = new_key()
     store.add_token("admin", hash_token(token), list(SCOPES), ADMIN_OWNER, True)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(token + "\n")

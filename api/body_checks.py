@@ -1,10 +1,6 @@
-"""JSON request bodies checked before validation, for values no field type should ever see.
-
-A JSON body can carry strings Python holds but UTF-8 cannot encode (a lone surrogate, `"\\ud800"`:
-SQLite would store it and every later read of the row would fail) and integers of any size (SQLite
-stores at most 64 bits). Both are refused here, on every route, with the dotted field at fault, so
-nothing of such a request is stored. A body nested too deeply to parse, or holding a number with
-more digits than Python converts, is refused the same way.
+"""JSON request bodies checked before validation, on every route, for values no field type should see:
+a lone UTF-16 surrogate (SQLite would store it and every later read of the row would fail), an integer
+past 64 bits, or a body nested too deeply or with a number too long to parse.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from api.errors import APIError
+from api.errors import invalid, is_json_media
 
 INT64 = 2**63
 
@@ -54,14 +50,11 @@ def find_unstorable(value: Any) -> tuple[str, str] | None:
     return None
 
 
-def _is_json(request: Request) -> bool:
-    kind = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
-    return kind == "application/json" or kind.endswith("+json")
-
-
 async def check_json_body(request: Request) -> None:
     """Raise a 422 naming the field when the body holds a value that cannot be stored."""
-    if request.method in ("GET", "HEAD", "DELETE", "OPTIONS") or not _is_json(request):
+    if request.method in ("GET", "HEAD", "DELETE", "OPTIONS") or not is_json_media(
+        request.headers.get("content-type", "application/json")
+    ):
         return
     if not await request.body():
         return
@@ -70,15 +63,14 @@ async def check_json_body(request: Request) -> None:
     except json.JSONDecodeError:
         return  # FastAPI reports it as a 422 on `body` (api/errors.py)
     except (RecursionError, UnicodeDecodeError) as exc:
-        raise APIError(422, f"body: the request body is not usable JSON ({type(exc).__name__})", "body",
-                       "invalid_json") from None  # fmt: skip
+        raise invalid(
+            "body", f"the request body is not usable JSON ({type(exc).__name__})", "invalid_json"
+        ) from None
     except ValueError as exc:  # Python reads integers of at most 4300 digits (sys.int_info)
-        raise APIError(422, f"body: the request body is not usable JSON ({exc})", "body",
-                       "invalid_json") from None  # fmt: skip
+        raise invalid("body", f"the request body is not usable JSON ({exc})", "invalid_json") from None
     found = find_unstorable(parsed)
     if found is not None:
-        field, why = found
-        raise APIError(422, f"{field}: {why}", field, "invalid_value")
+        raise invalid(*found)
 
 
 class CheckedRoute(APIRoute):

@@ -1,13 +1,6 @@
-"""The `tandem` command line: run the service, submit and steer jobs over its REST API, build models.
-
-Client commands connect to --url, else TANDEM_URL, else the service running on this TANDEM_HOME (its
-URL is in $TANDEM_HOME/service.json), else http://127.0.0.1:8000, with --token or TANDEM_TOKEN (else
-the admin token in $TANDEM_HOME/admin_token). A spec is validated here before it is sent, so a
-typo is reported with its field at once. Errors are one line on stderr, `tandem: error: ...`, with
-exit code 2 for bad input (a bad field or value) and 1 for everything else.
-
-This module builds the parser and runs a command; the commands are api/cli_serve.py, cli_jobs.py,
-cli_files.py, cli_keys.py and cli_models.py, which print through api/cli_format.py.
+"""The `tandem` command line: the parser, and how a command's errors are reported (one line on stderr,
+`tandem: error: ...`, exit code 2 for bad input and 1 for everything else). The commands are in
+api/cli_serve.py, cli_jobs.py and cli_resources.py; api/client.py says where they connect.
 """
 
 from __future__ import annotations
@@ -16,10 +9,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from api.cli_files import add_files_parser
 from api.cli_jobs import add_job_parsers
-from api.cli_keys import add_keys_parser
-from api.cli_models import add_models_parser
+from api.cli_resources import add_files_parser, add_keys_parser, add_models_parser
 from api.cli_serve import add_serve_parser
 from api.cli_spec import UsageError
 from api.client import TandemAPIError, TandemClient, TandemError

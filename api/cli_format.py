@@ -11,8 +11,11 @@ def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
                      for r in (header, *rows))  # fmt: skip
 
 
-def clock(at: float | None) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) if at else "-"
+MINUTES = "%Y-%m-%d %H:%M"
+
+
+def clock(at: float | None, form: str = MINUTES + ":%S") -> str:
+    return time.strftime(form, time.localtime(at)) if at else "-"
 
 
 def duration(start: float | None, end: float | None) -> str:

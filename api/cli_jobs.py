@@ -1,8 +1,5 @@
-"""The job commands of `tandem`: submit, list, status, follow, logs, events, metrics, cancel, pause,
-resume, fork, set, checkpoints and samples (api/cli_samples.py), each over the service's REST API.
-
-A job's id may be given as a unique prefix of it (api/cli.py resolves it before a command runs).
-"""
+"""The job commands of `tandem` (submit, list, status, follow, logs, events, metrics, cancel, pause,
+resume, fork, set, checkpoints, samples), each over the service's REST API."""
 
 from __future__ import annotations
 
@@ -15,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from api.cli_format import clock, duration, table
-from api.cli_samples import add_samples_parser
 from api.cli_spec import (
     UsageError,
     absolutize_paths,
@@ -62,7 +58,7 @@ def _list(args: argparse.Namespace, client: TandemClient) -> int:
 
 def shown_status(job: dict) -> str:
     """The job's state, or, while its workers restart, what happened: 'restarting (1/3): worker rank 0
-    died (waiting for resources)' rather than a job that looks failed or stuck."""
+    died (waiting for resources)'."""
     restart = job.get("restart")
     if not restart or job["status"] not in ("queued", "running", "pausing", "cancelling"):
         return job["status"]
@@ -135,10 +131,9 @@ def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
 def metric_rows(
     client: TandemClient, job_id: str, keys: list[str] | None, every: int | None, last: int | None
 ) -> list[dict[str, Any]]:
-    """The rows `tandem metrics` prints, chosen by the server: the steps that are multiples of
-    `every` plus the latest step, then the last `last` of them. With `keys`, only the steps that
-    recorded one of them count (validation metrics exist only every val_every steps), so that
-    filter runs here and `last` with it."""
+    """The rows `tandem metrics` prints: the steps that are multiples of `every` plus the latest, then
+    the last `last` of them. With `keys`, only steps that recorded one count (validation metrics exist
+    only every val_every steps), so that filter and `last` run here."""
     server_last = None if keys else last
     rows = client.metrics(job_id, keys, every=every, last=server_last)["data"]
     if every:  # the latest step too, so that the table ends where the job is
@@ -161,8 +156,8 @@ def _lifecycle(action: str) -> Callable[[argparse.Namespace, TandemClient], int]
 
 
 def _settled(client: TandemClient, job: dict, timeout_s: float = 600.0) -> dict:
-    """The job once it has left `pausing` or `cancelling` (it stops at a step boundary, which takes a
-    step, or its workers' start), so that `tandem pause JOB --wait && tandem resume JOB` holds."""
+    """The job once it has left `pausing` or `cancelling`, so that `tandem pause JOB --wait && tandem
+    resume JOB` holds."""
     deadline = time.monotonic() + timeout_s
     while job["status"] in ("pausing", "cancelling"):
         if time.monotonic() > deadline:
@@ -205,6 +200,41 @@ def _checkpoints(args: argparse.Namespace, client: TandemClient) -> int:
     return 0
 
 
+def _samples(args: argparse.Namespace, client: TandemClient) -> int:
+    step = args.step if args.step is not None else client.get_job(args.job_id)["step"]
+    rows = client.samples(args.job_id, step=step, limit=args.limit)["data"]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no samples of step {step}")
+        return 0
+    print("\n\n".join(format_sample(row) for row in rows))
+    return 0
+
+
+def format_sample(row: dict[str, Any]) -> str:
+    """A trajectory's head line and turns; a Tinker sampler's sample (no reward, nothing trained) names
+    its sampler instead."""
+    tokens = row.get("tokens", {})
+    parts = [f"── step {row['step']} · sample {row.get('index', '?')}"]
+    reward = row.get("reward")
+    if isinstance(reward, int | float):
+        parts.append(f"reward {reward:.3g}")
+    if row.get("sampler"):
+        parts.append(f"sampler {row['sampler']}")
+    parts.append(row.get("finish_reason") or "?")
+    trained = tokens.get("trained")
+    parts.append(f"{trained}/{tokens.get('response', '?')} response tokens trained" if trained is not None
+                 else f"{tokens.get('response', '?')} response tokens")  # fmt: skip
+    head = " · ".join(parts)
+    lines = [head, f"[prompt] {row.get('prompt', '')}"]
+    lines += [f"[{turn['role']}] {turn['content']}" for turn in row.get("turns", [])]
+    if row.get("error"):
+        lines.append(f"[error] {row['error']}")
+    return "\n".join(lines)
+
+
 def positive(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -213,7 +243,6 @@ def positive(text: str) -> int:
 
 
 def add_job_parsers(command: Callable[..., argparse.ArgumentParser]) -> None:
-    """The job commands, each made by `command(name, func, help, job=True)` (api/cli.py)."""
     p = command("submit", _submit, "submit a job from a spec file (YAML/JSON) and/or flags", job=False)
     p.add_argument("file", nargs="?", help="a JobSpec as YAML or JSON (see examples/)")
     p.add_argument("--method", help="sft, grpo, ppo, rloo, reinforce_pp, reinforce_pp_baseline")
@@ -256,4 +285,7 @@ def add_job_parsers(command: Callable[..., argparse.ArgumentParser]) -> None:
     command("checkpoints", _checkpoints, "a job's saved checkpoints").add_argument(
         "--json", action="store_true"
     )
-    add_samples_parser(command)
+    p = command("samples", _samples, "a step's sampled trajectories, as a chat (default: the latest step)")
+    p.add_argument("--step", type=int, help="the step (default: the job's latest)")
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--json", action="store_true")

@@ -1,7 +1,8 @@
 """`tandem serve`: run the API service (a long-lived Ray driver) with the operator's settings.
 
 Each flag is a ServeSettings field (api/settings.py), validated there: a bad value is one line naming
-the option, not a traceback. The quota flags are api/cli_quotas.py's.
+the option, not a traceback. The quota flags set the default quota (every owner's but the admin's),
+over a quotas file's default.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from api.cli_quotas import add_quota_flags, quota_settings
 from api.cli_spec import UsageError, describe
+
+GiB = 1024**3
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -106,3 +108,28 @@ def add_serve_parser(sub: Any) -> None:
     )
     add_quota_flags(serve)
     serve.set_defaults(func=serve_command, client=False, subparser=serve)
+
+
+def add_quota_flags(serve: argparse.ArgumentParser) -> None:
+    group = serve.add_argument_group("quotas per owner (default: unlimited; the admin is never limited)")
+    group.add_argument(
+        "--quotas", metavar="FILE", help="JSON or YAML: {default: {...}, owners: {NAME: {...}}}"
+    )
+    group.add_argument("--quota-running-jobs", type=int, metavar="N", help="jobs running at once")
+    group.add_argument("--quota-queued-jobs", type=int, metavar="N", help="jobs queued at once (429 beyond)")
+    group.add_argument("--quota-cpus", type=float, metavar="N", help="CPUs held by an owner's running jobs")
+    group.add_argument("--quota-gpus", type=float, metavar="N", help="GPUs held by an owner's running jobs")
+    group.add_argument(
+        "--quota-stored-gb", type=float, metavar="GB", help="uploads, checkpoints and exports (403 beyond)"
+    )
+
+
+def quota_settings(args: argparse.Namespace) -> dict[str, Any]:
+    default = {
+        "running_jobs": args.quota_running_jobs,
+        "queued_jobs": args.quota_queued_jobs,
+        "cpus": args.quota_cpus,
+        "gpus": args.quota_gpus,
+        "stored_bytes": int(args.quota_stored_gb * GiB) if args.quota_stored_gb is not None else None,
+    }
+    return {"quotas_file": args.quotas, "default_quota": {k: v for k, v in default.items() if v is not None}}

@@ -1,11 +1,8 @@
 """A JobSpec from a YAML/JSON file and command-line flags, validated here before it is sent.
 
-The file and the flags build the same model the REST API takes: `--method`, `--model`, `--steps`
-are shorthands, and `--set a.b.c=value` reaches any field (the value is read as JSON when it parses,
-so `1e-4`, `true`, `null` and `[0.9, 0.95]` are typed; anything else is a string). Local files a
-spec names (reward files, data, model folders) are made absolute when they exist: relative to the
-spec file for paths written in it, relative to the working directory for flags. A bad field is a
-`SpecError` naming it, e.g. "trainer.total_steps: Input should be greater than 0".
+`--set a.b.c=value` reaches any field (the value is read as JSON when it parses, else a string).
+Local paths a spec names are made absolute where they exist: relative to the spec file for paths
+written in it, to the working directory for flags.
 """
 
 from __future__ import annotations
@@ -20,18 +17,7 @@ from pydantic import ValidationError
 
 from schema.job import JobSpec
 from schema.section import deep_merge, error_message
-
-# Fields that name local files or folders, and fields that hold a 'path/file.py:name' reference.
-PATH_FIELDS = (
-    ("model", "path"),
-    ("model", "critic_path"),
-    ("model", "lora", "init_from"),
-    ("data", "train_path"),
-    ("data", "val_path"),
-    ("reward", "model_path"),
-    ("checkpoint", "resume_from"),
-)
-CODE_FIELDS = (("reward", "function"), ("rollout", "environment"), ("rollout", "external", "agent"))
+from service.files import CODE_FIELDS, PATH_FIELDS, spec_field
 
 
 class UsageError(Exception):
@@ -84,15 +70,15 @@ def load_spec_file(path: str | Path) -> dict[str, Any]:
 
 
 def absolutize_paths(spec: dict[str, Any], base: Path, strict: bool = False) -> dict[str, Any]:
-    """A copy whose relative local paths (that exist under `base`) are absolute. `strict`: a relative
-    .py file that is not under `base` is a SpecError (the service only takes absolute paths)."""
+    """A copy whose relative local paths that exist under `base` are absolute. `strict`: a relative .py
+    file not under `base` is a SpecError (the service takes absolute paths only)."""
     out = copy.deepcopy(spec)
     for fields in PATH_FIELDS:
-        parent, value = _field(out, fields)
+        parent, value = spec_field(out, fields)
         if isinstance(value, str) and (base / value).expanduser().exists():
             parent[fields[-1]] = str((base / value).expanduser().resolve())
     for fields in CODE_FIELDS:
-        parent, value = _field(out, fields)
+        parent, value = spec_field(out, fields)
         if not isinstance(value, str):
             continue
         source, sep, name = value.rpartition(":")
@@ -104,14 +90,6 @@ def absolutize_paths(spec: dict[str, Any], base: Path, strict: bool = False) -> 
             raise SpecError(f"{'.'.join(fields)}: no file '{source}' in {base} (a relative path given as a "
                             "flag is read from the current folder)")  # fmt: skip
     return out
-
-
-def _field(spec: dict[str, Any], fields: tuple[str, ...]) -> tuple[dict[str, Any], Any]:
-    """(the dict holding the last field, its value), or ({}, None) where a section is absent."""
-    node = spec
-    for part in fields[:-1]:
-        node = node.get(part) if isinstance(node, dict) else None
-    return (node, node.get(fields[-1])) if isinstance(node, dict) else ({}, None)
 
 
 def model_override(model: str) -> dict[str, Any]:
@@ -129,10 +107,8 @@ def build_spec(
     sets: list[str] | None = None,
 ) -> tuple[dict[str, Any], JobSpec]:
     """The file, then the shorthands, then --set, merged: (what the user gave, validated as a JobSpec).
-
-    What the user gave is what is sent, not the dump with every default filled in, so a CLI and a
-    service of slightly different versions agree on any spec both understand.
-    """
+    What the user gave is sent, not the dump with defaults, so that a CLI and a service of slightly
+    different versions agree on any spec both understand."""
     raw = load_spec_file(file) if file else {}
     flags: dict[str, Any] = {}
     if method:

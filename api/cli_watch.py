@@ -1,12 +1,5 @@
-"""Watching a job from the terminal: a progress bar while it trains, and live logs and events.
-
-`follow` draws a tqdm bar on stderr (step/total, latest reward, validation accuracy, ETA) driven by
-the job's metrics stream, and returns when the job reaches a terminal state: exit code 0 when it
-succeeded, 1 otherwise. The metrics already recorded seed the bar first (no replay), and the ETA
-is the pace of the steps since the last recorded one times the steps left. A job that ends before
-its last step says why, e.g. "stopped at step 480/600: val accuracy 0.310 reached
-trainer.stop_at_val_accuracy 0.3".
-"""
+"""Watching a job from the terminal: a progress bar while it trains (`follow`: exit code 0 when it
+succeeded, 1 otherwise), and live logs and events."""
 
 from __future__ import annotations
 
@@ -32,8 +25,7 @@ class ProgressView:
         self.values: dict[str, float] = {}
         for row in history:
             self.values.update(row["values"])
-        # The pace is measured from the last step already recorded, so the time the job spent
-        # queued or building its workers does not count as the time a step takes.
+        # Paced from the last step already recorded: time spent queued or starting is not a step's.
         self.since = (history[-1]["step"], history[-1]["time"]) if history else None
         self.bar = tqdm(total=job["total_steps"], initial=job["step"], desc=f"{job['id']} step",
                         bar_format=BAR_FORMAT, file=out, dynamic_ncols=True, mininterval=0.2)  # fmt: skip

@@ -1,13 +1,8 @@
 """A small typed HTTP client for the Tandem REST API, used by the `tandem` CLI and by scripts.
 
-Where to connect and as whom: the URL from the argument, else TANDEM_URL, else the one the running
-service recorded in `$TANDEM_HOME/service.json` (api/service_record.py), else http://127.0.0.1:8000;
-a bearer token from the argument, else TANDEM_TOKEN, else the admin token file the service writes
-on first start, `$TANDEM_HOME/admin_token` (TANDEM_HOME defaults to ~/.tandem). Every call has a timeout. An API
-error raises `TandemAPIError` carrying the status and the error body's message, param and code; a
-service that cannot be reached raises `TandemConnectionError` naming the URL tried. Live views are
-Server-Sent Events: `stream` yields them and reconnects after a dropped connection, resuming from
-the last event id it saw (Last-Event-ID), until the server's `end` event.
+It connects to the URL given, else TANDEM_URL, else the service running on $TANDEM_HOME
+(api/service_record.py), else http://127.0.0.1:8000, with the token given, else TANDEM_TOKEN, else
+$TANDEM_HOME/admin_token. `stream` resumes a dropped Server-Sent Events stream from the last event id.
 """
 
 from __future__ import annotations
@@ -134,8 +129,6 @@ class TandemClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- jobs ------------------------------------------------------------------------------------
-
     def create_job(self, spec: JSON, idempotency_key: str | None = None) -> JSON:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self._call("POST", "/v1/jobs", json=spec, headers=headers)
@@ -175,8 +168,6 @@ class TandemClient:
     def set_hyperparameters(self, job_id: str, changes: JSON) -> JSON:
         return self._call("PATCH", f"/v1/jobs/{job_id}/hyperparameters", json=changes)
 
-    # ---- what a job produced ---------------------------------------------------------------------
-
     def events(self, job_id: str, after: int = 0, limit: int = 1000) -> JSON:
         return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after, "limit": limit})
 
@@ -199,7 +190,7 @@ class TandemClient:
         return self._call("GET", f"/v1/jobs/{job_id}/samples", params=params)
 
     def stream(self, job_id: str, what: str, after: int = 0) -> Iterator[SSEEvent]:
-        """A job's live `events`, `metrics` or `logs`, from after id `after`, ending with the `end` event."""
+        """A job's live `events`, `metrics` or `logs` after id `after`, until the `end` event."""
         path, last, failures = f"/v1/jobs/{job_id}/{what}/stream", after, 0
         while True:
             try:
@@ -222,8 +213,6 @@ class TandemClient:
                 raise TandemConnectionError(self.url, reason)
             time.sleep(min(2.0**failures, 10.0) * 0.5)
 
-    # ---- files -----------------------------------------------------------------------------------
-
     def upload_file(self, path: str | Path) -> JSON:
         """Upload a data file or a .py module; returns its record (its `id` is what specs name)."""
         path = Path(path)
@@ -244,8 +233,6 @@ class TandemClient:
     def delete_file(self, file_id: str) -> JSON:
         return self._call("DELETE", f"/v1/files/{file_id}")
 
-    # ---- keys, usage and quotas, the audit log (admin) -------------------------------------------
-
     def create_key(self, owner: str, scope: str = "write", expires_days: float | None = None,
                    name: str = "") -> JSON:  # fmt: skip
         """A new key for `owner`: the answer's `key` is the only time it is shown."""
@@ -262,14 +249,8 @@ class TandemClient:
         return self._call("GET", "/v1/usage", params={"owner": owner} if owner else None)
 
     def audit(self, limit: int = 100, after: int | None = None, owner: str | None = None) -> JSON:
-        params = {
-            "limit": limit,
-            **({"after": after} if after else {}),
-            **({"owner": owner} if owner else {}),
-        }
-        return self._call("GET", "/v1/audit", params=params)
-
-    # ---- plumbing --------------------------------------------------------------------------------
+        params = {"limit": limit, "after": after or None, "owner": owner}
+        return self._call("GET", "/v1/audit", params={k: v for k, v in params.items() if v})
 
     def _call(self, method: str, path: str, **kwargs: Any) -> JSON:
         try:

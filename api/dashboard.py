@@ -1,9 +1,5 @@
 """The web dashboard: one static page and its assets, served by the API itself (no CDN, no build step).
-
-The page carries no data, so it loads without a token; everything it shows comes from the /v1 API,
-called from the browser with the bearer token the user signs in with (kept in sessionStorage, sent
-only in the Authorization header, never in a URL). Live views read the SSE endpoints with fetch(),
-because EventSource cannot send that header. Chart.js is vendored under api/static/vendor/.
+The page carries no data, so it loads without a token; it calls /v1 with the user's token.
 """
 
 from __future__ import annotations

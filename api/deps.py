@@ -1,11 +1,5 @@
-"""What every route depends on: the Service behind the app, the token scopes it requires, and the caller.
-
-Routers reach the service and the authenticator through `request.app.state`, so each router module
-is a plain set of functions over one resource and `create_app` only assembles them. A route's
-scope is a `TokenScope`, declared as FastAPI's bearer scheme, so the OpenAPI document carries it and
-Swagger UI's "Authorize" button sends the token; the check itself is the Authenticator's (api/auth.py),
-which leaves the request's `Caller` (its key's owner) for the route: `CallerDep`.
-"""
+"""What every route depends on: the Service behind the app (through `request.app.state`), the token
+scope it requires, and the caller."""
 
 from __future__ import annotations
 
@@ -22,9 +16,8 @@ from service.service import Service
 
 
 class TokenScope(HTTPBearer):
-    """A route's token check, declared as FastAPI's bearer scheme (the OpenAPI document carries it;
-    Swagger UI's "Authorize" button sends the token). The check is the Authenticator's, from the
-    header: FastAPI's own HTTPBearer would build a credentials model on every request first."""
+    """A route's token check, declared as FastAPI's bearer scheme so that the OpenAPI document carries it.
+    The check is the Authenticator's: HTTPBearer's own would build a credentials model per request."""
 
     def __init__(self, scope: str) -> None:
         super().__init__(

@@ -1,12 +1,6 @@
-"""The API's one error shape: {"error": {"message", "type", "param", "code"}}, with the field at fault.
-
-Validation errors of a request body name the dotted field (`trainer.total_steps`), so a client can
-point at it; a body that is not JSON names `body`; service refusals carry their own status, param
-and code. Unknown routes, wrong methods and oversized bodies answer in the same shape, and the
-OpenAPI document describes it (`ErrorResponse`) for every status a route can return. Under
-/api/v1 (the Tinker SDK's protocol) the same refusals answer in the SDK's shape instead,
-`{"error": str, "category", "param"}`. An error no handler expected is a 500 in the shape of its
-path, type `server_error`, naming the request id to find it in the log: never a bare page.
+"""The API's one error shape: {"error": {"message", "type", "param", "code"}}, naming the dotted field at
+fault. Under /api/v1 (the Tinker SDK's protocol) the same refusals answer in the SDK's shape,
+`{"error": str, "category", "param"}`. An error no handler expected is a 500 naming the request id.
 """
 
 from __future__ import annotations
@@ -78,6 +72,16 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
+def invalid(param: str, why: str, code: str = "invalid_value", status: int = 422) -> APIError:
+    """A refusal whose message starts with the field at fault, as every validation message does."""
+    return APIError(status, f"{param}: {why}", param, code)
+
+
+def is_json_media(content_type: str) -> bool:
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -87,8 +91,7 @@ def error_body(
 
 
 def tinker_error_body(message: str, field: str | None, category: str = "user") -> dict[str, Any]:
-    """The Tinker SDK's `RequestFailedResponse` (`tinker/types/request_failed_response.py`) and the
-    field at fault."""
+    """The Tinker SDK's `RequestFailedResponse`, and the field at fault."""
     return {"error": message, "category": category, "param": field}
 
 
@@ -121,15 +124,13 @@ def validation_error(first: dict[str, Any]) -> tuple[str, str | None]:
 
 
 def not_json_body(request: Request, first: dict[str, Any]) -> str | None:
-    """The message for a body the route reads as JSON but the client sent as something else (curl's
-    `-d` alone sends a form): FastAPI then validates the raw bytes, and its message would not say why."""
+    """The message for a JSON body sent as something else (curl's `-d` alone sends a form): FastAPI then
+    validates the raw bytes, and its message would not say why."""
     kind = request.headers.get("content-type")
     loc = tuple(first.get("loc", ()))
-    if not kind or not loc or loc[0] != "body":
+    if not kind or not loc or loc[0] != "body" or is_json_media(kind):
         return None
     media = kind.split(";")[0].strip().lower()
-    if media == "application/json" or media.endswith("+json"):
-        return None
     return (f"body: this route reads a JSON body; send it with the header `Content-Type: application/json` "
             f"(this request's Content-Type is '{media}')")  # fmt: skip
 

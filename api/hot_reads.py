@@ -1,21 +1,11 @@
-"""Repeated hot GETs answered from the read cache before FastAPI sees them.
+"""Repeated hot GETs (the job list, a job's metrics) answered from the read cache before FastAPI sees
+them: solving a route's dependencies costs far more CPU than the cached answer.
 
-Through FastAPI, a read the cache can answer still spends most of its CPU solving the route's
-dependencies and query parameters, far more than the answer itself. Here a GET of
-the job list or of a job's metrics is answered as plain ASGI when all of these hold:
-- the route itself answered this exact path and query string before: it validated them and told
-  this table which cached page they name (`HotReads.answer`);
-- the key is in the cached key table, unexpired, with the read scope (the same check as the route's);
-- the route learned the query for the same viewer: learned queries are keyed by the owner whose work
-  the caller sees (None for an admin), so a page read for one owner is never another's answer;
-When the page changed since (a training job writes a metrics row several times a second), the
-route's own read of it, learned with the query, is shared through the cache as the route would
-(one read for every request waiting on it), instead of passing each waiting request through FastAPI.
-Anything else goes to FastAPI untouched: a query not seen yet, a bad one, a missing, unknown or
-under-scoped token, a read that fails (FastAPI reads again and answers the error). So validation,
-auth and read errors are FastAPI's, and a hot answer's body is the route's own rendering of the
-value the route would have read (live fields computed per request), with the route's headers. The middleware sits inside RequestId: a hit carries x-request-id and is timed under
-its route's label.
+A GET is answered here only when the route itself answered the same path and query for the same
+viewer before (so FastAPI validated them and named the cached page, `HotReads.answer`) and the key
+is in the cached key table with the read scope. Anything else, including a read that fails, goes to
+FastAPI, so validation, auth and read errors are FastAPI's, and a hit's body is the route's own
+rendering.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ Render = Callable[[Any], bytes]
 
 @dataclass(frozen=True)
 class Learned:
-    """What a path and query string name: a cached page, its topic, how the route reads and renders it."""
+    """A cached page, its topic, and how the route reads and renders it."""
 
     key: Hashable
     topic: str

@@ -1,12 +1,10 @@
-"""The app's ASGI middleware: request ids and latency, and the request body size limit.
+"""The app's ASGI middleware: request ids and latency, the request body size limit (413 before a
+declared Content-Length is read, or once a chunked body passes it), and the audit trail: every write a
+route accepted from an identified caller is recorded here, once, so a write route added later is
+audited without being told to.
 
-Both are plain ASGI (not Starlette's BaseHTTPMiddleware, which runs the app in a task group and
-wraps what a route raises while reading its body in an ExceptionGroup).
-
-The body limit answers 413 in the API's error shape (the Tinker SDK's under /api/v1). A declared
-Content-Length over the limit is refused before the body is read; a body sent without one (chunked)
-is counted as it arrives and refused once it passes the limit. Uploads (POST /v1/files) and Tinker's
-forward/forward_backward bodies have their own, larger limits (api/app.py).
+Plain ASGI: Starlette's BaseHTTPMiddleware would wrap what a route raises while reading its body in an
+ExceptionGroup.
 """
 
 from __future__ import annotations
@@ -16,12 +14,16 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import HTTPException
 from prometheus_client import Histogram
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import TINKER_PREFIX, error_body, tinker_error_body
+from service.audit import AuditEntry
+from service.store import JobStore
 
 
 class BodyTooLarge(HTTPException):
@@ -93,8 +95,8 @@ CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._:@+=/-]{0,127}")
 
 
 class RequestId:
-    """Every response carries x-request-id (the client's when it is an id of at most 128 letters,
-    digits and ._:@+=/-, else a new one); latency per route is observed."""
+    """Every response carries x-request-id (the client's when it looks like an id, else a new one);
+    latency per route is observed."""
 
     def __init__(self, app: ASGIApp, latency: Histogram) -> None:
         self.app, self.latency = app, latency
@@ -105,7 +107,7 @@ class RequestId:
             return
         given = dict(scope["headers"]).get(b"x-request-id", b"")
         rid = given if CLIENT_REQUEST_ID.fullmatch(given) else ("req_" + uuid.uuid4().hex[:16]).encode()
-        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")  # the audit log's (api/audit.py)
+        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")  # the audit trail's
         start = time.perf_counter()
 
         async def tagged(message: Message) -> None:
@@ -119,3 +121,76 @@ class RequestId:
             await send(message)
 
         await self.app(scope, receive, tagged)
+
+
+WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+KEPT_BYTES = 4096  # a request or response body longer than this is not kept (or not read for an id)
+
+
+class AuditTrail:
+    def __init__(self, app: ASGIApp, store: JobStore) -> None:
+        self.app, self.store = app, store
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in WRITES:
+            await self.app(scope, receive, send)
+            return
+        sent: dict[str, Any] = {"status": 0, "body": b"", "json": False}
+        request = bytearray()
+        is_json = dict(scope["headers"]).get(b"content-type", b"").startswith(b"application/json")
+
+        async def kept_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request" and is_json and len(request) <= KEPT_BYTES:
+                request.extend(message.get("body", b"")[: KEPT_BYTES + 1])
+            return message
+
+        async def watched(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent["status"] = message["status"]
+                sent["json"] = any(k == b"content-type" and v.startswith(b"application/json")
+                                   for k, v in message.get("headers", []))  # fmt: skip
+            elif message["type"] == "http.response.body":
+                if len(sent["body"]) <= KEPT_BYTES * 16:
+                    sent["body"] += message.get("body", b"")
+                if not message.get("more_body", False):  # recorded before the client has the answer
+                    await self._record(scope, sent, bytes(request))
+            await send(message)
+
+        await self.app(scope, kept_receive, watched)
+
+    async def _record(self, scope: Scope, sent: dict[str, Any], request: bytes) -> None:
+        caller = scope.get("state", {}).get("caller")
+        if caller is not None and 200 <= sent["status"] < 300:
+            await run_in_threadpool(self.store.add_audit, _entry(scope, caller, sent, request))
+
+
+def _entry(scope: Scope, caller: Any, sent: dict[str, Any], request: bytes) -> AuditEntry:
+    answer = _json(sent["body"]) if sent["json"] else None
+    answer = answer if isinstance(answer, dict) else {}
+    params = scope.get("path_params") or {}
+    target = next(iter(params.values()), None) or answer.get("id")
+    body = _json(request) if 0 < len(request) <= KEPT_BYTES else None
+    data: dict[str, Any] = {"body": body} if body is not None else {}
+    if scope.get("query_string"):
+        data["query"] = scope["query_string"].decode("latin-1")[:512]
+    route = scope.get("route")
+    return AuditEntry(
+        owner=caller.owner,
+        key_id=caller.key_id,
+        action=getattr(route, "name", "unknown"),
+        method=scope["method"],
+        path=scope["path"][:512],
+        target=str(target)[:128] if target is not None else None,
+        target_owner=answer.get("owner") if isinstance(answer.get("owner"), str) else None,
+        status=sent["status"],
+        request_id=scope.get("state", {}).get("request_id", ""),
+        data=data,
+    )
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None

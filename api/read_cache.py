@@ -1,14 +1,8 @@
-"""What the hot read routes computed, kept until the rows they came from change.
+"""What the hot read routes computed, kept until the store's next write to its topic
+(`JobStore.changes`): dashboards poll far more often than a job writes.
 
-A dashboard, or fifty of them, polls the job list and a job's metrics far more often than a
-training job writes. The first request for a page reads SQLite in a worker thread; the next ones,
-until the store's next committed write to the page's topic (`JobStore.changes`: the jobs table for
-the job list, one job's series for its metrics pages, the tokens table for the token check; this
-process is the only writer of its home), are answered from memory on the event loop, without a
-thread hop or a query. Requests that miss together share one read (a write during the read leaves
-the entry stale on arrival, so the next request reads again). Values are treated as immutable.
-
-Entries are bounded in number and, for encoded bodies, in bytes; the least recently used go first.
+Requests that miss together share one read (a write during it leaves the entry stale on arrival).
+Values are treated as immutable; entries are bounded in number and bytes, least recently used first out.
 """
 
 from __future__ import annotations

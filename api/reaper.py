@@ -1,13 +1,9 @@
 """The Ray processes `tandem serve` started die with it, however it dies.
 
-A local Ray cluster is started by the service's own process (ray.init). When that process is
-killed with SIGKILL, Ray's GCS and raylet go with it, but the raylet's DashboardAgent and
-RuntimeEnvAgent are reparented to init and live on. So `serve` starts this small watcher in its
-own session: it notes the service's descendants every second, and when the service is gone (its
-pipe closes) it kills those that are still there. Each process is identified by pid and start time,
-so a pid the system reused is never touched.
-
-Run as `python -m api.reaper PID` with stdin a pipe from PID; `watch(pid)` starts it.
+Killed with SIGKILL, the service takes Ray's GCS and raylet along, but the raylet's agents are
+reparented to init and live on. This watcher, in its own session, notes the service's descendants
+every second and kills them once the service's pipe closes; a process is known by pid and start
+time, so a reused pid is never touched. `watch(pid)` starts it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """`tandem serve`: the long-lived Ray driver that serves the API.
 
-It starts a local Ray cluster, or joins one (`--ray-address auto | ray://host:10001`, or RAY_ADDRESS),
-opens the job store under TANDEM_HOME, makes sure an admin token exists, and serves the API with
-uvicorn on port 8000 (or TANDEM_PORT), or on a free port when that one is taken and no --port was
-given. Its URL is
-recorded in $TANDEM_HOME/service.json (api/service_record.py), where the CLI finds it; one home
-has one service. On SIGTERM or Ctrl-C uvicorn stops taking requests, then every running job is
-paused (each saves a checkpoint at its next step boundary) and is resumed by the next start.
-
-Ray's workers do not print to this terminal (`log_to_driver=False`): a job's worker output goes to
-the job's log (controller/worker_output.py), read with `tandem logs JOB`.
+It starts or joins a Ray cluster, opens the job store under TANDEM_HOME, makes sure an admin token
+exists, and serves the API with uvicorn, recording its URL in $TANDEM_HOME/service.json. On SIGTERM or
+Ctrl-C every running job is paused at a checkpoint, and the next start resumes it.
 """
 
 from __future__ import annotations
@@ -50,8 +43,7 @@ def init_ray(
     env_vars = {"TOKENIZERS_PARALLELISM": "false", **(env or {})}
     if home is not None:  # job actors run in the raylets' environment, not this one: tell them --home
         env_vars["TANDEM_HOME"] = str(home)
-    # Workers' stdout/stderr (progress bars of model loading, warnings) belong in the job's log, not
-    # in the terminal that runs the service: they are not forwarded to this driver.
+    # Workers' output belongs in the job's log (controller/worker_output.py), not this terminal.
     common = {"namespace": "tandem", "runtime_env": {"env_vars": env_vars}, "logging_level": "warning",
               "log_to_driver": False}  # fmt: skip
     address = address or os.environ.get("RAY_ADDRESS") or None
@@ -62,10 +54,9 @@ def init_ray(
         ray_init(num_cpus=num_cpus, include_dashboard=False, **common)
 
 
-# A new local Ray cluster turns its token authentication on (Ray's default; the token is kept in
-# ~/.ray/auth_token) and warns about it at every start. Tandem keeps it on and drops that one notice
-# (docs/troubleshooting.md explains it); Ray's other authentication warnings still show. Setting
-# RAY_AUTH_MODE=token instead would not do: Ray reads its config at import, before serve could set it.
+# A new local Ray cluster turns its token authentication on and warns about it at every start: Tandem
+# keeps it on and drops that one notice (docs/troubleshooting.md). RAY_AUTH_MODE=token would not do:
+# Ray reads its config at import, before serve could set it.
 RAY_TOKEN_SETUP_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
@@ -132,28 +123,26 @@ def serve(
     try:
         server.run()
     except SystemExit as stop:
-        # uvicorn stops gracefully on SIGTERM, then re-raises the signal to the handler it found: the Ray
-        # driver's, which exits with code 15. A requested stop is not a failure: exit 0 once jobs paused.
+        # uvicorn re-raises SIGTERM to the Ray driver's handler, which exits 15: a requested stop is
+        # not a failure, so exit 0 once the jobs paused.
         if stop.code != signal.SIGTERM:
             raise
     finally:
-        # A second signal (Ctrl-C reaches this process and `make run`, which then sends SIGTERM; or a
-        # second Ctrl-C) must not cut the stop short: jobs would not pause and the record would stay.
+        # A second signal (Ctrl-C reaches `make run` too, which then sends SIGTERM) must not cut the
+        # stop short: jobs would not pause and the record would stay.
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _already_stopping)
         log.info("stopping: pausing running jobs so they resume from a checkpoint")
         service.shutdown(timeout_s=shutdown_timeout_s)
         ray.shutdown()
-        # Frozen objects are never freed, so at exit triton's nanobind bindings (imported through
-        # tensordict -> torch._dynamo) printed ~27 "nanobind: leaked ..." lines: give them back.
+        # Frozen objects are never freed: nanobind would report them as leaked at exit.
         gc.unfreeze()
         reaper.stdin.close()  # done: the watcher cleans up now
         remove_record(home)
 
 
 def user_code_env(settings: ServeSettings) -> dict[str, str]:
-    """What job processes learn of the operator's user-code settings (workers/sandbox/limits.py);
-    set here too, for the API's own checks."""
+    """The operator's user-code settings as environment, for job processes and this one's checks."""
     env = settings.user_code_limits().to_env()
     if settings.unsandboxed_user_code:
         env[ENV_UNSANDBOXED] = "1"
@@ -174,10 +163,8 @@ def _already_stopping(signum: int, _frame: object) -> None:
 
 
 def freeze_heap() -> None:
-    """Keep the garbage collector off what start-up made. This process holds hundreds of thousands of
-    objects from its imports (Ray, transformers, pydantic models): every full collection would walk
-    them all, stopping every request in flight. Frozen, they are never scanned; what the service
-    makes afterwards is collected as before."""
+    """Keep the garbage collector off what start-up made (hundreds of thousands of objects from the
+    imports): every full collection would walk them all, stopping every request in flight."""
     gc.collect()
     gc.freeze()
 

@@ -1,10 +1,6 @@
-"""Where the running service is: `$TANDEM_HOME/service.json`, so that every client of one home finds it.
-
-`tandem serve` writes {"url", "pid", "home", "started_at"} there once it has a port, and removes it on
-a clean exit. The CLI, the client and `make run` read it when TANDEM_URL is not set, so a service on
-a port other than 8000 is still found without flags. A record whose process is gone (the service
-was killed) is stale: it is ignored and a new service may replace it. One home has one service:
-a second `tandem serve` on a home whose service is alive refuses to start.
+"""Where the running service is: `$TANDEM_HOME/service.json` ({"url", "pid", "home", "started_at"}), so
+every client of one home finds it on any port. A record whose process is gone is stale and ignored;
+one home has one live service.
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ def read_record(home: Path) -> dict[str, Any] | None:
 
 
 def ready_url(home: Path, pid: int | None = None) -> str | None:
-    """The URL of the home's live service (of process `pid`, if given) once it answers /readyz, else None."""
+    """The URL of the home's live service (of process `pid`) once it answers /readyz, else None."""
     record = read_record(home)
     if record is None or (pid is not None and record["pid"] != pid):
         return None

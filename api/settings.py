@@ -1,6 +1,4 @@
-"""What the operator can tune about the API (`tandem serve` options): request limits, the time user
-code gets to import, the server folders every owner's specs may read, the trackers jobs may send to,
-and owners' quotas (service/quotas.py)."""
+"""What the operator can tune about the API: the `tandem serve` options."""
 
 from __future__ import annotations
 
@@ -68,11 +66,8 @@ class ServeSettings(BaseModel):
     tinker_max_rank: int = Field(
         64, ge=1, le=1024, description="the largest LoRA rank of a Tinker training model"
     )
-    # The SDK splits a forward_backward into requests of ~5 MB of protobuf (its
-    # fwdbwd_max_chunk_bytes_count) unless one datum is larger; a datum takes ~24 bytes a token
-    # (token, target, three float inputs), so a 1M-token context is ~24 MiB, and the same as JSON
-    # (curl) a few times that. Decompressed, a body may be twice its raw cap (real bodies compress a few times
-    # and are refused past 64x: api/tinker_bodies.py).
+    # The SDK splits a forward_backward into chunks unless one datum is larger: room for a datum of a
+    # 1M-token context, as protobuf or JSON.
     tinker_max_body_bytes: int = Field(
         64 * MiB, gt=0, description="largest Tinker forward/forward_backward body as sent; more is a 413"
     )
@@ -86,7 +81,7 @@ class ServeSettings(BaseModel):
         ge=0,
         le=16,
         description="job controllers kept started, their imports done, for the next jobs (0: none; "
-        "each holds ~0.5 GB of memory and no CPU or GPU); default $TANDEM_WARM_CONTROLLERS or 1",
+        "each holds memory but no CPU or GPU); default $TANDEM_WARM_CONTROLLERS or 1",
     )
 
     quotas_file: Path | None = Field(

@@ -1,9 +1,5 @@
-"""Server-Sent Events over the store's append-only tables, resumable with Last-Event-ID.
-
-Each record's table id is its SSE id. The stream polls the store, sends what is new, sends a
-comment line as a heartbeat when idle, and ends with an `end` event once the job is terminal and
-everything has been sent.
-"""
+"""Server-Sent Events over the store's append-only tables (a row's id is its SSE id, so Last-Event-ID
+resumes), with heartbeats when idle and an `end` event once the job is terminal and all is sent."""
 
 from __future__ import annotations
 

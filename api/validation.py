@@ -1,12 +1,6 @@
-"""Checks at submission that a JobSpec's references resolve here, so a job fails at the door, with
-the field named, rather than minutes later inside a worker.
-
-Every server path in a spec must be its submitter's to name: their uploads, their jobs' outputs or a
-folder the operator shares, never the service's own files (service/owned_paths.py); a path that is
-not is refused without saying whether it exists. Tracker destinations must be ones the operator
-allows (service/tracker_policy.py). Reward functions, environments and agents are user code: they
-are imported and checked in a sandbox (controller/user_code.py), never here; only the built-in ones
-are looked up, by exact name, in this process.
+"""Checks at submission that a JobSpec's references resolve here, so a job fails at the door with the
+field named rather than minutes later inside a worker: its paths are its submitter's to name
+(service/owned_paths.py), and user code is imported and checked in a sandbox, never in this process.
 """
 
 from __future__ import annotations
@@ -14,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from api.errors import APIError
+from api.errors import APIError, invalid
 from api.settings import ServeSettings
 from controller.models import BUILTIN_MODEL_NAMES
 from controller.tasks import BUILTIN_TASKS
@@ -49,8 +43,7 @@ class Checker:
         self.paths = OwnedPaths(home, files, store, settings.shared_roots(), settings.tracker_policy())
 
     def owned(self, path: str, param: str, sees: str | None) -> Path:
-        """`path` resolved, when `sees` (None: the admin) may name it; else a 422 that reveals nothing
-        about it."""
+        """`path` resolved, when `sees` (None: the admin) may name it; else a 422 that reveals nothing."""
         try:
             return self.paths.resolve(path, param, sees)
         except PathRefused as err:
@@ -58,12 +51,13 @@ class Checker:
 
     def folder(self, path: str, param: str, what: str) -> None:
         if not _exists(Path(path) / "config.json"):  # an owned path (submittable checked it)
-            raise APIError(422, f"{param}: '{path}' is not a {what} folder on the server (no config.json)", param,
-                           "not_found")  # fmt: skip
+            raise invalid(
+                param, f"'{path}' is not a {what} folder on the server (no config.json)", "not_found"
+            )
 
     def file(self, path: str | None, param: str) -> None:
         if path is not None and not _exists(Path(path), Path.is_file):
-            raise APIError(422, f"{param}: no file '{path}' on the server", param, "not_found")
+            raise invalid(param, f"no file '{path}' on the server", "not_found")
 
     def reward_source(self, ref: str, param: str, sees: str | None = None) -> str:
         """The reference with an upload id (of `sees`'s) resolved; a file it names must be `sees`'s to name."""
@@ -82,30 +76,30 @@ class Checker:
         self.user_code(ref, "reward", "reward.function", "invalid_reward_function")
 
     def user_code(self, ref: str, kind: str, param: str, code: str) -> None:
-        """A 422 with `code` when `ref` is not a usable `kind` (controller/user_code.py CHECKERS): a
-        'builtin:' name is looked up in its table here, anything else is checked in a sandbox."""
+        """A 422 with `code` when `ref` is not a usable `kind` (a 'builtin:' name is looked up here, anything
+        else is checked in a sandbox)."""
         s = self.settings
         try:
             why = check_callable(
                 ref, kind, s.user_code_timeout_s, s.user_code_limits(), s.unsandboxed_user_code
             )
         except UserCodeRefused as err:
-            raise APIError(422, f"{param}: {err}", param, "user_code_refused") from None
+            raise invalid(param, str(err), "user_code_refused") from None
         if why is not None:
-            raise APIError(422, f"{param}: {why}", param, code)
+            raise invalid(param, why, code)
 
     def metadata(self, metadata: dict[str, str]) -> None:
         s = self.settings
         if len(metadata) > s.metadata_max_keys:
-            raise APIError(422, f"metadata: {len(metadata)} keys; at most {s.metadata_max_keys} are allowed",
-                           "metadata", "too_many_keys")  # fmt: skip
+            why = f"{len(metadata)} keys; at most {s.metadata_max_keys} are allowed"
+            raise invalid("metadata", why, "too_many_keys")
         for key, value in metadata.items():
             if len(key) > s.metadata_max_key_chars:
-                raise APIError(422, f"metadata: key '{key[:32]}...' is longer than {s.metadata_max_key_chars} "
-                               "characters", "metadata", "too_long")  # fmt: skip
+                why = f"key '{key[:32]}...' is longer than {s.metadata_max_key_chars} characters"
+                raise invalid("metadata", why, "too_long")
             if len(value) > s.metadata_max_value_chars:
-                raise APIError(422, f"metadata.{key}: {len(value)} characters; at most "
-                               f"{s.metadata_max_value_chars} are allowed", f"metadata.{key}", "too_long")  # fmt: skip
+                why = f"{len(value)} characters; at most {s.metadata_max_value_chars} are allowed"
+                raise invalid(f"metadata.{key}", why, "too_long")
 
     def submittable(self, spec: JobSpec, sees: str | None = None) -> None:
         """Refuse, with the field named, a spec whose references do not resolve here (uploads by id,
@@ -122,20 +116,20 @@ class Checker:
         m, d, r = spec.model, spec.data, spec.reward
         self.metadata(spec.metadata)
         if m.builtin is not None and m.builtin not in BUILTIN_MODEL_NAMES:
-            raise APIError(422, f"model.builtin: unknown built-in model '{m.builtin}'; choose one of "
-                           f"{list(BUILTIN_MODEL_NAMES)}", "model.builtin", "invalid_value")  # fmt: skip
+            why = f"unknown built-in model '{m.builtin}'; choose one of {list(BUILTIN_MODEL_NAMES)}"
+            raise invalid("model.builtin", why)
         if m.builtin in PACKAGED_MODELS:
             try:
                 packaged_gguf(PACKAGED_MODELS[m.builtin])
             except PackagedModelMissing as err:
-                raise APIError(422, f"model.builtin: {err}", "model.builtin", "extra_not_installed") from None
+                raise invalid("model.builtin", str(err), "extra_not_installed") from None
         if m.path is not None:
             self.folder(m.path, "model.path", "Hugging Face model")
         if m.critic_path is not None:
             self.folder(m.critic_path, "model.critic_path", "Hugging Face model")
         if d.train_path is None and d.builtin_task not in BUILTIN_TASKS:
-            raise APIError(422, f"data.builtin_task: unknown task '{d.builtin_task}'; choose one of "
-                           f"{sorted(BUILTIN_TASKS)}", "data.builtin_task", "invalid_value")  # fmt: skip
+            why = f"unknown task '{d.builtin_task}'; choose one of {sorted(BUILTIN_TASKS)}"
+            raise invalid("data.builtin_task", why)
         self.file(d.train_path, "data.train_path")
         self.file(d.val_path, "data.val_path")
         if r.function is not None and spec.method != "sft":
@@ -148,10 +142,10 @@ class Checker:
             self.lora(spec)
         why = available_backends().get(spec.rollout.backend)
         if why is not None:
-            raise APIError(422, f"rollout.backend: {why}", "rollout.backend", "backend_unavailable")
+            raise invalid("rollout.backend", why, "backend_unavailable")
 
     def lora(self, spec: JobSpec) -> None:
-        """model.lora against the base's linear layers (torch-free: safetensors headers, engines/lora_targets.py)."""
+        """model.lora against the base's linear layers (torch-free: safetensors headers)."""
         m, lora = spec.model, spec.model.lora
         folder = Path(m.path).expanduser() if m.path else self.home / "models" / str(m.builtin)
         layers = None
@@ -160,8 +154,7 @@ class Checker:
                 layers = linear_layers(folder)
             except (OSError, ValueError) as err:
                 param = "model.path" if m.path else "model.builtin"
-                raise APIError(422, f"{param}: cannot read the model's weights: {err}", param,
-                               "invalid_model") from None  # fmt: skip
+                raise invalid(param, f"cannot read the model's weights: {err}", "invalid_model") from None
         elif m.builtin in BUILTIN_MODELS:  # not built yet: its shape is known
             t = BUILTIN_MODELS[m.builtin]
             layers = llama_layers(
@@ -171,28 +164,24 @@ class Checker:
         names = module_names(layers) if layers is not None else LLAMA_LINEAR if m.builtin else None
         why = target_errors(lora, names) if names is not None else None
         if why is not None:
-            raise APIError(
-                422, f"model.lora.target_modules: {why}", "model.lora.target_modules", "invalid_value"
-            )
+            raise invalid("model.lora.target_modules", why)
         if lora.init_from is not None and layers is not None:
-            param = "model.lora.init_from"
             base_folder = folder if (folder / "config.json").exists() else None
             why = init_from_errors(lora, Path(lora.init_from), layers, base_folder)  # owned: submittable
             if why is not None:
-                raise APIError(422, f"{param}: {why}", param, "invalid_adapter")
+                raise invalid("model.lora.init_from", why, "invalid_adapter")
 
     def environment(self, spec: JobSpec) -> None:
-        """rollout.environment: imported and checked in a child process (workers/environments/loader.py)."""
+        """rollout.environment: imported and checked in a sandbox."""
         ref, param = spec.rollout.environment, "rollout.environment"
         if ref is None:
             return
         if spec.method == "sft":
-            raise APIError(422, f"{param}: SFT jobs do not roll out; remove the environment", param,
-                           "invalid_value")  # fmt: skip
+            raise invalid(param, "SFT jobs do not roll out; remove the environment")
         self.user_code(ref, "environment", param, "invalid_environment")  # a path: owned (submittable)
 
     def agent(self, spec: JobSpec) -> None:
-        """rollout.external.agent: imported and checked in a child process (controller/agent_sandbox.py)."""
+        """rollout.external.agent: imported and checked in a sandbox."""
         external, param = spec.rollout.external_config, "rollout.external.agent"
         if external is None or external.agent is None:
             return

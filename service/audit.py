@@ -1,10 +1,5 @@
-"""The audit log: one row per write the API accepted, with who made it and the request's id.
-
-A row holds the time, the owner and key id of the caller, the action (the route's name: `create_job`,
-`cancel`, `upload`, `create_key`, ...), the method and path, the resource it touched (the path's id,
-or the id of what it created), the resource's owner, and the request id the response carried
-(`x-request-id`). Rows are only added: nothing edits or deletes them, not even deleting a job.
-"""
+"""The audit log: one row per write the API accepted (who, the route's name as action, the resource
+and its owner, the request id). Rows are only added: not even deleting a job removes them."""
 
 from __future__ import annotations
 
@@ -70,7 +65,7 @@ class AuditTable(StoreDb):
         action: str | None = None,
         target: str | None = None,
     ) -> tuple[list[dict[str, Any]], bool]:
-        """Newest first; `before` is the cursor (the last id of the previous page). (page, has_more)."""
+        """(page, has_more), newest first; `before` is the last id of the previous page."""
         where, args = [], []
         for column, value in (("owner", owner), ("action", action), ("target", target)):
             if value is not None:
@@ -80,6 +75,6 @@ class AuditTable(StoreDb):
             where.append("id < ?")
             args.append(before)
         sql = "SELECT * FROM audit" + (" WHERE " + " AND ".join(where) if where else "")
-        rows = self._db().execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        rows = self._rows(sql + " ORDER BY id DESC LIMIT ?", (*args, limit + 1))
         page = [{"object": "audit_entry", **dict(r), "data": json.loads(r["data"])} for r in rows[:limit]]
         return page, len(rows) > limit

@@ -1,13 +1,5 @@
-"""Warm controllers: a record's controller actor started before the record needs it.
-
-A controller's process spends most of its start importing what its runner needs (torch, tensordict
-with `torch._dynamo`, transformers) before it builds anything. The
-scheduler keeps `size` controllers that have imported their runner's module and wait for a record
-(service/workloads.py, `WorkloadActor.begin`); a launch takes one, so a job asks for its placement
-group and workers that much sooner (bench/job_start.py measures it). The scheduler starts the next
-one once no job is starting up (`Scheduler._warm_up`), so that its imports do not compete with a
-starting job's processes for the cores. A controller serves one record and ends with it, warm or
-not: nothing of one job's process is reused for another.
+"""Warm controllers: a record's controller actor started, its runner's imports done, before a record
+needs it. A controller serves one record and ends with it: nothing of one job's process is reused.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
-"""Uploaded files: data (JSONL, JSON, Parquet) and Python modules (reward functions, environments)
-kept under the service's home, so a remote user never needs a path on the server.
+"""Uploaded files (data, Python modules, LoRA adapters) under the service's home, so a remote user never
+needs a path on the server: `$TANDEM_HOME/files/<id>/<filename>` plus `meta.json`.
 
-A file is `$TANDEM_HOME/files/<id>/<filename>` plus `meta.json`; its id is `file-` and 12 hex
-digits. A spec names an upload by its id where it would name a server path:
-
-    data.train_path: "file-0123456789ab"
-    reward.function: "file-0123456789ab:score"      (an uploaded .py file and a function in it)
-    model.lora.init_from: "file-0123456789ab"       (an uploaded adapter_model.safetensors)
-
-The spec keeps the id; `resolve_refs` replaces ids with stored paths when a job is checked and when
-it starts (with its owner's view), so a file deleted in between fails the job with the id named.
-Uploads named by path are the owner's too (service/owned_paths.py).
-
-A file belongs to the owner of the key that uploaded it (`meta.json`'s `owner`; files uploaded before
-owners existed are the admin's). Every read takes `sees`, the caller's owner (None for an admin):
-another owner's file is "no file" to it, in a listing, a read, a delete and a spec's reference alike.
+A spec names an upload by its id (`data.train_path: "file-0123456789ab"`, `reward.function:
+"file-0123456789ab:score"`); `resolve_refs` replaces ids with paths when a job is checked and when it
+starts. Every read takes `sees`, the caller's owner (None for an admin): another owner's file is
+"no file" to it.
 """
 
 from __future__ import annotations
@@ -39,6 +29,17 @@ DATA_SUFFIXES = (".jsonl", ".jsonlines", ".json", ".parquet", ".pq")
 CODE_SUFFIXES = (".py",)
 ADAPTER_SUFFIXES = (".safetensors",)  # a LoRA adapter's tensors (model.lora.init_from)
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# spec fields that hold a server path, and those that hold 'path/file.py:name' or another reference
+PATH_FIELDS = (
+    ("data", "train_path"),
+    ("data", "val_path"),
+    ("model", "path"),
+    ("model", "critic_path"),
+    ("model", "lora", "init_from"),
+    ("reward", "model_path"),
+    ("checkpoint", "resume_from"),
+)
+CODE_FIELDS = (("reward", "function"), ("rollout", "environment"), ("rollout", "external", "agent"))
 # the spec fields that may name an upload, and whether the value is "ref:function"
 REF_FIELDS = {
     ("data", "train_path"): False,
@@ -65,6 +66,15 @@ class FileRecord:
     created_at: float
     object: str = "file"
     owner: str = ADMIN_OWNER
+
+
+def spec_field(spec: dict[str, Any], keys: tuple[str, ...]) -> tuple[dict[str, Any] | None, Any]:
+    """(the dict holding the last of `keys`, its value) in a nested spec dict; (None, None) where a
+    section is missing."""
+    holder: Any = spec
+    for section in keys[:-1]:
+        holder = holder.get(section) if isinstance(holder, dict) else None
+    return (holder, holder.get(keys[-1])) if isinstance(holder, dict) else (None, None)
 
 
 def check_filename(filename: str) -> str:
@@ -136,18 +146,14 @@ class FileStore:
         that owner's uploads resolve."""
         out = copy.deepcopy(spec)
         for path, has_function in REF_FIELDS.items():
-            *sections, key = path
-            holder = out
-            for section in sections:
-                holder = holder.get(section) if isinstance(holder, dict) else None
-            value = holder.get(key) if isinstance(holder, dict) else None
+            holder, value = spec_field(out, path)
             if not isinstance(value, str):
                 continue
             ref, sep, function = value.partition(":") if has_function else (value, "", "")
             if FILE_ID.match(ref):
                 field = ".".join(path)
                 try:
-                    holder[key] = str(self.path(ref, sees)) + sep + function
+                    holder[path[-1]] = str(self.path(ref, sees)) + sep + function
                 except FileError:
                     raise FileError(f"{field}: no uploaded file '{ref}' (GET /v1/files lists them)",
                                     field) from None  # fmt: skip

@@ -7,10 +7,8 @@
       │  └──── pausing ──▶ paused ──▶ queued (resume) | cancelled
       └──▶ paused | cancelled (before it ran)
 
-A running or pausing job goes back to queued when the service stops or restarts under it, and a
-running one when its controller actor dies (within trainer.max_restarts); it resumes from its last
-checkpoint. Every status change in the store goes through `JobStore.transition`,
-which refuses a move this table does not list.
+A job goes back to queued when the service stops under it or its controller dies, and resumes from
+its last checkpoint. `JobStore.transition` refuses a move this table does not list.
 """
 
 from __future__ import annotations
@@ -42,12 +40,8 @@ TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
 }
 
 TERMINAL: tuple[JobStatus, ...] = tuple(s for s, nexts in TRANSITIONS.items() if not nexts)
-ACTIVE: tuple[JobStatus, ...] = (
-    S.QUEUED,
-    S.RUNNING,
-    S.PAUSING,
-    S.CANCELLING,
-)  # holding or waiting for the cluster
+# holding or waiting for the cluster
+ACTIVE: tuple[JobStatus, ...] = (S.QUEUED, S.RUNNING, S.PAUSING, S.CANCELLING)
 RUN_HOLDING: tuple[JobStatus, ...] = (S.RUNNING, S.PAUSING, S.CANCELLING)  # a controller actor is running it
 
 

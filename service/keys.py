@@ -1,12 +1,9 @@
-"""API keys in the store: each belongs to an owner, has scopes, may expire, and can be revoked.
+"""API keys in the store (their SHA-256 hashes; api/auth.py makes and checks them): each has an owner
+and scopes, may expire, and keeps its row when revoked (the audit log names it). The admin token sees
+every owner's work, any other key its owner's only.
 
-Only a key's SHA-256 hash is kept (api/auth.py makes and checks them). The `tokens` table holds
-every key, old and new: the admin token (`admin` = 1, owner "admin") sees every owner's work; any
-other key sees its owner's only. Keys made before owners existed belong to "admin" and keep seeing
-everything, as they did. A revoked key keeps its row (the audit log names it) with `revoked_at`.
-
-`last_used_at` is written at most once a minute per key, under its own change topic
-("key_usage"), so that the cached token table (topic "tokens") is not re-read on every request.
+`last_used_at` is written under its own change topic ("key_usage"), so that the cached token table
+(topic "tokens") is not read again on every request.
 """
 
 from __future__ import annotations
@@ -93,8 +90,7 @@ class KeyTable(StoreDb):
 
     def tokens(self) -> list[dict[str, Any]]:
         """Every key with its hash (the token check reads these); revoked ones included."""
-        rows = self._db().execute(f"SELECT {KEY_FIELDS} FROM tokens ORDER BY created_at").fetchall()
-        return [_record(r) for r in rows]
+        return [_record(r) for r in self._rows(f"SELECT {KEY_FIELDS} FROM tokens ORDER BY created_at")]
 
     def key(self, key_id: str) -> dict[str, Any] | None:
         return next((k for k in self.tokens() if k["id"] == key_id), None)
@@ -112,8 +108,7 @@ class KeyTable(StoreDb):
             db.execute("UPDATE tokens SET last_used_at = ? WHERE id = ?", (at, key_id))
 
     def key_owners(self) -> list[str]:
-        rows = self._db().execute("SELECT DISTINCT owner FROM tokens WHERE revoked_at IS NULL").fetchall()
-        return [r[0] for r in rows]
+        return [r[0] for r in self._rows("SELECT DISTINCT owner FROM tokens WHERE revoked_at IS NULL")]
 
 
 def _record(row: sqlite3.Row) -> dict[str, Any]:
@@ -124,15 +119,4 @@ def public_key(record: dict[str, Any]) -> dict[str, Any]:
     """A key as the API lists it: never its hash."""
     expired = record["expires_at"] is not None and record["expires_at"] <= time.time()
     state = "revoked" if record["revoked_at"] else "expired" if expired else "active"
-    fields = (
-        "id",
-        "name",
-        "owner",
-        "scopes",
-        "admin",
-        "created_at",
-        "last_used_at",
-        "expires_at",
-        "revoked_at",
-    )
-    return {"object": "key", **{f: record[f] for f in fields}, "state": state}
+    return {"object": "key", **{k: v for k, v in record.items() if k != "hash"}, "state": state}

@@ -1,10 +1,8 @@
 """Which server paths a spec may name, and for whom (docs/ARCHITECTURE.md §8).
 
-A path must be absolute and, once `..` and symlinks are resolved, lie in an upload or a job's
-outputs of the submitter's own, or under a folder the operator shares; an admin (`sees` None) owns
-every upload and output. A refusal reads the same whether the path exists, is another owner's or is
-the service's own. The API checks a spec at submission; the scheduler checks it again when the job
-starts and hands the job the resolved paths, so what was checked is what is opened.
+Resolved, a path must lie in the submitter's uploads or jobs' outputs (an admin's: anyone's) or a folder
+the operator shares. A refusal reads the same whether the path exists or not. Checked at submission and
+again at start, which hands the job the resolved paths: what was checked is what is opened.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from service.files import FileError, FileStore
+from service.files import CODE_FIELDS, PATH_FIELDS, FileError, FileStore, spec_field
 from service.store import JobStore
 from service.tracker_policy import TrackerPolicy
 from workers.references import is_path_reference
@@ -26,17 +24,6 @@ log = logging.getLogger(__name__)
 
 FORK_SOURCES = "fork-sources"  # <home>/jobs/fork-sources/<copy id>/<checkpoint>: a fork's source
 COPY_ID = re.compile(r"^[0-9a-f]{12}$")
-# spec fields that hold a server path, and those that hold 'path/file.py:name' or another reference
-PATH_FIELDS = (
-    ("data", "train_path"),
-    ("data", "val_path"),
-    ("model", "path"),
-    ("model", "critic_path"),
-    ("model", "lora", "init_from"),
-    ("reward", "model_path"),
-    ("checkpoint", "resume_from"),
-)
-CODE_FIELDS = (("reward", "function"), ("rollout", "environment"), ("rollout", "external", "agent"))
 FOLDER_SCAN_LIMIT = 10_000  # entries looked at for symlinks in one named folder (a model has dozens)
 
 
@@ -152,16 +139,14 @@ class OwnedPaths:
         `sees` may not name. `own_checkpoint`: the job resumes from its own, so resume_from is unused."""
         out = copy.deepcopy(spec)
         for keys in PATH_FIELDS:
-            holder, key = _holder(out, keys)
-            value = holder.get(key) if holder is not None else None
+            holder, value = spec_field(out, keys)
             if isinstance(value, str) and not (own_checkpoint and keys == ("checkpoint", "resume_from")):
-                holder[key] = str(self.resolve(value, ".".join(keys), sees))
+                holder[keys[-1]] = str(self.resolve(value, ".".join(keys), sees))
         for keys in CODE_FIELDS:
-            holder, key = _holder(out, keys)
-            value = holder.get(key) if holder is not None else None
+            holder, value = spec_field(out, keys)
             if isinstance(value, str) and is_path_reference(value):
                 source, _, name = value.rpartition(":")
-                holder[key] = f"{self.resolve(source, '.'.join(keys), sees)}:{name}"
+                holder[keys[-1]] = f"{self.resolve(source, '.'.join(keys), sees)}:{name}"
         trainer = out.get("trainer") if isinstance(out.get("trainer"), dict) else {}
         self.trackers.check_loggers(list(trainer.get("loggers") or []))
         uri = trainer.get("mlflow_uri")
@@ -169,11 +154,3 @@ class OwnedPaths:
         if folder is not None:
             trainer["mlflow_uri"] = str(self.resolve(folder, "trainer.mlflow_uri", sees, write=True))
         return out
-
-
-def _holder(spec: dict[str, Any], keys: tuple[str, ...]) -> tuple[dict[str, Any] | None, str]:
-    """The dict that holds the last of `keys` in a nested spec dict (None where a section is missing)."""
-    holder: Any = spec
-    for section in keys[:-1]:
-        holder = holder.get(section) if isinstance(holder, dict) else None
-    return (holder if isinstance(holder, dict) else None), keys[-1]

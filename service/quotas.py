@@ -1,10 +1,7 @@
 """Quotas per owner, set by the operator, and what each owner uses now (docs/ARCHITECTURE.md §8).
 
-A `Quota` field left None is unlimited. The `QuotaBook` holds a default for every owner but the
-admin and per-owner quotas that replace it; an admin's live changes last until the service restarts.
-Past `queued_jobs` a submission is a 429 (it clears when one of the owner's jobs starts), past a
-quota that waiting cannot clear a 403; `running_jobs`, `cpus` and `gpus` are kept by the scheduler,
-in the order `fair_order` gives.
+A field left None is unlimited. Past `queued_jobs` a submission is a 429, past a quota that waiting
+cannot clear a 403; `running_jobs`, `cpus` and `gpus` are kept by the scheduler.
 """
 
 from __future__ import annotations
@@ -58,8 +55,7 @@ class QuotaFile(BaseModel):
 
 
 class QuotaError(Exception):
-    """A request beyond a quota: 429 (clears by waiting: `retry_after_s`) or 403 (a hard limit).
-    `adding`: what the request would add to `have` (a submission adds one queued job)."""
+    """A request beyond a quota: 429 (clears by waiting: `retry_after_s`) or 403 (a hard limit)."""
 
     def __init__(self, owner: str, name: str, limit: float, have: float, retry_after_s: int | None = None,
                  adding: float = 0) -> None:  # fmt: skip
@@ -187,11 +183,9 @@ def may_run(quota: Quota, usage: Usage, cpus: float, gpus: float) -> bool:
 def fair_order(
     queued: list[JobRecord], running: dict[str, int], served: dict[str, int] | None = None
 ) -> list[JobRecord]:
-    """The order in which queued jobs may start: in rounds, each round taking every owner's oldest
-    job not yet taken; within a round, the owner with fewer jobs running first, then the owner
-    served least recently (`served`: owner -> the number of its latest start; never served first),
-    then the older job. So A's ten queued jobs and B's one go A1, B1, A2, ..., even when A1 ends
-    before B1 could start."""
+    """Queued jobs in the order they may start: rounds of every owner's oldest job not yet taken; within
+    a round, fewer jobs running first, then served least recently (`served`: owner -> the number of its
+    latest start), then the older job. So A's ten jobs and B's one go A1, B1, A2, ..."""
     served = served or {}
     by_owner: dict[str, list[JobRecord]] = defaultdict(list)
     for job in sorted(queued, key=lambda j: j.seq):

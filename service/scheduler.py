@@ -1,16 +1,8 @@
 """The scheduler: one background thread that runs each job in its own controller actor.
 
-Every `poll_s` it copies what running jobs produced into the store and settles jobs whose run ended
-(service/scheduler_runs.py), and starts queued jobs while the cluster has room for them (a job
-needs each role's workers x its per-worker CPUs and GPUs, controller/role_shares.py). Queued jobs go
-in fair order between owners (`fair_order`): one owner's ten queued jobs do not starve another's
-one. An owner at its quota of running jobs, CPUs or GPUs (service/quotas.py) is passed over until
-one of its jobs ends. Requests never wait on it: the Service changes the store and calls `tell` or
-`stop`, which only send a message.
-
-A hosted record (a Tinker training run, service/scheduler_hosted.py) is queued, scheduled and
-counted the same way, but its server runs it; a request may start it at once (`admit`), so a client
-need not wait for the next poll.
+Every `poll_s` it copies what running jobs produced into the store, settles ended runs
+(service/scheduler_runs.py) and starts queued jobs, in fair order between owners and within their
+quotas, while the cluster has room. Requests never wait on it: `tell` and `stop` only send a message.
 """
 
 from __future__ import annotations
@@ -60,7 +52,6 @@ class Scheduler(HostedRecords, RunSettlement):
         self.paths: OwnedPaths | None = None  # set by the API (api/app.py), which knows the shared folders
         self.quotas = quotas or QuotaBook()
         self.poll_s = poll_s
-        self.runtime_env = runtime_env
         options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 8}
         if runtime_env:
             options["runtime_env"] = runtime_env
@@ -153,9 +144,8 @@ class Scheduler(HostedRecords, RunSettlement):
         return run.actor if run is not None else None
 
     def stop(self, job_id: str, reason: str) -> None:
-        """Ask a running job to stop ("pause" or "cancel") at its next step boundary. A job cancelled
-        while it is still starting up has nothing to keep: its actor is killed at once. A hosted
-        record's server drops it at once."""
+        """Ask a running job to stop ("pause" or "cancel") at its next step boundary; a job cancelled
+        while it starts up has nothing to keep, so its actor is killed at once."""
         record = self.store.get_job(job_id)
         if record is not None and record.method in self.hosted:
             self.stop_hosted(record)
@@ -188,8 +178,8 @@ class Scheduler(HostedRecords, RunSettlement):
             self._stop.wait(self.poll_s)
 
     def _warm_up(self) -> None:
-        """Start the warm controllers the pool lacks, while no job is starting up: a controller's
-        imports take seconds of a core, which a starting job's own processes need on a small machine."""
+        """Start the warm controllers the pool lacks while no job starts up: their imports would compete
+        with a starting job's processes for the cores."""
         if self._draining:
             return
         with self._lock:
@@ -219,8 +209,7 @@ class Scheduler(HostedRecords, RunSettlement):
             self._ask_autoscaler(None)
 
     def _say_waiting(self, job: JobRecord) -> None:
-        """Tell a job that waits for room (once) what it needs and what holds the rest: a session host
-        holds its CPUs for as long as the service runs, so a job may wait for a restart."""
+        """Tell a job that waits for room (once) what it needs and what holds the rest."""
         if self._told_waiting == job.id:
             return
         self._told_waiting = job.id
@@ -234,8 +223,7 @@ class Scheduler(HostedRecords, RunSettlement):
         self.store.add_event(job.id, "waiting", message, {"free_cpus": free_cpus, "free_gpus": free_gpus})
 
     def admit(self, record_id: str) -> bool:
-        """Start a queued record now if its owner's quota and the cluster allow (a request that made
-        it need not wait for the next poll); else it waits in the queue. True when it started."""
+        """Start a queued record now if its owner's quota and the cluster allow; True when it started."""
         record = self.store.get_job(record_id)
         return (
             record is not None
@@ -268,8 +256,7 @@ class Scheduler(HostedRecords, RunSettlement):
         return used
 
     def _ask_autoscaler(self, job: JobRecord | None) -> None:
-        """Tell Ray's autoscaler (where there is one) what the waiting job needs, so nodes are added;
-        None withdraws the request."""
+        """Ask Ray's autoscaler (where there is one) for what the waiting job needs; None withdraws it."""
         bundles = self.workload_of(job).needs(job.spec).bundles if job is not None else []
         self._asked_autoscaler = job is not None
         try:
@@ -305,9 +292,8 @@ class Scheduler(HostedRecords, RunSettlement):
         self.store.add_event(job.id, "started", f"running on {cpus:g} CPUs and {gpus:g} GPUs")
 
     def spec_to_run(self, job: JobRecord, own_checkpoint: bool) -> JobSpec:
-        """The job's spec as its run gets it, typed: its owner's uploads by path, each path it names
-        resolved and still the owner's to name (service/owned_paths.py). The store parsed it; the
-        resolved paths replace checked values, so it is not parsed again."""
+        """The job's spec as its run gets it: uploads by path, each path resolved and still the owner's
+        to name (service/owned_paths.py); the resolved values replace checked ones, not parsed again."""
         sees = None if job.owner == ADMIN_OWNER else job.owner
         spec = self.files.resolve_refs(job.spec, sees) if self.files else job.spec
         spec = self.paths.check_spec(spec, sees, own_checkpoint) if self.paths is not None else spec

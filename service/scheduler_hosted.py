@@ -1,11 +1,6 @@
-"""The scheduler's hosted records: kinds whose records a server of their own runs, many at once.
-
-A hosted record (a Tinker training run, service/workloads.py) is queued, scheduled and counted as a
-job is, but a launch hands it to the process that serves it (its base model's session host), and it
-holds its slot until that server ends it (`end`). The hosts themselves hold CPUs while they run
-(`hold`): RL jobs are scheduled around them. A hosted record has no controller actor, so the
-scheduler's loop neither drains nor settles it, and a service restart ends what its servers held
-(`recover_hosted`).
+"""The scheduler's hosted records (Tinker training runs): queued, scheduled and counted as jobs are, but
+a launch hands one to the process that serves it, and it holds its slot until that server ends it.
+The hosts hold CPUs while they run (`hold`), and RL jobs are scheduled around them.
 """
 
 from __future__ import annotations

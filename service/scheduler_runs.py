@@ -1,15 +1,7 @@
-"""How a job's run reaches the store: what it produced while it ran, and its record when it ended.
-
-Every poll the scheduler drains each running job's controller actor (`_drain`: its events,
-metrics, samples, logs and checkpoints, copied into the store) and settles the jobs whose run ended
-(`_settle`): succeeded, failed, cancelled or paused, or back to queued when the service is shutting
-down or the job's controller died within its restart budget (`_requeue_lost`).
-
-A job that starts again after a crash resumes from its last complete checkpoint: at a service start
-(`_recover`) and at each launch the store forgets the metrics recorded after that step, so the re-run
-steps are stored once. A job whose controller restarts its workers (controller/recovery.py) says so
-in its drain: the step it went back to (the store forgets the later metrics the same way) and the
-restart under way, which the job's API view shows until it resumed.
+"""How a job's run reaches the store: what it produced while it ran (`_drain`), and its record when it
+ended (`_settle`), or back to queued when the service stops or its controller died within its restart
+budget. A job resumes from its last complete checkpoint, and the store forgets what was recorded after
+that step, so re-run steps are stored once.
 """
 
 from __future__ import annotations
@@ -136,8 +128,8 @@ class RunSettlement:
             self.running.pop(job_id, None)
 
     def _requeue_lost(self, job_id: str, result: dict[str, Any]) -> bool:
-        """A running job whose controller actor died (its process or node) goes back to queued, within
-        trainer.max_restarts (shared with the restarts its controllers made: `restart` events)."""
+        """A job whose controller actor died goes back to queued, within trainer.max_restarts (shared
+        with its controllers' own restarts: `restart` events)."""
         job = self.store.get_job(job_id)
         most = job.job_spec.trainer.max_restarts
         n = self.store.count_events(job_id, "restart") + 1
@@ -177,8 +169,8 @@ class RunSettlement:
 
 
 def _remove_placement_group(name: str) -> None:
-    """A job's placement group outlives a controller actor that was killed or died (its lifetime is
-    the service's Ray driver): remove it, or its CPUs and GPUs stay held."""
+    """A placement group outlives a controller actor that was killed or died: remove it, or its CPUs and
+    GPUs stay held."""
     try:
         group = ray.util.get_placement_group(name)
     except ValueError:  # none by that name: the job removed it when it ended

@@ -1,11 +1,7 @@
 """The job store: jobs and every record the scheduler runs, with what they produced, in SQLite.
 
-Every job row keeps its spec, state, progress and the latest metrics; a Tinker training run has its
-own table (service/store_tinker.py), and the `records` view reads both as one kind of record. What a
-job produced (service/store_outputs.py), its metrics (service/store_metrics.py), API keys
-(service/keys.py) and the audit log (service/audit.py) are tables mixed into `JobStore`; the file,
-its connections and its transactions are service/store_db.py's, and the tables and their migrations
-service/store_schema.py's.
+A Tinker training run has its own table (service/store_tinker.py); the `records` view reads both as one
+kind of record. Outputs, metrics, keys and the audit log are tables mixed into `JobStore`.
 """
 
 from __future__ import annotations
@@ -93,9 +89,8 @@ _parsed_lock = threading.Lock()
 
 
 def parse_spec(stored: str) -> JobSpec:
-    """A stored spec parsed once per text in this process: every read of the same job (each scheduler
-    poll reads its queue again) shares one JobSpec, which nobody changes (a change is a new text). A
-    spec submitted in this process is not parsed at all: `create_job` keeps the submitted one."""
+    """A stored spec parsed once per text in this process: each scheduler poll reads its queue again, and
+    the JobSpec is never changed (a change is a new text)."""
     with _parsed_lock:
         if stored in _PARSED:
             _PARSED.move_to_end(stored)
@@ -128,8 +123,7 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
         parent_id: str | None = None,
         owner: str = ADMIN_OWNER,
     ) -> JobRecord:
-        """A new row, queued: the scheduler runs it. A JobSpec (the service's) is kept as the row's
-        parsed spec; a dict (tests, scripts) is parsed when the row is first read."""
+        """A new row, queued. A JobSpec is kept as the row's parsed spec; a dict is parsed on first read."""
         if isinstance(spec, JobSpec):
             parsed, spec = spec, spec.model_dump(mode="json")
             _remember(json.dumps(spec), parsed)
@@ -170,22 +164,23 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
         return self._records("method = 'tinker' AND (?1 IS NULL OR owner = ?1)", (owner,), "seq DESC")
 
     def _records(self, where: str, args: tuple[Any, ...], order: str = "seq") -> list[JobRecord]:
-        rows = self._db().execute(f"SELECT {JOB_COLUMNS} FROM records WHERE {where} ORDER BY {order}", args)
-        return [JobRecord.from_row(r) for r in rows.fetchall()]
+        rows = self._rows(f"SELECT {JOB_COLUMNS} FROM records WHERE {where} ORDER BY {order}", args)
+        return [JobRecord.from_row(r) for r in rows]
 
     def _table(self, record_id: str) -> str:
         """The table that holds a record: a Tinker run's own, or the jobs'."""
-        found = self._db().execute("SELECT 1 FROM tinker_runs WHERE id = ?", (record_id,)).fetchone()
-        return "tinker_runs" if found else "jobs"
+        return (
+            "tinker_runs" if self._first("SELECT 1 FROM tinker_runs WHERE id = ?", (record_id,)) else "jobs"
+        )
 
     def get_job(self, job_id: str) -> JobRecord | None:
-        row = self._db().execute(f"SELECT {JOB_COLUMNS} FROM records WHERE id = ?", (job_id,)).fetchone()
+        row = self._first(f"SELECT {JOB_COLUMNS} FROM records WHERE id = ?", (job_id,))
         return JobRecord.from_row(row) if row else None
 
     def job_by_idempotency_key(self, owner: str, key: str) -> JobRecord | None:
         """`owner`'s job submitted with Idempotency-Key `key`, if any."""
         query = f"SELECT {JOB_COLUMNS} FROM jobs WHERE owner = ? AND idempotency = ?"  # a run has no key
-        row = self._db().execute(query, (owner, key)).fetchone()
+        row = self._first(query, (owner, key))
         return JobRecord.from_row(row) if row else None
 
     def list_jobs(
@@ -198,8 +193,8 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
         tag: str | None = None,
         owner: str | None = None,
     ) -> tuple[list[JobRecord], bool]:
-        """Newest first; `after` is a job id cursor; `q` a case-insensitive substring of the id, name,
-        tags or notes; `tag` one of the tags; `owner` only that owner's jobs. Returns (page, has_more)."""
+        """(page, has_more), newest first; `after` is a job id cursor; `q` a case-insensitive substring of
+        the id, name, tags or notes."""
         where, args = [], []
         if owner is not None:
             where.append("owner = ?")
@@ -227,7 +222,7 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
         sql = f"SELECT {JOB_COLUMNS} FROM records"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        rows = self._db().execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        rows = self._rows(sql + " ORDER BY seq DESC LIMIT ?", (*args, limit + 1))
         return [JobRecord.from_row(r) for r in rows[:limit]], len(rows) > limit
 
     def jobs_of(self, owner: str) -> list[JobRecord]:
@@ -235,14 +230,11 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
 
     def owners_resuming_from(self, fragment: str) -> set[str]:
         """The owners of the jobs whose `checkpoint.resume_from` holds `fragment` (a fork's copy's folder)."""
-        rows = self._db().execute(
-            "SELECT DISTINCT owner FROM jobs WHERE instr(json_extract(spec, '$.checkpoint.resume_from'), ?) > 0",
-            (fragment,),
-        )
-        return {r[0] for r in rows.fetchall()}
+        sql = "SELECT DISTINCT owner FROM jobs WHERE instr(json_extract(spec, '$.checkpoint.resume_from'), ?) > 0"
+        return {r[0] for r in self._rows(sql, (fragment,))}
 
     def job_owners(self) -> list[str]:
-        return [r[0] for r in self._db().execute("SELECT DISTINCT owner FROM records").fetchall()]
+        return [r[0] for r in self._rows("SELECT DISTINCT owner FROM records")]
 
     def jobs_in(self, statuses: tuple[str, ...]) -> list[JobRecord]:
         return self._records(f"status IN ({','.join('?' * len(statuses))})", statuses)
@@ -261,8 +253,8 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
     def transition(
         self, job_id: str, allowed_from: tuple[JobStatus, ...], to: JobStatus, **values: Any
     ) -> bool:
-        """Move a job to `to` only if it is in one of `allowed_from`; True when it moved. Every move
-        must be in job_state.TRANSITIONS. Leaving `running` ends a run: its time is added to active_s."""
+        """Move a job to `to` if it is in one of `allowed_from` (a move job_state.TRANSITIONS lists); True
+        when it moved. Leaving `running` adds the run's time to active_s."""
         check_moves(allowed_from, to)
         if to == JobStatus.RUNNING:
             values = {"run_started_at": time.time(), **values}
@@ -309,7 +301,5 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
 
     def counts_by_status(self, owner: str | None = None) -> dict[str, int]:
         """Jobs per status: every owner's, or `owner`'s only."""
-        rows = self._db().execute(
-            "SELECT status, COUNT(*) FROM records WHERE ?1 IS NULL OR owner = ?1 GROUP BY status", (owner,)
-        )
-        return {r[0]: r[1] for r in rows.fetchall()}
+        sql = "SELECT status, COUNT(*) FROM records WHERE ?1 IS NULL OR owner = ?1 GROUP BY status"
+        return {r[0]: r[1] for r in self._rows(sql, (owner,))}

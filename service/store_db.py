@@ -1,13 +1,9 @@
-"""The store's SQLite file: one connection per thread, and writes that count what they changed.
+"""The store's SQLite file (WAL, owner-only): one connection per thread, and writes that count what
+they changed.
 
-One database file (WAL mode, so readers never block the writer), readable by its owner only. Every
-table of the store (service/store.py and the tables mixed into it) reads through `_db` and writes
-through `_tx`, which names the topics a write may change.
-
-`changes(topic)` counts the committed writes that changed a topic's rows: a table ("jobs", "tokens",
-...), or one job's metric series (`metrics_topic(job_id)`). The service is the only writer of its
-home's store (one home has one service), so an unchanged count means unchanged rows: the API's read
-cache relies on it. A write that changes no row counts nowhere.
+`changes(topic)` counts the committed writes that changed a topic's rows (a table, or one job's metric
+series). The service is its home's only writer, so an unchanged count means unchanged rows: the API's
+read cache relies on it.
 """
 
 from __future__ import annotations
@@ -40,6 +36,12 @@ class StoreDb:
             self._local.conn = conn
         return conn
 
+    def _rows(self, sql: str, args: tuple | list = ()) -> list[sqlite3.Row]:
+        return self._db().execute(sql, args).fetchall()
+
+    def _first(self, sql: str, args: tuple | list = ()) -> sqlite3.Row | None:
+        return self._db().execute(sql, args).fetchone()
+
     def changes(self, topic: str) -> int:
         """How many committed writes changed `topic`'s rows so far (a table name, or `metrics_topic`)."""
         return self._changes.get(topic, 0)
@@ -66,7 +68,6 @@ class StoreDb:
 
 
 def _create_private(path: Path) -> None:
-    """The database holds token hashes and every job's data: readable by its owner only (0600).
-    SQLite gives its -wal and -shm files the database file's mode."""
+    """Token hashes and every job's data: 0600 (SQLite gives its -wal and -shm files the same mode)."""
     os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
     os.chmod(path, 0o600)

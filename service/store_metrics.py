@@ -1,12 +1,7 @@
 """A job's metric series in the store: one row per (job, step), read in pages and downsampled.
 
-A row holds every metric of its step as JSON. Writing a step that already has a row replaces it
-(under a new, larger id, so a live stream sees the new values): a job that resumes from a
-checkpoint after a crash re-runs the steps after it, and those steps must not be stored twice.
-`truncate_after` drops what a crashed run recorded past the checkpoint it will resume from.
-
-Reads select keys (exact names, or prefixes written `actor/*`), a step window, the last N steps,
-every K-th step, or at most P evenly spaced steps (always keeping the last).
+Writing a step that has a row replaces it under a new, larger id (a live stream sees the new values):
+a job resumed from a checkpoint re-runs the steps after it, which must not be stored twice.
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ DROP INDEX IF EXISTS metrics_job;
 CREATE UNIQUE INDEX IF NOT EXISTS metrics_job_step ON metrics(job_id, step);
 CREATE INDEX IF NOT EXISTS metrics_job_id ON metrics(job_id, id);
 """
+SELECT = "SELECT id, step, time, data FROM metrics WHERE job_id = ?"
 
 
 @dataclass(frozen=True)
@@ -51,8 +47,7 @@ class MetricsQuery:
 
 
 def metrics_topic(job_id: str) -> str:
-    """The store's change topic of one job's series (JobStore.changes): a row written to one job's
-    series leaves the cached pages of every other series valid."""
+    """One job's series as a change topic: a write to it leaves other series' cached pages valid."""
     return "metrics:" + job_id
 
 
@@ -113,15 +108,8 @@ class MetricsTable(StoreDb):
 
     def metrics_since(self, job_id: str, after_id: int = 0, limit: int = 200) -> list[dict[str, Any]]:
         """Rows written after row `after_id`, in write order: what a live stream sends next."""
-        rows = (
-            self._db()
-            .execute(
-                "SELECT id, step, time, data FROM metrics WHERE job_id = ? AND id > ? ORDER BY id LIMIT ?",
-                (job_id, after_id, limit),
-            )
-            .fetchall()
-        )
-        return [_row(r, ()) for r in rows]
+        sql = f"{SELECT} AND id > ? ORDER BY id LIMIT ?"
+        return [_row(r, ()) for r in self._rows(sql, (job_id, after_id, limit))]
 
     def metrics_page(
         self, job_id: str, query: MetricsQuery = MetricsQuery()
@@ -139,14 +127,7 @@ class MetricsTable(StoreDb):
         """Every row of the series in step order, read in batches (for the export route)."""
         after = -(2**62)
         while True:
-            rows = (
-                self._db()
-                .execute(
-                    "SELECT id, step, time, data FROM metrics WHERE job_id = ? AND step > ? ORDER BY step LIMIT 1000",
-                    (job_id, after),
-                )
-                .fetchall()
-            )
+            rows = self._rows(f"{SELECT} AND step > ? ORDER BY step LIMIT 1000", (job_id, after))
             if not rows:
                 return
             yield from (_row(r, keys) for r in rows)
@@ -154,7 +135,7 @@ class MetricsTable(StoreDb):
 
     def _page_rows(self, job_id: str, query: MetricsQuery) -> tuple[list[sqlite3.Row], bool]:
         """The rows of one page (in step order), and whether more steps follow it."""
-        steps = self._db().execute(*_step_sql(job_id, query)).fetchall()
+        steps = self._rows(*_step_sql(job_id, query))
         chosen = [r[0] for r in steps]
         if query.last is not None:
             chosen = chosen[-query.last :] if query.last else []
@@ -167,14 +148,8 @@ class MetricsTable(StoreDb):
         out: list[sqlite3.Row] = []
         for start in range(0, len(steps), 500):  # SQLite caps the number of bound parameters
             chunk = steps[start : start + 500]
-            out += (
-                self._db()
-                .execute(
-                    f"SELECT id, step, time, data FROM metrics WHERE job_id = ? AND step IN ({','.join('?' * len(chunk))})"
-                    " ORDER BY step",
-                    (job_id, *chunk),
-                )
-                .fetchall()
+            out += self._rows(
+                f"{SELECT} AND step IN ({','.join('?' * len(chunk))}) ORDER BY step", (job_id, *chunk)
             )
         return out
 
@@ -201,10 +176,9 @@ def _row(r: sqlite3.Row, keys: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _row_json(r: sqlite3.Row, keys: tuple[str, ...]) -> str:
-    """json.dumps(_row(r, keys)); with every key, the stored values' text is spliced in as it is: it
-    is json.dumps output already, so parsing and encoding it again would give the same text, at
-    ~30x the cost (a 300-step page of 60 metrics)."""
+    """json.dumps(_row(r, keys)); with every key the stored text (json.dumps output already) is spliced
+    in as it is, rather than parsed and encoded again to the same text."""
     if keys:
         return json.dumps(_row(r, keys))
-    row_id, step, at, data = r  # the columns of _rows_at's SELECT, in order
+    row_id, step, at, data = r  # SELECT's columns, in order
     return f'{{"id": {row_id}, "step": {step}, "time": {float.__repr__(at)}, "values": {data}}}'

@@ -1,8 +1,7 @@
 """What a job produced, in the store: its events, sampled trajectories, log lines and checkpoints.
 
-Each is append-only with increasing ids, which double as the Last-Event-ID of the live streams
-(api/streams.py); a job's metrics are their own table (service/store_metrics.py). Nothing is deleted
-when a job fails or is cancelled: only deleting a terminal job removes its rows (`JobStore.delete_job`).
+Append-only with increasing ids, which double as the Last-Event-ID of the live streams (api/streams.py);
+only deleting a job removes its rows.
 """
 
 from __future__ import annotations
@@ -28,23 +27,16 @@ class JobOutputs(StoreDb):
             return int(cur.lastrowid)
 
     def count_events(self, job_id: str, kind: str) -> int:
-        row = (
-            self._db()
-            .execute("SELECT COUNT(*) FROM events WHERE job_id = ? AND kind = ?", (job_id, kind))
-            .fetchone()
-        )
-        return int(row[0])
+        sql = "SELECT COUNT(*) FROM events WHERE job_id = ? AND kind = ?"
+        return int(self._first(sql, (job_id, kind))[0])
 
     def events(self, job_id: str, after_id: int = 0, limit: int = 100) -> list[dict[str, Any]]:
-        rows = (
-            self._db()
-            .execute(
-                "SELECT id, time, kind, message, data FROM events WHERE job_id = ? AND id > ? ORDER BY id LIMIT ?",
-                (job_id, after_id, limit),
-            )
-            .fetchall()
+        sql = (
+            "SELECT id, time, kind, message, data FROM events WHERE job_id = ? AND id > ? ORDER BY id LIMIT ?"
         )
-        return [{**dict(r), "data": json.loads(r["data"])} for r in rows]
+        return [
+            {**dict(r), "data": json.loads(r["data"])} for r in self._rows(sql, (job_id, after_id, limit))
+        ]
 
     def add_samples(
         self, job_id: str, step: int, rows: list[dict[str, Any]], at: float | None = None
@@ -62,7 +54,7 @@ class JobOutputs(StoreDb):
         if step is not None:
             sql += " AND step = ?"
             args.append(step)
-        rows = self._db().execute(sql + " ORDER BY id LIMIT ?", (*args, limit)).fetchall()
+        rows = self._rows(sql + " ORDER BY id LIMIT ?", (*args, limit))
         return [{"id": r["id"], "step": r["step"], "time": r["time"], **json.loads(r["data"])} for r in rows]
 
     def add_logs(self, job_id: str, lines: list[tuple[float, str, str]]) -> None:
@@ -75,25 +67,12 @@ class JobOutputs(StoreDb):
             )
 
     def logs(self, job_id: str, after_id: int = 0, tail: int | None = None, limit: int = 1000) -> list[dict]:
+        sql = "SELECT id, time, level, line FROM logs WHERE job_id = ?"
         if tail is not None:
-            rows = (
-                self._db()
-                .execute(
-                    "SELECT id, time, level, line FROM logs WHERE job_id = ? ORDER BY id DESC LIMIT ?",
-                    (job_id, tail),
-                )
-                .fetchall()[::-1]
-            )
-        else:
-            rows = (
-                self._db()
-                .execute(
-                    "SELECT id, time, level, line FROM logs WHERE job_id = ? AND id > ? ORDER BY id LIMIT ?",
-                    (job_id, after_id, limit),
-                )
-                .fetchall()
-            )
-        return [dict(r) for r in rows]
+            return [dict(r) for r in self._rows(sql + " ORDER BY id DESC LIMIT ?", (job_id, tail))[::-1]]
+        return [
+            dict(r) for r in self._rows(sql + " AND id > ? ORDER BY id LIMIT ?", (job_id, after_id, limit))
+        ]
 
     def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
         with self._tx("checkpoints") as db:
@@ -103,9 +82,7 @@ class JobOutputs(StoreDb):
             )
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
-        rows = (
-            self._db()
-            .execute("SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,))
-            .fetchall()
+        rows = self._rows(
+            "SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,)
         )
         return [dict(r) for r in rows if Path(r["path"], "trainer_state.json").exists()]

@@ -1,11 +1,5 @@
-"""The store's tables, and how a database made by an older version is brought up to date on open.
-
-`migrate` runs every table's schema (each `CREATE ... IF NOT EXISTS`) and every migration, in one
-place and one order, so opening a store of any earlier version gives today's tables: columns added
-since the first schema, the idempotency keys as their owners sent them, Tinker runs moved to their
-own table (service/store_tinker.py), metric rows one per step (service/store_metrics.py), API keys'
-owners and scopes (service/keys.py) and the audit log (service/audit.py).
-"""
+"""The store's tables, and how a database made by an older version is brought up to date on open:
+every table's schema and migration runs here, in one order."""
 
 from __future__ import annotations
 
@@ -88,10 +82,8 @@ ADDED_COLUMNS = {  # columns added since the first schema: a database made befor
     "restart": "TEXT NOT NULL DEFAULT 'null'",
     "idempotency": "TEXT",  # the client's Idempotency-Key; unique per owner (jobs_idempotency)
 }
-# The key as the client sent it, unique per (owner, key): no encoding of the two into one string,
-# which an admin's key could imitate. Stores made before kept `idempotency_key`, globally unique:
-# an owner's as "owner/key", the admin's as sent; it is read once, into `idempotency`, and no longer
-# written.
+# The key as sent, unique per (owner, key): an "owner/key" encoding could be imitated by an admin's
+# key. Older stores' `idempotency_key` ("owner/key", the admin's as sent) is read once into it.
 IDEMPOTENCY_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS jobs_idempotency ON jobs(owner, idempotency)"
 FROM_ENCODED_KEYS = """
 UPDATE jobs SET idempotency = CASE
@@ -102,8 +94,7 @@ WHERE idempotency_key IS NOT NULL
 
 
 def migrate(db: sqlite3.Connection) -> None:
-    """Create what is missing and migrate what an older version made (outside a transaction:
-    executescript manages its own)."""
+    """Outside a transaction: executescript manages its own."""
     db.executescript(SCHEMA)
     have = {r["name"] for r in db.execute("PRAGMA table_info(jobs)")}
     for name, kind in ADDED_COLUMNS.items():

@@ -1,12 +1,9 @@
 """Where a job's experiment trackers may send its records: the operator's allow-list.
 
-A job's workers post to `trainer.mlflow_uri` and log in to W&B with the service's own credentials,
-so a spec may not choose a destination the operator has not named. MLflow may write to a local
-folder (checked as a path an owner writes to, service/owned_paths.py) or post to an http(s) server
-whose host the operator allows (`tandem serve --allow-tracker-host HOST[:PORT]`; none by default,
-not even this machine's, whose other services a job could otherwise reach). Every other scheme
-(sqlite:, postgresql:, databricks, ...) is refused: each reaches a store or an account of the
-service's. `trainer.loggers: [wandb]` needs `tandem serve --allow-wandb`.
+Trackers use the service's own credentials, so a spec may not choose a destination the operator has
+not named: MLflow writes to a folder the owner may write, or posts to an allowed http(s) host (none by
+default, not even this machine's); other schemes reach a store or account of the service's. W&B needs
+`tandem serve --allow-wandb`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""What each owner uses now: jobs queued and running, CPUs and GPUs their running jobs hold, and
-bytes stored for them (uploads; checkpoints and exports under their jobs' folders). Read from the
-store and the disk on each call: quotas are checked against what is, not against a counter that
-could drift."""
+"""What each owner uses now, read from the store and the disk on each call: quotas are checked against
+what is, not against a counter that could drift."""
 
 from __future__ import annotations
 

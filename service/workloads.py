@@ -1,20 +1,10 @@
 """Workloads: what the scheduler launches, accounts for and steers, without knowing what they run.
 
-A workload kind tells the service, without torch, the resources a record needs (`needs`) and the
-requests of Tandem's API that steer it (`actions`). Two kinds exist:
-
-- an RL/SFT job (`RLJobWorkload`): the checkpoints it has committed on disk (where a restarted
-  record resumes) and the import path of its runner, the class that does the work. The runner is
-  imported only inside the record's own Ray actor (`WorkloadActor`), never in the API process, so
-  the service starts without loading torch, transformers or any worker class (bench/api_startup.py);
-- a Tinker training run (`TinkerRunWorkload`), a *hosted* kind: its records are served many at
-  once by a process the service keeps per base model (service/tinker_hosts.py), so a launch hands
-  the record to that server (`launch`), and the scheduler accounts for the server's own resources
-  while it runs (`Scheduler.hold`).
-
-A runner is constructed as `Runner(record_id, spec_dict, workdir, **options)` (options: what the
-scheduler knows of the record's past, e.g. `restarts` it already used) and answers the `Runner`
-protocol below; every call on it is made by the scheduler or the service, through the actor.
+A kind says, without torch, what a record needs (`needs`) and which API requests steer it (`actions`).
+An RL/SFT job's runner class is imported only inside the record's own Ray actor (`WorkloadActor`), so
+the API process never loads torch; a Tinker training run is a *hosted* kind, served many at once by a
+process per base model (service/tinker_hosts.py). A runner is built as
+`Runner(record_id, spec_dict, workdir, **options)` and answers the `Runner` protocol.
 """
 
 from __future__ import annotations
@@ -73,9 +63,7 @@ class Runner(Protocol):
         ...
 
 
-# How long a call that needs a record's runner waits for `begin` to build it (the scheduler's own
-# calls time out sooner and try again at its next poll).
-BEGIN_WAIT_S = 600.0
+BEGIN_WAIT_S = 600.0  # a call that needs the runner waits this long for `begin` to build it
 
 
 def resume_step(workload: Workload, workdir: str | Path) -> int:
@@ -85,11 +73,9 @@ def resume_step(workload: Workload, workdir: str | Path) -> int:
 
 
 class WorkloadActor:
-    """The body of every record's Ray actor. It imports its runner's module when it starts (so it can
-    start before its record is known: a warm controller, service/controller_pool.py), builds the
-    runner for one record in `begin`, and forwards the service's calls to it. Calls that need the
-    runner wait for `begin` to have ended (the actor is threaded, so a call sent after `begin` may
-    start before it ends)."""
+    """Every record's Ray actor: imports its runner's module at start (so it can wait warm,
+    service/controller_pool.py), builds the runner for one record in `begin`, and forwards calls to it.
+    The actor is threaded: a call sent after `begin` may start before it ends, so calls wait for it."""
 
     def __init__(self, runner: str) -> None:
         module, _, name = runner.partition(":")
@@ -185,10 +171,9 @@ class RunServer(Protocol):
 
 
 class TinkerRunWorkload:
-    """A Tinker API training run (service/tinker_service.py): a LoRA adapter on its base model's
-    shared session host. A run needs no CPUs or GPUs of its own (the host's are held once per base,
-    `Scheduler.hold`), but it is a running record of its owner, within `running_jobs`; its client
-    drives it, so Tandem's API only labels, cancels and deletes it."""
+    """A Tinker API training run: a LoRA adapter on its base model's shared session host, whose CPUs are
+    held once per base (`Scheduler.hold`). Its client drives it: Tandem's API only labels, cancels and
+    deletes it."""
 
     kind = "tinker"
     hosted = True
@@ -211,8 +196,8 @@ class TinkerRunWorkload:
             self.server.stop(record_id)
 
     def recover(self, record: Any) -> tuple[JobStatus, str]:
-        """At a service start: the adapter of a run left running lived in a host gone with the old
-        service (paused, naming its last saved state); a queued one's client request went too."""
+        """At a service start: a running run's host went with the old service (paused, naming its last
+        saved state); a queued one's client request went too."""
         if record.status == JobStatus.QUEUED:
             return (
                 JobStatus.CANCELLED,

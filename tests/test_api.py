@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from api.auth import hash_token, new_token
+from api.auth import hash_token, new_key
 from tests.api_util import start_service, tiny_job, wait_for, wait_for_step
 
 
@@ -25,7 +25,7 @@ def test_probes_are_open_and_everything_else_needs_a_token(live):
     bad = httpx.get(live.url + "/v1/jobs", headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_token"
     assert httpx.get(live.url + "/metrics").status_code == 401
-    reader = new_token()
+    reader = new_key()
     live.service.store.add_token("reader", hash_token(reader), ["read"])
     with live.client(reader) as client:
         assert client.get("/v1/jobs").status_code == 200

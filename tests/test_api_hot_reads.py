@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.auth import hash_token, new_token
+from api.auth import hash_token, new_key
 from schema.job import JobSpec
 from tests.api_util import tiny_job
 
@@ -95,7 +95,7 @@ def test_live_fields_are_computed_for_each_hot_read(unscheduled, client):
 
 def test_tokens_are_checked_on_hot_reads_as_on_every_route(unscheduled, client):
     job_id, _ = tagged_job(unscheduled)
-    writer = new_token()
+    writer = new_key()
     unscheduled.service.store.add_token("writer", hash_token(writer), ["write"])
     learned, fresh = f"/v1/jobs/{job_id}/metrics?limit=3", f"/v1/jobs/{job_id}/metrics?limit=4"
     assert client.get(learned).status_code == 200 and client.get(learned).status_code == 200
@@ -103,7 +103,7 @@ def test_tokens_are_checked_on_hot_reads_as_on_every_route(unscheduled, client):
     cases = {
         "no header": ({}, 401, "missing_token"),
         "not bearer": ({"Authorization": "Basic abc"}, 401, "missing_token"),
-        "unknown token": ({"Authorization": "Bearer " + new_token()}, 401, "invalid_token"),
+        "unknown token": ({"Authorization": "Bearer " + new_key()}, 401, "invalid_token"),
         "no read scope": ({"Authorization": f"Bearer {writer}"}, 403, "insufficient_scope"),
     }
     for name, (headers, status, code) in cases.items():

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from api.auth import hash_token, new_token
+from api.auth import hash_token, new_key
 from api.errors import APIError
 from api.read_cache import ReadCache
 from api.views import EncodedSummary, job_summary
@@ -77,7 +77,7 @@ def test_each_metrics_write_shows_in_the_next_page(unscheduled, client):
 
 
 def test_a_new_token_works_at_once(unscheduled):
-    token = new_token()
+    token = new_key()
     with unscheduled.client(token) as stranger:
         assert stranger.get("/v1/jobs").status_code == 401
         unscheduled.service.store.add_token("reader", hash_token(token), ["read"])

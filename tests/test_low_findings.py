@@ -190,7 +190,7 @@ def test_a_metadata_key_a_filter_could_not_name_is_refused_at_submission(shared)
 
 
 def test_the_cli_prints_a_sample_without_reward_by_its_sampler():
-    from api.cli_samples import format_sample
+    from api.cli_jobs import format_sample
 
     tinker = {"step": 3, "index": 0, "prompt": "1 2", "sampler": "smp-1", "finish_reason": None,
               "turns": [{"role": "assistant", "content": "3"}], "tokens": {"prompt": 2, "response": 1}}  # fmt: skip

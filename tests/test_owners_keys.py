@@ -94,9 +94,9 @@ def test_the_cli_prints_the_key_alone_on_its_last_line_and_never_lists_it(unsche
 
 
 def test_a_read_only_admin_key_reads_keys_but_cannot_make_one(unscheduled, admin):
-    from api.auth import hash_token, new_token
+    from api.auth import hash_token, new_key
 
-    token = new_token()
+    token = new_key()
     unscheduled.service.store.add_token("old reader", hash_token(token), ["read"], "admin", admin=True)
     with as_key(unscheduled, token) as reader:
         assert reader.get("/v1/keys").status_code == 200

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from api.cli import parse_args
-from api.cli_quotas import quota_settings
+from api.cli_serve import quota_settings
 from api.settings import ServeSettings
 from service.job_state import JobStatus
 from service.quotas import Quota, Usage, fair_order, may_run

@@ -1,4 +1,4 @@
-"""The audit log (admin only): every accepted write, newest first (api/audit.py records them)."""
+"""The audit log (admin only): every accepted write, newest first (api/middleware.py records them)."""
 
 from __future__ import annotations
 

@@ -1,29 +1,125 @@
-"""Files: upload data (JSONL, JSON, Parquet) and Python modules, list, read, delete them.
+"""Files: upload data, Python modules and adapters, list, read, delete them. Specs name an upload by id.
 
-An upload is a form with one file field, `file`, or the raw request body with the file's name as a
-query parameter; both stream to disk within the upload size limit:
-
-    curl -H "Authorization: Bearer $TOKEN" -F file=@train.jsonl "$URL/v1/files"
-    curl -H "Authorization: Bearer $TOKEN" --data-binary @train.jsonl \\
-         -H 'Content-Type: application/octet-stream' "$URL/v1/files?filename=train.jsonl"
-
-A spec then names it by id (`data.train_path: "file-0123456789ab"`, `reward.function:
-"file-0123456789ab:score"`); see service/files.py.
+An upload is a form with one file field, `file` (`curl -F file=@train.jsonl`), or the raw body with
+`?filename=`. Both stream to disk as they arrive, never held whole in memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
 
 from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, CallerDep, OwnerQuery, ServiceDep
-from api.errors import APIError, documented
-from api.multipart_upload import FIELD, is_multipart, multipart_file
+from api.errors import APIError, documented, invalid
 from api.views import listing
 from service.files import FileError, check_filename
 from service.service import ServiceError
+
+try:  # pyproject pins it; without it only this way of uploading is refused, with a 415 that says so
+    from python_multipart.exceptions import FormParserError
+    from python_multipart.multipart import MultipartParser, parse_options_header
+except ImportError:  # pragma: no cover
+    MultipartParser = None
+
+FIELD = "file"
+
+
+def is_multipart(request: Request) -> bool:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return kind == "multipart/form-data"
+
+
+class _Parts:
+    """The parser's callbacks: the file field's name and data, refusing any other field."""
+
+    def __init__(self) -> None:
+        self.headers: dict[bytes, bytes] = {}
+        self._field, self._value = b"", b""
+        self.filename: str | None = None  # set once the file field's headers are read
+        self.data: list[bytes] = []  # file data parsed and not yet handed on
+        self.ended = False
+
+    def callbacks(self) -> dict:
+        return {
+            "on_part_begin": self._begin,
+            "on_header_field": lambda d, s, e: setattr(self, "_field", self._field + d[s:e]),
+            "on_header_value": lambda d, s, e: setattr(self, "_value", self._value + d[s:e]),
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": lambda d, s, e: self.data.append(d[s:e]),
+            "on_end": lambda: setattr(self, "ended", True),
+        }
+
+    def _begin(self) -> None:
+        self.headers = {}
+
+    def _header_end(self) -> None:
+        self.headers[self._field.lower()] = self._value
+        self._field, self._value = b"", b""
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self.headers.get(b"content-disposition", b""))
+        name = options.get(b"name", b"").decode("utf-8", "replace")
+        if name != FIELD:
+            why = f"send the file as the one form field '{FIELD}' (curl -F {FIELD}=@train.jsonl)"
+            raise APIError(422, f"{name or 'form field'}: {why}", name or FIELD, "invalid_value")
+        if self.filename is not None:
+            raise invalid(FIELD, "send one file per upload")
+        if b"filename" not in options:
+            raise invalid(FIELD, f"the form field must be a file with a file name (curl -F {FIELD}=@path)")
+        self.filename = options[b"filename"].decode("utf-8", "replace")
+
+
+def _malformed(why: str) -> APIError:
+    return invalid("body", why, "invalid_multipart", 400)
+
+
+async def multipart_file(request: Request) -> tuple[str, AsyncIterator[bytes]]:
+    """(the file's name, its content as it arrives) of a multipart upload's `file` field."""
+    if MultipartParser is None:
+        why = "this service cannot read forms (python-multipart is not installed): send the raw body with ?filename="
+        raise invalid("body", why, "unsupported_media_type", 415)
+    _, options = parse_options_header(request.headers.get("content-type", ""))
+    if not options.get(b"boundary"):
+        raise _malformed("a multipart/form-data body needs a boundary in its Content-Type")
+    parts = _Parts()
+    parser = MultipartParser(options[b"boundary"], parts.callbacks())
+    stream = request.stream().__aiter__()
+
+    async def feed() -> bool:
+        """Parse the next chunk of the body; False at its end."""
+        try:
+            chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            return False
+        try:
+            parser.write(chunk)
+        except FormParserError as err:
+            raise _malformed(f"the multipart body could not be parsed ({err})") from None
+        return True
+
+    while parts.filename is None:
+        if not await feed():
+            raise invalid(
+                FIELD, f"no file in the form: send it as the field '{FIELD}' (curl -F {FIELD}=@train.jsonl)"
+            )
+
+    async def content() -> AsyncIterator[bytes]:
+        while True:
+            data, parts.data = parts.data, []
+            for piece in data:
+                if piece:
+                    yield piece
+            if not await feed():
+                break
+        if not parts.ended:
+            raise _malformed("the multipart body ended before its closing boundary")
+
+    return parts.filename, content()
+
 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses={**AUTH_ERRORS, **documented(404)})
 
@@ -59,8 +155,10 @@ async def upload(
         sent_as, chunks = await multipart_file(request)
         name, field = filename or sent_as, FIELD
     elif filename is None:
-        raise APIError(422, "filename: give the file's name, ?filename=train.jsonl, or send a form "
-                       f"(curl -F {FIELD}=@train.jsonl)", "filename", "invalid_value")  # fmt: skip
+        raise invalid(
+            "filename",
+            f"give the file's name, ?filename=train.jsonl, or send a form (curl -F {FIELD}=@train.jsonl)",
+        )
     else:
         name, field, chunks = filename, "body", request.stream()
     check_filename(name)

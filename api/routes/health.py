@@ -1,9 +1,11 @@
-"""Service facts: open liveness/readiness probes, versions, the cluster, Prometheus metrics."""
+"""Service facts: open liveness/readiness probes, versions, the cluster, and Prometheus metrics (job
+states and per-job progress read from the store at scrape time, the API's request latency)."""
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -11,10 +13,13 @@ from typing import Any
 import ray
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
 from api.deps import ADMIN, AUTH_ERRORS, READ, CallerDep, ServiceDep
+from service.store import ACTIVE, JobStore
 
 VERSION = "0.1.0"
 
@@ -96,3 +101,41 @@ def cluster(service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
 @router.get("/metrics", dependencies=READ, include_in_schema=False)
 def prometheus(request: Request) -> Response:
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+STATES = ("queued", "running", "pausing", "paused", "cancelling", "succeeded", "failed", "cancelled")
+PER_JOB = {
+    "tandem_job_step": ("step", "current step of an active job"),
+    "tandem_job_step_seconds": ("timing_s/step", "seconds of the job's latest step"),
+    "tandem_job_reward": ("critic/score/mean", "mean training reward of the job's latest step"),
+    "tandem_job_weight_sync_seconds": ("weight_sync/seconds", "seconds of the job's latest weight sync"),
+}
+
+
+class StoreCollector(Collector):
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        counts = self.store.counts_by_status()
+        jobs = GaugeMetricFamily("tandem_jobs", "jobs by state", labels=["state"])
+        for state in STATES:
+            jobs.add_metric([state], counts.get(state, 0))
+        yield jobs
+        active = self.store.jobs_in(ACTIVE)
+        for name, (key, doc) in PER_JOB.items():
+            family = GaugeMetricFamily(name, doc, labels=["job"])
+            for job in active:
+                value = job.step if key == "step" else job.latest_metrics.get(key)
+                if value is not None:
+                    family.add_metric([job.id], float(value))
+            yield family
+
+
+def make_registry(store: JobStore) -> tuple[CollectorRegistry, Histogram]:
+    registry = CollectorRegistry()
+    registry.register(StoreCollector(store))
+    latency = Histogram(
+        "tandem_request_seconds", "API request latency", ["method", "route", "status"], registry=registry
+    )
+    return registry, latency

@@ -1,5 +1,5 @@
-"""What a job produced: its events and logs (pages and live SSE streams), and checkpoints (its metrics:
-api/routes/metrics.py)."""
+"""What a job produced: its events and logs (pages and live SSE streams), checkpoints and stored
+trajectory samples (its metrics: api/routes/metrics.py)."""
 
 from __future__ import annotations
 
@@ -77,3 +77,19 @@ def checkpoints(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str
 def checkpoint_now(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
     service.checkpoint_now(job_id, caller.sees)
     return {"id": job_id, "object": "checkpoint_request", "status": "requested"}
+
+
+@router.get("/samples", dependencies=READ)
+def samples(
+    job_id: str,
+    service: ServiceDep,
+    caller: CallerDep,
+    step: int | None = Query(None, ge=0, le=INT64_MAX, description="only this step's samples"),
+    after: int = Query(0, ge=0, le=INT64_MAX, description="cursor: the last sample id of the previous page"),
+    limit: int = Query(20, ge=1, le=200),
+) -> dict[str, Any]:
+    """Each sample: prompt, turns, reward, finish_reason, token counts, the response as spans of trained
+    and untrained tokens, and `error` where the reward function or the environment failed on it."""
+    service.get(job_id, caller.sees)
+    rows = service.store.samples(job_id, step, after, limit + 1)
+    return listing(rows[:limit], len(rows) > limit)

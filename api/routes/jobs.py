@@ -1,5 +1,4 @@
-"""Jobs: submit (with Idempotency-Key), list, read, delete, and steer a job (cancel, pause, resume,
-fork, change hyper-parameters)."""
+"""Jobs: submit (with Idempotency-Key), list, read, delete, and steer them."""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from api.deps import (
     OwnerQuery,
     ServiceDep,
 )
-from api.errors import APIError, documented
+from api.errors import APIError, documented, invalid
 from api.settings import ServeSettings
 from api.views import EncodedSummary, job_view, listing_json
 from schema.job import METADATA_KEY, JobSpec
@@ -58,8 +57,8 @@ def create_job(
     checker.submittable(spec, caller.sees)
     key = request.headers.get("idempotency-key")
     if key is not None and len(key) > IDEMPOTENCY_KEY_MAX_CHARS:
-        raise APIError(422, f"Idempotency-Key: {len(key)} characters; at most {IDEMPOTENCY_KEY_MAX_CHARS} are "
-                       "allowed", "Idempotency-Key", "too_long")  # fmt: skip
+        why = f"{len(key)} characters; at most {IDEMPOTENCY_KEY_MAX_CHARS} are allowed"
+        raise invalid("Idempotency-Key", why, "too_long")
     body_hash = hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
     job, created = service.submit(spec, key, body_hash, owner=caller.owner)
     if not created:
@@ -109,11 +108,10 @@ async def list_jobs(
 
 
 def metadata_filters(items: list[str], settings: ServeSettings) -> dict[str, str]:
-    """`key:value` filters as {key: value}; a key or value no job's metadata could hold is a 422 (a
-    submission's metadata: JobSpec's key pattern, api/validation.py's limits)."""
+    """`key:value` filters as {key: value}; a key or value no job's metadata could hold is a 422."""
     if len(items) > settings.metadata_max_keys:
-        raise APIError(422, f"metadata: {len(items)} filters; a job has at most {settings.metadata_max_keys} "
-                       "metadata keys", "metadata", "too_many_keys")  # fmt: skip
+        why = f"{len(items)} filters; a job has at most {settings.metadata_max_keys} metadata keys"
+        raise invalid("metadata", why, "too_many_keys")
     filters: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition(":")
@@ -133,7 +131,7 @@ def metadata_filters(items: list[str], settings: ServeSettings) -> dict[str, str
 
 
 def render_page(page: tuple[list[EncodedSummary], bool]) -> bytes:
-    """A cached list page as sent: each summary with its live fields (running time, export)."""
+    """A cached list page as sent: each summary with its live fields."""
     summaries, more = page
     return listing_json([s.json() for s in summaries], more)
 

@@ -1,9 +1,5 @@
-"""API keys (admin only): make a key for an owner, list keys, revoke one.
-
-A key is shown once, in the answer that creates it; the store keeps its hash. Listing shows each
-key's id, owner, scopes, times and state, never the key. A revoked key is refused from the next
-request on (the token check's cache is keyed on the key table's changes).
-"""
+"""API keys (admin only): make a key for an owner (shown once, in that answer), list keys (never the
+key), revoke one (refused from the next request on)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""A job's metric series: pages, downsampled views, a live stream, and a CSV/JSON export.
-
-GET /v1/jobs/{id}/metrics returns one row per step in step order, `{"step", "time", "values"}`:
-- `keys=a,b` picks metrics by name; `actor/*` picks every name starting with `actor/`;
-- `step_min`, `step_max`, `after_step` (strictly after: the cursor of the next page) bound the steps;
-- `last=N` keeps the last N steps, `every=K` the steps divisible by K;
-- `max_points=P` spreads at most P steps evenly over what is left, always keeping the last;
-- `limit` caps the page (`has_more` says whether steps follow; ask again with `after_step`).
-The page is read in a worker thread (its own SQLite connection): a slow read never stops the event
-loop; the encoded page is kept until the job's series changes (api/read_cache.py), and a repeated
-query is answered before FastAPI (api/hot_reads.py). The other handlers are plain functions, which
-FastAPI runs in its thread pool.
+"""A job's metric series: pages of one row per step (`{"step", "time", "values"}`), downsampled views,
+a live stream, and a CSV/JSON export. A page is cached encoded until the job's series changes.
 """
 
 from __future__ import annotations

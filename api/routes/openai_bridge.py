@@ -1,10 +1,6 @@
-"""From an API request to the job's endpoint actor (controller/external.py), torch-free.
-
-The API checks what it can from the job's record (the caller may see the job, the job runs, it is
-fed externally, the model name is the job's) and forwards the request to the job's
-`ExternalServer` actor, found by name and awaited on the event loop: templating, generation and
-recording happen in the job's processes. Answers that are errors come back as data and are raised
-here in the API's error shape.
+"""From an API request to the job's endpoint actor (controller/external.py), torch-free: the checks the
+job's record allows here, then the call, awaited on the event loop; error answers come back as data
+and are raised in the API's error shape.
 """
 
 from __future__ import annotations
@@ -52,8 +48,8 @@ def check_model(job: Any, model: str) -> None:
 
 
 async def _find_server(job_id: str) -> Any:
-    """The job's endpoint actor; a running job's first calls wait for it (up to STARTING_WAIT_S) rather
-    than answer 503, so that a client with default retries reaches a job that has just started."""
+    """The job's endpoint actor; a job's first calls wait for it rather than answer 503, so that a client
+    with default retries reaches a job that has just started."""
     deadline = time.monotonic() + STARTING_WAIT_S
     while True:
         try:
@@ -82,17 +78,10 @@ async def call(job_id: str, method: str, *args: Any) -> dict[str, Any]:
         _servers.pop(job_id, None)
         raise APIError(503, f"job '{job_id}''s endpoint did not answer: {type(err).__name__}", None,
                        "endpoint_unavailable", {"Retry-After": "2"}) from None  # fmt: skip
-    if (
-        isinstance(out, dict)
-        and "error" in out
-        and isinstance(out["error"], dict)
-        and "status" in out["error"]
-    ):
-        e = out["error"]
-        headers = (
-            {"Retry-After": str(max(1, round(e.get("retry_after") or 1)))}
-            if e["status"] in (429, 503)
-            else None
-        )
-        raise APIError(e["status"], e["message"], e.get("param"), e.get("code"), headers)
-    return out
+    e = out.get("error") if isinstance(out, dict) else None
+    if not isinstance(e, dict) or "status" not in e:
+        return out
+    retry = {"Retry-After": str(max(1, round(e.get("retry_after") or 1)))}
+    raise APIError(
+        e["status"], e["message"], e.get("param"), e.get("code"), retry if e["status"] in (429, 503) else None
+    )

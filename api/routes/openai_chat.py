@@ -1,17 +1,10 @@
 """A job's OpenAI-compatible endpoint: chat completions, completions and models (docs/ARCHITECTURE.md §5.1).
 
-Served while a job with `rollout.source: external` runs, by its own rollout engines. The `openai`
-SDK works unchanged with `base_url` set to one of two prefixes and a Tandem key as `api_key`:
-
-- `/v1/jobs/{id}/openai/trajectories/{trajectory_id}/v1`: every call made through this base URL is
-  recorded in that trajectory (created on its first call). An agent framework that lets a user set
-  only `base_url` and `api_key` needs nothing else;
-- `/v1/jobs/{id}/openai/v1`: the trajectory is named by the `X-Tandem-Trajectory` header; without
-  it each call is a trajectory of its own. Either way the response's `tandem.trajectory_id` names it.
-
-The agent then reports the reward: `POST /v1/jobs/{id}/trajectories/{trajectory_id}/reward`
-(api/routes/openai_trajectories.py). Streaming answers Server-Sent Events in OpenAI's chunk format,
-sent when the completion is done (the engines return whole completions).
+Served while a job with `rollout.source: external` runs. Calls through the base URL
+`.../openai/trajectories/{trajectory_id}/v1` are recorded in that trajectory, so an agent framework
+that sets only `base_url` and `api_key` needs nothing else; under `.../openai/v1` the
+`X-Tandem-Trajectory` header names it (else each call is its own). Streaming sends OpenAI's chunks once
+the completion is done.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""External trajectories of a job fed by agents: the reward an agent reports, and the record itself.
-
-`POST /v1/jobs/{id}/trajectories/{trajectory_id}/reward` closes a trajectory with its reward (and
-optional per-turn rewards, the task id that groups it for GRPO, metadata); a step trains once
-`rollout.external.trajectories_per_step` rewarded trajectories form whole groups. `GET` returns the
-token-level record: per segment the prompt ids as templated, the tokens after them with the loss
-mask (1 on sampled tokens only), the rollout engine's log-probs and the weight version of each call.
-"""
+"""External trajectories of a job fed by agents: the reward an agent reports (a step trains once
+rewarded trajectories form whole groups), and the token-level record itself."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What each owner uses against its quotas (`GET /v1/usage`), and the quotas themselves (admin:
-read them, change one owner's or the default live). service/quotas.py says what each quota caps
-and how a request beyond it is refused."""
+"""What each owner uses against its quotas, and the quotas themselves (admin: read them, change one
+owner's or the default live)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from fastapi import APIRouter, Body
 
 from api.body_checks import CheckedRoute
 from api.deps import ADMIN, AUTH_ERRORS, BODY_ERRORS, READ, CallerDep, OwnerQuery, ServiceDep
-from api.errors import APIError
+from api.errors import invalid
 from api.views import listing
 from service import usage
 from service.keys import check_owner
@@ -53,4 +52,4 @@ def _owner(name: str) -> str:
     try:
         return check_owner(name)
     except ValueError as err:
-        raise APIError(422, str(err), "owner", "invalid_value") from None
+        raise invalid("owner", str(err).removeprefix("owner: ")) from None

