@@ -43,7 +43,12 @@ class RolloutOptions(_Config):
     )
     tensor_parallel_size: int = Field(1, ge=1, le=1024, description="devices one rollout replica spans")
     bucket_mb: float = Field(512, gt=0, le=1_048_576, description="weight-sync bucket size")
-    free_cache_after_generate: bool = Field(True, description="release rollout memory between generations")
+    free_cache_after_generate: bool | None = Field(
+        None,
+        description="release rollout memory between generations (and around a weight sync); null: when the "
+        "engine finds its device short of memory (vllm and sglang always, their caches fill the device; hf "
+        "on CUDA when under a quarter of the device is free, never on a CPU)",
+    )
     offload_trainer_during_rollout: bool = Field(
         False, description="move trainer state to CPU while generating"
     )

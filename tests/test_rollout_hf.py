@@ -175,3 +175,22 @@ def test_release_blocks_generate_until_resumed(tiny_model_dir):
 def test_empty_prompt_is_refused(engine):
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([[1, 2], []], GREEDY)
+
+
+def test_an_unset_free_cache_releases_only_when_the_engine_is_short_of_memory(tiny_model_dir):
+    """rollout.free_cache_after_generate unset: the hf engine on a CPU keeps its weights between calls
+    (a release would only cost a gc pass); set true, the role releases as before."""
+    from schema.workers import RolloutOptions
+    from workers.rollout_role import RolloutWorker
+
+    engine = HFRolloutEngine(tiny_model_dir)
+    assert RolloutOptions().free_cache_after_generate is None
+    assert engine.memory_is_short() is False
+    role = RolloutWorker.__new__(RolloutWorker)  # only settle_rollout_memory's two attributes
+    role.rollout = engine
+    role.rollout_config = RolloutOptions()
+    role.settle_rollout_memory()
+    assert not engine.is_released
+    role.rollout_config = RolloutOptions(free_cache_after_generate=True)
+    role.settle_rollout_memory()
+    assert engine.is_released

@@ -80,8 +80,9 @@ class RolloutWorker(Worker):
         self.register_mesh("rollout", dp_rank=dp, is_collect=collect)
 
     def settle_rollout_memory(self) -> None:
-        """Between calls the engine holds no cache (free_cache_after_generate)."""
-        if self.rollout_config.free_cache_after_generate:
+        """Between calls the engine holds no cache (free_cache_after_generate; unset: when short)."""
+        release = self.rollout_config.free_cache_after_generate
+        if release or (release is None and self.rollout.memory_is_short()):
             self.rollout.release_memory()
 
     # ---- generation --------------------------------------------------------------------------

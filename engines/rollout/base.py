@@ -102,6 +102,11 @@ class RolloutEngine(ABC):
     def finish_update(self) -> int:
         """Mark the end of one whole sync (several update_weights buckets): bumps weight_version."""
 
+    def memory_is_short(self) -> bool:
+        """Whether releasing memory between calls is worth its cost now (rollout.free_cache_after_generate
+        left unset). Engines whose cache holds most of the device always release."""
+        return True
+
     @abstractmethod
     def release_memory(self) -> None:
         """Drop what can be rebuilt (KV cache; on GPU also weights); generate raises until resumed."""

@@ -85,6 +85,7 @@ def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[
 # Finished rows are dropped from the batch once they are at least 1 / DROP_FINISHED_AT of it: each
 # drop copies the KV cache, so dropping every row the moment it stops would cost more than it saves.
 DROP_FINISHED_AT = 4
+SHORT_OF_MEMORY = 0.25  # free share of the device under which memory_is_short
 
 
 class DecodeMask:
@@ -343,6 +344,15 @@ class HFRolloutEngine(RolloutEngine):
         return self.weight_version
 
     # ---- memory -----------------------------------------------------------------------------
+
+    def memory_is_short(self) -> bool:
+        """The KV cache goes back to the allocator when generate() returns, where the trainer of this
+        process reuses it; what a release adds is moving the weights out and back (two copies of the
+        model and a gc pass per call), worth it only when the device is nearly full."""
+        if self.device.type != "cuda":
+            return False
+        free, total = torch.cuda.mem_get_info(self.device)
+        return free < SHORT_OF_MEMORY * total
 
     def release_memory(self) -> None:
         """The KV cache lives only inside generate(), so on CPU there is nothing more to free.
