@@ -1,11 +1,8 @@
 """The Batch protocol: the currency between the controller and the workers.
 
-A `Batch` is three aligned things: `tensors`, a TensorDict whose batch dimension 0 is the sample
-axis; `non_tensors`, numpy object arrays of the same length (raw prompts, ground truths, uids); and
-`meta`, a dict of per-batch settings (sampling, global step, ...; typed ones through the helpers at
-the end of this file). Every operation keeps the
-three aligned, and every operation that produces several batches deep-copies `meta` into each, so
-that mutating one chunk's settings never reaches another chunk or the source.
+Three aligned things: `tensors` (a TensorDict, dim 0 the sample axis), `non_tensors` (numpy object
+arrays of the same length) and `meta` (per-batch settings, typed ones through the helpers at the
+end). Every operation that produces several batches deep-copies `meta` into each.
 """
 
 from __future__ import annotations
@@ -52,7 +49,7 @@ def _index_array(index: Index, length: int) -> np.ndarray | slice:
 
 @dataclass
 class Batch:
-    """Aligned tensors, non-tensor arrays and per-batch settings; see the module docstring."""
+    """Aligned tensors, non-tensor arrays and per-batch settings."""
 
     tensors: TensorDict
     non_tensors: dict[str, np.ndarray] = field(default_factory=dict)
@@ -211,10 +208,8 @@ class Batch:
         return Batch(self.tensors.to(device), self.non_tensors, self.meta)
 
     def __reduce__(self) -> tuple:
-        """Pickling (how Ray sends a Batch) carries the CPU tensors as numpy arrays, whose bytes
-        pickle protocol 5 ships out of band, where torch's own pickling writes every storage
-        through torch.save. Integer tensors travel in the narrowest integer type that holds their
-        values, so that more calls stay under the size Ray sends inside the call."""
+        """Ray pickles CPU tensors as numpy arrays (out of band, unlike torch.save), integers in the
+        narrowest type that holds them, so more calls stay under the size Ray sends inline."""
         arrays = {key: _to_wire(value) for key, value in self.tensors.items()}
         size = list(self.tensors.batch_size)
         return (_from_wire, (arrays, size, self.tensors.device, self.non_tensors, self.meta))
@@ -277,14 +272,12 @@ SAMPLING_KEY = "sampling"
 
 
 def put_sampling(batch: Batch, params: SamplingParams) -> None:
-    """Attach how the batch is (or was) sampled: generate_sequences reads it, and so do the log-prob
-    passes after it (the temperature the sampling distribution used)."""
+    """Attach how the batch is sampled (generate_sequences, and the log-prob passes' temperature)."""
     batch.meta[SAMPLING_KEY] = params
 
 
 def sampling_of(batch: Batch) -> SamplingParams | None:
-    """The batch's sampling settings, typed (a plain dict, e.g. from a script, is validated); None
-    when the batch was never sampled (SFT)."""
+    """The batch's sampling settings, typed (a dict is validated); None when never sampled (SFT)."""
     raw = batch.meta.get(SAMPLING_KEY)
     return None if raw is None else SamplingParams.model_validate(raw)
 
@@ -305,8 +298,7 @@ def environment_of(batch: Batch) -> EnvironmentConfig | None:
 
 
 def put_prompt_length(batch: Batch, max_prompt_length: int) -> None:
-    """Attach the prompt width of the rollout layout (data.max_prompt_length): prompts are
-    left-padded to it, so that every rank's chunk has the same columns."""
+    """Attach the rollout layout's prompt width (data.max_prompt_length), the same on every rank."""
     if max_prompt_length <= 0:
         raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
     batch.meta[PROMPT_LENGTH_KEY] = int(max_prompt_length)

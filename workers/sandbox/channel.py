@@ -4,12 +4,9 @@
         ref = box.place("/path/to/user/mod.py:score")       # "/code/0/mod.py:score" inside
         box.call("controller.rewards:score_in_sandbox", [ref, rows], timeout_s=30)
 
-`Sandbox` copies the user's code files into a staging folder the sandbox sees read-only, starts the
-child (launch.py, child.py) and reads its replies in a thread; a call may run concurrently with
-others. A call past its time limit ends the process (`kill_on_timeout`, the default) and raises
-SandboxTimeout; a process that ends raises SandboxCrashed in every call waiting on it, saying how it
-ended; an exception in the sandbox raises SandboxError with its type and a bounded message. A sandbox
-that ended stays ended: callers that keep one start another (`alive`).
+Calls may run concurrently. A call past its limit ends the process (`kill_on_timeout`) and raises
+SandboxTimeout; a process that ends raises SandboxCrashed in every waiting call; an exception inside
+raises SandboxError with its type and a bounded message. An ended sandbox stays ended (`alive`).
 """
 
 from __future__ import annotations
@@ -65,7 +62,7 @@ class SandboxTimeout(SandboxError):
 
 
 class Sandbox:
-    """One sandboxed process serving calls; see the module docstring."""
+    """One sandboxed process serving calls."""
 
     def __init__(self, files: Sequence[str | Path] = (), limits: Limits | None = None,
                  asker: Asker | None = None, stderr: int | None = subprocess.DEVNULL,
