@@ -31,7 +31,6 @@ def _free_port() -> int:
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
-    """Initialise the default process group once per process."""
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:

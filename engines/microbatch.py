@@ -65,7 +65,6 @@ class PromptGroups:
         return {row: g for g, members in enumerate(self.rows) for row in members}
 
     def packed_tokens(self, lengths: Sequence[int], micro_batch: Sequence[int]) -> int:
-        """The tokens a micro-batch packs to."""
         seen: set[int] = set()
         total = 0
         for i in micro_batch:
@@ -113,14 +112,18 @@ def dynamic_micro_batches(
     agreed = agree(len(plan))
     if agreed == len(plan):
         return plan
-    if agreed > len(lengths):
-        raise MicroBatchError(
-            f"another data-parallel rank needs {agreed} micro-batches but this rank has only "
-            f"{len(lengths)} samples; give every rank the same number of samples"
-        )
+    _check_enough(len(lengths), agreed)
     return (
         unit_partition(loads, units, agreed) if agreed <= len(units) else balanced_partition(lengths, agreed)
     )
+
+
+def _check_enough(samples: int, count: int) -> None:
+    if samples < count:
+        raise MicroBatchError(
+            f"another data-parallel rank needs {count} micro-batches but this rank has only "
+            f"{samples} samples; give every rank the same number of samples"
+        )
 
 
 def _units(
@@ -186,11 +189,7 @@ def _agreed_partition(
     """`rows` in `count` micro-batches: the local plan when it has that many, else balanced bins."""
     if count == 0:
         return []
-    if len(rows) < count:
-        raise MicroBatchError(
-            f"another data-parallel rank needs {count} micro-batches but this rank has only "
-            f"{len(rows)} samples; give every rank the same number of samples"
-        )
+    _check_enough(len(rows), count)
     local = plan(rows)
     if len(local) == count:
         return local

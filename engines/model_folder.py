@@ -46,7 +46,6 @@ def install(staging: Path, folder: Path, is_current: Callable[[Path], bool], tri
 
 
 def build_atomically(folder: Path, is_current: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
-    """`build(staging)` into a staging folder, then `install` it at `folder`."""
     staging = staging_folder(folder)
     try:
         build(staging)

@@ -26,8 +26,6 @@ class PackagedModelMissing(RuntimeError):
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A GGUF file inside an installed Python package."""
-
     package: str  # the PyPI name, for messages
     module: str  # the import name whose folder holds the file
     gguf_file: str

@@ -63,8 +63,6 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class RewardModel:
-    """Scores sequences with a one-label sequence classifier."""
-
     def __init__(
         self,
         model_path: str | Path,

@@ -16,7 +16,6 @@ _TOPOLOGY = Path("/sys/devices/system/cpu")
 
 
 def _allowed_cpus() -> list[int]:
-    """The logical CPUs this process may run on (its affinity)."""
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
@@ -35,7 +34,6 @@ def physical_cores() -> int:
 
 
 def logical_cpus() -> int:
-    """How many logical CPUs this process may run on (its affinity)."""
     return len(_allowed_cpus())
 
 

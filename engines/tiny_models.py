@@ -79,17 +79,10 @@ BUILTIN_MODELS: dict[str, TinyModelSpec] = {
 
 
 def _gpt2_bytes() -> list[str]:
-    printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    )
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
+    """GPT-2's byte-to-character table: printable bytes as themselves, the others from 256 on."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
 def build_tokenizer(chat_template: bool = False):  # -> PreTrainedTokenizerFast
@@ -197,7 +190,6 @@ def builtin_or_folder(name: str, root: str | Path) -> Path:
 
 
 def build_builtin_model(name: str, root: str | Path, overwrite: bool = False) -> Path:
-    """Build the named built-in model under `root/name`."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model '{name}'; choose one of {sorted(BUILTIN_MODELS)}")
     return build_tiny_model(Path(root) / name, BUILTIN_MODELS[name], overwrite=overwrite)

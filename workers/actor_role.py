@@ -41,8 +41,6 @@ class ActorRefWorker(TrainingOperations):
         limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
         self.register_actor_mesh()
 
-    # ---- build steps (the hybrid worker runs them too) ------------------------------------------
-
     def build_training(self) -> None:
         self.actor = build_train_engine(self.config.actor)
         self.actor.initialize()

@@ -23,8 +23,6 @@ from workers.transfer_peers import RolloutPeers
 
 
 class RemoteAdapterTransfer(WeightTransfer):
-    """Training rank 0 -> every rollout worker: the LoRA adapter in one object."""
-
     name = "adapter_object_store"
 
     def __init__(self, receivers: RolloutPeers, adapter_config: dict, probe_tolerance: float) -> None:

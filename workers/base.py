@@ -37,8 +37,6 @@ class Reduce(enum.Enum):
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """The declarative dispatch spec that `register` attaches to a worker method."""
-
     mode: Dispatch
     mesh: str | None = None
     blocking: bool = True
@@ -93,7 +91,6 @@ class Worker:
         self._meshes: dict[str, MeshEntry] = {}
 
     def register_mesh(self, name: str, dp_rank: int, is_collect: bool) -> None:
-        """Declare this worker's dp rank in mesh `name` and whether its output is collected."""
         if name in self._meshes:
             raise ValueError(f"mesh '{name}' is already registered on rank {self.rank}")
         if dp_rank < 0:

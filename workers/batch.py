@@ -49,8 +49,6 @@ def _index_array(index: Index, length: int) -> np.ndarray | slice:
 
 @dataclass
 class Batch:
-    """Aligned tensors, non-tensor arrays and per-batch settings."""
-
     tensors: TensorDict
     non_tensors: dict[str, np.ndarray] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
@@ -67,8 +65,6 @@ class Batch:
         for key, array in self.non_tensors.items():
             if len(array) != n:
                 raise ValueError(f"non-tensor '{key}' has {len(array)} rows but the batch has {n}")
-
-    # ---- construction -------------------------------------------------------------------------
 
     @classmethod
     def from_dict(
@@ -88,8 +84,6 @@ class Batch:
             n = 0
         return cls(TensorDict(tensors, batch_size=[n]), non_tensors, dict(meta or {}))
 
-    # ---- basic protocol -----------------------------------------------------------------------
-
     def __len__(self) -> int:
         return int(self.tensors.batch_size[0])
 
@@ -106,8 +100,6 @@ class Batch:
 
     def keys(self) -> list[str]:
         return list(self.tensors.keys()) + list(self.non_tensors.keys())
-
-    # ---- splitting and joining ----------------------------------------------------------------
 
     def chunk(self, n: int) -> list[Batch]:
         """Split into `n` equal chunks; a length not divisible by `n` is an error, never a truncation."""
@@ -128,16 +120,14 @@ class Batch:
             raise ValueError("cannot concat an empty list of batches")
         first = batches[0]
         for other in batches[1:]:
-            if set(other.tensors.keys()) != set(first.tensors.keys()):
-                raise ValueError(
-                    f"cannot concat batches with different tensor keys: "
-                    f"{sorted(first.tensors.keys())} vs {sorted(other.tensors.keys())}"
-                )
-            if set(other.non_tensors) != set(first.non_tensors):
-                raise ValueError(
-                    f"cannot concat batches with different non-tensor keys: "
-                    f"{sorted(first.non_tensors)} vs {sorted(other.non_tensors)}"
-                )
+            for kind, mine, theirs in (
+                ("tensor", first.tensors.keys(), other.tensors.keys()),
+                ("non-tensor", first.non_tensors, other.non_tensors),
+            ):
+                if set(theirs) != set(mine):
+                    raise ValueError(
+                        f"cannot concat batches with different {kind} keys: {sorted(mine)} vs {sorted(theirs)}"
+                    )
         tensors = torch.cat([b.tensors for b in batches], dim=0)
         non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors}
         return Batch(tensors, non_tensors, copy.deepcopy(first.meta))
@@ -199,7 +189,6 @@ class Batch:
         return Batch.concat([self, self[rows]]), pad
 
     def unpad(self, pad: int) -> Batch:
-        """Drop the `pad` rows that pad_to_multiple appended."""
         if pad < 0 or pad > len(self):
             raise ValueError(f"cannot remove {pad} padding rows from a batch of {len(self)}")
         return self if pad == 0 else self[: len(self) - pad]
@@ -254,19 +243,8 @@ def _from_array(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def _object_arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    if len(a) != len(b):
-        return False
-    return all(_values_equal(x, y) for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(bool(np.all(x == y)) for x, y in zip(a, b, strict=True))
 
-
-def _values_equal(x: Any, y: Any) -> bool:
-    result = x == y
-    if isinstance(result, np.ndarray):
-        return bool(result.all())
-    return bool(result)
-
-
-# ---- typed settings in meta ------------------------------------------------------------------
 
 SAMPLING_KEY = "sampling"
 

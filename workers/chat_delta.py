@@ -15,8 +15,6 @@ _PROBE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MA
 
 
 class ChatDelta:
-    """Renders first prompts and observation deltas for one tokenizer."""
-
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
@@ -41,7 +39,6 @@ class ChatDelta:
         )
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The first prompt: the conversation so far with the generation prompt."""
         return self.encode(self._render(messages, generation_prompt=True))
 
     def observation_ids(self, messages: list[dict[str, str]], last_sampled: int | None) -> list[int]:

@@ -85,8 +85,6 @@ def with_tools_header(messages: list[dict[str, Any]], tools: list[dict]) -> list
 
 
 class ChatRenderer:
-    """A model's chat template for OpenAI requests."""
-
     def __init__(self, tokenizer: Any) -> None:
         self.delta = ChatDelta(tokenizer)
         self.tokenizer = tokenizer
@@ -112,7 +110,6 @@ class ChatRenderer:
         return out
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
-        """The whole conversation, templated with the generation prompt."""
         rendered = self.messages(messages, tools)
         if tools and self.native_tools:
             text = self.tokenizer.apply_chat_template(

@@ -15,8 +15,6 @@ from workers.transfer_choice import in_process
 
 
 class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
-    """One rank of the colocated actor + reference + rollout group."""
-
     def __init__(self, config: HybridWorkerConfig | dict) -> None:
         Worker.__init__(self)  # the two roles' build steps, in one process, in this order
         self.config = HybridWorkerConfig.model_validate(config)

@@ -54,8 +54,6 @@ class Trajectory:
 
 
 class MultiTurnRollout:
-    """Runs trajectories for one worker's rows."""
-
     def __init__(self, engine: RolloutEngine, delta: ChatDelta, config: EnvironmentConfig) -> None:
         self.engine, self.delta, self.config = engine, delta, config
         self.env_class = environment_factory(config)  # a built-in's class, or a sandbox's proxies
@@ -160,7 +158,6 @@ def _step_env(env: Any, text: str) -> StepResult:
 def trajectory_tensors(
     trajectories: list[Trajectory], prompt_width: int, response_width: int, pad: int
 ) -> TensorDict:
-    """The fixed-width training layout of trajectories."""
     rows = len(trajectories)
     input_ids = torch.full((rows, prompt_width + response_width), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)

@@ -12,7 +12,6 @@ from tensordict import TensorDict
 def rollout_tensors(
     prompts: list[list[int]], completions: list, width: int, new_tokens: int, pad: int
 ) -> TensorDict:
-    """The layout, with masks, log-probs, weight versions and truncation flags."""
     rows = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     if rows and int(prompt_lengths.max()) > width:

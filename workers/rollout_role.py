@@ -10,6 +10,8 @@ trajectories (workers/multiturn.py). A sending training rank in another process 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import ray
 import torch
@@ -33,8 +35,6 @@ def rollout_mesh_coords(rank: int, tp: int) -> tuple[int, bool]:
 
 
 class RolloutWorker(Worker):
-    """One rank of a rollout group placed on its own workers."""
-
     def __init__(self, config: RolloutWorkerConfig | dict) -> None:
         super().__init__()
         config = RolloutWorkerConfig.model_validate(config)
@@ -89,11 +89,8 @@ class RolloutWorker(Worker):
             return self._generate_trajectories(batch, params, environment)
         prompts = [list(map(int, p)) for p in batch.non_tensors["prompt_ids"]]
         width = prompt_length_of(batch) or max(len(p) for p in prompts)
-        self._before_rollout()
-        try:
+        with self._rolling():
             completions = self.rollout.generate(prompts, params)
-        finally:
-            self._after_rollout()
         return Batch(
             rollout_tensors(prompts, completions, width, params.max_new_tokens, self.rollout.pad_token_id),
             batch.non_tensors,
@@ -104,11 +101,8 @@ class RolloutWorker(Worker):
     def generate(self, prompts: list[list[int]], params: SamplingParams | dict) -> list[Completion]:
         """`len(prompts) * params.n` completions of token-id prompts, prompt-major (one replica)."""
         params = SamplingParams.model_validate(params)
-        self._before_rollout()
-        try:
+        with self._rolling():
             return self.rollout.generate([list(map(int, p)) for p in prompts], params)
-        finally:
-            self._after_rollout()
 
     def _generate_trajectories(
         self, batch: Batch, params: SamplingParams, config: EnvironmentConfig
@@ -135,15 +129,20 @@ class RolloutWorker(Worker):
         width = prompt_length_of(batch)
         if width is None:
             raise ValueError("a multi-turn batch needs its prompt width (workers.batch.put_prompt_length)")
-        self._before_rollout()
-        try:
+        with self._rolling():
             trajectories = MultiTurnRollout(self.rollout, self._chat_delta, config).run(rows, params, width)
-        finally:
-            self._after_rollout()
         tensors = trajectory_tensors(
             trajectories, width, config.max_response_tokens, self.rollout.pad_token_id
         )
         return Batch(tensors, {**batch.non_tensors, **trajectory_non_tensors(trajectories)}, batch.meta)
+
+    @contextmanager
+    def _rolling(self) -> Iterator[None]:
+        self._before_rollout()
+        try:
+            yield
+        finally:
+            self._after_rollout()
 
     def _before_rollout(self) -> None:
         if self.rollout.is_released:
@@ -182,13 +181,10 @@ class RolloutWorker(Worker):
             (n, t.to(self.rollout_device, copy=True))
             for n, t in decode_bucket(ray.get(ref, timeout=timeout_s))
         ]
-        self._before_rollout()
-        try:
+        with self._rolling():
             self.rollout.load_adapter(config, tensors)
             version = self.rollout.finish_update()
             completion = probe_completion(self.rollout)
-        finally:
-            self._after_rollout()
         return {
             "version": version,
             "tokens": list(completion.token_ids),
@@ -196,7 +192,6 @@ class RolloutWorker(Worker):
         }
 
     def finish_transfer(self) -> int:
-        """Close one transfer: bump the engine's weight version and return it."""
         version = self.rollout.finish_update()
         self._buckets_received = 0
         self.settle_rollout_memory()
@@ -212,8 +207,7 @@ class RolloutWorker(Worker):
 
     @property
     def rollout_device(self) -> torch.device:
-        device = getattr(self.rollout, "device", None)
-        return torch.device(device) if device is not None else torch.device("cpu")
+        return torch.device(getattr(self.rollout, "device", None) or "cpu")
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_version(self) -> int:

@@ -28,7 +28,6 @@ class RolloutPeers:
         self._refs = [actor.execute.remote(method, (args, {})) for actor in self.actors]
 
     def start_each(self, method: str, per_rank: list[tuple]) -> None:
-        """Start `method` with rank i's own arguments `per_rank[i]`."""
         self._method = method
         self._refs = [
             actor.execute.remote(method, (args, {}))

@@ -36,8 +36,6 @@ def _fused_rows(linears: list[torch.nn.Linear], name: str) -> torch.Tensor | Non
 
 
 class FusedDecoder:
-    """The decode step of one model."""
-
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         config = model.config

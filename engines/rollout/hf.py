@@ -91,7 +91,6 @@ class DecodeMask:
         self.mask_4d = mask.bool()[:, None, None, :]
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (the rows still decoding)."""
         self._set(self.mask[rows])
 
     def at(self, length: int) -> torch.Tensor | None:
@@ -109,8 +108,6 @@ def own_weights(model: torch.nn.Module) -> None:
 
 
 class HFRolloutEngine(RolloutEngine):
-    """Batched generation with a transformers model held in this process."""
-
     def __init__(
         self,
         model_path: str | Path,

@@ -63,6 +63,5 @@ def full_attention_only(config) -> bool:
 
 
 def preallocated_cache(config, capacity: int) -> Cache:
-    """A cache of one `PreallocatedLayer` per decoder layer."""
     layers = config.get_text_config(decoder=True).num_hidden_layers
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(layers)])

@@ -145,8 +145,6 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """vLLM's offline LLM held in this process."""
-
     def __init__(
         self,
         model_path: str | Path,

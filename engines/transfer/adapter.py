@@ -79,11 +79,9 @@ class AdapterTransfer(WeightTransfer):
         return self.last
 
     def sync(self) -> ProbedSyncStats:
-        """One whole transfer of the trainer's adapter."""
         return self.transfer(self.train.get_per_tensor_param())
 
     def probe(self) -> float:
-        """max |rollout log-prob - trainer log-prob| over one short greedy sequence."""
         return probe(self.train, self.rollout)
 
 

@@ -81,8 +81,6 @@ class TransferStats:
 
 
 class WeightTransfer(ABC):
-    """The sending side of one way to move weights."""
-
     name: str = ""
 
     def __init__(self, bucket_mb: float = 512, dtype: torch.dtype | None = None) -> None:

@@ -17,8 +17,6 @@ from engines.transfer.packing import decode_header, encode_header, pack, unpack
 
 
 class TransferGroup:
-    """A process group of `world` ranks for weight transfer only."""
-
     def __init__(
         self, store: dist.Store, rank: int, world: int, backend: str, timeout_s: float, name: str = ""
     ) -> None:
@@ -41,7 +39,6 @@ class TransferGroup:
         self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # reused across buckets
 
     def _buffer_of(self, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of this rank's reused byte buffer, grown as needed."""
         if self._buffer.numel() < nbytes:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffer[:nbytes]
@@ -105,8 +102,6 @@ class TransferGroup:
 
 
 class CollectiveTransfer(WeightTransfer):
-    """Sender (rank 0 of a TransferGroup) to every receiver at once."""
-
     name = "collective"
 
     def __init__(

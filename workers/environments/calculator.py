@@ -67,8 +67,6 @@ def format_value(value: int | float) -> str:
 
 
 class CalculatorEnv:
-    """One trajectory of the calculator task; see the module docstring."""
-
     def reset(self, row: dict[str, Any]) -> str:
         self.answer = str(row["ground_truth"]).strip()
         prompt = row["prompt"]

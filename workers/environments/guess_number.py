@@ -13,8 +13,6 @@ _GUESS = re.compile(r"-?\d+")
 
 
 class GuessNumberEnv:
-    """One game; see the module docstring."""
-
     def reset(self, row: dict[str, Any]) -> str:
         self.secret = int(row["ground_truth"])
         self.solve_within = int((row.get("extra") or {}).get("solve_within", 5))

@@ -32,8 +32,6 @@ TOOLS_PROMPT = (
 
 
 class OpenEnvServer:
-    """One OpenEnv server as this worker reaches it."""
-
     def __init__(self, name: str, ws_url: str, timeout_s: float, socket_path: str | None = None) -> None:
         """`ws_url`: "ws://HOST:PORT"; `socket_path`: a Unix socket to reach it through instead."""
         self.name, self.ws_url, self.timeout_s, self.socket_path = name, ws_url, timeout_s, socket_path
@@ -74,7 +72,6 @@ class OpenEnvServer:
         return OpenEnvEnvironment(self)
 
     def client(self) -> Any:
-        """A new, unconnected OpenEnv client of this server."""
         kwargs = {"connect_timeout_s": self.timeout_s, "message_timeout_s": self.timeout_s,
                   "max_message_size_mb": MAX_MESSAGE_MB}  # fmt: skip
         generic, unix = client_classes()

@@ -21,7 +21,6 @@ APP_ROUTES = {"/ws", "/reset", "/step", "/schema"}  # what every OpenEnv server 
 
 
 def is_openenv_url(ref: Any) -> bool:
-    """Whether `ref` names a running OpenEnv server by address ("openenv:URL")."""
     return isinstance(ref, str) and ref.startswith(OPENENV_PREFIX)
 
 

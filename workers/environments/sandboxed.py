@@ -177,8 +177,6 @@ class RemoteEnvironment:
         return out.get("value") if isinstance(out, dict) else out  # not a tuple: StepResult says so
 
 
-# ---- the sandbox's side -----------------------------------------------------------------------
-
 _classes: dict[str, type] = {}
 _instances: dict[int, Any] = {}
 _ids = itertools.count(1)

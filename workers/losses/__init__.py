@@ -20,7 +20,6 @@ from workers.losses.value import make_value_loss
 
 
 def make_loss(spec: LossSpec) -> LossFn:
-    """The LossFn of a loss's options (schema.losses.LossSpec)."""
     if isinstance(spec, PolicyLossConfig):
         return make_policy_loss(spec)
     if isinstance(spec, SFTLossConfig):

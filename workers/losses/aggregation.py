@@ -23,7 +23,6 @@ AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 
 def check_agg_mode(mode: str) -> None:
-    """Raise a ValueError naming the choices when `mode` is not an aggregation mode."""
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
 

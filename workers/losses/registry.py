@@ -141,7 +141,6 @@ LOSSES: dict[str, Objective] = {
 
 
 def objective(name: str) -> Objective:
-    """The registered objective `name`; a ValueError lists the names otherwise."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; registered losses: {', '.join(LOSSES)}")
     return LOSSES[name]

@@ -24,7 +24,6 @@ assert set(SPECS) <= set(LOSSES), "every Tinker loss is a registered objective"
 
 
 def _options(loss_fn: str, cfg: dict[str, float], inp: dict[str, Tensor]) -> dict[str, Any]:
-    """The registry objective's keywords from the resolved config and the per-token inputs."""
     if loss_fn in ("ppo", "gspo", "cispo"):
         return {
             "low": inp.get("clip_low_threshold", cfg["clip_low_threshold"]),

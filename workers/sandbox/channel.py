@@ -62,8 +62,6 @@ class SandboxTimeout(SandboxError):
 
 
 class Sandbox:
-    """One sandboxed process serving calls."""
-
     def __init__(self, files: Sequence[str | Path] = (), limits: Limits | None = None,
                  asker: Asker | None = None, stderr: int | None = subprocess.DEVNULL,
                  allow_unsandboxed: bool | None = None, mode: str | None = None,
@@ -93,8 +91,6 @@ class Sandbox:
         self._reader = threading.Thread(target=self._read, name="tandem-sandbox-read", daemon=True)
         self._reader.start()
 
-    # ---- the user's files ----------------------------------------------------------------------
-
     def _stage(self, index: int, file: str | Path) -> str:
         source = Path(file).expanduser().resolve()
         folder = self.staging / str(index)
@@ -115,8 +111,6 @@ class Sandbox:
         for source, staged in self.places.items():
             text = text.replace(staged, source)
         return text
-
-    # ---- calls ---------------------------------------------------------------------------------
 
     @property
     def alive(self) -> bool:
@@ -206,8 +200,6 @@ class Sandbox:
         for future in pending.values():
             future.set_exception(SandboxCrashed(reason))
         self._kill()
-
-    # ---- the end -------------------------------------------------------------------------------
 
     def close(self, reason: str = "the sandbox was closed") -> None:
         """End the process (and all it started) and remove the staged files."""

@@ -72,8 +72,6 @@ def _limit(config: dict[str, Any]) -> None:
 
 
 class Channel:
-    """JSON lines both ways."""
-
     def __init__(self, reader: BinaryIO, writer: BinaryIO) -> None:
         self.reader, self.writer = reader, writer
         self.lock = threading.Lock()

@@ -166,7 +166,6 @@ def _covers_secret(path: Path) -> bool:
 
 
 def source_root() -> Path:
-    """The folder holding this project's packages (workers/, controller/, ...)."""
     return Path(__file__).resolve().parents[2]
 
 
