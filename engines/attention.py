@@ -1,22 +1,9 @@
 """Attention over a packed row without a dense N x N mask: one batched causal SDPA call per layer.
 
-The packed forward lays the sequences of a micro-batch end to end. A block-diagonal mask over that
-row is correct but costs (sum of lengths)^2 attention work, several times the padded batch's
-sum of squared lengths.
-With flash-attention the varlen kernel does the right thing; without it, this function, registered
-with transformers as the "tandem_segments" attention implementation, scatters the packed q/k/v
-into a right-padded [sequences, heads, longest, dim] layout, runs one causal SDPA call over it and
-gathers the real tokens back. Right padding keeps causal attention exact: a real token only sees
-the real tokens before it in its own sequence; the padded queries' outputs are never read. The
-projections and MLPs around it stay packed. The sequence boundaries arrive as the `cu_seq_lens_q`
-keyword that transformers passes down to every attention call.
-
-With a `shared_prompt` layout (engines/shared_prompt.py) each group's prompt is stored once: the
-prompts run causal in one grid, the responses in another, each response reading its group's prompt
-keys and values followed by its own (a mask per response says which are real). On a CPU with short
-rows those two grids are computed by engines/shared_attention.py's batched products instead.
-
-One call per layer, not one per sequence per layer: thousands of small calls a step otherwise.
+Registered with transformers as "tandem_segments": the packed q/k/v are scattered into a right-padded
+[sequences, heads, longest, dim] grid (right padding keeps causal attention exact), one SDPA call
+runs, and the real tokens are gathered back; boundaries arrive as `cu_seq_lens_q`. With a
+`shared_prompt` layout (engines/shared_prompt.py) each group's prompt is attended once.
 """
 
 from __future__ import annotations
@@ -54,8 +41,7 @@ def segment_attention(
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, N, D], key/value [1, Hkv, N, D] → output [1, N, H, D]."""
     if query.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-        # bf16 on a CPU (engines/fsdp/engine.py): attention in fp32, since the CPU's bf16 SDPA kernel
-        # is slower than fp32 with the upcasts.
+        # The CPU's bf16 SDPA kernel is slower than fp32 with the upcasts.
         with torch.autocast("cpu", enabled=False):
             q, k, v = query.float(), key.float(), value.float()
             return segment_attention(module, q, k, v, attention_mask, dropout, scaling, **kwargs)
@@ -94,10 +80,8 @@ def _shared_prompt_attention(
     dropout: float,
     scaling: float | None,
 ) -> torch.Tensor:
-    """Attention over the groups of engines/shared_prompt.py, computing only the blocks it needs:
-    the prompts causal in a [G, P] grid, and each response's queries over [its group's prompt keys ;
-    its own keys] in an [S, R] grid (a copy of the prompt's keys and values per response, whose
-    backward sums every response's gradient into the one copy)."""
+    """The prompts causal in a [G, P] grid, each response's queries over [its group's prompt keys ; its
+    own keys] in an [S, R] grid."""
     grids = layout.attention
     p = dropout if module.training else 0.0
     if shared_attention.fits(query, grids, p):
@@ -134,8 +118,7 @@ def _shared_prompt_attention(
 
 
 def _per_response(prompt: torch.Tensor, grids: AttentionLayout) -> torch.Tensor:
-    """[G, h, P, D] -> [S, h, P, D], each response's group's row: an expand (whose backward is a sum)
-    when every group has as many responses, as a GRPO batch's do."""
+    """[G, h, P, D] -> [S, h, P, D], each response's group's row (an expand when groups are equal)."""
     if grids.responses_per_group:
         n = grids.responses_per_group
         return prompt[:, None].expand(-1, n, *prompt.shape[1:]).flatten(0, 1)
@@ -143,8 +126,8 @@ def _per_response(prompt: torch.Tensor, grids: AttentionLayout) -> torch.Tensor:
 
 
 class _TakeRows(torch.autograd.Function):
-    """x.index_select(0, index) for an index without repeats: the backward copies the gradient's rows
-    back (index_copy) where index_select's accumulates them (a scatter-add, slower on CPU)."""
+    """x.index_select(0, index) for an index without repeats, whose backward copies rows back instead of
+    index_select's scatter-add (slower on CPU)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

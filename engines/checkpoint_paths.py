@@ -1,5 +1,4 @@
-"""Where checkpoints lie on disk: one folder per step, `step_00000042`. No torch here: the service
-finds a job's checkpoints (to know where it resumes) without loading a training stack."""
+"""Where checkpoints lie on disk, one folder per step; torch-free, for the service."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
-"""Fused element-wise kernels for the CPU training engine: SwiGLU, RMSNorm, rotary embedding and the
-vocabulary head's log-softmax, forward and backward.
+"""Fused element-wise kernels for the CPU training engine (cpu_kernels.c): SwiGLU, RMSNorm, rotary
+embedding and the head's log-softmax, forward and backward, each reading its inputs once.
 
-Eager PyTorch runs an element-wise expression as one pass over memory per operation: SwiGLU's
-`silu(gate) * up` is two passes forward and three backward (two products and SiLU's backward), an
-RMSNorm's written-out backward (engines/rms_norm.py) about eight. The kernels in cpu_kernels.c read
-each input once and write each output once (`bench/cpu_kernels.py` compares them). Rotary
-embedding (engines/rotary.py) is one pass a rotation instead of four, and the head's log-softmax,
-entropy and their gradient (engines/logprobs.py) two passes over each row of logits forward and one
-backward, instead of eight and six over blocks of rows.
-
-The C file is compiled on first use with the machine's C compiler (`CC`, else cc / gcc) for this
-CPU (-march=native) and cached by a hash of the source, the flags, the compiler and the CPU's
-model and flags (`TANDEM_KERNEL_CACHE`, default ~/.cache/tandem/kernels). It is compiled with
--ffast-math (vectorised expf) but linked without it, so loading it does not switch the process's
-denormals to zero. Where no compiler is found, the build fails or `TANDEM_CPU_KERNELS=0` is set,
-`kernels()` returns None and callers run their eager path; the reason is logged once.
+Compiled on first use (`CC`, else cc / gcc; -march=native) and cached by a hash of source, flags,
+compiler and CPU (`TANDEM_KERNEL_CACHE`). Compiled with -ffast-math but linked without it, so
+denormals are not switched to zero process-wide. Without a compiler, on a failed build or with
+`TANDEM_CPU_KERNELS=0`, `kernels()` is None and callers run their eager path.
 """
 
 from __future__ import annotations
@@ -96,8 +86,7 @@ class CpuKernels:
         return grad_x, parts.sum(0)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-        """x [.., h] (at most 4 dimensions, the last contiguous) rotated by cos and sin, which
-        broadcast to it; the result is laid out as x is (`rotary_fits` checks the tensors)."""
+        """x (at most 4-D, last dim contiguous) rotated by cos and sin broadcast to it; laid out as x."""
         y = torch.empty_like(x)
         views = [t.expand_as(x) for t in (x, cos, sin, y)]
         views = [t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t for t in views]
@@ -111,8 +100,8 @@ class CpuKernels:
     def log_softmax_stats(
         self, logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, write_log_p: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(log p of the targets, log-normaliser, entropy or None) of each row of contiguous fp32
-        logits [rows, V]; with `write_log_p` the logits are overwritten with the log-softmax."""
+        """(log p of the targets, log-normaliser, entropy or None) per row of fp32 logits [rows, V];
+        `write_log_p` overwrites the logits with the log-softmax."""
         rows, vocab = logits.shape
         targets = _checked_targets(targets, vocab)
         log_prob, lse = torch.empty(rows), torch.empty(rows)
@@ -132,8 +121,7 @@ class CpuKernels:
         entropy: torch.Tensor | None,
         grad_entropy: torch.Tensor | None,
     ) -> None:
-        """Overwrite rows of log p + shift (contiguous fp32 [rows, V]; shift None: log p itself)
-        with the loss's gradient with respect to the logits (engines/logprobs.py)."""
+        """Overwrite rows of log p + shift (None: log p) with the loss's gradient w.r.t. the logits."""
         rows, vocab = values.shape
         parts = [
             None if t is None else t.reshape(-1).contiguous()
@@ -147,8 +135,7 @@ class CpuKernels:
 
 
 def _checked_targets(targets: torch.Tensor, vocab: int) -> torch.Tensor:
-    """int64, contiguous, and every id inside the vocabulary: the kernels index rows by them (an id
-    out of range raises here, as torch's gather does, instead of reading or writing past a row)."""
+    """int64, contiguous, each id inside the vocabulary (the kernels index rows by them)."""
     targets = targets.to(torch.int64).contiguous()
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         raise IndexError(
@@ -158,8 +145,7 @@ def _checked_targets(targets: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def rotary_fits(x: torch.Tensor, *broadcast: torch.Tensor) -> bool:
-    """Whether `CpuKernels.rotary` takes x with these tensors: fp32 on a CPU outside autocast, at
-    most 4 dimensions, the last one contiguous and even, the others broadcast to x."""
+    """Whether `CpuKernels.rotary` takes these tensors (fp32 CPU, no autocast, <= 4-D, even last dim)."""
     tensors = (x, *broadcast)
     if torch.is_autocast_enabled("cpu") or x.dim() > 4 or x.shape[-1] % 2:
         return False
@@ -213,7 +199,7 @@ def _cache_dir() -> Path:
 
 
 def _build_key(compiler: str) -> str:
-    """Source, flags, compiler version and CPU: a cache on a shared home never serves another CPU."""
+    """Source, flags, compiler and CPU: a cache on a shared home never serves another CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256(SOURCE.read_bytes())
     for part in (" ".join(COMPILE_FLAGS), version, _cpu_signature()):
@@ -231,8 +217,7 @@ def _cpu_signature() -> str:
 
 
 def _compile(compiler: str, path: Path) -> None:
-    """Compile with -ffast-math, link without it (no crtfastmath: denormals stay as they are), then
-    move the library into place in one rename, so ranks that build at once never load half a file."""
+    """Compile with -ffast-math, link without it, rename into place (ranks never load half a file)."""
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         obj, lib = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
         for command in (

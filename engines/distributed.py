@@ -1,8 +1,6 @@
 """Process-group set-up for the engines: gloo on CPU, NCCL (plus gloo for CPU tensors) on CUDA.
 
-The worker group sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT; a process started by hand
-(a test, a benchmark) gets a single-rank group on a free local port. Several engines in one
-process (actor, reference, critic) share the one default group.
+A process started by hand (a test, a benchmark) gets a single-rank group on a free local port.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ def _free_port() -> int:
 
 
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
-    """Initialise the default process group once per process."""
     if dist.is_initialized():
         return
     if "MASTER_ADDR" not in os.environ:
@@ -58,27 +55,22 @@ def data_parallel_mesh(device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
+def _all_reduce(values: list, op: dist.ReduceOp, dtype: torch.dtype, device: torch.device) -> list:
+    if dist.get_world_size() == 1:  # a collective of one rank returns its input; skip gloo
+        return values
+    tensor = torch.tensor(values, dtype=dtype, device=device)
+    dist.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum a few numbers over all ranks (in float64, so token counts stay exact)."""
-    if dist.get_world_size() == 1:  # a collective of one rank returns its input; skip gloo
-        return [float(v) for v in values]
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.tolist()
+    return _all_reduce([float(v) for v in values], dist.ReduceOp.SUM, torch.float64, device)
 
 
 def all_reduce_max_floats(values: list[float], device: torch.device) -> list[float]:
-    """The element-wise maximum of a few numbers over all ranks."""
-    if dist.get_world_size() == 1:
-        return [float(v) for v in values]
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+    return _all_reduce([float(v) for v in values], dist.ReduceOp.MAX, torch.float64, device)
 
 
 def all_reduce_max(value: int, device: torch.device) -> int:
-    if dist.get_world_size() == 1:
-        return int(value)
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return int(_all_reduce([int(value)], dist.ReduceOp.MAX, torch.int64, device)[0])

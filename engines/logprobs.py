@@ -1,19 +1,9 @@
 """Log-probabilities (and entropy) of target tokens without a full-vocabulary fp32 tensor.
 
-The vocabulary projection of N tokens is [N, V]; in fp32 for a real batch (N ~ 10^5, V ~ 1.5e5)
-that is tens of GiB. We project `chunk` tokens at a time and reduce each chunk to one log-prob (and
-one entropy) per token, as fused linear-cross-entropy kernels do. `ChunkedLogProbs` is its own
-autograd Function: the forward keeps only the hidden states, the targets and two numbers per token
-(log-normaliser, entropy); the backward recomputes each chunk's logits once and forms their gradient
-in closed form (or, when the [N, V] log-softmax fits the caller's `keep_bytes`, takes it as the
-forward left it, which saves part of the head's work),
-
-    d log p(t) / d z = onehot(t) - p,        d H / d z = -p * (log p + H),
-
-then multiplies it into the hidden-state and weight gradients. Against activation checkpointing of
-a plain log-softmax this skips re-running the entropy and the autograd graph of
-the softmax, the gather's scatter into a zero [chunk, V] tensor, and a backward through the entropy
-when no loss term reads it (its gradient arrives as None).
+`ChunkedLogProbs` projects `chunk` tokens at a time and keeps only two numbers per token
+(log-normaliser, entropy); its backward recomputes each chunk's logits once and forms their gradient
+in closed form, d log p(t)/dz = onehot(t) - p and dH/dz = -p (log p + H), or takes the forward's
+log-softmax when it fits `keep_bytes`.
 """
 
 from __future__ import annotations
@@ -39,10 +29,8 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
 def _add_weight_grad(
     grad_weight: torch.Tensor | None, grad_logits: torch.Tensor, hidden: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """grad_weight (fp32) += grad_logits.T @ hidden; the first chunk's product is the tensor (None:
-    no [V, H] zero-fill). On CUDA with bf16/fp16 inputs the product runs on the tensor cores with an
-    fp32 result (`out_dtype`); casting the inputs up first would make it a slow fp32 matmul (TF32
-    off). Elsewhere in place (addmm_): no [V, H] temporary."""
+    """grad_weight (fp32) += grad_logits.T @ hidden (None: the first product, no zero-fill). On CUDA with
+    bf16/fp16 inputs on the tensor cores with an fp32 result; casting up first would be a slow fp32 matmul."""
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
         product = torch.mm(grad_logits.t(), hidden, out_dtype=dtype)
         return product if grad_weight is None else grad_weight.add_(product)
@@ -54,11 +42,8 @@ BLOCK_ELEMENTS = 1 << 19  # 2 MB of fp32 logits
 
 
 def _row_blocks(start: int, end: int, vocab: int, device: torch.device):
-    """Row slices of [start, end) of about BLOCK_ELEMENTS logits each: the element-wise passes over a
-    chunk's logits (log-softmax, entropy, their gradient) run block by block, so that each pass after
-    the first reads the block from cache rather than memory, and temporaries stay small (a large
-    fresh tensor is fresh pages from the kernel). On a GPU one block (the whole chunk): there each
-    block is several kernel launches, and at a large vocabulary a block would be a few rows."""
+    """Row slices of about BLOCK_ELEMENTS logits: on a CPU the element-wise passes run block by block,
+    from cache rather than memory; on a GPU one block (each block costs kernel launches)."""
     if device.type != "cpu":
         yield slice(start, end)
         return
@@ -191,12 +176,7 @@ def token_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(targets[i] | hidden[i]) for hidden [N, H], weight [V, H]; and the entropy when asked.
 
-    With `keep_bytes` >= the fp32 [N, V] log-softmax's size, the forward keeps it for the backward,
-    which then skips recomputing the projection (one of its four matrix products).
-
-    Under a CPU autocast region (bf16 on a CPU, engines/fsdp/engine.py) the projection runs in fp32:
-    there is no CPU product of bf16 inputs into an fp32 result, and bf16 logits of magnitude ~20 are
-    rounded by up to 0.06, which would land in every log-prob and importance ratio."""
+    Under CPU autocast the projection runs in fp32: bf16 logits would round every log-prob and ratio."""
     if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         with torch.autocast("cpu", enabled=False):
             hidden, weight = hidden.float(), weight.float()

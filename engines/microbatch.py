@@ -1,11 +1,8 @@
-"""Cutting one rank's batch into micro-batches.
+"""Cutting one rank's batch into micro-batches: a fixed number of samples, or a token budget.
 
-Two ways: a fixed number of samples per micro-batch (contiguous slices), or dynamic batching under a
-token budget. Dynamic batching balances the real-token load: sequences are placed longest first
-into the currently lightest of k bins (LPT scheduling), and k grows until every bin fits the
-budget. Every data-parallel rank must run the same number of micro-batches, because each forward
-of a sharded model is a collective: `agree` (an all-reduce MAX over the dp group, supplied by the
-engine) makes the ranks settle on the largest k any of them needs.
+Under a budget, sequences go longest first into the lightest of k bins, k growing until every bin
+fits. Every forward of a sharded model is a collective, so the ranks agree (`agree`: an all-reduce
+MAX over the dp group) on the largest k any of them needs.
 """
 
 from __future__ import annotations
@@ -17,10 +14,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
-# Auto token budget: TOKEN_BUDGET_SCALE[device] / hidden_size real tokens per micro-batch. On CPU a
-# whole-rank micro-batch is slow (its activations fall out of the caches), so the budget keeps a
-# micro-batch's activations small. On CUDA the scale only keeps activation memory bounded as
-# models grow.
+# Auto token budget: scale / hidden_size tokens. On CPU small, so activations stay in the caches; on
+# CUDA it only bounds activation memory.
 TOKEN_BUDGET_SCALE = {"cpu": 2048 * 512, "cuda": 32768 * 1024}
 
 
@@ -43,11 +38,8 @@ def fixed_micro_batches(num_samples: int, micro_batch_size: int | None) -> list[
 
 
 def balanced_partition(lengths: Sequence[int], bins: int) -> list[list[int]]:
-    """Longest-first greedy assignment of sample indices to `bins` bins of near-equal token sums.
-
-    Each bin's indices come back sorted, and bins are ordered by their first index, so the plan is
-    deterministic for a given input.
-    """
+    """Longest-first greedy assignment of sample indices to `bins` bins of near-equal token sums;
+    deterministic (indices sorted, bins ordered by their first index)."""
     if not 0 < bins <= len(lengths):
         raise MicroBatchError(f"cannot split {len(lengths)} samples into {bins} non-empty micro-batches")
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -62,11 +54,8 @@ def balanced_partition(lengths: Sequence[int], bins: int) -> list[list[int]]:
 
 @dataclass
 class PromptGroups:
-    """Rows that share a prompt (`engines.shared_prompt.prompt_groups`) and each row's prompt length.
-
-    Packed, a micro-batch holds each group's prompt once, so its cost is its rows' lengths less the
-    prompt of every further row of a group it holds.
-    """
+    """Rows that share a prompt (`engines.shared_prompt.prompt_groups`) and each row's prompt length:
+    packed, a micro-batch holds each group's prompt once."""
 
     rows: list[list[int]]
     prompt_lens: Sequence[int]  # per row of the batch
@@ -76,7 +65,6 @@ class PromptGroups:
         return {row: g for g, members in enumerate(self.rows) for row in members}
 
     def packed_tokens(self, lengths: Sequence[int], micro_batch: Sequence[int]) -> int:
-        """The tokens a micro-batch packs to."""
         seen: set[int] = set()
         total = 0
         for i in micro_batch:
@@ -99,11 +87,8 @@ def dynamic_micro_batches(
     agree: Callable[[int], int] = lambda k: k,
     groups: PromptGroups | None = None,
 ) -> list[list[int]]:
-    """Balanced micro-batches of at most `max_tokens` packed tokens, the same count on every rank.
-
-    With `groups`, a group that fits the budget is kept in one micro-batch, so that its prompt runs
-    once, and the budget counts that prompt once.
-    """
+    """Balanced micro-batches of at most `max_tokens` packed tokens, the same count on every rank;
+    a prompt group that fits the budget stays in one micro-batch, so its prompt runs once."""
     longest = max(lengths)
     if longest > max_tokens:
         raise MicroBatchError(
@@ -127,14 +112,18 @@ def dynamic_micro_batches(
     agreed = agree(len(plan))
     if agreed == len(plan):
         return plan
-    if agreed > len(lengths):
-        raise MicroBatchError(
-            f"another data-parallel rank needs {agreed} micro-batches but this rank has only "
-            f"{len(lengths)} samples; give every rank the same number of samples"
-        )
+    _check_enough(len(lengths), agreed)
     return (
         unit_partition(loads, units, agreed) if agreed <= len(units) else balanced_partition(lengths, agreed)
     )
+
+
+def _check_enough(samples: int, count: int) -> None:
+    if samples < count:
+        raise MicroBatchError(
+            f"another data-parallel rank needs {count} micro-batches but this rank has only "
+            f"{samples} samples; give every rank the same number of samples"
+        )
 
 
 def _units(
@@ -156,8 +145,7 @@ def _units(
 
 
 def unit_partition(loads: Sequence[int], units: list[list[int]], bins: int) -> list[list[int]]:
-    """`balanced_partition` of whole units (lists of sample indices, each of `loads` tokens), expanded
-    to sample indices."""
+    """`balanced_partition` of whole units (lists of sample indices), expanded to sample indices."""
     plan = [sorted(i for u in members for i in units[u]) for members in balanced_partition(loads, bins)]
     return sorted(plan, key=lambda mb: mb[0])
 
@@ -176,14 +164,11 @@ def split_by_backward(
     plan: Callable[[list[int]], list[list[int]]],
     agree: Callable[[int], int] = lambda k: k,
 ) -> SplitPlan:
-    """Plan the rows that need a backward and the rows that do not as separate micro-batches.
+    """Plan the rows that need a backward and those that do not as separate micro-batches.
 
-    `plan(rows)` cuts a subset of the rows into micro-batches (lists of row indices) without
-    consulting the other ranks. Every forward of a sharded model is a collective, so the ranks then
-    agree (`agree`: the maximum over the dp group) on the number of backward micro-batches and of
-    forward-only ones. A rank short of backward rows moves rows from its forward-only set (their
-    gradient is zero, so a backward through them adds nothing); a rank short of forward-only rows
-    runs idle forwards. When no rank has a row to back-propagate, no backward runs at all.
+    `plan(rows)` cuts a subset locally; the ranks then agree on both counts. A rank short of backward
+    rows moves forward-only ones over (their gradient is zero); one short of forward-only rows runs
+    idle forwards.
     """
     backward = [i for i, b in enumerate(needs_backward) if b]
     forward = sorted((i for i, b in enumerate(needs_backward) if not b), key=lambda i: (lengths[i], i))
@@ -204,11 +189,7 @@ def _agreed_partition(
     """`rows` in `count` micro-batches: the local plan when it has that many, else balanced bins."""
     if count == 0:
         return []
-    if len(rows) < count:
-        raise MicroBatchError(
-            f"another data-parallel rank needs {count} micro-batches but this rank has only "
-            f"{len(rows)} samples; give every rank the same number of samples"
-        )
+    _check_enough(len(rows), count)
     local = plan(rows)
     if len(local) == count:
         return local
@@ -217,12 +198,8 @@ def _agreed_partition(
 
 @dataclass
 class MicroBatchPlanner:
-    """One rank's micro-batch plan for an engine call, from the engine's micro-batch settings.
-
-    `micro_batch_size` and `max_tokens` are `MicroBatchConfig`'s fields; with neither, the budget is
-    `auto_token_budget(hidden_size, device_type)`, read at every call, never below the longest
-    sequence. `agree` is the engine's all-reduce MAX over the dp group.
-    """
+    """One rank's micro-batch plan for an engine call; with neither `micro_batch_size` nor `max_tokens`
+    the budget is `auto_token_budget`, never below the longest sequence."""
 
     micro_batch_size: int | None
     max_tokens: int | None

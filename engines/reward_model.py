@@ -1,15 +1,9 @@
 """A reward model: a one-label sequence classifier that scores each sequence at its last real token.
 
-`RewardModel` loads an HF `*ForSequenceClassification` folder with `num_labels == 1` and scores a
-batch laid out as the rollout produces it (prompt left-padded, response right-padded, an attention
-mask of 1 on real tokens). It does its own pooling instead of relying on transformers': that pooling
-looks for `pad_token_id` in `input_ids`, which picks the wrong token when the pad id is also a real
-token (pad = end-of-text, a response ending in end-of-text). Here the last real token is read from
-the attention mask, positions come from the mask too (so left padding does not shift them), and
-each micro-batch is cut to the columns it uses. A sequence therefore scores the same whatever the
-padding around it and whatever micro-batch it lands in.
-
-The reward model reads the policy's token ids as they are: it must share the policy's tokenizer.
+It pools itself: transformers' pooling looks for `pad_token_id` in the ids, which picks the wrong
+token when the pad id is also a real token (pad = end-of-text). Positions and the last token come
+from the attention mask, so a score does not depend on padding or micro-batching. It must share the
+policy's tokenizer.
 """
 
 from __future__ import annotations
@@ -69,8 +63,6 @@ def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class RewardModel:
-    """Scores sequences with a one-label sequence classifier. See the module docstring."""
-
     def __init__(
         self,
         model_path: str | Path,

@@ -1,20 +1,10 @@
-"""RMSNorm as one autograd Function on the CPU, for the training engine's model.
+"""RMSNorm as one autograd Function on the CPU: r = 1 / sqrt(mean(x^2) + eps), x^ = x r,
 
-transformers' RMSNorm (Llama's, Qwen2's, Mistral's) is five element-wise calls forward, and its
-autograd backward runs through every one of them (square, mean, add, rsqrt, two products), each a
-fresh [tokens, hidden] tensor. With r = 1 / sqrt(mean(x^2) + eps) per token and x^ = x r,
+    y = x^ * w,    dw = sum over tokens of dy * x^,    dx = r * (g - x^ * mean(g * x^)),  g = dy * w,
 
-    y = x^ * w,        dw = sum over tokens of dy * x^,
-    dx = r * (g - x^ * mean(g * x^)),   g = dy * w,
-
-so the forward is one norm reduction and two passes, and the backward reads x once to rebuild x^
-(nothing but r is kept beside the input). Where the fused kernels of engines/cpu_kernels.py build,
-the same formulas run as two passes forward (squares, then y) and two backward (dw's and the dot's
-sums, then dx).
-
-`install(model)` gives each of those norms in `model` this forward, instance by instance (the
-rollout engine's copy of the model in the same process is untouched). Anything it does not fit
-(not fp32, not on a CPU, a sharded DTensor weight, under autocast) runs the module's own forward.
+keeping only r beside the input, instead of autograd through five element-wise calls. `install`
+patches each standard norm instance (the rollout engine's copy is untouched); anything else (not
+fp32 CPU, a DTensor weight, under autocast) runs the module's own forward.
 """
 
 from __future__ import annotations
@@ -37,7 +27,7 @@ class RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
         fused = cpu_kernels.kernels() if cpu_kernels.fits(x, weight) else None
         ctx.fused = fused
-        if fused is not None:  # one pass for the squares, one for y (engines/cpu_kernels.c)
+        if fused is not None:
             y, rstd = fused.rms_norm_forward(x, weight, eps)
             ctx.save_for_backward(x, weight, rstd)
             return y

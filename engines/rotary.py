@@ -1,23 +1,10 @@
-"""Rotary position embedding as one autograd Function on the CPU.
+"""Rotary position embedding as one autograd Function on the CPU. With halves x1, x2:
 
-transformers applies rotary embedding as `q * cos + rotate_half(q) * sin`: a slice, a negation, a
-concatenation, two products and a sum for each of q and k, every one a fresh tensor, and as many
-again in the backward. With halves x1, x2 of the head dimension the same map is
+    y1 = x1 cos1 - x2 sin1,    y2 = x2 cos2 + x1 sin2;    the backward is the inverse rotation,
 
-    y1 = x1 * cos1 - x2 * sin1,        y2 = x2 * cos2 + x1 * sin2,
-
-and its gradient, the rotation run backwards,
-
-    dx1 = dy1 * cos1 + dy2 * sin2,     dx2 = dy2 * cos2 - dy1 * sin1,
-
-four in-place element-wise calls a tensor each way, written into one output laid out as q is (the
-projections' [tokens, heads, dim] order). In fp32 on a CPU the fused kernel of engines/cpu_kernels.c does each
-rotation in one pass over x instead. cos and sin get no gradient (they come from the model's rotary buffers).
-
-`install(module)` puts `apply_rotary_pos_emb` of a transformers modeling module (Llama's, Qwen2's:
-the standard signature) through it. Anything else (a GPU tensor, q in another dtype than cos, as
-under bf16 autocast, where transformers' products promote to fp32; cos or sin that need a gradient)
-goes to the module's own function unchanged.
+four in-place calls (or one fused kernel pass) each way instead of transformers' seven fresh
+tensors. `install` routes a modeling module's standard `apply_rotary_pos_emb` through it; anything
+else (a GPU tensor, mixed dtypes as under autocast, cos/sin needing a gradient) goes to the original.
 """
 
 from __future__ import annotations
@@ -40,8 +27,7 @@ def _halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """y = R x (or R^T x with `inverse`) for cos/sin broadcastable to x; y has x's strides (where x
-    is dense). One pass of the fused CPU kernel where it takes the tensors, else four eager calls."""
+    """y = R x (or R^T x with `inverse`), laid out as x; the fused kernel where it fits."""
     fused = cpu_kernels.kernels() if cpu_kernels.rotary_fits(x, cos, sin) else None
     if fused is not None:
         return fused.rotary(x, cos, sin, inverse)
@@ -85,7 +71,7 @@ def _fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def fused(original: Callable) -> Callable:
-    """`original`'s contract, through RotaryFunction where it fits (see the module docstring)."""
+    """`original`'s contract, through RotaryFunction where it fits."""
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if _fits(q, k, cos, sin):
@@ -97,8 +83,8 @@ def fused(original: Callable) -> Callable:
 
 
 def install(module: ModuleType) -> bool:
-    """Route `module.apply_rotary_pos_emb` through RotaryFunction; False (nothing changed) where the
-    module has none with transformers' standard parameters. Installing twice changes nothing."""
+    """Route `module.apply_rotary_pos_emb` through RotaryFunction (idempotent); False where it has none
+    with the standard parameters."""
     current = getattr(module, "apply_rotary_pos_emb", None)
     if current is None or hasattr(current, MARK):
         return current is not None

@@ -1,28 +1,16 @@
 """Shared-prompt attention on a CPU as row gathers and batched matrix products, one autograd Function.
 
-At RL shapes the attention of engines/shared_prompt.py's grids is tiny work spread over many small
-calls: three zeroed grids filled by index_copy, a copy of the prompt's keys per response, two SDPA
-calls whose CPU flash kernel runs small query blocks slowly, a gather of the outputs, and in the backward the
-zero-filled gradients of every slice, copy and gather. Here each of q, k and v is gathered once,
-straight into the layout the products want, and the backward is written out:
+At RL shapes the SDPA path is tiny work spread over many small calls; here q, k and v are gathered
+once into the layout the products want, and the backward is written out:
 
     forward:   S = Q K^T * scale + bias,  P = softmax(S),  O = P V
     backward:  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(P * dP)) * scale,
                dQ = dS K,  dK = dS^T Q.
 
-Grouped-query attention needs no copy of the keys per query head: a KV head's g query heads are
-adjacent in transformers' head order (query head h reads KV head h // g), so the query grid is laid
-out [.., KV heads, g query heads x positions, dim] and one product per KV head serves them all; the
-sum of dK and dV over the g heads falls out of the products. A query-grid row that is padding reads
-some real token (finite) and its output is never gathered back; its dO row is zeroed, so it adds
-nothing to dK or dV. A padded key is masked (bias -inf, probability exactly 0), so its gradient rows
-are exactly zero and the scatter-add back to the tokens adds nothing from them.
-
-It keeps each layer's probabilities for the backward (the flash kernel keeps one number a query),
-which at MAX_KEYS keys stays below the MLP's own saved activations. Rows whose queries read more
-keys go to SDPA, whose blocked kernel pays off there. What decides is the scores' size against q, k
-and v's (`bench/attention.py --shared-prompt` compares the two): so at most MAX_KEYS keys and
-KEYS_PER_DIM per head dimension.
+A KV head's g query heads are adjacent, so one product per KV head serves them all (GQA without
+copies). Padded queries' dO rows are zeroed; padded keys get bias -inf, so neither adds gradient.
+The probabilities are kept for the backward, so only rows with few keys (MAX_KEYS, KEYS_PER_DIM)
+take this path.
 """
 
 from __future__ import annotations
@@ -39,9 +27,8 @@ KEYS_PER_DIM = 3  # ... and at most this many per head dimension
 
 @dataclass
 class GridPlan:
-    """Row indices of one layout for given head counts: the query grid is [G, H, P] prompt rows then
-    [S, H, R] response rows; the key grid [G, Hkv, P] prompt rows then [S, Hkv, P + R] rows (each
-    response's group prompt, then its own keys). Rows index the flattened [tokens * heads, dim]."""
+    """Row indices (into the flattened [tokens * heads, dim]) of one layout: the query grid is [G, H, P]
+    then [S, H, R]; the key grid [G, Hkv, P] then [S, Hkv, P + R] (group prompt, then own keys)."""
 
     query_rows: torch.Tensor  # source row (token * H + head) of every query-grid row
     query_pad: torch.Tensor  # query-grid rows that are padding
@@ -64,7 +51,7 @@ def fits(query: torch.Tensor, layout: AttentionLayout, dropout: float) -> bool:
 def grid_plan(
     layout: AttentionLayout, tokens: int, heads: int, kv_heads: int, dtype: torch.dtype
 ) -> GridPlan:
-    """The plan for this layout and shape, built once per micro-batch (kept on the layout)."""
+    """The plan for this layout and shape, built once per micro-batch."""
     key = (tokens, heads, kv_heads, dtype)
     if key not in layout.plans:
         layout.plans[key] = _build_plan(layout, tokens, heads, kv_heads, dtype)
@@ -118,8 +105,7 @@ def _build_plan(
 
 
 def _grids(rows: torch.Tensor, plan: GridPlan, queries: bool, dim: int):
-    """(prompt grid [G * Hkv, g * P or P, dim], response grid [S * Hkv, g * R or P + R, dim]) views
-    of a query-grid or key-grid tensor."""
+    """(prompt grid, response grid) views of a query-grid or key-grid tensor."""
     g, s, p, r, h, kv = plan.sizes
     if queries:
         split = g * h * p

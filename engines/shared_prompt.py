@@ -1,21 +1,10 @@
 """Packing a group's prompt once: the n responses of a prompt read one copy of its keys and values.
 
-GRPO samples n responses per prompt, and a batch holds the prompt n times. Packed without sharing,
-every copy runs through every layer, forward and backward. Here the packed row holds each distinct
-prompt once, followed by its rows' responses; position ids continue from the prompt into each
-response, and attention lets a response token see the prompt's tokens and the tokens before it in
-its own response. Gradients flow into the shared prompt from every response that reads it, so the
-math is that of the unshared batch: only the order of the floating-point sums changes.
-
-The layout is built once per micro-batch and handed to the attention function (engines/attention.py)
-as a keyword that transformers passes down to every attention call. Attention computes only the
-blocks it needs: the prompts, causal, in a [groups, longest prompt] grid, and every response's
-queries over [its group's prompt keys ; its own keys] in a [responses, longest response] grid with
-one mask row per response; a [groups, longest group] grid with a mask per group would compute
-several times the needed score entries. The outputs: the hidden state
-that predicts response token t of a row is the prompt's last token for t = 0 and the row's own
-token t - 1 after it; `select` names those positions of the packed row, `grid_index` where each
-lands in the [mb, R] response grid.
+The packed row holds each distinct prompt once, followed by its rows' responses; positions continue
+from the prompt into each response. Gradients flow into the shared prompt from every response, so
+the math is the unshared batch's up to summation order. The layout reaches engines/attention.py as
+a keyword transformers passes to every attention call: prompts in a [groups, P] grid, responses in
+a [responses, R] grid. `select` names the positions that predict each response token.
 """
 
 from __future__ import annotations
@@ -59,12 +48,8 @@ class SharedPromptPack:
 def prompt_groups(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int
 ) -> list[list[int]] | None:
-    """Rows with the same prompt (the first T - width columns), in order of first appearance.
-
-    None when the layout does not allow sharing: a prompt that is not one run of tokens ending at
-    column T - width (left padding), a row without prompt, or a response that is not one run of
-    tokens starting there (right padding).
-    """
+    """Rows with the same prompt (the first T - width columns), in order of first appearance; None
+    unless every prompt is left-padded, non-empty, and every response right-padded."""
     prompt_width = input_ids.shape[1] - width
     mask = attention_mask.bool()
     prompt_lens, response_lens = mask[:, :prompt_width].sum(1), mask[:, prompt_width:].sum(1)

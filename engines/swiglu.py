@@ -1,16 +1,9 @@
-"""SwiGLU, `silu(gate) * up`, as one autograd Function over the fused CPU kernels.
+"""SwiGLU, `silu(gate) * up`, as one autograd Function over the fused CPU kernels:
 
-transformers' Llama, Qwen2 and Mistral MLPs compute `down_proj(act_fn(gate_proj(x)) * up_proj(x))`.
-Eagerly that is SiLU and a product forward, and two products and SiLU's backward in autograd's
-backward, each a pass over [tokens, intermediate] memory, with SiLU's output kept for the backward.
-`SwiGLUFunction` runs one kernel each way (engines/cpu_kernels.c) and keeps only gate and up:
+    y = g s(g) u,    dg = dy u s(g) (1 + g (1 - s(g))),    du = dy g s(g),    s = sigmoid,
 
-    y = g s(g) u,    dg = dy u s(g) (1 + g (1 - s(g))),    du = dy g s(g),    s = sigmoid.
-
-`install(model)` gives each such MLP of `model` (SiLU activation) this forward, instance by instance
-(the rollout engine's copy of the model in the same process is untouched). The projections are
-called as before, so LoRA layers around them keep working; anything the kernels do not take (not
-fp32 on a CPU, under autocast, no kernels on this machine) runs the module's own expression.
+keeping only gate and up. `install` patches each standard SiLU MLP instance; the projections are
+called as before, so LoRA layers keep working.
 """
 
 from __future__ import annotations

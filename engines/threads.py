@@ -1,15 +1,8 @@
 """How many CPU threads a rank's torch should use.
 
-Ray gives an actor OMP_NUM_THREADS = its CPU request (1 for `num_cpus=1`), so without a decision
-here a rank computes on one core whatever its bundle holds. A rank uses the CPUs of its bundle, but
-never more threads than the physical cores it can share with the other ranks of its node: on a
-node that advertises more logical CPUs than it has cores (hyper-threads, or a Ray started with
-num_cpus above the core count), extra OpenMP threads only contend for the same cores.
-
-A small model is the exception: it computes on one thread (`limit_threads_for_model`). Its ops
-take microseconds, so waking a second
-OpenMP thread for each costs more than the thread computes, and the core stays free for the
-controller and Ray.
+Ray gives an actor OMP_NUM_THREADS = its CPU request, so without this a rank computes on one core.
+A rank uses its bundle's CPUs, capped by its share of the node's physical cores (hyper-threads only
+contend). A small model computes on one thread: waking a second costs more than it computes.
 """
 
 from __future__ import annotations
@@ -23,18 +16,13 @@ _TOPOLOGY = Path("/sys/devices/system/cpu")
 
 
 def _allowed_cpus() -> list[int]:
-    """The logical CPUs this process may run on (its affinity)."""
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
 
 
 def physical_cores() -> int:
-    """Distinct physical cores among the CPUs this process may run on (its affinity).
-
-    Read from Linux's CPU topology (one core per (package, core id)); where that is not readable,
-    every allowed logical CPU counts as a core.
-    """
+    """Distinct physical cores among the CPUs this process may run on (unreadable topology: one per CPU)."""
     cores = set()
     for cpu in _allowed_cpus():
         topology = _TOPOLOGY / f"cpu{cpu}" / "topology"
@@ -46,7 +34,6 @@ def physical_cores() -> int:
 
 
 def logical_cpus() -> int:
-    """How many logical CPUs this process may run on (its affinity)."""
     return len(_allowed_cpus())
 
 
@@ -65,9 +52,7 @@ def set_torch_threads(bundle_cpus: float, ranks_on_node: int = 1) -> int:
     return threads
 
 
-# Models narrower than this compute on one thread: below it a second thread's wake-ups cost more than
-# its share of the work.
-ONE_THREAD_BELOW_HIDDEN = 256
+ONE_THREAD_BELOW_HIDDEN = 256  # models narrower than this compute on one thread
 
 
 def threads_for_model(threads: int, hidden_size: int | None) -> int:
@@ -87,7 +72,7 @@ def hidden_size_of(model_path: str | Path) -> int | None:
 
 
 def limit_threads_for_model(model_path: str | Path) -> int:
-    """Lower torch's thread count to one for a small model (see the module docstring); returns it."""
+    """Lower torch's thread count to one for a small model; returns it."""
     import torch
 
     threads = threads_for_model(torch.get_num_threads(), hidden_size_of(model_path))
@@ -100,14 +85,9 @@ OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def openmp_wait_env(cores_shared: bool, inherited: Mapping[str, str]) -> dict[str, str]:
-    """The OpenMP wait setting for a rank's environment (libgomp reads it when torch loads).
-
-    When an op's threads finish their shares, libgomp by default lets them spin a while before they
-    sleep, so the next op finds them awake (torch's own default, and TRL's). On cores the rank has
-    to itself that is the faster choice. On cores other busy processes share, spinning threads take
-    the time the working one needs, so there they sleep. A user's own OMP_WAIT_POLICY or
-    GOMP_SPINCOUNT is kept (docs/troubleshooting.md: a machine busy with work Ray does not place).
-    """
+    """The OpenMP wait setting for a rank's environment: spinning threads are fastest on cores of its
+    own, but on shared cores they take the time the working thread needs, so there they sleep. A
+    user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept."""
     own = {name: inherited[name] for name in OPENMP_WAIT_VARS if name in inherited}
     if own:
         return own

@@ -1,10 +1,7 @@
 """Small causal language models that Tandem builds itself, in Hugging Face format.
 
-No model can be downloaded here, so tests, benchmarks and the demo build their own: a
-character-level tokenizer (printable ASCII plus newline, and end-of-text / chat special tokens) and
-a randomly initialised Qwen2- or Llama-architecture model (a causal LM, or a one-label sequence
-classifier to serve as a reward model), written as config.json, tokenizer.json and
-model.safetensors, and loaded back through the ordinary `from_pretrained` path.
+No model can be downloaded here, so tests, benchmarks and the demo build their own: a character-level
+tokenizer and a randomly initialised Qwen2 or Llama (a causal LM, or a one-label reward model).
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [PAD_TOKEN, EOS_TOKEN, IM_START, IM_END]
 
-# A chat template in the Qwen style, for tests of the chat-template path of the data loader.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -33,7 +29,7 @@ CHAT_TEMPLATE = (
 
 
 class TinyModelSpec(BaseModel):
-    """Shape of a built-in model. The defaults give a ~0.1M-parameter Qwen2 for unit tests."""
+    """Shape of a built-in model; the defaults give a tiny Qwen2 for unit tests."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -58,20 +54,17 @@ BUILTIN_MODELS: dict[str, TinyModelSpec] = {
     "tiny-qwen2": TinyModelSpec(),
     "tiny-llama": TinyModelSpec(arch="llama"),
     "tiny-qwen2-chat": TinyModelSpec(chat_template=True),
-    # ~1M parameters: big enough to learn the built-in arithmetic task on a CPU in minutes.
+    # big enough to learn the built-in arithmetic task on a CPU
     "qwen2-1m": TinyModelSpec(
         hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384
     ),
-    # qwen2-1m with the chat template: multi-turn environments (tools, games) on a CPU.
     "qwen2-1m-chat": TinyModelSpec(
         hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384, chat_template=True
     ),
-    # ~20M parameters: the benchmark size.
     "qwen2-20m": TinyModelSpec(
         hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, intermediate_size=1536
     ),
-    # Qwen2-0.5B's shapes (494M parameters, 136M of them its tied 151,936-row vocabulary) with random
-    # weights: the GPU benchmarks' real-size model. ~2 GB on disk in fp32; too slow to train on a CPU.
+    # Qwen2-0.5B's shapes with random weights: the GPU benchmarks' real-size model.
     "qwen2-0.5b": TinyModelSpec(
         hidden_size=896,
         num_layers=24,
@@ -86,25 +79,15 @@ BUILTIN_MODELS: dict[str, TinyModelSpec] = {
 
 
 def _gpt2_bytes() -> list[str]:
-    printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    )
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
+    """GPT-2's byte-to-character table: printable bytes as themselves, the others from 256 on."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
 def build_tokenizer(chat_template: bool = False):  # -> PreTrainedTokenizerFast
-    """A character-level tokenizer: every printable ASCII character and newline is one token.
-
-    It is a byte-level BPE with no merges, the same family as Qwen2's tokenizer, so that
-    transformers loads it identically whichever tokenizer class it picks for the architecture.
-    """
+    """A character-level tokenizer (printable ASCII and newline): a byte-level BPE with no merges, Qwen2's
+    family, so transformers loads it alike whichever tokenizer class it picks."""
     from transformers import PreTrainedTokenizerFast
 
     alphabet = _gpt2_bytes()
@@ -149,28 +132,20 @@ def _model_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int
 
 
 def build_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False) -> Path:
-    """Write a randomly initialised model and its tokenizer to `path` (HF format); returns the path.
-
-    Idempotent: an existing folder built from the same spec is left as it is.
-    """
+    """Write a random model and its tokenizer to `path` (HF format), unless already built from `spec`."""
     return _build(path, spec or TinyModelSpec(), "causal-lm", overwrite)
 
 
 def build_tiny_reward_model(
     path: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False
 ) -> Path:
-    """Write a randomly initialised sequence classifier with one label (a reward model) and the same
-    tokenizer to `path` (HF format); returns the path. Idempotent like `build_tiny_model`.
-
-    Its config carries pad_token_id, so transformers' own pooling can find each row's last token.
-    """
+    """Like `build_tiny_model`, a one-label sequence classifier (a reward model)."""
     return _build(path, spec or TinyModelSpec(), "reward", overwrite)
 
 
 def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) -> Path:
     path = Path(path)
-    # The causal-LM marker stays the bare spec, so folders built before the reward head still match.
-    # exclude_none: folders built before `vocab_size` existed keep matching their marker.
+    # The causal-LM marker is the bare spec without None fields: older folders keep matching.
     dump = spec.model_dump(exclude_none=True)
     wanted = dump if head == "causal-lm" else {**dump, "head": head}
 
@@ -180,14 +155,12 @@ def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) ->
 
     if not overwrite and is_current(path):
         return path
-    # Built beside the target and renamed into place (engines/model_folder.py): another process
-    # building the same model at the same time never sees, or leaves, a half-written folder.
     return build_atomically(path, lambda folder: not overwrite and is_current(folder),
                             lambda staging: _write_model(staging, spec, head, wanted))  # fmt: skip
 
 
 def _write_model(path: Path, spec: TinyModelSpec, head: str, wanted: dict) -> None:
-    # torch and transformers here, not at the top: the service lists the built-in names without them.
+    # Imported here: the service lists the built-in names without torch.
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -217,7 +190,6 @@ def builtin_or_folder(name: str, root: str | Path) -> Path:
 
 
 def build_builtin_model(name: str, root: str | Path, overwrite: bool = False) -> Path:
-    """Build the named built-in model under `root/name`."""
     if name not in BUILTIN_MODELS:
         raise ValueError(f"unknown built-in model '{name}'; choose one of {sorted(BUILTIN_MODELS)}")
     return build_tiny_model(Path(root) / name, BUILTIN_MODELS[name], overwrite=overwrite)

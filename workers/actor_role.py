@@ -1,11 +1,8 @@
 """The training role: the actor training engine and an optional reference engine (forward only).
 
-`ActorRefWorker` computes log-probs, updates the actor and sends its weights to the rollout role.
-On its own (resources.placement 'split') it sends them to rollout workers in other processes:
-rank 0 sends, through the strategy `workers/transfer_choice.py` picks, and every rank takes part
-in gathering the full tensors (FSDP); the hybrid worker (workers/hybrid.py) composes this role with
-the rollout role in one process and sends in process. Mesh "actor" is the FSDP data-parallel
-layout (every rank its own dp rank, every rank collected).
+On its own (placement 'split') rank 0 sends the weights to rollout workers in other processes,
+through the strategy workers/transfer_choice.py picks, while every rank helps gather the full
+tensors (FSDP); workers/hybrid.py composes this role with the rollout role in one process.
 """
 
 from __future__ import annotations
@@ -30,15 +27,11 @@ from workers.transfer_choice import RolloutLink, connect
 
 
 class ActorRefWorker(TrainingOperations):
-    """One rank of the training group (actor + optional reference). See the module docstring.
-
-    Its fine-grained operations (forward_backward, optim_step, save/load state) and the job's
-    checkpoint and hyper-parameter operations come from `TrainingOperations` (workers/operations.py)."""
+    """One rank of the training group (actor + optional reference); its fine-grained, checkpoint and
+    hyper-parameter operations are `TrainingOperations`' (workers/operations.py)."""
 
     checkpoint_name = "actor"
-    _adapter_remote = (
-        False  # every rank: syncs are adapter-only to rollout workers elsewhere (probe_all_ranks)
-    )
+    _adapter_remote = False  # syncs are adapter-only to rollout workers elsewhere (probe_all_ranks)
 
     def __init__(self, config: HybridWorkerConfig | dict) -> None:
         Worker.__init__(self)
@@ -48,12 +41,10 @@ class ActorRefWorker(TrainingOperations):
         limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
         self.register_actor_mesh()
 
-    # ---- build steps (the hybrid worker runs them too) ------------------------------------------
-
     def build_training(self) -> None:
         self.actor = build_train_engine(self.config.actor)
         self.actor.initialize()
-        self.ops = TrainOps(self.actor)  # the fine-grained operations (workers/operations.py)
+        self.ops = TrainOps(self.actor)
         self.ref: TrainEngine | None = None
         if self.config.ref is not None:
             self.ref = build_train_engine(self.config.ref.model_copy(update={"trainable": False}))
@@ -64,8 +55,7 @@ class ActorRefWorker(TrainingOperations):
 
     @register(Dispatch.ONE_TO_ALL)
     def connect_rollout(self, link: RolloutLink) -> None:
-        """Rank 0 connects its weight transfer to the rollout workers of `link`; the others only
-        gather (the full tensors are collective over the FSDP ranks)."""
+        """Rank 0 connects its weight transfer to the rollout workers of `link`; the others only gather."""
         self._adapter_remote = self.actor.adapter_config() is not None
         if self.rank == 0:
             if self.weight_sync is not None:  # a replaced rollout group: the old transfer's peers are gone
@@ -75,8 +65,6 @@ class ActorRefWorker(TrainingOperations):
             self.weight_sync = connect(
                 link, self.config.rollout.bucket_mb, dtype, self.actor.device, self.actor
             )
-
-    # ---- log-probs and updates ---------------------------------------------------------------
 
     @register(Dispatch.MESH, mesh="actor")
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -130,12 +118,10 @@ class ActorRefWorker(TrainingOperations):
         loss = prepare_loss(batch, SFTLossConfig(loss_agg_mode=agg_mode))
         return train_on_batch(self.actor, batch, loss.loss_fn, schedule, "sft")
 
-    # ---- weights to the rollout role -----------------------------------------------------------
-
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
     def sync_weights(self, names: list[str] | None = None) -> dict[str, float]:
-        """Send the actor's weights (all, or the tensors named in `names`) to the rollout role;
-        returns the transfer's measurements ({} on a rank that only gathers)."""
+        """Send the actor's weights (all, or those in `names`) to the rollout role; the transfer's
+        metrics ({} on a rank that only gathers)."""
         with self.actor.eval_mode():
             stream = self.actor.get_per_tensor_param()
             if names is not None:
@@ -146,8 +132,8 @@ class ActorRefWorker(TrainingOperations):
             return self._send_weights(stream)
 
     def _send_adapter(self, stream: Iterator[NamedTensor]) -> dict[str, float]:
-        """The adapter to rollout workers elsewhere, then the probe, whose trainer half every rank
-        runs (workers/adapter_transfer.py); a failed transfer is raised after it, ranks in step."""
+        """The adapter to rollout workers elsewhere, then the probe on every rank; a failed transfer is
+        raised after it, so the ranks stay in step."""
         transfer = self.weight_sync if isinstance(self.weight_sync, RemoteAdapterTransfer) else None
         moved, failure = None, None
         try:
@@ -168,13 +154,10 @@ class ActorRefWorker(TrainingOperations):
         try:
             return self.weight_sync.transfer(stream).metrics()
         except Exception:
-            # Gather the rest with the other ranks (the full tensors are collective), so that a receiver
-            # lost mid-transfer leaves the training ranks in step: its replacement can be sent to.
+            # Gather the rest with the other ranks, so a lost receiver leaves them in step.
             for _ in stream:
                 pass
             raise
-
-    # ---- checkpoints (save_checkpoint, load_checkpoint: workers/operations.py) -------------------
 
     def after_load_checkpoint(self) -> None:
         """Bring the rollout role to the restored weights."""
@@ -192,7 +175,7 @@ class ActorRefWorker(TrainingOperations):
 
 
 def _dtype_of(name: str, device: torch.device) -> torch.dtype | None:
-    """The rollout's weight dtype for a config dtype name ('auto': bf16 on CUDA, fp32 on CPU)."""
+    """The rollout's weight dtype for a config name ('auto': bf16 on CUDA, fp32 on CPU)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)

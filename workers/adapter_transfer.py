@@ -1,19 +1,10 @@
 """Adapter-only sync to rollout workers in other processes (placement 'split' with model.lora).
 
-The colocated path (`AdapterTransfer`, engines/transfer/adapter.py) hands the adapter to the rollout
-engine in its own process. Split, `RemoteAdapterTransfer` on training rank 0 puts the adapter
-(PEFT-named fp32 tensors) in Ray's object store once as one object (`encode_bucket`, bit for bit)
-and makes one call per rollout worker, `RolloutWorker.receive_adapter`, which loads it as the
-colocated path does, closes the update and generates the probe's greedy sequence. The object store
-rather than a collective group whatever `rollout.weight_transfer` says: an adapter is small, so a
-group would add a rendezvous for nothing.
-
-The probe then needs the trainer's log-probs of each worker's probe sequence, and the trainer's
-forward is collective over the FSDP ranks: `probe_all_ranks` broadcasts the sequences from rank 0
-(over the training group's default process group) and every rank runs the forward; rank 0 checks
-the largest difference (`weight_sync/probe_max_abs_diff`) and raises `AdapterSyncError` naming the
-rollout worker past the tolerance. Every rank broadcasts exactly once per sync, a failed transfer
-included (rank 0 then sends None), so the ranks stay in step.
+Rank 0 puts the adapter in Ray's object store as one object (whatever `rollout.weight_transfer`
+says: an adapter is small) and each rollout worker loads it and generates the probe's greedy
+sequence. The trainer's half of the probe is a collective forward, so `probe_all_ranks` broadcasts
+the sequences from rank 0 and every rank runs it; every rank broadcasts exactly once per sync, a
+failed one included, so the ranks stay in step.
 """
 
 from __future__ import annotations
@@ -32,8 +23,6 @@ from workers.transfer_peers import RolloutPeers
 
 
 class RemoteAdapterTransfer(WeightTransfer):
-    """Training rank 0 -> every rollout worker: the LoRA adapter in one object; see the module docstring."""
-
     name = "adapter_object_store"
 
     def __init__(self, receivers: RolloutPeers, adapter_config: dict, probe_tolerance: float) -> None:
@@ -57,8 +46,7 @@ class RemoteAdapterTransfer(WeightTransfer):
         return int(replies[0]["version"])
 
     def checked(self, moved: TransferStats, differences: list[float]) -> ProbedSyncStats:
-        """The transfer's stats with the probe's result; raises AdapterSyncError past the tolerance,
-        naming the worst rollout worker."""
+        """The stats with the probe's result; AdapterSyncError past the tolerance names the worst worker."""
         worst = max(range(len(differences)), key=differences.__getitem__, default=0)
         stats = ProbedSyncStats(
             **vars(moved),
@@ -73,9 +61,8 @@ class RemoteAdapterTransfer(WeightTransfer):
 def probe_all_ranks(
     train: TrainEngine, transfer: RemoteAdapterTransfer | None, moved: TransferStats | None
 ) -> dict[str, float]:
-    """Every training rank: the trainer's half of the probe of the sync that just ran. Rank 0 (the
-    one holding `transfer`; `moved` None when its transfer failed) broadcasts the workers' probe
-    sequences; returns the sync's metrics on rank 0, {} elsewhere."""
+    """Every training rank: the trainer's half of the probe of the sync that just ran. Rank 0 (holding
+    `transfer`; `moved` None when it failed) broadcasts the workers' sequences; its metrics, {} elsewhere."""
     served: list[Any] = [transfer.served if transfer is not None and moved is not None else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(served, src=0)

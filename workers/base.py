@@ -1,9 +1,8 @@
 """Workers declare how their methods are dispatched; the controller executes the declaration.
 
-`@register(Dispatch.MESH, mesh="actor")` only attaches a `MethodSpec` to the function: it imports
-nothing from the controller. A `Worker` instance owns its mesh registry: for each mesh name it
-serves ("actor", "rollout", ...) it records its data-parallel rank and whether its output is the one
-collected for that dp rank. Two workers in one process (colocated roles) each have their own.
+`@register(...)` only attaches a `MethodSpec`; it imports nothing from the controller. Each `Worker`
+owns its mesh registry (its dp rank in each mesh it serves, and whether its output is collected), so
+colocated roles in one process each have their own.
 """
 
 from __future__ import annotations
@@ -29,8 +28,7 @@ class Dispatch(enum.Enum):
 
 
 class Reduce(enum.Enum):
-    """What a typed group surface (controller/groups.py) makes of the ranks' results, so that it
-    returns what the worker method's own annotation says."""
+    """What a typed group surface (controller/groups.py) makes of the ranks' results."""
 
     ALL = "all"  # every rank's result in rank order; a MESH call's Batches come back gathered anyway
     GLOBAL = "global"  # identical on every rank (the engine reduced it over ranks): rank 0's is global
@@ -39,8 +37,6 @@ class Reduce(enum.Enum):
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """The declarative dispatch spec that `register` attaches to a worker method."""
-
     mode: Dispatch
     mesh: str | None = None
     blocking: bool = True
@@ -55,9 +51,8 @@ def register(
     reduce: Reduce = Reduce.ALL,
     pad: bool = True,
 ) -> Callable[[F], F]:
-    """Mark a worker method as callable through a worker group, with its dispatch mode and how the
-    typed group surface reduces the ranks' results (`Reduce`). `pad=False`: a MESH method for
-    which a padding row would count (a gradient): a batch must split evenly over the dp ranks."""
+    """Mark a worker method as callable through a worker group. `pad=False`: a MESH method for which a
+    padding row would count (a gradient), so a batch must split evenly over the dp ranks."""
     if mode is Dispatch.MESH and not mesh:
         raise ValueError("Dispatch.MESH needs a mesh name, e.g. register(Dispatch.MESH, mesh='actor')")
     if mode is not Dispatch.MESH and mesh is not None:
@@ -72,7 +67,7 @@ def register(
 
 
 def registered_methods(cls: type) -> dict[str, MethodSpec]:
-    """Every method of `cls` (inherited ones included) that carries a dispatch spec."""
+    """Every method of `cls` (inherited too) that carries a dispatch spec."""
     found: dict[str, MethodSpec] = {}
     for name in dir(cls):
         spec = getattr(getattr(cls, name, None), SPEC_ATTR, None)
@@ -96,7 +91,6 @@ class Worker:
         self._meshes: dict[str, MeshEntry] = {}
 
     def register_mesh(self, name: str, dp_rank: int, is_collect: bool) -> None:
-        """Declare this worker's dp rank in mesh `name` and whether its output is collected."""
         if name in self._meshes:
             raise ValueError(f"mesh '{name}' is already registered on rank {self.rank}")
         if dp_rank < 0:

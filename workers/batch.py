@@ -1,11 +1,8 @@
 """The Batch protocol: the currency between the controller and the workers.
 
-A `Batch` is three aligned things: `tensors`, a TensorDict whose batch dimension 0 is the sample
-axis; `non_tensors`, numpy object arrays of the same length (raw prompts, ground truths, uids); and
-`meta`, a dict of per-batch settings (sampling, global step, ...; typed ones through the helpers at
-the end of this file). Every operation keeps the
-three aligned, and every operation that produces several batches deep-copies `meta` into each, so
-that mutating one chunk's settings never reaches another chunk or the source.
+Three aligned things: `tensors` (a TensorDict, dim 0 the sample axis), `non_tensors` (numpy object
+arrays of the same length) and `meta` (per-batch settings, typed ones through the helpers at the
+end). Every operation that produces several batches deep-copies `meta` into each.
 """
 
 from __future__ import annotations
@@ -52,8 +49,6 @@ def _index_array(index: Index, length: int) -> np.ndarray | slice:
 
 @dataclass
 class Batch:
-    """Aligned tensors, non-tensor arrays and per-batch settings; see the module docstring."""
-
     tensors: TensorDict
     non_tensors: dict[str, np.ndarray] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
@@ -70,8 +65,6 @@ class Batch:
         for key, array in self.non_tensors.items():
             if len(array) != n:
                 raise ValueError(f"non-tensor '{key}' has {len(array)} rows but the batch has {n}")
-
-    # ---- construction -------------------------------------------------------------------------
 
     @classmethod
     def from_dict(
@@ -91,8 +84,6 @@ class Batch:
             n = 0
         return cls(TensorDict(tensors, batch_size=[n]), non_tensors, dict(meta or {}))
 
-    # ---- basic protocol -----------------------------------------------------------------------
-
     def __len__(self) -> int:
         return int(self.tensors.batch_size[0])
 
@@ -109,8 +100,6 @@ class Batch:
 
     def keys(self) -> list[str]:
         return list(self.tensors.keys()) + list(self.non_tensors.keys())
-
-    # ---- splitting and joining ----------------------------------------------------------------
 
     def chunk(self, n: int) -> list[Batch]:
         """Split into `n` equal chunks; a length not divisible by `n` is an error, never a truncation."""
@@ -131,16 +120,14 @@ class Batch:
             raise ValueError("cannot concat an empty list of batches")
         first = batches[0]
         for other in batches[1:]:
-            if set(other.tensors.keys()) != set(first.tensors.keys()):
-                raise ValueError(
-                    f"cannot concat batches with different tensor keys: "
-                    f"{sorted(first.tensors.keys())} vs {sorted(other.tensors.keys())}"
-                )
-            if set(other.non_tensors) != set(first.non_tensors):
-                raise ValueError(
-                    f"cannot concat batches with different non-tensor keys: "
-                    f"{sorted(first.non_tensors)} vs {sorted(other.non_tensors)}"
-                )
+            for kind, mine, theirs in (
+                ("tensor", first.tensors.keys(), other.tensors.keys()),
+                ("non-tensor", first.non_tensors, other.non_tensors),
+            ):
+                if set(theirs) != set(mine):
+                    raise ValueError(
+                        f"cannot concat batches with different {kind} keys: {sorted(mine)} vs {sorted(theirs)}"
+                    )
         tensors = torch.cat([b.tensors for b in batches], dim=0)
         non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors}
         return Batch(tensors, non_tensors, copy.deepcopy(first.meta))
@@ -202,7 +189,6 @@ class Batch:
         return Batch.concat([self, self[rows]]), pad
 
     def unpad(self, pad: int) -> Batch:
-        """Drop the `pad` rows that pad_to_multiple appended."""
         if pad < 0 or pad > len(self):
             raise ValueError(f"cannot remove {pad} padding rows from a batch of {len(self)}")
         return self if pad == 0 else self[: len(self) - pad]
@@ -211,10 +197,8 @@ class Batch:
         return Batch(self.tensors.to(device), self.non_tensors, self.meta)
 
     def __reduce__(self) -> tuple:
-        """Pickling (how Ray sends a Batch) carries the CPU tensors as numpy arrays, whose bytes
-        pickle protocol 5 ships out of band, where torch's own pickling writes every storage
-        through torch.save. Integer tensors travel in the narrowest integer type that holds their
-        values, so that more calls stay under the size Ray sends inside the call."""
+        """Ray pickles CPU tensors as numpy arrays (out of band, unlike torch.save), integers in the
+        narrowest type that holds them, so more calls stay under the size Ray sends inline."""
         arrays = {key: _to_wire(value) for key, value in self.tensors.items()}
         size = list(self.tensors.batch_size)
         return (_from_wire, (arrays, size, self.tensors.device, self.non_tensors, self.meta))
@@ -259,32 +243,19 @@ def _from_array(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def _object_arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    if len(a) != len(b):
-        return False
-    return all(_values_equal(x, y) for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(bool(np.all(x == y)) for x, y in zip(a, b, strict=True))
 
-
-def _values_equal(x: Any, y: Any) -> bool:
-    result = x == y
-    if isinstance(result, np.ndarray):
-        return bool(result.all())
-    return bool(result)
-
-
-# ---- typed settings in meta ------------------------------------------------------------------
 
 SAMPLING_KEY = "sampling"
 
 
 def put_sampling(batch: Batch, params: SamplingParams) -> None:
-    """Attach how the batch is (or was) sampled: generate_sequences reads it, and so do the log-prob
-    passes after it (the temperature the sampling distribution used)."""
+    """Attach how the batch is sampled (generate_sequences, and the log-prob passes' temperature)."""
     batch.meta[SAMPLING_KEY] = params
 
 
 def sampling_of(batch: Batch) -> SamplingParams | None:
-    """The batch's sampling settings, typed (a plain dict, e.g. from a script, is validated); None
-    when the batch was never sampled (SFT)."""
+    """The batch's sampling settings, typed (a dict is validated); None when never sampled (SFT)."""
     raw = batch.meta.get(SAMPLING_KEY)
     return None if raw is None else SamplingParams.model_validate(raw)
 
@@ -305,8 +276,7 @@ def environment_of(batch: Batch) -> EnvironmentConfig | None:
 
 
 def put_prompt_length(batch: Batch, max_prompt_length: int) -> None:
-    """Attach the prompt width of the rollout layout (data.max_prompt_length): prompts are
-    left-padded to it, so that every rank's chunk has the same columns."""
+    """Attach the rollout layout's prompt width (data.max_prompt_length), the same on every rank."""
     if max_prompt_length <= 0:
         raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
     batch.meta[PROMPT_LENGTH_KEY] = int(max_prompt_length)

@@ -1,22 +1,9 @@
 """Token-exact conversations: render a new turn through the chat template as a token delta.
 
-Sampled tokens are never decoded and re-encoded. A trajectory's tokens are the rendered first
-prompt, then for every turn the model's sampled tokens as they came, then the observation's
-*delta*: only the tokens the chat template adds for the new turn(s). How the delta is computed:
-
-1. Once, render a probe conversation [user "u", assistant MARKER] without a generation prompt.
-   The text after MARKER is the template's assistant suffix (Qwen style: "<|im_end|>\\n"); if it
-   starts with a special token, that token is the turn-end token, added to the stop tokens.
-2. For an observation, render [user "u", assistant MARKER, *observation] with the generation
-   prompt; it must start with the probe's text, and the rest is the observation's rendering
-   (e.g. "<|im_start|>tool\\n42<|im_end|>\\n<|im_start|>assistant\\n").
-3. The delta is the assistant suffix that the sampled tokens did not already produce (without the
-   turn-end token when the turn ended on it, the whole suffix when it was cut off), followed by
-   that rendering, tokenized as one string without added special tokens.
-
-So the tokens of a trajectory equal the tokenizer's rendering of the whole conversation whenever
-the sampled tokens are what the tokenizer would produce for the decoded text (tested for the
-built-in chat tokenizer in tests/test_multiturn.py). Template tokens carry loss mask 0.
+Sampled tokens are never decoded and re-encoded: a trajectory is the first prompt, each turn's sampled
+tokens, and each observation's delta. A probe [user, assistant MARKER] rendered once gives the
+template's assistant suffix (its first special token is the turn-end token); an observation's delta
+is the part of that suffix the sampled tokens did not produce, then the rendering after the probe.
 """
 
 from __future__ import annotations
@@ -28,8 +15,6 @@ _PROBE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MA
 
 
 class ChatDelta:
-    """Renders first prompts and observation deltas for one tokenizer; see the module docstring."""
-
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
@@ -54,7 +39,6 @@ class ChatDelta:
         )
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The first prompt: the conversation so far with the generation prompt."""
         return self.encode(self._render(messages, generation_prompt=True))
 
     def observation_ids(self, messages: list[dict[str, str]], last_sampled: int | None) -> list[int]:

@@ -1,15 +1,9 @@
 """OpenAI chat requests inside a job: templating, tool calls, and the text of sampled tokens.
 
-`ChatRenderer` turns an OpenAI `messages` list (and `tools`) into prompt token ids through the
-model's own chat template, renders the messages a later call adds as a token *delta*
-(workers/chat_delta.py), and turns sampled tokens into an assistant message. Sampled tokens are
-never re-encoded: the text returned is decoded from them, and a trajectory keeps the ids.
-
-Tools. A template that renders `tools` itself (Qwen2.5, Llama 3.1, Hermes ...) gets them as
-`apply_chat_template(tools=...)`; otherwise the tool schemas go into the system message in the
-Hermes/Qwen convention, and an assistant message's `tool_calls` are written into its text as
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`. Tool calls are parsed from the model's
-output in that same convention (the one those templates teach their models).
+`ChatRenderer` templates `messages` (and `tools`) with the model's own chat template, renders later
+messages as a token delta (chat_delta.py), and turns sampled tokens into an assistant message;
+sampled tokens are never re-encoded. A template that does not render `tools` gets them in the system
+message, Hermes/Qwen style, and tool calls are `<tool_call>{"name", "arguments"}</tool_call>` both ways.
 """
 
 from __future__ import annotations
@@ -83,8 +77,7 @@ def parse_tool_calls(text: str, call_id: str) -> tuple[str, list[dict[str, Any]]
 
 def with_tools_header(messages: list[dict[str, Any]], tools: list[dict]) -> list[dict[str, Any]]:
     """The messages with the tool schemas in the system message (Hermes/Qwen convention), for a
-    template that does not render `tools` itself: what the model is shown, and what a warm start's
-    traces must show it too (controller/tasks/calculator.py)."""
+    template that does not render `tools` itself."""
     header = TOOLS_HEADER.format(tools="\n".join(json.dumps(t, sort_keys=True) for t in tools))
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": messages[0]["content"] + "\n\n" + header}, *messages[1:]]
@@ -92,8 +85,6 @@ def with_tools_header(messages: list[dict[str, Any]], tools: list[dict]) -> list
 
 
 class ChatRenderer:
-    """A model's chat template for OpenAI requests; see the module docstring."""
-
     def __init__(self, tokenizer: Any) -> None:
         self.delta = ChatDelta(tokenizer)
         self.tokenizer = tokenizer
@@ -119,7 +110,6 @@ class ChatRenderer:
         return out
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
-        """The whole conversation, templated with the generation prompt."""
         rendered = self.messages(messages, tools)
         if tools and self.native_tools:
             text = self.tokenizer.apply_chat_template(
@@ -160,8 +150,7 @@ def _native_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def cut_at_stop(text_of: Any, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
-    """The sampled ids up to and including the token that completes the first stop string (the
-    engine knows stop tokens, not strings); `text_of(ids)` decodes. (ids, whether a stop was hit)."""
+    """(the sampled ids up to the token that completes the first stop string, whether one did)."""
     if not stops:
         return ids, False
     for end in range(1, len(ids) + 1):

@@ -1,9 +1,5 @@
 """The critic: a value-head FSDP engine that scores every response token and learns the returns.
-
-It registers only the "actor" mesh (the FSDP data-parallel layout), so it can live in its own
-actors on the same bundles as the hybrid worker (a fractional share of each bundle), or be fused
-into the same processes as another role.
-"""
+It registers only the "actor" mesh, so it can share bundles (or processes) with another role."""
 
 from __future__ import annotations
 
@@ -28,8 +24,8 @@ class CriticWorker(TrainingOperations):
         cfg = EngineConfig.model_validate(config).model_copy(update={"role": "value"})
         self.critic = build_train_engine(cfg)
         self.critic.initialize()
-        self.ops = TrainOps(self.critic)  # the fine-grained operations (workers/operations.py)
-        limit_threads_for_model(cfg.model_path)  # a small model: one thread (engines/threads.py)
+        self.ops = TrainOps(self.critic)
+        limit_threads_for_model(cfg.model_path)
         self.register_mesh("actor", dp_rank=self.critic.dp_rank, is_collect=self.critic.is_collect_rank)
 
     @register(Dispatch.MESH, mesh="actor")

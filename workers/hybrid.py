@@ -1,13 +1,5 @@
-"""The hybrid actor-rollout-ref worker: the training role and the rollout role in one process.
-
-`ActorRolloutRefWorker` is the composition of `ActorRefWorker` (workers/actor_role.py: actor and
-reference engines, log-probs, updates, checkpoints) and `RolloutWorker` (workers/rollout_role.py:
-the rollout engine, generation), built in one process on the same device: today's default
-placement ('colocated'). Weights move from the actor to the rollout engine in this process
-(`InProcessTransfer`, engines/transfer/in_process.py), bucketed through the engines' own APIs;
-nothing else copies them. Both meshes live here: "actor" (the FSDP layout) and "rollout"
-(`tensor_parallel_size` consecutive ranks per replica); with tp = 1 they coincide.
-"""
+"""The hybrid actor-rollout-ref worker: the training role and the rollout role in one process
+(placement 'colocated'), the weights moving between them in process (engines/transfer/in_process.py)."""
 
 from __future__ import annotations
 
@@ -23,8 +15,6 @@ from workers.transfer_choice import in_process
 
 
 class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
-    """One rank of the colocated actor + reference + rollout group. See the module docstring."""
-
     def __init__(self, config: HybridWorkerConfig | dict) -> None:
         Worker.__init__(self)  # the two roles' build steps, in one process, in this order
         self.config = HybridWorkerConfig.model_validate(config)
@@ -43,7 +33,7 @@ class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
             lora_rank=lora.rank if lora is not None else None,
         )
         self.weight_sync = in_process(self.rollout, rc.bucket_mb, self.actor)
-        limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
+        limit_threads_for_model(self.config.actor.model_path)
         self.register_actor_mesh()
         self.register_rollout_mesh()
         self.settle_rollout_memory()

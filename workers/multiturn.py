@@ -1,18 +1,9 @@
 """Multi-turn rollouts: trajectories of model turns and environment observations, turn by turn.
 
-`MultiTurnRollout.run` takes the rows a worker was sent and returns one `Trajectory` per row. Per
-turn it makes one batched `RolloutEngine.generate` call over all live trajectories (the engine
-contract of engines/rollout/base.py, so any backend serves it); then it steps their environments
-concurrently in a thread pool, each step with a time limit; a trajectory that is done, failed or
-out of turns or tokens drops out. Observations are appended as token deltas (workers/chat_delta.py),
-so the sampled tokens stay exactly as sampled. The environment interface is in
-workers/environments/base.py; a user's environments run in a sandbox and are stepped through proxies
-(workers/environments/sandboxed.py).
-
-`trajectory_tensors` lays trajectories out like single-turn rollouts: the first prompt left-padded
-to the prompt width, everything after it right-padded to `max_response_tokens`. response_mask is 1
-on sampled tokens only, so every loss and advantage estimator trains on them alone; attention_mask
-covers observation tokens too, so the trainer's log-probs are computed on the same sequence.
+Per turn one batched `generate` over the live trajectories, then their environments stepped
+concurrently, each with a time limit. Observations are appended as token deltas (chat_delta.py).
+`trajectory_tensors` lays them out like single-turn rollouts; response_mask is 1 on sampled tokens
+only, attention_mask covers observations too.
 """
 
 from __future__ import annotations
@@ -63,8 +54,6 @@ class Trajectory:
 
 
 class MultiTurnRollout:
-    """Runs trajectories for one worker's rows; see the module docstring."""
-
     def __init__(self, engine: RolloutEngine, delta: ChatDelta, config: EnvironmentConfig) -> None:
         self.engine, self.delta, self.config = engine, delta, config
         self.env_class = environment_factory(config)  # a built-in's class, or a sandbox's proxies
@@ -151,10 +140,8 @@ class MultiTurnRollout:
                 traj.messages += result.messages
 
     def _result(self, traj: Trajectory, future: Future, deadline: float) -> Any:
-        """The call's value, or None after marking the trajectory failed (error or time-out).
-
-        All calls of a turn start together (the pool has a thread per trajectory up to
-        `threads`), so one deadline from submission is each call's time limit."""
+        """The call's value, or None after marking the trajectory failed; all of a turn's calls start
+        together, so one deadline is each call's limit."""
         try:
             return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
@@ -171,7 +158,6 @@ def _step_env(env: Any, text: str) -> StepResult:
 def trajectory_tensors(
     trajectories: list[Trajectory], prompt_width: int, response_width: int, pad: int
 ) -> TensorDict:
-    """The fixed-width training layout of trajectories (see the module docstring)."""
     rows = len(trajectories)
     input_ids = torch.full((rows, prompt_width + response_width), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)

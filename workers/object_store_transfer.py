@@ -1,12 +1,9 @@
 """The object-store strategy: each bucket is one object in Ray's object store, read by every
 rollout worker.
 
-A bucket is `ray.put` once as a list of (name, dtype, shape, uint8 numpy view of the tensor's
-bytes): Ray copies each array once into shared memory (no packing copy before it), and every
-receiver on the node maps that copy without deserialising one of its own (`decode_bucket`), then
-applies it by name (`RolloutWorker.receive_bucket`). Any dtype travels as its bytes, bit for bit.
-The next bucket is gathered and put while the receivers apply the previous one (at most two buckets
-are held), and the last bucket's call also closes the update (one actor call per bucket, none more).
+A bucket is put once as uint8 numpy views of its tensors' bytes (no packing copy; receivers on the
+node map it without deserialising), bit for bit. The next bucket is put while the receivers apply
+the previous one, and the last bucket's call also closes the update.
 """
 
 from __future__ import annotations

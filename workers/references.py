@@ -1,17 +1,10 @@
 """References to code: "builtin:NAME", "package.module:name" or "path/to/file.py:name".
 
-Reward functions (controller/rewards.py), environment classes (workers/environments/loader.py) and
-agents (controller/agent_sandbox.py) are all addressed this way. `parse_reference` decides the form
-once, the same way for every caller: a reference that starts with "builtin:" names an entry of the
-caller's built-in table, exactly (`lookup_builtin`), and is never a module or a path, whatever
-follows the prefix; every other reference is split at its last ':' into a source (a Python file when
-it ends in .py or holds a '/', else a dotted module name) and an attribute name.
-
-`resolve_reference` imports a module or file reference. A file is executed afresh on every load,
-under one module name per absolute path (so two files both called rewards.py do not collide).
-Importing runs arbitrary code, so only sandboxed processes (workers/sandbox/) call it on users'
-references; the API looks up built-ins in its tables and nothing else. It lives in workers/ because
-environments are loaded by workers, which must not import the controller.
+Reward functions, environments and agents are addressed this way. `parse_reference` decides the form
+once for every caller: "builtin:" names a table entry exactly, never a module or path; anything else
+splits at its last ':' into a source (a file when it ends in .py or holds a '/') and a name.
+`resolve_reference` imports it, a file afresh under one module name per path; importing runs user
+code, so only sandboxed processes call it on users' references.
 """
 
 from __future__ import annotations
@@ -74,17 +67,15 @@ def is_path_source(source: str) -> bool:
 
 
 def is_path_reference(ref: str) -> bool:
-    """Whether `ref` names a Python file ('path/file.py:name'); a 'builtin:' reference never does,
-    nor does an OpenEnv server's address ('openenv:http://...', workers/environments/openenv_ref.py)."""
+    """Whether `ref` names a Python file ('path/file.py:name'); never a 'builtin:' or 'openenv:' one."""
     if not isinstance(ref, str) or ref.startswith((BUILTIN_PREFIX, OPENENV_PREFIX)):
         return False
     return is_path_source(ref.rpartition(":")[0])
 
 
 def resolve_reference(ref: str, what: str, error: type[ValueError]) -> Any:
-    """The object a module or file reference names (a dotted name reaches nested attributes); raises
-    `error`, a message naming `what` and `ref`, when the module does not import or has no such
-    attribute. A 'builtin:' reference is refused: built-ins are looked up in tables, never imported."""
+    """The object a module or file reference names (dotted names reach nested attributes); `error`
+    names `what` and `ref` when it does not import or has no such attribute. 'builtin:' is refused."""
     if ref.startswith(BUILTIN_PREFIX):
         raise error(f"{what} {ref[:200]!r} is a built-in name, not a module or file to import")
     source, _, name = ref.rpartition(":")

@@ -1,9 +1,4 @@
-"""Waiting for calls on Ray worker actors: bounded, and a failure names the group, rank and method.
-
-The controller's worker groups wait on their ranks through `wait_all`, and so do workers that call
-other workers directly (a training rank pushing weights into rollout workers), so that every
-remote call has a timeout and an error that says which worker failed.
-"""
+"""Waiting for calls on Ray worker actors: bounded, and a failure names the group, rank and method."""
 
 from __future__ import annotations
 
@@ -15,8 +10,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 
 class WorkerGroupError(RuntimeError):
-    """A worker-group call failed: a rank raised (`kind` "raised"), its actor died ("died"), or it did
-    not answer in time ("timeout"). Job recovery (controller/recovery.py) retries the last two."""
+    """A worker-group call failed; `kind` "raised", "died" or "timeout" (job recovery retries the last two)."""
 
     def __init__(self, group: str, method: str, rank: int | None, message: str, kind: str = "raised") -> None:
         where = f"rank {rank}" if rank is not None else "ranks"

@@ -1,15 +1,8 @@
 """The reward-model worker: scores rollouts with a one-label sequence classifier.
 
-Each rank holds a whole `engines.reward_model.RewardModel` (no sharding: reward models are used for
-inference only) and scores its chunk of the batch. It registers only the "actor" mesh, with its own
-rank as dp rank and every rank collected, so the controller splits a batch over all ranks and gets
-the rows back in input order. Like the critic, it can run in its own actors on the same bundles as
-the hybrid worker (a fractional `share` of each bundle), or be fused into the same processes.
-
-The batch is the rollout's layout (`workers/hybrid.py`): input_ids = prompt left-padded + response
-right-padded, with attention_mask; responses and response_mask when present. The worker adds
-"rm_scores" [B] and, when the batch has a response_mask, "rm_token_scores" [B, R]: the score placed
-on the last valid response token (zeros elsewhere), the form token-level advantage estimators read.
+Each rank holds a whole `RewardModel` and scores its chunk (mesh "actor", every rank collected). It
+adds "rm_scores" [B] and, with a response_mask, "rm_token_scores" [B, R]: the score on the last
+valid response token, the form token-level advantage estimators read.
 """
 
 from __future__ import annotations

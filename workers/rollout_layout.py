@@ -1,8 +1,5 @@
-"""The fixed-width training layout of generated rows (the batch that generate_sequences returns).
-
-input_ids = prompt left-padded to P = max_prompt_length, then the response right-padded to
-R = max_new_tokens, so that the chunks of all dp ranks concatenate.
-"""
+"""The fixed-width training layout of generated rows: the prompt left-padded to max_prompt_length,
+the response right-padded to max_new_tokens, so the chunks of all dp ranks concatenate."""
 
 from __future__ import annotations
 
@@ -15,8 +12,6 @@ from tensordict import TensorDict
 def rollout_tensors(
     prompts: list[list[int]], completions: list, width: int, new_tokens: int, pad: int
 ) -> TensorDict:
-    """Prompt left-padded to `width`, response right-padded to `new_tokens`, with masks, log-probs,
-    weight versions and the truncation flags."""
     rows = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     if rows and int(prompt_lengths.max()) > width:
@@ -51,8 +46,7 @@ def rollout_tensors(
 
 
 def place_rows(out: torch.Tensor, rows: list[list], starts: torch.Tensor | None = None) -> None:
-    """Write row i of `rows` into out[i, starts[i] : starts[i] + len(rows[i])] (starts: 0), with one
-    indexed copy for the whole batch rather than a copy per row."""
+    """Write row i of `rows` into out[i, starts[i]:] (starts: 0) in one indexed copy for the batch."""
     lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
     total = int(lengths.sum())
     if total == 0:

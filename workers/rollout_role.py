@@ -1,25 +1,17 @@
 """The rollout role: one rollout engine, generation, and the receiving end of weight transfers.
 
-`RolloutWorker` is the role on its own workers (resources.placement 'split'); the colocated hybrid
-worker (workers/hybrid.py) is this role and the training role in one process. Its mesh "rollout"
-groups `tensor_parallel_size` consecutive ranks into one replica (dp rank = rank // tp, collected
-on tp rank 0).
-
-Generation layout. The controller sends a Batch whose non_tensors["prompt_ids"] hold token-id lists
-(one row per sample: prompts already repeated n times) and whose meta holds the SamplingParams
-(`workers.batch.put_sampling`) and the prompt width (`put_prompt_length`); the result has the
-fixed-width layout of workers/rollout_layout.py. With an environment in the meta
-(`put_environment`) each row is a multi-turn trajectory (workers/multiturn.py).
-`generate(token ids, SamplingParams)` is the low-level call: completions, no layout.
-
-Weights arrive from a training rank in another process (engines/transfer/), which calls
-`join_transfer` and `receive_weights`, `receive_bucket`, or `receive_adapter`
-(workers/adapter_transfer.py); a transfer may carry any named subset of the model's tensors.
+Mesh "rollout" groups `tensor_parallel_size` consecutive ranks into one replica. `generate_sequences`
+reads the prompts from non_tensors["prompt_ids"] and the settings from meta (workers/batch.py) and
+returns the fixed-width layout (workers/rollout_layout.py), or with an environment multi-turn
+trajectories (workers/multiturn.py). A sending training rank in another process calls
+`join_transfer`, `receive_weights`, `receive_bucket` or `receive_adapter`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import ray
 import torch
@@ -43,18 +35,14 @@ def rollout_mesh_coords(rank: int, tp: int) -> tuple[int, bool]:
 
 
 class RolloutWorker(Worker):
-    """One rank of a rollout group placed on its own workers. See the module docstring."""
-
     def __init__(self, config: RolloutWorkerConfig | dict) -> None:
         super().__init__()
         config = RolloutWorkerConfig.model_validate(config)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.build_rollout(config.rollout, config.model_path, device, lora_rank=config.lora_rank)
-        limit_threads_for_model(config.model_path)  # a small model: one thread
+        limit_threads_for_model(config.model_path)
         self.register_rollout_mesh()
         self.settle_rollout_memory()
-
-    # ---- build steps (the hybrid worker runs them too) ------------------------------------------
 
     def build_rollout(
         self, rc: RolloutConfig, model_path: str, device: str, lora_rank: int | None = None
@@ -85,8 +73,6 @@ class RolloutWorker(Worker):
         if release or (release is None and self.rollout.memory_is_short()):
             self.rollout.release_memory()
 
-    # ---- generation --------------------------------------------------------------------------
-
     @register(Dispatch.MESH, mesh="rollout")
     def generate_sequences(self, batch: Batch) -> Batch:
         """Sample one response per row; returns the batch with the fixed-width training layout."""
@@ -104,11 +90,8 @@ class RolloutWorker(Worker):
             return self._generate_trajectories(batch, params, environment)
         prompts = [list(map(int, p)) for p in batch.non_tensors["prompt_ids"]]
         width = prompt_length_of(batch) or max(len(p) for p in prompts)
-        self._before_rollout()
-        try:
+        with self._rolling():
             completions = self.rollout.generate(prompts, params)
-        finally:
-            self._after_rollout()
         return Batch(
             rollout_tensors(prompts, completions, width, params.max_new_tokens, self.rollout.pad_token_id),
             batch.non_tensors,
@@ -119,11 +102,8 @@ class RolloutWorker(Worker):
     def generate(self, prompts: list[list[int]], params: SamplingParams | dict) -> list[Completion]:
         """`len(prompts) * params.n` completions of token-id prompts, prompt-major (one replica)."""
         params = SamplingParams.model_validate(params)
-        self._before_rollout()
-        try:
+        with self._rolling():
             return self.rollout.generate([list(map(int, p)) for p in prompts], params)
-        finally:
-            self._after_rollout()
 
     def _generate_trajectories(
         self, batch: Batch, params: SamplingParams, config: EnvironmentConfig
@@ -150,15 +130,20 @@ class RolloutWorker(Worker):
         width = prompt_length_of(batch)
         if width is None:
             raise ValueError("a multi-turn batch needs its prompt width (workers.batch.put_prompt_length)")
-        self._before_rollout()
-        try:
+        with self._rolling():
             trajectories = MultiTurnRollout(self.rollout, self._chat_delta, config).run(rows, params, width)
-        finally:
-            self._after_rollout()
         tensors = trajectory_tensors(
             trajectories, width, config.max_response_tokens, self.rollout.pad_token_id
         )
         return Batch(tensors, {**batch.non_tensors, **trajectory_non_tensors(trajectories)}, batch.meta)
+
+    @contextmanager
+    def _rolling(self) -> Iterator[None]:
+        self._before_rollout()
+        try:
+            yield
+        finally:
+            self._after_rollout()
 
     def _before_rollout(self) -> None:
         if self.rollout.is_released:
@@ -166,8 +151,6 @@ class RolloutWorker(Worker):
 
     def _after_rollout(self) -> None:
         self.settle_rollout_memory()
-
-    # ---- receiving weights (called by the sending training rank) --------------------------------
 
     def join_transfer(
         self, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float
@@ -186,27 +169,23 @@ class RolloutWorker(Worker):
             self._apply(bucket)
 
     def receive_bucket(self, ref: ray.ObjectRef, last: bool = False, timeout_s: float = 300.0) -> int | None:
-        """One object-store bucket (workers/object_store_transfer.py), applied by name; the `last`
-        one also closes the transfer and returns the new weight version."""
+        """One object-store bucket, applied by name; the `last` one also closes the transfer and returns
+        the new weight version."""
         bucket = decode_bucket(ray.get(ref, timeout=timeout_s))
         self._apply([(name, t.to(self.rollout_device)) for name, t in bucket])
         return self.finish_transfer() if last else None
 
     def receive_adapter(self, ref: ray.ObjectRef, config: dict, timeout_s: float = 300.0) -> dict:
-        """A LoRA adapter in one object-store object (workers/adapter_transfer.py): loaded as the
-        colocated path loads it, the update closed, then the probe's greedy sequence generated.
-        Returns {"version", "tokens", "log_probs"}."""
+        """A LoRA adapter in one object-store object: loaded, the update closed, then the probe's greedy
+        sequence generated; {"version", "tokens", "log_probs"}."""
         tensors = [
             (n, t.to(self.rollout_device, copy=True))
             for n, t in decode_bucket(ray.get(ref, timeout=timeout_s))
         ]
-        self._before_rollout()
-        try:
+        with self._rolling():
             self.rollout.load_adapter(config, tensors)
             version = self.rollout.finish_update()
             completion = probe_completion(self.rollout)
-        finally:
-            self._after_rollout()
         return {
             "version": version,
             "tokens": list(completion.token_ids),
@@ -214,7 +193,6 @@ class RolloutWorker(Worker):
         }
 
     def finish_transfer(self) -> int:
-        """Close one transfer: bump the engine's weight version and return it."""
         version = self.rollout.finish_update()
         self._buckets_received = 0
         self.settle_rollout_memory()
@@ -230,10 +208,7 @@ class RolloutWorker(Worker):
 
     @property
     def rollout_device(self) -> torch.device:
-        device = getattr(self.rollout, "device", None)
-        return torch.device(device) if device is not None else torch.device("cpu")
-
-    # ---- state, test and debugging hooks ---------------------------------------------------------
+        return torch.device(getattr(self.rollout, "device", None) or "cpu")
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_version(self) -> int:
@@ -249,7 +224,6 @@ class RolloutWorker(Worker):
 
     @register(Dispatch.ALL_TO_ALL)
     def exit_during_next_transfer(self, after_buckets: int | None) -> None:
-        """Test hook (called with one value per rank): this rank's process exits after receiving
-        `after_buckets` buckets of the next transfer (None: never), so a test can check that the
-        sender names the worker that died."""
+        """Test hook: this rank's process exits after `after_buckets` buckets of the next transfer (None:
+        never), so a test can check that the sender names the worker that died."""
         self._exit_after_buckets = after_buckets

@@ -1,12 +1,9 @@
-"""Where a training rank's weight-transfer strategy is chosen: the one place that maps a placement
-and `rollout.weight_transfer` to a strategy object (engines/transfer/base.py's interface).
+"""Where a training rank's weight-transfer strategy is chosen: the one place that maps a placement,
+LoRA and `rollout.weight_transfer` to a strategy (engines/transfer/base.py's interface).
 
-Colocated, the rollout engine is in the same process: `InProcessTransfer`, or with LoRA
-`AdapterTransfer` (the adapter alone, probed after every transfer). Split, the rollout
-workers are other processes: `collective` (a torch.distributed group made for the transfer,
-engines/transfer/collective.py) or `object_store` (Ray's object store,
-workers/object_store_transfer.py); with LoRA `RemoteAdapterTransfer` (the adapter alone, in one
-object-store object, probed after every transfer: workers/adapter_transfer.py). A new strategy is one file plus one branch here.
+Colocated: `InProcessTransfer`, or the adapter alone (`AdapterTransfer`). Split: `collective` or
+`object_store`, or the adapter alone in one object (`RemoteAdapterTransfer`). A new strategy is one
+file plus one branch here.
 """
 
 from __future__ import annotations
@@ -52,8 +49,8 @@ def connect(
     device: torch.device,
     train: TrainEngine | None = None,
 ) -> WeightTransfer:
-    """The sending side of `link.strategy`, connected to every rollout worker of the link; the
-    adapter alone (one object-store object, workers/adapter_transfer.py) when `train` trains LoRA."""
+    """The sending side of `link.strategy`, connected to every rollout worker of the link (the adapter
+    alone when `train` trains LoRA)."""
     peers = RolloutPeers(link.actors, link.group, link.timeout_s)
     if train is not None and train.adapter_config() is not None:
         return RemoteAdapterTransfer(peers, train.adapter_config(), default_tolerance(dtype))

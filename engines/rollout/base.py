@@ -1,10 +1,7 @@
-"""The rollout-engine interface: how a worker generates responses and receives new weights.
+"""The rollout-engine interface: batched generation, and weights in as (HF name, tensor) streams.
 
-A rollout engine gets its weights once from the model folder and afterwards only through
-`update_weights`, a stream of (HF name, full tensor) pairs: the whole model or any named subset of
-it, delivered by a weight-transfer strategy (engines/transfer/) from the training engine in the
-same process or in another one. `weight_version` counts the updates, and every Completion carries
-the version that produced it, so the trainer can tell how stale a sample is.
+Every Completion carries the `weight_version` that produced it, so the trainer can tell how stale
+a sample is.
 """
 
 from __future__ import annotations
@@ -51,21 +48,18 @@ FinishReason = Literal["stop", "length"]
 
 @dataclass
 class Completion:
-    """One generated continuation.
+    """One generated continuation; a stop token that ended it is included.
 
-    `log_probs[i]` is the log-probability of `token_ids[i]` under the distribution the token was
-    sampled from: the model's logits divided by the temperature (temperature 0: divided by 1),
-    then restricted to the top-k / top-p set and renormalised. With temperature 1 and no top-k /
-    top-p it is the plain model log-probability, which the trainer recomputes exactly. Under a
-    `constraint` the tokens the grammar forbids are removed before the renormalisation.
-    A stop token that ended the completion is included in `token_ids` (and its log-prob).
+    `log_probs[i]` is under the distribution `token_ids[i]` was sampled from: logits / temperature
+    (0: / 1), restricted to the top-k / top-p set (and a `constraint`'s allowed tokens), renormalised;
+    with temperature 1 and no filtering, the plain model log-probability the trainer recomputes.
     """
 
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: FinishReason
     weight_version: int = 0
-    prompt_index: int = 0  # which input prompt it continues
+    prompt_index: int = 0
     extras: dict[str, float] = field(default_factory=dict)
 
 
@@ -74,12 +68,8 @@ class RolloutEngineError(RuntimeError):
 
 
 class RolloutEngine(ABC):
-    """Batched generation plus in-process weight updates. See the module docstring.
-
-    Every engine sets `pad_token_id` (the id that pads prompts and responses in the batches built
-    from its completions) and `dtype` (the dtype `update_weights` expects floating tensors in; None
-    when the engine casts them itself).
-    """
+    """Batched generation plus in-process weight updates. `pad_token_id` pads the batches built from
+    its completions; `dtype` is what `update_weights` expects (None: the engine casts itself)."""
 
     weight_version: int = 0
     pad_token_id: int = 0
@@ -94,8 +84,8 @@ class RolloutEngine(ABC):
         """Load a (partial) stream of HF-named full tensors; call `finish_update` after the last."""
 
     def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Serve a LoRA adapter (PEFT's adapter_config.json and PEFT-named tensors, fp32) from the next
-        generate on, instead of the previous one; call `finish_update` after it."""
+        """Serve this LoRA adapter (PEFT config and tensors, fp32) from the next generate on; call
+        `finish_update` after it."""
         raise RolloutEngineError(f"rollout backend {type(self).__name__} cannot serve LoRA adapters")
 
     @abstractmethod

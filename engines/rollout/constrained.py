@@ -1,18 +1,10 @@
 """Constrained decoding: what a call's output must match, as one grammar every engine can enforce.
 
-A chat call may ask for structured output (`response_format`: a JSON object, or JSON matching a
-schema) or force a tool call (`tool_choice`: "required" or a named function). `build_constraint`
-turns those into a `Constraint`: an EBNF grammar in xgrammar's dialect, built with xgrammar from
-the JSON schemas, plus its kind and hash. The hf engine enforces it with its own per-row matchers
-(engines/rollout/constrained_mask.py); the vLLM engine hands the same grammar to vLLM's structured
-outputs. A forced tool call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the
-format the endpoint parses (workers/chat_serving.py), with arguments that match the tool's
-parameters; JSON is compact with json.dumps' separators, so it reads back as the template renders it.
-
-xgrammar ignores the JSON-schema keywords it does not implement, so the schemas are checked here
-first against the keywords it enforces; anything else (and a schema too big, too deep, or
-recursive) is a `ConstraintError` naming the request field, never a constraint that silently does
-not hold. This module imports without torch; xgrammar (which imports torch) is loaded on first use.
+`build_constraint` turns a chat call's `response_format` / `tool_choice` into an xgrammar EBNF
+grammar; the hf engine enforces it itself (constrained_mask.py), vLLM through its structured outputs.
+xgrammar ignores JSON-schema keywords it does not implement, so schemas are checked here first: an
+unenforced keyword, or a schema too big, deep or recursive, is a `ConstraintError` naming the field.
+Imports without torch; xgrammar is loaded on first use.
 """
 
 from __future__ import annotations
@@ -61,11 +53,8 @@ class ConstraintError(ValueError):
         self.param = param
 
 
-# ---- schema checks ----------------------------------------------------------------------------
-
-
 def check_schema(schema: Any, param: str) -> dict[str, Any]:
-    """`schema` if every keyword in it is enforced, it is small and not recursive; else ConstraintError."""
+    """`schema` when every keyword is enforced and it is small and not recursive; else ConstraintError."""
     if not isinstance(schema, dict):
         raise ConstraintError(param, f"the JSON schema must be an object, got {type(schema).__name__}")
     try:
@@ -148,9 +137,6 @@ def _refuse_cycles(schema: dict[str, Any], definitions: dict[str, Any], param: s
                 todo.extend(edges.get(name, ()))
 
 
-# ---- grammars ---------------------------------------------------------------------------------
-
-
 def _grammar_of_schema(schema: dict[str, Any], param: str, strict: bool = True) -> Any:
     import xgrammar
 
@@ -229,11 +215,8 @@ def build_constraint(
     tool_choice: Any,
     format_param: str = "response_format",
 ) -> Constraint | None:
-    """The grammar a chat call's output must follow, or None when it is free text.
-
-    A forced tool call (required / named) is the whole output; with tools offered ("auto") and a
-    structured format the output is either the format or one tool call; "none" offers no tools.
-    """
+    """The grammar a chat call's output must follow, or None for free text. A forced tool call is the
+    whole output; with tools offered ("auto") and a format, either the format or one tool call."""
     import xgrammar
 
     forced, name = forced_tool(tool_choice, tools)

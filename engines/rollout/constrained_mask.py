@@ -1,14 +1,8 @@
 """The hf engine's constrained decoding: one xgrammar matcher per row, a token mask per step.
 
-Each decode step the rows still decoding fill a bitmask of the tokens their grammar allows next
-(engines/rollout/constrained.py builds the grammar); the other logits become -inf before sampling,
-so temperature, top-k and top-p act on the allowed tokens only and the recorded log-probability is
-that of the masked, renormalised distribution the token was drawn from. Once a row's grammar is
-complete only the stop tokens are allowed, so the row ends on one. Compiling is cached per grammar.
-
-xgrammar reads a special token such as `<|im_start|>` as its text, which a JSON string may hold;
-the tokenizer would read that text back as the special token, so special tokens other than the
-stop tokens are masked too (`banned_ids`): the constrained text re-tokenises to the sampled ids.
+Disallowed logits become -inf before sampling, so the recorded log-probability is that of the
+masked, renormalised distribution. Special tokens other than the stop tokens are banned too: xgrammar
+reads one as its text, which would re-tokenise as the special token.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from engines.rollout.constrained import Constraint
 
 
 class GrammarCompilers:
-    """xgrammar compilers for one model's tokenizer: one per set of stop tokens, loaded on first use."""
+    """xgrammar compilers for one model's tokenizer, one per set of stop tokens, built on first use."""
 
     def __init__(self, model_path: str | Path, vocab_size: int) -> None:
         self.model_path, self.vocab_size = str(model_path), vocab_size
@@ -31,7 +25,7 @@ class GrammarCompilers:
         self._tokenizer: Any = None
 
     def banned_ids(self, stop_ids: list[int]) -> list[int]:
-        """The special tokens a constrained completion never holds (all but the stop tokens)."""
+        """The special tokens a constrained completion never holds."""
         return sorted(set(self._load_tokenizer().all_special_ids) - set(stop_ids))
 
     def _load_tokenizer(self) -> Any:

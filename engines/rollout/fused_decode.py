@@ -1,19 +1,10 @@
 """One decode step of a Qwen2 or Llama model in a few fused operations (the hf engine's decode loop).
 
-A decode step feeds one token per row. Through transformers' modules that step is ~20 operator
-calls per layer (separate q, k and v projections, separate gate and up projections, RMSNorm as
-five element-wise ops, rotary embedding as seven), and on a small model on the CPU the calls, not
-their arithmetic, are most of the time. `FusedDecoder.step` computes the same step with one
-projection for q, k and v, one for gate and up, `F.rms_norm`, and attention for the one query as two
-matmuls. It pays off on small models; where the matrix products dominate, the two cost the same.
-
-The fused weights are the model's own: `fuse` allocates one [q; k; v] and one [gate; up] buffer per
-layer and turns each projection's parameter into a view of its rows, so a weight sync that copies
-into `q_proj.weight` writes the fused buffer, and the transformers modules (the prefill still runs
-through them) keep working on the same numbers.
-
-Only float32 models of the two architectures below, every layer full attention, are served; for
-anything else `FusedDecoder.build` returns None and the engine keeps transformers' forward.
+Through transformers' modules a one-token step is ~20 operator calls per layer, and on a small model
+on a CPU the calls, not their arithmetic, dominate. `FusedDecoder.step` uses one projection for
+q/k/v and one for gate/up, whose parameters become views of the fused buffers, so a weight sync
+into `q_proj.weight` writes the fused buffer too. Only float32, full-attention models of the
+`SUPPORTED` classes; for others `build` returns None.
 """
 
 from __future__ import annotations
@@ -32,8 +23,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_rows(linears: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
-    """One buffer holding the `name` tensors (weight or bias) of `linears` stacked on dim 0; each
-    linear's tensor becomes a view of its rows. None when the linears have no such tensor."""
+    """The `name` tensors of `linears` stacked in one buffer, each made a view of its rows (None: none)."""
     parts = [getattr(layer, name) for layer in linears]
     if all(p is None for p in parts):
         return None
@@ -46,8 +36,6 @@ def _fused_rows(linears: list[torch.nn.Linear], name: str) -> torch.Tensor | Non
 
 
 class FusedDecoder:
-    """The decode step of one model (see the module docstring)."""
-
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         config = model.config
@@ -72,8 +60,7 @@ class FusedDecoder:
         return cls(model)
 
     def fuse(self) -> None:
-        """(Re)build the fused buffers from the model's current parameters; call again after the
-        parameters are replaced (`model.to(device)`)."""
+        """(Re)build the fused buffers; call again after `model.to(device)` replaces the parameters."""
         self.layers = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -94,9 +81,7 @@ class FusedDecoder:
         self, tokens: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None
     ) -> torch.Tensor:
         """Logits [B, V] for `tokens` [B, 1] at `positions` [B, 1]; appends to `cache`'s layers.
-
-        `mask` is the bool [B, 1, 1, past + 1] padding mask (True = attend), or None for no padding.
-        """
+        `mask`: bool [B, 1, 1, past + 1] (True = attend), or None for no padding."""
         body = self.model.model
         hidden = body.embed_tokens(tokens)  # [B, 1, H]
         rows, width = hidden.shape[0], hidden.shape[-1]

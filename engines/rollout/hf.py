@@ -1,20 +1,9 @@
 """The embedded rollout engine: a transformers causal LM with our own batched decode loop.
 
-Prompts of different lengths are left-padded into one batch. The attention mask marks the padding
-and the position ids restart at 0 on each row's first real token, so a row's tokens see exactly
-what they would see alone: greedy batched output equals one-by-one output. Each distinct prompt is
-run once (prefill; the n samples of a group share it) into a preallocated KV cache
-(engines/rollout/kv_cache.py); afterwards every step feeds one token per row, with the padding
-mask built once for the whole generation. For Qwen2 and Llama models in float32 a decode step runs
-as a few fused operations on the model's own weights (engines/rollout/fused_decode.py). A row that has stopped keeps being fed the pad token (its
-outputs are ignored) until the stopped rows are a quarter of the batch; then they are dropped.
-
-Sampling (engines/rollout/sampling.py) follows the `Completion` contract in base.py: logits /
-temperature, then top-k, then top-p, then renormalise; the sampled token's log-probability is read
-from that same distribution, so with temperature 1 and no filtering it is the plain model
-log-probability the trainer recomputes. A `constraint` (constrained decoding) masks the logits
-first, so the log-probability is that of the allowed tokens, renormalised. Randomness comes from a private `torch.Generator`, never
-from the global RNG.
+Prompts are left-padded into one batch with positions restarting at each row's first real token, so
+greedy batched output equals one-by-one output. Each distinct prompt is prefilled once into a
+preallocated KV cache (kv_cache.py); a decode step runs fused where it can (fused_decode.py).
+Sampling (sampling.py) follows the `Completion` contract, from a private `torch.Generator`.
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ from engines.rollout.constrained_mask import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder
 from engines.rollout.kv_cache import full_attention_only, preallocated_cache
 from engines.rollout.lora_merge import AdapterMerger
-from engines.rollout.sampling import filter_logits, sample_next  # noqa: F401 (filter_logits: its old home)
+from engines.rollout.sampling import filter_logits, sample_next  # noqa: F401 (filter_logits: tests import it here)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,11 +38,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 
 
 def read_special_token_ids(model_path: str | Path) -> tuple[list[int], int]:
-    """(EOS ids, pad id) of an HF folder: generation_config.json first, then config.json.
-
-    Read from the JSON files rather than by loading the tokenizer, which is slow and not needed.
-    The pad id falls back to the first EOS id, the usual convention for models without a pad token.
-    """
+    """(EOS ids, pad id) from generation_config.json, then config.json (no slow tokenizer load); the
+    pad id falls back to the first EOS id."""
     eos: int | list[int] | None = None
     pad: int | None = None
     for name in ("generation_config.json", "config.json"):
@@ -89,13 +75,10 @@ SHORT_OF_MEMORY = 0.25  # free share of the device under which memory_is_short
 
 
 class DecodeMask:
-    """The attention mask of each decode step, from the prompts' padding.
+    """The attention mask of each decode step (the first P + t + 1 positions at step t).
 
-    Step t attends to the first P + t + 1 positions: the left-padded prompt, then every token
-    generated so far. With `plain` the model gets that 2D mask and builds its own masks (layers
-    with sliding windows need that). Otherwise the model gets the 4D padding mask transformers
-    would have built, [B, 1, 1, P + t + 1] (a 4D mask is used as given), or None when no row in
-    the batch is padded, so a step skips mask building and attention runs unmasked.
+    `plain`: the 2D mask, the model builds its own (sliding windows need that). Otherwise the 4D
+    [B, 1, 1, P + t + 1] mask transformers would build, or None when no row is padded.
     """
 
     def __init__(self, prompt_mask: torch.Tensor, steps: int, plain: bool) -> None:
@@ -109,7 +92,6 @@ class DecodeMask:
         self.mask_4d = mask.bool()[:, None, None, :]
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only `rows` (the rows still decoding)."""
         self._set(self.mask[rows])
 
     def at(self, length: int) -> torch.Tensor | None:
@@ -120,20 +102,13 @@ class DecodeMask:
 
 @torch.no_grad()
 def own_weights(model: torch.nn.Module) -> None:
-    """Give every parameter its own, 64-byte aligned storage (buffers are computed at init).
-
-    On CPU, from_pretrained leaves the weights as views into a copy-on-write mmap of the
-    safetensors file, at the file's offsets (not cache-line aligned). Every weight sync copies into
-    them: misaligned, those copies are slower, and the first sync also page-faults the whole file in.
-    Tied weights share one Parameter, so they stay tied.
-    """
+    """Give every parameter its own aligned storage: on CPU from_pretrained leaves views into an mmap
+    of the file, misaligned, which slows every weight sync's copy (tied weights stay tied)."""
     for param in model.parameters():
         param.data = param.data.clone()
 
 
 class HFRolloutEngine(RolloutEngine):
-    """Batched generation with a transformers model held in this process. See the module docstring."""
-
     def __init__(
         self,
         model_path: str | Path,
@@ -149,9 +124,8 @@ class HFRolloutEngine(RolloutEngine):
         self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else folder_eos
         self.pad_token_id = pad_token_id if pad_token_id is not None else folder_pad
         self.model = self._load_model(str(model_path))
-        # Models with sliding-window (or other non-full) attention layers keep transformers' own cache and masks.
+        # Sliding-window (or other non-full) attention keeps transformers' own cache and masks.
         self._plain_mask = not full_attention_only(self.model.config)
-        # The fused decode step where it computes exactly the model's forward, else None.
         self._fused = None if self._plain_mask else FusedDecoder.build(self.model)
         self.weight_version = 0
         self._released = False
@@ -169,13 +143,10 @@ class HFRolloutEngine(RolloutEngine):
         return model
 
     def _update_targets(self) -> dict[str, torch.Tensor]:
-        # remove_duplicate=False keeps both names of a tied weight (embed_tokens / lm_head), so a
-        # stream may carry either or both; they point at the same storage.
+        # Both names of a tied weight (embed_tokens / lm_head): a stream may carry either.
         targets = dict(self.model.named_parameters(remove_duplicate=False))
         targets.update(self.model.named_buffers(remove_duplicate=False))
         return targets
-
-    # ---- generation -------------------------------------------------------------------------
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
@@ -210,7 +181,7 @@ class HFRolloutEngine(RolloutEngine):
     def _decode(
         self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
-        """The decode loop: ([B, N] tokens, [B, N] log-probs, lengths, stopped flags)."""
+        """([B, N] tokens, [B, N] log-probs, lengths, stopped flags)."""
         batch, steps = len(rows), params.max_new_tokens
         stop_ids = torch.tensor(
             sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device
@@ -221,7 +192,7 @@ class HFRolloutEngine(RolloutEngine):
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
 
         logits, cache, prompt_mask, positions = self._prefill(rows, steps)
-        grammar = None  # constrained decoding (engines/rollout/constrained_mask.py)
+        grammar = None
         if params.constraint is not None:
             compiled = self._grammars.compiled(params.constraint, stop_ids.tolist())
             grammar = GrammarMask(
@@ -262,12 +233,8 @@ class HFRolloutEngine(RolloutEngine):
     def _prefill(
         self, rows: list[list[int]], steps: int
     ) -> tuple[torch.Tensor, Cache, torch.Tensor, torch.Tensor]:
-        """Run the prompts once: (last logits [B, V], the cache, prompt mask [B, P], positions [B, P]).
-
-        A prompt repeated in several rows (the n samples of a group) is run once and its keys,
-        values and logits are copied to its rows: the rows' numbers are those of a batch of
-        distinct prompts, at 1/n of the prefill's compute.
-        """
+        """(last logits [B, V], cache, prompt mask [B, P], positions [B, P]); a prompt repeated in several
+        rows is run once and its keys, values and logits copied to its rows."""
         distinct: dict[tuple[int, ...], int] = {}
         row_of = [distinct.setdefault(tuple(row), len(distinct)) for row in rows]
         input_ids, prompt_mask = left_pad([list(p) for p in distinct], self.pad_token_id, self.device)
@@ -287,7 +254,7 @@ class HFRolloutEngine(RolloutEngine):
     def _step(
         self, tokens: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache: Cache
     ) -> torch.Tensor:
-        """One decode step (one token per row): the fused step where there is one."""
+        """One decode step (one token per row), fused where it can be."""
         if self._fused is not None:
             return self._fused.step(tokens, positions, cache, mask)
         return self._forward(tokens, mask, positions, cache)
@@ -310,15 +277,10 @@ class HFRolloutEngine(RolloutEngine):
         )
         return out.logits[:, -1, :]
 
-    # ---- weights ----------------------------------------------------------------------------
-
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy each (HF name, full tensor) into the live parameter or buffer, in place.
-
-        Each tensor is checked before it is copied; a bad one raises and leaves the tensors
-        before it already loaded (the caller re-syncs the whole model after an error).
-        """
+        """Copy each (HF name, full tensor) into the live parameter or buffer, in place; a bad one raises
+        with those before it loaded (the caller re-syncs the whole model)."""
         for name, tensor in named_tensors:
             target = self._targets.get(name)
             if target is None:
@@ -335,15 +297,12 @@ class HFRolloutEngine(RolloutEngine):
             target.data.copy_(tensor)
 
     def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Merge the adapter into the weights (engines/rollout/lora_merge.py): decoding, fused or not,
-        runs at the base model's speed."""
+        """Merged into the weights (lora_merge.py): decoding runs at the base model's speed."""
         self._merger.merge(self._targets, config, named_tensors)
 
     def finish_update(self) -> int:
         self.weight_version += 1
         return self.weight_version
-
-    # ---- memory -----------------------------------------------------------------------------
 
     def memory_is_short(self) -> bool:
         """The KV cache goes back to the allocator when generate() returns, where the trainer of this
@@ -355,11 +314,7 @@ class HFRolloutEngine(RolloutEngine):
         return free < SHORT_OF_MEMORY * total
 
     def release_memory(self) -> None:
-        """The KV cache lives only inside generate(), so on CPU there is nothing more to free.
-
-        On CUDA the weights move to host memory (they are the only thing of size left) and the
-        allocator's cache is returned to the device.
-        """
+        """On CUDA the weights move to host memory; the KV cache lives only inside generate()."""
         if self._released:
             return
         if self.device.type == "cuda":
@@ -378,8 +333,7 @@ class HFRolloutEngine(RolloutEngine):
         self._released = False
 
     def _refresh_after_move(self) -> None:
-        """.to() gave the parameters and buffers new tensors: point the weight targets at them and
-        fuse the decode step's buffers again (the old ones would keep the device memory alive)."""
+        """.to() gave the parameters new tensors: point the targets at them and fuse again."""
         self._targets = self._update_targets()
         self._merger.to(next(self.model.parameters()).device)
         if self._fused is not None:

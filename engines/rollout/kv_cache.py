@@ -1,11 +1,7 @@
 """The hf engine's KV cache: one buffer per layer for the whole generation, written in place.
 
-transformers' `DynamicCache` grows by concatenation, so every decode step copies each layer's whole
-cache, a large part of a small model's decode loop. Here each layer allocates [batch, kv heads, prompt + new tokens, head dim]
-once, at the prefill, and a step writes its one column; attention reads a view of the columns
-written so far, so it sees exactly what the dynamic cache would have held.
-
-`batch_select_indices` (dropping finished rows) copies the buffers once, as `DynamicCache` does.
+transformers' `DynamicCache` grows by concatenation, copying every layer's cache at every step;
+here a step writes its one column and attention reads a view of the columns written so far.
 """
 
 from __future__ import annotations
@@ -50,7 +46,7 @@ class PreallocatedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def get_max_length(self) -> int:
+    def get_max_length(self) -> int:  # transformers' layer protocol
         return self.capacity
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -60,14 +56,12 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def full_attention_only(config) -> bool:
-    """Whether every layer of the model attends to the whole past (no sliding window, no linear
-    attention): the layers `PreallocatedLayer` and a plain padding mask serve."""
+    """Whether every layer attends to the whole past (no sliding window): what this cache serves."""
     text = config.get_text_config(decoder=True)
     types = getattr(text, "layer_types", None) or ["full_attention"]
     return all(kind == "full_attention" for kind in types)
 
 
 def preallocated_cache(config, capacity: int) -> Cache:
-    """A cache of one `PreallocatedLayer` per decoder layer."""
     layers = config.get_text_config(decoder=True).num_hidden_layers
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(layers)])

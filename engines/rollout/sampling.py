@@ -1,19 +1,10 @@
-"""The hf engine's sampling: one token per row from [B, V] logits, and that token's log-probability.
+"""The hf engine's sampling: one token per row from [B, V] logits, and its log-probability.
 
-The `Completion` contract (base.py): logits / temperature, then top-k, then top-p, then renormalise;
-the log-probability is read from that same distribution.
-
-A token is drawn by inverting the row's cumulative distribution with one uniform number per row:
-exp(logits - max) once, then a two-level search (`_draw`: block sums, then a running sum inside
-one block). `torch.multinomial` draws the same distribution as an exponential race, one
-exponential number per vocabulary entry from the CPU generator, which is slow on one thread at a
-real vocabulary. The log-probability comes from the same sums (logit - max - log sum), so no [B, V]
-log-softmax is written; top-k and top-p cost their sort only when set.
-
-Why the draw is exact: u = (1 - r) * total with r uniform in [0, 1) lies in (0, total]; each search
-returns the first index whose running sum reaches u, so the index's own mass is positive (a
-filtered token, whose term is 0, is never drawn), and token i is drawn with probability
-term_i / total up to the rounding of the sums (~1e-7 relative).
+A token is drawn by inverting the row's cumulative distribution with one uniform number per row
+(`torch.multinomial` draws one exponential per vocabulary entry, slow on one CPU thread), and its
+log-probability comes from the same sums, so no [B, V] log-softmax is written. The draw is exact:
+u lies in (0, total] and each search returns the first index whose running sum reaches u, so a token
+of mass 0 (filtered) is never drawn.
 """
 
 from __future__ import annotations
@@ -25,10 +16,8 @@ from engines.rollout.base import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k set, then outside the top-p (nucleus) set.
-
-    `logits` is [B, V], already divided by the temperature. top_k <= 0 and top_p >= 1 disable.
-    """
+    """Set to -inf every logit [B, V] outside the top-k set, then outside the top-p set (<= 0 and
+    >= 1 disable)."""
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -36,27 +25,21 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass of the tokens before it already reaches top_p; the first
-        # (most likely) token is always kept because the mass before it is 0.
+        # Drop a token when the mass before it reaches top_p: the first token is always kept.
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
-# Vocabulary entries per block of the two-level search (see `_draw`).
-BLOCK = 1024
+BLOCK = 1024  # vocabulary entries per block of `_draw`'s two-level search
 
 
 def _draw(terms: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One index per row of `terms` [B, V] (>= 0, a positive entry in every row) with probability
-    terms / row sum, and the row sums [B, 1] in float64.
+    """One index per row of `terms` [B, V] with probability terms / row sum, and the sums [B, 1] (fp64).
 
-    Two levels, so that no [B, V] float64 running sum is written (on one CPU thread a float64
-    cumsum over the whole vocabulary costs more than the rest of sampling): the block sums (float32
-    pairwise sums, relative error ~1e-7) pick a block, then a float64 running sum over that block's
-    1024 entries picks the entry. Both searches are "first running sum >= u" with u in (0, sum], so
-    an entry (or block) of mass 0 is never picked.
+    Block sums pick a block, then a float64 running sum within it picks the entry: no [B, V] float64
+    cumsum, which on one CPU thread costs more than the rest of sampling.
     """
     rows, vocab = terms.shape
     size = min(BLOCK, vocab)

@@ -1,32 +1,10 @@
-"""The production GPU rollout engine: an adapter over sglang's in-process `Engine`.
+"""The GPU rollout engine: an adapter over sglang's in-process `Engine`.
 
-sglang runs its scheduler in subprocesses on the same GPU as the trainer. This adapter only
-translates: our SamplingParams into sglang's sampling-params dicts, sglang's output dicts into
-Completions, and a stream of (HF name, tensor) pairs into byte-bounded buckets for its
-`update_weights_from_tensor` (CUDA IPC handles on the same GPU, so a bucket is not copied). Memory
-is released and resumed through its memory-occupation API (needs `enable_memory_saver`), and the
-prefix cache is flushed once per sync, after the last bucket, not after each one.
-
-The translations are pure functions so that they are tested where sglang cannot be installed. The
-formats follow sgl-project/sglang at release SGLANG_VERSION (tests/test_sglang_source.py reads
-that release's files and checks every call below against them): `Engine.generate` / `update_weights_from_tensor` /
-`release_memory_occupation` / `load_lora_adapter_from_tensors` / `unload_lora_adapter` (LoRA: the
-adapter's tensors and PEFT config, no file; generate's `lora_path` names it) in
-python/sglang/srt/entrypoints/engine.py, the output dict built in
-TokenizerManager._handle_batch_output (python/sglang/srt/managers/tokenizer_manager.py: with
-`skip_tokenizer_init` it is {"output_ids", "meta_info"}; meta_info["output_token_logprobs"] is a
-list of (logprob, token_id, text-or-None)), finish reasons from the FINISH_* classes' to_json in
-python/sglang/srt/managers/schedule_batch.py ({"type": "stop", "matched": id} / {"type": "length",
-"length": n} / {"type": "abort", "message": ...}), and sampling-param names from
-python/sglang/srt/sampling/sampling_params.py.
-
-Seeds: sglang reads a request's `sampling_seed` only with `enable_deterministic_inference` (which
-also selects its pytorch sampling backend); without it seeded requests are silently unseeded, so
-the engine is started in that mode unless `deterministic=False`.
-
-Log-prob caveat: sglang reports the log-probability under the temperature-scaled distribution
-before top-k / top-p truncation (or before temperature with SGLANG_RETURN_ORIGINAL_LOGPROB). With
-top-k / top-p set that differs from the Completion contract, which renormalises over the kept set.
+The translations are pure functions, so they are tested where sglang cannot be installed; every
+call follows sglang at release SGLANG_VERSION (tests/test_sglang_source.py checks them against its
+files). Seeds: sglang reads `sampling_seed` only with `enable_deterministic_inference`, so the engine
+starts in that mode. Caveat: sglang's log-probs are taken before top-k / top-p truncation, unlike the
+Completion contract, which renormalises over the kept set.
 """
 
 from __future__ import annotations
@@ -40,16 +18,14 @@ import torch
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.constrained import ConstraintError
 from engines.rollout.probes import SGLANG_INSTALL_HINT as INSTALL_HINT
-from engines.transfer.base import iter_buckets as bucket_named_tensors  # one bucketing rule for every engine
-
-# The release this adapter is written against; pyproject's sglang extra and the Makefile pin it.
+from engines.transfer.base import iter_buckets as bucket_named_tensors
 
 # HF buffers that are not weights: sglang's load_weights computes these itself.
 SKIPPED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def probe_sglang() -> str | None:
-    """None when sglang imports; otherwise a message saying what is missing and how to get it."""
+    """None when sglang imports; else what is missing and how to get it."""
     try:
         importlib.import_module("sglang")
     except Exception as exc:  # a broken install raises more than ImportError
@@ -57,19 +33,13 @@ def probe_sglang() -> str | None:
     return None
 
 
-# ---- sampling ---------------------------------------------------------------------------------
-
-
 def expand_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-    """Each prompt repeated n times, prompt-major: the order of the Completions we return.
-
-    We repeat rather than pass sglang's own `n`, so one output dict maps to one Completion.
-    """
+    """Each prompt repeated n times, prompt-major (rather than sglang's `n`: one output, one Completion)."""
     return [list(prompt) for prompt in prompts for _ in range(n)]
 
 
 def to_sglang_sampling_params(params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> dict[str, Any]:
-    """One request's sampling params in sglang's names (n is handled by expand_prompts)."""
+    """One request's sampling params in sglang's names."""
     out: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,  # sglang turns 0 into greedy (top_k = 1) itself
@@ -87,16 +57,11 @@ def to_sglang_sampling_params(params: SamplingParams, eos_token_ids: Iterable[in
 def sampling_params_per_row(
     params: SamplingParams, num_rows: int, eos_token_ids: Iterable[int] = ()
 ) -> dict[str, Any] | list[dict[str, Any]]:
-    """One dict for the batch, or one per row when seeded (each row its own seed, else copies of a
-    prompt would all draw the same sample). sglang applies `sampling_seed` in its deterministic
-    sampling mode."""
+    """One dict for the batch, or one per row when seeded (else copies of a prompt draw the same sample)."""
     base = to_sglang_sampling_params(params, eos_token_ids)
     if params.seed is None:
         return base
     return [{**base, "sampling_seed": params.seed + row} for row in range(num_rows)]
-
-
-# ---- outputs ----------------------------------------------------------------------------------
 
 
 def finish_reason_from_sglang(finish: dict[str, Any] | None) -> FinishReason:
@@ -110,11 +75,8 @@ def finish_reason_from_sglang(finish: dict[str, Any] | None) -> FinishReason:
 
 
 def completion_from_sglang(output: dict[str, Any], prompt_index: int, weight_version: int) -> Completion:
-    """One sglang output dict (generated with return_logprob=True) as a Completion.
-
-    Token ids and log-probs are both read from meta_info["output_token_logprobs"], whose entries
-    are (logprob, token_id, text-or-None) tuples (lists after a JSON round trip).
-    """
+    """One sglang output dict (generated with return_logprob=True) as a Completion; ids and log-probs
+    from meta_info["output_token_logprobs"]: (logprob, token_id, text) entries."""
     meta = output["meta_info"]
     entries = meta.get("output_token_logprobs")
     if entries is None:
@@ -137,12 +99,8 @@ def completion_from_sglang(output: dict[str, Any], prompt_index: int, weight_ver
     )
 
 
-# ---- weights ----------------------------------------------------------------------------------
-
-
 def is_sglang_weight(name: str) -> bool:
-    """sglang takes HF checkpoint names as they are (it fuses q/k/v and gate/up itself); only
-    non-weight buffers are left out."""
+    """sglang takes HF names as they are; only non-weight buffers are left out."""
     return not name.endswith(SKIPPED_WEIGHT_SUFFIXES)
 
 
@@ -157,9 +115,6 @@ def check_sglang_result(result: Any, action: str) -> None:
         return  # calls that answer None or a plain value succeeded if they did not raise
     if not success:
         raise RolloutEngineError(f"sglang {action} failed: {message}")
-
-
-# ---- the engine -------------------------------------------------------------------------------
 
 
 class SGLangRolloutEngine(RolloutEngine):
@@ -199,8 +154,8 @@ class SGLangRolloutEngine(RolloutEngine):
         self.device = torch.device("cuda", base_gpu_id)
         self.weight_version = 0
         self._released = False
-        self._lora_name: str | None = None  # the adapter served (load_adapter), by its sglang name
-        if max_lora_rank is not None:  # the job trains LoRA: sglang serves its adapter
+        self._lora_name: str | None = None  # the adapter served, by its sglang name
+        if max_lora_rank is not None:
             server_args = {
                 **server_args,
                 "enable_lora": True,
@@ -252,8 +207,7 @@ class SGLangRolloutEngine(RolloutEngine):
             check_sglang_result(result, f"update_weights_from_tensor ({len(bucket)} tensors)")
 
     def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """sglang's `load_lora_adapter_from_tensors` (no file); the previous adapter is unloaded first
-        and each version gets its own name, so no request can run on a half-replaced adapter."""
+        """From tensors; each version gets its own name, so no request runs on a half-replaced adapter."""
         if self._lora_name is not None:
             check_sglang_result(self._engine.unload_lora_adapter(self._lora_name), "unload_lora_adapter")
         name = f"tandem-v{self.weight_version + 1}"
@@ -283,5 +237,4 @@ class SGLangRolloutEngine(RolloutEngine):
         return self._released
 
     def shutdown(self) -> None:
-        """Stop sglang's subprocesses."""
         self._engine.shutdown()

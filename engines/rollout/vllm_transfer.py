@@ -1,15 +1,8 @@
-"""vLLM weight-transfer backend "tandem-inproc": weights handed over inside one process.
+"""vLLM weight-transfer backend "tandem-inproc": the update info is the bucket itself.
 
-vLLM's RL weight-update session (start_weight_update / update_weights / finish_weight_update)
-delegates transport to a WeightTransferEngine chosen by `weight_transfer_config.backend`. Its
-built-in backends ship tensors between processes (NCCL broadcasts, CUDA IPC handles). With the
-engine core in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) the update info reaches
-the worker as the Python object it was, so this backend's update info is the bucket itself:
-(HF name, tensor) pairs, loaded with the model's own `load_weights`. Like vLLM's nccl and ipc
-backends it loads inside the layerwise-reload lifecycle (vllm/model_executor/model_loader/reload),
-which re-runs each layer's post-load processing once all of its weights have arrived.
-
-Imported only by engines/rollout/vllm.py, after vllm is known to be installed.
+With the engine core in this process the (HF name, tensor) pairs reach vLLM's worker as they are and
+load through the model's own `load_weights`, inside vLLM's layerwise-reload lifecycle like its nccl
+and ipc backends. Imported by vLLM (by name) only after vllm is known to be installed.
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 
 @dataclass
 class InProcessInitInfo(WeightTransferInitInfo):
-    """Nothing to set up: there is no connection."""
+    pass
 
 
 @dataclass
@@ -50,8 +43,7 @@ class InProcessWeightTransferEngine(WeightTransferEngine[InProcessInitInfo, InPr
         try:
             self.model.load_weights(update_info.named_tensors)
         except BaseException:
-            # vLLM's worker ends the session on a failed chunk without finishing it, which would
-            # leave the layers still waiting for weights on the meta device: put them back.
+            # vLLM ends the session on a failed chunk without finishing it: the layers would stay on meta.
             finalize_layerwise_reload(self.model, self.model_config)
             raise
 

@@ -1,18 +1,10 @@
 """Weight transfer: how the trainer's weights reach a rollout engine, as interchangeable strategies.
 
-A strategy is the sending side of one way to move weights, with one small interface:
-`begin()` opens a transfer, `send(bucket)` moves one bucket of (HF name, full tensor) pairs,
-`finish()` closes it and returns the receivers' new weight version; `version` is that version and
-`metrics()` the last transfer's measurements (weight_sync/*). `transfer(named_tensors)` drives one
-whole transfer through them: the stream is cast to the receivers' dtype and cut into buckets of at
-most `bucket_mb` (a larger tensor travels alone), and at no time is more than one bucket held,
-never the whole state dict. The stream may be any named subset of the model's tensors (one layer,
-an adapter): receivers apply what they get by name and leave the rest as it was.
-
-One file per strategy: in_process.py (the rollout engine lives in the same process: today's
-colocated path) and collective.py (a torch.distributed group made for the transfer, from a
-training rank to rollout workers in other processes). A strategy that needs Ray (the object store)
-lives in workers/, since engines/ imports no Ray. workers/transfer_choice.py picks one.
+A strategy is the sending side of one way to move weights: `begin()`, `send(bucket)` per bucket of
+(HF name, full tensor) pairs, `finish()` returning the receivers' new weight version. `transfer`
+drives one whole transfer: cast to the receivers' dtype, cut into buckets of at most `bucket_mb`, at
+most one bucket held at a time. The stream may be any named subset of the model (one layer, an
+adapter). One file per strategy; those that need Ray live in workers/; workers/transfer_choice.py picks.
 """
 
 from __future__ import annotations
@@ -33,15 +25,13 @@ class TransferError(RuntimeError):
 
 
 class Receivers(Protocol):
-    """The receiving workers as a cross-process sender sees them (workers/transfer_peers.py builds
-    it over Ray): start a method on every receiver, then wait for their results."""
+    """The receiving workers as a cross-process sender sees them (over Ray: workers/transfer_peers.py)."""
 
     def start(self, method: str, *args: Any) -> None:
         """Start `method(*args)` on every receiver without waiting."""
 
     def wait(self, timeout_s: float | None = None) -> list[Any]:
-        """The started calls' results in rank order; raises TransferError naming a receiver that
-        failed (group, rank) or did not answer in time."""
+        """The results in rank order; TransferError names a receiver that failed or did not answer."""
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
@@ -49,10 +39,7 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[list[NamedTensor]]:
-    """Group a stream of named tensors into consecutive buckets of at most `bucket_bytes`.
-
-    A tensor larger than the bucket is yielded alone; order is preserved.
-    """
+    """Consecutive buckets of at most `bucket_bytes`, in order; a larger tensor travels alone."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
     bucket: list[NamedTensor] = []
@@ -94,8 +81,6 @@ class TransferStats:
 
 
 class WeightTransfer(ABC):
-    """The sending side of one way to move weights. See the module docstring."""
-
     name: str = ""
 
     def __init__(self, bucket_mb: float = 512, dtype: torch.dtype | None = None) -> None:
@@ -123,8 +108,7 @@ class WeightTransfer(ABC):
         return error
 
     def close(self) -> None:
-        """Let the receivers go (their group replaced): a strategy frees what it holds, never waiting
-        on a receiver that may be dead."""
+        """Let the receivers go (their group replaced), never waiting on one that may be dead."""
         return None
 
     @property

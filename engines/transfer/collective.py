@@ -1,11 +1,8 @@
 """The collective strategy: weights broadcast over a torch.distributed group made for the transfer.
 
-The group has one sender (a training rank, rank 0) and the rollout workers (ranks 1..N). It is
-not FSDP's: it has its own rendezvous (a TCPStore the sender hosts on a port of its own) and its
-own process-group object, gloo on CPU and NCCL on GPU, so neither side's default group is joined
-or changed. Each bucket is one flat byte buffer (engines/transfer/packing.py) and three
-broadcasts: its sizes, its header, its bytes; an empty header ends the transfer. Every wait has
-the group's timeout; the receivers' Ray calls report which worker failed.
+The group (sender rank 0, rollout workers 1..N) has its own TCPStore rendezvous and process-group
+object, gloo on CPU, NCCL on GPU, so neither side's default group is touched. Each bucket is one
+flat byte buffer (packing.py) in three broadcasts: sizes, header, bytes; an empty header ends it.
 """
 
 from __future__ import annotations
@@ -20,8 +17,6 @@ from engines.transfer.packing import decode_header, encode_header, pack, unpack
 
 
 class TransferGroup:
-    """A process group of `world` ranks for weight transfer only (see the module docstring)."""
-
     def __init__(
         self, store: dist.Store, rank: int, world: int, backend: str, timeout_s: float, name: str = ""
     ) -> None:
@@ -44,7 +39,6 @@ class TransferGroup:
         self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # reused across buckets
 
     def _buffer_of(self, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of this rank's reused byte buffer, grown when a bucket needs more."""
         if self._buffer.numel() < nbytes:
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._buffer[:nbytes]
@@ -61,13 +55,12 @@ class TransferGroup:
     def join(
         cls, host: str, port: int, rank: int, world: int, backend: str, timeout_s: float
     ) -> TransferGroup:
-        """A receiver's side: connect to the sender's store and build the group (blocks until all join)."""
+        """A receiver's side: join the sender's store and build the group (blocks until all join)."""
         store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout_s))
         return cls(store, rank, world, backend, timeout_s)
 
     def close(self) -> None:
-        """Abort the group without waiting for its peers (one may be dead: a clean shutdown would wait
-        for it), and drop the store."""
+        """Abort the group without waiting for its peers (one may be dead), and drop the store."""
         try:
             self.pg.abort()
         except Exception:  # a backend without abort, or one already broken: dropping it is enough
@@ -95,7 +88,7 @@ class TransferGroup:
 
     def receive_bucket(self) -> tuple[list[NamedTensor] | None, torch.Tensor | None]:
         """Ranks 1..: the next bucket as views into this rank's reused buffer (returned too), or
-        (None, None) at the end. Apply it before receiving the next one."""
+        (None, None) at the end; apply it before the next one."""
         sizes = torch.empty(2, dtype=torch.int64, device=self.device)
         self.broadcast(sizes)
         data = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
@@ -109,8 +102,6 @@ class TransferGroup:
 
 
 class CollectiveTransfer(WeightTransfer):
-    """Sender (rank 0 of a TransferGroup) to every receiver at once; see the module docstring."""
-
     name = "collective"
 
     def __init__(

@@ -1,8 +1,4 @@
-"""The in-process strategy: the rollout engine lives in the sender's process (the colocated worker).
-
-Each bucket goes straight into `rollout.update_weights` (a copy into the engine's own parameters,
-or its fused decode buffers, which they are views of); `finish` bumps the engine's weight version.
-"""
+"""The in-process strategy: the rollout engine lives in the sender's process (colocated)."""
 
 from __future__ import annotations
 

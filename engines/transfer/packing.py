@@ -1,9 +1,6 @@
-"""A bucket of named tensors as one flat byte tensor plus a small header, and back, bit for bit.
+"""A bucket of named tensors as one flat byte tensor plus a header, and back, bit for bit.
 
-The cross-process strategies move a bucket as one buffer (one broadcast, or one object-store
-object) rather than a message per tensor; the header lists (name, dtype, shape) in order, so the
-receiver cuts the buffer into views without a copy. Any dtype travels (bfloat16 included): the
-bytes are reinterpreted, never converted.
+One buffer per bucket rather than a message per tensor; the receiver cuts it into views, no copy.
 """
 
 from __future__ import annotations
@@ -20,9 +17,8 @@ ALIGN = 64  # every tensor starts on a 64-byte boundary: viewable as any dtype, 
 
 
 def pack(bucket: list[NamedTensor], buffer: torch.Tensor | None = None) -> tuple[Header, torch.Tensor]:
-    """(header, flat uint8 tensor on the bucket's device) for `bucket`; written into the front of
-    `buffer` when it is large enough (a reused buffer: fresh pages cost a fault each, on CPU about
-    as much as the copy itself)."""
+    """(header, flat uint8 tensor on the bucket's device); written into `buffer` when it is large
+    enough (fresh pages cost a fault each, on CPU about as much as the copy)."""
     header: Header = []
     offset = 0
     for name, t in bucket:

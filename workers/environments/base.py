@@ -1,34 +1,22 @@
 """The environment interface of multi-turn rollouts: the one place it is written down.
 
-A job with `rollout.environment` set samples trajectories instead of single responses. An
-environment is a plain Python class, constructed with no arguments once per trajectory, with two
-methods:
+An environment is a plain class, constructed with no arguments once per trajectory:
 
     reset(row: dict) -> observation
-        `row` is the data row: {"prompt": the row's prompt (string or chat messages),
-        "ground_truth": ..., "extra": dict | None}. The observation becomes the conversation's
-        first turn(s).
+        row = {"prompt": string or chat messages, "ground_truth": ..., "extra": dict | None};
+        the observation is the conversation's first turn(s).
 
     step(assistant_text: str) -> (observation | None, reward: float, done: bool, info: dict)
-        Called with the text of the model's latest turn (special tokens removed). The observation
-        (None when there is nothing to say) is appended as the next turn unless `done`. Rewards of
-        all steps add up to the trajectory's score, which the advantage estimator uses.
-        `info` may carry numbers; `info["tool_call"] = True` counts a tool call.
+        Called with the model's latest turn (special tokens removed); the observation is appended
+        unless `done`. Rewards add up to the trajectory's score; `info["tool_call"] = True` counts
+        a tool call.
 
-An observation is a string (one "user" turn), a message {"role": ..., "content": ...}, or a list
-of messages; a tool's output is a message with role "tool". Everything is rendered through the
-model's chat template, so the tokenizer must have one.
-
-Steps of all live trajectories of a worker run concurrently in a thread pool; each step has a time
-limit (`rollout.env_step_timeout_s`). A step (or reset) that raises or times out ends its
-trajectory with score 0; it is counted in the metrics ("multiturn/env_errors",
-"multiturn/env_timeouts") and the job goes on. A trajectory also ends when it reaches
-`rollout.max_turns` assistant turns or its token budget `rollout.max_response_tokens` (all tokens
-after the first prompt: sampled and observation); those are marked by their finish reason
-("max_turns", "budget") and counted as truncated.
-
-References: "builtin:NAME" (see workers/environments/__init__.py), "package.module:Class", or
-"path/to/file.py:Class". examples/my_env.py is a complete user environment.
+An observation is a string (one "user" turn), a message {"role", "content"} or a list of them (a
+tool's output: role "tool"), rendered through the model's chat template. Steps run concurrently,
+each within `rollout.env_step_timeout_s`; one that raises or times out ends its trajectory with
+score 0 and the job goes on. A trajectory also ends at `rollout.max_turns` or its token budget
+`rollout.max_response_tokens` (counted as truncated). References: "builtin:NAME",
+"package.module:Class" or "path/to/file.py:Class"; examples/my_env.py is a complete one.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """The built-in calculator tool environment ("builtin:calculator").
 
-The task: a problem like "347*218=" whose answer the model should not have to compute in its
-head. The model may call the calculator by writing `<calc>EXPRESSION</calc>` in its turn; the
-environment answers with a "tool" turn holding the value (the built-in chat template renders any
-role, so the tool turn is `<|im_start|>tool\n76646<|im_end|>\n`). A turn without a tool call is
-the final answer: reward 1 when its leading integer equals the ground truth, else 0.
-
-Expressions are evaluated by walking their `ast`: integers, + - * / // % and parentheses only;
-no names, calls or attributes, and bounded operands, so nothing but arithmetic can run.
+The model may write `<calc>EXPRESSION</calc>` and gets a "tool" turn with its value; a turn without a
+call is the final answer (reward 1 when its leading integer is the ground truth). Expressions are
+evaluated by walking their `ast`: numbers, + - * / // % and parentheses only, bounded.
 """
 
 from __future__ import annotations
@@ -72,8 +67,6 @@ def format_value(value: int | float) -> str:
 
 
 class CalculatorEnv:
-    """One trajectory of the calculator task; see the module docstring."""
-
     def reset(self, row: dict[str, Any]) -> str:
         self.answer = str(row["ground_truth"]).strip()
         prompt = row["prompt"]

@@ -1,11 +1,7 @@
 """The built-in guessing game ("builtin:guess_number"): find a secret number from higher/lower hints.
 
-reset: the row's prompt (e.g. "Guess 17-32."), the secret is the row's ground truth. Each assistant
-turn should be a number; the environment answers "higher", "lower" (the secret is higher / lower
-than the guess) or "a number please" for a turn without one. A correct guess ends the game with
-reward 1 if it came within `solve_within` turns (from extra, default 5: binary search over 16
-numbers needs at most 5 guesses), else 0.5. So a policy earns more by halving the range than by
-guessing at random, and RL can improve its strategy over turns (examples/grpo_guess_number.yaml).
+The secret is the row's ground truth; a correct guess within `solve_within` turns (extra, default 5)
+earns 1, later 0.5, so halving the range pays more than guessing at random.
 """
 
 from __future__ import annotations
@@ -17,8 +13,6 @@ _GUESS = re.compile(r"-?\d+")
 
 
 class GuessNumberEnv:
-    """One game; see the module docstring."""
-
     def reset(self, row: dict[str, Any]) -> str:
         self.secret = int(row["ground_truth"])
         self.solve_within = int((row.get("extra") or {}).get("solve_within", 5))

@@ -1,10 +1,7 @@
 """Resolve an environment reference ("builtin:NAME", "module:Class", "path/file.py:Class") to a class.
 
-`load_environment_class` imports and checks the class: it must be constructible without arguments
-and have `reset(row)` and `step(assistant_text)` callable with one positional argument each. Module
-and file references resolve as reward functions' do (workers/references.py). The API runs this
-check in a child process at submission (controller/user_code.py, kind "environment"), so user code
-never runs inside the API process; workers call it again to build their environments.
+The class must be constructible without arguments, with `reset(row)` and `step(assistant_text)`.
+The API runs this check in a child process at submission (controller/user_code.py); workers again.
 """
 
 from __future__ import annotations
@@ -23,8 +20,7 @@ class EnvironmentReferenceError(ValueError):
 
 
 def load_environment_class(ref: str) -> Any:
-    """The class (or OpenEnv server app) `ref` names, validated; raises EnvironmentReferenceError
-    saying why not."""
+    """The class (or OpenEnv server app) `ref` names, validated; EnvironmentReferenceError says why not."""
     from workers.environments import BUILTIN_ENVIRONMENTS
 
     if parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError).form == "builtin":

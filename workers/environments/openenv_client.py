@@ -1,26 +1,11 @@
 """An OpenEnv environment server as a multi-turn environment: the client side, in the rollout worker.
 
-The client is the service's code (OpenEnv's own `GenericEnvClient`, openenv-core) and runs in the
-rollout worker, outside the sandbox, since it needs a connection; the server is the user's and runs
-either where they started it (a URL, checked by openenv_ref.py) or in a sandbox the job started,
-reached through a Unix socket (openenv_host.py). `OpenEnvServer` is one server as this worker sees
-it: how to reach it, what its actions look like (read once from its `GET /schema`), and one event
-loop thread for all its clients. `OpenEnvEnvironment` is one trajectory: a WebSocket session of its
-own, opened at `reset` and closed by `close_all` when the batch is released.
-
-The mapping, both ways (the interface is in base.py):
-- reset(row) -> the server's reset with the row's prompt and ground_truth and its `extra` as keyword
-  arguments (the server keeps those its reset accepts); its observation is the first user turn.
-- An observation with one text field is that text; any other is its JSON. Reward and done are the
-  server's (a reward of None counts 0).
-- The model's turn is the action: the action's one text field (e.g. `{"message": text}`). A server
-  whose action is an MCP tool call (`CallToolAction`) is a tools environment: its tools are listed
-  to the model in a system turn, the model calls one by writing
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the result comes back as a "tool"
-  turn, and a turn without a call ends the trajectory.
-
-Every call has the job's step time limit (`rollout.env_step_timeout_s`), enforced here as well, so a
-server that hangs ends its trajectory with an error naming the environment and holds no thread.
+The client (openenv-core's `GenericEnvClient`) needs a connection, so it runs in the worker, outside
+the sandbox. `OpenEnvServer` is one server (its action shape read once from `GET /schema`, one event
+loop thread for its clients); `OpenEnvEnvironment` is one trajectory's WebSocket session. reset
+passes the row's prompt, ground_truth and extra; an observation with one text field is that text,
+any other its JSON; the model's turn is the action's one text field, or for an MCP tools server a
+`<tool_call>` whose result comes back as a "tool" turn. Every call has the job's step time limit.
 """
 
 from __future__ import annotations
@@ -47,8 +32,6 @@ TOOLS_PROMPT = (
 
 
 class OpenEnvServer:
-    """One OpenEnv server as this worker reaches it; see the module docstring."""
-
     def __init__(self, name: str, ws_url: str, timeout_s: float, socket_path: str | None = None) -> None:
         """`ws_url`: "ws://HOST:PORT"; `socket_path`: a Unix socket to reach it through instead."""
         self.name, self.ws_url, self.timeout_s, self.socket_path = name, ws_url, timeout_s, socket_path
@@ -89,7 +72,6 @@ class OpenEnvServer:
         return OpenEnvEnvironment(self)
 
     def client(self) -> Any:
-        """A new, unconnected OpenEnv client of this server."""
         kwargs = {"connect_timeout_s": self.timeout_s, "message_timeout_s": self.timeout_s,
                   "max_message_size_mb": MAX_MESSAGE_MB}  # fmt: skip
         generic, unix = client_classes()
@@ -244,8 +226,7 @@ def _prompt_text(prompt: Any) -> str:
 @functools.cache
 def client_classes() -> tuple[type, type]:
     """OpenEnv's GenericEnvClient, and the same over a Unix socket (a server the job started)."""
-    # openenv.core imports its Gradio web UI with it; a client never shows it, and Gradio costs every
-    # worker seconds and memory: it is kept out of this import only (later imports find it again).
+    # openenv.core imports its Gradio web UI, which costs seconds and memory: kept out of this import.
     blocked = "gradio" not in sys.modules
     if blocked:
         sys.modules["gradio"] = None  # type: ignore[assignment]

@@ -1,14 +1,9 @@
 """Which OpenEnv servers a job may use, decided from the reference alone (no OpenEnv import here).
 
-`rollout.environment` names an OpenEnv environment server in one of two ways:
-- "openenv:http://HOST:PORT" (or ws://, https://, wss://): a server someone already runs. A tenant
-  writes this address, so it is hostile input: HOST must be 127.0.0.1 (or ::1, localhost) or a node
-  of the service's Ray cluster, written as an address (a name could resolve elsewhere later), with a
-  port and nothing else (no user, path, query or fragment). The API checks it at submission and the
-  worker again before it connects.
-- "path/server.py:app" or "package.module:app": the usual user-code reference, naming an OpenEnv
-  server app (what `openenv.core.env_server.create_app` returns) instead of an environment class;
-  the job starts that server in a sandbox (workers/environments/openenv_host.py).
+"openenv:http://HOST:PORT" names a running server; the address is a tenant's, so hostile: HOST must
+be loopback or a node of the service's Ray cluster, written as an address, with a port and nothing
+else. A user-code reference may instead name an OpenEnv server app, which the job serves in a
+sandbox (workers/environments/sandboxed.py).
 """
 
 from __future__ import annotations
@@ -26,13 +21,11 @@ APP_ROUTES = {"/ws", "/reset", "/step", "/schema"}  # what every OpenEnv server 
 
 
 def is_openenv_url(ref: Any) -> bool:
-    """Whether `ref` names a running OpenEnv server by address ("openenv:URL")."""
     return isinstance(ref, str) and ref.startswith(OPENENV_PREFIX)
 
 
 def openenv_url_problem(ref: str, cluster: set[str] | None = None) -> str | None:
-    """Why "openenv:URL" may not be used here, or None when it may. `cluster`: the addresses of the
-    Ray cluster's nodes (None: asked of Ray when this process is connected to it)."""
+    """Why "openenv:URL" may not be used here, or None. `cluster`: the nodes' addresses (None: ask Ray)."""
     try:
         openenv_ws_url(ref, cluster)
     except ValueError as err:
@@ -78,8 +71,7 @@ def openenv_ws_url(ref: str, cluster: set[str] | None = None) -> str:
 
 
 def cluster_addresses() -> set[str]:
-    """127.0.0.1, ::1 and the addresses of the alive nodes of the Ray cluster this process is
-    connected to (none when it is not)."""
+    """Loopback and the alive nodes of the Ray cluster this process is connected to."""
     addresses = {"127.0.0.1", "::1"}
     try:
         import ray

@@ -1,32 +1,29 @@
 """User environments run in a sandbox; a worker's multi-turn rollouts step them through proxies.
 
-`environment_factory(config)` is what `MultiTurnRollout` constructs its environments with: for a
-built-in, its class (the service's own code, run here); for a user's reference, the `new` method of
-an `EnvironmentHost`, one long-lived sandbox (workers/sandbox/) per reference in this worker process,
-started and checked at once. An OpenEnv server (an address, or an app a reference names) is stepped
-by a client in this process instead (openenv_client.py; an app is served from a sandbox of its own,
-openenv_host.py). `new()` makes an instance in the sandbox and returns a
-`RemoteEnvironment` whose reset/step forward to it as JSON, so the rollout code is the same either
-way (the interface is in base.py). Instances live until `release` drops them at the end of a batch.
-
-A step that passes its time limit is the rollout's to count (its future times out); the sandbox's
-thread that runs it is left, and the host is replaced after the batch, ending such threads. A host
-whose process died is replaced at the next batch; its trajectories end with an env_error.
-
-The `host_*` functions are the sandbox's side.
+`environment_factory(config)` gives `MultiTurnRollout` a built-in's class, or the `new` of a host: one
+long-lived sandbox (workers/sandbox/) per reference in this worker process, replaced after its
+process died. An OpenEnv server is stepped by a client here (openenv_client.py); one a reference
+names is served from a sandbox with no network, on a Unix socket this worker binds in a private
+folder and hands in as a listening descriptor. A step past its time limit leaves its sandbox thread
+running; that host is replaced after the batch. The `host_*` functions and `serve_app` are the
+sandbox's side.
 """
 
 from __future__ import annotations
 
 import itertools
+import shutil
+import socket
+import tempfile
 import threading
+import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from schema.workers import EnvironmentConfig
 from workers.environments.loader import REFERENCE_FORMS, EnvironmentReferenceError, load_environment_class
 from workers.environments.openenv_client import OpenEnvEnvironment, OpenEnvServer
-from workers.environments.openenv_host import OpenEnvHost
 from workers.environments.openenv_ref import is_openenv_app, is_openenv_url, openenv_ws_url
 from workers.references import is_path_reference, parse_reference
 from workers.sandbox.channel import Sandbox, SandboxError, SandboxTimeout
@@ -34,6 +31,8 @@ from workers.sandbox.limits import Limits
 
 HOST = "workers.environments.sandboxed"
 CHECK_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 120.0  # importing an OpenEnv app (FastAPI, the user's packages) and starting it
+BACKLOG = 256
 GRACE_S = 5.0  # past the rollout's own step limit, before a call stops waiting
 _hosts: dict[str, EnvironmentHost | OpenEnvHost] = {}
 _servers: dict[str, OpenEnvServer] = {}  # "openenv:URL" -> its client side
@@ -86,15 +85,20 @@ def release(envs: list[Any]) -> None:
         server.close_all(sessions)
 
 
+def _sandbox(ref: str, config: EnvironmentConfig, pass_fds: tuple[int, ...] = ()) -> Sandbox:
+    """A long-lived sandbox for `ref`, with a thread per concurrent step; its output goes to the job's log."""
+    limits = Limits.from_env().long_lived()
+    limits = replace(limits, processes=max(limits.processes, config.threads + 64))
+    files = [ref.rpartition(":")[0]] if is_path_reference(ref) else []
+    return Sandbox(files, limits, stderr=None, pass_fds=pass_fds)
+
+
 class EnvironmentHost:
     """One sandbox holding a reference's environment instances for this worker process."""
 
     def __init__(self, ref: str, config: EnvironmentConfig) -> None:
-        limits = Limits.from_env().long_lived()
-        limits = replace(limits, processes=max(limits.processes, config.threads + 64))  # a thread per step
-        files = [ref.rpartition(":")[0]] if is_path_reference(ref) else []
         self.ref, self.timeout_s, self.timed_out = ref, config.env_step_timeout_s + GRACE_S, False
-        self.box = Sandbox(files, limits, stderr=None)  # what it prints goes to the job's log
+        self.box = _sandbox(ref, config)
         self.placed = self.box.place(ref)
         try:
             kind = self.box.call(f"{HOST}:host_check", [self.placed], CHECK_TIMEOUT_S)
@@ -125,6 +129,38 @@ class EnvironmentHost:
             pass  # the process is gone: nothing left to drop
 
 
+class OpenEnvHost:
+    """A sandbox serving one OpenEnv app on a Unix socket this worker holds."""
+
+    def __init__(self, ref: str, config: EnvironmentConfig) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="tandem-openenv-"))
+        path = str(self.folder / "server.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(BACKLOG)
+        fd = listener.fileno()
+        try:
+            self.box = _sandbox(ref, config, pass_fds=(fd,))
+        finally:
+            listener.close()  # the sandbox's copy is the one that serves
+        try:
+            self.box.call(f"{HOST}:serve_app", [self.box.place(ref), fd], START_TIMEOUT_S)
+            self.server = OpenEnvServer(ref, "ws://localhost", config.env_step_timeout_s, socket_path=path)
+        except (SandboxError, EnvironmentReferenceError) as err:
+            self.close()
+            message = err.message if isinstance(err, SandboxError) and err.type else str(err)
+            raise EnvironmentReferenceError(
+                f"environment '{ref}': its OpenEnv server did not start: {message}"
+            ) from None
+
+    def new(self) -> OpenEnvEnvironment:
+        return self.server.new()
+
+    def close(self) -> None:
+        self.box.close("the OpenEnv server was stopped")
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class RemoteEnvironment:
     """An environment instance that lives in a sandbox; reset and step forward to it."""
 
@@ -140,8 +176,6 @@ class RemoteEnvironment:
             return tuple(out["tuple"])
         return out.get("value") if isinstance(out, dict) else out  # not a tuple: StepResult says so
 
-
-# ---- the sandbox's side -----------------------------------------------------------------------
 
 _classes: dict[str, type] = {}
 _instances: dict[int, Any] = {}
@@ -177,3 +211,24 @@ def host_step(env_id: int, assistant_text: str) -> Any:
 def host_drop(ids: list[int]) -> None:
     for env_id in ids:
         _instances.pop(env_id, None)
+
+
+def serve_app(ref: str, fd: int) -> bool:
+    """Serve the OpenEnv app `ref` names on the listening socket `fd`, in a thread; True once it runs."""
+    import sys
+
+    import uvicorn
+
+    sys.modules.setdefault("gradio", None)  # type: ignore[arg-type]  # OpenEnv's web UI: not served here
+    app = load_environment_class(ref)
+    if not is_openenv_app(app):
+        raise EnvironmentReferenceError(f"environment '{ref}' is a class, not an OpenEnv server app")
+    server = uvicorn.Server(uvicorn.Config(app, fd=fd, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="openenv-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn stopped before it served the app")
+        time.sleep(0.05)
+    return True

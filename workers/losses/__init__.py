@@ -1,15 +1,7 @@
-"""Every built-in loss: the registry of per-token objectives, and the two ways they are reduced.
-
-registry.py holds each objective under its name with one contract (token log-probs, behaviour
-log-probs, advantages, options in; per-token loss and clip flags out), RL's and the Tinker API's
-side by side, one function where both compute the same math. aggregation.py reduces a per-token
-loss to a scalar: an RL job's modes over global counts, or the Tinker API's plain sum.
-
-RL and SFT losses are LossFn factories that follow engines/base.py's loss contract: a loss function
-gets one micro-batch, the model outputs for it and the global counts of the whole batch; it returns
-a scalar and additive metrics, both divided by those global counts, so the engine can sum them over
-micro-batches and ranks. policy.py is the actor's loss, value.py the critic's, sft.py SFT's, kl.py
-the KL estimators. tinker.py is the Tinker API's `compute_loss` over per-datum log-probs.
+"""Every built-in loss: the registry of per-token objectives (registry.py) and their reductions
+(aggregation.py). RL and SFT losses are LossFn factories following engines/base.py's contract: each
+returns a scalar and metrics divided by the whole batch's global counts, so they add up over
+micro-batches and ranks. tinker.py is the Tinker API's `compute_loss`.
 """
 
 from engines.base import LossFn
@@ -28,7 +20,6 @@ from workers.losses.value import make_value_loss
 
 
 def make_loss(spec: LossSpec) -> LossFn:
-    """The LossFn of a loss's options (schema.losses.LossSpec)."""
     if isinstance(spec, PolicyLossConfig):
         return make_policy_loss(spec)
     if isinstance(spec, SFTLossConfig):

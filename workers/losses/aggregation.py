@@ -1,23 +1,13 @@
 """Turning a per-token loss matrix into one scalar that is additive over micro-batches.
 
-Every mode divides by a *global* constant from `GlobalCounts` (the whole batch of one
-`forward_backward_batch` call, over every dp rank), never by a count of the micro-batch at hand.
-Each mode is therefore a sum of per-row terms over one fixed denominator: summing the results over
-any split of the rows gives the whole-batch value, and so do the gradients. The modes differ in how
-much weight a token gets:
+Every mode divides by a global constant (`GlobalCounts`: the whole batch, over every dp rank), never
+by a count of the micro-batch at hand, so any split of the rows sums to the whole-batch value:
 
     token-mean               sum_{i,t} m_it l_it / N_tokens
-                             every valid token weighs the same; long answers weigh more in total.
     seq-mean-token-sum       sum_i (sum_t m_it l_it) / N_seqs
-                             a sequence's tokens are summed, then sequences averaged.
-    seq-mean-token-mean      sum_i (sum_t m_it l_it / sum_t m_it) / N_seqs
-                             every sequence weighs the same, whatever its length (GRPO paper).
-    seq-mean-token-sum-norm  sum_{i,t} m_it l_it / (N_seqs * R)
-                             a constant normaliser, free of any length bias (Dr.GRPO).
-
-One more reduction, not an RL job's choice: `sum`, sum_{i,t} m_it l_it with no denominator (m = 1
-on every token when no mask is given), the Tinker API's: each of its losses is a sum over tokens
-and data (workers/losses/tinker.py).
+    seq-mean-token-mean      sum_i (sum_t m_it l_it / sum_t m_it) / N_seqs     (GRPO)
+    seq-mean-token-sum-norm  sum_{i,t} m_it l_it / (N_seqs * R)               (Dr.GRPO)
+    sum                      sum_{i,t} m_it l_it, no denominator (the Tinker API's losses)
 """
 
 from __future__ import annotations
@@ -33,7 +23,6 @@ AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 
 def check_agg_mode(mode: str) -> None:
-    """Raise a ValueError naming the choices when `mode` is not an aggregation mode."""
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
 
@@ -41,9 +30,8 @@ def check_agg_mode(mode: str) -> None:
 def aggregate(
     loss_mat: torch.Tensor, mask: torch.Tensor | None, mode: str, counts: GlobalCounts | None = None
 ) -> torch.Tensor:
-    """Reduce `loss_mat` [mb, R] over the valid tokens `mask` [mb, R] to a scalar (see the module doc).
-
-    `sum` alone takes no counts and a mask of None."""
+    """Reduce `loss_mat` [mb, R] over the valid tokens `mask` to a scalar (`sum` takes no counts and
+    may take no mask)."""
     if mode == "sum":
         return loss_mat.sum() if mask is None else (loss_mat * mask.to(loss_mat.dtype)).sum()
     check_agg_mode(mode)
@@ -65,7 +53,7 @@ def aggregate(
 
 
 def token_fraction(flags: torch.Tensor, mask: torch.Tensor, counts: GlobalCounts) -> float:
-    """The share of the global batch's valid tokens where `flags` holds (additive over micro-batches)."""
+    """The share of the global batch's valid tokens where `flags` holds."""
     return float((flags.to(mask.dtype) * mask).sum()) / max(counts.tokens, 1)
 
 

@@ -1,13 +1,7 @@
-"""Per-token estimators of KL(pi || pi_ref) from the log-probs of the sampled tokens.
+"""Per-token estimators of KL(pi || pi_ref) from the sampled tokens' log-probs, d = log pi - log pi_ref:
 
-With d = log pi(y) - log pi_ref(y) for a token y sampled from pi (Schulman's "approximating KL"):
-
-    k1 = d                      unbiased, high variance, can be negative on a single token
-    k2 = d^2 / 2                biased, low variance, always >= 0
-    k3 = exp(-d) - 1 + d        unbiased and always >= 0 ("low_var_kl"); clamped to [-10, 10]
-
-All three are exactly 0 where the two policies agree. They serve both as a loss term (the actor's
-KL to the reference) and as a reward penalty (KL in the reward, on the controller).
+k1 = d  (unbiased, can be negative)    k2 = d^2 / 2  (biased, >= 0)
+k3 = exp(-d) - 1 + d  (unbiased, >= 0, "low_var_kl"; clamped to [-10, 10])
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
-"""The actor's loss: PPO (clipped), GSPO or CISPO from the loss registry, plus entropy and KL terms.
+"""The actor's loss: PPO, GSPO or CISPO from the loss registry, plus entropy and KL terms.
 
-The per-token objectives and their formulas are the registry's (registry.py, shared with the
-Tinker API's losses), bound here to a job's `PolicyLossConfig`: the ratio clipped to
-[1 - clip_ratio_low, 1 + clip_ratio_high], PPO's dual clip at clip_ratio_c, the log-ratio bounded at
-+-20 before exp, GSPO's sequence ratio over a row's response tokens.
-
-`make_policy_loss` weights the per-token loss by the rollout correction's truncated IS weights when they
-are on (rollout_correction.py), aggregates it with the configured mode (see aggregation.py), subtracts
-entropy_coeff * entropy and adds kl_loss_coef * KL(pi || pi_ref), following engines/base.py's loss
-contract: everything is divided by the global counts, so losses and metrics add up over
-micro-batches and ranks. With the rollout engine's log-probs in the batch it also reports the
-train/inference mismatch (rollout/*).
+`make_policy_loss` weights the per-token loss by the rollout correction's IS weights when on,
+aggregates it, subtracts entropy_coeff * entropy and adds kl_loss_coef * KL(pi || pi_ref), all over
+the global counts (engines/base.py's contract).
 """
 
 from __future__ import annotations
@@ -75,10 +67,8 @@ def make_token_objective(cfg: PolicyLossConfig) -> TokenObjective:
 
 
 def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
-    """The actor's LossFn. Reads micro_batch response_mask, old_log_probs, advantages (and
-    ref_log_probs with use_kl_loss, rollout_log_probs when present), outputs log_probs (and
-    entropy). Metrics: actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl,
-    actor/entropy, actor/kl_loss, rollout/* and rollout_corr/* (see rollout_correction.py)."""
+    """The actor's LossFn: reads response_mask, old_log_probs, advantages (ref_log_probs with
+    use_kl_loss, rollout_log_probs when present) and outputs log_probs (and entropy)."""
     token_objective = make_token_objective(cfg)
     check_agg_mode(cfg.loss_agg_mode)  # fail at construction, not at the first micro-batch
 
@@ -129,10 +119,8 @@ def make_policy_loss(cfg: PolicyLossConfig) -> LossFn:
 def rows_with_gradient(cfg: PolicyLossConfig, micro_batch: TensorDict) -> torch.Tensor | None:
     """[B] bool: the rows whose policy loss can have a non-zero gradient; None when all can.
 
-    Every objective above is the advantage times a factor per token, and the rollout correction
-    only multiplies it by a weight, so a row whose advantage is exactly 0 on every valid token
-    contributes exactly 0 to the gradient (GRPO: a group whose samples all scored the same). The
-    entropy bonus and the KL loss do not vanish with the advantage: with either, every row counts.
+    Every objective is the advantage times a per-token factor, so a row of all-zero advantages adds
+    nothing; the entropy and KL terms do not vanish with it.
     """
     if cfg.entropy_coeff != 0 or cfg.use_kl_loss:
         return None

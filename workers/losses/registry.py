@@ -1,32 +1,19 @@
 """The loss registry: every built-in per-token objective, RL's and the Tinker API's, under its name.
 
-One contract for all. An objective reads `TokenInputs`: the policy's log-probs of the target tokens
-(autograd-connected), the behaviour policy's log-probs (an RL job's old policy, a Tinker request's
-sampler `logprobs`), the advantages, and the tokens that form a sequence's ratio; its options come
-as keywords. It returns a `TokenLoss`: the loss per token, not yet weighted nor reduced, and the
-tokens where a clip is active. Its caller weights and reduces it with `aggregation.aggregate`: an RL
-job over its `loss_agg_mode` and the global counts (policy.py, sft.py), a Tinker request with `sum`,
-its weights only for cross_entropy (tinker.py). Every tensor is [..., T], the last axis one
-sequence's tokens. Where both sides compute the same math they run the same function, bound to
-different options: ppo, gspo and cispo; SFT is cross_entropy.
-
-Writing r = exp(log pi - log mu) (mu the behaviour policy), A the advantage, sg stop-gradient and
-clip(x) = clamp(x, low, high), with ratio bounds low <= 1 <= high (numbers, or tensors per token):
+An objective reads `TokenInputs` and its options as keywords and returns a `TokenLoss`: the loss per
+token, not yet weighted nor reduced, and where a clip is active. With r = exp(log pi - log mu) (mu
+the behaviour policy), A the advantage, sg stop-gradient, clip(x) = clamp(x, low, high):
 
     cross_entropy        -log pi
     importance_sampling  -A r
     ppo                  max(-A r, -A clip(r)); with `dual_clip` c, where A < 0 also capped at -A c
-                         (a very large ratio on a bad token cannot blow the loss up)
-    gspo                 ppo's clipped form (no dual clip) on the sequence ratio
-                         s = exp(mean of log(pi/mu) over the sequence's ratio tokens), in its token
-                         form s_t = sg[s] pi_t / sg[pi_t]: the value of s, each token's own gradient
-    cispo                -sg[clip(r)] A log pi: the IS weight is clipped and detached, so no token
-                         loses its gradient (unlike ppo, where a clipped token contributes none)
-    stable_reinforce     cispo with the bounds (0, cap), plus kl_coeff/2 (log pi - log mu)^2
+    gspo                 ppo's clipped form on the sequence ratio s = exp(mean log(pi/mu) over the
+                         sequence's ratio tokens), as s_t = sg[s] pi_t / sg[pi_t]
+    cispo                -sg[clip(r)] A log pi (no token loses its gradient)
+    stable_reinforce     cispo with bounds (0, cap), plus kl_coeff/2 (log pi - log mu)^2
     dro                  -(A log pi - beta/2 (log pi - log mu)^2)
 
-`max_log_ratio` bounds log r before exp where given: RL jobs bound it (beyond it the ratio is
-clipped anyway, and exp would overflow); the Tinker losses leave it free, as their pages write them.
+`max_log_ratio` bounds log r before exp where given (RL jobs; the Tinker losses leave it free).
 """
 
 from __future__ import annotations
@@ -105,8 +92,7 @@ def ppo(
 
 
 def gspo(inp: TokenInputs, low: Bound, high: Bound, max_log_ratio: float | None = None) -> TokenLoss:
-    """The GSPO paper uses an RL job's loss_agg_mode 'seq-mean-token-mean' and very small clip
-    ranges (3e-4, 4e-4). An empty ratio mask gives s = 1."""
+    """An empty ratio mask gives s = 1."""
     log_probs = inp.log_probs
     mask = inp.sequence_mask if inp.sequence_mask is not None else torch.ones_like(log_probs)
     m = mask.to(log_probs.dtype)
@@ -155,7 +141,6 @@ LOSSES: dict[str, Objective] = {
 
 
 def objective(name: str) -> Objective:
-    """The registered objective `name`; a ValueError lists the names otherwise."""
     if name not in LOSSES:
         raise ValueError(f"unknown loss {name!r}; registered losses: {', '.join(LOSSES)}")
     return LOSSES[name]

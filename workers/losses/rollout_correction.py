@@ -1,40 +1,16 @@
 """Rollout correction: importance weights and rejection for the rollout engine / trainer mismatch.
 
-The samples come from the rollout engine's policy pi_rollout, while the policy gradient is taken
-for the trainer's pi_old (same weights, other kernels and precision). Per valid token t of
-sequence i, with delta_it = log pi_old(y_it) - log pi_rollout(y_it) and rho_it = exp(delta_it):
+Samples come from pi_rollout, the gradient is taken for pi_old (same weights, other kernels). Per
+valid token, delta_it = log pi_old - log pi_rollout, rho = exp(delta):
 
-    token TIS        w_it = min(rho_it, C)
-                     Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
-                     RL Training" (truncated importance sampling; C = 2 there).
-    sequence TIS     w_it = min(rho_i, C),  rho_i = exp(sum_t delta_it)
-                     Liu, Li et al. 2025, "When Speed Kills Stability: Demystifying RL Collapse
-                     from the Training-Inference Mismatch": the sequence is the unit the reward
-                     scores, so its likelihood ratio is the unbiased correction; the cap bounds
-                     its variance.
-    token rejection  keep_it = [low <= rho_it <= high]
-                     masked IS at the token level (the Ling team's IcePop, 2025: tokens whose
-                     ratio leaves a band are dropped from the gradient).
-    sequence         keep_i = [low <= rho_i <= high]
-    rejection        masked IS (MIS) of Liu, Li et al. 2025: a sequence whose ratio leaves the
-                     band is dropped whole instead of being down-weighted.
-    geometric        keep_i = [low <= exp(mean_t delta_it) <= high]
-    rejection        the per-token geometric mean of the sequence ratio, which does not grow with
-                     the length, so one band serves short and long answers (the geometric mode of
-                     verl's rollout-correction write-up, 2025, after GSPO's length-normalised
-                     sequence ratio, Zheng et al. 2025).
+    token TIS            w_it = min(rho_it, C)
+    sequence TIS         w_it = min(rho_i, C),  rho_i = exp(sum_t delta_it)
+    token rejection      keep_it = [low <= rho_it <= high]
+    sequence rejection   keep_i = [low <= rho_i <= high]
+    geometric rejection  keep_i = [low <= exp(mean_t delta_it) <= high]  (length-independent)
 
-The weights multiply the per-token policy loss and are constants (no gradient flows through
-them). When the old log-prob pass is skipped (one on-policy step), pi_old is the current forward's
-detached log-probs, which have the same values, so the weights are the same.
-
-Rejection changes which tokens count in the loss's normaliser, the global token (and sequence)
-count that the engine takes from `response_mask` before the first forward (engines/base.py), so it
-is applied to the batch's `response_mask` beforehand (`apply_rejection`) rather than as a zero
-weight: a rejected token then weighs nothing and does not dilute the others.
-
-`mismatch_metrics` is the train/inference report of every step, additive over micro-batches and
-ranks like every loss metric (the max is reduced by max, engines/base.py).
+The weights are constants that multiply the per-token loss. Rejection changes which tokens count in
+the loss's global normaliser, so it is applied to `response_mask` beforehand (`apply_rejection`).
 """
 
 from __future__ import annotations
@@ -109,9 +85,7 @@ def apply_rejection(
     rollout_log_probs: torch.Tensor,
     cfg: RolloutCorrectionConfig,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss mask without the rejected tokens (same dtype as `mask`), and the shares rejected:
-    rollout_corr/token_rejected_frac (of valid tokens) and rollout_corr/seq_rejected_frac (of the
-    sequences with a valid token, those that lost all of them)."""
+    """The loss mask without the rejected tokens (same dtype), and the token and sequence shares rejected."""
     keep = rejection_keep(
         old_log_probs, rollout_log_probs, mask, cfg.rejection, cfg.rejection_low, cfg.rejection_high
     )
@@ -127,9 +101,8 @@ def apply_rejection(
 def mismatch_metrics(
     old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, counts: GlobalCounts
 ) -> dict[str, float]:
-    """This micro-batch's share of the step's train/inference mismatch report:
-    rollout/log_prob_diff_mean and _max (|delta|) and rollout/kl_rollout_trainer, the k3 estimate
-    of KL(pi_rollout || pi_old) from tokens sampled by the rollout engine, E[rho - 1 - delta]."""
+    """This micro-batch's share of the train/inference mismatch: |delta| mean and max, and the k3
+    estimate of KL(pi_rollout || pi_old)."""
     m = mask.to(old_log_probs.dtype)
     gap = _log_ratio(old_log_probs, rollout_log_probs, mask).abs()
     kl = kl_estimate(rollout_log_probs.detach(), old_log_probs.detach(), "k3") * m

@@ -1,6 +1,4 @@
-"""Supervised fine-tuning: the cross-entropy of the response tokens, -log pi(y_t), aggregated.
-
-The per-token loss is the registry's cross_entropy (registry.py), the Tinker API's one too."""
+"""Supervised fine-tuning: the cross-entropy of the response tokens, -log pi(y_t), aggregated."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ from workers.losses.registry import TokenInputs, cross_entropy
 
 
 def make_sft_loss(agg_mode: str = "token-mean") -> LossFn:
-    """The SFT LossFn. Reads micro_batch response_mask and outputs log_probs. Metric: sft/loss."""
+    """The SFT LossFn: reads response_mask and outputs log_probs."""
     check_agg_mode(agg_mode)  # fail at construction, not at the first micro-batch
 
     def sft_loss(

@@ -1,11 +1,6 @@
-"""The critic's clipped value loss.
+"""The critic's clipped value loss, with v_old the prediction at rollout time and G the return:
 
-With v the new prediction, v_old the prediction at rollout time and G the return:
-
-    loss_t = 1/2 max((v - G)^2, (v_old + clip(v - v_old, -eps, eps) - G)^2)
-
-The clipped branch keeps one update from moving a value estimate more than eps away from where it
-was, unless that move brings it closer to the return. `vf_clip=None` drops the clip: 1/2 (v - G)^2.
+loss_t = 1/2 max((v - G)^2, (v_old + clip(v - v_old, -eps, eps) - G)^2);  vf_clip=None: 1/2 (v - G)^2
 """
 
 from __future__ import annotations
@@ -18,8 +13,7 @@ from workers.losses.aggregation import aggregate, check_agg_mode, token_fraction
 
 
 def make_value_loss(vf_clip: float | None = 0.2, agg_mode: str = "token-mean") -> LossFn:
-    """The critic's LossFn. Reads micro_batch response_mask, values (old), returns and
-    outputs values. Metrics: critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean."""
+    """The critic's LossFn: reads response_mask, values (old), returns and outputs values."""
     check_agg_mode(agg_mode)  # fail at construction, not at the first micro-batch
     if vf_clip is not None and vf_clip < 0:
         raise ValueError(f"vf_clip must be >= 0 (or None to disable clipping), got {vf_clip}")

@@ -4,12 +4,9 @@
         ref = box.place("/path/to/user/mod.py:score")       # "/code/0/mod.py:score" inside
         box.call("controller.rewards:score_in_sandbox", [ref, rows], timeout_s=30)
 
-`Sandbox` copies the user's code files into a staging folder the sandbox sees read-only, starts the
-child (launch.py, child.py) and reads its replies in a thread; a call may run concurrently with
-others. A call past its time limit ends the process (`kill_on_timeout`, the default) and raises
-SandboxTimeout; a process that ends raises SandboxCrashed in every call waiting on it, saying how it
-ended; an exception in the sandbox raises SandboxError with its type and a bounded message. A sandbox
-that ended stays ended: callers that keep one start another (`alive`).
+Calls may run concurrently. A call past its limit ends the process (`kill_on_timeout`) and raises
+SandboxTimeout; a process that ends raises SandboxCrashed in every waiting call; an exception inside
+raises SandboxError with its type and a bounded message. An ended sandbox stays ended (`alive`).
 """
 
 from __future__ import annotations
@@ -65,8 +62,6 @@ class SandboxTimeout(SandboxError):
 
 
 class Sandbox:
-    """One sandboxed process serving calls; see the module docstring."""
-
     def __init__(self, files: Sequence[str | Path] = (), limits: Limits | None = None,
                  asker: Asker | None = None, stderr: int | None = subprocess.DEVNULL,
                  allow_unsandboxed: bool | None = None, mode: str | None = None,
@@ -96,8 +91,6 @@ class Sandbox:
         self._reader = threading.Thread(target=self._read, name="tandem-sandbox-read", daemon=True)
         self._reader.start()
 
-    # ---- the user's files ----------------------------------------------------------------------
-
     def _stage(self, index: int, file: str | Path) -> str:
         source = Path(file).expanduser().resolve()
         folder = self.staging / str(index)
@@ -118,8 +111,6 @@ class Sandbox:
         for source, staged in self.places.items():
             text = text.replace(staged, source)
         return text
-
-    # ---- calls ---------------------------------------------------------------------------------
 
     @property
     def alive(self) -> bool:
@@ -209,8 +200,6 @@ class Sandbox:
         for future in pending.values():
             future.set_exception(SandboxCrashed(reason))
         self._kill()
-
-    # ---- the end -------------------------------------------------------------------------------
 
     def close(self, reason: str = "the sandbox was closed") -> None:
         """End the process (and all it started) and remove the staged files."""

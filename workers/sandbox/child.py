@@ -1,17 +1,12 @@
 """The sandbox's side: `python -m workers.sandbox CONFIG`, started by channel.py under bwrap.
 
-Before anything else it drops to its unprivileged uid (mode "drop"), sets its resource limits, and
-moves the protocol off fds 0 and 1 (which then read /dev/null and write to stderr), so user code that
-prints cannot garble it. Then it serves JSON lines from the parent:
+It drops to its unprivileged uid, sets its limits and moves the protocol off fds 0 and 1 (so user
+code that prints cannot garble it), then serves JSON lines, each call in a thread of its own:
 
     {"id": 7, "call": "module:function", "args": [...]}   ->  {"id": 7, "ok": value}
                                                                {"id": 7, "error": {"type", "message", "trace"}}
 
-each call in a thread of its own (an environment's steps run concurrently, one that hangs holds only
-its thread). The targets are the service's own functions, which load the user's reference here.
-User-side helpers ask the parent with `ask(topic, payload)` ({"id": "c1", "ask": ..., "args": ...},
-answered the same way). Errors carry the exception's type, its message and the traceback lines of
-the code that raised it, bounded; the parent bounds them again.
+`ask(topic, payload)` asks the parent back. Errors carry the user code's traceback lines, bounded.
 """
 
 from __future__ import annotations
@@ -77,8 +72,6 @@ def _limit(config: dict[str, Any]) -> None:
 
 
 class Channel:
-    """JSON lines both ways; see the module docstring."""
-
     def __init__(self, reader: BinaryIO, writer: BinaryIO) -> None:
         self.reader, self.writer = reader, writer
         self.lock = threading.Lock()

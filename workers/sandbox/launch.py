@@ -1,17 +1,11 @@
 """How a sandbox's process is started: bubblewrap's command line, the environment, the mode.
 
-Three modes, chosen once per process by `sandbox_mode` (a probe runs a real sandbox once):
-- "drop": the service runs as root. bwrap sets up the mounts as root, then the child drops to a fresh
-  unprivileged uid drawn at random (no capabilities, no_new_privs), so no kernel owner check maps it
-  to root, it owns no file, and its process limit counts its own processes only.
-- "userns": the service runs as an ordinary user; bwrap makes a user namespace in which the child is
-  uid 65534 (the service's uid outside, with no capabilities there).
-- "none": bubblewrap cannot run and the operator allowed user code without it (single-user): a plain
-  child process, with the service's environment, in a private working folder.
-
-The view of a sandbox: /usr and the Python installation read-only, a few files of /etc, the project's
-source folders and the PYTHONPATH entries read-only (with the service home hidden if it lies in one),
-the staged code read-only at /code, and tmpfs folders /scratch (its HOME and working folder) and /tmp.
+Modes, chosen once per process by `sandbox_mode` (a probe runs a real sandbox):
+- "drop": as root, bwrap mounts, then the child drops to a fresh random uid that owns nothing;
+- "userns": as a user, bwrap makes a user namespace in which the child is uid 65534;
+- "none": no bubblewrap and the operator allowed it: a plain child in a private folder.
+The view: /usr, Python and the project's source read-only (the service home hidden), the staged code
+at /code, tmpfs /scratch and /tmp.
 """
 
 from __future__ import annotations
@@ -51,8 +45,8 @@ class Mode:
 
 
 def sandbox_mode(allow_unsandboxed: bool | None = None) -> Mode:
-    """The mode user code runs in here; SandboxUnavailable when none may. `allow_unsandboxed` None:
-    the operator's choice as `tandem serve` passed it on (limits.ENV_UNSANDBOXED)."""
+    """The mode user code runs in here; SandboxUnavailable when none may (`allow_unsandboxed` None: the
+    operator's choice, limits.ENV_UNSANDBOXED)."""
     mode, why = probe()
     if mode is not None:
         return Mode(mode, f"user code runs sandboxed (bubblewrap, mode {mode})")
@@ -153,8 +147,7 @@ def _parents(path: Path, made: set[Path]) -> list[str]:
 
 
 def readable_roots() -> list[Path]:
-    """What a sandbox may read besides the system: the Python installation, the project's source and
-    the service's PYTHONPATH (so 'package.module:name' references import as they would here)."""
+    """What a sandbox may read besides the system: Python, the project's source and PYTHONPATH."""
     python = [Path(sys.base_prefix), Path(sys.prefix), Path(os.path.realpath(sys.executable)).parents[1]]
     paths = [*python, *map(Path, site.getsitepackages()), source_root()]
     paths += [Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -167,14 +160,12 @@ def readable_roots() -> list[Path]:
 
 
 def _covers_secret(path: Path) -> bool:
-    """Whole home folders and anything in the service home are never bound (a folder holding the
-    service home may be: the home is hidden under it)."""
+    """Home folders and anything in the service home are never bound (the home is hidden in a parent)."""
     homes = (Path("/root"), Path("/home"), Path.home().resolve())
     return path in homes or any(path.is_relative_to(h) for h in hidden_paths())
 
 
 def source_root() -> Path:
-    """The folder holding this project's packages (workers/, controller/, ...)."""
     return Path(__file__).resolve().parents[2]
 
 

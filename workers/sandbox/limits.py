@@ -1,8 +1,5 @@
-"""What a sandbox may use, and whether user code may run without one.
-
-The operator sets the limits on `tandem serve` (ServeSettings); they reach job processes through the
-environment variables below, which `tandem serve` puts in the jobs' Ray runtime environment.
-"""
+"""What a sandbox may use, and whether user code may run without one; `tandem serve` passes the
+operator's choices to job processes in the environment variables below."""
 
 from __future__ import annotations
 
@@ -27,13 +24,12 @@ class Limits:
     network: bool = False  # False: a network namespace of its own, with nothing in it
 
     def long_lived(self) -> Limits:
-        """A job's sandbox serves calls for hours: each call has its own time limit instead, and a
-        call past it ends the process, so a total CPU budget would only end healthy ones."""
+        """A job's sandbox serves calls for hours, each with its own time limit: no total CPU budget."""
         return replace(self, cpu_s=None)
 
     @classmethod
     def from_env(cls) -> Limits:
-        """The operator's limits, as `tandem serve` passed them to this process (or the defaults)."""
+        """The operator's limits as `tandem serve` passed them (or the defaults)."""
         cpu = os.environ.get(ENV_CPU_S)
         memory = os.environ.get(ENV_MEMORY_MB)
         return cls(
