@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
 from controller.resource_pool import ResourcePool
 from controller.worker_group import PendingGroup, RayWorkerGroup, ready_all
-from schema.engine import EngineConfig
+from schema.engine import EngineConfig, OptimizerConfig
 from schema.job import JobSpec
 from schema.section import fields_of
 from schema.workers import HybridWorkerConfig, RolloutConfig, RolloutWorkerConfig
@@ -41,13 +41,16 @@ def needs_critic(spec: JobSpec) -> bool:
     return spec.method != "sft" and spec.advantage_estimator == "gae"
 
 
-def engine_config(spec: JobSpec, model_path: str, lr: float, trainable: bool = True) -> EngineConfig:
+def engine_config(
+    spec: JobSpec, model_path: str, optim: OptimizerConfig, trainable: bool = True
+) -> EngineConfig:
+    """`optim`: the job's `optim` section itself (an OptimizerConfig), or a copy with the critic's lr."""
     return EngineConfig(
         model_path=model_path,
         trainable=trainable,
         dtype=spec.model.dtype,
         gradient_checkpointing=spec.model.gradient_checkpointing,
-        optim=spec.optim.optimizer_config(lr),
+        optim=optim,
         scheduler=spec.optim.scheduler_config(spec.trainer.total_steps),
         micro_batch=spec.algorithm.micro_batch_config(),
         seed=spec.trainer.seed,
@@ -55,12 +58,12 @@ def engine_config(spec: JobSpec, model_path: str, lr: float, trainable: bool = T
 
 
 def hybrid_config(spec: JobSpec, model_path: str) -> HybridWorkerConfig:
-    actor = engine_config(spec, model_path, spec.optim.lr).model_copy(update={"lora": spec.model.lora})
+    actor = engine_config(spec, model_path, spec.optim).model_copy(update={"lora": spec.model.lora})
     # With LoRA the reference is the actor with its adapters switched off: no second model.
     separate_ref = needs_reference(spec) and spec.model.lora is None
     return HybridWorkerConfig(
         actor=actor,
-        ref=engine_config(spec, model_path, spec.optim.lr, trainable=False) if separate_ref else None,
+        ref=engine_config(spec, model_path, spec.optim, trainable=False) if separate_ref else None,
         rollout=fields_of(spec.rollout, RolloutConfig, dtype=spec.model.dtype),
     )
 
@@ -156,9 +159,8 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
             pending["rollout"] = launch_rollout(rollout_pool, plan)
             pending["actor"] = launch(ActorRefWorker, config, "actor")
         if needs_critic(spec):
-            critic_config = engine_config(
-                spec, spec.model.critic_path or model_path, spec.algorithm.critic_lr
-            )
+            critic_optim = spec.optim.model_copy(update={"lr": spec.algorithm.critic_lr})
+            critic_config = engine_config(spec, spec.model.critic_path or model_path, critic_optim)
             pending["critic"] = launch(CriticWorker, critic_config, "critic")
         if spec.reward.model_path is not None:
             reward_config = RewardModelConfig(model_path=spec.reward.model_path)

@@ -75,6 +75,8 @@ def fields_of(source: BaseModel, cls: type[M], **values: Any) -> M:
 def with_values(model: M, changes: dict[str, Any]) -> M:
     """A copy of `model` with the nested `changes` set, not validated again: for values that replace
     checked ones with their resolved form (an upload id by its stored path)."""
+    if not changes:
+        return model
     update = {}
     for key, value in changes.items():
         current = getattr(model, key)

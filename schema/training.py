@@ -2,7 +2,8 @@
 
 The fields a lower layer also reads are declared there and inherited: the optimizer's and the
 micro-batches' (schema/engine.py), the loss's (schema/losses.py), async RL's (schema/async_rl.py).
-`optimizer_config`, `policy_loss_config`, `update_schedule`, ... hand those layers their own models.
+`policy_loss_config`, `update_schedule`, ... hand those layers their own models; `optim` is the
+engine's OptimizerConfig itself.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ class OptimSpec(Section, OptimizerConfig, WarmupDecay):
     schedule: ScheduleKind = Field(
         "constant", description="constant lr after warmup, or cosine decay to min_lr_ratio x lr"
     )
-
-    def optimizer_config(self, lr: float) -> OptimizerConfig:
-        return fields_of(self, OptimizerConfig, lr=lr)
 
     def scheduler_config(self, total_steps: int) -> SchedulerConfig:
         return fields_of(self, SchedulerConfig, kind=self.schedule, total_steps=total_steps)

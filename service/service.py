@@ -8,12 +8,9 @@ run, service/workloads.py) takes the requests its kind lists in `actions`; other
 
 from __future__ import annotations
 
-import logging
-import os
 import shutil
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -22,53 +19,17 @@ from pydantic import ValidationError
 
 from controller.hyperparameters import hyperparameter_overrides
 from schema.job import JobLabels, JobSpec
-from schema.section import error_message
+from service.errors import ServiceError, invalid_state, invalid_value, quota_refusal
 from service.files import FileStore
+from service.forks import fork_point, remove_fork_source, same_weights_shape, snapshot_checkpoint
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from service.keys import ADMIN_OWNER
-from service.owned_paths import FORK_SOURCES
 from service.quotas import QuotaBook, QuotaError, Usage, check_storage, check_submission
 from service.scheduler import Scheduler
 from service.store import JobRecord, JobStore
 from service.usage import measure
 
-log = logging.getLogger("tandem.service")
 S = JobStatus
-
-
-def _same_weights_shape(parent: JobSpec, child: JobSpec) -> None:
-    """A fork resumes the parent's checkpoint: the same base model and, with LoRA, the same adapter
-    shape (a checkpoint of rank-8 adapters cannot load into rank-16 ones)."""
-    for field in ("path", "builtin"):
-        if getattr(parent.model, field) != getattr(child.model, field):
-            raise ServiceError(f"model.{field}: a fork keeps its parent's base model", 422,
-                               f"model.{field}", "invalid_value")  # fmt: skip
-    before, after = parent.model.lora, child.model.lora
-    if (before is None) != (after is None):
-        raise ServiceError("model.lora: a fork keeps its parent's choice of LoRA or full fine-tuning", 422,
-                           "model.lora", "invalid_value")  # fmt: skip
-    if before is None or after is None:
-        return
-    for field in ("rank", "target_modules"):
-        if getattr(before, field) != getattr(after, field):
-            raise ServiceError(f"model.lora.{field}: a fork keeps its parent's adapter shape "
-                               f"({field} = {getattr(before, field)})", 422, f"model.lora.{field}",
-                               "invalid_value")  # fmt: skip
-
-
-class ServiceError(Exception):
-    """A request the service refuses: `status` is the HTTP status, `param` the field at fault."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.param, self.code, self.headers = status, param, code, headers
-
-
-def quota_refusal(err: QuotaError) -> ServiceError:
-    """A QuotaError as the API says it: 429 with Retry-After, or 403, naming the quota."""
-    headers = {"Retry-After": str(err.retry_after_s)} if err.retry_after_s else None
-    return ServiceError(str(err), err.status, f"quota.{err.name}", "quota_exceeded", headers)
 
 
 class Service:
@@ -83,7 +44,6 @@ class Service:
             self.store, poll_s, runtime_env, self.files, self.quotas, warm_controllers=warm_controllers
         )
         self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
-        self.started_at = time.time()
 
     @property
     def is_alive(self) -> bool:
@@ -192,7 +152,7 @@ class Service:
             )
             self.scheduler.stop(job_id, "cancel")
         elif job.status != S.CANCELLING:
-            raise _invalid_state(job, "only an active or paused job can be cancelled")
+            raise invalid_state(job, "only an active or paused job can be cancelled")
         return self.get(job_id, sees)
 
     def pause(self, job_id: str, sees: str | None = None) -> JobRecord:
@@ -205,7 +165,7 @@ class Service:
             )
             self.scheduler.stop(job_id, "pause")
         elif job.status not in (S.PAUSING, S.PAUSED):
-            raise _invalid_state(job, "only a queued or running job can be paused")
+            raise invalid_state(job, "only a queued or running job can be paused")
         return self.get(job_id, sees)
 
     def resume(self, job_id: str, sees: str | None = None) -> JobRecord:
@@ -215,7 +175,7 @@ class Service:
                 needs = self.scheduler.workload_of(job).needs(job.spec)
                 self.check_quota(job.owner, needs.cpus, needs.gpus)
             if not self.store.transition(job_id, (S.PAUSED,), S.QUEUED):
-                raise _invalid_state(job, "only a paused job can be resumed")
+                raise invalid_state(job, "only a paused job can be resumed")
         self.store.add_event(job_id, "resumed", "queued again; it continues from its last checkpoint")
         return self.get(job_id, sees)
 
@@ -223,10 +183,10 @@ class Service:
         """Forget a finished job: its rows, its folder, and the checkpoint copy it was forked from."""
         job = self.get(job_id, sees)
         if job.status not in TERMINAL:
-            raise _invalid_state(job, "cancel it before deleting it")
+            raise invalid_state(job, "cancel it before deleting it")
         self.store.delete_job(job_id)
         shutil.rmtree(job.workdir, ignore_errors=True)
-        self._remove_fork_source(job.spec.get("checkpoint", {}).get("resume_from"))
+        remove_fork_source(self.jobs_root, job.spec.get("checkpoint", {}).get("resume_from"))
 
     def update_labels(self, job_id: str, labels: dict[str, Any], sees: str | None = None) -> JobRecord:
         """Change a job's name, tags or notes (any status); `labels` holds only the fields to change."""
@@ -235,7 +195,7 @@ class Service:
         try:
             merged = JobLabels.model_validate({**current, **labels})
         except ValidationError as err:
-            raise _invalid_value(err) from None
+            raise invalid_value(err) from None
         changed = {k: v for k, v in merged.model_dump().items() if k in labels}
         self.store.update_job(job_id, **changed, spec={**job.spec, **changed})
         return self.get(job_id, sees)
@@ -243,7 +203,7 @@ class Service:
     def set_hyperparameters(self, job_id: str, changes: dict[str, Any], sees: str | None = None) -> JobRecord:
         job = self.steered(job_id, sees, "hyperparameters")
         if job.status in TERMINAL:
-            raise _invalid_state(job, "it has no next step")
+            raise invalid_state(job, "it has no next step")
         try:
             overrides = hyperparameter_overrides(changes)
         except KeyError as err:
@@ -261,7 +221,7 @@ class Service:
     def checkpoint_now(self, job_id: str, sees: str | None = None) -> None:
         job = self.steered(job_id, sees, "checkpoint")
         if job.status != S.RUNNING:
-            raise _invalid_state(job, "only a running job can checkpoint now")
+            raise invalid_state(job, "only a running job can checkpoint now")
         self.scheduler.tell(job_id, "checkpoint_now")
         self.store.add_event(job_id, "checkpoint_requested", "a checkpoint is saved after the current step")
 
@@ -269,23 +229,23 @@ class Service:
         """The job's spec with `overrides` applied and validated (what a fork would run)."""
         parent = self.steered(job_id, sees, "fork")
         spec = _validated_merge(parent, overrides)
-        _same_weights_shape(parent.job_spec, spec)
+        same_weights_shape(parent.job_spec, spec)
         return spec
 
     def fork(self, job_id: str, step: int | None, overrides: dict[str, Any], sees: str | None = None,
              owner: str = ADMIN_OWNER) -> JobRecord:  # fmt: skip
         """A new job of `owner` (the forking key's) from one of the job's checkpoints."""
         parent = self.steered(job_id, sees, "fork")
-        chosen = self._fork_point(job_id, step)
+        chosen = fork_point(self.store, job_id, step)
         spec = _validated_merge(parent, overrides)
-        _same_weights_shape(parent.job_spec, spec)
+        same_weights_shape(parent.job_spec, spec)
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(
                 f"trainer.total_steps = {spec.trainer.total_steps} leaves nothing to train after the checkpoint at "
                 f"step {chosen['step']}: set trainer.total_steps above {chosen['step']} (`tandem fork --steps N`)", 422, "trainer.total_steps", "invalid_value",
             )  # fmt: skip
         try:
-            snapshot = self._snapshot_checkpoint(Path(chosen["path"]))
+            snapshot = snapshot_checkpoint(self.jobs_root, Path(chosen["path"]))
         except FileNotFoundError:
             raise ServiceError(
                 f"job '{job_id}' pruned its checkpoint at step {chosen['step']} just now; fork from a newer one",
@@ -295,47 +255,12 @@ class Service:
             spec = spec.merged({"checkpoint": {"resume_from": str(snapshot)}})
             job, _ = self.submit(spec, parent_id=job_id, owner=owner)
         except BaseException:  # refused (the cluster cannot hold it, ...): the copy has no owner
-            self._remove_fork_source(str(snapshot))
+            remove_fork_source(self.jobs_root, str(snapshot))
             raise
         self.store.add_event(
             job.id, "forked", f"forked from {job_id} at step {chosen['step']}", {"parent": job_id}
         )
         return job
-
-    def _fork_point(self, job_id: str, step: int | None) -> dict[str, Any]:
-        saved = self.store.checkpoints(job_id)
-        if not saved:
-            raise ServiceError(
-                f"job '{job_id}' has no checkpoint to fork from", 409, "job_id", "no_checkpoint"
-            )
-        chosen = saved[-1] if step is None else next((c for c in saved if c["step"] == step), None)
-        if chosen is None:
-            raise ServiceError(f"job '{job_id}' has no checkpoint at step {step}; it has {[c['step'] for c in saved]}",
-                               404, "checkpoint_step", "not_found")  # fmt: skip
-        return chosen
-
-    def _snapshot_checkpoint(self, folder: Path) -> Path:
-        """A private copy (hard links where the file system allows) of a checkpoint to fork from:
-        the parent keeps running and may prune the original before the child starts."""
-        target = self.jobs_root / FORK_SOURCES / uuid.uuid4().hex[:12] / folder.name
-
-        def link_or_copy(src: str, dst: str) -> None:
-            try:
-                os.link(src, dst)
-            except OSError:
-                shutil.copy2(src, dst)
-
-        shutil.copytree(folder, target, copy_function=link_or_copy)
-        return target
-
-    def _remove_fork_source(self, path: str | None) -> None:
-        """Remove a fork's private checkpoint copy (only ever one under jobs/fork-sources/)."""
-        if not path:
-            return
-        root = (self.jobs_root / FORK_SOURCES).resolve()
-        copy = Path(path).resolve()
-        if copy.parent.parent == root:
-            shutil.rmtree(copy.parent, ignore_errors=True)
 
     # ---- views ---------------------------------------------------------------------------------
 
@@ -387,15 +312,4 @@ def _validated_merge(job: JobRecord, overrides: dict[str, Any]) -> JobSpec:
     try:
         return job.job_spec.merged(overrides)
     except ValidationError as err:
-        raise _invalid_value(err) from None
-
-
-def _invalid_value(err: ValidationError) -> ServiceError:
-    """A 422 naming the first field at fault."""
-    first = err.errors()[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
-    return ServiceError(error_message(first["msg"], param), 422, param, "invalid_value")
-
-
-def _invalid_state(job: JobRecord, why: str) -> ServiceError:
-    return ServiceError(f"job '{job.id}' is {job.status}: {why}", 409, "job_id", "invalid_state")
+        raise invalid_value(err) from None

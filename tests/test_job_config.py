@@ -42,7 +42,7 @@ def test_both_micro_batch_settings_are_refused_at_submission_naming_them():
         validate(raw)
     # Each alone is accepted and reaches the engine's micro-batch config.
     one = spec(algorithm={"max_tokens_per_micro_batch": 512})
-    assert engine_config(one, "/m", 1e-5).micro_batch == MicroBatchConfig(max_tokens_per_micro_batch=512)
+    assert engine_config(one, "/m", one.optim).micro_batch == MicroBatchConfig(max_tokens_per_micro_batch=512)
 
 
 def test_model_dtype_reaches_the_rollout_engine_config():
@@ -80,11 +80,14 @@ def test_engine_configs_come_from_the_spec_sections():
         method="ppo",
         trainer={"total_steps": 9, "seed": 4},
     )  # fmt: skip
-    actor = engine_config(job, "/m", job.optim.lr)
-    assert actor.optim == OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), grad_clip=0.5)
+    actor = engine_config(job, "/m", job.optim)
+    assert actor.optim is job.optim  # the section itself: not re-wrapped or validated again
+    engine_fields = actor.optim.model_dump(include=set(OptimizerConfig.model_fields))
+    assert engine_fields == OptimizerConfig(lr=3e-4, betas=(0.8, 0.9), grad_clip=0.5).model_dump()
     assert actor.scheduler == SchedulerConfig(kind="cosine", warmup_steps=2, min_lr_ratio=0.1, total_steps=9)
     assert actor.micro_batch.micro_batch_size == 2 and actor.seed == 4
-    assert engine_config(job, "/m", job.algorithm.critic_lr).optim.lr == 7e-5
+    critic = engine_config(job, "/m", job.optim.model_copy(update={"lr": job.algorithm.critic_lr}))
+    assert critic.optim.lr == 7e-5 and job.optim.lr == 3e-4
     assert isinstance(actor, EngineConfig)
 
 

@@ -1,41 +1,22 @@
 """FSDPEngine: the TrainEngine of engines/base.py (docs/ARCHITECTURE.md §3.4) on PyTorch FSDP2 (`fully_shard`).
 
 Build order (`initialize`): process group → model in fp32 on the CPU → one FSDP unit per decoder
-layer, then the root → optimizer → LR schedule → offload if configured. Master weights stay fp32;
-on CUDA the compute runs in bf16 with fp32 gradient reduction (MixedPrecisionPolicy).
-
-bf16 (`dtype: bfloat16`) on one CPU rank is not wrapped either: the weights stay fp32 and the
-forward runs under `torch.autocast`, so the linear layers multiply in bf16 (on a CPU with AMX,
-3.2-4.3x fp32's rate at SmolLM2's shapes) while the residual stream, the norms, attention
-(engines/attention.py) and the log-prob head (engines/logprobs.py) stay fp32. FSDP2's mixed
-precision there cast every parameter on every micro-batch and ran attention in bf16, whose CPU
-kernel is slow: a SmolLM2-135M update in a job took 13.2 s that way, 8.7 s this way (bench/RESULTS.md).
-
-One rank computing in fp32 holds the whole model and has nothing to shard, gather or reduce, so its
-model is not wrapped (as torchtitan leaves a one-device run unwrapped): FSDP2 would only make every
-parameter a DTensor, whose dispatch (sharding propagation on fake tensors) cost ~10% of a qwen2-1m
-update in the optimizer step, gradient clipping and zeroing, plus the per-layer hooks. Checkpoints
-go through the same distributed state-dict API either way, so they load across world sizes.
-
-A call of `forward_backward_batch` cuts the rank's batch into micro-batches, packs each without
-padding, and hands the loss function per-token outputs on the [mb, R] response grid together with
-the global counts. The loss is normalised by those global counts, so the ranks' gradients are summed
-(divide factor 1), and gradient reduction runs once, on the last micro-batch.
+layer, then the root (engines/fsdp/build.py) → optimizer → LR schedule → offload if configured.
+`forward_backward_batch` cuts the rank's batch into packed micro-batches and normalises the loss by
+global counts, so the ranks' gradients are summed (divide factor 1), reduced once, on the last one.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from engines import rms_norm, rotary, swiglu
 from engines.attention import register as segment_attention_name
 from engines.base import (
     MAX_SUFFIX,
@@ -55,14 +36,9 @@ from engines.distributed import (
     resolve_device,
 )
 from engines.fsdp import lora
-from engines.fsdp.modules import (
-    PolicyModel,
-    ValueModel,
-    decoder_layers,
-    load_hf_model,
-    sparse_tied_embedding,
-)
+from engines.fsdp.build import ModelBuildMixin
 from engines.fsdp.optim import OptimizerMixin
+from engines.fsdp.placement import PlacementMixin
 from engines.fsdp.state import CheckpointMixin
 from engines.microbatch import MicroBatchPlanner, PromptGroups
 from engines.multi_lora import adapters_off
@@ -73,7 +49,7 @@ from schema.engine import EngineConfig
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
 
 
-class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
+class FSDPEngine(ModelBuildMixin, CheckpointMixin, OptimizerMixin, PlacementMixin, TrainEngine):
     """A policy (causal LM) or value model sharded with FSDP2 over all ranks of the process group."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -108,142 +84,6 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
             self.optimizer = self._build_optimizer()
             self.scheduler = self._build_scheduler(self.optimizer)
         self._offload_as_configured()
-
-    def _compute_dtype(self) -> torch.dtype:
-        if self.config.dtype == "auto":
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.config.dtype]
-
-    def _attn_implementation(self) -> str:
-        """flash-attention's varlen kernel on CUDA when installed; else per-sequence SDPA on the packed row."""
-        choice = self.config.attn_implementation
-        if choice == "auto" and self.device.type == "cuda":
-            try:
-                import flash_attn  # noqa: F401
-
-                return "flash_attention_2"
-            except ImportError:
-                pass
-        if choice in ("auto", "sdpa"):
-            return segment_attention_name()
-        return choice
-
-    def _build_model(self) -> torch.nn.Module:
-        self.attn_implementation = self._attn_implementation()
-        is_value = self.config.role == "value"
-        hf_model = load_hf_model(self.config.model_path, self.attn_implementation, value_head=is_value)
-        # One autograd Function each on a CPU (engines/rotary.py, engines/rms_norm.py, engines/swiglu.py).
-        rotary.install(sys.modules[type(hf_model).__module__])
-        rms_norm.install(hf_model)
-        swiglu.install(hf_model)
-        self.adapted_modules: list[str] = []
-        if self.config.lora is not None:
-            self._attach_adapters(hf_model)
-        if self.config.gradient_checkpointing:
-            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        keep = self.config.logprob_keep_mib << 20
-        model = (
-            ValueModel(hf_model)
-            if is_value
-            else PolicyModel(hf_model, self.config.logprob_chunk_tokens, keep)
-        )
-        if not self.config.trainable:
-            model.requires_grad_(False)
-        self.hf_config = hf_model.config
-        return model
-
-    def _attach_adapters(self, hf_model: torch.nn.Module) -> None:
-        """LoRA (engines/fsdp/lora.py, the layer of engines/multi_lora.py): adapters fp32, the frozen base in the compute dtype (bf16 on
-        GPU: it has no gradient or optimizer state, so fp32 master copies would buy nothing)."""
-        cfg = self.config.lora
-        self.adapted_modules = lora.attach(hf_model, cfg)
-        if cfg.init_from is not None:
-            lora.load_adapter_weights(hf_model, cfg.init_from)
-        if self.compute_dtype != torch.float32:
-            for param in hf_model.parameters():
-                if not param.requires_grad:
-                    param.data = param.data.to(self.compute_dtype)
-
-    def _shard(self, model: torch.nn.Module) -> None:
-        one_rank = self.dp_size == 1 and (self.compute_dtype == torch.float32 or self.device.type == "cpu")
-        self.sharded = not one_rank
-        self.reshard_after_forward = True
-        # bf16 on one CPU rank: fp32 weights, products in bf16 under autocast (see the module docstring).
-        self.autocast_dtype = self.compute_dtype if one_rank and self.compute_dtype != torch.float32 else None
-        if not self.sharded:  # see the module docstring
-            model.to(self.device)  # fully_shard would have moved it; unwrapped, it is loaded on the CPU
-            sparse_tied_embedding(model, self.device)
-            return
-        mp_policy = None
-        if self.compute_dtype != torch.float32:
-            # bf16 compute, fp32 gradient reduction: summing many ranks' bf16 gradients loses bits.
-            mp_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        reshard = self.config.fsdp.reshard_after_forward
-        self.reshard_after_forward = self.dp_size > 1 if reshard is None else reshard
-        kwargs = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
-        if mp_policy is not None:
-            kwargs["mp_policy"] = mp_policy
-        inner = model.lm if isinstance(model, PolicyModel) else model
-        for layer in decoder_layers(inner):
-            fully_shard(layer, **kwargs)
-        fully_shard(model, **kwargs)
-        # Losses are normalised by global counts, so rank gradients must be summed, not averaged.
-        # Plain SUM collectives: gloo has no PREMUL_SUM, and a divide factor of 1 needs none.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-
-    # ---- modes and placement -----------------------------------------------------------------
-
-    @contextmanager
-    def train_mode(self) -> Iterator[None]:
-        self._onload(optimizer=self.optimizer is not None)
-        self.model.train()
-        try:
-            yield
-        finally:
-            self._offload_as_configured()
-
-    @contextmanager
-    def eval_mode(self) -> Iterator[None]:
-        self._onload(optimizer=False)
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self._offload_as_configured()
-
-    def _onload(self, optimizer: bool) -> None:
-        onload_optimizer = optimizer and self._offloaded["optimizer"]
-        if self._offloaded["model"] or onload_optimizer:
-            self.to(str(self.device), model=self._offloaded["model"], optimizer=onload_optimizer)
-
-    def _offload_as_configured(self) -> None:
-        f = self.config.fsdp
-        optimizer = f.optimizer_offload and self.optimizer is not None
-        if f.param_offload or optimizer:
-            self.to("cpu", model=f.param_offload, optimizer=optimizer)
-            # On a CPU engine the move is a no-op, but the state is tracked the same way.
-            self._offloaded["model"] |= f.param_offload
-            self._offloaded["optimizer"] |= optimizer
-
-    def to(self, device: str, model: bool = True, optimizer: bool = True) -> None:
-        target = torch.device(device)
-        offloading = target.type == "cpu" and self.device.type != "cpu"
-        if model:
-            self.model.to(target)
-            self._offloaded["model"] = offloading
-        if optimizer and self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor):
-                        state[key] = value.to(target, non_blocking=True)
-            self._offloaded["optimizer"] = offloading
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            if offloading:
-                torch.cuda.empty_cache()
 
     # ---- compute -----------------------------------------------------------------------------
 
@@ -339,14 +179,20 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
     def _forward_micro(
         self, micro: TensorDict, width: int, compute_entropy: bool, temperature: float
     ) -> dict[str, torch.Tensor]:
+        """Per-token outputs on the micro-batch's [mb, R] response grid; one copy of each repeated
+        prompt when it can be shared (engines/shared_prompt.py)."""
         groups = self._prompt_groups(micro, width)
+        mask = None
         if groups is not None:
-            return self._forward_shared(micro, width, groups, compute_entropy, temperature)
-        packed = pack(micro["input_ids"], micro["attention_mask"])
-        # Sequence boundaries: flash-attention reads them from the restarting positions, the
-        # segment attention from cu_seq_lens_q; plain SDPA or eager need the block-diagonal mask.
-        varlen = self.attn_implementation in ("flash_attention_2", segment_attention_name())
-        mask = None if varlen else packed.block_causal_mask()
+            packed = pack_shared(micro["input_ids"], micro["attention_mask"], width, groups)
+            layout = {"shared_prompt": packed}
+        else:
+            packed = pack(micro["input_ids"], micro["attention_mask"])
+            layout = {"cu_seq_lens_q": packed.cu_seq_lens()}
+            # Sequence boundaries: flash-attention reads them from the restarting positions, the
+            # segment attention from cu_seq_lens_q; plain SDPA or eager need the block-diagonal mask.
+            if self.attn_implementation not in ("flash_attention_2", segment_attention_name()):
+                mask = packed.block_causal_mask()
         with self._autocast():
             flat = self.model(
                 packed.input_ids,
@@ -355,10 +201,16 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
                 packed.targets,
                 temperature,
                 compute_entropy,
-                cu_seq_lens_q=packed.cu_seq_lens(),
+                **layout,
             )
         mask_r = micro["response_mask"].to(torch.float32)
-        return {k: response_columns(unpack(v, packed), width) * mask_r for k, v in flat.items()}
+        if groups is None:
+            return {k: response_columns(unpack(v, packed), width) * mask_r for k, v in flat.items()}
+        rows = len(micro)
+        return {
+            k: v.new_zeros(rows * width).index_put((packed.grid_index,), v).view(rows, width) * mask_r
+            for k, v in flat.items()
+        }
 
     def _autocast(self) -> AbstractContextManager[None]:
         """The forward's autocast region: bf16 products on one CPU rank asked for bf16, else none."""
@@ -372,33 +224,6 @@ class FSDPEngine(CheckpointMixin, OptimizerMixin, TrainEngine):
             return None
         groups = prompt_groups(micro["input_ids"], micro["attention_mask"], width)
         return groups if groups is not None and len(groups) < len(micro) else None
-
-    def _forward_shared(
-        self,
-        micro: TensorDict,
-        width: int,
-        groups: list[list[int]],
-        compute_entropy: bool,
-        temperature: float,
-    ) -> dict[str, torch.Tensor]:
-        """One copy of each prompt (engines/shared_prompt.py); outputs land on the [mb, R] grid."""
-        packed = pack_shared(micro["input_ids"], micro["attention_mask"], width, groups)
-        with self._autocast():
-            flat = self.model(
-                packed.input_ids,
-                packed.position_ids,
-                None,
-                packed.targets,
-                temperature,
-                compute_entropy,
-                shared_prompt=packed,
-            )
-        mask_r = micro["response_mask"].to(torch.float32)
-        rows = len(micro)
-        return {
-            k: v.new_zeros(rows * width).index_put((packed.grid_index,), v).view(rows, width) * mask_r
-            for k, v in flat.items()
-        }
 
     @staticmethod
     def _in_original_order(pieces: list[dict[str, torch.Tensor]], plan: list[list[int]]) -> dict:

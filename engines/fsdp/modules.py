@@ -53,11 +53,27 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _layout_kwargs(cu_seq_lens_q: torch.Tensor | None, shared_prompt: SharedPromptPack | None) -> dict:
-    """What the attention function needs to know about the packed row (transformers passes it down)."""
-    if shared_prompt is not None:
-        return {"shared_prompt": shared_prompt}
-    return {"cu_seq_lens_q": cu_seq_lens_q}
+def _hidden(
+    body: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cu_seq_lens_q: torch.Tensor | None,
+    shared_prompt: SharedPromptPack | None,
+) -> torch.Tensor:
+    """The decoder's last hidden states of a packed row (with `shared_prompt`, of its response tokens);
+    the row's layout goes down to the attention function through transformers' kwargs."""
+    layout = (
+        {"shared_prompt": shared_prompt} if shared_prompt is not None else {"cu_seq_lens_q": cu_seq_lens_q}
+    )
+    hidden = body(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        use_cache=False,
+        **layout,
+    ).last_hidden_state[0]
+    return hidden if shared_prompt is None else hidden.index_select(0, shared_prompt.select)
 
 
 class PolicyModel(nn.Module):
@@ -80,15 +96,9 @@ class PolicyModel(nn.Module):
         shared_prompt: SharedPromptPack | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per packed token; with `shared_prompt`, per response token (its `select`, `targets`)."""
-        hidden = self.lm.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=False,
-            **_layout_kwargs(cu_seq_lens_q, shared_prompt),
-        ).last_hidden_state[0]
+        hidden = _hidden(self.lm.model, input_ids, position_ids, attention_mask, cu_seq_lens_q, shared_prompt)
         if shared_prompt is not None:
-            hidden, targets = hidden.index_select(0, shared_prompt.select), shared_prompt.targets
+            targets = shared_prompt.targets
         head = self.lm.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ModelLoadError("output projections with a bias are not supported")
@@ -126,15 +136,7 @@ class ValueModel(nn.Module):
         cu_seq_lens_q: torch.Tensor | None = None,
         shared_prompt: SharedPromptPack | None = None,
     ) -> dict[str, torch.Tensor]:
-        hidden = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=False,
-            **_layout_kwargs(cu_seq_lens_q, shared_prompt),
-        ).last_hidden_state[0]
-        if shared_prompt is not None:
-            hidden = hidden.index_select(0, shared_prompt.select)
+        hidden = _hidden(self.model, input_ids, position_ids, attention_mask, cu_seq_lens_q, shared_prompt)
         if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             # bf16 on a CPU (engines/fsdp/engine.py): the head in fp32; bf16 would keep 3 digits a value.
             with torch.autocast("cpu", enabled=False):
@@ -150,12 +152,9 @@ class ValueModel(nn.Module):
 
 
 def sparse_tied_embedding(model: torch.nn.Module, device: torch.device) -> bool:
-    """Where the input embedding is the output head's weight (tied, as SmolLM2's), one rank on a CPU:
-    the embedding's backward returns its few rows as a sparse gradient, which autograd adds into the
-    head's dense one, instead of a zero-filled [vocabulary, hidden] tensor every micro-batch plus
-    one more pass to sum the two. A micro-batch whose
-    loss reads no head would leave the gradient sparse: optimizer_step (engines/fsdp/optim.py)
-    makes it dense."""
+    """A tied input embedding on one CPU rank returns its few rows as a sparse gradient, which autograd
+    adds into the head's dense one (no zero-filled [vocabulary, hidden] tensor per micro-batch). A
+    loss that reads no head leaves it sparse: the optimizer step (engines/adamw.py) makes it dense."""
     inner = model.lm if isinstance(model, PolicyModel) else None
     if inner is None or device.type != "cpu":
         return False

@@ -1,9 +1,7 @@
 """The optimizer and learning-rate schedule of an FSDPEngine (engines/fsdp/engine.py), as a mixin.
 
-Tandem's one AdamW (engines/adamw.py: built fused, a step clips the gradient norm and is skipped
-when that norm is not finite) under a warmup-then-constant or warmup-then-cosine schedule; the
-engine counts the skipped steps. A low-level client may hand one step its own AdamW settings
-(`optimizer_step(params)`); the schedule keeps owning the learning rate otherwise.
+Tandem's one AdamW (engines/adamw.py) under a warmup-then-constant or warmup-then-cosine schedule. A
+low-level client may hand one step its own AdamW settings (`optimizer_step(params)`).
 """
 
 from __future__ import annotations

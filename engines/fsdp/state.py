@@ -1,10 +1,8 @@
 """Checkpoints and Hugging Face exports of an FSDPEngine (engines/fsdp/engine.py), as a mixin.
 
-Checkpoints go through torch's distributed state-dict API (`dcp`), so they load across world sizes
-and whether or not the model is wrapped; each rank adds its RNG state, rank 0 the schedule and the
-skipped-step count. With LoRA a checkpoint holds the adapters and their optimizer state only (the
-frozen base is the model folder's), and an export is a PEFT adapter folder (and, `merged`, the merged
-model beside it).
+Checkpoints go through torch's distributed state-dict API (`dcp`), so they load across world sizes,
+wrapped or not; each rank adds its RNG state, rank 0 the schedule and the skipped-step count. With
+LoRA a checkpoint holds the adapters and their optimizer state, and an export is a PEFT adapter folder.
 """
 
 from __future__ import annotations
@@ -36,9 +34,9 @@ class CheckpointMixin:
             ignore_frozen_params=bool(self.adapted_modules), strict=not self.adapted_modules
         )
 
-    def _state(self) -> dict:
+    def _state(self, with_optimizer: bool = True) -> dict:
         options = self._state_options()
-        if self.optimizer is None:
+        if self.optimizer is None or not with_optimizer:
             return {"model": get_model_state_dict(self.model, options=options)}
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_state, "optim": optim_state}
@@ -59,23 +57,17 @@ class CheckpointMixin:
         meta = ckpt.read_meta(folder)
         with_optimizer = optimizer and self.optimizer is not None
         self._onload(optimizer=with_optimizer)
-        options = self._state_options()
-        state = (
-            self._state() if with_optimizer else {"model": get_model_state_dict(self.model, options=options)}
-        )
+        state = self._state(with_optimizer)
         dcp.load(state, checkpoint_id=str(folder))
-        if not with_optimizer:
-            set_state_dict(
-                self.model, (), model_state_dict=state["model"], optim_state_dict={}, options=options
-            )
-        else:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optim"],
-                options=options,
-            )
+        optimizers = self.optimizer if with_optimizer else ()
+        set_state_dict(
+            self.model,
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}),
+            options=self._state_options(),
+        )
+        if with_optimizer:
             extra = torch.load(folder / "trainer_state.pt", weights_only=False)
             if self.scheduler is not None and extra["scheduler"] is not None:
                 self.scheduler.load_state_dict(extra["scheduler"])

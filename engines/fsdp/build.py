@@ -1,0 +1,110 @@
+"""How an FSDPEngine (engines/fsdp/engine.py) builds its model and shards it, as a mixin.
+
+Master weights stay fp32; on CUDA the compute runs in bf16 with fp32 gradient reduction. One rank
+with nothing to shard (fp32, or any dtype on a CPU) is not wrapped, as torchtitan leaves a
+one-device run: FSDP2 would only make every parameter a DTensor, whose dispatch costs time in every
+optimizer step. bf16 there runs the forward under `torch.autocast` over fp32 weights, so only the
+linear layers multiply in bf16 (attention, norms and the log-prob head stay fp32: a CPU's bf16
+kernels for them are slow). Checkpoints use the distributed state-dict API either way.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from engines import rms_norm, rotary, swiglu
+from engines.attention import register as segment_attention_name
+from engines.fsdp import lora
+from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model, sparse_tied_embedding
+
+
+class ModelBuildMixin:
+    """The model half of `FSDPEngine.initialize`, over the engine's `config`, `device`, `dp_size`
+    and `mesh`; it sets `model`'s companions `hf_config`, `adapted_modules`, `attn_implementation`."""
+
+    def _compute_dtype(self) -> torch.dtype:
+        if self.config.dtype == "auto":
+            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.config.dtype]
+
+    def _attn_implementation(self) -> str:
+        """flash-attention's varlen kernel on CUDA when installed; else per-sequence SDPA on the packed row."""
+        choice = self.config.attn_implementation
+        if choice == "auto" and self.device.type == "cuda":
+            try:
+                import flash_attn  # noqa: F401
+
+                return "flash_attention_2"
+            except ImportError:
+                pass
+        if choice in ("auto", "sdpa"):
+            return segment_attention_name()
+        return choice
+
+    def _build_model(self) -> torch.nn.Module:
+        self.attn_implementation = self._attn_implementation()
+        is_value = self.config.role == "value"
+        hf_model = load_hf_model(self.config.model_path, self.attn_implementation, value_head=is_value)
+        # One autograd Function each on a CPU (engines/rotary.py, engines/rms_norm.py, engines/swiglu.py).
+        rotary.install(sys.modules[type(hf_model).__module__])
+        rms_norm.install(hf_model)
+        swiglu.install(hf_model)
+        self.adapted_modules: list[str] = []
+        if self.config.lora is not None:
+            self._attach_adapters(hf_model)
+        if self.config.gradient_checkpointing:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if is_value:
+            model = ValueModel(hf_model)
+        else:
+            model = PolicyModel(
+                hf_model, self.config.logprob_chunk_tokens, self.config.logprob_keep_mib << 20
+            )
+        if not self.config.trainable:
+            model.requires_grad_(False)
+        self.hf_config = hf_model.config
+        return model
+
+    def _attach_adapters(self, hf_model: torch.nn.Module) -> None:
+        """LoRA (engines/fsdp/lora.py): adapters in fp32, the frozen base in the compute dtype (it has no
+        gradient or optimizer state, so fp32 master copies would buy nothing)."""
+        cfg = self.config.lora
+        self.adapted_modules = lora.attach(hf_model, cfg)
+        if cfg.init_from is not None:
+            lora.load_adapter_weights(hf_model, cfg.init_from)
+        if self.compute_dtype != torch.float32:
+            for param in hf_model.parameters():
+                if not param.requires_grad:
+                    param.data = param.data.to(self.compute_dtype)
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        one_rank = self.dp_size == 1 and (self.compute_dtype == torch.float32 or self.device.type == "cpu")
+        self.sharded = not one_rank
+        self.reshard_after_forward = True
+        # bf16 on one CPU rank: fp32 weights, products in bf16 under autocast (see the module docstring).
+        self.autocast_dtype = self.compute_dtype if one_rank and self.compute_dtype != torch.float32 else None
+        if not self.sharded:
+            model.to(self.device)  # fully_shard would have moved it; unwrapped, it is loaded on the CPU
+            sparse_tied_embedding(model, self.device)
+            return
+        reshard = self.config.fsdp.reshard_after_forward
+        self.reshard_after_forward = self.dp_size > 1 if reshard is None else reshard
+        kwargs = {"mesh": self.mesh, "reshard_after_forward": self.reshard_after_forward}
+        if self.compute_dtype != torch.float32:
+            # bf16 compute, fp32 gradient reduction: summing many ranks' bf16 gradients loses bits.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=self.compute_dtype, reduce_dtype=torch.float32
+            )
+        inner = model.lm if isinstance(model, PolicyModel) else model
+        for layer in decoder_layers(inner):
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        # Losses are normalised by global counts, so rank gradients must be summed, not averaged.
+        # Plain SUM collectives: gloo has no PREMUL_SUM, and a divide factor of 1 needs none.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,73 @@
+"""Forks: a new job that resumes a private copy of one of its parent's checkpoints.
+
+The copy (hard links where the file system allows) lives under jobs/fork-sources/, so the parent
+may keep running and prune the original before the child starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from schema.job import JobSpec
+from service.errors import ServiceError
+from service.owned_paths import FORK_SOURCES
+from service.store import JobStore
+
+
+def same_weights_shape(parent: JobSpec, child: JobSpec) -> None:
+    """A fork keeps the parent's base model and, with LoRA, its adapter shape (a checkpoint of rank-8
+    adapters cannot load into rank-16 ones)."""
+    for field in ("path", "builtin"):
+        if getattr(parent.model, field) != getattr(child.model, field):
+            raise ServiceError(f"model.{field}: a fork keeps its parent's base model", 422,
+                               f"model.{field}", "invalid_value")  # fmt: skip
+    before, after = parent.model.lora, child.model.lora
+    if (before is None) != (after is None):
+        raise ServiceError("model.lora: a fork keeps its parent's choice of LoRA or full fine-tuning", 422,
+                           "model.lora", "invalid_value")  # fmt: skip
+    if before is None or after is None:
+        return
+    for field in ("rank", "target_modules"):
+        if getattr(before, field) != getattr(after, field):
+            raise ServiceError(f"model.lora.{field}: a fork keeps its parent's adapter shape "
+                               f"({field} = {getattr(before, field)})", 422, f"model.lora.{field}",
+                               "invalid_value")  # fmt: skip
+
+
+def fork_point(store: JobStore, job_id: str, step: int | None) -> dict[str, Any]:
+    """The checkpoint to fork from: the one at `step`, or the latest."""
+    saved = store.checkpoints(job_id)
+    if not saved:
+        raise ServiceError(f"job '{job_id}' has no checkpoint to fork from", 409, "job_id", "no_checkpoint")
+    chosen = saved[-1] if step is None else next((c for c in saved if c["step"] == step), None)
+    if chosen is None:
+        raise ServiceError(f"job '{job_id}' has no checkpoint at step {step}; it has {[c['step'] for c in saved]}",
+                           404, "checkpoint_step", "not_found")  # fmt: skip
+    return chosen
+
+
+def snapshot_checkpoint(jobs_root: Path, folder: Path) -> Path:
+    """The fork's private copy of `folder`."""
+    target = jobs_root / FORK_SOURCES / uuid.uuid4().hex[:12] / folder.name
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(folder, target, copy_function=link_or_copy)
+    return target
+
+
+def remove_fork_source(jobs_root: Path, path: str | None) -> None:
+    """Remove a fork's private checkpoint copy (only ever one under jobs/fork-sources/)."""
+    if not path:
+        return
+    copy = Path(path).resolve()
+    if copy.parent.parent == (jobs_root / FORK_SOURCES).resolve():
+        shutil.rmtree(copy.parent, ignore_errors=True)
