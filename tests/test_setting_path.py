@@ -3,6 +3,8 @@ included (tests/setting_path.py traces a real submission; docs/ARCHITECTURE.md Â
 
 from __future__ import annotations
 
+import pytest
+
 from tests.setting_path import setting_path
 
 # The files the path crosses now; a hop added back (a re-wrap of the section, a second parse or
@@ -10,6 +12,9 @@ from tests.setting_path import setting_path
 MAX_FILES = 17
 
 
+# A real job through the service (~3 minutes on 2 cores): `make test-slow`. A hop added back shows in
+# the structure tests of make test too (tests/test_job_config.py: the section is handed on, not re-made).
+@pytest.mark.slow
 def test_optim_lr_reaches_the_optimizer_through_few_files(ray_cluster, tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     path = setting_path()
