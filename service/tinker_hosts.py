@@ -1,19 +1,12 @@
 """One session-host worker group per served base model, and the dispatcher that feeds it.
 
-A host is a one-rank `RayWorkerGroup` of `workers.session_host.SessionWorker` (one base, many adapters)
-on a one-bundle resource pool, started as a job's ranks are (malloc and threads set by the group's
-`WorkerHost`); the API process binds its registered operations without importing torch. A host is
-started lazily, by the first request that needs its base model, so serving many base models costs
-nothing until they are used; while it runs, the scheduler counts its CPUs as held (`accounts`:
-`Scheduler.hold`), so jobs are scheduled around it.
-
-Each host has one dispatcher thread. Requests are queued per queue key (a training model id or a
-sampler id) under their owner; the dispatcher takes the head op of one queue after another,
-round-robin between owners and, within an owner, between its queues, at most one op per queue per
-batch (a session's ops run in the order it sent them), so the ops of a batch commute. A batch's
-forwards go in one `forward_backward` call, its samples in one `sample` call, its log-prob requests
-in one `compute_logprobs` call, the rest one call each. Every call has the group's timeout; a
-timeout or a dead worker fails the futures with a message that names the host.
+A host is a one-rank `RayWorkerGroup` of `workers.session_host.SessionWorker`, started by the first
+request for its base model; while it runs, the scheduler counts its CPUs as held (`accounts`). Its one
+dispatcher thread takes batches round-robin between owners and, within an owner, between its queues
+(a model or sampler id), at most one op per queue per batch, so a session's ops keep their order and
+the ops of a batch commute. A batch's forwards, samples and log-prob requests each go in one call of
+the host's batched form; the rest are the shared training operations, one call each. Every call has
+the group's timeout; a timeout or a dead worker fails the futures naming the host.
 """
 
 from __future__ import annotations
@@ -33,10 +26,17 @@ import ray
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, WorkerGroupError
 from service.tinker_futures import Future, FutureTable
+from workers.base import Dispatch, registered_methods
 from workers.session_host import Result, SessionWorker, error
 
 log = logging.getLogger("tandem.tinker")
-BATCHED = (SessionWorker.forward_backward, SessionWorker.sample, SessionWorker.compute_logprobs)
+# operation -> the host's batched form, which takes a list of the operation's calls
+BATCHED = {
+    SessionWorker.forward_backward: "forward_backward_calls",
+    SessionWorker.sample: "sample",
+    SessionWorker.compute_logprobs: "compute_logprobs",
+}
+SPECS = registered_methods(SessionWorker)
 
 # (ok result) -> (json result, protobuf result): what the future answers
 Finish = Callable[[dict[str, Any]], tuple[dict[str, Any] | None, bytes | None]]
@@ -44,7 +44,7 @@ Finish = Callable[[dict[str, Any]], tuple[dict[str, Any] | None, bytes | None]]
 
 @dataclass(frozen=True)
 class Call:
-    """One SessionWorker operation and its arguments; a batched one's are one item of its list."""
+    """One SessionWorker operation and its arguments (a batched one's: one item of its list)."""
 
     operation: Callable[..., Any]  # a registered method of SessionWorker
     kwargs: dict[str, Any]
@@ -227,16 +227,28 @@ class Host:
         if self.error is not None or self.group is None:
             return [error("server", None, self.error or f"{self.name} is not running")] * len(ops)
         call = ops[0].call
-        method = getattr(self.group, call.operation.__name__)
         try:
             if call.batched:
-                return method([op.call.kwargs for op in ops])
-            return [method(**call.kwargs)]
+                return getattr(self.group, BATCHED[call.operation])([op.call.kwargs for op in ops])
+            return [self._single(call)]
         except WorkerGroupError as err:  # a dead worker or a timeout: every op of the call is told
             message = f"{self.name} failed: {err}"[:2000]
             if err.kind == "died":
                 self._lost(message)
             return [error("server", None, message)] * len(ops)
+
+    def _single(self, call: Call) -> Result:
+        """One operation's call; optim_step takes the SDK's AdamParams as its `params` and answers
+        the service's metrics."""
+        name, kwargs = call.operation.__name__, dict(call.kwargs)
+        if name == "optim_step":
+            kwargs["params"] = kwargs.pop("adam")
+        answer = getattr(self.group, name)(**kwargs)
+        answer = answer[0] if SPECS[name].mode is Dispatch.ONE_TO_ALL else answer  # one rank
+        if name == "optim_step" and "ok" in answer:
+            lr = kwargs["params"].get("learning_rate")
+            return {"ok": {"metrics": {"grad_norm": answer["ok"], "learning_rate": lr}}}
+        return answer
 
     def _lost(self, why: str) -> None:
         """The actor died: forget it (the next batch starts another) and tell the service."""

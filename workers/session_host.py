@@ -1,14 +1,13 @@
-"""The Tinker API's training role: one base model and many adapters (`engines/adapter_engine.py`) served
-as worker operations, each naming the adapter (a Tinker training model) it acts on.
+"""The Tinker API's training role: one base model and many LoRA adapters (engines/adapter_engine.py)
+as a one-rank worker group (service/tinker_hosts.py).
 
-The service starts it as a one-rank worker group (service/tinker_hosts.py) and calls its registered
-operations as RL jobs call theirs. `forward_backward`, `sample` and `compute_logprobs` take the calls of
-many adapters at once and compute them together (one forward, one decode batch); the others take one.
-Every call answers `{"ok": ...}` or `{"error": {"category", "field", "message"}}`: a bad input is a
-"user" error naming its field, found call by call before anything runs (workers/session_inputs.py:
-only what the API's typed requests cannot know, the adapters, snapshots and the model's limits), so it
-never fails another call; a group that fails as a whole is rerun call by call. This module
-imports no torch, so that the API process can bind the group's methods.
+It serves the training operations RL roles serve (`TrainingOperations`: optim_step, save_state,
+load_state, ... each naming its adapter) and adds what only a many-adapter host has: adapters made and
+dropped, sampler snapshots, and the batched forms that run many adapters' calls in one engine call
+(`forward_backward_calls`, `sample`, `compute_logprobs`). Toward the API every call answers
+`{"ok": ...}` or `{"error": {"category", "field", "message"}}`: a bad call is a "user" error naming
+its field (workers/session_inputs.py) and never fails the other calls of its batch. Imports no torch,
+so that the API process can bind the group's methods.
 """
 
 from __future__ import annotations
@@ -18,13 +17,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workers.base import Dispatch, Reduce, Worker, register
+from workers.base import Dispatch, Reduce, register
+from workers.operations import TrainingOperations
 
 Result = dict[str, Any]  # {"ok": ...} or {"error": {"category", "field", "message"}}
 # a forward call: {adapter, data: [{tokens, loss_fn_inputs: {name: {data, dtype, shape}}}], loss_fn,
 # loss_fn_config, backward}; a sample call: {sampler (a save_for_sampler folder; None: the base),
 # prompt, num_samples, sampling_params, prompt_logprobs}
 Call = dict[str, Any]
+# The shared operations the API calls: they raise, as RL's callers expect; the API reads answers.
+ANSWERED = ("optim_step", "save_state", "load_state")
 
 
 def error(category: str, field: str | None, message: str) -> Result:
@@ -39,7 +41,9 @@ def _rss_bytes() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-class SessionWorker(Worker):
+class SessionWorker(TrainingOperations):
+    checkpoint_name = "adapter"
+
     def __init__(self, base_model: str, workdir: str, options: dict[str, Any]) -> None:
         super().__init__()
         import torch
@@ -62,8 +66,12 @@ class SessionWorker(Worker):
             limit_threads_for_model(model_path)  # a small model computes faster on one thread
         self.base_model, self.inputs = base_model, session_inputs
         self.engine = AdapterEngine(model_path, Path(workdir), EngineOptions.of(options))
-        self.ops = TrainOps(self.engine)  # the RL roles' operations, each naming its adapter
+        self.ops = TrainOps(self.engine)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.register_mesh("actor", 0, True)  # the MESH operations: one rank, one dp rank
+        for name in ANSWERED:
+            operation = getattr(self, name)
+            setattr(self, name, lambda *a, op=operation, **kw: self._guard(lambda: op(*a, **kw)))
 
     def _guard(self, fn: Callable[[], Any]) -> Result:
         """`fn`'s answer as {"ok"}; its input error as a user error, anything else a server error."""
@@ -93,15 +101,11 @@ class SessionWorker(Worker):
             chunk = ready[start : start + size]
             answers = self._guard(lambda chunk=chunk: run([p for _, p in chunk]))
             if "ok" not in answers:
-                if len(chunk) == 1:
-                    answers = {"ok": [answers]}
-                else:
-                    answers = {"ok": [self._together([p], lambda p: p, run)[0] for _, p in chunk]}
+                retried = [self._together([p], lambda p: p, run)[0] for _, p in chunk]
+                answers = {"ok": [answers] if len(chunk) == 1 else retried}
             for (i, _), answer in zip(chunk, answers["ok"], strict=True):
                 results[i] = answer
         return results
-
-    # ---- the host ------------------------------------------------------------------------------
 
     @register(Dispatch.RANK_ZERO)
     def describe(self) -> dict[str, Any]:
@@ -153,11 +157,19 @@ class SessionWorker(Worker):
         """The adapter, its gradients and optimizer state leave the host (its saved folders stay)."""
         return self._guard(lambda: self.engine.drop_adapter(adapter) or {})
 
-    # ---- the training operations, each naming its adapter --------------------------------------
+    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
+    def save_for_sampler(self, adapter: str, name: str) -> Result:
+        """A frozen snapshot of the adapter (no optimizer state) that `sample` can name."""
+        folder = self.engine.workdir / "samplers" / adapter / name
+        return self._guard(
+            lambda: self.ops.save_state(str(folder), 0, adapter, False) or {"path": str(folder)}
+        )
+
+    # ---- the batched forms: many adapters' calls in one engine call -------------------------------
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def forward_backward(self, calls: list[Call]) -> list[Result]:
-        """Each call's loss on its adapter (gradients added unless `backward` is false), all in one forward."""
+    def forward_backward_calls(self, calls: list[Call]) -> list[Result]:
+        """Each call's loss on its adapter (gradients added unless `backward` is false), one forward."""
         return self._together(calls, self._prepare_forward, self._forward)
 
     def _prepare_forward(self, call: Call) -> tuple[Call, list, Any]:
@@ -169,15 +181,12 @@ class SessionWorker(Worker):
     def _forward(self, prepared: list[tuple[Call, list, Any]]) -> list[Result]:
         from workers.losses.tinker import compute_loss
 
-        device = self.engine.device
-
         def loss(i: int, log_probs: Any) -> tuple[Any, Result]:
             call, data, _ = prepared[i]
-            inputs = [{k: v.to(device) for k, v in d.inputs.items()} for d in data]
             logprobs = self.inputs.per_datum(log_probs, data)
-            answer = self._guard(
-                lambda: compute_loss(call["loss_fn"], logprobs, inputs, call.get("loss_fn_config"))
-            )
+            inputs = [{k: v.to(log_probs.device) for k, v in d.inputs.items()} for d in data]
+            config = call.get("loss_fn_config")
+            answer = self._guard(lambda: compute_loss(call["loss_fn"], logprobs, inputs, config))
             if "ok" not in answer:
                 return None, answer
             value, outputs, metrics = answer["ok"]
@@ -185,49 +194,7 @@ class SessionWorker(Worker):
             return value, {"ok": {"loss_fn_outputs": outs, "metrics": metrics}}
 
         calls = [(call["adapter"], rows) for call, _, rows in prepared]
-        return self.engine.forward_backward(
-            calls, loss, [bool(call.get("backward")) for call, _, _ in prepared]
-        )
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def optim_step(self, adapter: str, adam: dict[str, float]) -> Result:
-        """One AdamW step of `adapter` with the SDK's AdamParams of this call; its grad norm."""
-
-        from engines.adamw import AdamWSettings
-
-        def step() -> dict:
-            norm = self.ops.optim_step(adam, adapter)
-            return {"metrics": {"grad_norm": norm, "learning_rate": AdamWSettings.from_adam_params(adam).lr}}
-
-        return self._guard(step)
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def save_state(self, adapter: str, path: str, optimizer: bool = True) -> Result:
-        """The adapter (a PEFT folder), its session.json and, with `optimizer`, its AdamW state."""
-
-        return self._guard(
-            lambda: self.ops.save_state(path, adapter=adapter, optimizer=optimizer) or {"path": path}
-        )
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def load_state(self, adapter: str, path: str, optimizer: bool = True) -> Result:
-        """Into `adapter` (made when absent) what save_state wrote at `path`."""
-
-        return self._guard(lambda: self.ops.load_state(path, optimizer, adapter) or {"path": path})
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def save_for_sampler(self, adapter: str, name: str) -> Result:
-        """A frozen snapshot of the adapter (no optimizer state) that `sample` can name."""
-
-        def save() -> dict:
-            self.engine.session(adapter)
-            folder = self.engine.workdir / "samplers" / adapter / name
-            self.ops.save_state(str(folder), adapter=adapter, optimizer=False)
-            return {"path": str(folder)}
-
-        return self._guard(save)
-
-    # ---- sampling ------------------------------------------------------------------------------
+        return self.engine.forward_backward(calls, loss, [bool(c.get("backward")) for c, _, _ in prepared])
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def sample(self, calls: list[Call]) -> list[Result]:
