@@ -358,3 +358,19 @@ def test_drop_model_and_top_k_targets(make_host):
     err = host.forward_backward_calls([fwd("a")])[0]["error"]
     assert (err["category"], err["field"]) == ("user", "model_id")
     assert host.describe()["resident"] == ["b"]
+
+
+def test_a_state_in_peft_layer_names_loads_to_the_same_weights(make_host, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    host = make_host()
+    create(host, "a")
+    host.forward_backward_calls([fwd("a")])
+    step(host, "a")
+    folder = tmp_path / "state"
+    ok(host.save_state(str(folder), adapter="a"))
+    file = str(folder / "adapter_model.safetensors")  # as PEFT's layers named them: adapter 'default'
+    save_file({k.replace(".weight", ".default.weight"): v for k, v in load_file(file).items()}, file)
+    fresh = make_host()
+    ok(fresh.load_state(str(folder), True, "r"))
+    close(weights(fresh, "r"), weights(host, "a"), tol=0.0)

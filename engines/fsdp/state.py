@@ -63,7 +63,7 @@ class CheckpointMixin:
         state = (
             self._state() if with_optimizer else {"model": get_model_state_dict(self.model, options=options)}
         )
-        dcp.load(state, checkpoint_id=str(folder))
+        state = lora.load_checkpoint_state(state, folder)  # also reads PEFT's layer names
         if not with_optimizer:
             set_state_dict(
                 self.model, (), model_state_dict=state["model"], optim_state_dict={}, options=options
