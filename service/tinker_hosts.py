@@ -1,19 +1,16 @@
-"""One session-host worker group per served base model, and the dispatcher that feeds it.
+"""One session-host worker group (workers/session_host.py) per served base model, and its dispatcher.
 
-A host is a one-rank `RayWorkerGroup` of `workers.session_host.SessionWorker`, started by the first
-request for its base model; while it runs, the scheduler counts its CPUs as held (`accounts`). Its one
-dispatcher thread takes batches round-robin between owners and, within an owner, between its queues
-(a model or sampler id), at most one op per queue per batch, so a session's ops keep their order and
-the ops of a batch commute. A batch's forwards, samples and log-prob requests each go in one call of
-the host's batched form; the rest are the shared training operations, one call each. Every call has
-the group's timeout; a timeout or a dead worker fails the futures naming the host.
+A host starts with the first request for its base model; while it runs, the scheduler counts its CPUs
+as held (`accounts`). Its dispatcher thread takes batches round-robin between owners, then between an
+owner's queues (a model or sampler id), one op per queue per batch: a session's ops keep their order
+and a batch's ops commute. A batch's forwards, samples and log-prob requests each go in one call of
+the host's batched form, the rest one call each; a timeout or a dead worker fails the futures naming it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -48,10 +45,6 @@ class Call:
 
     operation: Callable[..., Any]  # a registered method of SessionWorker
     kwargs: dict[str, Any]
-
-    @property
-    def batched(self) -> bool:
-        return self.operation in BATCHED
 
 
 @dataclass
@@ -92,7 +85,6 @@ class Host:
         self.pool: ResourcePool | None = None
         self.info: dict[str, Any] | None = None
         self.error: str | None = None
-        self.batches = 0
 
     # ---- requests ---------------------------------------------------------------------------------
 
@@ -127,43 +119,36 @@ class Host:
         if self.accounts is not None:
             self.accounts.release(self.name)
 
-    def queued(self) -> int:
-        with self._cond:
-            return sum(len(q) for keys in self._queues.values() for q in keys.values())
-
     # ---- the dispatcher ---------------------------------------------------------------------------
 
     def _next_batch(self) -> list[Op]:
         """Up to max_batch ops, round-robin between owners, then between each owner's queues."""
         batch: list[Op] = []
-        taken: set[str] = set()
-        progress = True
-        while progress and len(batch) < self.options.max_batch:
-            progress = False
+        taken: set[str] = set()  # the queues with an op in the batch
+        while len(batch) < self.options.max_batch:
+            size = len(batch)
             for owner in list(self._queues):
-                keys = self._queues[owner]
-                for key in list(keys):
-                    while keys[key] and keys[key][0].future.cancelled:  # cancelled: dropped, not a turn
-                        keys[key].popleft()
-                    if not keys[key]:
-                        del keys[key]
-                        continue
-                    if key in taken:
-                        continue
-                    batch.append(keys[key].popleft())
-                    if not keys[key]:
-                        del keys[key]
-                    else:
-                        keys.move_to_end(key)  # the owner's next queue goes first next time
+                queues = self._queues[owner]
+                for key in list(queues):
+                    while queues[key] and queues[key][0].future.cancelled:  # dropped, not a turn
+                        queues[key].popleft()
+                    if not queues[key]:
+                        del queues[key]
+                key = next((k for k in queues if k not in taken), None)
+                if key is not None:
+                    batch.append(queues[key].popleft())
                     taken.add(key)
-                    progress = True
-                    break
-                if not keys:
-                    del self._queues[owner]
-                else:
+                    queues.move_to_end(key)  # the owner's next queue goes first next time
+                    if not queues[key]:
+                        del queues[key]
+                if queues:
                     self._queues.move_to_end(owner)
+                else:
+                    del self._queues[owner]
                 if len(batch) >= self.options.max_batch:
                     break
+            if len(batch) == size:
+                break
         return batch
 
     def _start_actor(self) -> None:
@@ -213,14 +198,11 @@ class Host:
         if self.group is None and self.error is None:  # the last one died: a fresh host for this batch
             self.restarts += 1
             self._start()
-        started = time.monotonic()
-        singles = [[op] for op in batch if not op.call.batched]
         batched = [[op for op in batch if op.call.operation is kind] for kind in BATCHED]
+        singles = [[op] for op in batch if op.call.operation not in BATCHED]
         for ops in [ops for ops in batched if ops] + singles:
             for op, result in zip(ops, self._call(ops), strict=True):
                 self._settle(op, result)
-        self.batches += 1
-        log.debug("%s ran %d ops in %.3f s", self.name, len(batch), time.monotonic() - started)
 
     def _call(self, ops: list[Op]) -> list[Result]:
         """One group call for `ops` (all of one batched operation, or a single op): a result each."""
@@ -228,7 +210,7 @@ class Host:
             return [error("server", None, self.error or f"{self.name} is not running")] * len(ops)
         call = ops[0].call
         try:
-            if call.batched:
+            if call.operation in BATCHED:
                 return getattr(self.group, BATCHED[call.operation])([op.call.kwargs for op in ops])
             return [self._single(call)]
         except WorkerGroupError as err:  # a dead worker or a timeout: every op of the call is told
@@ -257,19 +239,15 @@ class Host:
         if self.on_lost is not None:
             self.on_lost(self)
 
-    def _settle(self, op: Op, result: dict[str, Any]) -> None:
+    def _settle(self, op: Op, result: Result) -> None:
         if "ok" not in result:
             err = result.get("error") or {}
-            where = (
-                f"{err['field']}: "
-                if err.get("field") and err["field"] not in str(err.get("message"))
-                else ""
-            )
+            message, field = str(err.get("message", "failed")), err.get("field")
+            if field and field not in message:
+                message = f"{field}: {message}"
             if op.on_fail is not None:
                 op.on_fail()
-            self.futures.fail(
-                op.future, where + str(err.get("message", "failed")), err.get("category", "server")
-            )
+            self.futures.fail(op.future, message, err.get("category", "server"))
             return
         try:
             if op.on_ok is not None:

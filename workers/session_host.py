@@ -1,13 +1,10 @@
 """The Tinker API's training role: one base model and many LoRA adapters (engines/adapter_engine.py)
-as a one-rank worker group (service/tinker_hosts.py).
-
-It serves the training operations RL roles serve (`TrainingOperations`: optim_step, save_state,
-load_state, ... each naming its adapter) and adds what only a many-adapter host has: adapters made and
-dropped, sampler snapshots, and the batched forms that run many adapters' calls in one engine call
-(`forward_backward_calls`, `sample`, `compute_logprobs`). Toward the API every call answers
-`{"ok": ...}` or `{"error": {"category", "field", "message"}}`: a bad call is a "user" error naming
-its field (workers/session_inputs.py) and never fails the other calls of its batch. Imports no torch,
-so that the API process can bind the group's methods.
+as a one-rank worker group (service/tinker_hosts.py). It serves the training operations RL roles
+serve (`TrainingOperations`, each naming its adapter) plus what only a many-adapter host has: adapters
+made and dropped, sampler snapshots, and batched forms that run many adapters' calls in one engine call.
+Toward the API a call answers `{"ok": ...}` or `{"error": {"category", "field", "message"}}`; a bad
+call is a "user" error naming its field and never fails the other calls of its batch. Imports no
+torch, so that the API process can bind the group's methods.
 """
 
 from __future__ import annotations
@@ -33,14 +30,6 @@ def error(category: str, field: str | None, message: str) -> Result:
     return {"error": {"category": category, "field": field, "message": message}}
 
 
-def _rss_bytes() -> int:
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
 class SessionWorker(TrainingOperations):
     checkpoint_name = "adapter"
 
@@ -52,14 +41,12 @@ class SessionWorker(TrainingOperations):
         from engines.adapter_engine import AdapterEngine, EngineOptions
         from engines.host_memory import keep_freed_memory
         from engines.threads import limit_threads_for_model
-        from engines.tiny_models import BUILTIN_MODELS, build_builtin_model
+        from engines.tiny_models import builtin_or_folder
         from workers import session_inputs
         from workers.operations import TrainOps
 
         self.keeps_freed_memory = keep_freed_memory()  # this process is the host's alone
-        model_path = base_model
-        if base_model in BUILTIN_MODELS:
-            model_path = str(build_builtin_model(base_model, Path(workdir) / "models"))
+        model_path = str(builtin_or_folder(base_model, Path(workdir) / "models"))
         if options.get("threads"):
             torch.set_num_threads(int(options["threads"]))
         else:
@@ -112,22 +99,20 @@ class SessionWorker(TrainingOperations):
         """The base model and what the host holds now."""
         from engines import adapter_engine
 
-        engine, lru = self.engine, self.engine.lru
+        engine = self.engine
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
         return {
             "base_model": self.base_model,
             "model_path": engine.model_path,
             "vocab_size": engine.vocab,
-            "max_rank": engine.options.max_rank,
             "max_seq_len": engine.max_seq_len,
-            "pid": os.getpid(),
             "base_loads": adapter_engine.BASE_LOADS,
-            "resident": [k.removeprefix("m:") for k in lru if k.startswith("m:")],
-            "resident_samplers": [k.removeprefix("s:") for k in lru if k.startswith("s:")],
+            "resident": [k.removeprefix("m:") for k in engine.lru if k.startswith("m:")],
             "offloaded": [m for m, s in engine.sessions.items() if not s.resident],
-            "rss_bytes": _rss_bytes(),
+            "rss_bytes": pages * os.sysconf("SC_PAGE_SIZE"),
             "malloc": {
                 "keeps_freed_memory": self.keeps_freed_memory,
-                "tunables": os.environ.get("GLIBC_TUNABLES", ""),
+                "tunables": os.getenv("GLIBC_TUNABLES", ""),
             },
         }
 
