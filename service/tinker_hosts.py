@@ -3,8 +3,8 @@
 A host starts with the first request for its base model; while it runs, the scheduler counts its CPUs
 as held (`accounts`). Its dispatcher thread takes batches round-robin between owners, then between an
 owner's queues (a model or sampler id), one op per queue per batch: a session's ops keep their order
-and a batch's ops commute. A batch's forwards, samples and log-prob requests each go in one call of
-the host's batched form, the rest one call each; a timeout or a dead worker fails the futures naming it.
+and a batch's ops commute. A batch's forwards and samples each go in one call of the host's batched
+form, the rest one call each; a timeout or a dead worker fails the futures naming it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import threading
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ import ray
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, WorkerGroupError
 from service.tinker_futures import Future, FutureTable
-from workers.base import Dispatch, registered_methods
 from workers.session_host import Result, SessionWorker, error
 
 log = logging.getLogger("tandem.tinker")
@@ -31,9 +30,7 @@ log = logging.getLogger("tandem.tinker")
 BATCHED = {
     SessionWorker.forward_backward: "forward_backward_calls",
     SessionWorker.sample: "sample",
-    SessionWorker.compute_logprobs: "compute_logprobs",
 }
-SPECS = registered_methods(SessionWorker)
 
 # (ok result) -> (json result, protobuf result): what the future answers
 Finish = Callable[[dict[str, Any]], tuple[dict[str, Any] | None, bytes | None]]
@@ -65,7 +62,6 @@ class HostOptions:
     batch_timeout_s: float = 600.0
     start_timeout_s: float = 600.0
     cpus: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Host:
@@ -86,8 +82,6 @@ class Host:
         self.info: dict[str, Any] | None = None
         self.error: str | None = None
 
-    # ---- requests ---------------------------------------------------------------------------------
-
     def submit(self, op: Op) -> None:
         with self._cond:
             if self._thread is None:
@@ -104,11 +98,6 @@ class Host:
             self._cond.notify_all()
         self._release()
 
-    @property
-    def actor(self) -> Any:
-        """The worker's Ray actor while the host runs."""
-        return self.group.actors[0] if self.group is not None else None
-
     def _release(self) -> None:
         """The group and its pool go, and the scheduler no longer counts their CPUs."""
         group, pool, self.group, self.pool, self.info = self.group, self.pool, None, None, None
@@ -119,29 +108,21 @@ class Host:
         if self.accounts is not None:
             self.accounts.release(self.name)
 
-    # ---- the dispatcher ---------------------------------------------------------------------------
-
     def _next_batch(self) -> list[Op]:
         """Up to max_batch ops, round-robin between owners, then between each owner's queues."""
         batch: list[Op] = []
         taken: set[str] = set()  # the queues with an op in the batch
         while len(batch) < self.options.max_batch:
             size = len(batch)
-            for owner in list(self._queues):
-                queues = self._queues[owner]
-                for key in list(queues):
-                    while queues[key] and queues[key][0].future.cancelled:  # dropped, not a turn
-                        queues[key].popleft()
-                    if not queues[key]:
-                        del queues[key]
+            for owner, queues in list(self._queues.items()):
+                for key in [k for k, ops in queues.items() if not _live(ops)]:
+                    del queues[key]
                 key = next((k for k in queues if k not in taken), None)
                 if key is not None:
                     batch.append(queues[key].popleft())
                     taken.add(key)
                     queues.move_to_end(key)  # the owner's next queue goes first next time
-                    if not queues[key]:
-                        del queues[key]
-                if queues:
+                if any(queues.values()):
                     self._queues.move_to_end(owner)
                 else:
                     del self._queues[owner]
@@ -158,7 +139,7 @@ class Host:
             raise FileNotFoundError(f"{self.base_model} is neither a built-in model nor a model folder")
         if not ray.is_initialized():  # ray.remote would start a private cluster in the API process
             raise RuntimeError("Ray is not running in this service (a service started without a cluster)")
-        options = {"max_rank": self.options.max_rank, **self.options.extra}
+        options = {"max_rank": self.options.max_rank}
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.accounts is not None:
             self.accounts.hold(self.name, self.options.cpus)
@@ -220,13 +201,12 @@ class Host:
             return [error("server", None, message)] * len(ops)
 
     def _single(self, call: Call) -> Result:
-        """One operation's call; optim_step takes the SDK's AdamParams as its `params` and answers
-        the service's metrics."""
+        """One operation's call (optim_step: the SDK's AdamParams in, the service's metrics out)."""
         name, kwargs = call.operation.__name__, dict(call.kwargs)
         if name == "optim_step":
             kwargs["params"] = kwargs.pop("adam")
         answer = getattr(self.group, name)(**kwargs)
-        answer = answer[0] if SPECS[name].mode is Dispatch.ONE_TO_ALL else answer  # one rank
+        answer = answer[0] if isinstance(answer, list) else answer  # ONE_TO_ALL: one rank's
         if name == "optim_step" and "ok" in answer:
             lr = kwargs["params"].get("learning_rate")
             return {"ok": {"metrics": {"grad_norm": answer["ok"], "learning_rate": lr}}}
@@ -259,3 +239,10 @@ class Host:
             self.futures.fail(op.future, f"{self.name}: unreadable result of {name}: {err}")
             return
         self.futures.finish(op.future, json_body, proto)
+
+
+def _live(ops: deque[Op]) -> bool:
+    """Whether a queue holds an op once its cancelled ones at the head are dropped (they get no turn)."""
+    while ops and ops[0].future.cancelled:
+        ops.popleft()
+    return bool(ops)

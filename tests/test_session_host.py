@@ -9,6 +9,8 @@ evicts for eviction, a second worker reading the folder for save/load.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -235,7 +237,13 @@ def test_sampled_logprobs_match_trainer_and_batching(make_host):
             )[0]
         )[0]
         assert torch.allclose(trainer[len(prompt) - 1 :], torch.tensor(seq["logprobs"]), atol=1e-4, rtol=0)
-        lps = ok(host.compute_logprobs([{"sampler": paths[0], "tokens": full}])[0])["logprobs"]
+        scored = {
+            "sampler": paths[0],
+            "prompt": full,
+            "sampling_params": {"max_tokens": 1},
+            "prompt_logprobs": True,
+        }
+        lps = ok(host.sample([scored])[0])["prompt_logprobs"]  # the SDK's compute_logprobs
         assert lps[0] is None and torch.allclose(torch.tensor(lps[1:]), trainer, atol=1e-4, rtol=0)
         assert torch.allclose(
             torch.tensor(ok(together[0])["prompt_logprobs"][1:]), trainer[: len(prompt) - 1], atol=1e-4
@@ -374,3 +382,17 @@ def test_a_state_in_peft_layer_names_loads_to_the_same_weights(make_host, tmp_pa
     fresh = make_host()
     ok(fresh.load_state(str(folder), True, "r"))
     close(weights(fresh, "r"), weights(host, "a"), tol=0.0)
+
+
+def test_a_batch_that_fails_as_a_whole_runs_again_call_by_call(make_host):
+    host = make_host()
+    create(host, "a")
+    good, gone = (ok(host.save_for_sampler("a", name))["path"] for name in ("good", "gone"))
+    (Path(gone) / "adapter_model.safetensors").unlink()  # found at prepare, unreadable when it runs
+    params = {"max_tokens": 3, "seed": 1}
+    calls = [{"sampler": s, "prompt": [3, 4], "sampling_params": params} for s in (good, gone)]
+    got = host.sample(calls)
+    assert (
+        got[1]["error"]["category"] == "server" and "adapter_model.safetensors" in got[1]["error"]["message"]
+    )
+    assert ok(got[0]) == ok(host.sample(calls[:1])[0])

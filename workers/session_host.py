@@ -1,10 +1,8 @@
-"""The Tinker API's training role: one base model and many LoRA adapters (engines/adapter_engine.py)
-as a one-rank worker group (service/tinker_hosts.py). It serves the training operations RL roles
-serve (`TrainingOperations`, each naming its adapter) plus what only a many-adapter host has: adapters
-made and dropped, sampler snapshots, and batched forms that run many adapters' calls in one engine call.
-Toward the API a call answers `{"ok": ...}` or `{"error": {"category", "field", "message"}}`; a bad
-call is a "user" error naming its field and never fails the other calls of its batch. Imports no
-torch, so that the API process can bind the group's methods.
+"""The Tinker API's training role: one base and many LoRA adapters (engines/adapter_engine.py), a
+one-rank worker group (service/tinker_hosts.py) serving RL's training operations with an adapter key,
+plus adapters made and dropped, sampler snapshots, and batched forms: many adapters' calls in one
+engine call. A call answers `{"ok": ...}` or `{"error": {"category", "field", "message"}}`, a bad one
+a "user" error naming its field that fails no other call. No torch at import: the API binds it.
 """
 
 from __future__ import annotations
@@ -18,12 +16,7 @@ from workers.base import Dispatch, Reduce, register
 from workers.operations import TrainingOperations
 
 Result = dict[str, Any]  # {"ok": ...} or {"error": {"category", "field", "message"}}
-# a forward call: {adapter, data: [{tokens, loss_fn_inputs: {name: {data, dtype, shape}}}], loss_fn,
-# loss_fn_config, backward}; a sample call: {sampler (a save_for_sampler folder; None: the base),
-# prompt, num_samples, sampling_params, prompt_logprobs}
-Call = dict[str, Any]
-# The shared operations the API calls: they raise, as RL's callers expect; the API reads answers.
-ANSWERED = ("optim_step", "save_state", "load_state")
+Call = dict[str, Any]  # one request of a batched form, as service/tinker_service.py builds it
 
 
 def error(category: str, field: str | None, message: str) -> Result:
@@ -56,7 +49,7 @@ class SessionWorker(TrainingOperations):
         self.ops = TrainOps(self.engine)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.register_mesh("actor", 0, True)  # the MESH operations: one rank, one dp rank
-        for name in ANSWERED:
+        for name in ("optim_step", "save_state", "load_state"):  # they raise, the API reads answers
             operation = getattr(self, name)
             setattr(self, name, lambda *a, op=operation, **kw: self._guard(lambda: op(*a, **kw)))
 
@@ -87,9 +80,10 @@ class SessionWorker(TrainingOperations):
         for start in range(0, len(ready), size):
             chunk = ready[start : start + size]
             answers = self._guard(lambda chunk=chunk: run([p for _, p in chunk]))
-            if "ok" not in answers:
-                retried = [self._together([p], lambda p: p, run)[0] for _, p in chunk]
-                answers = {"ok": [answers] if len(chunk) == 1 else retried}
+            if "ok" not in answers and len(chunk) > 1:
+                answers = {"ok": [self._together([p], lambda p: p, run)[0] for _, p in chunk]}
+            elif "ok" not in answers:
+                answers = {"ok": [answers]}
             for (i, _), answer in zip(chunk, answers["ok"], strict=True):
                 results[i] = answer
         return results
@@ -115,8 +109,6 @@ class SessionWorker(TrainingOperations):
                 "tunables": os.getenv("GLIBC_TUNABLES", ""),
             },
         }
-
-    # ---- adapters ------------------------------------------------------------------------------
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def create_adapter(
@@ -145,12 +137,8 @@ class SessionWorker(TrainingOperations):
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def save_for_sampler(self, adapter: str, name: str) -> Result:
         """A frozen snapshot of the adapter (no optimizer state) that `sample` can name."""
-        folder = self.engine.workdir / "samplers" / adapter / name
-        return self._guard(
-            lambda: self.ops.save_state(str(folder), 0, adapter, False) or {"path": str(folder)}
-        )
-
-    # ---- the batched forms: many adapters' calls in one engine call -------------------------------
+        folder = str(self.engine.workdir / "samplers" / adapter / name)
+        return self._guard(lambda: self.ops.save_state(folder, 0, adapter, False) or {"path": folder})
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def forward_backward_calls(self, calls: list[Call]) -> list[Result]:
@@ -203,16 +191,3 @@ class SessionWorker(TrainingOperations):
             ]
             results.append({"ok": {"sequences": sequences, "prompt_logprobs": prompt}})
         return results
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def compute_logprobs(self, calls: list[dict]) -> list[Result]:
-        """[None, log p(t1 | t0), ...] of each call's `tokens` under its `sampler`, one forward."""
-
-        def prepare(call: dict) -> tuple[str | None, list[int]]:
-            engine = self.engine
-            key = engine.snapshot_key(call.get("sampler"))
-            return key, self.inputs.tokens_of(call["tokens"], "tokens", engine.vocab, engine.max_seq_len)
-
-        return self._together(
-            calls, prepare, lambda items: [{"ok": {"logprobs": lp}} for lp in self.engine.logprobs(items)]
-        )

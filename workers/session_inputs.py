@@ -39,11 +39,9 @@ def forward_data(data: list[dict], vocab: int, max_len: int) -> list[Datum]:
             for name, raw in datum["loss_fn_inputs"].items()
         }
         targets = inputs.get("target_tokens")
-        if targets is not None and targets.numel() and not 0 <= targets.min() <= targets.max() < vocab:
-            raise InputError(
-                f"data[{i}].loss_fn_inputs.target_tokens",
-                f"a token id is outside the vocabulary [0, {vocab})",
-            )
+        if targets is not None:
+            field = f"data[{i}].loss_fn_inputs.target_tokens"
+            tokens_of(targets.flatten().tolist(), field, vocab, targets.numel())
         out.append(Datum(tokens, inputs))
     return out
 
