@@ -99,11 +99,8 @@ class AdapterEngine:
                 "rank",
                 f"must be an integer in [1, {self.options.max_rank}] (this host's max_rank), got {rank!r}",
             )
-        names = (
-            (ATTN_MODULES if attn else ())
-            + (MLP_MODULES if mlp else ())
-            + (UNEMBED_MODULES if unembed else ())
-        )
+        chosen = ((ATTN_MODULES, attn), (MLP_MODULES, mlp), (UNEMBED_MODULES, unembed))
+        names = tuple(name for modules, on in chosen if on for name in modules)
         if not names:
             raise InputError("train_mlp", "at least one of train_attn, train_mlp, train_unembed must be true")
         seed = self.options.seed if seed is None else seed

@@ -57,8 +57,6 @@ class Session:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params()) if self.resident else 0
 
-    # ---- offload / restore ------------------------------------------------------------------
-
     def pack(self) -> dict:
         return {
             "weights": _cpu(peft_tensors(self.weights)),
@@ -99,13 +97,9 @@ class Session:
         self.unpack(packed)
         self.packed, self.packed_file = None, None
 
-    # ---- optimizer ---------------------------------------------------------------------------
-
     def optim_step(self, settings: AdamWSettings) -> float:
         """One AdamW step (engines/adamw.py) of this adapter with this call's settings; its grad norm."""
         return adamw_step(self.optimizer, self.params(), settings, override=True)
-
-    # ---- save / load -------------------------------------------------------------------------
 
     def save(self, folder: Path, adapter_config: dict, optimizer: bool) -> None:
         write_adapter(folder, peft_tensors(self.weights), adapter_config)

@@ -71,10 +71,8 @@ class MultiLoraLinear(nn.Module):
         return self.base_layer.out_features
 
     def add_own(self, rank: int, scaling: float, dropout: float) -> None:
-        """This layer's own trainable adapter, initialised as PEFT does from the global RNG: both
-        nn.Linear construct (each draws its default init), then A is drawn again Kaiming-uniform
-        (a = sqrt 5) and B zeroed. The same draws in the same order give a seed the same adapter as
-        PEFT, and B = 0 starts the adapted model at the base."""
+        """This layer's own trainable adapter, drawn from the global RNG in PEFT's order (both layers
+        construct, then A Kaiming-uniform, B zero), so a seed gives PEFT's adapter; B = 0 is the base."""
         self.lora_A = nn.Linear(self.in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
@@ -102,7 +100,7 @@ class MultiLoraLinear(nn.Module):
         # batch per segment, split's backward one concatenation
         deltas = []
         for (key, _), part in zip(segments, x.split([n for _, n in segments], dim=0), strict=True):
-            adapter = self.adapters.get(key) if key is not None else None
+            adapter = self.adapters.get(key)
             if adapter is None:
                 deltas.append(torch.zeros(part.shape[:-1] + (y.shape[-1],), dtype=y.dtype, device=y.device))
             else:
@@ -160,8 +158,7 @@ def rows(layers: dict[str, MultiLoraLinear], segments: list[Segment]) -> Iterato
 def init_adapter(
     layers: dict[str, MultiLoraLinear], paths: list[str], rank: int, seed: int, device: torch.device
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Fresh (A, B) per layer as PEFT initialises them: A Kaiming-uniform (a = sqrt 5), B zero, so
-    the adapted model starts equal to the base. Seeded per session; fp32 trainable leaves."""
+    """Fresh fp32 (A, B) leaves per layer from `seed`, as PEFT initialises them: A Kaiming-uniform, B zero."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for path in paths:
@@ -198,8 +195,7 @@ def peft_tensors(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[
 
 
 def from_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The inverse of `peft_tensors` (also reads PEFT's '.lora_A.default.weight' names); tensors of
-    other names are left out."""
+    """The inverse of `peft_tensors` (also of PEFT's '.lora_A.default.weight' names); others left out."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         parsed = base_module(name)

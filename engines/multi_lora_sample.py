@@ -9,6 +9,7 @@ or string ends a row and stays in its tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -54,15 +55,10 @@ def sample(
     device = next(model.parameters()).device
     prompts = [r.prompt for r in requests for _ in range(r.num_samples)]
     segments = [(r.adapter, r.num_samples) for r in requests]
-    blocks, start = [], 0
-    for r in requests:
-        blocks.append((start, start + r.num_samples))
-        start += r.num_samples
-    generators = []
-    for r in requests:
-        gen = torch.Generator(device=device)
+    blocks = list(pairwise(accumulate([0] + [r.num_samples for r in requests])))  # each request's rows
+    generators = [torch.Generator(device=device) for _ in requests]
+    for gen, r in zip(generators, requests, strict=True):
         gen.manual_seed(r.seed) if r.seed is not None else gen.seed()
-        generators.append(gen)
     seqs = [[Sequence() for _ in range(r.num_samples)] for r in requests]
 
     ids, mask = left_pad(prompts, pad_id, device)
