@@ -22,6 +22,7 @@ import ray
 
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, WorkerGroupError
+from engines.tiny_models import BUILTIN_MODELS
 from service.tinker_futures import Future, FutureTable
 from workers.session_host import Result, SessionWorker, error
 
@@ -132,32 +133,27 @@ class Host:
                 break
         return batch
 
-    def _start_actor(self) -> None:
-        from engines.tiny_models import BUILTIN_MODELS  # torch-free: names only
-
-        if self.base_model not in BUILTIN_MODELS and not Path(self.base_model, "config.json").is_file():
-            raise FileNotFoundError(f"{self.base_model} is neither a built-in model nor a model folder")
-        if not ray.is_initialized():  # ray.remote would start a private cluster in the API process
-            raise RuntimeError("Ray is not running in this service (a service started without a cluster)")
-        options = {"max_rank": self.options.max_rank}
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        if self.accounts is not None:
-            self.accounts.hold(self.name, self.options.cpus)
-        timeout = self.options.start_timeout_s
-        # unique per start: a group left by a service that died still holds its name in the cluster
-        name = f"session-host {self.base_model} {uuid.uuid4().hex[:8]}"
-        self.pool = ResourcePool(
-            1, self.options.cpus, gpus_per_bundle=0.0, name=name, ready_timeout_s=timeout
-        )
-        self.group = RayWorkerGroup(self.pool, SessionWorker, self.base_model, str(self.workdir), options,
-                                    group_name=self.name, call_timeout_s=self.options.batch_timeout_s,
-                                    start_timeout_s=timeout)  # fmt: skip
-        self.info = self.group.describe()
-        log.info("%s is up: %s", self.name, self.info)
-
     def _start(self) -> None:
         try:
-            self._start_actor()
+            if self.base_model not in BUILTIN_MODELS and not Path(self.base_model, "config.json").is_file():
+                raise FileNotFoundError(f"{self.base_model} is neither a built-in model nor a model folder")
+            if not ray.is_initialized():  # ray.remote would start a private cluster in the API process
+                raise RuntimeError("Ray is not running in this service (a service started without a cluster)")
+            options = {"max_rank": self.options.max_rank}
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            if self.accounts is not None:
+                self.accounts.hold(self.name, self.options.cpus)
+            timeout = self.options.start_timeout_s
+            # unique per start: a group left by a service that died still holds its name in the cluster
+            name = f"session-host {self.base_model} {uuid.uuid4().hex[:8]}"
+            self.pool = ResourcePool(
+                1, self.options.cpus, gpus_per_bundle=0.0, name=name, ready_timeout_s=timeout
+            )
+            self.group = RayWorkerGroup(self.pool, SessionWorker, self.base_model, str(self.workdir), options,
+                                        group_name=self.name, call_timeout_s=self.options.batch_timeout_s,
+                                        start_timeout_s=timeout)  # fmt: skip
+            self.info = self.group.describe()
+            log.info("%s is up: %s", self.name, self.info)
         except Exception as err:  # noqa: BLE001 - every queued and later op is told why
             self.error = f"{self.name} failed to start: {type(err).__name__}: {err}"[:2000]
             log.error(self.error)

@@ -3,7 +3,7 @@ model's own limits (vocabulary, context length) are checked here, as an `InputEr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -14,8 +14,7 @@ from engines.multi_lora_sample import SampleRequest
 WIRE_DTYPES = {"int64": torch.long, "float32": torch.float32}
 
 
-@dataclass
-class Datum:
+class Datum(NamedTuple):
     tokens: list[int]
     inputs: dict[str, torch.Tensor]
 
