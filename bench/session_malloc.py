@@ -52,8 +52,8 @@ def child(args: argparse.Namespace) -> None:
     seconds, faults = [], 0
     for i in range(1 + args.steps):
         before, start = minor_page_faults(), time.perf_counter()
-        results = host.forward_backward(fb)
-        host.optim_step("s0", {"learning_rate": 1e-4})
+        results = host.forward_backward_calls(fb)
+        host.optim_step({"learning_rate": 1e-4}, "s0")
         if i:  # the first round is a warm-up
             seconds.append(time.perf_counter() - start)
             faults += minor_page_faults() - before

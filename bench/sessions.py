@@ -60,12 +60,12 @@ def child(args: argparse.Namespace) -> None:
     seconds = 0.0
     for i in range(args.warmup + args.steps):
         start = time.perf_counter()
-        results = host.forward_backward(fb)
+        results = host.forward_backward_calls(fb)
         if i >= args.warmup:
             seconds += time.perf_counter() - start
         assert all("ok" in r for r in results), results
         for m in ids:
-            host.optim_step(m, {"learning_rate": 1e-4})
+            host.optim_step({"learning_rate": 1e-4}, m)
     tokens = args.steps * args.sessions * args.rows * n
     print(
         json.dumps(
@@ -116,7 +116,7 @@ def paired(args: argparse.Namespace, model_path: Path) -> dict:
         for name in list(pairs) if i % 2 == 0 else list(reversed(pairs)):
             host, ops = pairs[name]
             start = time.perf_counter()
-            assert all("ok" in r for r in host.forward_backward(ops))
+            assert all("ok" in r for r in host.forward_backward_calls(ops))
             if i >= args.warmup:
                 times[name].append(time.perf_counter() - start)
     tokens = 4 * args.rows * args.seq_len

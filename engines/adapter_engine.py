@@ -1,30 +1,25 @@
-"""One base model and many LoRA adapters on it, each adapter with its own gradients and AdamW state:
-a training engine whose every operation names the adapter it acts on.
+"""One base model and many LoRA adapters on it, each with its own gradients and AdamW state: a training
+engine (the `TrainEngine` contract of engines/base.py) whose every operation names its adapter.
 
-The base weights are read once (`BASE_LOADS`), frozen and shared; an adapter (`engines/lora_sessions.Session`)
-is attached to the multi-LoRA layers (`engines/multi_lora.py`) under its key. `forward_backward` takes the
-calls of any number of adapters and runs them as one right-padded forward (and one backward through the
-sum of their losses: rows never mix, so each adapter gets the gradient of its own loss alone), in parts of
-at most `max_batch_tokens` padded tokens, each call whole. `sample` decodes every request in one batch and
-`logprobs` scores every token list in one forward; a request names a sampler snapshot folder or the base.
-Beyond `max_resident` the least recently used adapters leave: a session's adapter, gradients and
-optimizer state go to host memory or disk and come back when it is next named, bit for bit; a sampler
-snapshot is dropped and read again from its folder. Single rank: no FSDP wrapping, as FSDPEngine itself
-leaves one fp32 rank unwrapped.
+The base is read once (`BASE_LOADS`) and frozen; adapters live in the multi-LoRA layers' tables
+(engines/multi_lora.py). Many adapters' calls run as one right-padded forward and one backward (rows
+never mix), in parts of at most `max_batch_tokens`. Beyond `max_resident` the least recently used
+adapters are offloaded (engines/lora_sessions.py) and come back bit for bit. Single rank, no FSDP.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
+from engines.adamw import AdamWSettings
 from engines.base import EngineOutput, GlobalCounts, LossFn
-from engines.fsdp.lora import peft_config
+from engines.fsdp.lora import adapter_config_dict
 from engines.lora_sessions import Session, SessionSpec, read_pack, read_spec
 from engines.multi_lora import (
     ATTN_MODULES,
@@ -39,7 +34,7 @@ from engines.multi_lora import (
 )
 from engines.multi_lora import rows as rows_of
 from engines.multi_lora_sample import SampleRequest, Sequence, sample
-from schema.engine import OptimizerConfig
+from schema.engine import LoraConfig, OptimizerConfig
 
 BASE_LOADS = 0  # reads of base weights in this process: the API's tests assert it stays 1
 
@@ -65,14 +60,10 @@ class EngineOptions:
     @classmethod
     def of(cls, raw: dict) -> EngineOptions:
         """From a host's options (`max_resident_adapters` for `max_resident`; unknown keys ignored)."""
-        if raw.get("sampler_engine", "hf") != "hf":
-            raise ValueError(
-                f"options.sampler_engine: only 'hf' is implemented, not {raw['sampler_engine']!r}"
-            )
         names = {"max_resident_adapters": "max_resident"}
         known = {names.get(k, k): v for k, v in raw.items() if names.get(k, k) in cls.__dataclass_fields__}
         options = cls(**known)
-        return options if options.max_resident >= 1 else cls(**{**known, "max_resident": 1})
+        return replace(options, max_resident=max(1, options.max_resident))
 
 
 def _load_base(model_path: str, device: torch.device) -> torch.nn.Module:
@@ -102,19 +93,14 @@ class AdapterEngine:
         self.sessions: dict[str, Session] = {}
         self.lru: OrderedDict[str, None] = OrderedDict()  # attached keys ("m:" session, "s:" snapshot)
 
-    # ---- adapters ------------------------------------------------------------------------------
-
     def adapter_spec(self, rank: int, seed: int | None, attn: bool, mlp: bool, unembed: bool) -> SessionSpec:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= self.options.max_rank:
             raise InputError(
                 "rank",
                 f"must be an integer in [1, {self.options.max_rank}] (this host's max_rank), got {rank!r}",
             )
-        names = (
-            (ATTN_MODULES if attn else ())
-            + (MLP_MODULES if mlp else ())
-            + (UNEMBED_MODULES if unembed else ())
-        )
+        chosen = ((ATTN_MODULES, attn), (MLP_MODULES, mlp), (UNEMBED_MODULES, unembed))
+        names = tuple(name for modules, on in chosen if on for name in modules)
         if not names:
             raise InputError("train_mlp", "at least one of train_attn, train_mlp, train_unembed must be true")
         seed = self.options.seed if seed is None else seed
@@ -171,15 +157,11 @@ class AdapterEngine:
                 session.restore()
             attach(self.layers, key, session.weights, session.spec.scaling)
         else:
-            from safetensors.torch import load_file
-
             folder = Path(key[2:])
-            weights = from_peft_tensors(load_file(str(folder / "adapter_model.safetensors")))
+            weights = from_peft_tensors(read_pack(folder, optimizer=False)["weights"])
             on_device = {p: (a.to(self.device), b.to(self.device)) for p, (a, b) in weights.items()}
             attach(self.layers, key, on_device, read_spec(folder).scaling)
         self.lru[key] = None
-
-    # ---- training: the TrainEngine contract (engines/base.py) on RL rows, per adapter ------------
 
     def forward_backward_batch(
         self,
@@ -191,8 +173,8 @@ class AdapterEngine:
         counts: GlobalCounts | None = None,
         adapter: str | None = None,
     ) -> EngineOutput:
-        """`TrainEngine.forward_backward_batch` on adapter `adapter` (None: the frozen base, forward
-        only), the batch as one micro-batch. Entropy is not computed here."""
+        """`TrainEngine.forward_backward_batch` on `adapter` (None: the frozen base, forward only), the
+        batch as one micro-batch, without entropy."""
         if compute_entropy:
             raise ValueError("the adapter engine does not compute entropy")
         out: dict = {}
@@ -217,10 +199,8 @@ class AdapterEngine:
         backward: list[bool],
         temperature: float = 1.0,
     ) -> list[object]:
-        """`loss(i, log_probs)` of each call i on its rows' response log-probs (`response_logprobs`), one
-        forward (in parts of at most `max_batch_tokens`); one backward through the sum of the losses
-        of the calls with `backward[i]`. `loss` returns (scalar or None, result): None skips that
-        call's backward. Gradients add up until the adapter's optimizer step."""
+        """`loss(i, log_probs)` -> (scalar or None, result) of each call i on its rows' response log-probs,
+        one forward per `max_batch_tokens` part and one backward through the losses where `backward[i]`."""
         self.make_resident({f"m:{key}" for key, _ in calls if key is not None})
         results: list[object] = [None] * len(calls)
         for part in self._by_tokens(calls):
@@ -236,26 +216,24 @@ class AdapterEngine:
         return results
 
     def _by_tokens(self, calls: list[tuple[str | None, TensorDict]]) -> list[list[int]]:
-        """Consecutive parts of at most `max_batch_tokens` padded tokens, each call whole: peak
+        """Consecutive parts of at most `max_batch_tokens` padded tokens (each call whole), so that peak
         activation memory stays bounded however many adapters share the forward."""
         parts: list[list[int]] = [[]]
         n_rows, width = 0, 0
         for i, (_, rows) in enumerate(calls):
             n, w = rows["input_ids"].shape
-            r, w = n_rows + n, max(width, w)
-            if parts[-1] and r * w > self.options.max_batch_tokens:
+            if parts[-1] and (n_rows + n) * max(width, w) > self.options.max_batch_tokens:
                 parts.append([])
-                r, w = rows["input_ids"].shape
+                n_rows, width = 0, 0
             parts[-1].append(i)
-            n_rows, width = r, w
+            n_rows, width = n_rows + n, max(width, w)
         return parts
 
     def response_logprobs(
         self, groups: list[tuple[str | None, TensorDict]], temperature: float = 1.0
     ) -> list[torch.Tensor]:
-        """Per group, log p(target | input_ids[:P + r]) at each response column r (P = T - R): of
-        `target_tokens` ([n, R] or [n, R, K]) when the rows carry them, else of `responses` ([n, R]);
-        every group's rows right-padded into one forward, each row through its group's adapter."""
+        """Per group, the log-probs of `target_tokens` ([n, R] or [n, R, K]; else `responses`) at each
+        response column, every group's rows right-padded into one forward through its adapter."""
         width = max(rows["input_ids"].shape[1] for _, rows in groups)
         ids = torch.cat([_pad(rows["input_ids"], width, self.pad_id) for _, rows in groups])
         mask = torch.cat([_pad(rows["attention_mask"], width, 0) for _, rows in groups])
@@ -282,14 +260,11 @@ class AdapterEngine:
     def optimizer_step(
         self, params: dict | OptimizerConfig | None = None, adapter: str | None = None
     ) -> float:
-        """One AdamW step of adapter `adapter` (engines/adamw.py) with the SDK's AdamParams of this call
-        (or an RL job's OptimizerConfig; None: the SDK's defaults); zeroes its gradients. Its grad
-        norm before clipping; a non-finite one skips the step."""
+        """One AdamW step of `adapter` with this call's settings (the SDK's AdamParams, or an RL job's
+        OptimizerConfig); its grad norm before clipping."""
         if isinstance(params, OptimizerConfig):
-            params = {"learning_rate": params.lr, "beta1": params.betas[0], "beta2": params.betas[1],
-                      "eps": params.eps, "weight_decay": params.weight_decay,
-                      "grad_clip_norm": params.grad_clip or 0.0}  # fmt: skip
-        return self._adapter(adapter).optim_step(params or {})["grad_norm"]
+            return self._adapter(adapter).optim_step(AdamWSettings.of(params))
+        return self._adapter(adapter).optim_step(AdamWSettings.from_adam_params(params or {}))
 
     def optimizer_zero_grad(self, adapter: str | None = None) -> None:
         for param in self._adapter(adapter).params():
@@ -306,30 +281,21 @@ class AdapterEngine:
             raise InputError("model_id", "the base model is frozen: name an adapter")
         return self.resident(key)
 
-    # ---- state ---------------------------------------------------------------------------------
-
     def adapter_config(self, spec: SessionSpec) -> dict:
-        from schema.engine import LoraConfig
-
-        cfg = peft_config(
-            LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0), self.model_path
-        ).to_dict()
-        cfg["target_modules"] = sorted({p.rsplit(".", 1)[-1] for p in spec.paths})
-        return {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.items()}
+        lora = LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0)
+        return adapter_config_dict(lora, self.model_path, list(spec.paths))
 
     def save_checkpoint(
         self, folder: Path, step: int = 0, adapter: str | None = None, optimizer: bool = True
     ) -> None:
-        """Adapter `adapter` as a PEFT folder plus session.json (and optimizer.pt when `optimizer`);
-        an adapter has no step of its own."""
+        """`adapter` as a PEFT folder with session.json (and optimizer.pt); an adapter has no step."""
         session = self._adapter(adapter)
         folder = Path(folder)
         session.save(folder, self.adapter_config(session.spec), optimizer=optimizer)
         self._forget(f"s:{folder}")  # a snapshot of the same folder taken again replaces the old one
 
     def load_checkpoint(self, folder: Path, optimizer: bool = True, adapter: str | None = None) -> int:
-        """Into adapter `adapter` (made when absent, else of the same rank and layers) what a save
-        wrote; returns step 0."""
+        """Into `adapter` (made when absent, else of the same rank and layers) what a save wrote."""
         key, folder = adapter, Path(folder)
         if key is None:
             raise InputError("model_id", "the base model is frozen: name an adapter")
@@ -358,8 +324,6 @@ class AdapterEngine:
         self.resident(key).unpack(packed, optimizer=optimizer)
         attach(self.layers, f"m:{key}", self.sessions[key].weights, spec.scaling)  # new leaves
         return 0
-
-    # ---- sampling ------------------------------------------------------------------------------
 
     def snapshot_key(self, folder: str | None) -> str | None:
         """The adapter key of a sampler snapshot folder (None: the base model)."""

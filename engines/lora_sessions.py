@@ -1,12 +1,6 @@
-"""One training session's own state on a shared base: its adapter, gradients and AdamW state.
-
-A `Session` is resident (its tensors on the compute device, attached to the multi-LoRA layers) or
-offloaded: `offload()` packs weights, accumulated gradients and the optimizer's state into CPU
-tensors, kept in host memory or written to one file, and drops the device copies; `restore()`
-rebuilds the leaves and the optimizer from that pack, so a session that was evicted computes
-bit for bit what it would have computed had it stayed. `save` / `load` write and read the same
-pack as a folder: the adapter in PEFT's format (adapter_config.json, adapter_model.safetensors),
-`optimizer.pt`, and `session.json` (rank, alpha, seed, adapted layers), which a new process can read.
+"""One adapter's state on a shared base: its weights, gradients and AdamW state (`Session`), resident on
+the device or offloaded (packed into CPU tensors, in host memory or one file) and restored bit for bit;
+saved as a folder: the adapter in PEFT's format, `optimizer.pt`, and `session.json` (its `SessionSpec`).
 """
 
 from __future__ import annotations
@@ -63,15 +57,10 @@ class Session:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params()) if self.resident else 0
 
-    # ---- offload / restore ------------------------------------------------------------------
-
-    def pack(self, with_grads: bool = True) -> dict:
-        params = self.params()
+    def pack(self) -> dict:
         return {
-            "weights": {k: v.detach().cpu().clone() for k, v in peft_tensors(self.weights).items()},
-            "grads": [p.grad.detach().cpu().clone() if p.grad is not None else None for p in params]
-            if with_grads
-            else None,
+            "weights": _cpu(peft_tensors(self.weights)),
+            "grads": [_cpu(p.grad) for p in self.params()],
             "optimizer": _cpu(self.optimizer.state_dict()),
         }
 
@@ -108,16 +97,9 @@ class Session:
         self.unpack(packed)
         self.packed, self.packed_file = None, None
 
-    # ---- optimizer ---------------------------------------------------------------------------
-
-    def optim_step(self, adam: dict) -> dict[str, float]:
-        """One step of Tandem's AdamW (engines/adamw.py) with the SDK's AdamParams of this call, over
-        this adapter only; zeroes its grads. A non-finite grad norm skips the step."""
-        settings = AdamWSettings.from_adam_params(adam)
-        grad_norm = adamw_step(self.optimizer, self.params(), settings, override=True)
-        return {"grad_norm": grad_norm, "learning_rate": settings.lr}
-
-    # ---- save / load -------------------------------------------------------------------------
+    def optim_step(self, settings: AdamWSettings) -> float:
+        """One AdamW step (engines/adamw.py) of this adapter with this call's settings; its grad norm."""
+        return adamw_step(self.optimizer, self.params(), settings, override=True)
 
     def save(self, folder: Path, adapter_config: dict, optimizer: bool) -> None:
         write_adapter(folder, peft_tensors(self.weights), adapter_config)
@@ -149,6 +131,7 @@ def read_pack(folder: Path, optimizer: bool) -> dict:
 
 
 def _cpu(obj):
+    """CPU copies of the tensors in `obj` (nested dicts and lists); None and other values as they are."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu().clone()
     if isinstance(obj, dict):

@@ -1,11 +1,6 @@
-"""A LoRA spec checked against its base model without torch: the API process runs these at submission.
-
-A model folder's safetensors headers (a JSON table of names, dtypes and shapes at the start of each
-file) say which linear layers exist and their shapes; so do an adapter's. From them:
-`target_errors` checks `model.lora.target_modules` against the base's linear layers, and
-`init_from_errors` checks an adapter (PEFT folder or bare `adapter_model.safetensors`) against the
-base: every adapted layer exists, A is [rank, in] and B [out, rank]. A built-in model that has not
-been built yet is checked against the linear layers every Llama-family decoder has.
+"""A LoRA spec checked against its base model without torch (the API runs these at submission), from the
+safetensors headers of the model folder and of an adapter: the targets exist, and A is [rank, in] and B
+[out, rank] on each adapted layer. A built-in model not built yet has every Llama decoder's layers.
 """
 
 from __future__ import annotations

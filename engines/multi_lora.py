@@ -1,29 +1,14 @@
-"""The LoRA layer: a frozen linear layer plus low-rank adapters, for every LoRA model in Tandem.
+"""The LoRA layer of every LoRA model in Tandem: `MultiLoraLinear`, a frozen `nn.Linear` (`base_layer`)
+plus scaling * B(A(dropout(x))), computed as PEFT computes it, from one of two kinds of adapter:
 
-`MultiLoraLinear` wraps an `nn.Linear` (its `base_layer`, frozen) and adds to y = x W^T, for the
-rows an adapter applies to,
+- its own (`add_own`): parameters `lora_A` / `lora_B` on every row, an RL job's with `model.lora`
+  (engines/fsdp/lora.py), so FSDP2 shards them and checkpoints hold them; `adapters_off` skips them.
+- a table `adapters[key]` of plain tensors owned by callers (engines/adapter_engine.py: one base, many
+  adapters): adding or evicting one is a dict update. `rows(layers, segments)` says which contiguous
+  rows of a forward use which adapter, so autograd gives each adapter its own rows' gradient.
 
-    scaling * B(A(dropout(x)))        A [rank, in], B [out, rank], computed as PEFT computes it
-
-from one of two kinds of adapter:
-
-- the layer's own adapter (`add_own`): the parameters `lora_A` and `lora_B`, applied to every row.
-  A training engine's (engines/fsdp/lora.py, RL jobs with `model.lora`). Parameters, so that FSDP2
-  shards them with their decoder layer and reduces their gradients, and the distributed state-dict
-  API checkpoints them; `adapters_off(model)` switches them off (the reference policy without a
-  second model).
-- a table `adapters[key] = (A, B, scaling)` of plain tensors owned by callers (the Tinker adapters
-  of engines/adapter_engine.py, one base and many adapters): adding, removing or offloading one is a
-  dict update, never a change to the module tree. `rows(layers, segments)` says, for one forward,
-  which contiguous rows of the batch use which of them (`None`: the base alone): one base matmul for
-  the whole batch and two small ones per segment, the deltas concatenated in row order, so autograd
-  gives each adapter exactly the gradient of its own rows' loss.
-
-Why not PEFT's layers: PEFT's mixed-batch path (`adapter_names`) is refused in training mode
-(`peft/tuners/lora/model.py`: "Cannot pass `adapter_names` when the model is in training mode") and
-holds every adapter as a submodule, so evicting one is a module surgery. The names and the saved
-format stay PEFT's (`peft_tensors`; the own adapter's state-dict names are PEFT's saved names): an
-adapter loads with `PeftModel.from_pretrained`, vLLM, and `engines/fsdp/lora.load_adapter_weights`.
+Not PEFT's layers: they refuse mixed-adapter batches in training mode and hold every adapter as a
+submodule. The names and saved format stay PEFT's (`peft_tensors`).
 """
 
 from __future__ import annotations
@@ -86,10 +71,8 @@ class MultiLoraLinear(nn.Module):
         return self.base_layer.out_features
 
     def add_own(self, rank: int, scaling: float, dropout: float) -> None:
-        """This layer's own trainable adapter, initialised as PEFT does from the global RNG: both
-        nn.Linear construct (each draws its default init), then A is drawn again Kaiming-uniform
-        (a = sqrt 5) and B zeroed. The same draws in the same order give a seed the same adapter as
-        PEFT, and B = 0 starts the adapted model at the base."""
+        """This layer's own trainable adapter, drawn from the global RNG in PEFT's order (both layers
+        construct, then A Kaiming-uniform, B zero), so a seed gives PEFT's adapter; B = 0 is the base."""
         self.lora_A = nn.Linear(self.in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
@@ -117,7 +100,7 @@ class MultiLoraLinear(nn.Module):
         # batch per segment, split's backward one concatenation
         deltas = []
         for (key, _), part in zip(segments, x.split([n for _, n in segments], dim=0), strict=True):
-            adapter = self.adapters.get(key) if key is not None else None
+            adapter = self.adapters.get(key)
             if adapter is None:
                 deltas.append(torch.zeros(part.shape[:-1] + (y.shape[-1],), dtype=y.dtype, device=y.device))
             else:
@@ -175,8 +158,7 @@ def rows(layers: dict[str, MultiLoraLinear], segments: list[Segment]) -> Iterato
 def init_adapter(
     layers: dict[str, MultiLoraLinear], paths: list[str], rank: int, seed: int, device: torch.device
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Fresh (A, B) per layer as PEFT initialises them: A Kaiming-uniform (a = sqrt 5), B zero, so
-    the adapted model starts equal to the base. Seeded per session; fp32 trainable leaves."""
+    """Fresh fp32 (A, B) leaves per layer from `seed`, as PEFT initialises them: A Kaiming-uniform, B zero."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for path in paths:
@@ -213,8 +195,7 @@ def peft_tensors(weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[
 
 
 def from_peft_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The inverse of `peft_tensors` (also reads PEFT's '.lora_A.default.weight' names); tensors of
-    other names are left out."""
+    """The inverse of `peft_tensors` (also of PEFT's '.lora_A.default.weight' names); others left out."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         parsed = base_module(name)

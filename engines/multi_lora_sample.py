@@ -1,22 +1,15 @@
-"""Sampling from many adapters (and the base) in one decode batch on the shared multi-LoRA model.
+"""Sampling from many adapters (and the base) in one decode batch on the multi-LoRA model.
 
-Each request (one sampler snapshot or the base, one prompt, `num_samples` rows) owns a contiguous
-block of rows; the multi-LoRA layers apply the request's adapter to its block (`engines.multi_lora.rows`),
-so one prefill and one decode step per token serve every request at once. Prompts are left-padded
-(the hf rollout engine's `left_pad`) with explicit position ids, and every request samples from its
-own seeded generator: what it draws does not depend on the other requests in the batch. Tokens are
-drawn by the RL rollouts' sampling function (`engines.rollout.sampling.sample_next`).
-
-A sampled token's log-prob is that of the temperature-scaled distribution before top-k / top-p
-filtering (at temperature 1, the trainer's log-prob of the same token); temperature 0 is greedy and
-reports the untempered log-prob. Stops: `None` means the model's EOS ids, `[]` means none, otherwise
-the given token ids or strings (a string stops the row once the decoded completion contains it);
-the stopping token stays in the returned tokens.
+Each request owns a contiguous block of rows (`engines.multi_lora.rows`), prompts are left-padded, and
+each request draws from its own seeded generator with the rollouts' `sample_next`, so what it draws
+does not depend on the batch. A token's log-prob is taken before top-k / top-p filtering; a stop token
+or string ends a row and stays in its tokens.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -62,15 +55,10 @@ def sample(
     device = next(model.parameters()).device
     prompts = [r.prompt for r in requests for _ in range(r.num_samples)]
     segments = [(r.adapter, r.num_samples) for r in requests]
-    blocks, start = [], 0
-    for r in requests:
-        blocks.append((start, start + r.num_samples))
-        start += r.num_samples
-    generators = []
-    for r in requests:
-        gen = torch.Generator(device=device)
+    blocks = list(pairwise(accumulate([0] + [r.num_samples for r in requests])))  # each request's rows
+    generators = [torch.Generator(device=device) for _ in requests]
+    for gen, r in zip(generators, requests, strict=True):
         gen.manual_seed(r.seed) if r.seed is not None else gen.seed()
-        generators.append(gen)
     seqs = [[Sequence() for _ in range(r.num_samples)] for r in requests]
 
     ids, mask = left_pad(prompts, pad_id, device)

@@ -1,30 +1,20 @@
-"""One session-host worker group per served base model, and the dispatcher that feeds it.
+"""One session-host worker group (workers/session_host.py) per served base model, and its dispatcher.
 
-A host is a one-rank `RayWorkerGroup` of `workers.session_host.SessionWorker` (one base, many adapters)
-on a one-bundle resource pool, started as a job's ranks are (malloc and threads set by the group's
-`WorkerHost`); the API process binds its registered operations without importing torch. A host is
-started lazily, by the first request that needs its base model, so serving many base models costs
-nothing until they are used; while it runs, the scheduler counts its CPUs as held (`accounts`:
-`Scheduler.hold`), so jobs are scheduled around it.
-
-Each host has one dispatcher thread. Requests are queued per queue key (a training model id or a
-sampler id) under their owner; the dispatcher takes the head op of one queue after another,
-round-robin between owners and, within an owner, between its queues, at most one op per queue per
-batch (a session's ops run in the order it sent them), so the ops of a batch commute. A batch's
-forwards go in one `forward_backward` call, its samples in one `sample` call, its log-prob requests
-in one `compute_logprobs` call, the rest one call each. Every call has the group's timeout; a
-timeout or a dead worker fails the futures with a message that names the host.
+A host starts with the first request for its base model; while it runs, the scheduler counts its CPUs
+as held (`accounts`). Its dispatcher thread takes batches round-robin between owners, then between an
+owner's queues (a model or sampler id), one op per queue per batch: a session's ops keep their order
+and a batch's ops commute. A batch's forwards and samples each go in one call of the host's batched
+form, the rest one call each; a timeout or a dead worker fails the futures naming it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +22,16 @@ import ray
 
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, WorkerGroupError
+from engines.tiny_models import BUILTIN_MODELS
 from service.tinker_futures import Future, FutureTable
 from workers.session_host import Result, SessionWorker, error
 
 log = logging.getLogger("tandem.tinker")
-BATCHED = (SessionWorker.forward_backward, SessionWorker.sample, SessionWorker.compute_logprobs)
+# operation -> the host's batched form, which takes a list of the operation's calls
+BATCHED = {
+    SessionWorker.forward_backward: "forward_backward_calls",
+    SessionWorker.sample: "sample",
+}
 
 # (ok result) -> (json result, protobuf result): what the future answers
 Finish = Callable[[dict[str, Any]], tuple[dict[str, Any] | None, bytes | None]]
@@ -44,14 +39,10 @@ Finish = Callable[[dict[str, Any]], tuple[dict[str, Any] | None, bytes | None]]
 
 @dataclass(frozen=True)
 class Call:
-    """One SessionWorker operation and its arguments; a batched one's are one item of its list."""
+    """One SessionWorker operation and its arguments (a batched one's: one item of its list)."""
 
     operation: Callable[..., Any]  # a registered method of SessionWorker
     kwargs: dict[str, Any]
-
-    @property
-    def batched(self) -> bool:
-        return self.operation in BATCHED
 
 
 @dataclass
@@ -72,7 +63,6 @@ class HostOptions:
     batch_timeout_s: float = 600.0
     start_timeout_s: float = 600.0
     cpus: float = 1.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Host:
@@ -92,9 +82,6 @@ class Host:
         self.pool: ResourcePool | None = None
         self.info: dict[str, Any] | None = None
         self.error: str | None = None
-        self.batches = 0
-
-    # ---- requests ---------------------------------------------------------------------------------
 
     def submit(self, op: Op) -> None:
         with self._cond:
@@ -112,11 +99,6 @@ class Host:
             self._cond.notify_all()
         self._release()
 
-    @property
-    def actor(self) -> Any:
-        """The worker's Ray actor while the host runs."""
-        return self.group.actors[0] if self.group is not None else None
-
     def _release(self) -> None:
         """The group and its pool go, and the scheduler no longer counts their CPUs."""
         group, pool, self.group, self.pool, self.info = self.group, self.pool, None, None, None
@@ -127,71 +109,51 @@ class Host:
         if self.accounts is not None:
             self.accounts.release(self.name)
 
-    def queued(self) -> int:
-        with self._cond:
-            return sum(len(q) for keys in self._queues.values() for q in keys.values())
-
-    # ---- the dispatcher ---------------------------------------------------------------------------
-
     def _next_batch(self) -> list[Op]:
         """Up to max_batch ops, round-robin between owners, then between each owner's queues."""
         batch: list[Op] = []
-        taken: set[str] = set()
-        progress = True
-        while progress and len(batch) < self.options.max_batch:
-            progress = False
-            for owner in list(self._queues):
-                keys = self._queues[owner]
-                for key in list(keys):
-                    while keys[key] and keys[key][0].future.cancelled:  # cancelled: dropped, not a turn
-                        keys[key].popleft()
-                    if not keys[key]:
-                        del keys[key]
-                        continue
-                    if key in taken:
-                        continue
-                    batch.append(keys[key].popleft())
-                    if not keys[key]:
-                        del keys[key]
-                    else:
-                        keys.move_to_end(key)  # the owner's next queue goes first next time
+        taken: set[str] = set()  # the queues with an op in the batch
+        while len(batch) < self.options.max_batch:
+            size = len(batch)
+            for owner, queues in list(self._queues.items()):
+                for key in [k for k, ops in queues.items() if not _live(ops)]:
+                    del queues[key]
+                key = next((k for k in queues if k not in taken), None)
+                if key is not None:
+                    batch.append(queues[key].popleft())
                     taken.add(key)
-                    progress = True
-                    break
-                if not keys:
-                    del self._queues[owner]
-                else:
+                    queues.move_to_end(key)  # the owner's next queue goes first next time
+                if any(queues.values()):
                     self._queues.move_to_end(owner)
+                else:
+                    del self._queues[owner]
                 if len(batch) >= self.options.max_batch:
                     break
+            if len(batch) == size:
+                break
         return batch
-
-    def _start_actor(self) -> None:
-        from engines.tiny_models import BUILTIN_MODELS  # torch-free: names only
-
-        if self.base_model not in BUILTIN_MODELS and not Path(self.base_model, "config.json").is_file():
-            raise FileNotFoundError(f"{self.base_model} is neither a built-in model nor a model folder")
-        if not ray.is_initialized():  # ray.remote would start a private cluster in the API process
-            raise RuntimeError("Ray is not running in this service (a service started without a cluster)")
-        options = {"max_rank": self.options.max_rank, **self.options.extra}
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        if self.accounts is not None:
-            self.accounts.hold(self.name, self.options.cpus)
-        timeout = self.options.start_timeout_s
-        # unique per start: a group left by a service that died still holds its name in the cluster
-        name = f"session-host {self.base_model} {uuid.uuid4().hex[:8]}"
-        self.pool = ResourcePool(
-            1, self.options.cpus, gpus_per_bundle=0.0, name=name, ready_timeout_s=timeout
-        )
-        self.group = RayWorkerGroup(self.pool, SessionWorker, self.base_model, str(self.workdir), options,
-                                    group_name=self.name, call_timeout_s=self.options.batch_timeout_s,
-                                    start_timeout_s=timeout)  # fmt: skip
-        self.info = self.group.describe()
-        log.info("%s is up: %s", self.name, self.info)
 
     def _start(self) -> None:
         try:
-            self._start_actor()
+            if self.base_model not in BUILTIN_MODELS and not Path(self.base_model, "config.json").is_file():
+                raise FileNotFoundError(f"{self.base_model} is neither a built-in model nor a model folder")
+            if not ray.is_initialized():  # ray.remote would start a private cluster in the API process
+                raise RuntimeError("Ray is not running in this service (a service started without a cluster)")
+            options = {"max_rank": self.options.max_rank}
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            if self.accounts is not None:
+                self.accounts.hold(self.name, self.options.cpus)
+            timeout = self.options.start_timeout_s
+            # unique per start: a group left by a service that died still holds its name in the cluster
+            name = f"session-host {self.base_model} {uuid.uuid4().hex[:8]}"
+            self.pool = ResourcePool(
+                1, self.options.cpus, gpus_per_bundle=0.0, name=name, ready_timeout_s=timeout
+            )
+            self.group = RayWorkerGroup(self.pool, SessionWorker, self.base_model, str(self.workdir), options,
+                                        group_name=self.name, call_timeout_s=self.options.batch_timeout_s,
+                                        start_timeout_s=timeout)  # fmt: skip
+            self.info = self.group.describe()
+            log.info("%s is up: %s", self.name, self.info)
         except Exception as err:  # noqa: BLE001 - every queued and later op is told why
             self.error = f"{self.name} failed to start: {type(err).__name__}: {err}"[:2000]
             log.error(self.error)
@@ -213,30 +175,38 @@ class Host:
         if self.group is None and self.error is None:  # the last one died: a fresh host for this batch
             self.restarts += 1
             self._start()
-        started = time.monotonic()
-        singles = [[op] for op in batch if not op.call.batched]
         batched = [[op for op in batch if op.call.operation is kind] for kind in BATCHED]
+        singles = [[op] for op in batch if op.call.operation not in BATCHED]
         for ops in [ops for ops in batched if ops] + singles:
             for op, result in zip(ops, self._call(ops), strict=True):
                 self._settle(op, result)
-        self.batches += 1
-        log.debug("%s ran %d ops in %.3f s", self.name, len(batch), time.monotonic() - started)
 
     def _call(self, ops: list[Op]) -> list[Result]:
         """One group call for `ops` (all of one batched operation, or a single op): a result each."""
         if self.error is not None or self.group is None:
             return [error("server", None, self.error or f"{self.name} is not running")] * len(ops)
         call = ops[0].call
-        method = getattr(self.group, call.operation.__name__)
         try:
-            if call.batched:
-                return method([op.call.kwargs for op in ops])
-            return [method(**call.kwargs)]
+            if call.operation in BATCHED:
+                return getattr(self.group, BATCHED[call.operation])([op.call.kwargs for op in ops])
+            return [self._single(call)]
         except WorkerGroupError as err:  # a dead worker or a timeout: every op of the call is told
             message = f"{self.name} failed: {err}"[:2000]
             if err.kind == "died":
                 self._lost(message)
             return [error("server", None, message)] * len(ops)
+
+    def _single(self, call: Call) -> Result:
+        """One operation's call (optim_step: the SDK's AdamParams in, the service's metrics out)."""
+        name, kwargs = call.operation.__name__, dict(call.kwargs)
+        if name == "optim_step":
+            kwargs["params"] = kwargs.pop("adam")
+        answer = getattr(self.group, name)(**kwargs)
+        answer = answer[0] if isinstance(answer, list) else answer  # ONE_TO_ALL: one rank's
+        if name == "optim_step" and "ok" in answer:
+            lr = kwargs["params"].get("learning_rate")
+            return {"ok": {"metrics": {"grad_norm": answer["ok"], "learning_rate": lr}}}
+        return answer
 
     def _lost(self, why: str) -> None:
         """The actor died: forget it (the next batch starts another) and tell the service."""
@@ -245,19 +215,15 @@ class Host:
         if self.on_lost is not None:
             self.on_lost(self)
 
-    def _settle(self, op: Op, result: dict[str, Any]) -> None:
+    def _settle(self, op: Op, result: Result) -> None:
         if "ok" not in result:
             err = result.get("error") or {}
-            where = (
-                f"{err['field']}: "
-                if err.get("field") and err["field"] not in str(err.get("message"))
-                else ""
-            )
+            message, field = str(err.get("message", "failed")), err.get("field")
+            if field and field not in message:
+                message = f"{field}: {message}"
             if op.on_fail is not None:
                 op.on_fail()
-            self.futures.fail(
-                op.future, where + str(err.get("message", "failed")), err.get("category", "server")
-            )
+            self.futures.fail(op.future, message, err.get("category", "server"))
             return
         try:
             if op.on_ok is not None:
@@ -269,3 +235,10 @@ class Host:
             self.futures.fail(op.future, f"{self.name}: unreadable result of {name}: {err}")
             return
         self.futures.finish(op.future, json_body, proto)
+
+
+def _live(ops: deque[Op]) -> bool:
+    """Whether a queue holds an op once its cancelled ones at the head are dropped (they get no turn)."""
+    while ops and ops[0].future.cancelled:
+        ops.popleft()
+    return bool(ops)

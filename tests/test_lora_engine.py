@@ -10,6 +10,8 @@ for the trainer against PEFT, 1e-4 for a rollout engine against the trainer (the
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 import torch
@@ -196,6 +198,38 @@ def test_checkpoints_hold_the_adapter_and_resume_bitwise(tiny_model_dir, tmp_pat
     assert len(model_keys) == len(a) and all(
         "lora_" in k for k in saved if not k.startswith("optim.param_groups")
     )
+
+
+def _in_peft_layer_names(obj):
+    """A state dict as RL LoRA wrote it on PEFT's layers, which named the one adapter 'default'."""
+    if isinstance(obj, str):
+        return re.sub(r"\.lora_([AB])\.", r".lora_\1.default.", obj)
+    if isinstance(obj, dict):
+        return {_in_peft_layer_names(k): _in_peft_layer_names(v) for k, v in obj.items()}
+    return [_in_peft_layer_names(v) for v in obj] if isinstance(obj, list) else obj
+
+
+def test_a_checkpoint_in_peft_layer_names_resumes_to_the_same_numbers(tiny_model_dir, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    straight = make_engine(tiny_model_dir)
+    train_steps(straight, 2)
+    new, old = tmp_path / "new", tmp_path / "old"
+    straight.save_checkpoint(str(new), 2)
+    train_steps(straight, 2, seed=10)
+    # the same checkpoint with every adapter name (keys, optimizer state, param groups) in PEFT's naming
+    dcp_to_torch_save(str(new), str(tmp_path / "new.pt"))
+    torch.save(_in_peft_layer_names(torch.load(tmp_path / "new.pt", weights_only=False)), tmp_path / "old.pt")
+    shutil.copytree(new, old, ignore=shutil.ignore_patterns(".metadata", "*.distcp"))
+    torch_save_to_dcp(str(tmp_path / "old.pt"), str(old))
+    saved = FileSystemReader(str(old)).read_metadata().state_dict_metadata
+    assert any(".lora_A.default.weight" in k for k in saved) and not any(".lora_A.weight" in k for k in saved)
+
+    resumed = make_engine(tiny_model_dir)
+    assert resumed.load_checkpoint(str(old)) == 2
+    train_steps(resumed, 2, seed=10)
+    a, b = dict(straight.get_per_tensor_param()), dict(resumed.get_per_tensor_param())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_adapter_sync_serves_the_trainers_policy_on_the_hf_engine(tiny_model_dir, trained):

@@ -9,6 +9,8 @@ evicts for eviction, a second worker reading the folder for save/load.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ def fwd(adapter: str, backward: bool = True) -> dict:
 
 
 def step(host: SessionWorker, adapter: str) -> dict:
-    return ok(host.optim_step(adapter, ADAM))
+    return ok(host.optim_step(ADAM, adapter))
 
 
 def ok(result: dict) -> dict:
@@ -106,9 +108,9 @@ def count_forwards(host: SessionWorker) -> list[int]:
 
 def rounds(host: SessionWorker) -> list[dict]:
     """Two rounds of both adapters: forward_backward, optim_step; the forwards' results."""
-    first = host.forward_backward([fwd("a"), fwd("b")])
+    first = host.forward_backward_calls([fwd("a"), fwd("b")])
     step(host, "a"), step(host, "b")
-    return first + host.forward_backward([fwd("a"), fwd("b")])
+    return first + host.forward_backward_calls([fwd("a"), fwd("b")])
 
 
 def test_two_sessions_batched_equal_each_alone_and_peft(make_host, tmp_path):
@@ -125,9 +127,9 @@ def test_two_sessions_batched_equal_each_alone_and_peft(make_host, tmp_path):
     for g, w in zip(got, rounds(parts), strict=True):
         assert abs(ok(g)["metrics"]["loss:sum"] - ok(w)["metrics"]["loss:sum"]) <= TOL
     assert part_calls[0] == 4
-    want = alone.forward_backward([fwd("a")]) + alone.forward_backward([fwd("b")])
+    want = alone.forward_backward_calls([fwd("a")]) + alone.forward_backward_calls([fwd("b")])
     step(alone, "a"), step(alone, "b")
-    want += alone.forward_backward([fwd("a")]) + alone.forward_backward([fwd("b")])
+    want += alone.forward_backward_calls([fwd("a")]) + alone.forward_backward_calls([fwd("b")])
     for g, w in zip(got, want, strict=True):
         assert abs(ok(g)["metrics"]["loss:sum"] - ok(w)["metrics"]["loss:sum"]) <= TOL
         for x, y in zip(logprobs(g), logprobs(w), strict=True):
@@ -153,7 +155,7 @@ def test_two_sessions_batched_equal_each_alone_and_peft(make_host, tmp_path):
     path = ok(batched.save_for_sampler("b", "s"))["path"]
     model_path = batched.engine.model_path
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path), path).eval()
-    mine = logprobs(batched.forward_backward([fwd("b", backward=False)])[0])
+    mine = logprobs(batched.forward_backward_calls([fwd("b", backward=False)])[0])
     for d, lp in zip(DATA["b"], mine, strict=True):
         logits = peft(input_ids=torch.tensor([d["tokens"]])).logits[0].log_softmax(-1)
         target = torch.tensor(d["loss_fn_inputs"]["target_tokens"]["data"])
@@ -179,7 +181,7 @@ def test_optim_step_matches_torch_adamw_on_peft(make_host):
         weight_decay=ADAM["weight_decay"],
     )
     for _ in range(2):
-        ok(host.forward_backward([fwd("a")])[0])
+        ok(host.forward_backward_calls([fwd("a")])[0])
         step(host, "a")
         loss = 0
         for d in DATA["a"]:
@@ -204,7 +206,7 @@ def test_optim_step_matches_torch_adamw_on_peft(make_host):
 def test_sampled_logprobs_match_trainer_and_batching(make_host):
     host = make_host()
     create(host, "a", "b")
-    host.forward_backward([fwd("a"), fwd("b")])
+    host.forward_backward_calls([fwd("a"), fwd("b")])
     step(host, "a"), step(host, "b")
     paths = [ok(host.save_for_sampler(m, "s"))["path"] for m in "ab"]
 
@@ -230,10 +232,18 @@ def test_sampled_logprobs_match_trainer_and_batching(make_host):
     for seq in ok(together[0])["sequences"]:
         full = prompt + seq["tokens"]
         trainer = logprobs(
-            host.forward_backward([{"adapter": "a", "data": [datum(full)], "loss_fn": "cross_entropy"}])[0]
+            host.forward_backward_calls(
+                [{"adapter": "a", "data": [datum(full)], "loss_fn": "cross_entropy"}]
+            )[0]
         )[0]
         assert torch.allclose(trainer[len(prompt) - 1 :], torch.tensor(seq["logprobs"]), atol=1e-4, rtol=0)
-        lps = ok(host.compute_logprobs([{"sampler": paths[0], "tokens": full}])[0])["logprobs"]
+        scored = {
+            "sampler": paths[0],
+            "prompt": full,
+            "sampling_params": {"max_tokens": 1},
+            "prompt_logprobs": True,
+        }
+        lps = ok(host.sample([scored])[0])["prompt_logprobs"]  # the SDK's compute_logprobs
         assert lps[0] is None and torch.allclose(torch.tensor(lps[1:]), trainer, atol=1e-4, rtol=0)
         assert torch.allclose(
             torch.tensor(ok(together[0])["prompt_logprobs"][1:]), trainer[: len(prompt) - 1], atol=1e-4
@@ -243,9 +253,9 @@ def test_sampled_logprobs_match_trainer_and_batching(make_host):
 def _evicting_script(host: SessionWorker) -> list[dict]:
     """Every call alone, so that a host holding one adapter evicts at each switch."""
     create(host, "a", "b")
-    got = [host.forward_backward([fwd(m)])[0] for m in "ab"]
+    got = [host.forward_backward_calls([fwd(m)])[0] for m in "ab"]
     step(host, "a")
-    got += [host.forward_backward([fwd(m)])[0] for m in "ba"]
+    got += [host.forward_backward_calls([fwd(m)])[0] for m in "ba"]
     step(host, "b"), step(host, "a")
     return got + [host.save_for_sampler(m, "s") for m in "ab"]
 
@@ -269,28 +279,28 @@ def test_eviction_round_trip_is_exact(make_host, offload):
 def test_save_and_load_state_in_a_new_host(make_host, tmp_path):
     host = make_host()
     create(host, "a")
-    host.forward_backward([fwd("a")])
+    host.forward_backward_calls([fwd("a")])
     step(host, "a")
     full, bare = str(tmp_path / "full"), str(tmp_path / "bare")
-    ok(host.save_state("a", full, optimizer=True))
-    ok(host.save_state("a", bare, optimizer=False))
+    ok(host.save_state(full, adapter="a", optimizer=True))
+    ok(host.save_state(bare, adapter="a", optimizer=False))
     saved = weights(host, "a")
-    host.forward_backward([fwd("a")])
+    host.forward_backward_calls([fwd("a")])
     step(host, "a")
     after = weights(host, "a")
 
     fresh = make_host()  # another host: nothing but the folder carries the state
-    ok(fresh.load_state("r", full, optimizer=True))
+    ok(fresh.load_state(full, True, "r"))
     close(weights(fresh, "r"), saved, tol=0.0)
-    fresh.forward_backward([{**fwd("a"), "adapter": "r"}])
+    fresh.forward_backward_calls([{**fwd("a"), "adapter": "r"}])
     step(fresh, "r")
     close(weights(fresh, "r"), after)
-    ok(fresh.load_state("w", bare, optimizer=False))
+    ok(fresh.load_state(bare, False, "w"))
     close(weights(fresh, "w"), saved, tol=0.0)
-    fresh.forward_backward([{**fwd("a"), "adapter": "w"}])
+    fresh.forward_backward_calls([{**fwd("a"), "adapter": "w"}])
     step(fresh, "w")  # a fresh Adam takes another step
     assert max((weights(fresh, "w")[k] - after[k]).abs().max() for k in after) > 1e-4
-    err = fresh.load_state("x", bare, optimizer=True)["error"]
+    err = fresh.load_state(bare, True, "x")["error"]
     assert (err["category"], err["field"]) == ("user", "optimizer")
 
 
@@ -319,17 +329,17 @@ def test_bad_inputs_are_user_errors_naming_the_field(make_host):
     ]
     create(host, "a", "b")
     # the bad calls share their forward with a good one of another adapter: it is unaffected
-    results = host.forward_backward([fwd("b")] + [call for call, _ in forwards])
+    results = host.forward_backward_calls([fwd("b")] + [call for call, _ in forwards])
     results += host.sample([call for call, _ in samples])
     # the types and ranges of the API's typed requests are the API's (tests/test_tinker_bad_input.py);
     # the host checks what only it knows: its adapters, snapshots, vocabulary, context and max_rank
-    results += [host.create_adapter("big", 17), host.optim_step("nobody", ADAM)]
+    results += [host.create_adapter("big", 17), host.optim_step(ADAM, "nobody")]
     fields = [f for _, f in forwards + samples] + ["rank", "model_id"]
     for field, res in zip(fields, results[1:], strict=True):
         assert res["error"]["category"] == "user" and res["error"]["field"] == field, res
     alone = make_host(max_rank=16)
     create(alone, "b")
-    assert ok(results[0])["metrics"] == ok(alone.forward_backward([fwd("b")])[0])["metrics"]
+    assert ok(results[0])["metrics"] == ok(alone.forward_backward_calls([fwd("b")])[0])["metrics"]
     assert host.describe()["resident"] == ["a", "b"]  # nothing else was created
 
 
@@ -346,13 +356,43 @@ def test_drop_model_and_top_k_targets(make_host):
             "weights": {"data": [1.0] * 6, "dtype": "float32", "shape": [3, 2]},
         },
     }
-    got = logprobs(host.forward_backward([{"adapter": "a", "data": [top_k], "loss_fn": "cross_entropy"}])[0])[
-        0
-    ]
+    got = logprobs(
+        host.forward_backward_calls([{"adapter": "a", "data": [top_k], "loss_fn": "cross_entropy"}])[0]
+    )[0]
     assert got.shape == (6,)  # flattened on the wire
-    first = logprobs(host.forward_backward([{**fwd("a", backward=False), "data": [datum(seq)]}])[0])[0]
+    first = logprobs(host.forward_backward_calls([{**fwd("a", backward=False), "data": [datum(seq)]}])[0])[0]
     assert torch.allclose(got.reshape(3, 2)[:, 0], first, atol=TOL, rtol=0)
     assert ok(host.drop_adapter("a")) == {}
-    err = host.forward_backward([fwd("a")])[0]["error"]
+    err = host.forward_backward_calls([fwd("a")])[0]["error"]
     assert (err["category"], err["field"]) == ("user", "model_id")
     assert host.describe()["resident"] == ["b"]
+
+
+def test_a_state_in_peft_layer_names_loads_to_the_same_weights(make_host, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    host = make_host()
+    create(host, "a")
+    host.forward_backward_calls([fwd("a")])
+    step(host, "a")
+    folder = tmp_path / "state"
+    ok(host.save_state(str(folder), adapter="a"))
+    file = str(folder / "adapter_model.safetensors")  # as PEFT's layers named them: adapter 'default'
+    save_file({k.replace(".weight", ".default.weight"): v for k, v in load_file(file).items()}, file)
+    fresh = make_host()
+    ok(fresh.load_state(str(folder), True, "r"))
+    close(weights(fresh, "r"), weights(host, "a"), tol=0.0)
+
+
+def test_a_batch_that_fails_as_a_whole_runs_again_call_by_call(make_host):
+    host = make_host()
+    create(host, "a")
+    good, gone = (ok(host.save_for_sampler("a", name))["path"] for name in ("good", "gone"))
+    (Path(gone) / "adapter_model.safetensors").unlink()  # found at prepare, unreadable when it runs
+    params = {"max_tokens": 3, "seed": 1}
+    calls = [{"sampler": s, "prompt": [3, 4], "sampling_params": params} for s in (good, gone)]
+    got = host.sample(calls)
+    assert (
+        got[1]["error"]["category"] == "server" and "adapter_model.safetensors" in got[1]["error"]["message"]
+    )
+    assert ok(got[0]) == ok(host.sample(calls[:1])[0])

@@ -302,7 +302,7 @@ def test_a_killed_session_host_is_started_again_and_its_runs_name_their_last_sta
     path = tc.save_state("before-the-kill").result().path
     host = tinker_service(svc).hosts[base]
     restarts = host.restarts
-    ray.kill(host.actor, no_restart=True)
+    ray.kill(host.group.actors[0], no_restart=True)
     with pytest.raises(Exception) as died:  # the call the death interrupted, or the first after it
         for _ in range(2):
             tc.forward(data, "cross_entropy").result()

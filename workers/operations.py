@@ -1,41 +1,39 @@
-"""Fine-grained training operations: what the RL loop and a low-level client both build on.
+"""Fine-grained training operations: what the RL loop, a low-level client and the Tinker host build on.
 
 `TrainOps` is one training engine's operations for a caller that already holds it in train mode:
 `forward_backward` (gradients accumulate over calls until the next step), `optim_step` (with
 optional AdamW settings for that step alone; returns the grad norm), `lr_scheduler_step` and
-`forward`. The RL loop's update (`workers/training.train_on_batch`) is mini-batches of
-`forward_backward` + `optim_step`, then one `lr_scheduler_step`.
+`forward`, each with an optional adapter key for an engine that holds many adapters. The RL update
+(`workers/training.train_on_batch`) is mini-batches of `forward_backward` + `optim_step`.
 
-`TrainingOperations` is a worker mixin that registers the same operations as worker-group methods
-on the "actor" mesh, each in its own train/eval mode, with the loss given by its options
-(`schema.losses.LossSpec`), plus `save_state` / `load_state`. A caller that accumulates over
-several `forward_backward` calls before one `optim_step` passes the counts of all of them
-(`GlobalCounts.of`, the loss contract of engines/base.py), so the gradient is that of one call
-with the whole batch. A MESH call pads a batch that does not divide by the dp size with copies of
-its first rows, which would count twice here: `forward_backward` is registered with pad=False, and
-the group refuses such a batch, naming the dp size.
+`TrainingOperations` registers the same operations as worker-group methods, for RL roles and the
+Tinker session host (workers/session_host.py) alike. A caller that accumulates over several
+`forward_backward` calls before one `optim_step` passes the counts of all of them
+(`GlobalCounts.of`, engines/base.py); since padding rows would count twice in a gradient,
+`forward_backward` is registered with pad=False. Torch is imported where used: the API process
+binds the session host's methods through this module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-from tensordict import TensorDict
-
-from engines.base import NEEDS_BACKWARD, EngineOutput, GlobalCounts, LossFn, TrainEngine
 from schema.engine import OptimizerConfig
 from schema.losses import LossSpec, PolicyLossConfig
 from workers.base import Dispatch, Reduce, Worker, register
-from workers.batch import Batch, sampling_of
+
+if TYPE_CHECKING:
+    import torch
+    from tensordict import TensorDict
+
+    from engines.base import EngineOutput, GlobalCounts, LossFn, TrainEngine
+    from workers.batch import Batch
 
 
 class TrainOps:
-    """One engine's operations; the caller holds it in train mode (see the module docstring).
-
-    Each takes an optional adapter key: None acts on the engine's own weights (an RL job's), a key
-    on that adapter of an engine that holds many on one base (engines/adapter_engine.py)."""
+    """One engine's operations; the adapter key None acts on the engine's own weights (an RL job's),
+    a key on that adapter of an engine that holds many on one base (engines/adapter_engine.py)."""
 
     def __init__(self, engine: TrainEngine) -> None:
         self.engine = engine
@@ -64,7 +62,7 @@ class TrainOps:
 
     def optim_step(self, params: OptimizerConfig | dict | None = None, adapter: str | None = None) -> float:
         """Step on the accumulated gradient and zero it; returns the global grad norm before clipping.
-        `params`: AdamW's settings for this step (an adapter engine also takes the SDK's AdamParams)."""
+        `params`: AdamW's settings for this step (an adapter also takes the SDK's AdamParams)."""
         self.pending_calls = 0
         return self.engine.optimizer_step(params, **_on(adapter))
 
@@ -95,7 +93,7 @@ class TrainOps:
         """The weights (an adapter's: that adapter), optimizer state and step under `path`."""
         if adapter is None:
             self.engine.save_checkpoint(path, step)
-        else:
+        else:  # an adapter may be saved without its optimizer state (a sampler snapshot)
             self.engine.save_checkpoint(path, step, adapter=adapter, optimizer=optimizer)
 
     def load_state(self, path: str, optimizer: bool = True, adapter: str | None = None) -> int:
@@ -120,6 +118,7 @@ class PreparedLoss:
 
 def prepare_loss(batch: Batch, spec: LossSpec) -> PreparedLoss:
     """The LossFn of `spec` and the forward it needs, the same for the RL update and a client call."""
+    from engines.base import NEEDS_BACKWARD
     from workers.losses import make_loss, rows_with_gradient
 
     if not isinstance(spec, PolicyLossConfig):
@@ -155,16 +154,17 @@ def old_log_probs_from_current(loss_fn: LossFn) -> LossFn:
 
 def temperature_of(batch: Batch) -> float:
     """The sampling temperature the batch's log-probs are taken at (greedy and SFT: 1)."""
+    from workers.batch import sampling_of
+
     params = sampling_of(batch)
     temperature = params.temperature if params is not None else 1.0
     return temperature if temperature > 0 else 1.0  # greedy: log-probs of the plain model
 
 
 class TrainingOperations(Worker):
-    """Mixin of a training role: its engine's operations as worker-group methods on the "actor" mesh.
-
-    The role sets `self.ops = TrainOps(engine)` once its engine is built; its job checkpoints go
-    under `<folder>/<checkpoint_name>`."""
+    """Mixin of a training role: its engine's operations as worker-group methods, each with the
+    adapter key of TrainOps (an RL role's engine: None). The role sets `self.ops = TrainOps(engine)`
+    once its engine is built; its job checkpoints go under `<folder>/<checkpoint_name>`."""
 
     ops: TrainOps
     checkpoint_name: ClassVar[str]
@@ -174,7 +174,7 @@ class TrainingOperations(Worker):
 
     @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL, pad=False)
     def forward_backward(
-        self, batch: Batch, loss: LossSpec, counts: GlobalCounts | None = None
+        self, batch: Batch, loss: LossSpec, counts: GlobalCounts | None = None, adapter: str | None = None
     ) -> dict[str, float]:
         """Add the batch's gradient under `loss`, no optimizer step; metrics summed over ranks."""
         prepared = prepare_loss(batch, loss)
@@ -185,15 +185,18 @@ class TrainingOperations(Worker):
                 counts,
                 compute_entropy=prepared.compute_entropy,
                 temperature=prepared.temperature,
+                adapter=adapter,
             )
         return out.metrics
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.GLOBAL)
-    def optim_step(self, params: OptimizerConfig | None = None) -> float:
-        """One optimizer step on the accumulated gradient (AdamW settings for this step: `params`);
-        the global grad norm before clipping."""
+    def optim_step(self, params: OptimizerConfig | dict | None = None, adapter: str | None = None) -> float:
+        """One optimizer step on the accumulated gradient (AdamW settings for this step: `params`,
+        for an adapter also the SDK's AdamParams); the global grad norm before clipping."""
+        if isinstance(params, dict) and adapter is None:
+            params = OptimizerConfig.model_validate(params)
         with self.ops.engine.train_mode():
-            return self.ops.optim_step(OptimizerConfig.model_validate(params) if params else None)
+            return self.ops.optim_step(params or None, adapter)
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.GLOBAL)
     def lr_scheduler_step(self) -> float:
@@ -201,24 +204,29 @@ class TrainingOperations(Worker):
         return self.ops.lr_scheduler_step()
 
     @register(Dispatch.MESH, mesh="actor")
-    def forward(self, batch: Batch) -> Batch:
+    def forward(self, batch: Batch, adapter: str | None = None) -> Batch:
         """Adds log_probs [B, R] at the batch's sampling temperature (values [B, R] for a critic)."""
+        from workers.batch import Batch
+
         with self.ops.engine.eval_mode():
-            outputs = self.ops.forward(batch.tensors, temperature=temperature_of(batch))
+            outputs = self.ops.forward(batch.tensors, temperature=temperature_of(batch), adapter=adapter)
         tensors = batch.tensors.clone(recurse=False)
         for key, value in outputs.items():
             tensors[key] = value
         return Batch(tensors, batch.non_tensors, batch.meta)
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
-    def save_state(self, path: str, step: int) -> None:
-        """The engine's weights, optimizer, schedule and RNG under `path` (atomically)."""
-        self.ops.save_state(path, step)
+    def save_state(
+        self, path: str, step: int = 0, adapter: str | None = None, optimizer: bool = True
+    ) -> None:
+        """The engine's weights, optimizer, schedule and RNG under `path` (atomically); an adapter's
+        without its optimizer state when `optimizer` is false."""
+        self.ops.save_state(path, step, adapter, optimizer)
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
-    def load_state(self, path: str, optimizer: bool = True) -> int:
+    def load_state(self, path: str, optimizer: bool = True, adapter: str | None = None) -> int:
         """Restore what save_state wrote (optimizer=False: the weights only); returns its step."""
-        return self.ops.load_state(path, optimizer)
+        return self.ops.load_state(path, optimizer, adapter)
 
     # ---- the job's checkpoints and hyper-parameter edits ----------------------------------------
 

@@ -1,14 +1,8 @@
-"""The Tinker API's training role: one base model and many adapters (`engines/adapter_engine.py`) served
-as worker operations, each naming the adapter (a Tinker training model) it acts on.
-
-The service starts it as a one-rank worker group (service/tinker_hosts.py) and calls its registered
-operations as RL jobs call theirs. `forward_backward`, `sample` and `compute_logprobs` take the calls of
-many adapters at once and compute them together (one forward, one decode batch); the others take one.
-Every call answers `{"ok": ...}` or `{"error": {"category", "field", "message"}}`: a bad input is a
-"user" error naming its field, found call by call before anything runs (workers/session_inputs.py:
-only what the API's typed requests cannot know, the adapters, snapshots and the model's limits), so it
-never fails another call; a group that fails as a whole is rerun call by call. This module
-imports no torch, so that the API process can bind the group's methods.
+"""The Tinker API's training role: one base and many LoRA adapters (engines/adapter_engine.py), a
+one-rank worker group (service/tinker_hosts.py) serving RL's training operations with an adapter key,
+plus adapters made and dropped, sampler snapshots, and batched forms: many adapters' calls in one
+engine call. A call answers `{"ok": ...}` or `{"error": {"category", "field", "message"}}`, a bad one
+a "user" error naming its field that fails no other call. No torch at import: the API binds it.
 """
 
 from __future__ import annotations
@@ -18,28 +12,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workers.base import Dispatch, Reduce, Worker, register
+from workers.base import Dispatch, Reduce, register
+from workers.operations import TrainingOperations
 
 Result = dict[str, Any]  # {"ok": ...} or {"error": {"category", "field", "message"}}
-# a forward call: {adapter, data: [{tokens, loss_fn_inputs: {name: {data, dtype, shape}}}], loss_fn,
-# loss_fn_config, backward}; a sample call: {sampler (a save_for_sampler folder; None: the base),
-# prompt, num_samples, sampling_params, prompt_logprobs}
-Call = dict[str, Any]
+Call = dict[str, Any]  # one request of a batched form, as service/tinker_service.py builds it
 
 
 def error(category: str, field: str | None, message: str) -> Result:
     return {"error": {"category": category, "field": field, "message": message}}
 
 
-def _rss_bytes() -> int:
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
+class SessionWorker(TrainingOperations):
+    checkpoint_name = "adapter"
 
-
-class SessionWorker(Worker):
     def __init__(self, base_model: str, workdir: str, options: dict[str, Any]) -> None:
         super().__init__()
         import torch
@@ -48,22 +34,24 @@ class SessionWorker(Worker):
         from engines.adapter_engine import AdapterEngine, EngineOptions
         from engines.host_memory import keep_freed_memory
         from engines.threads import limit_threads_for_model
-        from engines.tiny_models import BUILTIN_MODELS, build_builtin_model
+        from engines.tiny_models import builtin_or_folder
         from workers import session_inputs
         from workers.operations import TrainOps
 
         self.keeps_freed_memory = keep_freed_memory()  # this process is the host's alone
-        model_path = base_model
-        if base_model in BUILTIN_MODELS:
-            model_path = str(build_builtin_model(base_model, Path(workdir) / "models"))
+        model_path = str(builtin_or_folder(base_model, Path(workdir) / "models"))
         if options.get("threads"):
             torch.set_num_threads(int(options["threads"]))
         else:
             limit_threads_for_model(model_path)  # a small model computes faster on one thread
         self.base_model, self.inputs = base_model, session_inputs
         self.engine = AdapterEngine(model_path, Path(workdir), EngineOptions.of(options))
-        self.ops = TrainOps(self.engine)  # the RL roles' operations, each naming its adapter
+        self.ops = TrainOps(self.engine)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.register_mesh("actor", 0, True)  # the MESH operations: one rank, one dp rank
+        for name in ("optim_step", "save_state", "load_state"):  # they raise, the API reads answers
+            operation = getattr(self, name)
+            setattr(self, name, lambda *a, op=operation, **kw: self._guard(lambda: op(*a, **kw)))
 
     def _guard(self, fn: Callable[[], Any]) -> Result:
         """`fn`'s answer as {"ok"}; its input error as a user error, anything else a server error."""
@@ -92,42 +80,35 @@ class SessionWorker(Worker):
         for start in range(0, len(ready), size):
             chunk = ready[start : start + size]
             answers = self._guard(lambda chunk=chunk: run([p for _, p in chunk]))
-            if "ok" not in answers:
-                if len(chunk) == 1:
-                    answers = {"ok": [answers]}
-                else:
-                    answers = {"ok": [self._together([p], lambda p: p, run)[0] for _, p in chunk]}
+            if "ok" not in answers and len(chunk) > 1:
+                answers = {"ok": [self._together([p], lambda p: p, run)[0] for _, p in chunk]}
+            elif "ok" not in answers:
+                answers = {"ok": [answers]}
             for (i, _), answer in zip(chunk, answers["ok"], strict=True):
                 results[i] = answer
         return results
-
-    # ---- the host ------------------------------------------------------------------------------
 
     @register(Dispatch.RANK_ZERO)
     def describe(self) -> dict[str, Any]:
         """The base model and what the host holds now."""
         from engines import adapter_engine
 
-        engine, lru = self.engine, self.engine.lru
+        engine = self.engine
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
         return {
             "base_model": self.base_model,
             "model_path": engine.model_path,
             "vocab_size": engine.vocab,
-            "max_rank": engine.options.max_rank,
             "max_seq_len": engine.max_seq_len,
-            "pid": os.getpid(),
             "base_loads": adapter_engine.BASE_LOADS,
-            "resident": [k.removeprefix("m:") for k in lru if k.startswith("m:")],
-            "resident_samplers": [k.removeprefix("s:") for k in lru if k.startswith("s:")],
+            "resident": [k.removeprefix("m:") for k in engine.lru if k.startswith("m:")],
             "offloaded": [m for m, s in engine.sessions.items() if not s.resident],
-            "rss_bytes": _rss_bytes(),
+            "rss_bytes": pages * os.sysconf("SC_PAGE_SIZE"),
             "malloc": {
                 "keeps_freed_memory": self.keeps_freed_memory,
-                "tunables": os.environ.get("GLIBC_TUNABLES", ""),
+                "tunables": os.getenv("GLIBC_TUNABLES", ""),
             },
         }
-
-    # ---- adapters ------------------------------------------------------------------------------
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def create_adapter(
@@ -153,11 +134,15 @@ class SessionWorker(Worker):
         """The adapter, its gradients and optimizer state leave the host (its saved folders stay)."""
         return self._guard(lambda: self.engine.drop_adapter(adapter) or {})
 
-    # ---- the training operations, each naming its adapter --------------------------------------
+    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
+    def save_for_sampler(self, adapter: str, name: str) -> Result:
+        """A frozen snapshot of the adapter (no optimizer state) that `sample` can name."""
+        folder = str(self.engine.workdir / "samplers" / adapter / name)
+        return self._guard(lambda: self.ops.save_state(folder, 0, adapter, False) or {"path": folder})
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def forward_backward(self, calls: list[Call]) -> list[Result]:
-        """Each call's loss on its adapter (gradients added unless `backward` is false), all in one forward."""
+    def forward_backward_calls(self, calls: list[Call]) -> list[Result]:
+        """Each call's loss on its adapter (gradients added unless `backward` is false), one forward."""
         return self._together(calls, self._prepare_forward, self._forward)
 
     def _prepare_forward(self, call: Call) -> tuple[Call, list, Any]:
@@ -169,15 +154,12 @@ class SessionWorker(Worker):
     def _forward(self, prepared: list[tuple[Call, list, Any]]) -> list[Result]:
         from workers.losses.tinker import compute_loss
 
-        device = self.engine.device
-
         def loss(i: int, log_probs: Any) -> tuple[Any, Result]:
             call, data, _ = prepared[i]
-            inputs = [{k: v.to(device) for k, v in d.inputs.items()} for d in data]
             logprobs = self.inputs.per_datum(log_probs, data)
-            answer = self._guard(
-                lambda: compute_loss(call["loss_fn"], logprobs, inputs, call.get("loss_fn_config"))
-            )
+            inputs = [{k: v.to(log_probs.device) for k, v in d.inputs.items()} for d in data]
+            config = call.get("loss_fn_config")
+            answer = self._guard(lambda: compute_loss(call["loss_fn"], logprobs, inputs, config))
             if "ok" not in answer:
                 return None, answer
             value, outputs, metrics = answer["ok"]
@@ -185,49 +167,7 @@ class SessionWorker(Worker):
             return value, {"ok": {"loss_fn_outputs": outs, "metrics": metrics}}
 
         calls = [(call["adapter"], rows) for call, _, rows in prepared]
-        return self.engine.forward_backward(
-            calls, loss, [bool(call.get("backward")) for call, _, _ in prepared]
-        )
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def optim_step(self, adapter: str, adam: dict[str, float]) -> Result:
-        """One AdamW step of `adapter` with the SDK's AdamParams of this call; its grad norm."""
-
-        from engines.adamw import AdamWSettings
-
-        def step() -> dict:
-            norm = self.ops.optim_step(adam, adapter)
-            return {"metrics": {"grad_norm": norm, "learning_rate": AdamWSettings.from_adam_params(adam).lr}}
-
-        return self._guard(step)
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def save_state(self, adapter: str, path: str, optimizer: bool = True) -> Result:
-        """The adapter (a PEFT folder), its session.json and, with `optimizer`, its AdamW state."""
-
-        return self._guard(
-            lambda: self.ops.save_state(path, adapter=adapter, optimizer=optimizer) or {"path": path}
-        )
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def load_state(self, adapter: str, path: str, optimizer: bool = True) -> Result:
-        """Into `adapter` (made when absent) what save_state wrote at `path`."""
-
-        return self._guard(lambda: self.ops.load_state(path, optimizer, adapter) or {"path": path})
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def save_for_sampler(self, adapter: str, name: str) -> Result:
-        """A frozen snapshot of the adapter (no optimizer state) that `sample` can name."""
-
-        def save() -> dict:
-            self.engine.session(adapter)
-            folder = self.engine.workdir / "samplers" / adapter / name
-            self.ops.save_state(str(folder), adapter=adapter, optimizer=False)
-            return {"path": str(folder)}
-
-        return self._guard(save)
-
-    # ---- sampling ------------------------------------------------------------------------------
+        return self.engine.forward_backward(calls, loss, [bool(c.get("backward")) for c, _, _ in prepared])
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def sample(self, calls: list[Call]) -> list[Result]:
@@ -251,16 +191,3 @@ class SessionWorker(Worker):
             ]
             results.append({"ok": {"sequences": sequences, "prompt_logprobs": prompt}})
         return results
-
-    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def compute_logprobs(self, calls: list[dict]) -> list[Result]:
-        """[None, log p(t1 | t0), ...] of each call's `tokens` under its `sampler`, one forward."""
-
-        def prepare(call: dict) -> tuple[str | None, list[int]]:
-            engine = self.engine
-            key = engine.snapshot_key(call.get("sampler"))
-            return key, self.inputs.tokens_of(call["tokens"], "tokens", engine.vocab, engine.max_seq_len)
-
-        return self._together(
-            calls, prepare, lambda items: [{"ok": {"logprobs": lp}} for lp in self.engine.logprobs(items)]
-        )

@@ -1,11 +1,9 @@
-"""The session host's inputs: typed requests from the API (service/tinker_requests.py checked their
-types, ranges and losses) turned into tensors. Only the model's own limits are checked here, the
-vocabulary and the context length, which the API knows only once the host has described itself; a
-token outside them is an `InputError` naming its field (a user error, not a crash in the forward)."""
+"""The session host's inputs as tensors. The API checked their types, ranges and losses; only the
+model's own limits (vocabulary, context length) are checked here, as an `InputError` naming the field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -16,8 +14,7 @@ from engines.multi_lora_sample import SampleRequest
 WIRE_DTYPES = {"int64": torch.long, "float32": torch.float32}
 
 
-@dataclass
-class Datum:
+class Datum(NamedTuple):
     tokens: list[int]
     inputs: dict[str, torch.Tensor]
 
@@ -41,24 +38,16 @@ def forward_data(data: list[dict], vocab: int, max_len: int) -> list[Datum]:
             for name, raw in datum["loss_fn_inputs"].items()
         }
         targets = inputs.get("target_tokens")
-        if (
-            targets is not None
-            and targets.numel()
-            and not 0 <= int(targets.min()) <= int(targets.max()) < vocab
-        ):
-            raise InputError(
-                f"data[{i}].loss_fn_inputs.target_tokens",
-                f"a token id is outside the vocabulary [0, {vocab})",
-            )
+        if targets is not None:
+            field = f"data[{i}].loss_fn_inputs.target_tokens"
+            tokens_of(targets.flatten().tolist(), field, vocab, targets.numel())
         out.append(Datum(tokens, inputs))
     return out
 
 
 def rl_rows(data: list[Datum]) -> TensorDict:
-    """The data as the RL batch's rows (engines/base.py), each datum once: a one-token prompt (its
-    first token), the rest of its tokens as the response, `response_mask` on its N positions, and
-    `target_tokens` [n, R, K], whose log-probs the engine takes in place of the responses' (a [N]
-    target is K = 1; top-K targets fill their K columns)."""
+    """The data as RL batch rows (engines/base.py): a one-token prompt, the rest as the response, and
+    `target_tokens` [n, R, K] whose log-probs the engine takes in place of the responses' ([N]: K = 1)."""
     width = max(len(d.tokens) for d in data)
     k = max(d.inputs["target_tokens"].reshape(len(d.tokens), -1).shape[1] for d in data)
     ids = torch.zeros((len(data), width + 1), dtype=torch.long)
@@ -78,20 +67,15 @@ def per_datum(log_probs: torch.Tensor, data: list[Datum]) -> list[torch.Tensor]:
     """The rows' [n, R, K] target log-probs back in each datum's target shape ([N] or [N, K])."""
     out = []
     for i, d in enumerate(data):
-        target = d.inputs["target_tokens"]
-        n = len(d.tokens)
-        width = target.reshape(n, -1).shape[1]
-        out.append(log_probs[i, :n, :width].reshape(target.shape))
+        target, n = d.inputs["target_tokens"], len(d.tokens)
+        out.append(log_probs[i, :n, : target.reshape(n, -1).shape[1]].reshape(target.shape))
     return out
 
 
 def wire_tensor(t: torch.Tensor) -> dict:
     t = t.detach().cpu()
-    return {
-        "data": t.flatten().tolist(),
-        "dtype": "int64" if t.dtype == torch.long else "float32",
-        "shape": list(t.shape),
-    }
+    dtype = "int64" if t.dtype == torch.long else "float32"
+    return {"data": t.flatten().tolist(), "dtype": dtype, "shape": list(t.shape)}
 
 
 def sample_request(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -136,3 +137,33 @@ def merged_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str, to
         key = f"{module}.weight"
         out[key] = (out[key].double() + scaling * (b.double() @ a.double())).to(out[key].dtype)
     return out
+
+
+def _peft_layer_names(obj: Any, to_peft: bool) -> Any:
+    """A (nested) state dict whose adapter names, keys and strings alike, go to or from PEFT's
+    layer naming, which called a model's one adapter 'default' ('...lora_A.default.weight')."""
+    if isinstance(obj, str):
+        for part in "AB":
+            ours, peft = f".lora_{part}.", f".lora_{part}.default."
+            obj = obj.replace(ours, peft) if to_peft else obj.replace(peft, ours)
+        return obj
+    if isinstance(obj, dict):
+        return {_peft_layer_names(k, to_peft): _peft_layer_names(v, to_peft) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_peft_layer_names(v, to_peft) for v in obj]
+    return obj
+
+
+def load_checkpoint_state(state: dict, folder: Path) -> dict:
+    """`state` loaded from the checkpoint `folder` (torch's distributed checkpoint). A LoRA checkpoint
+    written while RL jobs ran PEFT's layers names its adapters as those did: it is read under those
+    names, then renamed back; tensors load in place, other values come back in the returned dict."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    if not any(".lora_A.default." in name for name in saved):
+        dcp.load(state, checkpoint_id=str(folder))
+        return state
+    old = _peft_layer_names(state, to_peft=True)
+    dcp.load(old, checkpoint_id=str(folder))
+    return _peft_layer_names(old, to_peft=False)

@@ -57,8 +57,7 @@ class CheckpointMixin:
         meta = ckpt.read_meta(folder)
         with_optimizer = optimizer and self.optimizer is not None
         self._onload(optimizer=with_optimizer)
-        state = self._state(with_optimizer)
-        dcp.load(state, checkpoint_id=str(folder))
+        state = lora.load_checkpoint_state(self._state(with_optimizer), folder)  # PEFT's names too
         optimizers = self.optimizer if with_optimizer else ()
         set_state_dict(
             self.model,
