@@ -64,9 +64,10 @@ $(VENV)/.real: $(STAMP)
 # live service, are started once): the suite is mostly waits on Ray workers and services, and one
 # process left the 2 cores ~40% idle (24 min in one; 16-20 min in two on 2 cores, 2026-11-27). Three
 # were tried and starved Ray's GCS connection in tests/test_serve_cluster.py. TEST_WORKERS=0: one.
+# Modules are handed out longest first (tests/conftest.py LONG_MODULES), not by their count of tests.
 TEST_WORKERS ?= 2
 test: install
-	$(PYTEST) -q -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope) --durations=30 tests
+	$(PYTEST) -q -m "not slow" $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder) --durations=30 tests
 
 test-slow: install install-real
 	$(PYTEST) -q -m slow tests

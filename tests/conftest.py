@@ -73,3 +73,43 @@ def unscheduled(tmp_path_factory):
     svc = start_service(tmp_path_factory.mktemp("unscheduled"), schedule=False)
     yield svc
     svc.stop()
+
+
+# `make test` runs two pytest processes, each taking a whole module at a time (--dist loadscope
+# --no-loadscope-reorder): the modules that run for minutes are handed out first, so that the run
+# does not end with one process on a long module while the other has nothing left to take. A module
+# missing here only runs later; the order of a module's own tests is kept.
+LONG_MODULES = (
+    "test_docs_run.py",
+    "test_async_rl.py",
+    "test_serve_crash.py",
+    "test_external_async.py",
+    "test_samples_api.py",
+    "test_cli.py",
+    "test_verifiers.py",
+    "test_trainer.py",
+    "test_api.py",
+    "test_placement.py",
+    "test_recovery.py",
+    "test_openai_responses.py",
+    "test_walkthrough.py",
+    "test_rollout_vllm.py",
+    "test_default_resources.py",
+    "test_demo_signals.py",
+    "test_multinode.py",
+    "test_service_process.py",
+    "test_openenv_job.py",
+    "test_rollout_replacement.py",
+    "test_snags_shutdown.py",
+    "test_reasoning_gym.py",
+    "test_openai_bounds.py",
+    "test_worker_group.py",
+    "test_lora_split.py",
+    "test_openai_endpoint.py",
+    "test_offline_bundle.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

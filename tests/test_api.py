@@ -10,6 +10,15 @@ from tests.api_util import start_service, tiny_job, wait_for, wait_for_step
 
 
 @pytest.fixture(scope="module")
+def held(unscheduled, ray_cluster):
+    """An admin client of a service that starts no job: for tests of job records that need no run
+    (on `live` a job the scheduler picked up before its pause or cancel would start its workers). A
+    submission is checked against the cluster: Ray's."""
+    with unscheduled.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
 def finished_job(api):
     created = api.post("/v1/jobs", json=tiny_job())
     assert created.status_code == 201, created.text
@@ -102,7 +111,8 @@ def test_event_stream_replays_and_resumes_from_last_event_id(api, finished_job):
     assert resumed == events[3:]
 
 
-def test_idempotency_key(api):
+def test_idempotency_key(held):
+    api = held
     spec = tiny_job(metadata={"suite": "idem"})
     headers = {"Idempotency-Key": "key-123"}
     first = api.post("/v1/jobs", json=spec, headers=headers)
@@ -114,18 +124,19 @@ def test_idempotency_key(api):
     api.post(f"/v1/jobs/{first.json()['id']}/cancel")
 
 
-def test_pagination_and_filters(api):
+def test_pagination_and_filters(held):
+    api = held
     ids = []
     for i in range(3):
         job = api.post("/v1/jobs", json=tiny_job(metadata={"suite": "page", "i": str(i)})).json()
-        api.post(f"/v1/jobs/{job['id']}/pause")  # keep them from running
+        api.post(f"/v1/jobs/{job['id']}/pause")
         ids.append(job["id"])
     page = api.get("/v1/jobs", params={"metadata": "suite:page", "limit": 2}).json()
     assert page["object"] == "list" and page["has_more"] is True
     assert [j["id"] for j in page["data"]] == ids[::-1][:2]
     rest = api.get("/v1/jobs", params={"metadata": "suite:page", "limit": 2, "after": ids[1]}).json()
     assert [j["id"] for j in rest["data"]] == [ids[0]] and rest["has_more"] is False
-    for job_id in ids:  # a job the scheduler had already started pauses at its next step boundary
+    for job_id in ids:
         wait_for(api, job_id, ("paused",), timeout_s=120)
     paused = api.get("/v1/jobs", params={"status": "paused", "metadata": "suite:page"}).json()["data"]
     assert {j["id"] for j in paused} == set(ids)
@@ -222,7 +233,8 @@ def test_jobs_survive_a_restart_and_running_ones_resume(live, tmp_path, ray_clus
         second.stop()
 
 
-def test_bad_hyperparameter_values_and_fork_overrides_are_422(api):
+def test_bad_hyperparameter_values_and_fork_overrides_are_422(held):
+    api = held
     job = api.post("/v1/jobs", json=tiny_job(metadata={"suite": "bad-values"})).json()
     api.post(f"/v1/jobs/{job['id']}/pause")
     bad = api.patch(f"/v1/jobs/{job['id']}/hyperparameters", json={"temperature": -1})
@@ -230,10 +242,11 @@ def test_bad_hyperparameter_values_and_fork_overrides_are_422(api):
     api.post(f"/v1/jobs/{job['id']}/cancel")
 
 
-def test_non_finite_metrics_are_stored_as_null(live, api):
+def test_non_finite_metrics_are_stored_as_null(unscheduled, held):
+    api = held
     job = api.post("/v1/jobs", json=tiny_job(metadata={"suite": "nan"})).json()
     api.post(f"/v1/jobs/{job['id']}/pause")
-    live.service.store.add_metrics(job["id"], 1, {"actor/pg_loss": float("nan"), "ok": 1.0})
+    unscheduled.service.store.add_metrics(job["id"], 1, {"actor/pg_loss": float("nan"), "ok": 1.0})
     rows = api.get(f"/v1/jobs/{job['id']}/metrics").json()["data"]
     assert rows[-1]["values"] == {"actor/pg_loss": None, "ok": 1.0}
     api.post(f"/v1/jobs/{job['id']}/cancel")

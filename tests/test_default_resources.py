@@ -117,14 +117,14 @@ def two_cpus() -> Iterator[Served]:
 
 
 def guess_number_job(**overrides) -> dict:
-    """A two-step multi-turn job on the built-in chat model and game (the guide's kind of job); the
+    """A one-step multi-turn job on the built-in chat model and game (the guide's kind of job); the
     game's reward is the score."""
     spec = tiny_job(
         model={"builtin": "tiny-qwen2-chat"},
         data={"builtin_task": "guess_number"},
         rollout={"environment": "builtin:guess_number", "n": 2, "max_new_tokens": 6, "max_turns": 3,
                  "max_response_tokens": 48},
-        trainer={"total_steps": 2, "prompts_per_step": 2, "val_every": 0},
+        trainer={"total_steps": 1, "prompts_per_step": 2, "val_every": 0},
         checkpoint={"every": 0, "export_hf": False},
         metadata={"suite": "default-resources"},
         **overrides,
@@ -149,4 +149,4 @@ def test_a_job_of_default_sizes_runs_on_a_two_cpu_service(two_cpus, name, resour
         assert made.status_code == 201, made.text
         job = wait_for(client, made.json()["id"], ("succeeded", "failed", "cancelled"), timeout_s=400)
         assert job["status"] == "succeeded", (name, job, two_cpus.log_tail())
-        assert job["step"] == 2
+        assert job["step"] == 1

@@ -7,16 +7,25 @@ is what makes a folder a checkpoint), so no training is needed to test what the 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 import ray
 
 from tests.api_util import TERMINAL, tiny_job, wait_for
 
 
+@pytest.fixture(scope="module")
+def held(unscheduled, ray_cluster) -> Iterator[httpx.Client]:
+    """An admin client of a service that starts no job (a fork is checked against Ray's cluster)."""
+    with unscheduled.client() as client:
+        yield client
+
+
 def paused_job(api: httpx.Client, suite: str) -> dict:
-    """Paused before it ran, or (when the scheduler was quicker) at its first step boundary."""
+    """Paused before it ran (on `held`'s service nothing runs)."""
     job = api.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 1000}, metadata={"suite": suite})).json()
     api.post(f"/v1/jobs/{job['id']}/pause")
     return wait_for(api, job["id"], ("paused",))
@@ -35,7 +44,8 @@ def fork_sources(live) -> list[Path]:
     return sorted(root.iterdir()) if root.exists() else []
 
 
-def test_a_fork_with_no_steps_left_is_422_and_refused_forks_leave_no_copy(live, api):
+def test_a_fork_with_no_steps_left_is_422_and_refused_forks_leave_no_copy(unscheduled, held):
+    live, api = unscheduled, held
     parent = paused_job(api, "fork-edges")
     fake_checkpoint(live, parent, 5)
     before = fork_sources(live)
@@ -63,7 +73,8 @@ def test_a_fork_with_no_steps_left_is_422_and_refused_forks_leave_no_copy(live, 
     api.post(f"/v1/jobs/{parent['id']}/cancel")
 
 
-def test_delete_removes_the_job_folder(live, api):
+def test_delete_removes_the_job_folder(unscheduled, held):
+    live, api = unscheduled, held
     job = paused_job(api, "delete-folder")
     folder = fake_checkpoint(live, job, 2).parents[1]
     assert api.delete(f"/v1/jobs/{job['id']}").status_code == 409  # paused: cancel first

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -22,12 +23,20 @@ def value(step: int) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def series_job(live, api: httpx.Client) -> dict:
+def api(unscheduled, ray_cluster) -> Iterator[httpx.Client]:
+    """The admin's client of a service that starts no job: these tests read and label records only
+    (a submission is checked against the cluster: Ray's)."""
+    with unscheduled.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def series_job(unscheduled, api: httpx.Client) -> dict:
     job = api.post("/v1/jobs", json=tiny_job(metadata={"suite": "metrics-api"})).json()
     api.post(f"/v1/jobs/{job['id']}/cancel")
     wait_for(api, job["id"], ("cancelled",), timeout_s=120)
     for step in STEPS:
-        live.service.store.add_metrics(job["id"], step, value(step))
+        unscheduled.service.store.add_metrics(job["id"], step, value(step))
     return job
 
 

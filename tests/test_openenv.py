@@ -95,16 +95,20 @@ def test_loopback_and_cluster_addresses_are_accepted_as_websocket_urls() -> None
     assert openenv_ws_url("openenv:http://[::1]:9", cluster) == "ws://[::1]:9"
 
 
-def test_submission_names_the_field_for_a_foreign_address_and_takes_a_loopback_one(api) -> None:
-    for ref in ("openenv:http://169.254.169.254:80", "openenv:http://example.com:80"):
-        response = api.post("/v1/jobs", json=tiny_job(rollout={"environment": ref}))
-        assert response.status_code == 422, response.text
-        error = response.json()["error"]
-        assert error["param"] == "rollout.environment" and ref in error["message"], error
-    loopback = tiny_job(rollout={"environment": "openenv:http://127.0.0.1:8011"})
-    response = api.post("/v1/jobs", json=loopback)
-    assert response.status_code == 201, response.text
-    api.post(f"/v1/jobs/{response.json()['id']}/cancel")  # accepted is all this test asks
+def test_submission_names_the_field_for_a_foreign_address_and_takes_a_loopback_one(
+    unscheduled, ray_cluster
+) -> None:
+    """On a service that starts no job (accepted is all this test asks; the cluster's addresses are Ray's)."""
+    with unscheduled.client() as api:
+        for ref in ("openenv:http://169.254.169.254:80", "openenv:http://example.com:80"):
+            response = api.post("/v1/jobs", json=tiny_job(rollout={"environment": ref}))
+            assert response.status_code == 422, response.text
+            error = response.json()["error"]
+            assert error["param"] == "rollout.environment" and ref in error["message"], error
+        loopback = tiny_job(rollout={"environment": "openenv:http://127.0.0.1:8011"})
+        response = api.post("/v1/jobs", json=loopback)
+        assert response.status_code == 201, response.text
+        api.post(f"/v1/jobs/{response.json()['id']}/cancel")
 
 
 def test_reset_and_step_go_to_the_server_with_its_rewards_and_done(digits: str) -> None:

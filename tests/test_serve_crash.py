@@ -27,12 +27,12 @@ from controller import checkpoints
 from tests.api_util import tiny_job, wait_for, wait_for_step
 from tests.serve_util import cluster_env, kill_leftovers, start_serve, stop, wait_until
 
-TOTAL, EVERY = 200, 6  # the sync job: never run to its end here
-ASYNC_TOTAL, ASYNC_EVERY, K = 200, 4, 1
-AFTER = 2  # steps each job trains after the last one it re-ran, before it is cancelled
+TOTAL, EVERY = 200, 3  # the sync job: never run to its end here
+ASYNC_TOTAL, ASYNC_EVERY, K = 200, 2, 1
+AFTER = 1  # steps each job trains after the last one it re-ran, before it is cancelled
 PACED = "tests.reward_fns:paced_digit_reward"  # 0.4 s a step at least, however fast the engines are
-# The sync job's steps take 1.6 s or more: a checkpoint every 6 steps leaves ~8 s in which a step
-# past it has been recorded, for the async job (placed on two workers) to be past its own.
+# The sync job's steps take 1.6 s or more: a checkpoint every 3 steps leaves two steps' time in which
+# a step past it has been recorded, for the async job (placed on two workers) to be past its own.
 SLOW_PACED = "tests.reward_fns:slow_paced_digit_reward"
 
 

@@ -24,7 +24,7 @@ def test_the_api_process_never_imports_torch(crash_dir):  # noqa: F811
             assert {m: api.get("/v1/service").json()["modules"][m] for m in HEAVY} == dict.fromkeys(
                 HEAVY, False
             )
-            spec = tiny_job(trainer={"total_steps": 2})
+            spec = tiny_job(trainer={"total_steps": 1})
             assert api.post("/v1/jobs/validate", json=spec).status_code == 200
             job = api.post("/v1/jobs", json=spec).json()
             assert wait_for(api, job["id"], ("succeeded", "failed"))["status"] == "succeeded"
