@@ -1,11 +1,6 @@
-"""The sandbox's side of `rollout.external.agent` (controller/external_agents.py runs the parent's).
-
-`run_in_sandbox` calls the user's agent function with an `openai.OpenAI` client whose httpx
-transport (`PipeTransport`) sends each request over the sandbox's pipe to the AgentWorker that owns
-the sandbox, which has the job's endpoint answer it over Ray. So an agent reaches its job's model
-and nothing else: the sandbox has no network. `load_agent_fn` resolves and checks the reference
-(also at submission, in a child process: controller/user_code.py). A verifiers environment (controller/verifiers_agent.py)
-gets an `openai.AsyncOpenAI` client over the same pipe (`AsyncPipeTransport`).
+"""The sandbox's side of `rollout.external.agent`: the user's agent gets an `openai.OpenAI` client (a
+verifiers environment an `AsyncOpenAI` one) whose transport sends each request over the sandbox's pipe
+to the AgentWorker that owns it, which has the job's endpoint answer: the agent reaches nothing else.
 """
 
 from __future__ import annotations
@@ -37,14 +32,12 @@ def _response(answer: dict[str, Any]) -> httpx.Response:
 
 
 class PipeTransport(httpx.BaseTransport):
-    """Requests out as plain data to the sandbox's parent; its answers back as responses."""
-
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         return _response(_ask_parent(request, request.read()))
 
 
 class AsyncPipeTransport(httpx.AsyncBaseTransport):
-    """The same for an async client: the pipe's blocking wait runs in a thread."""
+    """The pipe's blocking wait runs in a thread."""
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
@@ -52,8 +45,8 @@ class AsyncPipeTransport(httpx.AsyncBaseTransport):
 
 
 def load_agent(ref: str, args: dict[str, Any] | None = None) -> Any:
-    """The agent function `ref` names, or the verifiers environment it names built with `args` and its
-    first task read (so a taskset that cannot load fails here, at the job's start); kept for later calls."""
+    """The agent function `ref` names, or its verifiers environment built with `args` and its first
+    task read (so a taskset that cannot load fails at the job's start); cached."""
     from controller.verifiers_agent import VerifiersAgent, is_taskset
 
     if ref not in _agents:
@@ -74,7 +67,6 @@ def check_agent(ref: str, args: dict[str, Any] | None = None) -> bool:
 
 
 def run_in_sandbox(ref: str, model: str, index: int, args: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One agent call: the user's function with a client of the job's endpoint; its result, plain."""
     from openai import OpenAI
 
     from controller.verifiers_agent import VerifiersAgent
@@ -104,9 +96,7 @@ class AgentError(ValueError):
 
 
 def load_agent_fn(ref: str) -> Any:
-    """The function `ref` names ('module:function' or 'path/file.py:function'), or the verifiers Taskset
-    class it names (controller/verifiers_agent.py); AgentError says why not.
-    (controller/user_code.py runs it in a child process when a job is submitted.)"""
+    """The function (or verifiers Taskset class) `ref` names; AgentError says why not."""
     if parse_reference(ref, "agent", REFERENCE_FORMS, AgentError).form == "builtin":
         return lookup_builtin(ref, BUILTIN_AGENTS, "agent", AgentError)
     fn = resolve_reference(ref, "agent", AgentError)

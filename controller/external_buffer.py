@@ -1,21 +1,8 @@
-"""trainer.mode async with rollout.source external: agents' trajectories through the rollout buffer.
-
-The job's `RolloutBuffer` (controller/rollout_buffer.py) lives in the endpoint's actor
-(controller/external.py), beside the calls it admits, with B = trajectories_per_step and one sample
-per trajectory:
-
-    first call of a trajectory     store.open -> buffer.try_admit(1); refused: a 429 with Retry-After
-    no reward in time, failed call buffer.cancel(1) (the store does both)
-    a reward completes a group     put_groups: one item, version = the group's oldest call's version;
-                                   each row's `policy_version` = its trajectory's oldest call's version
-    the trainer's step s           take_step(s - 1): groups oldest first until a step's worth
-                                   (`take`: the buffer's one staleness filter dropping, and counting,
-                                   those older than k; nothing taken while short of it)
-    the trainer's sync             buffer.set_version: admission widens
-    a restart of the workers       rewind(checkpoint's step): what the lost attempt's newer weights
-                                   sampled is dropped and counted; admission from that step on
-
-Plain Python: no torch, no Ray.
+"""trainer.mode async with rollout.source external: agents' trajectories through the job's
+`RolloutBuffer`, which lives in the endpoint's actor with B = trajectories_per_step and one sample per
+trajectory. A trajectory's first call is its admission; a reward that completes a group puts it (its
+version: the group's oldest call's); a step takes groups oldest first through the buffer's staleness
+filter; a restart of the workers drops what the lost attempt's newer weights sampled.
 """
 
 from __future__ import annotations
@@ -28,7 +15,7 @@ from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuf
 
 
 class ExternalBuffer:
-    """See the module docstring. `rows(t)` lays a trajectory out as the trainer's rows (one per segment)."""
+    """`rows(t)` lays a trajectory out as the trainer's rows (one per segment)."""
 
     def __init__(self, store: TrajectoryStore, rows: Callable[[Trajectory], list[dict[str, Any]]],
                  max_staleness: int, capacity: int, version: int) -> None:  # fmt: skip
@@ -38,7 +25,6 @@ class ExternalBuffer:
         self._groups = 0
 
     def put_groups(self) -> None:
-        """Every group the last reward completed, into the buffer with its versions."""
         for group in self.store.take_groups():
             newest = max(v for t in group for s in t.segments for v in s.weight_versions)
             rows = []
@@ -53,10 +39,8 @@ class ExternalBuffer:
             self._groups += 1
 
     def rewind(self, version: int) -> int:
-        """The workers restarted from the checkpoint of `version`: groups and trajectories with a call
-        sampled by newer weights (the lost attempt's, which no later step will have) are dropped, as
-        stale ones are (a later call or reward of such a trajectory: 409 'dropped'), and admission
-        starts again from `version`. Returns how many trajectories were dropped."""
+        """The workers restarted from the checkpoint of `version`: what newer weights sampled is dropped
+        (a later call or reward of it: 409), admission restarts from `version`; returns how many."""
         newer = lambda g: g.extra.get("newest", g.version) > version  # noqa: E731
         dropped = self.buffer.drop_where(newer)
         gone = self.store.drop_where(
@@ -67,7 +51,6 @@ class ExternalBuffer:
         return dropped + gone
 
     def take_step(self, version: int, who: str) -> dict[str, Any] | None:
-        """A step's rows trainable at trainer version `version`, or None while the buffer holds fewer."""
         try:
             groups, _ = self.buffer.take(version, self.buffer.batch_size, 0.0, who)
         except BufferTimeout:

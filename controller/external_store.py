@@ -1,18 +1,10 @@
 """External trajectories: every call of an agent recorded token-exact, until a step trains on it.
 
-A trajectory is a list of segments. A segment is what the trainer sees as one row: the first
-prompt's tokens exactly as templated, then, per call, the delta that the call's prompt adds (mask 0)
-and the sampled tokens with the rollout engine's log-probs (mask 1). A call whose messages extend the
-previous call's (same messages, then the assistant message that call returned, then new ones) adds
-to the segment; the engine is then given the segment's own tokens, so what the model saw is what is
-recorded. A call that rewrites history (edits, drops or reorders earlier messages, or changes the
-tools) starts a new segment, and `segments[k].reason` says why.
-
-States: open (calls arrive) -> rewarded -> consumed (a step trained on it, or, in an async job, its
-group went to the rollout buffer); open -> dropped (no reward within reward_timeout_s after its last
-call). In an async job (`buffer` set) a new trajectory is also an admission to the rollout buffer
-(controller/rollout_buffer.py `try_admit`, one sample per trajectory): refused, its first call is a
-429. Nothing here imports torch or Ray.
+A segment is one trainer row: the first prompt's tokens as templated, then per call the delta its
+prompt adds (mask 0) and the sampled tokens with their log-probs (mask 1). A call that extends the
+previous call's messages adds to the segment; one that rewrites history or changes the tools starts a
+new one (`reason` says why). States: open -> rewarded -> consumed, or open -> dropped (no reward within
+reward_timeout_s). In an async job a new trajectory is an admission to the rollout buffer (refused: 429).
 """
 
 from __future__ import annotations
@@ -88,8 +80,6 @@ class Trajectory:
 
 
 def unknown_trajectory(tid: str) -> str:
-    """The 404's message: trajectories live in the job's running processes, so the ones a pause,
-    cancel or service restart found open (not rewarded) are gone with them; their agents start anew."""
     return (f"no trajectory '{tid}' in this job (trajectories still open when the job was paused or "
             "restarted are not kept: start a new one)")  # fmt: skip
 
@@ -116,7 +106,7 @@ def tools_key(tools: list[dict] | None) -> str:
 
 
 class TrajectoryStore:
-    """The job's external trajectories; see the module docstring. Not thread-safe: one event loop."""
+    """The job's external trajectories. Not thread-safe: one event loop."""
 
     def __init__(self, config: ExternalSpec) -> None:
         self.config = config
@@ -128,8 +118,6 @@ class TrajectoryStore:
         self.consumed = 0
         self.new_segments = 0
         self.buffer: RolloutBuffer | None = None  # trainer.mode async: admission of new trajectories
-
-    # ---- calls -----------------------------------------------------------------------------
 
     def open(self, tid: str) -> Trajectory:
         """The trajectory a call names, created on its first call (429 past rollout.external.max_pending)."""
@@ -158,7 +146,6 @@ class TrajectoryStore:
         return traj
 
     def forget(self, tid: str) -> None:
-        """A trajectory whose first call failed: as if it had never been named."""
         self.trajectories.pop(tid, None)
         if self._open.pop(tid, None) is not None and self.buffer is not None:
             self.buffer.cancel(1)
@@ -167,12 +154,10 @@ class TrajectoryStore:
         return len(self._open) + len(self._rewarded)
 
     def fork(self, tid: str, before: list[Segment]) -> Trajectory:
-        """Choice k > 0 of a call with n > 1: a trajectory of its own with the parent's segments so far."""
+        """Choice k > 0 of a call with n > 1: a trajectory with the parent's segments so far."""
         traj = self.open(tid)
         traj.segments = [s.copy() for s in before]
         return traj
-
-    # ---- rewards ---------------------------------------------------------------------------
 
     def reward(self, tid: str, reward: float, task_id: str | None, turn_rewards: list[float] | None,
                metadata: dict[str, Any]) -> Trajectory:  # fmt: skip
@@ -196,32 +181,27 @@ class TrajectoryStore:
             return 0
         self._swept = now
         late = [t for t in self._open.values() if now - t.last_call > self.config.reward_timeout_s]
-        for t in late:
-            t.state = "dropped"
-            del self._open[t.id]
-            t.segments = []  # its tokens are not needed any more
-        self.dropped += len(late)
+        self._drop(late)
         if late and self.buffer is not None:  # admitted samples that will not come
             self.buffer.cancel(len(late))
         return len(late)
 
     def drop_where(self, predicate: Any) -> int:
-        """Open or rewarded (not yet taken) trajectories for which `predicate(t)` holds, dropped as the
-        reward timeout drops them; returns how many (the caller gives back their admission)."""
-        gone = [t for t in [*self._open.values(), *self._rewarded.values()] if predicate(t)]
+        """Drops the open or rewarded trajectories `predicate` holds for; returns how many (the caller
+        gives back their admission)."""
+        return self._drop([t for t in [*self._open.values(), *self._rewarded.values()] if predicate(t)])
+
+    def _drop(self, gone: list[Trajectory]) -> int:
         for t in gone:
-            t.state = "dropped"
+            t.state, t.segments = "dropped", []  # its tokens are not needed any more
             self._open.pop(t.id, None)
             self._rewarded.pop(t.id, None)
-            t.segments = []
         self.dropped += len(gone)
         return len(gone)
 
-    # ---- steps -----------------------------------------------------------------------------
-
     def take(self) -> list[Trajectory] | None:
-        """A step's trajectories, whole groups of group_size with the same task id (oldest reward first),
-        or None while fewer than trajectories_per_step are ready. They become 'consumed'."""
+        """A step's trajectories as whole groups of one task id (oldest reward first), or None while
+        fewer than trajectories_per_step are ready."""
         want = self.config.trajectories_per_step // self.config.group_size
         groups = self._groups()
         if len(groups) < want:
@@ -229,7 +209,7 @@ class TrajectoryStore:
         return self._consume([t for g in groups[:want] for t in g])
 
     def take_groups(self) -> list[list[Trajectory]]:
-        """Async: every complete group now (for the rollout buffer); they become 'consumed'."""
+        """Async: every complete group now, for the rollout buffer."""
         groups = self._groups()
         self._consume([t for g in groups for t in g])
         return groups
@@ -260,7 +240,6 @@ class TrajectoryStore:
 
 
 def readable_message(m: dict[str, Any]) -> dict[str, str]:
-    """A message as the samples view shows it: its text, tool calls written out."""
     from workers.chat_serving import content_text, tool_call_text
 
     text = content_text(m.get("content"))
@@ -284,7 +263,6 @@ def trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
 
 
 def trajectory_row(t: Any, k: int, s: Segment) -> dict[str, Any]:
-    """Segment k of trajectory t as the trainer's row (controller/external_source.py lays rows out)."""
     return {
         "trajectory_id": t.id, "segment": k, "reason": s.reason, "task_id": t.task_id, "reward": t.reward,
         "prompt_ids": s.prompt_ids, "tokens": s.tokens, "loss_mask": s.loss_mask, "log_probs": s.log_probs,

@@ -1,21 +1,9 @@
 """A split placement's lost rollout worker, replaced alone while the training ranks keep running.
 
-With `resources.placement: split` the rollout workers hold no training state: their engine is the
-base model plus the weights the training rank 0 last sent. So when one dies (its process gone, or a
-call to it timed out) while every training rank still answers, the job need not restart from its
-checkpoint: `replace_lost_rollout` kills the rollout group, starts a new one on the rollout pool,
-connects the training rank 0 to it anew (a collective strategy forms a new transfer group; the old
-one is aborted, never waited on), and sends it the current weights with the job's transfer strategy.
-The trainer then retries what failed: the same prompts generated again (the loader does not move),
-or, when the loss surfaced in the step's weight sync, that replacement transfer is the sync.
-
-Each wait is bounded (the start by `trainer.restart_wait_s`, at most TRANSFER_TIMEOUT_S; the
-transfer by its strategy's timeout) and names the group on failure. A replacement counts against
-`trainer.max_restarts` like a restart (past it the job fails with every loss), is a
-`rollout_replaced` event (cause, group, rank, error, step, the new pids) and `job/rollout_replacements`
-in the metrics; `job/restarts` counts whole-job restarts only. A loss that is not a rollout worker's
-alone (a training rank is dead too), or a replacement that fails, falls back to the whole-job
-restart (controller/recovery.py, `Trainer._recover`).
+Split rollout workers hold no training state (the base model plus the weights last sent), so when one
+dies while every training rank answers, `replace_lost_rollout` starts a new rollout group, connects
+the training rank 0 to it anew and sends the current weights; the trainer retries what failed. It
+counts against trainer.max_restarts; a replacement that fails falls back to the whole-job restart.
 """
 
 from __future__ import annotations
@@ -33,8 +21,7 @@ if TYPE_CHECKING:
 
 
 def rollout_lost(err: BaseException, groups: JobGroups) -> WorkerLost | None:
-    """The lost rollout worker `err` reports when it is a split placement's rollout worker alone
-    (every other worker answers a ping); None otherwise (the whole job restarts, or it fails)."""
+    """The lost worker `err` reports when it is a split placement's rollout worker alone, else None."""
     rollout = groups.actor.own_rollout
     if rollout is None or isinstance(err, WorkerLost):
         return None
@@ -48,16 +35,10 @@ def rollout_lost(err: BaseException, groups: JobGroups) -> WorkerLost | None:
 
 
 def replace_lost_rollout(
-    err: BaseException,
-    groups: JobGroups,
-    recovery: Recovery,
-    sink: JobSink,
-    step: int,
-    trainer: TrainerSpec,
+    err: BaseException, groups: JobGroups, recovery: Recovery, sink: JobSink, step: int, trainer: TrainerSpec
 ) -> dict[str, float]:
-    """Replace the rollout group when `err` is its worker's loss alone (else re-raise `err`) and send
-    it the current weights; returns that transfer's measurements (weight_sync/*). A replacement that
-    fails is a WorkerLost: the caller's whole-job restart takes over."""
+    """Replace the rollout group when `err` is its worker's loss alone (else re-raise `err`); returns
+    the transfer's measurements. A replacement that fails is a WorkerLost (a whole-job restart)."""
     lost = rollout_lost(err, groups)
     if lost is None:
         raise err
@@ -68,7 +49,7 @@ def replace_lost_rollout(
         rollout = groups.actor.own_rollout
         pids = wait_all(rollout.name, "pid", [a.pid.remote() for a in rollout.actors], 30.0)
     except Exception as failed:
-        recovery.replacement_failed()  # the whole-job restart that follows counts this loss once
+        recovery.replacement_failed()
         raise WorkerLost(
             "could not be replaced",
             f"{lost.error}; replacing the rollout group '{lost.group}' failed: {type(failed).__name__}: {failed}",

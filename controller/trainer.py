@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from controller import checkpoints
+from controller.advantages import make_kl_controller
 from controller.batch_source import make_source
 from controller.job_setup import JobSetup
-from controller.kl_reward import make_kl_controller
 from controller.off_policy import actor_inputs, corrected_spec, needs_old_log_probs
 from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
 from controller.resource_pool import ResourcePoolError

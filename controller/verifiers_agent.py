@@ -1,18 +1,9 @@
 """A verifiers environment as the agent of a job (`rollout.external.agent` naming a `vf.Taskset`).
 
-verifiers 0.4.0 (`verifiers.v1`) splits an environment into a taskset (its arguments a
-`TasksetConfig`: what `load_environment` is given), tasks, and a harness that drives the model. Its
-harnesses run programs in runtimes they install with `uv` over the network, which a sandbox without a
-network cannot do, so Tandem plays the part of verifiers' tool-less `null` harness itself: each call
-takes the task of its index, sends its prompt to the job's endpoint through an `openai.AsyncOpenAI`
-client (the sandbox's pipe transport, controller/agent_sandbox.py), records the reply in a
-`vf.Trace`, and scores that trace with the task's own rubric (`Task.score`: its `@vf.reward` and
-`@vf.metric` methods and plugged functions). The rubric's weighted sum is the trajectory's reward;
-the endpoint recorded its tokens, so the job trains on them exactly. `agent_args` are the taskset
-config's fields, and `agent_args.sampling` verifiers' `SamplingConfig` (max_tokens, temperature, ...)
-for every call, as verifiers' own `--sampling.*` are.
-
-Runs only in a sandbox (workers/sandbox/): it imports the user's module and calls its code.
+verifiers' harnesses install runtimes over the network, which a sandbox cannot, so Tandem plays its
+tool-less `null` harness: each call sends its task's prompt to the job's endpoint, records the reply in
+a `vf.Trace` and scores it with the task's own rubric. `agent_args` are the taskset config's fields
+(`sampling`: verifiers' SamplingConfig). Runs only in a sandbox.
 """
 
 from __future__ import annotations
@@ -29,8 +20,7 @@ SAMPLING_KEYS = ("temperature", "top_p", "max_tokens", "reasoning_effort")  # th
 
 
 def is_taskset(obj: Any) -> bool:
-    """Whether `obj` is a verifiers Taskset class (False, importing nothing, when verifiers was not
-    imported: a module that defines one has imported it)."""
+    """Whether `obj` is a verifiers Taskset class (importing nothing: its module imported verifiers)."""
     module = sys.modules.get("verifiers.v1.taskset")
     return module is not None and inspect.isclass(obj) and issubclass(obj, module.Taskset)
 
@@ -63,7 +53,6 @@ class VerifiersAgent:
         self._exhausted = False
 
     def check_task_type(self, task_cls: type, config: Any) -> None:
-        """Refuse what needs more than a chat with the model: a container, tool servers, judges."""
         why = None
         if task_cls.NEEDS_CONTAINER:
             why = f"its tasks ({task_cls.__name__}) need a container runtime"
@@ -76,7 +65,7 @@ class VerifiersAgent:
                              "Tandem runs tool-less chat tasks scored by their own rewards")  # fmt: skip
 
     def task(self, index: int) -> Any:
-        """The task of `index`: the taskset's tasks in order, from the first again after its last."""
+        """The taskset's tasks in order, from the first again after its last."""
         while not self._exhausted and len(self._tasks) <= index and len(self._tasks) < MAX_TASK_INDEX:
             task = next(self._source, None)
             if task is None:
@@ -88,7 +77,6 @@ class VerifiersAgent:
         return self._tasks[index % len(self._tasks)]
 
     async def rollout(self, client: Any, model: str, index: int) -> dict[str, Any]:
-        """One task against the job's endpoint, scored by its rubric: {reward, task_id, metadata}."""
         from verifiers.v1 import AgentConfig, AssistantMessage, MessageNode, SystemMessage, Trace, UserMessage
         from verifiers.v1.dialects.chat import message_to_wire
         from verifiers.v1.trace import AgentInfo, ModelCall, TraceTask

@@ -1,20 +1,17 @@
 """Built-in tasks: synthetic data sets with a rule reward, addressed by name in `DataSpec.builtin_task`.
-
-A task generates deterministic, disjoint train/val splits and names the rule reward that scores it
-("builtin:arithmetic" for the arithmetic task). Jobs do not read a task's rows from memory: the
-controller writes them to JSONL (`write_task_files`) and loads those files through the same path as
-user data, so the built-in demo exercises the real data loader.
+A job's rows are written to JSONL (`write_task_files`) and loaded like user data, so the built-in demo
+exercises the real data loader.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from controller.tasks.arithmetic import ArithmeticTask
 from controller.tasks.calculator import CALCULATOR_TOOL, CalculatorTracesTask, endpoint_call
 from controller.tasks.guess_number import GuessNumberTask, GuessNumberTracesTask
-from controller.tasks.splits import write_splits
 from controller.tasks.word_problems import WordProblemTask
 
 
@@ -24,7 +21,7 @@ class Task(Protocol):
     default_train_size: int
     default_val_size: int
 
-    def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]: ...
+    def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, Any]]: ...
 
 
 BUILTIN_TASKS: dict[str, Task] = {
@@ -62,7 +59,6 @@ BUILTIN_TASKS: dict[str, Task] = {
 
 
 def get_task(name: str) -> Task:
-    """The built-in task called `name`; an unknown name raises a ValueError listing the choices."""
     try:
         return BUILTIN_TASKS[name]
     except KeyError:
@@ -76,5 +72,31 @@ def write_task_files(
     val_size: int | None = None,
     seed: int = 0,
 ) -> tuple[Path, Path]:
-    """Write the task's train.jsonl and val.jsonl under `directory`; returns their paths."""
     return write_splits(get_task(name), directory, train_size, val_size, seed)
+
+
+def write_splits(
+    task: Task,
+    directory: str | Path,
+    train_size: int | None = None,
+    val_size: int | None = None,
+    seed: int = 0,
+) -> tuple[Path, Path]:
+    """train.jsonl and val.jsonl of `task` under `directory` (default sizes when None)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    train, val = directory / "train.jsonl", directory / "val.jsonl"
+    write_rows(
+        train, task.make_split("train", task.default_train_size if train_size is None else train_size, seed)
+    )
+    write_rows(val, task.make_split("val", task.default_val_size if val_size is None else val_size, seed))
+    return train, val
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """JSONL written under a temporary name and renamed: no reader sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)
