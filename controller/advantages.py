@@ -250,8 +250,6 @@ class KLController(Protocol):
 
 
 class FixedKLController:
-    """A constant coefficient."""
-
     def __init__(self, coef: float) -> None:
         self.value = coef
 

@@ -102,7 +102,7 @@ class PromptDataset:
         return self.rows[index]
 
     def head(self, n: int) -> Batch:
-        """The first `n` rows in file order (validation uses them, unshuffled)."""
+        """The first `n` rows in file order (validation's, unshuffled)."""
         return self.make_batch(range(min(n, len(self))))
 
     def make_batch(self, indices: Sequence[int]) -> Batch:
@@ -311,7 +311,6 @@ class PromptLoader:
 
 
 def resolve_data_files(spec: DataSpec, workdir: str | Path, seed: int = 0) -> tuple[Path, Path | None]:
-    """The job's train and val files: the user's, or generated ones written under `workdir`."""
     if spec.reasoning_gym is not None:
         return write_reasoning_gym_files(spec.reasoning_gym, Path(workdir) / "data" / "reasoning_gym")
     if spec.train_path is not None:
@@ -327,7 +326,6 @@ def build_dataset(
     sft: bool = False,
     max_response_length: int | None = None,
 ) -> PromptDataset:
-    """A PromptDataset (or SFTDataset) from a file, with the spec's field names and length limit."""
     keys = ("prompt_key", "ground_truth_key", "extra_key", "max_prompt_length")
     options: dict[str, Any] = {key: getattr(spec, key) for key in keys}
     if sft:

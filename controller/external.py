@@ -17,15 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from controller.external_batcher import ReplicaBatcher
-from controller.external_buffer import ExternalBuffer
 from controller.external_store import (
+    ExternalBuffer,
     Segment,
     TrajectoryError,
     TrajectoryStore,
     canonical_message,
     readable_message,
     tools_key,
-    trajectory_row,
+    trajectory_rows,
     trajectory_view,
     unknown_trajectory,
 )
@@ -69,8 +69,7 @@ class ExternalServer:
     async def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
         """trainer.mode async: admit and buffer trajectories (the buffer outlives a restart)."""
         if self.buffered is None:
-            rows = lambda t: [trajectory_row(t, k, s) for k, s in enumerate(t.segments)]  # noqa: E731
-            self.buffered = ExternalBuffer(self.store, rows, max_staleness, capacity, version)
+            self.buffered = ExternalBuffer(self.store, trajectory_rows, max_staleness, capacity, version)
 
     async def set_version(self, version: int) -> None:
         self.buffered.buffer.set_version(version)
@@ -127,7 +126,7 @@ class ExternalServer:
         chosen = self.store.take()
         if chosen is None:
             return None
-        rows = [trajectory_row(t, k, s) for t in chosen for k, s in enumerate(t.segments)]
+        rows = [row for t in chosen for row in trajectory_rows(t)]
         for t in chosen:  # their tokens are in the step's batch now: keep only the ids (a late reward: 409)
             t.segments = []
         return rows

@@ -105,8 +105,6 @@ class AgentWorker:
 
 
 class AgentPool:
-    """Keeps `agent_workers` agent calls under way while the job runs."""
-
     def __init__(self, ref: str, server: Any, server_name: str, model: str, workers: int, timeout_s: float,
                  group_size: int, args: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.ref, self.server, self.server_name, self.model, self.args = ref, server, server_name, model, args

@@ -4,17 +4,21 @@ A segment is one trainer row: the first prompt's tokens as templated, then per c
 prompt adds (mask 0) and the sampled tokens with their log-probs (mask 1). A call that extends the
 previous call's messages adds to the segment; one that rewrites history or changes the tools starts a
 new one (`reason` says why). States: open -> rewarded -> consumed, or open -> dropped (no reward within
-reward_timeout_s). In an async job a new trajectory is an admission to the rollout buffer (refused: 429).
+reward_timeout_s). In an async job the endpoint's `ExternalBuffer` holds the job's `RolloutBuffer`
+(B = trajectories_per_step, one sample per trajectory): a new trajectory is an admission (refused: a
+429), a reward that completes a group puts it (its version: the group's oldest call's), a step takes
+groups through the buffer's staleness filter, and a restart drops what the lost attempt sampled.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.rollout_buffer import RolloutBuffer
+from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
 from schema.external import ExternalSpec
 
 
@@ -248,7 +252,6 @@ def readable_message(m: dict[str, Any]) -> dict[str, str]:
 
 
 def trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
-    """What the API answers about a trajectory (`tokens`: with its segments' tokens)."""
     out = {"id": t.id, "object": "trajectory", "state": t.state, "task_id": t.task_id, "reward": t.reward,
            "turn_rewards": t.turn_rewards, "metadata": t.metadata, "calls": t.calls,
            "segments": len(t.segments)}  # fmt: skip
@@ -262,6 +265,11 @@ def trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
     return out
 
 
+def trajectory_rows(t: Trajectory) -> list[dict[str, Any]]:
+    """The trainer's rows of a trajectory, one per segment."""
+    return [trajectory_row(t, k, s) for k, s in enumerate(t.segments)]
+
+
 def trajectory_row(t: Any, k: int, s: Segment) -> dict[str, Any]:
     return {
         "trajectory_id": t.id, "segment": k, "reason": s.reason, "task_id": t.task_id, "reward": t.reward,
@@ -269,3 +277,51 @@ def trajectory_row(t: Any, k: int, s: Segment) -> dict[str, Any]:
         "weight_version": min(s.weight_versions) if s.weight_versions else 0, "calls": len(s.weight_versions),
         "tool_calls": s.tool_calls, "finish_reason": s.finish_reason, "messages": s.messages,
     }  # fmt: skip
+
+
+class ExternalBuffer:
+    """`rows(t)` lays a trajectory out as the trainer's rows (one per segment)."""
+
+    def __init__(self, store: TrajectoryStore, rows: Callable[[Trajectory], list[dict[str, Any]]],
+                 max_staleness: int, capacity: int, version: int) -> None:  # fmt: skip
+        self.store, self.rows = store, rows
+        self.buffer = RolloutBuffer(store.config.trajectories_per_step, max_staleness, capacity, version)
+        store.buffer = self.buffer  # the store admits new trajectories through it
+        self._groups = 0
+
+    def put_groups(self) -> None:
+        for group in self.store.take_groups():
+            newest = max(v for t in group for s in t.segments for v in s.weight_versions)
+            rows = []
+            for t in group:
+                oldest = min(v for s in t.segments for v in s.weight_versions)
+                rows += [{**row, "policy_version": oldest} for row in self.rows(t)]
+                t.segments = []  # its tokens are in the buffer now
+            version = min(row["policy_version"] for row in rows)
+            self.buffer.put(
+                BufferedRollout(self._groups, len(group), version, rows, extra={"newest": newest})
+            )
+            self._groups += 1
+
+    def rewind(self, version: int) -> int:
+        """The workers restarted from the checkpoint of `version`: what newer weights sampled is dropped
+        (a later call or reward of it: 409), admission restarts from `version`; returns how many."""
+        newer = lambda g: g.extra.get("newest", g.version) > version  # noqa: E731
+        dropped = self.buffer.drop_where(newer)
+        gone = self.store.drop_where(
+            lambda t: any(v > version for s in t.segments for v in s.weight_versions)
+        )
+        self.buffer.cancel(gone)  # admitted, not put yet: their room goes back
+        self.buffer.set_version(version)
+        return dropped + gone
+
+    def take_step(self, version: int, who: str) -> dict[str, Any] | None:
+        try:
+            groups, _ = self.buffer.take(version, self.buffer.batch_size, 0.0, who)
+        except BufferTimeout:
+            return None
+        return {
+            "rows": [row for g in groups for row in g.payload],
+            "dropped_total": self.buffer.dropped,
+            "fill": self.buffer.buffered_samples() / self.buffer.capacity,
+        }

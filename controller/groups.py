@@ -153,13 +153,9 @@ class ActorGroup(CheckpointedGroup):
 
 
 class CriticGroup(CheckpointedGroup):
-    """The value model (workers/critic.py)."""
-
     compute_values = operation(CriticWorker.compute_values)
     update_critic = operation(CriticWorker.update_critic)
 
 
 class RewardGroup(RoleGroup):
-    """The reward model (workers/reward_model.py)."""
-
     compute_rm_score = operation(RewardModelWorker.compute_rm_score)

@@ -56,7 +56,7 @@ class JobSetup:
         val_batch = None
         if val_file is not None and spec.trainer.val_every:
             val = build_dataset(val_file, tokenizer, spec.data)
-            val_batch = val.make_batch(list(range(min(spec.trainer.val_size, len(val)))))
+            val_batch = val.head(spec.trainer.val_size)
             put_sampling(val_batch, spec.rollout.sampling_params(seed=0, greedy=spec.trainer.val_greedy))
             put_prompt_length(val_batch, spec.data.max_prompt_length)
             put_environment(val_batch, spec.rollout.environment_config())

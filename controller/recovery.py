@@ -1,8 +1,11 @@
 """Recovery: a job that survives its workers. The trainer drives the restart (`Trainer.run`); here
 `worker_lost` decides whether an error is a lost worker (retried; a rank that raised because a peer
 died counts as the peer's loss) or the job's own, `Recovery` keeps the restart budget, backoff and
-status, and `AttemptSink` marks what a restarted attempt records. A split placement's lost rollout
-worker is replaced alone (controller/rollout_recovery.py) within the same budget.
+status, and `AttemptSink` marks what a restarted attempt records.
+
+A split placement's rollout workers hold no training state, so one that dies while every training
+rank answers is replaced alone (`replace_lost_rollout`: a new rollout group, connected anew and sent
+the current weights) within the same budget; a replacement that fails falls back to the restart.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ray.exceptions import (
 
 from controller.groups import RoleGroup
 from controller.resource_pool import ResourcePool, ResourcePoolError
+from controller.roles import TRANSFER_TIMEOUT_S
 from controller.sink import JobSink
 from controller.worker_group import RayWorkerGroup, WorkerGroupError, wait_all
 from schema.resources import ResourcesSpec
@@ -159,7 +163,7 @@ class Recovery:
         self.wait_s = spec.restart_wait_s
         self.earlier = earlier  # the job's restarts before this run of its controller
         self.losses: list[WorkerLost] = []  # every loss of this run, restarts and replacements, in order
-        self.replaced = 0  # of them, rollout workers replaced alone (controller/rollout_recovery.py)
+        self.replaced = 0  # of them, rollout workers replaced alone
         self.status: dict[str, Any] | None = None  # set from a loss until the job resumed
 
     @property
@@ -298,3 +302,43 @@ class AttemptSink:
         if self.attempt > 1:
             rows = [{**row, "attempt": self.attempt} for row in rows]
         self.inner.samples(step, rows)
+
+
+def rollout_lost(err: BaseException, groups: JobGroups) -> WorkerLost | None:
+    """The lost worker `err` reports when it is a split placement's rollout worker alone, else None."""
+    rollout = groups.actor.own_rollout
+    if rollout is None or isinstance(err, WorkerLost):
+        return None
+    lost = worker_lost(err, groups)
+    if lost is None or lost.group != rollout.name:
+        return None
+    dead = find_dead(groups)
+    if any(group != rollout.name for group, _, _ in dead):
+        return None
+    return lost
+
+
+def replace_lost_rollout(
+    err: BaseException, groups: JobGroups, recovery: Recovery, sink: JobSink, step: int, trainer: TrainerSpec
+) -> dict[str, float]:
+    """Replace the rollout group when `err` is its worker's loss alone (else re-raise `err`); returns
+    the transfer's measurements. A replacement that fails is a WorkerLost (a whole-job restart)."""
+    lost = rollout_lost(err, groups)
+    if lost is None:
+        raise err
+    recovery.begin_replacement(lost)  # RestartsExhausted past trainer.max_restarts
+    try:
+        groups.replace_rollout(start_timeout_s=min(trainer.restart_wait_s, TRANSFER_TIMEOUT_S))
+        synced: dict[str, Any] = groups.actor.sync_weights()
+        rollout = groups.actor.own_rollout
+        pids = wait_all(rollout.name, "pid", [a.pid.remote() for a in rollout.actors], 30.0)
+    except Exception as failed:
+        recovery.replacement_failed()
+        raise WorkerLost(
+            "could not be replaced",
+            f"{lost.error}; replacing the rollout group '{lost.group}' failed: {type(failed).__name__}: {failed}",
+            lost.group,
+            lost.rank,
+        ) from failed
+    recovery.replaced_rollout(lost, sink, step, pids=pids, weight_version=synced.get("weight_sync/version"))
+    return synced

@@ -50,8 +50,6 @@ def rank_order(node_of_bundle: dict[int, str], ip_of_node: dict[str, str]) -> li
 
 
 class ResourcePool:
-    """`bundles` bundles of `cpus_per_bundle` CPUs (and GPUs when the cluster has them)."""
-
     def __init__(
         self,
         bundles: int,

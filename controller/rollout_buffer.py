@@ -93,7 +93,6 @@ class RolloutBuffer:
             self._cond.notify_all()
 
     def set_version(self, version: int) -> None:
-        """The producers now hold the weights of `version` (after a sync): admission widens."""
         with self._cond:
             self.version = version
             self._cond.notify_all()

@@ -115,7 +115,6 @@ def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[s
 
 
 def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> dict[str, float]:
-    """Scores, advantages and lengths of one step's batch."""
     t = batch.tensors
     mask = t["response_mask"]
     lengths = response_lengths(batch).float()

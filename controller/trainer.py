@@ -20,9 +20,8 @@ from controller.advantages import make_kl_controller
 from controller.batch_source import make_source
 from controller.job_setup import JobSetup
 from controller.off_policy import actor_inputs, corrected_spec, needs_old_log_probs
-from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
+from controller.recovery import AttemptSink, Recovery, WorkerLost, replace_lost_rollout, worker_lost
 from controller.resource_pool import ResourcePoolError
-from controller.rollout_recovery import replace_lost_rollout
 from controller.sink import JobSink
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched
 from controller.trajectory_view import step_samples
@@ -230,7 +229,7 @@ class Trainer:
 
     def generate(self, prompts: Any) -> Any:
         """The rollout role's responses; a split placement's lost rollout worker is replaced and the
-        same prompts (same seeds) generated again (controller/rollout_recovery.py)."""
+        same prompts (same seeds) generated again (controller/recovery.py)."""
         try:
             return self.job.groups.actor.generate_sequences(prompts)
         except Exception as err:

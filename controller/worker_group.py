@@ -130,8 +130,6 @@ class _Hosts:
 
 
 class PendingGroup:
-    """A group whose actors are starting (`RayWorkerGroup.launch`)."""
-
     def __init__(self, hosts: _Hosts, worker_cls: type, call_timeout_s: float) -> None:
         self.hosts, self.worker_cls, self.call_timeout_s = hosts, worker_cls, call_timeout_s
 
@@ -152,8 +150,6 @@ def ready_all(pending: dict[str, PendingGroup]) -> dict[str, RayWorkerGroup]:
 
 
 class RayWorkerGroup:
-    """A set of worker actors, with the worker's registered methods bound."""
-
     def __init__(self, pool: ResourcePool, worker_cls: type, *args: Any, **kwargs: Any) -> None:
         pending = RayWorkerGroup.launch(pool, worker_cls, *args, **kwargs)
         self._init_view(pending.wait(), worker_cls, pending.call_timeout_s)
