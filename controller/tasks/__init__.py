@@ -30,8 +30,7 @@ BUILTIN_TASKS: dict[str, Task] = {
     "arithmetic-mixed": ArithmeticTask(operations=("+", "-", "*"), name="arithmetic-mixed"),
     # Stories for a real chat model (e.g. model.builtin smollm2-135m-instruct), scored by the last number.
     "word-problems": WordProblemTask(),
-    # One-digit numbers and factors up to 5: what a 135M model gets right often enough (about a
-    # quarter greedy) for GRPO groups to hold right and wrong answers.
+    # Easy enough for a 135M model that GRPO groups hold right and wrong answers.
     "word-problems-easy": WordProblemTask(low=1, high=9, factor_high=5, name="word-problems-easy"),
     # For rollout.environment "builtin:calculator": 3-digit products, a tool call away.
     "calculator": ArithmeticTask(digits=3, operations=("*",), name="calculator"),
@@ -44,8 +43,7 @@ BUILTIN_TASKS: dict[str, Task] = {
     "guess_number-traces": GuessNumberTracesTask(),  # SFT warm start for "guess_number"
     # One range of 8 ("Guess 1-8."): a game a tiny chat model learns from random weights.
     "guess_number-1to8": GuessNumberTask(span=8, max_low=1, name="guess_number-1to8"),
-    # The same game with the full reward only for a solve within 3 turns (binary search: 7 of 8
-    # secrets), so that halving the interval scores clearly more than guessing inside it at random.
+    # Full reward only for a solve within 3 turns, so halving the interval beats guessing inside it.
     "guess_number-1to8-in3": GuessNumberTask(span=8, max_low=1, solve_within=3, name="guess_number-1to8-in3"),
     # SFT warm start for it: games that guess uniformly inside the interval the hints leave.
     "guess_number-1to8-traces": GuessNumberTracesTask(
