@@ -57,8 +57,8 @@ def chat_prompts(model_dir: Path, count: int) -> list[list[int]]:
     """The arithmetic task's first `count` train prompts, rendered as Tandem renders them."""
     from transformers import AutoTokenizer
 
+    from controller.tasks import write_splits
     from controller.tasks.arithmetic import ArithmeticTask
-    from controller.tasks.splits import write_splits
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as folder:

@@ -11,8 +11,8 @@ LORA = {"rank": 16, "alpha": 32.0}  # --lora: the same on both sides, all linear
 
 
 def write_prompts(folder: Path, rows: int) -> Path:
+    from controller.tasks import write_splits
     from controller.tasks.arithmetic import ArithmeticTask
-    from controller.tasks.splits import write_splits
 
     train, _ = write_splits(ArithmeticTask(), folder, train_size=rows, val_size=1, seed=0)
     return train

@@ -1,33 +1,29 @@
-"""Advantage estimators, run on the controller between the rollout and the update.
+"""Advantage estimators (run on the controller between the rollout and the update) and the KL penalty
+in the reward.
 
-Every estimator maps what the rollout produced (token-level rewards [B, R], the response mask and,
-depending on the method, critic values or group ids) to per-token advantages [B, R] that are zero on
-masked positions. Two families:
-
-* token-level, from a reward per token: GAE (with a critic) and REINFORCE++ (discounted returns);
-* outcome-level, from one score per sequence, the masked sum of its token rewards: GRPO, RLOO and
-  REINFORCE++-baseline compare the n samples of one prompt (one group id, "uid") with each other.
-
-A group of one sample has nothing to be compared with, so its centred score is 0 in every group
-method (GRPO and RLOO: advantage 0; REINFORCE++-baseline: 0 before the batch whitening).
-`compute_advantages(name, ...)` picks an estimator by the names AlgorithmSpec uses. The KL-in-reward
-helpers (penalty and coefficient controllers) live in kl_reward.py.
+Every estimator maps token rewards [B, R] and the response mask (with critic values or group ids) to
+per-token advantages [B, R], zero on masked positions: GAE and REINFORCE++ from a reward per token;
+GRPO, RLOO and REINFORCE++-baseline compare the n samples of one prompt (one "uid") by their summed
+token rewards, and a group of one sample gets 0. KL in the reward is r'_t = r_t - beta * KL_t, beta
+fixed or adapted toward a target KL (Ziegler et al., 2019).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
+
+from workers.losses.kl import kl_estimate
 
 Uids = np.ndarray | Sequence[Hashable]
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the tokens where mask is 1, with the unbiased variance
-    (n - 1 in the denominator); masked positions come out as 0."""
+    """(x - mean) / sqrt(var + eps) over the masked-in tokens (unbiased variance); 0 elsewhere."""
     m = mask.to(values.dtype)
     n = m.sum()
     mean = (values * m).sum() / n.clamp(min=1)
@@ -36,8 +32,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
 
 
 def scores_to_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Token-level rewards [B, R]: each sequence's score on its last valid response token, 0 elsewhere.
-    A row without any valid token gets no reward."""
+    """[B, R]: each sequence's score on its last valid response token, 0 elsewhere."""
     mask = response_mask.bool()
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(mask, positions, -1).amax(dim=1)  # -1 where the row is empty
@@ -57,15 +52,8 @@ def compute_gae(
     lam: float,
     whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation; returns (advantages, returns), both [B, R].
-
-    Over the valid tokens t < t' < ... of a row (masked positions are skipped, as if absent):
-        delta_t = r_t + gamma * V_{next} - V_t         (V_next = 0 after the last valid token)
-        A_t     = delta_t + gamma * lam * A_{next}
-        returns = A_t + V_t                             (the critic's regression target)
-    With lam = 1 this is the discounted reward-to-go minus V_t; with lam = 0 the one-step TD error.
-    `whiten` normalises the advantages over all valid tokens of the batch; returns are not whitened.
-    """
+    """GAE over a row's valid tokens (masked positions skipped): delta_t = r_t + gamma V_next - V_t,
+    A_t = delta_t + gamma lam A_next, returns = A_t + V_t (not whitened); (advantages, returns)."""
     mask = response_mask.bool()
     next_value = torch.zeros_like(values[:, 0])
     next_adv = torch.zeros_like(values[:, 0])
@@ -75,7 +63,6 @@ def compute_gae(
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
         adv = delta + gamma * lam * next_adv
         advantages[:, t] = torch.where(valid, adv, 0.0)
-        # A masked position leaves the carried value and advantage untouched: it contributes nothing.
         next_value = torch.where(valid, values[:, t], next_value)
         next_adv = torch.where(valid, adv, next_adv)
     returns = (advantages + values) * mask
@@ -85,7 +72,6 @@ def compute_gae(
 
 
 def _group_index(uids: Uids, batch_size: int) -> tuple[torch.Tensor, int]:
-    """Row -> group number (0..G-1, by first appearance) for hashable group ids."""
     ids = list(uids)
     if len(ids) != batch_size:
         raise ValueError(f"got {len(ids)} group ids (uids) for a batch of {batch_size} sequences")
@@ -95,7 +81,6 @@ def _group_index(uids: Uids, batch_size: int) -> tuple[torch.Tensor, int]:
 
 
 def _as_float(x: torch.Tensor) -> torch.Tensor:
-    """Integer or bool scores as float32; float64 stays float64."""
     return x if x.is_floating_point() else x.to(torch.float32)
 
 
@@ -120,12 +105,8 @@ def compute_grpo(
     norm_by_std: bool = True,
     epsilon: float = 1e-6,
 ) -> torch.Tensor:
-    """GRPO's group-relative advantage, broadcast to the valid tokens: [B, R].
-
-    A_i = (s_i - mean_g) / (std_g + epsilon), mean and (unbiased) std over the group g of sample i.
-    norm_by_std=False gives Dr.GRPO, A_i = s_i - mean_g: no std division, so groups whose scores
-    barely differ do not get their tiny differences blown up. Groups of one sample get 0.
-    """
+    """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon) on the valid tokens; norm_by_std=False is
+    Dr.GRPO (no std division, so near-equal groups are not blown up)."""
     scores = _as_float(scores)
     size, mean, std = _group_stats(scores, uids)
     adv = scores - mean
@@ -137,12 +118,7 @@ def compute_grpo(
 
 @torch.no_grad()
 def compute_rloo(scores: torch.Tensor, uids: Uids, response_mask: torch.Tensor) -> torch.Tensor:
-    """REINFORCE leave-one-out, broadcast to the valid tokens: [B, R].
-
-    A_i = s_i - mean_{j in g, j != i} s_j, the baseline being the mean score of the *other* samples
-    of the group, which keeps the estimate unbiased. Equal to n / (n - 1) * (s_i - mean_g) for a
-    group of n. Groups of one sample get 0.
-    """
+    """RLOO: A_i = s_i - mean of the group's other scores = n / (n - 1) * (s_i - mean_g)."""
     scores = _as_float(scores)
     size, mean, _ = _group_stats(scores, uids)
     adv = torch.where(size > 1, (scores - mean) * size / (size - 1).clamp(min=1), 0.0)
@@ -153,11 +129,7 @@ def compute_rloo(scores: torch.Tensor, uids: Uids, response_mask: torch.Tensor) 
 def compute_reinforce_pp(
     token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++: discounted returns, whitened over the batch; returns (advantages, returns).
-
-    G_t = r_t + gamma * G_{next} over the valid tokens of a row (masked positions skipped), then
-    A = whiten(G) over all valid tokens of the batch: the batch statistics act as the baseline.
-    """
+    """REINFORCE++: G_t = r_t + gamma G_next over a row's valid tokens, A = whiten(G) over the batch."""
     mask = response_mask.bool()
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
@@ -172,10 +144,8 @@ def compute_reinforce_pp(
 def compute_reinforce_pp_baseline(
     scores: torch.Tensor, uids: Uids, response_mask: torch.Tensor
 ) -> torch.Tensor:
-    """REINFORCE++-baseline: A = whiten(s_i - mean_g) broadcast to tokens, whitened over all valid
-    tokens of the batch. The group mean removes the prompt's difficulty, the batch whitening sets the
-    scale (steadier than GRPO's per-group std). Groups of one sample get 0 before whitening.
-    """
+    """REINFORCE++-baseline: A = whiten(s_i - mean_g) over the batch's valid tokens (the batch sets
+    the scale, steadier than GRPO's per-group std)."""
     scores = _as_float(scores)
     size, mean, _ = _group_stats(scores, uids)
     centred = torch.where(size > 1, scores - mean, 0.0)
@@ -184,7 +154,7 @@ def compute_reinforce_pp_baseline(
 
 @dataclass(frozen=True)
 class AdvantageInputs:
-    """What the estimators may read; each one checks that the fields it needs are present."""
+    """What the estimators may read; each checks that the fields it needs are present."""
 
     token_rewards: torch.Tensor  # [B, R]
     response_mask: torch.Tensor  # [B, R]
@@ -198,7 +168,6 @@ class AdvantageInputs:
 
     @property
     def scores(self) -> torch.Tensor:
-        """One score per sequence: the sum of its token rewards over the valid tokens."""
         return (self.token_rewards * self.response_mask).sum(dim=-1)
 
     def need_values(self, name: str) -> torch.Tensor:
@@ -212,35 +181,22 @@ class AdvantageInputs:
         return self.uids
 
 
-def _gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    return compute_gae(x.token_rewards, x.need_values("gae"), x.response_mask, x.gamma, x.lam, x.whiten)
-
-
-def _grpo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    adv = compute_grpo(x.scores, x.need_uids("grpo"), x.response_mask, x.norm_by_std, x.epsilon)
+def _twice(adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return adv, adv  # outcome methods have no critic: "returns" are the advantages, as is customary
 
 
-def _rloo(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    adv = compute_rloo(x.scores, x.need_uids("rloo"), x.response_mask)
-    return adv, adv
-
-
-def _reinforce_pp(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    return compute_reinforce_pp(x.token_rewards, x.response_mask, x.gamma)
-
-
-def _reinforce_pp_baseline(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    adv = compute_reinforce_pp_baseline(x.scores, x.need_uids("reinforce_pp_baseline"), x.response_mask)
-    return adv, adv
-
-
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": _gae,
-    "grpo": _grpo,
-    "rloo": _rloo,
-    "reinforce_pp": _reinforce_pp,
-    "reinforce_pp_baseline": _reinforce_pp_baseline,
+    "gae": lambda x: compute_gae(
+        x.token_rewards, x.need_values("gae"), x.response_mask, x.gamma, x.lam, x.whiten
+    ),
+    "grpo": lambda x: _twice(
+        compute_grpo(x.scores, x.need_uids("grpo"), x.response_mask, x.norm_by_std, x.epsilon)
+    ),
+    "rloo": lambda x: _twice(compute_rloo(x.scores, x.need_uids("rloo"), x.response_mask)),
+    "reinforce_pp": lambda x: compute_reinforce_pp(x.token_rewards, x.response_mask, x.gamma),
+    "reinforce_pp_baseline": lambda x: _twice(
+        compute_reinforce_pp_baseline(x.scores, x.need_uids("reinforce_pp_baseline"), x.response_mask)
+    ),
 }
 
 
@@ -257,11 +213,7 @@ def compute_advantages(
     whiten: bool = True,
     epsilon: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both [B, R], from the estimator `name` (an AlgorithmSpec.advantage).
-
-    Outcome methods score each sequence by the masked sum of its token rewards, so rewards built
-    with `scores_to_token_rewards` (and a KL penalty, if any) work for every estimator.
-    """
+    """(advantages, returns), both [B, R], from the estimator `name` (an AlgorithmSpec.advantage)."""
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
             f"unknown advantage estimator {name!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
@@ -270,3 +222,58 @@ def compute_advantages(
         token_rewards, response_mask, values, uids, gamma, lam, norm_by_std, whiten, epsilon
     )
     return ADVANTAGE_ESTIMATORS[name](inputs)
+
+
+# ---- KL in the reward ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def apply_kl_penalty(
+    token_rewards: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    coef: float,
+    kl_type: str = "k1",
+) -> tuple[torch.Tensor, float]:
+    """(penalised token rewards [B, R], the batch KL: the mean over sequences of their mean token KL)."""
+    mask = response_mask.to(token_rewards.dtype)
+    kl = kl_estimate(old_log_probs, ref_log_probs, kl_type) * mask
+    seq_kl = kl.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+    return token_rewards - coef * kl, float(seq_kl.mean()) if seq_kl.numel() else 0.0
+
+
+class KLController(Protocol):
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> float: ...
+
+
+class FixedKLController:
+    def __init__(self, coef: float) -> None:
+        self.value = coef
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        return self.value
+
+
+class AdaptiveKLController:
+    """beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon after each step of n samples."""
+
+    def __init__(self, init_coef: float, target_kl: float, horizon: int) -> None:
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError(f"adaptive KL needs target_kl > 0 and horizon > 0, got {target_kl}, {horizon}")
+        self.value = init_coef
+        self.target_kl = target_kl
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+
+def make_kl_controller(coef: float, target_kl: float | None = None, horizon: int = 10_000) -> KLController:
+    if target_kl is None:
+        return FixedKLController(coef)
+    return AdaptiveKLController(coef, target_kl, horizon)

@@ -1,16 +1,10 @@
 """Asynchronous RL (trainer.mode 'async'): `Trainer.step` with its sync point moved.
 
-The step is the sync one (controller/trainer.py). Its samples come from `LaneSource`: a bounded
-rollout buffer (controller/rollout_buffer.py) that lanes (controller/rollout_lanes.py) fill from
-the rollout workers while the training ranks update; its weights go back at the next safe point,
-between the rollout workers' generation calls (controller/weight_publisher.py).
-
-Versions count optimizer steps: step s trains at version s - 1; a sample of version v has staleness
-s - 1 - v <= trainer.max_staleness. k = 0 computes what sync computes: the buffer admits draw i only
-once the weights of version i - 1 are on the rollout workers, and draw i takes the loader's i-th
-prompts and sync step i's seed. A checkpoint records the loader before the oldest draw not trained
-(buffered or in flight) and the later draws trained; a resumed job regenerates the others with the
-checkpoint's weights, so no draw is trained twice. The off-policy correction is controller/off_policy.py's.
+Lanes (controller/rollout_lanes.py) fill a bounded rollout buffer while the trainer updates; weights go
+back at the next safe point (controller/weight_publisher.py). Step s trains at version s - 1 on samples
+of staleness <= trainer.max_staleness; k = 0 computes what sync computes (draw i: the loader's i-th
+prompts, sync step i's seed, admitted once version i - 1 is on the workers). A checkpoint records the
+oldest draw not trained and the later ones trained, so a resumed job trains no draw twice.
 """
 
 from __future__ import annotations
@@ -20,12 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controller.batch_source import BatchSource, Scored, buffer_metrics, staleness_metrics
-from controller.off_policy import corrected_spec  # noqa: F401 (re-exported: the async loss settings)
+from controller.off_policy import corrected_spec  # noqa: F401 (re-exported)
 from controller.rollout_buffer import BufferTimeout, RolloutBuffer
 from controller.rollout_lanes import WAIT_TIMEOUT_S, RolloutProducer
-from controller.rollout_turn import RolloutTurn
 from controller.sink import JobSink
-from controller.weight_publisher import WeightPublisher
+from controller.weight_publisher import RolloutTurn, WeightPublisher
 from schema.async_rl import batch_samples, buffer_capacity, staleness_bound
 from schema.job import JobSpec
 
@@ -38,16 +31,14 @@ POLL_S = 0.05  # the trainer's wait for a batch checks this often whether a pend
 def make_trainer(
     spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job", restarts: int = 0
 ) -> Trainer:
-    """The job's trainer (one for every mode: the source and the publisher differ)."""
     from controller.trainer import Trainer
 
     return Trainer(spec, workdir, sink, name=name, restarts=restarts)
 
 
 class LaneSource(BatchSource):
-    """An async job's batch source: the rollout buffer the lanes fill (see the module docstring; the
-    lanes start with the first step's wait, after a validation at step 0). Its `publisher` sends the
-    weights at the next safe point and widens the buffer's admission."""
+    """The rollout buffer the lanes fill (they start with the first step's wait, after a validation at
+    step 0); its `publisher` sends at the next safe point and widens the buffer's admission."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -61,18 +52,13 @@ class LaneSource(BatchSource):
 
     def next_batch(self) -> Scored:
         t, producer = self.trainer, self._ensure_producer()
-        version, samples, start, synced = (
-            t.step_index - 1,
-            producer.buffer.batch_size,
-            time.perf_counter(),
-            {},
-        )
+        version, start, synced = t.step_index - 1, time.perf_counter(), {}
         with t.timed("wait_rollout"):
             while True:  # a pending sync goes out as soon as the rollout workers are free
                 synced = self.publisher.send_pending() or synced
                 try:
                     items, dropped = producer.buffer.take(
-                        version, samples, POLL_S, f"trainer of job {t.name}"
+                        version, producer.buffer.batch_size, POLL_S, f"trainer of job {t.name}"
                     )
                     break
                 except BufferTimeout:
@@ -96,8 +82,7 @@ class LaneSource(BatchSource):
         return batch, scores, staleness_metrics(metrics, batch, version, self.max_staleness)
 
     def stop(self) -> None:
-        """The attempt's workers go: the lanes stop; the next attempt's start from its checkpoint,
-        whose weights its rollout workers load (nothing left to send)."""
+        """The lanes stop; the next attempt's start from its checkpoint (nothing left to send)."""
         if self.producer is not None:
             self.producer.close()
         self.producer, self.next_index, self.skip = None, None, set()
@@ -115,16 +100,12 @@ class LaneSource(BatchSource):
         return self.producer
 
     def _sent(self, version: int) -> None:
-        """The weights of `version` are on the rollout workers: the lanes' calls record it, and the
-        buffer admits draws up to k versions past it."""
+        """The weights of `version` are on the rollout workers: admission widens to k past it."""
         producer = self._ensure_producer()
         producer.version = version
         producer.buffer.set_version(version)
 
-    # ---- checkpoints -----------------------------------------------------------------------------
-
     def state_dict(self, loader: dict[str, Any]) -> dict[str, Any]:
-        """The loader before the oldest draw not trained, its index, and the later draws trained."""
         if self.producer is not None:
             index, loader, trained = self.producer.resume_point()
         else:
@@ -133,6 +114,5 @@ class LaneSource(BatchSource):
         return {"loader": loader, "draw_index": index, "trained_draws": trained}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """After the trainer's own: its loader is at the oldest untrained draw."""
         self.next_index = int(state.get("draw_index", self.trainer.step_index + 1))
         self.skip = set(state.get("trained_draws", []))

@@ -1,12 +1,7 @@
-"""Where a step's scored samples come from: the batch source interface and its sources.
-
-Sync, async and agent-fed jobs run one `Trainer.step`; what differs is the source of its samples and
-when the weights go back (controller/weight_publisher.py), chosen once per job by `make_source`:
-`GeneratedSource` (sync: generated in the step; publish now), `LaneSource` (async, controller/
-async_loop.py: lanes ahead of the trainer, partial rollouts; publish at the next safe point) and
-`AgentSource` (rollout.source external: agents' rewarded trajectories; publish now). Every source
-scores with `JobSetup.scored`; the async ones train within trainer.max_staleness by the rollout
-buffer's one filter (`rollout_buffer.too_stale`), reported by `staleness_metrics`.
+"""Where a step's scored samples come from, chosen once per job by `make_source` with its publisher:
+`GeneratedSource` (sync, generated in the step), `LaneSource` (async, controller/async_loop.py) and
+`AgentSource` (rollout.source external). Async sources keep the buffer's one staleness filter
+(`rollout_buffer.too_stale`), reported by `staleness_metrics`.
 """
 
 from __future__ import annotations
@@ -36,26 +31,23 @@ class BatchSource:
         """This attempt's workers are up, the checkpoint (if any) loaded."""
 
     def next_batch(self) -> Scored:
-        """The step's samples, their scores and the source's metrics."""
         raise NotImplementedError
 
     def stats(self) -> dict[str, float]:
-        """The source's own counters, recorded after every step's sync."""
+        """Counters recorded after every step's sync."""
         return {}
 
     def stop(self) -> None:
-        """The attempt's workers are about to go: stop what runs beside the trainer."""
+        """The attempt's workers are about to go."""
 
     def state_dict(self, loader: dict[str, Any]) -> dict[str, Any]:
-        """What a checkpoint keeps for the source (`loader`: the loader's position now)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The checkpoint's trainer state, after the trainer loaded its own."""
+        """After the trainer loaded its own state."""
 
 
 def make_source(trainer: Trainer) -> tuple[BatchSource, WeightPublisher]:
-    """The job's source and weight publisher (see the module docstring)."""
     if trainer.spec.rollout.source == "external":
         source = AgentSource(trainer)
         return source, WeightPublisher(trainer, sent=source.sent)
@@ -68,8 +60,7 @@ def make_source(trainer: Trainer) -> tuple[BatchSource, WeightPublisher]:
 
 
 def in_rounds(trainer: Trainer, draw: Callable[[int], Batch]) -> Scored:
-    """The step's samples from `draw(round)`, scored: one round, or DAPO dynamic sampling's rounds
-    until enough groups carry a signal (controller/dynamic_sampling.py)."""
+    """`draw(round)`'s samples, scored: one round, or dynamic sampling's (controller/dynamic_sampling.py)."""
 
     def scored_round(round_index: int) -> Scored:
         with trainer.timed("gen"):
@@ -95,9 +86,8 @@ class GeneratedSource(BatchSource):
 
 
 class AgentSource(BatchSource):
-    """rollout.source external: the job's endpoint (controller/external_source.py, kept across
-    restarts: its trajectories survive them) and a step's rewarded trajectories from it. Sync: the
-    first whole groups; async: the groups young enough, from the endpoint's rollout buffer."""
+    """A step's rewarded trajectories from the job's endpoint (controller/external_source.py, kept
+    across restarts): sync, the first whole groups; async, the groups young enough."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
@@ -106,7 +96,6 @@ class AgentSource(BatchSource):
         self.max_staleness = staleness_bound(trainer.spec)
 
     def start(self) -> None:
-        """Start (or find again) the endpoint and point it at this attempt's rollout workers."""
         from controller.external_source import ExternalSource
 
         t = self.trainer
@@ -121,8 +110,6 @@ class AgentSource(BatchSource):
         return in_rounds(self.trainer, lambda _: self._trajectories())
 
     def _trajectories(self) -> Batch:
-        """Sync: the step's trajectories; a pause or cancel while waiting for them stops the job at
-        the previous step's boundary (a pause checkpoints it)."""
         t = self.trainer
         batch = self.endpoint.next_batch(lambda: t.control.stop_reason is not None, self._pad())
         if batch is None:
@@ -130,7 +117,6 @@ class AgentSource(BatchSource):
         return batch
 
     def _young_groups(self) -> Scored:
-        """Async: the step's groups trainable now (controller/external_buffer.py), scored."""
         t = self.trainer
         version, start = t.step_index - 1, time.perf_counter()
         with t.timed("wait_rollout"):
@@ -146,7 +132,6 @@ class AgentSource(BatchSource):
         return batch, scores, staleness_metrics(metrics, batch, version, self.max_staleness)
 
     def sent(self, version: int) -> None:
-        """Async: the rollout workers hold the weights of `version`: the endpoint's admission widens."""
         if self.trainer.spec.trainer.mode == "async":
             self.endpoint.set_version(version)
 
@@ -158,7 +143,6 @@ class AgentSource(BatchSource):
 
 
 def buffer_metrics(fill: float, dropped: int, dropped_total: int, waited: float) -> dict[str, float]:
-    """An async step's view of the rollout buffer."""
     return {
         "async/buffer_fill": fill,
         "async/dropped_stale": float(dropped),
@@ -168,8 +152,8 @@ def buffer_metrics(fill: float, dropped: int, dropped_total: int, waited: float)
 
 
 def staleness_metrics(metrics: dict[str, float], batch: Batch, version: int, k: int) -> dict[str, float]:
-    """`metrics` with the trained samples' staleness (trainer version minus their oldest token's
-    version): mean, max, the histogram 0..k, and the samples sampled by more than one version."""
+    """`metrics` with the samples' staleness (trainer version minus their oldest token's): mean, max,
+    the histogram 0..k, and the samples sampled by more than one version."""
     staleness = version - batch.tensors["policy_version"]
     if too_stale(version, int(batch.tensors["policy_version"].min()), k):  # the buffer dropped these
         raise RuntimeError(f"a sample of staleness {int(staleness.max())} reached the update")

@@ -1,10 +1,6 @@
-"""A job's checkpoints: the workers' engine states plus the trainer's own state, under one step folder.
-
-Layout: `<workdir>/checkpoints/step_<N>/{actor,critic}/...` written by the workers (each atomically),
-then `trainer_state.json` (`Trainer.state_dict()`: step, data position, KL coefficient), written last
-through a rename:
-a step folder without it is incomplete and never resumed from. Retention keeps the newest
-`checkpoint.keep_last` complete folders.
+"""A job's checkpoints: `<workdir>/checkpoints/step_<N>/` holds the workers' engine states, then
+`trainer_state.json` (`Trainer.state_dict()`), written last by a rename: a folder without it is
+incomplete and never resumed from. Retention keeps the newest `checkpoint.keep_last` complete ones.
 """
 
 from __future__ import annotations
@@ -29,7 +25,6 @@ def root(workdir: Path) -> Path:
 
 
 def complete(workdir: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of the complete checkpoints of a job, oldest first."""
     return [(s, p) for s, p in list_checkpoints(root(workdir)) if (p / STATE_FILE).exists()]
 
 
@@ -41,8 +36,7 @@ def save(
     keep_last: int,
     before_commit: Callable[[], None] = lambda: None,
 ) -> Path:
-    """The workers' engine states, then `before_commit()` (the job's records up to this step are
-    stored), then the trainer's state (last, by rename); prunes old folders."""
+    """The workers' states, then `before_commit()` (the job's records are stored), then the trainer's."""
     folder = step_dir(root(workdir), step)
     if folder.exists():
         shutil.rmtree(folder)  # a leftover of an interrupted save of the same step
@@ -71,12 +65,11 @@ def find_resume_folder(spec: JobSpec, workdir: Path) -> Path | None:
 
 
 def step_of(folder: Path) -> int:
-    """The step a complete checkpoint folder was saved at."""
     return int(json.loads((Path(folder) / STATE_FILE).read_text())["step"])
 
 
 def load(folder: Path, groups: JobGroups) -> dict[str, Any]:
-    """Restore the workers' engine states from `folder`; returns the trainer's state saved with them."""
+    """Restore the workers' states from `folder`; returns the trainer's state saved with them."""
     state = json.loads((folder / STATE_FILE).read_text())
     groups.load_checkpoint(str(folder))
     return state

@@ -1,21 +1,9 @@
 """Prompt data: files of rows become tokenized datasets, and datasets become resumable batches.
 
-Rows come from controller/data_files.py (local JSONL, JSON or Parquet) and field names are
-configurable. A row's prompt is a string or a list of chat messages; when the tokenizer has a chat
-template the prompt is rendered through it (a string becomes one user turn) with the generation
-prompt appended, else the string is tokenized as it is. Prompts longer than `max_prompt_length`
-tokens are dropped and counted, so the trainer can report how many.
-
-`PromptDataset` gives RL batches: left-padded prompt `input_ids` / `attention_mask`, and the
-non-tensors "prompt", "prompt_ids", "ground_truth", "extra" and "uid" (the row index: GRPO groups
-the n samples of one prompt by it). `SFTDataset` gives prompt/response pairs in the training
-engine's layout (engines/base.py): prompt left-padded, response right-padded and ending with the
-token that ends a turn: the chat template's end-of-turn token (`<|im_end|>` for Qwen-style
-templates) when the prompt is rendered through the template, else EOS.
-
-`PromptLoader` batches either dataset. Epoch e visits the rows in a permutation drawn from
-(seed, e) alone, so its state is just (epoch, position in the epoch): a resumed job continues with
-exactly the batches an uninterrupted one would have seen, neither skipping nor repeating a row.
+A prompt (a string or chat messages) is rendered through the tokenizer's chat template when it has
+one; prompts over `max_prompt_length` tokens are dropped and counted. Epoch e visits the rows in a
+permutation drawn from (seed, e) alone, so a resumed loader sees exactly the batches an uninterrupted
+one would have.
 """
 
 from __future__ import annotations
@@ -23,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +22,6 @@ from controller.tasks import write_task_files
 from schema.job import DataSpec
 from workers.batch import Batch
 from workers.chat_delta import ChatDelta
-
-# ---- datasets ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -53,7 +39,8 @@ class PromptRow:
 
 
 class PromptDataset:
-    """Tokenized prompt rows for RL; see the module docstring."""
+    """Tokenized prompt rows for RL: left-padded `input_ids`, and the non-tensors "prompt",
+    "prompt_ids", "ground_truth", "extra" and "uid" (the row index: GRPO's group id)."""
 
     def __init__(
         self,
@@ -77,8 +64,8 @@ class PromptDataset:
         if not records:
             raise DataError(f"{source}: the data set has no rows")
         texts = [self._render(record, where) for where, record in records]
-        # One batched call: the Rust tokenizer encodes a list far faster than row by row. A chat
-        # template renders its own special tokens, so the tokenizer must not add them again.
+        # One batched call (the Rust tokenizer encodes a list far faster); a chat template renders
+        # its own special tokens.
         ids = tokenizer(texts, add_special_tokens=not self.use_chat_template)["input_ids"]
         self.rows: list[PromptRow] = []
         for (where, record), text, prompt_ids in zip(records, texts, ids, strict=True):
@@ -102,7 +89,6 @@ class PromptDataset:
 
     @property
     def stats(self) -> dict[str, int]:
-        """Counts for the trainer's "data loaded" event: rows read, kept, and filtered by cause."""
         return {
             "rows": self.num_records,
             "kept": len(self.rows),
@@ -116,7 +102,7 @@ class PromptDataset:
         return self.rows[index]
 
     def head(self, n: int) -> Batch:
-        """The first `n` rows in file order (validation uses them, unshuffled)."""
+        """The first `n` rows in file order (validation's, unshuffled)."""
         return self.make_batch(range(min(n, len(self))))
 
     def make_batch(self, indices: Sequence[int]) -> Batch:
@@ -126,8 +112,6 @@ class PromptDataset:
             {"input_ids": input_ids, "attention_mask": attention_mask},
             self._non_tensors(rows),
         )
-
-    # ---- building rows --------------------------------------------------------------------------
 
     def _render(self, record: dict[str, Any], where: str) -> str:
         if self.prompt_key not in record:
@@ -180,14 +164,9 @@ class PromptDataset:
 
 
 class SFTDataset(PromptDataset):
-    """Prompt/response pairs for supervised fine-tuning, in the training engine's layout.
-
-    The response is tokenized without special tokens and the end token appended, so the model learns
-    to stop: with a chat template, the token the template closes an assistant turn with (the model
-    must end its turns the way the template and the multi-turn rollouts expect); else EOS. A response
-    that already ends with it gets no second one. Pairs whose response (with the end token) exceeds
-    `max_response_length` are dropped and counted as "response_too_long".
-    """
+    """Prompt/response pairs in the training engine's layout. The response ends with the token the
+    chat template closes an assistant turn with (else EOS), so the model learns to stop as multi-turn
+    rollouts expect; pairs over `max_response_length` are dropped ("response_too_long")."""
 
     def __init__(
         self,
@@ -206,10 +185,6 @@ class SFTDataset(PromptDataset):
         if self.end_id is None:
             raise DataError(f"{source}: SFT needs a tokenizer with an EOS token")
         super().__init__(records, tokenizer, **options)
-
-    @classmethod
-    def from_file(cls, path: str | Path, tokenizer: Any, **options: Any) -> SFTDataset:
-        return cls(read_records(path), tokenizer, source=str(path), **options)
 
     def _make_row(
         self, index: int, where: str, record: dict[str, Any], text: str, ids: list[int]
@@ -251,7 +226,6 @@ def _decide_chat_template(tokenizer: Any, requested: bool | None, source: str) -
 
 
 def _turn_end_id(tokenizer: Any) -> int | None:
-    """The chat template's end-of-turn token (workers/chat_delta.py finds it), else EOS."""
     end = ChatDelta(tokenizer).turn_end_id
     return end if end is not None else tokenizer.eos_token_id
 
@@ -277,26 +251,13 @@ def _pad(sequences: Sequence[list[int]], pad_id: int, left: bool) -> tuple[torch
     return ids, mask
 
 
-# ---- batching ---------------------------------------------------------------------------------
-
-
-class BatchSource(Protocol):
-    def __len__(self) -> int: ...
-
-    def make_batch(self, indices: Sequence[int]) -> Batch: ...
-
-
 class PromptLoader:
-    """Endless, resumable batches of `batch_size` rows from a PromptDataset or SFTDataset.
-
-    Epochs roll over by themselves. With drop_last (the default: RL steps want full batches) the
-    rows left at the end of an epoch that do not fill a batch are skipped in that epoch; they come
-    up at other positions in other epochs' permutations.
-    """
+    """Endless, resumable batches of `batch_size` rows. With drop_last (RL steps want full batches)
+    an epoch's rows that do not fill a batch are skipped in that epoch."""
 
     def __init__(
         self,
-        dataset: BatchSource,
+        dataset: PromptDataset,
         batch_size: int,
         seed: int = 0,
         shuffle: bool = True,
@@ -314,7 +275,6 @@ class PromptLoader:
         self._order_epoch, self._order = -1, np.arange(0)
 
     def order(self, epoch: int) -> np.ndarray:
-        """The row order of `epoch`, a function of (seed, epoch) alone."""
         if not self.shuffle:
             return np.arange(len(self.dataset))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
@@ -341,7 +301,6 @@ class PromptLoader:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from a saved state: the saved seed is restored, the data set must be the same size."""
         if state["num_rows"] != len(self.dataset):
             raise DataError(
                 f"cannot resume the data loader: the saved state is for {state['num_rows']} rows, "
@@ -351,12 +310,7 @@ class PromptLoader:
         self._order_epoch = -1
 
 
-# ---- from a job spec --------------------------------------------------------------------------
-
-
 def resolve_data_files(spec: DataSpec, workdir: str | Path, seed: int = 0) -> tuple[Path, Path | None]:
-    """The train and val files of a job: the user's, or generated ones (reasoning-gym's tasks, a
-    built-in task's) written under `workdir`."""
     if spec.reasoning_gym is not None:
         return write_reasoning_gym_files(spec.reasoning_gym, Path(workdir) / "data" / "reasoning_gym")
     if spec.train_path is not None:
@@ -372,19 +326,8 @@ def build_dataset(
     sft: bool = False,
     max_response_length: int | None = None,
 ) -> PromptDataset:
-    """A PromptDataset (or SFTDataset) from a file, with the spec's field names and length limit."""
-    options: dict[str, Any] = dict(
-        prompt_key=spec.prompt_key,
-        ground_truth_key=spec.ground_truth_key,
-        extra_key=spec.extra_key,
-        max_prompt_length=spec.max_prompt_length,
-    )
+    keys = ("prompt_key", "ground_truth_key", "extra_key", "max_prompt_length")
+    options: dict[str, Any] = {key: getattr(spec, key) for key in keys}
     if sft:
-        return SFTDataset.from_file(
-            path,
-            tokenizer,
-            response_key=spec.response_key,
-            max_response_length=max_response_length,
-            **options,
-        )
-    return PromptDataset.from_file(path, tokenizer, **options)
+        options.update(response_key=spec.response_key, max_response_length=max_response_length)
+    return (SFTDataset if sft else PromptDataset).from_file(path, tokenizer, **options)

@@ -1,9 +1,5 @@
-"""Reading rows from local data files: JSONL, JSON and Parquet.
-
-A data file is one JSON object per line (`.jsonl`, or `.json` whose first character is not "["),
-one JSON array of objects (`.json`), or a Parquet table. Every row keeps its location ("line 3" in
-a JSON-lines file, as editors number lines; "row 2" in an array or a table, as pandas does) so that
-an error about it can point at it.
+"""Reading rows from local data files: JSON lines (`.jsonl`, or `.json` not starting with "["), a JSON
+array of objects, or Parquet. Every row keeps its location ("line 3", "row 2") for error messages.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ class DataError(ValueError):
 
 
 def read_records(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """The rows of a JSONL / JSON / Parquet file, each with its location ("line 3", "row 2")."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist")
@@ -57,7 +52,7 @@ def _read_json(path: Path) -> list[tuple[str, Any]]:
     records = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
-            continue  # blank lines (a trailing newline, say) carry no row
+            continue
         try:
             records.append((f"line {number}", json.loads(line)))
         except json.JSONDecodeError as exc:

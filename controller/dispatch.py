@@ -1,8 +1,5 @@
-"""How one worker-group call fans out to ranks and how results come back.
-
-Pure planning and collection functions: given the ranks' mesh registrations (`MeshLayout`), split a
-Batch by the mesh's data-parallel size and gather the collect ranks' outputs ordered by dp rank.
-The Ray calls themselves live in worker_group.py.
+"""How one worker-group call fans out to ranks and how results come back: pure planning and collection
+over the ranks' mesh registrations (`MeshLayout`); the Ray calls live in worker_group.py.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ class MeshLayout:
 
     @classmethod
     def from_info(cls, name: str, info: Sequence[tuple[int, bool]]) -> MeshLayout:
-        """Validate the registrations of all ranks: dp ranks 0..D-1, exactly one collect rank each."""
+        """Validated: dp ranks 0..D-1, exactly one collect rank each."""
         layout = cls(name, tuple(int(d) for d, _ in info), tuple(bool(c) for _, c in info))
         dp_size = layout.dp_size
         if sorted(set(layout.dp_rank)) != list(range(dp_size)):
@@ -49,7 +46,6 @@ class MeshLayout:
         return len(set(self.dp_rank))
 
     def collect_ranks(self) -> list[int]:
-        """Global ranks whose output is gathered, ordered by their dp rank."""
         collectors = [r for r in range(self.world_size) if self.is_collect[r]]
         return sorted(collectors, key=lambda r: self.dp_rank[r])
 

@@ -1,23 +1,10 @@
 """DAPO dynamic sampling (Yu et al. 2025): fill the step's batch with groups that carry a signal.
 
-A group-relative advantage (GRPO, RLOO, ...) is zero for every sample of a group whose rollout.n
-samples got the same score, so such a group teaches nothing; dynamic sampling drops it and
-generates for more prompts until the batch holds the step's number of groups again.
-
-Each round draws one full batch of prompts from the data loader (so the loader's position, saved
-in checkpoints, always counts exactly the prompts drawn: a resumed job neither skips nor repeats
-one) and generates and scores it. Rounds stop once enough groups carry a signal, or after
-`max_rounds`. Groups beyond the batch are discarded (their prompts count as drawn); a batch still
-short after the last round is topped up with dropped groups, counted in groups_padded, so that the
-step keeps its size (the mini-batch and rank arithmetic depends on it).
-
-"Same score" means the score the advantages see, after the over-long penalty (controller/
-overlong.py): a group whose answers differ only in length still has a signal. (DAPO filters on the
-task accuracy; with a 0/1 reward and no length penalty the two agree.)
-
-A group is its n consecutive rows (prompts are repeated interleaved). Its uid gets the round as a
-suffix: a prompt can come up twice in one step when the loader rolls over to a new epoch, and the
-two groups must stay two groups.
+A group whose n samples scored the same (after the over-long penalty) has zero group-relative
+advantage, so it is dropped and more prompts are drawn, one full loader batch a round (the loader's
+position always counts the prompts drawn), until enough groups or `max_rounds`. Extra groups are
+discarded; a short batch is topped up with dropped groups (groups_padded), keeping the step's size.
+A group's uid gets the round as a suffix: one prompt can come up twice in a step across epochs.
 """
 
 from __future__ import annotations
@@ -30,7 +17,7 @@ import torch
 
 from workers.batch import Batch
 
-# One round: (round index) -> the scored batch of one loader batch of prompts, its scores and metrics.
+# (round index) -> one loader batch of prompts, generated and scored: the batch, scores, metrics.
 Round = Callable[[int], tuple[Batch, torch.Tensor, dict[str, float]]]
 
 
@@ -42,7 +29,7 @@ def uniform_groups(scores: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class _Pool:
-    """Groups collected over rounds, as row batches and their scores, in the order drawn."""
+    """Groups collected over rounds, in the order drawn."""
 
     batches: list[Batch] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
@@ -56,7 +43,6 @@ class _Pool:
             self.groups += int(groups.sum())
 
     def take(self, groups: int, n: int) -> tuple[list[Batch], list[torch.Tensor]]:
-        """The first `groups` groups, as one batch and scores (empty lists when none)."""
         if groups == 0 or not self.batches:
             return [], []
         batch, scores = Batch.concat(self.batches), torch.cat(self.scores)
@@ -73,11 +59,8 @@ def _with_round_uids(batch: Batch, round_index: int) -> Batch:
 def sample_signal_groups(
     draw: Round, groups_wanted: int, n: int, max_rounds: int
 ) -> tuple[Batch, torch.Tensor, dict[str, float]]:
-    """Rounds of `draw` until `groups_wanted` groups have non-uniform scores (see the module doc).
-
-    Returns the batch of exactly `groups_wanted` groups, its scores, and metrics: the per-round
-    metrics of `draw` averaged over rounds (rounds are equal in size), plus dynamic_sampling/
-    prompts_drawn, groups_dropped, rounds, groups_kept and groups_padded."""
+    """Rounds of `draw` until `groups_wanted` groups have non-uniform scores: exactly that many groups,
+    their scores, and `draw`'s metrics averaged over rounds with the dynamic_sampling/ counts."""
     kept, dropped = _Pool(), _Pool()
     round_metrics: list[dict[str, float]] = []
     prompts = rounds = 0

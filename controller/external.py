@@ -1,19 +1,11 @@
-"""The job's OpenAI-compatible endpoint, inside the job: `ExternalServer`, an async Ray actor.
+"""The job's OpenAI-compatible endpoint, inside the job: `ExternalServer`, an async Ray actor named
+`tandem-openai-<job id>` that the API process (api/routes/openai_chat.py) forwards checked requests to.
 
-The API process (api/routes/openai_chat.py) checks a request and forwards it to this actor, named
-`tandem-openai-<job id>`, which the trainer starts for a job with `rollout.source: external`. Here:
-
-- templating and tokenizing (workers/chat_serving.py), never in the API process, in threads beside
-  the actor's event loop so that a long prompt never stalls its other calls; then the call's bounds
-  (controller/external_bounds.py: prompt + max_tokens within the model's context), before generating;
-- batching onto the rollout replicas (controller/external_batcher.py);
-- recording: every call in its trajectory (controller/external_store.py), token-exact;
-- rewards, and `take()`, which the trainer calls for a step's trajectories;
-- trainer.mode async (`use_buffer`): the job's rollout buffer, which admits new trajectories and
-  holds rewarded groups until a step takes them (controller/external_buffer.py).
-
-Errors that are the caller's come back as {"error": {...}} (status, message, param, code) rather than
-raised, so the API answers them in its own shape.
+It templates and tokenizes (in threads, so a long prompt never stalls the event loop), bounds the call
+(prompt and new tokens within the model's context; `n` choices within `CALL_TOKEN_BUDGET`, so no call
+holds a replica for long: else a 400 naming the field), batches onto the rollout replicas
+(controller/external_batcher.py) and records every call token-exact (controller/external_store.py).
+The caller's errors come back as {"error": {...}}, so the API answers them in its own shape.
 """
 
 from __future__ import annotations
@@ -25,16 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from controller.external_batcher import ReplicaBatcher
-from controller.external_bounds import context_length, new_tokens
-from controller.external_buffer import ExternalBuffer
 from controller.external_store import (
+    ExternalBuffer,
     Segment,
     TrajectoryError,
     TrajectoryStore,
     canonical_message,
     readable_message,
     tools_key,
-    trajectory_row,
+    trajectory_rows,
     trajectory_view,
     unknown_trajectory,
 )
@@ -43,10 +34,13 @@ from schema.external import ExternalSpec, server_name  # noqa: F401 (server_name
 from workers.chat_serving import TOOL_CALL_END, cut_at_stop, strip_stop
 
 TEMPLATING_THREADS = 4
+DEFAULT_MAX_TOKENS = 256
+CALL_TOKEN_BUDGET = 1 << 19  # n x (prompt + new tokens): what one call may put on a replica
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 class ExternalServer:
-    """Ray actor body (async: one event loop, many calls at once). See the module docstring."""
+    """Ray actor body (async: one event loop, many calls at once)."""
 
     def __init__(self, job_id: str, model_path: str, config: dict[str, Any]) -> None:
         from transformers import AutoTokenizer
@@ -57,8 +51,7 @@ class ExternalServer:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.renderer = ChatRenderer(self.tokenizer)
         self.context = context_length(model_path)
-        # Calls template side by side (a long prompt does not queue the short ones behind it): the
-        # tokenizer is only read here, its truncation and padding never changed, so threads may share it.
+        # The tokenizer is only read here (its truncation and padding never change): threads may share it.
         self._templating = ThreadPoolExecutor(TEMPLATING_THREADS, thread_name_prefix="templating")
         self.store = TrajectoryStore(self.config)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -66,34 +59,24 @@ class ExternalServer:
         self.requests = 0
         self.buffered: ExternalBuffer | None = None  # trainer.mode async
 
-    # ---- wiring ------------------------------------------------------------------------------
-
     async def attach(self, hosts: list[Any], version: int = 0) -> None:
-        """The rollout replicas to serve from (their WorkerHost actors);
-        called again with new workers after a restart or a resume. `version`: the trainer's version of
-        the weights they hold now (a resumed job's checkpoint step), which every call then records
-        (controller/external_batcher.py) and the staleness bound compares with."""
+        """The rollout replicas to serve from (again after a restart); `version`: the trainer's version
+        of the weights they hold now, which every call then records."""
         if self.buffered is not None:  # a buffer that outlived the workers (a restart from a checkpoint)
             self.buffered.rewind(version)
         await self.batcher.attach(hosts, version)
 
     async def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
-        """trainer.mode async: admit and buffer trajectories (kept as they are when called again
-        after a restart of the workers: the buffer outlives them, as the trajectories do)."""
+        """trainer.mode async: admit and buffer trajectories (the buffer outlives a restart)."""
         if self.buffered is None:
-            rows = lambda t: [trajectory_row(t, k, s) for k, s in enumerate(t.segments)]  # noqa: E731
-            self.buffered = ExternalBuffer(self.store, rows, max_staleness, capacity, version)
+            self.buffered = ExternalBuffer(self.store, trajectory_rows, max_staleness, capacity, version)
 
     async def set_version(self, version: int) -> None:
-        """The rollout workers now hold the weights of `version` (after a sync): admission widens."""
         self.buffered.buffer.set_version(version)
 
     async def replicas(self) -> list[Any]:
-        """The rollout worker actors served from (a benchmark calls their engine directly, beside the
-        endpoint, for its baseline)."""
+        """The rollout worker actors served from (a benchmark calls them directly for its baseline)."""
         return list(self.batcher.hosts)
-
-    # ---- requests ----------------------------------------------------------------------------
 
     async def chat(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
         return await self._answer(self._chat, tid or f"traj-{uuid.uuid4().hex[:16]}", body)
@@ -102,8 +85,7 @@ class ExternalServer:
         return await self._answer(self._completion, tid or f"traj-{uuid.uuid4().hex[:16]}", body)
 
     async def _answer(self, handle: Any, tid: str, body: dict[str, Any]) -> dict[str, Any]:
-        """The call's answer; a refused or failed call leaves its trajectory as it was (a trajectory it
-        would have created is not kept)."""
+        """The call's answer; a refused or failed call leaves its trajectory as it was."""
         known = self.store.trajectories.get(tid)
         segments = None if known is None else [s.copy() for s in known.segments]
         try:
@@ -141,17 +123,15 @@ class ExternalServer:
         return trajectory_view(t, tokens=True)
 
     async def take(self) -> list[dict[str, Any]] | None:
-        """A step's trajectories as rows (one per segment), or None while they are not all rewarded."""
         chosen = self.store.take()
         if chosen is None:
             return None
-        rows = [trajectory_row(t, k, s) for t in chosen for k, s in enumerate(t.segments)]
+        rows = [row for t in chosen for row in trajectory_rows(t)]
         for t in chosen:  # their tokens are in the step's batch now: keep only the ids (a late reward: 409)
             t.segments = []
         return rows
 
     async def take_step(self, version: int) -> dict[str, Any] | None:
-        """Async: a step's rows trainable at trainer version `version` (controller/external_buffer.py)."""
         return self.buffered.take_step(version, f"endpoint of job {self.job_id}")
 
     async def stats(self) -> dict[str, float]:
@@ -160,8 +140,6 @@ class ExternalServer:
         if self.buffered is not None:
             out["external/admitted_running"] = float(self.buffered.buffer.running)
         return out
-
-    # ---- chat --------------------------------------------------------------------------------
 
     async def _chat(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
         self.requests += 1
@@ -231,8 +209,7 @@ class ExternalServer:
         }
 
     async def _constraint(self, body: dict[str, Any]) -> Constraint | None:
-        """The grammar the call's output must follow (engines/rollout/constrained.py), built off the
-        event loop; a 422 naming the field whose constraint cannot be enforced."""
+        """The grammar the call's output must follow, built off the event loop; a 422 naming the field."""
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
         build = lambda: build_constraint(body.get("response_format"), tools, body.get("tool_choice"))  # noqa: E731
         try:
@@ -246,8 +223,7 @@ class ExternalServer:
     async def _place_chat(
         self, traj: Any, messages: list[dict], tools: list[dict] | None
     ) -> tuple[Segment, list[int], str | None]:
-        """(the segment this call adds to, the prompt delta, why a new segment started or None).
-        A new segment is appended to the trajectory here; its prompt is the whole templated conversation."""
+        """(the segment this call adds to, the prompt delta, why a new segment started or None)."""
         last = traj.segments[-1] if traj.segments else None
         canon = [canonical_message(m) for m in messages]
         if last is not None and last.kind == "chat" and last.tools_key == tools_key(tools):
@@ -282,8 +258,6 @@ class ExternalServer:
             {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
             for (i, lp), t in zip(pairs, self.renderer.token_texts([i for i, _ in pairs]), strict=True)
         ]}  # fmt: skip
-
-    # ---- completions -------------------------------------------------------------------------
 
     async def _completion(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
         self.requests += 1
@@ -326,8 +300,6 @@ class ExternalServer:
             "tandem": {"trajectory_id": tid, "weight_version": comp.weight_version},
         }  # fmt: skip
 
-    # ---- generation --------------------------------------------------------------------------
-
     def _params(self, body: dict[str, Any], max_new_tokens: int) -> tuple[Any, list[str]]:
         from engines.rollout import SamplingParams
 
@@ -346,3 +318,40 @@ class ExternalServer:
 
     def _cut(self, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
         return cut_at_stop(lambda x: self.tokenizer.decode(x, skip_special_tokens=True), list(ids), stops)
+
+
+def context_length(model_path: str) -> int | None:
+    """The longest sequence the model takes, from its config (None: it does not say)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    config = getattr(config, "text_config", None) or config
+    for key in _CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def new_tokens(prompt_len: int, body: dict[str, Any], context: int | None, prompt_field: str) -> int:
+    """The number of tokens the call may generate, or a TrajectoryError (400) naming the field."""
+    name = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+    asked = body.get(name)
+    room = None if context is None else context - prompt_len
+    if room is not None and room < 1:
+        raise _refused(prompt_field, f"the prompt is {prompt_len} tokens; the model's context is {context} "
+                       "tokens, which leaves no room for a reply: shorten it")  # fmt: skip
+    if asked is None:
+        asked = DEFAULT_MAX_TOKENS if room is None else min(DEFAULT_MAX_TOKENS, room)
+    elif room is not None and asked > room:
+        raise _refused(name, f"{asked} new tokens after a prompt of {prompt_len} exceed the model's context "
+                       f"of {context} tokens: at most {room} fit")  # fmt: skip
+    n = body.get("n") or 1
+    if n * (prompt_len + asked) > CALL_TOKEN_BUDGET:
+        raise _refused("n", f"{n} choices of {prompt_len} + {asked} tokens exceed the {CALL_TOKEN_BUDGET} "
+                       "tokens one call may ask for: ask for fewer choices or tokens", "invalid_value")  # fmt: skip
+    return asked
+
+
+def _refused(field: str, message: str, code: str = "context_length_exceeded") -> TrajectoryError:
+    return TrajectoryError(400, f"{field}: {message}", field, code)

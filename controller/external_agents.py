@@ -1,18 +1,8 @@
-"""`rollout.external.agent`: an agent the job runs itself, in worker processes, with a time limit.
-
-The agent is a plain function written against the `openai` SDK:
-
-    def agent(client: openai.OpenAI, model: str, index: int) -> float | dict: ...
-
-It gets a client whose every call is recorded in a fresh trajectory, the model name to pass, and the
-task index (the same index `group_size` times in a row, so a GRPO group is one task solved
-`group_size` times); it returns the reward, or {"reward", "task_id"?, "turn_rewards"?, "metadata"?}.
-The function runs in a sandbox (workers/sandbox/) without a network: its client's httpx transport
-sends each request over the sandbox's pipe to its `AgentWorker`, which has the job's endpoint actor
-(controller/external.py) answer it over Ray: the job needs neither the service's address nor a key. `AgentPool` keeps
-`agent_workers` calls under way in `AgentWorker` actors; a call past `agent_timeout_s` has its
-process killed and replaced (its trajectory is dropped by the reward timeout), an exception is
-counted and logged. User code never runs in the API or the controller's process.
+"""`rollout.external.agent`: an agent `fn(client: openai.OpenAI, model, index) -> float | dict` that the
+job runs itself, in sandboxes without a network (workers/sandbox/): its client's transport sends each
+request over the sandbox's pipe to its `AgentWorker`, which has the job's endpoint answer it over Ray.
+The task index repeats `group_size` times (a GRPO group is one task solved that often). `AgentPool`
+keeps `agent_workers` calls under way; a call past `agent_timeout_s` has its process replaced.
 """
 
 from __future__ import annotations
@@ -54,13 +44,8 @@ class EndpointRoutes:
             return _error(400, "the request body must be a JSON object", None)
         if body.get("stream"):
             return _error(422, "stream is not served to agents the job runs; leave it off", "stream")
-        method = (
-            "chat"
-            if path.endswith("/chat/completions")
-            else "completion"
-            if path.endswith("/completions")
-            else None
-        )
+        routes = {"/chat/completions": "chat", "/completions": "completion"}  # the longer suffix first
+        method = next((name for suffix, name in routes.items() if path.endswith(suffix)), None)
         if method is None:
             return _error(404, f"no route {path[:200]}", None)
         out = ray.get(getattr(self.server, method).remote(self.trajectory, body), timeout=CALL_TIMEOUT_S)
@@ -80,11 +65,8 @@ def _error(status: int, message: str, param: str | None, retry_after: float | No
 
 
 class AgentWorker:
-    """Ray actor body: runs the user's agent function in a sandbox of its own, one trajectory per call.
-
-    The sandbox asks this actor for each of the agent's HTTP requests (controller/agent_sandbox.py);
-    the actor answers them from the job's endpoint. The actor's death (AgentPool kills it past
-    agent_timeout_s) ends the sandbox with it."""
+    """Ray actor body: the user's agent in a sandbox of its own, one trajectory per call; the actor
+    answers the sandbox's HTTP requests from the job's endpoint, and its death ends the sandbox."""
 
     def __init__(self, ref: str, server_name: str, model: str, args: dict[str, Any] | None = None) -> None:
         self.ref, self.model, self.routes, self.args = ref, model, None, args
@@ -123,8 +105,6 @@ class AgentWorker:
 
 
 class AgentPool:
-    """Keeps `agent_workers` agent calls under way while the job runs; see the module docstring."""
-
     def __init__(self, ref: str, server: Any, server_name: str, model: str, workers: int, timeout_s: float,
                  group_size: int, args: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.ref, self.server, self.server_name, self.model, self.args = ref, server, server_name, model, args
@@ -135,11 +115,8 @@ class AgentPool:
         self._thread.start()
 
     def _new_worker(self) -> Any:
-        return (
-            ray.remote(AgentWorker)
-            .options(num_cpus=0)
-            .remote(self.ref, self.server_name, self.model, self.args)
-        )
+        worker = ray.remote(AgentWorker).options(num_cpus=0)
+        return worker.remote(self.ref, self.server_name, self.model, self.args)
 
     def _loop(self) -> None:
         idle = [self._new_worker() for _ in range(self.workers)]

@@ -1,9 +1,6 @@
-"""The endpoint's calls, batched onto the job's rollout replicas (controller/external.py).
-
-Calls that arrive while a replica is busy, or within batch_window_ms, go to a free replica's engine
-as one `generate` per sampling setting, straight to the rollout worker actors
-(`RolloutWorker.generate`, one call per replica at a time). Every completion carries the trainer's
-version of the weights that sampled it: the engine's, plus the offset `attach` measured.
+"""The endpoint's calls, batched onto the job's rollout replicas: calls that arrive while a replica is
+busy, or within batch_window_ms, go to a free replica as one `generate` per sampling setting. Every
+completion carries the trainer's version of the weights that sampled it.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ STARTING_WAIT_S = 120.0  # a call that arrives before the rollout workers are at
 
 
 class ReplicaBatcher:
-    """See the module docstring; one per endpoint, attached again to each attempt's replicas."""
+    """One per endpoint, attached again to each attempt's replicas."""
 
     def __init__(self, window_ms: float) -> None:
         self.window_ms = window_ms
@@ -34,9 +31,8 @@ class ReplicaBatcher:
         self.attached = asyncio.Event()
 
     async def attach(self, hosts: list[Any], version: int) -> None:
-        """Serve from `hosts` (WorkerHost actors), which hold the weights of trainer
-        version `version`. An engine counts its syncs from 0 in every new process, so a call records
-        engine version + (`version` - the engine's version now): the trainer's version."""
+        """Serve from `hosts`, which hold trainer version `version`. An engine counts its syncs from 0
+        in every new process, so calls record engine version + the offset measured here."""
         engine = hosts[0].execute.remote("weight_version", ((), {}))
         self.offset = version - int(await asyncio.wait_for(engine, ATTACH_TIMEOUT_S))
         self.hosts = list(hosts)
@@ -51,7 +47,6 @@ class ReplicaBatcher:
         self.attached.set()
 
     async def generate(self, prompt: list[int], params: Any) -> list[Any]:
-        """The call's completions, generated in the next batch of a free replica."""
         if self.queue is None:  # a new job's first calls wait for its workers (see attach)
             try:
                 await asyncio.wait_for(self.attached.wait(), STARTING_WAIT_S)
@@ -63,9 +58,8 @@ class ReplicaBatcher:
         return await future
 
     async def _batch_loop(self) -> None:
-        """Gather calls into one batch: from the first, until as many have arrived as the last batch
-        held (agents that got their answers together call again together) or batch_window_ms passed;
-        then take a free replica, add whatever else waits, and send it. A lone agent never waits."""
+        """From the first call, gather until as many arrived as the last batch held (agents answered
+        together call again together) or batch_window_ms passed; then a free replica takes them all."""
         queue, free, loop = self.queue, self.free, asyncio.get_running_loop()
         expected = 1
         while True:
@@ -86,8 +80,7 @@ class ReplicaBatcher:
         try:
             key = lambda item: item[1].model_dump_json()  # noqa: E731
             for _, group in itertools.groupby(sorted(items, key=key), key=key):
-                group = list(group)
-                await self._run_group(host, group)
+                await self._run_group(host, list(group))
         finally:
             self.free.put_nowait(host)
 

@@ -1,11 +1,7 @@
-"""The trainer's side of `rollout.source: external`: the endpoint's actor, and a step's batch from it.
-
-`ExternalSource` starts (or, after a restart of the workers, finds again: trajectories survive it)
-the job's `ExternalServer` actor (controller/external.py), points it at the rollout workers of the
-current attempt, and turns a step's rewarded trajectories into the training layout of multi-turn
-rollouts (workers/multiturn.py): one row per segment, the first prompt left-padded, everything after
-it right-padded, response_mask 1 on sampled tokens only, the reward as `env_rewards`, the task id as
-the GRPO group id (`uid`).
+"""The trainer's side of `rollout.source: external`: the endpoint's actor (found again after a restart
+of the workers), pointed at each attempt's rollout workers, and a step's rewarded trajectories in the
+training layout of multi-turn rollouts (one row per segment, the reward as `env_rewards`, the task id
+as the GRPO group id).
 """
 
 from __future__ import annotations
@@ -31,23 +27,21 @@ START_CHECK_S = 120.0
 
 class ExternalSource:
     def __init__(self, job_id: str, spec: JobSpec, model_path: str, version: int = 0) -> None:
-        """`version`: the trainer's (a resumed job's checkpoint step): a new buffer has trained that many
-        steps, as the generated rollouts' buffer of a resumed job has (controller/async_loop.py)."""
         self.spec, self.config, self.job_id = spec, spec.rollout.external_config, job_id
-        self.agents = None  # rollout.external.agent's pool (controller/external_agents.py)
+        self.agents = None  # rollout.external.agent's pool
         self.actor = (
             ray.remote(ExternalServer)
             .options(name=server_name(job_id), get_if_exists=True, num_cpus=0, max_concurrency=10_000)
             .remote(job_id, model_path, self.config.model_dump())
         )
         if spec.trainer.mode == "async":  # admission by the rollout buffer, before any call is served
+            # `version`: a resumed job's checkpoint step, which the new buffer has trained
             k, per_step = staleness_bound(spec), self.config.trajectories_per_step
             ray.get(self.actor.use_buffer.remote(k, buffer_capacity(spec, per_step), version),
                     timeout=CALL_TIMEOUT_S)  # fmt: skip
 
     def attach(self, groups: Any, version: int) -> None:
-        """Serve from this attempt's rollout replicas (one per tensor-parallel group: its rank 0), which
-        hold the weights of trainer version `version` (calls record versions counted from it)."""
+        """Serve from this attempt's rollout replicas (one per tensor-parallel group), at `version`."""
         rollout = groups.actor.rollout.group
         tp = self.spec.rollout.tensor_parallel_size
         ray.get(self.actor.attach.remote(rollout.actors[::tp], version), timeout=CALL_TIMEOUT_S)
@@ -56,21 +50,20 @@ class ExternalSource:
             from controller.user_code import run_sandboxed
 
             c = self.config
-            # once, before any worker: an agent (a verifiers environment with its arguments) that cannot
-            # load fails the job here, saying why, rather than each of its calls
+            # once, before any worker: an agent that cannot load fails the job here, saying why
             run_sandboxed("controller.agent_sandbox:check_agent", c.agent, [c.agent_args], START_CHECK_S,
                           f"agent '{c.agent}'")  # fmt: skip
             self.agents = AgentPool(c.agent, self.actor, server_name(self.job_id), self.job_id, c.agent_workers,
                                     c.agent_timeout_s, c.group_size, c.agent_args)  # fmt: skip
 
     def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch | None:
-        """Sync: the next step's trajectories, waiting for agents to reward them; None when asked to stop."""
+        """Sync: the next step's trajectories once rewarded; None when asked to stop."""
         rows = self._poll(self.actor.take.remote, stopping)
         return None if rows is None else rows_batch(whole_ranks(rows, self.spec.resources.workers), pad)
 
     def next_async(self, version: int, stopping: Callable[[], bool], pad: int) -> tuple[Batch, dict] | None:
-        """Async: the next step's groups trainable at trainer version `version`, with a `policy_version`
-        row tensor (each trajectory's oldest token's version), and the buffer's counts; None when asked to stop."""
+        """Async: the next step's groups trainable at `version` (each row's `policy_version`: its
+        trajectory's oldest token's) and the buffer's counts; None when asked to stop."""
         got = self._poll(lambda: self.actor.take_step.remote(version), stopping)
         if got is None:
             return None
@@ -83,7 +76,6 @@ class ExternalSource:
         ray.get(self.actor.set_version.remote(version), timeout=CALL_TIMEOUT_S)
 
     def _poll(self, call: Callable[[], Any], stopping: Callable[[], bool]) -> Any:
-        """`call()`'s answer once it is not None; None when `stopping()` says so first."""
         while True:
             got = ray.get(call(), timeout=CALL_TIMEOUT_S)
             if got is not None or stopping():
@@ -96,8 +88,7 @@ class ExternalSource:
 
 
 def whole_ranks(rows: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
-    """Every rank trains on as many rows: when segments make the count uneven, the earliest segments
-    that are not a trajectory's last are left out (a trajectory's last segment is always kept)."""
+    """Every rank trains on as many rows: the earliest segments that are not a trajectory's last go."""
     extra = len(rows) % workers
     keep = []
     for i, row in enumerate(rows):

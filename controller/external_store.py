@@ -1,28 +1,24 @@
 """External trajectories: every call of an agent recorded token-exact, until a step trains on it.
 
-A trajectory is a list of segments. A segment is what the trainer sees as one row: the first
-prompt's tokens exactly as templated, then, per call, the delta that the call's prompt adds (mask 0)
-and the sampled tokens with the rollout engine's log-probs (mask 1). A call whose messages extend the
-previous call's (same messages, then the assistant message that call returned, then new ones) adds
-to the segment; the engine is then given the segment's own tokens, so what the model saw is what is
-recorded. A call that rewrites history (edits, drops or reorders earlier messages, or changes the
-tools) starts a new segment, and `segments[k].reason` says why.
-
-States: open (calls arrive) -> rewarded -> consumed (a step trained on it, or, in an async job, its
-group went to the rollout buffer); open -> dropped (no reward within reward_timeout_s after its last
-call). In an async job (`buffer` set) a new trajectory is also an admission to the rollout buffer
-(controller/rollout_buffer.py `try_admit`, one sample per trajectory): refused, its first call is a
-429. Nothing here imports torch or Ray.
+A segment is one trainer row: the first prompt's tokens as templated, then per call the delta its
+prompt adds (mask 0) and the sampled tokens with their log-probs (mask 1). A call that extends the
+previous call's messages adds to the segment; one that rewrites history or changes the tools starts a
+new one (`reason` says why). States: open -> rewarded -> consumed, or open -> dropped (no reward within
+reward_timeout_s). In an async job the endpoint's `ExternalBuffer` holds the job's `RolloutBuffer`
+(B = trajectories_per_step, one sample per trajectory): a new trajectory is an admission (refused: a
+429), a reward that completes a group puts it (its version: the group's oldest call's), a step takes
+groups through the buffer's staleness filter, and a restart drops what the lost attempt sampled.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.rollout_buffer import RolloutBuffer
+from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
 from schema.external import ExternalSpec
 
 
@@ -88,8 +84,6 @@ class Trajectory:
 
 
 def unknown_trajectory(tid: str) -> str:
-    """The 404's message: trajectories live in the job's running processes, so the ones a pause,
-    cancel or service restart found open (not rewarded) are gone with them; their agents start anew."""
     return (f"no trajectory '{tid}' in this job (trajectories still open when the job was paused or "
             "restarted are not kept: start a new one)")  # fmt: skip
 
@@ -116,7 +110,7 @@ def tools_key(tools: list[dict] | None) -> str:
 
 
 class TrajectoryStore:
-    """The job's external trajectories; see the module docstring. Not thread-safe: one event loop."""
+    """The job's external trajectories. Not thread-safe: one event loop."""
 
     def __init__(self, config: ExternalSpec) -> None:
         self.config = config
@@ -128,8 +122,6 @@ class TrajectoryStore:
         self.consumed = 0
         self.new_segments = 0
         self.buffer: RolloutBuffer | None = None  # trainer.mode async: admission of new trajectories
-
-    # ---- calls -----------------------------------------------------------------------------
 
     def open(self, tid: str) -> Trajectory:
         """The trajectory a call names, created on its first call (429 past rollout.external.max_pending)."""
@@ -158,7 +150,6 @@ class TrajectoryStore:
         return traj
 
     def forget(self, tid: str) -> None:
-        """A trajectory whose first call failed: as if it had never been named."""
         self.trajectories.pop(tid, None)
         if self._open.pop(tid, None) is not None and self.buffer is not None:
             self.buffer.cancel(1)
@@ -167,12 +158,10 @@ class TrajectoryStore:
         return len(self._open) + len(self._rewarded)
 
     def fork(self, tid: str, before: list[Segment]) -> Trajectory:
-        """Choice k > 0 of a call with n > 1: a trajectory of its own with the parent's segments so far."""
+        """Choice k > 0 of a call with n > 1: a trajectory with the parent's segments so far."""
         traj = self.open(tid)
         traj.segments = [s.copy() for s in before]
         return traj
-
-    # ---- rewards ---------------------------------------------------------------------------
 
     def reward(self, tid: str, reward: float, task_id: str | None, turn_rewards: list[float] | None,
                metadata: dict[str, Any]) -> Trajectory:  # fmt: skip
@@ -196,32 +185,27 @@ class TrajectoryStore:
             return 0
         self._swept = now
         late = [t for t in self._open.values() if now - t.last_call > self.config.reward_timeout_s]
-        for t in late:
-            t.state = "dropped"
-            del self._open[t.id]
-            t.segments = []  # its tokens are not needed any more
-        self.dropped += len(late)
+        self._drop(late)
         if late and self.buffer is not None:  # admitted samples that will not come
             self.buffer.cancel(len(late))
         return len(late)
 
     def drop_where(self, predicate: Any) -> int:
-        """Open or rewarded (not yet taken) trajectories for which `predicate(t)` holds, dropped as the
-        reward timeout drops them; returns how many (the caller gives back their admission)."""
-        gone = [t for t in [*self._open.values(), *self._rewarded.values()] if predicate(t)]
+        """Drops the open or rewarded trajectories `predicate` holds for; returns how many (the caller
+        gives back their admission)."""
+        return self._drop([t for t in [*self._open.values(), *self._rewarded.values()] if predicate(t)])
+
+    def _drop(self, gone: list[Trajectory]) -> int:
         for t in gone:
-            t.state = "dropped"
+            t.state, t.segments = "dropped", []  # its tokens are not needed any more
             self._open.pop(t.id, None)
             self._rewarded.pop(t.id, None)
-            t.segments = []
         self.dropped += len(gone)
         return len(gone)
 
-    # ---- steps -----------------------------------------------------------------------------
-
     def take(self) -> list[Trajectory] | None:
-        """A step's trajectories, whole groups of group_size with the same task id (oldest reward first),
-        or None while fewer than trajectories_per_step are ready. They become 'consumed'."""
+        """A step's trajectories as whole groups of one task id (oldest reward first), or None while
+        fewer than trajectories_per_step are ready."""
         want = self.config.trajectories_per_step // self.config.group_size
         groups = self._groups()
         if len(groups) < want:
@@ -229,7 +213,7 @@ class TrajectoryStore:
         return self._consume([t for g in groups[:want] for t in g])
 
     def take_groups(self) -> list[list[Trajectory]]:
-        """Async: every complete group now (for the rollout buffer); they become 'consumed'."""
+        """Async: every complete group now, for the rollout buffer."""
         groups = self._groups()
         self._consume([t for g in groups for t in g])
         return groups
@@ -260,7 +244,6 @@ class TrajectoryStore:
 
 
 def readable_message(m: dict[str, Any]) -> dict[str, str]:
-    """A message as the samples view shows it: its text, tool calls written out."""
     from workers.chat_serving import content_text, tool_call_text
 
     text = content_text(m.get("content"))
@@ -269,7 +252,6 @@ def readable_message(m: dict[str, Any]) -> dict[str, str]:
 
 
 def trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
-    """What the API answers about a trajectory (`tokens`: with its segments' tokens)."""
     out = {"id": t.id, "object": "trajectory", "state": t.state, "task_id": t.task_id, "reward": t.reward,
            "turn_rewards": t.turn_rewards, "metadata": t.metadata, "calls": t.calls,
            "segments": len(t.segments)}  # fmt: skip
@@ -283,11 +265,63 @@ def trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
     return out
 
 
+def trajectory_rows(t: Trajectory) -> list[dict[str, Any]]:
+    """The trainer's rows of a trajectory, one per segment."""
+    return [trajectory_row(t, k, s) for k, s in enumerate(t.segments)]
+
+
 def trajectory_row(t: Any, k: int, s: Segment) -> dict[str, Any]:
-    """Segment k of trajectory t as the trainer's row (controller/external_source.py lays rows out)."""
     return {
         "trajectory_id": t.id, "segment": k, "reason": s.reason, "task_id": t.task_id, "reward": t.reward,
         "prompt_ids": s.prompt_ids, "tokens": s.tokens, "loss_mask": s.loss_mask, "log_probs": s.log_probs,
         "weight_version": min(s.weight_versions) if s.weight_versions else 0, "calls": len(s.weight_versions),
         "tool_calls": s.tool_calls, "finish_reason": s.finish_reason, "messages": s.messages,
     }  # fmt: skip
+
+
+class ExternalBuffer:
+    """`rows(t)` lays a trajectory out as the trainer's rows (one per segment)."""
+
+    def __init__(self, store: TrajectoryStore, rows: Callable[[Trajectory], list[dict[str, Any]]],
+                 max_staleness: int, capacity: int, version: int) -> None:  # fmt: skip
+        self.store, self.rows = store, rows
+        self.buffer = RolloutBuffer(store.config.trajectories_per_step, max_staleness, capacity, version)
+        store.buffer = self.buffer  # the store admits new trajectories through it
+        self._groups = 0
+
+    def put_groups(self) -> None:
+        for group in self.store.take_groups():
+            newest = max(v for t in group for s in t.segments for v in s.weight_versions)
+            rows = []
+            for t in group:
+                oldest = min(v for s in t.segments for v in s.weight_versions)
+                rows += [{**row, "policy_version": oldest} for row in self.rows(t)]
+                t.segments = []  # its tokens are in the buffer now
+            version = min(row["policy_version"] for row in rows)
+            self.buffer.put(
+                BufferedRollout(self._groups, len(group), version, rows, extra={"newest": newest})
+            )
+            self._groups += 1
+
+    def rewind(self, version: int) -> int:
+        """The workers restarted from the checkpoint of `version`: what newer weights sampled is dropped
+        (a later call or reward of it: 409), admission restarts from `version`; returns how many."""
+        newer = lambda g: g.extra.get("newest", g.version) > version  # noqa: E731
+        dropped = self.buffer.drop_where(newer)
+        gone = self.store.drop_where(
+            lambda t: any(v > version for s in t.segments for v in s.weight_versions)
+        )
+        self.buffer.cancel(gone)  # admitted, not put yet: their room goes back
+        self.buffer.set_version(version)
+        return dropped + gone
+
+    def take_step(self, version: int, who: str) -> dict[str, Any] | None:
+        try:
+            groups, _ = self.buffer.take(version, self.buffer.batch_size, 0.0, who)
+        except BufferTimeout:
+            return None
+        return {
+            "rows": [row for g in groups for row in g.payload],
+            "dropped_total": self.buffer.dropped,
+            "fill": self.buffer.buffered_samples() / self.buffer.capacity,
+        }

@@ -1,19 +1,9 @@
 """Typed surfaces of the job's worker groups: what the trainer may call on each role, and what it gets.
 
-A `RayWorkerGroup` binds a worker's registered methods at run time, so type checkers cannot see
-them. Each class here names the operations its role offers, each one line derived from the worker
-method itself: `update_actor = operation(ActorRefWorker.update_actor)` takes that method's
-parameters and returns what its annotation says, reduced over ranks as its `@register` spec
-declares (`workers.base.Reduce`):
-- MESH calls that return a Batch come back gathered by dp rank (controller/dispatch.py);
-- `Reduce.GLOBAL`: results the engine already reduced over ranks (update metrics, the grad norm),
-  identical on every rank, so rank 0's;
-- `Reduce.RANK_ZERO`: a per-rank measurement (a weight sync's timing) or acknowledgement: rank 0's.
-A group checks at construction that its worker registers every operation it offers with the same spec, so a renamed
-or re-declared worker method fails when the group starts, not in the middle of a job.
-
-The actor's group holds its rollout group: the same workers for the hybrid worker, or a rollout
-group of its own (placement 'split'), to which the training rank 0 sends the weights.
+A `RayWorkerGroup` binds methods at run time, so each class here declares its role's operations, each
+derived from the worker method itself (`update_actor = operation(ActorRefWorker.update_actor)`), with
+its parameters, its result reduced over ranks as its `@register` spec says (`workers.base.Reduce`),
+and a check at construction that the worker registers it so: a renamed method fails at start.
 """
 
 from __future__ import annotations
@@ -35,17 +25,14 @@ R = TypeVar("R")
 
 
 def reduce_results(spec: MethodSpec, results: Any) -> Any:
-    """One result from the ranks' results, as the method's spec declares (module docstring)."""
-    if spec.reduce is Reduce.ALL:
+    """All ranks' results (Reduce.ALL), or rank 0's (RANK_ZERO dispatch: already rank 0's alone)."""
+    if spec.reduce is Reduce.ALL or spec.mode is Dispatch.RANK_ZERO:
         return results
-    if spec.mode is Dispatch.RANK_ZERO:
-        return results  # already rank 0's alone
     return results[0]
 
 
 class operation(Generic[P, R]):  # noqa: N801 -- used like a decorator, named like one
-    """A group method derived from a registered worker method: the same parameters (less `self`)
-    and the same result, reduced over ranks as the method's spec says."""
+    """A group method with a registered worker method's parameters and result, reduced over ranks."""
 
     def __init__(self, method: Callable[Concatenate[Any, P], R]) -> None:
         spec = getattr(method, SPEC_ATTR, None)
@@ -79,7 +66,6 @@ class operation(Generic[P, R]):  # noqa: N801 -- used like a decorator, named li
 class RoleGroup:
     """A typed view of one role's RayWorkerGroup; subclasses declare their `operation`s."""
 
-    # Derived from the class's operations (__init_subclass__), never written by hand.
     operations: ClassVar[dict[str, operation]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -97,7 +83,7 @@ class RoleGroup:
         self.group = group
 
     def start(self, op: operation[P, R], *args: P.args, **kwargs: P.kwargs) -> Callable[[], R]:
-        """`op` started without waiting; call the result to wait for it (same timeout, same reduction)."""
+        """`op` started without waiting; call the result to wait for it."""
         pending = self.group.submit(op.name, *args, **kwargs)
         return lambda: reduce_results(op.spec, pending.result())
 
@@ -106,8 +92,7 @@ class RoleGroup:
 
 
 class CheckpointedGroup(RoleGroup):
-    """A training role (workers/operations.py): the job's checkpoints and live edits, and the
-    fine-grained operations a low-level client drives one by one."""
+    """A training role (workers/operations.py): checkpoints, live edits and fine-grained operations."""
 
     save_checkpoint = operation(TrainingOperations.save_checkpoint)
     load_checkpoint = operation(TrainingOperations.load_checkpoint)
@@ -124,17 +109,15 @@ class CheckpointedGroup(RoleGroup):
 
 
 class RolloutGroup(RoleGroup):
-    """The rollout role: in the hybrid worker (workers/hybrid.py) or on its own workers
-    (workers/rollout_role.py, placement 'split')."""
+    """The rollout role: in the hybrid worker, or on its own workers (placement 'split')."""
 
     generate_sequences = operation(RolloutWorker.generate_sequences)
     generate = operation(RolloutWorker.generate)
 
 
 class ActorGroup(CheckpointedGroup):
-    """The actor and its rollout: the hybrid worker (workers/hybrid.py), or the training role
-    (workers/actor_role.py) beside a rollout group of its own (`rollout`, placement 'split'), to
-    which its rank 0 sends the weights."""
+    """The actor and its rollout: the hybrid worker, or the training role beside a rollout group of its
+    own (placement 'split'), to which its rank 0 sends the weights."""
 
     compute_log_prob = operation(ActorRefWorker.compute_log_prob)
     compute_ref_log_prob = operation(ActorRefWorker.compute_ref_log_prob)
@@ -149,20 +132,18 @@ class ActorGroup(CheckpointedGroup):
         self._own_rollout = rollout is not None
 
     def generate_sequences(self, prompts: Batch) -> Batch:
-        """One response per row, sampled with the batch's SamplingParams (rollout mesh)."""
         return self.rollout.generate_sequences(prompts)
 
     def set_rollout(self, rollout: RayWorkerGroup) -> None:
-        """A replacement rollout group of its own (placement 'split'; controller/roles.py)."""
+        """A replacement rollout group of its own (placement 'split')."""
         self.rollout, self._own_rollout = RolloutGroup(rollout), True
 
     @property
     def own_rollout(self) -> RayWorkerGroup | None:
-        """The rollout group placed apart (placement 'split'), or None when the workers are hybrid."""
+        """The rollout group placed apart, or None when the workers are hybrid."""
         return self.rollout.group if self._own_rollout else None
 
     def start_sync_weights(self) -> Callable[[], dict[str, float]]:
-        """`sync_weights` started without waiting; call the result to wait for its measurements."""
         return self.start(ActorGroup.sync_weights)
 
     def shutdown(self) -> None:
@@ -172,13 +153,9 @@ class ActorGroup(CheckpointedGroup):
 
 
 class CriticGroup(CheckpointedGroup):
-    """The value model (workers/critic.py)."""
-
     compute_values = operation(CriticWorker.compute_values)
     update_critic = operation(CriticWorker.update_critic)
 
 
 class RewardGroup(RoleGroup):
-    """The reward model (workers/reward_model.py)."""
-
     compute_rm_score = operation(RewardModelWorker.compute_rm_score)

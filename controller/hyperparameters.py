@@ -1,7 +1,5 @@
 """The hyper-parameters that may change while a job runs, and where each lives in the JobSpec.
-
-Torch-free: the service checks an edit (`PATCH`/`tandem set`) and the dashboard lists the names
-without loading the training stack; the job's controller applies the same table at its next step.
+Torch-free: the service checks edits and the dashboard lists them without the training stack.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The job's single controller as a Ray actor: it runs the Trainer, and the service steers it.
-
-The actor is threaded: `run()` occupies one thread for the whole job while `drain()` (new events,
-metrics, logs and checkpoints, polled by the service), `request_stop()` and `set_hyperparameters()`
-answer on the others. A lost worker is recovered inside `Trainer.run` (controller/recovery.py): the
-drain then carries the restart under way and the step the job went back to. A crash inside the job
-is caught and returned as a "failed" result with its traceback, so the service records why; the
-actor dying outright is seen by the service as well.
+"""The job's single controller as a threaded Ray actor: `run()` holds one thread for the whole job while
+`drain()` (records polled by the service), `request_stop()` and `set_hyperparameters()` answer on
+others. A crash inside the job comes back as a "failed" result with its traceback.
 """
 
 from __future__ import annotations
@@ -33,13 +28,9 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class BufferSink:
-    """A JobSink that keeps records until the service drains them.
-
-    Each record gets a sequence number; the service says which it has stored (`committed`) after it
-    wrote a drain to its store. `flush` waits for that: a checkpoint is committed only once every
-    record up to it is stored, so a service killed at any moment never resumes a job from a
-    checkpoint whose steps it has no record of.
-    """
+    """A JobSink that keeps records until the service drains them. `flush` waits until the service
+    says (`committed`) it stored every record so far: a checkpoint is committed only after its steps'
+    records, so a service killed at any moment never resumes from a checkpoint it has no record of."""
 
     FLUSH_TIMEOUT_S = 120.0
 
@@ -75,15 +66,13 @@ class BufferSink:
             self._appended += 1
 
     def rewind(self, step: int) -> None:
-        """Metrics of steps after `step` not drained yet are dropped; the next drain tells the service
-        to forget the stored ones before it stores that drain's (the recomputed) rows."""
+        """Metrics after `step` are dropped here, and the next drain tells the service to forget its own."""
         with self._lock:
             self._metrics = deque(m for m in self._metrics if m[1] <= step)
             self._rewind = step if self._rewind is None else min(self._rewind, step)
 
     def flush(self) -> None:
-        """Wait until the service has stored every record appended so far (or FLUSH_TIMEOUT_S passed:
-        then say so and go on, rather than hold the job)."""
+        """Wait until the service stored every record so far (past FLUSH_TIMEOUT_S: warn and go on)."""
         with self._lock:
             target = self._appended
             if not self._stored.wait_for(lambda: self._committed >= target, self.FLUSH_TIMEOUT_S):
@@ -95,7 +84,6 @@ class BufferSink:
                 )
 
     def committed(self, seq: int) -> None:
-        """The service stored every record up to `seq` (the `seq` a drain returned)."""
         with self._lock:
             self._committed = max(self._committed, seq)
             self._stored.notify_all()
@@ -107,19 +95,17 @@ class BufferSink:
 
     def drain(self) -> dict[str, list]:
         with self._lock:
-            out = {
-                "events": list(self._events),
-                "metrics": list(self._metrics),
-                "checkpoints": list(self._checkpoints),
-                "samples": list(self._samples),
-                "rewind": self._rewind,
-                "seq": self._appended,
+            queues = {
+                "events": self._events,
+                "metrics": self._metrics,
+                "checkpoints": self._checkpoints,
+                "samples": self._samples,
             }
+            out: dict[str, Any] = {name: list(q) for name, q in queues.items()}
+            out.update(rewind=self._rewind, seq=self._appended)
             self._rewind = None
-            self._samples.clear()
-            self._events.clear()
-            self._metrics.clear()
-            self._checkpoints.clear()
+            for q in queues.values():
+                q.clear()
         return out
 
 
@@ -145,7 +131,6 @@ class _LogBuffer(logging.Handler):
 
 
 def mark(line: str, attempt: int) -> str:
-    """A log line of a restarted job's attempt 2, 3, ... starts with it; the first attempt's do not."""
     return f"[attempt {attempt}] {line}" if attempt > 1 else line
 
 
@@ -153,7 +138,6 @@ class JobController:
     """Ray actor body (created with max_concurrency > 1 by the service)."""
 
     def __init__(self, job_id: str, spec: JobSpec | dict[str, Any], workdir: str, restarts: int = 0) -> None:
-        """`spec`: the scheduler sends the store's parsed JobSpec; a dict (scripts, tests) is validated."""
         self.job_id, self.workdir = job_id, Path(workdir)
         self.spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
         self.sink = BufferSink()
@@ -165,19 +149,13 @@ class JobController:
         self.workdir.mkdir(parents=True, exist_ok=True)
         os.environ[WORKER_OUTPUT_ENV] = str(self.workdir / WORKER_OUTPUT_FILE)
         self.worker_output = OutputTail(self.workdir / WORKER_OUTPUT_FILE)
-        # Trackers (trainer.loggers) get a copy of the records from a thread of their own.
         self.trackers = with_trackers(self.sink, self.spec, self.workdir, job_id)
         self.trainer = Trainer(self.spec, self.workdir, self.trackers, name=job_id, restarts=restarts)
 
     def run(self) -> dict[str, Any]:
         log = logging.getLogger("tandem.job")
-        log.info(
-            "job %s: %s on %s, %d steps",
-            self.job_id,
-            self.spec.method,
-            self.spec.model,
-            self.spec.trainer.total_steps,
-        )
+        spec = self.spec
+        log.info("job %s: %s on %s, %d steps", self.job_id, spec.method, spec.model, spec.trainer.total_steps)
         try:
             self.trainer.run()
             return {"status": "succeeded", "step": self.trainer.step_index}
@@ -209,12 +187,11 @@ class JobController:
         return os.getpid()
 
     def worker_pids(self) -> dict[str, list[int]]:
-        """The process id of every rank of the job's worker groups, by role ({} before they start)."""
+        """The process id of every rank of the job's worker groups ({} before they start)."""
         job = self.trainer.job
         return worker_pids(job.groups) if job is not None else {}
 
     def committed(self, seq: int) -> None:
-        """The service stored what drain() returned up to `seq`."""
         self.sink.committed(seq)
 
     def request_stop(self, reason: str) -> None:

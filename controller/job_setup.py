@@ -1,9 +1,6 @@
-"""Everything a job builds before its first step: model folder, tokenizer, data, reward, workers.
-
-`JobSetup.build` runs the build order once (model → tokenizer → data → reward → worker groups) and
-then serves the trainer: the next prompt batch with its sampling settings, the next SFT batch, the
-validation batch, the samples' scores (`scored`: the reward, then the over-long options, wherever
-the samples came from), and hyper-parameter edits.
+"""Everything a job builds before its first step, in one build order (`JobSetup.build`: model,
+tokenizer, data, reward, worker groups), then what the trainer asks of it: prompt batches with their
+sampling settings, the samples' scores (`scored`), and hyper-parameter edits.
 """
 
 from __future__ import annotations
@@ -51,30 +48,21 @@ class JobSetup:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         train_file, val_file = resolve_data_files(spec.data, workdir, seed=spec.trainer.seed)
         sft = spec.method == "sft"
-        train = build_dataset(
-            train_file, tokenizer, spec.data, sft=sft, max_response_length=spec.rollout.max_new_tokens
-        )
+        train = build_dataset(train_file, tokenizer, spec.data, sft, spec.rollout.max_new_tokens)
         if train.num_filtered:
-            sink.event(
-                "data_filtered",
-                f"{train.num_filtered} training prompts longer than "
-                f"{spec.data.max_prompt_length} tokens were dropped",
-                **train.stats,
-            )
-        loader = PromptLoader(
-            train, spec.trainer.prompts_per_step, seed=spec.trainer.seed, shuffle=spec.data.shuffle
-        )
+            why = f"{train.num_filtered} training prompts longer than {spec.data.max_prompt_length} tokens"
+            sink.event("data_filtered", f"{why} were dropped", **train.stats)
+        loader = PromptLoader(train, spec.trainer.prompts_per_step, spec.trainer.seed, spec.data.shuffle)
         val_batch = None
         if val_file is not None and spec.trainer.val_every:
             val = build_dataset(val_file, tokenizer, spec.data)
-            val_batch = val.make_batch(list(range(min(spec.trainer.val_size, len(val)))))
+            val_batch = val.head(spec.trainer.val_size)
             put_sampling(val_batch, spec.rollout.sampling_params(seed=0, greedy=spec.trainer.val_greedy))
             put_prompt_length(val_batch, spec.data.max_prompt_length)
             put_environment(val_batch, spec.rollout.environment_config())
         scorer = RewardScorer(spec.reward.function, spec.reward.num_workers) if spec.reward.function else None
-        spec = spec.merged(
-            {"rollout": {"backend": resolve_backend(spec.rollout.backend, rollout_device(spec))}}
-        )
+        backend = resolve_backend(spec.rollout.backend, rollout_device(spec))
+        spec = spec.merged({"rollout": {"backend": backend}})
         sink.event(
             "building",
             f"starting {spec.resources.workers} worker(s) for {spec.method} on {model_path} "
@@ -102,10 +90,10 @@ class JobSetup:
         return self.loader.epoch
 
     def next_prompts(self, step: int, round_index: int = 0) -> Batch:
-        """The step's prompts, each repeated rollout.n times (interleaved, so a group is contiguous);
-        `round_index` counts the extra draws of dynamic sampling within one step."""
+        """The step's prompts, each repeated rollout.n times (a group is contiguous); `round_index`
+        counts dynamic sampling's extra draws."""
         batch = next(self.loader).repeat(self.spec.rollout.n, interleave=True)
-        # The seed is a function of the step and round alone, so a resumed job samples what it would have.
+        # A function of the step and round alone: a resumed job samples what it would have.
         seed = self.spec.trainer.seed * 1_000_003 + step + round_index * 2**32
         put_sampling(batch, self.spec.rollout.sampling_params(seed=seed))
         put_prompt_length(batch, self.spec.data.max_prompt_length)
@@ -126,8 +114,7 @@ class JobSetup:
             return batch, scores, metrics
 
     def scored(self, batch: Batch) -> tuple[Batch, torch.Tensor, dict[str, float]]:
-        """What a step trains on from generated samples: their rewards, then the over-long options
-        (controller/overlong.py: the penalty shapes the scores, the filter the response mask)."""
+        """Rewards, then the over-long options (controller/overlong.py), wherever samples came from."""
         batch, scores, metrics = self.rewards(batch)
         batch, scores, overlong = apply_overlong(
             batch, scores, self.spec.algorithm.overlong, self.spec.rollout.response_budget
@@ -154,8 +141,7 @@ class JobSetup:
 
 
 def rollout_device(spec: JobSpec) -> str:
-    """Where the job's rollout engines run: on GPUs when their workers ask for some, or when the
-    cluster has them and the request is left at 0 (the resource pool's rule)."""
+    """ "cuda" when the rollout workers ask for GPUs, or the cluster has them (the resource pool's rule)."""
     split = spec.resources.rollout_workers
     gpus = split.gpus_per_worker if split is not None else spec.resources.gpus_per_worker
     return "cuda" if gpus or ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"

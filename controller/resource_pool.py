@@ -1,13 +1,8 @@
 """A ResourcePool is a Ray placement group plus a stable rank order over its bundles.
 
-Worker groups are placements of one pool: each group starts one actor per bundle and takes a
-fraction (`share`) of the bundle's CPUs and GPUs, so several groups can be colocated on the same
-bundles. Ranks follow the bundles grouped by node, nodes ordered by (IP, node id): a job's ranks land
-on the same nodes in the same order every time the pool is rebuilt on the same cluster, and the ranks
-of one node are neighbours (so LOCAL_RANK is the rank's position among them).
-
-The placement strategy is Ray's: PACK (few nodes, best effort), SPREAD (many nodes, best effort),
-STRICT_PACK (one node) or STRICT_SPREAD (one bundle per node).
+Worker groups are placements of one pool, each taking a `share` of every bundle, so groups can be
+colocated. Ranks follow the bundles grouped by node, nodes ordered by (IP, node id): the same order
+whenever the pool is rebuilt on the same cluster, and a node's ranks are neighbours (LOCAL_RANK).
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ class ResourcePoolError(RuntimeError):
 
 
 def _ip_sort_key(ip: str) -> tuple[int, int, str]:
-    """Numeric order for IP addresses ("10.0.0.9" before "10.0.0.10", IPv4 before IPv6); others last."""
+    """Numeric order ("10.0.0.9" before "10.0.0.10", IPv4 before IPv6); not an IP: last."""
     try:
         address = ipaddress.ip_address(ip)
     except ValueError:
@@ -44,11 +39,8 @@ def _ip_sort_key(ip: str) -> tuple[int, int, str]:
 
 
 def rank_order(node_of_bundle: dict[int, str], ip_of_node: dict[str, str]) -> list[int]:
-    """Bundle indices in rank order: by node IP, then node id, then bundle index.
-
-    The node id breaks ties between nodes that share an IP (several raylets on one host, as in the
-    multi-node tests), so the bundles of one node are always contiguous ranks.
-    """
+    """Bundle indices in rank order: by node IP, then node id (several raylets may share an IP), then
+    bundle index."""
 
     def key(bundle: int) -> tuple[tuple[int, int, str], str, int]:
         node = node_of_bundle[bundle]
@@ -58,8 +50,6 @@ def rank_order(node_of_bundle: dict[int, str], ip_of_node: dict[str, str]) -> li
 
 
 class ResourcePool:
-    """`bundles` bundles of `cpus_per_bundle` CPUs (and GPUs when the cluster has them)."""
-
     def __init__(
         self,
         bundles: int,
@@ -93,16 +83,11 @@ class ResourcePool:
     def for_resources(
         cls, resources: ResourcesSpec, name: str = "", ready_timeout_s: float = 120.0, role: str = "training"
     ) -> ResourcePool:
-        """The pool of one role ("training", or "rollout" on placement 'split') of a job's `resources`,
-        sizes left to the defaults filled in for this cluster (controller/role_shares.py)."""
+        """The pool of one role ("training", or "rollout" on placement 'split') of a job's `resources`."""
         share = job_shares(resources)[role]
+        strategy = resources.placement_strategy
         return cls(
-            share.workers,
-            cpus_per_bundle=share.cpus,
-            gpus_per_bundle=share.gpus,
-            strategy=resources.placement_strategy,
-            name=name,
-            ready_timeout_s=ready_timeout_s,
+            share.workers, share.cpus, share.gpus, strategy, name=name, ready_timeout_s=ready_timeout_s
         )
 
     def _wait_ready(self, timeout_s: float) -> None:
@@ -121,7 +106,6 @@ class ResourcePool:
         return rank_order(table["bundles_to_node_id"], _node_ips())
 
     def node_of_rank(self) -> list[str]:
-        """Node id of each rank's bundle, in rank order."""
         table = placement_group_table(self.placement_group)
         return [table["bundles_to_node_id"][b] for b in self.bundle_order]
 
@@ -140,36 +124,28 @@ class ResourcePool:
 
 
 def cluster_capacity() -> Capacity:
-    """What default sizes are cut from: the largest node's CPUs, capped by the physical cores (of this
-    machine: on a cluster of unlike nodes, give resources.cpus_per_worker), and the cluster's GPUs.
-    On a Ray that advertises more CPUs than there are cores, a job still takes only the cores, so that
-    several jobs run side by side instead of waiting for CPUs their threads could not use."""
+    """What default sizes are cut from: the largest node's CPUs capped by this machine's physical cores
+    (a Ray advertising more CPUs still runs several jobs side by side), and the cluster's GPUs."""
     cpus = float(max(1, min(int(largest_node_cpus()), physical_cores())))
     return Capacity(cpus, float(ray.cluster_resources().get("GPU", 0.0)))
 
 
 def job_shares(resources: ResourcesSpec) -> dict[str, Share]:
-    """Each role's workers and per-worker sizes on this cluster (controller/role_shares.py)."""
     return role_shares(resources, cluster_capacity())
 
 
 def largest_node_cpus() -> float:
-    """The most CPUs an alive node of the cluster advertises."""
     return max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=1.0)
 
 
 def cores_shared(share: float) -> bool:
-    """Whether a rank's cores may be busy with other work while it computes: its group takes only a
-    share of its bundle (other groups' processes compute on the same CPUs), or the Ray advertises
-    more CPUs than this machine has (so Ray places more busy processes than there are CPUs: the
-    test suite's Ray, or a node started with num_cpus above its count). Like `cluster_capacity`,
-    this machine stands for the cluster's nodes."""
+    """Whether a rank's cores may be busy with other work: its group takes a share of its bundle, or
+    Ray advertises more CPUs than this machine has."""
     return share < 1 or largest_node_cpus() > logical_cpus()
 
 
 def job_needs(spec: dict[str, Any]) -> tuple[float, float, list[dict[str, float]]]:
-    """(CPUs, GPUs, bundles) that a job holds while it runs on this cluster: one bundle per training
-    worker, plus one per rollout worker when the rollout is placed apart (resources.placement 'split')."""
+    """(CPUs, GPUs, bundles) a job holds while it runs on this cluster: a bundle per worker of each role."""
     bundles: list[dict[str, float]] = []
     for share in job_shares(ResourcesSpec.model_validate(spec["resources"])).values():
         bundle = {"CPU": share.cpus, **({"GPU": share.gpus} if share.gpus else {})}
@@ -178,7 +154,7 @@ def job_needs(spec: dict[str, Any]) -> tuple[float, float, list[dict[str, float]
 
 
 def describe_placement(node_ids: list[str], node_ips: list[str]) -> str:
-    """'ranks 0-1 on 10.0.0.1, rank 2 on 10.0.0.2': a node's ranks are contiguous (see rank_order)."""
+    """'ranks 0-1 on 10.0.0.1, rank 2 on 10.0.0.2' (a node's ranks are contiguous)."""
     parts, first = [], 0
     for rank in range(1, len(node_ids) + 1):
         if rank == len(node_ids) or node_ids[rank] != node_ids[first]:

@@ -1,14 +1,6 @@
-"""A user's reward function, scored in long-lived sandboxes (workers/sandbox/) for a job's controller.
-
-`SandboxedRewards` starts a sandbox holding a copy of the function's file (if it names one), checks
-the function there at once (a bad reference fails the job at setup, as before), and scores each batch
-with one call: the rows go over the pipe as JSON and `(score, metrics, error)` per row come back. With
-`workers` > 1, large batches are split over that many sandboxes. A call past `timeout_s` ends its
-sandbox; its rows score 0.0 as errors, and the next batch starts a fresh one. Built-in rewards
-come here only when their scoring runs code on the completion (rewards.SANDBOXED_BUILTINS); the
-others are the service's code and run in the controller (controller/rewards.py).
-
-`score_in_sandbox` is the sandbox's side; it resolves the reference once per process.
+"""A user's reward function, scored in long-lived sandboxes (workers/sandbox/) for a job's controller:
+checked at once when its sandbox starts, then one call per batch (large batches split over `workers`
+sandboxes). A call past `timeout_s` ends its sandbox and its rows score 0.0 as errors.
 """
 
 from __future__ import annotations
@@ -27,8 +19,6 @@ SampleResult = tuple[float, dict[str, float], str | None]
 
 
 class SandboxedRewards:
-    """Scores rows with a user's reward function in sandboxes; see the module docstring."""
-
     def __init__(self, ref: str, workers: int = 1, timeout_s: float | None = 300.0, parallel_threshold: int = 64,
                  limits: Limits | None = None) -> None:  # fmt: skip
         self.ref, self.timeout_s = ref, timeout_s or 7 * 86400.0
@@ -46,7 +36,7 @@ class SandboxedRewards:
             if box is not None and box.alive:
                 return box
             files = [self.ref.rpartition(":")[0]] if is_path_reference(self.ref) else []
-            # stderr is the controller's, so what the function prints is in the job's log (its owner's)
+            # stderr is the controller's: what the function prints is in the job's log
             box = Sandbox(files, self.limits, stderr=None)
             try:
                 box.call("controller.user_code:check_here", [box.place(self.ref), "reward"], CHECK_TIMEOUT_S)
@@ -59,7 +49,6 @@ class SandboxedRewards:
             return box
 
     def score(self, rows: list[tuple]) -> list[SampleResult]:
-        """(score, metrics, error) of each row (prompt, response, ground_truth, extra), in order."""
         count = len(self._boxes) if len(rows) > self.parallel_threshold else 1
         size = max(1, math.ceil(len(rows) / count))
         chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
@@ -111,7 +100,7 @@ _FUNCTIONS: dict[str, Any] = {}
 
 
 def score_in_sandbox(ref: str, rows: list[list[Any]]) -> list[SampleResult]:
-    """The sandbox's side: score `rows` with the function `ref` names (resolved once per process)."""
+    """The sandbox's side (the function resolved once per process)."""
     from controller.rewards import load_reward_fn, score_sample
 
     if ref not in _FUNCTIONS:

@@ -1,30 +1,10 @@
-"""Rule rewards: functions that score a response, addressed by a reference string, run on the controller.
+"""Rule rewards: functions `fn(prompt, response, ground_truth, extra) -> float | dict` addressed by a
+reference string ("builtin:NAME", "module:function", "path/to/file.py:function"), scored in batches.
 
-A reward function has the signature
-
-    fn(prompt: str, response: str, ground_truth: Any, extra: dict | None) -> float | dict
-
-and returns either a score or a dict with a "score" key plus extra numeric metrics (logged as
-"reward/<name>/mean"). The contract on the signature: the function must accept being called with
-exactly those four positional arguments. So (prompt, response, ground_truth, extra) qualifies, as
-does one with further parameters that all have defaults, or *args; (prompt, response) does not.
-Responses are the decoded completion text, normally without special tokens.
-
-References:
-    "builtin:NAME"               a function of this module (see BUILTIN_REWARDS)
-    "package.module:function"    an importable module ("module:Class.method" reaches nested names)
-    "path/to/file.py:function"   a Python file, loaded by path
-
-`load_reward_fn` resolves and validates a reference; the API has it run in a sandbox at job
-submission (controller/user_code.py), so a bad reference is a clear error before any GPU is held.
-`RewardScorer` scores a batch: a sample whose function raises, or returns a non-number or NaN,
-scores 0.0 and counts in "reward/errors" while the rest go on. A user's function runs in sandboxes
-(controller/reward_sandbox.py), as does a built-in in SANDBOXED_BUILTINS; any other built-in here,
-or for large batches in a pool of spawned processes; either way only the reference string and plain
-data cross the process boundary.
-
-This module imports neither torch nor Ray at the top: spawned scoring processes import it and
-should start quickly.
+A dict result carries "score" plus extra numeric metrics (logged as "reward/<name>/mean"). A sample
+whose function raises or returns a non-number scores 0.0 and counts in "reward/errors". User code and
+SANDBOXED_BUILTINS run in sandboxes (controller/reward_sandbox.py); no torch or Ray at the top, because
+spawned scoring processes import this module.
 """
 
 from __future__ import annotations
@@ -64,8 +44,6 @@ class RewardFunctionError(ValueError):
     """A reward reference that cannot be resolved into a usable function."""
 
 
-# ---- built-in rewards -------------------------------------------------------------------------
-
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+|\d)(?:[eE][-+]?\d+)?")
 
 
@@ -75,12 +53,8 @@ def exact_match(prompt: str, response: str, ground_truth: Any, extra: dict | Non
 
 
 def numeric_match(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> float:
-    """1.0 when the last number in the response is within tolerance of the ground truth.
-
-    Tolerance: |x - y| <= max(abs_tol, rel_tol * |y|), 1e-6 each unless `extra` gives
-    "abs_tol" / "rel_tol". A response without a number scores 0.0; a ground truth that is not a
-    number is an error of the data (it raises).
-    """
+    """1.0 when the last number is within max(abs_tol, rel_tol * |truth|) (`extra`, 1e-6 each) of the
+    truth; a ground truth that is not a number is the data's error (it raises)."""
     truth = _to_number(ground_truth)
     numbers = _NUMBER.findall(response)
     if not numbers:
@@ -100,12 +74,8 @@ def _to_number(value: Any) -> float:
 
 
 def math_verify(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> float:
-    """1.0 when math-verify judges the response's final answer equivalent to the ground truth.
-
-    math-verify bounds its sympy work with signal.alarm, which only works on the main thread; off it
-    (a threaded Ray actor, say) it raises. So the timeouts are used on the main thread and turned
-    off elsewhere; a scorer with num_workers > 0 runs each function on its process's main thread.
-    """
+    """1.0 when math-verify judges the final answer equivalent to the ground truth. Its timeouts use
+    signal.alarm, which raises off the main thread, so they are on only there."""
     from math_verify import parse, verify  # imported on first use: it pulls in sympy (slow)
 
     seconds = 5 if threading.current_thread() is threading.main_thread() else None
@@ -143,12 +113,8 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "word_problems": word_problem_reward,
     "reasoning_gym": reasoning_gym_reward,
 }
-# Built-ins whose scoring runs code on the completion (reasoning-gym's scorers eval answers): they run
-# in the reward sandbox like a user's function.
+# Built-ins whose scoring runs code on the completion (reasoning-gym's scorers eval answers).
 SANDBOXED_BUILTINS = ("builtin:reasoning_gym",)
-
-
-# ---- resolving references ---------------------------------------------------------------------
 
 
 def load_reward_fn(ref: str) -> RewardFn:
@@ -177,34 +143,23 @@ def _check_signature(ref: str, fn: Any) -> None:
         ) from None
 
 
-# ---- scoring a batch --------------------------------------------------------------------------
-
-# What one sample's scoring gives back: (score, extra metrics, error message or None).
+# (score, extra metrics, error message or None)
 SampleResult = tuple[float, dict[str, float], str | None]
 
 
 @dataclass
 class RewardResult:
-    """Scores of a batch, in input order, and what to log about them."""
-
     scores: torch.Tensor  # [N] float32; 0.0 where scoring failed
     metrics: dict[str, float]  # "reward/<name>/mean" per extra metric, "reward/errors"
-    errors: int  # samples whose function raised or returned a non-number / NaN
+    errors: int
     error_messages: list[str] = field(default_factory=list)  # the first few, "sample i: ..."
     row_errors: list[str | None] = field(default_factory=list)  # per sample: its error, or None
 
 
 class RewardScorer:
-    """Scores batches with one reward function.
-
-    A user's function, or a built-in in SANDBOXED_BUILTINS, runs in sandboxes
-    (controller/reward_sandbox.py): one, or `num_workers` for batches of more than
-    `parallel_threshold` rows; a call past `timeout_s` ends its sandbox and its rows count as
-    errors. Any other built-in runs here, serially or, with num_workers > 0 on large batches,
-    in a pool of spawned processes started on first use; each pool call waits at most `timeout_s`,
-    samples not scored by then count as errors and the pool is replaced. (The serial path cannot
-    interrupt a built-in that hangs: it runs in the caller's thread.)
-    """
+    """Scores batches with one reward function: in sandboxes (user code), else here or, with
+    num_workers > 0 on batches over `parallel_threshold`, in a spawned pool; a pool call past
+    `timeout_s` scores its rows as errors and the pool is replaced."""
 
     MAX_ERROR_MESSAGES = 5
 
@@ -248,10 +203,13 @@ class RewardScorer:
             results = self._score_in_pool(rows)
         else:
             results = [score_sample(self.fn, *row) for row in rows]
-        return _summarise(results, self.MAX_ERROR_MESSAGES)
+        import torch  # here, not at the top: spawned scoring processes never need it
+
+        scores, log, errors, messages = _summary(results, self.MAX_ERROR_MESSAGES)
+        row_errors = [error for _, _, error in results]
+        return RewardResult(torch.tensor(scores, dtype=torch.float32), log, errors, messages, row_errors)
 
     def close(self) -> None:
-        """Stop the sandboxes or the process pool, if any were started."""
         if self.sandboxed is not None:
             self.sandboxed.close()
         if self._pool is not None:
@@ -261,7 +219,7 @@ class RewardScorer:
     def __enter__(self) -> RewardScorer:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, *_: object) -> None:
         self.close()
 
     def _score_in_pool(self, rows: list[tuple]) -> list[SampleResult]:
@@ -272,7 +230,6 @@ class RewardScorer:
                 initializer=_init_worker,
                 initargs=(self.ref,),
             )
-        # A few chunks per process: fewer round trips than one sample per task, still balanced.
         size = max(1, math.ceil(len(rows) / (self.num_workers * 4)))
         chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
         futures = [self._pool.submit(_score_chunk, chunk) for chunk in chunks]
@@ -294,8 +251,7 @@ class RewardScorer:
         return results
 
     def _kill_pool(self) -> None:
-        # A hung function never returns, so shutdown() alone would leave its process running.
-        # ProcessPoolExecutor has no public way to stop workers before Python 3.14.
+        # shutdown() alone leaves a hung function's process running; terminate_workers is 3.14+.
         pool, self._pool = self._pool, None
         if pool is None:
             return
@@ -319,7 +275,6 @@ def _canonical_ref(ref: str) -> str:
 def score_sample(
     fn: RewardFn, prompt: str, response: str, ground_truth: Any, extra: dict | None
 ) -> SampleResult:
-    """One row's (score, extra metrics, error message or None): what a failing function gives is an error."""
     try:
         out = fn(prompt, response, ground_truth, extra)
     except Exception as exc:
@@ -350,22 +305,13 @@ def _as_float(value: Any) -> float | None:
 
 
 def score_rows(ref: str, rows: list[dict[str, Any]], max_messages: int = 5) -> dict[str, Any]:
-    """Score plain rows ({prompt, response, ground_truth, extra}) with `ref`, as plain data.
-
-    What `POST /v1/rewards/validate` runs, in a sandbox (controller/user_code.py)."""
+    """Plain rows ({prompt, response, ground_truth, extra}) scored as plain data: what
+    `POST /v1/rewards/validate` runs in a sandbox."""
     fn = load_reward_fn(_canonical_ref(ref))
     results = [score_sample(fn, r.get("prompt", ""), r["response"], r.get("ground_truth"), r.get("extra"))
                for r in rows]  # fmt: skip
     scores, log, errors, messages = _summary(results, max_messages)
     return {"scores": scores, "metrics": log, "errors": errors, "error_messages": messages}
-
-
-def _summarise(results: list[SampleResult], max_messages: int) -> RewardResult:
-    import torch  # here, not at the top: spawned scoring processes never need it
-
-    scores, log, errors, messages = _summary(results, max_messages)
-    row_errors = [error for _, _, error in results]
-    return RewardResult(torch.tensor(scores, dtype=torch.float32), log, errors, messages, row_errors)
 
 
 def _summary(
@@ -386,7 +332,6 @@ def _summary(
     return [score for score, _, _ in results], log, errors, messages
 
 
-# The function a pool process scores with, resolved once per process from the reference string.
 _WORKER_FN: RewardFn | None = None
 
 

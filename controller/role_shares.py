@@ -1,17 +1,10 @@
 """Each role's CPUs and GPUs per worker, where the spec leaves them to the defaults.
 
-A job's roles are its training workers and, on placement 'split', its rollout workers. Their default
-CPU sizes divide one budget among all of them: the largest node's CPUs, at most the physical cores
-(a rank never runs more torch threads than cores, engines/threads.py), less what sizes given
-explicitly take. Each default worker gets whole CPUs when there are enough to give every one at least
-one, else an equal fraction, but never less than a quarter CPU. So a job whose sizes are all
-defaults fits the node it is sized from unless it asks for more than four workers a core; a size the user gives is kept as given, and the
-service refuses it when the cluster cannot hold it (Service.check_fits_cluster).
-
-GPUs: a worker left to the default takes one whole GPU when the cluster has any, none otherwise (two
-ranks of one group cannot share a device under NCCL); a job whose default workers outnumber the
-cluster's GPUs is refused with a hint to give fractions. Torch-free and Ray-free: the caller says
-what the cluster has (controller/resource_pool.py `cluster_capacity`).
+Default CPU sizes divide one budget (the largest node's CPUs, at most its physical cores) among the
+default workers of every role, less what explicit sizes take: whole CPUs when every worker gets one,
+else an equal fraction of at least MIN_DEFAULT_CPUS. A default worker takes one whole GPU when the
+cluster has any (NCCL ranks cannot share a device). Torch-free and Ray-free: the caller says what the
+cluster has.
 """
 
 from __future__ import annotations
@@ -22,30 +15,25 @@ from dataclasses import dataclass
 from schema.resources import ResourcesSpec, WorkerResources
 
 MIN_CPUS = 0.01  # Ray's resolution, and resources.cpus_per_worker's least value
-# The least a worker left to the default gets: each is a process holding torch and a model, so a job of
-# more default workers than four a core is refused as too big for the node rather than packed in.
+# Each worker is a process holding torch and a model: more than four a core is refused, not packed in.
 MIN_DEFAULT_CPUS = 0.25
 
 
 @dataclass(frozen=True)
 class Capacity:
-    """What default sizes are cut from: the CPUs a job may take on one node, and the cluster's GPUs."""
-
     cpus: float
     gpus: float
 
 
 @dataclass(frozen=True)
 class Share:
-    """One role's workers and what each holds."""
-
     workers: int
     cpus: float
     gpus: float
 
 
 def role_shares(resources: ResourcesSpec, capacity: Capacity) -> dict[str, Share]:
-    """{"training": ..., "rollout": ...} (rollout on placement 'split' only), per-worker sizes filled in."""
+    """{"training": ..., "rollout": ...} (rollout on placement 'split' only), sizes filled in."""
     groups: dict[str, WorkerResources] = {"training": resources}
     if resources.rollout_workers is not None:
         groups["rollout"] = resources.rollout_workers
@@ -62,9 +50,8 @@ def role_shares(resources: ResourcesSpec, capacity: Capacity) -> dict[str, Share
 
 
 def _default_cpus(groups: list[WorkerResources], budget: float) -> float:
-    """The CPUs of each worker left to the default: what the explicit sizes leave of `budget`, divided
-    over those workers; when they leave nothing, an even split of the whole budget over every worker
-    (the explicit sizes are then what the cluster refuses)."""
+    """What the explicit sizes leave of `budget`, divided over the default workers; when they leave
+    nothing, an even split over every worker (the cluster then refuses the explicit sizes)."""
     defaults = sum(g.workers for g in groups if g.cpus_per_worker is None)
     if defaults == 0:
         return 0.0

@@ -1,28 +1,11 @@
-"""The bounded buffer between the rollout producers and the trainer of an async job, and its admission.
-
-A producer (the rollout loop of controller/async_loop.py, or the agents' endpoint, controller/external.py)
-uses two calls:
-
-    wait = buffer.try_admit(samples)   # None: admitted, `samples` now count as running;
-                                       # else "full, retry after `wait` seconds" (nothing reserved)
-    buffer.put(item)                   # the admitted samples, scored; or buffer.cancel(samples)
-
-`admit(samples, timeout_s, who)` is the blocking form. What a step trains from an item: `payload`
-= (Batch in the training layout of workers/rollout_layout.py with a `policy_version` row tensor, the
-scores tensor, a metrics dict); one item is one step's batch (`samples` = prompts_per_step x n), and
-`version` is the oldest token's weight version (the staleness filter reads it). The trainer calls
-`take(version, B)` for a step's worth of items young enough to train at trainer version `version`
-(the agents' endpoint's items are groups, several a step).
-
-Admission (AReaL's rule): with k = max_staleness, B = samples of one step and v the version of the
-weights the producers hold, a new rollout of n samples starts only while
+"""The bounded buffer between an async job's rollout producers (lanes, or the agents' endpoint) and
+its trainer, with AReaL's admission: with k = max_staleness, B = samples of one step and v the
+producers' weight version, n more samples start only while
 
     accepted + running + n <= (k + v + 1) * B      and      buffered + running + n <= capacity
 
-where `accepted` counts every sample put and not dropped (trained ones included), so generation
-waits instead of producing samples that would be too old to train. Filtering stays as the second
-guard: `take` drops an item with s - v_item > k (`too_stale`, the job's one staleness filter), and
-a dropped item's samples leave `accepted`, so the producers may replace them.
+(`accepted`: every sample put and not dropped), so generation waits instead of producing samples too
+old to train. `take` still drops items with s - v_item > k (`too_stale`, the job's one filter).
 """
 
 from __future__ import annotations
@@ -36,14 +19,12 @@ RETRY_AFTER_S = 0.05  # the hint of a refused admission: a put or a take changes
 
 
 def too_stale(trainer_version: int, sample_version: int, max_staleness: int) -> bool:
-    """The staleness filter: a sample of weight version v is trained at trainer version s only if
-    s - v <= k (trainer.max_staleness)."""
     return trainer_version - sample_version > max_staleness
 
 
 @dataclass
 class BufferedRollout:
-    """One admitted unit of generation: `samples` rows, scored, with the weight version of its oldest token."""
+    """One admitted unit of generation, scored; `version` is its oldest token's."""
 
     index: int  # the producer's draw counter (its data position and sampling seed)
     samples: int
@@ -54,12 +35,10 @@ class BufferedRollout:
 
 
 class BufferTimeout(TimeoutError):
-    """A wait on the buffer ran past its timeout; the message names the waiting role."""
+    """A wait on the buffer ran past its timeout; the message names the waiter."""
 
 
 class RolloutBuffer:
-    """Thread-safe; see the module docstring."""
-
     def __init__(self, batch_size: int, max_staleness: int, capacity: int, version: int = 0) -> None:
         if capacity < batch_size:
             raise ValueError(f"buffer capacity {capacity} is smaller than a batch of {batch_size}")
@@ -71,8 +50,6 @@ class RolloutBuffer:
         self.running = 0
         self.dropped = 0  # samples dropped as too old, since the start
         self.closed: BaseException | None = None
-
-    # ---- the producers' side ---------------------------------------------------------------------
 
     def try_admit(self, samples: int) -> float | None:
         """None when `samples` more may start (they count as running), else seconds to retry after."""
@@ -116,24 +93,20 @@ class RolloutBuffer:
             self._cond.notify_all()
 
     def set_version(self, version: int) -> None:
-        """The producers now hold the weights of `version` (after a sync): admission widens."""
         with self._cond:
             self.version = version
             self._cond.notify_all()
 
-    # ---- the trainer's side ----------------------------------------------------------------------
-
     def take(
         self, version: int, samples: int, timeout_s: float, who: str
     ) -> tuple[list[BufferedRollout], int]:
-        """The oldest items trainable at trainer version `version` that hold at least `samples` (a
-        step's worth: one draw of the lanes, or groups of the agents), and the samples dropped as too
-        old on the way. Raises the producers' error, or BufferTimeout naming `who` (nothing taken)."""
+        """The oldest items trainable at `version` holding at least `samples`, and the samples dropped
+        as too old; raises the producers' error, or BufferTimeout (nothing taken)."""
         deadline, dropped = time.monotonic() + timeout_s, 0
         with self._cond:
             while True:
                 dropped += self._drop_stale(version)
-                if sum(item.samples for item in self._items) >= samples:
+                if self.buffered_samples() >= samples:
                     taken: list[BufferedRollout] = []
                     while sum(item.samples for item in taken) < samples:
                         taken.append(self._items.pop(0))
@@ -147,8 +120,7 @@ class RolloutBuffer:
                 self._cond.wait(min(left, 0.5))
 
     def drop_where(self, predicate: Any) -> int:
-        """Buffered items for which `predicate(item)` holds, dropped and counted as `take` counts too
-        old ones; returns their samples."""
+        """Drops (and counts) the buffered items `predicate` holds for; returns their samples."""
         with self._cond:
             samples = sum(item.samples for item in self._items if predicate(item))
             self._items = [item for item in self._items if not predicate(item)]
@@ -156,8 +128,7 @@ class RolloutBuffer:
             return samples
 
     def _drop_stale(self, version: int) -> int:
-        """The filter, applied to the oldest items (FIFO: the oldest versions); returns the samples
-        dropped. The lock is held."""
+        """The filter on the oldest items (FIFO); the lock is held."""
         gone = 0
         while self._items and too_stale(version, self._items[0].version, self.max_staleness):
             gone += self._items.pop(0).samples
@@ -170,21 +141,17 @@ class RolloutBuffer:
         if samples:
             self._cond.notify_all()
 
-    # ---- state -----------------------------------------------------------------------------------
-
     def buffered_samples(self) -> int:
         with self._cond:
             return sum(item.samples for item in self._items)
 
     def pending_indices(self) -> list[int]:
-        """Draw indices generated and not yet trained (buffered), in order."""
         with self._cond:
             return [item.index for item in self._items]
 
     def _room(self, samples: int) -> bool:
         staleness_bound = (self.max_staleness + self.version + 1) * self.batch_size
-        buffered = sum(item.samples for item in self._items)
         return (
             self.accepted + self.running + samples <= staleness_bound
-            and buffered + self.running + samples <= self.capacity
+            and self.buffered_samples() + self.running + samples <= self.capacity
         )

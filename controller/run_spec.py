@@ -1,10 +1,7 @@
 """Run one job spec to the end in this process, without the service: `python -m controller.run_spec`.
 
-This is the entrypoint of a KubeRay RayJob (deploy/k8s/rayjob/): the spec comes from a mounted
-ConfigMap, the job's folder lives on a shared volume, and Ray is the cluster the RayJob made
-(RAY_ADDRESS, set by Ray's job supervisor). Started again on the same folder, the job resumes from
-its last complete checkpoint, so a retried RayJob carries on where the failed attempt stopped.
-Events and metrics go to events.jsonl and metrics.jsonl in the job's folder and to stdout.
+The entrypoint of a KubeRay RayJob (deploy/k8s/rayjob/): started again on the same folder, the job
+resumes from its last complete checkpoint, so a retried RayJob carries on where the failed one stopped.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from schema.job import JobSpec
 
 
 def load_spec(path: str | Path) -> JobSpec:
-    """A JobSpec from a YAML or JSON file; a bad field raises pydantic's error, which names it."""
+    """A JobSpec from a YAML or JSON file (pydantic's error names a bad field)."""
     text = Path(path).read_text()
     data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     if not isinstance(data, dict):

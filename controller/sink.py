@@ -1,8 +1,6 @@
-"""Where a job's record goes: events (what happened), per-step metrics, and progress.
-
-The trainer only talks to a `JobSink`. `JsonlSink` appends to events.jsonl, metrics.jsonl and
-samples.jsonl in the job's folder (the embedded default and what `make run` shows); the service plugs in a sink
-that writes to its job store. A sink never raises into the training loop for a display problem.
+"""Where a job's record goes: events, per-step metrics, samples and progress. The trainer only talks
+to a `JobSink`; `JsonlSink` appends JSON lines in the job's folder (what `make run` shows), the
+service plugs in a sink that writes to its job store.
 """
 
 from __future__ import annotations
@@ -28,18 +26,16 @@ class JobSink(Protocol):
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
 
     def flush(self) -> None:
-        """Return once every record so far is stored where it outlives this process (a checkpoint is
-        committed after it)."""
+        """Return once every record so far outlives this process (a checkpoint is committed after it)."""
         ...
 
     def rewind(self, step: int) -> None:
-        """The job goes back to the checkpoint of `step` (a restart): the metrics of later steps will
-        be recomputed, and their rows replaced, one row per step."""
+        """A restart went back to `step`: later steps' metric rows will be recomputed and replaced."""
         ...
 
 
 class JsonlSink:
-    """Appends events and metrics as JSON lines under `folder`; keeps them in memory too."""
+    """Appends records as JSON lines under `folder`; keeps events and metrics in memory too."""
 
     def __init__(self, folder: str | Path, echo: bool = False) -> None:
         self.folder = Path(folder)
@@ -66,15 +62,13 @@ class JsonlSink:
         self._append("metrics.jsonl", record)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        """A step's sampled trajectories (controller/trajectory_view.py), one line per step."""
         self._append("samples.jsonl", {"time": time.time(), "step": step, "samples": rows})
 
     def flush(self) -> None:
-        """Nothing to wait for: each record is written (and its file closed) when it is made."""
+        """Each record is written (and its file closed) when it is made."""
 
     def rewind(self, step: int) -> None:
-        """metrics.jsonl keeps every line (a later line of a step supersedes an earlier one); the
-        history in memory keeps one row per step."""
+        """metrics.jsonl keeps every line (a later one of a step wins); the history keeps one per step."""
         self.history = [r for r in self.history if r["step"] <= step]
 
     def progress(self, step: int, total: int, values: dict[str, float]) -> None:

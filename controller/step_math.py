@@ -1,7 +1,5 @@
 """The controller-side arithmetic of one RL step: rewards into advantages, and the step's metrics.
-
-Pure functions over Batches; the remote calls stay in controller/trainer.py so that the loop reads
-like the RL step of docs/ARCHITECTURE.md §4.
+Pure functions over Batches: the remote calls stay in controller/trainer.py.
 """
 
 from __future__ import annotations
@@ -12,8 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from controller.advantages import compute_advantages, scores_to_token_rewards
-from controller.kl_reward import apply_kl_penalty
+from controller.advantages import apply_kl_penalty, compute_advantages, scores_to_token_rewards
 from controller.rewards import RewardScorer
 from engines.base import GlobalCounts
 from schema.job import JobSpec
@@ -25,8 +22,7 @@ log = logging.getLogger("tandem.job")
 
 
 def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
-    """Each row's sampled tokens as text, in one `batch_decode` call (a fast tokenizer decodes the
-    whole list in Rust, far faster than one `decode` call per row)."""
+    """Each row's sampled tokens as text, in one `batch_decode` call (far faster than row by row)."""
     ids, keep = batch.tensors["responses"].tolist(), batch.tensors["response_mask"].bool().tolist()
     sampled = [
         [t for t, k in zip(row, flags, strict=True) if k] for row, flags in zip(ids, keep, strict=True)
@@ -37,9 +33,8 @@ def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
 def score(
     batch: Batch, scorer: RewardScorer, tokenizer: Any
 ) -> tuple[torch.Tensor, dict[str, float], list[str]]:
-    """Sequence scores [B] from the rule reward, its metrics, and the decoded responses. Each row's
-    error (None where it scored) goes with the batch as `reward_error`, for the stored samples; the
-    first few errors of the batch go to the job's log."""
+    """Sequence scores [B] from the rule reward, its metrics, and the decoded responses; each row's
+    error goes with the batch as `reward_error` (stored samples), the first few to the job's log."""
     texts = decode_responses(batch, tokenizer)
     extras = [e if isinstance(e, dict) else None for e in batch.non_tensors.get("extra", [None] * len(batch))]
     result = scorer.score(
@@ -63,8 +58,7 @@ def with_tensors(batch: Batch, **tensors: torch.Tensor) -> Batch:
 
 
 def response_lengths(batch: Batch) -> torch.Tensor:
-    """[B] generated tokens per sample: the attended response columns (the loss mask may be narrower,
-    e.g. after over-long filtering)."""
+    """[B] generated tokens per sample: the attended response columns (the loss mask may be narrower)."""
     width = batch.tensors["response_mask"].shape[1]
     return batch.tensors["attention_mask"][:, -width:].sum(1)
 
@@ -97,9 +91,8 @@ def add_advantages(
 
 
 def reject_mismatched(batch: Batch, cfg: RolloutCorrectionConfig) -> tuple[Batch, dict[str, float]]:
-    """The actor's batch with the rollout correction's rejected tokens out of its loss mask
-    (workers/losses/rollout_correction.py), the shares rejected, and the mismatch report over the
-    tokens before rejection (the loss can only report on those it keeps); unchanged when off."""
+    """The batch with the rollout correction's rejected tokens out of its loss mask, and the mismatch
+    report over the tokens before rejection (the loss can only report on those it keeps)."""
     if cfg.rejection == "off":
         return batch, {}
     t = batch.tensors
@@ -122,8 +115,6 @@ def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[s
 
 
 def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> dict[str, float]:
-    """Scores, advantages and lengths of one step's batch (the policy loss reports the rollout /
-    trainer agreement, rollout/*)."""
     t = batch.tensors
     mask = t["response_mask"]
     lengths = response_lengths(batch).float()
@@ -136,8 +127,7 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> di
         **_masked_stats("critic/returns", t["returns"], mask),
         **_masked_stats("response_length", lengths, ones),
         "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
-        # Rows with no advantage on any valid token: no policy gradient (GRPO: a group that all
-        # scored the same); the actor update runs them forward only (workers.losses.rows_with_gradient).
+        # Rows without policy gradient (GRPO: a group that all scored the same).
         "critic/advantages/zero_rows": float(
             (t["advantages"].ne(0) & mask.bool()).any(1).logical_not().float().mean()
         ),

@@ -1,20 +1,9 @@
 """The single controller of one job: the RL step (docs/ARCHITECTURE.md), and SFT with the same workers.
 
-`Trainer.run()` builds the job (model, data, rewards, worker groups), resumes from a checkpoint
-when there is one, then loops: one `step()` per iteration, validation every `val_every` steps, a
-checkpoint every `checkpoint.every` steps, an HF export at the end. `step()` is the RL step, every
-remote call visible; `sft_step()` is its supervised sibling. Sync, async and agent-fed jobs run
-this one step: its samples come from the job's batch source and its weights go back through the
-job's publisher, now or at the next safe point (controller/batch_source.py, async_loop.py).
-
-A worker that dies (process gone, node lost, a call timed out) does not end the job: `run()` tears the
-workers down, starts them again and resumes from the last checkpoint, up to trainer.max_restarts
-times (controller/recovery.py); a split placement's rollout worker is replaced alone inside the step
-(controller/rollout_recovery.py); an error of the job's own fails it at once.
-
-Control comes in through `control`: the service (or a test) can ask the loop to stop at the next
-step boundary ("pause" saves a checkpoint first) and queue hyper-parameter changes that apply at
-the start of the next step.
+`Trainer.run()` builds the job, resumes from its checkpoint, then runs one `step()` per iteration with
+validation, checkpoints and an HF export at the end. Sync, async and agent-fed jobs share `step()`:
+the batch source and the weight publisher differ (controller/batch_source.py). A lost worker restarts
+the job from its checkpoint (controller/recovery.py); `control` carries pause, cancel and edits.
 """
 
 from __future__ import annotations
@@ -27,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from controller import checkpoints
+from controller.advantages import make_kl_controller
 from controller.batch_source import make_source
 from controller.job_setup import JobSetup
-from controller.kl_reward import make_kl_controller
 from controller.off_policy import actor_inputs, corrected_spec, needs_old_log_probs
-from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
+from controller.recovery import AttemptSink, Recovery, WorkerLost, replace_lost_rollout, worker_lost
 from controller.resource_pool import ResourcePoolError
-from controller.rollout_recovery import replace_lost_rollout
 from controller.sink import JobSink
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched
 from controller.trajectory_view import step_samples
@@ -44,7 +32,7 @@ VALIDATION_WAIT_S = 3600.0  # an async validation waits this long for the lanes'
 
 
 class StopRequested(Exception):
-    """Raised inside the loop when the controller was asked to pause or cancel."""
+    """The controller was asked to pause or cancel."""
 
 
 class TrainerControl:
@@ -74,7 +62,7 @@ class Trainer:
     def __init__(
         self, spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job", restarts: int = 0
     ) -> None:
-        """`restarts`: the job's restarts before this run (its budget is the job's: trainer.max_restarts)."""
+        # `restarts`: the job's restarts before this run (trainer.max_restarts is the job's budget).
         self.asked_proximal = spec.algorithm.recompute_old_log_probs  # the user's, before the correction's
         self.spec, self.workdir, self.name = corrected_spec(spec), Path(workdir), name
         self.sink = AttemptSink(sink)  # marks what a restarted attempt records
@@ -83,17 +71,13 @@ class Trainer:
         self.sink.attempt = self.recovery.attempt
         self.job: JobSetup | None = None  # the current attempt's model, data and workers
         self.step_index = 0  # the step being run, or the last one run
-        self.completed_steps = 0  # steps whose metrics have been recorded (or restored from a checkpoint)
-        self.kl = make_kl_controller(spec.algorithm.kl_reward_coef, spec.algorithm.kl_target)
+        self.completed_steps = 0  # steps whose metrics are recorded (or restored from a checkpoint)
+        self._reset_kl()
         self._timings: dict[str, float] = {}
         self.source, self.publisher = make_source(self)  # where samples come from, how weights go back
 
-    # ---- the loop ------------------------------------------------------------------------------
-
     def run(self) -> dict[str, float]:
-        """Train to total_steps (or to trainer.stop_at_val_accuracy, or until stopped); returns the last
-        step's metrics. A lost worker restarts the job from its last checkpoint, within
-        trainer.max_restarts (controller/recovery.py); any other error fails it."""
+        """Train to total_steps (or trainer.stop_at_val_accuracy, or a stop); the last step's metrics."""
         lost: WorkerLost | None = None
         while True:
             try:
@@ -104,7 +88,6 @@ class Trainer:
                 lost = err
 
     def _run_attempt(self) -> dict[str, float]:
-        """One run of the workers: build, resume, the step loop, the end."""
         self.job = None
         last: dict[str, float] = {}
         try:
@@ -146,15 +129,13 @@ class Trainer:
                 self.job.shutdown()
 
     def _recover(self, lost: WorkerLost) -> None:
-        """Restart the whole job from its last checkpoint (a split placement's lost rollout worker was
-        replaced alone before this, `_replace_rollout`). Raises RestartsExhausted past the budget,
-        StopRequested when a pause or cancel arrives."""
+        """Restart the job from its last checkpoint; RestartsExhausted past the budget."""
         folder = checkpoints.find_resume_folder(self.spec, self.workdir)
         resume = checkpoints.step_of(folder) if folder is not None else 0
         self.recovery.begin(lost, self.sink, self.step_index, resume, folder)
         self.sink.rewind(resume)  # the steps after it are recomputed: one metric row per step
         self.step_index = self.completed_steps = resume
-        self.kl = make_kl_controller(self.spec.algorithm.kl_reward_coef, self.spec.algorithm.kl_target)
+        self._reset_kl()
         try:
             self.recovery.wait(self.spec.resources, self.name, lambda: self.control.stop_reason)
         except ResourcePoolError as err:  # no room within restart_wait_s: a failed restart, the next one
@@ -206,7 +187,6 @@ class Trainer:
     def _record_step(
         self, metrics: dict[str, float], adv_metrics: dict[str, float], batch: Any, scores: Any
     ) -> None:
-        """The step's batch metrics, KL controller update and stored samples (controller work only)."""
         spec = self.spec
         if spec.algorithm.kl_in_reward:
             self.kl.update(adv_metrics["actor/reward_kl_penalty"], len(batch))
@@ -231,8 +211,7 @@ class Trainer:
         return self._finish_metrics(metrics, batch)
 
     def validate(self) -> dict[str, float]:
-        """Answers to the validation prompts (greedy, or sampled: trainer.val_greedy): val/score/mean and
-        val/accuracy."""
+        """val/score/mean and val/accuracy on the validation prompts (trainer.val_greedy)."""
         if self.job.val_batch is None:
             return {}
         with self.timed("validate"):
@@ -249,9 +228,8 @@ class Trainer:
         return out
 
     def generate(self, prompts: Any) -> Any:
-        """The rollout role's responses. A split placement's rollout worker lost on the way is replaced
-        (the training ranks keep running) and the same prompts are generated again: the loader does
-        not move, the sampling seeds are the step's (controller/rollout_recovery.py)."""
+        """The rollout role's responses; a split placement's lost rollout worker is replaced and the
+        same prompts (same seeds) generated again (controller/recovery.py)."""
         try:
             return self.job.groups.actor.generate_sequences(prompts)
         except Exception as err:
@@ -259,32 +237,26 @@ class Trainer:
         return self.job.groups.actor.generate_sequences(prompts)
 
     def stop_while_waiting(self) -> None:
-        """A pause or cancel arrived while the step waited for its samples: the job stops at the
-        previous step's boundary (a pause checkpoints it)."""
+        """A stop arrived while the step waited for samples: stop at the previous step's boundary."""
         self.step_index -= 1
         self._check_stop()
 
     def _synced(self, wait: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """The weight sync's measurements; a rollout worker lost in it is replaced, and the replacement's
-        transfer of the current weights is the sync."""
+        """The sync's measurements; a rollout worker lost in it is replaced, whose transfer is the sync."""
         try:
             return wait()
         except Exception as err:
             return self._replace_rollout(err)
 
     def _replace_rollout(self, err: Exception) -> dict[str, float]:
-        """Re-raises `err` unless it is a split placement's rollout worker lost alone in a sync job (an
-        async one restarts from its checkpoint and regenerates the samples in flight)."""
+        """Re-raises `err` unless a sync job's split rollout worker was lost alone (async restarts)."""
         if self.spec.trainer.mode == "async":
             raise err
         return replace_lost_rollout(
             err, self.job.groups, self.recovery, self.sink, self.step_index, self.spec.trainer
         )
 
-    # ---- checkpoints and the end ---------------------------------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
-        """The controller's own resumable state (the workers checkpoint theirs): step, data position, KL."""
         state = {"step": self.step_index, "loader": self.job.loader.state_dict(), "kl_coef": self.kl.value}
         state.update(self.source.state_dict(state["loader"]))  # async: the oldest draw not trained
         return state
@@ -312,7 +284,7 @@ class Trainer:
         folder = checkpoints.find_resume_folder(self.spec, self.workdir)
         if folder is not None:
             self.load_state_dict(checkpoints.load(folder, self.job.groups))
-            # The spec's learning rates win over the checkpoint's: an edit made while paused, or a fork's.
+            # The spec's learning rates win: an edit made while paused, or a fork's.
             self.job.groups.set_learning_rates(self.spec)
             self.sink.event(
                 "resumed", f"resumed from step {self.step_index}", path=str(folder), step=self.step_index
@@ -327,8 +299,6 @@ class Trainer:
             what = "PEFT adapter" if self.spec.model.lora is not None else "HF model"
             self.sink.event("exported", f"{what} written to {export}", path=str(export))
 
-    # ---- helpers -------------------------------------------------------------------------------
-
     def _schedule(self) -> UpdateSchedule:
         return self.spec.algorithm.update_schedule(seed=self.step_index)
 
@@ -336,7 +306,6 @@ class Trainer:
         return every > 0 and self.step_index % every == 0
 
     def _target_reached(self, metrics: dict[str, float]) -> bool:
-        """Whether this step's validation reached trainer.stop_at_val_accuracy (then the job finishes)."""
         target, accuracy = self.spec.trainer.stop_at_val_accuracy, metrics.get("val/accuracy")
         if target is None or accuracy is None or accuracy < target:
             return False
@@ -361,10 +330,11 @@ class Trainer:
         if changes:
             self.spec = self.job.apply_hyperparameters(self.spec, changes)
             if "kl_reward_coef" in changes:
-                self.kl = make_kl_controller(
-                    self.spec.algorithm.kl_reward_coef, self.spec.algorithm.kl_target
-                )
+                self._reset_kl()
             self.sink.event("hyperparameters", f"applied at step {self.step_index + 1}: {changes}", **changes)
+
+    def _reset_kl(self) -> None:
+        self.kl = make_kl_controller(self.spec.algorithm.kl_reward_coef, self.spec.algorithm.kl_target)
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:

@@ -1,8 +1,4 @@
-"""What a step's trajectories look like from outside: multi-turn metrics and stored samples.
-
-`multiturn_metrics` summarises a multi-turn batch (workers/multiturn.py) under "multiturn/":
-turns, tool calls, environment failures, truncation, and response tokens per turn.
-"""
+"""What a step's trajectories look like from outside: multi-turn metrics and stored samples."""
 
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ MAX_LOGGED_ERRORS = 5  # a step's environment errors written to the job's log; t
 
 
 def log_env_errors(batch: Batch, environment: str | None) -> None:
-    """The first few environment errors of a multi-turn batch, in the job's log."""
     errors = [(i, e) for i, e in enumerate(batch.non_tensors.get("env_error", [])) if e]
     if errors:
         shown = "; ".join(f"trajectory {i}: {e}" for i, e in errors[:MAX_LOGGED_ERRORS])
@@ -50,10 +45,8 @@ MAX_TEXT = 2000  # characters kept of any one text field of a stored sample
 
 
 def step_samples(batch: Batch, scores: Any, tokenizer: Any, count: int) -> list[dict[str, Any]]:
-    """The first `count` trajectories of a step, readable: prompt, turns, reward, tokens trained on.
-
-    Single-turn rows get the same shape: the prompt and one assistant turn.
-    """
+    """The first `count` trajectories of a step, readable: prompt, turns, reward, tokens trained on
+    (a single-turn row: the prompt and one assistant turn)."""
     t, nt = batch.tensors, batch.non_tensors
     width = t["response_mask"].shape[1]
     out = []
@@ -103,7 +96,6 @@ def _prompt_and_turns(
 
 
 def _error(nt: dict, i: int) -> str | None:
-    """What failed for this row: its reward function's error, or its environment's."""
     for key in ("reward_error", "env_error"):
         if key in nt and nt[key][i]:
             return str(nt[key][i])
@@ -118,7 +110,7 @@ def _finish_reason(nt: dict, i: int, response: list[int], trained: list[int], wi
 
 
 def _spans(response: list[int], trained: list[int], tokenizer: Any) -> list[dict[str, Any]]:
-    """Consecutive runs of trained (sampled) and untrained (observation / template) tokens, as text."""
+    """Runs of trained (sampled) and untrained (observation / template) tokens, as text."""
     spans: list[dict[str, Any]] = []
     start = 0
     for k in range(1, len(response) + 1):

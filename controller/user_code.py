@@ -1,14 +1,9 @@
 """Checking and running user code (reward functions, environments, agents) for the API: in a sandbox.
 
-Importing a user's module runs arbitrary code: it may read files, raise SystemExit, call os._exit,
-sleep forever or print megabytes. So the API never imports user code: `check_callable` looks a
-'builtin:' reference up in its kind's table here (importing nothing a user named), and checks any
-other reference in a sandbox (workers/sandbox/) the way the job will load it; `run_sandboxed` calls
-a function of the service's code on a user's reference there (what `POST /v1/rewards/validate` does).
-
-Each kind of user code names the checker the sandbox runs (`CHECKERS`): a function that takes the
-reference string and raises ValueError saying what is wrong. Add a kind there, and its built-ins'
-table in `BUILTINS`.
+Importing a user's module runs arbitrary code, so the API never does: `check_callable` looks a
+'builtin:' up here and checks any other reference in a sandbox (workers/sandbox/) the way the job will
+load it; `run_sandboxed` calls service code on a user's reference there. A kind of user code names
+its checker in `CHECKERS` and its built-ins' table in `BUILTINS`.
 """
 
 from __future__ import annotations
@@ -68,7 +63,7 @@ def check_callable(ref: str, kind: str, timeout_s: float = DEFAULT_TIMEOUT_S, li
 
 
 def check_builtin(ref: str, kind: str) -> str | None:
-    """Why 'builtin:NAME' names no built-in `kind`, or None: an exact look-up in its table."""
+    """Why 'builtin:NAME' names no built-in `kind`, or None."""
     module, _, name = BUILTINS[kind].partition(":")
     try:
         lookup_builtin(ref, getattr(importlib.import_module(module), name), CHECKERS[kind][1], ValueError)
@@ -78,7 +73,7 @@ def check_builtin(ref: str, kind: str) -> str | None:
 
 
 def check_here(ref: str, kind: str) -> bool:
-    """Run `kind`'s checker on `ref` in this process: the sandbox's side of `check_callable`."""
+    """The sandbox's side of `check_callable`."""
     module, _, name = CHECKERS[kind][0].partition(":")
     getattr(importlib.import_module(module), name)(ref)
     return True
@@ -86,8 +81,8 @@ def check_here(ref: str, kind: str) -> bool:
 
 def run_sandboxed(target: str, ref: str, args: list[Any], timeout_s: float, what: str,
                   limits: Limits | None = None, allow_unsandboxed: bool | None = None) -> Any:  # fmt: skip
-    """`target(ref as the sandbox names it, *args)` in a fresh sandbox that holds a copy of the file
-    `ref` names (if it names one); its plain-data value, or UserCodeError saying what went wrong."""
+    """`target(ref, *args)` in a fresh sandbox holding `ref`'s file (if any); its plain-data value, or
+    UserCodeError saying what went wrong."""
     files = [ref.rpartition(":")[0]] if is_path_reference(ref) and _is_file(ref.rpartition(":")[0]) else []
     try:
         box = Sandbox(files, limits, allow_unsandboxed=allow_unsandboxed)

@@ -1,9 +1,6 @@
-"""RayWorkerGroup: one Ray actor per bundle of a ResourcePool, with the workers' registered methods
-bound as methods of the group.
-
-Every actor is a `WorkerHost` that builds one worker (a plain `workers.base.Worker` subclass) and
-runs its methods. Every blocking call has a timeout, and the first rank to fail ends the call with
-an error naming the group, the rank and the method.
+"""RayWorkerGroup: one `WorkerHost` actor per bundle of a ResourcePool, with the worker's registered
+methods bound as methods of the group. Every blocking call has a timeout, and the first rank to fail
+ends the call with an error naming the group, the rank and the method.
 """
 
 from __future__ import annotations
@@ -27,10 +24,8 @@ from workers.remote import WorkerGroupError as WorkerGroupError  # re-exported: 
 from workers.remote import wait_all
 
 
-# Settings that libgomp and glibc read when a rank's process starts, so they go in the actor's
-# environment (Ray merges them into the job's env_vars): OpenMP threads spin between ops unless
-# the rank's cores are shared, where they sleep (engines/threads.openmp_wait_env), and malloc on
-# transparent huge pages (engines/host_memory.py).
+# libgomp and glibc read these when a rank's process starts: OpenMP threads sleep rather than spin
+# when the rank's cores are shared, and malloc uses transparent huge pages.
 def _rank_env(share: float) -> dict[str, dict[str, str]]:
     env = openmp_wait_env(cores_shared(share), os.environ)
     env["GLIBC_TUNABLES"] = malloc_tunables(os.environ.get("GLIBC_TUNABLES"))
@@ -38,8 +33,6 @@ def _rank_env(share: float) -> dict[str, dict[str, str]]:
 
 
 class WorkerHost:
-    """The Ray actor body: sets the distributed env, then builds and serves its worker."""
-
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.worker: Any = None
@@ -53,10 +46,9 @@ class WorkerHost:
 
     def start(self, env: dict[str, str], worker: tuple[type, tuple, dict], bundle_cpus: float = 1.0) -> None:
         os.environ.update(env)
-        # Ray leaves an actor one OpenMP thread per CPU it asked for, and colocated groups ask for a
-        # share of the bundle; they take turns, so each uses the whole bundle (up to the cores).
+        # Colocated groups ask for a share of the bundle but take turns: each uses the whole bundle.
         set_torch_threads(bundle_cpus, int(env.get("LOCAL_WORLD_SIZE", "1")))
-        keep_freed_memory()  # no mmap / munmap of every step's tensors (engines/host_memory.py)
+        keep_freed_memory()  # no mmap / munmap of every step's tensors
         if env.get(WORKER_OUTPUT_ENV):  # a service job: output goes to the job's log
             redirect_output(env[WORKER_OUTPUT_ENV])
         cls, args, kwargs = worker
@@ -75,11 +67,8 @@ class WorkerHost:
 
 
 class _Hosts:
-    """The actors of one placement, made in two phases so that several groups start at once
-    (`RayWorkerGroup.launch`): the constructor only asks Ray for the actors; `begin()` sends each its
-    worker, `wait()` waits for them. A process's start (its imports, its model) is most of a group's
-    start-up.
-    """
+    """The actors of one placement, made in two phases so that several groups start at once: the
+    constructor asks Ray for the actors, `begin()` sends each its worker, `wait()` waits for them."""
 
     def __init__(
         self, pool: ResourcePool, worker: tuple, name: str, share: float, start_timeout_s: float
@@ -106,7 +95,6 @@ class _Hosts:
         self.address = self.actors[0].node_address.remote()
 
     def begin(self) -> None:
-        """Hand every actor its rank's environment and worker (once rank 0 has named the rendezvous)."""
         if self.starts is not None:
             return
         world, pool = len(self.actors), self.pool
@@ -132,7 +120,6 @@ class _Hosts:
         ]
 
     def wait(self) -> None:
-        """Until every rank has built its worker; the first failure raises, naming the group and rank."""
         self.begin()
         assert self.starts is not None
         wait_all(self.name, "__init__", self.starts, self.start_timeout_s)
@@ -143,8 +130,6 @@ class _Hosts:
 
 
 class PendingGroup:
-    """A group whose actors are starting (`RayWorkerGroup.launch`)."""
-
     def __init__(self, hosts: _Hosts, worker_cls: type, call_timeout_s: float) -> None:
         self.hosts, self.worker_cls, self.call_timeout_s = hosts, worker_cls, call_timeout_s
 
@@ -153,24 +138,19 @@ class PendingGroup:
         return self.hosts
 
     def ready(self) -> RayWorkerGroup:
-        """The group, once every rank has built its worker; raises as a group's start does."""
         return RayWorkerGroup._view(self.wait(), self.worker_cls, self.call_timeout_s)
 
 
 def ready_all(pending: dict[str, PendingGroup]) -> dict[str, RayWorkerGroup]:
-    """Every launched group, started side by side: each gets its worker as soon as its rank 0 answers,
-    before any is waited for. The first failure raises (the caller removes the pools, and with them
-    the other groups' actors)."""
+    """Every launched group, started side by side; the first failure raises (the caller removes the
+    pools, and with them the other groups' actors)."""
     for group in pending.values():
         group.hosts.begin()
     return {name: group.ready() for name, group in pending.items()}
 
 
 class RayWorkerGroup:
-    """A set of worker actors, with the worker's registered methods bound."""
-
     def __init__(self, pool: ResourcePool, worker_cls: type, *args: Any, **kwargs: Any) -> None:
-        """Start the group and wait for it (`launch` names the options; the rest go to the workers)."""
         pending = RayWorkerGroup.launch(pool, worker_cls, *args, **kwargs)
         self._init_view(pending.wait(), worker_cls, pending.call_timeout_s)
 
@@ -185,8 +165,7 @@ class RayWorkerGroup:
         start_timeout_s: float = 300.0,
         **kwargs: Any,
     ) -> PendingGroup:
-        """Start a group without waiting for it: groups launched one after another start at the same
-        time, and `PendingGroup.ready()` returns each (controller/roles.py `start_groups`)."""
+        """Start a group without waiting for it (`PendingGroup.ready()` returns it)."""
         hosts = _Hosts(pool, (worker_cls, args, kwargs), group_name, share, start_timeout_s)
         return PendingGroup(hosts, worker_cls, call_timeout_s)
 
@@ -205,8 +184,6 @@ class RayWorkerGroup:
                 raise ValueError(f"{worker_cls.__name__}.{method} collides with a RayWorkerGroup attribute")
             setattr(self, method, self._bind(method, spec))
 
-    # ---- public ------------------------------------------------------------------------------
-
     @property
     def world_size(self) -> int:
         return len(self._hosts.actors)
@@ -216,25 +193,20 @@ class RayWorkerGroup:
         return list(self._hosts.actors)
 
     def mesh_layout(self, mesh: str) -> MeshLayout:
-        """The mesh's layout, queried from all ranks on first use and cached."""
         if mesh not in self._layouts:
             info = self._run_all("mesh_info", [((mesh,), {})] * self.world_size)
             self._layouts[mesh] = MeshLayout.from_info(mesh, info)
         return self._layouts[mesh]
 
     def submit(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
-        """Start a registered method without waiting; `result()` collects it as the blocking call
-        would (the same dispatch, collection and timeout), so the controller can work meanwhile."""
+        """Start a registered method without waiting; `result()` collects it as the blocking call would."""
         spec = registered_methods(self.worker_cls).get(method)
         if spec is None:
             raise AttributeError(f"{self.worker_cls.__name__} registers no method '{method}'")
         return self._submit(method, spec, args, kwargs)
 
     def shutdown(self) -> None:
-        """Kill the actors."""
         self._hosts.kill()
-
-    # ---- binding and execution ---------------------------------------------------------------
 
     def _bind(self, method: str, spec: MethodSpec) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -282,9 +254,7 @@ class RayWorkerGroup:
 
 
 def _shared(value: Any, readers: int) -> Any:
-    """`value` as one object-store copy when several ranks read it, else as itself: Ray then sends
-    a small argument inside the call (a `ray.put` costs a round trip, and the rank a fetch) and
-    stores a large one once anyway."""
+    """One object-store copy when several ranks read `value`; else inline (a put costs a round trip)."""
     return ray.put(value) if readers > 1 else value
 
 

@@ -1,10 +1,6 @@
-"""Worker output belongs to the job's log, not to the terminal that runs the service.
-
-What a job's worker processes print (a model loader's progress bars, library warnings, a stray
-`print`) is written to one file in the job's folder: each worker, on start, points its stdout and
-stderr (the file descriptors, so C extensions are caught too) at `<workdir>/worker_output.log`. The
-job's controller reads that file's new lines at every drain and adds them to the job's log, so
-`tandem logs JOB` shows them. A progress bar redrawn with carriage returns becomes its last state.
+"""Worker output belongs to the job's log: each worker points its stdout and stderr (the descriptors,
+so C extensions are caught too) at `<workdir>/worker_output.log`, and the controller adds that file's
+new lines to the job's log at every drain (a progress bar redrawn with "\r": its last state).
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ ENV = "TANDEM_WORKER_OUTPUT"  # the file, handed from the controller to its work
 
 
 def redirect_output(path: str | Path) -> None:
-    """Send this process's stdout and stderr to `path` (appended, line-buffered)."""
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -58,6 +53,5 @@ class OutputTail:
 
 
 def _last_redraw(line: str) -> str:
-    """The text a terminal would show for a line redrawn with carriage returns (a progress bar)."""
     parts = [p for p in line.split("\r") if p.strip()]
     return parts[-1] if parts else ""

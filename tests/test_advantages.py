@@ -11,20 +11,18 @@ import torch
 
 from controller.advantages import (
     ADVANTAGE_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
     compute_advantages,
     compute_gae,
     compute_grpo,
     compute_reinforce_pp,
     compute_reinforce_pp_baseline,
     compute_rloo,
+    make_kl_controller,
     masked_whiten,
     scores_to_token_rewards,
-)
-from controller.kl_reward import (
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_penalty,
-    make_kl_controller,
 )
 
 D = torch.float64

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from controller.external_buffer import ExternalBuffer
-from controller.external_store import Segment, TrajectoryError, TrajectoryStore
+from controller.external_store import ExternalBuffer, Segment, TrajectoryError, TrajectoryStore
 from examples import agent_openai
 from schema.external import ExternalSpec
 from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
@@ -134,7 +133,7 @@ def record_calls(store: TrajectoryStore, tid: str, versions: list[int]) -> None:
 
 
 def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
-    """The endpoint's admission and staleness filter alone (controller/external_buffer.py, no engine):
+    """The endpoint's admission and staleness filter alone (controller/external_store.py, no engine):
     k = 1, one group of two per step."""
     store = TrajectoryStore(ExternalSpec(group_size=2, trajectories_per_step=2))
     rows = lambda t: [{"trajectory_id": t.id, "segment": k} for k in range(len(t.segments))]  # noqa: E731

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import ray
 
-from controller.external_bounds import CALL_TOKEN_BUDGET, new_tokens
+from controller.external import CALL_TOKEN_BUDGET, new_tokens
 from controller.external_store import TrajectoryError
 from schema.external import server_name
 from tests.api_util import tiny_job

@@ -108,7 +108,7 @@ class KillRolloutAfterStep(JsonlSink):
 
 def test_a_rollout_worker_dying_mid_transfer_is_replaced_and_named(ray_cluster, tmp_path):
     """The loss surfaces in the training rank's weight sync (its transfer fails, the receiver is dead):
-    the rollout worker is replaced alone (controller/rollout_recovery.py), the replacement's transfer
+    the rollout worker is replaced alone (controller/recovery.py), the replacement's transfer
     of the current weights is the step's sync, and the event names the worker that died."""
     spec = greedy_spec(
         resources={"placement": "split", "workers": 2},  # rank 1 gathers on with rank 0 after the failure

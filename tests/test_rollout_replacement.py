@@ -1,4 +1,4 @@
-"""A split placement's rollout worker killed mid-job is replaced alone (controller/rollout_recovery.py).
+"""A split placement's rollout worker killed mid-job is replaced alone (controller/recovery.py).
 
 A GRPO job with `resources.placement: split` (one training rank, one rollout worker) has its rollout
 worker's process killed with SIGKILL once step 1 is recorded: step 2's generation fails, a new

@@ -1,4 +1,4 @@
-"""The rollout workers' turn (controller/rollout_turn.py): a validation's `hold` waits for the calls in
+"""The rollout workers' turn (controller/weight_publisher.py): a validation's `hold` waits for the calls in
 flight and no new call starts meanwhile, so busy producer lanes cannot starve it."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from controller.rollout_turn import RolloutTurn
+from controller.weight_publisher import RolloutTurn
 
 
 def test_hold_waits_for_calls_in_flight_and_new_calls_wait_for_it():

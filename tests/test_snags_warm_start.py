@@ -14,8 +14,7 @@ import pytest
 from api.cli_spec import build_spec
 from controller.data import SFTDataset, build_dataset
 from controller.sink import JsonlSink
-from controller.tasks import get_task
-from controller.tasks.splits import write_splits
+from controller.tasks import get_task, write_splits
 from controller.trainer import Trainer
 from engines.tiny_models import BUILTIN_MODELS, build_tokenizer
 from examples import agent_openai

@@ -16,8 +16,7 @@ import pytest
 
 from api.settings import ServeSettings
 from controller.sink import JsonlSink
-from controller.trackers import TrackerSink, with_trackers
-from controller.trackers.base import RUN_IDS_FILE
+from controller.trackers import RUN_IDS_FILE, TrackerSink, with_trackers
 from schema.job import JobSpec
 from tests.api_util import start_service, tiny_job, wait_for
 from tests.tracker_records import (

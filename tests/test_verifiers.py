@@ -1,4 +1,4 @@
-"""verifiers environments as a job's agent (controller/verifiers_agent.py): the example environment,
+"""verifiers environments as a job's agent (controller/agent_sandbox.py): the example environment,
 written in verifiers 0.4.0's own format, learns; what is wrong with one is refused at submission, or
 fails the job at its start, or is in the job's logs, naming the environment."""
 

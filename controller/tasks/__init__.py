@@ -1,20 +1,17 @@
 """Built-in tasks: synthetic data sets with a rule reward, addressed by name in `DataSpec.builtin_task`.
-
-A task generates deterministic, disjoint train/val splits and names the rule reward that scores it
-("builtin:arithmetic" for the arithmetic task). Jobs do not read a task's rows from memory: the
-controller writes them to JSONL (`write_task_files`) and loads those files through the same path as
-user data, so the built-in demo exercises the real data loader.
+A job's rows are written to JSONL (`write_task_files`) and loaded like user data, so the built-in demo
+exercises the real data loader.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from controller.tasks.arithmetic import ArithmeticTask
 from controller.tasks.calculator import CALCULATOR_TOOL, CalculatorTracesTask, endpoint_call
 from controller.tasks.guess_number import GuessNumberTask, GuessNumberTracesTask
-from controller.tasks.splits import write_splits
 from controller.tasks.word_problems import WordProblemTask
 
 
@@ -24,7 +21,7 @@ class Task(Protocol):
     default_train_size: int
     default_val_size: int
 
-    def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]: ...
+    def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, Any]]: ...
 
 
 BUILTIN_TASKS: dict[str, Task] = {
@@ -33,8 +30,7 @@ BUILTIN_TASKS: dict[str, Task] = {
     "arithmetic-mixed": ArithmeticTask(operations=("+", "-", "*"), name="arithmetic-mixed"),
     # Stories for a real chat model (e.g. model.builtin smollm2-135m-instruct), scored by the last number.
     "word-problems": WordProblemTask(),
-    # One-digit numbers and factors up to 5: what a 135M model gets right often enough (about a
-    # quarter greedy) for GRPO groups to hold right and wrong answers.
+    # Easy enough for a 135M model that GRPO groups hold right and wrong answers.
     "word-problems-easy": WordProblemTask(low=1, high=9, factor_high=5, name="word-problems-easy"),
     # For rollout.environment "builtin:calculator": 3-digit products, a tool call away.
     "calculator": ArithmeticTask(digits=3, operations=("*",), name="calculator"),
@@ -47,8 +43,7 @@ BUILTIN_TASKS: dict[str, Task] = {
     "guess_number-traces": GuessNumberTracesTask(),  # SFT warm start for "guess_number"
     # One range of 8 ("Guess 1-8."): a game a tiny chat model learns from random weights.
     "guess_number-1to8": GuessNumberTask(span=8, max_low=1, name="guess_number-1to8"),
-    # The same game with the full reward only for a solve within 3 turns (binary search: 7 of 8
-    # secrets), so that halving the interval scores clearly more than guessing inside it at random.
+    # Full reward only for a solve within 3 turns, so halving the interval beats guessing inside it.
     "guess_number-1to8-in3": GuessNumberTask(span=8, max_low=1, solve_within=3, name="guess_number-1to8-in3"),
     # SFT warm start for it: games that guess uniformly inside the interval the hints leave.
     "guess_number-1to8-traces": GuessNumberTracesTask(
@@ -62,7 +57,6 @@ BUILTIN_TASKS: dict[str, Task] = {
 
 
 def get_task(name: str) -> Task:
-    """The built-in task called `name`; an unknown name raises a ValueError listing the choices."""
     try:
         return BUILTIN_TASKS[name]
     except KeyError:
@@ -76,5 +70,31 @@ def write_task_files(
     val_size: int | None = None,
     seed: int = 0,
 ) -> tuple[Path, Path]:
-    """Write the task's train.jsonl and val.jsonl under `directory`; returns their paths."""
     return write_splits(get_task(name), directory, train_size, val_size, seed)
+
+
+def write_splits(
+    task: Task,
+    directory: str | Path,
+    train_size: int | None = None,
+    val_size: int | None = None,
+    seed: int = 0,
+) -> tuple[Path, Path]:
+    """train.jsonl and val.jsonl of `task` under `directory` (default sizes when None)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    train, val = directory / "train.jsonl", directory / "val.jsonl"
+    write_rows(
+        train, task.make_split("train", task.default_train_size if train_size is None else train_size, seed)
+    )
+    write_rows(val, task.make_split("val", task.default_val_size if val_size is None else val_size, seed))
+    return train, val
+
+
+def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """JSONL written under a temporary name and renamed: no reader sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(path)

@@ -1,13 +1,6 @@
-"""The built-in arithmetic task: short problems with an answer a rule can check.
-
-A prompt is an expression followed by "=", e.g. "23+58=", and the answer is its value, "81". With
-the defaults (two-digit operands, addition) the problems fit the character-level tokenizer in a
-handful of tokens, a ~1M-parameter model learns much of the task from a short SFT run on a CPU, and
-the carries leave room for RL to push the accuracy higher.
-
-Train and val are disjoint by construction: every problem is assigned to one split by a stable hash
-of its text (blake2b, not Python's salted `hash`), so no val prompt can ever appear in train, for
-any seed or size. Within a split, rows are distinct problems drawn in an order fixed by the seed.
+"""The built-in arithmetic task: "23+58=" answered "81". With the defaults (two-digit addition) a
+~1M-parameter model learns much of it from a short SFT run on a CPU, and the carries leave room for RL.
+Train and val are disjoint by a stable hash of each problem's text (not Python's salted `hash`).
 """
 
 from __future__ import annotations
@@ -29,8 +22,6 @@ _ENUMERATE_LIMIT = 200_000
 
 @dataclass(frozen=True)
 class ArithmeticTask:
-    """Integer problems `a OP b=`; see the module docstring."""
-
     digits: int = 2
     operations: tuple[str, ...] = ("+",)
     val_fraction: float = 0.1
@@ -50,11 +41,8 @@ class ArithmeticTask:
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
 
-    # ---- problems -----------------------------------------------------------------------------
-
     @property
     def operand_range(self) -> tuple[int, int]:
-        """Inclusive bounds: exactly `digits` digits (0-9 for one digit)."""
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)
         return low, 10**self.digits - 1
 
@@ -62,11 +50,6 @@ class ArithmeticTask:
     def space_size(self) -> int:
         low, high = self.operand_range
         return (high - low + 1) ** 2 * len(self.operations)
-
-    def split_of(self, prompt: str) -> str:
-        """'val' or 'train', fixed by the problem's text alone."""
-        digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
-        return "val" if int.from_bytes(digest, "big") / 2**64 < self.val_fraction else "train"
 
     def problem(self, a: int, op: str, b: int) -> dict[str, str]:
         if op == "-" and a < b:  # keep answers non-negative: fewer characters to learn
@@ -76,18 +59,16 @@ class ArithmeticTask:
         return {"prompt": f"{a}{op}{b}=", "ground_truth": answer, "response": answer}
 
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
-        """`size` distinct problems of `split` ("train" or "val"), in an order fixed by `seed`.
-
-        Rows have "prompt", "ground_truth" and "response" (the answer alone; SFT trains on it).
-        """
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        """`size` distinct problems of `split`, in an order fixed by `seed` ("response": for SFT)."""
+        check_split(split)
         if size < 0:
             raise ValueError(f"split size must be >= 0, got {size}")
         # The seed and split both feed the stream, so train and val orders are unrelated.
         rng = random.Random(f"{self.name}:{split}:{seed}")
         if self.space_size <= _ENUMERATE_LIMIT:
-            pool = [row for row in self._all_problems() if self.split_of(row["prompt"]) == split]
+            pool = [
+                row for row in self._all_problems() if split_of(row["prompt"], self.val_fraction) == split
+            ]
             if size > len(pool):
                 raise ValueError(
                     f"the {split} split of {self.describe()} has only {len(pool)} distinct problems; "
@@ -117,9 +98,20 @@ class ArithmeticTask:
         rows: dict[str, dict[str, str]] = {}
         while len(rows) < size:
             row = self.problem(rng.randint(low, high), rng.choice(self.operations), rng.randint(low, high))
-            if row["prompt"] not in rows and self.split_of(row["prompt"]) == split:
+            if row["prompt"] not in rows and split_of(row["prompt"], self.val_fraction) == split:
                 rows[row["prompt"]] = row
         return list(rows.values())
+
+
+def split_of(prompt: str, val_fraction: float) -> str:
+    """'val' or 'train', fixed by the prompt's text alone."""
+    digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
+    return "val" if int.from_bytes(digest, "big") / 2**64 < val_fraction else "train"
+
+
+def check_split(split: str) -> None:
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
 
 
 def score_answer(response: str, ground_truth: Any) -> dict[str, float]:
@@ -133,10 +125,8 @@ def score_answer(response: str, ground_truth: Any) -> dict[str, float]:
 
 
 def score_partial(response: str, ground_truth: Any) -> dict[str, float]:
-    """A shaped version of the rule for models that cannot answer yet: 1.0 for the right answer, else
-    0.1 for starting with an integer, 0.1 more for nothing after it, and up to 0.3 for the answer's
-    digits in their places (counted from the units). The exact "score" of `score_answer` is kept as
-    "correct", so a job still reports how many answers are right."""
+    """Partial credit for models that cannot answer yet: 1.0 when right, else 0.1 for a leading integer,
+    0.1 more for nothing after it, up to 0.3 for digits in their places; "correct" keeps the exact score."""
     exact = score_answer(response, ground_truth)
     if exact["score"] == 1.0:
         return {**exact, "correct": 1.0}
@@ -149,7 +139,6 @@ def score_partial(response: str, ground_truth: Any) -> dict[str, float]:
 
 
 def extract_answer_text(response: str) -> str:
-    """The response up to its first end marker, stripped of surrounding whitespace."""
     for marker in _END_MARKERS:
         response = response.split(marker, 1)[0]
     return response.strip()
@@ -159,7 +148,6 @@ DEFAULT_TASK = ArithmeticTask()
 
 
 def make_split(split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
-    """Rows of the default task (2-digit addition); see `ArithmeticTask.make_split`."""
     return DEFAULT_TASK.make_split(split, size, seed)
 
 

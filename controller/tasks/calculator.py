@@ -1,18 +1,7 @@
-"""Tool-using traces for a supervised warm start on the calculator task.
-
-The RL task "calculator" is 3-digit products ("347*218="), a tool call away. Its traces tasks hold
-the same problems (and the same train/val split) as SFT rows of the two assistant turns of a perfect
-trajectory: first the tool call, then, after the tool's answer, the answer itself. The SFT data set
-ends each response with the chat template's turn-end token (controller/data.py).
-
-Two formats, one per way a tool is called:
-
-- "calculator-traces" for the built-in environment (`builtin:calculator`,
-  workers/environments/calculator.py): the call is `<calc>347*218</calc>`.
-- "calculator-tool-traces" for an agent on a job's OpenAI-compatible endpoint with the `calculator`
-  function tool (examples/agent_openai.py): the prompt shows the tool schemas the way the endpoint
-  does (workers/chat_serving.py), and the call is the endpoint's
-  `<tool_call>{"name": "calculator", "arguments": {"expression": "347*218"}}</tool_call>`.
+"""Tool-using traces for a supervised warm start on the calculator task (3-digit products, a tool call
+away): the same problems as SFT rows of a perfect trajectory's two turns, the call then the answer.
+"calculator-traces" calls `builtin:calculator` as `<calc>347*218</calc>`; "calculator-tool-traces"
+calls the `calculator` function tool of a job's OpenAI endpoint, its schema shown as the endpoint does.
 """
 
 from __future__ import annotations
@@ -25,8 +14,7 @@ from typing import Any
 from controller.tasks.arithmetic import ArithmeticTask
 from workers.chat_serving import tool_call_text, with_tools_header
 
-# The schema is kept short: the endpoint writes it into every prompt, and the built-in chat models
-# read one character per token in a context of 512.
+# Short: the endpoint writes it into every prompt, and the built-in chat models have 512 tokens.
 CALCULATOR_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
@@ -62,7 +50,6 @@ class CalculatorTracesTask:
     tools: tuple[dict[str, Any], ...] = ()  # shown in a system message, as the endpoint shows them
 
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, Any]]:
-        """`size` problems of the split, two SFT rows each (the call, then the answer)."""
         rows = []
         for problem in self.problems.make_split(split, size, seed):
             question, answer = problem["prompt"], problem["ground_truth"]

@@ -1,20 +1,17 @@
-"""The built-in guessing-game task: rows for `builtin:guess_number` (workers/environments/guess_number.py).
-
-A row's prompt states a range of `span` numbers ("Guess 17-32."), its ground truth is the secret
-in that range and its extra says within how many turns a solve earns the full reward: by default
-log2(span) + 1, the most guesses binary search needs when span is a power of two. Ranges start anywhere in
-1..`max_low`; a range belongs to train or val by a stable hash of its prompt, so the splits never
-share a game. With `max_low` 1 there is one range ("Guess 1-8."), and both splits play it: the
-secret is never shown, so validation measures the policy's strategy, not recall.
+"""The built-in guessing game for `builtin:guess_number`: a prompt "Guess 17-32." with the secret as its
+ground truth, and in its extra the turns within which a solve earns the full reward (by default
+log2(span) + 1, binary search's worst case). With `max_low` 1 both splits play the one range: the
+secret is never shown, so validation measures the strategy, not recall.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 from dataclasses import dataclass
 from typing import Any
+
+from controller.tasks.arithmetic import check_split, split_of
 
 
 @dataclass(frozen=True)
@@ -28,15 +25,14 @@ class GuessNumberTask:
     reward_function: str = "builtin:arithmetic"  # unused: the environment scores the game
     solve_within: int | None = None  # None: log2(span) + 1
 
-    def split_of(self, prompt: str) -> str:
-        digest = hashlib.blake2b(prompt.encode(), digest_size=8).digest()
-        return "val" if int.from_bytes(digest, "big") / 2**64 < self.val_fraction else "train"
-
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, Any]]:
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        check_split(split)
         rng = random.Random(f"{self.name}:{split}:{seed}")
-        lows = [low for low in range(1, self.max_low + 1) if self.split_of(self._prompt(low)) == split]
+        lows = [
+            low
+            for low in range(1, self.max_low + 1)
+            if split_of(self._prompt(low), self.val_fraction) == split
+        ]
         if self.max_low == 1:
             lows = [1]
         within = self.solve_within or math.ceil(math.log2(self.span)) + 1
@@ -55,11 +51,9 @@ class GuessNumberTask:
 
 @dataclass(frozen=True)
 class GuessNumberTracesTask:
-    """SFT rows of random-guess games, one row per turn: the format (one number per turn) without
-    the strategy, so that RL has the strategy left to learn. Each guess is uniform in the prompt's
-    range, whatever the hints said; with `inside_hints` it is uniform in the interval the hints
-    leave (the secret is higher than every "higher" guess, lower than every "lower" guess), so the
-    model learns to read the hints but not to halve the interval."""
+    """SFT rows of random-guess games, one per turn: the format without the strategy, which RL is left
+    to learn. Guesses are uniform in the range, or with `inside_hints` in the interval the hints leave
+    (the model learns to read the hints, not to halve the interval)."""
 
     game: GuessNumberTask = GuessNumberTask()
     turns: int = 3  # at most this many turns of each game

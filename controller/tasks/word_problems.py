@@ -1,14 +1,7 @@
-"""The built-in word-problem task: short arithmetic stories for a real chat model.
-
-A prompt is a one- or two-sentence story ("Mia has 23 shells and finds 14 more. How many shells
-does she have now?") followed by an instruction to end with "Answer: N". Rows hold the prompt as
-plain text; a tokenizer with a chat template renders it as one user turn (controller/data.py), so
-the model sees its own conversation format. The answer is a non-negative integer.
-
-Pretrained chat models rarely follow the format exactly: they restate the problem, show their
-working ("23 + 14 = 37"), box the result or bury it in a sentence. `extract_final_number` reads,
-in order of trust, the last `\\boxed{...}`, the last "answer: N" / "answer is N", then the last
-number in the text. Splits are disjoint by a hash of the prompt, as in the arithmetic task.
+"""The built-in word-problem task: short arithmetic stories for a real chat model, ending with an
+instruction to answer "Answer: N". Chat models rarely follow it exactly, so `extract_final_number`
+reads, in order of trust, the last `\\boxed{...}`, the last "answer: N" / "answer is N", then the
+last number. Splits are disjoint by a hash of the prompt, as in the arithmetic task.
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from controller.tasks.arithmetic import ArithmeticTask, extract_answer_text
+from controller.tasks.arithmetic import check_split, extract_answer_text, split_of
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eli", "Ana", "Ben", "Kim")
 THINGS = ("apples", "shells", "stickers", "marbles", "books", "coins", "pencils", "cards", "stamps", "eggs")
@@ -62,11 +55,9 @@ class WordProblemTask:
         return {"prompt": f"{text} {INSTRUCTION}", "ground_truth": str(value), "response": f"Answer: {value}"}
 
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
-        """`size` distinct problems of `split` ("train" or "val"), in an order fixed by `seed`."""
-        if split not in ("train", "val"):
-            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        """`size` distinct problems of `split`, in an order fixed by `seed`."""
+        check_split(split)
         rng = random.Random(f"{self.name}:{split}:{seed}")
-        splitter = ArithmeticTask(val_fraction=self.val_fraction)
         rows: dict[str, dict[str, str]] = {}
         while len(rows) < size:
             story = rng.randrange(len(STORIES))
@@ -74,7 +65,7 @@ class WordProblemTask:
             a = rng.randint(2, self.factor_high) if multiply else rng.randint(self.low, self.high)
             b = rng.randint(2, 9) if multiply else rng.randint(self.low, self.high)
             row = self.problem(story, a, b, rng.choice(NAMES), rng.choice(THINGS))
-            if row["prompt"] not in rows and splitter.split_of(row["prompt"]) == split:
+            if row["prompt"] not in rows and split_of(row["prompt"], self.val_fraction) == split:
                 rows[row["prompt"]] = row
         return list(rows.values())
 

@@ -1,21 +1,94 @@
 """Experiment trackers (`trainer.loggers`): a job's records also go to TensorBoard, W&B and MLflow.
 
-`with_trackers(sink, spec, workdir, job_id)` wraps the job's JobSink in a `TrackerSink` when the spec
-asks for trackers. The wrapper hands every record to the job's own sink first, unchanged, then puts
-a copy on a queue; one background thread opens the trackers and feeds them, so a slow or unreachable
-tracker never lengthens a step. A tracker that raises is logged once and disabled; the job goes on.
-`close()` (when the job's run ends) drains the queue within a time limit and closes every tracker.
+`TrackerSink` hands every record to the job's own sink first, then queues a copy for one background
+thread that feeds the trackers, so a slow tracker never lengthens a step; a tracker that raises is
+disabled. A tracker's run id is kept in `trackers.json` in the job's folder (a resumed job continues
+the run) and beside each checkpoint (a fork links to its parent's run).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import queue
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from controller.sink import JobSink
-from controller.trackers.base import RunInfo, Tracker, log, read_run_ids, write_run_ids
+
+log = logging.getLogger("tandem.trackers")
+
+RUN_IDS_FILE = "trackers.json"
+
+
+@dataclass
+class RunInfo:
+    job_id: str
+    workdir: Path
+    project: str
+    config: dict[str, Any]  # the JobSpec as JSON
+    mlflow_uri: str | None = None
+    run_ids: dict[str, str] = field(default_factory=dict)  # this job's own, from an earlier start
+    parent_ids: dict[str, str] = field(default_factory=dict)  # a fork's parent's
+    parent_job: str | None = None
+
+
+class Tracker(Protocol):
+    name: str
+
+    def open(self, info: RunInfo) -> str:
+        """Start or continue the run; returns its id (kept for the next start)."""
+        ...
+
+    def metrics(self, step: int, values: dict[str, float]) -> None: ...
+
+    def hyperparameters(self, step: int, changes: dict[str, Any]) -> None: ...
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def read_run_ids(folder: Path | None) -> dict[str, Any]:
+    if folder is None:
+        return {}
+    try:
+        return json.loads((Path(folder) / RUN_IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_run_ids(folder: Path, ids: dict[str, Any]) -> None:
+    """Atomically: a checkpoint copied by a fork never holds half a file."""
+    target = Path(folder) / RUN_IDS_FILE
+    partial = target.with_suffix(".json.partial")
+    partial.write_text(json.dumps(ids, indent=1))
+    partial.replace(target)
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"optim": {"lr": 1e-3}} -> {"optim.lr": 1e-3}: what trackers without nesting take."""
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def sample_table(step: int, rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
+    """A step's stored samples as table columns and rows, the conversation as one text cell."""
+    columns = ["step", "index", "prompt", "conversation", "reward", "finish_reason"]
+    data = []
+    for row in rows:
+        talk = "\n".join(f"{turn['role']}: {turn['content']}" for turn in row.get("turns", []))
+        data.append([step, row.get("index"), str(row.get("prompt", "")), talk, row.get("reward"),
+                     row.get("finish_reason")])  # fmt: skip
+    return columns, data
+
 
 QUEUE_LIMIT = 10_000  # records waiting for the trackers at most; beyond it new ones are dropped
 CLOSE_TIMEOUT_S = 60.0
@@ -23,18 +96,15 @@ CLOSE_TIMEOUT_S = 60.0
 
 def make_tracker(name: str) -> Tracker:
     """The tracker called `name` (a `trainer.loggers` entry); its library is imported when opened."""
-    if name == "tensorboard":
-        from controller.trackers.tensorboard_tracker import TensorBoardTracker
+    from controller.trackers import backends
 
-        return TensorBoardTracker()
-    if name == "wandb":
-        from controller.trackers.wandb_tracker import WandbTracker
-
-        return WandbTracker()
-    if name == "mlflow":
-        from controller.trackers.mlflow_tracker import MlflowTracker
-
-        return MlflowTracker()
+    trackers = {
+        "tensorboard": backends.TensorBoardTracker,
+        "wandb": backends.WandbTracker,
+        "mlflow": backends.MlflowTracker,
+    }
+    if name in trackers:
+        return trackers[name]()
     raise ValueError(f"trainer.loggers: unknown tracker '{name}'; choose tensorboard, wandb or mlflow")
 
 
@@ -48,8 +118,6 @@ class TrackerSink:
         self.dropped = 0
         self.thread = threading.Thread(target=self._feed, name="tandem-trackers", daemon=True)
         self.thread.start()
-
-    # ---- JobSink: the job's own record first, then a copy for the trackers -----------------------
 
     def event(self, kind: str, message: str, **data: Any) -> None:
         self.inner.event(kind, message, **data)
@@ -73,13 +141,11 @@ class TrackerSink:
         self.inner.flush()  # the trackers are a copy: a checkpoint never waits for them
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Send what is queued, then close every tracker (each run ends; a resume continues it)."""
+        """Send what is queued, then close every tracker."""
         self._put("close", 0, None, block=True)
         self.thread.join(timeout_s)
         if self.thread.is_alive():
             log.warning("trackers: still sending after %.0f s; closing without the rest", timeout_s)
-
-    # ---- the background thread ----------------------------------------------------------------
 
     def _put(self, kind: str, step: int, payload: Any, block: bool = False) -> None:
         try:
@@ -93,7 +159,7 @@ class TrackerSink:
 
     @staticmethod
     def _step_of(message: str) -> int:
-        """The step a change applies from: the trainer's event says 'applied at step N: ...'."""
+        """The step of the trainer's 'applied at step N: ...'."""
         try:
             return int(message.split("step ", 1)[1].split(":", 1)[0])
         except (IndexError, ValueError):
