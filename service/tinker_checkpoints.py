@@ -3,15 +3,11 @@
 `tinker://RUN/KIND/NAME` is the folder `checkpoints/KIND/NAME` of RUN's workdir, whole once its
 `.complete` exists; a TTL is the epoch second in its `.expires`. An expired checkpoint goes when it is
 next looked at or swept (`reap`); until then it counts in its owner's stored bytes like any other.
-External weights are the adapter's PEFT files (age-encrypted when asked), fetched through URLs this
-service signs, so that a client downloads them without its key.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-import hmac
 import io
 import json
 import shutil
@@ -25,7 +21,6 @@ from service.tinker_requests import TinkerError
 METHOD = "tinker"
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 MAX_TTL_S = 10 * 365 * 86400
-URL_TTL_S = 3600
 REAP_EVERY_S = 60.0
 
 
@@ -37,7 +32,7 @@ def checkpoint_folder(workdir: Path | str, kind: str, name: str) -> Path:
     return Path(workdir) / "checkpoints" / kind / name
 
 
-def _iso(epoch: float) -> str:
+def iso(epoch: float) -> str:
     return dt.datetime.fromtimestamp(epoch, dt.UTC).isoformat()
 
 
@@ -62,6 +57,17 @@ def check_ttl(ttl_seconds: int | None, field: str = "ttl_seconds") -> None:
         )
 
 
+def commit(
+    store: Any, job_id: str, folder: Path, tinker_path: str, ttl_seconds: int | None, what: str
+) -> None:
+    """A saved checkpoint becomes whole, and so listed: its TTL, its `.complete`, an event on its run."""
+    folder.mkdir(parents=True, exist_ok=True)
+    set_ttl(folder, ttl_seconds)
+    (folder / ".complete").write_text(tinker_path + "\n")
+    if what:
+        store.add_event(job_id, "checkpoint", f"saved {what} {tinker_path}")
+
+
 def is_complete(folder: Path) -> bool:
     """Saved and not expired; an expired checkpoint is removed here."""
     if not (folder / ".complete").exists():
@@ -84,9 +90,10 @@ def list_checkpoints(job_id: str, workdir: Path | str) -> list[dict[str, Any]]:
             ends = expires_at(folder)
             out.append({
                 "checkpoint_id": f"{kind}/{folder.name}", "checkpoint_type": label,
-                "time": _iso(folder.stat().st_mtime), "tinker_path": f"tinker://{job_id}/{kind}/{folder.name}",
+                "time": iso(folder.stat().st_mtime), "tinker_path": f"tinker://{job_id}/{kind}/{folder.name}",
                 "size_bytes": sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()),
-                "public": False, "expires_at": None if ends is None else _iso(ends), "mtime": folder.stat().st_mtime,
+                "public": False, "expires_at": None if ends is None else iso(ends),
+                "mtime": folder.stat().st_mtime,
             })  # fmt: skip
     out.sort(key=lambda c: c.pop("mtime"))
     return out
@@ -114,6 +121,22 @@ def saved_folder(store: Any, owner: str | None, run_id: str, kind: str, name: st
     folder = checkpoint_folder(job.workdir, kind, name) if job is not None and kind in KINDS else None
     if folder is None or name.startswith(".") or "/" in name or not is_complete(folder):
         raise not_found("checkpoint", f"tinker://{run_id}/{kind}/{name}", "checkpoint_id")
+    return job, folder
+
+
+def resolve_state(
+    store: Any, path: str, owner: str | None, field: str = "path", kind: str = "weights"
+) -> tuple[Any, Path]:
+    """(run row, folder) of a caller's `tinker://RUN/KIND/NAME`; 404 for another owner's."""
+    parsed = parse_tinker_path(path)
+    label = "training" if kind == "weights" else "sampler"
+    if parsed is None or parsed[1] != kind:
+        raise TinkerError(400, f"{field}: {path!r} is not a {label} checkpoint path "
+                          f"(tinker://RUN/{kind}/NAME)", field)  # fmt: skip
+    job = run_row(store, parsed[0], owner)
+    folder = checkpoint_folder(job.workdir, kind, parsed[2]) if job is not None else None
+    if folder is None or not is_complete(folder):
+        raise not_found(f"{label} checkpoint" if kind != "weights" else "checkpoint", path, field)
     return job, folder
 
 
@@ -146,7 +169,7 @@ def run_view(job: Any) -> dict[str, Any]:
     return {
         "training_run_id": job.id, "base_model": job.spec["model"]["builtin"], "model_owner": job.owner,
         "is_lora": True, "corrupted": False, "lora_rank": job.spec["model"]["lora"]["rank"],
-        "last_request_time": _iso(job.created_at),
+        "last_request_time": iso(job.created_at),
         "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
         "user_metadata": {"model_id": job.metadata.get("tinker_model_id", ""), "status": job.status,
                           **user_metadata(job.workdir)},
@@ -162,64 +185,3 @@ def archive(folder: Path, name: str) -> bytes:
             if item.is_file() and not item.name.startswith(".") and item.name != "SOURCE":
                 tar.add(item, arcname=f"{name}/{item.relative_to(source)}")
     return buf.getvalue()
-
-
-# ---- external weights -------------------------------------------------------------------------------
-
-
-def export_files(staging: Path, folder: Path, recipients: list[Any]) -> int:
-    """The PEFT files of a saved adapter into `folder` (encrypted to `recipients`, `.age`); its bytes."""
-    folder.mkdir(parents=True)
-    for item in sorted(staging.glob("adapter_*")):
-        if recipients:
-            import pyrage
-
-            (folder / f"{item.name}.age").write_bytes(pyrage.encrypt(item.read_bytes(), recipients))
-        else:
-            shutil.copyfile(item, folder / item.name)
-    shutil.rmtree(staging, ignore_errors=True)
-    return sum(f.stat().st_size for f in folder.iterdir())
-
-
-def age_recipients(given: list[str] | None) -> list[Any]:
-    if not given:
-        return []
-    try:
-        import pyrage
-    except ImportError:
-        raise TinkerError(400, "unsupported feature: age_encryption_recipients needs the pyrage package on "
-                          "the service (pip install 'tandem[cookbook]')", "age_encryption_recipients") from None  # fmt: skip
-    out = []
-    for i, text in enumerate(given):
-        try:
-            out.append(pyrage.x25519.Recipient.from_str(text))
-        except Exception:  # noqa: BLE001 - pyrage raises its own error types for a bad key
-            field = f"age_encryption_recipients[{i}]"
-            raise TinkerError(400, f"{field}: not an age X25519 recipient (age1...)", field) from None
-    return out
-
-
-def signature(secret: bytes, run_id: str, name: str, file: str, expires: int) -> str:
-    return hmac.new(secret, f"{run_id}/{name}/{file}/{expires}".encode(), hashlib.sha256).hexdigest()
-
-
-def signed_urls(secret: bytes, base_url: str, run_id: str, name: str, folder: Path) -> dict[str, Any]:
-    """The SDK's `ExternalWeightsUrlsResponse`: one URL per file, valid for URL_TTL_S."""
-    expires = int(time.time()) + URL_TTL_S
-    urls = {f.name: f"{base_url.rstrip('/')}/api/v1/external_weights/{run_id}/{name}/{f.name}?expires={expires}"
-            f"&signature={signature(secret, run_id, name, f.name, expires)}"
-            for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".")}  # fmt: skip
-    return {"urls": urls, "expires": _iso(expires)}
-
-
-def signed_file(secret: bytes, store: Any, run_id: str, name: str, file: str, expires: int, sig: str) -> Path:
-    """The file a signed URL names, if its signature holds and it has not expired; else a 404."""
-    good = hmac.compare_digest(sig, signature(secret, run_id, name, file, expires))
-    if good and expires > time.time():
-        job = run_row(store, run_id, None)
-        folder = checkpoint_folder(job.workdir, "external_weights", name) if job is not None else None
-        if folder is not None and is_complete(folder) and file in {f.name for f in folder.iterdir()}:
-            return folder / file
-    raise not_found(
-        "signed external weights file (or the URL expired)", f"{run_id}/{name}/{file}", "signature"
-    )

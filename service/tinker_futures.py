@@ -76,10 +76,6 @@ class FutureTable:
             )
             return True
 
-    def pending(self) -> int:
-        with self._lock:
-            return sum(1 for f in self._futures.values() if not f.done)
-
     def _drop_old(self) -> None:
         cutoff = time.time() - KEEP_S
         for key in [k for k, f in self._futures.items() if f.done_at is not None and f.done_at < cutoff]:

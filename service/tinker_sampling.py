@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from service.tinker_checkpoints import check_ttl, checkpoint_folder, not_found, set_ttl
+from service.tinker_checkpoints import check_ttl, checkpoint_folder, commit, not_found, resolve_state
 from service.tinker_futures import Future
 from service.tinker_hosts import Call
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
@@ -50,8 +50,7 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
             folder = checkpoint_folder(model.workdir, "sampler_weights", name)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "SOURCE").write_text(ok["path"])
-            set_ttl(folder, req.ttl_seconds)
-            (folder / ".complete").write_text(tinker_path + "\n")
+            commit(svc.store, model.job_id, folder, tinker_path, req.ttl_seconds, "")
 
     def finish(ok: dict[str, Any]) -> tuple[dict[str, Any], None]:
         answer = {"path": tinker_path} if name else {"sampling_session_id": sampler_id}
@@ -67,7 +66,7 @@ def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingS
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}:{uuid.uuid4().hex[:6]}"
     path = req.model_path
     if path:
-        job, folder = svc.resolve_state(path, owner, "model_path", "sampler_weights")
+        job, folder = resolve_state(svc.store, path, owner, "model_path", "sampler_weights")
         base = job.spec["model"]["builtin"]
         svc.host(base, "model_path")
         sampler = Sampler(sampler_id, owner, base, (folder / "SOURCE").read_text(), path, job.id)

@@ -1,18 +1,13 @@
-"""The Tinker API's training side: sessions, training models and their work, checked before queued.
-
-A bad request is a `TinkerError` (a 4xx naming the field) before anything is stored or queued; its
-work becomes one operation of the base model's session host, queued under the caller's owner, and the
-caller gets a future. A training model is a record of the scheduler's Tinker workload
-(service/workloads.py): `create_model` queues it within the owner's quotas and the scheduler's
-`launch` sends its creation to the host. The sampling side is service/tinker_sampling.py.
-"""
+"""The Tinker API's training side: sessions, training models and their work, checked before queued (a
+bad request is a 4xx naming the field), then one operation of the base's session host under the caller's
+owner, answered by a future. A training model is a record of the scheduler's Tinker workload: the
+scheduler's `launch` sends its creation to the host. The sampling side is service/tinker_sampling.py."""
 
 from __future__ import annotations
 
 import json
 import re
 import secrets
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -23,16 +18,13 @@ from service.job_state import JobStatus
 from service.service import Service
 from service.tinker_checkpoints import (
     REAP_EVERY_S,
-    age_recipients,
     check_ttl,
     checkpoint_folder,
-    export_files,
+    commit,
     is_complete,
     not_found,
-    parse_tinker_path,
     reap,
-    run_row,
-    set_ttl,
+    resolve_state,
 )
 from service.tinker_futures import Future, FutureTable
 from service.tinker_hosts import Call, Host, HostOptions, Op
@@ -42,7 +34,6 @@ from service.tinker_requests import (
     LoraConfig,
     OptimizerConfig,
     OptimStep,
-    SaveExternal,
     SaveWeights,
     TinkerError,
 )
@@ -346,60 +337,15 @@ class TinkerService:
         body = Call(SessionWorker.save_state, {"adapter": host_id(model.model_id), "path": str(folder)})
 
         def saved(ok: dict[str, Any]) -> None:
-            folder.mkdir(parents=True, exist_ok=True)
-            set_ttl(folder, req.ttl_seconds)
-            (folder / ".complete").write_text(tinker_path + "\n")
-            self.store.add_event(model.job_id, "checkpoint", f"saved state {tinker_path}")
+            commit(self.store, model.job_id, folder, tinker_path, req.ttl_seconds, "state")
 
         return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "save_weights",
                            lambda ok: ({"path": tinker_path, "type": "save_weights"}, None), saved)  # fmt: skip
 
-    def save_external(self, owner: str, req: SaveExternal) -> Future:
-        """The adapter's PEFT files as `tinker://RUN/external_weights/NAME`, for signed-URL downloads."""
-        model = self.model(req.model_id, owner)
-        if not NAME.match(req.path):
-            raise TinkerError(400, f"path: name {req.path!r} must match {NAME.pattern}", "path")
-        check_ttl(req.ttl_seconds)
-        recipients = age_recipients(req.age_encryption_recipients)
-        folder = checkpoint_folder(model.workdir, "external_weights", req.path)
-        if is_complete(folder):
-            raise TinkerError(400, f"path: external weights '{req.path}' exist (delete them first)", "path")
-        shutil.rmtree(folder, ignore_errors=True)  # an expired or unfinished export of that name
-        staging = folder.parent / f".{req.path}.{secrets.token_hex(4)}"
-        tinker_path = f"tinker://{model.job_id}/external_weights/{req.path}"
-        body = Call(SessionWorker.save_state, {"adapter": host_id(model.model_id), "path": str(staging),
-                                               "optimizer": False})  # fmt: skip
-        size: list[int] = []
-
-        def saved(ok: dict[str, Any]) -> None:
-            size.append(export_files(staging, folder, recipients))
-            set_ttl(folder, req.ttl_seconds)
-            (folder / ".complete").write_text(tinker_path + "\n")
-            self.store.add_event(model.job_id, "checkpoint", f"saved external weights {tinker_path}")
-
-        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "save_weights_external",
-                           lambda ok: ({"path": tinker_path, "size_bytes": size[0], "type": "save_weights_external"},
-                                       None), saved)  # fmt: skip
-
-    def resolve_state(
-        self, path: str, owner: str | None, field: str = "path", kind: str = "weights"
-    ) -> tuple[Any, Path]:
-        """(run row, folder) of a caller's `tinker://RUN/KIND/NAME`; 404 for another owner's."""
-        parsed = parse_tinker_path(path)
-        label = "training" if kind == "weights" else "sampler"
-        if parsed is None or parsed[1] != kind:
-            raise TinkerError(400, f"{field}: {path!r} is not a {label} checkpoint path "
-                              f"(tinker://RUN/{kind}/NAME)", field)  # fmt: skip
-        job = run_row(self.store, parsed[0], owner)
-        folder = checkpoint_folder(job.workdir, kind, parsed[2]) if job is not None else None
-        if folder is None or not is_complete(folder):
-            raise not_found(f"{label} checkpoint" if kind != "weights" else "checkpoint", path, field)
-        return job, folder
-
     def load_state(self, owner: str, req: LoadWeights) -> Future:
         if req.model_id:
             return self._load(self.model(req.model_id, owner), req.path, req.optimizer, owner)
-        job, _ = self.resolve_state(req.path, owner)  # a new training client from a checkpoint
+        job, _ = resolve_state(self.store, req.path, owner)  # a new training client from a checkpoint
         create = CreateModel(session_id=req.session_id or "", model_seq_id=req.model_seq_id,
                              base_model=req.base_model or job.spec["model"]["builtin"],
                              lora_config=LoraConfig(rank=job.spec["model"]["lora"]["rank"]),
@@ -408,14 +354,12 @@ class TinkerService:
 
     def _load(self, model: TrainingModel, path: str, optimizer: bool, owner: str, on_fail: Any = None,
               deferred: list[Op] | None = None) -> Future:  # fmt: skip
-        job, folder = self.resolve_state(path, owner)
-        if (
-            job.spec["model"]["builtin"] != model.base_model
-            or job.spec["model"]["lora"]["rank"] != model.rank
-        ):
-            raise TinkerError(400, f"path: {path} is a rank-{job.spec['model']['lora']['rank']} adapter of "
-                              f"{job.spec['model']['builtin']}; this model is rank {model.rank} on "
-                              f"{model.base_model}", "path")  # fmt: skip
+        job, folder = resolve_state(self.store, path, owner)
+        saved = job.spec["model"]
+        if (saved["builtin"], saved["lora"]["rank"]) != (model.base_model, model.rank):
+            raise TinkerError(400, f"path: {path} is a rank-{saved['lora']['rank']} adapter of "
+                              f"{saved['builtin']}; this model is rank {model.rank} on {model.base_model}",
+                              "path")  # fmt: skip
         body = Call(SessionWorker.load_state, {"adapter": host_id(model.model_id), "path": str(folder),
                                                "optimizer": optimizer})  # fmt: skip
 

@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse, Response
 from api.routes.tinker_session import caller, future_answer, in_thread, tinker
 from api.tinker_bodies import parsed
 from service import tinker_checkpoints as saved
+from service import tinker_exports as exports
 from service import tinker_sampling as sampling
 from service.tinker_requests import CheckpointTtl, CreateSamplingSession, Sample
 from service.tinker_service import TinkerService
@@ -100,14 +101,16 @@ async def checkpoint_archive(request: Request, run_id: str, kind: str, name: str
 async def external_weights_urls(request: Request, run_id: str, name: str) -> dict[str, Any]:
     who, svc = await caller(request, "read"), tinker(request)
     _, folder = saved.saved_folder(svc.store, who.sees, run_id, "external_weights", name)
-    return saved.signed_urls(svc.url_secret, str(request.base_url), run_id, name, folder)
+    return exports.signed_urls(svc.url_secret, str(request.base_url), run_id, name, folder)
 
 
 @router.get("/external_weights/{run_id}/{name}/{file}", summary="Tinker: one file of a signed URL (no key)")
-async def external_weights_file(request: Request, run_id: str, name: str, file: str, expires: int = Query(..., ge=0, lt=2**63),
-                                signature: str = Query(..., max_length=128)) -> FileResponse:  # fmt: skip
+async def external_weights_file(
+    request: Request, run_id: str, name: str, file: str,
+    expires: int = Query(..., ge=0, lt=2**63), signature: str = Query(..., max_length=128),
+) -> FileResponse:  # fmt: skip
     svc = tinker(request)
     path = await in_thread(
-        saved.signed_file, svc.url_secret, svc.store, run_id, name, file, expires, signature
+        exports.signed_file, svc.url_secret, svc.store, run_id, name, file, expires, signature
     )
     return FileResponse(path, media_type="application/octet-stream")

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from api.auth import Caller
 from api.errors import tinker_error_body
 from api.tinker_bodies import parsed
+from service.tinker_checkpoints import not_found
 from service.tinker_requests import MAX_TAGS, CreateSession, FutureRef, SessionRef
 from service.tinker_service import TinkerError, TinkerService
 
@@ -146,9 +147,7 @@ async def _future(request: Request) -> Any:
     request_id = (await parsed(request, FutureRef)).request_id
     future = tinker(request).futures.get(request_id, who.sees)
     if future is None:
-        raise TinkerError(
-            404, f"request_id: no future '{request_id}' (or it is another owner's)", "request_id"
-        )
+        raise not_found("future", request_id, "request_id")
     return future
 
 
@@ -177,19 +176,15 @@ async def telemetry(request: Request) -> dict[str, str]:
     return {"status": "accepted"}  # the SDK's telemetry is accepted and dropped: nothing leaves the machine
 
 
-UNSUPPORTED = "GET POST PUT PATCH DELETE".split()
+fallback = APIRouter()  # registered after every Tinker route
 
 
-def unsupported_route(app_router: APIRouter) -> None:
-    """Registered after every Tinker route: anything else under /api/v1 is named and refused at once."""
-
-    @app_router.api_route("/api/v1/{rest:path}", methods=UNSUPPORTED, include_in_schema=False)
-    async def unsupported(request: Request, rest: str) -> JSONResponse:
-        await caller(request, "read")
-        message = (f"unsupported feature: {request.method} /api/v1/{rest} is a Tinker API call that Tandem does "
-                   "not serve (docs/tinker.md lists what is compatible)")  # fmt: skip
-        return JSONResponse(tinker_error_body(message, rest.split("/")[0]), 400)
-
-
-fallback = APIRouter()
-unsupported_route(fallback)
+@fallback.api_route(
+    "/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
+)
+async def unsupported(request: Request, rest: str) -> JSONResponse:
+    """Anything else under /api/v1 is named and refused at once."""
+    await caller(request, "read")
+    message = (f"unsupported feature: {request.method} /api/v1/{rest} is a Tinker API call that Tandem does "
+               "not serve (docs/tinker.md lists what is compatible)")  # fmt: skip
+    return JSONResponse(tinker_error_body(message, rest.split("/")[0]), 400)

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 
 from api.routes.tinker_session import caller, future_answer, in_thread, tinker
 from api.tinker_bodies import forward_body, parsed
+from service.tinker_exports import save_external
 from service.tinker_requests import CreateModel, LoadWeights, ModelRef, OptimStep, SaveExternal, SaveWeights
 from service.tinker_sampling import save_for_sampler
 from service.tinker_service import TinkerError
@@ -70,7 +71,7 @@ async def save_weights(request: Request) -> dict[str, Any]:
 async def save_weights_external(request: Request) -> dict[str, Any]:
     who, body = await caller(request), await parsed(request, SaveExternal)
     return future_answer(
-        await in_thread(tinker(request).save_external, who.owner, body), model_id=body.model_id
+        await in_thread(save_external, tinker(request), who.owner, body), model_id=body.model_id
     )
 
 
