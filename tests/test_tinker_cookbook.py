@@ -219,3 +219,42 @@ def test_a_long_poll_answers_try_again_while_another_request_waits_on_the_servic
         assert time.monotonic() - started < 45  # the SDK's read timeout for a retrieve_future
     blocked.join(timeout=120)
     tinker_svc.futures.finish(pending, {})
+
+
+def test_hostile_checkpoint_requests_are_4xx_naming_the_field(svc, keys, sdk, trained):
+    run = trained.save_state("hostile").result().path.split("/")[2]
+    base = f"/api/v1/training_runs/{run}/checkpoints"
+    with httpx.Client(base_url=svc.url, headers={"X-API-Key": keys["alice"]}, timeout=30) as http:
+        for ttl, param in (
+            (0, "ttl_seconds"),
+            (-1, "ttl_seconds"),
+            ("1h", "ttl_seconds"),
+            (2**70, "ttl_seconds"),
+        ):
+            answer = http.put(f"{base}/weights/hostile/ttl", json={"ttl_seconds": ttl})
+            assert answer.status_code == 400 and answer.json()["param"] == param, answer.text
+        for path in ("weights/..", "weights/.complete", "bogus/hostile", "sampler_weights/hostile"):
+            answer = http.delete(f"{base}/{path}")
+            assert answer.status_code in (400, 404) and "error" in answer.json(), (path, answer.text)
+        sid = http.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        model = http.post(
+            "/api/v1/create_model", json={"session_id": sid, "model_seq_id": 0, "base_model": BASE}
+        ).json()
+        for body, param in (
+            ({"path": "../x"}, "path"),
+            ({"path": "x", "ttl_seconds": 0}, "ttl_seconds"),
+            ({"path": "x", "age_encryption_recipients": ["not-a-key"]}, "age_encryption_recipients[0]"),
+        ):
+            answer = http.post("/api/v1/save_weights_external", json={"model_id": f"{sid}:train:0", **body})
+            assert answer.status_code == 400 and answer.json()["param"] == param, answer.text
+        assert model["request_id"]
+    for query in (
+        "expires=1&signature=00",
+        "expires=99999999999999999999999&signature=00",
+        "expires=x&signature=0",
+    ):
+        answer = httpx.get(
+            f"{svc.url}/api/v1/external_weights/{run}/n/adapter_config.json?{query}", timeout=30
+        )
+        assert 400 <= answer.status_code < 500, answer.text
+    assert "weights/hostile" in names(svc, keys["alice"], run)
