@@ -275,17 +275,10 @@ def dotted(loc: tuple[Any, ...]) -> str:
 _PRIMITIVES = {"str", "int", "float", "bool"}
 
 
-def parse_body(model: type[Model], raw: bytes) -> Model:
-    """`raw` (JSON; empty is `{}`) as `model`, or a TinkerError naming the field."""
+def parse_body(model: type[Model], raw: bytes | dict[str, Any]) -> Model:
+    """A JSON body (empty is `{}`), or python the protobuf reader decoded, as `model`; else a TinkerError
+    naming the field."""
     try:
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as err:
-        raise refusal(err) from None
-
-
-def checked(model: type[Model], value: dict[str, Any]) -> Model:
-    """Already-decoded python (the protobuf reader's) as `model`, or a TinkerError naming the field."""
-    try:
-        return model.model_validate(value)
+        return model.model_validate(raw) if isinstance(raw, dict) else model.model_validate_json(raw or b"{}")
     except ValidationError as err:
         raise refusal(err) from None

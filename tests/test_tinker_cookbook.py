@@ -21,21 +21,14 @@ import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
 from api.routes.tinker_session import LONG_POLL_S  # noqa: E402
-from api.settings import ServeSettings  # noqa: E402
-from tests.api_util import start_service  # noqa: E402
-from tests.tinker_loops import close_clients, owner_keys, point_sdk, service_client  # noqa: E402
+from tests.tinker_loops import owner_keys, point_sdk, served, service_client  # noqa: E402
 
 BASE = "tiny-qwen2"
 
 
 @pytest.fixture(scope="module")
 def svc(ray_cluster, tmp_path_factory):
-    live = start_service(
-        tmp_path_factory.mktemp("tinker-cookbook"), settings=ServeSettings(tinker_base_models=[BASE])
-    )
-    yield live
-    close_clients()
-    live.stop()
+    yield from served(tmp_path_factory, "tinker-cookbook", [BASE])
 
 
 @pytest.fixture(scope="module")
