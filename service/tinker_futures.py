@@ -1,11 +1,7 @@
-"""The Tinker API's futures: every piece of work answers at once with a request id, and the SDK polls
-`/api/v1/retrieve_future` until the result is there (a `try_again` answer while it is not).
-
-A future belongs to the owner whose request made it (another owner's id is unknown to them) and
-holds either its JSON result, its protobuf result (forward_backward and sample, which the SDK reads
-only as protobuf), or a failure `{"error", "category"}` in the SDK's `RequestFailedResponse` shape.
-The dispatcher threads resolve futures; the API's event loop reads them, so a lock guards the table.
-Finished futures are kept for `KEEP_S` after they finish, then dropped.
+"""The Tinker API's futures: work answers at once with a request id that the SDK polls
+(`/api/v1/retrieve_future`). A future is its owner's alone and holds its JSON result, its protobuf result
+(forward_backward, sample) or a failure in the SDK's `{"error", "category"}` shape; dispatcher threads
+resolve them and the event loop reads them, so a lock guards the table. Finished ones go after `KEEP_S`.
 """
 
 from __future__ import annotations
@@ -75,10 +71,6 @@ class FutureTable:
                 time.time(),
             )
             return True
-
-    def pending(self) -> int:
-        with self._lock:
-            return sum(1 for f in self._futures.values() if not f.done)
 
     def _drop_old(self) -> None:
         cutoff = time.time() - KEEP_S

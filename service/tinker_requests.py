@@ -1,12 +1,8 @@
-"""The Tinker API's request bodies, typed: what each route reads, checked before anything is looked up.
+"""The Tinker API's request bodies, typed strictly: a wrong type is a 400 naming the dotted field.
 
-Each model names the fields the SDK sends (tinker 0.38.0, `tinker/types/*_request.py`) with types
-strict enough that a wrong type is refused, never coerced or left to fail deeper (a tag that is a
-number, a `lora_config` that is a string, a token that is text). Floats must be finite (a NaN
-learning rate would poison the adapter on its first step); seeds are 63-bit (what torch's
-generator takes, and SQLite stores). Fields the SDK may add later are ignored, as its own models
-would be on an older server. `parse_body` turns a body into a model or a `TinkerError` (400) that
-names the dotted field, so the SDK shows it instead of retrying.
+The fields are those the SDK sends (tinker 0.38.0, `tinker/types/*_request.py`); fields it may add
+later are ignored. Floats must be finite (a NaN learning rate would poison the adapter), seeds 63-bit
+(what torch's generator takes and SQLite stores).
 """
 
 from __future__ import annotations
@@ -27,6 +23,10 @@ MAX_TAGS = 32
 Id = Annotated[str, Field(min_length=1, max_length=512)]
 Token = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+# the SDK reads a run's user_metadata as text values: anything else would break every listing
+UserMetadata = Annotated[dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
+                         Field(max_length=64)]  # fmt: skip
+TtlSeconds = Annotated[int, Field(ge=1, lt=SEED_LIMIT)]
 
 
 class TinkerError(Exception):
@@ -76,7 +76,7 @@ class CreateModel(Body):
     base_model: Id
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig | None = None
-    user_metadata: dict[str, Any] | None = None
+    user_metadata: UserMetadata | None = None
 
 
 class AdamParams(Body):
@@ -101,6 +101,20 @@ class SaveWeights(Body):
     path: str | None = Field(None, max_length=512)
     overwrite: bool = False
     kind: str = Field("snapshot", max_length=64)
+    ttl_seconds: TtlSeconds | None = None
+
+
+class SaveExternal(Body):
+    model_id: Id
+    path: Id
+    ttl_seconds: TtlSeconds | None = None
+    age_encryption_recipients: list[Annotated[str, Field(max_length=1024)]] | None = Field(
+        None, max_length=64
+    )
+
+
+class CheckpointTtl(Body):
+    ttl_seconds: TtlSeconds | None
 
 
 class LoadWeights(Body):
@@ -111,6 +125,7 @@ class LoadWeights(Body):
     model_seq_id: int = Field(0, ge=0, lt=SEED_LIMIT)
     base_model: Id | None = None
     optimizer_config: OptimizerConfig | None = None
+    user_metadata: UserMetadata | None = None
 
 
 class CreateSamplingSession(Body):
@@ -162,9 +177,20 @@ class Tensor(Body):
         return {"data": self.data, "dtype": self.dtype, "shape": list(self.shape or [len(self.data)])}
 
 
+class Span(Body):
+    """A provenance span: datum positions that repeat tokens of a recorded sample's prompt or output."""
+
+    kind: Literal["prompt", "sampled"]
+    sequence_id: Id
+    offset: int = Field(0, ge=0, lt=SEED_LIMIT)
+    length: int = Field(..., ge=0, lt=SEED_LIMIT)
+
+
 class Datum(Body):
     model_input: ModelInput
     loss_fn_inputs: dict[Annotated[str, Field(max_length=128)], Tensor] = Field(default_factory=dict)
+    model_input_spans: list[Span] | None = None
+    loss_fn_input_spans: list[Span] | None = None
 
 
 ConfigValue = Annotated[float, Field(allow_inf_nan=False)] | Annotated[str, Field(max_length=256)]
@@ -188,7 +214,9 @@ class ForwardBackward(Body):
         """Tokens per datum and plain tensors: what the host's forward_backward takes."""
         given = self.forward_backward_input
         data = [{"tokens": d.model_input.tokens(f"forward_backward_input.data[{i}].model_input"),
-                 "loss_fn_inputs": {name: t.plain() for name, t in d.loss_fn_inputs.items()}}
+                 "loss_fn_inputs": {name: t.plain() for name, t in d.loss_fn_inputs.items()},
+                 "spans": {"model_input_spans": [s.model_dump() for s in d.model_input_spans or []],
+                           "loss_fn_input_spans": [s.model_dump() for s in d.loss_fn_input_spans or []]}}
                 for i, d in enumerate(given.data)]  # fmt: skip
         return {"model_id": self.model_id, "data": data, "loss_fn": given.loss_fn,
                 "loss_fn_config": given.loss_fn_config, "forward_only": self.forward_only}  # fmt: skip
@@ -247,17 +275,10 @@ def dotted(loc: tuple[Any, ...]) -> str:
 _PRIMITIVES = {"str", "int", "float", "bool"}
 
 
-def parse_body(model: type[Model], raw: bytes) -> Model:
-    """`raw` (JSON; empty is `{}`) as `model`, or a TinkerError naming the field."""
+def parse_body(model: type[Model], raw: bytes | dict[str, Any]) -> Model:
+    """A JSON body (empty is `{}`), or python the protobuf reader decoded, as `model`; else a TinkerError
+    naming the field."""
     try:
-        return model.model_validate_json(raw or b"{}")
-    except ValidationError as err:
-        raise refusal(err) from None
-
-
-def checked(model: type[Model], value: dict[str, Any]) -> Model:
-    """Already-decoded python (the protobuf reader's) as `model`, or a TinkerError naming the field."""
-    try:
-        return model.model_validate(value)
+        return model.model_validate(raw) if isinstance(raw, dict) else model.model_validate_json(raw or b"{}")
     except ValidationError as err:
         raise refusal(err) from None

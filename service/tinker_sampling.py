@@ -1,27 +1,23 @@
-"""The Tinker API's sampling side and its reads: samplers, `asample`, training runs and checkpoints.
+"""The Tinker API's sampling side: samplers and `asample` (which `compute_logprobs` is too).
 
-A sampler is a frozen snapshot of a training model's adapter (`save_weights_for_sampler`) or the
-bare base model (`create_sampling_client(base_model=...)`); `compute_logprobs` reaches the service
-as an `asample` with `prompt_logprobs`. Samples of a training model's sampler are kept as that
-run's samples (the dashboard's Samples panel), decoded with the base model's tokenizer when its
-folder has a `tokenizer.json` (the `tokenizers` library: no torch here).
+A sampler is a frozen snapshot of a training model's adapter (`save_weights_for_sampler`) or the bare
+base model. Samples of a training model's sampler are kept as that run's samples (the dashboard's
+Samples panel), decoded with the base's `tokenizer.json` (the `tokenizers` library: no torch here).
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import io
-import tarfile
 import uuid
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from service.tinker_checkpoints import check_ttl, checkpoint_folder, commit, not_found, resolve_state
 from service.tinker_futures import Future
 from service.tinker_hosts import Call
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
-from service.tinker_service import NAME, TinkerError, TinkerService, host_id, not_found
-from service.tinker_sessions import Sampler, checkpoint_folder, list_checkpoints, run_row
+from service.tinker_service import NAME, TinkerError, TinkerService, host_id
+from service.tinker_sessions import Sampler
 from service.tinker_wire import write_sample_response
 from workers.session_host import SessionWorker
 
@@ -29,7 +25,7 @@ MAX_SAMPLES = 128
 MAX_NEW_TOKENS = 4096
 UNSUPPORTED_SAMPLE_FIELDS = {
     "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
-    "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None, "record_stability_info": None,
+    "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None,
 }  # fmt: skip
 
 
@@ -40,6 +36,7 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
     name = req.path
     if name is not None and not NAME.match(name):
         raise TinkerError(400, f"path: sampler name {name!r} must match {NAME.pattern}", "path")
+    check_ttl(req.ttl_seconds)
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
     tinker_path = f"tinker://{model.job_id}/sampler_weights/{name}" if name else None
     body = Call(SessionWorker.save_for_sampler,
@@ -53,7 +50,7 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
             folder = checkpoint_folder(model.workdir, "sampler_weights", name)
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "SOURCE").write_text(ok["path"])
-            (folder / ".complete").write_text(tinker_path + "\n")
+            commit(svc.store, model.job_id, folder, tinker_path, req.ttl_seconds, "")
 
     def finish(ok: dict[str, Any]) -> tuple[dict[str, Any], None]:
         answer = {"path": tinker_path} if name else {"sampling_session_id": sampler_id}
@@ -69,13 +66,12 @@ def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingS
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}:{uuid.uuid4().hex[:6]}"
     path = req.model_path
     if path:
-        job, folder = svc.resolve_state(path, owner, "model_path", "sampler_weights")
+        job, folder = resolve_state(svc.store, path, owner, "model_path", "sampler_weights")
         base = job.spec["model"]["builtin"]
         svc.host(base, "model_path")
         sampler = Sampler(sampler_id, owner, base, (folder / "SOURCE").read_text(), path, job.id)
     else:
-        base = req.base_model or ""
-        svc.host(base, "base_model")
+        base = svc.host(req.base_model or "", "base_model").base_model
         sampler = Sampler(sampler_id, owner, base, None, None, None)
     svc.records.add_sampler(sampler)
     return sampler_id
@@ -105,8 +101,8 @@ def _sampling_params(params: SamplingParams) -> dict[str, Any]:
 def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[str]]:
     for name, default in UNSUPPORTED_SAMPLE_FIELDS.items():
         if getattr(req, name) not in (default, None, False):
-            raise TinkerError(400, f"{name}: not supported by this service (Tandem serves tokens, their "
-                              "log-probs and prompt_logprobs)", name)  # fmt: skip
+            raise TinkerError(400, f"unsupported feature: {name} (Tandem serves tokens, their log-probs and "
+                              "prompt_logprobs)", name)  # fmt: skip
     sampler_id = req.sampling_session_id
     if not sampler_id:
         raise TinkerError(
@@ -129,6 +125,8 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
     sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
 
     def record(ok: dict[str, Any]) -> None:
+        if req.record_stability_info:
+            svc.records.record(owner, sequence_ids, prompt, ok["sequences"])
         if req.prompt_logprobs:  # scoring (compute_logprobs), not sampling: no sample rows
             return
         if sampler.job_id is None or svc.store.get_job(sampler.job_id) is None:
@@ -162,53 +160,3 @@ def _decoder(folder: str | None) -> Any:
         tokenizer = _tokenizer(folder)
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)[:2000]
     return lambda ids: " ".join(map(str, ids))[:2000]
-
-
-# ---- training runs and checkpoints ------------------------------------------------------------------
-
-
-def run_view(svc: TinkerService, job: Any) -> dict[str, Any]:
-    saved = list_checkpoints(job.id, Path(job.workdir))
-    last = {kind: next((c for c in reversed(saved) if c["checkpoint_type"] == kind), None)
-            for kind in ("training", "sampler")}  # fmt: skip
-    return {
-        "training_run_id": job.id, "base_model": job.spec["model"]["builtin"], "model_owner": job.owner,
-        "is_lora": True, "corrupted": False, "lora_rank": job.spec["model"]["lora"]["rank"],
-        "last_request_time": dt.datetime.fromtimestamp(job.created_at, dt.UTC).isoformat(),
-        "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
-        "user_metadata": {"model_id": job.metadata.get("tinker_model_id", ""), "status": job.status},
-    }  # fmt: skip
-
-
-def run_of(svc: TinkerService, owner: str | None, run_id: str) -> Any:
-    job = run_row(svc.store, run_id, owner)
-    if job is None:
-        model = svc.records.model(run_id, owner)  # a model id names its run too
-        if model is None:
-            raise not_found("training run", run_id, "training_run_id")
-        job = svc.store.get_job(model.job_id)
-    return job
-
-
-def list_runs(svc: TinkerService, owner: str | None, limit: int, offset: int) -> dict[str, Any]:
-    """The caller's training runs (an admin's: everyone's), newest first."""
-    rows = svc.store.tinker_runs(owner)
-    return {
-        "training_runs": [run_view(svc, j) for j in rows[offset : offset + limit]],
-        "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)},
-    }
-
-
-def checkpoint_archive(svc: TinkerService, owner: str | None, run_id: str, kind: str, name: str) -> bytes:
-    """A checkpoint as a .tar.gz of its PEFT adapter folder (the host's disk must be this machine's)."""
-    job = run_of(svc, owner, run_id)
-    folder = checkpoint_folder(Path(job.workdir), kind, name)
-    if kind not in ("weights", "sampler_weights") or not (folder / ".complete").exists():
-        raise not_found("checkpoint", f"tinker://{run_id}/{kind}/{name}", "checkpoint_id")
-    source = Path((folder / "SOURCE").read_text()) if (folder / "SOURCE").exists() else folder
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for item in sorted(source.rglob("*")):
-            if item.is_file() and item.name not in (".complete", "SOURCE"):
-                tar.add(item, arcname=f"{name}/{item.relative_to(source)}")
-    return buf.getvalue()

@@ -1,19 +1,13 @@
-"""The Tinker API's training side: sessions, training models and their work, checked before queued.
-
-Every request is checked here, in the API process, before anything is stored or queued (a bad one
-is a `TinkerError`: a 4xx naming the field, in the SDK's error shape); then its work becomes one op
-of the contract's `run_batch` (docs/ARCHITECTURE.md, "Tinker API"), queued on its base model's host
-under the caller's owner, and the caller gets a future. The sampling side is service/tinker_sampling.py.
-
-A training model is a record of the scheduler's Tinker workload (service/workloads.py), in a table
-of its own: `create_model` queues it within the owner's quotas, the scheduler admits it as it does a
-job (at once when the quota and the cluster allow) and calls `launch`, which sends its creation to
-the host; it ends through `Scheduler.end` (unloaded, cancelled, its session or its host gone).
-"""
+"""The Tinker API's training side: sessions, training models and their work, checked before queued (a
+bad request is a 4xx naming the field), then one operation of the base's session host under the caller's
+owner, answered by a future. A training model is a record of the scheduler's Tinker workload: the
+scheduler's `launch` sends its creation to the host. The sampling side is service/tinker_sampling.py."""
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -22,6 +16,16 @@ from typing import Any
 from schema.tinker_losses import LossInputError, check_request
 from service.job_state import JobStatus
 from service.service import Service
+from service.tinker_checkpoints import (
+    REAP_EVERY_S,
+    check_ttl,
+    checkpoint_folder,
+    commit,
+    is_complete,
+    not_found,
+    reap,
+    resolve_state,
+)
 from service.tinker_futures import Future, FutureTable
 from service.tinker_hosts import Call, Host, HostOptions, Op
 from service.tinker_requests import (
@@ -37,11 +41,9 @@ from service.tinker_sessions import (
     ClientSession,
     Records,
     TrainingModel,
-    checkpoint_folder,
     last_saved_state,
     lost_message,
-    parse_tinker_path,
-    run_row,
+    use_recorded,
 )
 from service.tinker_wire import write_forward_backward_output
 from workers.session_host import SessionWorker
@@ -49,10 +51,6 @@ from workers.session_host import SessionWorker
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 BUILTIN_CONTEXT = 512
 SESSION_TTL_S = 600.0  # a session without a heartbeat for this long ends
-
-
-def not_found(what: str, ident: str, field: str) -> TinkerError:
-    return TinkerError(404, f"{field}: no {what} '{ident}' (or it is another owner's)", field)
 
 
 class TinkerService:
@@ -70,9 +68,15 @@ class TinkerService:
                        on_lost=self._host_lost, accounts=self.scheduler)
             for name in base_models
         }  # fmt: skip
+        # a built-in base is also served under its folder (`tandem models build NAME`), a name that
+        # Hugging Face loaders (the cookbook's get_tokenizer) read offline
+        self.aliases = {str(root / "models" / name): name for name in base_models if "/" not in name
+                        for root in {self.home, self.home.resolve()}}  # fmt: skip
         self._admit = threading.Lock()
         self._launches: dict[str, Any] = {}  # model id -> what its launch sends to the host
         self.session_ttl_s = SESSION_TTL_S
+        self.url_secret = secrets.token_bytes(32)  # signs external weights' download URLs
+        self._reaped = 0.0
 
     def shutdown(self) -> None:
         for host in self.hosts.values():
@@ -82,13 +86,17 @@ class TinkerService:
 
     def expire_sessions(self) -> list[str]:
         """Sessions without a heartbeat for `session_ttl_s` end (the SDK beats every 10 s): their
-        models leave the host and their rows are paused, naming the last saved state."""
+        models leave the host and their rows are paused, naming the last saved state. Expired
+        checkpoints are swept here too, at most every REAP_EVERY_S."""
         now = time.time()
+        if now - self._reaped > REAP_EVERY_S:
+            self._reaped = now
+            reap(self.store)
         gone = [
             s for s in list(self.records.sessions.values()) if now - s.last_heartbeat > self.session_ttl_s
         ]
         for session in gone:
-            self.records.sessions.pop(session.id, None)
+            self.records.end_session(session.id)
             for model in [m for m in list(self.records.models.values()) if m.session_id == session.id]:
                 last = last_saved_state(model.job_id, model.workdir) or "none (no save_state)"
                 self._drop(model)
@@ -124,17 +132,18 @@ class TinkerService:
     # ---- hosts ------------------------------------------------------------------------------------
 
     def host(self, base_model: str, field: str = "base_model") -> Host:
-        host = self.hosts.get(base_model)
+        host = self.hosts.get(self.aliases.get(base_model, base_model))
         if host is None:
             raise TinkerError(400, f"{field}: base model '{base_model}' is not served here; served: "
                               f"{sorted(self.hosts)} (tandem serve --base-model)", field)  # fmt: skip
         return host
 
     def capabilities(self) -> dict[str, Any]:
+        built = [alias for alias in self.aliases if Path(alias, "config.json").is_file()]
         return {"supported_models": [
             {"model_name": name, "trainable": True, "sampleable": True,
-             "max_context_length": (host.info or {}).get("max_seq_len") or BUILTIN_CONTEXT}
-            for name, host in self.hosts.items()
+             "max_context_length": (self.host(name).info or {}).get("max_seq_len") or BUILTIN_CONTEXT}
+            for name in [*self.hosts, *built]
         ]}  # fmt: skip
 
     def submit(self, host: Host, owner: str, queue: str, body: Call, kind: str, finish: Any,
@@ -171,11 +180,11 @@ class TinkerService:
             raise TinkerError(400, f"optimizer_config.type: only 'adamw' is served, not {optimizer['type']!r}",
                               "optimizer_config.type")  # fmt: skip
         model_id = f"{session.id}:train:{req.model_seq_id}"
-        if model_id in self.records.models:
-            raise TinkerError(400, f"model_seq_id: model {model_id} exists already", "model_seq_id")
         targets = [t for t, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp),
                                    ("unembed", lora.train_unembed)) if on]  # fmt: skip
         with self._admit:
+            if model_id in self.records.models:
+                raise TinkerError(400, f"model_seq_id: model {model_id} exists already", "model_seq_id")
             limit = self.quotas.of(owner).tinker_models
             have = self.records.live_models_of(owner)
             if limit is not None and have >= limit:
@@ -188,6 +197,8 @@ class TinkerService:
             model = TrainingModel(model_id, job.id, owner, session.id, host.base_model, rank, Path(job.workdir),
                                   optimizer)  # fmt: skip
             self.records.add_model(model)  # now: a second create_model of this id is refused
+        model.workdir.mkdir(parents=True, exist_ok=True)
+        (model.workdir / "user_metadata.json").write_text(json.dumps(req.user_metadata or {}))
         body = Call(SessionWorker.create_adapter, {"adapter": host_id(model_id), "rank": rank, "seed": lora.seed,
                     "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
                     "train_unembed": lora.train_unembed})  # fmt: skip
@@ -272,6 +283,10 @@ class TinkerService:
             if targets is not None:
                 self.check_tokens(host, [int(t) for t in targets["data"]],
                                   f"forward_backward_input.data[{i}].loss_fn_inputs.target_tokens")  # fmt: skip
+        if req["loss_fn"] == "stable_reinforce":  # the loss that trains on the sampler's recorded log-probs
+            use_recorded(self.records, owner, data)
+        for datum in data:
+            datum.pop("spans", None)
         body = Call(SessionWorker.forward_backward, {"adapter": host_id(model.model_id), "data": data,
                     "loss_fn": req["loss_fn"], "loss_fn_config": req.get("loss_fn_config"),
                     "backward": not forward_only})  # fmt: skip
@@ -314,55 +329,37 @@ class TinkerService:
         name = req.path or f"step-{model.step:06d}"
         if not NAME.match(name):
             raise TinkerError(400, f"path: checkpoint name {name!r} must match {NAME.pattern}", "path")
+        check_ttl(req.ttl_seconds)
         folder = checkpoint_folder(model.workdir, "weights", name)
-        if folder.exists() and not req.overwrite:
+        if is_complete(folder) and not req.overwrite:
             raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
         tinker_path = f"tinker://{model.job_id}/weights/{name}"
         body = Call(SessionWorker.save_state, {"adapter": host_id(model.model_id), "path": str(folder)})
 
         def saved(ok: dict[str, Any]) -> None:
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / ".complete").write_text(tinker_path + "\n")
-            self.store.add_event(model.job_id, "checkpoint", f"saved state {tinker_path}")
+            commit(self.store, model.job_id, folder, tinker_path, req.ttl_seconds, "state")
 
         return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "save_weights",
                            lambda ok: ({"path": tinker_path, "type": "save_weights"}, None), saved)  # fmt: skip
 
-    def resolve_state(
-        self, path: str, owner: str | None, field: str = "path", kind: str = "weights"
-    ) -> tuple[Any, Path]:
-        """(run row, folder) of a caller's `tinker://RUN/KIND/NAME`; 404 for another owner's."""
-        parsed = parse_tinker_path(path)
-        label = "training" if kind == "weights" else "sampler"
-        if parsed is None or parsed[1] != kind:
-            raise TinkerError(400, f"{field}: {path!r} is not a {label} checkpoint path "
-                              f"(tinker://RUN/{kind}/NAME)", field)  # fmt: skip
-        job = run_row(self.store, parsed[0], owner)
-        folder = checkpoint_folder(Path(job.workdir), kind, parsed[2]) if job is not None else None
-        if folder is None or not (folder / ".complete").exists():
-            raise not_found(f"{label} checkpoint" if kind != "weights" else "checkpoint", path, field)
-        return job, folder
-
     def load_state(self, owner: str, req: LoadWeights) -> Future:
         if req.model_id:
             return self._load(self.model(req.model_id, owner), req.path, req.optimizer, owner)
-        job, _ = self.resolve_state(req.path, owner)  # a new training client from a checkpoint
+        job, _ = resolve_state(self.store, req.path, owner)  # a new training client from a checkpoint
         create = CreateModel(session_id=req.session_id or "", model_seq_id=req.model_seq_id,
                              base_model=req.base_model or job.spec["model"]["builtin"],
                              lora_config=LoraConfig(rank=job.spec["model"]["lora"]["rank"]),
-                             optimizer_config=req.optimizer_config)  # fmt: skip
+                             optimizer_config=req.optimizer_config, user_metadata=req.user_metadata)  # fmt: skip
         return self.create_model(owner, create, load={"path": req.path, "optimizer": req.optimizer})
 
     def _load(self, model: TrainingModel, path: str, optimizer: bool, owner: str, on_fail: Any = None,
               deferred: list[Op] | None = None) -> Future:  # fmt: skip
-        job, folder = self.resolve_state(path, owner)
-        if (
-            job.spec["model"]["builtin"] != model.base_model
-            or job.spec["model"]["lora"]["rank"] != model.rank
-        ):
-            raise TinkerError(400, f"path: {path} is a rank-{job.spec['model']['lora']['rank']} adapter of "
-                              f"{job.spec['model']['builtin']}; this model is rank {model.rank} on "
-                              f"{model.base_model}", "path")  # fmt: skip
+        job, folder = resolve_state(self.store, path, owner)
+        saved = job.spec["model"]
+        if (saved["builtin"], saved["lora"]["rank"]) != (model.base_model, model.rank):
+            raise TinkerError(400, f"path: {path} is a rank-{saved['lora']['rank']} adapter of "
+                              f"{saved['builtin']}; this model is rank {model.rank} on {model.base_model}",
+                              "path")  # fmt: skip
         body = Call(SessionWorker.load_state, {"adapter": host_id(model.model_id), "path": str(folder),
                                                "optimizer": optimizer})  # fmt: skip
 

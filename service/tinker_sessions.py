@@ -1,21 +1,10 @@
-"""The Tinker API's records: client sessions, training models, samplers, and who owns each.
+"""The Tinker API's in-memory records: client sessions, training models, samplers, recorded samples.
 
-- A client session (`create_session`, kept alive by `session_heartbeat`) lives in memory: the SDK
-  makes a new one per process, so there is nothing to keep across a restart.
-- A training model (`create_model`, a LoRA adapter on a served base) is also a record of the
-  scheduler's Tinker workload, a row of the store's `tinker_runs` table (service/store_tinker.py),
-  so it shows in `tandem list` and the dashboard with its owner, per-step metrics and samples; its
-  id there (`job-...`) is the Tinker training run id of its checkpoint paths
-  (`tinker://job-.../weights/NAME`). Its checkpoints are folders under the row's workdir
-  (`checkpoints/weights/NAME`, `checkpoints/sampler_weights/NAME`), so they outlive the service.
-  After a restart the adapter itself is gone (it lived in the host process): the scheduler's
-  recovery pauses the run (`TinkerRunWorkload.recover`), and the model's next call is refused with
-  its last saved state named (`lost_message`).
-- A sampler (`save_weights_for_sampler`, `create_sampling_session`) is a frozen adapter snapshot
-  or the bare base model, in memory.
-
-Every lookup takes the caller's owner (None: the admin, who sees everyone's) and answers None for
-another owner's id, so that it is a 404, like an unknown one.
+A training model is also a row of the store's `tinker_runs` table (service/store_tinker.py), whose id
+(`job-...`) is the run id of its checkpoint paths; the adapter itself lives in the host process, so
+after a restart the run is paused and its next call names its last saved state (`lost_message`).
+Every lookup takes the caller's owner (None: the admin) and answers None for another owner's id, so
+that it is a 404 like an unknown one.
 """
 
 from __future__ import annotations
@@ -23,12 +12,17 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-METHOD = "tinker"
-CHECKPOINT_KINDS = {"weights": "training", "sampler_weights": "sampler"}
+from service.tinker_checkpoints import list_checkpoints
+from service.tinker_requests import TinkerError
+
+# Samples kept for `record_stability_info` (prompt and sampled tokens in all), oldest dropped first.
+MAX_RECORDED_TOKENS = 4_000_000
 
 
 @dataclass
@@ -56,6 +50,16 @@ class TrainingModel:
 
 
 @dataclass
+class Recorded:
+    """A sequence sampled with `record_stability_info`: what a training datum's spans may name."""
+
+    owner: str
+    prompt: array
+    tokens: array
+    logprobs: array
+
+
+@dataclass
 class Sampler:
     id: str
     owner: str
@@ -65,12 +69,8 @@ class Sampler:
     job_id: str | None  # the training run it came from: its samples go to that row
 
 
-def sees(owner_of: str, caller_owner: str | None) -> bool:
-    return caller_owner is None or owner_of == caller_owner
-
-
 def _seen(found: Any, owner: str | None) -> Any:
-    return found if found is not None and sees(found.owner, owner) else None
+    return found if found is not None and owner in (None, found.owner) else None
 
 
 class Records:
@@ -79,6 +79,8 @@ class Records:
         self.sessions: dict[str, ClientSession] = {}
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.sequences: OrderedDict[str, Recorded] = OrderedDict()
+        self._recorded_tokens = 0
 
     def new_session(self, owner: str, tags: list[str]) -> ClientSession:
         now = time.time()
@@ -111,52 +113,30 @@ class Records:
         with self._lock:
             self.samplers[sampler.id] = sampler
 
+    def record(self, owner: str, ids: list[str], prompt: list[int], sequences: list[dict[str, Any]]) -> None:
+        shared = array("i", prompt)
+        with self._lock:
+            for sequence_id, seq in zip(ids, sequences, strict=False):
+                logprobs = array("f", [float("nan") if v is None else v for v in seq.get("logprobs") or []])
+                self.sequences[sequence_id] = Recorded(owner, shared, array("i", seq["tokens"]), logprobs)
+                self._recorded_tokens += len(prompt) + len(seq["tokens"])
+            while self._recorded_tokens > MAX_RECORDED_TOKENS and self.sequences:
+                _, old = self.sequences.popitem(last=False)
+                self._recorded_tokens -= len(old.prompt) + len(old.tokens)
+
+    def end_session(self, session_id: str) -> None:
+        """The session's recorded samples go with it (their ids start with its id)."""
+        with self._lock:
+            self.sessions.pop(session_id, None)
+            for key in [k for k in self.sequences if k.startswith(session_id + ":")]:
+                old = self.sequences.pop(key)
+                self._recorded_tokens -= len(old.prompt) + len(old.tokens)
+
     def live_models_of(self, owner: str) -> int:
         return sum(1 for m in list(self.models.values()) if m.owner == owner)
 
     def live_sessions_of(self, owner: str) -> int:
         return sum(1 for s in list(self.sessions.values()) if s.owner == owner)
-
-
-def checkpoint_folder(workdir: Path, kind: str, name: str) -> Path:
-    """Where a checkpoint of a training run lives: kind is `weights` or `sampler_weights`."""
-    return Path(workdir) / "checkpoints" / kind / name
-
-
-def list_checkpoints(job_id: str, workdir: Path) -> list[dict[str, Any]]:
-    """The run's checkpoints on disk, oldest first, in the SDK's `Checkpoint` shape."""
-    out = []
-    for kind, label in CHECKPOINT_KINDS.items():
-        root = Path(workdir) / "checkpoints" / kind
-        if not root.is_dir():
-            continue
-        for folder in root.iterdir():
-            if not (folder / ".complete").exists():
-                continue
-            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-            out.append({
-                "checkpoint_id": f"{kind}/{folder.name}",
-                "checkpoint_type": label,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(folder.stat().st_mtime)),
-                "tinker_path": f"tinker://{job_id}/{kind}/{folder.name}",
-                "size_bytes": size,
-                "public": False,
-                "mtime": folder.stat().st_mtime,
-            })  # fmt: skip
-    out.sort(key=lambda c: c.pop("mtime"))
-    return out
-
-
-def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
-    """(training run id, kind, name) of `tinker://RUN/KIND/NAME`, or None."""
-    if not path.startswith("tinker://"):
-        return None
-    parts = path[len("tinker://") :].split("/")
-    if len(parts) != 3 or parts[1] not in CHECKPOINT_KINDS or not parts[0] or not parts[2]:
-        return None
-    if any(p in (".", "..") or "\\" in p for p in parts):
-        return None
-    return parts[0], parts[1], parts[2]
 
 
 def last_saved_state(job_id: str, workdir: Path) -> str | None:
@@ -174,7 +154,33 @@ def lost_message(job_id: str, workdir: Path, cause: str = "the service restarted
             f"continue with service_client.create_training_client_from_state_with_optimizer('{last}')")  # fmt: skip
 
 
-def run_row(store: Any, run_id: str, owner: str | None) -> Any:
-    """The store's record of Tinker training run `run_id`, if `owner` may see it (None: the admin)."""
-    job = store.get_job(run_id)
-    return job if job is not None and job.method == METHOD and sees(job.owner, owner) else None
+def use_recorded(records: Records, owner: str, data: list[dict[str, Any]]) -> None:
+    """Check a datum's provenance spans against the recorded samples they name, and train on the
+    sampler's recorded log-probs where its targets are sampled tokens."""
+    for i, datum in enumerate(data):
+        spans = datum.pop("spans", None) or {}
+        inputs = datum["loss_fn_inputs"]
+        targets = [int(t) for t in (inputs.get("target_tokens") or {}).get("data", [])]
+        for name, tokens in (("model_input_spans", datum["tokens"]), ("loss_fn_input_spans", targets)):
+            where, pos = f"forward_backward_input.data[{i}].{name}", 0
+            for j, span in enumerate(spans.get(name) or []):
+                at, end = f"{where}[{j}]", span["offset"] + span["length"]
+                found = records.sequences.get(span["sequence_id"])
+                if found is None or found.owner != owner:
+                    raise TinkerError(400, f"{at}.sequence_id: no recorded sample '{span['sequence_id']}' (sample "
+                                      "with record_stability_info=True; a session's records end with it)",
+                                      f"{at}.sequence_id")  # fmt: skip
+                source = found.tokens if span["kind"] == "sampled" else found.prompt
+                if (
+                    end > len(source)
+                    or list(source[span["offset"] : end]) != tokens[pos : pos + span["length"]]
+                ):
+                    raise TinkerError(400, f"{at}: positions [{pos}, {pos + span['length']}) are not tokens "
+                                      f"[{span['offset']}, {end}) of the {span['kind']} sample", at)  # fmt: skip
+                if span["kind"] == "sampled" and name == "loss_fn_input_spans" and "logprobs" in inputs:
+                    inputs["logprobs"]["data"][pos : pos + span["length"]] = found.logprobs[
+                        span["offset"] : end
+                    ]
+                pos += span["length"]
+            if spans.get(name) and pos != len(tokens):
+                raise TinkerError(400, f"{where}: the spans cover {pos} positions of {len(tokens)}", where)

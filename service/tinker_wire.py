@@ -1,13 +1,10 @@
 """The Tinker SDK's protobuf bodies, read and written with the messages of service/tinker_proto/.
 
-The SDK (tinker 0.38.0) sends `forward_backward` as a protobuf `ForwardBackwardRequest` and reads
-`ForwardBackwardOutput` and `SampleResponse` only as protobuf (a JSON body for those is refused by
-the client); everything else it sends and reads is JSON. A request is turned into the plain shape a
-JSON body is typed into (service/tinker_requests.py), and a refusal names the field as a JSON one
-would. The parser refuses malformed bytes itself (truncated, a length past the end, nesting past
-its limit); what it would pass over is refused here: a known field sent with another wire type
-(which protobuf keeps as an unknown field), text that is not UTF-8, tensor bytes that are not a
-whole number of values.
+The SDK sends `forward_backward` as a protobuf `ForwardBackwardRequest` and reads `ForwardBackwardOutput`
+and `SampleResponse` only as protobuf; the rest is JSON. A request is read into the shape a JSON body is
+typed into (service/tinker_requests.py), so a refusal names the same field. The parser refuses malformed
+bytes; what it would pass over is refused here: a known field with another wire type, text that is not
+UTF-8, tensor bytes that are not a whole number of values.
 """
 
 from __future__ import annotations
@@ -92,7 +89,19 @@ class _Reader:
             name = _text(entry.key, base)
             self.declared(entry, base, _ENTRY, name)
             inputs[name] = self.tensor(entry.value, f"{base}.{name}")
-        return {"tokens": tokens, "loss_fn_inputs": inputs}
+        spans = {name: [self.span(s, f"{where}.{name}[{j}]") for j, s in enumerate(getattr(msg, name))]
+                 for name in ("model_input_spans", "loss_fn_input_spans")}  # fmt: skip
+        return {"tokens": tokens, "loss_fn_inputs": inputs, **spans}
+
+    def span(self, msg: pb.ProvenanceSpan, where: str) -> dict[str, Any]:
+        self.declared(msg, where)
+        kind = msg.WhichOneof("span")
+        if kind is None:
+            raise WireError(where, "a provenance span with neither prompt_tokens nor sampled_tokens")
+        arm = getattr(msg, kind)
+        self.declared(arm, where)
+        return {"kind": "prompt" if kind == "prompt_tokens" else "sampled", "offset": arm.offset,
+                "sequence_id": _text(arm.sequence_id, f"{where}.sequence_id"), "length": arm.length}  # fmt: skip
 
     def tensor(self, tensor: pb.Tensor, where: str) -> dict[str, Any]:
         self.declared(tensor, where)

@@ -105,6 +105,18 @@ def close_clients() -> None:
             pass
 
 
+def served(tmp_path_factory, name: str, bases: list[str], schedule: bool = True):
+    """A module's service for the Tinker tests (a fixture's generator): its SDK sessions end before it stops."""
+    from api.settings import ServeSettings
+    from tests.api_util import start_service
+
+    settings = ServeSettings(tinker_base_models=bases)
+    live = start_service(tmp_path_factory.mktemp(name), schedule=schedule, settings=settings)
+    yield live
+    close_clients()
+    live.stop()
+
+
 def point_sdk(monkeypatch, url: str, key: str) -> None:
     """The environment the official SDK reads: this service and this key, no credential command."""
     monkeypatch.setenv("TINKER_BASE_URL", url)

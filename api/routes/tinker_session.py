@@ -1,32 +1,34 @@
-"""Tinker API: the client's configuration, sessions, heartbeats, capabilities, futures, the answer
-to anything else the SDK calls (a 400 naming the unsupported feature, at once), and what every
-Tinker route shares: the caller, its answers and the SDK's error shape.
+"""Tinker API: client configuration, sessions, heartbeats, capabilities, futures, the answer to any
+other call (a 400 naming the unsupported feature, at once), and what every Tinker route shares.
 
-The official SDK reads a failure as `{"error": str, "category": "user"|"server"|"unknown"}`
-(`tinker/types/request_failed_response.py`); Tandem adds `param`, the field at fault. Statuses are
-chosen for the SDK's retry rules (`InternalClientHolder._is_retryable_status_code`): a refusal is a
-400/404/429, never a 5xx or 408/409, which the SDK would retry for minutes instead of showing.
+The SDK reads a failure as `{"error", "category"}` (`tinker/types/request_failed_response.py`); Tandem
+adds `param`, the field at fault. A refusal is a 400/404/429, never a 5xx, 408 or 409, which the SDK
+retries (`InternalClientHolder._is_retryable_status_code`) instead of showing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+import anyio
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from api.auth import Caller
 from api.errors import tinker_error_body
 from api.tinker_bodies import parsed
+from service.tinker_checkpoints import not_found
 from service.tinker_requests import MAX_TAGS, CreateSession, FutureRef, SessionRef
 from service.tinker_service import TinkerError, TinkerService
 
-router = APIRouter(
-    prefix="/api/v1", tags=["tinker"], include_in_schema=False
-)  # the SDK's protocol: docs/tinker.md
-LONG_POLL_S = 10.0  # retrieve_future waits this long before `try_again` (the SDK allows 45 s)
+router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)  # the SDK's protocol
+# retrieve_future waits this long before `try_again`, well within the SDK's read timeout for it (45 s)
+LONG_POLL_S = 10.0
+T = TypeVar("T")
 
 # The SDK's feature flags (tinker/types/client_config_response.py): plain API keys, httpx transport,
 # uncompressed protobuf forward_backward in chunks of at most 1024 datums or ~5 MB, per-request
@@ -53,6 +55,12 @@ def install_tinker_errors(app: FastAPI) -> None:
     @app.exception_handler(TinkerError)
     async def _tinker_error(request: Request, err: TinkerError) -> JSONResponse:
         return JSONResponse(tinker_error_body(err.message, err.field, err.category), err.status)
+
+
+async def in_thread(work: Callable[..., T], *args: Any) -> T:
+    """Service work that may wait on a lock, the store or the disk, beside the event loop: long polls
+    and heartbeats are answered meanwhile."""
+    return await anyio.to_thread.run_sync(functools.partial(work, *args))
 
 
 def tinker(request: Request) -> TinkerService:
@@ -95,7 +103,7 @@ async def capabilities(request: Request) -> dict[str, Any]:
 async def create_session(request: Request) -> dict[str, Any]:
     who = await caller(request)
     body = await parsed(request, CreateSession)
-    session = tinker(request).create_session(who.owner, body.tags[:MAX_TAGS])
+    session = await in_thread(tinker(request).create_session, who.owner, body.tags[:MAX_TAGS])
     return {"type": "create_session", "session_id": session.id}
 
 
@@ -103,7 +111,7 @@ async def create_session(request: Request) -> dict[str, Any]:
 async def heartbeat(request: Request) -> dict[str, Any]:
     who = await caller(request)
     svc = tinker(request)
-    svc.expire_sessions()
+    await in_thread(svc.expire_sessions)
     session = svc.session((await parsed(request, SessionRef)).session_id, who.sees)
     session.last_heartbeat = time.time()
     return {"type": "session_heartbeat"}
@@ -139,9 +147,7 @@ async def _future(request: Request) -> Any:
     request_id = (await parsed(request, FutureRef)).request_id
     future = tinker(request).futures.get(request_id, who.sees)
     if future is None:
-        raise TinkerError(
-            404, f"request_id: no future '{request_id}' (or it is another owner's)", "request_id"
-        )
+        raise not_found("future", request_id, "request_id")
     return future
 
 
@@ -170,19 +176,15 @@ async def telemetry(request: Request) -> dict[str, str]:
     return {"status": "accepted"}  # the SDK's telemetry is accepted and dropped: nothing leaves the machine
 
 
-UNSUPPORTED = "GET POST PUT PATCH DELETE".split()
+fallback = APIRouter()  # registered after every Tinker route
 
 
-def unsupported_route(app_router: APIRouter) -> None:
-    """Registered after every Tinker route: anything else under /api/v1 is named and refused at once."""
-
-    @app_router.api_route("/api/v1/{rest:path}", methods=UNSUPPORTED, include_in_schema=False)
-    async def unsupported(request: Request, rest: str) -> JSONResponse:
-        await caller(request, "read")
-        message = (f"unsupported feature: {request.method} /api/v1/{rest} is a Tinker API call that Tandem does "
-                   "not serve (docs/tinker.md lists what is compatible)")  # fmt: skip
-        return JSONResponse(tinker_error_body(message, rest.split("/")[0]), 400)
-
-
-fallback = APIRouter()
-unsupported_route(fallback)
+@fallback.api_route(
+    "/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
+)
+async def unsupported(request: Request, rest: str) -> JSONResponse:
+    """Anything else under /api/v1 is named and refused at once."""
+    await caller(request, "read")
+    message = (f"unsupported feature: {request.method} /api/v1/{rest} is a Tinker API call that Tandem does "
+               "not serve (docs/tinker.md lists what is compatible)")  # fmt: skip
+    return JSONResponse(tinker_error_body(message, rest.split("/")[0]), 400)

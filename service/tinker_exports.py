@@ -1,0 +1,116 @@
+"""External weights: a training model's PEFT adapter files as `tinker://RUN/external_weights/NAME`
+(age-encrypted when asked), fetched through URLs this service signs, so that a client (tinker-cookbook's
+`weights.download`) downloads them without its key."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from service.tinker_checkpoints import (
+    check_ttl,
+    checkpoint_folder,
+    commit,
+    is_complete,
+    iso,
+    not_found,
+    run_row,
+)
+from service.tinker_futures import Future
+from service.tinker_hosts import Call
+from service.tinker_requests import SaveExternal, TinkerError
+from service.tinker_service import NAME, TinkerService, host_id
+from workers.session_host import SessionWorker
+
+URL_TTL_S = 3600
+
+
+def save_external(svc: TinkerService, owner: str, req: SaveExternal) -> Future:
+    model = svc.model(req.model_id, owner)
+    if not NAME.match(req.path):
+        raise TinkerError(400, f"path: name {req.path!r} must match {NAME.pattern}", "path")
+    check_ttl(req.ttl_seconds)
+    recipients = age_recipients(req.age_encryption_recipients)
+    folder = checkpoint_folder(model.workdir, "external_weights", req.path)
+    if is_complete(folder):
+        raise TinkerError(400, f"path: external weights '{req.path}' exist (delete them first)", "path")
+    shutil.rmtree(folder, ignore_errors=True)  # an expired or unfinished export of that name
+    staging = folder.parent / f".{req.path}.{secrets.token_hex(4)}"
+    tinker_path = f"tinker://{model.job_id}/external_weights/{req.path}"
+    body = Call(SessionWorker.save_state, {"adapter": host_id(model.model_id), "path": str(staging),
+                                           "optimizer": False})  # fmt: skip
+    answer = {"path": tinker_path, "type": "save_weights_external"}
+
+    def saved(ok: dict[str, Any]) -> None:
+        answer["size_bytes"] = export_files(staging, folder, recipients)
+        commit(svc.store, model.job_id, folder, tinker_path, req.ttl_seconds, "external weights")
+
+    host = svc.hosts[model.base_model]
+    return svc.submit(
+        host, owner, model.model_id, body, "save_weights_external", lambda ok: (answer, None), saved
+    )
+
+
+def export_files(staging: Path, folder: Path, recipients: list[Any]) -> int:
+    """The PEFT files of a saved adapter into `folder` (encrypted to `recipients`, `.age`); its bytes."""
+    folder.mkdir(parents=True)
+    for item in sorted(staging.glob("adapter_*")):
+        if recipients:
+            import pyrage
+
+            (folder / f"{item.name}.age").write_bytes(pyrage.encrypt(item.read_bytes(), recipients))
+        else:
+            shutil.copyfile(item, folder / item.name)
+    shutil.rmtree(staging, ignore_errors=True)
+    return sum(f.stat().st_size for f in folder.iterdir())
+
+
+def age_recipients(given: list[str] | None) -> list[Any]:
+    if not given:
+        return []
+    try:
+        import pyrage
+    except ImportError:
+        why = "unsupported feature: age_encryption_recipients needs the pyrage package on the service"
+        raise TinkerError(
+            400, f"{why} (pip install 'tandem[cookbook]')", "age_encryption_recipients"
+        ) from None
+    out = []
+    for i, text in enumerate(given):
+        try:
+            out.append(pyrage.x25519.Recipient.from_str(text))
+        except Exception:  # noqa: BLE001 - pyrage raises its own error types for a bad key
+            field = f"age_encryption_recipients[{i}]"
+            raise TinkerError(400, f"{field}: not an age X25519 recipient (age1...)", field) from None
+    return out
+
+
+def signature(secret: bytes, run_id: str, name: str, file: str, expires: int) -> str:
+    return hmac.new(secret, f"{run_id}/{name}/{file}/{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def signed_urls(secret: bytes, base_url: str, run_id: str, name: str, folder: Path) -> dict[str, Any]:
+    """The SDK's `ExternalWeightsUrlsResponse`: one URL per file, valid for URL_TTL_S."""
+    expires = int(time.time()) + URL_TTL_S
+    urls = {f.name: f"{base_url.rstrip('/')}/api/v1/external_weights/{run_id}/{name}/{f.name}?expires={expires}"
+            f"&signature={signature(secret, run_id, name, f.name, expires)}"
+            for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".")}  # fmt: skip
+    return {"urls": urls, "expires": iso(expires)}
+
+
+def signed_file(secret: bytes, store: Any, run_id: str, name: str, file: str, expires: int, sig: str) -> Path:
+    """The file a signed URL names, if its signature holds and it has not expired; else a 404."""
+    good = hmac.compare_digest(sig, signature(secret, run_id, name, file, expires))
+    if good and expires > time.time():
+        job = run_row(store, run_id, None)
+        folder = checkpoint_folder(job.workdir, "external_weights", name) if job is not None else None
+        if folder is not None and is_complete(folder) and file in {f.name for f in folder.iterdir()}:
+            return folder / file
+    raise not_found(
+        "signed external weights file (or the URL expired)", f"{run_id}/{name}/{file}", "signature"
+    )
