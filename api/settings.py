@@ -98,7 +98,7 @@ class ServeSettings(BaseModel):
         return QuotaBook.load(self.quotas_file, self.default_quota.model_dump(exclude_unset=True))
 
     def tinker_models(self) -> list[str]:
-        from engines.tiny_models import BUILTIN_MODELS  # torch-free: names and shapes only
+        from engines.models.tiny_models import BUILTIN_MODELS  # torch-free: names and shapes only
 
         return list(self.tinker_base_models or BUILTIN_MODELS)
 

@@ -13,7 +13,10 @@ from api.settings import ServeSettings
 from controller.models import BUILTIN_MODEL_NAMES
 from controller.tasks import BUILTIN_TASKS
 from controller.user_code import UserCodeRefused, check_callable
-from engines.lora_targets import (
+from engines.models.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
+from engines.models.tiny_models import BUILTIN_MODELS
+from engines.rollout import available_backends
+from engines.training.lora_targets import (
     LLAMA_LINEAR,
     init_from_errors,
     linear_layers,
@@ -21,9 +24,6 @@ from engines.lora_targets import (
     module_names,
     target_errors,
 )
-from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
-from engines.rollout import available_backends
-from engines.tiny_models import BUILTIN_MODELS
 from schema.job import JobSpec
 from schema.section import changed_values, with_values
 from service.files import FileError, FileStore

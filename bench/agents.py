@@ -102,7 +102,7 @@ def best(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def chat_model(name: str, root: Path) -> Path:
     """The built-in model `name`'s shape and weights with the chat template, as a model folder."""
-    from engines.tiny_models import BUILTIN_MODELS, build_tiny_model
+    from engines.models.tiny_models import BUILTIN_MODELS, build_tiny_model
 
     spec = BUILTIN_MODELS[name].model_copy(update={"chat_template": True})
     return build_tiny_model(root / f"{name}-chat", spec)

@@ -1,9 +1,9 @@
-"""Packed-row attention: one batched causal SDPA call (engines/attention.py) against one call per sequence.
+"""Packed-row attention: one batched causal SDPA call (engines/kernels/attention.py) against one call per sequence.
 
 Forward + backward over a GRPO-sized packed micro-batch (128 sequences of 6-14 tokens by default),
 alternating the two in the same process; prints one JSON line with each median and the ratio.
 
-`--shared-prompt` measures instead the shared-prompt path (engines/shared_prompt.py: each group's
+`--shared-prompt` measures instead the shared-prompt path (engines/kernels/shared_prompt.py: each group's
 prompt once, its responses reading it) against the same rows unshared (every row its own copy of
 the prompt, one batched causal call): SmolLM2-135M's attention shape by default, `--groups` groups
 of `--n` responses of up to `--response-len` tokens (lengths vary, as responses end at EOS).
@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines import shared_attention  # noqa: E402
-from engines.attention import segment_attention  # noqa: E402
+from engines.kernels import shared_attention  # noqa: E402
+from engines.kernels.attention import segment_attention  # noqa: E402
 from tests.test_attention import per_sequence_reference  # noqa: E402
 
 
@@ -83,7 +83,7 @@ def main() -> None:
 
 def shared_prompt(args: argparse.Namespace) -> None:
     """The shared-prompt attention against the unshared rows' batched causal attention."""
-    from engines.shared_prompt import pack_shared, prompt_groups
+    from engines.kernels.shared_prompt import pack_shared, prompt_groups
 
     heads, kv_heads, dim = (
         (9, 3, 64) if args.heads == 4 and args.dim == 32 else (args.heads, args.kv_heads, args.dim)
@@ -108,7 +108,9 @@ def shared_prompt(args: argparse.Namespace) -> None:
     shared_in, plain_in = inputs(pack.num_tokens), inputs(edges[-1])
     max_keys = shared_attention.MAX_KEYS
 
-    def shared_sdpa() -> torch.Tensor:  # the same grids through SDPA (engines/shared_attention.py off)
+    def shared_sdpa() -> (
+        torch.Tensor
+    ):  # the same grids through SDPA (engines/kernels/shared_attention.py off)
         shared_attention.MAX_KEYS = 0
         try:
             return segment_attention(module, *shared_in, None, shared_prompt=pack)[0]

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (engines/cpu_kernels.py) against the eager ops they replace.
+"""The fused CPU kernels (engines/kernels/cpu_kernels.py) against the eager ops they replace.
 
 SwiGLU (`silu(gate) * up` and its backward) at [tokens, intermediate], the RMSNorm Function
 (forward + backward) at [tokens, hidden], rotary embedding (RotaryFunction forward + backward of q
@@ -41,11 +41,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
-    from engines import cpu_kernels, swiglu
     from engines.host_memory import keep_freed_memory
-    from engines.logprobs import token_log_probs
-    from engines.rms_norm import RMSNormFunction
-    from engines.rotary import RotaryFunction
+    from engines.kernels import cpu_kernels, swiglu
+    from engines.kernels.logprobs import token_log_probs
+    from engines.kernels.rms_norm import RMSNormFunction
+    from engines.kernels.rotary import RotaryFunction
 
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as a rank runs

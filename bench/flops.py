@@ -10,7 +10,7 @@ share of rows without advantage) into achieved FLOP/s per phase:
 
 - update: 2 FLOPs per weight per token forward; backward 4 (input and weight gradients) for full
   fine-tuning, 2 for LoRA (the frozen base needs input gradients only). The decoder body runs over
-  each group's prompt once (engines/shared_prompt.py) plus every response token; the vocabulary
+  each group's prompt once (engines/kernels/shared_prompt.py) plus every response token; the vocabulary
   projection over the response tokens only. Rows without advantage run forward only.
 - generation: 2 FLOPs per weight per token (each group's prompt prefilled once, as the hf engine
   does, + every generated token; the vocabulary projection for generated tokens only), plus the weights read once per decode step. Its bound is

@@ -19,10 +19,10 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
 
-from engines.fsdp.engine import FSDPEngine  # noqa: E402
-from engines.logprobs import token_log_probs  # noqa: E402
+from engines.kernels.logprobs import token_log_probs  # noqa: E402
+from engines.models.tiny_models import builtin_or_folder  # noqa: E402
 from engines.rollout import SamplingParams, build_rollout_engine  # noqa: E402
-from engines.tiny_models import builtin_or_folder  # noqa: E402
+from engines.training.fsdp.engine import FSDPEngine  # noqa: E402
 from engines.transfer.in_process import InProcessTransfer  # noqa: E402
 from schema.engine import EngineConfig  # noqa: E402
 from tests.engine_util import make_batch, pg_loss, reference_log_probs  # noqa: E402
@@ -34,7 +34,7 @@ def emit(**record) -> None:
 
 def grouped(batch, n: int):
     """The batch with every n consecutive rows sharing their first row's prompt (as GRPO's groups do),
-    so the engine packs each prompt once (engines/shared_prompt.py)."""
+    so the engine packs each prompt once (engines/kernels/shared_prompt.py)."""
     batch = batch.clone()
     width = batch["responses"].shape[1]
     for lead in range(0, len(batch), n):
@@ -109,7 +109,7 @@ def sync_and_generate(engine: FSDPEngine, model_dir: str) -> None:
 
 
 def chunked_head_grads(tokens: int = 2048, hidden_size: int = 896, vocab: int = 151936) -> None:
-    """The chunked vocabulary head in bf16 (engines/logprobs.py: its weight gradient on the tensor cores
+    """The chunked vocabulary head in bf16 (engines/kernels/logprobs.py: its weight gradient on the tensor cores
     with an fp32 result) against autograd through an fp32 log-softmax of the same bf16 inputs."""
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, device="cuda", generator=g).bfloat16().requires_grad_()

@@ -39,7 +39,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, output to $OUT/NAME.
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.version.cuda)"
 git log -1 --format='commit %h %s' 2>/dev/null || true
-python3 -c "from engines.tiny_models import build_builtin_model as b; print(b('qwen2-0.5b', '/tmp/models'))"
+python3 -c "from engines.models.tiny_models import build_builtin_model as b; print(b('qwen2-0.5b', '/tmp/models'))"
 M=/tmp/models/qwen2-0.5b
 if [ "${CHECKS:-1}" != 0 ]; then
 step train_engine_05b 200 python3 bench/train_engine.py --device cuda --model "$M" ${TRAIN_ARGS:-}

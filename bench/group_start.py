@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 
 from controller import roles  # noqa: E402
-from engines.tiny_models import build_builtin_model  # noqa: E402
+from engines.models.tiny_models import build_builtin_model  # noqa: E402
 from schema.job import JobSpec  # noqa: E402
 
 SHAPES = {

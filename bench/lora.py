@@ -75,9 +75,9 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def child(args: argparse.Namespace) -> dict:
-    from engines.fsdp.engine import FSDPEngine
     from engines.rollout.base import SamplingParams
     from engines.rollout.hf import HFRolloutEngine
+    from engines.training.fsdp.engine import FSDPEngine
     from engines.transfer.adapter import AdapterTransfer, probe
     from engines.transfer.in_process import InProcessTransfer
     from schema.engine import EngineConfig
@@ -139,8 +139,8 @@ def serve_ways(args, engine, merged, sampling_params) -> dict:
     from peft import inject_adapter_in_model
     from safetensors.torch import load_file
 
-    from engines.fsdp.lora import peft_config
     from engines.rollout.hf import HFRolloutEngine
+    from engines.training.fsdp.lora import peft_config
     from schema.engine import LoraConfig
 
     params = sampling_params(max_new_tokens=args.new_tokens, temperature=1.0, seed=0)

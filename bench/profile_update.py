@@ -193,10 +193,10 @@ def main() -> None:
     from bench.flops import machine_peak, model_shape, sustained_matmul_flops
     from bench.flops import update_flops as flops_of_update
     from controller.models import builtin_model_path
-    from engines.fsdp.engine import FSDPEngine
     from engines.host_memory import keep_freed_memory, minor_page_faults
-    from engines.logprobs import token_log_probs
+    from engines.kernels.logprobs import token_log_probs
     from engines.threads import physical_cores, set_torch_threads
+    from engines.training.fsdp.engine import FSDPEngine
     from schema.engine import EngineConfig, MicroBatchConfig
 
     threads = set_torch_threads(args.threads or physical_cores())

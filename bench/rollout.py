@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from engines.models.tiny_models import build_builtin_model
 from engines.rollout import available_backends, build_rollout_engine
 from engines.rollout.base import RolloutEngine, SamplingParams
 from engines.rollout.hf import HFRolloutEngine, left_pad
-from engines.tiny_models import build_builtin_model
 
 
 def random_prompts(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:

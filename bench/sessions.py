@@ -194,7 +194,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
-    from engines.tiny_models import build_builtin_model
+    from engines.models.tiny_models import build_builtin_model
 
     if args.quick:
         args.model, args.steps, args.seq_len = "qwen2-1m", 3, 64

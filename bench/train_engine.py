@@ -1,7 +1,7 @@
 """Training throughput: FSDPEngine against a plain transformers forward/backward loop.
 
 Every configuration trains on the same batches (left-padded prompts, right-padded responses of
-random real lengths, as in engines/base.py) with the same token-mean policy-gradient loss, the same
+random real lengths, as in engines/training/base.py) with the same token-mean policy-gradient loss, the same
 micro-batch size, AdamW and grad-norm clipping at 1.0. The baseline is the loop anyone would write:
 a padded forward of an unsharded `AutoModelForCausalLM`, log_softmax + gather on the response
 columns, backward per micro-batch, one optimizer step. The engine runs at world size 1 (fixed
@@ -167,10 +167,12 @@ def count_params(model_dir: str) -> int:
 
 def micro_batches_per_step(job: Job, settings: Settings, batches: list[TensorDict]) -> float | None:
     """Mean micro-batches a rank runs per timed step (rank 0's share; every rank runs as many)."""
-    from engines.microbatch import dynamic_micro_batches, fixed_micro_batches
+    from engines.training.microbatch import dynamic_micro_batches, fixed_micro_batches
 
     if job.micro_batch.get("auto"):
-        return None  # the engine's own budget (engines/microbatch.auto_token_budget): not replayed here
+        return (
+            None  # the engine's own budget (engines/training/microbatch.auto_token_budget): not replayed here
+        )
     share = settings.batch // job.world
     counts = []
     for batch in batches:
@@ -301,7 +303,7 @@ def parse_settings(argv: list[str] | None, model_dir_root: str) -> tuple[Setting
     model = args.model or ("qwen2-1m" if quick else "qwen2-20m")
     if batch % 2 or micro > batch:
         parser.error(f"--batch {batch} must be even (world size 2 splits it) and at least --micro-batch-size")
-    from engines.tiny_models import builtin_or_folder
+    from engines.models.tiny_models import builtin_or_folder
 
     settings = Settings(
         model=Path(model).name,

@@ -18,8 +18,8 @@ import torch
 from tensordict import TensorDict
 
 if TYPE_CHECKING:
-    from engines.base import GlobalCounts
-    from engines.fsdp.engine import FSDPEngine
+    from engines.training.base import GlobalCounts
+    from engines.training.fsdp.engine import FSDPEngine
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def baseline_step_fn(settings: Settings, device: torch.device) -> Callable[[Tens
 
 def engine_step_fn(settings: Settings, micro_batch: dict) -> tuple[Callable[[TensorDict], None], FSDPEngine]:
     """FSDPEngine's training step (forward_backward_batch + optimizer_step); returns it and the engine."""
-    from engines.fsdp.engine import FSDPEngine
+    from engines.training.fsdp.engine import FSDPEngine
     from schema.engine import EngineConfig
 
     config = EngineConfig(

@@ -1,6 +1,6 @@
 """Seconds per GRPO step: TRL's GRPOTrainer against Tandem, same model, data and settings.
 
-Both sides train the same built-in model folder (engines/tiny_models.py) on the same 2-digit
+Both sides train the same built-in model folder (engines/models/tiny_models.py) on the same 2-digit
 addition prompts (written once as train.jsonl), with the same group size, max new tokens, learning
 rate, temperature 1 and no KL term (TRL beta 0; Tandem has no KL by default), one optimizer step per
 GRPO step. Each side runs with the defaults a user gets: TRL's GRPOTrainer on the CPU, and a
@@ -168,7 +168,7 @@ def child(args: argparse.Namespace) -> None:
 
 def model_folder(name: str, work: Path) -> Path:
     from controller.models import builtin_model_path
-    from engines.tiny_models import BUILTIN_MODELS, build_builtin_model
+    from engines.models.tiny_models import BUILTIN_MODELS, build_builtin_model
 
     if name in BUILTIN_MODELS:
         return build_builtin_model(name, work / "models")  # fresh random weights

@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.harness import free_port, ratio  # noqa: E402
 
 if TYPE_CHECKING:
-    from engines.fsdp.engine import FSDPEngine
     from engines.rollout.hf import HFRolloutEngine
+    from engines.training.fsdp.engine import FSDPEngine
     from engines.transfer.in_process import InProcessTransfer
 
 
@@ -113,8 +113,8 @@ def peak_extra_mib(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def build_engines(settings: Settings) -> tuple[FSDPEngine, HFRolloutEngine]:
-    from engines.fsdp.engine import FSDPEngine
     from engines.rollout.hf import HFRolloutEngine
+    from engines.training.fsdp.engine import FSDPEngine
     from schema.engine import EngineConfig
 
     engine = FSDPEngine(EngineConfig(model_path=settings.model_dir, device=settings.device, trainable=False))
@@ -297,7 +297,7 @@ def parse_settings(argv: list[str] | None, model_root: str) -> Settings:
     if Path(model).is_dir():
         model_dir = model
     else:
-        from engines.tiny_models import build_builtin_model
+        from engines.models.tiny_models import build_builtin_model
 
         model_dir = str(build_builtin_model(model, model_root))
     worlds = tuple(args.worlds or (1, 2))

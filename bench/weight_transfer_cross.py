@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     args.iters = args.iters or (3 if args.quick else 5)
     import ray
 
-    from engines.tiny_models import build_builtin_model
+    from engines.models.tiny_models import build_builtin_model
 
     with tempfile.TemporaryDirectory() as root:
         model_dir = str(build_builtin_model(args.model, root))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engines.checkpoint_paths import list_checkpoints, step_dir
+from engines.training.checkpoint_paths import list_checkpoints, step_dir
 from schema.job import JobSpec
 
 if TYPE_CHECKING:

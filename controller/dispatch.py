@@ -63,7 +63,7 @@ def split_for_mesh(layout: MeshLayout, batch: Batch, pad: bool = True) -> tuple[
         raise ValueError(
             f"a batch of {len(batch)} rows does not split evenly over the {layout.dp_size} data-parallel "
             f"ranks of mesh '{layout.name}', and padding rows would count twice: send a multiple of "
-            f"{layout.dp_size} rows (several calls can accumulate, engines/base.py)"
+            f"{layout.dp_size} rows (several calls can accumulate, engines/training/base.py)"
         )
     padded, pad = batch.pad_to_multiple(layout.dp_size)
     return padded.chunk(layout.dp_size), pad

@@ -1,5 +1,5 @@
-"""Where a job's model comes from: a local Hugging Face folder, or a built-in model (engines/tiny_models.py,
-engines/pretrained.py) built on first use under `$TANDEM_HOME/models/<name>` (default ~/.tandem).
+"""Where a job's model comes from: a local Hugging Face folder, or a built-in model (engines/models/tiny_models.py,
+engines/models/pretrained.py) built on first use under `$TANDEM_HOME/models/<name>` (default ~/.tandem).
 """
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from engines.pretrained import PACKAGED_MODELS, build_packaged_model
-from engines.tiny_models import BUILTIN_MODELS, build_builtin_model
+from engines.models.pretrained import PACKAGED_MODELS, build_packaged_model
+from engines.models.tiny_models import BUILTIN_MODELS, build_builtin_model
 from schema.job import ModelSpec
 
 BUILTIN_MODEL_NAMES: tuple[str, ...] = tuple(sorted([*BUILTIN_MODELS, *PACKAGED_MODELS]))

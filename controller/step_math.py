@@ -12,7 +12,7 @@ import torch
 
 from controller.advantages import apply_kl_penalty, compute_advantages, scores_to_token_rewards
 from controller.rewards import RewardScorer
-from engines.base import GlobalCounts
+from engines.training.base import GlobalCounts
 from schema.job import JobSpec
 from schema.losses import RolloutCorrectionConfig
 from workers.batch import Batch

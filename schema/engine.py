@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engines.registry import TRAIN_ENGINES
+from engines.training.registry import TRAIN_ENGINES
 
 Dtype = Literal["auto", "float32", "bfloat16"]
 ScheduleKind = Literal["constant", "cosine"]
@@ -85,7 +85,7 @@ class SchedulerConfig(WarmupDecay):
 class MicroBatchConfig(_Section):
     """Either a fixed number of samples per micro-batch, or a token budget (dynamic batching).
 
-    With neither, dynamic batching under an automatic budget (`engines.microbatch.auto_token_budget`:
+    With neither, dynamic batching under an automatic budget (`engines.training.microbatch.auto_token_budget`:
     from the model's hidden size and the device), never below the longest sequence.
     """
 
@@ -163,7 +163,9 @@ class EngineConfig(_Section):
     model_path: str = Field(
         ..., description="local Hugging Face folder (config.json, safetensors, tokenizer)"
     )
-    engine: str = Field("fsdp", description="training engine, by its name in engines.registry.TRAIN_ENGINES")
+    engine: str = Field(
+        "fsdp", description="training engine, by its name in engines.training.registry.TRAIN_ENGINES"
+    )
     role: Literal["policy", "value"] = Field("policy", description="value: a scalar head for the critic")
     trainable: bool = Field(True, description="False: forward only, no optimizer (the reference model)")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
@@ -182,7 +184,7 @@ class EngineConfig(_Section):
     share_prompts: bool = Field(
         True,
         description="run a prompt that repeats in a micro-batch (a GRPO group) once, its responses reading "
-        "its keys and values (engines/shared_prompt.py); with the packed-row SDPA attention, not flash-attention",
+        "its keys and values (engines/kernels/shared_prompt.py); with the packed-row SDPA attention, not flash-attention",
     )
     logprob_chunk_tokens: int = Field(
         1024, gt=0, description="tokens per chunk of the vocabulary projection, bounds fp32 logits memory"

@@ -212,7 +212,7 @@ class JobSpec(JobLabels):
         return self
 
     def _check_backend_limits(self) -> None:
-        """What the rollout backend's registry entry says it cannot run (engines/registry.py)."""
+        """What the rollout backend's registry entry says it cannot run (engines/training/registry.py)."""
         lora = self.model.lora
         if lora is None:
             return

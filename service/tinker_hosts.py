@@ -22,7 +22,7 @@ import ray
 
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, WorkerGroupError
-from engines.tiny_models import BUILTIN_MODELS
+from engines.models.tiny_models import BUILTIN_MODELS
 from service.tinker_futures import Future, FutureTable
 from workers.session_host import Result, SessionWorker, error
 

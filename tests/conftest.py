@@ -39,7 +39,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The tiny-qwen2 model (87k parameters), built once per session in HF format."""
-    from engines.tiny_models import build_builtin_model
+    from engines.models.tiny_models import build_builtin_model
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return build_builtin_model("tiny-qwen2", tmp_path_factory.mktemp("models"))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from engines.base import GlobalCounts
+from engines.training.base import GlobalCounts
 
 MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -87,7 +87,7 @@ def loss_for(mode: str):
 
 
 def with_zero_advantage_rows(batch: TensorDict, rows: list[int]) -> TensorDict:
-    """`batch` with no advantage on `rows`, marked (engines.base.NEEDS_BACKWARD) to run forward only."""
+    """`batch` with no advantage on `rows`, marked (engines.training.base.NEEDS_BACKWARD) to run forward only."""
     batch = batch.clone()
     batch["advantages"][rows] = 0.0
     batch["needs_backward"] = torch.ones(len(batch), dtype=torch.bool)
@@ -136,7 +136,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, cases: list, out
 
     import torch.distributed as dist
 
-    from engines.fsdp.engine import FSDPEngine
+    from engines.training.fsdp.engine import FSDPEngine
     from schema.engine import EngineConfig
 
     torch.set_num_threads(1)
@@ -155,7 +155,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, cases: list, out
         engine.initialize()
         with engine.train_mode():
             # First the same rows in two calls of unequal size, told the global batch's counts
-            # (gradient accumulation, engines/base.py); then the case's one call.
+            # (gradient accumulation, engines/training/base.py); then the case's one call.
             for rows in (shard[:1], shard[1:]):
                 engine.forward_backward_batch(rows, loss_for(mode), counts=GlobalCounts.of([batch]))
             accumulated = full_grads(engine)
@@ -188,7 +188,7 @@ def checkpoint_rank_main(rank: int, world: int, port: int, model_dir: str, folde
 
     import torch.distributed as dist
 
-    from engines.fsdp.engine import FSDPEngine
+    from engines.training.fsdp.engine import FSDPEngine
     from schema.engine import EngineConfig
 
     torch.set_num_threads(1)

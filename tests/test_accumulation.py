@@ -1,4 +1,4 @@
-"""Gradients accumulated over several forward_backward calls (the loss contract of engines/base.py):
+"""Gradients accumulated over several forward_backward calls (the loss contract of engines/training/base.py):
 N calls with 1/N of the batch each, told the counts of the whole batch, give the gradient of one
 call with the whole batch, in every aggregation mode (two gloo ranks: tests/test_train_engine_dist.py).
 And an optimizer step with AdamW settings of its own equals a step of an engine configured with them."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.base import GlobalCounts
-from engines.fsdp.engine import FSDPEngine
+from engines.training.base import GlobalCounts
+from engines.training.fsdp.engine import FSDPEngine
 from schema.engine import EngineConfig, OptimizerConfig
 from tests.engine_util import MODES, full_grads, make_batch, max_rel_diff, pg_loss
 

@@ -1,4 +1,4 @@
-"""Tandem's one AdamW (engines/adamw.py), as an RL engine's OptimizerConfig and a Tinker session's
+"""Tandem's one AdamW (engines/training/adamw.py), as an RL engine's OptimizerConfig and a Tinker session's
 AdamParams reach it: the SDK's defaults, one step the same through both, and a non-finite gradient
 skipping a session's step as it skips an engine's (tests/test_train_engine.py)."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from engines.adamw import AdamWSettings, adamw_step, build_adamw
-from engines.lora_sessions import Session, SessionSpec
+from engines.training.adamw import AdamWSettings, adamw_step, build_adamw
+from engines.training.lora_sessions import Session, SessionSpec
 from schema.engine import OptimizerConfig
 
 # every setting off its default, so that a mapping that drops one shows

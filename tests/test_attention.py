@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines import shared_attention
-from engines.attention import segment_attention
-from engines.shared_prompt import pack_shared, prompt_groups
+from engines.kernels import shared_attention
+from engines.kernels.attention import segment_attention
+from engines.kernels.shared_prompt import pack_shared, prompt_groups
 
 
 def per_sequence_reference(query, key, value, edges: list[int]) -> torch.Tensor:
@@ -64,7 +64,7 @@ def test_shared_prompt_attention_equals_each_row_alone(
     """Groups of different prompt lengths and sizes (rows interleaved; a row may have no response):
     every packed token's output and the q/k/v gradients equal those of each row's own causal
     attention over [its prompt copy ; its response], the copies' gradients summed back. Both ways
-    of computing it: engines/shared_attention.py's products (short rows on a CPU) and SDPA (rows
+    of computing it: engines/kernels/shared_attention.py's products (short rows on a CPU) and SDPA (rows
     longer than MAX_KEYS, set to 0 here to take that path)."""
     if path == "sdpa":
         monkeypatch.setattr(shared_attention, "MAX_KEYS", 0)
@@ -80,7 +80,7 @@ def test_shared_prompt_attention_equals_each_row_alone(
         mask[row, 5 - prompts[grp] : 5 + length] = 1
     groups = prompt_groups(ids, mask, width)
     pack = pack_shared(ids, mask, width, groups)
-    # The packed order (engines/shared_prompt.py): per group, its prompt, then its rows' responses.
+    # The packed order (engines/kernels/shared_prompt.py): per group, its prompt, then its rows' responses.
     sequences: list[list[int]] = []  # each row's packed positions: [prompt ; response]
     cursor = 0
     for rows in groups:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.pretrained import PackagedModelMissing, build_packaged_model
+from engines.models.pretrained import PackagedModelMissing, build_packaged_model
 from engines.rollout import SamplingParams, build_rollout_engine
 from workers.chat_delta import ChatDelta
 from workers.multiturn import EnvironmentConfig, MultiTurnRollout

@@ -1,4 +1,4 @@
-"""engines/cpu_kernels.py and engines/swiglu.py: the fused SwiGLU against an fp64 reference and the
+"""engines/kernels/cpu_kernels.py and engines/kernels/swiglu.py: the fused SwiGLU against an fp64 reference and the
 eager expression, a model with the fused MLPs against one without, what loading the library leaves
 alone (denormals), and a failed build falling back to eager PyTorch."""
 
@@ -13,7 +13,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from engines import cpu_kernels, swiglu
+from engines.kernels import cpu_kernels, swiglu
 from tests.engine_util import assert_same_model_outputs, log_probs_and_grads, small_llama
 
 needs_compiler = pytest.mark.skipif(
@@ -116,7 +116,7 @@ def test_loading_the_library_keeps_denormals():
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="engines.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engines.kernels.cpu_kernels"):
         assert cpu_kernels._build_and_load() is None
     assert "did not build" in caplog.text and "no-such-compiler" in caplog.text
     monkeypatch.setenv("TANDEM_CPU_KERNELS", "0")

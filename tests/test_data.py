@@ -18,7 +18,7 @@ from controller.data import (
     read_records,
     resolve_data_files,
 )
-from engines.tiny_models import build_tokenizer
+from engines.models.tiny_models import build_tokenizer
 from schema.job import DataSpec
 
 ROWS = [

@@ -1,4 +1,4 @@
-"""The training-engine contract (engines/base.py) checked the same way over the FSDP engine (an RL
+"""The training-engine contract (engines/training/base.py) checked the same way over the FSDP engine (an RL
 job's own weights) and the adapter engine (one adapter of a Tinker host's base), both driven through
 the same operations (`workers.operations.TrainOps`, the adapter key None for the FSDP engine).
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.base import GlobalCounts
+from engines.training.base import GlobalCounts
 from schema.engine import OptimizerConfig
 from tests.engine_util import full_grads, make_batch, max_rel_diff, pg_loss, reference_log_probs
 from workers.operations import TrainOps
@@ -46,13 +46,13 @@ class Driven:
 @pytest.fixture(params=["fsdp", "adapter"])
 def driven(request, tiny_model_dir, tmp_path) -> Driven:
     if request.param == "fsdp":
-        from engines.fsdp.engine import FSDPEngine
+        from engines.training.fsdp.engine import FSDPEngine
         from schema.engine import EngineConfig
 
         engine = FSDPEngine(EngineConfig(model_path=str(tiny_model_dir), optim={"lr": LR}))
         engine.initialize()
         return Driven(engine, None)
-    from engines.adapter_engine import AdapterEngine, EngineOptions
+    from engines.training.adapter_engine import AdapterEngine, EngineOptions
 
     engine = AdapterEngine(str(tiny_model_dir), tmp_path / "host", EngineOptions())
     engine.create_adapter("a", engine.adapter_spec(4, 1, True, True, True))

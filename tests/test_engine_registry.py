@@ -7,9 +7,9 @@ import inspect
 import pytest
 from pydantic import ValidationError
 
-from engines.base import TrainEngine
-from engines.registry import TRAIN_ENGINES, Registry, build_train_engine
 from engines.rollout import ROLLOUT_ENGINES, RolloutEngine, build_rollout_engine, check_tensor_parallel
+from engines.training.base import TrainEngine
+from engines.training.registry import TRAIN_ENGINES, Registry, build_train_engine
 from schema.engine import EngineConfig
 
 

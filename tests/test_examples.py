@@ -18,7 +18,7 @@ from api.cli_spec import build_spec
 from bench.guess_number_policy import play
 from controller.sink import JsonlSink
 from controller.trainer import Trainer
-from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
+from engines.models.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from tests import test_openai_learning as openai_learning  # not a test_ name: collected once, there
 from tests import test_openenv_job as openenv_job
 from tests import test_reasoning_gym as reasoning_gym_tests

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from api.cli_spec import SpecError, validate
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
 from controller.roles import engine_config, hybrid_config
-from engines.registry import EngineEntry
 from engines.rollout import ROLLOUT_ENGINES, SamplingParams
+from engines.training.registry import EngineEntry
 from schema.engine import EngineConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
 from schema.job import JobSpec
 from schema.losses import PolicyLossConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from controller import checkpoints
 from controller.job_actor import BufferSink
-from engines.checkpoint_paths import step_dir
+from engines.training.checkpoint_paths import step_dir
 from service.job_state import JobStatus
 from service.scheduler import Scheduler
 from service.store import JobStore

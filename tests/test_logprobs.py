@@ -1,13 +1,13 @@
 """The chunked log-prob/entropy Function against the plain full-vocabulary computation, on both of its
-CPU paths: the fused kernels of engines/cpu_kernels.c and eager ops."""
+CPU paths: the fused kernels of engines/kernels/cpu_kernels.c and eager ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engines import cpu_kernels, logprobs
-from engines.logprobs import token_log_probs
+from engines.kernels import cpu_kernels, logprobs
+from engines.kernels.logprobs import token_log_probs
 
 
 @pytest.fixture(params=["fused", "eager"])

@@ -18,9 +18,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
-from engines.fsdp.engine import FSDPEngine
 from engines.rollout.base import SamplingParams
 from engines.rollout.hf import HFRolloutEngine
+from engines.training.fsdp.engine import FSDPEngine
 from engines.transfer.adapter import AdapterSyncError, AdapterTransfer
 from schema.engine import EngineConfig
 from tests.engine_util import make_batch, pg_loss, reference_log_probs
@@ -70,7 +70,7 @@ def test_the_optimizer_holds_exactly_the_adapters_and_the_base_gets_no_gradient(
 def test_an_adapter_on_the_output_projection_is_refused_not_silently_untrained(tiny_model_dir):
     """The log-probs read the output projection's weight directly, so its adapter would get no
     gradient; the service refuses the name at submission, the engine refuses it too."""
-    from engines.fsdp.lora import attach
+    from engines.training.fsdp.lora import attach
     from schema.engine import LoraConfig
 
     lm = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -92,10 +92,10 @@ def test_the_reference_is_the_base_model_with_adapters_off(tiny_model_dir, train
 
 
 def test_the_jobs_adapter_in_the_layers_session_table_gives_its_log_probs(trained):
-    """One LoRA layer: a job trains its adapter in the layers Tinker sessions use (engines/multi_lora.py).
+    """One LoRA layer: a job trains its adapter in the layers Tinker sessions use (engines/training/multi_lora.py).
     Put in their table as a session's adapter is, chosen by row, the job's adapter computes what the
     layers' own adapter computes (the same arithmetic: 1e-6)."""
-    from engines.multi_lora import MultiLoraLinear, attach, detach, rows
+    from engines.training.multi_lora import MultiLoraLinear, attach, detach, rows
 
     layers = {n: m for n, m in trained.model.named_modules() if isinstance(m, MultiLoraLinear)}
     weights = {n: (m.lora_A.weight.detach(), m.lora_B.weight.detach()) for n, m in layers.items()}
@@ -320,8 +320,8 @@ def _one_row(ids: torch.Tensor, response: int):
 def test_init_from_is_checked_against_the_base_it_was_trained_on(tiny_model_dir, trained, tmp_path):
     """Same shapes, another base: tiny-llama has tiny-qwen2's sizes, so only the adapter's own
     config (base_model_name_or_path) tells them apart."""
-    from engines.lora_targets import init_from_errors, linear_layers
-    from engines.tiny_models import build_builtin_model
+    from engines.models.tiny_models import build_builtin_model
+    from engines.training.lora_targets import init_from_errors, linear_layers
     from schema.engine import LoraConfig
 
     trained.export_hf(str(tmp_path / "adapter"))

@@ -13,7 +13,7 @@ import pytest
 from api.cli_spec import build_spec
 from controller.sink import JsonlSink
 from controller.trainer import Trainer
-from engines.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
+from engines.models.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
 from tests.test_examples import EXAMPLES, series
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.lora_targets import linear_layers
-from engines.tiny_models import build_builtin_model
+from engines.models.tiny_models import build_builtin_model
+from engines.training.lora_targets import linear_layers
 from engines.transfer.adapter import AdapterSyncError, default_tolerance
 from engines.transfer.base import TransferStats
 from schema.job import JobSpec

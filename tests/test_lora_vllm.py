@@ -12,10 +12,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from engines.fsdp.engine import FSDPEngine
+from engines.models.tiny_models import build_builtin_model
 from engines.rollout import available_backends, build_rollout_engine
 from engines.rollout.base import SamplingParams
-from engines.tiny_models import build_builtin_model
+from engines.training.fsdp.engine import FSDPEngine
 from engines.transfer.adapter import AdapterTransfer
 from schema.engine import EngineConfig
 from tests.engine_util import make_batch, pg_loss

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from engines.base import GlobalCounts
+from engines.training.base import GlobalCounts
 from schema.losses import PolicyLossConfig
 from schema.tinker_losses import LOSS_NAMES
 from workers.losses import LOSSES, aggregate, make_policy_loss, make_sft_loss, objective

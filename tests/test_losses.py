@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 from tensordict import TensorDict
 
-from engines.base import GlobalCounts, combine_metric
+from engines.training.base import GlobalCounts, combine_metric
 from schema.losses import RolloutCorrectionConfig
 from schema.training import AlgorithmSpec
 from workers.losses import (

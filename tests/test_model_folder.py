@@ -1,4 +1,4 @@
-"""engines/model_folder.py: a built model folder appears whole or not at all, and a build that loses
+"""engines/models/model_folder.py: a built model folder appears whole or not at all, and a build that loses
 the race to another process keeps the winner's folder."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 import multiprocessing
 from pathlib import Path
 
-from engines.model_folder import build_atomically, install, staging_folder
+from engines.models.model_folder import build_atomically, install, staging_folder
 
 
 def _write(folder: Path, content: str) -> None:
@@ -72,7 +72,7 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path):
 
 
 def _build_tiny(root: str) -> str:
-    from engines.tiny_models import build_builtin_model
+    from engines.models.tiny_models import build_builtin_model
 
     folder = build_builtin_model("tiny-qwen2", root)
     from transformers import AutoModelForCausalLM

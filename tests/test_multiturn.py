@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engines.models.tiny_models import build_builtin_model
 from engines.rollout import SamplingParams, build_rollout_engine
-from engines.tiny_models import build_builtin_model
 from workers.chat_delta import ChatDelta
 from workers.multiturn import EnvironmentConfig, MultiTurnRollout, trajectory_tensors
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
+from engines.models.tiny_models import build_builtin_model
 from engines.rollout import SamplingParams, build_rollout_engine
 from engines.rollout.vllm import probe_vllm
-from engines.tiny_models import build_builtin_model
 from workers.chat_delta import ChatDelta
 from workers.multiturn import EnvironmentConfig, MultiTurnRollout
 

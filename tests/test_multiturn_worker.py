@@ -12,7 +12,7 @@ import torch
 
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup
-from engines.tiny_models import build_builtin_model
+from engines.models.tiny_models import build_builtin_model
 from tests.test_hybrid_worker import max_log_prob_gap, worker_config
 from workers.batch import Batch
 from workers.hybrid import ActorRolloutRefWorker

@@ -63,7 +63,7 @@ def client(live, job_id: str, trajectory: str) -> OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engines.tiny_models import build_tokenizer
+    from engines.models.tiny_models import build_tokenizer
 
     return build_tokenizer(chat_template=True)  # tiny-qwen2-chat's
 

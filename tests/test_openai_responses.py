@@ -23,7 +23,7 @@ TOOLS = [{"type": "function", "name": "calculator", "description": "evaluates ar
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """tiny-qwen2-chat with room for a function tool's schema in its character-level prompt."""
-    from engines.tiny_models import TinyModelSpec, build_tiny_model
+    from engines.models.tiny_models import TinyModelSpec, build_tiny_model
 
     spec = TinyModelSpec(chat_template=True, max_position_embeddings=2048)
     return build_tiny_model(tmp_path_factory.mktemp("models") / "chat-2k", spec)
@@ -62,7 +62,7 @@ def job(live, api, model_dir):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engines.tiny_models import build_tokenizer
+    from engines.models.tiny_models import build_tokenizer
 
     return build_tokenizer(chat_template=True)
 

@@ -14,7 +14,7 @@ import torch
 
 from controller.sink import JsonlSink
 from controller.trainer import Trainer
-from engines.pretrained import PACKAGED_MODELS, build_packaged_model, packaged_gguf
+from engines.models.pretrained import PACKAGED_MODELS, build_packaged_model, packaged_gguf
 from schema.job import JobSpec
 
 pytestmark = pytest.mark.slow

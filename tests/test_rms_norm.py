@@ -1,4 +1,4 @@
-"""engines/rms_norm.py against transformers' RMSNorm and an fp64 reference written out by hand:
+"""engines/kernels/rms_norm.py against transformers' RMSNorm and an fp64 reference written out by hand:
 outputs, input and weight gradients on the fused and the eager path, what it leaves alone, and a
 whole model with and without it."""
 
@@ -11,7 +11,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from engines import cpu_kernels, rms_norm
+from engines.kernels import cpu_kernels, rms_norm
 from tests.engine_util import assert_same_model_outputs, log_probs_and_grads, small_llama
 
 
@@ -23,7 +23,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 @pytest.mark.parametrize("path", ["fused", "eager"])
 @pytest.mark.parametrize("shape", [(1, 37, 64), (3, 5, 48), (7, 576), (1312, 576)])
 def test_function_equals_the_definition_and_transformers(shape, path, monkeypatch):
-    """The Function on both of its paths: the fused kernels (engines/cpu_kernels.c) and eager ops."""
+    """The Function on both of its paths: the fused kernels (engines/kernels/cpu_kernels.c) and eager ops."""
     if path == "eager":
         monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)
     elif cpu_kernels.kernels() is None:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engines.models.tiny_models import TinyModelSpec, build_tiny_model
 from engines.rollout.base import SamplingParams
 from engines.rollout.hf import DecodeMask, HFRolloutEngine
-from engines.tiny_models import TinyModelSpec, build_tiny_model
 
 RAGGED = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40], [12, 13]]
 STEPS = 6

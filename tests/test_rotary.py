@@ -1,4 +1,4 @@
-"""engines/rotary.py against transformers' own rotary embedding: outputs, gradients, layouts, and a
+"""engines/kernels/rotary.py against transformers' own rotary embedding: outputs, gradients, layouts, and a
 whole model's log-probs and gradients with one and the other (no Ray)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from engines import cpu_kernels, rotary
+from engines.kernels import cpu_kernels, rotary
 from tests.engine_util import assert_same_model_outputs, log_probs_and_grads, small_llama
 
 # transformers' function, whatever an engine built earlier in this process installed
@@ -57,7 +57,7 @@ def test_equals_transformers_forward_and_backward(heads, kv_heads, dim):
 @pytest.mark.parametrize("path", ["fused", "eager"])
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
 def test_fp32_on_both_paths_against_float64(path, unsqueeze_dim, monkeypatch):
-    """fp32 q, k (the kernel of engines/cpu_kernels.c, or the Function's eager calls) against
+    """fp32 q, k (the kernel of engines/kernels/cpu_kernels.c, or the Function's eager calls) against
     transformers' function in fp64: outputs and the gradients of q and k, both head layouts, with
     SmolLM2's heads and a gradient whose rows are strided (a transposed view), as autograd hands them."""
     if path == "eager":

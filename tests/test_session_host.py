@@ -1,4 +1,4 @@
-"""SessionWorker (workers/session_host.py, engines/adapter_engine.py): many LoRA adapters on one base
+"""SessionWorker (workers/session_host.py, engines/training/adapter_engine.py): many LoRA adapters on one base
 model, called in process through the worker's operations.
 
 References computed another way: each call made alone (one adapter per forward) for the batched path,
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import engines.adapter_engine as adapter_engine
+import engines.training.adapter_engine as adapter_engine
 from workers.session_host import SessionWorker
 
 TOL = 1e-5

@@ -19,8 +19,15 @@ def test_optim_lr_reaches_the_optimizer_through_few_files(ray_cluster, tmp_path,
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     path = setting_path()
     # The trace saw both ends: the request and the optimizer (a broken trace would count nothing).
-    assert {"api/routes/jobs.py", "service/store.py", "controller/roles.py", "engines/adamw.py"} <= set(path)
-    assert "OptimizerMixin.set_learning_rate" in path["engines/fsdp/optim.py"]  # the live edit arrived
+    assert {
+        "api/routes/jobs.py",
+        "service/store.py",
+        "controller/roles.py",
+        "engines/training/adamw.py",
+    } <= set(path)
+    assert (
+        "OptimizerMixin.set_learning_rate" in path["engines/training/fsdp/optim.py"]
+    )  # the live edit arrived
     # The section goes to the engine as it is: not re-wrapped (schema/training.py, schema/section.py).
     assert "schema/training.py" not in path and "schema/section.py" not in path
     assert len(path) <= MAX_FILES, f"optim.lr crosses {len(path)} files: {sorted(path)}"

@@ -1,4 +1,4 @@
-"""A group's prompt packed once (engines/shared_prompt.py) gives the numbers of the unshared batch.
+"""A group's prompt packed once (engines/kernels/shared_prompt.py) gives the numbers of the unshared batch.
 
 References, computed another way: an unsharded Hugging Face model on the padded batch (log-probs
 and gradients), and the same engine with share_prompts off (entropy, values, metrics).
@@ -13,9 +13,9 @@ import torch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM
 
-from engines.fsdp.engine import FSDPEngine
-from engines.microbatch import PromptGroups, dynamic_micro_batches
-from engines.shared_prompt import pack_shared, prompt_groups
+from engines.kernels.shared_prompt import pack_shared, prompt_groups
+from engines.training.fsdp.engine import FSDPEngine
+from engines.training.microbatch import PromptGroups, dynamic_micro_batches
 from schema.engine import EngineConfig, MicroBatchConfig
 from tests.engine_util import MODES, full_grads, max_rel_diff, pg_loss, reference_log_probs, reference_loss
 

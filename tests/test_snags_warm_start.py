@@ -16,7 +16,7 @@ from controller.data import SFTDataset, build_dataset
 from controller.sink import JsonlSink
 from controller.tasks import get_task, write_splits
 from controller.trainer import Trainer
-from engines.tiny_models import BUILTIN_MODELS, build_tokenizer
+from engines.models.tiny_models import BUILTIN_MODELS, build_tokenizer
 from examples import agent_openai
 from schema.job import JobSpec
 from workers.chat_delta import ChatDelta

@@ -1,5 +1,5 @@
 """A tied input embedding (SmolLM2's) on one CPU rank: its gradient arrives sparse and is summed into
-the head's dense one (engines/fsdp/modules.sparse_tied_embedding). Checked against an unsharded
+the head's dense one (engines/training/fsdp/modules.sparse_tied_embedding). Checked against an unsharded
 Hugging Face model's dense gradients, over one and several micro-batches, and through a step."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engines.fsdp.engine import FSDPEngine
-from engines.tiny_models import TinyModelSpec, build_tiny_model
+from engines.models.tiny_models import TinyModelSpec, build_tiny_model
+from engines.training.fsdp.engine import FSDPEngine
 from schema.engine import EngineConfig, MicroBatchConfig
 from tests.engine_util import full_grads, make_batch, max_rel_diff, pg_loss, reference_loss
 

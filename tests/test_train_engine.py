@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from engines import checkpoint as ckpt
-from engines import checkpoint_paths
-from engines.fsdp.engine import FSDPEngine
-from engines.fsdp.modules import ModelLoadError
-from engines.microbatch import TOKEN_BUDGET_SCALE, MicroBatchError, auto_token_budget
+from engines.training import checkpoint as ckpt
+from engines.training import checkpoint_paths
+from engines.training.fsdp.engine import FSDPEngine
+from engines.training.fsdp.modules import ModelLoadError
+from engines.training.microbatch import TOKEN_BUDGET_SCALE, MicroBatchError, auto_token_budget
 from schema.engine import EngineConfig, MicroBatchConfig
 from tests.engine_util import (
     MODES,
@@ -247,7 +247,7 @@ def test_checkpoint_resume_is_bitwise_and_saves_are_atomic(tiny_model_dir, tmp_p
     def crash(*args, **kwargs):
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr("engines.fsdp.state.dcp.save", crash)
+    monkeypatch.setattr("engines.training.fsdp.state.dcp.save", crash)
     with pytest.raises(OSError, match="injected"):
         engine.save_checkpoint(str(path), step=5)
     monkeypatch.undo()
@@ -326,7 +326,7 @@ def test_configuration_errors_are_specific(tiny_model_dir, tmp_path):
 
 
 def test_bf16_on_one_cpu_rank_keeps_fp32_weights_and_multiplies_in_bf16(tiny_model_dir):
-    """dtype bfloat16 on one CPU rank (engines/fsdp/engine.py): not FSDP-wrapped, fp32 weights and
+    """dtype bfloat16 on one CPU rank (engines/training/fsdp/engine.py): not FSDP-wrapped, fp32 weights and
     Adam state, the forward under autocast. Checked against the fp32 engine: log-probs within bf16's
     error (and not equal to them: the products did run in bf16), gradients pointing the same way;
     and one step moves the weights as the fp32 engine's step does. (Sharded bf16 keeping layers
@@ -368,8 +368,8 @@ def test_under_cpu_autocast_attention_and_the_log_prob_head_stay_fp32():
     """The two pieces bf16 on a CPU leaves in fp32: the log-prob head (bf16 logits would round
     log-probs by up to ~0.06) and the segment attention (the CPU's bf16 SDPA is slow). Under autocast
     each gives exactly what it gives outside it, from the same inputs."""
-    from engines.attention import segment_attention
-    from engines.logprobs import token_log_probs
+    from engines.kernels.attention import segment_attention
+    from engines.kernels.logprobs import token_log_probs
 
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(10, 16, generator=g), torch.randn(50, 16, generator=g)

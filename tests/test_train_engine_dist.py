@@ -1,6 +1,6 @@
 """1 rank vs 2 FSDP ranks (two gloo processes): the same global batch gives the same gradients and
 metrics, for the aggregation modes, for the rollout-corrected actor loss, when one rank's rows
-all run forward only (engines.base.NEEDS_BACKWARD) while the other's back-propagate, and when the
+all run forward only (engines.training.base.NEEDS_BACKWARD) while the other's back-propagate, and when the
 shards keep each layer gathered across the call's micro-batches (ZeRO-2); and the same gradients
 when each rank takes its rows in two calls that accumulate."""
 
@@ -69,7 +69,7 @@ def test_zero2_shards_stay_gathered_across_micro_batches_and_are_freed_after_the
 
 @pytest.mark.parametrize("mode", [mode for mode, _ in CASES])
 def test_two_ranks_accumulating_over_calls_match_one_call_on_one_rank(runs, mode):
-    """Each rank's rows in two calls, told the global batch's counts (engines/base.py): the gradient of
+    """Each rank's rows in two calls, told the global batch's counts (engines/training/base.py): the gradient of
     one call with the whole batch on one rank, in every aggregation mode (tests/test_accumulation.py
     checks one rank)."""
     assert max_rel_diff(runs[1][mode]["accumulated"], runs[0][mode]["grads"]) <= 1e-5
@@ -78,7 +78,7 @@ def test_two_ranks_accumulating_over_calls_match_one_call_on_one_rank(runs, mode
 
 @pytest.mark.parametrize("save_world, load_world", [(1, 2), pytest.param(2, 1, marks=pytest.mark.slow)])
 def test_a_checkpoint_loads_across_world_sizes(tiny_model_dir, tmp_path, save_world, load_world):
-    """One fp32 rank trains an unwrapped model, two train FSDP2 shards (engines/fsdp/engine.py): a
+    """One fp32 rank trains an unwrapped model, two train FSDP2 shards (engines/training/fsdp/engine.py): a
     checkpoint of either loads into the other with the same weights and Adam state."""
     folder = str(tmp_path / "ckpt")
     for world, mode in ((save_world, "save"), (load_world, "load")):

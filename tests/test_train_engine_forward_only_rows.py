@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engines.fsdp.engine import FSDPEngine
+from engines.training.fsdp.engine import FSDPEngine
 from schema.engine import EngineConfig, MicroBatchConfig
 from tests.engine_util import full_grads, make_batch, max_rel_diff, with_zero_advantage_rows
 from workers.losses import PolicyLossConfig, make_policy_loss, rows_with_gradient

@@ -153,7 +153,7 @@ def test_hyperparameter_edits_and_pause_act_at_step_boundaries(ray_cluster, tmp_
 
 
 def test_a_reward_model_scores_the_job(ray_cluster, tmp_path):
-    from engines.tiny_models import build_tiny_reward_model
+    from engines.models.tiny_models import build_tiny_reward_model
 
     rm = build_tiny_reward_model(tmp_path / "rm")
     spec = job_spec(

@@ -9,7 +9,7 @@ from controller.models import BUILTIN_MODEL_NAMES
 from controller.rewards import load_reward_fn
 from controller.tasks import get_task
 from controller.tasks.word_problems import INSTRUCTION, extract_final_number, word_problem_reward
-from engines.pretrained import PackagedModel, PackagedModelMissing, packaged_gguf
+from engines.models.pretrained import PackagedModel, PackagedModelMissing, packaged_gguf
 
 # Replies of SmolLM2-135M-Instruct (greedy, 48 new tokens) to prompts of this shape.
 REAL_REPLIES = [

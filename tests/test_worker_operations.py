@@ -12,7 +12,7 @@ from controller.dispatch import MeshLayout, split_for_mesh
 from controller.groups import ActorGroup, CheckpointedGroup, CriticGroup, operation
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup
-from engines.base import GlobalCounts
+from engines.training.base import GlobalCounts
 from schema.engine import OptimizerConfig
 from schema.losses import SFTLossConfig
 from tests.engine_util import make_batch

@@ -12,9 +12,9 @@ from contextlib import nullcontext
 
 import torch
 
-from engines.base import TrainEngine
-from engines.registry import build_train_engine
 from engines.threads import limit_threads_for_model
+from engines.training.base import TrainEngine
+from engines.training.registry import build_train_engine
 from engines.transfer.base import NamedTensor, WeightTransfer
 from schema.losses import PolicyLossConfig, SFTLossConfig
 from schema.workers import HybridWorkerConfig, UpdateSchedule

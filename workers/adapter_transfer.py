@@ -15,7 +15,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from engines.base import TrainEngine
+from engines.training.base import TrainEngine
 from engines.transfer.adapter import ProbedSyncStats, check_probe, probe_difference
 from engines.transfer.base import NamedTensor, TransferStats, WeightTransfer
 from workers.object_store_transfer import encode_bucket

@@ -3,8 +3,8 @@ It registers only the "actor" mesh, so it can share bundles (or processes) with 
 
 from __future__ import annotations
 
-from engines.registry import build_train_engine
 from engines.threads import limit_threads_for_model
+from engines.training.registry import build_train_engine
 from schema.engine import EngineConfig
 from schema.losses import ValueLossConfig
 from schema.workers import UpdateSchedule

@@ -9,7 +9,7 @@ optional AdamW settings for that step alone; returns the grad norm), `lr_schedul
 `TrainingOperations` registers the same operations as worker-group methods, for RL roles and the
 Tinker session host (workers/session_host.py) alike. A caller that accumulates over several
 `forward_backward` calls before one `optim_step` passes the counts of all of them
-(`GlobalCounts.of`, engines/base.py); since padding rows would count twice in a gradient,
+(`GlobalCounts.of`, engines/training/base.py); since padding rows would count twice in a gradient,
 `forward_backward` is registered with pad=False. Torch is imported where used: the API process
 binds the session host's methods through this module.
 """
@@ -27,13 +27,13 @@ if TYPE_CHECKING:
     import torch
     from tensordict import TensorDict
 
-    from engines.base import EngineOutput, GlobalCounts, LossFn, TrainEngine
+    from engines.training.base import EngineOutput, GlobalCounts, LossFn, TrainEngine
     from workers.batch import Batch
 
 
 class TrainOps:
     """One engine's operations; the adapter key None acts on the engine's own weights (an RL job's),
-    a key on that adapter of an engine that holds many on one base (engines/adapter_engine.py)."""
+    a key on that adapter of an engine that holds many on one base (engines/training/adapter_engine.py)."""
 
     def __init__(self, engine: TrainEngine) -> None:
         self.engine = engine
@@ -48,7 +48,7 @@ class TrainOps:
         temperature: float = 1.0,
         adapter: str | None = None,
     ) -> EngineOutput:
-        """Add this batch's gradient; `counts`: the whole accumulated batch's (engines/base.py)."""
+        """Add this batch's gradient; `counts`: the whole accumulated batch's (engines/training/base.py)."""
         out = self.engine.forward_backward_batch(
             tensors,
             loss_fn,
@@ -118,7 +118,7 @@ class PreparedLoss:
 
 def prepare_loss(batch: Batch, spec: LossSpec) -> PreparedLoss:
     """The LossFn of `spec` and the forward it needs, the same for the RL update and a client call."""
-    from engines.base import NEEDS_BACKWARD
+    from engines.training.base import NEEDS_BACKWARD
     from workers.losses import make_loss, rows_with_gradient
 
     if not isinstance(spec, PolicyLossConfig):

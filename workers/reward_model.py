@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from engines.reward_model import RewardModel
+from engines.training.reward_model import RewardModel
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
 

@@ -1,4 +1,4 @@
-"""The Tinker API's training role: one base and many LoRA adapters (engines/adapter_engine.py), a
+"""The Tinker API's training role: one base and many LoRA adapters (engines/training/adapter_engine.py), a
 one-rank worker group (service/tinker_hosts.py) serving RL's training operations with an adapter key,
 plus adapters made and dropped, sampler snapshots, and batched forms: many adapters' calls in one
 engine call. A call answers `{"ok": ...}` or `{"error": {"category", "field", "message"}}`, a bad one
@@ -31,10 +31,10 @@ class SessionWorker(TrainingOperations):
         import torch
         from transformers import AutoTokenizer
 
-        from engines.adapter_engine import AdapterEngine, EngineOptions
         from engines.host_memory import keep_freed_memory
+        from engines.models.tiny_models import builtin_or_folder
         from engines.threads import limit_threads_for_model
-        from engines.tiny_models import builtin_or_folder
+        from engines.training.adapter_engine import AdapterEngine, EngineOptions
         from workers import session_inputs
         from workers.operations import TrainOps
 
@@ -55,7 +55,7 @@ class SessionWorker(TrainingOperations):
 
     def _guard(self, fn: Callable[[], Any]) -> Result:
         """`fn`'s answer as {"ok"}; its input error as a user error, anything else a server error."""
-        from engines.adapter_engine import InputError
+        from engines.training.adapter_engine import InputError
         from schema.tinker_losses import LossInputError
 
         try:
@@ -91,7 +91,7 @@ class SessionWorker(TrainingOperations):
     @register(Dispatch.RANK_ZERO)
     def describe(self) -> dict[str, Any]:
         """The base model and what the host holds now."""
-        from engines import adapter_engine
+        from engines.training import adapter_engine
 
         engine = self.engine
         pages = int(Path("/proc/self/statm").read_text().split()[1])

@@ -8,8 +8,8 @@ from typing import NamedTuple
 import torch
 from tensordict import TensorDict
 
-from engines.adapter_engine import InputError
-from engines.multi_lora_sample import SampleRequest
+from engines.training.adapter_engine import InputError
+from engines.training.multi_lora_sample import SampleRequest
 
 WIRE_DTYPES = {"int64": torch.long, "float32": torch.float32}
 
@@ -46,7 +46,7 @@ def forward_data(data: list[dict], vocab: int, max_len: int) -> list[Datum]:
 
 
 def rl_rows(data: list[Datum]) -> TensorDict:
-    """The data as RL batch rows (engines/base.py): a one-token prompt, the rest as the response, and
+    """The data as RL batch rows (engines/training/base.py): a one-token prompt, the rest as the response, and
     `target_tokens` [n, R, K] whose log-probs the engine takes in place of the responses' ([N]: K = 1)."""
     width = max(len(d.tokens) for d in data)
     k = max(d.inputs["target_tokens"].reshape(len(d.tokens), -1).shape[1] for d in data)

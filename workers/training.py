@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.base import MAX_SUFFIX, LossFn, TrainEngine, combine_metric
+from engines.training.base import MAX_SUFFIX, LossFn, TrainEngine, combine_metric
 from schema.workers import UpdateSchedule
 from workers.batch import Batch
 from workers.operations import TrainOps
@@ -51,7 +51,7 @@ def train_on_batch(
     """Run every mini-batch of every epoch; metrics are averaged over the optimizer steps.
 
     The engine has already reduced each step's metrics over micro-batches and dp ranks (the loss
-    contract of engines/base.py), so every rank returns the same, global, metrics."""
+    contract of engines/training/base.py), so every rank returns the same, global, metrics."""
     sums: dict[str, float] = {}
     plan = mini_batches(len(batch), engine.dp_size, UpdateSchedule.model_validate(schedule))
     ops = TrainOps(engine)
@@ -71,7 +71,7 @@ def train_on_batch(
             combine_metric(sums, f"{prefix}/grad_norm", norm)
             combine_metric(sums, f"{prefix}/grad_norm_max", norm)  # the largest optimizer step's
         ops.lr_scheduler_step()
-    # Averaged over the optimizer steps; maxima (engines/base.py) stay maxima.
+    # Averaged over the optimizer steps; maxima (engines/training/base.py) stay maxima.
     metrics = {key: value if key.endswith(MAX_SUFFIX) else value / len(plan) for key, value in sums.items()}
     metrics[f"{prefix}/lr"] = lr
     metrics[f"{prefix}/optimizer_steps"] = float(len(plan))

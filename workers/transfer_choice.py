@@ -14,8 +14,8 @@ from typing import Any
 import ray
 import torch
 
-from engines.base import TrainEngine
 from engines.rollout.base import RolloutEngine
+from engines.training.base import TrainEngine
 from engines.transfer.adapter import AdapterTransfer, default_tolerance
 from engines.transfer.base import TransferError, WeightTransfer
 from engines.transfer.collective import CollectiveTransfer, TransferGroup

@@ -1,4 +1,4 @@
-"""Rollout engines, chosen by name through `ROLLOUT_ENGINES` (see engines/registry.py).
+"""Rollout engines, chosen by name through `ROLLOUT_ENGINES` (see engines/training/registry.py).
 
 Optional backends (vllm, sglang) are probed before use, so a job asking for a missing one fails at
 submission with what to install; builders import their engine lazily, so this package needs no torch.
@@ -10,8 +10,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from engines.registry import Registry
 from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingKnobs, SamplingParams
+from engines.training.registry import Registry
 
 __all__ = [
     "ROLLOUT_ENGINES",

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
-from engines.lora_targets import base_module
-from engines.multi_lora import from_peft_tensors
+from engines.training.lora_targets import base_module
+from engines.training.multi_lora import from_peft_tensors
 
 
 def scaling_of(config: dict) -> float:

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from engines.fsdp.lora import write_adapter
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.constrained import ConstraintError
 from engines.rollout.probes import probe_vllm
+from engines.training.fsdp.lora import write_adapter
 
 TRANSFER_BACKEND = "tandem-inproc"
 CPU_PREFILL_TOKENS = 65536  # prompt tokens one vLLM step takes on CPU (see _start)

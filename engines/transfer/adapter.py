@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from engines.base import TrainEngine
 from engines.rollout.base import Completion, RolloutEngine, SamplingParams
+from engines.training.base import TrainEngine
 from engines.transfer.base import NamedTensor, TransferStats, WeightTransfer
 
 PROBE_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]  # plain ids below any model's vocabulary size

@@ -1,10 +1,10 @@
 """Every built-in loss: the registry of per-token objectives (registry.py) and their reductions
-(aggregation.py). RL and SFT losses are LossFn factories following engines/base.py's contract: each
+(aggregation.py). RL and SFT losses are LossFn factories following engines/training/base.py's contract: each
 returns a scalar and metrics divided by the whole batch's global counts, so they add up over
 micro-batches and ranks. tinker.py is the Tinker API's `compute_loss`.
 """
 
-from engines.base import LossFn
+from engines.training.base import LossFn
 from schema.losses import LossSpec, SFTLossConfig, ValueLossConfig
 from workers.losses.aggregation import AGG_MODES, AggMode, aggregate, check_agg_mode
 from workers.losses.kl import KL_TYPES, KLType, kl_estimate

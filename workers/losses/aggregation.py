@@ -16,7 +16,7 @@ from typing import get_args
 
 import torch
 
-from engines.base import GlobalCounts
+from engines.training.base import GlobalCounts
 from schema.losses import AggMode
 
 AGG_MODES: tuple[str, ...] = get_args(AggMode)

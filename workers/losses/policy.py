@@ -2,7 +2,7 @@
 
 `make_policy_loss` weights the per-token loss by the rollout correction's IS weights when on,
 aggregates it, subtracts entropy_coeff * entropy and adds kl_loss_coef * KL(pi || pi_ref), all over
-the global counts (engines/base.py's contract).
+the global counts (engines/training/base.py's contract).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from functools import partial
 import torch
 from tensordict import TensorDict
 
-from engines.base import GlobalCounts, LossFn
+from engines.training.base import GlobalCounts, LossFn
 from schema.losses import PolicyLossConfig, RolloutCorrectionConfig
 from workers.losses.aggregation import aggregate, check_agg_mode, token_fraction, token_mean
 from workers.losses.kl import kl_estimate

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from engines.base import GlobalCounts
+from engines.training.base import GlobalCounts
 from schema.losses import RolloutCorrectionConfig
 from workers.losses.kl import kl_estimate
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from engines.base import GlobalCounts, LossFn
+from engines.training.base import GlobalCounts, LossFn
 from workers.losses.aggregation import aggregate, check_agg_mode
 from workers.losses.registry import TokenInputs, cross_entropy
 

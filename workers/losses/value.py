@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from engines.base import GlobalCounts, LossFn
+from engines.training.base import GlobalCounts, LossFn
 from workers.losses.aggregation import aggregate, check_agg_mode, token_fraction, token_mean
 
 

@@ -1,7 +1,7 @@
 """Remove-padding packing: the real tokens of a micro-batch laid end to end in one row.
 
 Positions restart at 0 for every sequence; attention is kept within a sequence by a block-diagonal
-mask or, with flash-attention or engines/attention.py, the sequence boundaries. Per-token values are
+mask or, with flash-attention or engines/kernels/attention.py, the sequence boundaries. Per-token values are
 scattered back to the padded [mb, T] grid.
 """
 

@@ -1,4 +1,4 @@
-"""Where an FSDPEngine's parameters and optimizer state live (engines/fsdp/engine.py), as a mixin.
+"""Where an FSDPEngine's parameters and optimizer state live (engines/training/fsdp/engine.py), as a mixin.
 
 Train and eval modes bring back what `fsdp.param_offload` / `fsdp.optimizer_offload` keep on the
 CPU between uses, and put it back when they end.
@@ -13,7 +13,7 @@ import torch
 
 
 class PlacementMixin:
-    """The modes and `to` of the TrainEngine contract (engines/base.py), over the engine's `model`,
+    """The modes and `to` of the TrainEngine contract (engines/training/base.py), over the engine's `model`,
     `optimizer`, `config`, `device` and `_offloaded`."""
 
     @contextmanager

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engines.logprobs import token_log_probs
-from engines.shared_prompt import SharedPromptPack
+from engines.kernels.logprobs import token_log_probs
+from engines.kernels.shared_prompt import SharedPromptPack
 
 POLICY_PREFIX = "lm."
 
@@ -138,7 +138,7 @@ class ValueModel(nn.Module):
     ) -> dict[str, torch.Tensor]:
         hidden = _hidden(self.model, input_ids, position_ids, attention_mask, cu_seq_lens_q, shared_prompt)
         if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-            # bf16 on a CPU (engines/fsdp/engine.py): the head in fp32; bf16 would keep 3 digits a value.
+            # bf16 on a CPU (engines/training/fsdp/engine.py): the head in fp32; bf16 would keep 3 digits a value.
             with torch.autocast("cpu", enabled=False):
                 values = self.value_head(hidden.float())
         else:
@@ -154,7 +154,7 @@ class ValueModel(nn.Module):
 def sparse_tied_embedding(model: torch.nn.Module, device: torch.device) -> bool:
     """A tied input embedding on one CPU rank returns its few rows as a sparse gradient, which autograd
     adds into the head's dense one (no zero-filled [vocabulary, hidden] tensor per micro-batch). A
-    loss that reads no head leaves it sparse: the optimizer step (engines/adamw.py) makes it dense."""
+    loss that reads no head leaves it sparse: the optimizer step (engines/training/adamw.py) makes it dense."""
     inner = model.lm if isinstance(model, PolicyModel) else None
     if inner is None or device.type != "cpu":
         return False

@@ -1,6 +1,6 @@
-"""The optimizer and learning-rate schedule of an FSDPEngine (engines/fsdp/engine.py), as a mixin.
+"""The optimizer and learning-rate schedule of an FSDPEngine (engines/training/fsdp/engine.py), as a mixin.
 
-Tandem's one AdamW (engines/adamw.py) under a warmup-then-constant or warmup-then-cosine schedule. A
+Tandem's one AdamW (engines/training/adamw.py) under a warmup-then-constant or warmup-then-cosine schedule. A
 low-level client may hand one step its own AdamW settings (`optimizer_step(params)`).
 """
 
@@ -10,12 +10,12 @@ import math
 
 import torch
 
-from engines.adamw import AdamWSettings, adamw_step, build_adamw
+from engines.training.adamw import AdamWSettings, adamw_step, build_adamw
 from schema.engine import OptimizerConfig
 
 
 class OptimizerMixin:
-    """The optimisation half of the TrainEngine contract (engines/base.py), over the engine's
+    """The optimisation half of the TrainEngine contract (engines/training/base.py), over the engine's
     `model`, `optimizer`, `scheduler`, `config` and `skipped_steps`."""
 
     def _build_optimizer(self) -> torch.optim.Optimizer:

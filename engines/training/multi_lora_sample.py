@@ -1,6 +1,6 @@
 """Sampling from many adapters (and the base) in one decode batch on the multi-LoRA model.
 
-Each request owns a contiguous block of rows (`engines.multi_lora.rows`), prompts are left-padded, and
+Each request owns a contiguous block of rows (`engines.training.multi_lora.rows`), prompts are left-padded, and
 each request draws from its own seeded generator with the rollouts' `sample_next`, so what it draws
 does not depend on the batch. A token's log-prob is taken before top-k / top-p filtering; a stop token
 or string ends a row and stays in its tokens.
@@ -13,10 +13,10 @@ from itertools import accumulate, pairwise
 
 import torch
 
-from engines.multi_lora import MultiLoraLinear, rows
 from engines.rollout.base import SamplingParams
 from engines.rollout.hf import left_pad
 from engines.rollout.sampling import sample_next
+from engines.training.multi_lora import MultiLoraLinear, rows
 
 
 @dataclass

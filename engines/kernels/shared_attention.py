@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.shared_prompt import AttentionLayout
+from engines.kernels.shared_prompt import AttentionLayout
 
 MAX_KEYS = 192  # keys a query may read (prompt + response) for the batched-product path
 KEYS_PER_DIM = 3  # ... and at most this many per head dimension

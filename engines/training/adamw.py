@@ -1,7 +1,7 @@
 """The one AdamW of Tandem: how an optimizer is built and how one step is taken, for every trainer.
 
-An RL job's FSDPEngine (engines/fsdp/optim.py, its settings from `OptimizerConfig` and its learning
-rate from the schedule) and a Tinker session's adapter (engines/lora_sessions.py, its settings from
+An RL job's FSDPEngine (engines/training/fsdp/optim.py, its settings from `OptimizerConfig` and its learning
+rate from the schedule) and a Tinker session's adapter (engines/training/lora_sessions.py, its settings from
 the SDK's `AdamParams` of each call) both build their optimizer with `build_adamw` and step it with
 `adamw_step`. A step densifies sparse gradients, clips the global gradient norm, is skipped when
 that norm is not finite (a NaN would poison Adam's moments for good), and zeroes the gradients.
@@ -72,7 +72,9 @@ def adamw_step(
     skipped step from the returned norm (`math.isfinite`)."""
     with_grad = [p for p in params if p.grad is not None]
     for param in with_grad:
-        if param.grad.is_sparse:  # a tied embedding whose head had no gradient (engines/fsdp/modules.py)
+        if (
+            param.grad.is_sparse
+        ):  # a tied embedding whose head had no gradient (engines/training/fsdp/modules.py)
             param.grad = param.grad.to_dense()
     norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm=settings.grad_clip or math.inf, foreach=True)
     if isinstance(norm, DTensor):

@@ -1,4 +1,4 @@
-"""Checkpoints and Hugging Face exports of an FSDPEngine (engines/fsdp/engine.py), as a mixin.
+"""Checkpoints and Hugging Face exports of an FSDPEngine (engines/training/fsdp/engine.py), as a mixin.
 
 Checkpoints go through torch's distributed state-dict API (`dcp`), so they load across world sizes,
 wrapped or not; each rank adds its RNG state, rank 0 the schedule and the skipped-step count. With
@@ -19,13 +19,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from engines import checkpoint as ckpt
-from engines.fsdp import lora
-from engines.fsdp.modules import PolicyModel
+from engines.training import checkpoint as ckpt
+from engines.training.fsdp import lora
+from engines.training.fsdp.modules import PolicyModel
 
 
 class CheckpointMixin:
-    """save_checkpoint / load_checkpoint / export_hf of the TrainEngine contract (engines/base.py),
+    """save_checkpoint / load_checkpoint / export_hf of the TrainEngine contract (engines/training/base.py),
     over the engine's `model`, `optimizer`, `scheduler`, `config`, `dp_rank`, `adapted_modules`."""
 
     def _state_options(self) -> StateDictOptions:

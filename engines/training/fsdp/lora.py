@@ -1,4 +1,4 @@
-"""LoRA on the FSDP engine: the LoRA layer of engines/multi_lora.py with one adapter of its own per
+"""LoRA on the FSDP engine: the LoRA layer of engines/training/multi_lora.py with one adapter of its own per
 target layer, the base frozen; and the PEFT adapter format in and out.
 
 `attach` wraps each target linear layer of the Hugging Face model in place (no PeftModel wrapper, so
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engines.lora_targets import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, adapter_file, base_module
-from engines.multi_lora import from_peft_tensors, inject
+from engines.training.lora_targets import ADAPTER_CONFIG, ADAPTER_FILE, PEFT_PREFIX, adapter_file, base_module
+from engines.training.multi_lora import from_peft_tensors, inject
 from schema.engine import ALL_LINEAR, LoraConfig
 
 

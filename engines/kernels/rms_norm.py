@@ -14,7 +14,7 @@ import types
 import torch
 from torch.distributed.tensor import DTensor
 
-from engines import cpu_kernels
+from engines.kernels import cpu_kernels
 
 # transformers classes whose forward is exactly weight * (x * rsqrt(mean(x^2) + variance_epsilon))
 STANDARD = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm"})

@@ -1,4 +1,4 @@
-"""How an FSDPEngine (engines/fsdp/engine.py) builds its model and shards it, as a mixin.
+"""How an FSDPEngine (engines/training/fsdp/engine.py) builds its model and shards it, as a mixin.
 
 Master weights stay fp32; on CUDA the compute runs in bf16 with fp32 gradient reduction. One rank
 with nothing to shard (fp32, or any dtype on a CPU) is not wrapped, as torchtitan leaves a
@@ -15,10 +15,16 @@ import sys
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from engines import rms_norm, rotary, swiglu
-from engines.attention import register as segment_attention_name
-from engines.fsdp import lora
-from engines.fsdp.modules import PolicyModel, ValueModel, decoder_layers, load_hf_model, sparse_tied_embedding
+from engines.kernels import rms_norm, rotary, swiglu
+from engines.kernels.attention import register as segment_attention_name
+from engines.training.fsdp import lora
+from engines.training.fsdp.modules import (
+    PolicyModel,
+    ValueModel,
+    decoder_layers,
+    load_hf_model,
+    sparse_tied_embedding,
+)
 
 
 class ModelBuildMixin:
@@ -48,7 +54,7 @@ class ModelBuildMixin:
         self.attn_implementation = self._attn_implementation()
         is_value = self.config.role == "value"
         hf_model = load_hf_model(self.config.model_path, self.attn_implementation, value_head=is_value)
-        # One autograd Function each on a CPU (engines/rotary.py, engines/rms_norm.py, engines/swiglu.py).
+        # One autograd Function each on a CPU (engines/kernels/rotary.py, engines/kernels/rms_norm.py, engines/kernels/swiglu.py).
         rotary.install(sys.modules[type(hf_model).__module__])
         rms_norm.install(hf_model)
         swiglu.install(hf_model)
@@ -69,7 +75,7 @@ class ModelBuildMixin:
         return model
 
     def _attach_adapters(self, hf_model: torch.nn.Module) -> None:
-        """LoRA (engines/fsdp/lora.py): adapters in fp32, the frozen base in the compute dtype (it has no
+        """LoRA (engines/training/fsdp/lora.py): adapters in fp32, the frozen base in the compute dtype (it has no
         gradient or optimizer state, so fp32 master copies would buy nothing)."""
         cfg = self.config.lora
         self.adapted_modules = lora.attach(hf_model, cfg)

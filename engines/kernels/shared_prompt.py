@@ -2,7 +2,7 @@
 
 The packed row holds each distinct prompt once, followed by its rows' responses; positions continue
 from the prompt into each response. Gradients flow into the shared prompt from every response, so
-the math is the unshared batch's up to summation order. The layout reaches engines/attention.py as
+the math is the unshared batch's up to summation order. The layout reaches engines/kernels/attention.py as
 a keyword transformers passes to every attention call: prompts in a [groups, P] grid, responses in
 a [responses, R] grid. `select` names the positions that predict each response token.
 """
@@ -26,7 +26,7 @@ class AttentionLayout:
     response_group: torch.Tensor  # [S]: the group of each response (responses in group order)
     responses_per_group: int  # n when every group has n responses, else 0
     response_mask: torch.Tensor  # [S, 1, R, P + R] bool: True = may attend
-    # engines/shared_attention.py's row indices for this layout, per (tokens, heads, kv heads, dtype)
+    # engines/kernels/shared_attention.py's row indices for this layout, per (tokens, heads, kv heads, dtype)
     plans: dict = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -34,7 +34,7 @@ class AttentionLayout:
 class SharedPromptPack:
     input_ids: torch.Tensor  # [1, N]: each distinct prompt once, then its rows' responses
     position_ids: torch.Tensor  # [1, N]
-    attention: AttentionLayout  # where engines/attention.py puts each token, and who reads whom
+    attention: AttentionLayout  # where engines/kernels/attention.py puts each token, and who reads whom
     select: torch.Tensor  # [M]: the packed position that predicts each response token
     targets: torch.Tensor  # [M]: that response token
     grid_index: torch.Tensor  # [M]: its place in the flattened [mb * R] response grid

@@ -15,7 +15,7 @@ from types import ModuleType
 
 import torch
 
-from engines import cpu_kernels
+from engines.kernels import cpu_kernels
 
 STANDARD_PARAMETERS = ("q", "k", "cos", "sin", "unsqueeze_dim")
 MARK = "_tandem_rotary_original"

@@ -1,6 +1,6 @@
 """Engines are chosen by name: a registry maps each name to a builder.
 
-A new engine is one file (the class, implementing `engines.base.TrainEngine` or
+A new engine is one file (the class, implementing `engines.training.base.TrainEngine` or
 `engines.rollout.base.RolloutEngine`) plus one registered builder. Builders import their engine
 lazily, so this module and the name lists stay importable without torch, sglang or vllm: the
 JobSpec validates a backend name against a registry in the API process, where no engine is built.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from engines.base import TrainEngine
+    from engines.training.base import TrainEngine
     from schema.engine import EngineConfig
 
 T = TypeVar("T")
@@ -106,7 +106,7 @@ TRAIN_ENGINES: Registry[TrainEngine] = Registry("training engine")
 
 @TRAIN_ENGINES.register("fsdp")
 def _build_fsdp(config: EngineConfig) -> TrainEngine:
-    from engines.fsdp.engine import FSDPEngine
+    from engines.training.fsdp.engine import FSDPEngine
 
     return FSDPEngine(config)
 

@@ -1,7 +1,7 @@
-"""FSDPEngine: the TrainEngine of engines/base.py (docs/ARCHITECTURE.md §3.4) on PyTorch FSDP2 (`fully_shard`).
+"""FSDPEngine: the TrainEngine of engines/training/base.py (docs/ARCHITECTURE.md §3.4) on PyTorch FSDP2 (`fully_shard`).
 
 Build order (`initialize`): process group → model in fp32 on the CPU → one FSDP unit per decoder
-layer, then the root (engines/fsdp/build.py) → optimizer → LR schedule → offload if configured.
+layer, then the root (engines/training/fsdp/build.py) → optimizer → LR schedule → offload if configured.
 `forward_backward_batch` cuts the rank's batch into packed micro-batches and normalises the loss by
 global counts, so the ranks' gradients are summed (divide factor 1), reduced once, on the last one.
 """
@@ -17,16 +17,6 @@ from tensordict import TensorDict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from engines.attention import register as segment_attention_name
-from engines.base import (
-    MAX_SUFFIX,
-    NEEDS_BACKWARD,
-    EngineOutput,
-    GlobalCounts,
-    LossFn,
-    TrainEngine,
-    combine_metric,
-)
 from engines.distributed import (
     all_reduce_max,
     all_reduce_max_floats,
@@ -35,15 +25,25 @@ from engines.distributed import (
     init_distributed,
     resolve_device,
 )
-from engines.fsdp import lora
-from engines.fsdp.build import ModelBuildMixin
-from engines.fsdp.optim import OptimizerMixin
-from engines.fsdp.placement import PlacementMixin
-from engines.fsdp.state import CheckpointMixin
-from engines.microbatch import MicroBatchPlanner, PromptGroups
-from engines.multi_lora import adapters_off
-from engines.packing import pack, response_columns, unpack
-from engines.shared_prompt import pack_shared, prompt_groups
+from engines.kernels.attention import register as segment_attention_name
+from engines.kernels.shared_prompt import pack_shared, prompt_groups
+from engines.training.base import (
+    MAX_SUFFIX,
+    NEEDS_BACKWARD,
+    EngineOutput,
+    GlobalCounts,
+    LossFn,
+    TrainEngine,
+    combine_metric,
+)
+from engines.training.fsdp import lora
+from engines.training.fsdp.build import ModelBuildMixin
+from engines.training.fsdp.optim import OptimizerMixin
+from engines.training.fsdp.placement import PlacementMixin
+from engines.training.fsdp.state import CheckpointMixin
+from engines.training.microbatch import MicroBatchPlanner, PromptGroups
+from engines.training.multi_lora import adapters_off
+from engines.training.packing import pack, response_columns, unpack
 from schema.engine import EngineConfig
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
@@ -98,12 +98,14 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, OptimizerMixin, PlacementMixi
     ) -> EngineOutput:
         missing = [k for k in REQUIRED_KEYS if k not in batch.keys()]
         if missing:
-            raise KeyError(f"forward_backward_batch needs batch keys {missing} (see engines/base.py)")
+            raise KeyError(
+                f"forward_backward_batch needs batch keys {missing} (see engines/training/base.py)"
+            )
         if not forward_only and (loss_fn is None or self.optimizer is None):
             raise ValueError("a backward pass needs a loss_fn and a trainable engine; use forward_only=True")
         batch = batch.to(self.device)
         width = batch["response_mask"].shape[1]
-        if counts is None:  # one call = one optimizer batch; else the caller's (engines/base.py)
+        if counts is None:  # one call = one optimizer batch; else the caller's (engines/training/base.py)
             counts = self._global_counts(batch, width)
         lengths = batch["attention_mask"].sum(1).tolist()
         groups = self._prompt_groups(batch, width)
@@ -180,7 +182,7 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, OptimizerMixin, PlacementMixi
         self, micro: TensorDict, width: int, compute_entropy: bool, temperature: float
     ) -> dict[str, torch.Tensor]:
         """Per-token outputs on the micro-batch's [mb, R] response grid; one copy of each repeated
-        prompt when it can be shared (engines/shared_prompt.py)."""
+        prompt when it can be shared (engines/kernels/shared_prompt.py)."""
         groups = self._prompt_groups(micro, width)
         mask = None
         if groups is not None:
@@ -235,7 +237,7 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, OptimizerMixin, PlacementMixi
         }
 
     def _reduce_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Sum the metrics over ranks; those named *_max by max (engines/base.py)."""
+        """Sum the metrics over ranks; those named *_max by max (engines/training/base.py)."""
         sums = sorted(k for k in metrics if not k.endswith(MAX_SUFFIX))
         maxima = sorted(k for k in metrics if k.endswith(MAX_SUFFIX))
         out: dict[str, float] = {}

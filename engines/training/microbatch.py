@@ -54,7 +54,7 @@ def balanced_partition(lengths: Sequence[int], bins: int) -> list[list[int]]:
 
 @dataclass
 class PromptGroups:
-    """Rows that share a prompt (`engines.shared_prompt.prompt_groups`) and each row's prompt length:
+    """Rows that share a prompt (`engines.kernels.shared_prompt.prompt_groups`) and each row's prompt length:
     packed, a micro-batch holds each group's prompt once."""
 
     rows: list[list[int]]

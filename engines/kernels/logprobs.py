@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines import cpu_kernels
+from engines.kernels import cpu_kernels
 
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,7 +91,7 @@ class ChunkedLogProbs(torch.autograd.Function):
             end = min(start + chunk, n)
             logits = _chunk_logits(hidden[start:end], weight, temperature)
             fused = cpu_kernels.kernels() if cpu_kernels.fits(logits) else None
-            if fused is not None:  # one kernel over the chunk's rows (engines/cpu_kernels.c)
+            if fused is not None:  # one kernel over the chunk's rows (engines/kernels/cpu_kernels.c)
                 lp, lse, ent = fused.log_softmax_stats(logits, targets[start:end], with_entropy, keep)
                 log_probs[start:end], log_norm[start:end] = lp, lse
                 if ent is not None:

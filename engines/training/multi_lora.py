@@ -2,8 +2,8 @@
 plus scaling * B(A(dropout(x))), computed as PEFT computes it, from one of two kinds of adapter:
 
 - its own (`add_own`): parameters `lora_A` / `lora_B` on every row, an RL job's with `model.lora`
-  (engines/fsdp/lora.py), so FSDP2 shards them and checkpoints hold them; `adapters_off` skips them.
-- a table `adapters[key]` of plain tensors owned by callers (engines/adapter_engine.py: one base, many
+  (engines/training/fsdp/lora.py), so FSDP2 shards them and checkpoints hold them; `adapters_off` skips them.
+- a table `adapters[key]` of plain tensors owned by callers (engines/training/adapter_engine.py: one base, many
   adapters): adding or evicting one is a dict update. `rows(layers, segments)` says which contiguous
   rows of a forward use which adapter, so autograd gives each adapter its own rows' gradient.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engines.lora_targets import PEFT_PREFIX, base_module
+from engines.training.lora_targets import PEFT_PREFIX, base_module
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engines.checkpoint_paths import list_checkpoints
+from engines.training.checkpoint_paths import list_checkpoints
 
 META_FILE = "engine_meta.json"
 FORMAT_VERSION = 1

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from engines.adamw import AdamWSettings, adamw_step, build_adamw
-from engines.fsdp.lora import write_adapter
-from engines.lora_targets import ADAPTER_FILE
-from engines.multi_lora import from_peft_tensors, peft_tensors
+from engines.training.adamw import AdamWSettings, adamw_step, build_adamw
+from engines.training.fsdp.lora import write_adapter
+from engines.training.lora_targets import ADAPTER_FILE
+from engines.training.multi_lora import from_peft_tensors, peft_tensors
 
 SESSION_FILE = "session.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -98,7 +98,7 @@ class Session:
         self.packed, self.packed_file = None, None
 
     def optim_step(self, settings: AdamWSettings) -> float:
-        """One AdamW step (engines/adamw.py) of this adapter with this call's settings; its grad norm."""
+        """One AdamW step (engines/training/adamw.py) of this adapter with this call's settings; its grad norm."""
         return adamw_step(self.optimizer, self.params(), settings, override=True)
 
     def save(self, folder: Path, adapter_config: dict, optimizer: bool) -> None:

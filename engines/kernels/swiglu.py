@@ -12,7 +12,7 @@ import types
 
 import torch
 
-from engines import cpu_kernels
+from engines.kernels import cpu_kernels
 
 STANDARD = frozenset({"LlamaMLP", "Qwen2MLP", "MistralMLP"})
 
