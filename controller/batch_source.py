@@ -40,6 +40,9 @@ class BatchSource:
     def stop(self) -> None:
         """The attempt's workers are about to go."""
 
+    def close(self) -> None:
+        """The run is over, whatever its outcome: what the source keeps across attempts goes."""
+
     def state_dict(self, loader: dict[str, Any]) -> dict[str, Any]:
         return {}
 
@@ -103,6 +106,11 @@ class AgentSource(BatchSource):
             self.endpoint = ExternalSource(t.name, t.spec, t.job.model_path, t.step_index)
         self.endpoint.attach(t.job.groups, t.step_index)
         t.sink.event("endpoint", "the OpenAI-compatible endpoint serves this job's rollout workers")
+
+    def close(self) -> None:
+        """rollout.external.agent's pool: its thread would outlive the run in a long-lived process."""
+        if self.endpoint is not None and self.endpoint.agents is not None:
+            self.endpoint.agents.stop()
 
     def next_batch(self) -> Scored:
         if self.trainer.spec.trainer.mode == "async":

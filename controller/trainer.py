@@ -79,13 +79,16 @@ class Trainer:
     def run(self) -> dict[str, float]:
         """Train to total_steps (or trainer.stop_at_val_accuracy, or a stop); the last step's metrics."""
         lost: WorkerLost | None = None
-        while True:
-            try:
-                if lost is not None:
-                    self._recover(lost)
-                return self._run_attempt()
-            except WorkerLost as err:
-                lost = err
+        try:
+            while True:
+                try:
+                    if lost is not None:
+                        self._recover(lost)
+                    return self._run_attempt()
+                except WorkerLost as err:
+                    lost = err
+        finally:
+            self.source.close()
 
     def _run_attempt(self) -> dict[str, float]:
         self.job = None

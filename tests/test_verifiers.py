@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -40,12 +41,10 @@ def test_the_example_environment_learns(tmp_path, monkeypatch):
     _, spec = build_spec(str(EXAMPLE))
     sink = JsonlSink(tmp_path)
     trainer = Trainer(spec, tmp_path, sink, name="verifiers")
-    try:
-        trainer.run()
-    finally:  # the pool's thread ends with a job's process; this one is the test's
-        endpoint = getattr(trainer.source, "endpoint", None)  # AgentSource's (controller/batch_source.py)
-        if endpoint is not None and endpoint.agents is not None:
-            endpoint.agents.stop()
+    trainer.run()
+    # the run's end stops its agent pool (AgentSource.close): no thread left in this process
+    assert not trainer.source.endpoint.agents._thread.is_alive()
+    assert not [t for t in threading.enumerate() if t.name == "tandem-agents"]
     scores = [r["values"]["critic/score/mean"] for r in sink.history if "critic/score/mean" in r["values"]]
     assert len(scores) == spec.trainer.total_steps
     third = len(scores) // 3
