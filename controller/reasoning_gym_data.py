@@ -19,6 +19,8 @@ from controller.reasoning_gym_reward import encode_entry
 from controller.tasks import write_rows
 from schema.reasoning_gym import ReasoningGymSpec
 
+VAL_DRAWS_PER_ROW = 16  # validation draws per row asked, at most, while too many repeat a training one
+
 
 def make_rows(
     spec: ReasoningGymSpec, split: str, size: int, skip: frozenset[str] = frozenset()
@@ -51,6 +53,26 @@ def make_rows(
                                         "answer_format": spec.answer_format, "entry": encode_entry(entry)}},
         })  # fmt: skip
     return rows
+
+
+def held_out_rows(spec: ReasoningGymSpec, seen: frozenset[str]) -> list[dict]:
+    """Up to val_size rows whose questions are not among the training rows': draws double while too
+    many repeat one (a small task's questions do), up to VAL_DRAWS_PER_ROW per row asked; none at all
+    is a DataError, since validation was asked for."""
+    if not spec.val_size:
+        return []
+    draws = spec.val_size
+    while True:
+        rows = make_rows(spec, "val", draws, skip=seen)
+        if len(rows) >= spec.val_size or draws >= VAL_DRAWS_PER_ROW * spec.val_size:
+            break
+        draws *= 2
+    if not rows:
+        raise DataError(
+            f"data.reasoning_gym.size: every validation question drawn is among the {spec.size} training "
+            f"rows' (the tasks have fewer distinct questions); lower data.reasoning_gym.size or set val_size 0"
+        )
+    return rows[: spec.val_size]
 
 
 def _task_seed(spec: ReasoningGymSpec, split: str, k: int) -> int:
@@ -104,6 +126,8 @@ def _generate_in_child(spec: ReasoningGymSpec, directory: Path) -> None:
         if child.is_alive():
             child.kill()
         child.join(5)
+    if status == "data":
+        raise DataError(detail)
     if status != "ok":
         raise DataError(f"data.reasoning_gym: generating rows of {names} failed: {detail}")
 
@@ -117,10 +141,12 @@ def _generate(spec_json: str, directory: str, send: Any) -> None:
         val_file = Path(directory) / "val.jsonl"
         val_file.unlink(missing_ok=True)
         seen = frozenset(row["extra"]["reasoning_gym"]["entry"]["question"] for row in train)
-        val = make_rows(spec, "val", spec.val_size, skip=seen) if spec.val_size else []
+        val = held_out_rows(spec, seen)
         if val:
             write_rows(val_file, val)
         send.send(("ok", {"train": len(train), "val": len(val)}))
+    except DataError as err:  # ours, already saying which setting to change
+        send.send(("data", str(err)))
     except Exception as err:  # reasoning-gym's code: whatever it raises is the job's error
         send.send(("error", f"{type(err).__name__}: {err}"[:2000]))
     finally:

@@ -125,26 +125,27 @@ def test_rows_are_deterministic_mixed_by_weight_and_carry_their_task_and_entry()
 
 
 def test_validation_rows_leave_out_training_questions(tmp_path):
-    # gcd of 1-3 has a handful of questions: most validation draws repeat a training one
+    # gcd of 1-12 has 144 questions: 100 training rows repeat many of them, so the validation split
+    # draws more until it holds its 50 rows, none of a training question
     spec = ReasoningGymSpec.model_validate(
-        {
-            "tasks": [{"name": "gcd", "config": {"max_value": 3}}],
-            "size": 50,
-            "val_size": 50,
-            "instructions": None,
-        }
+        {"tasks": [GCD], "size": 100, "val_size": 50, "instructions": None}
     )
     train, val = write_reasoning_gym_files(spec, tmp_path)
     questions = {json.loads(line)["prompt"] for line in train.read_text().splitlines()}
-    assert len(train.read_text().splitlines()) == 50
-    if val is not None:
-        assert not questions & {json.loads(line)["prompt"] for line in val.read_text().splitlines()}
-    big = ReasoningGymSpec.model_validate({"tasks": [GCD], "size": 50, "val_size": 50, "instructions": None})
-    train, val = write_reasoning_gym_files(big, tmp_path / "big")
-    assert val is not None and 0 < len(val.read_text().splitlines()) <= 50
-    assert not {json.loads(line)["prompt"] for line in train.read_text().splitlines()} & {
-        json.loads(line)["prompt"] for line in val.read_text().splitlines()
-    }
+    assert len(train.read_text().splitlines()) == 100
+    held_out = [json.loads(line)["prompt"] for line in val.read_text().splitlines()]
+    assert len(held_out) == 50 and not questions & set(held_out)
+
+
+def test_a_validation_split_the_training_rows_exhaust_is_refused_naming_size(tmp_path):
+    # gcd of 1-3 has a handful of questions, every one among 50 training rows: a job that asked for
+    # validation would otherwise train with none, silently
+    spec = ReasoningGymSpec.model_validate(
+        {"tasks": [{"name": "gcd", "config": {"max_value": 3}}], "size": 50, "val_size": 50}
+    )
+    with pytest.raises(DataError, match=r"^data\.reasoning_gym\.size: every validation question"):
+        write_reasoning_gym_files(spec, tmp_path)
+    assert not (tmp_path / "train.jsonl").exists() or not (tmp_path / "spec.json").exists()
 
 
 def test_generation_past_its_time_limit_fails_the_job_naming_it(tmp_path):
