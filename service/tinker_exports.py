@@ -22,9 +22,8 @@ from service.tinker_checkpoints import (
     run_row,
 )
 from service.tinker_futures import Future
-from service.tinker_hosts import Call
 from service.tinker_requests import SaveExternal, TinkerError
-from service.tinker_service import NAME, TinkerService, host_id
+from service.tinker_service import NAME, TinkerService
 from workers.session_host import SessionWorker
 
 URL_TTL_S = 3600
@@ -42,18 +41,14 @@ def save_external(svc: TinkerService, owner: str, req: SaveExternal) -> Future:
     shutil.rmtree(folder, ignore_errors=True)  # an expired or unfinished export of that name
     staging = folder.parent / f".{req.path}.{secrets.token_hex(4)}"
     tinker_path = f"tinker://{model.job_id}/external_weights/{req.path}"
-    body = Call(SessionWorker.save_state, {"adapter": host_id(model.model_id), "path": str(staging),
-                                           "optimizer": False})  # fmt: skip
     answer = {"path": tinker_path, "type": "save_weights_external"}
 
-    def saved(ok: dict[str, Any]) -> None:
+    def saved(ok: Any) -> None:
         answer["size_bytes"] = export_files(staging, folder, recipients)
         commit(svc.store, model.job_id, folder, tinker_path, req.ttl_seconds, "external weights")
 
-    host = svc.hosts[model.base_model]
-    return svc.submit(
-        host, owner, model.model_id, body, "save_weights_external", lambda ok: (answer, None), saved
-    )
+    kwargs = {"path": str(staging), "optimizer": False}
+    return svc.on_model(model, SessionWorker.save_state, kwargs, answer, saved)
 
 
 def export_files(staging: Path, folder: Path, recipients: list[Any]) -> int:

@@ -61,9 +61,9 @@ class ModelRef(Body):
 class LoraConfig(Body):
     rank: int = Field(32, ge=1, le=1 << 20)
     seed: Seed | None = None
-    train_unembed: bool = True
+    train_attn: bool = True  # the order of the stored target modules
     train_mlp: bool = True
-    train_attn: bool = True
+    train_unembed: bool = True
 
 
 class OptimizerConfig(Body):
