@@ -62,7 +62,7 @@ class HostOptions:
 
 
 class Host:
-    """One base model's actor and dispatcher."""
+    """One base model's actor and dispatcher; while it runs, the scheduler (`accounts`) counts its CPUs."""
 
     def __init__(self, base_model: str, workdir: Path, futures: FutureTable, options: HostOptions,
                  on_lost: Callable[[Host], None] | None = None, accounts: Any = None) -> None:  # fmt: skip
@@ -96,7 +96,6 @@ class Host:
         self._release()
 
     def _release(self) -> None:
-        """The group and its pool go, and the scheduler no longer counts their CPUs."""
         group, pool, self.group, self.pool, self.info = self.group, self.pool, None, None, None
         if group is not None:
             group.shutdown()
@@ -195,7 +194,6 @@ class Host:
             return [error("server", None, message)] * len(ops)
 
     def _lost(self, why: str) -> None:
-        """The actor died: forget it (the next batch starts another) and tell the service."""
         log.error("%s died; a new one starts with the next request: %s", self.name, why)
         self._release()
         if self.on_lost is not None:

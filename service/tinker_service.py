@@ -14,30 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from schema.tinker_losses import LossInputError, check_request
+from service import tinker_checkpoints as saved
+from service import tinker_requests as bodies
 from service.job_state import JobStatus
 from service.service import Service
-from service.tinker_checkpoints import (
-    REAP_EVERY_S,
-    check_ttl,
-    checkpoint_folder,
-    commit,
-    is_complete,
-    not_found,
-    reap,
-    resolve_state,
-)
 from service.tinker_futures import Future, FutureTable
 from service.tinker_hosts import Call, Finish, Host, HostOptions, Op
-from service.tinker_requests import (
-    CreateModel,
-    LoadWeights,
-    LoraConfig,
-    ModelRef,
-    OptimizerConfig,
-    OptimStep,
-    SaveWeights,
-    TinkerError,
-)
+from service.tinker_requests import TinkerError
 from service.tinker_sessions import (
     ClientSession,
     Records,
@@ -89,9 +72,9 @@ class TinkerService:
         """Silent sessions end (the SDK beats every 10 s): their models leave the host and their runs
         pause, naming the last saved state. Expired checkpoints are swept here too."""
         now = time.time()
-        if now - self._reaped > REAP_EVERY_S:
+        if now - self._reaped > saved.REAP_EVERY_S:
             self._reaped = now
-            reap(self.store)
+            saved.reap(self.store)
         gone = [
             s for s in list(self.records.sessions.values()) if now - s.last_heartbeat > self.session_ttl_s
         ]
@@ -127,7 +110,7 @@ class TinkerService:
     def session(self, session_id: str, owner: str | None) -> ClientSession:
         found = self.records.session(session_id, owner)
         if found is None:
-            raise not_found("session", session_id, "session_id")
+            raise saved.not_found("session", session_id, "session_id")
         return found
 
     # ---- hosts ------------------------------------------------------------------------------------
@@ -175,17 +158,17 @@ class TinkerService:
             raise TinkerError(
                 400, rows[0].error or lost_message(rows[0].id, Path(rows[0].workdir)), "model_id"
             )
-        raise not_found("training model", model_id, "model_id")
+        raise saved.not_found("training model", model_id, "model_id")
 
-    def create_model(self, owner: str, req: CreateModel, load: dict[str, Any] | None = None) -> Future:
+    def create_model(self, owner: str, req: bodies.CreateModel, load: dict[str, Any] | None = None) -> Future:
         session = self.session(req.session_id, owner)
         host = self.host(req.base_model, "base_model")
-        lora = req.lora_config or LoraConfig()
+        lora = req.lora_config or bodies.LoraConfig()
         rank = lora.rank
         if not 1 <= rank <= self.options.max_rank:
             raise TinkerError(400, f"lora_config.rank: {rank} is outside [1, {self.options.max_rank}] "
                               "(the bound of this service)", "lora_config.rank")  # fmt: skip
-        optimizer = (req.optimizer_config or OptimizerConfig()).model_dump()
+        optimizer = (req.optimizer_config or bodies.OptimizerConfig()).model_dump()
         if optimizer["type"] != "adamw":
             raise TinkerError(400, f"optimizer_config.type: only 'adamw' is served, not {optimizer['type']!r}",
                               "optimizer_config.type")  # fmt: skip
@@ -270,13 +253,10 @@ class TinkerService:
         data = req["data"]
         for i, datum in enumerate(data):
             self.check_tokens(host, datum["tokens"], f"forward_backward_input.data[{i}].model_input")
-        shapes = [
-            (
-                len(d["tokens"]),
-                {name: (t["dtype"], list(t["shape"])) for name, t in d["loss_fn_inputs"].items()},
-            )
-            for d in data
+        inputs = [
+            {name: (t["dtype"], list(t["shape"])) for name, t in d["loss_fn_inputs"].items()} for d in data
         ]
+        shapes = [(len(d["tokens"]), shaped) for d, shaped in zip(data, inputs, strict=True)]
         try:
             check_request(req["loss_fn"], shapes, req.get("loss_fn_config"))
         except LossInputError as err:
@@ -308,7 +288,7 @@ class TinkerService:
             merged = dict(model.step_metrics)
         self.store.add_metrics(model.job_id, model.step + 1, merged)
 
-    def optim_step(self, owner: str, req: OptimStep) -> Future:
+    def optim_step(self, owner: str, req: bodies.OptimStep) -> Future:
         model = self.model(req.model_id, owner)
         adam = req.adam_params.model_dump(exclude={"type"})  # bounds and finiteness: its type
         metrics: dict[str, float] = {}
@@ -326,40 +306,40 @@ class TinkerService:
 
     # ---- state ------------------------------------------------------------------------------------
 
-    def save_state(self, owner: str, req: SaveWeights) -> Future:
+    def save_state(self, owner: str, req: bodies.SaveWeights) -> Future:
         model = self.model(req.model_id, owner)
         name = req.path or f"step-{model.step:06d}"
         if not NAME.match(name):
             raise TinkerError(400, f"path: checkpoint name {name!r} must match {NAME.pattern}", "path")
-        check_ttl(req.ttl_seconds)
-        folder = checkpoint_folder(model.workdir, "weights", name)
-        if is_complete(folder) and not req.overwrite:
+        saved.check_ttl(req.ttl_seconds)
+        folder = saved.checkpoint_folder(model.workdir, "weights", name)
+        if saved.is_complete(folder) and not req.overwrite:
             raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
         tinker_path = f"tinker://{model.job_id}/weights/{name}"
         return self.on_model(
             model, SessionWorker.save_state, {"path": str(folder)}, {"path": tinker_path, "type": "save_weights"},
-            lambda ok: commit(self.store, model.job_id, folder, tinker_path, req.ttl_seconds, "state"),
+            lambda ok: saved.commit(self.store, model.job_id, folder, tinker_path, req.ttl_seconds, "state"),
         )  # fmt: skip
 
-    def load_state(self, owner: str, req: LoadWeights) -> Future:
+    def load_state(self, owner: str, req: bodies.LoadWeights) -> Future:
         if req.model_id:
             return self._load(self.model(req.model_id, owner), req.path, req.optimizer, owner)
         if req.session_id is None:
             raise TinkerError(400, "session_id: required when model_id is not given", "session_id")
-        job, _ = resolve_state(self.store, req.path, owner)  # a new training client from a checkpoint
-        create = CreateModel(session_id=req.session_id, model_seq_id=req.model_seq_id,
+        job, _ = saved.resolve_state(self.store, req.path, owner)  # a new training client from a checkpoint
+        create = bodies.CreateModel(session_id=req.session_id, model_seq_id=req.model_seq_id,
                              base_model=req.base_model or job.spec["model"]["builtin"],
-                             lora_config=LoraConfig(rank=job.spec["model"]["lora"]["rank"]),
+                             lora_config=bodies.LoraConfig(rank=job.spec["model"]["lora"]["rank"]),
                              optimizer_config=req.optimizer_config, user_metadata=req.user_metadata)  # fmt: skip
         return self.create_model(owner, create, load={"path": req.path, "optimizer": req.optimizer})
 
     def _load(self, model: TrainingModel, path: str, optimizer: bool, owner: str, on_fail: Any = None,
               deferred: list[Op] | None = None) -> Future:  # fmt: skip
-        job, folder = resolve_state(self.store, path, owner)
-        saved = job.spec["model"]
-        if (saved["builtin"], saved["lora"]["rank"]) != (model.base_model, model.rank):
-            raise TinkerError(400, f"path: {path} is a rank-{saved['lora']['rank']} adapter of "
-                              f"{saved['builtin']}; this model is rank {model.rank} on {model.base_model}",
+        job, folder = saved.resolve_state(self.store, path, owner)
+        spec = job.spec["model"]
+        if (spec["builtin"], spec["lora"]["rank"]) != (model.base_model, model.rank):
+            raise TinkerError(400, f"path: {path} is a rank-{spec['lora']['rank']} adapter of "
+                              f"{spec['builtin']}; this model is rank {model.rank} on {model.base_model}",
                               "path")  # fmt: skip
 
         def loaded(ok: Any) -> None:
@@ -370,7 +350,7 @@ class TinkerService:
         return self.on_model(model, SessionWorker.load_state, {"path": str(folder), "optimizer": optimizer},
                              answer, loaded, on_fail, deferred)  # fmt: skip
 
-    def unload(self, owner: str, req: ModelRef) -> Future:
+    def unload(self, owner: str, req: bodies.ModelRef) -> Future:
         model = self.model(req.model_id, owner)
 
         def dropped(ok: Any) -> None:
