@@ -1,9 +1,6 @@
-"""The Tinker API's sampling side: samplers and `asample` (which `compute_logprobs` is too).
-
-A sampler is a frozen snapshot of a training model's adapter (`save_weights_for_sampler`) or the bare
-base model. Samples of a training model's sampler are kept as that run's samples (the dashboard's
-Samples panel), decoded with the base's `tokenizer.json` (the `tokenizers` library: no torch here).
-"""
+"""The Tinker API's sampling side: samplers (an adapter's frozen snapshot, or the bare base) and `asample`
+(which `compute_logprobs` is too). A training model's samples are kept as its run's samples, decoded
+with the base's `tokenizer.json` (the `tokenizers` library: no torch in the API)."""
 
 from __future__ import annotations
 
@@ -39,7 +36,6 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
     check_ttl(req.ttl_seconds)
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
     tinker_path = f"tinker://{model.job_id}/sampler_weights/{name}" if name else None
-    saved_name = name or sampler_id.replace(":", "-")
 
     def saved(ok: dict[str, Any]) -> None:
         svc.records.add_sampler(
@@ -53,7 +49,9 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
 
     answer = {"path": tinker_path} if name else {"sampling_session_id": sampler_id}
     answer["type"] = "save_weights_for_sampler"
-    return svc.on_model(model, SessionWorker.save_for_sampler, {"name": saved_name}, answer, saved)
+    return svc.on_model(
+        model, SessionWorker.save_for_sampler, {"name": name or sampler_id.replace(":", "-")}, answer, saved
+    )
 
 
 def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingSession) -> str:

@@ -6,7 +6,6 @@ of showing."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -55,7 +54,7 @@ def install_tinker_errors(app: FastAPI) -> None:
 
 async def in_thread(work: Callable[..., T], *args: Any) -> T:
     """Service work that may wait on a lock, the store or the disk: long polls are answered meanwhile."""
-    return await anyio.to_thread.run_sync(functools.partial(work, *args))
+    return await anyio.to_thread.run_sync(work, *args)
 
 
 def tinker(request: Request) -> TinkerService:
