@@ -1,13 +1,6 @@
-"""Tinker request bodies read off the event loop, with caps on their raw and decompressed size.
-
-A body is decoded (zstd, protobuf or JSON) and typed (service/tinker_requests.py) in a worker
-thread once it is larger than `INLINE_BYTES`, so that one large or hostile body does not stall the
-API's event loop (every other request, `/healthz` included, is answered meanwhile, between the steps
-that run in C and hold the interpreter: the protobuf parse, a pydantic validation). A zstd body is
-decompressed as a stream that stops at its cap: a small body that expands a thousandfold is a 413
-after its first megabytes, never expanded whole. The raw cap is the body limit of the middleware
-(`ServeSettings.tinker_max_body_bytes`).
-"""
+"""Tinker request bodies read off the event loop, with caps on their raw and decompressed size: a large
+body is decoded and typed in a worker thread, so that one hostile body does not stall every other
+request, and a zstd body is read as a stream that stops at its cap (a 413), never expanded whole."""
 
 from __future__ import annotations
 
@@ -24,9 +17,7 @@ from service.tinker_wire import WireError, read_forward_backward
 
 INLINE_BYTES = 64 * 1024  # smaller bodies parse in well under a millisecond: no thread hop
 PARSE_THREADS = 4  # bodies decoded at once: bounds the memory their decoded forms take
-# A real forward_backward body compresses a few times (token ids and float inputs); one that expands more
-# than this is refused once its output passes it (FLOOR_BYTES always allowed, for tiny bodies).
-MAX_RATIO = 64
+MAX_RATIO = 64  # a real body compresses a few times; FLOOR_BYTES is always allowed, for tiny bodies
 FLOOR_BYTES = 1024 * 1024
 READ_BYTES = 256 * 1024
 

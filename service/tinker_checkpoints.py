@@ -1,9 +1,6 @@
-"""A Tinker training run's checkpoints: folders under its workdir, listed, expired, deleted, exported.
-
-`tinker://RUN/KIND/NAME` is the folder `checkpoints/KIND/NAME` of RUN's workdir, whole once its
-`.complete` exists; a TTL is the epoch second in its `.expires`. An expired checkpoint goes when it is
-next looked at or swept (`reap`); until then it counts in its owner's stored bytes like any other.
-"""
+"""A Tinker training run's checkpoints: `tinker://RUN/KIND/NAME` is the folder `checkpoints/KIND/NAME`
+of RUN's workdir, whole once its `.complete` exists; a TTL is the epoch second in its `.expires`. An
+expired checkpoint goes when next looked at or swept (`reap`); until then it counts in stored bytes."""
 
 from __future__ import annotations
 

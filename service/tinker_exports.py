@@ -1,6 +1,5 @@
-"""External weights: a training model's PEFT adapter files as `tinker://RUN/external_weights/NAME`
-(age-encrypted when asked), fetched through URLs this service signs, so that a client (tinker-cookbook's
-`weights.download`) downloads them without its key."""
+"""External weights: a model's PEFT adapter files as `tinker://RUN/external_weights/NAME` (age-encrypted
+when asked), behind URLs this service signs, so a client downloads them without its key."""
 
 from __future__ import annotations
 
@@ -12,19 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from service.tinker_checkpoints import (
-    check_ttl,
-    checkpoint_folder,
-    commit,
-    is_complete,
-    iso,
-    not_found,
-    run_row,
-)
+from service import tinker_checkpoints as saved
 from service.tinker_futures import Future
-from service.tinker_hosts import Call
 from service.tinker_requests import SaveExternal, TinkerError
-from service.tinker_service import NAME, TinkerService, host_id
+from service.tinker_service import NAME, TinkerService
 from workers.session_host import SessionWorker
 
 URL_TTL_S = 3600
@@ -34,26 +24,22 @@ def save_external(svc: TinkerService, owner: str, req: SaveExternal) -> Future:
     model = svc.model(req.model_id, owner)
     if not NAME.match(req.path):
         raise TinkerError(400, f"path: name {req.path!r} must match {NAME.pattern}", "path")
-    check_ttl(req.ttl_seconds)
+    saved.check_ttl(req.ttl_seconds)
     recipients = age_recipients(req.age_encryption_recipients)
-    folder = checkpoint_folder(model.workdir, "external_weights", req.path)
-    if is_complete(folder):
+    folder = saved.checkpoint_folder(model.workdir, "external_weights", req.path)
+    if saved.is_complete(folder):
         raise TinkerError(400, f"path: external weights '{req.path}' exist (delete them first)", "path")
     shutil.rmtree(folder, ignore_errors=True)  # an expired or unfinished export of that name
     staging = folder.parent / f".{req.path}.{secrets.token_hex(4)}"
     tinker_path = f"tinker://{model.job_id}/external_weights/{req.path}"
-    body = Call(SessionWorker.save_state, {"adapter": host_id(model.model_id), "path": str(staging),
-                                           "optimizer": False})  # fmt: skip
     answer = {"path": tinker_path, "type": "save_weights_external"}
 
-    def saved(ok: dict[str, Any]) -> None:
+    def exported(ok: Any) -> None:
         answer["size_bytes"] = export_files(staging, folder, recipients)
-        commit(svc.store, model.job_id, folder, tinker_path, req.ttl_seconds, "external weights")
+        saved.commit(svc.store, model.job_id, folder, tinker_path, req.ttl_seconds, "external weights")
 
-    host = svc.hosts[model.base_model]
-    return svc.submit(
-        host, owner, model.model_id, body, "save_weights_external", lambda ok: (answer, None), saved
-    )
+    kwargs = {"path": str(staging), "optimizer": False}
+    return svc.on_model(model, SessionWorker.save_state, kwargs, answer, exported)
 
 
 def export_files(staging: Path, folder: Path, recipients: list[Any]) -> int:
@@ -100,17 +86,17 @@ def signed_urls(secret: bytes, base_url: str, run_id: str, name: str, folder: Pa
     urls = {f.name: f"{base_url.rstrip('/')}/api/v1/external_weights/{run_id}/{name}/{f.name}?expires={expires}"
             f"&signature={signature(secret, run_id, name, f.name, expires)}"
             for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".")}  # fmt: skip
-    return {"urls": urls, "expires": iso(expires)}
+    return {"urls": urls, "expires": saved.iso(expires)}
 
 
 def signed_file(secret: bytes, store: Any, run_id: str, name: str, file: str, expires: int, sig: str) -> Path:
     """The file a signed URL names, if its signature holds and it has not expired; else a 404."""
     good = hmac.compare_digest(sig, signature(secret, run_id, name, file, expires))
     if good and expires > time.time():
-        job = run_row(store, run_id, None)
-        folder = checkpoint_folder(job.workdir, "external_weights", name) if job is not None else None
-        if folder is not None and is_complete(folder) and file in {f.name for f in folder.iterdir()}:
+        job = saved.run_row(store, run_id, None)
+        folder = saved.checkpoint_folder(job.workdir, "external_weights", name) if job is not None else None
+        if folder is not None and saved.is_complete(folder) and file in {f.name for f in folder.iterdir()}:
             return folder / file
-    raise not_found(
+    raise saved.not_found(
         "signed external weights file (or the URL expired)", f"{run_id}/{name}/{file}", "signature"
     )

@@ -1,8 +1,6 @@
-"""The Tinker API's futures: work answers at once with a request id that the SDK polls
-(`/api/v1/retrieve_future`). A future is its owner's alone and holds its JSON result, its protobuf result
-(forward_backward, sample) or a failure in the SDK's `{"error", "category"}` shape; dispatcher threads
-resolve them and the event loop reads them, so a lock guards the table. Finished ones go after `KEEP_S`.
-"""
+"""The Tinker API's futures: work answers at once with a request id the SDK polls (`retrieve_future`).
+A future holds its owner's JSON answer, protobuf bytes (forward_backward, sample) or a failure in the
+SDK's `{"error", "category"}` shape. Dispatcher threads resolve them and the event loop reads them."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-KEEP_S = 3600.0
+KEEP_S = 3600.0  # how long a finished future stays readable
 
 
 @dataclass
@@ -22,8 +20,7 @@ class Future:
     kind: str
     created: float = field(default_factory=time.time)
     done_at: float | None = None
-    json: dict[str, Any] | None = None
-    proto: bytes | None = None
+    answer: dict[str, Any] | bytes | None = None
     cancelled: bool = False
 
     @property
@@ -39,7 +36,9 @@ class FutureTable:
     def create(self, owner: str, kind: str) -> Future:
         future = Future(f"req-{uuid.uuid4().hex[:16]}", owner, kind)
         with self._lock:
-            self._drop_old()
+            cutoff = time.time() - KEEP_S
+            for key in [k for k, f in self._futures.items() if f.done_at is not None and f.done_at < cutoff]:
+                del self._futures[key]
             self._futures[future.id] = future
         return future
 
@@ -47,15 +46,12 @@ class FutureTable:
         """The future, if it exists and `owner` may see it (None: the admin, every owner's)."""
         with self._lock:
             future = self._futures.get(request_id)
-        if future is None or (owner is not None and future.owner != owner):
-            return None
-        return future
+        return future if future is not None and owner in (None, future.owner) else None
 
-    def finish(self, future: Future, json: dict[str, Any] | None = None, proto: bytes | None = None) -> None:
+    def finish(self, future: Future, answer: dict[str, Any] | bytes) -> None:
         with self._lock:
-            if future.done:  # cancelled first: the late result is dropped
-                return
-            future.json, future.proto, future.done_at = json, proto, time.time()
+            if not future.done:  # cancelled first: the late result is dropped
+                future.answer, future.done_at = answer, time.time()
 
     def fail(self, future: Future, message: str, category: str = "server") -> None:
         self.finish(future, {"error": message, "category": category})
@@ -65,14 +61,6 @@ class FutureTable:
         with self._lock:
             if future.done:
                 return False
-            future.cancelled = True
-            future.json, future.done_at = (
-                {"error": "cancelled by the client", "category": "user"},
-                time.time(),
-            )
+            future.cancelled, future.done_at = True, time.time()
+            future.answer = {"error": "cancelled by the client", "category": "user"}
             return True
-
-    def _drop_old(self) -> None:
-        cutoff = time.time() - KEEP_S
-        for key in [k for k, f in self._futures.items() if f.done_at is not None and f.done_at < cutoff]:
-            del self._futures[key]

@@ -1,10 +1,8 @@
 """One session-host worker group (workers/session_host.py) per served base model, and its dispatcher.
 
-A host starts with the first request for its base model; while it runs, the scheduler counts its CPUs
-as held (`accounts`). Its dispatcher thread takes batches round-robin between owners, then between an
-owner's queues (a model or sampler id), one op per queue per batch: a session's ops keep their order
-and a batch's ops commute. A batch's forwards and samples each go in one call of the host's batched
-form, the rest one call each; a timeout or a dead worker fails the futures naming it.
+The dispatcher takes batches round-robin between owners, then between an owner's queues (a model or
+sampler id), one op per queue per batch: a session's ops keep their order and a batch's ops commute, so
+its forwards and samples each go in one call of the host's batched form, the rest one call each.
 """
 
 from __future__ import annotations
@@ -27,14 +25,12 @@ from service.tinker_futures import Future, FutureTable
 from workers.session_host import Result, SessionWorker, error
 
 log = logging.getLogger("tandem.tinker")
-# operation -> the host's batched form, which takes a list of the operation's calls
-BATCHED = {
-    SessionWorker.forward_backward: "forward_backward_calls",
-    SessionWorker.sample: "sample",
-}
+# the host's batched operations: each takes a list of calls' keyword arguments
+BATCHED = (SessionWorker.forward_backward_calls, SessionWorker.sample)
 
-# (ok result) -> (json result, protobuf result): what the future answers
-Finish = Callable[[dict[str, Any]], tuple[dict[str, Any] | None, bytes | None]]
+# What a future answers: JSON, protobuf bytes, or either made from the host's ok result.
+Answer = dict[str, Any] | bytes
+Finish = Answer | Callable[[Any], Answer]
 
 
 @dataclass(frozen=True)
@@ -52,7 +48,7 @@ class Op:
     queue: str  # the model id or sampler id whose order it keeps
     call: Call
     finish: Finish
-    on_ok: Callable[[dict[str, Any]], None] | None = None  # bookkeeping after success (store rows)
+    on_ok: Callable[[Any], None] | None = None  # bookkeeping after success (store rows)
     on_fail: Callable[[], None] | None = None  # undo after a failure (a refused create stores nothing)
 
 
@@ -66,7 +62,7 @@ class HostOptions:
 
 
 class Host:
-    """One base model's actor and dispatcher."""
+    """One base model's actor and dispatcher; while it runs, the scheduler (`accounts`) counts its CPUs."""
 
     def __init__(self, base_model: str, workdir: Path, futures: FutureTable, options: HostOptions,
                  on_lost: Callable[[Host], None] | None = None, accounts: Any = None) -> None:  # fmt: skip
@@ -100,7 +96,6 @@ class Host:
         self._release()
 
     def _release(self) -> None:
-        """The group and its pool go, and the scheduler no longer counts their CPUs."""
         group, pool, self.group, self.pool, self.info = self.group, self.pool, None, None, None
         if group is not None:
             group.shutdown()
@@ -186,30 +181,19 @@ class Host:
         if self.error is not None or self.group is None:
             return [error("server", None, self.error or f"{self.name} is not running")] * len(ops)
         call = ops[0].call
+        method = getattr(self.group, call.operation.__name__)
         try:
             if call.operation in BATCHED:
-                return getattr(self.group, BATCHED[call.operation])([op.call.kwargs for op in ops])
-            return [self._single(call)]
+                return method([op.call.kwargs for op in ops])
+            answer = method(**call.kwargs)
+            return [answer[0] if isinstance(answer, list) else answer]  # ONE_TO_ALL: one rank's
         except WorkerGroupError as err:  # a dead worker or a timeout: every op of the call is told
             message = f"{self.name} failed: {err}"[:2000]
             if err.kind == "died":
                 self._lost(message)
             return [error("server", None, message)] * len(ops)
 
-    def _single(self, call: Call) -> Result:
-        """One operation's call (optim_step: the SDK's AdamParams in, the service's metrics out)."""
-        name, kwargs = call.operation.__name__, dict(call.kwargs)
-        if name == "optim_step":
-            kwargs["params"] = kwargs.pop("adam")
-        answer = getattr(self.group, name)(**kwargs)
-        answer = answer[0] if isinstance(answer, list) else answer  # ONE_TO_ALL: one rank's
-        if name == "optim_step" and "ok" in answer:
-            lr = kwargs["params"].get("learning_rate")
-            return {"ok": {"metrics": {"grad_norm": answer["ok"], "learning_rate": lr}}}
-        return answer
-
     def _lost(self, why: str) -> None:
-        """The actor died: forget it (the next batch starts another) and tell the service."""
         log.error("%s died; a new one starts with the next request: %s", self.name, why)
         self._release()
         if self.on_lost is not None:
@@ -228,13 +212,13 @@ class Host:
         try:
             if op.on_ok is not None:
                 op.on_ok(result["ok"])
-            json_body, proto = op.finish(result["ok"])
+            answer = op.finish(result["ok"]) if callable(op.finish) else op.finish
         except Exception as err:  # noqa: BLE001 - a result the API cannot read fails that op only
             name = op.call.operation.__name__
             log.exception("%s: reading the result of %s", self.name, name)
             self.futures.fail(op.future, f"{self.name}: unreadable result of {name}: {err}")
             return
-        self.futures.finish(op.future, json_body, proto)
+        self.futures.finish(op.future, answer)
 
 
 def _live(ops: deque[Op]) -> bool:

@@ -1,22 +1,13 @@
-"""The Tinker API's request bodies, typed strictly: a wrong type is a 400 naming the dotted field.
-
-The fields are those the SDK sends (tinker 0.38.0, `tinker/types/*_request.py`); fields it may add
-later are ignored. Floats must be finite (a NaN learning rate would poison the adapter), seeds 63-bit
-(what torch's generator takes and SQLite stores).
-"""
+"""The Tinker API's request bodies as the SDK sends them (`tinker/types/*_request.py`), typed strictly:
+a wrong type is a 400 naming the dotted field; fields the SDK may add later are ignored. Floats are
+finite (a NaN learning rate would poison the adapter), seeds 63-bit (torch's generator, SQLite)."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (
-    AliasChoices,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    model_validator,
-)
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SEED_LIMIT = 2**63
 MAX_TAGS = 32
@@ -61,9 +52,9 @@ class ModelRef(Body):
 class LoraConfig(Body):
     rank: int = Field(32, ge=1, le=1 << 20)
     seed: Seed | None = None
-    train_unembed: bool = True
+    train_attn: bool = True  # the order of the stored target modules
     train_mlp: bool = True
-    train_attn: bool = True
+    train_unembed: bool = True
 
 
 class OptimizerConfig(Body):
@@ -166,9 +157,7 @@ class Tensor(Body):
             if not all(v.is_integer() for v in self.data):
                 raise ValueError("an int64 tensor holds whole numbers only")
             self.data = [int(v) for v in self.data]
-        size = 1
-        for dim in self.shape or [len(self.data)]:
-            size *= dim
+        size = math.prod(self.shape or [len(self.data)])
         if size != len(self.data):
             raise ValueError(f"shape {self.shape} holds {size} values; data has {len(self.data)}")
         return self
@@ -203,8 +192,7 @@ class ForwardInput(Body):
 
 
 class ForwardBackward(Body):
-    """A ForwardBackwardRequest, sent as JSON (curl) or as protobuf (the SDK; service/tinker_wire.py
-    reads it into this shape, so that a refusal names the same field either way)."""
+    """Sent as JSON (curl) or protobuf (the SDK; read into this shape: a refusal names the same field)."""
 
     model_id: str = Field("", max_length=512)
     forward_backward_input: ForwardInput = Field(default_factory=ForwardInput)
@@ -261,8 +249,7 @@ def refusal(err: ValidationError) -> TinkerError:
 
 
 def dotted(loc: tuple[Any, ...]) -> str:
-    """`("data", 0, "model_input")` as `data[0].model_input`, without the union members pydantic
-    names in it (`stop`'s `list[constrained-str]`, a config value's `float`)."""
+    """`("data", 0, "model_input")` as `data[0].model_input`, less the union members pydantic names."""
     out = ""
     for part in loc:
         if isinstance(part, int):
@@ -276,8 +263,7 @@ _PRIMITIVES = {"str", "int", "float", "bool"}
 
 
 def parse_body(model: type[Model], raw: bytes | dict[str, Any]) -> Model:
-    """A JSON body (empty is `{}`), or python the protobuf reader decoded, as `model`; else a TinkerError
-    naming the field."""
+    """A JSON body (empty is `{}`) or the protobuf reader's python as `model`; else a 400 naming the field."""
     try:
         return model.model_validate(raw) if isinstance(raw, dict) else model.model_validate_json(raw or b"{}")
     except ValidationError as err:

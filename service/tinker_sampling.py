@@ -1,9 +1,6 @@
-"""The Tinker API's sampling side: samplers and `asample` (which `compute_logprobs` is too).
-
-A sampler is a frozen snapshot of a training model's adapter (`save_weights_for_sampler`) or the bare
-base model. Samples of a training model's sampler are kept as that run's samples (the dashboard's
-Samples panel), decoded with the base's `tokenizer.json` (the `tokenizers` library: no torch here).
-"""
+"""The Tinker API's sampling side: samplers (an adapter's frozen snapshot, or the bare base) and `asample`
+(which `compute_logprobs` is too). A training model's samples are kept as its run's samples, decoded
+with the base's `tokenizer.json` (the `tokenizers` library: no torch in the API)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ from service.tinker_checkpoints import check_ttl, checkpoint_folder, commit, not
 from service.tinker_futures import Future
 from service.tinker_hosts import Call
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
-from service.tinker_service import NAME, TinkerError, TinkerService, host_id
+from service.tinker_service import NAME, TinkerError, TinkerService
 from service.tinker_sessions import Sampler
 from service.tinker_wire import write_sample_response
 from workers.session_host import SessionWorker
@@ -39,8 +36,6 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
     check_ttl(req.ttl_seconds)
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
     tinker_path = f"tinker://{model.job_id}/sampler_weights/{name}" if name else None
-    body = Call(SessionWorker.save_for_sampler,
-                {"adapter": host_id(model.model_id), "name": name or sampler_id.replace(":", "-")})  # fmt: skip
 
     def saved(ok: dict[str, Any]) -> None:
         svc.records.add_sampler(
@@ -52,12 +47,10 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
             (folder / "SOURCE").write_text(ok["path"])
             commit(svc.store, model.job_id, folder, tinker_path, req.ttl_seconds, "")
 
-    def finish(ok: dict[str, Any]) -> tuple[dict[str, Any], None]:
-        answer = {"path": tinker_path} if name else {"sampling_session_id": sampler_id}
-        return {**answer, "type": "save_weights_for_sampler"}, None
-
-    return svc.submit(
-        svc.hosts[model.base_model], owner, model.model_id, body, "save_weights_for_sampler", finish, saved
+    answer = {"path": tinker_path} if name else {"sampling_session_id": sampler_id}
+    answer["type"] = "save_weights_for_sampler"
+    return svc.on_model(
+        model, SessionWorker.save_for_sampler, {"name": name or sampler_id.replace(":", "-")}, answer, saved
     )
 
 
@@ -120,7 +113,7 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
     if not 1 <= num <= MAX_SAMPLES:
         raise TinkerError(400, f"num_samples: {num} must be in [1, {MAX_SAMPLES}]", "num_samples")
     params = _sampling_params(req.sampling_params)
-    body = Call(SessionWorker.sample, {"sampler": sampler.path, "prompt": prompt, "num_samples": num,
+    call = Call(SessionWorker.sample, {"sampler": sampler.path, "prompt": prompt, "num_samples": num,
                                        "sampling_params": params, "prompt_logprobs": bool(req.prompt_logprobs)})  # fmt: skip
     sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
 
@@ -141,10 +134,10 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
                 for i, (sid, seq) in enumerate(zip(sequence_ids, ok["sequences"], strict=False))]  # fmt: skip
         svc.store.add_samples(sampler.job_id, step, rows)
 
-    def finish(ok: dict[str, Any]) -> tuple[None, bytes]:
-        return None, write_sample_response(ok["sequences"], ok.get("prompt_logprobs"))
+    def finish(ok: dict[str, Any]) -> bytes:
+        return write_sample_response(ok["sequences"], ok.get("prompt_logprobs"))
 
-    future = svc.submit(host, owner, sampler_id, body, "sample", finish, record)
+    future = svc.submit(host, owner, sampler_id, call, finish, record)
     return future, sequence_ids
 
 

@@ -1,7 +1,7 @@
-"""The Tinker API's training side: sessions, training models and their work, checked before queued (a
-bad request is a 4xx naming the field), then one operation of the base's session host under the caller's
-owner, answered by a future. A training model is a record of the scheduler's Tinker workload: the
-scheduler's `launch` sends its creation to the host. The sampling side is service/tinker_sampling.py."""
+"""The Tinker API's training side: a request is checked before anything is queued (a bad one is a 4xx
+naming the field), then becomes one operation of its base's session host, answered by a future. A
+training model is a record of the scheduler's Tinker workload, whose `launch` sends its creation to the
+host. The sampling side is service/tinker_sampling.py."""
 
 from __future__ import annotations
 
@@ -14,29 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from schema.tinker_losses import LossInputError, check_request
+from service import tinker_checkpoints as saved
+from service import tinker_requests as bodies
 from service.job_state import JobStatus
 from service.service import Service
-from service.tinker_checkpoints import (
-    REAP_EVERY_S,
-    check_ttl,
-    checkpoint_folder,
-    commit,
-    is_complete,
-    not_found,
-    reap,
-    resolve_state,
-)
 from service.tinker_futures import Future, FutureTable
-from service.tinker_hosts import Call, Host, HostOptions, Op
-from service.tinker_requests import (
-    CreateModel,
-    LoadWeights,
-    LoraConfig,
-    OptimizerConfig,
-    OptimStep,
-    SaveWeights,
-    TinkerError,
-)
+from service.tinker_hosts import Call, Finish, Host, HostOptions, Op
+from service.tinker_requests import TinkerError
 from service.tinker_sessions import (
     ClientSession,
     Records,
@@ -85,13 +69,12 @@ class TinkerService:
     # ---- sessions ---------------------------------------------------------------------------------
 
     def expire_sessions(self) -> list[str]:
-        """Sessions without a heartbeat for `session_ttl_s` end (the SDK beats every 10 s): their
-        models leave the host and their rows are paused, naming the last saved state. Expired
-        checkpoints are swept here too, at most every REAP_EVERY_S."""
+        """Silent sessions end (the SDK beats every 10 s): their models leave the host and their runs
+        pause, naming the last saved state. Expired checkpoints are swept here too."""
         now = time.time()
-        if now - self._reaped > REAP_EVERY_S:
+        if now - self._reaped > saved.REAP_EVERY_S:
             self._reaped = now
-            reap(self.store)
+            saved.reap(self.store)
         gone = [
             s for s in list(self.records.sessions.values()) if now - s.last_heartbeat > self.session_ttl_s
         ]
@@ -106,27 +89,28 @@ class TinkerService:
         return [s.id for s in gone]
 
     def _host_lost(self, host: Host) -> None:
-        """A host's process died: the adapters it held are gone, so their runs pause, each naming its
-        last saved state (as after a restart); samplers are read again from their folders."""
+        """A host's process died with its adapters: their runs pause, each naming its last saved state."""
         for model in [m for m in list(self.records.models.values()) if m.base_model == host.base_model]:
             self.records.drop_model(model.model_id)
             why = lost_message(model.job_id, model.workdir, f"its session host ({host.base_model}) died")
             self.scheduler.end(model.job_id, JobStatus.PAUSED, why)
 
+    def _quota(self, owner: str, name: str, have: int, what: str) -> None:
+        limit = getattr(self.quotas.of(owner), name)
+        if limit is not None and have >= limit:
+            raise TinkerError(403, f"quota {name}: owner '{owner}' may have at most {limit} {what}; it has "
+                              f"{have}", f"quota.{name}")  # fmt: skip
+
     def create_session(self, owner: str, tags: list[str]) -> ClientSession:
         self.expire_sessions()
-        limit = self.quotas.of(owner).tinker_sessions
         with self._admit:
-            have = self.records.live_sessions_of(owner)
-            if limit is not None and have >= limit:
-                raise TinkerError(403, f"quota tinker_sessions: owner '{owner}' may have at most {limit} "
-                                  f"sessions; it has {have}", "quota.tinker_sessions")  # fmt: skip
+            self._quota(owner, "tinker_sessions", self.records.live_sessions_of(owner), "sessions")
             return self.records.new_session(owner, tags)
 
     def session(self, session_id: str, owner: str | None) -> ClientSession:
         found = self.records.session(session_id, owner)
         if found is None:
-            raise not_found("session", session_id, "session_id")
+            raise saved.not_found("session", session_id, "session_id")
         return found
 
     # ---- hosts ------------------------------------------------------------------------------------
@@ -146,12 +130,21 @@ class TinkerService:
             for name in [*self.hosts, *built]
         ]}  # fmt: skip
 
-    def submit(self, host: Host, owner: str, queue: str, body: Call, kind: str, finish: Any,
-               on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
+    def submit(self, host: Host, owner: str, queue: str, call: Call, finish: Finish, on_ok: Any = None,
+               on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
         """Queue one op on `host` (or on `deferred`, sent later); the caller's future for it."""
-        op = Op(self.futures.create(owner, kind), owner, queue, body, finish, on_ok, on_fail)
+        op = Op(
+            self.futures.create(owner, call.operation.__name__), owner, queue, call, finish, on_ok, on_fail
+        )
         host.submit(op) if deferred is None else deferred.append(op)
         return op.future
+
+    def on_model(self, model: TrainingModel, operation: Any, kwargs: dict[str, Any], finish: Finish,
+                 on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
+        """Queue `operation` on the model's adapter, after the model's earlier ops."""
+        call = Call(operation, {"adapter": host_id(model.model_id), **kwargs})
+        return self.submit(self.hosts[model.base_model], model.owner, model.model_id, call, finish, on_ok,
+                           on_fail, deferred)  # fmt: skip
 
     # ---- training models --------------------------------------------------------------------------
 
@@ -165,31 +158,27 @@ class TinkerService:
             raise TinkerError(
                 400, rows[0].error or lost_message(rows[0].id, Path(rows[0].workdir)), "model_id"
             )
-        raise not_found("training model", model_id, "model_id")
+        raise saved.not_found("training model", model_id, "model_id")
 
-    def create_model(self, owner: str, req: CreateModel, load: dict[str, Any] | None = None) -> Future:
+    def create_model(self, owner: str, req: bodies.CreateModel, load: dict[str, Any] | None = None) -> Future:
         session = self.session(req.session_id, owner)
         host = self.host(req.base_model, "base_model")
-        lora = req.lora_config or LoraConfig()
+        lora = req.lora_config or bodies.LoraConfig()
         rank = lora.rank
         if not 1 <= rank <= self.options.max_rank:
             raise TinkerError(400, f"lora_config.rank: {rank} is outside [1, {self.options.max_rank}] "
                               "(the bound of this service)", "lora_config.rank")  # fmt: skip
-        optimizer = (req.optimizer_config or OptimizerConfig()).model_dump()
+        optimizer = (req.optimizer_config or bodies.OptimizerConfig()).model_dump()
         if optimizer["type"] != "adamw":
             raise TinkerError(400, f"optimizer_config.type: only 'adamw' is served, not {optimizer['type']!r}",
                               "optimizer_config.type")  # fmt: skip
         model_id = f"{session.id}:train:{req.model_seq_id}"
-        targets = [t for t, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp),
-                                   ("unembed", lora.train_unembed)) if on]  # fmt: skip
+        trains = lora.model_dump(include={"train_attn", "train_mlp", "train_unembed"})
+        targets = [name.removeprefix("train_") for name, on in trains.items() if on]
         with self._admit:
             if model_id in self.records.models:
                 raise TinkerError(400, f"model_seq_id: model {model_id} exists already", "model_seq_id")
-            limit = self.quotas.of(owner).tinker_models
-            have = self.records.live_models_of(owner)
-            if limit is not None and have >= limit:
-                raise TinkerError(403, f"quota tinker_models: owner '{owner}' may have at most {limit} live "
-                                  f"training models; it has {have}", "quota.tinker_models")  # fmt: skip
+            self._quota(owner, "tinker_models", self.records.live_models_of(owner), "live training models")
             with self.service.admitting():  # the owner's queued and stored quotas, as a job's submission
                 self.service.check_quota(owner)
                 job = self.store.create_tinker_run(owner, model_id, session.id, host.base_model, rank, targets,
@@ -199,9 +188,6 @@ class TinkerService:
             self.records.add_model(model)  # now: a second create_model of this id is refused
         model.workdir.mkdir(parents=True, exist_ok=True)
         (model.workdir / "user_metadata.json").write_text(json.dumps(req.user_metadata or {}))
-        body = Call(SessionWorker.create_adapter, {"adapter": host_id(model_id), "rank": rank, "seed": lora.seed,
-                    "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
-                    "train_unembed": lora.train_unembed})  # fmt: skip
 
         def created(ok: dict[str, Any]) -> None:
             self.store.add_event(job.id, "created", f"LoRA rank {rank} on {host.base_model}: "
@@ -213,8 +199,8 @@ class TinkerService:
 
         answer = {"model_id": model_id, "type": "create_model"} if load is None else {}
         ops: list[Op] = []  # sent when the scheduler launches the run
-        future = self.submit(host, owner, model_id, body, "create_model", lambda ok: (answer, None), created,
-                             forget, ops)  # fmt: skip
+        future = self.on_model(model, SessionWorker.create_adapter, {"rank": rank, "seed": lora.seed, **trains},
+                               answer, created, forget, ops)  # fmt: skip
         if load is not None:  # create_training_client_from_state: the same queue runs the load right after
             try:
                 future = self._load(model, load["path"], load["optimizer"], owner, forget, ops)
@@ -267,13 +253,10 @@ class TinkerService:
         data = req["data"]
         for i, datum in enumerate(data):
             self.check_tokens(host, datum["tokens"], f"forward_backward_input.data[{i}].model_input")
-        shapes = [
-            (
-                len(d["tokens"]),
-                {name: (t["dtype"], list(t["shape"])) for name, t in d["loss_fn_inputs"].items()},
-            )
-            for d in data
+        inputs = [
+            {name: (t["dtype"], list(t["shape"])) for name, t in d["loss_fn_inputs"].items()} for d in data
         ]
+        shapes = [(len(d["tokens"]), shaped) for d, shaped in zip(data, inputs, strict=True)]
         try:
             check_request(req["loss_fn"], shapes, req.get("loss_fn_config"))
         except LossInputError as err:
@@ -287,106 +270,100 @@ class TinkerService:
             use_recorded(self.records, owner, data)
         for datum in data:
             datum.pop("spans", None)
-        body = Call(SessionWorker.forward_backward, {"adapter": host_id(model.model_id), "data": data,
-                    "loss_fn": req["loss_fn"], "loss_fn_config": req.get("loss_fn_config"),
-                    "backward": not forward_only})  # fmt: skip
 
         def record(ok: dict[str, Any]) -> None:
             if not forward_only:
-                self._metrics(model, {f"train/{k}": v for k, v in (ok.get("metrics") or {}).items()})
+                self._metrics(model, ok.get("metrics") or {})
 
-        def finish(ok: dict[str, Any]) -> tuple[None, bytes]:
-            return None, write_forward_backward_output(ok["loss_fn_outputs"], ok.get("metrics") or {})
+        def finish(ok: dict[str, Any]) -> bytes:
+            return write_forward_backward_output(ok["loss_fn_outputs"], ok.get("metrics") or {})
 
-        return self.submit(host, owner, model.model_id, body, "forward_backward", finish, record)
+        kwargs = {"data": data, "loss_fn": req["loss_fn"], "loss_fn_config": req.get("loss_fn_config"),
+                  "backward": not forward_only}  # fmt: skip
+        return self.on_model(model, SessionWorker.forward_backward_calls, kwargs, finish, record)
 
     def _metrics(self, model: TrainingModel, values: dict[str, float]) -> None:
         with model.lock:
-            model.step_metrics.update(values)
+            model.step_metrics.update({f"train/{k}": v for k, v in values.items()})
             merged = dict(model.step_metrics)
         self.store.add_metrics(model.job_id, model.step + 1, merged)
 
-    def optim_step(self, owner: str, req: OptimStep) -> Future:
+    def optim_step(self, owner: str, req: bodies.OptimStep) -> Future:
         model = self.model(req.model_id, owner)
         adam = req.adam_params.model_dump(exclude={"type"})  # bounds and finiteness: its type
-        body = Call(SessionWorker.optim_step, {"adapter": host_id(model.model_id), "adam": adam})
+        metrics: dict[str, float] = {}
 
-        def stepped(ok: dict[str, Any]) -> None:
-            self._metrics(model, {"train/learning_rate": adam["learning_rate"],
-                                  **{f"train/{k}": v for k, v in (ok.get("metrics") or {}).items()}})  # fmt: skip
+        def stepped(grad_norm: float) -> None:
+            metrics.update(grad_norm=grad_norm, learning_rate=adam["learning_rate"])
+            self._metrics(model, metrics)
             with model.lock:
                 model.step += 1
                 model.step_metrics = {}
             self.store.bump_step(model.job_id, model.step)
 
-        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "optim_step",
-                           lambda ok: ({"metrics": ok.get("metrics") or {}, "type": "optim_step"}, None), stepped)  # fmt: skip
+        answer = {"metrics": metrics, "type": "optim_step"}
+        return self.on_model(model, SessionWorker.optim_step, {"params": adam}, answer, stepped)
 
     # ---- state ------------------------------------------------------------------------------------
 
-    def save_state(self, owner: str, req: SaveWeights) -> Future:
+    def save_state(self, owner: str, req: bodies.SaveWeights) -> Future:
         model = self.model(req.model_id, owner)
         name = req.path or f"step-{model.step:06d}"
         if not NAME.match(name):
             raise TinkerError(400, f"path: checkpoint name {name!r} must match {NAME.pattern}", "path")
-        check_ttl(req.ttl_seconds)
-        folder = checkpoint_folder(model.workdir, "weights", name)
-        if is_complete(folder) and not req.overwrite:
+        saved.check_ttl(req.ttl_seconds)
+        folder = saved.checkpoint_folder(model.workdir, "weights", name)
+        if saved.is_complete(folder) and not req.overwrite:
             raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
         tinker_path = f"tinker://{model.job_id}/weights/{name}"
-        body = Call(SessionWorker.save_state, {"adapter": host_id(model.model_id), "path": str(folder)})
+        return self.on_model(
+            model, SessionWorker.save_state, {"path": str(folder)}, {"path": tinker_path, "type": "save_weights"},
+            lambda ok: saved.commit(self.store, model.job_id, folder, tinker_path, req.ttl_seconds, "state"),
+        )  # fmt: skip
 
-        def saved(ok: dict[str, Any]) -> None:
-            commit(self.store, model.job_id, folder, tinker_path, req.ttl_seconds, "state")
-
-        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "save_weights",
-                           lambda ok: ({"path": tinker_path, "type": "save_weights"}, None), saved)  # fmt: skip
-
-    def load_state(self, owner: str, req: LoadWeights) -> Future:
+    def load_state(self, owner: str, req: bodies.LoadWeights) -> Future:
         if req.model_id:
             return self._load(self.model(req.model_id, owner), req.path, req.optimizer, owner)
-        job, _ = resolve_state(self.store, req.path, owner)  # a new training client from a checkpoint
-        create = CreateModel(session_id=req.session_id or "", model_seq_id=req.model_seq_id,
+        if req.session_id is None:
+            raise TinkerError(400, "session_id: required when model_id is not given", "session_id")
+        job, _ = saved.resolve_state(self.store, req.path, owner)  # a new training client from a checkpoint
+        create = bodies.CreateModel(session_id=req.session_id, model_seq_id=req.model_seq_id,
                              base_model=req.base_model or job.spec["model"]["builtin"],
-                             lora_config=LoraConfig(rank=job.spec["model"]["lora"]["rank"]),
+                             lora_config=bodies.LoraConfig(rank=job.spec["model"]["lora"]["rank"]),
                              optimizer_config=req.optimizer_config, user_metadata=req.user_metadata)  # fmt: skip
         return self.create_model(owner, create, load={"path": req.path, "optimizer": req.optimizer})
 
     def _load(self, model: TrainingModel, path: str, optimizer: bool, owner: str, on_fail: Any = None,
               deferred: list[Op] | None = None) -> Future:  # fmt: skip
-        job, folder = resolve_state(self.store, path, owner)
-        saved = job.spec["model"]
-        if (saved["builtin"], saved["lora"]["rank"]) != (model.base_model, model.rank):
-            raise TinkerError(400, f"path: {path} is a rank-{saved['lora']['rank']} adapter of "
-                              f"{saved['builtin']}; this model is rank {model.rank} on {model.base_model}",
+        job, folder = saved.resolve_state(self.store, path, owner)
+        spec = job.spec["model"]
+        if (spec["builtin"], spec["lora"]["rank"]) != (model.base_model, model.rank):
+            raise TinkerError(400, f"path: {path} is a rank-{spec['lora']['rank']} adapter of "
+                              f"{spec['builtin']}; this model is rank {model.rank} on {model.base_model}",
                               "path")  # fmt: skip
-        body = Call(SessionWorker.load_state, {"adapter": host_id(model.model_id), "path": str(folder),
-                                               "optimizer": optimizer})  # fmt: skip
 
-        def loaded(ok: dict[str, Any]) -> None:
+        def loaded(ok: Any) -> None:
             self.store.add_event(model.job_id, "resumed", f"loaded {path} ({'with' if optimizer else 'without'} "
                                  "optimizer state)")  # fmt: skip
 
-        return self.submit(self.hosts[model.base_model], owner, model.model_id, body, "load_weights",
-                           lambda ok: ({"path": path, "model_id": model.model_id, "type": "load_weights"}, None),
-                           loaded, on_fail, deferred)  # fmt: skip
+        answer = {"path": path, "model_id": model.model_id, "type": "load_weights"}
+        return self.on_model(model, SessionWorker.load_state, {"path": str(folder), "optimizer": optimizer},
+                             answer, loaded, on_fail, deferred)  # fmt: skip
 
-    def unload(self, owner: str, model_id: str) -> Future:
-        model = self.model(model_id, owner)
+    def unload(self, owner: str, req: bodies.ModelRef) -> Future:
+        model = self.model(req.model_id, owner)
 
-        def dropped(ok: dict[str, Any]) -> None:
+        def dropped(ok: Any) -> None:
             self.records.drop_model(model.model_id)
             self.scheduler.end(model.job_id, JobStatus.SUCCEEDED)
 
-        return self._drop(model, {"model_id": model_id, "type": "unload_model"}, dropped)
+        return self._drop(model, {"model_id": req.model_id, "type": "unload_model"}, dropped)
 
     def _drop(self, model: TrainingModel, answer: dict[str, Any] | None = None, on_ok: Any = None) -> Future:
         """Drop a model from its host (queued after its pending ops); without `on_ok`, forget it now."""
         if on_ok is None:
             self.records.drop_model(model.model_id)
-        body = Call(SessionWorker.drop_adapter, {"adapter": host_id(model.model_id)})
-        return self.submit(self.hosts[model.base_model], model.owner, model.model_id, body, "unload_model",
-                           lambda ok: (answer or {}, None), on_ok)  # fmt: skip
+        return self.on_model(model, SessionWorker.drop_adapter, {}, answer or {}, on_ok)
 
 
 def host_id(model_id: str) -> str:

@@ -1,11 +1,7 @@
 """The Tinker API's in-memory records: client sessions, training models, samplers, recorded samples.
-
-A training model is also a row of the store's `tinker_runs` table (service/store_tinker.py), whose id
-(`job-...`) is the run id of its checkpoint paths; the adapter itself lives in the host process, so
-after a restart the run is paused and its next call names its last saved state (`lost_message`).
-Every lookup takes the caller's owner (None: the admin) and answers None for another owner's id, so
-that it is a 404 like an unknown one.
-"""
+A training model is also a `tinker_runs` row (its id names its checkpoints); its adapter lives in the
+host, so a restart pauses the run (`lost_message`). A lookup answers None for another owner's id (None:
+the admin sees all), so that it is a 404 like an unknown one."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""The Tinker SDK's protobuf bodies, read and written with the messages of service/tinker_proto/.
-
-The SDK sends `forward_backward` as a protobuf `ForwardBackwardRequest` and reads `ForwardBackwardOutput`
-and `SampleResponse` only as protobuf; the rest is JSON. A request is read into the shape a JSON body is
-typed into (service/tinker_requests.py), so a refusal names the same field. The parser refuses malformed
-bytes; what it would pass over is refused here: a known field with another wire type, text that is not
-UTF-8, tensor bytes that are not a whole number of values.
-"""
+"""The SDK's protobuf bodies (`forward_backward` in; its output and `SampleResponse` out), read and
+written with service/tinker_proto/'s messages. A request is read into a JSON body's shape, so a refusal
+names the same field; what the parser passes over is refused here: a known field with another wire
+type, text that is not UTF-8, tensor bytes that are not a whole number of values."""
 
 from __future__ import annotations
 
@@ -114,13 +110,12 @@ class _Reader:
     def config(self, msg: pb.ForwardBackwardRequest) -> dict[str, Any]:
         """Field 5 maps to doubles; field 7 to a double or a text, and wins (the SDK writes both)."""
         config: dict[str, Any] = {}
-        for entry in msg.loss_fn_config:
+        for entry in [*msg.loss_fn_config, *msg.loss_fn_config_v2]:
             key = _text(entry.key, _CONFIG)
             self.declared(entry, _CONFIG, _ENTRY, key)
-            config[key] = entry.value
-        for entry in msg.loss_fn_config_v2:
-            key = _text(entry.key, _CONFIG)
-            self.declared(entry, _CONFIG, _ENTRY, key)
+            if isinstance(entry.value, float):
+                config[key] = entry.value
+                continue
             self.declared(entry.value, f"{_CONFIG}.{key}")
             kind = entry.value.WhichOneof("value")
             if kind == "number":

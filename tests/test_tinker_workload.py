@@ -57,7 +57,7 @@ def done(svc, request_id: str, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while not future.done and time.monotonic() < deadline:
         time.sleep(0.05)
-    return future.done and "error" not in (future.json or {})
+    return future.done and not (isinstance(future.answer, dict) and "error" in future.answer)
 
 
 def jobs_table_tinker_rows(store: JobStore) -> int:

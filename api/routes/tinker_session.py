@@ -1,15 +1,11 @@
-"""Tinker API: client configuration, sessions, heartbeats, capabilities, futures, the answer to any
-other call (a 400 naming the unsupported feature, at once), and what every Tinker route shares.
-
-The SDK reads a failure as `{"error", "category"}` (`tinker/types/request_failed_response.py`); Tandem
-adds `param`, the field at fault. A refusal is a 400/404/429, never a 5xx, 408 or 409, which the SDK
-retries (`InternalClientHolder._is_retryable_status_code`) instead of showing.
-"""
+"""Tinker API: client configuration, sessions, heartbeats, capabilities, futures, a 400 naming any
+other call as unsupported, and what every Tinker route shares. A refusal is the SDK's `{"error",
+"category"}` plus `param`, the field at fault; never a 5xx, 408 or 409, which the SDK retries instead
+of showing."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -30,9 +26,8 @@ router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)  
 LONG_POLL_S = 10.0
 T = TypeVar("T")
 
-# The SDK's feature flags (tinker/types/client_config_response.py): plain API keys, httpx transport,
-# uncompressed protobuf forward_backward in chunks of at most 1024 datums or ~5 MB, per-request
-# future polling, client-side custom losses.
+# The SDK's feature flags (tinker/types/client_config_response.py): plain API keys, httpx, protobuf
+# forward_backward in chunks, per-request future polling, client-side custom losses.
 CLIENT_CONFIG = {
     "pjwt_auth_enabled": False,
     "credential_default_source": "api_key",
@@ -58,9 +53,8 @@ def install_tinker_errors(app: FastAPI) -> None:
 
 
 async def in_thread(work: Callable[..., T], *args: Any) -> T:
-    """Service work that may wait on a lock, the store or the disk, beside the event loop: long polls
-    and heartbeats are answered meanwhile."""
-    return await anyio.to_thread.run_sync(functools.partial(work, *args))
+    """Service work that may wait on a lock, the store or the disk: long polls are answered meanwhile."""
+    return await anyio.to_thread.run_sync(work, *args)
 
 
 def tinker(request: Request) -> TinkerService:
@@ -160,9 +154,9 @@ async def retrieve_future(request: Request) -> Any:
         pause = min(pause * 1.5, 0.05)
     if not future.done:
         return {"type": "try_again", "request_id": future.id, "queue_state": "active"}
-    if future.proto is not None:
-        return Response(future.proto, media_type="application/x-protobuf")
-    return future.json
+    if isinstance(future.answer, bytes):
+        return Response(future.answer, media_type="application/x-protobuf")
+    return future.answer
 
 
 @router.post("/cancel_future", summary="Tinker: cancel a queued request")
