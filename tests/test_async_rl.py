@@ -70,6 +70,11 @@ def test_k0_async_trains_what_sync_trains(ray_cluster, tmp_path):
         assert a["reward"] == pytest.approx(b["reward"], abs=1e-6)
 
 
+# make test-slow; in make test the bound is held by tests/test_external_async.py::
+# test_agents_feed_an_async_job_within_its_staleness_bound (and the filter by tests/test_staleness_filter.py),
+# an async job's pause and resume by test_a_paused_external_job_resumes_with_the_trainers_weight_versions,
+# and the lanes by test_partial_rollouts_continue_with_new_weights_and_keep_each_tokens_version below.
+@pytest.mark.slow
 def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_cluster, tmp_path):
     """k = 1, two rollout workers each generating draws of their own, the decoupled correction: draws
     are generated while a step trains (so some trained samples are one version old), none older; a

@@ -135,7 +135,9 @@ def guess_number_job(**overrides) -> dict:
 
 @pytest.mark.parametrize(
     ("name", "resources", "trainer"),
-    [("async example", ASYNC, {"mode": "async"}), ("split", SPLIT, {})],
+    # the split layout's default shares run in make test-slow; a split job runs in make test
+    # (tests/test_placement.py), and this 2-CPU service runs the async example's shares
+    [("async example", ASYNC, {"mode": "async"}), pytest.param("split", SPLIT, {}, marks=pytest.mark.slow)],
 )
 def test_a_job_of_default_sizes_runs_on_a_two_cpu_service(two_cpus, name, resources, trainer):
     with two_cpus.client() as client:

@@ -192,6 +192,9 @@ def test_max_restarts_0_fails_at_once_with_the_error(ray_cluster, tmp_path):
     assert "restart" not in [e["kind"] for e in job.sink.events]
 
 
+# make test-slow; in make test the restart budget is held by test_max_restarts_0_fails_at_once_with_the_error
+# and tests/test_rollout_replacement.py::test_a_replacement_counts_against_the_restart_budget_but_is_not_a_restart.
+@pytest.mark.slow
 def test_workers_that_die_on_every_start_exhaust_the_restarts(live, api):
     """Every worker process is killed as soon as it answers: one restart, then the job fails listing
     both losses. The backoff keeps the restart on view long enough to read it."""

@@ -64,7 +64,11 @@ def _home(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
 
 
-@pytest.mark.parametrize("transfer", ["collective", pytest.param("object_store", marks=pytest.mark.slow)])
+# Both transfers in make test-slow; in make test a rollout worker lost mid-transfer is replaced and named by
+# tests/test_placement.py::test_a_rollout_worker_dying_mid_transfer_is_replaced_and_named.
+@pytest.mark.parametrize(
+    "transfer", [pytest.param(t, marks=pytest.mark.slow) for t in ("collective", "object_store")]
+)
 def test_a_killed_rollout_worker_is_replaced_while_the_training_rank_keeps_its_process(
     ray_cluster, tmp_path, transfer
 ):

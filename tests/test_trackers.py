@@ -170,6 +170,10 @@ def test_a_local_mlflow_folder_outside_the_allowed_ones_is_refused_at_the_door(a
     assert api.post("/v1/jobs/validate", json=spec).status_code == 200
 
 
+# make test-slow; in make test the three trackers get every step of a job
+# (test_three_trackers_get_every_step_and_a_resumed_job_continues_its_runs) and the service's own door
+# for them is tested (test_a_local_mlflow_folder_outside_the_allowed_ones_is_refused_at_the_door).
+@pytest.mark.slow
 def test_a_service_job_logs_to_all_three_trackers(live, api) -> None:
     spec = tiny_job(trainer={"total_steps": 3, "loggers": ALL}, metadata={"suite": "trackers"})
     created = api.post("/v1/jobs", json=spec)

@@ -31,6 +31,9 @@ def live(ray_cluster, tmp_path_factory):
     svc.stop()
 
 
+# make test-slow: every stage is a REST call that tests/test_api.py::
+# test_pause_resume_hyperparameters_fork_and_cancel makes in make test; this runs the script as written.
+@pytest.mark.slow
 def test_walkthrough_runs_every_stage(live):
     env = {**os.environ, "TANDEM_URL": live.url, "TANDEM_TOKEN": live.token, "WAIT_S": "150"}
     run = subprocess.run(["bash", str(REPO / "examples" / "walkthrough.sh")], env=env, capture_output=True,
