@@ -30,14 +30,20 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+_own_port: str | None = None  # the port this process chose for its single-rank group, if it did
+
+
 def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
+    global _own_port
     if dist.is_initialized():
         return
-    if "MASTER_ADDR" not in os.environ:
+    if "MASTER_ADDR" not in os.environ or os.environ.get("MASTER_PORT") == _own_port:
+        # A port of its own at every start: one chosen for an earlier group (destroyed since) may
+        # have been taken by another process in between. A rendezvous set by someone else is kept.
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(_free_port())
+        _own_port = os.environ["MASTER_PORT"] = str(_free_port())
     if device.type == "cuda":
         torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl"  # gloo too: offloaded (CPU) tensors are gathered as well
