@@ -1,11 +1,8 @@
 """How an FSDPEngine (engines/training/fsdp/engine.py) builds its model and shards it, as a mixin.
 
-Master weights stay fp32; on CUDA the compute runs in bf16 with fp32 gradient reduction. One rank
-with nothing to shard (fp32, or any dtype on a CPU) is not wrapped, as torchtitan leaves a
-one-device run: FSDP2 would only make every parameter a DTensor, whose dispatch costs time in every
-optimizer step. bf16 there runs the forward under `torch.autocast` over fp32 weights, so only the
-linear layers multiply in bf16 (attention, norms and the log-prob head stay fp32: a CPU's bf16
-kernels for them are slow). Checkpoints use the distributed state-dict API either way.
+Master weights stay fp32; on CUDA compute runs in bf16 with fp32 gradient reduction. One rank with
+nothing to shard is not wrapped (FSDP2 would make every parameter a DTensor, slow in each optimizer
+step); bf16 there runs the linear layers under `torch.autocast` over fp32 weights.
 """
 
 from __future__ import annotations
