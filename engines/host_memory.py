@@ -1,9 +1,6 @@
-"""Keep freed host memory in the process instead of handing it back to the kernel at every free.
-
-glibc serves large blocks with a fresh mmap and unmaps them on free, so every CPU step maps and
-zero-faults the same memory again. `keep_freed_memory` raises the mmap threshold and keeps up to
-TRIM_THRESHOLD free at the heap's top (the cost: that much memory). `malloc_tunables` asks malloc for
-transparent huge pages in a worker's GLIBC_TUNABLES, unless it already names the setting.
+"""Keep freed host memory in the process instead of handing it back to the kernel at every free:
+glibc maps large blocks fresh and unmaps them on free, so every CPU step would zero-fault the same
+memory again. `malloc_tunables` asks for transparent huge pages unless the setting is named already.
 """
 
 from __future__ import annotations

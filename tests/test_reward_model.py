@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from engines.models.tiny_models import build_tiny_reward_model
-from engines.training.reward_model import RewardModel, RewardModelError
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
-from workers.reward_model import RewardModelWorker, scores_on_last_token
+from workers.reward_model import RewardModel, RewardModelError, RewardModelWorker, scores_on_last_token
 
 TOL = 1e-5
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from engines.training import checkpoint as ckpt
 from engines.training import checkpoint_paths
+from engines.training.fsdp import state as ckpt
 from engines.training.fsdp.engine import FSDPEngine
 from engines.training.fsdp.modules import ModelLoadError
 from engines.training.microbatch import TOKEN_BUDGET_SCALE, MicroBatchError, auto_token_budget
@@ -261,7 +261,7 @@ def test_checkpoint_resume_is_bitwise_and_saves_are_atomic(tiny_model_dir, tmp_p
 def test_prune_keeps_the_newest(tmp_path):
     for step in (1, 5, 12, 30):
         checkpoint_paths.step_dir(tmp_path, step).mkdir()
-    deleted = ckpt.prune(tmp_path, keep_last=2)
+    deleted = checkpoint_paths.prune(tmp_path, keep_last=2)
     assert sorted(p.name for p in deleted) == ["step_00000001", "step_00000005"]
     assert [s for s, _ in checkpoint_paths.list_checkpoints(tmp_path)] == [12, 30]
 

@@ -37,27 +37,25 @@ class Reduce(enum.Enum):
 
 @dataclass(frozen=True)
 class MethodSpec:
+    """`pad=False`: a MESH method for which a padding row would count (a gradient), so a batch must
+    split evenly over the dp ranks."""
+
     mode: Dispatch
     mesh: str | None = None
     blocking: bool = True
     reduce: Reduce = Reduce.ALL
     pad: bool = True  # MESH: a batch may be padded to the dp size with copies of its first rows
 
+    def __post_init__(self) -> None:
+        if self.mode is Dispatch.MESH and not self.mesh:
+            raise ValueError("Dispatch.MESH needs a mesh name, e.g. register(Dispatch.MESH, mesh='actor')")
+        if self.mode is not Dispatch.MESH and self.mesh is not None:
+            raise ValueError(f"mesh={self.mesh!r} only applies to Dispatch.MESH, not {self.mode.name}")
 
-def register(
-    mode: Dispatch,
-    mesh: str | None = None,
-    blocking: bool = True,
-    reduce: Reduce = Reduce.ALL,
-    pad: bool = True,
-) -> Callable[[F], F]:
-    """Mark a worker method as callable through a worker group. `pad=False`: a MESH method for which a
-    padding row would count (a gradient), so a batch must split evenly over the dp ranks."""
-    if mode is Dispatch.MESH and not mesh:
-        raise ValueError("Dispatch.MESH needs a mesh name, e.g. register(Dispatch.MESH, mesh='actor')")
-    if mode is not Dispatch.MESH and mesh is not None:
-        raise ValueError(f"mesh={mesh!r} only applies to Dispatch.MESH, not {mode.name}")
-    spec = MethodSpec(mode=mode, mesh=mesh, blocking=blocking, reduce=reduce, pad=pad)
+
+def register(mode: Dispatch, **options: Any) -> Callable[[F], F]:
+    """Mark a worker method as callable through a worker group; `options` are MethodSpec's fields."""
+    spec = MethodSpec(mode, **options)
 
     def decorate(fn: F) -> F:
         setattr(fn, SPEC_ATTR, spec)
@@ -76,33 +74,26 @@ def registered_methods(cls: type) -> dict[str, MethodSpec]:
     return found
 
 
-@dataclass(frozen=True)
-class MeshEntry:
-    dp_rank: int
-    is_collect: bool
-
-
 class Worker:
     """Base class of every Ray worker role. Rank and world size come from the worker group's env."""
 
     def __init__(self) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self._meshes: dict[str, MeshEntry] = {}
+        self._meshes: dict[str, tuple[int, bool]] = {}  # name -> (dp_rank, is_collect)
 
     def register_mesh(self, name: str, dp_rank: int, is_collect: bool) -> None:
         if name in self._meshes:
             raise ValueError(f"mesh '{name}' is already registered on rank {self.rank}")
         if dp_rank < 0:
             raise ValueError(f"mesh '{name}': dp_rank must be >= 0, got {dp_rank}")
-        self._meshes[name] = MeshEntry(int(dp_rank), bool(is_collect))
+        self._meshes[name] = (int(dp_rank), bool(is_collect))
 
     @register(Dispatch.ONE_TO_ALL)
     def mesh_info(self, name: str) -> tuple[int, bool]:
         """(dp_rank, is_collect) of this worker in mesh `name`."""
-        entry = self._meshes.get(name)
-        if entry is None:
+        if name not in self._meshes:
             raise KeyError(
                 f"rank {self.rank} has no mesh '{name}' registered (it has: {sorted(self._meshes) or 'none'})"
             )
-        return entry.dp_rank, entry.is_collect
+        return self._meshes[name]

@@ -1,9 +1,7 @@
-"""Multi-turn rollouts: trajectories of model turns and environment observations, turn by turn.
-
-Per turn one batched `generate` over the live trajectories, then their environments stepped
-concurrently, each with a time limit. Observations are appended as token deltas (chat_delta.py).
-`trajectory_tensors` lays them out like single-turn rollouts; response_mask is 1 on sampled tokens
-only, attention_mask covers observations too.
+"""Multi-turn rollouts: per turn one batched `generate` over the live trajectories, then their
+environments stepped concurrently, each with a time limit; observations are appended as token deltas
+(chat_delta.py). `trajectory_tensors` lays them out like single-turn rollouts, response_mask 1 on
+sampled tokens only.
 """
 
 from __future__ import annotations

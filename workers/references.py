@@ -1,10 +1,7 @@
 """References to code: "builtin:NAME", "package.module:name" or "path/to/file.py:name".
 
-Reward functions, environments and agents are addressed this way. `parse_reference` decides the form
-once for every caller: "builtin:" names a table entry exactly, never a module or path; anything else
-splits at its last ':' into a source (a file when it ends in .py or holds a '/') and a name.
-`resolve_reference` imports it, a file afresh under one module name per path; importing runs user
-code, so only sandboxed processes call it on users' references.
+`parse_reference` decides the form once for every caller; `resolve_reference` imports it (a file
+under one module name per path). Importing runs user code: only sandboxed processes resolve users'.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """One role's update on a batch: mini-batches and epochs over the engine interface.
 
-The global mini-batch size (samples per optimizer step, over all dp ranks) is split evenly across
-ranks; each epoch visits this rank's rows in a seeded random order (or in order without shuffling).
-Every mini-batch is one `forward_backward` (which micro-batches inside) and one `optim_step` of
-the fine-grained operations (workers/operations.py); the learning-rate schedule advances once per
-call, i.e. once per RL step.
+The global mini-batch size is split evenly across dp ranks; each epoch visits this rank's rows in a
+seeded random order (or in order). Every mini-batch is one `forward_backward` and one `optim_step`;
+the learning-rate schedule advances once per call (once per RL step).
 """
 
 from __future__ import annotations

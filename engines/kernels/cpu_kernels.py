@@ -17,6 +17,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -175,6 +177,19 @@ def fits(*tensors: torch.Tensor) -> bool:
     return not torch.is_autocast_enabled("cpu") and all(
         t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors
     )
+
+
+def install_forward(
+    model: torch.nn.Module, classes: frozenset[str], forward: Callable, when: Callable = bool
+) -> int:
+    """Bind `forward` to each module of `model` whose class is in `classes` and for which `when` holds
+    (a method, so a deep copy binds its copy), unless it has its own already; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in classes and "forward" not in vars(module) and when(module):
+            module.forward = types.MethodType(forward, module)
+            count += 1
+    return count
 
 
 def _build_and_load() -> CpuKernels | None:

@@ -9,8 +9,6 @@ fp32 CPU, a DTensor weight, under autocast) runs the module's own forward.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -64,7 +62,6 @@ def _fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _fused_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Bound to one norm module (a method, so a deep copy of the model binds its copy)."""
     if _fits(hidden_states, self.weight):
         return RMSNormFunction.apply(hidden_states, self.weight, self.variance_epsilon)
     return type(self).forward(self, hidden_states)
@@ -72,9 +69,4 @@ def _fused_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.
 
 def install(model: torch.nn.Module) -> int:
     """Give every standard RMSNorm in `model` RMSNormFunction's forward; returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module).__name__ in STANDARD and "forward" not in vars(module):
-            module.forward = types.MethodType(_fused_forward, module)
-            count += 1
-    return count
+    return cpu_kernels.install_forward(model, STANDARD, _fused_forward)

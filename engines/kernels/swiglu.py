@@ -8,8 +8,6 @@ called as before, so LoRA layers keep working.
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from engines.kernels import cpu_kernels
@@ -42,19 +40,14 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, act_fn) -> torch.Tensor:
 
 
 def _fused_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Bound to one MLP module (a method, so a deep copy of the model binds its copy)."""
     return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.act_fn))
 
 
 def install(model: torch.nn.Module) -> int:
     """Give every standard SiLU-gated MLP in `model` the fused forward; returns how many."""
-    count = 0
-    for module in model.modules():
-        if (
-            type(module).__name__ in STANDARD
-            and "forward" not in vars(module)
-            and getattr(getattr(module, "config", None), "hidden_act", None) == "silu"
-        ):
-            module.forward = types.MethodType(_fused_forward, module)
-            count += 1
-    return count
+    return cpu_kernels.install_forward(
+        model,
+        STANDARD,
+        _fused_forward,
+        lambda m: getattr(getattr(m, "config", None), "hidden_act", None) == "silu",
+    )

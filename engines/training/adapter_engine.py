@@ -1,10 +1,8 @@
 """One base model and many LoRA adapters on it, each with its own gradients and AdamW state: a training
-engine (the `TrainEngine` contract of engines/training/base.py) whose every operation names its adapter.
-
-The base is read once (`BASE_LOADS`) and frozen; adapters live in the multi-LoRA layers' tables
-(engines/training/multi_lora.py). Many adapters' calls run as one right-padded forward and one backward (rows
-never mix), in parts of at most `max_batch_tokens`. Beyond `max_resident` the least recently used
-adapters are offloaded (engines/training/lora_sessions.py) and come back bit for bit. Single rank, no FSDP.
+engine whose every operation names its adapter. The base is read once (`BASE_LOADS`) and frozen;
+adapters live in the multi-LoRA layers' tables, many adapters' calls run as one right-padded forward
+and one backward in parts of at most `max_batch_tokens`, and beyond `max_resident` the least recently
+used adapters are offloaded (lora_sessions.py). Single rank, no FSDP.
 """
 
 from __future__ import annotations

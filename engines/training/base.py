@@ -1,39 +1,18 @@
 """The training-engine interface: the only way a training role (actor, critic, reference, SFT)
 touches a model.
 
-Batch layout (a TensorDict, batch dimension 0 = samples):
-    input_ids       [B, T]  prompt (left-padded) followed by response (right-padded), T = P + R
-    attention_mask  [B, T]  1 on real tokens
-    position_ids    [B, T]  optional; derived from attention_mask when absent
-    responses       [B, R]  the response tokens (the last R columns of input_ids)
-    response_mask   [B, R]  1 on response tokens that count (loss / outputs)
-    needs_backward  [B]     optional bool; False marks a row whose loss is known to have zero gradient
-                            (a zero advantage on every token of a plain policy loss): the engine runs
-                            it forward only. Its outputs and metrics are unchanged, and so is the
-                            gradient, which it never contributed to.
-plus whatever the loss function reads (advantages, old_log_probs, ...), all [B, R] or [B].
+A batch is a TensorDict over samples: input_ids / attention_mask [B, T] (prompt left-padded, response
+right-padded, T = P + R), optional position_ids, responses / response_mask [B, R], optional
+needs_backward [B] (False: the row's loss has zero gradient, so it runs forward only), and whatever
+the loss reads.
 
-The loss contract. `forward_backward_batch` calls `loss_fn(micro_batch, outputs, counts)` once per
-micro-batch. `outputs` holds [mb, R] tensors aligned with `micro_batch["responses"]`: "log_probs"
-(always), "entropy" (when asked), "values" (value-head engines). `counts` are global: summed over the
-whole batch of this call and over every data-parallel rank. The loss function normalises by them, so
-the sum of its losses over micro-batches and ranks is the loss of the global batch, and gradients do
-not depend on the micro-batch split, dynamic batching or the dp size. The metrics it returns are
-additive in the same way (already divided by global counts); the engine sums them over micro-batches
-and ranks, so a logged loss is on the scale of the loss that was back-propagated. A metric whose
-name ends in `_max` is a maximum instead: the engine keeps the largest value (`combine_metric`).
-
-Gradients accumulated over several calls. Gradients add up from one `forward_backward_batch` to the
-next until `optimizer_step` (which zeroes them), so one optimizer step may take its batch in several
-calls: the RL loop makes one call per step (its mini-batch), a low-level client (the Tinker API) as
-many as it likes. The counts must then be those of the WHOLE accumulated batch, not of one call, or each call
-would be normalised as if it were the whole batch: the caller states them (`counts=`, built with
-`GlobalCounts.of` over every call's rows, on every rank), and the engine hands them to the loss as
-they are instead of counting the call's rows. N calls with 1/N of the batch each then give the
-gradient of one call with the whole batch, in every aggregation mode (tests/test_accumulation.py;
-two ranks: tests/test_train_engine_dist.py).
-Without `counts` a call is one whole optimizer batch (the RL loop's case). Losses that are plain sums (the
-Tinker API's built-in losses) do not read the counts and accumulate either way.
+The loss contract: `loss_fn(micro_batch, outputs, counts)` runs once per micro-batch on [mb, R]
+outputs ("log_probs", "entropy" when asked, "values" for a value head) and normalises by `counts`,
+summed over the whole batch and every dp rank, so losses, gradients and metrics add up to the global
+batch's whatever the micro-batch split or dp size; a metric named `*_max` is a maximum instead.
+Gradients add up over calls until `optimizer_step`: a caller that accumulates several calls into one
+step passes the counts of all of them (`GlobalCounts.of`) to each; without `counts` a call is one
+whole optimizer batch. Plain-sum losses (the Tinker API's) read no counts.
 """
 
 from __future__ import annotations
@@ -59,8 +38,7 @@ class GlobalCounts:
 
     @classmethod
     def of(cls, batches: Sequence[TensorDict]) -> GlobalCounts:
-        """The counts of several calls' rows taken together (all of them, over every rank): what a
-        caller that accumulates gradients over those calls passes as `counts` to each."""
+        """The counts of several calls' rows taken together (all of them, over every rank)."""
         return cls(
             tokens=int(sum(int(b["response_mask"].sum()) for b in batches)),
             sequences=sum(int(b.batch_size[0]) for b in batches),
@@ -73,8 +51,7 @@ NEEDS_BACKWARD = "needs_backward"  # the optional batch key of the module docstr
 
 
 def combine_metric(metrics: dict[str, float], key: str, value: float) -> None:
-    """Fold one micro-batch's (or mini-batch's) metric into `metrics`: a sum, or for a name ending in
-    `_max` the maximum."""
+    """Fold one micro-batch's metric into `metrics`: a sum, or the maximum for a `_max` name."""
     if key.endswith(MAX_SUFFIX):
         metrics[key] = max(metrics.get(key, float("-inf")), float(value))
     else:
@@ -122,23 +99,16 @@ class TrainEngine(ABC):
         temperature: float = 1.0,
         counts: GlobalCounts | None = None,
     ) -> EngineOutput:
-        """Run the batch in micro-batches; back-propagate `loss_fn` unless forward_only. Gradients add
-        to those of earlier calls since the last optimizer step.
-
-        Log-probs are of logits / temperature, so that they match the sampling distribution of a
-        rollout at that temperature. `counts`: the global counts of the whole accumulated batch when
-        this call is one of several before an optimizer step (module docstring); None = this call's.
-        """
+        """Run the batch in micro-batches; back-propagate `loss_fn` unless forward_only. Log-probs are
+        of logits / temperature (a rollout's sampling distribution); `counts`: module docstring."""
 
     @abstractmethod
     def optimizer_zero_grad(self) -> None: ...
 
     @abstractmethod
     def optimizer_step(self, params: OptimizerConfig | None = None) -> float:
-        """Clip and step; returns the global grad norm before clipping. A non-finite norm skips the step.
-
-        `params`: AdamW's settings for this step only (lr, betas, eps, weight_decay, grad_clip), in
-        place of the engine's configured ones and the schedule's learning rate; None = those."""
+        """Clip and step; returns the global grad norm before clipping (a non-finite one skips the step).
+        `params`: AdamW's settings for this step only; None = the configured ones and the schedule's lr."""
 
     @abstractmethod
     def lr_scheduler_step(self) -> float:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from engines.training.adamw import AdamWSettings, adamw_step, build_adamw
 from engines.training.fsdp.lora import write_adapter
@@ -130,15 +132,9 @@ def read_pack(folder: Path, optimizer: bool) -> dict:
     }
 
 
-def _cpu(obj):
-    """CPU copies of the tensors in `obj` (nested dicts and lists); None and other values as they are."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cpu(v) for v in obj]
-    return obj
+def _cpu(obj: Any) -> Any:
+    """CPU copies of the tensors in `obj` (nested dicts and lists); other values as they are."""
+    return tree_map(lambda t: t.detach().cpu().clone() if isinstance(t, torch.Tensor) else t, obj)
 
 
 def _safe(name: str) -> str:

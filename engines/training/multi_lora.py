@@ -1,14 +1,9 @@
 """The LoRA layer of every LoRA model in Tandem: `MultiLoraLinear`, a frozen `nn.Linear` (`base_layer`)
-plus scaling * B(A(dropout(x))), computed as PEFT computes it, from one of two kinds of adapter:
-
-- its own (`add_own`): parameters `lora_A` / `lora_B` on every row, an RL job's with `model.lora`
-  (engines/training/fsdp/lora.py), so FSDP2 shards them and checkpoints hold them; `adapters_off` skips them.
-- a table `adapters[key]` of plain tensors owned by callers (engines/training/adapter_engine.py: one base, many
-  adapters): adding or evicting one is a dict update. `rows(layers, segments)` says which contiguous
-  rows of a forward use which adapter, so autograd gives each adapter its own rows' gradient.
-
-Not PEFT's layers: they refuse mixed-adapter batches in training mode and hold every adapter as a
-submodule. The names and saved format stay PEFT's (`peft_tensors`).
+plus scaling * B(A(dropout(x))) as PEFT computes it, from its own adapter (`add_own`: parameters an
+RL job's FSDP engine shards and checkpoints; `adapters_off` skips them) or from a table of callers'
+adapters (`adapters[key]`, the adapter engine's: one base, many adapters), where `rows(layers,
+segments)` says which contiguous rows use which, so autograd gives each adapter its own gradient.
+PEFT's own layers refuse mixed-adapter batches in training; the names and saved format stay PEFT's.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Sampling from many adapters (and the base) in one decode batch on the multi-LoRA model.
-
-Each request owns a contiguous block of rows (`engines.training.multi_lora.rows`), prompts are left-padded, and
-each request draws from its own seeded generator with the rollouts' `sample_next`, so what it draws
-does not depend on the batch. A token's log-prob is taken before top-k / top-p filtering; a stop token
-or string ends a row and stays in its tokens.
+"""Sampling from many adapters (and the base) in one decode batch on the multi-LoRA model: each request
+owns a contiguous block of rows and its own seeded generator, so what it draws does not depend on the
+batch. A log-prob is taken before top-k / top-p filtering; a stop token or string ends a row.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""Engines are chosen by name: a registry maps each name to a builder.
+"""Engines are chosen by name: a registry maps each name to a builder that imports its engine lazily,
+so the name lists stay importable without torch, sglang or vllm (the API validates names against them).
 
-A new engine is one file (the class, implementing `engines.training.base.TrainEngine` or
-`engines.rollout.base.RolloutEngine`) plus one registered builder. Builders import their engine
-lazily, so this module and the name lists stay importable without torch, sglang or vllm: the
-JobSpec validates a backend name against a registry in the API process, where no engine is built.
-
-An entry also states what its engine cannot run (`tensor_parallel`, `max_lora_rank`): the JobSpec
-checks a job against its backend's entry at submission, naming the field, rather than the engine
-failing when the workers start. An optional `probe` says, without building anything, why an engine cannot run here (a missing
-package, no GPU): `available()` reports it and `build` refuses with that message, so a job asking
-for it fails early and says what to install.
-
-Two registries exist: `TRAIN_ENGINES` below (selected by `EngineConfig.engine`) and
-`engines.rollout.ROLLOUT_ENGINES` (selected by the rollout config's `backend`).
+An entry also states what its engine cannot run (`tensor_parallel`, `max_lora_rank`), checked at
+submission, and an optional `probe` says why it cannot run here (a missing package, no GPU), so a
+job fails early naming what to install. `TRAIN_ENGINES` is here; rollout engines' is
+`engines.rollout.ROLLOUT_ENGINES`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """An OpenEnv environment server as a multi-turn environment: the client side, in the rollout worker.
 
-The client (openenv-core's `GenericEnvClient`) needs a connection, so it runs in the worker, outside
-the sandbox. `OpenEnvServer` is one server (its action shape read once from `GET /schema`, one event
-loop thread for its clients); `OpenEnvEnvironment` is one trajectory's WebSocket session. reset
-passes the row's prompt, ground_truth and extra; an observation with one text field is that text,
-any other its JSON; the model's turn is the action's one text field, or for an MCP tools server a
-`<tool_call>` whose result comes back as a "tool" turn. Every call has the job's step time limit.
+`OpenEnvServer` is one server (its action shape read once from `GET /schema`, one event loop thread
+for its clients); `OpenEnvEnvironment` is one trajectory's WebSocket session. The model's turn is
+the action's one text field, or for an MCP tools server a `<tool_call>` whose result is a "tool"
+turn. Every call has the job's step time limit.
 """
 
 from __future__ import annotations

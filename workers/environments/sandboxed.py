@@ -1,12 +1,9 @@
 """User environments run in a sandbox; a worker's multi-turn rollouts step them through proxies.
 
-`environment_factory(config)` gives `MultiTurnRollout` a built-in's class, or the `new` of a host: one
-long-lived sandbox (workers/sandbox/) per reference in this worker process, replaced after its
-process died. An OpenEnv server is stepped by a client here (openenv_client.py); one a reference
-names is served from a sandbox with no network, on a Unix socket this worker binds in a private
-folder and hands in as a listening descriptor. A step past its time limit leaves its sandbox thread
-running; that host is replaced after the batch. The `host_*` functions and `serve_app` are the
-sandbox's side.
+`environment_factory(config)` gives a built-in's class, or the `new` of a host: one long-lived
+sandbox per reference in this worker process, replaced after its process died or a step overran.
+An OpenEnv app a reference names is served from a sandbox with no network, on a Unix socket this
+worker binds and hands in. The `host_*` functions and `serve_app` are the sandbox's side.
 """
 
 from __future__ import annotations

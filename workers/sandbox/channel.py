@@ -41,7 +41,7 @@ Asker = Callable[[str, Any], Any]  # (topic, payload) -> answer, for what the sa
 class SandboxError(Exception):
     """An exception raised in the sandbox: its type name, message and traceback lines, bounded."""
 
-    def __init__(self, type_name: str, message: str, trace: str = "") -> None:
+    def __init__(self, message: str, type_name: str = "", trace: str = "") -> None:
         self.type, self.message, self.trace = type_name, message, trace
         text = f"{type_name}: {message}" if type_name else message
         super().__init__((text + (f"\n{trace.rstrip()}" if trace else ""))[:MESSAGE_CHARS])
@@ -50,15 +50,9 @@ class SandboxError(Exception):
 class SandboxCrashed(SandboxError):
     """The sandbox's process ended (or broke the protocol) before it answered."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__("", message)
-
 
 class SandboxTimeout(SandboxError):
     """A call did not answer within its time limit."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("", message)
 
 
 class Sandbox:
@@ -169,7 +163,7 @@ class Sandbox:
             error = message.get("error")
             if isinstance(error, dict):
                 future.set_exception(
-                    SandboxError(*(self.unplace(str(error.get(k, ""))) for k in ("type", "message", "trace")))
+                    SandboxError(*(self.unplace(str(error.get(k, ""))) for k in ("message", "type", "trace")))
                 )
             else:
                 future.set_result(message.get("ok"))

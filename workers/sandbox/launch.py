@@ -1,16 +1,14 @@
 """How a sandbox's process is started: bubblewrap's command line, the environment, the mode.
 
-Modes, chosen once per process by `sandbox_mode` (a probe runs a real sandbox):
-- "drop": as root, bwrap mounts, then the child drops to a fresh random uid that owns nothing;
-- "userns": as a user, bwrap makes a user namespace in which the child is uid 65534;
-- "none": no bubblewrap and the operator allowed it: a plain child in a private folder.
-The view: /usr, Python and the project's source read-only (the service home hidden), the staged code
-at /code, tmpfs /scratch and /tmp.
+Modes (`sandbox_mode`, probed once per process): "drop" (root: bwrap, then a fresh random uid),
+"userns" (a user namespace, uid 65534) or "none" (no bubblewrap, allowed by the operator). The view:
+/usr, Python and the source read-only (the service home hidden), code at /code, tmpfs /scratch, /tmp.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import random
@@ -97,7 +95,7 @@ def command(
     config = {"uid": uid, "cpu_s": limits.cpu_s, "memory_mb": limits.memory_mb, "file_mb": limits.file_mb,
               "processes": limits.processes if mode != "none" else None}  # fmt: skip
     child = [sys.executable, "-s", "-m", "workers.sandbox", *(["--probe"] if probe else []),
-             _json(config)]  # fmt: skip
+             json.dumps(config)]  # fmt: skip
     if mode == "none":
         return child, _unsandboxed_env()
     return [*bwrap_args(mode, staging, limits), "--", *child], sandbox_env()
@@ -209,9 +207,3 @@ def open_staging(staging: Path) -> None:
     """Staged code readable by whatever uid the child runs as (it is bound read-only)."""
     for path in [staging, *staging.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
-
-
-def _json(value: object) -> str:
-    import json
-
-    return json.dumps(value)

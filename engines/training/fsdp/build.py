@@ -1,16 +1,16 @@
-"""How an FSDPEngine (engines/training/fsdp/engine.py) builds its model and shards it, as a mixin.
+"""How an FSDPEngine (engines/training/fsdp/engine.py) builds its model and shards it, and where its
+parameters and optimizer state live (offloaded to the CPU between uses when configured), as mixins.
 
-Master weights stay fp32; on CUDA the compute runs in bf16 with fp32 gradient reduction. One rank
-with nothing to shard (fp32, or any dtype on a CPU) is not wrapped, as torchtitan leaves a
-one-device run: FSDP2 would only make every parameter a DTensor, whose dispatch costs time in every
-optimizer step. bf16 there runs the forward under `torch.autocast` over fp32 weights, so only the
-linear layers multiply in bf16 (attention, norms and the log-prob head stay fp32: a CPU's bf16
-kernels for them are slow). Checkpoints use the distributed state-dict API either way.
+Master weights stay fp32; on CUDA compute runs in bf16 with fp32 gradient reduction. One rank with
+nothing to shard is not wrapped (FSDP2 would make every parameter a DTensor, slow in each optimizer
+step); bf16 there runs the linear layers under `torch.autocast` over fp32 weights.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -114,3 +114,57 @@ class ModelBuildMixin:
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
+
+
+class PlacementMixin:
+    """The modes and `to` of the TrainEngine contract (engines/training/base.py), over the engine's `model`,
+    `optimizer`, `config`, `device` and `_offloaded`."""
+
+    @contextmanager
+    def train_mode(self) -> Iterator[None]:
+        self._onload(optimizer=self.optimizer is not None)
+        self.model.train()
+        try:
+            yield
+        finally:
+            self._offload_as_configured()
+
+    @contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        self._onload(optimizer=False)
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self._offload_as_configured()
+
+    def _onload(self, optimizer: bool) -> None:
+        onload_optimizer = optimizer and self._offloaded["optimizer"]
+        if self._offloaded["model"] or onload_optimizer:
+            self.to(str(self.device), model=self._offloaded["model"], optimizer=onload_optimizer)
+
+    def _offload_as_configured(self) -> None:
+        f = self.config.fsdp
+        optimizer = f.optimizer_offload and self.optimizer is not None
+        if f.param_offload or optimizer:
+            self.to("cpu", model=f.param_offload, optimizer=optimizer)
+            # On a CPU engine the move is a no-op, but the state is tracked the same way.
+            self._offloaded["model"] |= f.param_offload
+            self._offloaded["optimizer"] |= optimizer
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True) -> None:
+        target = torch.device(device)
+        offloading = target.type == "cpu" and self.device.type != "cpu"
+        if model:
+            self.model.to(target)
+            self._offloaded["model"] = offloading
+        if optimizer and self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        state[key] = value.to(target, non_blocking=True)
+            self._offloaded["optimizer"] = offloading
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            if offloading:
+                torch.cuda.empty_cache()

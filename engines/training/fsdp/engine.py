@@ -37,9 +37,8 @@ from engines.training.base import (
     combine_metric,
 )
 from engines.training.fsdp import lora
-from engines.training.fsdp.build import ModelBuildMixin
+from engines.training.fsdp.build import ModelBuildMixin, PlacementMixin
 from engines.training.fsdp.optim import OptimizerMixin
-from engines.training.fsdp.placement import PlacementMixin
 from engines.training.fsdp.state import CheckpointMixin
 from engines.training.microbatch import MicroBatchPlanner, PromptGroups
 from engines.training.multi_lora import adapters_off

@@ -1,15 +1,9 @@
-"""LoRA on the FSDP engine: the LoRA layer of engines/training/multi_lora.py with one adapter of its own per
-target layer, the base frozen; and the PEFT adapter format in and out.
+"""LoRA on the FSDP engine, and the PEFT adapter format in and out.
 
-`attach` wraps each target linear layer of the Hugging Face model in place (no PeftModel wrapper, so
-the engine's PolicyModel, the decoder layers that FSDP shards and the packed attention stay as they
-are), gives it its own adapter and freezes everything else: the optimizer then holds only the
-adapters, and FSDP2 reduces gradients for them alone. The targets, initialisation and arithmetic are
-PEFT's, so a seed trains the adapter PEFT's layers trained. `multi_lora.adapters_off` runs the same
-model as its base (the reference policy without a second model). PEFT itself only reads and writes
-the format: names cross the engine boundary as PEFT saves them (`base_model.model.<module>.lora_A.weight`),
-the ones that `PeftModel.from_pretrained`, vLLM and the rollout engines read, with PEFT's
-`adapter_config.json` as the adapter's config.
+`attach` wraps each target linear layer in place (engines/training/multi_lora.py, no PeftModel, so
+the engine's modules and FSDP units stay as they are), gives it its own adapter with PEFT's targets
+and initialisation, and freezes the rest. Tensors cross the engine boundary under PEFT's saved names
+(`base_model.model.<module>.lora_A.weight`) with PEFT's `adapter_config.json`, as vLLM reads them.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """The modules an FSDP engine shards: a causal LM that returns response log-probs, and a value model.
-
-Both wrap a Hugging Face model and become the root FSDP unit, so that one root forward gathers the
-root-level parameters (embeddings, final norm, output projection) before the chunked log-prob
-computation reads the output projection's weight directly. `hf_name` maps their state-dict names
-back to the Hugging Face names a rollout engine or `from_pretrained` expects.
+Each is the root FSDP unit, so one root forward gathers the embeddings, final norm and output
+projection before the chunked log-probs read its weight; `hf_name` gives back Hugging Face names.
 """
 
 from __future__ import annotations
