@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from controller.data_files import DataError, read_records
-from controller.reasoning_gym_data import write_reasoning_gym_files
+from controller.reasoning_gym_task import write_reasoning_gym_files
 from controller.tasks import write_splits
 from schema.job import DataSpec
 from workers.batch import Batch
