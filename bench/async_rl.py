@@ -181,15 +181,15 @@ def stability(rows: list[dict]) -> dict:
 def run_job(
     args: argparse.Namespace, task: str, mode: str, seed: int = 1, correction: str = "decoupled"
 ) -> dict:
-    from controller.async_loop import make_trainer
     from controller.sink import JsonlSink
+    from controller.trainer import Trainer
     from schema.async_rl import resolved_lanes, staleness_bound
     from schema.job import JobSpec
 
     spec = JobSpec.model_validate(job_spec(args, task, mode, seed, correction))
     workdir = Path(tempfile.mkdtemp(prefix=f"async-rl-{task}-{mode}-"))
     sink = JsonlSink(workdir)
-    trainer = make_trainer(spec, workdir, sink, name=f"bench-{task}-{mode}")
+    trainer = Trainer(spec, workdir, sink, name=f"bench-{task}-{mode}")
     ends: list[float] = []
     progress = sink.progress
 

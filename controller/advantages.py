@@ -10,9 +10,7 @@ fixed or adapted toward a target KL (Ziegler et al., 2019).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -152,51 +150,11 @@ def compute_reinforce_pp_baseline(
     return masked_whiten(centred.unsqueeze(-1) * response_mask, response_mask)
 
 
-@dataclass(frozen=True)
-class AdvantageInputs:
-    """What the estimators may read; each checks that the fields it needs are present."""
-
-    token_rewards: torch.Tensor  # [B, R]
-    response_mask: torch.Tensor  # [B, R]
-    values: torch.Tensor | None = None  # [B, R], GAE only
-    uids: Uids | None = None  # group ids, group methods only
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_by_std: bool = True
-    whiten: bool = True
-    epsilon: float = 1e-6
-
-    @property
-    def scores(self) -> torch.Tensor:
-        return (self.token_rewards * self.response_mask).sum(dim=-1)
-
-    def need_values(self, name: str) -> torch.Tensor:
-        if self.values is None:
-            raise ValueError(f"advantage estimator {name!r} needs critic values (values=[B, R])")
-        return self.values
-
-    def need_uids(self, name: str) -> Uids:
-        if self.uids is None:
-            raise ValueError(f"advantage estimator {name!r} needs group ids (uids), one per sequence")
-        return self.uids
-
-
-def _twice(adv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return adv, adv  # outcome methods have no critic: "returns" are the advantages, as is customary
-
-
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]] = {
-    "gae": lambda x: compute_gae(
-        x.token_rewards, x.need_values("gae"), x.response_mask, x.gamma, x.lam, x.whiten
-    ),
-    "grpo": lambda x: _twice(
-        compute_grpo(x.scores, x.need_uids("grpo"), x.response_mask, x.norm_by_std, x.epsilon)
-    ),
-    "rloo": lambda x: _twice(compute_rloo(x.scores, x.need_uids("rloo"), x.response_mask)),
-    "reinforce_pp": lambda x: compute_reinforce_pp(x.token_rewards, x.response_mask, x.gamma),
-    "reinforce_pp_baseline": lambda x: _twice(
-        compute_reinforce_pp_baseline(x.scores, x.need_uids("reinforce_pp_baseline"), x.response_mask)
-    ),
+ADVANTAGE_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+_GROUP_ESTIMATORS = {
+    "grpo": compute_grpo,
+    "rloo": compute_rloo,
+    "reinforce_pp_baseline": compute_reinforce_pp_baseline,
 }
 
 
@@ -218,10 +176,18 @@ def compute_advantages(
         raise ValueError(
             f"unknown advantage estimator {name!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
         )
-    inputs = AdvantageInputs(
-        token_rewards, response_mask, values, uids, gamma, lam, norm_by_std, whiten, epsilon
-    )
-    return ADVANTAGE_ESTIMATORS[name](inputs)
+    if name == "gae":
+        if values is None:
+            raise ValueError(f"advantage estimator {name!r} needs critic values (values=[B, R])")
+        return compute_gae(token_rewards, values, response_mask, gamma, lam, whiten)
+    if name == "reinforce_pp":
+        return compute_reinforce_pp(token_rewards, response_mask, gamma)
+    if uids is None:
+        raise ValueError(f"advantage estimator {name!r} needs group ids (uids), one per sequence")
+    scores = (token_rewards * response_mask).sum(dim=-1)
+    options = {"norm_by_std": norm_by_std, "epsilon": epsilon} if name == "grpo" else {}
+    adv = _GROUP_ESTIMATORS[name](scores, uids, response_mask, **options)
+    return adv, adv  # outcome methods have no critic: "returns" are the advantages, as is customary
 
 
 # ---- KL in the reward ----------------------------------------------------------------------------
@@ -243,12 +209,6 @@ def apply_kl_penalty(
     return token_rewards - coef * kl, float(seq_kl.mean()) if seq_kl.numel() else 0.0
 
 
-class KLController(Protocol):
-    value: float
-
-    def update(self, current_kl: float, n_steps: int) -> float: ...
-
-
 class FixedKLController:
     def __init__(self, coef: float) -> None:
         self.value = coef
@@ -257,7 +217,7 @@ class FixedKLController:
         return self.value
 
 
-class AdaptiveKLController:
+class AdaptiveKLController(FixedKLController):
     """beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon after each step of n samples."""
 
     def __init__(self, init_coef: float, target_kl: float, horizon: int) -> None:
@@ -273,7 +233,9 @@ class AdaptiveKLController:
         return self.value
 
 
-def make_kl_controller(coef: float, target_kl: float | None = None, horizon: int = 10_000) -> KLController:
+def make_kl_controller(
+    coef: float, target_kl: float | None = None, horizon: int = 10_000
+) -> FixedKLController:
     if target_kl is None:
         return FixedKLController(coef)
     return AdaptiveKLController(coef, target_kl, horizon)

@@ -10,30 +10,18 @@ oldest draw not trained and the later ones trained, so a resumed job trains no d
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controller.batch_source import BatchSource, Scored, buffer_metrics, staleness_metrics
-from controller.off_policy import corrected_spec  # noqa: F401 (re-exported)
 from controller.rollout_buffer import BufferTimeout, RolloutBuffer
 from controller.rollout_lanes import WAIT_TIMEOUT_S, RolloutProducer
-from controller.sink import JobSink
 from controller.weight_publisher import RolloutTurn, WeightPublisher
 from schema.async_rl import batch_samples, buffer_capacity, staleness_bound
-from schema.job import JobSpec
 
 if TYPE_CHECKING:
     from controller.trainer import Trainer
 
 POLL_S = 0.05  # the trainer's wait for a batch checks this often whether a pending sync can go
-
-
-def make_trainer(
-    spec: JobSpec, workdir: str | Path, sink: JobSink, name: str = "job", restarts: int = 0
-) -> Trainer:
-    from controller.trainer import Trainer
-
-    return Trainer(spec, workdir, sink, name=name, restarts=restarts)
 
 
 class LaneSource(BatchSource):
@@ -101,9 +89,7 @@ class LaneSource(BatchSource):
 
     def _sent(self, version: int) -> None:
         """The weights of `version` are on the rollout workers: admission widens to k past it."""
-        producer = self._ensure_producer()
-        producer.version = version
-        producer.buffer.set_version(version)
+        self._ensure_producer().buffer.set_version(version)
 
     def state_dict(self, loader: dict[str, Any]) -> dict[str, Any]:
         if self.producer is not None:

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from controller.data_files import DataError, read_records
-from controller.reasoning_gym_data import write_reasoning_gym_files
-from controller.tasks import write_task_files
+from controller.reasoning_gym_task import write_reasoning_gym_files
+from controller.tasks import write_splits
 from schema.job import DataSpec
 from workers.batch import Batch
 from workers.chat_delta import ChatDelta
@@ -316,7 +316,7 @@ def resolve_data_files(spec: DataSpec, workdir: str | Path, seed: int = 0) -> tu
     if spec.train_path is not None:
         return Path(spec.train_path), Path(spec.val_path) if spec.val_path else None
     assert spec.builtin_task is not None  # DataSpec guarantees one of the two
-    return write_task_files(spec.builtin_task, Path(workdir) / "data" / spec.builtin_task, seed=seed)
+    return write_splits(spec.builtin_task, Path(workdir) / "data" / spec.builtin_task, seed=seed)
 
 
 def build_dataset(

@@ -16,12 +16,11 @@ import torch
 from controller.data import PromptLoader, build_dataset, resolve_data_files
 from controller.hyperparameters import hyperparameter_overrides
 from controller.models import resolve_model_path
-from controller.overlong import apply_overlong
 from controller.resource_pool import describe_placement
 from controller.rewards import RewardScorer
 from controller.roles import JobGroups, needs_reference, start_groups
 from controller.sink import JobSink
-from controller.step_math import score
+from controller.step_math import apply_overlong, score
 from controller.trajectory_view import log_env_errors, multiturn_metrics
 from engines.rollout import resolve_backend
 from schema.job import JobSpec
@@ -114,7 +113,7 @@ class JobSetup:
             return batch, scores, metrics
 
     def scored(self, batch: Batch) -> tuple[Batch, torch.Tensor, dict[str, float]]:
-        """Rewards, then the over-long options (controller/overlong.py), wherever samples came from."""
+        """Rewards, then the over-long options (controller/step_math.py), wherever samples came from."""
         batch, scores, metrics = self.rewards(batch)
         batch, scores, overlong = apply_overlong(
             batch, scores, self.spec.algorithm.overlong, self.spec.rollout.response_budget

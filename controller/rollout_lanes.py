@@ -41,7 +41,6 @@ class RolloutProducer:
     ) -> None:
         self.trainer, self.turn, self.buffer, self.next_index = trainer, turn, buffer, next_index
         self.skip = skip  # draws trained before the checkpoint that resumed this run
-        self.version = buffer.version  # the weights on the rollout workers (set after each sync)
         self.stop = threading.Event()
         self.lock = threading.Lock()  # guards the draw state below against state_dict
         self.in_flight: set[int] = set()
@@ -124,13 +123,13 @@ class RolloutProducer:
                 spec.trainer.segment_tokens,
                 lambda rows, params: self._call(actor, "generate", (rows, params), who),
                 lambda: self.turn.generation(WAIT_TIMEOUT_S, who),
-                lambda: self.version,
+                lambda: self.buffer.version,  # the weights on the rollout workers
                 self.pad,
             )
             waited, version = time.perf_counter() - start - busy, int(batch.tensors["policy_version"].min())
         else:
             with self.turn.generation(WAIT_TIMEOUT_S, who) as waited:
-                version, start = self.version, time.perf_counter()
+                version, start = self.buffer.version, time.perf_counter()
                 batch = self._call(actor, "generate_sequences", (prompts,), who)
                 busy = time.perf_counter() - start
             batch.tensors["policy_version"] = torch.full((len(batch),), version, dtype=torch.long)

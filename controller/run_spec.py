@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from controller.async_loop import make_trainer
     from controller.sink import JsonlSink
     from controller.trackers import TrackerSink, with_trackers
+    from controller.trainer import Trainer
 
     workdir = Path(args.workdir)
     address = args.ray_address or os.environ.get("RAY_ADDRESS") or None
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.name or workdir.name
     sink = with_trackers(JsonlSink(workdir, echo=True), spec, workdir, name)
     try:
-        trainer = make_trainer(spec, workdir, sink, name=name)
+        trainer = Trainer(spec, workdir, sink, name=name)
         last = trainer.run()
     finally:
         if isinstance(sink, TrackerSink):

@@ -9,7 +9,7 @@ does not have (with the choices), a config key or value the task's own config cl
 Torch-free like the rest of schema/: the API and the CLI validate with it. The names and config
 classes come from the installed `reasoning_gym` package (imported on first use; the
 `reasoning-gym` extra); where it is missing, a spec that uses the section is refused saying so.
-Generation is controller/reasoning_gym_data.py, scoring controller/reasoning_gym_reward.py.
+Generation and scoring are controller/reasoning_gym_task.py.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class OptimSpec(Section, OptimizerConfig, WarmupDecay):
 
 
 class OverlongSpec(Section):
-    """Responses cut off by their token budget (controller/overlong.py): rollout.max_new_tokens, or
+    """Responses cut off by their token budget (controller/step_math.py): rollout.max_new_tokens, or
     for a multi-turn trajectory rollout.max_response_tokens."""
 
     filter: bool = Field(

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from controller.async_loop import LaneSource, make_trainer
+from controller.async_loop import LaneSource
 from controller.sink import JsonlSink
-from controller.trainer import StopRequested
+from controller.trainer import StopRequested, Trainer
 from schema.job import JobSpec
 from tests.test_trainer import job_spec
 
@@ -35,7 +35,7 @@ def small_spec(**trainer) -> JobSpec:
 
 def run_job(spec: JobSpec, workdir) -> JsonlSink:
     sink = JsonlSink(workdir)
-    make_trainer(spec, workdir, sink, name=workdir.name).run()
+    Trainer(spec, workdir, sink, name=workdir.name).run()
     return sink
 
 
@@ -84,7 +84,7 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
         {"resources": {"rollout": {"workers": 2}}}
     )
     sink = JsonlSink(tmp_path)
-    trainer = make_trainer(spec, tmp_path, sink, name="first")
+    trainer = Trainer(spec, tmp_path, sink, name="first")
     assert isinstance(trainer.source, LaneSource)
     assert trainer.spec.algorithm.recompute_old_log_probs  # the decoupled objective's proximal pass
     assert trainer.spec.algorithm.rollout_correction.is_weights == "token"
@@ -120,7 +120,7 @@ def test_async_steps_stay_within_the_staleness_bound_and_survive_pause(ray_clust
     assert [r["values"]["actor/lr"] for r in fork.history] == pytest.approx([2e-4, 2e-4])
 
     again = JsonlSink(tmp_path / "again")
-    make_trainer(spec, tmp_path, again, name="second").run()
+    Trainer(spec, tmp_path, again, name="second").run()
     rows = sink.history + again.history
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     draws = first_draws + [int(r["values"]["async/draw_index"]) for r in again.history]
@@ -227,7 +227,7 @@ def test_the_decoupled_objective_matches_its_formula_computed_per_token():
 
     import torch
 
-    from controller.async_loop import corrected_spec
+    from controller.off_policy import corrected_spec
     from tests.test_losses import batch, run
     from workers.losses.policy import make_policy_loss
 

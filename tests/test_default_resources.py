@@ -1,7 +1,7 @@
 """Default sizes fit: every role's CPU share comes from one budget that all of a job's workers divide.
 
-Unit tests of controller/role_shares.py on 2, 4 and 16 CPUs for colocated, split and the async
-layout of docs/guides/multi-turn.md; then that async example and `{placement: split}` alone, sizes
+Unit tests of role_shares (controller/resource_pool.py) on 2, 4 and 16 CPUs for colocated, split and
+the async layout of docs/guides/multi-turn.md; then that async example and `{placement: split}` alone, sizes
 left to the defaults, run to `succeeded` on a `tandem serve` whose own Ray has exactly 2 CPUs.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from controller.role_shares import Capacity, Share, role_shares
+from controller.resource_pool import Capacity, Share, role_shares
 from schema.resources import ResourcesSpec
 from tests.api_util import tiny_job, wait_for
 from tests.serve_util import Served, cluster_env, kill_leftovers, start_serve, stop

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from controller.dynamic_sampling import sample_signal_groups, uniform_groups
-from controller.overlong import apply_overlong, overlong_penalty
+from controller.step_math import apply_overlong, overlong_penalty
 from schema.job import JobSpec
 from schema.training import OverlongSpec
 from workers.batch import Batch

@@ -16,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 
 from controller import checkpoints
-from controller.role_shares import Capacity, Share, role_shares
+from controller.resource_pool import Capacity, Share, role_shares
 from controller.sink import JsonlSink
 from controller.trainer import Trainer
 from schema.job import JobSpec

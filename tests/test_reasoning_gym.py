@@ -19,8 +19,14 @@ from pydantic import ValidationError
 
 from api.cli_spec import build_spec
 from controller.data_files import DataError
-from controller.reasoning_gym_data import make_rows, write_reasoning_gym_files
-from controller.reasoning_gym_reward import decode_entry, encode_entry, extract_answer, reasoning_gym_reward
+from controller.reasoning_gym_task import (
+    decode_entry,
+    encode_entry,
+    extract_answer,
+    make_rows,
+    reasoning_gym_reward,
+    write_reasoning_gym_files,
+)
 from controller.rewards import RewardScorer
 from schema.job import JobSpec
 from schema.reasoning_gym import MAX_ROWS, ReasoningGymSpec

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from controller.tasks import BUILTIN_TASKS, get_task, write_task_files
+from controller.tasks import BUILTIN_TASKS, get_task, write_splits
 from controller.tasks.arithmetic import ArithmeticTask, arithmetic_reward, make_split
 
 
@@ -115,8 +115,8 @@ def test_reward_accepts_numeric_ground_truth():
     assert arithmetic_reward("23+58=", "81", 81, None)["score"] == 1.0
 
 
-def test_write_task_files_round_trip(tmp_path):
-    train, val = write_task_files("arithmetic", tmp_path, train_size=50, val_size=10, seed=1)
+def test_write_splits_round_trip(tmp_path):
+    train, val = write_splits("arithmetic", tmp_path, train_size=50, val_size=10, seed=1)
     rows = [json.loads(line) for line in train.read_text().splitlines()]
     assert rows == make_split("train", 50, seed=1)
     assert len(val.read_text().splitlines()) == 10

@@ -1,5 +1,5 @@
 """Built-in tasks: synthetic data sets with a rule reward, addressed by name in `DataSpec.builtin_task`.
-A job's rows are written to JSONL (`write_task_files`) and loaded like user data, so the built-in demo
+A job's rows are written to JSONL (`write_splits`) and loaded like user data, so the built-in demo
 exercises the real data loader.
 """
 
@@ -63,24 +63,16 @@ def get_task(name: str) -> Task:
         raise ValueError(f"unknown built-in task '{name}'; choose one of {sorted(BUILTIN_TASKS)}") from None
 
 
-def write_task_files(
-    name: str,
-    directory: str | Path,
-    train_size: int | None = None,
-    val_size: int | None = None,
-    seed: int = 0,
-) -> tuple[Path, Path]:
-    return write_splits(get_task(name), directory, train_size, val_size, seed)
-
-
 def write_splits(
-    task: Task,
+    task: Task | str,
     directory: str | Path,
     train_size: int | None = None,
     val_size: int | None = None,
     seed: int = 0,
 ) -> tuple[Path, Path]:
-    """train.jsonl and val.jsonl of `task` under `directory` (default sizes when None)."""
+    """train.jsonl and val.jsonl of `task` (or the built-in task of that name) under `directory`
+    (default sizes when None)."""
+    task = get_task(task) if isinstance(task, str) else task
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     train, val = directory / "train.jsonl", directory / "val.jsonl"

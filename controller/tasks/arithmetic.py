@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +52,7 @@ class ArithmeticTask:
         return (high - low + 1) ** 2 * len(self.operations)
 
     def problem(self, a: int, op: str, b: int) -> dict[str, str]:
-        if op == "-" and a < b:  # keep answers non-negative: fewer characters to learn
-            a, b = b, a
-        value = a + b if op == "+" else a - b if op == "-" else a * b
-        answer = str(value)
+        a, b, answer = apply(op, a, b)
         return {"prompt": f"{a}{op}{b}=", "ground_truth": answer, "response": answer}
 
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
@@ -95,12 +92,28 @@ class ArithmeticTask:
         if size > self.space_size // 4:
             raise ValueError(f"{size} {split} rows is too many for {self.describe()}: sample fewer")
         low, high = self.operand_range
-        rows: dict[str, dict[str, str]] = {}
-        while len(rows) < size:
-            row = self.problem(rng.randint(low, high), rng.choice(self.operations), rng.randint(low, high))
-            if row["prompt"] not in rows and split_of(row["prompt"], self.val_fraction) == split:
-                rows[row["prompt"]] = row
-        return list(rows.values())
+        ops = self.operations
+        pick = lambda: self.problem(rng.randint(low, high), rng.choice(ops), rng.randint(low, high))  # noqa: E731
+        return distinct_rows(pick, split, size, self.val_fraction)
+
+
+def apply(op: str, a: int, b: int) -> tuple[int, int, str]:
+    """(a, b, the answer's text); a - b with a < b is asked as b - a: answers stay non-negative."""
+    if op == "-" and a < b:
+        a, b = b, a
+    return a, b, str(a + b if op == "+" else a - b if op == "-" else a * b)
+
+
+def distinct_rows(
+    draw: Callable[[], dict[str, str]], split: str, size: int, val_fraction: float
+) -> list[dict[str, str]]:
+    """`size` rows of `split` with distinct prompts, drawn until there are enough."""
+    rows: dict[str, dict[str, str]] = {}
+    while len(rows) < size:
+        row = draw()
+        if row["prompt"] not in rows and split_of(row["prompt"], val_fraction) == split:
+            rows[row["prompt"]] = row
+    return list(rows.values())
 
 
 def split_of(prompt: str, val_fraction: float) -> str:
@@ -114,8 +127,9 @@ def check_split(split: str) -> None:
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
 
 
-def score_answer(response: str, ground_truth: Any) -> dict[str, float]:
-    """The task's rule: the leading integer of the response (cut at the end-of-text token) vs the truth."""
+def arithmetic_reward(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> dict:
+    """ "builtin:arithmetic": the leading integer of the response (cut at the end-of-text token) vs the
+    truth: {"score": 0 or 1, "format": 1 when nothing follows it}."""
     text = extract_answer_text(response)
     match = _ANSWER.match(text)
     answer = match.group() if match else ""
@@ -124,10 +138,13 @@ def score_answer(response: str, ground_truth: Any) -> dict[str, float]:
     return {"score": float(correct), "format": float(well_formed)}
 
 
-def score_partial(response: str, ground_truth: Any) -> dict[str, float]:
-    """Partial credit for models that cannot answer yet: 1.0 when right, else 0.1 for a leading integer,
-    0.1 more for nothing after it, up to 0.3 for digits in their places; "correct" keeps the exact score."""
-    exact = score_answer(response, ground_truth)
+def arithmetic_partial_reward(
+    prompt: str, response: str, ground_truth: Any, extra: dict | None = None
+) -> dict:
+    """ "builtin:arithmetic_partial", for models that cannot answer yet: 1.0 when right, else 0.1 for a
+    leading integer, 0.1 more for nothing after it, up to 0.3 for digits in their places; "correct"
+    keeps the exact score."""
+    exact = arithmetic_reward(prompt, response, ground_truth)
     if exact["score"] == 1.0:
         return {**exact, "correct": 1.0}
     match = _ANSWER.match(extract_answer_text(response))
@@ -144,20 +161,4 @@ def extract_answer_text(response: str) -> str:
     return response.strip()
 
 
-DEFAULT_TASK = ArithmeticTask()
-
-
-def make_split(split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
-    return DEFAULT_TASK.make_split(split, size, seed)
-
-
-def arithmetic_reward(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> dict:
-    """The reward behind "builtin:arithmetic": {"score": 0 or 1, "format": 0 or 1}."""
-    return score_answer(response, ground_truth)
-
-
-def arithmetic_partial_reward(
-    prompt: str, response: str, ground_truth: Any, extra: dict | None = None
-) -> dict:
-    """The reward behind "builtin:arithmetic_partial": partial credit (`score_partial`)."""
-    return score_partial(response, ground_truth)
+make_split = ArithmeticTask().make_split  # the default task's splits

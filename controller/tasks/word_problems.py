@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from controller.tasks.arithmetic import check_split, extract_answer_text, split_of
+from controller.tasks.arithmetic import apply, check_split, distinct_rows, extract_answer_text
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eli", "Ana", "Ben", "Kim")
 THINGS = ("apples", "shells", "stickers", "marbles", "books", "coins", "pencils", "cards", "stamps", "eggs")
@@ -48,9 +48,7 @@ class WordProblemTask:
 
     def problem(self, story: int, a: int, b: int, name: str, things: str) -> dict[str, str]:
         template, op = STORIES[story]
-        if op == "-" and a < b:
-            a, b = b, a
-        value = a + b if op == "+" else a - b if op == "-" else a * b
+        a, b, value = apply(op, a, b)
         text = template.format(name=name, things=things, a=a, b=b)
         return {"prompt": f"{text} {INSTRUCTION}", "ground_truth": str(value), "response": f"Answer: {value}"}
 
@@ -58,16 +56,15 @@ class WordProblemTask:
         """`size` distinct problems of `split`, in an order fixed by `seed`."""
         check_split(split)
         rng = random.Random(f"{self.name}:{split}:{seed}")
-        rows: dict[str, dict[str, str]] = {}
-        while len(rows) < size:
+
+        def draw() -> dict[str, str]:
             story = rng.randrange(len(STORIES))
             multiply = STORIES[story][1] == "*"
             a = rng.randint(2, self.factor_high) if multiply else rng.randint(self.low, self.high)
             b = rng.randint(2, 9) if multiply else rng.randint(self.low, self.high)
-            row = self.problem(story, a, b, rng.choice(NAMES), rng.choice(THINGS))
-            if row["prompt"] not in rows and split_of(row["prompt"], self.val_fraction) == split:
-                rows[row["prompt"]] = row
-        return list(rows.values())
+            return self.problem(story, a, b, rng.choice(NAMES), rng.choice(THINGS))
+
+        return distinct_rows(draw, split, size, self.val_fraction)
 
 
 def extract_final_number(response: str) -> str | None:

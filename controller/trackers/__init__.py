@@ -44,7 +44,9 @@ class Tracker(Protocol):
 
     def metrics(self, step: int, values: dict[str, float]) -> None: ...
 
-    def hyperparameters(self, step: int, changes: dict[str, Any]) -> None: ...
+    def hyperparameters(self, step: int, changes: dict[str, Any]) -> None:
+        """The edits beside their numbers, which went to `metrics` as "hparams/NAME" just before."""
+        ...
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None: ...
 
@@ -134,11 +136,8 @@ class TrackerSink:
         self.inner.samples(step, rows)
         self._put("samples", step, rows)
 
-    def progress(self, step: int, total: int, values: dict[str, float]) -> None:
-        self.inner.progress(step, total, values)
-
-    def flush(self) -> None:
-        self.inner.flush()  # the trackers are a copy: a checkpoint never waits for them
+    def __getattr__(self, name: str) -> Any:  # progress, flush, rewind: the job's sink alone (the
+        return getattr(self.inner, name)  # trackers are a copy: a checkpoint never waits for them)
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         """Send what is queued, then close every tracker."""
@@ -174,8 +173,12 @@ class TrackerSink:
                 return
             if kind == "checkpoint":  # a fork from this checkpoint will link to these runs
                 self._save_ids(Path(payload))
-            else:
-                self._call_each(kind, step, payload)
+                continue
+            if kind == "hyperparameters":  # from the step it applies, as a metric "hparams/NAME"
+                numbers = {f"hparams/{k}": v for k, v in payload.items() if isinstance(v, int | float)}
+                if numbers:
+                    self._call_each("metrics", step, numbers)
+            self._call_each(kind, step, payload)
 
     def _call_each(self, method: str, *args: Any, keep_ids: bool = False) -> None:
         for tracker in list(self.trackers):

@@ -4,7 +4,6 @@ TensorBoard: event files under `<workdir>/tensorboard/`, samples as Markdown tab
 logged in (WANDB_API_KEY or `wandb login`), else offline under `<workdir>/wandb/`; WANDB_MODE decides
 when set. MLflow: one run per job in the experiment `trainer.tracker_project`, at `trainer.mlflow_uri`,
 else MLFLOW_TRACKING_URI, else `<workdir>/mlruns/` (MLflow 3 needs MLFLOW_ALLOW_FILE_STORE for a folder).
-A hyper-parameter change is a metric `hparams/NAME` at the step it applies from.
 """
 
 from __future__ import annotations
@@ -37,9 +36,6 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, step)
 
     def hyperparameters(self, step: int, changes: dict[str, Any]) -> None:
-        for key, value in changes.items():
-            if isinstance(value, int | float):
-                self.writer.add_scalar(f"hparams/{key}", value, step)
         self.writer.add_text("hyperparameters", json.dumps(changes), step)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
@@ -91,9 +87,6 @@ class WandbTracker:
 
     def hyperparameters(self, step: int, changes: dict[str, Any]) -> None:
         self.run.config.update(changes, allow_val_change=True)
-        numbers = {f"hparams/{k}": v for k, v in changes.items() if isinstance(v, int | float)}
-        if numbers:
-            self.run.log(numbers, step=step)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         import wandb
@@ -155,9 +148,7 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=batch[i : i + BATCH])
 
     def hyperparameters(self, step: int, changes: dict[str, Any]) -> None:
-        numbers = {f"hparams/{k}": v for k, v in changes.items() if isinstance(v, int | float)}
-        if numbers:
-            self.metrics(step, numbers)
+        """Its numbers are metrics already; MLflow's params are the spec's, fixed once logged."""
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         columns, data = sample_table(step, rows)

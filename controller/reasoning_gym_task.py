@@ -1,23 +1,100 @@
-"""Rows from reasoning-gym tasks (data.reasoning_gym), written as train.jsonl and val.jsonl.
+"""reasoning-gym tasks (data.reasoning_gym): their rows, written as train.jsonl and val.jsonl, and
+`builtin:reasoning_gym`, which scores a completion by its task's own `score_answer`.
 
-Each row picks its task by a seeded weighted draw and takes that task's next item from a dataset
-seeded by (seed, split, task), so a spec gives the same rows on every run; validation leaves out any
-question among the training rows'. Generating runs in a spawned process bounded by `timeout_s` (some
-tasks generate slowly), and the files are kept beside the spec that made them.
+Each row picks its task by a seeded weighted draw and takes that task's next item from a dataset seeded
+by (seed, split, task), so a spec gives the same rows on every run; validation leaves out any question
+among the training rows'. Generating runs in a spawned process bounded by `timeout_s`, and the files are
+kept beside the spec that made them. A row carries its task, config and entry in `extra["reasoning_gym"]`
+(`encode_entry` keeps through JSON the tuples, sets and non-string-keyed dicts some scorers compare).
+The answer is the last complete <answer>...</answer> ("answer_tag") or the last non-empty line
+("last_line"); none scores 0.0. Some scorers `eval` the answer: this reward runs in the reward sandbox.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 import random
+import re
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from controller.data_files import DataError
-from controller.reasoning_gym_reward import encode_entry
 from controller.tasks import write_rows
 from schema.reasoning_gym import ReasoningGymSpec
+
+TUPLE, SET, ITEMS = "__tuple__", "__set__", "__items__"
+ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)  # the shortest span: pairs, not nests
+
+
+def encode_entry(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return {TUPLE: [encode_entry(v) for v in value]}
+    if isinstance(value, set | frozenset):
+        return {SET: [encode_entry(v) for v in sorted(value, key=repr)]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: encode_entry(v) for k, v in value.items()}
+        return {ITEMS: [[encode_entry(k), encode_entry(v)] for k, v in value.items()]}
+    if isinstance(value, list):
+        return [encode_entry(v) for v in value]
+    return value
+
+
+def decode_entry(value: Any) -> Any:
+    if isinstance(value, list):
+        return [decode_entry(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1 and TUPLE in value:
+        return tuple(decode_entry(v) for v in value[TUPLE])
+    if len(value) == 1 and SET in value:
+        return {_hashable(decode_entry(v)) for v in value[SET]}
+    if len(value) == 1 and ITEMS in value:
+        return {_hashable(decode_entry(k)): decode_entry(v) for k, v in value[ITEMS]}
+    return {k: decode_entry(v) for k, v in value.items()}
+
+
+def _hashable(value: Any) -> Any:
+    if isinstance(value, list | dict | set):
+        raise ValueError(f"a {type(value).__name__} cannot be a set member or a key")
+    return value
+
+
+def extract_answer(completion: str, answer_format: str) -> str | None:
+    if answer_format == "answer_tag":
+        tagged = ANSWER_TAG.findall(completion)
+        return tagged[-1].strip() if tagged else None
+    if answer_format == "last_line":
+        lines = [line.strip() for line in completion.splitlines() if line.strip()]
+        return lines[-1] if lines else None
+    raise ValueError(f"unknown answer_format '{answer_format}'; choose 'answer_tag' or 'last_line'")
+
+
+@lru_cache(maxsize=64)
+def _scorer(task: str, config_json: str) -> Any:
+    """The task's dataset object with the job's config (some scorers read it)."""
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(task, **json.loads(config_json), size=1, seed=0)
+
+
+def reasoning_gym_reward(prompt: str, response: str, ground_truth: Any, extra: dict | None) -> dict:
+    row = (extra or {}).get("reasoning_gym")
+    if not isinstance(row, dict) or not {"task", "entry"} <= row.keys():
+        raise ValueError(
+            "builtin:reasoning_gym scores rows that data.reasoning_gym generated: this row's extra has "
+            "no 'reasoning_gym' object with its task and entry"
+        )
+    answer = extract_answer(response, row.get("answer_format", "answer_tag"))
+    if answer is None:
+        return {"score": 0.0, "format": 0.0}
+    config = json.dumps(row.get("config") or {}, sort_keys=True)
+    score = _scorer(str(row["task"]), config).score_answer(answer, decode_entry(row["entry"]))
+    return {"score": float(score), "format": 1.0}
+
 
 VAL_DRAWS_PER_ROW = 16  # validation draws per row asked, at most, while too many repeat a training one
 
