@@ -9,11 +9,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from service.tinker_checkpoints import check_ttl, checkpoint_folder, commit, not_found, resolve_state
-from service.tinker_futures import Future
+from service.tinker_checkpoints import not_found, resolve_state
 from service.tinker_hosts import Call
-from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
-from service.tinker_service import NAME, TinkerError, TinkerService
+from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams
+from service.tinker_service import TinkerError, TinkerService
 from service.tinker_sessions import Sampler
 from service.tinker_wire import write_sample_response
 from workers.session_host import SessionWorker
@@ -26,35 +25,7 @@ UNSUPPORTED_SAMPLE_FIELDS = {
 }  # fmt: skip
 
 
-def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
-    model = svc.model(req.model_id, owner)
-    if req.kind != "snapshot":
-        raise TinkerError(400, f"kind: only 'snapshot' samplers are served (not {req.kind!r})", "kind")
-    name = req.path
-    if name is not None and not NAME.match(name):
-        raise TinkerError(400, f"path: sampler name {name!r} must match {NAME.pattern}", "path")
-    check_ttl(req.ttl_seconds)
-    sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
-    tinker_path = f"tinker://{model.job_id}/sampler_weights/{name}" if name else None
-
-    def saved(ok: dict[str, Any]) -> None:
-        svc.records.add_sampler(
-            Sampler(sampler_id, owner, model.base_model, ok["path"], tinker_path, model.job_id)
-        )
-        if name:  # a named snapshot is a listed checkpoint: a folder that points at the host's copy
-            folder = checkpoint_folder(model.workdir, "sampler_weights", name)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "SOURCE").write_text(ok["path"])
-            commit(svc.store, model.job_id, folder, tinker_path, req.ttl_seconds, "")
-
-    answer = {"path": tinker_path} if name else {"sampling_session_id": sampler_id}
-    answer["type"] = "save_weights_for_sampler"
-    return svc.on_model(
-        model, SessionWorker.save_for_sampler, {"name": name or sampler_id.replace(":", "-")}, answer, saved
-    )
-
-
-def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingSession) -> str:
+def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingSession) -> dict[str, Any]:
     session = svc.session(req.session_id, owner)
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}:{uuid.uuid4().hex[:6]}"
     path = req.model_path
@@ -66,12 +37,12 @@ def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingS
     else:
         base = svc.host(req.base_model or "", "base_model").base_model
         sampler = Sampler(sampler_id, owner, base, None, None, None)
-    svc.records.add_sampler(sampler)
-    return sampler_id
+    svc.records.samplers[sampler_id] = sampler
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
 
 def sampler_view(svc: TinkerService, owner: str | None, sampler_id: str) -> dict[str, Any]:
-    sampler = svc.records.sampler(sampler_id, owner)
+    sampler = svc.records.samplers.seen(sampler_id, owner)
     if sampler is None:
         raise not_found("sampler", sampler_id, "sampler_id")
     return {"sampler_id": sampler.id, "base_model": sampler.base_model, "model_path": sampler.tinker_path}
@@ -91,7 +62,7 @@ def _sampling_params(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[str]]:
+def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
     for name, default in UNSUPPORTED_SAMPLE_FIELDS.items():
         if getattr(req, name) not in (default, None, False):
             raise TinkerError(400, f"unsupported feature: {name} (Tandem serves tokens, their log-probs and "
@@ -101,7 +72,7 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
         raise TinkerError(
             400, "sampling_session_id: required (create a sampling client first)", "sampling_session_id"
         )
-    sampler = svc.records.sampler(sampler_id, owner)
+    sampler = svc.records.samplers.seen(sampler_id, owner)
     if sampler is None:
         raise not_found("sampler", sampler_id, "sampling_session_id")
     host = svc.hosts[sampler.base_model]
@@ -137,8 +108,10 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
     def finish(ok: dict[str, Any]) -> bytes:
         return write_sample_response(ok["sequences"], ok.get("prompt_logprobs"))
 
-    future = svc.submit(host, owner, sampler_id, call, finish, record)
-    return future, sequence_ids
+    return {
+        "request_id": svc.submit(host, owner, sampler_id, call, finish, record).id,
+        "sample_sequence_ids": sequence_ids,
+    }
 
 
 @lru_cache(maxsize=16)
