@@ -31,7 +31,6 @@ from api.routes import (
     usage,
 )
 from api.routes.health import VERSION, make_registry
-from api.routes.tinker import install_tinker_errors
 from api.settings import ServeSettings
 from api.validation import Checker
 from service.service import Service
@@ -67,7 +66,6 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         redirect_slashes=False,
     )
     install_error_handlers(app)
-    install_tinker_errors(app)
     registry, latency = make_registry(service.store)
     app.state.service = service
     app.state.read_cache = ReadCache(service.store)

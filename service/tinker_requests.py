@@ -10,10 +10,13 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from service.errors import ServiceError
 from service.tinker_wire import WireError, read_forward_backward
 
 SEED_LIMIT = 2**63
 MAX_TAGS = 32
+MAX_SAMPLES = 128
+MAX_NEW_TOKENS = 4096
 MAX_RATIO = 64  # a real body compresses a few times; FLOOR_BYTES is always allowed, for tiny bodies
 FLOOR_BYTES = 1024 * 1024
 READ_BYTES = 256 * 1024
@@ -27,12 +30,12 @@ MAX_TTL_S = 10 * 365 * 86400
 TtlSeconds = Annotated[int, Field(ge=1, le=MAX_TTL_S)]
 
 
-class TinkerError(Exception):
-    """A refused request: HTTP status, message and the field at fault (the SDK shows the message)."""
+class TinkerError(ServiceError):
+    """A refused request: HTTP status, message and the field at fault, answered under /api/v1 in the
+    SDK's shape (api/errors.py)."""
 
-    def __init__(self, status: int, message: str, field: str | None = None, category: str = "user") -> None:
-        super().__init__(message)
-        self.status, self.message, self.field, self.category = status, message, field, category
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        super().__init__(message, status, field)
 
 
 class Body(BaseModel):
@@ -65,7 +68,7 @@ class LoraConfig(Body):
 
 
 class OptimizerConfig(Body):
-    type: str = Field("adamw", max_length=64)
+    type: Literal["adamw"] = "adamw"
 
 
 class CreateModel(Body):
@@ -214,7 +217,7 @@ class ForwardBackward(Body):
 
 
 class SamplingParams(Body):
-    max_tokens: int | None = Field(None, ge=1, lt=SEED_LIMIT)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     seed: Seed | None = None
     stop: Annotated[str, Field(max_length=1024)] | list[Annotated[str, Field(max_length=1024)]] | list[Token] | None = (
         Field(None, max_length=64)
@@ -227,7 +230,7 @@ class SamplingParams(Body):
 class Sample(Body):
     sampling_session_id: Id | None = None
     prompt: ModelInput
-    num_samples: int = Field(1, ge=1, lt=SEED_LIMIT)
+    num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = 0

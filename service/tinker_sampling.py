@@ -17,8 +17,6 @@ from service.tinker_sessions import Sampler
 from service.tinker_wire import write_sample_response
 from workers.session_host import SessionWorker
 
-MAX_SAMPLES = 128
-MAX_NEW_TOKENS = 4096
 UNSUPPORTED_SAMPLE_FIELDS = {
     "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
     "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None,
@@ -52,9 +50,6 @@ def _sampling_params(params: SamplingParams) -> dict[str, Any]:
     """The engine's sampling settings; types, finiteness and the seed's range are the model's."""
     out = params.model_dump()
     out["max_tokens"] = params.max_tokens or 16
-    if out["max_tokens"] > MAX_NEW_TOKENS:
-        raise TinkerError(400, f"sampling_params.max_tokens: {out['max_tokens']} must be in [1, {MAX_NEW_TOKENS}]",
-                          "sampling_params.max_tokens")  # fmt: skip
     if out["top_k"] == 0:
         raise TinkerError(400, "sampling_params.top_k: 0 must be -1 or >= 1", "sampling_params.top_k")
     if isinstance(out["stop"], str):
@@ -81,8 +76,6 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
         raise TinkerError(400, "prompt: must hold at least one token", "prompt")
     svc.check_tokens(host, prompt, "prompt.chunks")
     num = req.num_samples
-    if not 1 <= num <= MAX_SAMPLES:
-        raise TinkerError(400, f"num_samples: {num} must be in [1, {MAX_SAMPLES}]", "num_samples")
     params = _sampling_params(req.sampling_params)
     call = Call(SessionWorker.sample, {"sampler": sampler.path, "prompt": prompt, "num_samples": num,
                                        "sampling_params": params, "prompt_logprobs": bool(req.prompt_logprobs)})  # fmt: skip

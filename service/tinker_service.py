@@ -165,9 +165,6 @@ class TinkerService:
             raise TinkerError(400, f"lora_config.rank: {rank} is outside [1, {self.options.max_rank}] "
                               "(the bound of this service)", "lora_config.rank")  # fmt: skip
         optimizer = (req.optimizer_config or bodies.OptimizerConfig()).model_dump()
-        if optimizer["type"] != "adamw":
-            raise TinkerError(400, f"optimizer_config.type: only 'adamw' is served, not {optimizer['type']!r}",
-                              "optimizer_config.type")  # fmt: skip
         model_id = f"{session.id}:train:{req.model_seq_id}"
         trains = lora.model_dump(include={"train_attn", "train_mlp", "train_unembed"})
         targets = [name.removeprefix("train_") for name, on in trains.items() if on]

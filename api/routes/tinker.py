@@ -14,12 +14,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
-from fastapi import APIRouter, FastAPI, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, Response
 from pydantic import BaseModel
 
 from api.auth import Caller
-from api.errors import tinker_error_body
 from service import tinker_checkpoints as saved
 from service import tinker_requests as bodies
 from service import tinker_sampling as sampling
@@ -54,12 +53,6 @@ DYNAMIC_CONFIG = {
     "sample_cancel_enabled": True,
     "sample_cancel_max_batch_size": 64,
 }
-
-
-def install_tinker_errors(app: FastAPI) -> None:
-    @app.exception_handler(TinkerError)
-    async def _tinker_error(request: Request, err: TinkerError) -> JSONResponse:
-        return JSONResponse(tinker_error_body(err.message, err.field, err.category), err.status)
 
 
 async def in_thread(work: Callable[..., T], *args: Any) -> T:
@@ -342,9 +335,9 @@ fallback = APIRouter()  # registered after every Tinker route
 @fallback.api_route(
     "/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False
 )
-async def unsupported(request: Request, rest: str) -> JSONResponse:
+async def unsupported(request: Request, rest: str) -> None:
     """Anything else under /api/v1 is named and refused at once."""
     await caller(request, "read")
     message = (f"unsupported feature: {request.method} /api/v1/{rest} is a Tinker API call that Tandem does "
                "not serve (docs/tinker.md lists what is compatible)")  # fmt: skip
-    return JSONResponse(tinker_error_body(message, rest.split("/")[0]), 400)
+    raise TinkerError(400, message, rest.split("/")[0])
