@@ -27,13 +27,10 @@ from api.routes import (
     openai_responses,
     openai_trajectories,
     rewards,
-    tinker_sample,
-    tinker_session,
-    tinker_train,
+    tinker,
     usage,
 )
 from api.routes.health import VERSION, make_registry
-from api.routes.tinker_session import install_tinker_errors
 from api.settings import ServeSettings
 from api.validation import Checker
 from service.service import Service
@@ -53,10 +50,8 @@ ROUTERS = (
     keys.router,
     usage.router,
     audit.router,
-    tinker_session.router,
-    tinker_train.router,
-    tinker_sample.router,
-    tinker_session.fallback,  # last: any other /api/v1 call is named as unsupported
+    tinker.router,
+    tinker.fallback,  # last: any other /api/v1 call is named as unsupported
 )
 
 
@@ -71,7 +66,6 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         redirect_slashes=False,
     )
     install_error_handlers(app)
-    install_tinker_errors(app)
     registry, latency = make_registry(service.store)
     app.state.service = service
     app.state.read_cache = ReadCache(service.store)

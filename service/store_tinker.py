@@ -1,14 +1,8 @@
-"""The Tinker API's training runs in the store: a table of their own, read with the jobs as `records`.
-
-A run (a LoRA adapter on a served base, service/tinker_service.py) has no JobSpec: its row keeps what
-it is (model and session ids, base model, rank, adapted modules) and the state every record has
-(status, owner, step, metrics, times, labels). The `records` view shows both tables in the jobs'
-shape, a run's spec built from its columns, so `tandem list`, the dashboard, usage and the scheduler
-read one kind of record. Writes go to the table that holds the id (`JobStore._table`).
-
-A store made before this table kept runs as `method = 'tinker'` rows of the jobs table: they move
-here when it opens (`MIGRATE`), ids, sequence numbers and every other table's rows unchanged.
-"""
+"""The Tinker API's training runs: a table of their own (a run has no JobSpec: its row keeps its ids,
+base model, rank and adapted modules, and the state every record has). The `records` view shows them
+beside the jobs in the jobs' shape, a spec built from the columns, so every reader sees one kind of
+record; writes go to the table that holds the id (`JobStore._table`). A store made before this table
+kept runs as `method = 'tinker'` jobs: they move here when it opens (`MIGRATE`)."""
 
 from __future__ import annotations
 

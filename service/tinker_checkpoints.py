@@ -1,24 +1,37 @@
 """A Tinker training run's checkpoints: `tinker://RUN/KIND/NAME` is the folder `checkpoints/KIND/NAME`
 of RUN's workdir, whole once its `.complete` exists; a TTL is the epoch second in its `.expires`. An
-expired checkpoint goes when next looked at or swept (`reap`); until then it counts in stored bytes."""
+expired checkpoint goes when next looked at or swept (`reap`); until then it counts in stored bytes.
+External weights are a model's PEFT files (age-encrypted when asked) behind URLs this service signs,
+so a client downloads them without its key."""
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import hmac
 import io
 import json
+import re
+import secrets
 import shutil
 import tarfile
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from service.tinker_requests import TinkerError
+from service.tinker_requests import SaveWeights, TinkerError
+from service.tinker_sessions import Future, Sampler
+from workers.session_host import SessionWorker
+
+if TYPE_CHECKING:
+    from service.tinker_service import TinkerService
 
 METHOD = "tinker"
 KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
-MAX_TTL_S = 10 * 365 * 86400
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 REAP_EVERY_S = 60.0
+URL_TTL_S = 3600
 
 
 def not_found(what: str, ident: str, field: str) -> TinkerError:
@@ -45,13 +58,6 @@ def set_ttl(folder: Path, ttl_seconds: int | None) -> None:
         (folder / ".expires").unlink(missing_ok=True)
     else:
         (folder / ".expires").write_text(f"{time.time() + ttl_seconds:.3f}")
-
-
-def check_ttl(ttl_seconds: int | None, field: str = "ttl_seconds") -> None:
-    if ttl_seconds is not None and not 1 <= ttl_seconds <= MAX_TTL_S:
-        raise TinkerError(
-            400, f"{field}: {ttl_seconds} must be in [1, {MAX_TTL_S}] seconds (or null: kept)", field
-        )
 
 
 def commit(
@@ -96,14 +102,19 @@ def list_checkpoints(job_id: str, workdir: Path | str) -> list[dict[str, Any]]:
     return out
 
 
-def parse_tinker_path(path: str) -> tuple[str, str, str] | None:
-    """(training run id, kind, name) of `tinker://RUN/KIND/NAME`, or None."""
-    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
-    if len(parts) != 3 or parts[1] not in KINDS or not parts[0] or not parts[2]:
-        return None
-    if any(p in (".", "..") or "\\" in p for p in parts):
-        return None
-    return parts[0], parts[1], parts[2]
+def last_saved_state(job_id: str, workdir: Path) -> str | None:
+    """The tinker path of the run's newest training checkpoint (save_state), if any."""
+    saved = [c for c in list_checkpoints(job_id, workdir) if c["checkpoint_type"] == "training"]
+    return saved[-1]["tinker_path"] if saved else None
+
+
+def lost_message(job_id: str, workdir: Path, cause: str = "the service restarted") -> str:
+    last = last_saved_state(job_id, workdir)
+    if last is None:
+        return (f"training run {job_id} was lost when {cause}, and it saved no state "
+                "(save_state): create a new training client")  # fmt: skip
+    return (f"training run {job_id} was lost when {cause}; its last saved state is {last}: "
+            f"continue with service_client.create_training_client_from_state_with_optimizer('{last}')")  # fmt: skip
 
 
 def run_row(store: Any, run_id: str, owner: str | None) -> Any:
@@ -112,12 +123,14 @@ def run_row(store: Any, run_id: str, owner: str | None) -> Any:
     return job if job is not None and job.method == METHOD and owner in (None, job.owner) else None
 
 
-def saved_folder(store: Any, owner: str | None, run_id: str, kind: str, name: str) -> tuple[Any, Path]:
-    """(run row, folder) of one of the caller's live checkpoints; a 404 otherwise."""
+def saved_folder(
+    store: Any, owner: str | None, run_id: str, kind: str, name: str, field: str = "checkpoint_id"
+) -> tuple[Any, Path]:
+    """(run row, folder) of one of the caller's live checkpoints; a 404 naming `field` otherwise."""
     job = run_row(store, run_id, owner)
     folder = checkpoint_folder(job.workdir, kind, name) if job is not None and kind in KINDS else None
     if folder is None or name.startswith(".") or "/" in name or not is_complete(folder):
-        raise not_found("checkpoint", f"tinker://{run_id}/{kind}/{name}", "checkpoint_id")
+        raise not_found("checkpoint", f"tinker://{run_id}/{kind}/{name}", field)
     return job, folder
 
 
@@ -125,16 +138,11 @@ def resolve_state(
     store: Any, path: str, owner: str | None, field: str = "path", kind: str = "weights"
 ) -> tuple[Any, Path]:
     """(run row, folder) of a caller's `tinker://RUN/KIND/NAME`; 404 for another owner's."""
-    parsed = parse_tinker_path(path)
-    label = "training" if kind == "weights" else "sampler"
-    if parsed is None or parsed[1] != kind:
-        raise TinkerError(400, f"{field}: {path!r} is not a {label} checkpoint path "
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] != kind or any(p in ("", ".", "..") or "\\" in p for p in parts):
+        raise TinkerError(400, f"{field}: {path!r} is not a {KINDS[kind]} checkpoint path "
                           f"(tinker://RUN/{kind}/NAME)", field)  # fmt: skip
-    job = run_row(store, parsed[0], owner)
-    folder = checkpoint_folder(job.workdir, kind, parsed[2]) if job is not None else None
-    if folder is None or not is_complete(folder):
-        raise not_found(f"{label} checkpoint" if kind != "weights" else "checkpoint", path, field)
-    return job, folder
+    return saved_folder(store, owner, parts[0], kind, parts[2], field)
 
 
 def delete(store: Any, owner: str | None, run_id: str, kind: str, name: str) -> None:
@@ -149,27 +157,21 @@ def reap(store: Any) -> None:
         list_checkpoints(job.id, job.workdir)
 
 
-# ---- training runs -------------------------------------------------------------------------------------
-
-
-def user_metadata(workdir: Path | str) -> dict[str, str]:
-    try:
-        return json.loads((Path(workdir) / "user_metadata.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def run_view(job: Any) -> dict[str, Any]:
     saved = list_checkpoints(job.id, job.workdir)
     last = {kind: next((c for c in reversed(saved) if c["checkpoint_type"] == kind), None)
             for kind in ("training", "sampler")}  # fmt: skip
+    try:
+        user_metadata = json.loads((Path(job.workdir) / "user_metadata.json").read_text())
+    except (OSError, ValueError):
+        user_metadata = {}
     return {
         "training_run_id": job.id, "base_model": job.spec["model"]["builtin"], "model_owner": job.owner,
         "is_lora": True, "corrupted": False, "lora_rank": job.spec["model"]["lora"]["rank"],
         "last_request_time": iso(job.created_at),
         "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
         "user_metadata": {"model_id": job.metadata.get("tinker_model_id", ""), "status": job.status,
-                          **user_metadata(job.workdir)},
+                          **user_metadata},
     }  # fmt: skip
 
 
@@ -182,3 +184,123 @@ def archive(folder: Path, name: str) -> bytes:
             if item.is_file() and not item.name.startswith(".") and item.name != "SOURCE":
                 tar.add(item, arcname=f"{name}/{item.relative_to(source)}")
     return buf.getvalue()
+
+
+# ---- the saves: save_state, save_weights_for_sampler, save_weights_external ----------------------------
+
+
+def _named(name: str | None, job_id: str, kind: str) -> str:
+    """The `tinker://` path a save of `name` will have; a 400 for a name that is not a folder's."""
+    if not NAME.match(name or ""):
+        raise TinkerError(400, f"path: name {name!r} must match {NAME.pattern}", "path")
+    return f"tinker://{job_id}/{kind}/{name}"
+
+
+def save_state(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
+    model = svc.model(req.model_id, owner)
+    name = req.path or f"step-{model.step:06d}"
+    path, folder = _named(name, model.job_id, "weights"), checkpoint_folder(model.workdir, "weights", name)
+    if is_complete(folder) and not req.overwrite:
+        raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
+    return svc.on_model(
+        model, SessionWorker.save_state, {"path": str(folder)}, {"path": path, "type": "save_weights"},
+        lambda ok: commit(svc.store, model.job_id, folder, path, req.ttl_seconds, "state"),
+    )  # fmt: skip
+
+
+def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
+    """A frozen snapshot to sample; named, it is also a listed checkpoint pointing at the host's copy."""
+    model = svc.model(req.model_id, owner)
+    if req.kind != "snapshot":
+        raise TinkerError(400, f"kind: only 'snapshot' samplers are served (not {req.kind!r})", "kind")
+    name = req.path
+    path = _named(name, model.job_id, "sampler_weights") if name is not None else None
+    sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
+
+    def saved(ok: dict[str, Any]) -> None:
+        svc.records.samplers[sampler_id] = Sampler(sampler_id, owner, model.base_model, ok["path"], path,
+                                                   model.job_id)  # fmt: skip
+        if name:
+            folder = checkpoint_folder(model.workdir, "sampler_weights", name)
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "SOURCE").write_text(ok["path"])
+            commit(svc.store, model.job_id, folder, path, req.ttl_seconds, "")
+
+    answer = {"path": path} if name else {"sampling_session_id": sampler_id}
+    answer["type"] = "save_weights_for_sampler"
+    return svc.on_model(
+        model, SessionWorker.save_for_sampler, {"name": name or sampler_id.replace(":", "-")}, answer, saved
+    )
+
+
+def save_external(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
+    model = svc.model(req.model_id, owner)
+    path = _named(req.path, model.job_id, "external_weights")
+    recipients = age_recipients(req.age_encryption_recipients)
+    folder = checkpoint_folder(model.workdir, "external_weights", req.path)
+    if is_complete(folder):
+        raise TinkerError(400, f"path: external weights '{req.path}' exist (delete them first)", "path")
+    shutil.rmtree(folder, ignore_errors=True)  # an expired or unfinished export of that name
+    staging = folder.parent / f".{req.path}.{secrets.token_hex(4)}"
+    answer = {"path": path, "type": "save_weights_external"}
+
+    def exported(ok: Any) -> None:
+        folder.mkdir(parents=True)
+        for item in sorted(staging.glob("adapter_*")):
+            if recipients:
+                import pyrage
+
+                (folder / f"{item.name}.age").write_bytes(pyrage.encrypt(item.read_bytes(), recipients))
+            else:
+                shutil.copyfile(item, folder / item.name)
+        shutil.rmtree(staging, ignore_errors=True)
+        answer["size_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
+        commit(svc.store, model.job_id, folder, path, req.ttl_seconds, "external weights")
+
+    kwargs = {"path": str(staging), "optimizer": False}
+    return svc.on_model(model, SessionWorker.save_state, kwargs, answer, exported)
+
+
+def age_recipients(given: list[str] | None) -> list[Any]:
+    if not given:
+        return []
+    try:
+        import pyrage
+    except ImportError:
+        why = "unsupported feature: age_encryption_recipients needs the pyrage package on the service"
+        raise TinkerError(
+            400, f"{why} (pip install 'tandem[cookbook]')", "age_encryption_recipients"
+        ) from None
+    out = []
+    for i, text in enumerate(given):
+        try:
+            out.append(pyrage.x25519.Recipient.from_str(text))
+        except Exception:  # noqa: BLE001 - pyrage raises its own error types for a bad key
+            field = f"age_encryption_recipients[{i}]"
+            raise TinkerError(400, f"{field}: not an age X25519 recipient (age1...)", field) from None
+    return out
+
+
+def signature(secret: bytes, run_id: str, name: str, file: str, expires: int) -> str:
+    return hmac.new(secret, f"{run_id}/{name}/{file}/{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def signed_urls(secret: bytes, base_url: str, run_id: str, name: str, folder: Path) -> dict[str, Any]:
+    """The SDK's `ExternalWeightsUrlsResponse`: one URL per file, valid for URL_TTL_S."""
+    expires = int(time.time()) + URL_TTL_S
+    urls = {f.name: f"{base_url.rstrip('/')}/api/v1/external_weights/{run_id}/{name}/{f.name}?expires={expires}"
+            f"&signature={signature(secret, run_id, name, f.name, expires)}"
+            for f in sorted(folder.iterdir()) if f.is_file() and not f.name.startswith(".")}  # fmt: skip
+    return {"urls": urls, "expires": iso(expires)}
+
+
+def signed_file(secret: bytes, store: Any, run_id: str, name: str, file: str, expires: int, sig: str) -> Path:
+    """The file a signed URL names, if its signature holds and it has not expired; else a 404."""
+    if hmac.compare_digest(sig, signature(secret, run_id, name, file, expires)) and expires > time.time():
+        job = run_row(store, run_id, None)
+        folder = checkpoint_folder(job.workdir, "external_weights", name) if job is not None else None
+        if folder is not None and is_complete(folder) and file in {f.name for f in folder.iterdir()}:
+            return folder / file
+    raise not_found(
+        "signed external weights file (or the URL expired)", f"{run_id}/{name}/{file}", "signature"
+    )

@@ -21,7 +21,7 @@ import ray
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, WorkerGroupError
 from engines.models.tiny_models import BUILTIN_MODELS
-from service.tinker_futures import Future, FutureTable
+from service.tinker_sessions import Future, FutureTable
 from workers.session_host import Result, SessionWorker, error
 
 log = logging.getLogger("tandem.tinker")

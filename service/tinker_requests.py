@@ -1,6 +1,7 @@
 """The Tinker API's request bodies as the SDK sends them (`tinker/types/*_request.py`), typed strictly:
 a wrong type is a 400 naming the dotted field; fields the SDK may add later are ignored. Floats are
-finite (a NaN learning rate would poison the adapter), seeds 63-bit (torch's generator, SQLite)."""
+finite (a NaN learning rate would poison the adapter), seeds 63-bit (torch's generator, SQLite). A zstd
+body is read as a stream that stops at its cap (a 413), never expanded whole."""
 
 from __future__ import annotations
 
@@ -9,23 +10,32 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from service.errors import ServiceError
+from service.tinker_wire import WireError, read_forward_backward
+
 SEED_LIMIT = 2**63
 MAX_TAGS = 32
+MAX_SAMPLES = 128
+MAX_NEW_TOKENS = 4096
+MAX_RATIO = 64  # a real body compresses a few times; FLOOR_BYTES is always allowed, for tiny bodies
+FLOOR_BYTES = 1024 * 1024
+READ_BYTES = 256 * 1024
 Id = Annotated[str, Field(min_length=1, max_length=512)]
 Token = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
 # the SDK reads a run's user_metadata as text values: anything else would break every listing
 UserMetadata = Annotated[dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
                          Field(max_length=64)]  # fmt: skip
-TtlSeconds = Annotated[int, Field(ge=1, lt=SEED_LIMIT)]
+MAX_TTL_S = 10 * 365 * 86400
+TtlSeconds = Annotated[int, Field(ge=1, le=MAX_TTL_S)]
 
 
-class TinkerError(Exception):
-    """A refused request: HTTP status, message and the field at fault (the SDK shows the message)."""
+class TinkerError(ServiceError):
+    """A refused request: HTTP status, message and the field at fault, answered under /api/v1 in the
+    SDK's shape (api/errors.py)."""
 
-    def __init__(self, status: int, message: str, field: str | None = None, category: str = "user") -> None:
-        super().__init__(message)
-        self.status, self.message, self.field, self.category = status, message, field, category
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        super().__init__(message, status, field)
 
 
 class Body(BaseModel):
@@ -58,7 +68,7 @@ class LoraConfig(Body):
 
 
 class OptimizerConfig(Body):
-    type: str = Field("adamw", max_length=64)
+    type: Literal["adamw"] = "adamw"
 
 
 class CreateModel(Body):
@@ -88,16 +98,12 @@ class OptimStep(Body):
 
 
 class SaveWeights(Body):
+    """save_weights, save_weights_for_sampler and save_weights_external: each reads its own fields."""
+
     model_id: Id
     path: str | None = Field(None, max_length=512)
     overwrite: bool = False
     kind: str = Field("snapshot", max_length=64)
-    ttl_seconds: TtlSeconds | None = None
-
-
-class SaveExternal(Body):
-    model_id: Id
-    path: Id
     ttl_seconds: TtlSeconds | None = None
     age_encryption_recipients: list[Annotated[str, Field(max_length=1024)]] | None = Field(
         None, max_length=64
@@ -108,15 +114,15 @@ class CheckpointTtl(Body):
     ttl_seconds: TtlSeconds | None
 
 
-class LoadWeights(Body):
+class LoadWeights(CreateModel):
+    """load_state of a live model, or (without model_id) a new one from the state: a create_model."""
+
     path: Id
     optimizer: bool = False
     model_id: Id | None = None
     session_id: Id | None = None
     model_seq_id: int = Field(0, ge=0, lt=SEED_LIMIT)
     base_model: Id | None = None
-    optimizer_config: OptimizerConfig | None = None
-    user_metadata: UserMetadata | None = None
 
 
 class CreateSamplingSession(Body):
@@ -211,7 +217,7 @@ class ForwardBackward(Body):
 
 
 class SamplingParams(Body):
-    max_tokens: int | None = Field(None, ge=1, lt=SEED_LIMIT)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
     seed: Seed | None = None
     stop: Annotated[str, Field(max_length=1024)] | list[Annotated[str, Field(max_length=1024)]] | list[Token] | None = (
         Field(None, max_length=64)
@@ -224,7 +230,7 @@ class SamplingParams(Body):
 class Sample(Body):
     sampling_session_id: Id | None = None
     prompt: ModelInput
-    num_samples: int = Field(1, ge=1, lt=SEED_LIMIT)
+    num_samples: int = Field(1, ge=1, le=MAX_SAMPLES)
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = 0
@@ -268,3 +274,42 @@ def parse_body(model: type[Model], raw: bytes | dict[str, Any]) -> Model:
         return model.model_validate(raw) if isinstance(raw, dict) else model.model_validate_json(raw or b"{}")
     except ValidationError as err:
         raise refusal(err) from None
+
+
+def decompressed(raw: bytes, cap: int) -> bytes:
+    """A zstd body, read as a stream; a 413 as soon as its output passes what `raw` may expand to."""
+    import zstandard
+
+    limit = min(cap, max(FLOOR_BYTES, MAX_RATIO * len(raw)))
+    out = bytearray()
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True) as reader:
+            while chunk := reader.read(READ_BYTES):
+                out += chunk
+                if len(out) > limit:
+                    raise TinkerError(413, f"body: the zstd body expands past {limit} bytes ({len(raw)} "
+                                      f"compressed; at most {MAX_RATIO}x, up to {cap}), more than a "
+                                      "forward_backward request of the models served needs", "body")  # fmt: skip
+    except zstandard.ZstdError as err:
+        raise TinkerError(400, f"body: not a zstd frame ({err})", "body") from None
+    return bytes(out)
+
+
+def forward_request(raw: bytes, encoding: str, content_type: str, cap: int) -> dict[str, Any]:
+    """A forward/forward_backward body (zstd or not, protobuf or JSON) in the protobuf reader's shape,
+    typed: finite floats, whole token ids, consistent tensor shapes."""
+    if encoding == "zstd":
+        raw = decompressed(raw, cap)
+    elif encoding not in ("", "identity"):
+        raise TinkerError(
+            400, f"Content-Encoding: {encoding!r} is not served (zstd or none)", "Content-Encoding"
+        )
+    if "protobuf" not in content_type:
+        return parse_body(ForwardBackward, raw).plain()
+    try:
+        read = read_forward_backward(raw)
+    except WireError as err:
+        raise TinkerError(400, str(err), err.field) from None
+    data = [{"model_input": {"chunks": [{"tokens": d.pop("tokens")}]}, **d} for d in read["data"]]
+    given = {"data": data, "loss_fn": read["loss_fn"], "loss_fn_config": read["loss_fn_config"]}
+    return parse_body(ForwardBackward, {**read, "forward_backward_input": given}).plain()

@@ -9,52 +9,21 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from service.tinker_checkpoints import check_ttl, checkpoint_folder, commit, not_found, resolve_state
-from service.tinker_futures import Future
+from service.tinker_checkpoints import not_found, resolve_state
 from service.tinker_hosts import Call
-from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams, SaveWeights
-from service.tinker_service import NAME, TinkerError, TinkerService
+from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams
+from service.tinker_service import TinkerError, TinkerService
 from service.tinker_sessions import Sampler
 from service.tinker_wire import write_sample_response
 from workers.session_host import SessionWorker
 
-MAX_SAMPLES = 128
-MAX_NEW_TOKENS = 4096
 UNSUPPORTED_SAMPLE_FIELDS = {
     "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
     "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None,
 }  # fmt: skip
 
 
-def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
-    model = svc.model(req.model_id, owner)
-    if req.kind != "snapshot":
-        raise TinkerError(400, f"kind: only 'snapshot' samplers are served (not {req.kind!r})", "kind")
-    name = req.path
-    if name is not None and not NAME.match(name):
-        raise TinkerError(400, f"path: sampler name {name!r} must match {NAME.pattern}", "path")
-    check_ttl(req.ttl_seconds)
-    sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
-    tinker_path = f"tinker://{model.job_id}/sampler_weights/{name}" if name else None
-
-    def saved(ok: dict[str, Any]) -> None:
-        svc.records.add_sampler(
-            Sampler(sampler_id, owner, model.base_model, ok["path"], tinker_path, model.job_id)
-        )
-        if name:  # a named snapshot is a listed checkpoint: a folder that points at the host's copy
-            folder = checkpoint_folder(model.workdir, "sampler_weights", name)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "SOURCE").write_text(ok["path"])
-            commit(svc.store, model.job_id, folder, tinker_path, req.ttl_seconds, "")
-
-    answer = {"path": tinker_path} if name else {"sampling_session_id": sampler_id}
-    answer["type"] = "save_weights_for_sampler"
-    return svc.on_model(
-        model, SessionWorker.save_for_sampler, {"name": name or sampler_id.replace(":", "-")}, answer, saved
-    )
-
-
-def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingSession) -> str:
+def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingSession) -> dict[str, Any]:
     session = svc.session(req.session_id, owner)
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}:{uuid.uuid4().hex[:6]}"
     path = req.model_path
@@ -66,12 +35,12 @@ def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingS
     else:
         base = svc.host(req.base_model or "", "base_model").base_model
         sampler = Sampler(sampler_id, owner, base, None, None, None)
-    svc.records.add_sampler(sampler)
-    return sampler_id
+    svc.records.samplers[sampler_id] = sampler
+    return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
 
 def sampler_view(svc: TinkerService, owner: str | None, sampler_id: str) -> dict[str, Any]:
-    sampler = svc.records.sampler(sampler_id, owner)
+    sampler = svc.records.samplers.seen(sampler_id, owner)
     if sampler is None:
         raise not_found("sampler", sampler_id, "sampler_id")
     return {"sampler_id": sampler.id, "base_model": sampler.base_model, "model_path": sampler.tinker_path}
@@ -81,9 +50,6 @@ def _sampling_params(params: SamplingParams) -> dict[str, Any]:
     """The engine's sampling settings; types, finiteness and the seed's range are the model's."""
     out = params.model_dump()
     out["max_tokens"] = params.max_tokens or 16
-    if out["max_tokens"] > MAX_NEW_TOKENS:
-        raise TinkerError(400, f"sampling_params.max_tokens: {out['max_tokens']} must be in [1, {MAX_NEW_TOKENS}]",
-                          "sampling_params.max_tokens")  # fmt: skip
     if out["top_k"] == 0:
         raise TinkerError(400, "sampling_params.top_k: 0 must be -1 or >= 1", "sampling_params.top_k")
     if isinstance(out["stop"], str):
@@ -91,7 +57,7 @@ def _sampling_params(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
-def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[str]]:
+def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
     for name, default in UNSUPPORTED_SAMPLE_FIELDS.items():
         if getattr(req, name) not in (default, None, False):
             raise TinkerError(400, f"unsupported feature: {name} (Tandem serves tokens, their log-probs and "
@@ -101,7 +67,7 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
         raise TinkerError(
             400, "sampling_session_id: required (create a sampling client first)", "sampling_session_id"
         )
-    sampler = svc.records.sampler(sampler_id, owner)
+    sampler = svc.records.samplers.seen(sampler_id, owner)
     if sampler is None:
         raise not_found("sampler", sampler_id, "sampling_session_id")
     host = svc.hosts[sampler.base_model]
@@ -110,8 +76,6 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
         raise TinkerError(400, "prompt: must hold at least one token", "prompt")
     svc.check_tokens(host, prompt, "prompt.chunks")
     num = req.num_samples
-    if not 1 <= num <= MAX_SAMPLES:
-        raise TinkerError(400, f"num_samples: {num} must be in [1, {MAX_SAMPLES}]", "num_samples")
     params = _sampling_params(req.sampling_params)
     call = Call(SessionWorker.sample, {"sampler": sampler.path, "prompt": prompt, "num_samples": num,
                                        "sampling_params": params, "prompt_logprobs": bool(req.prompt_logprobs)})  # fmt: skip
@@ -137,8 +101,10 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> tuple[Future, list[s
     def finish(ok: dict[str, Any]) -> bytes:
         return write_sample_response(ok["sequences"], ok.get("prompt_logprobs"))
 
-    future = svc.submit(host, owner, sampler_id, call, finish, record)
-    return future, sequence_ids
+    return {
+        "request_id": svc.submit(host, owner, sampler_id, call, finish, record).id,
+        "sample_sequence_ids": sequence_ids,
+    }
 
 
 @lru_cache(maxsize=16)

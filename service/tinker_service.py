@@ -1,7 +1,7 @@
 """The Tinker API's training side: a request is checked before anything is queued (a bad one is a 4xx
 naming the field), then becomes one operation of its base's session host, answered by a future. A
 training model is a record of the scheduler's Tinker workload, whose `launch` sends its creation to the
-host. The sampling side is service/tinker_sampling.py."""
+host. The sampling side is service/tinker_sampling.py, the saves service/tinker_checkpoints.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import re
 import secrets
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +19,12 @@ from service import tinker_checkpoints as saved
 from service import tinker_requests as bodies
 from service.job_state import JobStatus
 from service.service import Service
-from service.tinker_futures import Future, FutureTable
 from service.tinker_hosts import Call, Finish, Host, HostOptions, Op
 from service.tinker_requests import TinkerError
-from service.tinker_sessions import (
-    ClientSession,
-    Records,
-    TrainingModel,
-    last_saved_state,
-    lost_message,
-    use_recorded,
-)
+from service.tinker_sessions import ClientSession, Future, FutureTable, Records, TrainingModel, use_recorded
 from service.tinker_wire import write_forward_backward_output
 from workers.session_host import SessionWorker
 
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 BUILTIN_CONTEXT = 512
 SESSION_TTL_S = 600.0  # a session without a heartbeat for this long ends
 
@@ -68,47 +60,51 @@ class TinkerService:
 
     # ---- sessions ---------------------------------------------------------------------------------
 
-    def expire_sessions(self) -> list[str]:
+    def expire_sessions(self) -> None:
         """Silent sessions end (the SDK beats every 10 s): their models leave the host and their runs
         pause, naming the last saved state. Expired checkpoints are swept here too."""
         now = time.time()
         if now - self._reaped > saved.REAP_EVERY_S:
             self._reaped = now
             saved.reap(self.store)
-        gone = [
-            s for s in list(self.records.sessions.values()) if now - s.last_heartbeat > self.session_ttl_s
-        ]
-        for session in gone:
+        for session in [
+            s for s in self.records.sessions.of(None) if now - s.last_heartbeat > self.session_ttl_s
+        ]:
             self.records.end_session(session.id)
-            for model in [m for m in list(self.records.models.values()) if m.session_id == session.id]:
-                last = last_saved_state(model.job_id, model.workdir) or "none (no save_state)"
+            for model in [m for m in self.records.models.of(None) if m.session_id == session.id]:
+                last = saved.last_saved_state(model.job_id, model.workdir) or "none (no save_state)"
                 self._drop(model)
                 self.scheduler.end(model.job_id, JobStatus.PAUSED, f"session {session.id} ended: no heartbeat for "
                                    f"{self.session_ttl_s:g} s; the last saved state of training run "
                                    f"{model.job_id} is {last}")  # fmt: skip
-        return [s.id for s in gone]
 
     def _host_lost(self, host: Host) -> None:
         """A host's process died with its adapters: their runs pause, each naming its last saved state."""
-        for model in [m for m in list(self.records.models.values()) if m.base_model == host.base_model]:
-            self.records.drop_model(model.model_id)
-            why = lost_message(model.job_id, model.workdir, f"its session host ({host.base_model}) died")
+        for model in [m for m in self.records.models.of(None) if m.base_model == host.base_model]:
+            self.records.models.pop(model.model_id, None)
+            why = saved.lost_message(
+                model.job_id, model.workdir, f"its session host ({host.base_model}) died"
+            )
             self.scheduler.end(model.job_id, JobStatus.PAUSED, why)
 
-    def _quota(self, owner: str, name: str, have: int, what: str) -> None:
+    def _quota(self, owner: str, name: str, have: list, what: str) -> None:
         limit = getattr(self.quotas.of(owner), name)
-        if limit is not None and have >= limit:
+        if limit is not None and len(have) >= limit:
             raise TinkerError(403, f"quota {name}: owner '{owner}' may have at most {limit} {what}; it has "
-                              f"{have}", f"quota.{name}")  # fmt: skip
+                              f"{len(have)}", f"quota.{name}")  # fmt: skip
 
-    def create_session(self, owner: str, tags: list[str]) -> ClientSession:
+    def create_session(self, owner: str, req: bodies.CreateSession) -> dict[str, Any]:
         self.expire_sessions()
         with self._admit:
-            self._quota(owner, "tinker_sessions", self.records.live_sessions_of(owner), "sessions")
-            return self.records.new_session(owner, tags)
+            self._quota(owner, "tinker_sessions", self.records.sessions.of(owner), "sessions")
+            now, session_id = time.time(), f"sess-{uuid.uuid4().hex[:12]}"
+            self.records.sessions[session_id] = ClientSession(
+                session_id, owner, now, now, req.tags[: bodies.MAX_TAGS]
+            )
+        return {"type": "create_session", "session_id": session_id}
 
     def session(self, session_id: str, owner: str | None) -> ClientSession:
-        found = self.records.session(session_id, owner)
+        found = self.records.sessions.seen(session_id, owner)
         if found is None:
             raise saved.not_found("session", session_id, "session_id")
         return found
@@ -150,17 +146,17 @@ class TinkerService:
 
     def model(self, model_id: str, owner: str | None) -> TrainingModel:
         """The caller's live training model; a run lost in a restart is a 400 naming its last state."""
-        found = self.records.model(model_id, owner)
+        found = self.records.models.seen(model_id, owner)
         if found is not None:
             return found
         rows, _ = self.store.list_jobs(metadata={"tinker_model_id": model_id}, owner=owner, limit=1)
         if rows:  # its error says why it is gone (a restart, an ended session) and its last saved state
             raise TinkerError(
-                400, rows[0].error or lost_message(rows[0].id, Path(rows[0].workdir)), "model_id"
+                400, rows[0].error or saved.lost_message(rows[0].id, Path(rows[0].workdir)), "model_id"
             )
         raise saved.not_found("training model", model_id, "model_id")
 
-    def create_model(self, owner: str, req: bodies.CreateModel, load: dict[str, Any] | None = None) -> Future:
+    def create_model(self, owner: str, req: bodies.CreateModel) -> Future:
         session = self.session(req.session_id, owner)
         host = self.host(req.base_model, "base_model")
         lora = req.lora_config or bodies.LoraConfig()
@@ -169,23 +165,20 @@ class TinkerService:
             raise TinkerError(400, f"lora_config.rank: {rank} is outside [1, {self.options.max_rank}] "
                               "(the bound of this service)", "lora_config.rank")  # fmt: skip
         optimizer = (req.optimizer_config or bodies.OptimizerConfig()).model_dump()
-        if optimizer["type"] != "adamw":
-            raise TinkerError(400, f"optimizer_config.type: only 'adamw' is served, not {optimizer['type']!r}",
-                              "optimizer_config.type")  # fmt: skip
         model_id = f"{session.id}:train:{req.model_seq_id}"
         trains = lora.model_dump(include={"train_attn", "train_mlp", "train_unembed"})
         targets = [name.removeprefix("train_") for name, on in trains.items() if on]
         with self._admit:
             if model_id in self.records.models:
                 raise TinkerError(400, f"model_seq_id: model {model_id} exists already", "model_seq_id")
-            self._quota(owner, "tinker_models", self.records.live_models_of(owner), "live training models")
+            self._quota(owner, "tinker_models", self.records.models.of(owner), "live training models")
             with self.service.admitting():  # the owner's queued and stored quotas, as a job's submission
                 self.service.check_quota(owner)
                 job = self.store.create_tinker_run(owner, model_id, session.id, host.base_model, rank, targets,
                                                    self.home / "jobs")  # fmt: skip
             model = TrainingModel(model_id, job.id, owner, session.id, host.base_model, rank, Path(job.workdir),
                                   optimizer)  # fmt: skip
-            self.records.add_model(model)  # now: a second create_model of this id is refused
+            self.records.models[model_id] = model  # now: a second create_model of this id is refused
         model.workdir.mkdir(parents=True, exist_ok=True)
         (model.workdir / "user_metadata.json").write_text(json.dumps(req.user_metadata or {}))
 
@@ -194,16 +187,17 @@ class TinkerService:
                                  f"{ok.get('trainable_params')} trainable parameters")  # fmt: skip
 
         def forget() -> None:  # a model the host refused goes with its row: a failed create stores nothing
-            self.records.drop_model(model_id)
+            self.records.models.pop(model_id, None)
             self.scheduler.forget(job.id)
 
+        load = req if isinstance(req, bodies.LoadWeights) else None
         answer = {"model_id": model_id, "type": "create_model"} if load is None else {}
         ops: list[Op] = []  # sent when the scheduler launches the run
         future = self.on_model(model, SessionWorker.create_adapter, {"rank": rank, "seed": lora.seed, **trains},
                                answer, created, forget, ops)  # fmt: skip
         if load is not None:  # create_training_client_from_state: the same queue runs the load right after
             try:
-                future = self._load(model, load["path"], load["optimizer"], owner, forget, ops)
+                future = self._load(model, load.path, load.optimizer, owner, forget, ops)
             except TinkerError:
                 forget()
                 raise
@@ -222,12 +216,12 @@ class TinkerService:
             self._launches.pop(model.model_id, None)
             self._drop(model)
 
-    def info(self, model_id: str, owner: str | None) -> dict[str, Any]:
-        model = self.model(model_id, owner)
+    def info(self, owner: str | None, req: bodies.ModelRef) -> dict[str, Any]:
+        model = self.model(req.model_id, owner)
         info = self.hosts[model.base_model].info or {}
         return {
             "type": "get_info",
-            "model_id": model_id,
+            "model_id": model.model_id,
             "model_name": model.base_model,
             "is_lora": True,
             "lora_rank": model.rank,
@@ -306,32 +300,15 @@ class TinkerService:
 
     # ---- state ------------------------------------------------------------------------------------
 
-    def save_state(self, owner: str, req: bodies.SaveWeights) -> Future:
-        model = self.model(req.model_id, owner)
-        name = req.path or f"step-{model.step:06d}"
-        if not NAME.match(name):
-            raise TinkerError(400, f"path: checkpoint name {name!r} must match {NAME.pattern}", "path")
-        saved.check_ttl(req.ttl_seconds)
-        folder = saved.checkpoint_folder(model.workdir, "weights", name)
-        if saved.is_complete(folder) and not req.overwrite:
-            raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
-        tinker_path = f"tinker://{model.job_id}/weights/{name}"
-        return self.on_model(
-            model, SessionWorker.save_state, {"path": str(folder)}, {"path": tinker_path, "type": "save_weights"},
-            lambda ok: saved.commit(self.store, model.job_id, folder, tinker_path, req.ttl_seconds, "state"),
-        )  # fmt: skip
-
     def load_state(self, owner: str, req: bodies.LoadWeights) -> Future:
         if req.model_id:
             return self._load(self.model(req.model_id, owner), req.path, req.optimizer, owner)
         if req.session_id is None:
             raise TinkerError(400, "session_id: required when model_id is not given", "session_id")
-        job, _ = saved.resolve_state(self.store, req.path, owner)  # a new training client from a checkpoint
-        create = bodies.CreateModel(session_id=req.session_id, model_seq_id=req.model_seq_id,
-                             base_model=req.base_model or job.spec["model"]["builtin"],
-                             lora_config=bodies.LoraConfig(rank=job.spec["model"]["lora"]["rank"]),
-                             optimizer_config=req.optimizer_config, user_metadata=req.user_metadata)  # fmt: skip
-        return self.create_model(owner, create, load={"path": req.path, "optimizer": req.optimizer})
+        spec = saved.resolve_state(self.store, req.path, owner)[0].spec["model"]  # a new model from a state
+        lora = bodies.LoraConfig(rank=spec["lora"]["rank"])
+        return self.create_model(owner, req.model_copy(update={"base_model": req.base_model or spec["builtin"],
+                                                               "lora_config": lora}))  # fmt: skip
 
     def _load(self, model: TrainingModel, path: str, optimizer: bool, owner: str, on_fail: Any = None,
               deferred: list[Op] | None = None) -> Future:  # fmt: skip
@@ -354,7 +331,7 @@ class TinkerService:
         model = self.model(req.model_id, owner)
 
         def dropped(ok: Any) -> None:
-            self.records.drop_model(model.model_id)
+            self.records.models.pop(model.model_id, None)
             self.scheduler.end(model.job_id, JobStatus.SUCCEEDED)
 
         return self._drop(model, {"model_id": req.model_id, "type": "unload_model"}, dropped)
@@ -362,7 +339,7 @@ class TinkerService:
     def _drop(self, model: TrainingModel, answer: dict[str, Any] | None = None, on_ok: Any = None) -> Future:
         """Drop a model from its host (queued after its pending ops); without `on_ok`, forget it now."""
         if on_ok is None:
-            self.records.drop_model(model.model_id)
+            self.records.models.pop(model.model_id, None)
         return self.on_model(model, SessionWorker.drop_adapter, {}, answer or {}, on_ok)
 
 

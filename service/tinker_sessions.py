@@ -1,7 +1,8 @@
-"""The Tinker API's in-memory records: client sessions, training models, samplers, recorded samples.
-A training model is also a `tinker_runs` row (its id names its checkpoints); its adapter lives in the
-host, so a restart pauses the run (`lost_message`). A lookup answers None for another owner's id (None:
-the admin sees all), so that it is a 404 like an unknown one."""
+"""The Tinker API's in-memory records: client sessions, training models, samplers, recorded samples and
+futures. A training model is also a `tinker_runs` row (its id names its checkpoints); its adapter lives
+in the host, so a restart pauses the run. A future is a request id the SDK polls (`retrieve_future`):
+its owner's JSON answer, protobuf bytes or a failure in the SDK's `{"error", "category"}` shape,
+resolved by dispatcher threads and read by the event loop."""
 
 from __future__ import annotations
 
@@ -12,13 +13,26 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from service.tinker_checkpoints import list_checkpoints
 from service.tinker_requests import TinkerError
 
 # Samples kept for `record_stability_info` (prompt and sampled tokens in all), oldest dropped first.
 MAX_RECORDED_TOKENS = 4_000_000
+KEEP_S = 3600.0  # how long a finished future stays readable
+V = TypeVar("V")
+
+
+class Owned(dict[str, V], Generic[V]):
+    """Records by id, each with an `owner`."""
+
+    def seen(self, key: str, owner: str | None) -> V | None:
+        """None for another owner's id (None: the admin sees all), so that it is a 404 like an unknown one."""
+        found = self.get(key)
+        return found if found is not None and owner in (None, found.owner) else None  # type: ignore[attr-defined]
+
+    def of(self, owner: str | None) -> list[V]:
+        return [v for v in list(self.values()) if owner in (None, v.owner)]  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -65,49 +79,64 @@ class Sampler:
     job_id: str | None  # the training run it came from: its samples go to that row
 
 
-def _seen(found: Any, owner: str | None) -> Any:
-    return found if found is not None and owner in (None, found.owner) else None
+@dataclass
+class Future:
+    id: str
+    owner: str
+    kind: str
+    created: float = field(default_factory=time.time)
+    done_at: float | None = None
+    answer: dict[str, Any] | bytes | None = None
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.done_at is not None
+
+
+class FutureTable(Owned[Future]):
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def create(self, owner: str, kind: str) -> Future:
+        future = Future(f"req-{uuid.uuid4().hex[:16]}", owner, kind)
+        with self._lock:
+            cutoff = time.time() - KEEP_S
+            for key in [k for k, f in self.items() if f.done_at is not None and f.done_at < cutoff]:
+                del self[key]
+            self[future.id] = future
+        return future
+
+    def finish(self, future: Future, answer: dict[str, Any] | bytes) -> None:
+        with self._lock:
+            if not future.done:  # cancelled first: the late result is dropped
+                future.answer, future.done_at = answer, time.time()
+
+    def fail(self, future: Future, message: str, category: str = "server") -> None:
+        self.finish(future, {"error": message, "category": category})
+
+    def cancel(self, future: Future) -> bool:
+        """Marks a pending future cancelled (its queued work is skipped); False if it had finished."""
+        with self._lock:
+            if future.done:
+                return False
+            future.cancelled, future.done_at = True, time.time()
+            future.answer = {"error": "cancelled by the client", "category": "user"}
+            return True
 
 
 class Records:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.sessions: dict[str, ClientSession] = {}
-        self.models: dict[str, TrainingModel] = {}
-        self.samplers: dict[str, Sampler] = {}
+        self.sessions: Owned[ClientSession] = Owned()
+        self.models: Owned[TrainingModel] = Owned()
+        self.samplers: Owned[Sampler] = Owned()
         self.sequences: OrderedDict[str, Recorded] = OrderedDict()
         self._recorded_tokens = 0
 
-    def new_session(self, owner: str, tags: list[str]) -> ClientSession:
-        now = time.time()
-        session = ClientSession(f"sess-{uuid.uuid4().hex[:12]}", owner, now, now, tags)
-        with self._lock:
-            self.sessions[session.id] = session
-        return session
-
-    def session(self, session_id: str, owner: str | None) -> ClientSession | None:
-        return _seen(self.sessions.get(session_id), owner)
-
-    def model(self, model_id: str, owner: str | None) -> TrainingModel | None:
-        return _seen(self.models.get(model_id), owner)
-
     def model_of_job(self, job_id: str) -> TrainingModel | None:
         return next((m for m in list(self.models.values()) if m.job_id == job_id), None)
-
-    def add_model(self, model: TrainingModel) -> None:
-        with self._lock:
-            self.models[model.model_id] = model
-
-    def drop_model(self, model_id: str) -> None:
-        with self._lock:
-            self.models.pop(model_id, None)
-
-    def sampler(self, sampler_id: str, owner: str | None) -> Sampler | None:
-        return _seen(self.samplers.get(sampler_id), owner)
-
-    def add_sampler(self, sampler: Sampler) -> None:
-        with self._lock:
-            self.samplers[sampler.id] = sampler
 
     def record(self, owner: str, ids: list[str], prompt: list[int], sequences: list[dict[str, Any]]) -> None:
         shared = array("i", prompt)
@@ -127,27 +156,6 @@ class Records:
             for key in [k for k in self.sequences if k.startswith(session_id + ":")]:
                 old = self.sequences.pop(key)
                 self._recorded_tokens -= len(old.prompt) + len(old.tokens)
-
-    def live_models_of(self, owner: str) -> int:
-        return sum(1 for m in list(self.models.values()) if m.owner == owner)
-
-    def live_sessions_of(self, owner: str) -> int:
-        return sum(1 for s in list(self.sessions.values()) if s.owner == owner)
-
-
-def last_saved_state(job_id: str, workdir: Path) -> str | None:
-    """The tinker path of the run's newest training checkpoint (save_state), if any."""
-    saved = [c for c in list_checkpoints(job_id, workdir) if c["checkpoint_type"] == "training"]
-    return saved[-1]["tinker_path"] if saved else None
-
-
-def lost_message(job_id: str, workdir: Path, cause: str = "the service restarted") -> str:
-    last = last_saved_state(job_id, workdir)
-    if last is None:
-        return (f"training run {job_id} was lost when {cause}, and it saved no state "
-                "(save_state): create a new training client")  # fmt: skip
-    return (f"training run {job_id} was lost when {cause}; its last saved state is {last}: "
-            f"continue with service_client.create_training_client_from_state_with_optimizer('{last}')")  # fmt: skip
 
 
 def use_recorded(records: Records, owner: str, data: list[dict[str, Any]]) -> None:

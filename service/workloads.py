@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from controller import checkpoints
 from controller.resource_pool import job_needs
 from service.job_state import JobStatus
-from service.tinker_sessions import lost_message
+from service.tinker_checkpoints import lost_message
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ pytest.importorskip("tinker")
 zstandard = pytest.importorskip("zstandard")
 
 from api.settings import ServeSettings  # noqa: E402
-from api.tinker_bodies import FLOOR_BYTES, decompressed  # noqa: E402
+from service.tinker_requests import FLOOR_BYTES, decompressed  # noqa: E402
 from service.tinker_service import TinkerError  # noqa: E402
 from tests.api_util import start_service, tiny_job  # noqa: E402
 from tests.tinker_loops import owner_keys  # noqa: E402

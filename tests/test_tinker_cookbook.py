@@ -20,7 +20,7 @@ pytest.importorskip("workers.session_host")
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
-from api.routes.tinker_session import LONG_POLL_S  # noqa: E402
+from api.routes.tinker import LONG_POLL_S  # noqa: E402
 from tests.tinker_loops import owner_keys, point_sdk, served, service_client  # noqa: E402
 
 BASE = "tiny-qwen2"

@@ -32,7 +32,7 @@ ROUTES = {
     "forward_backward": req.ForwardBackward, "forward": req.ForwardBackward, "optim_step": req.OptimStep,
     "save_weights": req.SaveWeights, "load_weights": req.LoadWeights, "save_weights_for_sampler": req.SaveWeights,
     "unload_model": req.ModelRef, "create_sampling_session": req.CreateSamplingSession, "asample": req.Sample,
-    "save_weights_external": req.SaveExternal,
+    "save_weights_external": req.SaveWeights,
 }  # fmt: skip
 NUMBERS = st.one_of(st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=False, allow_infinity=False),
                     st.sampled_from([0, -1, 1, 2**63, 2**64, 1e308, -0.0]))  # fmt: skip

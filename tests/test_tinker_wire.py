@@ -231,8 +231,8 @@ def test_the_dispatcher_takes_turns_between_owners_then_their_sessions(tmp_path)
     queues, one op per queue per batch, in each queue's order; a cancelled op is skipped."""
     from collections import OrderedDict, deque
 
-    from service.tinker_futures import FutureTable
     from service.tinker_hosts import Host, HostOptions, Op
+    from service.tinker_sessions import FutureTable
 
     futures = FutureTable()
     host = Host("tiny-qwen2", tmp_path, futures, HostOptions(max_batch=2))

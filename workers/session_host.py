@@ -17,6 +17,8 @@ from workers.operations import TrainingOperations
 
 Result = dict[str, Any]  # {"ok": ...} or {"error": {"category", "field", "message"}}
 Call = dict[str, Any]  # one request of a batched form, as service/tinker_service.py builds it
+# the single operations: they raise, the API reads their answers
+GUARDED = ("optim_step", "save_state", "load_state", "create_adapter", "drop_adapter", "save_for_sampler")
 
 
 def error(category: str, field: str | None, message: str) -> Result:
@@ -49,7 +51,7 @@ class SessionWorker(TrainingOperations):
         self.ops = TrainOps(self.engine)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.register_mesh("actor", 0, True)  # the MESH operations: one rank, one dp rank
-        for name in ("optim_step", "save_state", "load_state"):  # they raise, the API reads answers
+        for name in GUARDED:
             operation = getattr(self, name)
             setattr(self, name, lambda *a, op=operation, **kw: self._guard(lambda: op(*a, **kw)))
 
@@ -119,26 +121,22 @@ class SessionWorker(TrainingOperations):
         train_attn: bool = True,
         train_mlp: bool = True,
         train_unembed: bool = True,
-    ) -> Result:
+    ) -> dict[str, Any]:
         """A fresh LoRA adapter (B = 0: it starts as the base) with its own AdamW state."""
-
-        def create() -> dict:
-            spec = self.engine.adapter_spec(rank, seed, train_attn, train_mlp, train_unembed)
-            numel = self.engine.create_adapter(adapter, spec).numel()
-            return {"trainable_params": numel, "adapter_bytes": numel * 4}
-
-        return self._guard(create)
+        spec = self.engine.adapter_spec(rank, seed, train_attn, train_mlp, train_unembed)
+        numel = self.engine.create_adapter(adapter, spec).numel()
+        return {"trainable_params": numel, "adapter_bytes": numel * 4}
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def drop_adapter(self, adapter: str) -> Result:
+    def drop_adapter(self, adapter: str) -> dict[str, Any]:
         """The adapter, its gradients and optimizer state leave the host (its saved folders stay)."""
-        return self._guard(lambda: self.engine.drop_adapter(adapter) or {})
+        return self.engine.drop_adapter(adapter) or {}
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def save_for_sampler(self, adapter: str, name: str) -> Result:
+    def save_for_sampler(self, adapter: str, name: str) -> dict[str, Any]:
         """A frozen snapshot of the adapter (no optimizer state) that `sample` can name."""
         folder = str(self.engine.workdir / "samplers" / adapter / name)
-        return self._guard(lambda: self.ops.save_state(folder, 0, adapter, False) or {"path": folder})
+        return self.ops.save_state(folder, 0, adapter, False) or {"path": folder}
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def forward_backward_calls(self, calls: list[Call]) -> list[Result]:
