@@ -245,10 +245,8 @@ class Service:
     def fork(self, job_id: str, step: int | None, overrides: dict[str, Any], sees: str | None = None,
              owner: str = ADMIN_OWNER) -> JobRecord:  # fmt: skip
         """A new job of `owner` (the forking key's) from one of the job's checkpoints."""
-        parent = self.steered(job_id, sees, "fork")
+        spec = self.merged_spec(job_id, overrides, sees)
         chosen = fork_point(self.store, job_id, step)
-        spec = _validated_merge(parent, overrides)
-        same_weights_shape(parent.job_spec, spec)
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(
                 f"trainer.total_steps = {spec.trainer.total_steps} leaves nothing to train after the checkpoint at "

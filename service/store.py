@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,6 @@ from service.store_tinker import TINKER_COLUMNS
 
 __all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery", "metrics_topic"]
 
-JOB_COLUMNS = (
-    "id, seq, status, method, spec, metadata, created_at, started_at, finished_at, step, total_steps, "
-    "latest_metrics, error, parent_id, workdir, idempotency, request_hash, stop_reason, name, tags, notes, "
-    "active_s, run_started_at, owner, restart"
-)
 JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags", "restart")
 
 
@@ -83,6 +78,8 @@ class JobRecord:
         return self.active_s + max(current, 0.0)
 
 
+# the columns of a record, in JobRecord's order
+JOB_COLUMNS = ", ".join(f.name for f in fields(JobRecord) if f.name != "stored_spec")
 _PARSED: OrderedDict[str, JobSpec] = OrderedDict()  # stored text -> its JobSpec, latest used last
 _PARSED_MAX = 1024
 _parsed_lock = threading.Lock()
