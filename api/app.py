@@ -79,15 +79,16 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         service, settings.tinker_models(), HostOptions(max_rank=settings.tinker_max_rank)
     )
 
+    tinker_data = settings.tinker_max_body_bytes
+    limits = {
+        "/v1/files": settings.max_upload_bytes,
+        "/api/v1/forward_backward": tinker_data,
+        "/api/v1/forward": tinker_data,
+    }
+
     def body_limit(scope: dict) -> int:
-        path = scope["path"].rstrip("/")
-        if scope["method"] != "POST":
-            return settings.max_body_bytes
-        if path == "/v1/files":
-            return settings.max_upload_bytes
-        if path in ("/api/v1/forward_backward", "/api/v1/forward"):
-            return settings.tinker_max_body_bytes
-        return settings.max_body_bytes
+        path = scope["path"].rstrip("/") if scope["method"] == "POST" else ""
+        return limits.get(path, settings.max_body_bytes)
 
     app.add_middleware(HotReadPath, hot=app.state.hot_reads)  # innermost: inside RequestId
     app.add_middleware(AuditTrail, store=service.store)  # inside RequestId: it records the request id

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from api.cli_jobs import add_job_parsers
-from api.cli_resources import add_files_parser, add_keys_parser, add_models_parser
+from api.cli_resources import add_resource_parsers
 from api.cli_serve import add_serve_parser
 from api.cli_spec import UsageError
 from api.client import TandemAPIError, TandemClient, TandemError
@@ -36,18 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--token", default=None, help="bearer token (default: $TANDEM_TOKEN, else the admin token)"
     )
 
-    def command(name: str, func: Callable, help: str, job: bool = True) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, parents=[conn], allow_abbrev=False)
+    def command(
+        name: str, func: Callable, help: str, job: bool = True, under: Any = sub, client: bool = True
+    ) -> argparse.ArgumentParser:
+        """A subcommand (of `under`: the top level or a group's) calling `func(args, client)`."""
+        p = under.add_parser(
+            name, help=help, description=help, parents=[conn] if client else [], allow_abbrev=False
+        )
         if job:
             p.add_argument("job_id", metavar="ID")
-        p.set_defaults(func=func, client=True, subparser=p)
+        p.set_defaults(func=func, client=client, subparser=p)
         return p
 
     add_serve_parser(sub)
     add_job_parsers(command)
-    add_files_parser(sub, conn)
-    add_keys_parser(sub, conn)
-    add_models_parser(sub)
+    add_resource_parsers(command, sub)
     return parser
 
 

@@ -43,17 +43,22 @@ def _submit(args: argparse.Namespace, client: TandemClient) -> int:
     return 0
 
 
+def shown(args: argparse.Namespace, data: Any, render: Callable[[Any], str]) -> int:
+    """Print `data` as JSON with --json, else as `render` writes it for a person."""
+    print(json.dumps(data, indent=2) if getattr(args, "json", False) else render(data))
+    return 0
+
+
 def _list(args: argparse.Namespace, client: TandemClient) -> int:
-    jobs = client.list_jobs(args.status, args.limit)["data"]
-    if args.json:
-        print(json.dumps(jobs, indent=2))
-        return 0
+    return shown(args, client.list_jobs(args.status, args.limit)["data"], _jobs_table)
+
+
+def _jobs_table(jobs: list[dict[str, Any]]) -> str:
     header = ("ID", "STATUS", "OWNER", "METHOD", "MODEL", "STEP", "REWARD", "STARTED", "DURATION")
     rows = [(j["id"], shown_status(j), j["owner"], j["method"], j["model"], f"{j['step']}/{j['total_steps']}",
              format_metric("critic/score/mean", j["latest_metrics"].get("critic/score/mean")), clock(j["started_at"]),
              duration(j["started_at"], j["finished_at"])) for j in jobs]  # fmt: skip
-    print(table(header, rows) if rows else "no jobs")
-    return 0
+    return table(header, rows) if rows else "no jobs"
 
 
 def shown_status(job: dict) -> str:
@@ -66,10 +71,10 @@ def shown_status(job: dict) -> str:
 
 
 def _status(args: argparse.Namespace, client: TandemClient) -> int:
-    job = client.get_job(args.job_id)
-    if args.json:
-        print(json.dumps(job, indent=2))
-        return 0
+    return shown(args, client.get_job(args.job_id), _facts)
+
+
+def _facts(job: dict[str, Any]) -> str:
     facts = {
         "id": job["id"],
         "status": shown_status(job),
@@ -97,35 +102,20 @@ def _status(args: argparse.Namespace, client: TandemClient) -> int:
         {k: format_metric(k, latest[k]) for k in METRIC_KEYS if k in latest}
     )  # `tandem metrics` has all
     width = max(len(k) for k in facts)
-    print("\n".join(f"{k:<{width}}  {v}" for k, v in facts.items()))
-    return 0
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in facts.items())
 
 
 def _follow(args: argparse.Namespace, client: TandemClient) -> int:
     return follow(client, args.job_id)
 
 
-def _logs(args: argparse.Namespace, client: TandemClient) -> int:
-    print_logs(client, args.job_id, args.tail, args.follow)
-    return 0
-
-
-def _events(args: argparse.Namespace, client: TandemClient) -> int:
-    print_events(client, args.job_id, args.follow)
-    return 0
-
-
 def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
     keys = [k.strip() for k in (args.keys or "").split(",") if k.strip()] or None
     rows = metric_rows(client, args.job_id, keys, args.every, args.last)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
     present = {k for row in rows for k in row["values"]}
     columns = keys or [k for k in METRIC_KEYS if k in present]
     body = [(str(row["step"]), *(format_metric(k, row["values"].get(k)) for k in columns)) for row in rows]
-    print(table(("STEP", *columns), body) if body else "no metrics yet")
-    return 0
+    return shown(args, rows, lambda _: table(("STEP", *columns), body) if body else "no metrics yet")
 
 
 def metric_rows(
@@ -192,25 +182,16 @@ def _set(args: argparse.Namespace, client: TandemClient) -> int:
 
 def _checkpoints(args: argparse.Namespace, client: TandemClient) -> int:
     saved = client.checkpoints(args.job_id)["data"]
-    if args.json:
-        print(json.dumps(saved, indent=2))
-        return 0
     rows = [(str(c["step"]), clock(c["time"]), c["path"]) for c in saved]
-    print(table(("STEP", "SAVED", "PATH"), rows) if rows else "no checkpoints yet")
-    return 0
+    return shown(
+        args, saved, lambda _: table(("STEP", "SAVED", "PATH"), rows) if rows else "no checkpoints yet"
+    )
 
 
 def _samples(args: argparse.Namespace, client: TandemClient) -> int:
     step = args.step if args.step is not None else client.get_job(args.job_id)["step"]
     rows = client.samples(args.job_id, step=step, limit=args.limit)["data"]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    if not rows:
-        print(f"no samples of step {step}")
-        return 0
-    print("\n\n".join(format_sample(row) for row in rows))
-    return 0
+    return shown(args, rows, lambda _: "\n\n".join(map(format_sample, rows)) or f"no samples of step {step}")
 
 
 def format_sample(row: dict[str, Any]) -> str:
@@ -260,10 +241,10 @@ def add_job_parsers(command: Callable[..., argparse.ArgumentParser]) -> None:
         "--json", action="store_true"
     )
     command("follow", _follow, "a progress bar until the job ends (exit 0 if it succeeded)")
-    p = command("logs", _logs, "a job's log lines")
+    p = command("logs", print_logs, "a job's log lines")
     p.add_argument("--tail", type=int, default=200)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
-    command("events", _events, "a job's events").add_argument("-f", "--follow", action="store_true")
+    command("events", print_events, "a job's events").add_argument("-f", "--follow", action="store_true")
     p = command("metrics", _metrics, "a job's metrics per step")
     p.add_argument("--keys", help="comma-separated metric names (default: the headline ones)")
     p.add_argument("--last", type=positive, metavar="N", help="only the last N rows")

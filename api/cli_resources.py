@@ -7,6 +7,7 @@ A new key is printed alone on the last line of `keys create`'s output, and nowhe
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from api.cli_format import MINUTES, clock, table
@@ -32,21 +33,6 @@ def delete_file_command(args: argparse.Namespace, client: TandemClient) -> int:
     client.delete_file(args.file_id)
     print(f"{args.file_id} deleted")
     return 0
-
-
-def add_files_parser(sub: Any, conn: argparse.ArgumentParser) -> None:
-    files = sub.add_parser(
-        "files", help="upload data and reward modules; specs name them by id"
-    ).add_subparsers(dest="files_command", required=True)
-    p = files.add_parser("upload", parents=[conn], help="upload files; prints each one's id (file-...)")
-    p.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl/.json/.parquet data or a .py module")
-    p.set_defaults(func=upload_command, client=True)
-    files.add_parser("list", parents=[conn], help="uploaded files").set_defaults(
-        func=list_files_command, client=True
-    )
-    p = files.add_parser("delete", parents=[conn], help="delete an uploaded file")
-    p.add_argument("file_id", metavar="ID")
-    p.set_defaults(func=delete_file_command, client=True)
 
 
 def create_key_command(args: argparse.Namespace, client: TandemClient) -> int:
@@ -76,24 +62,6 @@ def revoke_key_command(args: argparse.Namespace, client: TandemClient) -> int:
     return 0
 
 
-def add_keys_parser(sub: Any, conn: argparse.ArgumentParser) -> None:
-    keys = sub.add_parser(
-        "keys", help="API keys for owners (admin): each owner sees only their own jobs and files"
-    ).add_subparsers(dest="keys_command", required=True)
-    p = keys.add_parser("create", parents=[conn], help="a new key; printed alone on the last line")
-    p.add_argument("--owner", required=True, help="who the key acts for")
-    p.add_argument("--scope", choices=("read", "write"), default="write", help="write (default) or read only")
-    p.add_argument("--expires", type=float, metavar="DAYS", help="the key stops working after DAYS days")
-    p.add_argument("--name", help="a note on what the key is for")
-    p.set_defaults(func=create_key_command, client=True)
-    p = keys.add_parser("list", parents=[conn], help="keys: id, owner, scopes, times; never the key")
-    p.add_argument("--owner", help="only this owner's keys")
-    p.set_defaults(func=list_keys_command, client=True)
-    p = keys.add_parser("revoke", parents=[conn], help="revoke a key: refused from its next request on")
-    p.add_argument("key_id", metavar="ID")
-    p.set_defaults(func=revoke_key_command, client=True)
-
-
 def build_model_command(args: argparse.Namespace) -> int:
     from controller.models import BUILTIN_MODEL_NAMES, builtin_model_path
     from engines.models.pretrained import PackagedModelMissing
@@ -121,17 +89,36 @@ def list_models_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_models_parser(sub: Any) -> None:
-    models_parser = sub.add_parser(
-        "models", help="the built-in models a spec names as model.builtin", allow_abbrev=False
+def add_resource_parsers(command: Callable[..., argparse.ArgumentParser], sub: Any) -> None:
+    def group(name: str, help: str, required: bool = True) -> Any:
+        parser = sub.add_parser(name, help=help, allow_abbrev=False)
+        return parser, parser.add_subparsers(dest=f"{name}_command", required=required)
+
+    _, files = group("files", "upload data and reward modules; specs name them by id")
+    p = command("upload", upload_command, "upload files; prints each one's id (file-...)", False, files)
+    p.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl/.json/.parquet data or a .py module")
+    command("list", list_files_command, "uploaded files", False, files)
+    command("delete", delete_file_command, "delete an uploaded file", False, files).add_argument(
+        "file_id", metavar="ID"
     )
+    _, keys = group("keys", "API keys for owners (admin): each owner sees only their own jobs and files")
+    p = command("create", create_key_command, "a new key; printed alone on the last line", False, keys)
+    p.add_argument("--owner", required=True, help="who the key acts for")
+    p.add_argument("--scope", choices=("read", "write"), default="write", help="write (default) or read only")
+    p.add_argument("--expires", type=float, metavar="DAYS", help="the key stops working after DAYS days")
+    p.add_argument("--name", help="a note on what the key is for")
+    p = command("list", list_keys_command, "keys: id, owner, scopes, times; never the key", False, keys)
+    p.add_argument("--owner", help="only this owner's keys")
+    p = command("revoke", revoke_key_command, "revoke a key: refused from its next request on", False, keys)
+    p.add_argument("key_id", metavar="ID")
+    models_parser, models = group("models", "the built-in models a spec names as model.builtin", False)
     models_parser.set_defaults(func=list_models_command, client=False, subparser=models_parser)
-    models = models_parser.add_subparsers(dest="models_command")
-    models.add_parser("list", help="the built-in models' names (the default)").set_defaults(
-        func=list_models_command, client=False
-    )
-    build = models.add_parser(
-        "build", help="build a built-in model in HF format; prints its folder", allow_abbrev=False
-    )
-    build.add_argument("name")
-    build.set_defaults(func=build_model_command, client=False, subparser=build)
+    command("list", list_models_command, "the built-in models' names (the default)", False, models, False)
+    command(
+        "build",
+        build_model_command,
+        "build a built-in model in HF format; prints its folder",
+        False,
+        models,
+        False,
+    ).add_argument("name")

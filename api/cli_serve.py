@@ -110,26 +110,29 @@ def add_serve_parser(sub: Any) -> None:
     serve.set_defaults(func=serve_command, client=False, subparser=serve)
 
 
+# --quota-NAME: the Quota field it sets (--quota-stored-gb in GB), its type, metavar and help
+QUOTA_FLAGS = {
+    "running-jobs": ("running_jobs", int, "N", "jobs running at once"),
+    "queued-jobs": ("queued_jobs", int, "N", "jobs queued at once (429 beyond)"),
+    "cpus": ("cpus", float, "N", "CPUs held by an owner's running jobs"),
+    "gpus": ("gpus", float, "N", "GPUs held by an owner's running jobs"),
+    "stored-gb": ("stored_bytes", float, "GB", "uploads, checkpoints and exports (403 beyond)"),
+}
+
+
 def add_quota_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group("quotas per owner (default: unlimited; the admin is never limited)")
     group.add_argument(
         "--quotas", metavar="FILE", help="JSON or YAML: {default: {...}, owners: {NAME: {...}}}"
     )
-    group.add_argument("--quota-running-jobs", type=int, metavar="N", help="jobs running at once")
-    group.add_argument("--quota-queued-jobs", type=int, metavar="N", help="jobs queued at once (429 beyond)")
-    group.add_argument("--quota-cpus", type=float, metavar="N", help="CPUs held by an owner's running jobs")
-    group.add_argument("--quota-gpus", type=float, metavar="N", help="GPUs held by an owner's running jobs")
-    group.add_argument(
-        "--quota-stored-gb", type=float, metavar="GB", help="uploads, checkpoints and exports (403 beyond)"
-    )
+    for flag, (_, kind, metavar, help) in QUOTA_FLAGS.items():
+        group.add_argument(f"--quota-{flag}", type=kind, metavar=metavar, help=help)
 
 
 def quota_settings(args: argparse.Namespace) -> dict[str, Any]:
     default = {
-        "running_jobs": args.quota_running_jobs,
-        "queued_jobs": args.quota_queued_jobs,
-        "cpus": args.quota_cpus,
-        "gpus": args.quota_gpus,
-        "stored_bytes": int(args.quota_stored_gb * GiB) if args.quota_stored_gb is not None else None,
+        field: getattr(args, "quota_" + flag.replace("-", "_")) for flag, (field, *_) in QUOTA_FLAGS.items()
     }
+    if default["stored_bytes"] is not None:
+        default["stored_bytes"] = int(default["stored_bytes"] * GiB)
     return {"quotas_file": args.quotas, "default_quota": {k: v for k, v in default.items() if v is not None}}

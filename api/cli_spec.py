@@ -16,7 +16,8 @@ import yaml
 from pydantic import ValidationError
 
 from schema.job import JobSpec
-from schema.section import deep_merge, error_message
+from schema.section import deep_merge
+from service.errors import first_error
 from service.files import CODE_FIELDS, PATH_FIELDS, spec_field
 
 
@@ -131,8 +132,5 @@ def validate(raw: dict[str, Any]) -> JobSpec:
 
 def describe(err: ValidationError) -> str:
     """The first error as 'field.path: message', the way the API names a field."""
-    first = err.errors()[0]
-    field = ".".join(str(p) for p in first.get("loc", ())) or None
     more = len(err.errors()) - 1
-    suffix = f" (and {more} more)" if more else ""
-    return error_message(first.get("msg", "invalid value"), field) + suffix
+    return first_error(err)[0] + (f" (and {more} more)" if more else "")

@@ -3,7 +3,9 @@ succeeded, 1 otherwise), and live logs and events."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -122,28 +124,29 @@ def event_line(event: dict[str, Any]) -> str:
     return f"{clock(event['time'])}  {event['kind']:<26} {event['message']}"
 
 
-def log_line(row: dict[str, Any]) -> str:
-    return row["line"]
+def print_events(args: argparse.Namespace, client: TandemClient) -> int:
+    """`tandem events`: every event of the job; with --follow, then new ones until the job ends."""
+    events = _all_events(client, args.job_id)
+    return _print_rows(args, client, "events", events, event_line)
 
 
-def print_events(client: TandemClient, job_id: str, live: bool) -> None:
-    """Every event of the job; with `live`, then new ones as they come, until the job ends."""
-    last = 0
-    for event in _all_events(client, job_id):
-        print(event_line(event), flush=True)
-        last = event["id"]
-    if live:
-        for sse in client.stream(job_id, "events", after=last):
-            if sse.event != "end":
-                print(event_line(sse.data), flush=True)
+def print_logs(args: argparse.Namespace, client: TandemClient) -> int:
+    """`tandem logs`: the job's last --tail lines; with --follow, then new ones until the job ends."""
+    rows = client.logs(args.job_id, tail=args.tail)["data"]
+    return _print_rows(args, client, "logs", rows, lambda row: row["line"])
 
 
-def print_logs(client: TandemClient, job_id: str, tail: int, live: bool) -> None:
-    """The job's last `tail` log lines; with `live`, then new ones as they come, until the job ends."""
-    rows = client.logs(job_id, tail=tail)["data"]
+def _print_rows(
+    args: argparse.Namespace,
+    client: TandemClient,
+    what: str,
+    rows: list[dict[str, Any]],
+    line: Callable[[dict[str, Any]], str],
+) -> int:
     for row in rows:
-        print(log_line(row), flush=True)
-    if live:
-        for sse in client.stream(job_id, "logs", after=rows[-1]["id"] if rows else 0):
+        print(line(row), flush=True)
+    if args.follow:
+        for sse in client.stream(args.job_id, what, after=rows[-1]["id"] if rows else 0):
             if sse.event != "end":
-                print(log_line(sse.data), flush=True)
+                print(line(sse.data), flush=True)
+    return 0

@@ -139,11 +139,9 @@ class TandemClient:
 
     def list_jobs(self, status: list[str] | None = None, limit: int = 20, after: str | None = None,
                   q: str | None = None, tag: str | None = None) -> JSON:  # fmt: skip
-        params: dict[str, Any] = {"limit": limit}
-        for name, value in (("status", status), ("after", after), ("q", q), ("tag", tag)):
-            if value:
-                params[name] = value
-        return self._call("GET", "/v1/jobs", params=params)
+        return self._call(
+            "GET", "/v1/jobs", params={"limit": limit, "status": status, "after": after, "q": q, "tag": tag}
+        )
 
     def update_job(self, job_id: str, **labels: Any) -> JSON:
         """Change a job's name, tags or notes: update_job(job_id, name="x", tags=["a"])."""
@@ -174,10 +172,8 @@ class TandemClient:
     def metrics(self, job_id: str, keys: list[str] | None = None, **query: int) -> JSON:
         """One page of the series; `query` takes the route's other parameters (after_step, last,
         every, max_points, step_min, step_max, limit)."""
-        params: dict[str, Any] = {k: v for k, v in query.items() if v is not None}
-        if keys:
-            params["keys"] = ",".join(keys)
-        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params or None)
+        params = {**query, "keys": ",".join(keys or [])}
+        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)
 
     def logs(self, job_id: str, tail: int = 200) -> JSON:
         return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"tail": tail})
@@ -186,7 +182,7 @@ class TandemClient:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
     def samples(self, job_id: str, step: int | None = None, limit: int = 20, after: int = 0) -> JSON:
-        params = {"limit": limit, "after": after, **({"step": step} if step is not None else {})}
+        params = {"limit": limit, "after": after, "step": step}
         return self._call("GET", f"/v1/jobs/{job_id}/samples", params=params)
 
     def stream(self, job_id: str, what: str, after: int = 0) -> Iterator[SSEEvent]:
@@ -240,21 +236,22 @@ class TandemClient:
         return self._call("POST", "/v1/keys", json=body)
 
     def list_keys(self, owner: str | None = None) -> JSON:
-        return self._call("GET", "/v1/keys", params={"owner": owner} if owner else None)
+        return self._call("GET", "/v1/keys", params={"owner": owner})
 
     def revoke_key(self, key_id: str) -> JSON:
         return self._call("DELETE", f"/v1/keys/{key_id}")
 
     def usage(self, owner: str | None = None) -> JSON:
-        return self._call("GET", "/v1/usage", params={"owner": owner} if owner else None)
+        return self._call("GET", "/v1/usage", params={"owner": owner})
 
     def audit(self, limit: int = 100, after: int | None = None, owner: str | None = None) -> JSON:
-        params = {"limit": limit, "after": after or None, "owner": owner}
-        return self._call("GET", "/v1/audit", params={k: v for k, v in params.items() if v})
+        return self._call("GET", "/v1/audit", params={"limit": limit, "after": after or None, "owner": owner})
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> JSON:
+    def _call(self, method: str, path: str, params: JSON | None = None, **kwargs: Any) -> JSON:
+        """`params` left empty (None, "" or []) are not sent."""
+        sent = {k: v for k, v in (params or {}).items() if v not in (None, "", [])}
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = self._http.request(method, path, params=sent or None, **kwargs)
         except httpx.TransportError as err:
             raise TandemConnectionError(self.url, _reason(err)) from None
         if response.is_error:

@@ -3,7 +3,8 @@ scope it requires, and the caller."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
 from fastapi import Depends, Query, Request, Security
 from fastapi.security import HTTPBearer
@@ -34,27 +35,23 @@ class TokenScope(HTTPBearer):
 INT64_MAX = 2**63 - 1  # SQLite's integers; larger query values are a 422, not a storage error
 
 
-# async, though they do not wait: FastAPI runs a plain function dependency in its thread pool,
-# a thread hop per dependency per request.
-async def get_service(request: Request) -> Service:
-    return request.app.state.service
+def app_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    """A dependency on `request.app.state.<name>`. Async, though it does not wait: FastAPI runs a plain
+    function dependency in its thread pool, a thread hop per dependency per request."""
 
+    async def get(request: Request) -> Any:
+        return getattr(request.app.state, name)
 
-async def get_checker(request: Request) -> Checker:
-    return request.app.state.checker
-
-
-async def get_hot_reads(request: Request) -> HotReads:
-    return request.app.state.hot_reads
+    return get
 
 
 async def get_caller(request: Request) -> Caller:
     return request.state.caller  # set by the route's TokenScope, which FastAPI solves first
 
 
-ServiceDep = Annotated[Service, Depends(get_service)]
-HotReadsDep = Annotated[HotReads, Depends(get_hot_reads)]
-CheckerDep = Annotated[Checker, Depends(get_checker)]
+ServiceDep = Annotated[Service, Depends(app_state("service"))]
+HotReadsDep = Annotated[HotReads, Depends(app_state("hot_reads"))]
+CheckerDep = Annotated[Checker, Depends(app_state("checker"))]
 CallerDep = Annotated[Caller, Depends(get_caller)]
 # a list's owner filter: an admin's choice (None: everyone's); any other caller sees its own only
 OwnerQuery = Annotated[

@@ -15,38 +15,31 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schema.section import error_message
-from service.files import FileError
-from service.service import ServiceError
+from service.errors import ServiceError
 
-TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    500: "server_error",
-    503: "unavailable_error",
+# status -> (the error's type, what it means as the OpenAPI document says)
+STATUSES = {
+    400: ("invalid_request_error", "The request could not be read"),
+    401: ("authentication_error", "No bearer token, or an unknown one"),
+    403: (
+        "permission_error",
+        "The key lacks the scope this route needs, or a hard quota of its owner is reached",
+    ),
+    404: ("not_found_error", "No such resource"),
+    405: ("invalid_request_error", None),
+    409: ("conflict_error", "The resource is in a state that does not allow this"),
+    413: ("request_too_large", "The request body is larger than the service accepts"),
+    415: ("invalid_request_error", "A JSON body sent without `Content-Type: application/json`"),
+    422: ("invalid_request_error", "A field is invalid; `error.param` names it (dotted)"),
+    429: (
+        "rate_limit_error",
+        "A quota of the owner is reached for now (`error.param` names it); Retry-After says when to retry",
+    ),
+    500: ("server_error", None),
+    503: ("unavailable_error", "The service is not ready"),
 }
 TINKER_PREFIX = "/api/v1/"
 log = logging.getLogger("tandem.api")
-
-MEANINGS = {
-    400: "The request could not be read",
-    401: "No bearer token, or an unknown one",
-    403: "The key lacks the scope this route needs, or a hard quota of its owner is reached",
-    404: "No such resource",
-    409: "The resource is in a state that does not allow this",
-    413: "The request body is larger than the service accepts",
-    415: "A JSON body sent without `Content-Type: application/json`",
-    422: "A field is invalid; `error.param` names it (dotted)",
-    429: "A quota of the owner is reached for now (`error.param` names it); Retry-After says when to retry",
-    503: "The service is not ready",
-}
 
 
 class ErrorDetail(BaseModel):
@@ -62,14 +55,15 @@ class ErrorResponse(BaseModel):
 
 def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` for these statuses, each with the real error schema."""
-    return {status: {"model": ErrorResponse, "description": MEANINGS[status]} for status in statuses}
+    return {status: {"model": ErrorResponse, "description": STATUSES[status][1]} for status in statuses}
 
 
-class APIError(Exception):
+class APIError(ServiceError):
+    """A ServiceError written status first, as the routes raise it."""
+
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        super().__init__(message, status, param, code, headers)
 
 
 def invalid(param: str, why: str, code: str = "invalid_value", status: int = 422) -> APIError:
@@ -85,9 +79,8 @@ def is_json_media(content_type: str) -> bool:
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
-    return {
-        "error": {"message": message, "type": TYPES.get(status, "api_error"), "param": param, "code": code}
-    }
+    kind = STATUSES.get(status, ("api_error",))[0]
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def tinker_error_body(message: str, field: str | None, category: str = "user") -> dict[str, Any]:
@@ -136,18 +129,9 @@ def not_json_body(request: Request, first: dict[str, Any]) -> str | None:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, err: APIError) -> JSONResponse:
+    @app.exception_handler(ServiceError)  # an APIError, a refused file, path, tracker or quota too
+    async def _refused(request: Request, err: ServiceError) -> JSONResponse:
         return shaped(request, err.status, err.message, err.param, err.code, err.headers)
-
-    @app.exception_handler(ServiceError)
-    async def _service_error(request: Request, err: ServiceError) -> JSONResponse:
-        return shaped(request, err.status, str(err), err.param, err.code, err.headers)
-
-    @app.exception_handler(FileError)
-    async def _file_error(request: Request, err: FileError) -> JSONResponse:
-        code = "not_found" if err.status == 404 else "invalid_value"
-        return shaped(request, err.status, str(err), err.param, code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:

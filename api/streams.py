@@ -7,21 +7,43 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
-from fastapi import Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
+from api.deps import INT64_MAX, READ, CallerDep, ServiceDep
 from service.store import TERMINAL, JobStore
 
 POLL_S = 0.5
 HEARTBEAT_S = 15.0
 
 
-def start_id(request: Request, after: int | None) -> int:
-    header = request.headers.get("last-event-id")
-    if header and header.isdigit():
-        return int(header)
-    return after or 0
+def stream_route(
+    router: APIRouter,
+    path: str,
+    name: str,
+    reads: str,
+    limit: int,
+    event: str | Callable[[dict], str],
+    most: int = INT64_MAX,
+) -> None:
+    """A GET route streaming a job's rows live: the store's `reads(job_id, after_id=, limit=)`, each an
+    SSE `event` (a name, or the name a row gives). `?after=` or Last-Event-ID is where it resumes."""
+
+    @router.get(path, name=name, dependencies=READ)
+    def stream(
+        request: Request,
+        job_id: str,
+        service: ServiceDep,
+        caller: CallerDep,
+        after: int = Query(0, ge=0, le=most),
+    ):
+        service.get(job_id, caller.sees)
+        header = request.headers.get("last-event-id")
+        start = int(header) if header and header.isdigit() else after
+        fetch = partial(getattr(service.store, reads), job_id, limit=limit)
+        return sse(request, service.store, job_id, lambda last: fetch(after_id=last), event, start)
 
 
 def sse(
@@ -29,7 +51,7 @@ def sse(
     store: JobStore,
     job_id: str,
     fetch: Callable[[int], list[dict]],
-    event_name: Callable[[dict], str],
+    event: str | Callable[[dict], str],
     after: int,
 ) -> StreamingResponse:
     async def generate() -> AsyncIterator[str]:
@@ -40,7 +62,8 @@ def sse(
             rows = await asyncio.to_thread(fetch, last)
             for row in rows:
                 last = row["id"]
-                yield f"id: {last}\nevent: {event_name(row)}\ndata: {json.dumps(row, default=str)}\n\n"
+                name = event if isinstance(event, str) else event(row)
+                yield f"id: {last}\nevent: {name}\ndata: {json.dumps(row, default=str)}\n\n"
             if rows:
                 idle_since = time.monotonic()
                 continue

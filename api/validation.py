@@ -27,9 +27,8 @@ from engines.training.lora_targets import (
 from schema.job import JobSpec
 from schema.section import changed_values, with_values
 from service.files import FileError, FileStore
-from service.owned_paths import OwnedPaths, PathRefused
+from service.owned_paths import OwnedPaths
 from service.store import JobStore
-from service.tracker_policy import TrackerRefused
 from workers.references import is_path_reference
 
 
@@ -41,13 +40,6 @@ class Checker:
         self.home = home
         self.files = files
         self.paths = OwnedPaths(home, files, store, settings.shared_roots(), settings.tracker_policy())
-
-    def owned(self, path: str, param: str, sees: str | None) -> Path:
-        """`path` resolved, when `sees` (None: the admin) may name it; else a 422 that reveals nothing."""
-        try:
-            return self.paths.resolve(path, param, sees)
-        except PathRefused as err:
-            raise APIError(422, str(err), param, err.code) from None
 
     def folder(self, path: str, param: str, what: str) -> None:
         if not _exists(Path(path) / "config.json"):  # an owned path (submittable checked it)
@@ -67,8 +59,8 @@ class Checker:
             raise APIError(
                 422, f"{param}: {err}".replace("reward.function: ", ""), param, "not_found"
             ) from None
-        if is_path_reference(ref):
-            self.owned(ref.rpartition(":")[0], param, sees)
+        if is_path_reference(ref):  # a 422 that does not say whether the path exists
+            self.paths.resolve(ref.rpartition(":")[0], param, sees)
         return ref
 
     def reward_function(self, ref: str) -> None:
@@ -105,13 +97,8 @@ class Checker:
         """Refuse, with the field named, a spec whose references do not resolve here (uploads by id,
         of the submitter's own when `sees` names them)."""
         dumped = spec.model_dump()
-        try:
-            given = self.files.resolve_refs(dumped, sees)
-            self.paths.check_spec(given, sees)  # every path is sees's to name; trackers the operator's
-        except FileError as err:
-            raise APIError(422, str(err), err.param, "not_found") from None
-        except (PathRefused, TrackerRefused) as err:
-            raise APIError(422, str(err), err.param, err.code) from None
+        given = self.files.resolve_refs(dumped, sees)
+        self.paths.check_spec(given, sees)  # every path is sees's to name; trackers the operator's
         spec = with_values(spec, changed_values(dumped, given))  # uploads by path; validated once, above
         m, d, r = spec.model, spec.data, spec.reward
         self.metadata(spec.metadata)

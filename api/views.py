@@ -11,6 +11,13 @@ from fastapi import Response
 
 from service.store import JobRecord
 
+# A summary's fields in order: the record's, and those `stored_summary` computes. `restart` is set while
+# a lost worker is being replaced: {"message": "restarting (1/3): ...", ...}.
+SUMMARY_FIELDS = (
+    "id object owner name tags notes status method model created_at started_at finished_at step total_steps "
+    "progress latest_metrics error restart parent_id metadata lora"
+).split()
+
 
 def job_view(job: JobRecord) -> dict[str, Any]:
     """A job with its full spec (GET one, and what every write returns)."""
@@ -24,31 +31,14 @@ def job_summary(job: JobRecord) -> dict[str, Any]:
 
 def stored_summary(job: JobRecord) -> dict[str, Any]:
     """The summary's fields that change only when the job's row does."""
-    spec = job.spec
-    model = spec["model"].get("builtin") or spec["model"].get("path")
-    return {
-        "id": job.id,
+    model = job.spec["model"]
+    computed = {
         "object": "job",
-        "owner": job.owner,
-        "name": job.name,
-        "tags": job.tags,
-        "notes": job.notes,
-        "status": job.status,
-        "method": job.method,
-        "model": model,
-        "created_at": job.created_at,
-        "started_at": job.started_at,
-        "finished_at": job.finished_at,
-        "step": job.step,
-        "total_steps": job.total_steps,
+        "model": model.get("builtin") or model.get("path"),
         "progress": job.step / job.total_steps if job.total_steps else 0.0,
-        "latest_metrics": job.latest_metrics,
-        "error": job.error,
-        "restart": job.restart,  # while a lost worker is being replaced: {"message": "restarting (1/3): ...", ...}
-        "parent_id": job.parent_id,
-        "metadata": job.metadata,
-        "lora": _lora(spec["model"].get("lora"), job.latest_metrics),
+        "lora": _lora(model.get("lora"), job.latest_metrics),
     }
+    return {name: computed[name] if name in computed else getattr(job, name) for name in SUMMARY_FIELDS}
 
 
 def _lora(lora: dict[str, Any] | None, latest: dict[str, float]) -> dict[str, Any] | None:

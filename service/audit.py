@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from service.store_db import StoreDb
@@ -47,15 +47,8 @@ class AuditTable(StoreDb):
     """The store's audit log (mixed into JobStore)."""
 
     def add_audit(self, entry: AuditEntry, at: float | None = None) -> int:
-        e = entry
-        with self._tx("audit") as db:
-            cur = db.execute(
-                "INSERT INTO audit (time, owner, key_id, action, method, path, target, target_owner, status, "
-                "request_id, data) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (at or time.time(), e.owner, e.key_id, e.action, e.method, e.path, e.target, e.target_owner,
-                 e.status, e.request_id, json.dumps(e.data, default=str)),
-            )  # fmt: skip
-            return int(cur.lastrowid)
+        row = {"time": at or time.time(), **asdict(entry), "data": json.dumps(entry.data, default=str)}
+        return self._insert("audit", ", ".join(row), tuple(row.values()))
 
     def audit(
         self,

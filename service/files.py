@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 
+from service.errors import ServiceError
 from service.keys import ADMIN_OWNER
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{12}$")
@@ -49,12 +50,13 @@ REF_FIELDS = {
 }
 
 
-class FileError(ValueError):
+class FileError(ServiceError, ValueError):
     """An upload or a file reference that cannot be used; `param` names the field at fault."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 422) -> None:
-        super().__init__(message)
-        self.param, self.status = param, status
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 422, code: str | None = None
+    ) -> None:
+        super().__init__(message, status, param, code or ("not_found" if status == 404 else "invalid_value"))
 
 
 @dataclass
@@ -155,6 +157,9 @@ class FileStore:
                 try:
                     holder[path[-1]] = str(self.path(ref, sees)) + sep + function
                 except FileError:
-                    raise FileError(f"{field}: no uploaded file '{ref}' (GET /v1/files lists them)",
-                                    field) from None  # fmt: skip
+                    raise FileError(
+                        f"{field}: no uploaded file '{ref}' (GET /v1/files lists them)",
+                        field,
+                        code="not_found",
+                    ) from None
         return out

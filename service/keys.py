@@ -26,7 +26,8 @@ CREATE TABLE IF NOT EXISTS tokens (
     created_at REAL NOT NULL
 );
 """
-# columns added since the first schema; keys made before them belong to admin and see everything
+# columns added since the first schema (service/store_schema.py adds them to an older store); keys made
+# before them belong to admin and see everything
 KEY_COLUMNS_ADDED = {
     "owner": "TEXT NOT NULL DEFAULT 'admin'",
     "admin": "INTEGER NOT NULL DEFAULT 1",
@@ -59,14 +60,6 @@ def check_owner(name: str) -> str:
     return name
 
 
-def migrate_keys(db: sqlite3.Connection) -> None:
-    db.executescript(KEYS_SCHEMA)
-    have = {r["name"] for r in db.execute("PRAGMA table_info(tokens)")}
-    for name, kind in KEY_COLUMNS_ADDED.items():
-        if name not in have:
-            db.execute(f"ALTER TABLE tokens ADD COLUMN {name} {kind}")
-
-
 class KeyTable(StoreDb):
     """The store's API keys (mixed into JobStore)."""
 
@@ -80,12 +73,8 @@ class KeyTable(StoreDb):
         expires_at: float | None = None,
     ) -> str:
         token_id = "key-" + uuid.uuid4().hex[:12]
-        with self._tx("tokens") as db:
-            db.execute(
-                f"INSERT INTO tokens ({KEY_FIELDS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (token_id, name, token_hash, json.dumps(scopes), time.time(), owner, int(admin), expires_at,
-                 None, None),
-            )  # fmt: skip
+        row = (token_id, name, token_hash, json.dumps(scopes), time.time(), owner, int(admin), expires_at)
+        self._insert("tokens", "id, name, hash, scopes, created_at, owner, admin, expires_at", row)
         return token_id
 
     def tokens(self) -> list[dict[str, Any]]:
@@ -97,15 +86,11 @@ class KeyTable(StoreDb):
 
     def revoke_key(self, key_id: str) -> bool:
         """Revoke a key now; False when there is no such key or it was revoked already."""
-        with self._tx("tokens") as db:
-            cur = db.execute(
-                "UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id)
-            )
-            return cur.rowcount == 1
+        sql = "UPDATE tokens SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL"
+        return self._write(sql, (time.time(), key_id), "tokens") == 1
 
     def touch_key(self, key_id: str, at: float) -> None:
-        with self._tx("key_usage") as db:
-            db.execute("UPDATE tokens SET last_used_at = ? WHERE id = ?", (at, key_id))
+        self._write("UPDATE tokens SET last_used_at = ? WHERE id = ?", (at, key_id), "key_usage")
 
     def key_owners(self) -> list[str]:
         return [r[0] for r in self._rows("SELECT DISTINCT owner FROM tokens WHERE revoked_at IS NULL")]

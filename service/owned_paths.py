@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from service.errors import ServiceError
 from service.files import CODE_FIELDS, PATH_FIELDS, FileError, FileStore, spec_field
 from service.store import JobStore
 from service.tracker_policy import TrackerPolicy
@@ -27,12 +28,11 @@ COPY_ID = re.compile(r"^[0-9a-f]{12}$")
 FOLDER_SCAN_LIMIT = 10_000  # entries looked at for symlinks in one named folder (a model has dozens)
 
 
-class PathRefused(ValueError):
-    """A path the submitter may not name; `param` names the field, `code` the reason's kind."""
+class PathRefused(ServiceError, ValueError):
+    """A path the submitter may not name (422); `param` names the field, `code` the reason's kind."""
 
     def __init__(self, message: str, param: str, code: str = "path_not_allowed") -> None:
-        super().__init__(message)
-        self.param, self.code = param, code
+        super().__init__(message, 422, param, code)
 
 
 def refused(param: str, path: str) -> PathRefused:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from service.errors import ServiceError
 from service.keys import ADMIN_OWNER
 
 if TYPE_CHECKING:
@@ -54,8 +55,8 @@ class QuotaFile(BaseModel):
     )
 
 
-class QuotaError(Exception):
-    """A request beyond a quota: 429 (clears by waiting: `retry_after_s`) or 403 (a hard limit)."""
+class QuotaError(ServiceError):
+    """A request beyond a quota: 429 with Retry-After (clears by waiting) or 403 (a hard limit)."""
 
     def __init__(self, owner: str, name: str, limit: float, have: float, retry_after_s: int | None = None,
                  adding: float = 0) -> None:  # fmt: skip
@@ -66,10 +67,9 @@ class QuotaError(Exception):
         else:
             clears = "; free some, or ask the operator"
         has = f"it has {have:g}" + (f" and this request adds {adding:g}" if adding else "")
-        super().__init__(f"quota {name}: owner '{owner}' may have at most {limit:g} ({name.replace('_', ' ')}); "
-                         f"{has}{clears}")  # fmt: skip
-        self.name, self.limit, self.retry_after_s = name, limit, retry_after_s
-        self.status = 429 if retry_after_s else 403
+        message = f"quota {name}: owner '{owner}' may have at most {limit:g} ({name.replace('_', ' ')}); {has}{clears}"
+        headers = {"Retry-After": str(retry_after_s)} if retry_after_s else None
+        super().__init__(message, 429 if retry_after_s else 403, f"quota.{name}", "quota_exceeded", headers)
 
 
 class QuotaBook:
@@ -149,6 +149,17 @@ class Usage:
             "queued_jobs": self.queued_jobs, "cpus": self.cpus, "gpus": self.gpus,
             "stored_bytes": {**self.stored, "total": self.stored_bytes}, "quota": quota.model_dump(),
         }  # fmt: skip
+
+
+def folder_bytes(folder: Path) -> int:
+    total = 0
+    for root, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:  # removed while counted (a checkpoint pruned)
+                pass
+    return total
 
 
 def check_submission(quota: Quota, usage: Usage, cpus: float, gpus: float) -> None:

@@ -19,15 +19,15 @@ import ray
 from schema.job import JobSpec
 from schema.section import changed_values, with_values
 from service.controller_pool import ControllerPool
-from service.files import FileError, FileStore
+from service.errors import ServiceError
+from service.files import FileStore
 from service.job_state import JobStatus
 from service.keys import ADMIN_OWNER
-from service.owned_paths import OwnedPaths, PathRefused
+from service.owned_paths import OwnedPaths
 from service.quotas import QuotaBook, Usage, fair_order, may_run
 from service.scheduler_hosted import HostedRecords
 from service.scheduler_runs import RunningJob, RunSettlement
 from service.store import JobRecord, JobStore
-from service.tracker_policy import TrackerRefused
 from service.workloads import RL_JOB, Workload, resume_step
 
 log = logging.getLogger("tandem.scheduler")
@@ -132,10 +132,9 @@ class Scheduler(HostedRecords, RunSettlement):
 
     def tell(self, job_id: str, method: str, *args: Any) -> None:
         """Send a message to the job's controller actor, if it runs (never waits for an answer)."""
-        with self._lock:
-            run = self.running.get(job_id)
-        if run is not None and run.actor is not None:
-            getattr(run.actor, method).remote(*args)
+        actor = self.controller(job_id)
+        if actor is not None:
+            getattr(actor, method).remote(*args)
 
     def controller(self, job_id: str) -> Any:
         """The running job's controller actor (None when it does not run)."""
@@ -279,7 +278,7 @@ class Scheduler(HostedRecords, RunSettlement):
             first_step = resume_step(self.workload, job.workdir)
             try:  # upload ids -> stored paths and every path checked again, now that it starts
                 spec = self.spec_to_run(job, first_step > 0)
-            except (FileError, PathRefused, TrackerRefused) as err:
+            except ServiceError as err:  # a file, path or tracker refused
                 self.store.transition(job.id, (S.RUNNING,), S.FAILED, finished_at=time.time(), error=str(err))
                 self.store.add_event(job.id, "failed", str(err))
                 return

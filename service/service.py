@@ -19,15 +19,14 @@ from pydantic import ValidationError
 
 from controller.hyperparameters import hyperparameter_overrides
 from schema.job import JobLabels, JobSpec
-from service.errors import ServiceError, invalid_state, invalid_value, quota_refusal
+from service.errors import ServiceError, invalid_state, invalid_value
 from service.files import FileStore
 from service.forks import fork_point, remove_fork_source, same_weights_shape, snapshot_checkpoint
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from service.keys import ADMIN_OWNER
-from service.quotas import QuotaBook, QuotaError, Usage, check_storage, check_submission
+from service.quotas import QuotaBook, Usage, check_storage, check_submission, folder_bytes
 from service.scheduler import Scheduler
 from service.store import JobRecord, JobStore
-from service.usage import measure
 
 S = JobStatus
 
@@ -85,20 +84,31 @@ class Service:
     def check_quota(self, owner: str, cpus: float = 0.0, gpus: float = 0.0) -> None:
         """Refuse one more queued job of `owner` (needing `cpus` and `gpus` to run) beyond its quota
         (429 or 403, naming the quota)."""
-        try:
-            check_submission(self.quotas.of(owner), self.usage(owner), cpus, gpus)
-        except QuotaError as err:
-            raise quota_refusal(err) from None
+        check_submission(self.quotas.of(owner), self.usage(owner), cpus, gpus)
 
     def usage(self, owner: str) -> Usage:
-        return measure(self.store, self.files, owner, self.scheduler.workload_of)
+        """What `owner` uses now, read from the store and the disk on each call: quotas are checked
+        against what is, not a counter that could drift. A Tinker run counts as a job."""
+        usage = Usage(owner)
+        for job in self.store.jobs_of(owner):
+            if job.status == S.QUEUED:
+                usage.queued_jobs += 1
+            elif job.status in RUN_HOLDING:
+                needs = self.scheduler.workload_of(job).needs(job.spec)
+                usage.add_running(needs.cpus, needs.gpus)
+            usage.stored["checkpoints"] += folder_bytes(Path(job.workdir, "checkpoints"))
+            usage.stored["exports"] += folder_bytes(Path(job.workdir, "export"))
+        usage.stored["files"] = sum(r.bytes for r in self.files.records(owner))
+        return usage
+
+    def owners(self) -> list[str]:
+        """Every owner with a key, a job or a file."""
+        files = {r.owner for r in self.files.records()}
+        return sorted(set(self.store.key_owners()) | set(self.store.job_owners()) | files)
 
     def check_storage(self, owner: str, adding: int = 0) -> None:
         """Refuse an upload of `adding` bytes beyond the owner's stored bytes (403)."""
-        try:
-            check_storage(self.quotas.of(owner), self.usage(owner), adding)
-        except QuotaError as err:
-            raise quota_refusal(err) from None
+        check_storage(self.quotas.of(owner), self.usage(owner), adding)
 
     def check_fits_cluster(self, spec: JobSpec) -> None:
         """A job the cluster could never hold is refused now, not left queued or failed in Ray later."""
@@ -235,10 +245,8 @@ class Service:
     def fork(self, job_id: str, step: int | None, overrides: dict[str, Any], sees: str | None = None,
              owner: str = ADMIN_OWNER) -> JobRecord:  # fmt: skip
         """A new job of `owner` (the forking key's) from one of the job's checkpoints."""
-        parent = self.steered(job_id, sees, "fork")
+        spec = self.merged_spec(job_id, overrides, sees)
         chosen = fork_point(self.store, job_id, step)
-        spec = _validated_merge(parent, overrides)
-        same_weights_shape(parent.job_spec, spec)
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(
                 f"trainer.total_steps = {spec.trainer.total_steps} leaves nothing to train after the checkpoint at "

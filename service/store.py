@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +27,6 @@ from service.store_tinker import TINKER_COLUMNS
 
 __all__ = ["ACTIVE", "TERMINAL", "JobRecord", "JobStore", "JobStatus", "MetricsQuery", "metrics_topic"]
 
-JOB_COLUMNS = (
-    "id, seq, status, method, spec, metadata, created_at, started_at, finished_at, step, total_steps, "
-    "latest_metrics, error, parent_id, workdir, idempotency, request_hash, stop_reason, name, tags, notes, "
-    "active_s, run_started_at, owner, restart"
-)
 JSON_COLUMNS = ("spec", "metadata", "latest_metrics", "tags", "restart")
 
 
@@ -83,6 +78,8 @@ class JobRecord:
         return self.active_s + max(current, 0.0)
 
 
+# the columns of a record, in JobRecord's order
+JOB_COLUMNS = ", ".join(f.name for f in fields(JobRecord) if f.name != "stored_spec")
 _PARSED: OrderedDict[str, JobSpec] = OrderedDict()  # stored text -> its JobSpec, latest used last
 _PARSED_MAX = 1024
 _parsed_lock = threading.Lock()
@@ -247,8 +244,7 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
         if table == "tinker_runs":  # a run's spec is its columns (service/store_tinker.py)
             values.pop("spec", None)
         sets = ", ".join(f"{k} = ?" for k in values)
-        with self._tx("jobs") as db:
-            db.execute(f"UPDATE {table} SET {sets} WHERE id = ?", (*values.values(), job_id))
+        self._write(f"UPDATE {table} SET {sets} WHERE id = ?", (*values.values(), job_id))
 
     def transition(
         self, job_id: str, allowed_from: tuple[JobStatus, ...], to: JobStatus, **values: Any
@@ -262,34 +258,28 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
         if to not in RUN_HOLDING:
             sets += ", active_s = active_s + COALESCE(? - run_started_at, 0), run_started_at = NULL"
             values = {**values, "_now": time.time()}
-        table = self._table(job_id)
-        with self._tx("jobs") as db:
-            cur = db.execute(
-                f"UPDATE {table} SET {sets} WHERE id = ? AND status IN ({','.join('?' * len(allowed_from))})",
-                (to, *values.values(), job_id, *allowed_from),
-            )
-            return cur.rowcount == 1
+        sources = ",".join("?" * len(allowed_from))
+        sql = f"UPDATE {self._table(job_id)} SET {sets} WHERE id = ? AND status IN ({sources})"
+        return self._write(sql, (to, *values.values(), job_id, *allowed_from)) == 1
 
     def started(self, job_id: str, at: float) -> None:
         """Record the job's first start (a resumed job keeps it)."""
-        with self._tx("jobs") as db:
-            db.execute(f"UPDATE {self._table(job_id)} SET started_at = COALESCE(started_at, ?) WHERE id = ?",
-                       (at, job_id))  # fmt: skip
+        sql = f"UPDATE {self._table(job_id)} SET started_at = COALESCE(started_at, ?) WHERE id = ?"
+        self._write(sql, (at, job_id))
 
     def bump_step(self, job_id: str, step: int) -> None:
         """Raise the job's step to `step` (a resumed job starts past 0 before its first metrics)."""
-        with self._tx("jobs") as db:  # no row changes when the step is already there: readers keep theirs
-            db.execute(
-                f"UPDATE {self._table(job_id)} SET step = ? WHERE id = ? AND step < ?", (step, job_id, step)
-            )
+        # no row changes when the step is already there: readers keep their cache
+        self._write(
+            f"UPDATE {self._table(job_id)} SET step = ? WHERE id = ? AND step < ?", (step, job_id, step)
+        )
 
     def set_restart(self, job_id: str, restart: dict[str, Any] | None) -> None:
         """The restart under way (its message, phase, counts), or None once the job resumed or ended."""
-        with self._tx("jobs") as db:  # no row changes when it is the same: readers keep their cache
-            db.execute(
-                "UPDATE jobs SET restart = ? WHERE id = ? AND restart IS NOT ?",
-                (json.dumps(restart), job_id, json.dumps(restart)),
-            )
+        encoded = json.dumps(restart)  # no row changes when it is the same: readers keep their cache
+        self._write(
+            "UPDATE jobs SET restart = ? WHERE id = ? AND restart IS NOT ?", (encoded, job_id, encoded)
+        )
 
     def delete_job(self, job_id: str) -> None:
         tables = ("events", "logs", "checkpoints", "samples")

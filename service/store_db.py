@@ -14,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 
 class StoreDb:
@@ -41,6 +42,23 @@ class StoreDb:
 
     def _first(self, sql: str, args: tuple | list = ()) -> sqlite3.Row | None:
         return self._db().execute(sql, args).fetchone()
+
+    def _write(self, sql: str, args: tuple | list, topic: str = "jobs") -> int:
+        """One write statement under `topic`; the number of rows it changed."""
+        with self._tx(topic) as db:
+            return db.execute(sql, args).rowcount
+
+    def _insert(self, table: str, columns: str, *rows: tuple[Any, ...], verb: str = "INSERT") -> int:
+        """Add `rows` (values of the comma-separated `columns`) to `table`, under its topic; the id of a
+        single row."""
+        if not rows:
+            return 0
+        sql = f"{verb} INTO {table} ({columns}) VALUES ({','.join('?' * len(rows[0]))})"
+        with self._tx(table) as db:
+            if len(rows) == 1:
+                return int(db.execute(sql, rows[0]).lastrowid)
+            db.executemany(sql, rows)
+            return 0
 
     def changes(self, topic: str) -> int:
         """How many committed writes changed `topic`'s rows so far (a table name, or `metrics_topic`)."""

@@ -19,12 +19,8 @@ class JobOutputs(StoreDb):
 
     def add_event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None,
                   at: float | None = None) -> int:  # fmt: skip
-        with self._tx("events") as db:
-            cur = db.execute(
-                "INSERT INTO events (job_id, time, kind, message, data) VALUES (?,?,?,?,?)",
-                (job_id, at or time.time(), kind, message, json.dumps(data or {}, default=str)),
-            )
-            return int(cur.lastrowid)
+        row = (job_id, at or time.time(), kind, message, json.dumps(data or {}, default=str))
+        return self._insert("events", "job_id, time, kind, message, data", row)
 
     def count_events(self, job_id: str, kind: str) -> int:
         sql = "SELECT COUNT(*) FROM events WHERE job_id = ? AND kind = ?"
@@ -42,11 +38,9 @@ class JobOutputs(StoreDb):
         self, job_id: str, step: int, rows: list[dict[str, Any]], at: float | None = None
     ) -> None:
         """One row per sampled trajectory of a step (controller/trajectory_view.py)."""
-        with self._tx("samples") as db:
-            db.executemany(
-                "INSERT INTO samples (job_id, step, time, data) VALUES (?,?,?,?)",
-                [(job_id, step, at or time.time(), json.dumps(r, default=str)) for r in rows],
-            )
+        at = at or time.time()
+        encoded = [(job_id, step, at, json.dumps(r, default=str)) for r in rows]
+        self._insert("samples", "job_id, step, time, data", *encoded)
 
     def samples(self, job_id: str, step: int | None = None, after_id: int = 0, limit: int = 20) -> list[dict]:
         """Stored samples in insertion order, optionally of one step; `after_id` is the cursor."""
@@ -58,13 +52,7 @@ class JobOutputs(StoreDb):
         return [{"id": r["id"], "step": r["step"], "time": r["time"], **json.loads(r["data"])} for r in rows]
 
     def add_logs(self, job_id: str, lines: list[tuple[float, str, str]]) -> None:
-        if not lines:
-            return
-        with self._tx("logs") as db:
-            db.executemany(
-                "INSERT INTO logs (job_id, time, level, line) VALUES (?,?,?,?)",
-                [(job_id, t, level, line) for t, level, line in lines],
-            )
+        self._insert("logs", "job_id, time, level, line", *((job_id, *line) for line in lines))
 
     def logs(self, job_id: str, after_id: int = 0, tail: int | None = None, limit: int = 1000) -> list[dict]:
         sql = "SELECT id, time, level, line FROM logs WHERE job_id = ?"
@@ -75,11 +63,8 @@ class JobOutputs(StoreDb):
         ]
 
     def add_checkpoint(self, job_id: str, step: int, path: str) -> None:
-        with self._tx("checkpoints") as db:
-            db.execute(
-                "INSERT OR REPLACE INTO checkpoints (job_id, step, path, time) VALUES (?,?,?,?)",
-                (job_id, step, path, time.time()),
-            )
+        row = (job_id, step, path, time.time())
+        self._insert("checkpoints", "job_id, step, path, time", row, verb="INSERT OR REPLACE")
 
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         rows = self._rows(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlite3
 
 from service.audit import AUDIT_SCHEMA
-from service.keys import ADMIN_OWNER, migrate_keys
+from service.keys import ADMIN_OWNER, KEY_COLUMNS_ADDED, KEYS_SCHEMA
 from service.store_metrics import METRICS_SCHEMA
 from service.store_tinker import MIGRATE, TINKER_SCHEMA
 
@@ -96,15 +96,22 @@ WHERE idempotency_key IS NOT NULL
 def migrate(db: sqlite3.Connection) -> None:
     """Outside a transaction: executescript manages its own."""
     db.executescript(SCHEMA)
-    have = {r["name"] for r in db.execute("PRAGMA table_info(jobs)")}
-    for name, kind in ADDED_COLUMNS.items():
-        if name not in have:
-            db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+    have = add_columns(db, "jobs", ADDED_COLUMNS)
     if "idempotency" not in have and "idempotency_key" in have:
         db.execute(FROM_ENCODED_KEYS, (ADMIN_OWNER,))
     db.execute(IDEMPOTENCY_INDEX)
     db.executescript(TINKER_SCHEMA)
     db.executescript(MIGRATE)
     db.executescript(METRICS_SCHEMA)
-    migrate_keys(db)
+    db.executescript(KEYS_SCHEMA)
+    add_columns(db, "tokens", KEY_COLUMNS_ADDED)
     db.executescript(AUDIT_SCHEMA)
+
+
+def add_columns(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> set[str]:
+    """Add the `columns` (name -> SQL type) a table lacks; the names it had."""
+    have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
+    for name, kind in columns.items():
+        if name not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+    return have

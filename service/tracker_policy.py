@@ -13,19 +13,18 @@ import urllib.request
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from service.errors import ServiceError
+
 HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$")
 LOCAL_SCHEMES = ("file",)
 SERVER_SCHEMES = ("http", "https")
 
 
-class TrackerRefused(ValueError):
-    """A tracker destination the operator does not allow; `param` names the field."""
-
-    code = "tracker_not_allowed"
+class TrackerRefused(ServiceError, ValueError):
+    """A tracker destination the operator does not allow (422); `param` names the field."""
 
     def __init__(self, message: str, param: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
+        super().__init__(f"{param}: {message}", 422, param, "tracker_not_allowed")
 
 
 def host_entry(entry: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -108,24 +109,6 @@ class WorkloadActor:
             raise RuntimeError(f"the record's runner failed to build: {self._failed}")
         return self._runner
 
-    def run(self) -> dict[str, Any]:
-        return self.runner.run()
-
-    def drain(self) -> dict[str, Any]:
-        return self.runner.drain()
-
-    def committed(self, seq: int) -> None:
-        self.runner.committed(seq)
-
-    def request_stop(self, reason: str) -> None:
-        self.runner.request_stop(reason)
-
-    def set_hyperparameters(self, changes: dict[str, Any]) -> None:
-        self.runner.set_hyperparameters(changes)
-
-    def checkpoint_now(self) -> None:
-        self.runner.checkpoint_now()
-
     def pid(self) -> int:
         """This actor's process (a test kills it to lose the record's controller)."""
         return os.getpid()
@@ -136,6 +119,19 @@ class WorkloadActor:
             return {}
         pids = getattr(self._runner, "worker_pids", None)
         return pids() if pids is not None else {}
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    def call(self: WorkloadActor, *args: Any) -> Any:
+        return getattr(self.runner, name)(*args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+# The Runner calls the actor takes (Ray sees them as the actor's methods), each passed to the runner.
+for _name in ("run", "drain", "committed", "request_stop", "set_hyperparameters", "checkpoint_now"):
+    setattr(WorkloadActor, _name, _forward(_name))
 
 
 class RLJobWorkload:

@@ -15,8 +15,8 @@ from fastapi import APIRouter, Query, Request
 from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, CallerDep, OwnerQuery, ServiceDep
 from api.errors import APIError, documented, invalid
 from api.views import listing
+from service.errors import ServiceError
 from service.files import FileError, check_filename
-from service.service import ServiceError
 
 try:  # pyproject pins it; without it only this way of uploading is refused, with a 415 that says so
     from python_multipart.exceptions import FormParserError

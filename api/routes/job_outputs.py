@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 
 from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, INT64_MAX, READ, WRITE, CallerDep, ServiceDep
 from api.errors import documented
-from api.streams import sse, start_id
+from api.streams import stream_route
 from api.views import listing
 
 router = APIRouter(
@@ -34,17 +34,7 @@ def events(
     return listing(rows[:limit], len(rows) > limit)
 
 
-@router.get("/events/stream", dependencies=READ)
-def events_stream(
-    request: Request,
-    job_id: str,
-    service: ServiceDep,
-    caller: CallerDep,
-    after: int = Query(0, ge=0, le=INT64_MAX),
-):
-    service.get(job_id, caller.sees)
-    return sse(request, service.store, job_id, lambda last: service.store.events(job_id, last, 200),
-               lambda row: row["kind"], start_id(request, after))  # fmt: skip
+stream_route(router, "/events/stream", "events_stream", "events", 200, lambda row: row["kind"])
 
 
 @router.get("/logs", dependencies=READ)
@@ -55,17 +45,7 @@ def logs(
     return listing(service.store.logs(job_id, tail=tail), False)
 
 
-@router.get("/logs/stream", dependencies=READ)
-def logs_stream(
-    request: Request,
-    job_id: str,
-    service: ServiceDep,
-    caller: CallerDep,
-    after: int = Query(0, ge=0, le=INT64_MAX),
-):
-    service.get(job_id, caller.sees)
-    return sse(request, service.store, job_id, lambda last: service.store.logs(job_id, after_id=last, limit=500),
-               lambda row: "log", start_id(request, after))  # fmt: skip
+stream_route(router, "/logs/stream", "logs_stream", "logs", 500, "log")
 
 
 @router.get("/checkpoints", dependencies=READ)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Body, Query, Request, Response
@@ -171,19 +172,17 @@ def delete_job(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str,
     return {"id": job_id, "object": "job", "deleted": True, "owner": owner}
 
 
-@router.post("/{job_id}/cancel", dependencies=WRITE, responses=documented(409))
-def cancel(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
-    return job_view(service.cancel(job_id, caller.sees))
+def _steer(action: str) -> Callable[..., dict[str, Any]]:
+    def steer(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
+        return job_view(getattr(service, action)(job_id, caller.sees))
+
+    return steer
 
 
-@router.post("/{job_id}/pause", dependencies=WRITE, responses=documented(409))
-def pause(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
-    return job_view(service.pause(job_id, caller.sees))
-
-
-@router.post("/{job_id}/resume", dependencies=WRITE, responses=documented(409, 429))
-def resume(job_id: str, service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
-    return job_view(service.resume(job_id, caller.sees))
+for _action, _refusals in (("cancel", (409,)), ("pause", (409,)), ("resume", (409, 429))):
+    router.post(f"/{{job_id}}/{_action}", name=_action, dependencies=WRITE, responses=documented(*_refusals))(
+        _steer(_action)
+    )
 
 
 @router.post(

@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, INT64_MAX, READ, CallerDep, HotReadsDep, ServiceDep
 from api.errors import documented
-from api.streams import sse, start_id
+from api.streams import stream_route
 from api.views import listing_json
 from service.store import MetricsQuery, metrics_topic
 
@@ -65,17 +65,7 @@ def _as_is(page: bytes) -> bytes:
     return page  # a metrics page is cached encoded: it has no live fields
 
 
-@router.get("/stream", dependencies=READ)
-def metrics_stream(
-    request: Request,
-    job_id: str,
-    service: ServiceDep,
-    caller: CallerDep,
-    after: int = Query(0, ge=0, le=MAX_STEP),
-):
-    service.get(job_id, caller.sees)
-    return sse(request, service.store, job_id, lambda last: service.store.metrics_since(job_id, last, 200),
-               lambda row: "metrics", start_id(request, after))  # fmt: skip
+stream_route(router, "/stream", "metrics_stream", "metrics_since", 200, "metrics", MAX_STEP)
 
 
 @router.get("/export", dependencies=READ)

@@ -11,7 +11,6 @@ from api.body_checks import CheckedRoute
 from api.deps import ADMIN, AUTH_ERRORS, BODY_ERRORS, READ, CallerDep, OwnerQuery, ServiceDep
 from api.errors import invalid
 from api.views import listing
-from service import usage
 from service.keys import check_owner
 from service.quotas import Quota
 
@@ -23,7 +22,7 @@ DEFAULT = "default"  # PUT /v1/quotas/default changes the default quota
 def owner_usage(service: ServiceDep, caller: CallerDep, owner: OwnerQuery = None) -> dict[str, Any]:
     """Per owner: jobs running and queued, CPUs and GPUs held, bytes stored (files, checkpoints,
     exports), and its quota. The caller's own; an admin's: every owner's, or `owner`'s."""
-    shown = [caller.viewing(owner)] if caller.viewing(owner) else usage.owners(service.store, service.files)
+    shown = [caller.viewing(owner)] if caller.viewing(owner) else service.owners()
     return listing([service.usage(o).view(service.quotas.of(o)) for o in shown], False)
 
 
