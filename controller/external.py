@@ -1,5 +1,5 @@
 """The job's OpenAI-compatible endpoint, inside the job: `ExternalServer`, an async Ray actor named
-`tandem-openai-<job id>` that the API process (api/routes/openai_chat.py) forwards checked requests to.
+`tandem-openai-<job id>` that the API process (api/routes/openai_endpoint.py) forwards checked requests to.
 
 It templates and tokenizes (in threads, so a long prompt never stalls the event loop), bounds the call
 (prompt and new tokens within the model's context; `n` choices within `CALL_TOKEN_BUDGET`, so no call
