@@ -248,18 +248,10 @@ def readable_message(m: dict[str, Any]) -> dict[str, str]:
     return {"role": str(m.get("role")), "content": text}
 
 
-SEGMENT_VIEW = ("reason", "kind", "prompt_ids", "tokens", "loss_mask", "log_probs", "weight_versions", "messages",
-                "constraints")  # fmt: skip
-SEGMENT_ROW = (
-    "reason",
-    "prompt_ids",
-    "tokens",
-    "loss_mask",
-    "log_probs",
-    "tool_calls",
-    "finish_reason",
-    "messages",
-)
+# a segment's record, in views and rows
+RECORD_KEYS = ("prompt_ids", "tokens", "loss_mask", "log_probs", "messages")
+VIEW_KEYS = ("reason", "kind", *RECORD_KEYS, "weight_versions", "constraints")
+ROW_KEYS = ("reason", "tool_calls", "finish_reason", *RECORD_KEYS)
 
 
 def trajectory_view(t: Trajectory, tokens: bool = False) -> dict[str, Any]:
@@ -267,7 +259,7 @@ def trajectory_view(t: Trajectory, tokens: bool = False) -> dict[str, Any]:
            "turn_rewards": t.turn_rewards, "metadata": t.metadata, "calls": t.calls,
            "segments": len(t.segments)}  # fmt: skip
     if tokens:
-        out["segment_list"] = [{k: getattr(s, k) for k in SEGMENT_VIEW} for s in t.segments]
+        out["segment_list"] = [{k: getattr(s, k) for k in VIEW_KEYS} for s in t.segments]
     return out
 
 
@@ -276,7 +268,7 @@ def trajectory_rows(t: Trajectory) -> list[dict[str, Any]]:
     return [
         {"trajectory_id": t.id, "segment": k, "task_id": t.task_id, "reward": t.reward,
          "weight_version": min(s.weight_versions, default=0), "calls": len(s.weight_versions),
-         **{key: getattr(s, key) for key in SEGMENT_ROW}}
+         **{key: getattr(s, key) for key in ROW_KEYS}}
         for k, s in enumerate(t.segments)
     ]  # fmt: skip
 
