@@ -1,5 +1,5 @@
 """The job's OpenAI-compatible endpoint, inside the job: `ExternalServer`, an async Ray actor named
-`tandem-openai-<job id>` that the API process (api/routes/openai_chat.py) forwards checked requests to.
+`tandem-openai-<job id>` that the API process (api/routes/openai_endpoint.py) forwards checked requests to.
 
 It templates and tokenizes (in threads, so a long prompt never stalls the event loop), bounds the call
 (prompt and new tokens within the model's context; `n` choices within `CALL_TOKEN_BUDGET`, so no call
@@ -27,7 +27,6 @@ from controller.external_store import (
     tools_key,
     trajectory_rows,
     trajectory_view,
-    unknown_trajectory,
 )
 from engines.rollout.constrained import Constraint, ConstraintError, build_constraint
 from schema.external import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
@@ -79,17 +78,24 @@ class ExternalServer:
         return list(self.batcher.hosts)
 
     async def chat(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._answer(self._chat, tid or f"traj-{uuid.uuid4().hex[:16]}", body)
+        return await self._answer("chat", tid, body)
 
     async def completion(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._answer(self._completion, tid or f"traj-{uuid.uuid4().hex[:16]}", body)
+        return await self._answer("completion", tid, body)
 
-    async def _answer(self, handle: Any, tid: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _answer(self, kind: str, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
         """The call's answer; a refused or failed call leaves its trajectory as it was."""
+        self.requests += 1
+        tid = tid or f"traj-{uuid.uuid4().hex[:16]}"
         known = self.store.trajectories.get(tid)
         segments = None if known is None else [s.copy() for s in known.segments]
         try:
-            return await handle(tid, body)
+            constraint = await self._constraint(body) if kind == "chat" else None
+            traj = self.store.open(tid)
+            async with self._locks.setdefault(tid, asyncio.Lock()):  # one trajectory's calls in order
+                if kind == "chat":
+                    return await self._chat(traj, body, constraint)
+                return await self._completion(traj, body)
         except (TrajectoryError, ValueError) as err:
             traj = self.store.trajectories.get(tid)
             if traj is not None and traj is not known:
@@ -115,12 +121,10 @@ class ExternalServer:
         return trajectory_view(t)
 
     async def trajectory(self, tid: str) -> dict[str, Any]:
-        t = self.store.trajectories.get(tid)
-        if t is None:
-            return {
-                "error": TrajectoryError(404, unknown_trajectory(tid), "trajectory_id", "not_found").as_dict()
-            }
-        return trajectory_view(t, tokens=True)
+        try:
+            return trajectory_view(self.store.get(tid), tokens=True)
+        except TrajectoryError as err:
+            return {"error": err.as_dict()}
 
     async def take(self) -> list[dict[str, Any]] | None:
         chosen = self.store.take()
@@ -141,72 +145,50 @@ class ExternalServer:
             out["external/admitted_running"] = float(self.buffered.buffer.running)
         return out
 
-    async def _chat(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.requests += 1
-        constraint = await self._constraint(body)
-        traj = self.store.open(tid)
-        lock = self._locks.setdefault(tid, asyncio.Lock())
-        async with lock:  # calls of one trajectory are recorded in order
-            messages, tools = body["messages"], body.get("tools") or None
-            use_tools = tools is not None and body.get("tool_choice") != "none"
-            shown_tools = tools if use_tools else None
-            segment, delta, reason = await self._place_chat(traj, messages, shown_tools)
-            before = [s.copy() for s in traj.segments]
-            prompt = segment.sequence + delta
-            params, stops = self._params(body, new_tokens(len(prompt), body, self.context, "messages"))
-            params = params.model_copy(update={"constraint": constraint})
-            # parallel_tool_calls false: the turn ends with its first call
-            single = use_tools and body.get("parallel_tool_calls") is False
-            completions = await self.batcher.generate(prompt, params)
-            choices, forks = [], []
-            added = messages[len(segment.history) :]  # what this call adds to the readable conversation
-            for k, comp in enumerate(completions):
-                target, seg = traj, segment
-                if k > 0:  # choice k of n: a trajectory of its own, `<id>.<k>`
-                    target = self.store.fork(f"{tid}.{k}", before)
-                    seg = target.segments[-1]
-                    forks.append(target.id)
-                ids, stopped = self._cut(comp.token_ids, stops + [TOOL_CALL_END] * single)
-                lps = list(comp.log_probs[: len(ids)])
-                reply = self.renderer.reply(ids, f"call_{uuid.uuid4().hex[:12]}", use_tools)
-                reply["content"] = strip_stop(reply["content"], stops)
-                seg.add_call(delta, ids, lps, comp.weight_version)
-                if constraint is not None:  # the record states the mask its tokens were drawn under
-                    seg.constraints.append({"call": len(seg.weight_versions) - 1, **constraint.record()})
-                seg.history = [canonical_message(m) for m in messages] + [canonical_message(reply)]
-                seg.tools_key = tools_key(shown_tools)
-                seg.messages += [readable_message(m) for m in added] + [readable_message(reply)]
-                seg.tool_calls += len(reply["tool_calls"])
-                ended = stopped or comp.finish_reason == "stop"
-                finish = "tool_calls" if reply["tool_calls"] else ("stop" if ended else "length")
-                seg.finish_reason = "stop" if ended else "length"
-                target.calls += 1
-                target.last_call = time.time()
-                choices.append(self._choice(k, reply, finish, ids, lps, body))
-            if reason is not None and len(traj.segments) > 1:
-                self.store.new_segments += 1
-        usage_out = sum(len(c["_ids"]) for c in choices)
-        for c in choices:
-            c.pop("_ids")
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body["model"],
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": usage_out,
-                "total_tokens": len(prompt) + usage_out,
-            },  # fmt: skip
-            "tandem": {
-                "trajectory_id": tid,
-                "forks": forks,
-                "segment": len(traj.segments) - 1,
-                "new_segment": reason,
-                "weight_version": completions[0].weight_version,
-            },  # fmt: skip
-        }
+    async def _chat(self, traj: Any, body: dict[str, Any], constraint: Constraint | None) -> dict[str, Any]:
+        messages, tools = body["messages"], body.get("tools") or None
+        use_tools = tools is not None and body.get("tool_choice") != "none"
+        shown_tools = tools if use_tools else None
+        segment, delta, reason = await self._place_chat(traj, messages, shown_tools)
+        before = [s.copy() for s in traj.segments]
+        # parallel_tool_calls false: the turn ends with its first call
+        single = use_tools and body.get("parallel_tool_calls") is False
+        prompt, completions, stops = await self._generate(
+            segment, delta, body, "messages", {"constraint": constraint}
+        )
+        choices, forks, sampled = [], [], 0
+        added = messages[len(segment.history) :]  # what this call adds to the readable conversation
+        for k, comp in enumerate(completions):
+            target, seg = traj, segment
+            if k > 0:  # choice k of n: a trajectory of its own, `<id>.<k>`
+                target = self.store.fork(f"{traj.id}.{k}", before)
+                seg = target.segments[-1]
+                forks.append(target.id)
+            ids, lps, ended = self._record(target, seg, delta, comp, stops + [TOOL_CALL_END] * single)
+            reply = self.renderer.reply(ids, f"call_{uuid.uuid4().hex[:12]}", use_tools)
+            reply["content"] = strip_stop(reply["content"], stops)
+            if constraint is not None:  # the record states the mask its tokens were drawn under
+                seg.constraints.append({"call": len(seg.weight_versions) - 1, **constraint.record()})
+            seg.history = [canonical_message(m) for m in messages] + [canonical_message(reply)]
+            seg.tools_key = tools_key(shown_tools)
+            seg.messages += [readable_message(m) for m in added] + [readable_message(reply)]
+            seg.tool_calls += len(reply["tool_calls"])
+            seg.finish_reason = "stop" if ended else "length"
+            calls = reply["tool_calls"]
+            message = {
+                "role": "assistant",
+                "content": reply["content"] if not calls or reply["content"] else None,
+            }
+            finish = "tool_calls" if calls else seg.finish_reason
+            choice = {"index": k, "message": message | ({"tool_calls": calls} if calls else {}),
+                      "finish_reason": finish, "logprobs": self._logprobs(ids, lps) if body.get("logprobs") else None}  # fmt: skip
+            choices.append(choice)
+            sampled += len(ids)
+        if reason is not None and len(traj.segments) > 1:
+            self.store.new_segments += 1
+        tandem = {"trajectory_id": traj.id, "forks": forks, "segment": len(traj.segments) - 1,
+                  "new_segment": reason, "weight_version": completions[0].weight_version}  # fmt: skip
+        return _answer("chatcmpl", "chat.completion", body, choices, len(prompt), sampled, tandem)
 
     async def _constraint(self, body: dict[str, Any]) -> Constraint | None:
         """The grammar the call's output must follow, built off the event loop; a 422 naming the field."""
@@ -240,17 +222,6 @@ class ExternalServer:
         traj.segments.append(segment)
         return segment, [], reason
 
-    def _choice(self, k: int, reply: dict, finish: str, ids: list[int], lps: list[float], body: dict) -> dict:
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": reply["content"] if not reply["tool_calls"] or reply["content"] else None,
-        }
-        if reply["tool_calls"]:
-            message["tool_calls"] = reply["tool_calls"]
-        choice: dict[str, Any] = {"index": k, "message": message, "finish_reason": finish, "_ids": ids}
-        choice["logprobs"] = self._logprobs(ids, lps) if body.get("logprobs") else None
-        return choice
-
     def _logprobs(self, ids: list[int], lps: list[float]) -> dict[str, Any]:
         end = self.renderer.turn_end_id
         pairs = [(i, lp) for i, lp in zip(ids, lps, strict=True) if i != end]
@@ -259,46 +230,50 @@ class ExternalServer:
             for (i, lp), t in zip(pairs, self.renderer.token_texts([i for i, _ in pairs]), strict=True)
         ]}  # fmt: skip
 
-    async def _completion(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.requests += 1
-        traj = self.store.open(tid)
-        async with self._locks.setdefault(tid, asyncio.Lock()):
-            text = body["prompt"]
-            last = traj.segments[-1] if traj.segments else None
-            encode = self.renderer.delta.encode
-            if last is not None and last.kind == "completion" and text.startswith(last.text):
-                segment, delta = last, await self._template(encode, text[len(last.text) :])
-            else:
-                reason = "first call" if last is None else "the prompt does not extend the earlier calls"
-                segment = Segment(await self._template(encode, text), "completion", reason, text=text)
-                segment.messages = [{"role": "user", "content": text}]
-                traj.segments.append(segment)
-                delta = []
-            prompt = segment.sequence + delta
-            params, stops = self._params(body, new_tokens(len(prompt), body, self.context, "prompt"))
-            comps = await self.batcher.generate(prompt, params.model_copy(update={"n": 1}))
-            comp = comps[0]
-            ids, stopped = self._cut(comp.token_ids, stops)
-            lps = list(comp.log_probs[: len(ids)])
-            out = self.tokenizer.decode(ids, skip_special_tokens=True)
-            segment.add_call(delta, ids, lps, comp.weight_version)
-            segment.text = text + out
-            segment.messages.append({"role": "assistant", "content": out})
-            traj.calls += 1
-            traj.last_call = time.time()
-        out = strip_stop(out, stops)
-        finish = "stop" if stopped or comp.finish_reason == "stop" else "length"
+    async def _completion(self, traj: Any, body: dict[str, Any]) -> dict[str, Any]:
+        text = body["prompt"]
+        last = traj.segments[-1] if traj.segments else None
+        encode = self.renderer.encode
+        if last is not None and last.kind == "completion" and text.startswith(last.text):
+            segment, delta = last, await self._template(encode, text[len(last.text) :])
+        else:
+            reason = "first call" if last is None else "the prompt does not extend the earlier calls"
+            segment = Segment(await self._template(encode, text), "completion", reason, text=text)
+            segment.messages = [{"role": "user", "content": text}]
+            traj.segments.append(segment)
+            delta = []
+        prompt, comps, stops = await self._generate(segment, delta, body, "prompt", {"n": 1})
+        ids, lps, ended = self._record(traj, segment, delta, comps[0], stops)
+        out = self.tokenizer.decode(ids, skip_special_tokens=True)
+        segment.text = text + out
+        segment.messages.append({"role": "assistant", "content": out})
         logprobs = None
         if body.get("logprobs"):
             logprobs = {"tokens": self.renderer.token_texts(ids), "token_logprobs": lps,
                         "top_logprobs": None, "text_offset": []}  # fmt: skip
-        return {
-            "id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-            "model": body["model"],
-            "choices": [{"index": 0, "text": out, "finish_reason": finish, "logprobs": logprobs}],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)},
-            "tandem": {"trajectory_id": tid, "weight_version": comp.weight_version},
-        }  # fmt: skip
+        choice = {"index": 0, "text": strip_stop(out, stops), "finish_reason": "stop" if ended else "length",
+                  "logprobs": logprobs}  # fmt: skip
+        tandem = {"trajectory_id": traj.id, "weight_version": comps[0].weight_version}
+        return _answer("cmpl", "text_completion", body, [choice], len(prompt), len(ids), tandem)
+
+    async def _generate(
+        self, segment: Segment, delta: list[int], body: dict[str, Any], field: str, update: dict[str, Any]
+    ) -> tuple[list[int], list[Any], list[str]]:
+        """(the call's prompt, its completions, its stop strings): `segment`'s tokens + `delta`, bounded
+        (a 400 naming `field`), sampled on a replica with `update`'s sampling settings."""
+        prompt = segment.sequence + delta
+        params, stops = self._params(body, new_tokens(len(prompt), body, self.context, field))
+        completions = await self.batcher.generate(prompt, params.model_copy(update=update))
+        return prompt, completions, stops
+
+    def _record(self, traj: Any, seg: Segment, delta: list[int], comp: Any, stops: list[str]) -> tuple:
+        """(the sampled ids up to a stop, their log-probs, whether it stopped), recorded in `seg`."""
+        ids, stopped = self._cut(comp.token_ids, stops)
+        lps = list(comp.log_probs[: len(ids)])
+        seg.add_call(delta, ids, lps, comp.weight_version)
+        traj.calls += 1
+        traj.last_call = time.time()
+        return ids, lps, stopped or comp.finish_reason == "stop"
 
     def _params(self, body: dict[str, Any], max_new_tokens: int) -> tuple[Any, list[str]]:
         from engines.rollout import SamplingParams
@@ -318,6 +293,14 @@ class ExternalServer:
 
     def _cut(self, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
         return cut_at_stop(lambda x: self.tokenizer.decode(x, skip_special_tokens=True), list(ids), stops)
+
+
+def _answer(
+    prefix: str, kind: str, body: dict, choices: list, prompt: int, sampled: int, tandem: dict
+) -> dict:
+    usage = {"prompt_tokens": prompt, "completion_tokens": sampled, "total_tokens": prompt + sampled}
+    return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
+            "model": body["model"], "choices": choices, "usage": usage, "tandem": tandem}  # fmt: skip
 
 
 def context_length(model_path: str) -> int | None:

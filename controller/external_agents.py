@@ -26,14 +26,39 @@ CALL_TIMEOUT_S = 900.0
 CHECK_TIMEOUT_S = 120.0
 
 
-class EndpointRoutes:
-    """The OpenAI routes of one trajectory, answered by the job's `ExternalServer` over Ray."""
+def _ok(body: dict[str, Any]) -> dict[str, Any]:
+    return {"status": 200, "json": body, "headers": {}}
 
-    def __init__(self, server: Any, trajectory: str, model: str) -> None:
-        self.server, self.trajectory, self.model = server, trajectory, model
 
-    def answer(self, path: str, body_text: str) -> dict[str, Any]:
-        """{status, json, headers} of a request to `path` with a JSON body."""
+def _error(status: int, message: str, param: str | None, retry_after: float | None = None) -> dict[str, Any]:
+    headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after else {}
+    return {"status": status, "json": {"error": {"message": message, "param": param}}, "headers": headers}
+
+
+class AgentWorker:
+    """Ray actor body: the user's agent in a sandbox of its own, one trajectory per call; the actor
+    answers the sandbox's HTTP requests from the job's endpoint, and its death ends the sandbox."""
+
+    def __init__(self, ref: str, server_name: str, model: str, args: dict[str, Any] | None = None) -> None:
+        self.ref, self.model, self.args = ref, model, args
+        self.trajectory: str | None = None  # the one a call under way records
+        self.server = ray.get_actor(server_name)
+        files = [ref.rpartition(":")[0]] if is_path_reference(ref) else []
+        self.box = Sandbox(files, Limits.from_env().long_lived(), asker=self._ask, stderr=None)
+        self.placed = self.box.place(ref)
+        try:
+            self.box.call("controller.agent_sandbox:check_agent", [self.placed, args], CHECK_TIMEOUT_S)
+        except SandboxError as err:
+            self.box.close()
+            raise AgentError(err.message if err.type else f"agent '{ref}': {err}") from None
+
+    def _ask(self, topic: str, payload: Any) -> dict[str, Any]:
+        if topic != "http" or not isinstance(payload, dict) or self.trajectory is None:
+            raise ValueError(f"an agent's sandbox may ask for HTTP during a call only, not {topic!r}")
+        return self._answer(str(payload.get("path", "")), str(payload.get("body", "")))
+
+    def _answer(self, path: str, body_text: str) -> dict[str, Any]:
+        """{status, json, headers} of an OpenAI request to `path`, answered by the job's endpoint."""
         if path.endswith("/models"):
             return _ok({"object": "list", "data": [{"id": self.model, "object": "model"}]})
         try:
@@ -54,39 +79,8 @@ class EndpointRoutes:
             return _error(e["status"], e["message"], e.get("param"), e.get("retry_after"))
         return _ok(out)
 
-
-def _ok(body: dict[str, Any]) -> dict[str, Any]:
-    return {"status": 200, "json": body, "headers": {}}
-
-
-def _error(status: int, message: str, param: str | None, retry_after: float | None = None) -> dict[str, Any]:
-    headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after else {}
-    return {"status": status, "json": {"error": {"message": message, "param": param}}, "headers": headers}
-
-
-class AgentWorker:
-    """Ray actor body: the user's agent in a sandbox of its own, one trajectory per call; the actor
-    answers the sandbox's HTTP requests from the job's endpoint, and its death ends the sandbox."""
-
-    def __init__(self, ref: str, server_name: str, model: str, args: dict[str, Any] | None = None) -> None:
-        self.ref, self.model, self.routes, self.args = ref, model, None, args
-        self.server = ray.get_actor(server_name)
-        files = [ref.rpartition(":")[0]] if is_path_reference(ref) else []
-        self.box = Sandbox(files, Limits.from_env().long_lived(), asker=self._ask, stderr=None)
-        self.placed = self.box.place(ref)
-        try:
-            self.box.call("controller.agent_sandbox:check_agent", [self.placed, args], CHECK_TIMEOUT_S)
-        except SandboxError as err:
-            self.box.close()
-            raise AgentError(err.message if err.type else f"agent '{ref}': {err}") from None
-
-    def _ask(self, topic: str, payload: Any) -> dict[str, Any]:
-        if topic != "http" or not isinstance(payload, dict) or self.routes is None:
-            raise ValueError(f"an agent's sandbox may ask for HTTP during a call only, not {topic!r}")
-        return self.routes.answer(str(payload.get("path", "")), str(payload.get("body", "")))
-
     def run(self, index: int, trajectory: str) -> dict[str, Any]:
-        self.routes = EndpointRoutes(self.server, trajectory, self.model)
+        self.trajectory = trajectory
         try:
             out = self.box.call("controller.agent_sandbox:run_in_sandbox", [self.placed, self.model, index,
                                 self.args], CALL_TIMEOUT_S)  # fmt: skip
@@ -95,13 +89,10 @@ class AgentWorker:
                 f"agent '{self.ref}' raised {err.type or 'in its sandbox'}: {err.message}"
             ) from None
         finally:
-            self.routes = None
+            self.trajectory = None
         if not isinstance(out, dict) or not isinstance(out.get("reward"), int | float):
             raise AgentError(f"agent '{self.ref}' answered {str(out)[:200]}; expected a reward")
-        return {
-            "reward": float(out["reward"]),
-            **{k: out[k] for k in ("task_id", "turn_rewards", "metadata") if k in out},
-        }
+        return out  # run_in_sandbox kept the reward and the fields a reward call takes
 
 
 class AgentPool:

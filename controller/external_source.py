@@ -14,6 +14,7 @@ import ray
 import torch
 
 from controller.external import ExternalServer
+from controller.trajectory_view import split_turns
 from schema.async_rl import buffer_capacity, staleness_bound
 from schema.external import server_name
 from schema.job import JobSpec
@@ -114,13 +115,8 @@ def rows_batch(rows: list[dict[str, Any]], pad: int) -> Batch:
     non_tensors = {
         **trajectory_non_tensors(trajectories),
         "uid": [r["task_id"] for r in rows],
-        "prompt": [_first_prompt(r) for r in rows],
+        "prompt": [split_turns(r["messages"])[0] for r in rows],
         "trajectory_id": [r["trajectory_id"] for r in rows],
         "segment_reason": [r["reason"] for r in rows],
     }
     return Batch(tensors, non_tensors, {"response_budget": response})
-
-
-def _first_prompt(row: dict[str, Any]) -> str:
-    first = next((k for k, m in enumerate(row["messages"]) if m["role"] == "assistant"), 0)
-    return "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"][:first])

@@ -83,24 +83,16 @@ class Trajectory:
     rewarded_at: float = 0.0
 
 
-def unknown_trajectory(tid: str) -> str:
-    return (f"no trajectory '{tid}' in this job (trajectories still open when the job was paused or "
-            "restarted are not kept: start a new one)")  # fmt: skip
-
-
 def canonical_message(m: dict[str, Any]) -> tuple:
     """What must be equal for a later call's message to be the same as an earlier one."""
-    from workers.chat_serving import content_text
+    from workers.chat_serving import content_text, parsed_arguments
 
     calls = []
     for c in m.get("tool_calls") or []:
         f = c.get("function", {})
         args = f.get("arguments", "")
-        try:
-            args = json.dumps(json.loads(args) if isinstance(args, str) else args, sort_keys=True)
-        except json.JSONDecodeError:
-            pass
-        calls.append((f.get("name"), args))
+        parsed = parsed_arguments(args)  # arguments that are not JSON: compared as they are
+        calls.append((f.get("name"), args if parsed is args else json.dumps(parsed, sort_keys=True)))
     return (m.get("role"), content_text(m.get("content")).strip() if calls else content_text(m.get("content")),
             tuple(calls))  # fmt: skip
 
@@ -149,6 +141,13 @@ class TrajectoryStore:
         traj = self.trajectories[tid] = self._open[tid] = Trajectory(tid, now, now)
         return traj
 
+    def get(self, tid: str) -> Trajectory:
+        if tid not in self.trajectories:
+            raise TrajectoryError(404, f"no trajectory '{tid}' in this job (trajectories still open when the job "
+                                  "was paused or restarted are not kept: start a new one)", "trajectory_id",
+                                  "not_found")  # fmt: skip
+        return self.trajectories[tid]
+
     def forget(self, tid: str) -> None:
         self.trajectories.pop(tid, None)
         if self._open.pop(tid, None) is not None and self.buffer is not None:
@@ -166,9 +165,7 @@ class TrajectoryStore:
     def reward(self, tid: str, reward: float, task_id: str | None, turn_rewards: list[float] | None,
                metadata: dict[str, Any]) -> Trajectory:  # fmt: skip
         self.sweep()
-        traj = self.trajectories.get(tid)
-        if traj is None:
-            raise TrajectoryError(404, unknown_trajectory(tid), "trajectory_id", "not_found")
+        traj = self.get(tid)
         if traj.state != "open":
             raise TrajectoryError(409, f"trajectory '{tid}' is already {traj.state}", "trajectory_id",
                                   f"trajectory_{traj.state}")  # fmt: skip
@@ -251,32 +248,29 @@ def readable_message(m: dict[str, Any]) -> dict[str, str]:
     return {"role": str(m.get("role")), "content": text}
 
 
-def trajectory_view(t: Any, tokens: bool = False) -> dict[str, Any]:
+# a segment's record, in views and rows
+RECORD_KEYS = ("prompt_ids", "tokens", "loss_mask", "log_probs", "messages")
+VIEW_KEYS = ("reason", "kind", *RECORD_KEYS, "weight_versions", "constraints")
+ROW_KEYS = ("reason", "tool_calls", "finish_reason", *RECORD_KEYS)
+
+
+def trajectory_view(t: Trajectory, tokens: bool = False) -> dict[str, Any]:
     out = {"id": t.id, "object": "trajectory", "state": t.state, "task_id": t.task_id, "reward": t.reward,
            "turn_rewards": t.turn_rewards, "metadata": t.metadata, "calls": t.calls,
            "segments": len(t.segments)}  # fmt: skip
     if tokens:
-        out["segment_list"] = [
-            {"reason": s.reason, "kind": s.kind, "prompt_ids": s.prompt_ids, "tokens": s.tokens,
-             "loss_mask": s.loss_mask, "log_probs": s.log_probs, "weight_versions": s.weight_versions,
-             "messages": s.messages, "constraints": s.constraints}
-            for s in t.segments
-        ]  # fmt: skip
+        out["segment_list"] = [{k: getattr(s, k) for k in VIEW_KEYS} for s in t.segments]
     return out
 
 
 def trajectory_rows(t: Trajectory) -> list[dict[str, Any]]:
     """The trainer's rows of a trajectory, one per segment."""
-    return [trajectory_row(t, k, s) for k, s in enumerate(t.segments)]
-
-
-def trajectory_row(t: Any, k: int, s: Segment) -> dict[str, Any]:
-    return {
-        "trajectory_id": t.id, "segment": k, "reason": s.reason, "task_id": t.task_id, "reward": t.reward,
-        "prompt_ids": s.prompt_ids, "tokens": s.tokens, "loss_mask": s.loss_mask, "log_probs": s.log_probs,
-        "weight_version": min(s.weight_versions) if s.weight_versions else 0, "calls": len(s.weight_versions),
-        "tool_calls": s.tool_calls, "finish_reason": s.finish_reason, "messages": s.messages,
-    }  # fmt: skip
+    return [
+        {"trajectory_id": t.id, "segment": k, "task_id": t.task_id, "reward": t.reward,
+         "weight_version": min(s.weight_versions, default=0), "calls": len(s.weight_versions),
+         **{key: getattr(s, key) for key in ROW_KEYS}}
+        for k, s in enumerate(t.segments)
+    ]  # fmt: skip
 
 
 class ExternalBuffer:

@@ -89,10 +89,13 @@ def _prompt_and_turns(
     if messages is None:  # single-turn
         text = tokenizer.decode(response, skip_special_tokens=True)
         return str(prompt_text), [{"role": "assistant", "content": text}]
-    messages = list(messages)
+    return split_turns(list(messages))
+
+
+def split_turns(messages: list[dict[str, str]]) -> tuple[str, list[dict[str, str]]]:
+    """(the messages before the first assistant turn as text, the turns from it on)."""
     first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
-    prompt = "\n".join(f"{m['role']}: {m['content']}" for m in messages[:first])
-    return prompt, messages[first:]
+    return "\n".join(f"{m['role']}: {m['content']}" for m in messages[:first]), messages[first:]
 
 
 def _error(nt: dict, i: int) -> str | None:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from api.errors import APIError
-from api.routes import openai_bridge
+from api.routes import openai_endpoint as openai_bridge
 
 
 def test_an_actor_lookup_that_hangs_is_a_503_naming_the_job(monkeypatch):

@@ -1,7 +1,7 @@
 """OpenAI chat requests inside a job: templating, tool calls, and the text of sampled tokens.
 
 `ChatRenderer` templates `messages` (and `tools`) with the model's own chat template, renders later
-messages as a token delta (chat_delta.py), and turns sampled tokens into an assistant message;
+messages as a token delta (its base, chat_delta.py), and turns sampled tokens into an assistant message;
 sampled tokens are never re-encoded. A template that does not render `tools` gets them in the system
 message, Hermes/Qwen style, and tool calls are `<tool_call>{"name", "arguments"}</tool_call>` both ways.
 """
@@ -36,14 +36,18 @@ def content_text(content: Any) -> str:
     return "".join(parts)
 
 
+def parsed_arguments(arguments: Any) -> Any:
+    """A tool call's arguments as an object when they are a JSON string, else as they are."""
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        return arguments
+
+
 def tool_call_text(call: dict[str, Any]) -> str:
     function = call.get("function", {})
-    arguments = function.get("arguments", "{}")
-    try:
-        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
-        parsed = arguments
-    return "<tool_call>" + json.dumps({"name": function.get("name"), "arguments": parsed}) + "</tool_call>"
+    arguments = parsed_arguments(function.get("arguments", "{}"))
+    return "<tool_call>" + json.dumps({"name": function.get("name"), "arguments": arguments}) + "</tool_call>"
 
 
 def parse_tool_calls(text: str, call_id: str) -> tuple[str, list[dict[str, Any]]]:
@@ -84,10 +88,9 @@ def with_tools_header(messages: list[dict[str, Any]], tools: list[dict]) -> list
     return [{"role": "system", "content": header}, *messages]
 
 
-class ChatRenderer:
+class ChatRenderer(ChatDelta):
     def __init__(self, tokenizer: Any) -> None:
-        self.delta = ChatDelta(tokenizer)
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer)
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
         self.native_tools = "tools" in template
         self.native_tool_calls = "tool_calls" in template
@@ -115,16 +118,16 @@ class ChatRenderer:
             text = self.tokenizer.apply_chat_template(
                 rendered, tools=tools, add_generation_prompt=True, tokenize=False
             )
-            return self.delta.encode(text)
-        return self.delta.prompt_ids(rendered)
+            return self.encode(text)
+        return super().prompt_ids(rendered)
 
     def delta_ids(self, added: list[dict[str, Any]], last_sampled: int | None) -> list[int]:
         """The tokens that close the last assistant turn and add `added` (then the generation prompt)."""
-        return self.delta.observation_ids(self.messages(added), last_sampled)
+        return self.observation_ids(self.messages(added), last_sampled)
 
     def reply(self, sampled: list[int], call_id: str, parse_tools: bool) -> dict[str, Any]:
         """The assistant message of sampled tokens: content decoded from them, tool calls parsed."""
-        text = self.delta.assistant_text(sampled)
+        text = self.assistant_text(sampled)
         if not parse_tools:
             return {"role": "assistant", "content": text, "tool_calls": []}
         content, calls = parse_tool_calls(text, call_id)
@@ -133,19 +136,10 @@ class ChatRenderer:
     def token_texts(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([i]) for i in ids]
 
-    @property
-    def turn_end_id(self) -> int | None:
-        return self.delta.turn_end_id
-
 
 def _native_call(call: dict[str, Any]) -> dict[str, Any]:
     function = dict(call.get("function", {}))
-    arguments = function.get("arguments", "{}")
-    if isinstance(arguments, str):
-        try:
-            function["arguments"] = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
+    function["arguments"] = parsed_arguments(function.get("arguments", "{}"))
     return {"type": "function", "id": call.get("id"), "function": function}
 
 

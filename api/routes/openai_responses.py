@@ -1,5 +1,5 @@
 """A job's OpenAI Responses API, `POST .../v1/responses` (the Agents SDK's default model), in terms of
-chat completions (docs/ARCHITECTURE.md §5.1): a request's items become chat messages, and the chat
+chat completions (api/routes/openai_endpoint.py): a request's items become chat messages, and the chat
 answer becomes Responses output items.
 
 A job's endpoint serves chat completions only, so a Responses call is recorded exactly as the chat
@@ -11,36 +11,16 @@ sends the whole conversation as `input`, and `previous_response_id` or `conversa
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
-from api.body_checks import CheckedRoute
-from api.deps import AUTH_ERRORS, BODY_ERRORS, WRITE, CallerDep, ServiceDep
-from api.errors import APIError, documented, invalid
-from api.routes.openai_bridge import call, check_model, external_job
-from api.routes.openai_chat import (
-    ChatCompletionRequest,
-    Lenient,
-    TrajectoryHeader,
-    TrajectoryId,
-)
+from api.errors import APIError, invalid
+from api.routes.openai_chat import ChatCompletionRequest, Lenient
 
-router = APIRouter(
-    prefix="/v1/jobs/{job_id}/openai",
-    tags=["openai-compatible endpoint"],
-    route_class=CheckedRoute,
-    responses={**AUTH_ERRORS, **BODY_ERRORS, **documented(404, 409, 429, 503)},
-)
 LOGPROBS = "message.output_text.logprobs"
-
-
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -202,39 +182,19 @@ def stream_events(response: dict[str, Any]) -> list[dict[str, Any]]:
     for index, item in enumerate(response["output"]):
         at = {"item_id": item["id"], "output_index": index}
         if item["type"] == "message":
-            emit(
-                "response.output_item.added",
-                output_index=index,
-                item={**item, "status": "in_progress", "content": []},
-            )
-            part = item["content"][0]
-            empty = {**part, "text": "", "logprobs": []}
-            emit("response.content_part.added", **at, content_index=0, part=empty)
-            emit(
-                "response.output_text.delta",
-                **at,
-                content_index=0,
-                delta=part["text"],
-                logprobs=part["logprobs"],
-            )
-            emit(
-                "response.output_text.done",
-                **at,
-                content_index=0,
-                text=part["text"],
-                logprobs=part["logprobs"],
-            )
-            emit("response.content_part.done", **at, content_index=0, part=part)
+            opened = {**item, "status": "in_progress", "content": []}
+            emit("response.output_item.added", output_index=index, item=opened)
+            part, at = item["content"][0], {**at, "content_index": 0}
+            emit("response.content_part.added", **at, part={**part, "text": "", "logprobs": []})
+            emit("response.output_text.delta", **at, delta=part["text"], logprobs=part["logprobs"])
+            emit("response.output_text.done", **at, text=part["text"], logprobs=part["logprobs"])
+            emit("response.content_part.done", **at, part=part)
         else:
-            emit(
-                "response.output_item.added",
-                output_index=index,
-                item={**item, "status": "in_progress", "arguments": ""},
-            )
+            opened = {**item, "status": "in_progress", "arguments": ""}
+            emit("response.output_item.added", output_index=index, item=opened)
             emit("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            emit(
-                "response.function_call_arguments.done", **at, name=item["name"], arguments=item["arguments"]
-            )
+            done = {"name": item["name"], "arguments": item["arguments"]}
+            emit("response.function_call_arguments.done", **at, **done)
         emit("response.output_item.done", output_index=index, item=item)
     emit(f"response.{response['status']}", response=response)
     return events
@@ -264,24 +224,6 @@ class ResponsesRequest(Lenient):
     stream: bool = False
 
 
-@router.post("/v1/responses", dependencies=WRITE)
-async def responses(
-    job_id: str, body: ResponsesRequest, service: ServiceDep, caller: CallerDep,
-    trajectory: str | None = TrajectoryHeader,
-) -> Any:  # fmt: skip
-    """A response from the job's policy, recorded in the trajectory the header names (or a new one)."""
-    return await _respond(job_id, trajectory, body, service, caller)
-
-
-@router.post("/trajectories/{trajectory_id}/v1/responses", dependencies=WRITE)
-async def trajectory_responses(
-    job_id: str, body: ResponsesRequest, service: ServiceDep, caller: CallerDep,
-    trajectory_id: str = TrajectoryId,
-) -> Any:  # fmt: skip
-    """A response recorded in the trajectory of the base URL."""
-    return await _respond(job_id, trajectory_id, body, service, caller)
-
-
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     """The chat completion request that means the same as `body`; a 422 naming the Responses field."""
     for name in ("previous_response_id", "conversation"):
@@ -304,32 +246,12 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError(422, f"{param}: {first['msg']}", param, "invalid_value") from None
 
 
-def responses_param(param: str | None) -> str | None:
-    """The Responses field that a chat field at fault stands for."""
+def name_responses_field(err: APIError) -> None:
+    """Names, in the error the chat call raised, the Responses field that its chat field stands for."""
+    param = err.param
     if param == "response_format":
-        return "text.format"
-    if param and param.startswith("tools[") and ".function." in param:
-        return param.replace(".function.", ".", 1)
-    return param
-
-
-async def _respond(job_id: str, tid: str | None, body: ResponsesRequest, service: Any, caller: Any) -> Any:
-    job = external_job(service, job_id, caller.sees)
-    check_model(job, body.model)
-    chat = chat_request(body)
-    try:
-        out = await call(job_id, "chat", tid, chat.model_dump(exclude_none=True))
-    except APIError as err:  # the endpoint names the chat field: name the Responses one
-        param = responses_param(err.param)
-        if param != err.param:
-            err.message, err.param = err.message.replace(err.param, param, 1), param
-        raise
-    response = response_object(out, body.model_dump(exclude_none=True))
-    if not body.stream:
-        return JSONResponse(response)
-
-    async def events() -> AsyncIterator[str]:
-        for event in stream_events(response):
-            yield f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream")
+        param = "text.format"
+    elif param and param.startswith("tools[") and ".function." in param:
+        param = param.replace(".function.", ".", 1)
+    if param != err.param:
+        err.message, err.param = err.message.replace(err.param, param, 1), param
