@@ -145,6 +145,8 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 
 class VLLMRolloutEngine(RolloutEngine):
+    backend = "vllm"
+
     def __init__(
         self,
         model_path: str | Path,
@@ -161,14 +163,11 @@ class VLLMRolloutEngine(RolloutEngine):
         problem = probe_vllm()
         if problem is not None:
             raise ImportError(problem)
-        from engines.rollout.hf import read_special_token_ids, resolve_dtype
+        from engines.rollout.hf import resolve_dtype
 
+        super().__init__(model_path, eos_token_ids)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
-        folder_eos, self.pad_token_id = read_special_token_ids(model_path)
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else folder_eos
-        self.weight_version = 0
-        self._released = False
         self._asleep = False
         self._updating = False
         self._adapter: AdapterFolder | None = None
@@ -223,20 +222,11 @@ class VLLMRolloutEngine(RolloutEngine):
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        if self._released:
-            raise RolloutEngineError(
-                "vllm rollout engine memory is released: call resume_memory() before generate()"
-            )
-        if not prompts:
-            return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token; got an empty prompt")
+    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
         if params.constraint is not None and not self.has_tokenizer:
             raise ConstraintError("response_format", "the vllm engine enforces constraints with the model's tokenizer, "
                                   "and this model folder has none")  # fmt: skip
-        rows = [list(prompt) for prompt in prompts for _ in range(params.n)]
-        stop_ids = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
+        stop_ids = self.stop_ids(params)
         allowed = None if params.constraint is None else self._allowed_ids(stop_ids)
         sampling = [
             to_vllm_sampling_params(
@@ -305,29 +295,20 @@ class VLLMRolloutEngine(RolloutEngine):
             self._llm.finish_weight_update(weight_version=str(self.weight_version + 1))
             self._updating = False
         self._llm.reset_prefix_cache()  # cached prefixes hold keys/values of the old weights
-        self.weight_version += 1
-        return self.weight_version
+        return super().finish_update()
 
     def release_memory(self) -> None:
         """CUDA: sleep(level=1). CPU: vLLM has no sleep mode; the engine is only marked released."""
-        if self._released:
-            return
-        if self.device.type == "cuda":
+        if not self.is_released and self.device.type == "cuda":
             self._llm.sleep(level=1)
             self._asleep = True
-        self._released = True
+        super().release_memory()
 
     def resume_memory(self) -> None:
-        if not self._released:
-            return
         if self._asleep:
             self._llm.wake_up()
             self._asleep = False
-        self._released = False
-
-    @property
-    def is_released(self) -> bool:
-        return self._released
+        super().resume_memory()
 
     def shutdown(self) -> None:
         llm, self._llm = self._llm, None
