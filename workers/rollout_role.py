@@ -19,7 +19,7 @@ import torch
 from engines.rollout import SamplingParams, build_rollout_engine
 from engines.rollout.base import Completion
 from engines.threads import limit_threads_for_model
-from engines.transfer.adapter import probe_completion
+from engines.transfer.adapter import serve_adapter
 from engines.transfer.base import NamedTensor
 from engines.transfer.collective import TransferGroup
 from schema.workers import EnvironmentConfig, RolloutConfig, RolloutWorkerConfig
@@ -176,21 +176,13 @@ class RolloutWorker(Worker):
         return self.finish_transfer() if last else None
 
     def receive_adapter(self, ref: ray.ObjectRef, config: dict, timeout_s: float = 300.0) -> dict:
-        """A LoRA adapter in one object-store object: loaded, the update closed, then the probe's greedy
-        sequence generated; {"version", "tokens", "log_probs"}."""
+        """A LoRA adapter in one object-store object, served and probed (engines/transfer/adapter.py)."""
         tensors = [
             (n, t.to(self.rollout_device, copy=True))
             for n, t in decode_bucket(ray.get(ref, timeout=timeout_s))
         ]
         with self._rolling():
-            self.rollout.load_adapter(config, tensors)
-            version = self.rollout.finish_update()
-            completion = probe_completion(self.rollout)
-        return {
-            "version": version,
-            "tokens": list(completion.token_ids),
-            "log_probs": list(completion.log_probs),
-        }
+            return serve_adapter(self.rollout, config, tensors)
 
     def finish_transfer(self) -> int:
         version = self.rollout.finish_update()

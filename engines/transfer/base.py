@@ -25,7 +25,9 @@ class TransferError(RuntimeError):
 
 
 class Receivers(Protocol):
-    """The receiving workers as a cross-process sender sees them (over Ray: workers/transfer_peers.py)."""
+    """The receiving workers as a cross-process sender sees them (over Ray: workers/transfer_choice.py)."""
+
+    group: str  # their name in errors
 
     def start(self, method: str, *args: Any) -> None:
         """Start `method(*args)` on every receiver without waiting."""
