@@ -9,28 +9,19 @@ Completion contract, which renormalises over the kept set.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engines.rollout import probe_sglang
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.constrained import ConstraintError
-from engines.rollout.probes import SGLANG_INSTALL_HINT as INSTALL_HINT
 from engines.transfer.base import iter_buckets as bucket_named_tensors
 
 # HF buffers that are not weights: sglang's load_weights computes these itself.
 SKIPPED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def probe_sglang() -> str | None:
-    """None when sglang imports; else what is missing and how to get it."""
-    try:
-        importlib.import_module("sglang")
-    except Exception as exc:  # a broken install raises more than ImportError
-        return f"rollout backend 'sglang' needs the sglang package: {INSTALL_HINT} (import failed: {exc})"
-    return None
 
 
 def to_sglang_sampling_params(params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> dict[str, Any]:
@@ -119,7 +110,7 @@ class SGLangRolloutEngine(RolloutEngine):
 
     def __init__(
         self,
-        model_path: str,
+        model_path: str | Path,
         device: str = "cuda",
         dtype: str = "auto",
         *,
@@ -155,7 +146,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 "lora_target_modules": ["all"],  # the adapter's own config says which
             }
         self._engine = Engine(
-            model_path=model_path,
+            model_path=str(model_path),
             dtype=dtype,
             tp_size=tp_size,
             base_gpu_id=base_gpu_id,

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from engines.rollout import probe_vllm
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.constrained import ConstraintError
-from engines.rollout.probes import probe_vllm
 from engines.training.fsdp.lora import write_adapter
 
 TRANSFER_BACKEND = "tandem-inproc"
