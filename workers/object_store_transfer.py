@@ -47,8 +47,6 @@ def decode_bucket(encoded: EncodedBucket) -> list[NamedTensor]:
 
 
 class ObjectStoreTransfer(WeightTransfer):
-    name = "object_store"
-
     def __init__(
         self, receivers: Receivers, bucket_mb: float = 512, dtype: torch.dtype | None = None
     ) -> None:
@@ -88,8 +86,6 @@ class ObjectStoreTransfer(WeightTransfer):
 class RemoteAdapterTransfer(ProbedAdapterTransfer):
     """The adapter in one object to every rollout worker (`RolloutWorker.receive_adapter`); the probe
     is checked by `probe_all_ranks`."""
-
-    name = "adapter_object_store"
 
     def __init__(self, receivers: Receivers, adapter_config: dict, probe_tolerance: float) -> None:
         super().__init__(adapter_config, probe_tolerance)

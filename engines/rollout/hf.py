@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
 from engines.rollout.base import Completion, RolloutEngine, SamplingParams
-from engines.rollout.constrained_mask import GrammarCompilers, GrammarMask
+from engines.rollout.constrained import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder
 from engines.rollout.kv_cache import full_attention_only, preallocated_cache
 from engines.rollout.lora_merge import AdapterMerger

@@ -112,25 +112,6 @@ def check_cpu_head_size(model_path: str) -> None:
         )
 
 
-class AdapterFolder:
-    """The RAM folder (/dev/shm where writable) holding the adapter vLLM serves, and its request;
-    re-adding the same LoRA id with `load_inplace` replaces the served adapter's weights."""
-
-    def __init__(self) -> None:
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.folder = Path(tempfile.mkdtemp(prefix="tandem-lora-", dir=shm))
-        self.request: Any = None
-
-    def write(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.lora.request import LoRARequest
-
-        write_adapter(self.folder, dict(named_tensors), config)
-        self.request = LoRARequest("tandem", LORA_ID, str(self.folder), load_inplace=True)
-
-    def remove(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's LoRAConfig.max_lora_rank takes
 
 
@@ -170,7 +151,10 @@ class VLLMRolloutEngine(RolloutEngine):
         self.dtype = resolve_dtype(dtype, device)
         self._asleep = False
         self._updating = False
-        self._adapter: AdapterFolder | None = None
+        # The served adapter's folder in RAM (/dev/shm where writable) and its request; re-adding the
+        # same LoRA id with `load_inplace` replaces the served adapter's weights.
+        self._adapter_folder: Path | None = None
+        self._lora: Any = None
         self.has_tokenizer = any(
             (Path(model_path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
         )
@@ -239,7 +223,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 [{"prompt_token_ids": row} for row in rows],
                 sampling,
                 use_tqdm=False,
-                lora_request=self._adapter.request if self._adapter is not None else None,
+                lora_request=self._lora,
             )
         except Exception as exc:
             raise RolloutEngineError(f"vllm generate failed: {type(exc).__name__}: {exc}") from exc
@@ -252,7 +236,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _allowed_ids(self, stop_ids: list[int]) -> list[int]:
         """All tokens but the special ones other than the stop tokens, as the hf engine's
-        constrained_mask.py bans them (their text would re-tokenise as the special token)."""
+        GrammarMask bans them (their text would re-tokenise as the special token)."""
         tokenizer = self._llm.get_tokenizer()
         banned = set(tokenizer.all_special_ids) - set(stop_ids)
         return [i for i in range(len(tokenizer)) if i not in banned]
@@ -275,15 +259,16 @@ class VLLMRolloutEngine(RolloutEngine):
             ) from exc
 
     def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if self._adapter is None:
-            self._adapter = AdapterFolder()
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_folder is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            self._adapter_folder = Path(tempfile.mkdtemp(prefix="tandem-lora-", dir=shm))
         try:
-            self._adapter.write(config, named_tensors)
+            write_adapter(self._adapter_folder, dict(named_tensors), config)
+            self._lora = LoRARequest("tandem", LORA_ID, str(self._adapter_folder), load_inplace=True)
             engine = self._llm.llm_engine
-            if (
-                not engine.add_lora(self._adapter.request)
-                or self._adapter.request.lora_int_id not in engine.list_loras()
-            ):
+            if not engine.add_lora(self._lora) or LORA_ID not in engine.list_loras():
                 raise RuntimeError("vLLM did not register the adapter")
         except Exception as exc:
             raise RolloutEngineError(
@@ -312,7 +297,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         llm, self._llm = self._llm, None
-        if self._adapter is not None:
-            self._adapter.remove()
+        if self._adapter_folder is not None:
+            shutil.rmtree(self._adapter_folder, ignore_errors=True)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

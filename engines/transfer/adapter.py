@@ -101,8 +101,6 @@ class ProbedAdapterTransfer(WeightTransfer):
 class AdapterTransfer(ProbedAdapterTransfer):
     """Into a rollout engine of this process, probed at the end of every transfer."""
 
-    name = "adapter"
-
     def __init__(self, train: TrainEngine, rollout: RolloutEngine, probe_tolerance: float) -> None:
         if train.adapter_config() is None:
             raise ValueError(

@@ -139,8 +139,6 @@ class TransferGroup:
 
 
 class CollectiveTransfer(WeightTransfer):
-    name = "collective"
-
     def __init__(
         self,
         group: TransferGroup,
