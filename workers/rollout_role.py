@@ -162,11 +162,9 @@ class RolloutWorker(Worker):
         """One transfer over the group: buckets until the end mark; returns the new weight version."""
         if self._transfer_group is None:
             raise RuntimeError(f"rollout rank {self.rank} has not joined a weight-transfer group")
-        while True:
-            bucket, _buffer = self._transfer_group.receive_bucket()
-            if bucket is None:
-                return self.finish_transfer()
+        for bucket in self._transfer_group.receive_buckets():
             self._apply(bucket)
+        return self.finish_transfer()
 
     def receive_bucket(self, ref: ray.ObjectRef, last: bool = False, timeout_s: float = 300.0) -> int | None:
         """One object-store bucket, applied by name; the `last` one also closes the transfer and returns

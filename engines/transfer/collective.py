@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -75,11 +76,6 @@ class TransferGroup:
         self._store = store  # the sender's store must outlive the group
         self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # reused across buckets
 
-    def _buffer_of(self, nbytes: int) -> torch.Tensor:
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._buffer[:nbytes]
-
     @staticmethod
     def host_store(host: str, world: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
         """The sender's rendezvous store on a free port of its own; returns it and the port."""
@@ -123,19 +119,22 @@ class TransferGroup:
         if flat is not None:
             self.broadcast(flat.to(self.device))
 
-    def receive_bucket(self) -> tuple[list[NamedTensor] | None, torch.Tensor | None]:
-        """Ranks 1..: the next bucket as views into this rank's reused buffer (returned too), or
-        (None, None) at the end; apply it before the next one."""
-        sizes = torch.empty(2, dtype=torch.int64, device=self.device)
-        self.broadcast(sizes)
-        data = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
-        self.broadcast(data)
-        header: Header | None = pickle.loads(data.cpu().numpy().tobytes())
-        if header is None:
-            return None, None
-        flat = self._buffer_of(int(sizes[1]))  # applied (copied out) before the next bucket comes
-        self.broadcast(flat)
-        return unpack(header, flat), flat
+    def receive_buckets(self) -> Iterator[list[NamedTensor]]:
+        """Ranks 1..: the buckets of one transfer, until its end mark, each as views into this rank's
+        reused buffer: apply (copy out) one before asking for the next."""
+        while True:
+            sizes = torch.empty(2, dtype=torch.int64, device=self.device)
+            self.broadcast(sizes)
+            data = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
+            self.broadcast(data)
+            header: Header | None = pickle.loads(data.cpu().numpy().tobytes())
+            if header is None:
+                return
+            if self._buffer.numel() < int(sizes[1]):
+                self._buffer = torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.device)
+            flat = self._buffer[: int(sizes[1])]
+            self.broadcast(flat)
+            yield unpack(header, flat)
 
 
 class CollectiveTransfer(WeightTransfer):
