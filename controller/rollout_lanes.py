@@ -18,8 +18,7 @@ import torch
 
 from controller.rollout_buffer import BufferedRollout, RolloutBuffer
 from controller.weight_publisher import RolloutTurn
-from engines.rollout.base import Completion, SamplingParams
-from engines.rollout.hf import read_special_token_ids
+from engines.rollout.base import Completion, SamplingParams, read_special_token_ids
 from schema.async_rl import resolved_lanes
 from workers.batch import Batch, prompt_length_of, sampling_of
 from workers.remote import wait_all

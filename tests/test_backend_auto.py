@@ -9,8 +9,13 @@ import pytest
 
 from controller.sink import JsonlSink
 from controller.trainer import Trainer
-from engines.rollout import ROLLOUT_ENGINES, build_rollout_engine, choose_backend, resolve_backend
-from engines.rollout.probes import installed_for_cuda
+from engines.rollout import (
+    ROLLOUT_ENGINES,
+    build_rollout_engine,
+    choose_backend,
+    installed_for_cuda,
+    resolve_backend,
+)
 from schema.job import JobSpec
 from schema.workers import RolloutConfig
 

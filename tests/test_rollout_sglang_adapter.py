@@ -15,16 +15,14 @@ import types
 import pytest
 import torch
 
-from engines.rollout import available_backends, build_rollout_engine
-from engines.rollout.base import RolloutEngineError, SamplingParams
+from engines.rollout import available_backends, build_rollout_engine, probe_sglang
+from engines.rollout.base import RolloutEngineError, SamplingParams, expand_prompts
 from engines.rollout.sglang import (
     SGLangRolloutEngine,
     bucket_named_tensors,
     check_sglang_result,
     completion_from_sglang,
-    expand_prompts,
     is_sglang_weight,
-    probe_sglang,
     sampling_params_per_row,
     to_sglang_sampling_params,
 )

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
+from engines.rollout import SGLANG_VERSION
 from engines.rollout.base import RolloutEngineError, SamplingParams
-from engines.rollout.probes import SGLANG_VERSION
 from engines.rollout.sglang import SGLangRolloutEngine, finish_reason_from_sglang
 
 REPO = Path(__file__).resolve().parents[1]

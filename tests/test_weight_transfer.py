@@ -12,7 +12,7 @@ import torch
 
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, ready_all
-from engines.transfer.packing import pack, unpack
+from engines.transfer.collective import pack, unpack
 from tests.test_hybrid_worker import prompt_batch, with_advantages
 from workers.actor_role import ActorRefWorker
 from workers.rollout_role import RolloutWorker

@@ -18,9 +18,9 @@ from engines.training.registry import build_train_engine
 from engines.transfer.base import NamedTensor, WeightTransfer
 from schema.losses import PolicyLossConfig, SFTLossConfig
 from schema.workers import HybridWorkerConfig, UpdateSchedule
-from workers.adapter_transfer import RemoteAdapterTransfer, probe_all_ranks
 from workers.base import Dispatch, Reduce, Worker, register
 from workers.batch import Batch
+from workers.object_store_transfer import RemoteAdapterTransfer, probe_all_ranks
 from workers.operations import TrainingOperations, TrainOps, prepare_loss, temperature_of
 from workers.training import train_on_batch
 from workers.transfer_choice import RolloutLink, connect

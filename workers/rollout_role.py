@@ -19,7 +19,7 @@ import torch
 from engines.rollout import SamplingParams, build_rollout_engine
 from engines.rollout.base import Completion
 from engines.threads import limit_threads_for_model
-from engines.transfer.adapter import probe_completion
+from engines.transfer.adapter import serve_adapter
 from engines.transfer.base import NamedTensor
 from engines.transfer.collective import TransferGroup
 from schema.workers import EnvironmentConfig, RolloutConfig, RolloutWorkerConfig
@@ -162,11 +162,9 @@ class RolloutWorker(Worker):
         """One transfer over the group: buckets until the end mark; returns the new weight version."""
         if self._transfer_group is None:
             raise RuntimeError(f"rollout rank {self.rank} has not joined a weight-transfer group")
-        while True:
-            bucket, _buffer = self._transfer_group.receive_bucket()
-            if bucket is None:
-                return self.finish_transfer()
+        for bucket in self._transfer_group.receive_buckets():
             self._apply(bucket)
+        return self.finish_transfer()
 
     def receive_bucket(self, ref: ray.ObjectRef, last: bool = False, timeout_s: float = 300.0) -> int | None:
         """One object-store bucket, applied by name; the `last` one also closes the transfer and returns
@@ -176,21 +174,13 @@ class RolloutWorker(Worker):
         return self.finish_transfer() if last else None
 
     def receive_adapter(self, ref: ray.ObjectRef, config: dict, timeout_s: float = 300.0) -> dict:
-        """A LoRA adapter in one object-store object: loaded, the update closed, then the probe's greedy
-        sequence generated; {"version", "tokens", "log_probs"}."""
+        """A LoRA adapter in one object-store object, served and probed (engines/transfer/adapter.py)."""
         tensors = [
             (n, t.to(self.rollout_device, copy=True))
             for n, t in decode_bucket(ray.get(ref, timeout=timeout_s))
         ]
         with self._rolling():
-            self.rollout.load_adapter(config, tensors)
-            version = self.rollout.finish_update()
-            completion = probe_completion(self.rollout)
-        return {
-            "version": version,
-            "tokens": list(completion.token_ids),
-            "log_probs": list(completion.log_probs),
-        }
+            return serve_adapter(self.rollout, config, tensors)
 
     def finish_transfer(self) -> int:
         version = self.rollout.finish_update()

@@ -1,5 +1,7 @@
 """Where a training rank's weight-transfer strategy is chosen: the one place that maps a placement,
-LoRA and `rollout.weight_transfer` to a strategy (engines/transfer/base.py's interface).
+LoRA and `rollout.weight_transfer` to a strategy (engines/transfer/base.py's interface), and connects
+it to the rollout workers over Ray (`RolloutPeers`: a receiver that died or hung fails the transfer
+with a `TransferError` naming the rollout group and rank).
 
 Colocated: `InProcessTransfer`, or the adapter alone (`AdapterTransfer`). Split: `collective` or
 `object_store`, or the adapter alone in one object (`RemoteAdapterTransfer`). A new strategy is one
@@ -20,9 +22,8 @@ from engines.transfer.adapter import AdapterTransfer, default_tolerance
 from engines.transfer.base import TransferError, WeightTransfer
 from engines.transfer.collective import CollectiveTransfer, TransferGroup
 from engines.transfer.in_process import InProcessTransfer
-from workers.adapter_transfer import RemoteAdapterTransfer
-from workers.object_store_transfer import ObjectStoreTransfer
-from workers.transfer_peers import RolloutPeers
+from workers.object_store_transfer import ObjectStoreTransfer, RemoteAdapterTransfer
+from workers.remote import WorkerGroupError, wait_all
 
 
 @dataclass
@@ -33,6 +34,35 @@ class RolloutLink:
     group: str  # the rollout group's name, for errors
     strategy: str  # "collective" or "object_store"
     timeout_s: float = 300.0
+
+
+class RolloutPeers:
+    """The `Receivers` of engines/transfer/base.py over the rollout group's Ray actors."""
+
+    def __init__(self, actors: list[Any], group: str, timeout_s: float) -> None:
+        self.actors, self.group, self.timeout_s = list(actors), group, timeout_s
+        self._method = ""
+        self._refs: list[ray.ObjectRef] = []
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def start(self, method: str, *args: Any) -> None:
+        self.start_each(method, [args] * len(self.actors))
+
+    def start_each(self, method: str, per_rank: list[tuple]) -> None:
+        self._method = method
+        self._refs = [
+            actor.execute.remote(method, (args, {}))
+            for actor, args in zip(self.actors, per_rank, strict=True)
+        ]
+
+    def wait(self, timeout_s: float | None = None) -> list[Any]:
+        refs, self._refs = self._refs, []
+        try:
+            return wait_all(self.group, self._method, refs, timeout_s or self.timeout_s)
+        except WorkerGroupError as err:
+            raise TransferError(f"weight transfer failed: {err}") from err
 
 
 def in_process(rollout: RolloutEngine, bucket_mb: float, train: TrainEngine | None = None) -> WeightTransfer:

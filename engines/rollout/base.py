@@ -6,10 +6,12 @@ a sample is.
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,17 +69,70 @@ class RolloutEngineError(RuntimeError):
     """A rollout engine was used in a state that cannot serve the call (e.g. memory released)."""
 
 
+def read_special_token_ids(model_path: str | Path) -> tuple[list[int], int]:
+    """(EOS ids, pad id) from generation_config.json, then config.json (no slow tokenizer load); the
+    pad id falls back to the first EOS id."""
+    eos: int | list[int] | None = None
+    pad: int | None = None
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / name
+        if not path.exists():
+            continue
+        cfg = json.loads(path.read_text())
+        eos = eos if eos is not None else cfg.get("eos_token_id")
+        pad = pad if pad is not None else cfg.get("pad_token_id")
+    if eos is None:
+        raise ValueError(
+            f"model folder '{model_path}' names no eos_token_id in generation_config.json or config.json"
+        )
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    return eos_ids, eos_ids[0] if pad is None else pad
+
+
+def expand_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """Each prompt repeated n times, prompt-major: one row per Completion."""
+    return [list(prompt) for prompt in prompts for _ in range(n)]
+
+
 class RolloutEngine(ABC):
     """Batched generation plus in-process weight updates. `pad_token_id` pads the batches built from
-    its completions; `dtype` is what `update_weights` expects (None: the engine casts itself)."""
+    its completions; `dtype` is what `update_weights` expects (None: the engine casts itself).
+    A backend implements `_generate` on the expanded rows and the weight loads; the released flag,
+    the version counter and the checks every backend shares live here."""
 
+    backend: ClassVar[str] = ""  # names the engine in errors
     weight_version: int = 0
     pad_token_id: int = 0
     dtype: torch.dtype | None = None
+    _released: bool = False
 
-    @abstractmethod
+    def __init__(
+        self, model_path: str | Path, eos_token_ids: list[int] | None = None, pad_token_id: int | None = None
+    ) -> None:
+        """The stop and pad tokens: given, else read from the model folder."""
+        folder_eos, folder_pad = read_special_token_ids(model_path)
+        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else folder_eos
+        self.pad_token_id = pad_token_id if pad_token_id is not None else folder_pad
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """`len(prompts) * params.n` completions, prompt-major."""
+        if self.is_released:
+            raise RolloutEngineError(
+                f"{self.backend} rollout engine memory is released: call resume_memory() before generate()"
+            )
+        if not prompts:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token; got an empty prompt")
+        return self._generate(expand_prompts(prompts, params.n), params)
+
+    @abstractmethod
+    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per row (row i is prompt i // params.n)."""
+
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        """The tokens that end a completion: the model's EOS and the call's own."""
+        return sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -88,23 +143,25 @@ class RolloutEngine(ABC):
         `finish_update` after it."""
         raise RolloutEngineError(f"rollout backend {type(self).__name__} cannot serve LoRA adapters")
 
-    @abstractmethod
     def finish_update(self) -> int:
         """Mark the end of one whole sync (several update_weights buckets): bumps weight_version."""
+        self.weight_version += 1
+        return self.weight_version
 
     def memory_is_short(self) -> bool:
         """Whether releasing memory between calls is worth its cost now (rollout.free_cache_after_generate
         left unset). Engines whose cache holds most of the device always release."""
         return True
 
-    @abstractmethod
     def release_memory(self) -> None:
-        """Drop what can be rebuilt (KV cache; on GPU also weights); generate raises until resumed."""
+        """Drop what can be rebuilt (KV cache; on GPU also weights); generate raises until resumed.
+        A backend frees its memory when not yet released, then calls this."""
+        self._released = True
 
-    @abstractmethod
     def resume_memory(self) -> None:
         """Undo release_memory."""
+        self._released = False
 
     @property
-    @abstractmethod
-    def is_released(self) -> bool: ...
+    def is_released(self) -> bool:
+        return self._released

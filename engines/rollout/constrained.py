@@ -1,19 +1,28 @@
 """Constrained decoding: what a call's output must match, as one grammar every engine can enforce.
 
 `build_constraint` turns a chat call's `response_format` / `tool_choice` into an xgrammar EBNF
-grammar; the hf engine enforces it itself (constrained_mask.py), vLLM through its structured outputs.
+grammar; the hf engine enforces it itself (`GrammarMask`), vLLM through its structured outputs.
 xgrammar ignores JSON-schema keywords it does not implement, so schemas are checked here first: an
 unenforced keyword, or a schema too big, deep or recursive, is a `ConstraintError` naming the field.
-Imports without torch; xgrammar is loaded on first use.
+The hf engine's mask sets disallowed logits to -inf before sampling, so the recorded log-probability
+is that of the masked, renormalised distribution; it bans special tokens other than the stop tokens
+too (xgrammar reads one as its text, which would re-tokenise as the special token).
+Imports without torch (the API validates constraints); xgrammar and torch are loaded on first use.
 """
 
 from __future__ import annotations
 
+import graphlib
 import hashlib
 import json
-from typing import Any, Literal
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_SCHEMA_CHARS = 65_536
 MAX_SCHEMA_DEPTH = 24
@@ -124,17 +133,12 @@ def _refuse_cycles(schema: dict[str, Any], definitions: dict[str, Any], param: s
     for name in _refs(schema) | set(edges):
         if name not in edges:
             raise ConstraintError(param, f"$ref to '{name}', which the schema does not define")
-    for start in edges:
-        seen, todo = set(), list(edges[start])
-        while todo:
-            name = todo.pop()
-            if name == start:
-                raise ConstraintError(
-                    param, f"definition '{start}' refers to itself: recursive schemas are not served"
-                )
-            if name not in seen:
-                seen.add(name)
-                todo.extend(edges.get(name, ()))
+    try:
+        graphlib.TopologicalSorter(edges).prepare()
+    except graphlib.CycleError as cycle:
+        raise ConstraintError(
+            param, f"definition '{cycle.args[1][0]}' refers to itself: recursive schemas are not served"
+        ) from None
 
 
 def _grammar_of_schema(schema: dict[str, Any], param: str, strict: bool = True) -> Any:
@@ -231,3 +235,71 @@ def build_constraint(
         grammar = form
     text = str(grammar)
     return Constraint(kind=kind, grammar=text, sha256=hashlib.sha256(text.encode()).hexdigest())
+
+
+# ---- the hf engine's enforcement: one xgrammar matcher per row, a token mask per step ----
+
+
+class GrammarCompilers:
+    """xgrammar compilers for one model's tokenizer, one per set of stop tokens, built on first use."""
+
+    def __init__(self, model_path: str | Path, vocab_size: int) -> None:
+        self.model_path, self.vocab_size = str(model_path), vocab_size
+        self._compilers: dict[tuple[int, ...], Any] = {}
+        self._tokenizer: Any = None
+
+    def banned_ids(self, stop_ids: list[int]) -> list[int]:
+        """The special tokens a constrained completion never holds."""
+        return sorted(set(self._load_tokenizer().all_special_ids) - set(stop_ids))
+
+    def _load_tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        if self._tokenizer is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    def compiled(self, constraint: Constraint, stop_ids: list[int]) -> Any:
+        import xgrammar
+
+        stops = tuple(sorted(stop_ids))
+        if stops not in self._compilers:
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                self._load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=list(stops)
+            )
+            self._compilers[stops] = _compile_with(xgrammar.GrammarCompiler(info))
+        return self._compilers[stops](constraint.grammar)
+
+
+def _compile_with(compiler: Any) -> Any:
+    return lru_cache(maxsize=64)(compiler.compile_grammar)
+
+
+class GrammarMask:
+    """The matchers of one generate call's rows (indexed by original row)."""
+
+    def __init__(self, compiled: Any, rows: int, vocab_size: int, banned_ids: list[int]) -> None:
+        import torch
+        import xgrammar
+
+        self.banned = torch.tensor(banned_ids, dtype=torch.long)
+        self._xgr = xgrammar
+        self.matchers = [xgrammar.GrammarMatcher(compiled) for _ in range(rows)]
+        self.vocab_size = vocab_size
+        self.bitmask = xgrammar.allocate_token_bitmask(rows, vocab_size)
+
+    def apply(self, logits: torch.Tensor, live: torch.Tensor, done: torch.Tensor) -> None:
+        """Set to -inf, in place, the logits [B, V] of tokens the rows' grammars do not allow next."""
+        bitmask = self.bitmask[: len(live)]
+        bitmask.fill_(-1)  # all allowed: finished rows are fed pad and their outputs ignored
+        for i, (row, finished) in enumerate(zip(live.tolist(), done.tolist(), strict=True)):
+            if not finished:
+                self.matchers[row].fill_next_token_bitmask(bitmask, i)
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
+        logits[:, self.banned.to(logits.device)] = float("-inf")
+
+    def accept(self, tokens: torch.Tensor, live: torch.Tensor, done: torch.Tensor) -> None:
+        """Advance each decoding row's matcher by its sampled token."""
+        for row, token, finished in zip(live.tolist(), tokens.tolist(), done.tolist(), strict=True):
+            if not finished and not self.matchers[row].accept_token(token):
+                raise RuntimeError(f"row {row}'s grammar refused token {token}, which its mask allowed")

@@ -9,15 +9,14 @@ Sampling (sampling.py) follows the `Completion` contract, from a private `torch.
 from __future__ import annotations
 
 import gc
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
-from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams
-from engines.rollout.constrained_mask import GrammarCompilers, GrammarMask
+from engines.rollout.base import Completion, RolloutEngine, SamplingParams
+from engines.rollout.constrained import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder
 from engines.rollout.kv_cache import full_attention_only, preallocated_cache
 from engines.rollout.lora_merge import AdapterMerger
@@ -35,26 +34,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype '{dtype}': choose 'auto' or one of {sorted(DTYPES)}")
     return DTYPES[dtype]
-
-
-def read_special_token_ids(model_path: str | Path) -> tuple[list[int], int]:
-    """(EOS ids, pad id) from generation_config.json, then config.json (no slow tokenizer load); the
-    pad id falls back to the first EOS id."""
-    eos: int | list[int] | None = None
-    pad: int | None = None
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_path) / name
-        if not path.exists():
-            continue
-        cfg = json.loads(path.read_text())
-        eos = eos if eos is not None else cfg.get("eos_token_id")
-        pad = pad if pad is not None else cfg.get("pad_token_id")
-    if eos is None:
-        raise ValueError(
-            f"model folder '{model_path}' names no eos_token_id in generation_config.json or config.json"
-        )
-    eos_ids = [eos] if isinstance(eos, int) else list(eos)
-    return eos_ids, eos_ids[0] if pad is None else pad
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +88,8 @@ def own_weights(model: torch.nn.Module) -> None:
 
 
 class HFRolloutEngine(RolloutEngine):
+    backend = "hf"
+
     def __init__(
         self,
         model_path: str | Path,
@@ -118,17 +99,13 @@ class HFRolloutEngine(RolloutEngine):
         pad_token_id: int | None = None,
         max_lora_rank: int | None = None,  # merged adapters need no bound (load_adapter)
     ) -> None:
+        super().__init__(model_path, eos_token_ids, pad_token_id)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
-        folder_eos, folder_pad = read_special_token_ids(model_path)
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else folder_eos
-        self.pad_token_id = pad_token_id if pad_token_id is not None else folder_pad
         self.model = self._load_model(str(model_path))
         # Sliding-window (or other non-full) attention keeps transformers' own cache and masks.
         self._plain_mask = not full_attention_only(self.model.config)
         self._fused = None if self._plain_mask else FusedDecoder.build(self.model)
-        self.weight_version = 0
-        self._released = False
         self._targets = self._update_targets()
         self._merger = AdapterMerger()
         self._grammars = GrammarCompilers(model_path, self.model.config.vocab_size)
@@ -149,16 +126,7 @@ class HFRolloutEngine(RolloutEngine):
         return targets
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        if self._released:
-            raise RolloutEngineError(
-                "HF rollout engine memory is released: call resume_memory() before generate()"
-            )
-        if not prompts:
-            return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token; got an empty prompt")
-        rows = [prompt for prompt in prompts for _ in range(params.n)]
+    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
         generator = torch.Generator(device=self.device)
         if params.seed is None:
             generator.seed()
@@ -183,9 +151,7 @@ class HFRolloutEngine(RolloutEngine):
     ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
         """([B, N] tokens, [B, N] log-probs, lengths, stopped flags)."""
         batch, steps = len(rows), params.max_new_tokens
-        stop_ids = torch.tensor(
-            sorted(set(self.eos_token_ids) | set(params.stop_token_ids)), device=self.device
-        )
+        stop_ids = torch.tensor(self.stop_ids(params), device=self.device)
         out_tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long, device=self.device)
         out_log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
@@ -300,10 +266,6 @@ class HFRolloutEngine(RolloutEngine):
         """Merged into the weights (lora_merge.py): decoding runs at the base model's speed."""
         self._merger.merge(self._targets, config, named_tensors)
 
-    def finish_update(self) -> int:
-        self.weight_version += 1
-        return self.weight_version
-
     def memory_is_short(self) -> bool:
         """The KV cache goes back to the allocator when generate() returns, where the trainer of this
         process reuses it; what a release adds is moving the weights out and back (two copies of the
@@ -315,22 +277,18 @@ class HFRolloutEngine(RolloutEngine):
 
     def release_memory(self) -> None:
         """On CUDA the weights move to host memory; the KV cache lives only inside generate()."""
-        if self._released:
-            return
-        if self.device.type == "cuda":
+        if not self.is_released and self.device.type == "cuda":
             self.model.to("cpu")
             self._refresh_after_move()
             gc.collect()  # drop the last references before the cache is emptied (slow: CUDA only)
             torch.cuda.empty_cache()
-        self._released = True
+        super().release_memory()
 
     def resume_memory(self) -> None:
-        if not self._released:
-            return
-        if self.device.type == "cuda":
+        if self.is_released and self.device.type == "cuda":
             self.model.to(self.device)
             self._refresh_after_move()
-        self._released = False
+        super().resume_memory()
 
     def _refresh_after_move(self) -> None:
         """.to() gave the parameters new tensors: point the targets at them and fuse again."""
@@ -338,7 +296,3 @@ class HFRolloutEngine(RolloutEngine):
         self._merger.to(next(self.model.parameters()).device)
         if self._fused is not None:
             self._fused.fuse()
-
-    @property
-    def is_released(self) -> bool:
-        return self._released

@@ -9,33 +9,19 @@ Completion contract, which renormalises over the kept set.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from engines.rollout import probe_sglang
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.constrained import ConstraintError
-from engines.rollout.probes import SGLANG_INSTALL_HINT as INSTALL_HINT
 from engines.transfer.base import iter_buckets as bucket_named_tensors
 
 # HF buffers that are not weights: sglang's load_weights computes these itself.
 SKIPPED_WEIGHT_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def probe_sglang() -> str | None:
-    """None when sglang imports; else what is missing and how to get it."""
-    try:
-        importlib.import_module("sglang")
-    except Exception as exc:  # a broken install raises more than ImportError
-        return f"rollout backend 'sglang' needs the sglang package: {INSTALL_HINT} (import failed: {exc})"
-    return None
-
-
-def expand_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-    """Each prompt repeated n times, prompt-major (rather than sglang's `n`: one output, one Completion)."""
-    return [list(prompt) for prompt in prompts for _ in range(n)]
 
 
 def to_sglang_sampling_params(params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> dict[str, Any]:
@@ -120,9 +106,11 @@ def check_sglang_result(result: Any, action: str) -> None:
 class SGLangRolloutEngine(RolloutEngine):
     """An in-process sglang Engine on one GPU (or a tensor-parallel group starting at base_gpu_id)."""
 
+    backend = "sglang"
+
     def __init__(
         self,
-        model_path: str,
+        model_path: str | Path,
         device: str = "cuda",
         dtype: str = "auto",
         *,
@@ -145,15 +133,10 @@ class SGLangRolloutEngine(RolloutEngine):
             raise ImportError(problem)
         from sglang.srt.entrypoints.engine import Engine  # lazy: pulls in CUDA kernels
 
-        from engines.rollout.hf import read_special_token_ids  # lazy: probing needs no transformers
-
-        folder_eos, self.pad_token_id = read_special_token_ids(model_path)
-        self.eos_token_ids = eos_token_ids if eos_token_ids is not None else folder_eos
+        super().__init__(model_path, eos_token_ids)
         self.dtype = None  # sglang casts incoming weights to its own dtype
         self.bucket_bytes = bucket_mb * 1024 * 1024
         self.device = torch.device("cuda", base_gpu_id)
-        self.weight_version = 0
-        self._released = False
         self._lora_name: str | None = None  # the adapter served, by its sglang name
         if max_lora_rank is not None:
             server_args = {
@@ -163,7 +146,7 @@ class SGLangRolloutEngine(RolloutEngine):
                 "lora_target_modules": ["all"],  # the adapter's own config says which
             }
         self._engine = Engine(
-            model_path=model_path,
+            model_path=str(model_path),
             dtype=dtype,
             tp_size=tp_size,
             base_gpu_id=base_gpu_id,
@@ -175,17 +158,10 @@ class SGLangRolloutEngine(RolloutEngine):
             **server_args,
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        if self._released:
-            raise RolloutEngineError(
-                "sglang rollout engine memory is released: call resume_memory() before generate()"
-            )
+    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
         if params.constraint is not None:
             raise ConstraintError("response_format", "the sglang rollout engine does not enforce constraints here: "
                                   "serve the job with the hf or vllm rollout backend")  # fmt: skip
-        if not prompts:
-            return []
-        rows = expand_prompts(prompts, params.n)
         outputs = self._engine.generate(
             input_ids=rows,
             sampling_params=sampling_params_per_row(params, len(rows), self.eos_token_ids),
@@ -219,22 +195,17 @@ class SGLangRolloutEngine(RolloutEngine):
     def finish_update(self) -> int:
         # Cached prefixes hold keys/values of the old weights.
         check_sglang_result(self._engine.flush_cache(), "flush_cache")
-        self.weight_version += 1
-        return self.weight_version
+        return super().finish_update()
 
     def release_memory(self) -> None:
-        if not self._released:
+        if not self.is_released:
             check_sglang_result(self._engine.release_memory_occupation(), "release_memory_occupation")
-            self._released = True
+        super().release_memory()
 
     def resume_memory(self) -> None:
-        if self._released:
+        if self.is_released:
             check_sglang_result(self._engine.resume_memory_occupation(), "resume_memory_occupation")
-            self._released = False
-
-    @property
-    def is_released(self) -> bool:
-        return self._released
+        super().resume_memory()
 
     def shutdown(self) -> None:
         self._engine.shutdown()

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from engines.rollout import probe_vllm
 from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.constrained import ConstraintError
-from engines.rollout.probes import probe_vllm
 from engines.training.fsdp.lora import write_adapter
 
 TRANSFER_BACKEND = "tandem-inproc"
@@ -112,25 +112,6 @@ def check_cpu_head_size(model_path: str) -> None:
         )
 
 
-class AdapterFolder:
-    """The RAM folder (/dev/shm where writable) holding the adapter vLLM serves, and its request;
-    re-adding the same LoRA id with `load_inplace` replaces the served adapter's weights."""
-
-    def __init__(self) -> None:
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.folder = Path(tempfile.mkdtemp(prefix="tandem-lora-", dir=shm))
-        self.request: Any = None
-
-    def write(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        from vllm.lora.request import LoRARequest
-
-        write_adapter(self.folder, dict(named_tensors), config)
-        self.request = LoRARequest("tandem", LORA_ID, str(self.folder), load_inplace=True)
-
-    def remove(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM's LoRAConfig.max_lora_rank takes
 
 
@@ -145,6 +126,8 @@ def vllm_max_lora_rank(rank: int) -> int:
 
 
 class VLLMRolloutEngine(RolloutEngine):
+    backend = "vllm"
+
     def __init__(
         self,
         model_path: str | Path,
@@ -161,17 +144,17 @@ class VLLMRolloutEngine(RolloutEngine):
         problem = probe_vllm()
         if problem is not None:
             raise ImportError(problem)
-        from engines.rollout.hf import read_special_token_ids, resolve_dtype
+        from engines.rollout.hf import resolve_dtype
 
+        super().__init__(model_path, eos_token_ids)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
-        folder_eos, self.pad_token_id = read_special_token_ids(model_path)
-        self.eos_token_ids = list(eos_token_ids) if eos_token_ids is not None else folder_eos
-        self.weight_version = 0
-        self._released = False
         self._asleep = False
         self._updating = False
-        self._adapter: AdapterFolder | None = None
+        # The served adapter's folder in RAM (/dev/shm where writable) and its request; re-adding the
+        # same LoRA id with `load_inplace` replaces the served adapter's weights.
+        self._adapter_folder: Path | None = None
+        self._lora: Any = None
         self.has_tokenizer = any(
             (Path(model_path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")
         )
@@ -223,20 +206,11 @@ class VLLMRolloutEngine(RolloutEngine):
             torch.set_num_threads = set_num_threads
             torch.set_num_threads(threads)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        if self._released:
-            raise RolloutEngineError(
-                "vllm rollout engine memory is released: call resume_memory() before generate()"
-            )
-        if not prompts:
-            return []
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token; got an empty prompt")
+    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
         if params.constraint is not None and not self.has_tokenizer:
             raise ConstraintError("response_format", "the vllm engine enforces constraints with the model's tokenizer, "
                                   "and this model folder has none")  # fmt: skip
-        rows = [list(prompt) for prompt in prompts for _ in range(params.n)]
-        stop_ids = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
+        stop_ids = self.stop_ids(params)
         allowed = None if params.constraint is None else self._allowed_ids(stop_ids)
         sampling = [
             to_vllm_sampling_params(
@@ -249,7 +223,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 [{"prompt_token_ids": row} for row in rows],
                 sampling,
                 use_tqdm=False,
-                lora_request=self._adapter.request if self._adapter is not None else None,
+                lora_request=self._lora,
             )
         except Exception as exc:
             raise RolloutEngineError(f"vllm generate failed: {type(exc).__name__}: {exc}") from exc
@@ -262,7 +236,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def _allowed_ids(self, stop_ids: list[int]) -> list[int]:
         """All tokens but the special ones other than the stop tokens, as the hf engine's
-        constrained_mask.py bans them (their text would re-tokenise as the special token)."""
+        GrammarMask bans them (their text would re-tokenise as the special token)."""
         tokenizer = self._llm.get_tokenizer()
         banned = set(tokenizer.all_special_ids) - set(stop_ids)
         return [i for i in range(len(tokenizer)) if i not in banned]
@@ -285,15 +259,16 @@ class VLLMRolloutEngine(RolloutEngine):
             ) from exc
 
     def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if self._adapter is None:
-            self._adapter = AdapterFolder()
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_folder is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            self._adapter_folder = Path(tempfile.mkdtemp(prefix="tandem-lora-", dir=shm))
         try:
-            self._adapter.write(config, named_tensors)
+            write_adapter(self._adapter_folder, dict(named_tensors), config)
+            self._lora = LoRARequest("tandem", LORA_ID, str(self._adapter_folder), load_inplace=True)
             engine = self._llm.llm_engine
-            if (
-                not engine.add_lora(self._adapter.request)
-                or self._adapter.request.lora_int_id not in engine.list_loras()
-            ):
+            if not engine.add_lora(self._lora) or LORA_ID not in engine.list_loras():
                 raise RuntimeError("vLLM did not register the adapter")
         except Exception as exc:
             raise RolloutEngineError(
@@ -305,33 +280,24 @@ class VLLMRolloutEngine(RolloutEngine):
             self._llm.finish_weight_update(weight_version=str(self.weight_version + 1))
             self._updating = False
         self._llm.reset_prefix_cache()  # cached prefixes hold keys/values of the old weights
-        self.weight_version += 1
-        return self.weight_version
+        return super().finish_update()
 
     def release_memory(self) -> None:
         """CUDA: sleep(level=1). CPU: vLLM has no sleep mode; the engine is only marked released."""
-        if self._released:
-            return
-        if self.device.type == "cuda":
+        if not self.is_released and self.device.type == "cuda":
             self._llm.sleep(level=1)
             self._asleep = True
-        self._released = True
+        super().release_memory()
 
     def resume_memory(self) -> None:
-        if not self._released:
-            return
         if self._asleep:
             self._llm.wake_up()
             self._asleep = False
-        self._released = False
-
-    @property
-    def is_released(self) -> bool:
-        return self._released
+        super().resume_memory()
 
     def shutdown(self) -> None:
         llm, self._llm = self._llm, None
-        if self._adapter is not None:
-            self._adapter.remove()
+        if self._adapter_folder is not None:
+            shutil.rmtree(self._adapter_folder, ignore_errors=True)
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

@@ -76,7 +76,7 @@ def _load_base(model_path: str, device: torch.device) -> torch.nn.Module:
 
 class AdapterEngine:
     def __init__(self, model_path: str, workdir: Path, options: EngineOptions) -> None:
-        from engines.rollout.hf import read_special_token_ids
+        from engines.rollout.base import read_special_token_ids
 
         self.model_path, self.workdir, self.options = str(model_path), Path(workdir), options
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -1,13 +1,15 @@
-"""Adapter-only transfer: the trainer's LoRA adapter into the rollout engine, then a probe.
+"""Adapter-only transfer: the trainer's LoRA adapter into the rollout engine(s), then a probe.
 
 An adapter that never reaches the rollout engine leaves it sampling the base model while the trainer
-learns, silently. So every transfer ends with a probe: one short greedy sequence from the rollout
-engine, its log-probs recomputed by the trainer; past `probe_tolerance` the transfer raises
-`AdapterSyncError`. Every rank runs the probe (the trainer's forward is collective).
+learns, silently. So every transfer ends with a probe: each receiving engine generates one short
+greedy sequence (`serve_adapter`), the trainer recomputes its log-probs; past `probe_tolerance` the
+transfer raises `AdapterSyncError`. The trainer's forward is collective, so every rank runs it.
+`AdapterTransfer` serves an engine of this process; workers/object_store_transfer.py one elsewhere.
 """
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -46,54 +48,88 @@ def default_tolerance(dtype: torch.dtype | None) -> float:
     return 1e-3 if dtype == torch.float32 else 0.1
 
 
-class AdapterTransfer(WeightTransfer):
-    """The in-process trainer -> rollout transfer of a LoRA adapter, probed after every transfer."""
+class ProbedAdapterTransfer(WeightTransfer):
+    """The adapter gathered whole (fp32, also over a bf16 base), delivered in one piece to receivers
+    that each answer `serve_adapter`'s reply; `served` holds their probe sequences."""
 
-    name = "adapter"
-
-    def __init__(self, train: TrainEngine, rollout: RolloutEngine, probe_tolerance: float) -> None:
-        super().__init__(dtype=torch.float32)  # adapters travel in fp32 (also over a bf16 base)
-        self.train, self.rollout, self.probe_tolerance = train, rollout, probe_tolerance
+    def __init__(self, adapter_config: dict, probe_tolerance: float) -> None:
+        super().__init__(dtype=torch.float32)
+        self.adapter_config, self.probe_tolerance = adapter_config, probe_tolerance
         self._tensors: list[NamedTensor] = []
+        self.served: list[tuple[list[int], list[float]]] = []
 
     def begin(self) -> None:
-        if self.train.adapter_config() is None:
-            raise ValueError(
-                "AdapterTransfer needs a training engine with LoRA adapters (adapter_config() is None)"
-            )
-        self._tensors = []
+        self._tensors, self.served = [], []
 
     def send(self, bucket: list[NamedTensor]) -> None:
         self._tensors.extend((name, tensor.detach()) for name, tensor in bucket)
 
     def finish(self) -> int:
         tensors, self._tensors = self._tensors, []
-        self.rollout.load_adapter(self.train.adapter_config(), tensors)
-        return self.rollout.finish_update()
+        replies = self.deliver(tensors)
+        self.served = [(list(r["tokens"]), list(r["log_probs"])) for r in replies]
+        return int(replies[0]["version"])
+
+    @abstractmethod
+    def deliver(self, tensors: list[NamedTensor]) -> list[dict]:
+        """Load the adapter into every receiver; their `serve_adapter` replies in order."""
+
+    @abstractmethod
+    def receiver(self, index: int) -> str:
+        """How an error names receiver `index`."""
+
+    def checked(self, moved: TransferStats, differences: list[float]) -> ProbedSyncStats:
+        """The stats with the probe's result (one difference per receiver); AdapterSyncError past the
+        tolerance names the worst receiver."""
+        worst = max(range(len(differences)), key=differences.__getitem__, default=0)
+        stats = ProbedSyncStats(
+            **vars(moved),
+            probe_max_abs_diff=differences[worst] if differences else 0.0,
+            parameters=moved.bytes // 4,  # fp32
+        )
+        self.last = stats
+        if stats.probe_max_abs_diff > self.probe_tolerance:
+            raise AdapterSyncError(
+                f"after adapter sync {stats.weight_version} {self.receiver(worst)} does not serve the "
+                f"trainer's adapter: its log-probs of a probe sequence differ from the trainer's by up to "
+                f"{stats.probe_max_abs_diff:.3g} (tolerance {self.probe_tolerance:g}); it would sample "
+                "another policy than the one being trained"
+            )
+        return stats
+
+
+class AdapterTransfer(ProbedAdapterTransfer):
+    """Into a rollout engine of this process, probed at the end of every transfer."""
+
+    def __init__(self, train: TrainEngine, rollout: RolloutEngine, probe_tolerance: float) -> None:
+        if train.adapter_config() is None:
+            raise ValueError(
+                "AdapterTransfer needs a training engine with LoRA adapters (adapter_config() is None)"
+            )
+        super().__init__(train.adapter_config(), probe_tolerance)
+        self.train, self.rollout = train, rollout
+
+    def deliver(self, tensors: list[NamedTensor]) -> list[dict]:
+        return [serve_adapter(self.rollout, self.adapter_config, tensors)]
+
+    def receiver(self, index: int) -> str:
+        return f"the rollout engine ({type(self.rollout).__name__})"
 
     def transfer(self, named_tensors: Iterable[NamedTensor]) -> ProbedSyncStats:
         moved = super().transfer(named_tensors)
-        parameters = moved.bytes // 4  # fp32
-        self.last = ProbedSyncStats(**vars(moved), probe_max_abs_diff=self.probe(), parameters=parameters)
-        check_probe(self.last, self.probe_tolerance, f"the rollout engine ({type(self.rollout).__name__})")
-        return self.last
+        return self.checked(moved, [probe_difference(self.train, *served) for served in self.served])
 
     def sync(self) -> ProbedSyncStats:
         return self.transfer(self.train.get_per_tensor_param())
 
-    def probe(self) -> float:
-        return probe(self.train, self.rollout)
 
-
-def check_probe(stats: ProbedSyncStats, tolerance: float, engine: str) -> None:
-    """Raise AdapterSyncError when the probe's difference is past `tolerance`; `engine` names it."""
-    if stats.probe_max_abs_diff > tolerance:
-        raise AdapterSyncError(
-            f"after adapter sync {stats.weight_version} {engine} does not serve the trainer's adapter: "
-            f"its log-probs of a probe sequence differ from the trainer's by up to "
-            f"{stats.probe_max_abs_diff:.3g} (tolerance {tolerance:g}); it would sample another policy "
-            "than the one being trained"
-        )
+def serve_adapter(rollout: RolloutEngine, config: dict, tensors: list[NamedTensor]) -> dict:
+    """The receiving side: load the adapter, close the update, generate the probe's greedy sequence;
+    {"version", "tokens", "log_probs"}."""
+    rollout.load_adapter(config, tensors)
+    version = rollout.finish_update()
+    completion = probe_completion(rollout)
+    return {"version": version, "tokens": list(completion.token_ids), "log_probs": list(completion.log_probs)}
 
 
 def probe(train: TrainEngine, rollout: RolloutEngine) -> float:

@@ -25,7 +25,9 @@ class TransferError(RuntimeError):
 
 
 class Receivers(Protocol):
-    """The receiving workers as a cross-process sender sees them (over Ray: workers/transfer_peers.py)."""
+    """The receiving workers as a cross-process sender sees them (over Ray: workers/transfer_choice.py)."""
+
+    group: str  # their name in errors
 
     def start(self, method: str, *args: Any) -> None:
         """Start `method(*args)` on every receiver without waiting."""
@@ -81,15 +83,12 @@ class TransferStats:
 
 
 class WeightTransfer(ABC):
-    name: str = ""
-
     def __init__(self, bucket_mb: float = 512, dtype: torch.dtype | None = None) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.bucket_bytes = int(bucket_mb * 1024 * 1024)
         self.dtype = dtype  # the receivers' dtype for floating tensors; None: as they come
         self.last: TransferStats | None = None
-        self._version = 0
 
     def begin(self) -> None:
         """Open one transfer (a strategy may tell its receivers to listen)."""
@@ -111,15 +110,6 @@ class WeightTransfer(ABC):
         """Let the receivers go (their group replaced), never waiting on one that may be dead."""
         return None
 
-    @property
-    def version(self) -> int:
-        """The receivers' weight version after the last finished transfer."""
-        return self._version
-
-    def metrics(self) -> dict[str, float]:
-        """The last transfer's weight_sync/* measurements ({} before the first)."""
-        return self.last.metrics() if self.last is not None else {}
-
     def transfer(self, named_tensors: Iterable[NamedTensor]) -> TransferStats:
         """One whole transfer of `named_tensors` (all of the model's, or a named subset), measured."""
         start = time.perf_counter()
@@ -132,14 +122,12 @@ class WeightTransfer(ABC):
                 total, buckets, tensors = total + size, buckets + 1, tensors + len(bucket)
                 largest = max(largest, size)
                 del bucket  # let the bucket's tensors go before the next one is gathered
-            self._version = self.finish()
+            version = self.finish()
         except Exception as exc:
             raise self.abort(exc) from exc
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.last = TransferStats(
-            total, time.perf_counter() - start, buckets, tensors, largest, self._version
-        )
+        self.last = TransferStats(total, time.perf_counter() - start, buckets, tensors, largest, version)
         return self.last
 
     def _cast(self, named_tensors: Iterable[NamedTensor]) -> Iterator[NamedTensor]:

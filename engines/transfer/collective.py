@@ -2,18 +2,56 @@
 
 The group (sender rank 0, rollout workers 1..N) has its own TCPStore rendezvous and process-group
 object, gloo on CPU, NCCL on GPU, so neither side's default group is touched. Each bucket is one
-flat byte buffer (packing.py) in three broadcasts: sizes, header, bytes; an empty header ends it.
+flat byte buffer (one broadcast rather than one per tensor; the receiver cuts it into views, bit for
+bit) in three broadcasts: sizes, pickled header, bytes; an empty header ends the transfer.
 """
 
 from __future__ import annotations
 
+import math
+import pickle
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from engines.transfer.base import NamedTensor, Receivers, TransferError, WeightTransfer
-from engines.transfer.packing import decode_header, encode_header, pack, unpack
+from engines.transfer.base import NamedTensor, Receivers, TransferError, WeightTransfer, tensor_bytes
+
+Header = list[tuple[str, str, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
+ALIGN = 64  # every tensor starts on a 64-byte boundary: viewable as any dtype, and copied at full speed
+
+
+def pack(bucket: list[NamedTensor], buffer: torch.Tensor | None = None) -> tuple[Header, torch.Tensor]:
+    """(header, flat uint8 tensor on the bucket's device); written into `buffer` when it is large
+    enough (fresh pages cost a fault each, on CPU about as much as the copy)."""
+    header: Header = []
+    offset = 0
+    for name, t in bucket:
+        offset = -(-offset // ALIGN) * ALIGN
+        header.append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += tensor_bytes(t)
+    if buffer is not None and buffer.numel() >= offset and buffer.device == bucket[0][1].device:
+        flat = buffer[:offset]
+    else:
+        flat = torch.empty(offset, dtype=torch.uint8, device=bucket[0][1].device)
+    for (_, t), (_, _, _, start) in zip(bucket, header, strict=True):
+        flat[start : start + tensor_bytes(t)].view(t.dtype).view(t.shape).copy_(t.detach())
+    return header, flat
+
+
+def unpack(header: Header, flat: torch.Tensor) -> list[NamedTensor]:
+    """The bucket again, as views into `flat` (keep `flat` alive while they are used)."""
+    out, end = [], 0
+    for name, dtype, shape, start in header:
+        dt = getattr(torch, dtype)
+        end = start + dt.itemsize * math.prod(shape)
+        if end > flat.numel():
+            break
+        out.append((name, flat[start:end].view(dt).view(shape)))
+    if end != flat.numel():
+        raise ValueError(f"a weight bucket of {flat.numel()} bytes does not match its header ({end} bytes)")
+    return out
 
 
 class TransferGroup:
@@ -37,11 +75,6 @@ class TransferGroup:
             raise ValueError(f"unknown transfer backend '{backend}': use 'gloo' or 'nccl'")
         self._store = store  # the sender's store must outlive the group
         self._buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # reused across buckets
-
-    def _buffer_of(self, nbytes: int) -> torch.Tensor:
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._buffer[:nbytes]
 
     @staticmethod
     def host_store(host: str, world: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
@@ -79,31 +112,32 @@ class TransferGroup:
         header, flat = pack(bucket, self._buffer) if bucket else (None, None)
         if flat is not None and flat.device == self.device and flat.data_ptr() != self._buffer.data_ptr():
             self._buffer = flat  # the first bucket of this size: keep its buffer for the next ones
-        data = encode_header(header, self.device)
+        data = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8).to(self.device)
         payload = 0 if flat is None else flat.numel()
         self.broadcast(torch.tensor([data.numel(), payload], dtype=torch.int64, device=self.device))
         self.broadcast(data)
         if flat is not None:
             self.broadcast(flat.to(self.device))
 
-    def receive_bucket(self) -> tuple[list[NamedTensor] | None, torch.Tensor | None]:
-        """Ranks 1..: the next bucket as views into this rank's reused buffer (returned too), or
-        (None, None) at the end; apply it before the next one."""
-        sizes = torch.empty(2, dtype=torch.int64, device=self.device)
-        self.broadcast(sizes)
-        data = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
-        self.broadcast(data)
-        header = decode_header(data)
-        if header is None:
-            return None, None
-        flat = self._buffer_of(int(sizes[1]))  # applied (copied out) before the next bucket comes
-        self.broadcast(flat)
-        return unpack(header, flat), flat
+    def receive_buckets(self) -> Iterator[list[NamedTensor]]:
+        """Ranks 1..: the buckets of one transfer, until its end mark, each as views into this rank's
+        reused buffer: apply (copy out) one before asking for the next."""
+        while True:
+            sizes = torch.empty(2, dtype=torch.int64, device=self.device)
+            self.broadcast(sizes)
+            data = torch.empty(int(sizes[0]), dtype=torch.uint8, device=self.device)
+            self.broadcast(data)
+            header: Header | None = pickle.loads(data.cpu().numpy().tobytes())
+            if header is None:
+                return
+            if self._buffer.numel() < int(sizes[1]):
+                self._buffer = torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.device)
+            flat = self._buffer[: int(sizes[1])]
+            self.broadcast(flat)
+            yield unpack(header, flat)
 
 
 class CollectiveTransfer(WeightTransfer):
-    name = "collective"
-
     def __init__(
         self,
         group: TransferGroup,

@@ -7,8 +7,6 @@ from engines.transfer.base import NamedTensor, WeightTransfer
 
 
 class InProcessTransfer(WeightTransfer):
-    name = "in_process"
-
     def __init__(self, rollout: RolloutEngine, bucket_mb: float = 512) -> None:
         super().__init__(bucket_mb, dtype=rollout.dtype)  # cast to what the engine takes
         self.rollout = rollout
