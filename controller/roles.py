@@ -25,7 +25,7 @@ from schema.section import fields_of
 from schema.workers import HybridWorkerConfig, RolloutConfig, RolloutWorkerConfig
 from workers.actor_role import ActorRefWorker
 from workers.critic import CriticWorker
-from workers.hybrid import ActorRolloutRefWorker
+from workers.actor_role import ActorRolloutRefWorker
 from workers.reward_model import RewardModelConfig, RewardModelWorker
 from workers.rollout_role import RolloutWorker
 from workers.transfer_choice import RolloutLink

@@ -196,7 +196,7 @@ def worker_side(spec: Any) -> None:
     live edit's group call."""
     from controller.models import resolve_model_path
     from controller.roles import hybrid_config
-    from workers.hybrid import ActorRolloutRefWorker
+    from workers.actor_role import ActorRolloutRefWorker
 
     config = hybrid_config(spec, resolve_model_path(spec.model))
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534"})

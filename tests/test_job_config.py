@@ -16,10 +16,10 @@ from schema.engine import EngineConfig, MicroBatchConfig, OptimizerConfig, Sched
 from schema.job import JobSpec
 from schema.losses import PolicyLossConfig
 from schema.workers import RolloutConfig, UpdateSchedule
+from workers.actor_role import ActorRolloutRefWorker
 from workers.base import registered_methods
 from workers.batch import Batch, put_sampling, sampling_of
 from workers.critic import CriticWorker
-from workers.hybrid import ActorRolloutRefWorker
 from workers.reward_model import RewardModelWorker
 
 

@@ -16,9 +16,9 @@ from engines.training.base import GlobalCounts
 from schema.engine import OptimizerConfig
 from schema.losses import SFTLossConfig
 from tests.engine_util import make_batch
+from workers.actor_role import ActorRolloutRefWorker
 from workers.base import Dispatch, Reduce, Worker, register, registered_methods
 from workers.batch import Batch
-from workers.hybrid import ActorRolloutRefWorker
 
 LR = 5e-2
 
