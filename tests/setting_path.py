@@ -69,7 +69,7 @@ ENDS = {
     ("ray/actor.py", "ActorMethod._remote"),
     ("tests/setting_path.py", "InProcessActor.__getattr__.<locals>.remote"),
     ("torch/optim/adamw.py", "AdamW.__init__"),
-    ("engines/training/fsdp/optim.py", "OptimizerMixin.set_learning_rate"),
+    ("engines/training/fsdp/engine.py", "FSDPEngine.set_learning_rate"),
 }
 
 

@@ -25,9 +25,7 @@ def test_optim_lr_reaches_the_optimizer_through_few_files(ray_cluster, tmp_path,
         "controller/roles.py",
         "engines/training/adamw.py",
     } <= set(path)
-    assert (
-        "OptimizerMixin.set_learning_rate" in path["engines/training/fsdp/optim.py"]
-    )  # the live edit arrived
+    assert "FSDPEngine.set_learning_rate" in path["engines/training/fsdp/engine.py"]  # the live edit arrived
     # The section goes to the engine as it is: not re-wrapped (schema/training.py, schema/section.py).
     assert "schema/training.py" not in path and "schema/section.py" not in path
     assert len(path) <= MAX_FILES, f"optim.lr crosses {len(path)} files: {sorted(path)}"
