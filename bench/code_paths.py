@@ -72,8 +72,8 @@ def controller_side(spec: Any, workdir: Path) -> tuple[set[str], Any]:
 def worker_side(spec: Any, prompts: Any) -> set[str]:
     import torch
 
+    from controller.job_setup import hybrid_config
     from controller.models import resolve_model_path
-    from controller.roles import hybrid_config
     from workers.actor_role import ActorRolloutRefWorker
     from workers.batch import Batch
 

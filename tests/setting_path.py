@@ -194,8 +194,8 @@ def setting_path(timeout_s: float = 900.0) -> dict[str, list[str]]:
 def worker_side(spec: Any) -> None:
     """The training worker as its Ray process runs it: built from the controller's config, then the
     live edit's group call."""
+    from controller.job_setup import hybrid_config
     from controller.models import resolve_model_path
-    from controller.roles import hybrid_config
     from workers.actor_role import ActorRolloutRefWorker
 
     config = hybrid_config(spec, resolve_model_path(spec.model))

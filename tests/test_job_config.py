@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from api.cli_spec import SpecError, validate
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
-from controller.roles import engine_config, hybrid_config
+from controller.job_setup import engine_config, hybrid_config
 from engines.rollout import ROLLOUT_ENGINES, SamplingParams
 from engines.training.registry import EngineEntry
 from schema.engine import EngineConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig

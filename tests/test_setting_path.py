@@ -22,7 +22,7 @@ def test_optim_lr_reaches_the_optimizer_through_few_files(ray_cluster, tmp_path,
     assert {
         "api/routes/jobs.py",
         "service/store.py",
-        "controller/roles.py",
+        "controller/job_setup.py",
         "engines/training/adamw.py",
     } <= set(path)
     assert "FSDPEngine.set_learning_rate" in path["engines/training/fsdp/engine.py"]  # the live edit arrived

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from controller.dispatch import MeshLayout, split_for_mesh
-from controller.groups import ActorGroup, CheckpointedGroup, CriticGroup, operation
+from controller.groups import ActorGroup, CheckpointedGroup, CriticGroup
 from controller.resource_pool import ResourcePool
-from controller.worker_group import RayWorkerGroup
+from controller.worker_group import RayWorkerGroup, operation
 from engines.training.base import GlobalCounts
 from schema.engine import OptimizerConfig
 from schema.losses import SFTLossConfig
