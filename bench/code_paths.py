@@ -72,10 +72,10 @@ def controller_side(spec: Any, workdir: Path) -> tuple[set[str], Any]:
 def worker_side(spec: Any, prompts: Any) -> set[str]:
     import torch
 
+    from controller.job_setup import hybrid_config
     from controller.models import resolve_model_path
-    from controller.roles import hybrid_config
+    from workers.actor_role import ActorRolloutRefWorker
     from workers.batch import Batch
-    from workers.hybrid import ActorRolloutRefWorker
 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"})
     worker = ActorRolloutRefWorker(hybrid_config(spec, resolve_model_path(spec.model)))

@@ -1,4 +1,4 @@
-"""A job's worker groups started side by side against one after another (controller/roles.py).
+"""A job's worker groups started side by side against one after another (controller/job_setup.py).
 
 `start_groups` launches every group of a job (a split job's rollout and training groups, an actor
 and its critic) and waits for them together (`ready_all`); before, each group was started and
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from controller import roles  # noqa: E402
+from controller import job_setup  # noqa: E402
 from engines.models.tiny_models import build_builtin_model  # noqa: E402
 from schema.job import JobSpec  # noqa: E402
 
@@ -50,15 +50,15 @@ def one_after_another(launch):
 
 
 def timed_start(spec: JobSpec, model_path: str, name: str, mode: str) -> float:
-    launch = roles.RayWorkerGroup.launch
+    launch = job_setup.RayWorkerGroup.launch
     if mode == "one_after_another":
-        roles.RayWorkerGroup.launch = staticmethod(one_after_another(launch))
+        job_setup.RayWorkerGroup.launch = staticmethod(one_after_another(launch))
     try:
         started = time.perf_counter()
-        groups = roles.start_groups(spec, model_path, name)
+        groups = job_setup.start_groups(spec, model_path, name)
         seconds = time.perf_counter() - started
     finally:
-        roles.RayWorkerGroup.launch = staticmethod(launch)
+        job_setup.RayWorkerGroup.launch = staticmethod(launch)
     groups.shutdown()
     return seconds
 

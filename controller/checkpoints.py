@@ -15,7 +15,7 @@ from engines.training.checkpoint_paths import list_checkpoints, step_dir
 from schema.job import JobSpec
 
 if TYPE_CHECKING:
-    from controller.roles import JobGroups
+    from controller.groups import JobGroups
 
 STATE_FILE = "trainer_state.json"
 

@@ -1,94 +1,26 @@
-"""Typed surfaces of the job's worker groups: what the trainer may call on each role, and what it gets.
-
-A `RayWorkerGroup` binds methods at run time, so each class here declares its role's operations, each
-derived from the worker method itself (`update_actor = operation(ActorRefWorker.update_actor)`), with
-its parameters, its result reduced over ranks as its `@register` spec says (`workers.base.Reduce`),
-and a check at construction that the worker registers it so: a renamed method fails at start.
+"""The job's worker groups as the trainer sees them: each role's typed surface, one line per operation
+derived from the worker method (`update_actor = operation(ActorRefWorker.update_actor)`, checked at
+start, controller/worker_group.py), and `JobGroups`, what concerns all of them: checkpoints, replacing
+a split placement's rollout group, shutting down. controller/job_setup.py starts them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar, overload
+from dataclasses import dataclass, field
 
-from controller.worker_group import RayWorkerGroup
+from controller.resource_pool import ResourcePool
+from controller.worker_group import PendingGroup, RayWorkerGroup, RoleGroup, operation
+from schema.workers import RolloutWorkerConfig
 from workers.actor_role import ActorRefWorker
-from workers.base import SPEC_ATTR, Dispatch, MethodSpec, Reduce, registered_methods
 from workers.batch import Batch
 from workers.critic import CriticWorker
 from workers.operations import TrainingOperations
 from workers.reward_model import RewardModelWorker
 from workers.rollout_role import RolloutWorker
+from workers.transfer_choice import RolloutLink
 
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def reduce_results(spec: MethodSpec, results: Any) -> Any:
-    """All ranks' results (Reduce.ALL), or rank 0's (RANK_ZERO dispatch: already rank 0's alone)."""
-    if spec.reduce is Reduce.ALL or spec.mode is Dispatch.RANK_ZERO:
-        return results
-    return results[0]
-
-
-class operation(Generic[P, R]):  # noqa: N801 -- used like a decorator, named like one
-    """A group method with a registered worker method's parameters and result, reduced over ranks."""
-
-    def __init__(self, method: Callable[Concatenate[Any, P], R]) -> None:
-        spec = getattr(method, SPEC_ATTR, None)
-        if not isinstance(spec, MethodSpec):
-            raise TypeError(
-                f"{method.__qualname__} is not a registered worker method (workers.base.register)"
-            )
-        if not spec.blocking:
-            raise TypeError(f"{method.__qualname__} is non-blocking; start it with RoleGroup.start")
-        self.name, self.spec, self.__doc__ = method.__name__, spec, method.__doc__
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        if name != self.name:
-            raise TypeError(f"{owner.__name__}.{name} must carry the worker method's name, {self.name!r}")
-
-    @overload
-    def __get__(self, group: None, owner: type) -> operation[P, R]: ...
-    @overload
-    def __get__(self, group: RoleGroup, owner: type) -> Callable[P, R]: ...
-    def __get__(self, group: RoleGroup | None, owner: type) -> operation[P, R] | Callable[P, R]:
-        if group is None:
-            return self
-
-        def call(*args: P.args, **kwargs: P.kwargs) -> R:
-            return reduce_results(self.spec, getattr(group.group, self.name)(*args, **kwargs))
-
-        call.__name__, call.__doc__ = self.name, self.__doc__
-        return call
-
-
-class RoleGroup:
-    """A typed view of one role's RayWorkerGroup; subclasses declare their `operation`s."""
-
-    operations: ClassVar[dict[str, operation]] = {}
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        ops = {n: v for k in reversed(cls.__mro__) for n, v in vars(k).items() if isinstance(v, operation)}
-        cls.operations = ops
-
-    def __init__(self, group: RayWorkerGroup) -> None:
-        registered = registered_methods(group.worker_cls)
-        missing = sorted(name for name, op in self.operations.items() if registered.get(name) != op.spec)
-        if missing:
-            raise TypeError(
-                f"{group.worker_cls.__name__} does not register {missing} as {type(self).__name__} expects"
-            )
-        self.group = group
-
-    def start(self, op: operation[P, R], *args: P.args, **kwargs: P.kwargs) -> Callable[[], R]:
-        """`op` started without waiting; call the result to wait for it."""
-        pending = self.group.submit(op.name, *args, **kwargs)
-        return lambda: reduce_results(op.spec, pending.result())
-
-    def shutdown(self) -> None:
-        self.group.shutdown()
+TRANSFER_TIMEOUT_S = 300.0  # one weight transfer to the rollout workers, or forming its group
 
 
 class CheckpointedGroup(RoleGroup):
@@ -103,9 +35,6 @@ class CheckpointedGroup(RoleGroup):
     forward = operation(TrainingOperations.forward)
     save_state = operation(TrainingOperations.save_state)
     load_state = operation(TrainingOperations.load_state)
-
-    def set_learning_rate(self, lr: float) -> None:
-        self.set_hyperparameters(lr=lr)
 
 
 class RolloutGroup(RoleGroup):
@@ -159,3 +88,82 @@ class CriticGroup(CheckpointedGroup):
 
 class RewardGroup(RoleGroup):
     compute_rm_score = operation(RewardModelWorker.compute_rm_score)
+
+
+@dataclass
+class JobGroups:
+    """The job's placement and the worker groups on it."""
+
+    pool: ResourcePool
+    actor: ActorGroup
+    critic: CriticGroup | None
+    reward: RewardGroup | None = None
+    rollout_pool: ResourcePool | None = None  # placement 'split': the rollout workers' own pool
+    rollout_plan: RolloutPlan | None = field(default=None, repr=False)  # placement 'split': to replace it
+
+    def save_checkpoint(self, folder: str, step: int) -> None:
+        """Every training role writes its engine state under `folder` (actor/, critic/)."""
+        self.actor.save_checkpoint(folder, step)
+        if self.critic is not None:
+            self.critic.save_checkpoint(folder, step)
+
+    def load_checkpoint(self, folder: str) -> None:
+        self.actor.load_checkpoint(folder)
+        if self.critic is not None:
+            self.critic.load_checkpoint(folder)
+
+    def replace_rollout(self, start_timeout_s: float) -> None:
+        """Placement 'split': a new rollout group on the rollout pool in place of the old one (killed,
+        one of its workers having died), and the training rank 0 connected to it anew. The training
+        ranks keep their processes; the new workers hold the base weights until the next sync."""
+        if self.rollout_pool is None or self.rollout_plan is None:
+            raise RuntimeError("only a split placement's rollout group can be replaced on its own")
+        self.actor.rollout.shutdown()  # the survivors too: the new group is formed whole
+        rollout = start_rollout(self.rollout_pool, self.rollout_plan, start_timeout_s)
+        try:
+            link_rollout(self.actor.group, rollout, self.rollout_plan)
+        except Exception:
+            rollout.shutdown()
+            raise
+        self.actor.set_rollout(rollout)
+
+    def shutdown(self) -> None:
+        for group in (self.reward, self.critic, self.actor):
+            if group is not None:
+                group.shutdown()
+        self.pool.remove()
+        if self.rollout_pool is not None:
+            self.rollout_pool.remove()
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """How a split placement's rollout group is started and linked: kept to start a replacement."""
+
+    config: RolloutWorkerConfig
+    name: str  # the group's name (errors and events name it)
+    strategy: str  # rollout.weight_transfer
+    call_timeout_s: float
+
+
+def start_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> RayWorkerGroup:
+    """The rollout workers of a split placement, on their own pool."""
+    return launch_rollout(pool, plan, start_timeout_s).ready()
+
+
+def launch_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> PendingGroup:
+    return RayWorkerGroup.launch(
+        pool,
+        RolloutWorker,
+        plan.config,
+        group_name=plan.name,
+        call_timeout_s=plan.call_timeout_s,
+        start_timeout_s=start_timeout_s,
+    )
+
+
+def link_rollout(training: RayWorkerGroup, rollout: RayWorkerGroup, plan: RolloutPlan) -> None:
+    """Connect the training rank 0 to `rollout` with the plan's strategy (a collective group is formed
+    with its workers; an earlier one is closed first, workers/actor_role.py)."""
+    timeout_s = min(plan.call_timeout_s, TRANSFER_TIMEOUT_S)
+    training.connect_rollout(RolloutLink(rollout.actors, rollout.name, plan.strategy, timeout_s))

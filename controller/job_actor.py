@@ -139,7 +139,7 @@ class JobController:
 
     def __init__(self, job_id: str, spec: JobSpec | dict[str, Any], workdir: str, restarts: int = 0) -> None:
         self.job_id, self.workdir = job_id, Path(workdir)
-        self.spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
+        spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)  # the trainer keeps it
         self.sink = BufferSink()
         self.logs = _LogBuffer(attempt=lambda: self.trainer.recovery.attempt)
         root = logging.getLogger()
@@ -149,13 +149,11 @@ class JobController:
         self.workdir.mkdir(parents=True, exist_ok=True)
         os.environ[WORKER_OUTPUT_ENV] = str(self.workdir / WORKER_OUTPUT_FILE)
         self.worker_output = OutputTail(self.workdir / WORKER_OUTPUT_FILE)
-        self.trackers = with_trackers(self.sink, self.spec, self.workdir, job_id)
-        self.trainer = Trainer(self.spec, self.workdir, self.trackers, name=job_id, restarts=restarts)
+        self.trackers = with_trackers(self.sink, spec, self.workdir, job_id)
+        self.trainer = Trainer(spec, self.workdir, self.trackers, name=job_id, restarts=restarts)
 
     def run(self) -> dict[str, Any]:
         log = logging.getLogger("tandem.job")
-        spec = self.spec
-        log.info("job %s: %s on %s, %d steps", self.job_id, spec.method, spec.model, spec.trainer.total_steps)
         try:
             self.trainer.run()
             return {"status": "succeeded", "step": self.trainer.step_index}

@@ -1,6 +1,15 @@
-"""Everything a job builds before its first step, in one build order (`JobSetup.build`: model,
-tokenizer, data, reward, worker groups), then what the trainer asks of it: prompt batches with their
-sampling settings, the samples' scores (`scored`), and hyper-parameter edits.
+"""Everything a job builds from its spec before its first step, in one build order (`JobSetup.build`:
+model, tokenizer, data, reward, worker groups), then what the trainer asks of it: prompt batches with
+their sampling settings and the samples' scores (`scored`).
+
+The worker groups (`start_groups`): the job's training ranks are one `ResourcePool` (one bundle per
+rank). Placement 'colocated' (the default): the hybrid actor-rollout-ref worker takes the bundles.
+Placement 'split': the training role (actor + reference) takes them, the rollout role runs on a pool
+of its own (resources.rollout), and the training rank 0 is connected to the rollout workers with the
+strategy of `rollout.weight_transfer`. A critic (PPO with GAE) and a reward model are colocated on
+the training bundles in their own actors, the groups splitting every bundle evenly. Each worker gets
+its typed config (schema/workers.py, schema/engine.py), built from the JobSpec sections that inherit
+its fields; the trainer talks to each group through its typed surface (controller/groups.py).
 """
 
 from __future__ import annotations
@@ -14,17 +23,31 @@ import ray
 import torch
 
 from controller.data import PromptLoader, build_dataset, resolve_data_files
-from controller.hyperparameters import hyperparameter_overrides
+from controller.groups import (
+    ActorGroup,
+    CriticGroup,
+    JobGroups,
+    RewardGroup,
+    RolloutPlan,
+    launch_rollout,
+    link_rollout,
+)
 from controller.models import resolve_model_path
-from controller.resource_pool import describe_placement
+from controller.resource_pool import ResourcePool, describe_placement
 from controller.rewards import RewardScorer
-from controller.roles import JobGroups, needs_reference, start_groups
 from controller.sink import JobSink
 from controller.step_math import apply_overlong, score
 from controller.trajectory_view import log_env_errors, multiturn_metrics
+from controller.worker_group import PendingGroup, RayWorkerGroup, ready_all
 from engines.rollout import resolve_backend
+from schema.engine import EngineConfig, OptimizerConfig
 from schema.job import JobSpec
+from schema.section import fields_of
+from schema.workers import HybridWorkerConfig, RolloutConfig, RolloutWorkerConfig
+from workers.actor_role import ActorRefWorker, ActorRolloutRefWorker
 from workers.batch import Batch, put_environment, put_prompt_length, put_sampling
+from workers.critic import CriticWorker
+from workers.reward_model import RewardModelConfig, RewardModelWorker
 
 
 @dataclass
@@ -123,16 +146,6 @@ class JobSetup:
     def next_sft_batch(self) -> Batch:
         return next(self.loader)
 
-    def apply_hyperparameters(self, spec: JobSpec, changes: dict[str, Any]) -> JobSpec:
-        """A validated spec with the edits; learning rates go to the workers now."""
-        new = spec.merged(hyperparameter_overrides(changes))
-        if "lr" in changes:
-            self.groups.actor.set_learning_rate(new.optim.lr)
-        if "critic_lr" in changes and self.groups.critic is not None:
-            self.groups.critic.set_learning_rate(new.algorithm.critic_lr)
-        self.spec = new
-        return new
-
     def shutdown(self) -> None:
         if self.scorer is not None:
             self.scorer.close()
@@ -144,3 +157,104 @@ def rollout_device(spec: JobSpec) -> str:
     split = spec.resources.rollout_workers
     gpus = split.gpus_per_worker if split is not None else spec.resources.gpus_per_worker
     return "cuda" if gpus or ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+
+
+def needs_reference(spec: JobSpec) -> bool:
+    return spec.method != "sft" and (spec.algorithm.use_kl_loss or spec.algorithm.kl_in_reward)
+
+
+def needs_critic(spec: JobSpec) -> bool:
+    return spec.method != "sft" and spec.advantage_estimator == "gae"
+
+
+def engine_config(
+    spec: JobSpec, model_path: str, optim: OptimizerConfig, trainable: bool = True
+) -> EngineConfig:
+    """`optim`: the job's `optim` section itself (an OptimizerConfig), or a copy with the critic's lr."""
+    return EngineConfig(
+        model_path=model_path,
+        trainable=trainable,
+        dtype=spec.model.dtype,
+        gradient_checkpointing=spec.model.gradient_checkpointing,
+        optim=optim,
+        scheduler=spec.optim.scheduler_config(spec.trainer.total_steps),
+        micro_batch=spec.algorithm.micro_batch_config(),
+        seed=spec.trainer.seed,
+    )
+
+
+def hybrid_config(spec: JobSpec, model_path: str) -> HybridWorkerConfig:
+    actor = engine_config(spec, model_path, spec.optim).model_copy(update={"lora": spec.model.lora})
+    # With LoRA the reference is the actor with its adapters switched off: no second model.
+    separate_ref = needs_reference(spec) and spec.model.lora is None
+    return HybridWorkerConfig(
+        actor=actor,
+        ref=engine_config(spec, model_path, spec.optim, trainable=False) if separate_ref else None,
+        rollout=fields_of(spec.rollout, RolloutConfig, dtype=spec.model.dtype),
+    )
+
+
+def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: float = 3600.0) -> JobGroups:
+    """Every worker group of the job, started side by side (a group's start is mostly its processes'
+    imports and model loads, which need not wait for each other's). Groups sharing GPUs start in
+    turn: a vLLM or SGLang engine sizes its cache from the free GPU memory it sees while it starts."""
+    pool = ResourcePool.for_resources(spec.resources, name=f"{name}-pool")
+    # Colocated groups split every bundle evenly.
+    share = 1.0 / (1 + needs_critic(spec) + (spec.reward.model_path is not None))
+    in_turn = share < 1 and pool.gpus_per_bundle > 0
+
+    def launch(worker_cls: type, config: object, role: str) -> PendingGroup:
+        if in_turn:  # the groups already launched on these GPUs are up first
+            for group in pending.values():
+                if group.hosts.pool is pool:
+                    group.wait()
+        return RayWorkerGroup.launch(
+            pool, worker_cls, config, group_name=f"{name}-{role}", share=share, call_timeout_s=call_timeout_s
+        )
+
+    rollout_pool = plan = None
+    pending: dict[str, PendingGroup] = {}
+    try:
+        config = hybrid_config(spec, model_path)
+        if spec.resources.rollout_workers is None:
+            pending["actor"] = launch(ActorRolloutRefWorker, config, "actor")
+        else:
+            rollout_pool = rollout_pool_of(spec, name)
+            plan = RolloutPlan(
+                RolloutWorkerConfig(
+                    model_path=model_path,
+                    rollout=config.rollout,
+                    lora_rank=spec.model.lora.rank if spec.model.lora is not None else None,
+                ),
+                f"{name}-rollout",
+                spec.rollout.weight_transfer,
+                call_timeout_s,
+            )
+            pending["rollout"] = launch_rollout(rollout_pool, plan)
+            pending["actor"] = launch(ActorRefWorker, config, "actor")
+        if needs_critic(spec):
+            critic_optim = spec.optim.model_copy(update={"lr": spec.algorithm.critic_lr})
+            critic_config = engine_config(spec, spec.model.critic_path or model_path, critic_optim)
+            pending["critic"] = launch(CriticWorker, critic_config, "critic")
+        if spec.reward.model_path is not None:
+            reward_config = RewardModelConfig(model_path=spec.reward.model_path)
+            pending["reward"] = launch(RewardModelWorker, reward_config, "reward")
+        groups = ready_all(pending)
+        if plan is None:
+            actor = ActorGroup(groups["actor"])
+        else:
+            actor = ActorGroup(groups["actor"], groups["rollout"])
+            link_rollout(groups["actor"], groups["rollout"], plan)
+        critic = CriticGroup(groups["critic"]) if "critic" in groups else None
+        reward = RewardGroup(groups["reward"]) if "reward" in groups else None
+    except Exception:
+        pool.remove()
+        if rollout_pool is not None:
+            rollout_pool.remove()
+        raise
+    return JobGroups(pool, actor, critic, reward, rollout_pool, plan)
+
+
+def rollout_pool_of(spec: JobSpec, name: str) -> ResourcePool:
+    """The rollout workers' own pool (placement 'split'), with resources.rollout's sizes."""
+    return ResourcePool.for_resources(spec.resources, name=f"{name}-rollout-pool", role="rollout")

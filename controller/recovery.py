@@ -33,16 +33,15 @@ from ray.exceptions import (
     WorkerCrashedError,
 )
 
-from controller.groups import RoleGroup
+from controller.groups import TRANSFER_TIMEOUT_S
 from controller.resource_pool import ResourcePool, ResourcePoolError
-from controller.roles import TRANSFER_TIMEOUT_S
 from controller.sink import JobSink
-from controller.worker_group import RayWorkerGroup, WorkerGroupError, wait_all
+from controller.worker_group import RayWorkerGroup, RoleGroup, WorkerGroupError, wait_all
 from schema.resources import ResourcesSpec
 from schema.training import TrainerSpec
 
 if TYPE_CHECKING:
-    from controller.roles import JobGroups
+    from controller.groups import JobGroups
 
 log = logging.getLogger("tandem.job")
 

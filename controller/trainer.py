@@ -8,9 +8,10 @@ the job from its checkpoint (controller/recovery.py); `control` carries pause, c
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from controller import checkpoints
 from controller.advantages import make_kl_controller
 from controller.batch_source import make_source
+from controller.hyperparameters import hyperparameter_overrides
 from controller.job_setup import JobSetup
 from controller.off_policy import actor_inputs, corrected_spec, needs_old_log_probs
 from controller.recovery import AttemptSink, Recovery, WorkerLost, replace_lost_rollout, worker_lost
@@ -28,6 +30,7 @@ from controller.trajectory_view import step_samples
 from schema.job import JobSpec
 from schema.workers import UpdateSchedule
 
+log = logging.getLogger("tandem.job")
 VALIDATION_WAIT_S = 3600.0  # an async validation waits this long for the lanes' calls in flight
 
 
@@ -78,6 +81,8 @@ class Trainer:
 
     def run(self) -> dict[str, float]:
         """Train to total_steps (or trainer.stop_at_val_accuracy, or a stop); the last step's metrics."""
+        spec = self.spec
+        log.info("job %s: %s on %s, %d steps", self.name, spec.method, spec.model, spec.trainer.total_steps)
         lost: WorkerLost | None = None
         try:
             while True:
@@ -288,7 +293,7 @@ class Trainer:
         if folder is not None:
             self.load_state_dict(checkpoints.load(folder, self.job.groups))
             # The spec's learning rates win: an edit made while paused, or a fork's.
-            self.job.groups.set_learning_rates(self.spec)
+            self._send_learning_rates(("lr", "critic_lr"))
             self.sink.event(
                 "resumed", f"resumed from step {self.step_index}", path=str(folder), step=self.step_index
             )
@@ -331,10 +336,19 @@ class Trainer:
     def _apply_hyperparameters(self) -> None:
         changes = self.control.take_hyperparameters()
         if changes:
-            self.spec = self.job.apply_hyperparameters(self.spec, changes)
+            self.spec = self.job.spec = self.spec.merged(hyperparameter_overrides(changes))
+            self._send_learning_rates(changes)
             if "kl_reward_coef" in changes:
                 self._reset_kl()
             self.sink.event("hyperparameters", f"applied at step {self.step_index + 1}: {changes}", **changes)
+
+    def _send_learning_rates(self, names: Collection[str]) -> None:
+        """The spec's learning rates among `names` to the workers now (the schedule's factor applies)."""
+        actor, critic = self.job.groups.actor, self.job.groups.critic
+        if "lr" in names:
+            actor.set_hyperparameters(lr=self.spec.optim.lr)
+        if "critic_lr" in names and critic is not None:
+            critic.set_hyperparameters(lr=self.spec.algorithm.critic_lr)
 
     def _reset_kl(self) -> None:
         self.kl = make_kl_controller(self.spec.algorithm.kl_reward_coef, self.spec.algorithm.kl_target)

@@ -1,6 +1,11 @@
 """RayWorkerGroup: one `WorkerHost` actor per bundle of a ResourcePool, with the worker's registered
 methods bound as methods of the group. Every blocking call has a timeout, and the first rank to fail
 ends the call with an error naming the group, the rank and the method.
+
+Since the methods are bound at run time, a `RoleGroup` (controller/groups.py) gives one role's group
+a typed surface: each `operation` is derived from the worker method itself, keeps its parameters,
+reduces the ranks' results as its `@register` spec says (`workers.base.Reduce`), and is checked at
+construction against what the worker registers, so a renamed method fails at start.
 """
 
 from __future__ import annotations
@@ -8,7 +13,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -19,7 +24,7 @@ from controller.worker_output import ENV as WORKER_OUTPUT_ENV
 from controller.worker_output import redirect_output
 from engines.host_memory import keep_freed_memory, malloc_tunables
 from engines.threads import openmp_wait_env, set_torch_threads
-from workers.base import Dispatch, MethodSpec, registered_methods
+from workers.base import SPEC_ATTR, Dispatch, MethodSpec, Reduce, registered_methods
 from workers.remote import WorkerGroupError as WorkerGroupError  # re-exported: callers catch it here
 from workers.remote import wait_all
 
@@ -273,3 +278,74 @@ class PendingCall:
     def result(self, timeout_s: float | None = None) -> Any:
         outputs = wait_all(self.group.name, self.method, self.refs, timeout_s or self.group.call_timeout_s)
         return self._collect(outputs)
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def reduce_results(spec: MethodSpec, results: Any) -> Any:
+    """All ranks' results (Reduce.ALL), or rank 0's (RANK_ZERO dispatch: already rank 0's alone)."""
+    if spec.reduce is Reduce.ALL or spec.mode is Dispatch.RANK_ZERO:
+        return results
+    return results[0]
+
+
+class operation(Generic[P, R]):  # noqa: N801 -- used like a decorator, named like one
+    """A group method with a registered worker method's parameters and result, reduced over ranks."""
+
+    def __init__(self, method: Callable[Concatenate[Any, P], R]) -> None:
+        spec = getattr(method, SPEC_ATTR, None)
+        if not isinstance(spec, MethodSpec):
+            raise TypeError(
+                f"{method.__qualname__} is not a registered worker method (workers.base.register)"
+            )
+        if not spec.blocking:
+            raise TypeError(f"{method.__qualname__} is non-blocking; start it with RoleGroup.start")
+        self.name, self.spec, self.__doc__ = method.__name__, spec, method.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if name != self.name:
+            raise TypeError(f"{owner.__name__}.{name} must carry the worker method's name, {self.name!r}")
+
+    @overload
+    def __get__(self, group: None, owner: type) -> operation[P, R]: ...
+    @overload
+    def __get__(self, group: RoleGroup, owner: type) -> Callable[P, R]: ...
+    def __get__(self, group: RoleGroup | None, owner: type) -> operation[P, R] | Callable[P, R]:
+        if group is None:
+            return self
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            return reduce_results(self.spec, getattr(group.group, self.name)(*args, **kwargs))
+
+        call.__name__, call.__doc__ = self.name, self.__doc__
+        return call
+
+
+class RoleGroup:
+    """A typed view of one role's RayWorkerGroup; subclasses declare their `operation`s."""
+
+    operations: ClassVar[dict[str, operation]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ops = {n: v for k in reversed(cls.__mro__) for n, v in vars(k).items() if isinstance(v, operation)}
+        cls.operations = ops
+
+    def __init__(self, group: RayWorkerGroup) -> None:
+        registered = registered_methods(group.worker_cls)
+        missing = sorted(name for name, op in self.operations.items() if registered.get(name) != op.spec)
+        if missing:
+            raise TypeError(
+                f"{group.worker_cls.__name__} does not register {missing} as {type(self).__name__} expects"
+            )
+        self.group = group
+
+    def start(self, op: operation[P, R], *args: P.args, **kwargs: P.kwargs) -> Callable[[], R]:
+        """`op` started without waiting; call the result to wait for it."""
+        pending = self.group.submit(op.name, *args, **kwargs)
+        return lambda: reduce_results(op.spec, pending.result())
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

@@ -81,9 +81,8 @@ class RolloutConfig(RolloutOptions):
 
 
 class HybridWorkerConfig(_Config):
-    """The training role (workers/actor_role.py) and the hybrid actor-rollout-ref worker
-    (workers/hybrid.py): its rollout section says how the rollout engine is built (hybrid) and how
-    weights reach it (both)."""
+    """The training role and the hybrid actor-rollout-ref worker (workers/actor_role.py): its rollout
+    section says how the rollout engine is built (hybrid) and how weights reach it (both)."""
 
     actor: EngineConfig
     ref: EngineConfig | None = Field(None, description="reference model for KL; None = no reference")

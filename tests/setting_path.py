@@ -69,7 +69,7 @@ ENDS = {
     ("ray/actor.py", "ActorMethod._remote"),
     ("tests/setting_path.py", "InProcessActor.__getattr__.<locals>.remote"),
     ("torch/optim/adamw.py", "AdamW.__init__"),
-    ("engines/training/fsdp/optim.py", "OptimizerMixin.set_learning_rate"),
+    ("engines/training/fsdp/engine.py", "FSDPEngine.set_learning_rate"),
 }
 
 
@@ -194,9 +194,9 @@ def setting_path(timeout_s: float = 900.0) -> dict[str, list[str]]:
 def worker_side(spec: Any) -> None:
     """The training worker as its Ray process runs it: built from the controller's config, then the
     live edit's group call."""
+    from controller.job_setup import hybrid_config
     from controller.models import resolve_model_path
-    from controller.roles import hybrid_config
-    from workers.hybrid import ActorRolloutRefWorker
+    from workers.actor_role import ActorRolloutRefWorker
 
     config = hybrid_config(spec, resolve_model_path(spec.model))
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29534"})

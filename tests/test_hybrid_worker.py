@@ -13,9 +13,9 @@ import torch
 from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, ready_all
 from schema.workers import RolloutConfig
+from workers.actor_role import ActorRolloutRefWorker
 from workers.batch import Batch
 from workers.critic import CriticWorker
-from workers.hybrid import ActorRolloutRefWorker
 from workers.rollout_role import rollout_mesh_coords
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16], [17, 18, 19]]

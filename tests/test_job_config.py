@@ -9,17 +9,17 @@ from pydantic import ValidationError
 
 from api.cli_spec import SpecError, validate
 from controller.groups import ActorGroup, CriticGroup, RewardGroup
-from controller.roles import engine_config, hybrid_config
+from controller.job_setup import engine_config, hybrid_config
 from engines.rollout import ROLLOUT_ENGINES, SamplingParams
 from engines.training.registry import EngineEntry
 from schema.engine import EngineConfig, MicroBatchConfig, OptimizerConfig, SchedulerConfig
 from schema.job import JobSpec
 from schema.losses import PolicyLossConfig
 from schema.workers import RolloutConfig, UpdateSchedule
+from workers.actor_role import ActorRolloutRefWorker
 from workers.base import registered_methods
 from workers.batch import Batch, put_sampling, sampling_of
 from workers.critic import CriticWorker
-from workers.hybrid import ActorRolloutRefWorker
 from workers.reward_model import RewardModelWorker
 
 

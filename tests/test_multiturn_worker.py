@@ -14,8 +14,8 @@ from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup
 from engines.models.tiny_models import build_builtin_model
 from tests.test_hybrid_worker import max_log_prob_gap, worker_config
+from workers.actor_role import ActorRolloutRefWorker
 from workers.batch import Batch
-from workers.hybrid import ActorRolloutRefWorker
 
 ROWS = 4
 ENVIRONMENT = {"ref": "tests.multiturn_envs:ScriptedEnv", "max_turns": 6, "max_response_tokens": 160}

@@ -1,5 +1,5 @@
 """The rank-side pieces around a generation: the training layout of the completions
-(workers/hybrid.py `_rollout_tensors`) and the thread count a small model runs with (engines/threads.py)."""
+(workers/rollout_layout.py `rollout_tensors`) and the thread count a small model runs with (engines/threads.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from tests.api_util import tiny_job, wait_for
 from tests.serve_util import stop
 from tests.test_serve_crash import crash_dir, start_serve  # noqa: F401  (crash_dir is a fixture)
 
-HEAVY = ("torch", "transformers", "tensordict", "workers.hybrid", "controller.job_actor")
+HEAVY = ("torch", "transformers", "tensordict", "workers.actor_role", "controller.job_actor")
 
 
 def test_the_api_process_never_imports_torch(crash_dir):  # noqa: F811

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from controller.dispatch import MeshLayout, split_for_mesh
-from controller.groups import ActorGroup, CheckpointedGroup, CriticGroup, operation
+from controller.groups import ActorGroup, CheckpointedGroup, CriticGroup
 from controller.resource_pool import ResourcePool
-from controller.worker_group import RayWorkerGroup
+from controller.worker_group import RayWorkerGroup, operation
 from engines.training.base import GlobalCounts
 from schema.engine import OptimizerConfig
 from schema.losses import SFTLossConfig
 from tests.engine_util import make_batch
+from workers.actor_role import ActorRolloutRefWorker
 from workers.base import Dispatch, Reduce, Worker, register, registered_methods
 from workers.batch import Batch
-from workers.hybrid import ActorRolloutRefWorker
 
 LR = 5e-2
 

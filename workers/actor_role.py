@@ -1,8 +1,9 @@
 """The training role: the actor training engine and an optional reference engine (forward only).
 
-On its own (placement 'split') rank 0 sends the weights to rollout workers in other processes,
-through the strategy workers/transfer_choice.py picks, while every rank helps gather the full
-tensors (FSDP); workers/hybrid.py composes this role with the rollout role in one process.
+On its own (placement 'split', `ActorRefWorker`) rank 0 sends the weights to rollout workers in other
+processes, through the strategy workers/transfer_choice.py picks, while every rank helps gather the
+full tensors (FSDP). Placement 'colocated' (`ActorRolloutRefWorker`): the same role and the rollout
+role in one process, the weights moving between them in process (engines/transfer/in_process.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from workers.base import Dispatch, Reduce, Worker, register
 from workers.batch import Batch
 from workers.object_store_transfer import RemoteAdapterTransfer, probe_all_ranks
 from workers.operations import TrainingOperations, TrainOps, prepare_loss, temperature_of
+from workers.rollout_role import RolloutWorker
 from workers.training import train_on_batch
-from workers.transfer_choice import RolloutLink, connect
+from workers.transfer_choice import RolloutLink, connect, in_process
 
 
 class ActorRefWorker(TrainingOperations):
@@ -172,6 +174,49 @@ class ActorRefWorker(TrainingOperations):
     def actor_state_dict(self) -> dict[str, torch.Tensor]:
         with self.actor.eval_mode():
             return {k: v.cpu().clone() for k, v in self.actor.get_per_tensor_param()}
+
+
+class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
+    def __init__(self, config: HybridWorkerConfig | dict) -> None:
+        Worker.__init__(self)  # the two roles' build steps, in one process, in this order
+        self.config = HybridWorkerConfig.model_validate(config)
+        rc = self.config.rollout
+        if self.world_size % rc.tensor_parallel_size:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of rollout tensor_parallel_size "
+                f"{rc.tensor_parallel_size}"
+            )
+        self.build_training()
+        lora = self.config.actor.lora
+        self.build_rollout(
+            rc,
+            self.config.actor.model_path,
+            device=str(self.actor.device),
+            lora_rank=lora.rank if lora is not None else None,
+        )
+        self.weight_sync = in_process(self.rollout, rc.bucket_mb, self.actor)
+        limit_threads_for_model(self.config.actor.model_path)
+        self.register_actor_mesh()
+        self.register_rollout_mesh()
+        self.settle_rollout_memory()
+
+    def _before_rollout(self) -> None:
+        if self.rollout_config.offload_trainer_during_rollout:
+            self.actor.to("cpu")
+        super()._before_rollout()
+
+    def _after_rollout(self) -> None:
+        super()._after_rollout()
+        if self.rollout_config.offload_trainer_during_rollout:
+            self.actor.to(str(self.actor.device))
+
+    def _send_weights(self, stream: Iterator[NamedTensor]) -> dict[str, float]:
+        """Into this process's rollout engine, resumed for the copy and released after it."""
+        if self.rollout.is_released:
+            self.rollout.resume_memory()
+        metrics = super()._send_weights(stream)
+        self.settle_rollout_memory()
+        return metrics
 
 
 def _dtype_of(name: str, device: torch.device) -> torch.dtype | None:

@@ -71,7 +71,7 @@ def _installed_version(dist: str) -> str | None:
 
 # Libraries that only job processes need: the API process reports whether it has loaded any of them.
 HEAVY_MODULES = (
-    "torch", "transformers", "vllm", "sglang", "tensordict", "peft", "workers.hybrid", "controller.job_actor",
+    "torch", "transformers", "vllm", "sglang", "tensordict", "peft", "workers.actor_role", "controller.job_actor",
 )  # fmt: skip
 
 

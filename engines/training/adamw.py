@@ -1,6 +1,6 @@
 """The one AdamW of Tandem: how an optimizer is built and how one step is taken, for every trainer.
 
-An RL job's FSDPEngine (engines/training/fsdp/optim.py, its settings from `OptimizerConfig` and its learning
+An RL job's FSDPEngine (engines/training/fsdp/engine.py, its settings from `OptimizerConfig` and its learning
 rate from the schedule) and a Tinker session's adapter (engines/training/lora_sessions.py, its settings from
 the SDK's `AdamParams` of each call) both build their optimizer with `build_adamw` and step it with
 `adamw_step`. A step densifies sparse gradients, clips the global gradient norm, is skipped when

@@ -2,13 +2,16 @@
 
 Build order (`initialize`): process group → model in fp32 on the CPU → one FSDP unit per decoder
 layer, then the root (engines/training/fsdp/build.py) → optimizer → LR schedule → offload if configured.
+The optimizer is Tandem's one AdamW (engines/training/adamw.py) under a warmup-then-constant or
+warmup-then-cosine schedule; a low-level client may hand one step its own settings (`optimizer_step`).
 `forward_backward_batch` cuts the rank's batch into packed micro-batches and normalises the loss by
 global counts, so the ranks' gradients are summed (divide factor 1), reduced once, on the last one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
@@ -27,6 +30,7 @@ from engines.distributed import (
 )
 from engines.kernels.attention import register as segment_attention_name
 from engines.kernels.shared_prompt import pack_shared, prompt_groups
+from engines.training.adamw import AdamWSettings, adamw_step, build_adamw
 from engines.training.base import (
     MAX_SUFFIX,
     NEEDS_BACKWARD,
@@ -38,17 +42,16 @@ from engines.training.base import (
 )
 from engines.training.fsdp import lora
 from engines.training.fsdp.build import ModelBuildMixin, PlacementMixin
-from engines.training.fsdp.optim import OptimizerMixin
 from engines.training.fsdp.state import CheckpointMixin
 from engines.training.microbatch import MicroBatchPlanner, PromptGroups
 from engines.training.multi_lora import adapters_off
 from engines.training.packing import pack, response_columns, unpack
-from schema.engine import EngineConfig
+from schema.engine import EngineConfig, OptimizerConfig, SchedulerConfig
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "response_mask")
 
 
-class FSDPEngine(ModelBuildMixin, CheckpointMixin, OptimizerMixin, PlacementMixin, TrainEngine):
+class FSDPEngine(ModelBuildMixin, CheckpointMixin, PlacementMixin, TrainEngine):
     """A policy (causal LM) or value model sharded with FSDP2 over all ranks of the process group."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -80,9 +83,39 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, OptimizerMixin, PlacementMixi
             self._agree,
         )
         if self.config.trainable:
-            self.optimizer = self._build_optimizer()
-            self.scheduler = self._build_scheduler(self.optimizer)
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = build_adamw(params, AdamWSettings.of(self.config.optim))
+            schedule = warmup_then_decay(self.config.scheduler)
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self._offload_as_configured()
+
+    # ---- optimizer and schedule ----------------------------------------------------------------
+
+    def optimizer_zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, params: OptimizerConfig | None = None) -> float:
+        settings = AdamWSettings.of(params or self.config.optim)
+        grad_norm = adamw_step(
+            self.optimizer, list(self.model.parameters()), settings, override=params is not None
+        )
+        if not math.isfinite(grad_norm):
+            self.skipped_steps += 1
+        return grad_norm
+
+    def lr_scheduler_step(self) -> float:
+        self.scheduler.step()
+        return float(self.scheduler.get_last_lr()[0])
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Change the base learning rate (a hyper-parameter edit); the schedule's factor still applies."""
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = group["lr"] / base * lr if base else lr
+        self.scheduler.base_lrs = [lr for _ in self.scheduler.base_lrs]
 
     # ---- compute -----------------------------------------------------------------------------
 
@@ -276,3 +309,18 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, OptimizerMixin, PlacementMixi
             raise RuntimeError("adapters_off: this engine has no LoRA adapters")
         with adapters_off(self.model):
             yield
+
+
+def warmup_then_decay(s: SchedulerConfig) -> Callable[[int], float]:
+    """The learning rate's factor at a step: a linear warmup, then constant or cosine to min_lr_ratio."""
+    warmup, total = s.resolved_warmup_steps, s.total_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if s.kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
