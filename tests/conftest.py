@@ -100,7 +100,6 @@ LONG_MODULES = (
     "test_service_process.py",
     "test_openenv_job.py",
     "test_rollout_replacement.py",
-    "test_snags_shutdown.py",
     "test_reasoning_gym.py",
     "test_openai_bounds.py",
     "test_worker_group.py",

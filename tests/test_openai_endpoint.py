@@ -211,9 +211,9 @@ def test_bad_inputs_are_refused_and_store_nothing(live, api, job):
     assert after.status_code == 409 and record(api, job, "bad-1")["calls"] == 1
     # a job not fed externally
     plain = api.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 1, "val_every": 0})).json()["id"]
+    api.post(f"/v1/jobs/{plain}/cancel")  # while queued: the check reads its spec, no worker need start
     refused = api.post(f"/v1/jobs/{plain}/openai/v1/chat/completions", json={**ok, "model": plain})
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "not_external"
-    api.post(f"/v1/jobs/{plain}/cancel")
 
 
 def test_concurrent_agents_feed_steps_that_train_on_their_rewards(live, api, job):

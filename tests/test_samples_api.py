@@ -66,9 +66,10 @@ def test_cli_prints_a_step_as_a_chat(live, env_job):
     assert {row["step"] for row in json.loads(latest.stdout)} == {2}
 
 
-def test_single_turn_jobs_store_prompt_response_and_reward(api):
-    created = api.post("/v1/jobs", json=tiny_job(trainer={"total_steps": 1, "samples_per_step": 2}))
-    job = wait_for(api, created.json()["id"], TERMINAL, timeout_s=240)
+def test_single_turn_jobs_store_prompt_response_and_reward(api, error_jobs):
+    # The raising reward's job is a plain single-turn job whose samples score 0.0: it is read here too
+    # rather than a third job started (each job's workers take most of its run to start).
+    job = wait_for(api, error_jobs["reward"], TERMINAL, timeout_s=300)
     assert job["status"] == "succeeded"
     rows = api.get(f"/v1/jobs/{job['id']}/samples").json()["data"]
     assert len(rows) == 2
@@ -78,7 +79,7 @@ def test_single_turn_jobs_store_prompt_response_and_reward(api):
             "length",
         )
         assert row["tokens"]["trained"] == row["tokens"]["response"] <= 4
-        assert "=" in row["prompt"]
+        assert "=" in row["prompt"] and row["reward"] == 0.0
 
 
 RAISING_REWARD = b"""
@@ -95,9 +96,9 @@ class Env:
 """
 
 
-def test_reward_and_environment_errors_reach_the_log_and_the_samples(live, api):
-    """A failing user function scores 0.0 and the job goes on; what it raised is in the job's log (the
-    first few per step) and on each stored sample it failed on."""
+@pytest.fixture(scope="module")
+def error_jobs(live, api) -> dict[str, str]:
+    """Two one-step jobs submitted together, one with a raising reward, one with a raising environment."""
     reward = upload(api, "raising_reward.py", RAISING_REWARD)["id"]
     env = live.service.files.path(upload(api, "raising_env.py", RAISING_ENV)["id"])  # by path
     steps = {"total_steps": 1, "samples_per_step": 2, "val_every": 0}
@@ -111,6 +112,13 @@ def test_reward_and_environment_errors_reach_the_log_and_the_samples(live, api):
         created = api.post("/v1/jobs", json=spec)
         assert created.status_code == 201, created.text
         ids[kind] = created.json()["id"]
+    return ids
+
+
+def test_reward_and_environment_errors_reach_the_log_and_the_samples(api, error_jobs):
+    """A failing user function scores 0.0 and the job goes on; what it raised is in the job's log (the
+    first few per step) and on each stored sample it failed on."""
+    ids = error_jobs
     for kind, words in (("reward", "ValueError: reward broke on purpose for"),
                         ("environment", "KeyError: 'the environment broke on purpose'")):  # fmt: skip
         job = wait_for(api, ids[kind], TERMINAL, timeout_s=300)
