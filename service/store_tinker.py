@@ -6,29 +6,38 @@ kept runs as `method = 'tinker'` jobs: they move here when it opens (`MIGRATE`).
 
 from __future__ import annotations
 
-TINKER_SCHEMA = """
+# column -> its declaration, and its value in a row of a store made before this table (`MIGRATE`)
+_COLUMNS = {
+    "id": ("TEXT PRIMARY KEY", "id"),
+    "seq": ("INTEGER NOT NULL", "seq"),
+    "status": ("TEXT NOT NULL", "status"),
+    "owner": ("TEXT NOT NULL", "owner"),
+    "model_id": ("TEXT NOT NULL", "COALESCE(json_extract(metadata, '$.tinker_model_id'), name, id)"),
+    "session_id": ("TEXT NOT NULL", "COALESCE(json_extract(metadata, '$.tinker_session_id'), '')"),
+    "base_model": ("TEXT NOT NULL", "json_extract(spec, '$.model.builtin')"),
+    "rank": ("INTEGER NOT NULL", "COALESCE(json_extract(spec, '$.model.lora.rank'), 1)"),
+    "targets": (
+        "TEXT NOT NULL DEFAULT '[]'",
+        "COALESCE(json_extract(spec, '$.model.lora.target_modules'), '[]')",
+    ),
+    "workdir": ("TEXT NOT NULL", "workdir"),
+    "created_at": ("REAL NOT NULL", "created_at"),
+    "started_at": ("REAL", "started_at"),
+    "finished_at": ("REAL", "finished_at"),
+    "step": ("INTEGER NOT NULL DEFAULT 0", "step"),
+    "latest_metrics": ("TEXT NOT NULL DEFAULT '{}'", "latest_metrics"),
+    "error": ("TEXT", "error"),
+    "name": ("TEXT", "name"),
+    "tags": ("TEXT NOT NULL DEFAULT '[]'", "tags"),
+    "notes": ("TEXT NOT NULL DEFAULT ''", "notes"),
+    "active_s": ("REAL NOT NULL DEFAULT 0", "active_s"),
+    "run_started_at": ("REAL", "run_started_at"),
+}
+TINKER_COLUMNS = ", ".join(_COLUMNS)
+_DECLARED = ",\n    ".join(f"{name} {declared}" for name, (declared, _) in _COLUMNS.items())
+TINKER_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS tinker_runs (
-    id TEXT PRIMARY KEY,
-    seq INTEGER NOT NULL,
-    status TEXT NOT NULL,
-    owner TEXT NOT NULL,
-    model_id TEXT NOT NULL,
-    session_id TEXT NOT NULL,
-    base_model TEXT NOT NULL,
-    rank INTEGER NOT NULL,
-    targets TEXT NOT NULL DEFAULT '[]',
-    workdir TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    started_at REAL,
-    finished_at REAL,
-    step INTEGER NOT NULL DEFAULT 0,
-    latest_metrics TEXT NOT NULL DEFAULT '{}',
-    error TEXT,
-    name TEXT,
-    tags TEXT NOT NULL DEFAULT '[]',
-    notes TEXT NOT NULL DEFAULT '',
-    active_s REAL NOT NULL DEFAULT 0,
-    run_started_at REAL
+    {_DECLARED}
 );
 CREATE INDEX IF NOT EXISTS tinker_runs_model ON tinker_runs(model_id);
 DROP VIEW IF EXISTS records;
@@ -49,18 +58,9 @@ CREATE VIEW records AS
            NULL, name, tags, notes, active_s, run_started_at, owner, 'null'
     FROM tinker_runs;
 """
-TINKER_COLUMNS = (
-    "id, seq, status, owner, model_id, session_id, base_model, rank, targets, workdir, created_at, started_at, "
-    "finished_at, step, latest_metrics, error, name, tags, notes, active_s, run_started_at"
-)
-# The rows a store made before this table kept in the jobs table.
 MIGRATE = f"""
 INSERT OR IGNORE INTO tinker_runs ({TINKER_COLUMNS})
-SELECT id, seq, status, owner, COALESCE(json_extract(metadata, '$.tinker_model_id'), name, id),
-       COALESCE(json_extract(metadata, '$.tinker_session_id'), ''), json_extract(spec, '$.model.builtin'),
-       COALESCE(json_extract(spec, '$.model.lora.rank'), 1),
-       COALESCE(json_extract(spec, '$.model.lora.target_modules'), '[]'), workdir, created_at, started_at,
-       finished_at, step, latest_metrics, error, name, tags, notes, active_s, run_started_at
+SELECT {", ".join(old for _, old in _COLUMNS.values())}
 FROM jobs WHERE method = 'tinker';
 DELETE FROM jobs WHERE method = 'tinker';
 """

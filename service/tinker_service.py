@@ -71,21 +71,21 @@ class TinkerService:
             s for s in self.records.sessions.of(None) if now - s.last_heartbeat > self.session_ttl_s
         ]:
             self.records.end_session(session.id)
+            cause = f"session {session.id} ended (no heartbeat for {self.session_ttl_s:g} s)"
             for model in [m for m in self.records.models.of(None) if m.session_id == session.id]:
-                last = saved.last_saved_state(model.job_id, model.workdir) or "none (no save_state)"
                 self._drop(model)
-                self.scheduler.end(model.job_id, JobStatus.PAUSED, f"session {session.id} ended: no heartbeat for "
-                                   f"{self.session_ttl_s:g} s; the last saved state of training run "
-                                   f"{model.job_id} is {last}")  # fmt: skip
+                self.scheduler.end(
+                    model.job_id, JobStatus.PAUSED, saved.lost_message(model.job_id, model.workdir, cause)
+                )
 
     def _host_lost(self, host: Host) -> None:
         """A host's process died with its adapters: their runs pause, each naming its last saved state."""
+        cause = f"its session host ({host.base_model}) died"
         for model in [m for m in self.records.models.of(None) if m.base_model == host.base_model]:
             self.records.models.pop(model.model_id, None)
-            why = saved.lost_message(
-                model.job_id, model.workdir, f"its session host ({host.base_model}) died"
+            self.scheduler.end(
+                model.job_id, JobStatus.PAUSED, saved.lost_message(model.job_id, model.workdir, cause)
             )
-            self.scheduler.end(model.job_id, JobStatus.PAUSED, why)
 
     def _quota(self, owner: str, name: str, have: list, what: str) -> None:
         limit = getattr(self.quotas.of(owner), name)
@@ -102,6 +102,11 @@ class TinkerService:
                 session_id, owner, now, now, req.tags[: bodies.MAX_TAGS]
             )
         return {"type": "create_session", "session_id": session_id}
+
+    def heartbeat(self, owner: str | None, req: bodies.SessionRef) -> dict[str, Any]:
+        self.expire_sessions()
+        self.session(req.session_id, owner).last_heartbeat = time.time()
+        return {"type": "session_heartbeat"}
 
     def session(self, session_id: str, owner: str | None) -> ClientSession:
         found = self.records.sessions.seen(session_id, owner)

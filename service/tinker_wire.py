@@ -1,13 +1,16 @@
 """The SDK's protobuf bodies (`forward_backward` in; its output and `SampleResponse` out), read and
-written with service/tinker_proto/'s messages. A request is read into a JSON body's shape, so a refusal
-names the same field; what the parser passes over is refused here: a known field with another wire
-type, text that is not UTF-8, tensor bytes that are not a whole number of values."""
+written with service/tinker_proto/'s messages. A request is read into a JSON body's shape and checked
+by one walk over its messages' descriptors, so that a refusal names the JSON body's field: a known
+field with another wire type and text that are not UTF-8 (both passed over by the parser), tensor
+bytes that are not a whole number of values."""
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any
 
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.descriptor_pb2 import FieldDescriptorProto
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -20,12 +23,11 @@ MAX_UNKNOWN_BYTES = 64 * 1024
 _FORMATS = {pb.DTYPE_FLOAT32: "f", pb.DTYPE_INT64: "q", pb.DTYPE_INT32: "i"}
 _WIRE_TYPES = {0: "varint", 1: "64-bit", 2: "length-delimited", 3: "group", 5: "32-bit"}
 _FBI = "forward_backward_input"
-_CONFIG = f"{_FBI}.loss_fn_config"
-# where a refusal points for each field of a message (dotted onto the message's own place)
-_REQUEST = {1: "model_id", 2: "seq_id", 3: f"{_FBI}.data", 4: f"{_FBI}.loss_fn", 5: _CONFIG,
-            6: "forward_only", 7: _CONFIG}  # fmt: skip
-_DATUM = {1: ".model_input", 2: ".loss_fn_inputs", 3: ".model_input_spans", 4: ".loss_fn_input_spans"}
-_ENTRY = {1: "", 2: ".{key}"}
+# Where the JSON body has a request field: its protobuf keeps flat what its JSON nests.
+_TOP = {"data": f"{_FBI}.data", "loss_fn": f"{_FBI}.loss_fn", "loss_fn_config": f"{_FBI}.loss_fn_config",
+        "loss_fn_config_v2": f"{_FBI}.loss_fn_config"}  # fmt: skip
+_NAMED = {"Datum", "PromptProvenanceSpan", "SampledProvenanceSpan"}  # whose fields add their names
+_ITEMS = {"data", "model_input_spans", "loss_fn_input_spans"}  # whose items add their index
 
 
 class WireError(ValueError):
@@ -47,7 +49,12 @@ def read_forward_backward(buf: bytes) -> dict[str, Any]:
         raise WireError("body", f"{unknown} bytes of protobuf fields this service does not know "
                                 f"(at most {MAX_UNKNOWN_BYTES} are passed over)")  # fmt: skip
     # only a body with unknown fields can hold a misplaced known one: read it again, keeping them
-    return _Reader(strict=unknown > 0).request(_parsed(buf) if unknown else request)
+    request = _parsed(buf) if unknown else request
+    _check(request, "", strict=unknown > 0)
+    return {"model_id": request.model_id, "seq_id": request.seq_id,
+            "data": [_datum(d, f"{_FBI}.data[{i}]") for i, d in enumerate(request.data)],
+            "loss_fn": request.loss_fn, "loss_fn_config": _config(request) or None,
+            "forward_only": request.forward_only}  # fmt: skip
 
 
 def _parsed(buf: bytes) -> pb.ForwardBackwardRequest:
@@ -59,90 +66,82 @@ def _parsed(buf: bytes) -> pb.ForwardBackwardRequest:
     return request
 
 
-class _Reader:
-    def __init__(self, strict: bool) -> None:
-        self.strict = strict
-
-    def request(self, msg: pb.ForwardBackwardRequest) -> dict[str, Any]:
-        self.declared(msg, "", _REQUEST)
-        return {"model_id": _text(msg.model_id, "model_id"), "seq_id": msg.seq_id,
-                "data": [self.datum(d, f"{_FBI}.data[{i}]") for i, d in enumerate(msg.data)],
-                "loss_fn": _text(msg.loss_fn, f"{_FBI}.loss_fn"), "loss_fn_config": self.config(msg) or None,
-                "forward_only": msg.forward_only}  # fmt: skip
-
-    def datum(self, msg: pb.Datum, where: str) -> dict[str, Any]:
-        self.declared(msg, where, _DATUM)
-        tokens: list[int] = []
-        for chunk in msg.model_input:
-            self.declared(chunk, f"{where}.model_input")
-            kind = chunk.WhichOneof("chunk")
-            if kind not in (None, "encoded_text"):
-                raise WireError(f"{where}.model_input", f"{kind} chunks are not supported (text only)")
-            self.declared(chunk.encoded_text, f"{where}.model_input")
-            tokens += _values(chunk.encoded_text.tokens, pb.DTYPE_INT32, f"{where}.model_input")
-        inputs, base = {}, f"{where}.loss_fn_inputs"
-        for entry in msg.loss_fn_inputs:
-            name = _text(entry.key, base)
-            self.declared(entry, base, _ENTRY, name)
-            inputs[name] = self.tensor(entry.value, f"{base}.{name}")
-        spans = {name: [self.span(s, f"{where}.{name}[{j}]") for j, s in enumerate(getattr(msg, name))]
-                 for name in ("model_input_spans", "loss_fn_input_spans")}  # fmt: skip
-        return {"tokens": tokens, "loss_fn_inputs": inputs, **spans}
-
-    def span(self, msg: pb.ProvenanceSpan, where: str) -> dict[str, Any]:
-        self.declared(msg, where)
-        kind = msg.WhichOneof("span")
-        if kind is None:
-            raise WireError(where, "a provenance span with neither prompt_tokens nor sampled_tokens")
-        arm = getattr(msg, kind)
-        self.declared(arm, where)
-        return {"kind": "prompt" if kind == "prompt_tokens" else "sampled", "offset": arm.offset,
-                "sequence_id": _text(arm.sequence_id, f"{where}.sequence_id"), "length": arm.length}  # fmt: skip
-
-    def tensor(self, tensor: pb.Tensor, where: str) -> dict[str, Any]:
-        self.declared(tensor, where)
-        if tensor.WhichOneof("encoding") == "sparse_csr":
-            raise WireError(where, "sparse (CSR) tensors are not supported by this service; send them dense")
-        data = _values(tensor.dense, tensor.dtype, where)
-        dtype = "int64" if tensor.dtype in (pb.DTYPE_INT64, pb.DTYPE_INT32) else "float32"
-        return {"data": data, "dtype": dtype, "shape": list(tensor.shape) or [len(data)]}
-
-    def config(self, msg: pb.ForwardBackwardRequest) -> dict[str, Any]:
-        """Field 5 maps to doubles; field 7 to a double or a text, and wins (the SDK writes both)."""
-        config: dict[str, Any] = {}
-        for entry in [*msg.loss_fn_config, *msg.loss_fn_config_v2]:
-            key = _text(entry.key, _CONFIG)
-            self.declared(entry, _CONFIG, _ENTRY, key)
-            if isinstance(entry.value, float):
-                config[key] = entry.value
-                continue
-            self.declared(entry.value, f"{_CONFIG}.{key}")
-            kind = entry.value.WhichOneof("value")
-            if kind == "number":
-                config[key] = entry.value.number
-            elif kind == "text":
-                config[key] = _text(entry.value.text, f"{_CONFIG}.{key}")
-        return config
-
-    def declared(self, msg: Message, where: str, places: dict[int, str] | None = None, key: str = "") -> None:
-        """A known field sent with another wire type than its declared one is not this message."""
-        if not self.strict:
-            return
-        fields = msg.DESCRIPTOR.fields_by_number
-        for unknown in UnknownFieldSet(msg):
-            field = fields.get(unknown.field_number)
-            if field is not None:
-                where += places[field.number].format(key=key) if places else ""
-                wire = _WIRE_TYPES.get(unknown.wire_type, str(unknown.wire_type))
-                kind = FieldDescriptorProto.Type.Name(field.type).removeprefix("TYPE_").lower()
-                raise WireError(where, f"protobuf wire type {wire} for {field.name}, declared as {kind}")
+def _place(where: str, field: FieldDescriptor, msg: Message) -> str:
+    """Where the JSON body has `field` of `msg` (at `where`): a chunk, tensor or value is one place."""
+    kind = msg.DESCRIPTOR.name
+    if kind == "ForwardBackwardRequest":
+        return _TOP.get(field.name, field.name)
+    if kind.endswith("Entry"):  # a map's entry: its value is named by its key
+        return f"{where}.{msg.key}" if field.name == "value" else where  # type: ignore[attr-defined]
+    return f"{where}.{field.name}" if kind in _NAMED else where
 
 
-def _text(value: str | bytes, field: str) -> str:
-    """The parser leaves text unchecked (tinker_sdk.proto) and gives bytes where it is not UTF-8."""
-    if isinstance(value, bytes):
-        raise WireError(field, "a string that is not UTF-8")
-    return value
+def _check(msg: Message, where: str, strict: bool) -> None:
+    """What the parser passes over, in `msg` and what it holds: text that is not UTF-8 (unchecked by
+    it, tinker_sdk.proto), and (`strict`) a known field sent with another wire type than declared."""
+    for field, value in msg.ListFields():
+        place = _place(where, field, msg)
+        if field.type == field.TYPE_STRING and isinstance(value, bytes):
+            raise WireError(place, "a string that is not UTF-8")
+        if field.message_type is not None and (strict or _holds_text(field.message_type)):
+            for i, item in enumerate(value if field.is_repeated else [value]):
+                _check(item, f"{place}[{i}]" if field.name in _ITEMS else place, strict)
+    known = msg.DESCRIPTOR.fields_by_number
+    for unknown in UnknownFieldSet(msg) if strict else ():
+        field = known.get(unknown.field_number)
+        if field is not None:
+            wire = _WIRE_TYPES.get(unknown.wire_type, str(unknown.wire_type))
+            kind = FieldDescriptorProto.Type.Name(field.type).removeprefix("TYPE_").lower()
+            message = f"protobuf wire type {wire} for {field.name}, declared as {kind}"
+            raise WireError(_place(where, field, msg), message)
+
+
+@functools.cache
+def _holds_text(kind: Descriptor) -> bool:
+    return any(
+        f.type == f.TYPE_STRING or (f.message_type and _holds_text(f.message_type)) for f in kind.fields
+    )
+
+
+def _datum(msg: pb.Datum, where: str) -> dict[str, Any]:
+    tokens: list[int] = []
+    for chunk in msg.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind not in (None, "encoded_text"):
+            raise WireError(f"{where}.model_input", f"{kind} chunks are not supported (text only)")
+        tokens += _values(chunk.encoded_text.tokens, pb.DTYPE_INT32, f"{where}.model_input")
+    base = f"{where}.loss_fn_inputs"
+    inputs = {e.key: _tensor(e.value, f"{base}.{e.key}") for e in msg.loss_fn_inputs}
+    spans = {name: [_span(s, f"{where}.{name}[{j}]") for j, s in enumerate(getattr(msg, name))]
+             for name in ("model_input_spans", "loss_fn_input_spans")}  # fmt: skip
+    return {"tokens": tokens, "loss_fn_inputs": inputs, **spans}
+
+
+def _span(msg: pb.ProvenanceSpan, where: str) -> dict[str, Any]:
+    kind = msg.WhichOneof("span")
+    if kind is None:
+        raise WireError(where, "a provenance span with neither prompt_tokens nor sampled_tokens")
+    arm = getattr(msg, kind)
+    return {"kind": kind.removesuffix("_tokens"), "offset": arm.offset, "sequence_id": arm.sequence_id,
+            "length": arm.length}  # fmt: skip
+
+
+def _tensor(tensor: pb.Tensor, where: str) -> dict[str, Any]:
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        raise WireError(where, "sparse (CSR) tensors are not supported by this service; send them dense")
+    data = _values(tensor.dense, tensor.dtype, where)
+    dtype = "int64" if tensor.dtype in (pb.DTYPE_INT64, pb.DTYPE_INT32) else "float32"
+    return {"data": data, "dtype": dtype, "shape": list(tensor.shape) or [len(data)]}
+
+
+def _config(msg: pb.ForwardBackwardRequest) -> dict[str, Any]:
+    """Field 5 maps to doubles; field 7 to a double or a text, and wins (the SDK writes both)."""
+    config: dict[str, Any] = {e.key: e.value for e in msg.loss_fn_config}
+    for entry in msg.loss_fn_config_v2:
+        kind = entry.value.WhichOneof("value")
+        if kind is not None:
+            config[entry.key] = getattr(entry.value, kind)
+    return config
 
 
 def _values(raw: bytes, dtype: int, field: str) -> list:

@@ -98,16 +98,22 @@ def future_answer(future: Any, **extra: Any) -> dict[str, Any]:
     return {"request_id": future.id, **{k: v for k, v in extra.items() if v is not None}}
 
 
-@router.post("/client/config", include_in_schema=False)
-async def client_config(request: Request) -> dict[str, Any]:
-    await caller(request, "read")
-    return CLIENT_CONFIG
+# path -> (scope, answer): the calls whose answer is the same for every request; the SDK's telemetry
+# is accepted and dropped (nothing leaves the machine)
+CONSTANT = {"client/config": ("read", CLIENT_CONFIG), "client/dynamic_config": ("read", DYNAMIC_CONFIG),
+            "telemetry": ("write", {"status": "accepted"})}  # fmt: skip
 
 
-@router.post("/client/dynamic_config", include_in_schema=False)
-async def client_dynamic_config(request: Request) -> dict[str, Any]:
-    await caller(request, "read")
-    return DYNAMIC_CONFIG
+def constant_route(scope: str, answer: dict[str, Any]) -> Callable[..., Any]:
+    async def route(request: Request) -> dict[str, Any]:
+        await caller(request, scope)
+        return answer
+
+    return route
+
+
+for path, (scope, answer) in CONSTANT.items():
+    router.add_api_route(f"/{path}", constant_route(scope, answer), methods=["POST"], include_in_schema=False)
 
 
 @router.get("/healthz", include_in_schema=False)
@@ -116,9 +122,10 @@ async def healthz() -> dict[str, str]:
 
 
 # path -> (request body, the service's work on it: (service, owner, body) -> future or answer, summary);
-# a "read" call's owner is None for the admin, who sees every owner's
+# the owner of a "read" call or a heartbeat is None for the admin, who sees every owner's
 ROUTES: dict[str, tuple[type, Callable[..., Any], str]] = {
     "create_session": (bodies.CreateSession, TinkerService.create_session, "start a client session"),
+    "session_heartbeat": (bodies.SessionRef, TinkerService.heartbeat, "keep a client session alive"),
     "get_info": (bodies.ModelRef, TinkerService.info, "a training model's base, rank and tokenizer"),
     "create_model": (bodies.CreateModel, TinkerService.create_model, "a LoRA training model on a served base"),
     "optim_step": (bodies.OptimStep, TinkerService.optim_step, "one Adam step on the accumulated gradients"),
@@ -132,13 +139,14 @@ ROUTES: dict[str, tuple[type, Callable[..., Any], str]] = {
     "asample": (bodies.Sample, sampling.asample, "sample completions (and log-probs) from a sampler"),
 }  # fmt: skip
 READS = {"get_info"}
+SEES = READS | {"session_heartbeat"}
 
 
 def work_route(path: str, model: type, work: Callable[..., Any]) -> Callable[..., Any]:
     async def route(request: Request) -> dict[str, Any]:
         who = await caller(request, "read" if path in READS else "write")
         body = await parsed(request, model)
-        out = await in_thread(work, tinker(request), who.sees if path in READS else who.owner, body)
+        out = await in_thread(work, tinker(request), who.sees if path in SEES else who.owner, body)
         return (
             future_answer(out, model_id=getattr(body, "model_id", None)) if isinstance(out, Future) else out
         )
@@ -177,16 +185,6 @@ router.add_api_route("/forward", forward_route(True), methods=["POST"],
 async def capabilities(request: Request) -> dict[str, Any]:
     await caller(request, "read")
     return tinker(request).capabilities()
-
-
-@router.post("/session_heartbeat", summary="Tinker: keep a client session alive")
-async def heartbeat(request: Request) -> dict[str, Any]:
-    who = await caller(request)
-    svc = tinker(request)
-    await in_thread(svc.expire_sessions)
-    session = svc.session((await parsed(request, bodies.SessionRef)).session_id, who.sees)
-    session.last_heartbeat = time.time()
-    return {"type": "session_heartbeat"}
 
 
 @router.post("/sessions/{session_id}/finish", include_in_schema=False)
@@ -239,12 +237,6 @@ async def retrieve_future(request: Request) -> Any:
 @router.post("/cancel_future", summary="Tinker: cancel a queued request")
 async def cancel_future(request: Request) -> dict[str, Any]:
     return {"cancelled": tinker(request).futures.cancel(await _future(request))}
-
-
-@router.post("/telemetry", include_in_schema=False)
-async def telemetry(request: Request) -> dict[str, str]:
-    await caller(request)
-    return {"status": "accepted"}  # the SDK's telemetry is accepted and dropped: nothing leaves the machine
 
 
 @router.get("/samplers/{sampler_id}", summary="Tinker: one sampler")
