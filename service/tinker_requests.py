@@ -296,20 +296,17 @@ def decompressed(raw: bytes, cap: int) -> bytes:
 
 
 def forward_request(raw: bytes, encoding: str, content_type: str, cap: int) -> dict[str, Any]:
-    """A forward/forward_backward body (zstd or not, protobuf or JSON) in the protobuf reader's shape,
-    typed: finite floats, whole token ids, consistent tensor shapes."""
+    """A forward/forward_backward body (zstd or not, protobuf or JSON) typed (finite floats, whole token
+    ids, consistent tensor shapes), in the shape the host's forward takes."""
     if encoding == "zstd":
         raw = decompressed(raw, cap)
     elif encoding not in ("", "identity"):
         raise TinkerError(
             400, f"Content-Encoding: {encoding!r} is not served (zstd or none)", "Content-Encoding"
         )
-    if "protobuf" not in content_type:
-        return parse_body(ForwardBackward, raw).plain()
-    try:
-        read = read_forward_backward(raw)
-    except WireError as err:
-        raise TinkerError(400, str(err), err.field) from None
-    data = [{"model_input": {"chunks": [{"tokens": d.pop("tokens")}]}, **d} for d in read["data"]]
-    given = {"data": data, "loss_fn": read["loss_fn"], "loss_fn_config": read["loss_fn_config"]}
-    return parse_body(ForwardBackward, {**read, "forward_backward_input": given}).plain()
+    if "protobuf" in content_type:
+        try:
+            raw = read_forward_backward(raw)
+        except WireError as err:
+            raise TinkerError(400, str(err), err.field) from None
+    return parse_body(ForwardBackward, raw).plain()

@@ -19,7 +19,7 @@ from service import tinker_checkpoints as saved
 from service import tinker_requests as bodies
 from service.job_state import JobStatus
 from service.service import Service
-from service.tinker_hosts import Call, Finish, Host, HostOptions, Op
+from service.tinker_hosts import Finish, Host, HostOptions, Op
 from service.tinker_requests import TinkerError
 from service.tinker_sessions import ClientSession, Future, FutureTable, Records, TrainingModel, use_recorded
 from service.tinker_wire import write_forward_backward_output
@@ -131,21 +131,20 @@ class TinkerService:
             for name in [*self.hosts, *built]
         ]}  # fmt: skip
 
-    def submit(self, host: Host, owner: str, queue: str, call: Call, finish: Finish, on_ok: Any = None,
-               on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
+    def submit(self, host: Host, owner: str, queue: str, operation: Any, kwargs: dict[str, Any], finish: Finish,
+               on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
         """Queue one op on `host` (or on `deferred`, sent later); the caller's future for it."""
-        op = Op(
-            self.futures.create(owner, call.operation.__name__), owner, queue, call, finish, on_ok, on_fail
-        )
+        future = self.futures.create(owner, operation.__name__)
+        op = Op(future, owner, queue, operation, kwargs, finish, on_ok, on_fail)
         host.submit(op) if deferred is None else deferred.append(op)
         return op.future
 
     def on_model(self, model: TrainingModel, operation: Any, kwargs: dict[str, Any], finish: Finish,
                  on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
         """Queue `operation` on the model's adapter, after the model's earlier ops."""
-        call = Call(operation, {"adapter": host_id(model.model_id), **kwargs})
-        return self.submit(self.hosts[model.base_model], model.owner, model.model_id, call, finish, on_ok,
-                           on_fail, deferred)  # fmt: skip
+        kwargs = {"adapter": host_id(model.model_id), **kwargs}
+        return self.submit(self.hosts[model.base_model], model.owner, model.model_id, operation, kwargs, finish,
+                           on_ok, on_fail, deferred)  # fmt: skip
 
     # ---- training models --------------------------------------------------------------------------
 
