@@ -166,10 +166,8 @@ class Tensor(Body):
         size = math.prod(self.shape or [len(self.data)])
         if size != len(self.data):
             raise ValueError(f"shape {self.shape} holds {size} values; data has {len(self.data)}")
+        self.shape = self.shape or [len(self.data)]  # what the host reshapes to
         return self
-
-    def plain(self) -> dict[str, Any]:
-        return {"data": self.data, "dtype": self.dtype, "shape": list(self.shape or [len(self.data)])}
 
 
 class Span(Body):
@@ -208,7 +206,7 @@ class ForwardBackward(Body):
         """Tokens per datum and plain tensors: what the host's forward_backward takes."""
         given = self.forward_backward_input
         data = [{"tokens": d.model_input.tokens(f"forward_backward_input.data[{i}].model_input"),
-                 "loss_fn_inputs": {name: t.plain() for name, t in d.loss_fn_inputs.items()},
+                 "loss_fn_inputs": {name: t.model_dump() for name, t in d.loss_fn_inputs.items()},
                  "spans": {"model_input_spans": [s.model_dump() for s in d.model_input_spans or []],
                            "loss_fn_input_spans": [s.model_dump() for s in d.loss_fn_input_spans or []]}}
                 for i, d in enumerate(given.data)]  # fmt: skip
