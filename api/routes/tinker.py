@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -284,12 +283,6 @@ async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str)
     return {}
 
 
-async def checkpoint(request: Request, run_id: str, kind: str, name: str) -> Path:
-    """The folder of one of the caller's live checkpoints, or a 404."""
-    who = await caller(request, "read")
-    return (await in_thread(saved.saved_folder, tinker(request).store, who.sees, run_id, kind, name))[1]
-
-
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", summary="Tinker: set or clear a TTL")
 async def checkpoint_ttl(request: Request, run_id: str, kind: str, name: str) -> dict[str, Any]:
     who, body = await caller(request), await parsed(request, bodies.CheckpointTtl)
@@ -301,7 +294,9 @@ async def checkpoint_ttl(request: Request, run_id: str, kind: str, name: str) ->
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive",
             summary="Tinker: a checkpoint as a .tar.gz of its PEFT adapter folder")  # fmt: skip
 async def checkpoint_archive(request: Request, run_id: str, kind: str, name: str) -> Response:
-    data = await in_thread(saved.archive, await checkpoint(request, run_id, kind, name), name)
+    who = await caller(request, "read")
+    _, folder = saved.saved_folder(tinker(request).store, who.sees, run_id, kind, name)
+    data = await in_thread(saved.archive, folder, name)
     return Response(data, media_type="application/gzip",
                     headers={"Content-Disposition": f'attachment; filename="{run_id}-{name}.tar.gz"'})  # fmt: skip
 
@@ -309,8 +304,9 @@ async def checkpoint_archive(request: Request, run_id: str, kind: str, name: str
 @router.get("/training_runs/{run_id}/checkpoints/external_weights/{name}/external_weights_urls",
             summary="Tinker: signed download URLs of external weights")  # fmt: skip
 async def external_weights_urls(request: Request, run_id: str, name: str) -> dict[str, Any]:
-    folder = await checkpoint(request, run_id, "external_weights", name)
-    return saved.signed_urls(tinker(request).url_secret, str(request.base_url), run_id, name, folder)
+    who, svc = await caller(request, "read"), tinker(request)
+    _, folder = saved.saved_folder(svc.store, who.sees, run_id, "external_weights", name)
+    return saved.signed_urls(svc.url_secret, str(request.base_url), run_id, name, folder)
 
 
 @router.get("/external_weights/{run_id}/{name}/{file}", summary="Tinker: one file of a signed URL (no key)")
