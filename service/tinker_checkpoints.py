@@ -102,17 +102,13 @@ def list_checkpoints(job_id: str, workdir: Path | str) -> list[dict[str, Any]]:
     return out
 
 
-def last_saved_state(job_id: str, workdir: Path) -> str | None:
-    """The tinker path of the run's newest training checkpoint (save_state), if any."""
-    saved = [c for c in list_checkpoints(job_id, workdir) if c["checkpoint_type"] == "training"]
-    return saved[-1]["tinker_path"] if saved else None
-
-
 def lost_message(job_id: str, workdir: Path, cause: str = "the service restarted") -> str:
-    last = last_saved_state(job_id, workdir)
-    if last is None:
+    """Why the run is gone, and the newest training checkpoint (save_state) to continue from."""
+    states = [c for c in list_checkpoints(job_id, workdir) if c["checkpoint_type"] == "training"]
+    if not states:
         return (f"training run {job_id} was lost when {cause}, and it saved no state "
                 "(save_state): create a new training client")  # fmt: skip
+    last = states[-1]["tinker_path"]
     return (f"training run {job_id} was lost when {cause}; its last saved state is {last}: "
             f"continue with service_client.create_training_client_from_state_with_optimizer('{last}')")  # fmt: skip
 
@@ -149,12 +145,6 @@ def delete(store: Any, owner: str | None, run_id: str, kind: str, name: str) -> 
     job, folder = saved_folder(store, owner, run_id, kind, name)
     shutil.rmtree(folder, ignore_errors=True)
     store.add_event(job.id, "checkpoint", f"deleted tinker://{run_id}/{kind}/{name}")
-
-
-def reap(store: Any) -> None:
-    """Remove every run's expired checkpoints (listing a run's checkpoints removes its expired ones)."""
-    for job in store.tinker_runs(None):
-        list_checkpoints(job.id, job.workdir)
 
 
 def run_view(job: Any) -> dict[str, Any]:

@@ -33,20 +33,15 @@ Answer = dict[str, Any] | bytes
 Finish = Answer | Callable[[Any], Answer]
 
 
-@dataclass(frozen=True)
-class Call:
-    """One SessionWorker operation and its arguments (a batched one's: one item of its list)."""
-
-    operation: Callable[..., Any]  # a registered method of SessionWorker
-    kwargs: dict[str, Any]
-
-
 @dataclass
 class Op:
+    """One SessionWorker operation and its arguments (a batched one's: one item of its list)."""
+
     future: Future
     owner: str
     queue: str  # the model id or sampler id whose order it keeps
-    call: Call
+    operation: Callable[..., Any]  # a registered method of SessionWorker
+    kwargs: dict[str, Any]
     finish: Finish
     on_ok: Callable[[Any], None] | None = None  # bookkeeping after success (store rows)
     on_fail: Callable[[], None] | None = None  # undo after a failure (a refused create stores nothing)
@@ -170,8 +165,8 @@ class Host:
         if self.group is None and self.error is None:  # the last one died: a fresh host for this batch
             self.restarts += 1
             self._start()
-        batched = [[op for op in batch if op.call.operation is kind] for kind in BATCHED]
-        singles = [[op] for op in batch if op.call.operation not in BATCHED]
+        batched = [[op for op in batch if op.operation is kind] for kind in BATCHED]
+        singles = [[op] for op in batch if op.operation not in BATCHED]
         for ops in [ops for ops in batched if ops] + singles:
             for op, result in zip(ops, self._call(ops), strict=True):
                 self._settle(op, result)
@@ -180,12 +175,11 @@ class Host:
         """One group call for `ops` (all of one batched operation, or a single op): a result each."""
         if self.error is not None or self.group is None:
             return [error("server", None, self.error or f"{self.name} is not running")] * len(ops)
-        call = ops[0].call
-        method = getattr(self.group, call.operation.__name__)
+        method = getattr(self.group, ops[0].operation.__name__)
         try:
-            if call.operation in BATCHED:
-                return method([op.call.kwargs for op in ops])
-            answer = method(**call.kwargs)
+            if ops[0].operation in BATCHED:
+                return method([op.kwargs for op in ops])
+            answer = method(**ops[0].kwargs)
             return [answer[0] if isinstance(answer, list) else answer]  # ONE_TO_ALL: one rank's
         except WorkerGroupError as err:  # a dead worker or a timeout: every op of the call is told
             message = f"{self.name} failed: {err}"[:2000]
@@ -214,7 +208,7 @@ class Host:
                 op.on_ok(result["ok"])
             answer = op.finish(result["ok"]) if callable(op.finish) else op.finish
         except Exception as err:  # noqa: BLE001 - a result the API cannot read fails that op only
-            name = op.call.operation.__name__
+            name = op.operation.__name__
             log.exception("%s: reading the result of %s", self.name, name)
             self.futures.fail(op.future, f"{self.name}: unreadable result of {name}: {err}")
             return

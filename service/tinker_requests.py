@@ -166,10 +166,8 @@ class Tensor(Body):
         size = math.prod(self.shape or [len(self.data)])
         if size != len(self.data):
             raise ValueError(f"shape {self.shape} holds {size} values; data has {len(self.data)}")
+        self.shape = self.shape or [len(self.data)]  # what the host reshapes to
         return self
-
-    def plain(self) -> dict[str, Any]:
-        return {"data": self.data, "dtype": self.dtype, "shape": list(self.shape or [len(self.data)])}
 
 
 class Span(Body):
@@ -208,7 +206,7 @@ class ForwardBackward(Body):
         """Tokens per datum and plain tensors: what the host's forward_backward takes."""
         given = self.forward_backward_input
         data = [{"tokens": d.model_input.tokens(f"forward_backward_input.data[{i}].model_input"),
-                 "loss_fn_inputs": {name: t.plain() for name, t in d.loss_fn_inputs.items()},
+                 "loss_fn_inputs": {name: t.model_dump() for name, t in d.loss_fn_inputs.items()},
                  "spans": {"model_input_spans": [s.model_dump() for s in d.model_input_spans or []],
                            "loss_fn_input_spans": [s.model_dump() for s in d.loss_fn_input_spans or []]}}
                 for i, d in enumerate(given.data)]  # fmt: skip
@@ -296,20 +294,17 @@ def decompressed(raw: bytes, cap: int) -> bytes:
 
 
 def forward_request(raw: bytes, encoding: str, content_type: str, cap: int) -> dict[str, Any]:
-    """A forward/forward_backward body (zstd or not, protobuf or JSON) in the protobuf reader's shape,
-    typed: finite floats, whole token ids, consistent tensor shapes."""
+    """A forward/forward_backward body (zstd or not, protobuf or JSON) typed (finite floats, whole token
+    ids, consistent tensor shapes), in the shape the host's forward takes."""
     if encoding == "zstd":
         raw = decompressed(raw, cap)
     elif encoding not in ("", "identity"):
         raise TinkerError(
             400, f"Content-Encoding: {encoding!r} is not served (zstd or none)", "Content-Encoding"
         )
-    if "protobuf" not in content_type:
-        return parse_body(ForwardBackward, raw).plain()
-    try:
-        read = read_forward_backward(raw)
-    except WireError as err:
-        raise TinkerError(400, str(err), err.field) from None
-    data = [{"model_input": {"chunks": [{"tokens": d.pop("tokens")}]}, **d} for d in read["data"]]
-    given = {"data": data, "loss_fn": read["loss_fn"], "loss_fn_config": read["loss_fn_config"]}
-    return parse_body(ForwardBackward, {**read, "forward_backward_input": given}).plain()
+    if "protobuf" in content_type:
+        try:
+            raw = read_forward_backward(raw)
+        except WireError as err:
+            raise TinkerError(400, str(err), err.field) from None
+    return parse_body(ForwardBackward, raw).plain()

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from service.tinker_checkpoints import not_found, resolve_state
-from service.tinker_hosts import Call
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams
 from service.tinker_service import TinkerError, TinkerService
 from service.tinker_sessions import Sampler
@@ -77,8 +76,8 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
     svc.check_tokens(host, prompt, "prompt.chunks")
     num = req.num_samples
     params = _sampling_params(req.sampling_params)
-    call = Call(SessionWorker.sample, {"sampler": sampler.path, "prompt": prompt, "num_samples": num,
-                                       "sampling_params": params, "prompt_logprobs": bool(req.prompt_logprobs)})  # fmt: skip
+    kwargs = {"sampler": sampler.path, "prompt": prompt, "num_samples": num, "sampling_params": params,
+              "prompt_logprobs": bool(req.prompt_logprobs)}  # fmt: skip
     sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
 
     def record(ok: dict[str, Any]) -> None:
@@ -102,7 +101,7 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
         return write_sample_response(ok["sequences"], ok.get("prompt_logprobs"))
 
     return {
-        "request_id": svc.submit(host, owner, sampler_id, call, finish, record).id,
+        "request_id": svc.submit(host, owner, sampler_id, SessionWorker.sample, kwargs, finish, record).id,
         "sample_sequence_ids": sequence_ids,
     }
 

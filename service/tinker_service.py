@@ -19,7 +19,7 @@ from service import tinker_checkpoints as saved
 from service import tinker_requests as bodies
 from service.job_state import JobStatus
 from service.service import Service
-from service.tinker_hosts import Call, Finish, Host, HostOptions, Op
+from service.tinker_hosts import Finish, Host, HostOptions, Op
 from service.tinker_requests import TinkerError
 from service.tinker_sessions import ClientSession, Future, FutureTable, Records, TrainingModel, use_recorded
 from service.tinker_wire import write_forward_backward_output
@@ -64,24 +64,27 @@ class TinkerService:
         """Silent sessions end (the SDK beats every 10 s): their models leave the host and their runs
         pause, naming the last saved state. Expired checkpoints are swept here too."""
         now = time.time()
-        if now - self._reaped > saved.REAP_EVERY_S:
+        if now - self._reaped > saved.REAP_EVERY_S:  # listing a run's checkpoints removes its expired ones
             self._reaped = now
-            saved.reap(self.store)
+            for job in self.store.tinker_runs(None):
+                saved.list_checkpoints(job.id, job.workdir)
         for session in [
             s for s in self.records.sessions.of(None) if now - s.last_heartbeat > self.session_ttl_s
         ]:
             self.records.end_session(session.id)
             cause = f"session {session.id} ended (no heartbeat for {self.session_ttl_s:g} s)"
-            for model in [m for m in self.records.models.of(None) if m.session_id == session.id]:
-                self._drop(model)
-                self.scheduler.end(
-                    model.job_id, JobStatus.PAUSED, saved.lost_message(model.job_id, model.workdir, cause)
-                )
+            self._pause([m for m in self.records.models.of(None) if m.session_id == session.id], cause, True)
 
     def _host_lost(self, host: Host) -> None:
         """A host's process died with its adapters: their runs pause, each naming its last saved state."""
-        cause = f"its session host ({host.base_model}) died"
-        for model in [m for m in self.records.models.of(None) if m.base_model == host.base_model]:
+        models = [m for m in self.records.models.of(None) if m.base_model == host.base_model]
+        self._pause(models, f"its session host ({host.base_model}) died", False)
+
+    def _pause(self, models: list[TrainingModel], cause: str, drop: bool) -> None:
+        """The models are forgotten (`drop`: and leave their live host); their runs pause, naming why."""
+        for model in models:
+            if drop:
+                self._drop(model)
             self.records.models.pop(model.model_id, None)
             self.scheduler.end(
                 model.job_id, JobStatus.PAUSED, saved.lost_message(model.job_id, model.workdir, cause)
@@ -131,21 +134,20 @@ class TinkerService:
             for name in [*self.hosts, *built]
         ]}  # fmt: skip
 
-    def submit(self, host: Host, owner: str, queue: str, call: Call, finish: Finish, on_ok: Any = None,
-               on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
+    def submit(self, host: Host, owner: str, queue: str, operation: Any, kwargs: dict[str, Any], finish: Finish,
+               on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
         """Queue one op on `host` (or on `deferred`, sent later); the caller's future for it."""
-        op = Op(
-            self.futures.create(owner, call.operation.__name__), owner, queue, call, finish, on_ok, on_fail
-        )
+        future = self.futures.create(owner, operation.__name__)
+        op = Op(future, owner, queue, operation, kwargs, finish, on_ok, on_fail)
         host.submit(op) if deferred is None else deferred.append(op)
         return op.future
 
     def on_model(self, model: TrainingModel, operation: Any, kwargs: dict[str, Any], finish: Finish,
                  on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
         """Queue `operation` on the model's adapter, after the model's earlier ops."""
-        call = Call(operation, {"adapter": host_id(model.model_id), **kwargs})
-        return self.submit(self.hosts[model.base_model], model.owner, model.model_id, call, finish, on_ok,
-                           on_fail, deferred)  # fmt: skip
+        kwargs = {"adapter": host_id(model.model_id), **kwargs}
+        return self.submit(self.hosts[model.base_model], model.owner, model.model_id, operation, kwargs, finish,
+                           on_ok, on_fail, deferred)  # fmt: skip
 
     # ---- training models --------------------------------------------------------------------------
 

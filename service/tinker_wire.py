@@ -39,8 +39,7 @@ class WireError(ValueError):
 
 
 def read_forward_backward(buf: bytes) -> dict[str, Any]:
-    """A `ForwardBackwardRequest` as plain python: model_id, seq_id, data (tokens and loss_fn_inputs
-    per datum), loss_fn, loss_fn_config, forward_only."""
+    """A `ForwardBackwardRequest` in the JSON body's shape (its text chunks as one)."""
     request = _parsed(buf)
     size = request.ByteSize()
     request.DiscardUnknownFields()
@@ -51,9 +50,9 @@ def read_forward_backward(buf: bytes) -> dict[str, Any]:
     # only a body with unknown fields can hold a misplaced known one: read it again, keeping them
     request = _parsed(buf) if unknown else request
     _check(request, "", strict=unknown > 0)
-    return {"model_id": request.model_id, "seq_id": request.seq_id,
-            "data": [_datum(d, f"{_FBI}.data[{i}]") for i, d in enumerate(request.data)],
-            "loss_fn": request.loss_fn, "loss_fn_config": _config(request) or None,
+    data = [_datum(d, f"{_FBI}.data[{i}]") for i, d in enumerate(request.data)]
+    given = {"data": data, "loss_fn": request.loss_fn, "loss_fn_config": _config(request) or None}
+    return {"model_id": request.model_id, "seq_id": request.seq_id, "forward_backward_input": given,
             "forward_only": request.forward_only}  # fmt: skip
 
 
@@ -114,7 +113,7 @@ def _datum(msg: pb.Datum, where: str) -> dict[str, Any]:
     inputs = {e.key: _tensor(e.value, f"{base}.{e.key}") for e in msg.loss_fn_inputs}
     spans = {name: [_span(s, f"{where}.{name}[{j}]") for j, s in enumerate(getattr(msg, name))]
              for name in ("model_input_spans", "loss_fn_input_spans")}  # fmt: skip
-    return {"tokens": tokens, "loss_fn_inputs": inputs, **spans}
+    return {"model_input": {"chunks": [{"tokens": tokens}]}, "loss_fn_inputs": inputs, **spans}
 
 
 def _span(msg: pb.ProvenanceSpan, where: str) -> dict[str, Any]:

@@ -87,10 +87,14 @@ def test_every_field_the_sdk_sends_is_read():
         model_id="s:train:3", seq_id=9,
     )  # fmt: skip
     read = read_forward_backward(forward_backward_request_to_proto(request).SerializeToString())
-    assert read["model_id"] == "s:train:3" and read["seq_id"] == 9 and read["loss_fn"] == "cispo"
-    assert read["loss_fn_config"] == {"clip_high_threshold": 1.25, "reduction": "token_mean"}
-    assert [d["tokens"] for d in read["data"]] == [[5, 6, 7, 8], [2**31 - 1, 0, 1, 2]]
-    assert read["data"][1]["loss_fn_inputs"] == {
+    given = read["forward_backward_input"]
+    assert read["model_id"] == "s:train:3" and read["seq_id"] == 9 and given["loss_fn"] == "cispo"
+    assert given["loss_fn_config"] == {"clip_high_threshold": 1.25, "reduction": "token_mean"}
+    assert [d["model_input"]["chunks"][0]["tokens"] for d in given["data"]] == [
+        [5, 6, 7, 8],
+        [2**31 - 1, 0, 1, 2],
+    ]
+    assert given["data"][1]["loss_fn_inputs"] == {
         "target_tokens": {"data": [2**31 - 1, 0, 1, 2], "dtype": "int64", "shape": [4]},
         "mask": {"data": [1.0, 0.0, 1.0, 1.0], "dtype": "float32", "shape": [2, 2]},
     }
@@ -99,7 +103,7 @@ def test_every_field_the_sdk_sends_is_read():
 def test_unknown_fields_are_passed_over_up_to_a_bound_and_a_misplaced_known_one_is_named():
     request = ours.ForwardBackwardRequest(model_id="m", loss_fn="cross_entropy").SerializeToString()
     later = b"\xfa\x01" + bytes([100]) + b"x" * 100  # field 31, length-delimited: a field of a later SDK
-    assert read_forward_backward(request + later)["loss_fn"] == "cross_entropy"
+    assert read_forward_backward(request + later)["forward_backward_input"]["loss_fn"] == "cross_entropy"
     with pytest.raises(WireError) as many:
         read_forward_backward(request + b"\x78\x00" * MAX_UNKNOWN_BYTES)  # field 15, varint 0
     assert many.value.field == "body" and str(MAX_UNKNOWN_BYTES) in str(many.value)

@@ -204,14 +204,15 @@ def test_protobuf_codec_matches_the_sdks_generated_messages():
     proto.forward_only = True
     read = read_forward_backward(proto.SerializeToString())
     assert read["model_id"] == "s:train:0" and read["seq_id"] == 7 and read["forward_only"] is True
-    assert read["loss_fn"] == "ppo" and read["loss_fn_config"] == {"clip_low_threshold": pytest.approx(0.8)}
-    assert read["data"][0]["tokens"] == [1, 2, 300]
-    assert read["data"][0]["loss_fn_inputs"]["target_tokens"] == {
+    given = read["forward_backward_input"]
+    assert given["loss_fn"] == "ppo" and given["loss_fn_config"] == {"clip_low_threshold": pytest.approx(0.8)}
+    assert given["data"][0]["model_input"] == {"chunks": [{"tokens": [1, 2, 300]}]}
+    assert given["data"][0]["loss_fn_inputs"]["target_tokens"] == {
         "data": [2, 300, 4],
         "dtype": "int64",
         "shape": [3],
     }
-    assert read["data"][0]["loss_fn_inputs"]["weights"]["data"] == [0.0, 1.0, 0.5]
+    assert given["data"][0]["loss_fn_inputs"]["weights"]["data"] == [0.0, 1.0, 0.5]
 
     out = deserialize_forward_backward_output(write_forward_backward_output(
         [{"logprobs": {"data": [-1.5, -0.25], "dtype": "float32", "shape": [2]}},
@@ -233,6 +234,7 @@ def test_the_dispatcher_takes_turns_between_owners_then_their_sessions(tmp_path)
 
     from service.tinker_hosts import Host, HostOptions, Op
     from service.tinker_sessions import FutureTable
+    from workers.session_host import SessionWorker
 
     futures = FutureTable()
     host = Host("tiny-qwen2", tmp_path, futures, HostOptions(max_batch=2))
@@ -243,7 +245,8 @@ def test_the_dispatcher_takes_turns_between_owners_then_their_sessions(tmp_path)
                 futures.create(owner, "forward"),
                 owner,
                 queue,
-                {"op": "forward", "i": i},
+                SessionWorker.forward_backward_calls,
+                {"i": i},
                 lambda ok: ({}, None),
             )
             ops[(queue, i)] = op
@@ -251,7 +254,7 @@ def test_the_dispatcher_takes_turns_between_owners_then_their_sessions(tmp_path)
     futures.cancel(ops[("b1", 2)].future)
     batches = []
     while host._queues:
-        batches.append([(op.queue, op.call["i"]) for op in host._next_batch()])
+        batches.append([(op.queue, op.kwargs["i"]) for op in host._next_batch()])
     assert batches[0] == [("a1", 0), ("b1", 0)] and batches[1] == [("a2", 0), ("b1", 1)]
     assert batches[2] == [("a3", 0), ("b1", 3)]  # b1's op 2 was cancelled
     bob_first = [i for i, b in enumerate(batches) if ("b1", 5) in b][0]
