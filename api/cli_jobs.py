@@ -134,15 +134,12 @@ def metric_rows(
     return rows[-last:] if last else rows
 
 
-def _lifecycle(action: str) -> Callable[[argparse.Namespace, TandemClient], int]:
-    def run(args: argparse.Namespace, client: TandemClient) -> int:
-        job = getattr(client, action)(args.job_id)
-        if getattr(args, "wait", False):
-            job = _settled(client, job)
-        print(f"{job['id']}: {job['status']}")
-        return 0
-
-    return run
+def _control(args: argparse.Namespace, client: TandemClient) -> int:
+    job = client.control(args.job_id, args.command)  # cancel, pause or resume
+    if getattr(args, "wait", False):
+        job = _settled(client, job)
+    print(f"{job['id']}: {job['status']}")
+    return 0
 
 
 def _settled(client: TandemClient, job: dict, timeout_s: float = 600.0) -> dict:
@@ -253,7 +250,7 @@ def add_job_parsers(command: Callable[..., argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--json", action="store_true")
     for action in ("cancel", "pause", "resume"):
-        p = command(action, _lifecycle(action), f"{action} a job")
+        p = command(action, _control, f"{action} a job")
         if action != "resume":
             p.add_argument("--wait", action="store_true", help="return once the job is paused or cancelled")
     p = command("fork", _fork, "a new job from one of a job's checkpoints, with changes")
