@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,6 +242,18 @@ class TandemClient:
         if response.is_error:
             raise _api_error(response)
         return response.json()
+
+
+def every_page(page: Callable[[Any], JSON]) -> list[JSON]:
+    """The rows of every page of a list: `page(after)` reads the one after the row id `after` (None: the first)."""
+    rows: list[JSON] = []
+    after = None
+    while True:
+        got = page(after)
+        rows += got["data"]
+        if not got["has_more"] or not got["data"]:
+            return rows
+        after = got["data"][-1]["id"]
 
 
 def _api_error(response: httpx.Response) -> TandemAPIError:
