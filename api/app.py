@@ -12,9 +12,8 @@ from fastapi.responses import HTMLResponse
 from api.auth import Authenticator
 from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
-from api.hot_reads import HotReadPath, HotReads
 from api.middleware import AuditTrail, BodyLimit, RequestId
-from api.read_cache import ReadCache
+from api.read_cache import HotReadPath, HotReads, ReadCache
 from api.routes import (
     audit,
     files,

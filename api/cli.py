@@ -14,7 +14,7 @@ from api.cli_jobs import add_job_parsers
 from api.cli_resources import add_resource_parsers
 from api.cli_serve import add_serve_parser
 from api.cli_spec import UsageError
-from api.client import TandemAPIError, TandemClient, TandemError
+from api.client import TandemAPIError, TandemClient, TandemError, every_page
 
 HINT_401 = "set TANDEM_TOKEN or pass --token; the service's admin token is in $TANDEM_HOME/admin_token"
 JOB_PREFIX = "job-"
@@ -38,14 +38,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     def command(
-        name: str, func: Callable, help: str, job: bool = True, under: Any = sub, client: bool = True
+        name: str,
+        func: Callable,
+        help: str,
+        job: bool = True,
+        under: Any = sub,
+        client: bool = True,
+        json: bool = False,
     ) -> argparse.ArgumentParser:
-        """A subcommand (of `under`: the top level or a group's) calling `func(args, client)`."""
+        """A subcommand (of `under`: the top level or a group's) calling `func(args, client)`; `json`: it
+        takes --json."""
         p = under.add_parser(
             name, help=help, description=help, parents=[conn] if client else [], allow_abbrev=False
         )
         if job:
             p.add_argument("job_id", metavar="ID")
+        if json:
+            p.add_argument("--json", action="store_true", help="print the service's JSON")
         p.set_defaults(func=func, client=client, subparser=p)
         return p
 
@@ -60,13 +69,8 @@ def resolve_job_id(client: TandemClient, given: str) -> str:
     prefix = given if given.startswith(JOB_PREFIX) else JOB_PREFIX + given
     if len(prefix) >= FULL_ID_LENGTH:
         return prefix
-    found, after = [], None
-    while True:
-        page = client.list_jobs(limit=100, after=after)
-        found += [j["id"] for j in page["data"] if j["id"].startswith(prefix)]
-        if not page["has_more"] or not page["data"]:
-            break
-        after = page["data"][-1]["id"]
+    jobs = every_page(lambda after: client.list_jobs(limit=100, after=after))
+    found = [j["id"] for j in jobs if j["id"].startswith(prefix)]
     if len(found) == 1:
         return found[0]
     if not found:

@@ -134,15 +134,12 @@ def metric_rows(
     return rows[-last:] if last else rows
 
 
-def _lifecycle(action: str) -> Callable[[argparse.Namespace, TandemClient], int]:
-    def run(args: argparse.Namespace, client: TandemClient) -> int:
-        job = getattr(client, action)(args.job_id)
-        if getattr(args, "wait", False):
-            job = _settled(client, job)
-        print(f"{job['id']}: {job['status']}")
-        return 0
-
-    return run
+def _control(args: argparse.Namespace, client: TandemClient) -> int:
+    job = client.control(args.job_id, args.command)  # cancel, pause or resume
+    if getattr(args, "wait", False):
+        job = _settled(client, job)
+    print(f"{job['id']}: {job['status']}")
+    return 0
 
 
 def _settled(client: TandemClient, job: dict, timeout_s: float = 600.0) -> dict:
@@ -233,27 +230,23 @@ def add_job_parsers(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--idempotency-key", help="a retried submission with the same key returns the first job")
     p.add_argument("--dry-run", action="store_true", help="print the validated spec; submit nothing")
     p.add_argument("-f", "--follow", action="store_true", help="show a progress bar until the job ends")
-    p = command("list", _list, "list jobs, newest first", job=False)
+    p = command("list", _list, "list jobs, newest first", job=False, json=True)
     p.add_argument("--status", action="append", help="only jobs in this state; repeatable")
     p.add_argument("--limit", type=int, default=20)
-    p.add_argument("--json", action="store_true")
-    command("status", _status, "a job's state, progress and latest metrics").add_argument(
-        "--json", action="store_true"
-    )
+    command("status", _status, "a job's state, progress and latest metrics", json=True)
     command("follow", _follow, "a progress bar until the job ends (exit 0 if it succeeded)")
     p = command("logs", print_logs, "a job's log lines")
     p.add_argument("--tail", type=int, default=200)
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
     command("events", print_events, "a job's events").add_argument("-f", "--follow", action="store_true")
-    p = command("metrics", _metrics, "a job's metrics per step")
+    p = command("metrics", _metrics, "a job's metrics per step", json=True)
     p.add_argument("--keys", help="comma-separated metric names (default: the headline ones)")
     p.add_argument("--last", type=positive, metavar="N", help="only the last N rows")
     p.add_argument(
         "--every", type=positive, metavar="N", help="only steps that are multiples of N (and the latest)"
     )
-    p.add_argument("--json", action="store_true")
     for action in ("cancel", "pause", "resume"):
-        p = command(action, _lifecycle(action), f"{action} a job")
+        p = command(action, _control, f"{action} a job")
         if action != "resume":
             p.add_argument("--wait", action="store_true", help="return once the job is paused or cancelled")
     p = command("fork", _fork, "a new job from one of a job's checkpoints, with changes")
@@ -263,10 +256,9 @@ def add_job_parsers(command: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("-f", "--follow", action="store_true")
     p = command("set", _set, "change hyper-parameters of a running job from its next step")
     p.add_argument("assignments", nargs="+", metavar="NAME=VALUE", help="e.g. lr=1e-4 temperature=0.8")
-    command("checkpoints", _checkpoints, "a job's saved checkpoints").add_argument(
-        "--json", action="store_true"
+    command("checkpoints", _checkpoints, "a job's saved checkpoints", json=True)
+    p = command(
+        "samples", _samples, "a step's sampled trajectories, as a chat (default: the latest step)", json=True
     )
-    p = command("samples", _samples, "a step's sampled trajectories, as a chat (default: the latest step)")
     p.add_argument("--step", type=int, help="the step (default: the job's latest)")
     p.add_argument("--limit", type=int, default=8)
-    p.add_argument("--json", action="store_true")

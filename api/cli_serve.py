@@ -1,44 +1,67 @@
 """`tandem serve`: run the API service (a long-lived Ray driver) with the operator's settings.
 
-Each flag is a ServeSettings field (api/settings.py), validated there: a bad value is one line naming
-the option, not a traceback. The quota flags set the default quota (every owner's but the admin's),
-over a quotas file's default.
+Each flag sets a ServeSettings field (api/settings.py), and its help is that field's description; values
+are validated there, so a bad one is one line naming the field, not a traceback. The --quota-* flags set
+the default quota (every owner's but the admin's), over a quotas file's default.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args, get_origin
+
+from pydantic.fields import FieldInfo
 
 from api.cli_spec import UsageError, describe
+from api.settings import MiB, ServeSettings
+from service.quotas import Quota
 
 GiB = 1024**3
+# --flag: the field it sets, its metavar, and how many of the field's units one of the flag's is
+SETTINGS_FLAGS = {
+    "allow-path": ("allowed_paths", "DIR", 1),
+    "allow-tracker-host": ("tracker_hosts", "HOST[:PORT]", 1),
+    "allow-wandb": ("allow_wandb", None, 1),
+    "max-body-mb": ("max_body_bytes", "MB", MiB),
+    "max-upload-mb": ("max_upload_bytes", "MB", MiB),
+    "user-code-timeout": ("user_code_timeout_s", None, 1),
+    "unsandboxed-user-code": ("unsandboxed_user_code", None, 1),
+    "base-model": ("tinker_base_models", "NAME_OR_PATH", 1),
+    "max-lora-rank": ("tinker_max_rank", None, 1),
+    "warm-controllers": ("warm_controllers", None, 1),
+}
+QUOTA_FLAGS = {  # --quota-NAME: a Quota field
+    "quota-running-jobs": ("running_jobs", "N", 1),
+    "quota-queued-jobs": ("queued_jobs", "N", 1),
+    "quota-cpus": ("cpus", "N", 1),
+    "quota-gpus": ("gpus", "N", 1),
+    "quota-stored-gb": ("stored_bytes", "GB", GiB),
+}
 
 
 def serve_command(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from api.server import serve
-    from api.settings import MiB, ServeSettings
 
     try:
-        settings = ServeSettings(
-            max_body_bytes=int(args.max_body_mb * MiB),
-            max_upload_bytes=int(args.max_upload_mb * MiB),
-            user_code_timeout_s=args.user_code_timeout,
-            **({"unsandboxed_user_code": True} if args.unsandboxed_user_code else {}),
-            allowed_paths=args.allow_path,
-            tracker_hosts=args.allow_tracker_host or [],
-            allow_wandb=args.allow_wandb,
-            tinker_base_models=args.base_model,
-            tinker_max_rank=args.max_lora_rank,
-            **({} if args.warm_controllers is None else {"warm_controllers": args.warm_controllers}),
-            **quota_settings(args),
-        )
+        settings = ServeSettings(**given_settings(args))
     except ValidationError as err:  # a bad option is one line naming it, not a traceback
         raise UsageError(f"tandem serve: {describe(err)}") from None
     serve(args.host, args.port, args.home, args.ray_address, args.num_cpus, settings=settings)
     return 0
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServeSettings fields the flags set, in the fields' units; the others keep their defaults."""
+
+    def given(flags: dict[str, tuple[str, str | None, int]]) -> dict[str, Any]:
+        values = {
+            field: (getattr(args, flag.replace("-", "_")), scale) for flag, (field, _, scale) in flags.items()
+        }
+        return {f: v if scale == 1 else int(v * scale) for f, (v, scale) in values.items() if v is not None}
+
+    return {**given(SETTINGS_FLAGS), "quotas_file": args.quotas, "default_quota": given(QUOTA_FLAGS)}
 
 
 def add_serve_parser(sub: Any) -> None:
@@ -53,86 +76,30 @@ def add_serve_parser(sub: Any) -> None:
     serve.add_argument("--home", default=None, help="data directory (default: $TANDEM_HOME or ~/.tandem)")
     serve.add_argument("--ray-address", default=None, help="join a cluster: 'auto' or 'ray://host:10001'")
     serve.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster")
-    serve.add_argument(
-        "--allow-path",
-        action="append",
-        default=None,
-        metavar="DIR",
-        help="a server folder every owner's specs may read from (repeatable); default: examples/. "
-        "Besides these, a spec may name only its owner's uploads and jobs' outputs",
+    add_field_flags(serve, SETTINGS_FLAGS, ServeSettings.model_fields)
+    quotas = serve.add_argument_group("quotas per owner (default: unlimited; the admin is never limited)")
+    quotas.add_argument(
+        "--quotas", metavar="FILE", help=ServeSettings.model_fields["quotas_file"].description
     )
-    serve.add_argument(
-        "--allow-tracker-host",
-        action="append",
-        default=None,
-        metavar="HOST[:PORT]",
-        help="an MLflow server jobs may post to (trainer.mlflow_uri; repeatable); default: none",
-    )
-    serve.add_argument(
-        "--allow-wandb",
-        action="store_true",
-        help="let jobs log to W&B (trainer.loggers: [wandb]) with this service's W&B login",
-    )
-    serve.add_argument(
-        "--max-body-mb", type=float, default=1.0, help="largest JSON request body (413 beyond)"
-    )
-    serve.add_argument("--max-upload-mb", type=float, default=512.0, help="largest file upload (413 beyond)")
-    serve.add_argument(
-        "--user-code-timeout",
-        type=float,
-        default=30.0,
-        help="seconds a reward function or environment gets to import and be checked",
-    )
-    serve.add_argument(
-        "--unsandboxed-user-code",
-        action="store_true",
-        help="where bubblewrap cannot run, run user code (rewards, environments, agents) without a sandbox, "
-        "as the service's user: for a single-user service only (default: refuse it)",
-    )
-    serve.add_argument(
-        "--base-model",
-        action="append",
-        default=None,
-        metavar="NAME_OR_PATH",
-        help="a base model the Tinker API serves (repeatable): a built-in name or an HF folder; default: the built-ins",
-    )
-    serve.add_argument(
-        "--max-lora-rank", type=int, default=64, help="the largest LoRA rank a Tinker session may ask"
-    )
-    serve.add_argument(
-        "--warm-controllers",
-        type=int,
-        default=None,
-        help="job controllers kept started and imported, ready for the next job "
-        "(0: start each with its job; default $TANDEM_WARM_CONTROLLERS or 1)",
-    )
-    add_quota_flags(serve)
+    add_field_flags(quotas, QUOTA_FLAGS, Quota.model_fields)
     serve.set_defaults(func=serve_command, client=False, subparser=serve)
 
 
-# --quota-NAME: the Quota field it sets (--quota-stored-gb in GB), its type, metavar and help
-QUOTA_FLAGS = {
-    "running-jobs": ("running_jobs", int, "N", "jobs running at once"),
-    "queued-jobs": ("queued_jobs", int, "N", "jobs queued at once (429 beyond)"),
-    "cpus": ("cpus", float, "N", "CPUs held by an owner's running jobs"),
-    "gpus": ("gpus", float, "N", "GPUs held by an owner's running jobs"),
-    "stored-gb": ("stored_bytes", float, "GB", "uploads, checkpoints and exports (403 beyond)"),
-}
-
-
-def add_quota_flags(serve: argparse.ArgumentParser) -> None:
-    group = serve.add_argument_group("quotas per owner (default: unlimited; the admin is never limited)")
-    group.add_argument(
-        "--quotas", metavar="FILE", help="JSON or YAML: {default: {...}, owners: {NAME: {...}}}"
-    )
-    for flag, (_, kind, metavar, help) in QUOTA_FLAGS.items():
-        group.add_argument(f"--quota-{flag}", type=kind, metavar=metavar, help=help)
-
-
-def quota_settings(args: argparse.Namespace) -> dict[str, Any]:
-    default = {
-        field: getattr(args, "quota_" + flag.replace("-", "_")) for flag, (field, *_) in QUOTA_FLAGS.items()
-    }
-    if default["stored_bytes"] is not None:
-        default["stored_bytes"] = int(default["stored_bytes"] * GiB)
-    return {"quotas_file": args.quotas, "default_quota": {k: v for k, v in default.items() if v is not None}}
+def add_field_flags(
+    parser: Any, flags: dict[str, tuple[str, str | None, int]], fields: dict[str, FieldInfo]
+) -> None:
+    """One option per flag, its kind from the field's type: a bool is a switch, a list is repeatable."""
+    for flag, (name, metavar, scale) in flags.items():
+        field = fields[name]
+        kind = field.annotation
+        if type(None) in get_args(kind):  # X | None: X
+            kind = next(a for a in get_args(kind) if a is not type(None))
+        if kind is bool:
+            options: dict[str, Any] = {"action": "store_true", "default": None}
+        elif get_origin(kind) is list:
+            options = {"action": "append", "metavar": metavar}
+        else:
+            options = {"type": float if scale != 1 else kind, "metavar": metavar}
+        help = field.description + ("; repeatable" if get_origin(kind) is list else "")
+        help += f"; given in {metavar}" if scale != 1 else ""
+        parser.add_argument(f"--{flag}", help=help, **options)

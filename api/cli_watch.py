@@ -11,7 +11,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from api.cli_format import clock
-from api.client import TandemClient
+from api.client import TandemClient, every_page
 from controller.metric_format import format_metric
 
 REWARD_KEYS = ("critic/score/mean", "sft/loss")  # the headline number: RL reward, else SFT loss
@@ -95,13 +95,7 @@ def early_stop(client: TandemClient, job: dict[str, Any]) -> str | None:
 
 
 def _all_events(client: TandemClient, job_id: str) -> list[dict[str, Any]]:
-    events, last = [], 0
-    while True:
-        page = client.events(job_id, after=last)
-        events += page["data"]
-        if not page["has_more"] or not page["data"]:
-            return events
-        last = page["data"][-1]["id"]
+    return every_page(lambda after: client.events(job_id, after=after or 0))
 
 
 def summary(job: dict[str, Any], stopped: str | None = None) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,21 +143,12 @@ class TandemClient:
             "GET", "/v1/jobs", params={"limit": limit, "status": status, "after": after, "q": q, "tag": tag}
         )
 
-    def update_job(self, job_id: str, **labels: Any) -> JSON:
-        """Change a job's name, tags or notes: update_job(job_id, name="x", tags=["a"])."""
-        return self._call("PATCH", f"/v1/jobs/{job_id}", json=labels)
-
     def get_job(self, job_id: str) -> JSON:
         return self._call("GET", f"/v1/jobs/{job_id}")
 
-    def cancel(self, job_id: str) -> JSON:
-        return self._call("POST", f"/v1/jobs/{job_id}/cancel")
-
-    def pause(self, job_id: str) -> JSON:
-        return self._call("POST", f"/v1/jobs/{job_id}/pause")
-
-    def resume(self, job_id: str) -> JSON:
-        return self._call("POST", f"/v1/jobs/{job_id}/resume")
+    def control(self, job_id: str, action: str) -> JSON:
+        """`action` ("cancel", "pause" or "resume") the job; returns it as the service left it."""
+        return self._call("POST", f"/v1/jobs/{job_id}/{action}")
 
     def fork(self, job_id: str, checkpoint_step: int | None = None, overrides: JSON | None = None) -> JSON:
         body = {"checkpoint_step": checkpoint_step, "overrides": overrides or {}}
@@ -241,12 +232,6 @@ class TandemClient:
     def revoke_key(self, key_id: str) -> JSON:
         return self._call("DELETE", f"/v1/keys/{key_id}")
 
-    def usage(self, owner: str | None = None) -> JSON:
-        return self._call("GET", "/v1/usage", params={"owner": owner})
-
-    def audit(self, limit: int = 100, after: int | None = None, owner: str | None = None) -> JSON:
-        return self._call("GET", "/v1/audit", params={"limit": limit, "after": after or None, "owner": owner})
-
     def _call(self, method: str, path: str, params: JSON | None = None, **kwargs: Any) -> JSON:
         """`params` left empty (None, "" or []) are not sent."""
         sent = {k: v for k, v in (params or {}).items() if v not in (None, "", [])}
@@ -257,6 +242,18 @@ class TandemClient:
         if response.is_error:
             raise _api_error(response)
         return response.json()
+
+
+def every_page(page: Callable[[Any], JSON]) -> list[JSON]:
+    """The rows of every page of a list: `page(after)` reads the one after the row id `after` (None: the first)."""
+    rows: list[JSON] = []
+    after = None
+    while True:
+        got = page(after)
+        rows += got["data"]
+        if not got["has_more"] or not got["data"]:
+            return rows
+        after = got["data"][-1]["id"]
 
 
 def _api_error(response: httpx.Response) -> TandemAPIError:

@@ -27,11 +27,6 @@ PAGE_HEADERS = {
 }
 
 
-def dashboard_config() -> dict[str, object]:
-    """What the page needs to know that is not job data: the hyper-parameters a running job accepts."""
-    return {"hyperparameters": {name: ".".join(path) for name, path in HYPERPARAMETERS.items()}}
-
-
 def mount_dashboard(app: FastAPI) -> None:
     """Serve the page at `/`, its settings at `/dashboard/config` and its assets under `/static/`."""
     index = STATIC_DIR / "index.html"
@@ -42,6 +37,7 @@ def mount_dashboard(app: FastAPI) -> None:
 
     @app.get("/dashboard/config", include_in_schema=False)
     def config() -> dict[str, object]:
-        return dashboard_config()
+        """What the page needs that is not job data: the hyper-parameters a running job accepts."""
+        return {"hyperparameters": {name: ".".join(path) for name, path in HYPERPARAMETERS.items()}}
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

@@ -11,7 +11,7 @@ from fastapi.security import HTTPBearer
 
 from api.auth import Caller
 from api.errors import documented
-from api.hot_reads import HotReads
+from api.read_cache import HotReads
 from api.validation import Checker
 from service.service import Service
 

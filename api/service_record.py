@@ -82,19 +82,13 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
-def port_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def choose_port(host: str, preferred: int) -> int:
     """`preferred` when it is free, else a free port the system picks."""
-    if port_free(host, preferred):
-        return preferred
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    for port in (preferred, 0):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise OSError(f"no free port on {host}")

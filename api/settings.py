@@ -42,7 +42,7 @@ class ServeSettings(BaseModel):
     )
     allowed_paths: list[Path] | None = Field(
         None,
-        description="server folders every owner's specs may read from (shared data, models); None = the "
+        description="server folders every owner's specs may read from (shared data, models); default: the "
         "repo's examples/. Besides these, a spec may name only its owner's uploads and jobs' outputs",
     )
     tracker_hosts: list[str] = Field(
@@ -61,7 +61,7 @@ class ServeSettings(BaseModel):
 
     tinker_base_models: list[str] | None = Field(
         None,
-        description="base models the Tinker API serves (built-in names or HF folders); None = the built-ins",
+        description="base models the Tinker API serves (built-in names or HF folders); default: the built-ins",
     )
     tinker_max_rank: int = Field(
         64, ge=1, le=1024, description="the largest LoRA rank of a Tinker training model"

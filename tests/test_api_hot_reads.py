@@ -1,4 +1,4 @@
-"""Repeated GETs of the job list and a job's metrics answered before FastAPI (api/hot_reads.py).
+"""Repeated GETs of the job list and a job's metrics answered before FastAPI (api/read_cache.py).
 
 A query the route answered once is answered again from the read cache without FastAPI: the same
 body and headers, live fields computed per request, and every other request (a new query, a bad or

@@ -42,7 +42,7 @@ def test_a_key_is_shown_once_and_works_as_a_bearer_token_or_x_api_key(unschedule
 def test_a_revoked_key_is_refused_at_once_on_every_path(unscheduled, admin):
     made = make_key(admin, "carol")
     with as_key(unscheduled, made["key"]) as carol:
-        for _ in range(2):  # the second is answered before FastAPI (api/hot_reads.py)
+        for _ in range(2):  # the second is answered before FastAPI (api/read_cache.py)
             assert carol.get("/v1/jobs", params={"limit": 7}).status_code == 200
         assert admin.delete(f"/v1/keys/{made['id']}").json()["state"] == "revoked"
         for url in ("/v1/jobs?limit=7", "/v1/files", "/v1/usage"):

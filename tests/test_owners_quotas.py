@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from api.cli import parse_args
-from api.cli_serve import quota_settings
+from api.cli_serve import given_settings
 from api.settings import ServeSettings
 from service.job_state import JobStatus
 from service.quotas import Quota, Usage, fair_order, may_run
@@ -121,7 +121,7 @@ def test_quotas_change_live_and_come_from_flags_and_a_file(unscheduled, admin, t
         yaml.safe_dump({"default": {"running_jobs": 2, "gpus": 1}, "owners": {"lab": {"gpus": 8}}})
     )
     args = parse_args(["serve", "--quotas", str(path), "--quota-running-jobs", "3", "--quota-stored-gb", "1"])
-    book = ServeSettings(**quota_settings(args)).quota_book()
+    book = ServeSettings(**given_settings(args)).quota_book()
     assert book.of("anyone") == Quota(running_jobs=3, gpus=1, stored_bytes=1024**3)  # the flags over the file
     assert book.of("lab") == Quota(gpus=8) and book.of("admin") == Quota()  # the admin is never limited
 

@@ -161,7 +161,7 @@ def test_lists_searches_and_filters_hold_only_the_callers_work(unscheduled, owne
         return {row["id"] for row in response.json()["data"]}
 
     for client, mine, theirs in ((alice, a_job, b_job), (bob, b_job, a_job)):
-        for _ in range(2):  # the second is answered before FastAPI (api/hot_reads.py)
+        for _ in range(2):  # the second is answered before FastAPI (api/read_cache.py)
             assert mine in ids(client, "/v1/jobs") and theirs not in ids(client, "/v1/jobs")
         assert ids(client, "/v1/jobs", q=theirs) == set() and ids(client, "/v1/jobs", q=mine) == {mine}
         assert theirs not in ids(client, "/v1/jobs", owner="alice") | ids(client, "/v1/jobs", owner="bob")
