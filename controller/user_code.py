@@ -9,12 +9,12 @@ its checker in `CHECKERS` and its built-ins' table in `BUILTINS`.
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
+import subprocess
 from typing import Any
 
 from workers.environments.openenv_ref import is_openenv_url, openenv_url_problem
-from workers.references import BUILTIN_PREFIX, is_path_reference, lookup_builtin
-from workers.sandbox.channel import Sandbox, SandboxCrashed, SandboxError, SandboxTimeout
+from workers.references import BUILTIN_PREFIX, lookup_builtin
+from workers.sandbox.channel import UserCode
 from workers.sandbox.launch import SandboxUnavailable
 from workers.sandbox.limits import Limits
 
@@ -30,8 +30,6 @@ BUILTINS: dict[str, str] = {
     "environment": "workers.environments:BUILTIN_ENVIRONMENTS",
     "agent": "controller.agent_sandbox:BUILTIN_AGENTS",
 }
-# what the checkers raise: their messages name the reference and say what is wrong
-CHECKER_ERRORS = {"RewardFunctionError", "EnvironmentReferenceError", "AgentError"}
 DEFAULT_TIMEOUT_S = 30.0
 
 
@@ -83,27 +81,11 @@ def run_sandboxed(target: str, ref: str, args: list[Any], timeout_s: float, what
                   limits: Limits | None = None, allow_unsandboxed: bool | None = None) -> Any:  # fmt: skip
     """`target(ref, *args)` in a fresh sandbox holding `ref`'s file (if any); its plain-data value, or
     UserCodeError saying what went wrong."""
-    files = [ref.rpartition(":")[0]] if is_path_reference(ref) and _is_file(ref.rpartition(":")[0]) else []
     try:
-        box = Sandbox(files, limits, allow_unsandboxed=allow_unsandboxed)
+        limits = limits or Limits.from_env()
+        code = UserCode(ref, what, UserCodeError, target, args, timeout_s, limits, subprocess.DEVNULL,
+                        allow_unsandboxed=allow_unsandboxed)  # fmt: skip
     except SandboxUnavailable as err:
         raise UserCodeRefused(str(err)) from None
-    try:
-        return box.call(target, [box.place(ref), *args], timeout_s)
-    except SandboxTimeout:
-        raise UserCodeError(f"{what} did not finish within {timeout_s:g} s") from None
-    except SandboxCrashed as err:
-        raise UserCodeError(f"{what} did not finish: {err.message}") from None
-    except SandboxError as err:
-        if err.type in CHECKER_ERRORS:
-            raise UserCodeError(err.message) from None
-        raise UserCodeError(f"{what} could not be used: running it raised {err}") from None
-    finally:
-        box.close()
-
-
-def _is_file(path: str) -> bool:
-    try:
-        return Path(path).expanduser().resolve().is_file()
-    except (OSError, ValueError):
-        return False
+    code.close()
+    return code.checked
