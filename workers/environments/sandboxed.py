@@ -30,55 +30,46 @@ HOST = "workers.environments.sandboxed"
 START_TIMEOUT_S = 120.0  # importing an OpenEnv app (FastAPI, the user's packages) and starting it
 BACKLOG = 256
 GRACE_S = 5.0  # past the rollout's own step limit, before a call stops waiting
-_hosts: dict[str, EnvironmentHost | OpenEnvHost] = {}
-_servers: dict[str, OpenEnvServer] = {}  # "openenv:URL" -> its client side
+_hosts: dict[str, EnvironmentHost | OpenEnvHost | OpenEnvServer] = {}  # by reference, "openenv:URL" too
 _hosts_lock = threading.Lock()
 
 
 def environment_factory(config: EnvironmentConfig) -> Any:
-    """What makes one environment of `config.environment`: a built-in class, or a sandbox's `new`."""
+    """What makes one environment of `config.environment`: a built-in class, or a host's `new`."""
     ref = config.environment
-    if is_openenv_url(ref):
-        return openenv_url_server(config).new
-    if parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError).form == "builtin":
-        return load_environment_class(ref)
+    if not is_openenv_url(ref):
+        parsed = parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError)
+        if parsed.form == "builtin":
+            return load_environment_class(ref)
     with _hosts_lock:
         host = _hosts.get(ref)
-        if host is None or not host.box.alive:
-            _hosts[ref] = host = EnvironmentHost(ref, config)
-            if host.checked == "openenv":  # its server needs a socket handed to a sandbox at its start
-                host.close()
-                _hosts[ref] = host = OpenEnvHost(ref, config)
+        if host is None or not host.alive:
+            _hosts[ref] = host = _start(ref, config)
     return host.new
 
 
-def openenv_url_server(config: EnvironmentConfig) -> OpenEnvServer:
-    """The OpenEnv server at "openenv:URL", checked again here (the cluster as this worker sees it)."""
-    ref = config.environment
-    with _hosts_lock:
-        server = _servers.get(ref)
-        if server is None:
-            try:
-                url = openenv_ws_url(ref)
-            except ValueError as err:
-                raise EnvironmentReferenceError(str(err)) from None
-            _servers[ref] = server = OpenEnvServer(ref, url, config.env_step_timeout_s)
-    return server
+def _start(ref: str, config: EnvironmentConfig) -> EnvironmentHost | OpenEnvHost | OpenEnvServer:
+    if is_openenv_url(ref):  # checked again here: the cluster as this worker sees it
+        try:
+            url = openenv_ws_url(ref)
+        except ValueError as err:
+            raise EnvironmentReferenceError(str(err)) from None
+        return OpenEnvServer(ref, url, config.env_step_timeout_s)
+    host = EnvironmentHost(ref, config)
+    if host.checked != "openenv":
+        return host
+    host.close()  # an app's server needs a socket handed to its sandbox at the start
+    return OpenEnvHost(ref, config)
 
 
 def release(envs: list[Any]) -> None:
-    """Drop a finished batch's environments from their sandboxes (one call per host)."""
-    by_host: dict[EnvironmentHost, list[int]] = {}
-    by_server: dict[OpenEnvServer, list[OpenEnvEnvironment]] = {}
+    """Drop a finished batch's environments from their sandboxes and servers (one call for each)."""
+    groups: dict[EnvironmentHost | OpenEnvServer, list[Any]] = {}
     for env in envs:
-        if isinstance(env, RemoteEnvironment):
-            by_host.setdefault(env.host, []).append(env.env_id)
-        elif isinstance(env, OpenEnvEnvironment):
-            by_server.setdefault(env.server, []).append(env)
-    for host, ids in by_host.items():
-        host.drop(ids)
-    for server, sessions in by_server.items():
-        server.close_all(sessions)
+        if isinstance(env, RemoteEnvironment | OpenEnvEnvironment):
+            groups.setdefault(env.host if isinstance(env, RemoteEnvironment) else env.server, []).append(env)
+    for owner, group in groups.items():
+        owner.release(group)
 
 
 def _limits(config: EnvironmentConfig) -> Limits:
@@ -105,12 +96,12 @@ class EnvironmentHost(UserCode):
             self.timed_out = True
             raise
 
-    def drop(self, ids: list[int]) -> None:
+    def release(self, envs: list[RemoteEnvironment]) -> None:
         if self.timed_out:  # threads of steps that never returned: end them with the process
             self.close("replaced after a batch with steps past their time limit")
             return
         try:
-            self.run("host_drop", [ids])
+            self.run("host_drop", [[env.env_id for env in envs]])
         except SandboxError:
             pass  # the process is gone: nothing left to drop
 

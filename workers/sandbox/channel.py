@@ -1,12 +1,8 @@
-"""The parent's side of a sandbox: start it, call functions in it, answer what it asks, end it.
+"""The parent's side of a sandbox: start it, call functions in it (concurrently), answer what it asks.
 
-    with Sandbox(["/path/to/user/mod.py"]) as box:
-        ref = box.place("/path/to/user/mod.py:score")       # "/code/0/mod.py:score" inside
-        box.call("controller.rewards:score_in_sandbox", [ref, rows], timeout_s=30)
-
-Calls may run concurrently. A call past its limit ends the process (`kill_on_timeout`) and raises
-SandboxTimeout; a process that ends raises SandboxCrashed in every waiting call; an exception inside
-raises SandboxError with its type and a bounded message. An ended sandbox stays ended (`alive`). `UserCode` is one user reference in a sandbox of its own.
+A call past its limit ends the process (`kill_on_timeout`) and raises SandboxTimeout; a process that
+ends raises SandboxCrashed in every waiting call, and stays ended (`alive`); an exception inside raises
+SandboxError with its type and a bounded message. `UserCode` is one user reference in a sandbox.
 """
 
 from __future__ import annotations
