@@ -17,13 +17,10 @@ from typing import Any
 import ray
 
 from controller.agent_sandbox import AgentError
-from workers.references import is_path_reference
-from workers.sandbox.channel import Sandbox, SandboxError
-from workers.sandbox.limits import Limits
+from workers.sandbox.channel import SandboxError, UserCode
 
 log = logging.getLogger("tandem.job")
 CALL_TIMEOUT_S = 900.0
-CHECK_TIMEOUT_S = 120.0
 
 
 def _ok(body: dict[str, Any]) -> dict[str, Any]:
@@ -35,22 +32,16 @@ def _error(status: int, message: str, param: str | None, retry_after: float | No
     return {"status": status, "json": {"error": {"message": message, "param": param}}, "headers": headers}
 
 
-class AgentWorker:
+class AgentWorker(UserCode):
     """Ray actor body: the user's agent in a sandbox of its own, one trajectory per call; the actor
     answers the sandbox's HTTP requests from the job's endpoint, and its death ends the sandbox."""
 
     def __init__(self, ref: str, server_name: str, model: str, args: dict[str, Any] | None = None) -> None:
-        self.ref, self.model, self.args = ref, model, args
+        self.model, self.args = model, args
         self.trajectory: str | None = None  # the one a call under way records
         self.server = ray.get_actor(server_name)
-        files = [ref.rpartition(":")[0]] if is_path_reference(ref) else []
-        self.box = Sandbox(files, Limits.from_env().long_lived(), asker=self._ask, stderr=None)
-        self.placed = self.box.place(ref)
-        try:
-            self.box.call("controller.agent_sandbox:check_agent", [self.placed, args], CHECK_TIMEOUT_S)
-        except SandboxError as err:
-            self.box.close()
-            raise AgentError(err.message if err.type else f"agent '{ref}': {err}") from None
+        super().__init__(ref, f"agent '{ref}'", AgentError, "controller.agent_sandbox:check_agent", [args],
+                         asker=self._ask)  # fmt: skip
 
     def _ask(self, topic: str, payload: Any) -> dict[str, Any]:
         if topic != "http" or not isinstance(payload, dict) or self.trajectory is None:
@@ -82,8 +73,8 @@ class AgentWorker:
     def run(self, index: int, trajectory: str) -> dict[str, Any]:
         self.trajectory = trajectory
         try:
-            out = self.box.call("controller.agent_sandbox:run_in_sandbox", [self.placed, self.model, index,
-                                self.args], CALL_TIMEOUT_S)  # fmt: skip
+            args = [self.placed, self.model, index, self.args]
+            out = self.call("controller.agent_sandbox:run_in_sandbox", args, CALL_TIMEOUT_S)
         except SandboxError as err:  # its message last: the pool logs the tail of what it raises
             raise AgentError(
                 f"agent '{self.ref}' raised {err.type or 'in its sandbox'}: {err.message}"

@@ -10,11 +10,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from workers.references import is_path_reference
-from workers.sandbox.channel import Sandbox, SandboxError, SandboxTimeout
+from workers.sandbox.channel import SandboxTimeout, UserCode
 from workers.sandbox.limits import Limits
 
-CHECK_TIMEOUT_S = 120.0
 SampleResult = tuple[float, dict[str, float], str | None]
 
 
@@ -24,28 +22,20 @@ class SandboxedRewards:
         self.ref, self.timeout_s = ref, timeout_s or 7 * 86400.0
         self.parallel_threshold = parallel_threshold
         self.limits = (limits or Limits.from_env()).long_lived()
-        self._boxes: list[Sandbox | None] = [None] * max(1, workers)
+        self._boxes: list[UserCode | None] = [None] * max(1, workers)
         self._lock = threading.Lock()
         self._box(0)
 
-    def _box(self, index: int) -> Sandbox:
+    def _box(self, index: int) -> UserCode:
+        """The index-th sandbox, started again after its process ended."""
         from controller.rewards import RewardFunctionError
 
         with self._lock:
             box = self._boxes[index]
-            if box is not None and box.alive:
-                return box
-            files = [self.ref.rpartition(":")[0]] if is_path_reference(self.ref) else []
-            # stderr is the controller's: what the function prints is in the job's log
-            box = Sandbox(files, self.limits, stderr=None)
-            try:
-                box.call("controller.user_code:check_here", [box.place(self.ref), "reward"], CHECK_TIMEOUT_S)
-            except SandboxError as err:
-                box.close()
-                raise RewardFunctionError(
-                    err.message if err.type else f"reward function '{self.ref}': {err}"
-                ) from None
-            self._boxes[index] = box
+            if box is None or not box.alive:
+                what, check = f"reward function '{self.ref}'", "controller.user_code:check_here"
+                box = UserCode(self.ref, what, RewardFunctionError, check, ["reward"], limits=self.limits)
+                self._boxes[index] = box
             return box
 
     def score(self, rows: list[tuple]) -> list[SampleResult]:
@@ -61,9 +51,7 @@ class SandboxedRewards:
     def _score_chunk(self, index: int, rows: list[tuple]) -> list[SampleResult]:
         try:
             box = self._box(index)
-            out = box.call(
-                "controller.reward_sandbox:score_in_sandbox", [box.place(self.ref), rows], self.timeout_s
-            )
+            out = box.call("controller.reward_sandbox:score_in_sandbox", [box.placed, rows], self.timeout_s)
         except SandboxTimeout:
             return [(0.0, {}, f"timed out after {self.timeout_s:g}s in the reward sandbox")] * len(rows)
         except Exception as err:  # the sandbox ended, or a row is not plain data: these rows only

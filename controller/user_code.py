@@ -1,37 +1,32 @@
 """Checking and running user code (reward functions, environments, agents) for the API: in a sandbox.
 
 Importing a user's module runs arbitrary code, so the API never does: `check_callable` looks a
-'builtin:' up here and checks any other reference in a sandbox (workers/sandbox/) the way the job will
-load it; `run_sandboxed` calls service code on a user's reference there. A kind of user code names
-its checker in `CHECKERS` and its built-ins' table in `BUILTINS`.
+'builtin:' up here and has any other reference loaded in a sandbox the way the job will load it;
+`run_sandboxed` calls service code on a user's reference there.
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
+import subprocess
 from typing import Any
 
 from workers.environments.openenv_ref import is_openenv_url, openenv_url_problem
-from workers.references import BUILTIN_PREFIX, is_path_reference, lookup_builtin
-from workers.sandbox.channel import Sandbox, SandboxCrashed, SandboxError, SandboxTimeout
+from workers.references import BUILTIN_PREFIX, lookup_builtin
+from workers.sandbox.channel import UserCode
 from workers.sandbox.launch import SandboxUnavailable
 from workers.sandbox.limits import Limits
 
-# kind -> (checker "module:function", what to call it in messages)
-CHECKERS: dict[str, tuple[str, str]] = {
-    "reward": ("controller.rewards:load_reward_fn", "reward function"),
-    "environment": ("workers.environments.loader:load_environment_class", "environment"),
-    "agent": ("controller.agent_sandbox:load_agent_fn", "agent"),
+# kind -> (its name in messages, its loader, its built-ins' table), the last two as "module:attribute"
+KINDS: dict[str, tuple[str, str, str]] = {
+    "reward": ("reward function", "controller.rewards:load_reward_fn", "controller.rewards:BUILTIN_REWARDS"),
+    "environment": (
+        "environment",
+        "workers.environments.loader:load_environment_class",
+        "workers.environments:BUILTIN_ENVIRONMENTS",
+    ),
+    "agent": ("agent", "controller.agent_sandbox:load_agent_fn", "controller.agent_sandbox:BUILTIN_AGENTS"),
 }
-# kind -> its built-ins' table ("module:attribute"): the service's own code, looked up in-process
-BUILTINS: dict[str, str] = {
-    "reward": "controller.rewards:BUILTIN_REWARDS",
-    "environment": "workers.environments:BUILTIN_ENVIRONMENTS",
-    "agent": "controller.agent_sandbox:BUILTIN_AGENTS",
-}
-# what the checkers raise: their messages name the reference and say what is wrong
-CHECKER_ERRORS = {"RewardFunctionError", "EnvironmentReferenceError", "AgentError"}
 DEFAULT_TIMEOUT_S = 30.0
 
 
@@ -46,27 +41,19 @@ class UserCodeRefused(UserCodeError):
 def check_callable(ref: str, kind: str, timeout_s: float = DEFAULT_TIMEOUT_S, limits: Limits | None = None,
                    allow_unsandboxed: bool | None = None) -> str | None:  # fmt: skip
     """Why `ref` is not a usable `kind`, or None when it is. UserCodeRefused when no sandbox can run."""
-    if kind not in CHECKERS:
-        raise KeyError(f"unknown kind of user code {kind!r}; known: {sorted(CHECKERS)}")
-    if ref.startswith(BUILTIN_PREFIX):
-        return check_builtin(ref, kind)
+    if kind not in KINDS:
+        raise KeyError(f"unknown kind of user code {kind!r}; known: {sorted(KINDS)}")
     if kind == "environment" and is_openenv_url(ref):  # an address, not code: checked here
         return openenv_url_problem(ref)
+    what = KINDS[kind][0]
     try:
-        run_sandboxed("controller.user_code:check_here", ref, [kind], timeout_s, f"{CHECKERS[kind][1]} '{ref}'",
-                      limits, allow_unsandboxed)  # fmt: skip
+        if ref.startswith(BUILTIN_PREFIX):  # the service's own code: looked up in-process
+            lookup_builtin(ref, _attribute(KINDS[kind][2]), what, ValueError)
+        else:
+            run_sandboxed("controller.user_code:check_here", ref, [kind], timeout_s, f"{what} '{ref}'", limits,
+                          allow_unsandboxed)  # fmt: skip
     except UserCodeRefused:
         raise
-    except UserCodeError as err:
-        return str(err)
-    return None
-
-
-def check_builtin(ref: str, kind: str) -> str | None:
-    """Why 'builtin:NAME' names no built-in `kind`, or None."""
-    module, _, name = BUILTINS[kind].partition(":")
-    try:
-        lookup_builtin(ref, getattr(importlib.import_module(module), name), CHECKERS[kind][1], ValueError)
     except ValueError as err:
         return str(err)
     return None
@@ -74,36 +61,24 @@ def check_builtin(ref: str, kind: str) -> str | None:
 
 def check_here(ref: str, kind: str) -> bool:
     """The sandbox's side of `check_callable`."""
-    module, _, name = CHECKERS[kind][0].partition(":")
-    getattr(importlib.import_module(module), name)(ref)
+    _attribute(KINDS[kind][1])(ref)
     return True
+
+
+def _attribute(name: str) -> Any:
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def run_sandboxed(target: str, ref: str, args: list[Any], timeout_s: float, what: str,
                   limits: Limits | None = None, allow_unsandboxed: bool | None = None) -> Any:  # fmt: skip
     """`target(ref, *args)` in a fresh sandbox holding `ref`'s file (if any); its plain-data value, or
     UserCodeError saying what went wrong."""
-    files = [ref.rpartition(":")[0]] if is_path_reference(ref) and _is_file(ref.rpartition(":")[0]) else []
     try:
-        box = Sandbox(files, limits, allow_unsandboxed=allow_unsandboxed)
+        limits = limits or Limits.from_env()
+        code = UserCode(ref, what, UserCodeError, target, args, timeout_s, limits, subprocess.DEVNULL,
+                        allow_unsandboxed=allow_unsandboxed)  # fmt: skip
     except SandboxUnavailable as err:
         raise UserCodeRefused(str(err)) from None
-    try:
-        return box.call(target, [box.place(ref), *args], timeout_s)
-    except SandboxTimeout:
-        raise UserCodeError(f"{what} did not finish within {timeout_s:g} s") from None
-    except SandboxCrashed as err:
-        raise UserCodeError(f"{what} did not finish: {err.message}") from None
-    except SandboxError as err:
-        if err.type in CHECKER_ERRORS:
-            raise UserCodeError(err.message) from None
-        raise UserCodeError(f"{what} could not be used: running it raised {err}") from None
-    finally:
-        box.close()
-
-
-def _is_file(path: str) -> bool:
-    try:
-        return Path(path).expanduser().resolve().is_file()
-    except (OSError, ValueError):
-        return False
+    code.close()
+    return code.checked

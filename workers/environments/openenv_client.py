@@ -30,6 +30,8 @@ TOOLS_PROMPT = (
 
 
 class OpenEnvServer:
+    alive = True  # not this worker's to restart
+
     def __init__(self, name: str, ws_url: str, timeout_s: float, socket_path: str | None = None) -> None:
         """`ws_url`: "ws://HOST:PORT"; `socket_path`: a Unix socket to reach it through instead."""
         self.name, self.ws_url, self.timeout_s, self.socket_path = name, ws_url, timeout_s, socket_path
@@ -88,7 +90,7 @@ class OpenEnvServer:
                 f"OpenEnv environment '{self.name}' did not answer {what} within {self.timeout_s:g} s"
             ) from None
 
-    def close_all(self, envs: list[OpenEnvEnvironment]) -> None:
+    def release(self, envs: list[OpenEnvEnvironment]) -> None:
         """End these trajectories' sessions, all at once (one time limit for them together)."""
         clients = [env.client for env in envs if env.client is not None]
         for env in envs:

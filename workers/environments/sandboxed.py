@@ -22,139 +22,118 @@ from schema.workers import EnvironmentConfig
 from workers.environments.loader import REFERENCE_FORMS, EnvironmentReferenceError, load_environment_class
 from workers.environments.openenv_client import OpenEnvEnvironment, OpenEnvServer
 from workers.environments.openenv_ref import is_openenv_app, is_openenv_url, openenv_ws_url
-from workers.references import is_path_reference, parse_reference
-from workers.sandbox.channel import Sandbox, SandboxError, SandboxTimeout
+from workers.references import parse_reference
+from workers.sandbox.channel import SandboxError, SandboxTimeout, UserCode
 from workers.sandbox.limits import Limits
 
 HOST = "workers.environments.sandboxed"
-CHECK_TIMEOUT_S = 120.0
 START_TIMEOUT_S = 120.0  # importing an OpenEnv app (FastAPI, the user's packages) and starting it
 BACKLOG = 256
 GRACE_S = 5.0  # past the rollout's own step limit, before a call stops waiting
-_hosts: dict[str, EnvironmentHost | OpenEnvHost] = {}
-_servers: dict[str, OpenEnvServer] = {}  # "openenv:URL" -> its client side
+_hosts: dict[str, EnvironmentHost | OpenEnvHost | OpenEnvServer] = {}  # by reference, "openenv:URL" too
 _hosts_lock = threading.Lock()
 
 
 def environment_factory(config: EnvironmentConfig) -> Any:
-    """What makes one environment of `config.environment`: a built-in class, or a sandbox's `new`."""
+    """What makes one environment of `config.environment`: a built-in class, or a host's `new`."""
     ref = config.environment
-    if is_openenv_url(ref):
-        return openenv_url_server(config).new
-    if parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError).form == "builtin":
-        return load_environment_class(ref)
+    if not is_openenv_url(ref):
+        parsed = parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError)
+        if parsed.form == "builtin":
+            return load_environment_class(ref)
     with _hosts_lock:
         host = _hosts.get(ref)
-        if host is None or not host.box.alive:
-            _hosts[ref] = host = EnvironmentHost(ref, config)
-            if host.serves_openenv:  # its server needs a socket handed to a sandbox at its start
-                host.box.close()
-                _hosts[ref] = host = OpenEnvHost(ref, config)
+        if host is None or not host.alive:
+            _hosts[ref] = host = _start(ref, config)
     return host.new
 
 
-def openenv_url_server(config: EnvironmentConfig) -> OpenEnvServer:
-    """The OpenEnv server at "openenv:URL", checked again here (the cluster as this worker sees it)."""
-    ref = config.environment
-    with _hosts_lock:
-        server = _servers.get(ref)
-        if server is None:
-            try:
-                url = openenv_ws_url(ref)
-            except ValueError as err:
-                raise EnvironmentReferenceError(str(err)) from None
-            _servers[ref] = server = OpenEnvServer(ref, url, config.env_step_timeout_s)
-    return server
+def _start(ref: str, config: EnvironmentConfig) -> EnvironmentHost | OpenEnvHost | OpenEnvServer:
+    if is_openenv_url(ref):  # checked again here: the cluster as this worker sees it
+        try:
+            url = openenv_ws_url(ref)
+        except ValueError as err:
+            raise EnvironmentReferenceError(str(err)) from None
+        return OpenEnvServer(ref, url, config.env_step_timeout_s)
+    host = EnvironmentHost(ref, config)
+    if host.checked != "openenv":
+        return host
+    host.close()  # an app's server needs a socket handed to its sandbox at the start
+    return OpenEnvHost(ref, config)
 
 
 def release(envs: list[Any]) -> None:
-    """Drop a finished batch's environments from their sandboxes (one call per host)."""
-    by_host: dict[EnvironmentHost, list[int]] = {}
-    by_server: dict[OpenEnvServer, list[OpenEnvEnvironment]] = {}
+    """Drop a finished batch's environments from their sandboxes and servers (one call for each)."""
+    groups: dict[EnvironmentHost | OpenEnvServer, list[Any]] = {}
     for env in envs:
-        if isinstance(env, RemoteEnvironment):
-            by_host.setdefault(env.host, []).append(env.env_id)
-        elif isinstance(env, OpenEnvEnvironment):
-            by_server.setdefault(env.server, []).append(env)
-    for host, ids in by_host.items():
-        host.drop(ids)
-    for server, sessions in by_server.items():
-        server.close_all(sessions)
+        if isinstance(env, RemoteEnvironment | OpenEnvEnvironment):
+            groups.setdefault(env.host if isinstance(env, RemoteEnvironment) else env.server, []).append(env)
+    for owner, group in groups.items():
+        owner.release(group)
 
 
-def _sandbox(ref: str, config: EnvironmentConfig, pass_fds: tuple[int, ...] = ()) -> Sandbox:
-    """A long-lived sandbox for `ref`, with a thread per concurrent step; its output goes to the job's log."""
+def _limits(config: EnvironmentConfig) -> Limits:
+    """A long-lived sandbox's, with a thread per concurrent step."""
     limits = Limits.from_env().long_lived()
-    limits = replace(limits, processes=max(limits.processes, config.threads + 64))
-    files = [ref.rpartition(":")[0]] if is_path_reference(ref) else []
-    return Sandbox(files, limits, stderr=None, pass_fds=pass_fds)
+    return replace(limits, processes=max(limits.processes, config.threads + 64))
 
 
-class EnvironmentHost:
+class EnvironmentHost(UserCode):
     """One sandbox holding a reference's environment instances for this worker process."""
 
     def __init__(self, ref: str, config: EnvironmentConfig) -> None:
-        self.ref, self.timeout_s, self.timed_out = ref, config.env_step_timeout_s + GRACE_S, False
-        self.box = _sandbox(ref, config)
-        self.placed = self.box.place(ref)
-        try:
-            kind = self.box.call(f"{HOST}:host_check", [self.placed], CHECK_TIMEOUT_S)
-            self.serves_openenv = kind == "openenv"
-        except SandboxError as err:
-            self.box.close()
-            raise EnvironmentReferenceError(
-                err.message if err.type else f"environment '{ref}': {err}"
-            ) from None
+        super().__init__(ref, f"environment '{ref}'", EnvironmentReferenceError, f"{HOST}:host_check",
+                         limits=_limits(config))  # fmt: skip
+        self.timeout_s, self.timed_out = config.env_step_timeout_s + GRACE_S, False
 
     def new(self) -> RemoteEnvironment:
-        return RemoteEnvironment(self, self.call("host_new", [self.placed]))
+        return RemoteEnvironment(self, self.run("host_new", [self.placed]))
 
-    def call(self, function: str, args: list[Any]) -> Any:
+    def run(self, function: str, args: list[Any]) -> Any:
         try:
             return self.box.call(f"{HOST}:{function}", args, self.timeout_s, kill_on_timeout=False)
         except SandboxTimeout:
             self.timed_out = True
             raise
 
-    def drop(self, ids: list[int]) -> None:
+    def release(self, envs: list[RemoteEnvironment]) -> None:
         if self.timed_out:  # threads of steps that never returned: end them with the process
-            self.box.close("replaced after a batch with steps past their time limit")
+            self.close("replaced after a batch with steps past their time limit")
             return
         try:
-            self.call("host_drop", [ids])
+            self.run("host_drop", [[env.env_id for env in envs]])
         except SandboxError:
             pass  # the process is gone: nothing left to drop
 
 
-class OpenEnvHost:
+class OpenEnvHost(UserCode):
     """A sandbox serving one OpenEnv app on a Unix socket this worker holds."""
 
     def __init__(self, ref: str, config: EnvironmentConfig) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="tandem-openenv-"))
         path = str(self.folder / "server.sock")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(path)
-        listener.listen(BACKLOG)
-        fd = listener.fileno()
         try:
-            self.box = _sandbox(ref, config, pass_fds=(fd,))
-        finally:
-            listener.close()  # the sandbox's copy is the one that serves
-        try:
-            self.box.call(f"{HOST}:serve_app", [self.box.place(ref), fd], START_TIMEOUT_S)
+            listener.bind(path)
+            listener.listen(BACKLOG)
+            fd = listener.fileno()  # the sandbox's copy is the one that serves
+            super().__init__(ref, "its app", EnvironmentReferenceError, f"{HOST}:serve_app", [fd],
+                             START_TIMEOUT_S, _limits(config), pass_fds=(fd,))  # fmt: skip
             self.server = OpenEnvServer(ref, "ws://localhost", config.env_step_timeout_s, socket_path=path)
-        except (SandboxError, EnvironmentReferenceError) as err:
+        except EnvironmentReferenceError as err:
             self.close()
-            message = err.message if isinstance(err, SandboxError) and err.type else str(err)
             raise EnvironmentReferenceError(
-                f"environment '{ref}': its OpenEnv server did not start: {message}"
+                f"environment '{ref}': its OpenEnv server did not start: {err}"
             ) from None
+        finally:
+            listener.close()
 
     def new(self) -> OpenEnvEnvironment:
         return self.server.new()
 
-    def close(self) -> None:
-        self.box.close("the OpenEnv server was stopped")
+    def close(self, reason: str = "the OpenEnv server was stopped") -> None:
+        if hasattr(self, "box"):
+            super().close(reason)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -165,10 +144,10 @@ class RemoteEnvironment:
         self.host, self.env_id = host, env_id
 
     def reset(self, row: dict[str, Any]) -> Any:
-        return self.host.call("host_reset", [self.env_id, row])
+        return self.host.run("host_reset", [self.env_id, row])
 
     def step(self, assistant_text: str) -> Any:
-        out = self.host.call("host_step", [self.env_id, assistant_text])
+        out = self.host.run("host_step", [self.env_id, assistant_text])
         if isinstance(out, dict) and isinstance(out.get("tuple"), list):
             return tuple(out["tuple"])
         return out.get("value") if isinstance(out, dict) else out  # not a tuple: StepResult says so

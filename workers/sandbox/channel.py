@@ -1,12 +1,8 @@
-"""The parent's side of a sandbox: start it, call functions in it, answer what it asks, end it.
+"""The parent's side of a sandbox: start it, call functions in it (concurrently), answer what it asks.
 
-    with Sandbox(["/path/to/user/mod.py"]) as box:
-        ref = box.place("/path/to/user/mod.py:score")       # "/code/0/mod.py:score" inside
-        box.call("controller.rewards:score_in_sandbox", [ref, rows], timeout_s=30)
-
-Calls may run concurrently. A call past its limit ends the process (`kill_on_timeout`) and raises
-SandboxTimeout; a process that ends raises SandboxCrashed in every waiting call; an exception inside
-raises SandboxError with its type and a bounded message. An ended sandbox stays ended (`alive`).
+A call past its limit ends the process (`kill_on_timeout`) and raises SandboxTimeout; a process that
+ends raises SandboxCrashed in every waiting call, and stays ended (`alive`); an exception inside raises
+SandboxError with its type and a bounded message. `UserCode` is one user reference in a sandbox.
 """
 
 from __future__ import annotations
@@ -35,6 +31,9 @@ from workers.sandbox.limits import Limits
 log = logging.getLogger("tandem.sandbox")
 _LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="tandem-sandbox-launcher")  # never shut down
 MESSAGE_CHARS = 2000
+CHECK_TIMEOUT_S = 120.0
+# what the loaders raise: their messages name the reference and say what is wrong
+LOADER_ERRORS = {"RewardFunctionError", "EnvironmentReferenceError", "AgentError"}
 Asker = Callable[[str, Any], Any]  # (topic, payload) -> answer, for what the sandbox asks
 
 
@@ -221,6 +220,56 @@ class Sandbox:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class UserCode:
+    """A user's reference (reward function, environment, agent) in a sandbox of its own, loaded there at
+    once by `check` ("module:function" called with the reference as the sandbox names it, then `args`):
+    one that cannot load raises `error` naming it (`what`: "agent 'x.py:f'") and leaves no process."""
+
+    def __init__(self, ref: str, what: str, error: type[Exception], check: str, args: Sequence[Any] = (),
+                 timeout_s: float = CHECK_TIMEOUT_S, limits: Limits | None = None, stderr: int | None = None,
+                 **options: Any) -> None:  # fmt: skip
+        """`stderr` None: what the code prints goes to the job's log; `options`: the Sandbox's."""
+        self.ref = ref
+        limits = limits or Limits.from_env().long_lived()
+        self.box = Sandbox(staged_files(ref), limits, stderr=stderr, **options)
+        self.placed = self.box.place(ref)
+        try:
+            self.checked = self.box.call(check, [self.placed, *args], timeout_s)
+        except SandboxError as err:
+            self.box.close()
+            raise error(failure(err, what)) from None
+
+    @property
+    def alive(self) -> bool:
+        return self.box.alive
+
+    def call(self, target: str, args: list[Any], timeout_s: float, kill_on_timeout: bool = True) -> Any:
+        return self.box.call(target, args, timeout_s, kill_on_timeout)
+
+    def close(self, reason: str = "the sandbox was closed") -> None:
+        self.box.close(reason)
+
+
+def staged_files(ref: str) -> list[str]:
+    """The file a 'path/to/file.py:name' reference names, if it is one (else its loader says why)."""
+    path = ref.rpartition(":")[0]
+    try:
+        return [path] if is_path_reference(ref) and Path(path).expanduser().resolve().is_file() else []
+    except (OSError, ValueError):
+        return []
+
+
+def failure(err: SandboxError, what: str) -> str:
+    """A failed call of `what`'s code in words that name it."""
+    if isinstance(err, SandboxTimeout):
+        return f"{what} {err.message}"
+    if isinstance(err, SandboxCrashed):
+        return f"{what} did not finish: {err.message}"
+    if err.type in LOADER_ERRORS:
+        return err.message
+    return f"{what} could not be used: running it raised {err}"
 
 
 def describe_exit(code: int, limits: Limits) -> str:

@@ -119,24 +119,21 @@ class Channel:
             self.writer.write(line)
             self.writer.flush()
 
-    def ask(self, topic: str, payload: Any, timeout_s: float) -> Any:
-        future: Future = Future()
-        with self.lock:
-            self.count += 1
-            ask_id = f"c{self.count}"
-            self.asks[ask_id] = future
-        self.send({"id": ask_id, "ask": topic, "args": payload})
-        return future.result(timeout=timeout_s)
-
 
 _CHANNEL: Channel | None = None
 
 
 def ask(topic: str, payload: Any, timeout_s: float) -> Any:
     """Ask the parent (the sandbox's owner) something; its answer, plain data."""
-    if _CHANNEL is None:
+    channel, future = _CHANNEL, Future()
+    if channel is None:
         raise RuntimeError("not running in a sandbox")
-    return _CHANNEL.ask(topic, payload, timeout_s)
+    with channel.lock:
+        channel.count += 1
+        ask_id = f"c{channel.count}"
+        channel.asks[ask_id] = future
+    channel.send({"id": ask_id, "ask": topic, "args": payload})
+    return future.result(timeout=timeout_s)
 
 
 def _target(name: str) -> Any:
