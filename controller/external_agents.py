@@ -73,7 +73,7 @@ class AgentWorker:
         method = next((name for suffix, name in routes.items() if path.endswith(suffix)), None)
         if method is None:
             return _error(404, f"no route {path[:200]}", None)
-        out = ray.get(getattr(self.server, method).remote(self.trajectory, body), timeout=CALL_TIMEOUT_S)
+        out = ray.get(self.server.answer.remote(method, self.trajectory, body), timeout=CALL_TIMEOUT_S)
         if "error" in out:
             e = out["error"]
             return _error(e["status"], e["message"], e.get("param"), e.get("retry_after"))

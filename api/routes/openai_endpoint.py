@@ -156,7 +156,7 @@ async def chat_completions(
 ) -> Any:
     """A chat completion from the job's policy, recorded in the trajectory the URL or header names (or a new one)."""
     external_job(service, job_id, caller.sees, body.model)
-    out = await call(job_id, "chat", tid, body.model_dump(exclude_none=True))
+    out = await call(job_id, "answer", "chat", tid, body.model_dump(exclude_none=True))
     if not body.stream:
         return JSONResponse(out)  # a plain dict: no encoder walk
     return _chunks(out, body, "chat.completion.chunk", _chat_deltas)
@@ -170,7 +170,7 @@ async def completions(
     external_job(service, job_id, caller.sees, body.model)
     payload = body.model_dump(exclude_none=True)
     payload["logprobs"] = body.logprobs is not None
-    out = await call(job_id, "completion", tid, payload)
+    out = await call(job_id, "answer", "completion", tid, payload)
     return _chunks(out, body, "text_completion", _text_deltas) if body.stream else JSONResponse(out)
 
 
@@ -182,7 +182,7 @@ async def responses(
     external_job(service, job_id, caller.sees, body.model)
     chat = chat_request(body)
     try:
-        out = await call(job_id, "chat", tid, chat.model_dump(exclude_none=True))
+        out = await call(job_id, "answer", "chat", tid, chat.model_dump(exclude_none=True))
     except APIError as err:  # the endpoint names the chat field: name the Responses one
         name_responses_field(err)
         raise
