@@ -1,11 +1,8 @@
 """The job's OpenAI-compatible endpoint, inside the job: `ExternalServer`, an async Ray actor named
 `tandem-openai-<job id>` that the API process (api/routes/openai_endpoint.py) forwards checked requests to.
-
-It templates and tokenizes (in threads, so a long prompt never stalls the event loop), bounds the call
-(prompt and new tokens within the model's context; `n` choices within `CALL_TOKEN_BUDGET`, so no call
-holds a replica for long: else a 400 naming the field), batches onto the rollout replicas
-(controller/external_batcher.py) and records every call token-exact (controller/external_store.py).
-The caller's errors come back as {"error": {...}}, so the API answers them in its own shape.
+It templates in threads (a long prompt never stalls the event loop), bounds the call (`n` choices within
+`CALL_TOKEN_BUDGET`: no call holds a replica for long), batches onto the rollout replicas and records
+every call token-exact. Errors come back as {"error": {...}}, so the API answers them in its own shape.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from controller.external_store import (
     trajectory_view,
 )
 from engines.rollout.constrained import Constraint, ConstraintError, build_constraint
-from schema.external import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
+from schema.external import ExternalSpec
 from workers.chat_serving import TOOL_CALL_END, cut_at_stop, strip_stop
 
 TEMPLATING_THREADS = 4
@@ -250,38 +247,31 @@ class ExternalServer:
     ) -> tuple[list[int], list[Any], list[str]]:
         """(the call's prompt, its completions, its stop strings): `segment`'s tokens + `delta`, bounded
         (a 400 naming `field`), sampled on a replica with `update`'s sampling settings."""
+        from engines.rollout import SamplingParams
+
         prompt = segment.sequence + delta
-        params, stops = self._params(body, new_tokens(len(prompt), body, self.context, field))
-        completions = await self.batcher.generate(prompt, params.model_copy(update=update))
-        return prompt, completions, stops
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        end = self.renderer.turn_end_id
+        params = SamplingParams(
+            temperature=body.get("temperature") if body.get("temperature") is not None else 1.0,
+            top_p=body.get("top_p") if body.get("top_p") is not None else 1.0,
+            max_new_tokens=new_tokens(len(prompt), body, self.context, field),
+            stop_token_ids=[] if end is None else [end],
+            n=body.get("n") or 1,
+            seed=body.get("seed"),
+        )
+        return prompt, await self.batcher.generate(prompt, params.model_copy(update=update)), stops
 
     def _record(self, traj: Any, seg: Segment, delta: list[int], comp: Any, stops: list[str]) -> tuple:
         """(the sampled ids up to a stop, their log-probs, whether it stopped), recorded in `seg`."""
-        ids, stopped = self._cut(comp.token_ids, stops)
+        text_of = lambda x: self.tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+        ids, stopped = cut_at_stop(text_of, list(comp.token_ids), stops)
         lps = list(comp.log_probs[: len(ids)])
         seg.add_call(delta, ids, lps, comp.weight_version)
         traj.calls += 1
         traj.last_call = time.time()
         return ids, lps, stopped or comp.finish_reason == "stop"
-
-    def _params(self, body: dict[str, Any], max_new_tokens: int) -> tuple[Any, list[str]]:
-        from engines.rollout import SamplingParams
-
-        stops = body.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else list(stops)
-        end = self.renderer.turn_end_id
-        params = SamplingParams(
-            temperature=body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0,
-            top_p=body.get("top_p") if body.get("top_p") is not None else 1.0,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=[] if end is None else [end],
-            n=body.get("n") or 1,
-            seed=body.get("seed"),
-        )
-        return params, stops
-
-    def _cut(self, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
-        return cut_at_stop(lambda x: self.tokenizer.decode(x, skip_special_tokens=True), list(ids), stops)
 
 
 def _answer(

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from controller.agent_sandbox import AgentError
+from schema.external import ExternalSpec
 from workers.references import is_path_reference
 from workers.sandbox.channel import Sandbox, SandboxError
 from workers.sandbox.limits import Limits
@@ -96,10 +97,10 @@ class AgentWorker:
 
 
 class AgentPool:
-    def __init__(self, ref: str, server: Any, server_name: str, model: str, workers: int, timeout_s: float,
-                 group_size: int, args: dict[str, Any] | None = None) -> None:  # fmt: skip
-        self.ref, self.server, self.server_name, self.model, self.args = ref, server, server_name, model, args
-        self.timeout_s, self.group_size, self.workers = timeout_s, group_size, workers
+    def __init__(self, config: ExternalSpec, server: Any, server_name: str, model: str) -> None:
+        self.ref, self.server, self.server_name, self.model = config.agent, server, server_name, model
+        self.args, self.timeout_s = config.agent_args, config.agent_timeout_s
+        self.group_size, self.workers = config.group_size, config.agent_workers
         self.started = self.finished = self.failed = self.timed_out = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tandem-agents", daemon=True)

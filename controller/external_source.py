@@ -55,8 +55,7 @@ class ExternalSource:
             # once, before any worker: an agent that cannot load fails the job here, saying why
             run_sandboxed("controller.agent_sandbox:check_agent", c.agent, [c.agent_args], START_CHECK_S,
                           f"agent '{c.agent}'")  # fmt: skip
-            self.agents = AgentPool(c.agent, self.actor, server_name(self.job_id), self.job_id, c.agent_workers,
-                                    c.agent_timeout_s, c.group_size, c.agent_args)  # fmt: skip
+            self.agents = AgentPool(c, self.actor, server_name(self.job_id), self.job_id)
 
     def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch | None:
         """Sync: the next step's trajectories once rewarded; None when asked to stop."""

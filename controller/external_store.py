@@ -20,6 +20,7 @@ from typing import Any
 from controller.rollout_buffer import BufferedRollout, BufferTimeout, RolloutBuffer
 from schema.external import ExternalSpec
 from workers import multiturn
+from workers.chat_serving import content_text, parsed_arguments, tool_call_text
 
 
 class TrajectoryError(Exception):
@@ -88,8 +89,6 @@ class Trajectory:
 
 def canonical_message(m: dict[str, Any]) -> tuple:
     """What must be equal for a later call's message to be the same as an earlier one."""
-    from workers.chat_serving import content_text, parsed_arguments
-
     calls = []
     for c in m.get("tool_calls") or []:
         f = c.get("function", {})
@@ -270,8 +269,6 @@ class TrajectoryStore:
 
 
 def readable_message(m: dict[str, Any]) -> dict[str, str]:
-    from workers.chat_serving import content_text, tool_call_text
-
     text = content_text(m.get("content"))
     text += "".join(tool_call_text(c) for c in m.get("tool_calls") or [])
     return {"role": str(m.get("role")), "content": text}

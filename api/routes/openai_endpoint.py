@@ -1,11 +1,8 @@
 """A job's OpenAI-compatible endpoint in the API process (docs/ARCHITECTURE.md §5.1), torch-free: the
-checks the job's record allows here, then the call to the job's `ExternalServer` actor, awaited on the
-event loop; its error answers come back as data and are raised in the API's error shape.
-
-Calls through the base URL `.../openai/trajectories/{trajectory_id}/v1` are recorded in that
-trajectory, so an agent framework that sets only `base_url` and `api_key` needs nothing else; under
-`.../openai/v1` the `X-Tandem-Trajectory` header names it (else each call is its own). Streaming sends
-the chunks once the answer is done.
+checks the job's record allows here, then the call to the job's `ExternalServer` actor; its error answers
+come back as data and are raised in the API's error shape. The base URL `.../trajectories/{id}/v1` names
+the trajectory (an agent framework sets only `base_url` and `api_key`); under `.../openai/v1` the
+`X-Tandem-Trajectory` header does (else each call is its own). Streaming sends the whole answer's chunks.
 """
 
 from __future__ import annotations
