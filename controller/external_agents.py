@@ -54,12 +54,10 @@ class AgentWorker:
             raise AgentError(err.message if err.type else f"agent '{ref}': {err}") from None
 
     def _ask(self, topic: str, payload: Any) -> dict[str, Any]:
+        """{status, json, headers} of the sandbox's OpenAI request, answered by the job's endpoint."""
         if topic != "http" or not isinstance(payload, dict) or self.trajectory is None:
             raise ValueError(f"an agent's sandbox may ask for HTTP during a call only, not {topic!r}")
-        return self._answer(str(payload.get("path", "")), str(payload.get("body", "")))
-
-    def _answer(self, path: str, body_text: str) -> dict[str, Any]:
-        """{status, json, headers} of an OpenAI request to `path`, answered by the job's endpoint."""
+        path, body_text = str(payload.get("path", "")), str(payload.get("body", ""))
         if path.endswith("/models"):
             return _ok({"object": "list", "data": [{"id": self.model, "object": "model"}]})
         try:

@@ -241,14 +241,8 @@ def _chunks(
     out: dict[str, Any], body: Any, kind: str, deltas: Callable[[list], Iterator]
 ) -> StreamingResponse:
     """The stream of a whole chat or text completion: `deltas` lays its choices out as chunks' choices."""
-    created = out.get("created", int(time.time()))
-    head = {
-        "id": out["id"],
-        "object": kind,
-        "created": created,
-        "model": out["model"],
-        "tandem": out.get("tandem"),
-    }
+    head = {"id": out["id"], "object": kind, "created": out.get("created", int(time.time()))}
+    head |= {"model": out["model"], "tandem": out.get("tandem")}
     chunks = [{**head, "choices": [choice]} for choice in deltas(out["choices"])]
     if (body.stream_options or {}).get("include_usage"):
         chunks.append({**head, "choices": [], "usage": out["usage"]})

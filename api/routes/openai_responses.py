@@ -128,12 +128,8 @@ def response_object(out: dict[str, Any], request: dict[str, Any]) -> dict[str, A
     items: list[dict[str, Any]] = []
     if message.get("content") or not calls:
         logprobs = (choice.get("logprobs") or {}).get("content") or []
-        part = {
-            "type": "output_text",
-            "text": message.get("content") or "",
-            "annotations": [],
-            "logprobs": logprobs,
-        }
+        text = message.get("content") or ""
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
         items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "role": "assistant",
                       "status": "incomplete" if cut else "completed", "content": [part]})  # fmt: skip
     for tool_call in calls:
