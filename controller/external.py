@@ -1,11 +1,8 @@
 """The job's OpenAI-compatible endpoint, inside the job: `ExternalServer`, an async Ray actor named
 `tandem-openai-<job id>` that the API process (api/routes/openai_endpoint.py) forwards checked requests to.
-
-It templates and tokenizes (in threads, so a long prompt never stalls the event loop), bounds the call
-(prompt and new tokens within the model's context; `n` choices within `CALL_TOKEN_BUDGET`, so no call
-holds a replica for long: else a 400 naming the field), batches onto the rollout replicas
-(controller/external_batcher.py) and records every call token-exact (controller/external_store.py).
-The caller's errors come back as {"error": {...}}, so the API answers them in its own shape.
+It templates in threads (a long prompt never stalls the event loop), bounds the call (`n` choices within
+`CALL_TOKEN_BUDGET`: no call holds a replica for long), batches onto the rollout replicas and records
+every call token-exact. Errors come back as {"error": {...}}, so the API answers them in its own shape.
 """
 
 from __future__ import annotations
@@ -18,18 +15,16 @@ from typing import Any
 
 from controller.external_batcher import ReplicaBatcher
 from controller.external_store import (
-    ExternalBuffer,
     Segment,
     TrajectoryError,
     TrajectoryStore,
     canonical_message,
     readable_message,
     tools_key,
-    trajectory_rows,
     trajectory_view,
 )
 from engines.rollout.constrained import Constraint, ConstraintError, build_constraint
-from schema.external import ExternalSpec, server_name  # noqa: F401 (server_name: re-exported)
+from schema.external import ExternalSpec
 from workers.chat_serving import TOOL_CALL_END, cut_at_stop, strip_stop
 
 TEMPLATING_THREADS = 4
@@ -56,35 +51,27 @@ class ExternalServer:
         self._locks: dict[str, asyncio.Lock] = {}
         self.batcher = ReplicaBatcher(self.config.batch_window_ms)
         self.requests = 0
-        self.buffered: ExternalBuffer | None = None  # trainer.mode async
 
     async def attach(self, hosts: list[Any], version: int = 0) -> None:
         """The rollout replicas to serve from (again after a restart); `version`: the trainer's version
         of the weights they hold now, which every call then records."""
-        if self.buffered is not None:  # a buffer that outlived the workers (a restart from a checkpoint)
-            self.buffered.rewind(version)
+        if self.store.buffer is not None:  # a buffer that outlived the workers (a restart from a checkpoint)
+            self.store.rewind(version)
         await self.batcher.attach(hosts, version)
 
     async def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
-        """trainer.mode async: admit and buffer trajectories (the buffer outlives a restart)."""
-        if self.buffered is None:
-            self.buffered = ExternalBuffer(self.store, trajectory_rows, max_staleness, capacity, version)
+        self.store.use_buffer(max_staleness, capacity, version)
 
     async def set_version(self, version: int) -> None:
-        self.buffered.buffer.set_version(version)
+        self.store.buffer.set_version(version)
 
     async def replicas(self) -> list[Any]:
         """The rollout worker actors served from (a benchmark calls them directly for its baseline)."""
         return list(self.batcher.hosts)
 
-    async def chat(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._answer("chat", tid, body)
-
-    async def completion(self, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._answer("completion", tid, body)
-
-    async def _answer(self, kind: str, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        """The call's answer; a refused or failed call leaves its trajectory as it was."""
+    async def answer(self, kind: str, tid: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        """The answer of a `kind` (chat | completion) call; a refused or failed call leaves its trajectory
+        as it was."""
         self.requests += 1
         tid = tid or f"traj-{uuid.uuid4().hex[:16]}"
         known = self.store.trajectories.get(tid)
@@ -116,8 +103,6 @@ class ExternalServer:
             )
         except TrajectoryError as err:
             return {"error": err.as_dict()}
-        if self.buffered is not None:
-            self.buffered.put_groups()
         return trajectory_view(t)
 
     async def trajectory(self, tid: str) -> dict[str, Any]:
@@ -126,23 +111,17 @@ class ExternalServer:
         except TrajectoryError as err:
             return {"error": err.as_dict()}
 
-    async def take(self) -> list[dict[str, Any]] | None:
-        chosen = self.store.take()
-        if chosen is None:
-            return None
-        rows = [row for t in chosen for row in trajectory_rows(t)]
-        for t in chosen:  # their tokens are in the step's batch now: keep only the ids (a late reward: 409)
-            t.segments = []
-        return rows
+    async def take(self) -> list[Segment] | None:
+        return self.store.take()
 
     async def take_step(self, version: int) -> dict[str, Any] | None:
-        return self.buffered.take_step(version, f"endpoint of job {self.job_id}")
+        return self.store.take_step(version, f"endpoint of job {self.job_id}")
 
     async def stats(self) -> dict[str, float]:
         out = {**self.store.stats(), "external/requests_total": float(self.requests),
                "external/engine_calls_total": float(self.batcher.engine_calls)}  # fmt: skip
-        if self.buffered is not None:
-            out["external/admitted_running"] = float(self.buffered.buffer.running)
+        if self.store.buffer is not None:
+            out["external/admitted_running"] = float(self.store.buffer.running)
         return out
 
     async def _chat(self, traj: Any, body: dict[str, Any], constraint: Constraint | None) -> dict[str, Any]:
@@ -173,13 +152,13 @@ class ExternalServer:
             seg.tools_key = tools_key(shown_tools)
             seg.messages += [readable_message(m) for m in added] + [readable_message(reply)]
             seg.tool_calls += len(reply["tool_calls"])
-            seg.finish_reason = "stop" if ended else "length"
+            seg.finish_reason = "done" if ended else "budget"
             calls = reply["tool_calls"]
             message = {
                 "role": "assistant",
                 "content": reply["content"] if not calls or reply["content"] else None,
             }
-            finish = "tool_calls" if calls else seg.finish_reason
+            finish = "tool_calls" if calls else "stop" if ended else "length"
             choice = {"index": k, "message": message | ({"tool_calls": calls} if calls else {}),
                       "finish_reason": finish, "logprobs": self._logprobs(ids, lps) if body.get("logprobs") else None}  # fmt: skip
             choices.append(choice)
@@ -218,7 +197,9 @@ class ExternalServer:
             reason = "the tools changed" if last.kind == "chat" else "a chat call after completions"
         else:
             reason = "first call"
-        segment = Segment(await self._template(self.renderer.prompt_ids, messages, tools), "chat", reason)
+        segment = Segment(
+            prompt_ids=await self._template(self.renderer.prompt_ids, messages, tools), reason=reason
+        )
         traj.segments.append(segment)
         return segment, [], reason
 
@@ -238,8 +219,13 @@ class ExternalServer:
             segment, delta = last, await self._template(encode, text[len(last.text) :])
         else:
             reason = "first call" if last is None else "the prompt does not extend the earlier calls"
-            segment = Segment(await self._template(encode, text), "completion", reason, text=text)
-            segment.messages = [{"role": "user", "content": text}]
+            segment = Segment(
+                prompt_ids=await self._template(encode, text),
+                kind="completion",
+                reason=reason,
+                text=text,
+                messages=[{"role": "user", "content": text}],
+            )
             traj.segments.append(segment)
             delta = []
         prompt, comps, stops = await self._generate(segment, delta, body, "prompt", {"n": 1})
@@ -261,38 +247,31 @@ class ExternalServer:
     ) -> tuple[list[int], list[Any], list[str]]:
         """(the call's prompt, its completions, its stop strings): `segment`'s tokens + `delta`, bounded
         (a 400 naming `field`), sampled on a replica with `update`'s sampling settings."""
+        from engines.rollout import SamplingParams
+
         prompt = segment.sequence + delta
-        params, stops = self._params(body, new_tokens(len(prompt), body, self.context, field))
-        completions = await self.batcher.generate(prompt, params.model_copy(update=update))
-        return prompt, completions, stops
+        stops = body.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        end = self.renderer.turn_end_id
+        params = SamplingParams(
+            temperature=body.get("temperature") if body.get("temperature") is not None else 1.0,
+            top_p=body.get("top_p") if body.get("top_p") is not None else 1.0,
+            max_new_tokens=new_tokens(len(prompt), body, self.context, field),
+            stop_token_ids=[] if end is None else [end],
+            n=body.get("n") or 1,
+            seed=body.get("seed"),
+        )
+        return prompt, await self.batcher.generate(prompt, params.model_copy(update=update)), stops
 
     def _record(self, traj: Any, seg: Segment, delta: list[int], comp: Any, stops: list[str]) -> tuple:
         """(the sampled ids up to a stop, their log-probs, whether it stopped), recorded in `seg`."""
-        ids, stopped = self._cut(comp.token_ids, stops)
+        text_of = lambda x: self.tokenizer.decode(x, skip_special_tokens=True)  # noqa: E731
+        ids, stopped = cut_at_stop(text_of, list(comp.token_ids), stops)
         lps = list(comp.log_probs[: len(ids)])
         seg.add_call(delta, ids, lps, comp.weight_version)
         traj.calls += 1
         traj.last_call = time.time()
         return ids, lps, stopped or comp.finish_reason == "stop"
-
-    def _params(self, body: dict[str, Any], max_new_tokens: int) -> tuple[Any, list[str]]:
-        from engines.rollout import SamplingParams
-
-        stops = body.get("stop") or []
-        stops = [stops] if isinstance(stops, str) else list(stops)
-        end = self.renderer.turn_end_id
-        params = SamplingParams(
-            temperature=body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0,
-            top_p=body.get("top_p") if body.get("top_p") is not None else 1.0,
-            max_new_tokens=max_new_tokens,
-            stop_token_ids=[] if end is None else [end],
-            n=body.get("n") or 1,
-            seed=body.get("seed"),
-        )
-        return params, stops
-
-    def _cut(self, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
-        return cut_at_stop(lambda x: self.tokenizer.decode(x, skip_special_tokens=True), list(ids), stops)
 
 
 def _answer(

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from controller.agent_sandbox import AgentError
+from schema.external import ExternalSpec
 from workers.sandbox.channel import SandboxError, UserCode
 
 log = logging.getLogger("tandem.job")
@@ -44,12 +45,10 @@ class AgentWorker(UserCode):
                          asker=self._ask)  # fmt: skip
 
     def _ask(self, topic: str, payload: Any) -> dict[str, Any]:
+        """{status, json, headers} of the sandbox's OpenAI request, answered by the job's endpoint."""
         if topic != "http" or not isinstance(payload, dict) or self.trajectory is None:
             raise ValueError(f"an agent's sandbox may ask for HTTP during a call only, not {topic!r}")
-        return self._answer(str(payload.get("path", "")), str(payload.get("body", "")))
-
-    def _answer(self, path: str, body_text: str) -> dict[str, Any]:
-        """{status, json, headers} of an OpenAI request to `path`, answered by the job's endpoint."""
+        path, body_text = str(payload.get("path", "")), str(payload.get("body", ""))
         if path.endswith("/models"):
             return _ok({"object": "list", "data": [{"id": self.model, "object": "model"}]})
         try:
@@ -64,7 +63,7 @@ class AgentWorker(UserCode):
         method = next((name for suffix, name in routes.items() if path.endswith(suffix)), None)
         if method is None:
             return _error(404, f"no route {path[:200]}", None)
-        out = ray.get(getattr(self.server, method).remote(self.trajectory, body), timeout=CALL_TIMEOUT_S)
+        out = ray.get(self.server.answer.remote(method, self.trajectory, body), timeout=CALL_TIMEOUT_S)
         if "error" in out:
             e = out["error"]
             return _error(e["status"], e["message"], e.get("param"), e.get("retry_after"))
@@ -87,10 +86,10 @@ class AgentWorker(UserCode):
 
 
 class AgentPool:
-    def __init__(self, ref: str, server: Any, server_name: str, model: str, workers: int, timeout_s: float,
-                 group_size: int, args: dict[str, Any] | None = None) -> None:  # fmt: skip
-        self.ref, self.server, self.server_name, self.model, self.args = ref, server, server_name, model, args
-        self.timeout_s, self.group_size, self.workers = timeout_s, group_size, workers
+    def __init__(self, config: ExternalSpec, server: Any, server_name: str, model: str) -> None:
+        self.ref, self.server, self.server_name, self.model = config.agent, server, server_name, model
+        self.args, self.timeout_s = config.agent_args, config.agent_timeout_s
+        self.group_size, self.workers = config.group_size, config.agent_workers
         self.started = self.finished = self.failed = self.timed_out = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tandem-agents", daemon=True)

@@ -1,7 +1,7 @@
 """The trainer's side of `rollout.source: external`: the endpoint's actor (found again after a restart
 of the workers), pointed at each attempt's rollout workers, and a step's rewarded trajectories in the
-training layout of multi-turn rollouts (one row per segment, the reward as `env_rewards`, the task id
-as the GRPO group id).
+training layout of multi-turn rollouts (one row per segment, a multi-turn `Trajectory` already, the
+reward as `env_rewards`, the task id as the GRPO group id).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import ray
 import torch
 
 from controller.external import ExternalServer
+from controller.external_store import Segment
 from controller.trajectory_view import split_turns
 from schema.async_rl import buffer_capacity, staleness_bound
 from schema.external import server_name
 from schema.job import JobSpec
 from workers.batch import Batch
-from workers.multiturn import Trajectory, trajectory_non_tensors, trajectory_tensors
+from workers.multiturn import trajectory_non_tensors, trajectory_tensors
 
 POLL_S = 0.2
 CALL_TIMEOUT_S = 60.0
@@ -54,8 +55,7 @@ class ExternalSource:
             # once, before any worker: an agent that cannot load fails the job here, saying why
             run_sandboxed("controller.agent_sandbox:check_agent", c.agent, [c.agent_args], START_CHECK_S,
                           f"agent '{c.agent}'")  # fmt: skip
-            self.agents = AgentPool(c.agent, self.actor, server_name(self.job_id), self.job_id, c.agent_workers,
-                                    c.agent_timeout_s, c.group_size, c.agent_args)  # fmt: skip
+            self.agents = AgentPool(c, self.actor, server_name(self.job_id), self.job_id)
 
     def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch | None:
         """Sync: the next step's trajectories once rewarded; None when asked to stop."""
@@ -70,7 +70,7 @@ class ExternalSource:
             return None
         rows = whole_ranks(got.pop("rows"), self.spec.resources.workers)
         batch = rows_batch(rows, pad)
-        batch.tensors["policy_version"] = torch.tensor([r["policy_version"] for r in rows], dtype=torch.long)
+        batch.tensors["policy_version"] = torch.tensor([r.policy_version for r in rows], dtype=torch.long)
         return batch, got
 
     def set_version(self, version: int) -> None:
@@ -88,12 +88,12 @@ class ExternalSource:
         return {**stats, **(self.agents.stats() if self.agents is not None else {})}
 
 
-def whole_ranks(rows: list[dict[str, Any]], workers: int) -> list[dict[str, Any]]:
+def whole_ranks(rows: list[Segment], workers: int) -> list[Segment]:
     """Every rank trains on as many rows: the earliest segments that are not a trajectory's last go."""
     extra = len(rows) % workers
     keep = []
     for i, row in enumerate(rows):
-        later = i + 1 < len(rows) and rows[i + 1]["trajectory_id"] == row["trajectory_id"]
+        later = i + 1 < len(rows) and rows[i + 1].trajectory_id == row.trajectory_id
         if extra and later:
             extra -= 1
             continue
@@ -101,22 +101,14 @@ def whole_ranks(rows: list[dict[str, Any]], workers: int) -> list[dict[str, Any]
     return keep
 
 
-def rows_batch(rows: list[dict[str, Any]], pad: int) -> Batch:
-    trajectories = []
-    for r in rows:
-        t = Trajectory(env=None, prompt_ids=r["prompt_ids"], tokens=r["tokens"], loss_mask=r["loss_mask"],
-                       log_probs=r["log_probs"], messages=r["messages"], reward=r["reward"],
-                       finish_reason="done" if r["finish_reason"] == "stop" else "budget",
-                       turns=r["calls"], tool_calls=r["tool_calls"], weight_version=r["weight_version"])  # fmt: skip
-        trajectories.append(t)
-    width = max(len(t.prompt_ids) for t in trajectories)
-    response = max(max(len(t.tokens) for t in trajectories), 1)
-    tensors = trajectory_tensors(trajectories, width, response, pad)
+def rows_batch(rows: list[Segment], pad: int) -> Batch:
+    width = max(len(r.prompt_ids) for r in rows)
+    response = max(max(len(r.tokens) for r in rows), 1)
     non_tensors = {
-        **trajectory_non_tensors(trajectories),
-        "uid": [r["task_id"] for r in rows],
-        "prompt": [split_turns(r["messages"])[0] for r in rows],
-        "trajectory_id": [r["trajectory_id"] for r in rows],
-        "segment_reason": [r["reason"] for r in rows],
+        **trajectory_non_tensors(rows),
+        "uid": [r.task_id for r in rows],
+        "prompt": [split_turns(r.messages)[0] for r in rows],
+        "trajectory_id": [r.trajectory_id for r in rows],
+        "segment_reason": [r.reason for r in rows],
     }
-    return Batch(tensors, non_tensors, {"response_budget": response})
+    return Batch(trajectory_tensors(rows, width, response, pad), non_tensors, {"response_budget": response})

@@ -54,8 +54,11 @@ def step_samples(batch: Batch, scores: Any, tokenizer: Any, count: int) -> list[
         real = t["attention_mask"][i, -width:].bool()
         response = t["responses"][i][real].tolist()
         trained = t["response_mask"][i][real].tolist()
-        messages = nt["messages"][i] if "messages" in nt else None
-        prompt, turns = _prompt_and_turns(messages, nt["prompt"][i], tokenizer, response)
+        if "messages" in nt:
+            prompt, turns = split_turns(list(nt["messages"][i]))
+        else:  # single-turn
+            text = tokenizer.decode(response, skip_special_tokens=True)
+            prompt, turns = str(nt["prompt"][i]), [{"role": "assistant", "content": text}]
         out.append(
             {
                 "index": i,
@@ -72,7 +75,7 @@ def step_samples(batch: Batch, scores: Any, tokenizer: Any, count: int) -> list[
                 "spans": _spans(response, trained, tokenizer),
             }
         )
-        error = _error(nt, i)
+        error = next((str(nt[k][i]) for k in ("reward_error", "env_error") if k in nt and nt[k][i]), None)
         if error:
             out[-1]["error"] = _cut(error)
         if "trajectory_id" in nt:  # an agent's (rollout.source external): its calls are the turns
@@ -83,26 +86,10 @@ def step_samples(batch: Batch, scores: Any, tokenizer: Any, count: int) -> list[
     return out
 
 
-def _prompt_and_turns(
-    messages: Any, prompt_text: str, tokenizer: Any, response: list[int]
-) -> tuple[str, list]:
-    if messages is None:  # single-turn
-        text = tokenizer.decode(response, skip_special_tokens=True)
-        return str(prompt_text), [{"role": "assistant", "content": text}]
-    return split_turns(list(messages))
-
-
 def split_turns(messages: list[dict[str, str]]) -> tuple[str, list[dict[str, str]]]:
     """(the messages before the first assistant turn as text, the turns from it on)."""
     first = next((k for k, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
     return "\n".join(f"{m['role']}: {m['content']}" for m in messages[:first]), messages[first:]
-
-
-def _error(nt: dict, i: int) -> str | None:
-    for key in ("reward_error", "env_error"):
-        if key in nt and nt[key][i]:
-            return str(nt[key][i])
-    return None
 
 
 def _finish_reason(nt: dict, i: int, response: list[int], trained: list[int], width: int, tok: Any) -> str:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from controller.external_store import ExternalBuffer, Segment, TrajectoryError, TrajectoryStore
+from controller.external_store import Segment, TrajectoryError, TrajectoryStore
 from examples import agent_openai
 from schema.external import ExternalSpec
 from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
@@ -126,7 +126,7 @@ def test_agents_feed_an_async_job_within_its_staleness_bound(live, api, job):
 
 def record_calls(store: TrajectoryStore, tid: str, versions: list[int]) -> None:
     """A trajectory's calls, sampled at `versions` (opened, so admitted, on the first)."""
-    seg = Segment([1, 2], "chat", "first call")
+    seg = Segment(prompt_ids=[1, 2], kind="chat", reason="first call")
     for v in versions:
         seg.add_call([3], [5, 6], [-0.5, -0.25], v)
     store.open(tid).segments.append(seg)
@@ -136,8 +136,7 @@ def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
     """The endpoint's admission and staleness filter alone (controller/external_store.py, no engine):
     k = 1, one group of two per step."""
     store = TrajectoryStore(ExternalSpec(group_size=2, trajectories_per_step=2))
-    rows = lambda t: [{"trajectory_id": t.id, "segment": k} for k in range(len(t.segments))]  # noqa: E731
-    buffered = ExternalBuffer(store, rows, max_staleness=1, capacity=8, version=0)
+    store.use_buffer(max_staleness=1, capacity=8, version=0)
 
     called = lambda tid, versions: record_calls(store, tid, versions)  # noqa: E731
 
@@ -149,34 +148,33 @@ def test_stale_groups_are_dropped_and_counted_by_the_endpoints_buffer():
     assert refused.value.status == 429 and refused.value.retry_after > 0
     assert "z-0" not in store.trajectories
     for tid in ("x-0", "x-1", "y-0", "y-1"):
-        store.reward(tid, 1.0, tid[0], None, {})
-        buffered.put_groups()
-    assert [(g.samples, g.version) for g in buffered.buffer._items] == [(2, 0), (2, 0)]
+        store.reward(tid, 1.0, tid[0], None, {})  # a group complete: into the buffer
+    assert [(g.samples, g.version) for g in store.buffer._items] == [(2, 0), (2, 0)]
 
     # step 2 trains at version 1: group x (oldest call: version 0) is young enough; each row carries
     # its own trajectory's oldest version
-    got = buffered.take_step(1, "test")
-    assert {r["trajectory_id"]: r["policy_version"] for r in got["rows"]} == {"x-0": 0, "x-1": 1}
+    got = store.take_step(1, "test")
+    assert {r.trajectory_id: r.policy_version for r in got["rows"]} == {"x-0": 0, "x-1": 1}
     assert got["dropped_total"] == 0
     # step 3 trains at version 2: group y's oldest call (version 0, its second) is too old: dropped,
     # counted, and its room goes back to admission (AReaL's rule: dropped samples leave `accepted`)
-    assert buffered.take_step(2, "test") is None
-    assert buffered.buffer.dropped == 2
+    assert store.take_step(2, "test") is None
+    assert store.buffer.dropped == 2
     called("z-0", [1])
-    assert buffered.buffer.running == 1
+    assert store.buffer.running == 1
     # a trajectory dropped for want of a reward gives its room back
     store._swept = 0.0
     assert store.sweep(now=store.trajectories["z-0"].last_call + 1e6) == 1
-    assert buffered.buffer.running == 0
+    assert store.buffer.running == 0
 
 
 def test_a_restart_from_a_checkpoint_drops_what_the_lost_attempts_weights_sampled():
-    """ExternalBuffer.rewind, what `attach` does when the workers restart from a checkpoint older than
+    """TrajectoryStore.rewind, what `attach` does when the workers restart from a checkpoint older than
     the weights they served (no engine): k = 1, one group of two per step, restarted from step 2."""
     store = TrajectoryStore(ExternalSpec(group_size=2, trajectories_per_step=2))
-    rows = lambda t: [{"trajectory_id": t.id, "segment": k} for k in range(len(t.segments))]  # noqa: E731
-    buffered = ExternalBuffer(store, rows, max_staleness=1, capacity=8, version=2)
-    buffered.buffer.set_version(3)  # the lost attempt trained step 3, and its weights served calls
+    store.use_buffer(max_staleness=1, capacity=8, version=2)
+
+    store.buffer.set_version(3)  # the lost attempt trained step 3, and its weights served calls
     for tid, versions in [
         ("x-0", [2]),
         ("x-1", [2]),
@@ -188,19 +186,18 @@ def test_a_restart_from_a_checkpoint_drops_what_the_lost_attempts_weights_sample
         record_calls(store, tid, versions)
     for tid in ("x-0", "x-1", "y-0", "y-1"):
         store.reward(tid, 1.0, tid[0], None, {})
-        buffered.put_groups()
-    assert buffered.buffer.running == 2  # z-0 and w-0: open
+    assert store.buffer.running == 2  # z-0 and w-0: open
     # group y (one call at version 3) and the open z-0 are dropped; x and w-0 were sampled by step 2's
     # weights, which the restarted workers hold again
-    assert buffered.rewind(2) == 3
-    assert buffered.buffer.version == 2 and buffered.buffer.dropped == 2 and buffered.buffer.running == 1
+    assert store.rewind(2) == 3
+    assert store.buffer.version == 2 and store.buffer.dropped == 2 and store.buffer.running == 1
     assert store.trajectories["z-0"].state == "dropped"
     with pytest.raises(TrajectoryError) as late:
         store.reward("z-0", 1.0, "z", None, {})
     assert late.value.status == 409
-    got = buffered.take_step(2, "test")
-    assert {r["trajectory_id"] for r in got["rows"]} == {"x-0", "x-1"} and got["dropped_total"] == 2
-    assert buffered.take_step(2, "test") is None  # y is gone
+    got = store.take_step(2, "test")
+    assert {r.trajectory_id for r in got["rows"]} == {"x-0", "x-1"} and got["dropped_total"] == 2
+    assert store.take_step(2, "test") is None  # y is gone
 
 
 @pytest.mark.parametrize("field,value", [("partial_rollouts", True), ("rollout_lanes", "per_worker")])

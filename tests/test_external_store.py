@@ -15,7 +15,7 @@ def store(**config) -> TrajectoryStore:
 
 def called(s: TrajectoryStore, tid: str) -> None:
     t = s.open(tid)
-    seg = Segment([1, 2], "chat", "first call")
+    seg = Segment(prompt_ids=[1, 2], kind="chat", reason="first call")
     seg.add_call([], [5, 6], [-0.5, -0.25], version=3)
     t.segments.append(seg)
 
@@ -28,9 +28,12 @@ def test_a_step_takes_whole_groups_of_one_task_only():
     assert s.take() is None  # x has a group, y has one of two
     called(s, "d")
     s.reward("d", 0.0, "y", [0.0], {"k": "v"})
-    chosen = s.take()
-    assert sorted(t.id for t in chosen) == ["a", "b", "c", "d"]
-    assert {t.state for t in chosen} == {"consumed"} and s.consumed == 4
+    rows = s.take()  # one row per segment, in the trainer's multi-turn layout
+    assert sorted(r.trajectory_id for r in rows) == ["a", "b", "c", "d"]
+    assert {s.trajectories[r.trajectory_id].state for r in rows} == {"consumed"} and s.consumed == 4
+    d = next(r for r in rows if r.trajectory_id == "d")
+    assert (d.task_id, d.reward, d.turns, d.weight_version, d.finish_reason) == ("y", 0.0, 1, 3, "done")
+    assert (d.prompt_ids, d.tokens, d.loss_mask, d.log_probs) == ([1, 2], [5, 6], [1, 1], [-0.5, -0.25])
     with pytest.raises(TrajectoryError) as late:
         s.reward("a", 1.0, "x", None, {})
     assert late.value.status == 409
@@ -81,9 +84,9 @@ def test_uneven_segments_leave_out_earlier_segments_never_a_last_one():
     from controller.external_source import whole_ranks
 
     rows = [
-        {"trajectory_id": t, "segment": k}
+        Segment(trajectory_id=t, reason=str(k))
         for t, k in [("a", 0), ("a", 1), ("b", 0), ("c", 0), ("c", 1), ("d", 0)]
     ]
     assert whole_ranks(rows, 1) == rows
     kept = whole_ranks(rows, 4)
-    assert [(r["trajectory_id"], r["segment"]) for r in kept] == [("a", 1), ("b", 0), ("c", 1), ("d", 0)]
+    assert [(r.trajectory_id, r.reason) for r in kept] == [("a", "1"), ("b", "0"), ("c", "1"), ("d", "0")]

@@ -63,16 +63,9 @@ def parse_tool_calls(text: str, call_id: str) -> tuple[str, list[dict[str, Any]]
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             return match.group(0)
         arguments = body.get("arguments", {})
-        calls.append(
-            {
-                "id": f"{call_id}_{len(calls)}",
-                "type": "function",
-                "function": {
-                    "name": body["name"],
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
-                },
-            }
-        )
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments)
+        function = {"name": body["name"], "arguments": arguments}
+        calls.append({"id": f"{call_id}_{len(calls)}", "type": "function", "function": function})
         return ""
 
     content = _TOOL_CALL.sub(take, text)

@@ -1,11 +1,8 @@
 """A job's OpenAI-compatible endpoint in the API process (docs/ARCHITECTURE.md §5.1), torch-free: the
-checks the job's record allows here, then the call to the job's `ExternalServer` actor, awaited on the
-event loop; its error answers come back as data and are raised in the API's error shape.
-
-Calls through the base URL `.../openai/trajectories/{trajectory_id}/v1` are recorded in that
-trajectory, so an agent framework that sets only `base_url` and `api_key` needs nothing else; under
-`.../openai/v1` the `X-Tandem-Trajectory` header names it (else each call is its own). Streaming sends
-the chunks once the answer is done.
+checks the job's record allows here, then the call to the job's `ExternalServer` actor; its error answers
+come back as data and are raised in the API's error shape. The base URL `.../trajectories/{id}/v1` names
+the trajectory (an agent framework sets only `base_url` and `api_key`); under `.../openai/v1` the
+`X-Tandem-Trajectory` header does (else each call is its own). Streaming sends the whole answer's chunks.
 """
 
 from __future__ import annotations
@@ -156,7 +153,7 @@ async def chat_completions(
 ) -> Any:
     """A chat completion from the job's policy, recorded in the trajectory the URL or header names (or a new one)."""
     external_job(service, job_id, caller.sees, body.model)
-    out = await call(job_id, "chat", tid, body.model_dump(exclude_none=True))
+    out = await call(job_id, "answer", "chat", tid, body.model_dump(exclude_none=True))
     if not body.stream:
         return JSONResponse(out)  # a plain dict: no encoder walk
     return _chunks(out, body, "chat.completion.chunk", _chat_deltas)
@@ -170,7 +167,7 @@ async def completions(
     external_job(service, job_id, caller.sees, body.model)
     payload = body.model_dump(exclude_none=True)
     payload["logprobs"] = body.logprobs is not None
-    out = await call(job_id, "completion", tid, payload)
+    out = await call(job_id, "answer", "completion", tid, payload)
     return _chunks(out, body, "text_completion", _text_deltas) if body.stream else JSONResponse(out)
 
 
@@ -182,7 +179,7 @@ async def responses(
     external_job(service, job_id, caller.sees, body.model)
     chat = chat_request(body)
     try:
-        out = await call(job_id, "chat", tid, chat.model_dump(exclude_none=True))
+        out = await call(job_id, "answer", "chat", tid, chat.model_dump(exclude_none=True))
     except APIError as err:  # the endpoint names the chat field: name the Responses one
         name_responses_field(err)
         raise
@@ -244,14 +241,8 @@ def _chunks(
     out: dict[str, Any], body: Any, kind: str, deltas: Callable[[list], Iterator]
 ) -> StreamingResponse:
     """The stream of a whole chat or text completion: `deltas` lays its choices out as chunks' choices."""
-    created = out.get("created", int(time.time()))
-    head = {
-        "id": out["id"],
-        "object": kind,
-        "created": created,
-        "model": out["model"],
-        "tandem": out.get("tandem"),
-    }
+    head = {"id": out["id"], "object": kind, "created": out.get("created", int(time.time()))}
+    head |= {"model": out["model"], "tandem": out.get("tandem")}
     chunks = [{**head, "choices": [choice]} for choice in deltas(out["choices"])]
     if (body.stream_options or {}).get("include_usage"):
         chunks.append({**head, "choices": [], "usage": out["usage"]})

@@ -1,12 +1,8 @@
-"""A job's OpenAI Responses API, `POST .../v1/responses` (the Agents SDK's default model), in terms of
-chat completions (api/routes/openai_endpoint.py): a request's items become chat messages, and the chat
-answer becomes Responses output items.
-
-A job's endpoint serves chat completions only, so a Responses call is recorded exactly as the chat
-call that means the same. The translation inverts itself on what an agent sends back: an answer's
-`message` and `function_call` items, returned as input, become the assistant message the trajectory
-recorded, so the conversation continues the trajectory's tokens. Responses are not stored: an agent
-sends the whole conversation as `input`, and `previous_response_id` or `conversation` is a 422.
+"""A job's OpenAI Responses API, `POST .../v1/responses` (the Agents SDK's default model), served and
+recorded as the chat call that means the same (api/routes/openai_endpoint.py). The translation inverts
+itself on what an agent sends back: an answer's `message` and `function_call` items, returned as input,
+become the assistant message the trajectory recorded, so the conversation continues its tokens.
+Responses are not stored: an agent sends the whole conversation as `input` (`previous_response_id`: 422).
 """
 
 from __future__ import annotations
@@ -124,20 +120,16 @@ def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     raise invalid("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
 
 
-def output_items(out: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
-    """(the Responses output items of a chat answer's first choice, whether it was cut at max tokens)."""
+def response_object(out: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """The Responses `Response` of a chat answer `out` (its first choice) to the call `request`."""
     choice = out["choices"][0]
     message, cut = choice["message"], choice["finish_reason"] == "length"
     calls = message.get("tool_calls") or []
     items: list[dict[str, Any]] = []
     if message.get("content") or not calls:
         logprobs = (choice.get("logprobs") or {}).get("content") or []
-        part = {
-            "type": "output_text",
-            "text": message.get("content") or "",
-            "annotations": [],
-            "logprobs": logprobs,
-        }
+        text = message.get("content") or ""
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
         items.append({"type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}", "role": "assistant",
                       "status": "incomplete" if cut else "completed", "content": [part]})  # fmt: skip
     for tool_call in calls:
@@ -145,12 +137,6 @@ def output_items(out: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": tool_call["id"],
                       "name": function["name"], "arguments": function["arguments"],
                       "status": "completed"})  # fmt: skip
-    return items, cut
-
-
-def response_object(out: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
-    """The Responses `Response` of a chat answer `out` to the call `request` (the Responses body)."""
-    items, cut = output_items(out)
     usage = out["usage"]
     return {
         "id": f"resp_{uuid.uuid4().hex[:24]}", "object": "response", "created_at": out.get("created", int(time.time())),
