@@ -23,7 +23,7 @@ from schema.section import changed_values, with_values
 from service.controller_pool import ControllerPool
 from service.errors import ServiceError
 from service.files import FileStore
-from service.job_state import RUN_HOLDING, TERMINAL, JobStatus, allowed
+from service.job_state import RUN_HOLDING, JobStatus, allowed
 from service.keys import ADMIN_OWNER
 from service.owned_paths import OwnedPaths
 from service.quotas import QuotaBook, Usage, fair_order, may_run
@@ -94,7 +94,7 @@ class Scheduler(RunSettlement):
             elif job.status != S.QUEUED:
                 self._requeue_after_restart(job)
         for job in self.store.jobs_in((S.CANCELLING,)):
-            self.store.transition(job.id, (S.CANCELLING,), S.CANCELLED, finished_at=time.time())
+            self.store.transition(job.id, (S.CANCELLING,), S.CANCELLED)
             self.store.add_event(job.id, "cancelled", "cancelled while the service was down")
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
@@ -107,11 +107,9 @@ class Scheduler(RunSettlement):
             for record_id in [i for i, run in self.running.items() if run.actor is None]:
                 del self.running[record_id]
             for job_id, run in self.running.items():
-                if self.store.transition(job_id, (S.RUNNING,), S.PAUSING):
+                why = ("service_shutdown", "the service is stopping: checkpointing the job")
+                if self.store.transition(job_id, (S.RUNNING,), S.PAUSING, why):
                     self._requeue_on_pause.add(job_id)
-                    self.store.add_event(
-                        job_id, "service_shutdown", "the service is stopping: checkpointing the job"
-                    )
                     run.actor.request_stop.remote("pause")
         deadline = time.time() + timeout_s
         while self.running and time.time() < deadline:
@@ -125,12 +123,11 @@ class Scheduler(RunSettlement):
                          ", ".join(self._paused_for_shutdown))  # fmt: skip
             for job_id, run in list(self.running.items()):
                 ray.kill(run.actor, no_restart=True)
-                if self.store.transition(job_id, (S.CANCELLING,), S.CANCELLED, finished_at=time.time()):
-                    self.store.add_event(job_id, "cancelled", "cancelled: the service stopped")
-                elif self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.QUEUED):
-                    self.store.add_event(
-                        job_id, "requeued", "the service stopped before the job paused; it resumes later"
-                    )
+                if not self.store.transition(
+                    job_id, (S.CANCELLING,), S.CANCELLED, ("cancelled", "cancelled: the service stopped")
+                ):
+                    why = ("requeued", "the service stopped before the job paused; it resumes later")
+                    self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.QUEUED, why)
             self.running.clear()
         self.controllers.close()
 
@@ -288,7 +285,7 @@ class Scheduler(RunSettlement):
             try:  # upload ids -> stored paths and every path checked again, now that it starts
                 spec = self.spec_to_run(job, first_step > 0)
             except ServiceError as err:  # a file, path or tracker refused
-                self.store.transition(job.id, (S.RUNNING,), S.FAILED, finished_at=time.time(), error=str(err))
+                self.store.transition(job.id, (S.RUNNING,), S.FAILED, error=str(err))
                 self.store.add_event(job.id, "failed", str(err))
                 return
             self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
@@ -331,10 +328,7 @@ class Scheduler(RunSettlement):
         """A hosted record's run ended (its server says why): its status and an event, its slot free.
         True when its status changed."""
         sources = tuple(s for s in (S.QUEUED, *RUN_HOLDING) if allowed(s, status))
-        done = {"finished_at": time.time()} if status in TERMINAL else {}
-        moved = self.store.transition(record_id, sources, status, error=why, **done)
-        if moved:
-            self.store.add_event(record_id, status, why or str(status))
+        moved = self.store.transition(record_id, sources, status, (status, why or str(status)), error=why)
         with self._lock:
             self.running.pop(record_id, None)
         return moved

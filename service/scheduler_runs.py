@@ -7,7 +7,6 @@ that step, so re-run steps are stored once.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,7 +96,7 @@ class RunSettlement:
 
     def _settle(self, job_id: str, run: RunningJob) -> None:
         result = self._result(run)
-        status, now = result["status"], time.time()
+        status = result["status"]
         if status == S.PAUSED and job_id in self._requeue_on_pause:
             self._requeue_on_pause.discard(job_id)
             self._paused_for_shutdown.append(job_id)
@@ -113,10 +112,10 @@ class RunSettlement:
         elif status == S.FAILED and result.get("controller_lost") and self._requeue_lost(job_id, result):
             pass  # it waits in queued for room, then resumes from its last checkpoint
         elif status == S.FAILED:
-            self.store.transition(job_id, RUN_HOLDING, S.FAILED, finished_at=now, error=result.get("error"))
+            self.store.transition(job_id, RUN_HOLDING, S.FAILED, error=result.get("error"))
             self.store.add_event(job_id, "failed", result.get("error") or "failed")
         else:  # succeeded, or cancelled at a step boundary or during start-up
-            self.store.transition(job_id, RUN_HOLDING, S(status), finished_at=now)
+            self.store.transition(job_id, RUN_HOLDING, S(status))
             self.store.add_event(
                 job_id, status, result.get("message") or f"{status} at step {result.get('step')}"
             )
