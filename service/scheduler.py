@@ -29,7 +29,7 @@ from service.owned_paths import OwnedPaths
 from service.quotas import QuotaBook, Usage, fair_order, may_run
 from service.scheduler_runs import RunningJob, RunSettlement
 from service.store import JobRecord, JobStore
-from service.workloads import RL_JOB, TinkerRunWorkload, Workload, resume_step
+from service.workloads import RL_JOB, TinkerRunWorkload
 
 log = logging.getLogger("tandem.scheduler")
 S = JobStatus
@@ -43,11 +43,10 @@ class Scheduler(RunSettlement):
         runtime_env: dict | None = None,
         files: FileStore | None = None,
         quotas: QuotaBook | None = None,
-        workload: Workload = RL_JOB,
         warm_controllers: int = 1,
     ) -> None:
         self.store = store
-        self.workload = workload  # what the jobs table holds
+        self.workload = RL_JOB  # what the jobs table holds
         self.hosted: dict[str, Any] = {"tinker": TinkerRunWorkload()}  # kinds with a table of their own
         self.held: dict[str, float] = {}  # CPUs of the processes serving hosted records
         self.files = files
@@ -58,7 +57,7 @@ class Scheduler(RunSettlement):
         if runtime_env:
             options["runtime_env"] = runtime_env
         # Controllers that imported the runner's module before a job needs one (service/controller_pool.py)
-        self.controllers = ControllerPool(workload.runner, warm_controllers, options)
+        self.controllers = ControllerPool(RL_JOB.runner, warm_controllers, options)
         self.running: dict[str, RunningJob] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -281,7 +280,7 @@ class Scheduler(RunSettlement):
             if job.method in self.hosted:
                 self._launch_hosted(job, cpus, gpus)
                 return
-            first_step = resume_step(self.workload, job.workdir)
+            first_step = self.workload.resume_step(job.workdir)
             try:  # upload ids -> stored paths and every path checked again, now that it starts
                 spec = self.spec_to_run(job, first_step > 0)
             except ServiceError as err:  # a file, path or tracker refused

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from service.job_state import RUN_HOLDING, JobStatus
 from service.store import JobRecord, JobStore
-from service.workloads import Workload, resume_step
+from service.workloads import RLJobWorkload
 
 S = JobStatus
 
@@ -35,7 +34,7 @@ class RunSettlement:
     """Mixed into the Scheduler, whose store, running jobs, lock and shutdown state these share."""
 
     store: JobStore
-    workload: Workload
+    workload: RLJobWorkload
     running: dict[str, RunningJob]
     _lock: threading.RLock
     _draining: bool
@@ -46,7 +45,7 @@ class RunSettlement:
         """A job the old service left running resumes from its last checkpoint when it runs again."""
         self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
         self.store.set_restart(job.id, None)  # a restart under way ended with the service
-        self.store.truncate_after(job.id, resume_step(self.workload, job.workdir))  # shown at its checkpoint
+        self.store.truncate_after(job.id, self.workload.resume_step(job.workdir))  # shown at its checkpoint
         self._record_checkpoints_on_disk(job)
         self.store.add_event(
             job.id, "requeued", "the service restarted; the job resumes from its last checkpoint"
@@ -55,7 +54,7 @@ class RunSettlement:
     def _record_checkpoints_on_disk(self, job: JobRecord) -> None:
         """A checkpoint committed just before the service died may not be in the store yet."""
         known = {c["step"] for c in self.store.checkpoints(job.id)}
-        for step, folder in self.workload.committed_checkpoints(Path(job.workdir)):
+        for step, folder in self.workload.committed_checkpoints(job.workdir):
             if step not in known:
                 self.store.add_checkpoint(job.id, step, str(folder))
                 self.store.add_event(
@@ -136,7 +135,7 @@ class RunSettlement:
             return False
         message, resume = (
             f"restarting ({n}/{most}): the job's controller died",
-            resume_step(self.workload, job.workdir),
+            self.workload.resume_step(job.workdir),
         )
         self.store.add_event(
             job_id,
