@@ -26,9 +26,9 @@ from service.errors import ServiceError
 from service.keys import ADMIN_OWNER
 
 FILE_ID = re.compile(r"^file-[0-9a-f]{12}$")
-DATA_SUFFIXES = (".jsonl", ".jsonlines", ".json", ".parquet", ".pq")
-CODE_SUFFIXES = (".py",)
-ADAPTER_SUFFIXES = (".safetensors",)  # a LoRA adapter's tensors (model.lora.init_from)
+# an upload's purpose by its suffix (an adapter: a LoRA adapter's tensors, model.lora.init_from)
+DATA = (".jsonl", ".jsonlines", ".json", ".parquet", ".pq")
+PURPOSES = {**dict.fromkeys(DATA, "data"), ".py": "code", ".safetensors": "adapter"}
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # spec fields that hold a server path, and those that hold 'path/file.py:name' or another reference
 PATH_FIELDS = (
@@ -80,20 +80,14 @@ def spec_field(spec: dict[str, Any], keys: tuple[str, ...]) -> tuple[dict[str, A
 
 
 def check_filename(filename: str) -> str:
-    """The upload's purpose ("data" or "code") from its name; a FileError for any other name."""
+    """The upload's purpose (PURPOSES) from its name; a FileError for any other name."""
     if not SAFE_NAME.match(filename):
         raise FileError(f"filename: '{filename[:64]}' must be a plain name of letters, digits, '.', '_' or '-'",
                         "filename")  # fmt: skip
-    suffix = Path(filename).suffix.lower()
-    if suffix in DATA_SUFFIXES:
-        return "data"
-    if suffix in CODE_SUFFIXES:
-        return "code"
-    if suffix in ADAPTER_SUFFIXES:
-        return "adapter"
-    suffixes = DATA_SUFFIXES + CODE_SUFFIXES + ADAPTER_SUFFIXES
-    raise FileError(f"filename: '{filename}' must end in one of {', '.join(suffixes)}",
-                    "filename")  # fmt: skip
+    purpose = PURPOSES.get(Path(filename).suffix.lower())
+    if purpose is None:
+        raise FileError(f"filename: '{filename}' must end in one of {', '.join(PURPOSES)}", "filename")
+    return purpose
 
 
 class FileStore:

@@ -3,6 +3,8 @@
 Every `poll_s` it copies what running jobs produced into the store, settles ended runs
 (service/scheduler_runs.py) and starts queued jobs, in fair order between owners and within their
 quotas, while the cluster has room. Requests never wait on it: `tell` and `stop` only send a message.
+A hosted record (a Tinker training run) is queued, admitted and counted as a job is, but a launch hands it
+to the process that serves it, which ends it (`end`); those processes hold CPUs while they run (`hold`).
 """
 
 from __future__ import annotations
@@ -21,20 +23,19 @@ from schema.section import changed_values, with_values
 from service.controller_pool import ControllerPool
 from service.errors import ServiceError
 from service.files import FileStore
-from service.job_state import JobStatus
+from service.job_state import RUN_HOLDING, JobStatus, allowed
 from service.keys import ADMIN_OWNER
 from service.owned_paths import OwnedPaths
 from service.quotas import QuotaBook, Usage, fair_order, may_run
-from service.scheduler_hosted import HostedRecords
 from service.scheduler_runs import RunningJob, RunSettlement
 from service.store import JobRecord, JobStore
-from service.workloads import RL_JOB, Workload, resume_step
+from service.workloads import RL_JOB, TinkerRunWorkload
 
 log = logging.getLogger("tandem.scheduler")
 S = JobStatus
 
 
-class Scheduler(HostedRecords, RunSettlement):
+class Scheduler(RunSettlement):
     def __init__(
         self,
         store: JobStore,
@@ -42,12 +43,12 @@ class Scheduler(HostedRecords, RunSettlement):
         runtime_env: dict | None = None,
         files: FileStore | None = None,
         quotas: QuotaBook | None = None,
-        workload: Workload = RL_JOB,
         warm_controllers: int = 1,
     ) -> None:
-        super().__init__()
         self.store = store
-        self.workload = workload  # what the jobs table holds
+        self.workload = RL_JOB  # what the jobs table holds
+        self.hosted: dict[str, Any] = {"tinker": TinkerRunWorkload()}  # kinds with a table of their own
+        self.held: dict[str, float] = {}  # CPUs of the processes serving hosted records
         self.files = files
         self.paths: OwnedPaths | None = None  # set by the API (api/app.py), which knows the shared folders
         self.quotas = quotas or QuotaBook()
@@ -56,7 +57,7 @@ class Scheduler(HostedRecords, RunSettlement):
         if runtime_env:
             options["runtime_env"] = runtime_env
         # Controllers that imported the runner's module before a job needs one (service/controller_pool.py)
-        self.controllers = ControllerPool(workload.runner, warm_controllers, options)
+        self.controllers = ControllerPool(RL_JOB.runner, warm_controllers, options)
         self.running: dict[str, RunningJob] = {}
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -87,25 +88,27 @@ class Scheduler(HostedRecords, RunSettlement):
     def _recover(self) -> None:
         """At a service start: what the old service left queued, running or stopping."""
         for job in self.store.jobs_in((S.QUEUED, S.RUNNING, S.PAUSING)):
-            if job.method in self.hosted:
-                self.recover_hosted(job)
+            if job.method in self.hosted:  # its server went with the old service
+                self.end(job.id, *self.hosted[job.method].recover(job))
             elif job.status != S.QUEUED:
                 self._requeue_after_restart(job)
         for job in self.store.jobs_in((S.CANCELLING,)):
-            self.store.transition(job.id, (S.CANCELLING,), S.CANCELLED, finished_at=time.time())
+            self.store.transition(job.id, (S.CANCELLING,), S.CANCELLED)
             self.store.add_event(job.id, "cancelled", "cancelled while the service was down")
 
     def shutdown(self, timeout_s: float = 120.0) -> None:
         """Pause every running job (each checkpoints at its next step boundary), then stop."""
         self._draining = True  # start nothing new; the loop keeps collecting until the jobs paused
-        self.shutdown_hosted()
+        for kind in self.hosted.values():  # hosted records stay `running` until the next start recovers them
+            if kind.server is not None:
+                kind.server.shutdown()
         with self._lock:
+            for record_id in [i for i, run in self.running.items() if run.actor is None]:
+                del self.running[record_id]
             for job_id, run in self.running.items():
-                if self.store.transition(job_id, (S.RUNNING,), S.PAUSING):
+                why = ("service_shutdown", "the service is stopping: checkpointing the job")
+                if self.store.transition(job_id, (S.RUNNING,), S.PAUSING, why):
                     self._requeue_on_pause.add(job_id)
-                    self.store.add_event(
-                        job_id, "service_shutdown", "the service is stopping: checkpointing the job"
-                    )
                     run.actor.request_stop.remote("pause")
         deadline = time.time() + timeout_s
         while self.running and time.time() < deadline:
@@ -119,12 +122,11 @@ class Scheduler(HostedRecords, RunSettlement):
                          ", ".join(self._paused_for_shutdown))  # fmt: skip
             for job_id, run in list(self.running.items()):
                 ray.kill(run.actor, no_restart=True)
-                if self.store.transition(job_id, (S.CANCELLING,), S.CANCELLED, finished_at=time.time()):
-                    self.store.add_event(job_id, "cancelled", "cancelled: the service stopped")
-                elif self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.QUEUED):
-                    self.store.add_event(
-                        job_id, "requeued", "the service stopped before the job paused; it resumes later"
-                    )
+                if not self.store.transition(
+                    job_id, (S.CANCELLING,), S.CANCELLED, ("cancelled", "cancelled: the service stopped")
+                ):
+                    why = ("requeued", "the service stopped before the job paused; it resumes later")
+                    self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.QUEUED, why)
             self.running.clear()
         self.controllers.close()
 
@@ -146,8 +148,11 @@ class Scheduler(HostedRecords, RunSettlement):
         """Ask a running job to stop ("pause" or "cancel") at its next step boundary; a job cancelled
         while it starts up has nothing to keep, so its actor is killed at once."""
         record = self.store.get_job(job_id)
-        if record is not None and record.method in self.hosted:
-            self.stop_hosted(record)
+        if record is not None and record.method in self.hosted:  # its server drops it at once
+            self.hosted[record.method].stop(job_id)
+            self.end(
+                job_id, S.CANCELLED, "cancelled through Tandem's API (tandem cancel); its checkpoints stay"
+            )
             return
         with self._lock:
             run = self.running.get(job_id)
@@ -273,13 +278,13 @@ class Scheduler(HostedRecords, RunSettlement):
                 return
             self.store.started(job.id, time.time())
             if job.method in self.hosted:
-                self.launch_hosted(job, cpus, gpus)
+                self._launch_hosted(job, cpus, gpus)
                 return
-            first_step = resume_step(self.workload, job.workdir)
+            first_step = self.workload.resume_step(job.workdir)
             try:  # upload ids -> stored paths and every path checked again, now that it starts
                 spec = self.spec_to_run(job, first_step > 0)
             except ServiceError as err:  # a file, path or tracker refused
-                self.store.transition(job.id, (S.RUNNING,), S.FAILED, finished_at=time.time(), error=str(err))
+                self.store.transition(job.id, (S.RUNNING,), S.FAILED, error=str(err))
                 self.store.add_event(job.id, "failed", str(err))
                 return
             self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
@@ -297,3 +302,39 @@ class Scheduler(HostedRecords, RunSettlement):
         spec = self.files.resolve_refs(job.spec, sees) if self.files else job.spec
         spec = self.paths.check_spec(spec, sees, own_checkpoint) if self.paths is not None else spec
         return with_values(job.job_spec, changed_values(job.spec, spec))
+
+    # ---- hosted records ------------------------------------------------------------------------
+
+    def _launch_hosted(self, record: JobRecord, cpus: float, gpus: float) -> None:
+        self.running[record.id] = RunningJob(None, None, cpus, gpus, -1, record.owner)
+        try:
+            self.hosted[record.method].launch(record)
+        except Exception as err:  # noqa: BLE001 - the record fails, naming why; the loop goes on
+            self.end(record.id, S.FAILED, f"could not start: {type(err).__name__}: {err}")
+            return
+        self.store.add_event(record.id, "started", "served by its base model's session host")
+
+    def hold(self, key: str, cpus: float) -> None:
+        """Count a process that serves hosted records (a session host) as holding these CPUs."""
+        with self._lock:
+            self.held[key] = cpus
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self.held.pop(key, None)
+
+    def end(self, record_id: str, status: JobStatus, why: str | None = None) -> bool:
+        """A hosted record's run ended (its server says why): its status and an event, its slot free.
+        True when its status changed."""
+        sources = tuple(s for s in (S.QUEUED, *RUN_HOLDING) if allowed(s, status))
+        moved = self.store.transition(record_id, sources, status, (status, why or str(status)), error=why)
+        with self._lock:
+            self.running.pop(record_id, None)
+        return moved
+
+    def forget(self, record_id: str) -> None:
+        """A hosted record its server refused to start leaves no trace: its slot and its rows go."""
+        with self._lock:
+            self.running.pop(record_id, None)
+        if self.store.get_job(record_id) is not None:
+            self.store.delete_job(record_id)

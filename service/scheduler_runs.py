@@ -7,16 +7,14 @@ that step, so re-run steps are stored once.
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from service.job_state import RUN_HOLDING, JobStatus
 from service.store import JobRecord, JobStore
-from service.workloads import Workload, resume_step
+from service.workloads import RLJobWorkload
 
 S = JobStatus
 
@@ -36,7 +34,7 @@ class RunSettlement:
     """Mixed into the Scheduler, whose store, running jobs, lock and shutdown state these share."""
 
     store: JobStore
-    workload: Workload
+    workload: RLJobWorkload
     running: dict[str, RunningJob]
     _lock: threading.RLock
     _draining: bool
@@ -47,7 +45,7 @@ class RunSettlement:
         """A job the old service left running resumes from its last checkpoint when it runs again."""
         self.store.transition(job.id, (S.RUNNING, S.PAUSING), S.QUEUED)
         self.store.set_restart(job.id, None)  # a restart under way ended with the service
-        self.store.truncate_after(job.id, resume_step(self.workload, job.workdir))  # shown at its checkpoint
+        self.store.truncate_after(job.id, self.workload.resume_step(job.workdir))  # shown at its checkpoint
         self._record_checkpoints_on_disk(job)
         self.store.add_event(
             job.id, "requeued", "the service restarted; the job resumes from its last checkpoint"
@@ -56,7 +54,7 @@ class RunSettlement:
     def _record_checkpoints_on_disk(self, job: JobRecord) -> None:
         """A checkpoint committed just before the service died may not be in the store yet."""
         known = {c["step"] for c in self.store.checkpoints(job.id)}
-        for step, folder in self.workload.committed_checkpoints(Path(job.workdir)):
+        for step, folder in self.workload.committed_checkpoints(job.workdir):
             if step not in known:
                 self.store.add_checkpoint(job.id, step, str(folder))
                 self.store.add_event(
@@ -97,7 +95,7 @@ class RunSettlement:
 
     def _settle(self, job_id: str, run: RunningJob) -> None:
         result = self._result(run)
-        status, now = result["status"], time.time()
+        status = result["status"]
         if status == S.PAUSED and job_id in self._requeue_on_pause:
             self._requeue_on_pause.discard(job_id)
             self._paused_for_shutdown.append(job_id)
@@ -113,10 +111,10 @@ class RunSettlement:
         elif status == S.FAILED and result.get("controller_lost") and self._requeue_lost(job_id, result):
             pass  # it waits in queued for room, then resumes from its last checkpoint
         elif status == S.FAILED:
-            self.store.transition(job_id, RUN_HOLDING, S.FAILED, finished_at=now, error=result.get("error"))
+            self.store.transition(job_id, RUN_HOLDING, S.FAILED, error=result.get("error"))
             self.store.add_event(job_id, "failed", result.get("error") or "failed")
         else:  # succeeded, or cancelled at a step boundary or during start-up
-            self.store.transition(job_id, RUN_HOLDING, S(status), finished_at=now)
+            self.store.transition(job_id, RUN_HOLDING, S(status))
             self.store.add_event(
                 job_id, status, result.get("message") or f"{status} at step {result.get('step')}"
             )
@@ -137,7 +135,7 @@ class RunSettlement:
             return False
         message, resume = (
             f"restarting ({n}/{most}): the job's controller died",
-            resume_step(self.workload, job.workdir),
+            self.workload.resume_step(job.workdir),
         )
         self.store.add_event(
             job_id,

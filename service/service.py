@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -153,26 +152,21 @@ class Service:
 
     def cancel(self, job_id: str, sees: str | None = None) -> JobRecord:
         job = self.get(job_id, sees)
-        if self.store.transition(job_id, (S.QUEUED, S.PAUSED), S.CANCELLED, finished_at=time.time()):
-            self.store.add_event(job_id, "cancelled", "cancelled before it ran again")
+        stopping = ("cancelling", "cancel requested: the job stops after its current step")
+        if self.store.transition(
+            job_id, (S.QUEUED, S.PAUSED), S.CANCELLED, ("cancelled", "cancelled before it ran again")
+        ) or self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.CANCELLING, stopping):
             self.scheduler.stop(job_id, "cancel")  # a hosted record's server forgets it
-        elif self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.CANCELLING):
-            self.store.add_event(
-                job_id, "cancelling", "cancel requested: the job stops after its current step"
-            )
-            self.scheduler.stop(job_id, "cancel")
         elif job.status != S.CANCELLING:
             raise invalid_state(job, "only an active or paused job can be cancelled")
         return self.get(job_id, sees)
 
     def pause(self, job_id: str, sees: str | None = None) -> JobRecord:
         job = self.steered(job_id, sees, "pause")
-        if self.store.transition(job_id, (S.QUEUED,), S.PAUSED):
-            self.store.add_event(job_id, "paused", "paused before it started")
-        elif self.store.transition(job_id, (S.RUNNING,), S.PAUSING):
-            self.store.add_event(
-                job_id, "pausing", "pause requested: the job checkpoints after its current step"
-            )
+        pausing = ("pausing", "pause requested: the job checkpoints after its current step")
+        if self.store.transition(job_id, (S.QUEUED,), S.PAUSED, ("paused", "paused before it started")):
+            return self.get(job_id, sees)
+        if self.store.transition(job_id, (S.RUNNING,), S.PAUSING, pausing):
             self.scheduler.stop(job_id, "pause")
         elif job.status not in (S.PAUSING, S.PAUSED):
             raise invalid_state(job, "only a queued or running job can be paused")

@@ -247,20 +247,31 @@ class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
         self._write(f"UPDATE {table} SET {sets} WHERE id = ?", (*values.values(), job_id))
 
     def transition(
-        self, job_id: str, allowed_from: tuple[JobStatus, ...], to: JobStatus, **values: Any
+        self,
+        job_id: str,
+        allowed_from: tuple[JobStatus, ...],
+        to: JobStatus,
+        event: tuple[str, str] | None = None,
+        **values: Any,
     ) -> bool:
         """Move a job to `to` if it is in one of `allowed_from` (a move job_state.TRANSITIONS lists); True
-        when it moved. Leaving `running` adds the run's time to active_s."""
+        when it moved, and then `event` (kind, message) is recorded. Leaving `running` adds the run's time
+        to active_s; a terminal status sets finished_at."""
         check_moves(allowed_from, to)
         if to == JobStatus.RUNNING:
             values = {"run_started_at": time.time(), **values}
+        elif to in TERMINAL:
+            values = {"finished_at": time.time(), **values}
         sets = ", ".join(["status = ?"] + [f"{k} = ?" for k in values])
         if to not in RUN_HOLDING:
             sets += ", active_s = active_s + COALESCE(? - run_started_at, 0), run_started_at = NULL"
             values = {**values, "_now": time.time()}
         sources = ",".join("?" * len(allowed_from))
         sql = f"UPDATE {self._table(job_id)} SET {sets} WHERE id = ? AND status IN ({sources})"
-        return self._write(sql, (to, *values.values(), job_id, *allowed_from)) == 1
+        moved = self._write(sql, (to, *values.values(), job_id, *allowed_from)) == 1
+        if moved and event is not None:
+            self.add_event(job_id, *event)
+        return moved
 
     def started(self, job_id: str, at: float) -> None:
         """Record the job's first start (a resumed job keeps it)."""

@@ -32,18 +32,6 @@ class Needs:
     bundles: list[dict[str, float]] = field(default_factory=list)
 
 
-class Workload(Protocol):
-    kind: str
-    runner: str  # "module:Class", imported in the record's actor process only
-    actions: frozenset[str]  # the requests that steer its records (Service: pause, fork, ...)
-
-    def needs(self, spec: dict[str, Any]) -> Needs: ...
-
-    def committed_checkpoints(self, workdir: Path) -> list[tuple[int, Path]]:
-        """(step, folder) of the complete checkpoints on disk, oldest first."""
-        ...
-
-
 class Runner(Protocol):
     def run(self) -> dict[str, Any]:
         """Runs to the end; returns {"status": succeeded|paused|cancelled|failed, "step", "error"?}."""
@@ -65,12 +53,6 @@ class Runner(Protocol):
 
 
 BEGIN_WAIT_S = 600.0  # a call that needs the runner waits this long for `begin` to build it
-
-
-def resume_step(workload: Workload, workdir: str | Path) -> int:
-    """The step a record starts from: its latest committed checkpoint, 0 without one."""
-    saved = workload.committed_checkpoints(Path(workdir))
-    return saved[-1][0] if saved else 0
 
 
 class WorkloadActor:
@@ -141,16 +123,22 @@ class RLJobWorkload:
     refusal = "an RL job"
 
     kind = "job"
-    runner = "controller.job_actor:JobController"
-    actions = frozenset(
+    runner = "controller.job_actor:JobController"  # imported in the record's actor process only
+    actions = frozenset(  # the requests that steer its records
         {"pause", "resume", "fork", "hyperparameters", "checkpoint", "labels", "cancel", "delete"}
     )
 
     def needs(self, spec: dict[str, Any]) -> Needs:
         return Needs(*job_needs(spec))
 
-    def committed_checkpoints(self, workdir: Path) -> list[tuple[int, Path]]:
-        return checkpoints.complete(workdir)
+    def committed_checkpoints(self, workdir: str | Path) -> list[tuple[int, Path]]:
+        """(step, folder) of the complete checkpoints on disk, oldest first."""
+        return checkpoints.complete(Path(workdir))
+
+    def resume_step(self, workdir: str | Path) -> int:
+        """The step a record starts from: its latest committed checkpoint, 0 without one."""
+        saved = self.committed_checkpoints(workdir)
+        return saved[-1][0] if saved else 0
 
 
 RL_JOB = RLJobWorkload()
