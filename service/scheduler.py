@@ -284,8 +284,8 @@ class Scheduler(RunSettlement):
             try:  # upload ids -> stored paths and every path checked again, now that it starts
                 spec = self.spec_to_run(job, first_step > 0)
             except ServiceError as err:  # a file, path or tracker refused
-                self.store.transition(job.id, (S.RUNNING,), S.FAILED, error=str(err))
-                self.store.add_event(job.id, "failed", str(err))
+                # from RUN_HOLDING: a cancel or pause may have come in since the job went running
+                self.store.transition(job.id, RUN_HOLDING, S.FAILED, ("failed", str(err)), error=str(err))
                 return
             self.store.truncate_after(job.id, first_step)  # the trainer re-runs every step after it
             Path(job.workdir).mkdir(parents=True, exist_ok=True)

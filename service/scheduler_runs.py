@@ -105,6 +105,14 @@ class RunSettlement:
             self.store.add_event(
                 job_id, "requeued", f"checkpointed at step {result['step']}; resumes when the service starts"
             )
+        elif status == S.PAUSED and self.store.get_job(job_id).status == S.CANCELLING:
+            # cancelled after its pause was asked for, but the run had paused already: its checkpoint stays
+            self.store.transition(
+                job_id,
+                (S.CANCELLING,),
+                S.CANCELLED,
+                ("cancelled", f"cancelled at step {result['step']} (it had paused)"),
+            )
         elif status == S.PAUSED:
             self.store.transition(job_id, (S.PAUSING, S.RUNNING), S.PAUSED)
             self.store.add_event(job_id, "paused", f"paused at step {result['step']}")

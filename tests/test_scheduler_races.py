@@ -1,0 +1,69 @@
+"""A cancel that lands while the scheduler is between two moves of the same job: the job still ends.
+
+Each test places the user's cancel (the store move Service.cancel makes) inside the window it names;
+on a live service the window is a few milliseconds wide, so the test puts the cancel there itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ray
+
+from service.files import FileStore
+from service.job_state import JobStatus as S
+from service.scheduler import Scheduler
+from service.scheduler_runs import RunningJob
+from service.store import JobStore
+from tests.api_util import tiny_job
+
+
+@ray.remote(num_cpus=0)
+class Finished:
+    """Stands where a job's controller actor stood once its run returned (the scheduler kills it)."""
+
+    def ping(self) -> bool:
+        return True
+
+
+def cancel(store: JobStore, job_id: str) -> None:
+    assert store.transition(job_id, (S.RUNNING, S.PAUSING), S.CANCELLING)
+
+
+def test_a_run_that_had_paused_when_its_cancel_came_ends_cancelled(ray_cluster, tmp_path: Path):
+    store = JobStore(tmp_path / "t.db")
+    scheduler = Scheduler(store, warm_controllers=0)
+    job = store.create_job(tiny_job(), tmp_path / "jobs")
+    assert store.transition(job.id, (S.QUEUED,), S.RUNNING)
+    assert store.transition(job.id, (S.RUNNING,), S.PAUSING)  # pause asked; the run checkpoints and returns
+    actor = Finished.remote()
+    run = RunningJob(actor, ray.put({"status": "paused", "step": 2}), 1.0, 0.0, 0, job.owner)
+    scheduler.running[job.id] = run
+    cancel(store, job.id)  # before the scheduler settled the paused run
+
+    scheduler._settle(job.id, run)
+
+    record = store.get_job(job.id)
+    assert record.status == S.CANCELLED
+    assert store.events(job.id)[-1]["kind"] == "cancelled" and "step 2" in store.events(job.id)[-1]["message"]
+    assert job.id not in scheduler.running
+
+
+def test_a_start_refused_after_its_cancel_came_ends_failed_naming_why(tmp_path: Path):
+    store = JobStore(tmp_path / "t.db")
+    scheduler = Scheduler(store, files=FileStore(tmp_path / "files"), warm_controllers=0)
+    job = store.create_job(tiny_job(data={"train_path": "file-0123456789ab"}), tmp_path / "jobs")
+    real = scheduler.spec_to_run
+
+    def cancelled_then_checked(record, own_checkpoint):  # the cancel lands between the two moves
+        cancel(store, record.id)
+        return real(record, own_checkpoint)
+
+    scheduler.spec_to_run = cancelled_then_checked
+    scheduler._launch(store.get_job(job.id), 1.0, 0.0)
+
+    record = store.get_job(job.id)
+    assert record.status == S.FAILED
+    assert "no uploaded file 'file-0123456789ab'" in record.error
+    assert [e["kind"] for e in store.events(job.id)][-1] == "failed"
+    assert job.id not in scheduler.running
