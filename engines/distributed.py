@@ -61,22 +61,11 @@ def data_parallel_mesh(device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
-def _all_reduce(values: list, op: dist.ReduceOp, dtype: torch.dtype, device: torch.device) -> list:
+def all_reduce(values: list[float], device: torch.device, op: str = "sum") -> list[float]:
+    """Sum (op "max": the maximum of) a few numbers over all ranks, in float64 so counts stay exact."""
+    values = [float(v) for v in values]
     if dist.get_world_size() == 1:  # a collective of one rank returns its input; skip gloo
         return values
-    tensor = torch.tensor(values, dtype=dtype, device=device)
-    dist.all_reduce(tensor, op=op)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor.tolist()
-
-
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few numbers over all ranks (in float64, so token counts stay exact)."""
-    return _all_reduce([float(v) for v in values], dist.ReduceOp.SUM, torch.float64, device)
-
-
-def all_reduce_max_floats(values: list[float], device: torch.device) -> list[float]:
-    return _all_reduce([float(v) for v in values], dist.ReduceOp.MAX, torch.float64, device)
-
-
-def all_reduce_max(value: int, device: torch.device) -> int:
-    return int(_all_reduce([int(value)], dist.ReduceOp.MAX, torch.int64, device)[0])

@@ -37,15 +37,10 @@ def logical_cpus() -> int:
     return len(_allowed_cpus())
 
 
-def threads_for_rank(bundle_cpus: float, ranks_on_node: int = 1) -> int:
-    """Threads for one rank: its bundle's CPUs, capped by its share of the node's physical cores."""
-    share = physical_cores() // max(1, ranks_on_node)
-    return max(1, min(int(bundle_cpus), share))
-
-
 def set_torch_threads(bundle_cpus: float, ranks_on_node: int = 1) -> int:
-    """Set torch's intra-op thread count for this rank (see `threads_for_rank`); returns it."""
-    threads = threads_for_rank(bundle_cpus, ranks_on_node)
+    """Set torch's intra-op thread count for this rank (its bundle's CPUs, capped by its share of the
+    node's physical cores); returns it."""
+    threads = max(1, min(int(bundle_cpus), physical_cores() // max(1, ranks_on_node)))
     import torch  # here, not at the top: the service reads physical_cores without torch
 
     torch.set_num_threads(threads)

@@ -63,7 +63,7 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path):
         raise RuntimeError("out of disk")
 
     try:
-        build_atomically(target, _current("v1"), broken)
+        build_atomically(target, "marker.json", {"content": "v1"}, broken)
     except RuntimeError as err:
         assert "out of disk" in str(err)
     else:

@@ -6,6 +6,7 @@ folder or a whole one; when another process got there first with the same build,
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -45,10 +46,22 @@ def install(staging: Path, folder: Path, is_current: Callable[[Path], bool], tri
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def build_atomically(folder: Path, is_current: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
+def build_atomically(
+    folder: Path, marker: str, wanted: dict, build: Callable[[Path], None], overwrite: bool = False
+) -> Path:
+    """`folder` as `build(staging)` writes it, then the `marker` file holding `wanted`; a folder whose
+    marker holds `wanted` already is kept (unless `overwrite`)."""
+
+    def is_current(path: Path) -> bool:
+        file = path / marker
+        return not overwrite and file.exists() and json.loads(file.read_text()) == wanted
+
+    if is_current(folder):
+        return folder
     staging = staging_folder(folder)
     try:
         build(staging)
+        (staging / marker).write_text(json.dumps(wanted, indent=2))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

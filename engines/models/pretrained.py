@@ -6,8 +6,8 @@ fresh model of the same config gets its state dict. The package is found without
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 from engines.models.model_folder import build_atomically
@@ -62,26 +62,15 @@ def build_packaged_model(name: str, root: str | Path, overwrite: bool = False) -
         raise ValueError(f"unknown packaged model '{name}'; choose one of {sorted(PACKAGED_MODELS)}")
     model = PACKAGED_MODELS[name]
     folder = Path(root) / name
-    wanted = asdict(model)
-
-    def is_current(path: Path) -> bool:
-        marker = path / "tandem_source.json"
-        return not overwrite and marker.exists() and json.loads(marker.read_text()) == wanted
-
-    if is_current(folder):
-        return folder
-    gguf = packaged_gguf(model)
-
-    def write(staging: Path) -> None:
-        _convert(gguf, staging)
-        (staging / "tandem_source.json").write_text(json.dumps(wanted, indent=2))
-
-    return build_atomically(folder, is_current, write)
+    convert = partial(_convert, model)
+    return build_atomically(folder, "tandem_source.json", asdict(model), convert, overwrite)
 
 
-def _convert(gguf: Path, out: Path) -> None:
+def _convert(model: PackagedModel, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = packaged_gguf(model)
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

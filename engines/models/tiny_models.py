@@ -6,7 +6,6 @@ tokenizer and a randomly initialised Qwen2 or Llama (a causal LM, or a one-label
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -149,17 +148,12 @@ def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) ->
     dump = spec.model_dump(exclude_none=True)
     wanted = dump if head == "causal-lm" else {**dump, "head": head}
 
-    def is_current(folder: Path) -> bool:
-        marker = folder / "tandem_spec.json"
-        return marker.exists() and json.loads(marker.read_text()) == wanted
-
-    if not overwrite and is_current(path):
-        return path
-    return build_atomically(path, lambda folder: not overwrite and is_current(folder),
-                            lambda staging: _write_model(staging, spec, head, wanted))  # fmt: skip
+    return build_atomically(
+        path, "tandem_spec.json", wanted, lambda staging: _write_model(staging, spec, head), overwrite
+    )
 
 
-def _write_model(path: Path, spec: TinyModelSpec, head: str, wanted: dict) -> None:
+def _write_model(path: Path, spec: TinyModelSpec, head: str) -> None:
     # Imported here: the service lists the built-in names without torch.
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -179,7 +173,6 @@ def _write_model(path: Path, spec: TinyModelSpec, head: str, wanted: dict) -> No
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    (path / "tandem_spec.json").write_text(json.dumps(wanted, indent=2))
 
 
 def builtin_or_folder(name: str, root: str | Path) -> Path:

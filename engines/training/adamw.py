@@ -1,18 +1,13 @@
-"""The one AdamW of Tandem: how an optimizer is built and how one step is taken, for every trainer.
-
-An RL job's FSDPEngine (engines/training/fsdp/engine.py, its settings from `OptimizerConfig` and its learning
-rate from the schedule) and a Tinker session's adapter (engines/training/lora_sessions.py, its settings from
-the SDK's `AdamParams` of each call) both build their optimizer with `build_adamw` and step it with
-`adamw_step`. A step densifies sparse gradients, clips the global gradient norm, is skipped when
-that norm is not finite (a NaN would poison Adam's moments for good), and zeroes the gradients.
-`AdamWSettings` is the one shape both configurations map to.
+"""The one AdamW of Tandem, for an RL job's FSDPEngine (its `OptimizerConfig`, the schedule's lr) and a
+Tinker session's adapter (the SDK's `AdamParams` of each call), both mapped to `AdamWSettings`. A step
+densifies sparse gradients, clips the global norm, is skipped when that norm is not finite (a NaN
+would poison Adam's moments for good), and zeroes the gradients.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,40 +66,23 @@ def adamw_step(
     back after it (a learning-rate schedule keeps owning the learning rate). The caller counts a
     skipped step from the returned norm (`math.isfinite`)."""
     with_grad = [p for p in params if p.grad is not None]
-    for param in with_grad:
-        if (
-            param.grad.is_sparse
-        ):  # a tied embedding whose head had no gradient (engines/training/fsdp/modules.py)
+    for param in with_grad:  # a tied embedding's gradient is sparse when its head had none (fsdp/modules.py)
+        if param.grad.is_sparse:
             param.grad = param.grad.to_dense()
     norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm=settings.grad_clip or math.inf, foreach=True)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     grad_norm = float(norm)
     if math.isfinite(grad_norm):
-        with _settings_for_one_step(optimizer, settings if override else None):
+        saved = [dict(group) for group in optimizer.param_groups]
+        for group in optimizer.param_groups if override else []:
+            group.update(
+                lr=settings.lr, betas=settings.betas, eps=settings.eps, weight_decay=settings.weight_decay
+            )
+        try:
             optimizer.step()
+        finally:
+            for group, values in zip(optimizer.param_groups, saved, strict=True):
+                group.update(values)
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
-
-
-@contextmanager
-def _settings_for_one_step(
-    optimizer: torch.optim.Optimizer, settings: AdamWSettings | None
-) -> Iterator[None]:
-    if settings is None:
-        yield
-        return
-    keys = {
-        "lr": settings.lr,
-        "betas": settings.betas,
-        "eps": settings.eps,
-        "weight_decay": settings.weight_decay,
-    }
-    saved = [{k: group[k] for k in keys} for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group.update(keys)
-    try:
-        yield
-    finally:
-        for group, values in zip(optimizer.param_groups, saved, strict=True):
-            group.update(values)

@@ -112,25 +112,17 @@ class AdapterEngine:
             raise InputError("model_id", f"model {key!r} exists on this host")
         weights = init_adapter(self.layers, list(spec.paths), spec.rank, spec.seed, self.device)
         self.sessions[key] = Session(key, spec, weights, self.device)
-        self.make_resident({f"m:{key}"})
-        return self.sessions[key]
+        return self._adapter(key)
 
     def session(self, key: str) -> Session:
         if key not in self.sessions:
             raise InputError("model_id", f"no model {key!r} on this host")
         return self.sessions[key]
 
-    def resident(self, key: str) -> Session:
-        session = self.session(key)
-        self.make_resident({f"m:{key}"})
-        return session
-
     def drop_adapter(self, key: str) -> None:
-        session = self.session(key)
+        self.session(key)
         self._forget(f"m:{key}")
-        if session.packed_file is not None:
-            session.packed_file.unlink(missing_ok=True)
-        del self.sessions[key]
+        self.sessions.pop(key).discard()
 
     def _forget(self, key: str) -> None:
         detach(self.layers, key)
@@ -275,9 +267,12 @@ class AdapterEngine:
     eval_mode = train_mode
 
     def _adapter(self, key: str | None) -> Session:
+        """The adapter's session, made resident."""
         if key is None:
             raise InputError("model_id", "the base model is frozen: name an adapter")
-        return self.resident(key)
+        session = self.session(key)
+        self.make_resident({f"m:{key}"})
+        return session
 
     def adapter_config(self, spec: SessionSpec) -> dict:
         lora = LoraConfig(rank=spec.rank, alpha=spec.alpha, dropout=0.0)
@@ -316,11 +311,10 @@ class AdapterEngine:
                 f"the saved adapter (rank {spec.rank}) does not match model {key!r} "
                 f"(rank {session.spec.rank}, or other layers)",
             )
-        if session is None:
-            weights = init_adapter(self.layers, list(spec.paths), spec.rank, 0, self.device)
-            self.sessions[key] = Session(key, spec, weights, self.device)
-        self.resident(key).unpack(packed, optimizer=optimizer)
-        attach(self.layers, f"m:{key}", self.sessions[key].weights, spec.scaling)  # new leaves
+        if session is not None:
+            self.drop_adapter(key)  # the saved adapter replaces it, its alpha too
+        self.sessions[key] = Session(key, spec, None, self.device, offloaded=packed)
+        self.make_resident({f"m:{key}"})
         return 0
 
     def snapshot_key(self, folder: str | None) -> str | None:

@@ -41,12 +41,19 @@ class SessionSpec:
 
 
 class Session:
-    def __init__(self, model_id: str, spec: SessionSpec, weights: Weights, device: torch.device) -> None:
+    def __init__(
+        self,
+        model_id: str,
+        spec: SessionSpec,
+        weights: Weights | None,
+        device: torch.device,
+        offloaded: dict | None = None,
+    ) -> None:
         self.model_id, self.spec, self.device = model_id, spec, device
-        self.weights: Weights | None = weights
-        self.optimizer: torch.optim.AdamW | None = build_adamw(self.params(), SDK_DEFAULTS)
-        self.packed: dict | None = None  # the offloaded state, in host memory
-        self.packed_file: Path | None = None  # or on disk
+        self.weights = weights
+        self.optimizer = None if weights is None else build_adamw(self.params(), SDK_DEFAULTS)
+        # while not resident: the packed state (CPU tensors) in host memory, or the Path of its file
+        self.offloaded: dict | Path | None = offloaded
 
     @property
     def resident(self) -> bool:
@@ -59,45 +66,40 @@ class Session:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params()) if self.resident else 0
 
-    def pack(self) -> dict:
-        return {
+    def offload(self, folder: Path | None) -> None:
+        """Move everything to host memory, or to `folder/<model_id>.pt` when a folder is given."""
+        packed = {
             "weights": _cpu(peft_tensors(self.weights)),
             "grads": [_cpu(p.grad) for p in self.params()],
             "optimizer": _cpu(self.optimizer.state_dict()),
         }
+        self.weights, self.optimizer, self.offloaded = None, None, packed
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            self.offloaded = folder / f"{_safe(self.model_id)}.pt"
+            torch.save(packed, self.offloaded)
 
-    def unpack(self, packed: dict, optimizer: bool = True) -> None:
+    def discard(self) -> None:
+        if isinstance(self.offloaded, Path):
+            self.offloaded.unlink(missing_ok=True)
+
+    def restore(self) -> None:
+        packed = self.offloaded
+        if isinstance(packed, Path):
+            packed = torch.load(packed, weights_only=True)
+        self.discard()
         weights = from_peft_tensors(packed["weights"])
         self.weights = {
             path: tuple(t.to(self.device).clone().requires_grad_(True) for t in weights[path])
             for path in self.spec.paths
         }
         params = self.params()
-        for param, grad in zip(params, packed.get("grads") or [None] * len(params), strict=True):
+        for param, grad in zip(params, packed["grads"] or [None] * len(params), strict=True):
             param.grad = grad.to(self.device).clone() if grad is not None else None
         self.optimizer = build_adamw(params, SDK_DEFAULTS)
-        if optimizer and packed.get("optimizer") is not None:
+        if packed["optimizer"] is not None:
             self.optimizer.load_state_dict(packed["optimizer"])
-
-    def offload(self, folder: Path | None) -> None:
-        """Move everything to host memory, or to `folder/<model_id>.pt` when a folder is given."""
-        packed = self.pack()
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
-            self.packed_file = folder / f"{_safe(self.model_id)}.pt"
-            torch.save(packed, self.packed_file)
-        else:
-            self.packed = packed
-        self.weights, self.optimizer = None, None
-
-    def restore(self) -> None:
-        if self.packed_file is not None:
-            packed = torch.load(self.packed_file, weights_only=True)
-            self.packed_file.unlink(missing_ok=True)
-        else:
-            packed = self.packed
-        self.unpack(packed)
-        self.packed, self.packed_file = None, None
+        self.offloaded = None
 
     def optim_step(self, settings: AdamWSettings) -> float:
         """One AdamW step (engines/training/adamw.py) of this adapter with this call's settings; its grad norm."""
@@ -119,7 +121,7 @@ def read_spec(folder: Path) -> SessionSpec:
 
 
 def read_pack(folder: Path, optimizer: bool) -> dict:
-    """A saved folder as `Session.unpack` reads it (no gradients: a save is taken between steps)."""
+    """A saved folder as `Session.restore` reads it (no gradients: a save is taken between steps)."""
     from safetensors.torch import load_file
 
     opt_file = folder / OPTIMIZER_FILE

@@ -9,8 +9,8 @@ PEFT's own layers refuse mixed-adapter batches in training; the names and saved 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -126,28 +126,25 @@ def inject(model: nn.Module, paths: list[str]) -> dict[str, MultiLoraLinear]:
 
 
 @contextmanager
-def adapters_off(model: nn.Module) -> Iterator[None]:
-    """Within the block every layer's own adapter passes through: `model` computes as its base."""
-    layers = [m for m in model.modules() if isinstance(m, MultiLoraLinear)]
+def _set(layers: Iterable[MultiLoraLinear], name: str, value: object, after: object) -> Iterator[None]:
+    layers = list(layers)
     for layer in layers:
-        layer.own_on = False
+        setattr(layer, name, value)
     try:
         yield
     finally:
         for layer in layers:
-            layer.own_on = True
+            setattr(layer, name, after)
 
 
-@contextmanager
-def rows(layers: dict[str, MultiLoraLinear], segments: list[Segment]) -> Iterator[None]:
+def adapters_off(model: nn.Module) -> AbstractContextManager[None]:
+    """Within the block every layer's own adapter passes through: `model` computes as its base."""
+    return _set((m for m in model.modules() if isinstance(m, MultiLoraLinear)), "own_on", False, True)
+
+
+def rows(layers: dict[str, MultiLoraLinear], segments: list[Segment]) -> AbstractContextManager[None]:
     """Within the block every wrapped layer applies table adapter `key` to its segment of rows."""
-    for layer in layers.values():
-        layer.segments = segments
-    try:
-        yield
-    finally:
-        for layer in layers.values():
-            layer.segments = None
+    return _set(layers.values(), "segments", segments, None)
 
 
 def init_adapter(

@@ -1,10 +1,6 @@
-"""Engines are chosen by name: a registry maps each name to a builder that imports its engine lazily,
-so the name lists stay importable without torch, sglang or vllm (the API validates names against them).
-
-An entry also states what its engine cannot run (`tensor_parallel`, `max_lora_rank`), checked at
-submission, and an optional `probe` says why it cannot run here (a missing package, no GPU), so a
-job fails early naming what to install. `TRAIN_ENGINES` is here; rollout engines' is
-`engines.rollout.ROLLOUT_ENGINES`.
+"""Engines by name: each name maps to a builder that imports its engine lazily, so the name lists stay
+importable without torch, sglang or vllm. An entry states what its engine cannot run, checked at
+submission, and an optional `probe` says why it cannot run here (a missing package, no GPU).
 """
 
 from __future__ import annotations

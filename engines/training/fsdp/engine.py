@@ -1,18 +1,14 @@
-"""FSDPEngine: the TrainEngine of engines/training/base.py (docs/ARCHITECTURE.md §3.4) on PyTorch FSDP2 (`fully_shard`).
-
-Build order (`initialize`): process group → model in fp32 on the CPU → one FSDP unit per decoder
-layer, then the root (engines/training/fsdp/build.py) → optimizer → LR schedule → offload if configured.
-The optimizer is Tandem's one AdamW (engines/training/adamw.py) under a warmup-then-constant or
-warmup-then-cosine schedule; a low-level client may hand one step its own settings (`optimizer_step`).
-`forward_backward_batch` cuts the rank's batch into packed micro-batches and normalises the loss by
-global counts, so the ranks' gradients are summed (divide factor 1), reduced once, on the last one.
+"""FSDPEngine: the TrainEngine of engines/training/base.py on PyTorch FSDP2 (`fully_shard`), one FSDP
+unit per decoder layer (fsdp/build.py). `forward_backward_batch` cuts the rank's batch into packed
+micro-batches and normalises the loss by global counts, so the ranks' gradients are summed (divide
+factor 1), reduced once, on the last one.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -20,14 +16,7 @@ from tensordict import TensorDict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from engines.distributed import (
-    all_reduce_max,
-    all_reduce_max_floats,
-    all_reduce_sum,
-    data_parallel_mesh,
-    init_distributed,
-    resolve_device,
-)
+from engines.distributed import all_reduce, data_parallel_mesh, init_distributed, resolve_device
 from engines.kernels.attention import register as segment_attention_name
 from engines.kernels.shared_prompt import pack_shared, prompt_groups
 from engines.training.adamw import AdamWSettings, adamw_step, build_adamw
@@ -202,13 +191,13 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, PlacementMixin, TrainEngine):
                 param.grad = torch.zeros_like(param)
 
     def _global_counts(self, batch: TensorDict, width: int) -> GlobalCounts:
-        tokens, sequences = all_reduce_sum(
-            [float(batch["response_mask"].sum()), float(batch.batch_size[0])], self.device
+        tokens, sequences = all_reduce(
+            [float(batch["response_mask"].sum()), batch.batch_size[0]], self.device
         )
-        return GlobalCounts(int(tokens), int(sequences), all_reduce_max(width, self.device))
+        return GlobalCounts(int(tokens), int(sequences), self._agree(width))
 
     def _agree(self, count: int) -> int:
-        return all_reduce_max(count, self.device)
+        return int(all_reduce([count], self.device, "max")[0])
 
     def _forward_micro(
         self, micro: TensorDict, width: int, compute_entropy: bool, temperature: float
@@ -270,15 +259,11 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, PlacementMixin, TrainEngine):
 
     def _reduce_over_ranks(self, metrics: dict[str, float]) -> dict[str, float]:
         """Sum the metrics over ranks; those named *_max by max (engines/training/base.py)."""
-        sums = sorted(k for k in metrics if not k.endswith(MAX_SUFFIX))
-        maxima = sorted(k for k in metrics if k.endswith(MAX_SUFFIX))
         out: dict[str, float] = {}
-        if sums:
-            out.update(zip(sums, all_reduce_sum([metrics[k] for k in sums], self.device), strict=True))
-        if maxima:
-            out.update(
-                zip(maxima, all_reduce_max_floats([metrics[k] for k in maxima], self.device), strict=True)
-            )
+        for op in ("sum", "max"):
+            keys = sorted(k for k in metrics if k.endswith(MAX_SUFFIX) == (op == "max"))
+            if keys:
+                out.update(zip(keys, all_reduce([metrics[k] for k in keys], self.device, op), strict=True))
         return out
 
     # ---- weights out -------------------------------------------------------------------------
@@ -302,13 +287,8 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, PlacementMixin, TrainEngine):
             return None
         return lora.adapter_config_dict(self.config.lora, self.config.model_path, self.adapted_modules)
 
-    @contextmanager
-    def adapters_off(self) -> Iterator[None]:
-        """Compute as the base model (the reference policy of a LoRA engine)."""
-        if not self.adapted_modules:
-            raise RuntimeError("adapters_off: this engine has no LoRA adapters")
-        with adapters_off(self.model):
-            yield
+    def adapters_off(self) -> AbstractContextManager[None]:
+        return adapters_off(self.model) if self.adapted_modules else super().adapters_off()
 
 
 def warmup_then_decay(s: SchedulerConfig) -> Callable[[int], float]:

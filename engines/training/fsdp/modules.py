@@ -13,8 +13,6 @@ from torch import nn
 from engines.kernels.logprobs import token_log_probs
 from engines.kernels.shared_prompt import SharedPromptPack
 
-POLICY_PREFIX = "lm."
-
 
 class ModelLoadError(ValueError):
     """The model folder is missing, unreadable, or holds the wrong kind of model."""
@@ -50,77 +48,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _hidden(
-    body: nn.Module,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    cu_seq_lens_q: torch.Tensor | None,
-    shared_prompt: SharedPromptPack | None,
-) -> torch.Tensor:
-    """The decoder's last hidden states of a packed row (with `shared_prompt`, of its response tokens);
-    the row's layout goes down to the attention function through transformers' kwargs."""
-    layout = (
-        {"shared_prompt": shared_prompt} if shared_prompt is not None else {"cu_seq_lens_q": cu_seq_lens_q}
-    )
-    hidden = body(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=attention_mask,
-        use_cache=False,
-        **layout,
-    ).last_hidden_state[0]
-    return hidden if shared_prompt is None else hidden.index_select(0, shared_prompt.select)
+class PackedModel(nn.Module):
+    """A decoder (`body`) over one packed row, its last hidden states read by the `head`."""
 
-
-class PolicyModel(nn.Module):
-    """Causal LM whose forward returns per-token next-token log-probs (and entropy) of a packed row."""
-
-    def __init__(self, lm: nn.Module, chunk_tokens: int, keep_bytes: int = 0) -> None:
-        super().__init__()
-        self.lm = lm
-        self.chunk_tokens, self.keep_bytes = chunk_tokens, keep_bytes
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        targets: torch.Tensor,
-        temperature: float = 1.0,
-        with_entropy: bool = False,
-        cu_seq_lens_q: torch.Tensor | None = None,
-        shared_prompt: SharedPromptPack | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Per packed token; with `shared_prompt`, per response token (its `select`, `targets`)."""
-        hidden = _hidden(self.lm.model, input_ids, position_ids, attention_mask, cu_seq_lens_q, shared_prompt)
-        if shared_prompt is not None:
-            targets = shared_prompt.targets
-        head = self.lm.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ModelLoadError("output projections with a bias are not supported")
-        log_probs, entropy = token_log_probs(
-            hidden, head.weight, targets, temperature, with_entropy, self.chunk_tokens, self.keep_bytes
-        )
-        out = {"log_probs": log_probs}
-        if entropy is not None:
-            out["entropy"] = entropy
-        return out
-
-    @staticmethod
-    def hf_name(name: str) -> str:
-        return name.removeprefix(POLICY_PREFIX)
-
-
-class ValueModel(nn.Module):
-    """A decoder body with a scalar head on the last hidden state: one value per token."""
-
-    def __init__(self, body: nn.Module) -> None:
-        super().__init__()
-        self.model = body  # named `model` so decoder_layers() and HF-style names work unchanged
-        self.value_head = nn.Linear(body.config.hidden_size, 1)
-        nn.init.normal_(self.value_head.weight, std=0.02)
-        nn.init.zeros_(self.value_head.bias)
+    hf_prefix = ""  # what the state dict's names carry before the Hugging Face names
 
     def forward(
         self,
@@ -133,7 +64,70 @@ class ValueModel(nn.Module):
         cu_seq_lens_q: torch.Tensor | None = None,
         shared_prompt: SharedPromptPack | None = None,
     ) -> dict[str, torch.Tensor]:
-        hidden = _hidden(self.model, input_ids, position_ids, attention_mask, cu_seq_lens_q, shared_prompt)
+        """Per packed token; with `shared_prompt`, per response token (its `select`, `targets`). The
+        row's layout goes down to the attention function through transformers' kwargs."""
+        layout = (
+            {"shared_prompt": shared_prompt}
+            if shared_prompt is not None
+            else {"cu_seq_lens_q": cu_seq_lens_q}
+        )
+        hidden = self.body(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=False,
+            **layout,
+        ).last_hidden_state[0]
+        if shared_prompt is not None:
+            hidden, targets = hidden.index_select(0, shared_prompt.select), shared_prompt.targets
+        return self.head(hidden, targets, temperature, with_entropy)
+
+    @classmethod
+    def hf_name(cls, name: str) -> str:
+        return name.removeprefix(cls.hf_prefix)
+
+
+class PolicyModel(PackedModel):
+    """Causal LM whose forward returns per-token next-token log-probs (and entropy) of a packed row."""
+
+    hf_prefix = "lm."
+
+    def __init__(self, lm: nn.Module, chunk_tokens: int, keep_bytes: int = 0) -> None:
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens, self.keep_bytes = chunk_tokens, keep_bytes
+
+    @property
+    def body(self) -> nn.Module:
+        return self.lm.model
+
+    def head(
+        self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+    ) -> dict[str, torch.Tensor]:
+        out_proj = self.lm.get_output_embeddings()
+        if getattr(out_proj, "bias", None) is not None:
+            raise ModelLoadError("output projections with a bias are not supported")
+        log_probs, entropy = token_log_probs(
+            hidden, out_proj.weight, targets, temperature, with_entropy, self.chunk_tokens, self.keep_bytes
+        )
+        return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+
+
+class ValueModel(PackedModel):
+    """A decoder body with a scalar head on the last hidden state: one value per token."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.model = body  # named `model` so decoder_layers() and HF-style names work unchanged
+        self.value_head = nn.Linear(body.config.hidden_size, 1)
+        nn.init.normal_(self.value_head.weight, std=0.02)
+        nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def body(self) -> nn.Module:
+        return self.model
+
+    def head(self, hidden: torch.Tensor, *_: object) -> dict[str, torch.Tensor]:
         if hidden.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             # bf16 on a CPU (engines/training/fsdp/engine.py): the head in fp32; bf16 would keep 3 digits a value.
             with torch.autocast("cpu", enabled=False):
@@ -142,10 +136,6 @@ class ValueModel(nn.Module):
             values = self.value_head(hidden)
         # clone: FSDP hooks its output, and a view of it would lose the pre-backward hook.
         return {"values": values.squeeze(-1).float().clone()}
-
-    @staticmethod
-    def hf_name(name: str) -> str:
-        return name
 
 
 def sparse_tied_embedding(model: torch.nn.Module, device: torch.device) -> bool:
