@@ -76,27 +76,23 @@ def is_json_media(content_type: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+def error_json(
+    path: str, status: int, message: str, param: str | None, code: str | None
+) -> tuple[int, dict[str, Any]]:
+    """(status, body) of an error in the shape of its path: the SDK's `RequestFailedResponse` and the field
+    at fault under /api/v1, the API's elsewhere. A Tinker refusal is a 400, never a 422: the SDK shows a
+    4xx at once."""
+    if path.startswith(TINKER_PREFIX):
+        status = 400 if status == 422 else status
+        return status, {"error": message, "category": "server" if status >= 500 else "user", "param": param}
     kind = STATUSES.get(status, ("api_error",))[0]
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def tinker_error_body(message: str, field: str | None, category: str = "user") -> dict[str, Any]:
-    """The Tinker SDK's `RequestFailedResponse`, and the field at fault."""
-    return {"error": message, "category": category, "param": field}
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def shaped(request: Request, status: int, message: str, param: str | None, code: str | None,
            headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    """An error in the shape of the request's path: the SDK's under /api/v1, the API's elsewhere.
-    A Tinker refusal is a 400, never a 422: the SDK shows a 4xx at once."""
-    if request.url.path.startswith(TINKER_PREFIX):
-        status = 400 if status == 422 else status
-        category = "server" if status >= 500 else "user"
-        return JSONResponse(tinker_error_body(message, param, category), status, headers=headers)
-    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+    status, body = error_json(request.url.path, status, message, param, code)
+    return JSONResponse(body, status, headers=headers)
 
 
 def _field(loc: tuple) -> str | None:

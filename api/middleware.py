@@ -21,7 +21,7 @@ from prometheus_client import Histogram
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import TINKER_PREFIX, error_body, tinker_error_body
+from api.errors import TINKER_PREFIX, error_json
 from service.audit import AuditEntry
 from service.store import JobStore
 
@@ -78,10 +78,9 @@ class BodyLimit:
 
 async def _refuse(send: Send, limit: int, path: str) -> None:
     param, code = BodyTooLarge.param, BodyTooLarge.code
-    if path.startswith(TINKER_PREFIX):
-        shaped = tinker_error_body(f"{param}: {_message(limit)}", param)
-    else:
-        shaped = error_body(413, _message(limit), param, code)
+    tinker = path.startswith(TINKER_PREFIX)  # the SDK's message names the field itself
+    message = f"{param}: {_message(limit)}" if tinker else _message(limit)
+    _, shaped = error_json(path, 413, message, param, code)
     body = json.dumps(shaped).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]  # fmt: skip
