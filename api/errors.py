@@ -103,25 +103,21 @@ def _field(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def validation_error(first: dict[str, Any]) -> tuple[str, str | None]:
-    """(message, param) of one pydantic/FastAPI validation error."""
+def validation_refusal(request: Request, first: dict[str, Any]) -> tuple[int, str, str | None, str]:
+    """(status, message, param, code) of a request's first validation error. A JSON body sent as something
+    else (curl's `-d` alone sends a form) is a 415 that says so: FastAPI validates the raw bytes then."""
+    kind, loc = request.headers.get("content-type"), tuple(first.get("loc", ()))
+    if kind and loc and loc[0] == "body" and not is_json_media(kind):
+        media = kind.split(";")[0].strip().lower()
+        header = "`Content-Type: application/json`"
+        why = f"send it with the header {header} (this request's Content-Type is '{media}')"
+        return 415, f"body: this route reads a JSON body; {why}", "body", "unsupported_media_type"
     if first.get("type") == "json_invalid":  # loc is ("body", character offset): the body is at fault
         why = (first.get("ctx") or {}).get("error", "invalid JSON")
-        return f"body: the request body is not valid JSON ({why})", "body"
-    param = _field(tuple(first.get("loc", ())))
-    return error_message(first.get("msg", "invalid request"), param), param
-
-
-def not_json_body(request: Request, first: dict[str, Any]) -> str | None:
-    """The message for a JSON body sent as something else (curl's `-d` alone sends a form): FastAPI then
-    validates the raw bytes, and its message would not say why."""
-    kind = request.headers.get("content-type")
-    loc = tuple(first.get("loc", ()))
-    if not kind or not loc or loc[0] != "body" or is_json_media(kind):
-        return None
-    media = kind.split(";")[0].strip().lower()
-    return (f"body: this route reads a JSON body; send it with the header `Content-Type: application/json` "
-            f"(this request's Content-Type is '{media}')")  # fmt: skip
+        return 422, f"body: the request body is not valid JSON ({why})", "body", "invalid_json"
+    param = _field(loc)
+    code = "invalid_json" if param == "body" else "invalid_value"
+    return 422, error_message(first.get("msg", "invalid request"), param), param, code
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -132,12 +128,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        wrong_kind = not_json_body(request, first)
-        if wrong_kind:
-            return shaped(request, 415, wrong_kind, "body", "unsupported_media_type")
-        message, param = validation_error(first)
-        code = "invalid_json" if param == "body" else "invalid_value"
-        return shaped(request, 422, message, param, code)
+        return shaped(request, *validation_refusal(request, first))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
