@@ -12,7 +12,7 @@ from fastapi.responses import HTMLResponse
 from api.auth import Authenticator
 from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
-from api.middleware import AuditTrail, BodyLimit, RequestId
+from api.middleware import BodyLimit, RequestLog
 from api.read_cache import HotReadPath, HotReads, ReadCache
 from api.routes import (
     audit,
@@ -86,9 +86,8 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         path = scope["path"].rstrip("/") if scope["method"] == "POST" else ""
         return limits.get(path, settings.max_body_bytes)
 
-    app.add_middleware(HotReadPath, hot=app.state.hot_reads)  # innermost: inside RequestId
-    app.add_middleware(AuditTrail, store=service.store)  # inside RequestId: it records the request id
-    app.add_middleware(RequestId, latency=latency)
+    app.add_middleware(HotReadPath, hot=app.state.hot_reads)  # innermost: inside RequestLog
+    app.add_middleware(RequestLog, latency=latency, store=service.store)
     app.add_middleware(BodyLimit, limit_for=body_limit)  # outermost: refuses before anything reads
     for router in ROUTERS:
         app.include_router(router)

@@ -23,20 +23,21 @@ def upload_command(args: argparse.Namespace, client: TandemClient) -> int:
 
 
 def list_files_command(args: argparse.Namespace, client: TandemClient) -> int:
-    found = client.list_files()["data"]
+    found = client.call("GET", "/v1/files")["data"]
     rows = [(f["id"], f["filename"], str(f["bytes"]), f["purpose"], clock(f["created_at"])) for f in found]
     print(table(("ID", "NAME", "BYTES", "PURPOSE", "UPLOADED"), rows) if rows else "no files")
     return 0
 
 
 def delete_file_command(args: argparse.Namespace, client: TandemClient) -> int:
-    client.delete_file(args.file_id)
+    client.call("DELETE", f"/v1/files/{args.file_id}")
     print(f"{args.file_id} deleted")
     return 0
 
 
 def create_key_command(args: argparse.Namespace, client: TandemClient) -> int:
-    made = client.create_key(args.owner, args.scope, args.expires, args.name or "")
+    body = {"owner": args.owner, "scope": args.scope, "expires_days": args.expires, "name": args.name or ""}
+    made = client.call("POST", "/v1/keys", json=body)
     expires = clock(made["expires_at"], MINUTES) if made["expires_at"] else "never"
     print(f"created {made['id']} for owner '{made['owner']}' (scopes {','.join(made['scopes'])}; "
           f"expires {expires}); the key is shown once, on the next line:")  # fmt: skip
@@ -45,7 +46,7 @@ def create_key_command(args: argparse.Namespace, client: TandemClient) -> int:
 
 
 def list_keys_command(args: argparse.Namespace, client: TandemClient) -> int:
-    keys = client.list_keys(args.owner)["data"]
+    keys = client.call("GET", "/v1/keys", {"owner": args.owner})["data"]
     rows = [
         (k["id"], k["owner"], ",".join(k["scopes"]) + (" (admin)" if k["admin"] else ""),
          *(clock(k[f], MINUTES) for f in ("created_at", "last_used_at", "expires_at")), k["state"])
@@ -57,7 +58,7 @@ def list_keys_command(args: argparse.Namespace, client: TandemClient) -> int:
 
 
 def revoke_key_command(args: argparse.Namespace, client: TandemClient) -> int:
-    revoked = client.revoke_key(args.key_id)
+    revoked = client.call("DELETE", f"/v1/keys/{args.key_id}")
     print(f"{revoked['id']} ({revoked['owner']}) revoked")
     return 0
 

@@ -131,50 +131,50 @@ class TandemClient:
 
     def create_job(self, spec: JSON, idempotency_key: str | None = None) -> JSON:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return self._call("POST", "/v1/jobs", json=spec, headers=headers)
+        return self.call("POST", "/v1/jobs", json=spec, headers=headers)
 
     def validate_job(self, spec: JSON) -> JSON:
         """The service's checks of a submission, nothing created: {"valid": true, "spec": {...}} or an error."""
-        return self._call("POST", "/v1/jobs/validate", json=spec)
+        return self.call("POST", "/v1/jobs/validate", json=spec)
 
     def list_jobs(self, status: list[str] | None = None, limit: int = 20, after: str | None = None,
                   q: str | None = None, tag: str | None = None) -> JSON:  # fmt: skip
-        return self._call(
+        return self.call(
             "GET", "/v1/jobs", params={"limit": limit, "status": status, "after": after, "q": q, "tag": tag}
         )
 
     def get_job(self, job_id: str) -> JSON:
-        return self._call("GET", f"/v1/jobs/{job_id}")
+        return self.call("GET", f"/v1/jobs/{job_id}")
 
     def control(self, job_id: str, action: str) -> JSON:
         """`action` ("cancel", "pause" or "resume") the job; returns it as the service left it."""
-        return self._call("POST", f"/v1/jobs/{job_id}/{action}")
+        return self.call("POST", f"/v1/jobs/{job_id}/{action}")
 
     def fork(self, job_id: str, checkpoint_step: int | None = None, overrides: JSON | None = None) -> JSON:
         body = {"checkpoint_step": checkpoint_step, "overrides": overrides or {}}
-        return self._call("POST", f"/v1/jobs/{job_id}/fork", json=body)
+        return self.call("POST", f"/v1/jobs/{job_id}/fork", json=body)
 
     def set_hyperparameters(self, job_id: str, changes: JSON) -> JSON:
-        return self._call("PATCH", f"/v1/jobs/{job_id}/hyperparameters", json=changes)
+        return self.call("PATCH", f"/v1/jobs/{job_id}/hyperparameters", json=changes)
 
     def events(self, job_id: str, after: int = 0, limit: int = 1000) -> JSON:
-        return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after, "limit": limit})
+        return self.call("GET", f"/v1/jobs/{job_id}/events", params={"after": after, "limit": limit})
 
     def metrics(self, job_id: str, keys: list[str] | None = None, **query: int) -> JSON:
         """One page of the series; `query` takes the route's other parameters (after_step, last,
         every, max_points, step_min, step_max, limit)."""
         params = {**query, "keys": ",".join(keys or [])}
-        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params=params)
+        return self.call("GET", f"/v1/jobs/{job_id}/metrics", params=params)
 
     def logs(self, job_id: str, tail: int = 200) -> JSON:
-        return self._call("GET", f"/v1/jobs/{job_id}/logs", params={"tail": tail})
+        return self.call("GET", f"/v1/jobs/{job_id}/logs", params={"tail": tail})
 
     def checkpoints(self, job_id: str) -> JSON:
-        return self._call("GET", f"/v1/jobs/{job_id}/checkpoints")
+        return self.call("GET", f"/v1/jobs/{job_id}/checkpoints")
 
     def samples(self, job_id: str, step: int | None = None, limit: int = 20, after: int = 0) -> JSON:
         params = {"limit": limit, "after": after, "step": step}
-        return self._call("GET", f"/v1/jobs/{job_id}/samples", params=params)
+        return self.call("GET", f"/v1/jobs/{job_id}/samples", params=params)
 
     def stream(self, job_id: str, what: str, after: int = 0) -> Iterator[SSEEvent]:
         """A job's live `events`, `metrics` or `logs` after id `after`, until the `end` event."""
@@ -210,30 +210,13 @@ class TandemClient:
                     yield chunk
 
         headers = {"content-type": "application/octet-stream"}
-        return self._call(
+        return self.call(
             "POST", "/v1/files", params={"filename": path.name}, content=chunks(), headers=headers
         )
 
-    def list_files(self) -> JSON:
-        return self._call("GET", "/v1/files")
-
-    def delete_file(self, file_id: str) -> JSON:
-        return self._call("DELETE", f"/v1/files/{file_id}")
-
-    def create_key(self, owner: str, scope: str = "write", expires_days: float | None = None,
-                   name: str = "") -> JSON:  # fmt: skip
-        """A new key for `owner`: the answer's `key` is the only time it is shown."""
-        body = {"owner": owner, "scope": scope, "expires_days": expires_days, "name": name}
-        return self._call("POST", "/v1/keys", json=body)
-
-    def list_keys(self, owner: str | None = None) -> JSON:
-        return self._call("GET", "/v1/keys", params={"owner": owner})
-
-    def revoke_key(self, key_id: str) -> JSON:
-        return self._call("DELETE", f"/v1/keys/{key_id}")
-
-    def _call(self, method: str, path: str, params: JSON | None = None, **kwargs: Any) -> JSON:
-        """`params` left empty (None, "" or []) are not sent."""
+    def call(self, method: str, path: str, params: JSON | None = None, **kwargs: Any) -> JSON:
+        """Any route's decoded answer (the files' and keys' routes are called so); `params` left empty
+        (None, "" or []) are not sent."""
         sent = {k: v for k, v in (params or {}).items() if v not in (None, "", [])}
         try:
             response = self._http.request(method, path, params=sent or None, **kwargs)

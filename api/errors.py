@@ -76,27 +76,23 @@ def is_json_media(content_type: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+def error_json(
+    path: str, status: int, message: str, param: str | None, code: str | None
+) -> tuple[int, dict[str, Any]]:
+    """(status, body) of an error in the shape of its path: the SDK's `RequestFailedResponse` and the field
+    at fault under /api/v1, the API's elsewhere. A Tinker refusal is a 400, never a 422: the SDK shows a
+    4xx at once."""
+    if path.startswith(TINKER_PREFIX):
+        status = 400 if status == 422 else status
+        return status, {"error": message, "category": "server" if status >= 500 else "user", "param": param}
     kind = STATUSES.get(status, ("api_error",))[0]
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def tinker_error_body(message: str, field: str | None, category: str = "user") -> dict[str, Any]:
-    """The Tinker SDK's `RequestFailedResponse`, and the field at fault."""
-    return {"error": message, "category": category, "param": field}
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def shaped(request: Request, status: int, message: str, param: str | None, code: str | None,
            headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
-    """An error in the shape of the request's path: the SDK's under /api/v1, the API's elsewhere.
-    A Tinker refusal is a 400, never a 422: the SDK shows a 4xx at once."""
-    if request.url.path.startswith(TINKER_PREFIX):
-        status = 400 if status == 422 else status
-        category = "server" if status >= 500 else "user"
-        return JSONResponse(tinker_error_body(message, param, category), status, headers=headers)
-    return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+    status, body = error_json(request.url.path, status, message, param, code)
+    return JSONResponse(body, status, headers=headers)
 
 
 def _field(loc: tuple) -> str | None:
@@ -107,25 +103,21 @@ def _field(loc: tuple) -> str | None:
     return ".".join(parts) or None
 
 
-def validation_error(first: dict[str, Any]) -> tuple[str, str | None]:
-    """(message, param) of one pydantic/FastAPI validation error."""
+def validation_refusal(request: Request, first: dict[str, Any]) -> tuple[int, str, str | None, str]:
+    """(status, message, param, code) of a request's first validation error. A JSON body sent as something
+    else (curl's `-d` alone sends a form) is a 415 that says so: FastAPI validates the raw bytes then."""
+    kind, loc = request.headers.get("content-type"), tuple(first.get("loc", ()))
+    if kind and loc and loc[0] == "body" and not is_json_media(kind):
+        media = kind.split(";")[0].strip().lower()
+        header = "`Content-Type: application/json`"
+        why = f"send it with the header {header} (this request's Content-Type is '{media}')"
+        return 415, f"body: this route reads a JSON body; {why}", "body", "unsupported_media_type"
     if first.get("type") == "json_invalid":  # loc is ("body", character offset): the body is at fault
         why = (first.get("ctx") or {}).get("error", "invalid JSON")
-        return f"body: the request body is not valid JSON ({why})", "body"
-    param = _field(tuple(first.get("loc", ())))
-    return error_message(first.get("msg", "invalid request"), param), param
-
-
-def not_json_body(request: Request, first: dict[str, Any]) -> str | None:
-    """The message for a JSON body sent as something else (curl's `-d` alone sends a form): FastAPI then
-    validates the raw bytes, and its message would not say why."""
-    kind = request.headers.get("content-type")
-    loc = tuple(first.get("loc", ()))
-    if not kind or not loc or loc[0] != "body" or is_json_media(kind):
-        return None
-    media = kind.split(";")[0].strip().lower()
-    return (f"body: this route reads a JSON body; send it with the header `Content-Type: application/json` "
-            f"(this request's Content-Type is '{media}')")  # fmt: skip
+        return 422, f"body: the request body is not valid JSON ({why})", "body", "invalid_json"
+    param = _field(loc)
+    code = "invalid_json" if param == "body" else "invalid_value"
+    return 422, error_message(first.get("msg", "invalid request"), param), param, code
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -136,12 +128,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        wrong_kind = not_json_body(request, first)
-        if wrong_kind:
-            return shaped(request, 415, wrong_kind, "body", "unsupported_media_type")
-        message, param = validation_error(first)
-        code = "invalid_json" if param == "body" else "invalid_value"
-        return shaped(request, 422, message, param, code)
+        return shaped(request, *validation_refusal(request, first))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:

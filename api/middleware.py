@@ -21,7 +21,7 @@ from prometheus_client import Histogram
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from api.errors import TINKER_PREFIX, error_body, tinker_error_body
+from api.errors import TINKER_PREFIX, error_json
 from service.audit import AuditEntry
 from service.store import JobStore
 
@@ -78,10 +78,9 @@ class BodyLimit:
 
 async def _refuse(send: Send, limit: int, path: str) -> None:
     param, code = BodyTooLarge.param, BodyTooLarge.code
-    if path.startswith(TINKER_PREFIX):
-        shaped = tinker_error_body(f"{param}: {_message(limit)}", param)
-    else:
-        shaped = error_body(413, _message(limit), param, code)
+    tinker = path.startswith(TINKER_PREFIX)  # the SDK's message names the field itself
+    message = f"{param}: {_message(limit)}" if tinker else _message(limit)
+    _, shaped = error_json(path, 413, message, param, code)
     body = json.dumps(shaped).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                (b"connection", b"close")]  # fmt: skip
@@ -92,52 +91,30 @@ async def _refuse(send: Send, limit: int, path: str) -> None:
 # A client's x-request-id is kept (in the response and the audit log) only when it looks like an id:
 # anything longer or odder is replaced by a new one, so no client writes what it likes into the log.
 CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._:@+=/-]{0,127}")
+WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})  # audited
+KEPT_BYTES = 4096  # a request or response body longer than this is not kept (or not read for an id)
 
 
-class RequestId:
+class RequestLog:
     """Every response carries x-request-id (the client's when it looks like an id, else a new one);
-    latency per route is observed."""
+    latency per route is observed; every write a route accepted from an identified caller is audited."""
 
-    def __init__(self, app: ASGIApp, latency: Histogram) -> None:
-        self.app, self.latency = app, latency
+    def __init__(self, app: ASGIApp, latency: Histogram, store: JobStore) -> None:
+        self.app, self.latency, self.store = app, latency, store
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"x-request-id", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"")
         rid = given if CLIENT_REQUEST_ID.fullmatch(given) else ("req_" + uuid.uuid4().hex[:16]).encode()
         scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")  # the audit trail's
         start = time.perf_counter()
-
-        async def tagged(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
-                path = getattr(scope.get("route"), "path", "unmatched")
-                self.latency.labels(scope["method"], path, str(message["status"])).observe(
-                    time.perf_counter() - start
-                )
-            await send(message)
-
-        await self.app(scope, receive, tagged)
-
-
-WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-KEPT_BYTES = 4096  # a request or response body longer than this is not kept (or not read for an id)
-
-
-class AuditTrail:
-    def __init__(self, app: ASGIApp, store: JobStore) -> None:
-        self.app, self.store = app, store
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in WRITES:
-            await self.app(scope, receive, send)
-            return
+        audited = scope["method"] in WRITES
         sent: dict[str, Any] = {"status": 0, "body": b"", "json": False}
         request = bytearray()
-        is_json = dict(scope["headers"]).get(b"content-type", b"").startswith(b"application/json")
+        is_json = headers.get(b"content-type", b"").startswith(b"application/json")
 
         async def kept_receive() -> Message:
             message = await receive()
@@ -145,19 +122,25 @@ class AuditTrail:
                 request.extend(message.get("body", b"")[: KEPT_BYTES + 1])
             return message
 
-        async def watched(message: Message) -> None:
+        async def tagged(message: Message) -> None:
             if message["type"] == "http.response.start":
                 sent["status"] = message["status"]
                 sent["json"] = any(k == b"content-type" and v.startswith(b"application/json")
                                    for k, v in message.get("headers", []))  # fmt: skip
-            elif message["type"] == "http.response.body":
+                kept = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*kept, (b"x-request-id", rid)]}
+                path = getattr(scope.get("route"), "path", "unmatched")
+                self.latency.labels(scope["method"], path, str(message["status"])).observe(
+                    time.perf_counter() - start
+                )
+            elif message["type"] == "http.response.body" and audited:
                 if len(sent["body"]) <= KEPT_BYTES * 16:
                     sent["body"] += message.get("body", b"")
                 if not message.get("more_body", False):  # recorded before the client has the answer
                     await self._record(scope, sent, bytes(request))
             await send(message)
 
-        await self.app(scope, kept_receive, watched)
+        await self.app(scope, kept_receive if audited else receive, tagged)
 
     async def _record(self, scope: Scope, sent: dict[str, Any], request: bytes) -> None:
         caller = scope.get("state", {}).get("caller")

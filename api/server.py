@@ -29,6 +29,7 @@ from workers.sandbox.limits import ENV_UNSANDBOXED
 
 log = logging.getLogger("tandem.server")
 DEFAULT_PORT = 8000
+SHUTDOWN_TIMEOUT_S = 300.0  # running jobs get this long to pause at a checkpoint
 RAY_START_TRIES = 3  # a local Ray gives its node 30 s to start, which a loaded 2-core machine can miss
 
 
@@ -84,7 +85,6 @@ def serve(
     home: str | Path | None = None,
     ray_address: str | None = None,
     num_cpus: int | None = None,
-    shutdown_timeout_s: float = 300.0,
     settings: ServeSettings | None = None,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -133,7 +133,7 @@ def serve(
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _already_stopping)
         log.info("stopping: pausing running jobs so they resume from a checkpoint")
-        service.shutdown(timeout_s=shutdown_timeout_s)
+        service.shutdown(timeout_s=SHUTDOWN_TIMEOUT_S)
         ray.shutdown()
         # Frozen objects are never freed: nanobind would report them as leaked at exit.
         gc.unfreeze()

@@ -31,6 +31,13 @@ from service.owned_paths import OwnedPaths
 from service.store import JobStore
 from workers.references import is_path_reference
 
+# a user-code field: the kind of callable it names, and the code of a refusal
+USER_CODE = {
+    "reward.function": ("reward", "invalid_reward_function"),
+    "rollout.environment": ("environment", "invalid_environment"),
+    "rollout.external.agent": ("agent", "invalid_agent"),
+}
+
 
 class Checker:
     """The submission checks of one service: its home, the paths each owner may name, and limits."""
@@ -41,8 +48,8 @@ class Checker:
         self.files = files
         self.paths = OwnedPaths(home, files, store, settings.shared_roots(), settings.tracker_policy())
 
-    def folder(self, path: str, param: str, what: str) -> None:
-        if not _exists(Path(path) / "config.json"):  # an owned path (submittable checked it)
+    def folder(self, path: str | None, param: str, what: str) -> None:
+        if path is not None and not _exists(Path(path) / "config.json"):  # owned (submittable checked it)
             raise invalid(
                 param, f"'{path}' is not a {what} folder on the server (no config.json)", "not_found"
             )
@@ -63,14 +70,10 @@ class Checker:
             self.paths.resolve(ref.rpartition(":")[0], param, sees)
         return ref
 
-    def reward_function(self, ref: str) -> None:
-        self.reward_source(ref, "reward.function")  # upload ids are resolved already (submittable)
-        self.user_code(ref, "reward", "reward.function", "invalid_reward_function")
-
-    def user_code(self, ref: str, kind: str, param: str, code: str) -> None:
-        """A 422 with `code` when `ref` is not a usable `kind` (a 'builtin:' name is looked up here, anything
-        else is checked in a sandbox)."""
-        s = self.settings
+    def user_code(self, ref: str, param: str) -> None:
+        """A 422 when `ref` is not usable as the field `param` (a 'builtin:' name is looked up here, anything
+        else is checked in a sandbox); its uploads and paths are resolved and owned (submittable)."""
+        s, (kind, code) = self.settings, USER_CODE[param]
         try:
             why = check_callable(
                 ref, kind, s.user_code_timeout_s, s.user_code_limits(), s.unsandboxed_user_code
@@ -110,21 +113,25 @@ class Checker:
                 packaged_gguf(PACKAGED_MODELS[m.builtin])
             except PackagedModelMissing as err:
                 raise invalid("model.builtin", str(err), "extra_not_installed") from None
-        if m.path is not None:
-            self.folder(m.path, "model.path", "Hugging Face model")
-        if m.critic_path is not None:
-            self.folder(m.critic_path, "model.critic_path", "Hugging Face model")
+        self.folder(m.path, "model.path", "Hugging Face model")
+        self.folder(m.critic_path, "model.critic_path", "Hugging Face model")
         if d.train_path is None and d.builtin_task not in BUILTIN_TASKS:
             why = f"unknown task '{d.builtin_task}'; choose one of {sorted(BUILTIN_TASKS)}"
             raise invalid("data.builtin_task", why)
         self.file(d.train_path, "data.train_path")
         self.file(d.val_path, "data.val_path")
-        if r.function is not None and spec.method != "sft":
-            self.reward_function(r.function)
-        if r.model_path is not None:
-            self.folder(r.model_path, "reward.model_path", "reward model")
-        self.environment(spec)
-        self.agent(spec)
+        self.folder(r.model_path, "reward.model_path", "reward model")
+        if spec.method == "sft" and spec.rollout.environment is not None:
+            raise invalid("rollout.environment", "SFT jobs do not roll out; remove the environment")
+        external = spec.rollout.external_config
+        refs = {
+            "reward.function": None if spec.method == "sft" else r.function,
+            "rollout.environment": spec.rollout.environment,
+            "rollout.external.agent": external and external.agent,
+        }
+        for param, ref in refs.items():
+            if ref is not None:
+                self.user_code(ref, param)
         if m.lora is not None:
             self.lora(spec)
         why = available_backends().get(spec.rollout.backend)
@@ -157,22 +164,6 @@ class Checker:
             why = init_from_errors(lora, Path(lora.init_from), layers, base_folder)  # owned: submittable
             if why is not None:
                 raise invalid("model.lora.init_from", why, "invalid_adapter")
-
-    def environment(self, spec: JobSpec) -> None:
-        """rollout.environment: imported and checked in a sandbox."""
-        ref, param = spec.rollout.environment, "rollout.environment"
-        if ref is None:
-            return
-        if spec.method == "sft":
-            raise invalid(param, "SFT jobs do not roll out; remove the environment")
-        self.user_code(ref, "environment", param, "invalid_environment")  # a path: owned (submittable)
-
-    def agent(self, spec: JobSpec) -> None:
-        """rollout.external.agent: imported and checked in a sandbox."""
-        external, param = spec.rollout.external_config, "rollout.external.agent"
-        if external is None or external.agent is None:
-            return
-        self.user_code(external.agent, "agent", param, "invalid_agent")  # a path: owned (submittable)
 
 
 def _exists(path: Path, test: Callable[[Path], bool] = Path.exists) -> bool:
