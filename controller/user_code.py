@@ -22,7 +22,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "reward": ("reward function", "controller.rewards:load_reward_fn", "controller.rewards:BUILTIN_REWARDS"),
     "environment": (
         "environment",
-        "workers.environments.loader:load_environment_class",
+        "workers.environments.base:load_environment_class",
         "workers.environments:BUILTIN_ENVIRONMENTS",
     ),
     "agent": ("agent", "controller.agent_sandbox:load_agent_fn", "controller.agent_sandbox:BUILTIN_AGENTS"),
