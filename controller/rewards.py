@@ -21,12 +21,7 @@ from typing import TYPE_CHECKING, Any
 from controller.reasoning_gym_task import reasoning_gym_reward
 from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
-from workers.references import (
-    describe_exception,
-    lookup_builtin,
-    parse_reference,
-    resolve_reference,
-)
+from workers.references import describe_exception, load_reference, parse_reference
 
 if TYPE_CHECKING:
     import torch
@@ -115,9 +110,7 @@ SANDBOXED_BUILTINS = ("builtin:reasoning_gym",)
 
 def load_reward_fn(ref: str) -> RewardFn:
     """Resolve `ref` into a validated reward function; raises RewardFunctionError saying why not."""
-    if parse_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form == "builtin":
-        return lookup_builtin(ref, BUILTIN_REWARDS, "reward function", RewardFunctionError)
-    fn = resolve_reference(ref, "reward function", RewardFunctionError)
+    fn = load_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError, BUILTIN_REWARDS)
     _check_signature(ref, fn)
     return fn
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.environments.openenv_ref import is_openenv_app
-from workers.references import lookup_builtin, parse_reference, resolve_reference
+from workers.references import load_reference
 
 Message = dict[str, str]
 Observation = str | Message | list[Message]
@@ -97,12 +97,11 @@ def load_environment_class(ref: str) -> Any:
     """The class (or OpenEnv server app) `ref` names, validated; EnvironmentReferenceError says why not."""
     from workers.environments import BUILTIN_ENVIRONMENTS
 
-    if parse_reference(ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError).form == "builtin":
-        return lookup_builtin(ref, BUILTIN_ENVIRONMENTS, "environment", EnvironmentReferenceError)
-    target = resolve_reference(ref, "environment", EnvironmentReferenceError)
-    if is_openenv_app(target):
-        return target
-    check_environment_class(ref, target)
+    target = load_reference(
+        ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError, BUILTIN_ENVIRONMENTS
+    )
+    if not is_openenv_app(target):
+        check_environment_class(ref, target)
     return target
 
 
