@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from workers.references import lookup_builtin, parse_reference, resolve_reference
+from workers.references import load_reference
 from workers.sandbox.child import ask
 
 REFERENCE_FORMS = "'module:function' or 'path/to/file.py:function'"
@@ -100,9 +100,7 @@ class AgentError(ValueError):
 
 def load_agent_fn(ref: str) -> Any:
     """The function (or verifiers Taskset class) `ref` names; AgentError says why not."""
-    if parse_reference(ref, "agent", REFERENCE_FORMS, AgentError).form == "builtin":
-        return lookup_builtin(ref, BUILTIN_AGENTS, "agent", AgentError)
-    fn = resolve_reference(ref, "agent", AgentError)
+    fn = load_reference(ref, "agent", REFERENCE_FORMS, AgentError, BUILTIN_AGENTS)
     if is_taskset(fn):
         return fn
     if inspect.isclass(fn) or not callable(fn):

@@ -21,7 +21,7 @@ from controller.reasoning_gym_task import write_reasoning_gym_files
 from controller.tasks import write_splits
 from schema.job import DataSpec
 from workers.batch import Batch
-from workers.chat_delta import ChatDelta
+from workers.chat_serving import ChatDelta
 
 
 @dataclass(frozen=True)

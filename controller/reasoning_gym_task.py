@@ -3,7 +3,7 @@
 
 Each row picks its task by a seeded weighted draw and takes that task's next item from a dataset seeded
 by (seed, split, task), so a spec gives the same rows on every run; validation leaves out any question
-among the training rows'. Generating runs in a spawned process bounded by `timeout_s`, and the files are
+among the training rows'. Generating runs in a process of its own bounded by `timeout_s`, and the files are
 kept beside the spec that made them. A row carries its task, config and entry in `extra["reasoning_gym"]`
 (`encode_entry` keeps through JSON the tuples, sets and non-string-keyed dicts some scorers compare).
 The answer is the last complete <answer>...</answer> ("answer_tag") or the last non-empty line
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import multiprocessing
 import random
 import re
 from functools import lru_cache
@@ -177,54 +176,41 @@ def write_reasoning_gym_files(spec: ReasoningGymSpec, directory: str | Path) -> 
 
 
 def _generate_in_child(spec: ReasoningGymSpec, directory: Path) -> None:
-    context = multiprocessing.get_context("spawn")  # fork would copy the controller's threads
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(
-        target=_generate, args=(spec.model_dump_json(), str(directory), send), daemon=True
-    )
-    child.start()
-    send.close()
+    """`_generate` in a process of its own, ended at `timeout_s`; its failures as DataErrors."""
+    from workers.sandbox.channel import Sandbox, SandboxCrashed, SandboxError, SandboxTimeout
+    from workers.sandbox.limits import Limits
+
     names = ", ".join(task.name for task in spec.tasks)
-    try:
-        if not receive.poll(spec.timeout_s):
+    # reasoning-gym is the service's code: a plain process, no limits but the time
+    with Sandbox(limits=Limits(None, None), stderr=None, mode="none") as box:
+        try:
+            box.call(
+                f"{__name__}:_generate", [spec.model_dump_json(), str(directory.resolve())], spec.timeout_s
+            )
+        except SandboxTimeout:
             raise DataError(
                 f"data.reasoning_gym: generating {spec.size} + {spec.val_size} rows of {names} did not "
                 f"finish within {spec.timeout_s:g} s; lower data.reasoning_gym.size or raise timeout_s"
-            )
-        status, detail = receive.recv()
-    except EOFError:
-        child.join(5)
-        raise DataError(
-            f"data.reasoning_gym: the process generating rows of {names} ended (exit code "
-            f"{child.exitcode}) before it finished"
-        ) from None
-    finally:
-        receive.close()
-        if child.is_alive():
-            child.kill()
-        child.join(5)
-    if status == "data":
-        raise DataError(detail)
-    if status != "ok":
-        raise DataError(f"data.reasoning_gym: generating rows of {names} failed: {detail}")
+            ) from None
+        except SandboxCrashed as err:
+            raise DataError(
+                f"data.reasoning_gym: the process generating rows of {names} ended before it finished "
+                f"({err.message})"
+            ) from None
+        except SandboxError as err:  # a DataError of ours already says which setting to change
+            raise DataError(err.message if err.type == "DataError" else
+                            f"data.reasoning_gym: generating rows of {names} failed: {err.type}: {err.message}") from None  # fmt: skip
 
 
-def _generate(spec_json: str, directory: str, send: Any) -> None:
-    """The child's side: write the split files, then send ("ok", counts) or ("error", why)."""
-    try:
-        spec = ReasoningGymSpec.model_validate_json(spec_json)
-        train = make_rows(spec, "train", spec.size)
-        write_rows(Path(directory) / "train.jsonl", train)
-        val_file = Path(directory) / "val.jsonl"
-        val_file.unlink(missing_ok=True)
-        seen = frozenset(row["extra"]["reasoning_gym"]["entry"]["question"] for row in train)
-        val = held_out_rows(spec, seen)
-        if val:
-            write_rows(val_file, val)
-        send.send(("ok", {"train": len(train), "val": len(val)}))
-    except DataError as err:  # ours, already saying which setting to change
-        send.send(("data", str(err)))
-    except Exception as err:  # reasoning-gym's code: whatever it raises is the job's error
-        send.send(("error", f"{type(err).__name__}: {err}"[:2000]))
-    finally:
-        send.close()
+def _generate(spec_json: str, directory: str) -> dict[str, int]:
+    """The child's side: write the split files; the rows' counts."""
+    spec = ReasoningGymSpec.model_validate_json(spec_json)
+    train = make_rows(spec, "train", spec.size)
+    write_rows(Path(directory) / "train.jsonl", train)
+    val_file = Path(directory) / "val.jsonl"
+    val_file.unlink(missing_ok=True)
+    seen = frozenset(row["extra"]["reasoning_gym"]["entry"]["question"] for row in train)
+    val = held_out_rows(spec, seen)
+    if val:
+        write_rows(val_file, val)
+    return {"train": len(train), "val": len(val)}

@@ -1,6 +1,7 @@
-"""A user's reward function, scored in long-lived sandboxes (workers/sandbox/) for a job's controller:
-checked at once when its sandbox starts, then one call per batch (large batches split over `workers`
-sandboxes). A call past `timeout_s` ends its sandbox and its rows score 0.0 as errors.
+"""A reward function scored in long-lived processes for a job's controller: checked at once when the
+first starts, then one call per batch (large batches split over `workers` processes). A call past
+`timeout_s` ends its process and its rows score 0.0 as errors. A user's function runs in sandboxes
+(workers/sandbox/); a `trusted` built-in in the same processes without one.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ SampleResult = tuple[float, dict[str, float], str | None]
 
 class SandboxedRewards:
     def __init__(self, ref: str, workers: int = 1, timeout_s: float | None = 300.0, parallel_threshold: int = 64,
-                 limits: Limits | None = None) -> None:  # fmt: skip
+                 trusted: bool = False) -> None:  # fmt: skip
         self.ref, self.timeout_s = ref, timeout_s or 7 * 86400.0
         self.parallel_threshold = parallel_threshold
-        self.limits = (limits or Limits.from_env()).long_lived()
+        # The service's own code needs no sandbox, nor limits beyond each call's time.
+        self.mode = "none" if trusted else None
+        self.limits = Limits(None, None) if trusted else Limits.from_env().long_lived()
         self._boxes: list[UserCode | None] = [None] * max(1, workers)
         self._lock = threading.Lock()
         self._box(0)
@@ -34,7 +37,8 @@ class SandboxedRewards:
             box = self._boxes[index]
             if box is None or not box.alive:
                 what, check = f"reward function '{self.ref}'", "controller.user_code:check_here"
-                box = UserCode(self.ref, what, RewardFunctionError, check, ["reward"], limits=self.limits)
+                box = UserCode(self.ref, what, RewardFunctionError, check, ["reward"],
+                               limits=self.limits, mode=self.mode)  # fmt: skip
                 self._boxes[index] = box
             return box
 

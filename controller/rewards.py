@@ -4,33 +4,24 @@ reference string ("builtin:NAME", "module:function", "path/to/file.py:function")
 A dict result carries "score" plus extra numeric metrics (logged as "reward/<name>/mean"). A sample
 whose function raises or returns a non-number scores 0.0 and counts in "reward/errors". User code and
 SANDBOXED_BUILTINS run in sandboxes (controller/reward_sandbox.py); no torch or Ray at the top, because
-spawned scoring processes import this module.
+scoring processes import this module.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import multiprocessing
 import numbers
 import re
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from controller.reasoning_gym_task import reasoning_gym_reward
 from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
-from workers.references import (
-    describe_exception,
-    is_path_reference,
-    lookup_builtin,
-    parse_reference,
-    resolve_reference,
-)
+from workers.references import describe_exception, load_reference, parse_reference
 
 if TYPE_CHECKING:
     import torch
@@ -119,9 +110,7 @@ SANDBOXED_BUILTINS = ("builtin:reasoning_gym",)
 
 def load_reward_fn(ref: str) -> RewardFn:
     """Resolve `ref` into a validated reward function; raises RewardFunctionError saying why not."""
-    if parse_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form == "builtin":
-        return lookup_builtin(ref, BUILTIN_REWARDS, "reward function", RewardFunctionError)
-    fn = resolve_reference(ref, "reward function", RewardFunctionError)
+    fn = load_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError, BUILTIN_REWARDS)
     _check_signature(ref, fn)
     return fn
 
@@ -157,9 +146,10 @@ class RewardResult:
 
 
 class RewardScorer:
-    """Scores batches with one reward function: in sandboxes (user code), else here or, with
-    num_workers > 0 on batches over `parallel_threshold`, in a spawned pool; a pool call past
-    `timeout_s` scores its rows as errors and the pool is replaced."""
+    """Scores batches with one reward function: user code (and SANDBOXED_BUILTINS) in sandboxes; a
+    built-in here or, with num_workers > 0 on batches over `parallel_threshold`, in worker processes
+    (reward_sandbox.py, unsandboxed: the service's own code). A call past `timeout_s` scores its rows
+    as errors and its process is replaced."""
 
     MAX_ERROR_MESSAGES = 5
 
@@ -168,17 +158,15 @@ class RewardScorer:
     ) -> None:
         from controller.reward_sandbox import SandboxedRewards
 
-        self.ref = _canonical_ref(ref)
-        form = parse_reference(self.ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form
-        builtin = form == "builtin" and self.ref not in SANDBOXED_BUILTINS
-        self.fn = load_reward_fn(self.ref) if builtin else None
+        self.ref, self.parallel_threshold = ref, parallel_threshold
+        form = parse_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form
+        trusted = form == "builtin" and ref not in SANDBOXED_BUILTINS
+        self.fn = load_reward_fn(ref) if trusted else None
         self.sandboxed = (
-            None if builtin else SandboxedRewards(self.ref, num_workers, timeout_s, parallel_threshold)
+            None
+            if trusted and num_workers == 0
+            else SandboxedRewards(ref, num_workers, timeout_s, parallel_threshold, trusted=trusted)
         )
-        self.num_workers = num_workers
-        self.parallel_threshold = parallel_threshold
-        self.timeout_s = timeout_s
-        self._pool: ProcessPoolExecutor | None = None
 
     def score(
         self,
@@ -197,13 +185,12 @@ class RewardScorer:
                 strict=True,  # a length mismatch is a bug upstream: fail, never truncate
             )
         )
-        if self.sandboxed is not None:
-            results = self.sandboxed.score(rows)
-        elif self.num_workers > 0 and n > self.parallel_threshold:
-            results = self._score_in_pool(rows)
-        else:
+        if self.fn is not None and (self.sandboxed is None or n <= self.parallel_threshold):
             results = [score_sample(self.fn, *row) for row in rows]
-        import torch  # here, not at the top: spawned scoring processes never need it
+        else:
+            assert self.sandboxed is not None
+            results = self.sandboxed.score(rows)
+        import torch  # here, not at the top: sandboxed scoring processes never need it
 
         scores, log, errors, messages = _summary(results, self.MAX_ERROR_MESSAGES)
         row_errors = [error for _, _, error in results]
@@ -212,64 +199,12 @@ class RewardScorer:
     def close(self) -> None:
         if self.sandboxed is not None:
             self.sandboxed.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
 
     def __enter__(self) -> RewardScorer:
         return self
 
     def __exit__(self, *_: object) -> None:
         self.close()
-
-    def _score_in_pool(self, rows: list[tuple]) -> list[SampleResult]:
-        if self._pool is None:
-            self._pool = ProcessPoolExecutor(
-                self.num_workers,
-                mp_context=multiprocessing.get_context("spawn"),  # fork would copy the controller's threads
-                initializer=_init_worker,
-                initargs=(self.ref,),
-            )
-        size = max(1, math.ceil(len(rows) / (self.num_workers * 4)))
-        chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
-        futures = [self._pool.submit(_score_chunk, chunk) for chunk in chunks]
-        done, _ = wait(futures, timeout=self.timeout_s)
-        results: list[SampleResult] = []
-        broken = False
-        for future, chunk in zip(futures, chunks, strict=True):
-            if future not in done:
-                broken = True
-                results += [(0.0, {}, f"timed out after {self.timeout_s}s in the reward pool")] * len(chunk)
-            elif future.exception() is not None:
-                broken = True
-                error = f"the reward pool failed: {describe_exception(future.exception())}"
-                results += [(0.0, {}, error)] * len(chunk)
-            else:
-                results += future.result()
-        if broken:
-            self._kill_pool()
-        return results
-
-    def _kill_pool(self) -> None:
-        # shutdown() alone leaves a hung function's process running; terminate_workers is 3.14+.
-        pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        terminate = getattr(pool, "terminate_workers", None)
-        if terminate is not None:
-            terminate()
-            return
-        for process in list(getattr(pool, "_processes", {}).values()):
-            process.terminate()
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _canonical_ref(ref: str) -> str:
-    """The reference with a file path made absolute, so a worker process resolves the same file."""
-    if isinstance(ref, str) and is_path_reference(ref):
-        source, _, name = ref.rpartition(":")
-        return f"{Path(source).expanduser().resolve()}:{name}"
-    return ref
 
 
 def score_sample(
@@ -307,7 +242,7 @@ def _as_float(value: Any) -> float | None:
 def score_rows(ref: str, rows: list[dict[str, Any]], max_messages: int = 5) -> dict[str, Any]:
     """Plain rows ({prompt, response, ground_truth, extra}) scored as plain data: what
     `POST /v1/rewards/validate` runs in a sandbox."""
-    fn = load_reward_fn(_canonical_ref(ref))
+    fn = load_reward_fn(ref)
     results = [score_sample(fn, r.get("prompt", ""), r["response"], r.get("ground_truth"), r.get("extra"))
                for r in rows]  # fmt: skip
     scores, log, errors, messages = _summary(results, max_messages)
@@ -330,16 +265,3 @@ def _summary(
     log = {f"reward/{key}/mean": sums[key] / counts[key] for key in sorted(sums)}
     log["reward/errors"] = float(errors)
     return [score for score, _, _ in results], log, errors, messages
-
-
-_WORKER_FN: RewardFn | None = None
-
-
-def _init_worker(ref: str) -> None:
-    global _WORKER_FN
-    _WORKER_FN = load_reward_fn(ref)
-
-
-def _score_chunk(rows: list[tuple]) -> list[SampleResult]:
-    assert _WORKER_FN is not None, "reward pool process was not initialised"
-    return [score_sample(_WORKER_FN, *row) for row in rows]

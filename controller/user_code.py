@@ -7,7 +7,7 @@ Importing a user's module runs arbitrary code, so the API never does: `check_cal
 
 from __future__ import annotations
 
-import importlib
+import pkgutil
 import subprocess
 from typing import Any
 
@@ -22,7 +22,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "reward": ("reward function", "controller.rewards:load_reward_fn", "controller.rewards:BUILTIN_REWARDS"),
     "environment": (
         "environment",
-        "workers.environments.loader:load_environment_class",
+        "workers.environments.base:load_environment_class",
         "workers.environments:BUILTIN_ENVIRONMENTS",
     ),
     "agent": ("agent", "controller.agent_sandbox:load_agent_fn", "controller.agent_sandbox:BUILTIN_AGENTS"),
@@ -48,7 +48,7 @@ def check_callable(ref: str, kind: str, timeout_s: float = DEFAULT_TIMEOUT_S, li
     what = KINDS[kind][0]
     try:
         if ref.startswith(BUILTIN_PREFIX):  # the service's own code: looked up in-process
-            lookup_builtin(ref, _attribute(KINDS[kind][2]), what, ValueError)
+            lookup_builtin(ref, pkgutil.resolve_name(KINDS[kind][2]), what, ValueError)
         else:
             run_sandboxed("controller.user_code:check_here", ref, [kind], timeout_s, f"{what} '{ref}'", limits,
                           allow_unsandboxed)  # fmt: skip
@@ -61,13 +61,8 @@ def check_callable(ref: str, kind: str, timeout_s: float = DEFAULT_TIMEOUT_S, li
 
 def check_here(ref: str, kind: str) -> bool:
     """The sandbox's side of `check_callable`."""
-    _attribute(KINDS[kind][1])(ref)
+    pkgutil.resolve_name(KINDS[kind][1])(ref)
     return True
-
-
-def _attribute(name: str) -> Any:
-    module, _, attribute = name.partition(":")
-    return getattr(importlib.import_module(module), attribute)
 
 
 def run_sandboxed(target: str, ref: str, args: list[Any], timeout_s: float, what: str,

@@ -23,7 +23,7 @@ import pytest
 
 from engines.models.pretrained import PackagedModelMissing, build_packaged_model
 from engines.rollout import SamplingParams, build_rollout_engine
-from workers.chat_delta import ChatDelta
+from workers.chat_serving import ChatDelta
 from workers.multiturn import EnvironmentConfig, MultiTurnRollout
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from workers.environments import CalculatorEnv, GuessNumberEnv
+from workers.environments.base import EnvironmentReferenceError, load_environment_class
 from workers.environments.calculator import CalculatorError, evaluate
-from workers.environments.loader import EnvironmentReferenceError, load_environment_class
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ import torch
 
 from engines.models.tiny_models import build_builtin_model
 from engines.rollout import SamplingParams, build_rollout_engine
-from workers.chat_delta import ChatDelta
+from workers.chat_serving import ChatDelta
 from workers.multiturn import EnvironmentConfig, MultiTurnRollout, trajectory_tensors
 
 WIDTH = 48

@@ -16,7 +16,7 @@ import pytest
 from engines.models.tiny_models import build_builtin_model
 from engines.rollout import SamplingParams, build_rollout_engine
 from engines.rollout.vllm import probe_vllm
-from workers.chat_delta import ChatDelta
+from workers.chat_serving import ChatDelta
 from workers.multiturn import EnvironmentConfig, MultiTurnRollout
 
 if probe_vllm() is not None:

@@ -15,7 +15,7 @@ import uvicorn
 
 from schema.workers import EnvironmentConfig
 from tests.api_util import free_port, tiny_job
-from workers.environments.loader import EnvironmentReferenceError
+from workers.environments.base import EnvironmentReferenceError
 from workers.environments.openenv_client import client_classes
 from workers.environments.openenv_ref import openenv_url_problem, openenv_ws_url
 from workers.environments.sandboxed import environment_factory, release

@@ -8,7 +8,7 @@ import pytest
 from controller.agent_sandbox import AgentError, load_agent_fn
 from controller.rewards import RewardFunctionError, load_reward_fn
 from tests.owners_util import as_key, make_key, upload
-from workers.environments.loader import EnvironmentReferenceError, load_environment_class
+from workers.environments.base import EnvironmentReferenceError, load_environment_class
 from workers.references import is_path_reference, parse_reference
 
 SMUGGLED = [

@@ -213,6 +213,18 @@ def test_parallel_scoring_equals_serial_in_order(tmp_path):
     assert os.getpid() not in (parallel.metrics["reward/pid/mean"], serial.metrics["reward/pid/mean"])
 
 
+def test_a_builtin_with_workers_scores_large_batches_in_unsandboxed_processes():
+    responses = [f" {i % 3} " for i in range(30)]
+    args = (["p"] * 30, responses, ["1"] * 30, [None] * 30)
+    serial = RewardScorer("builtin:exact_match").score(*args)
+    with RewardScorer("builtin:exact_match", num_workers=2, parallel_threshold=10) as scorer:
+        assert scorer.sandboxed is not None and scorer.sandboxed.mode == "none"  # the service's code
+        parallel = scorer.score(*args)
+        small = scorer.score(["p"], ["1"], ["1"])  # at most the threshold: scored here
+    assert torch.equal(serial.scores, parallel.scores) and parallel.scores.sum() == 10
+    assert small.scores.tolist() == [1.0] and parallel.errors == 0
+
+
 def test_a_hanging_function_times_out_in_the_pool(tmp_path):
     path = tmp_path / "slow_rewards.py"
     path.write_text(

@@ -19,8 +19,7 @@ from controller.trainer import Trainer
 from engines.models.tiny_models import BUILTIN_MODELS, build_tokenizer
 from examples import agent_openai
 from schema.job import JobSpec
-from workers.chat_delta import ChatDelta
-from workers.chat_serving import ChatRenderer, parse_tool_calls
+from workers.chat_serving import ChatDelta, ChatRenderer, parse_tool_calls
 from workers.environments.calculator import evaluate
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

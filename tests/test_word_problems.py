@@ -65,7 +65,7 @@ def test_the_task_is_deterministic_disjoint_and_correct(name, largest):
         assert max(a, b) <= largest
         assert int(row["ground_truth"]) in (a + b, abs(a - b), a * b)
         assert int(row["ground_truth"]) >= 0
-    assert load_reward_fn(task.reward_function) is word_problem_reward
+    assert load_reward_fn("builtin:word_problems") is word_problem_reward
 
 
 def test_a_missing_model_package_names_the_extra():

@@ -1,6 +1,6 @@
 """Multi-turn rollouts: per turn one batched `generate` over the live trajectories, then their
 environments stepped concurrently, each with a time limit; observations are appended as token deltas
-(chat_delta.py). `trajectory_tensors` lays them out like single-turn rollouts, response_mask 1 on
+(chat_serving.py). `trajectory_tensors` lays them out like single-turn rollouts, response_mask 1 on
 sampled tokens only.
 """
 
@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from engines.rollout import RolloutEngine, SamplingParams
 from schema.workers import EnvironmentConfig
-from workers.chat_delta import ChatDelta
+from workers.chat_serving import ChatDelta
 from workers.environments.base import StepResult, as_messages
 from workers.environments.sandboxed import environment_factory, release
 

@@ -58,6 +58,13 @@ def lookup_builtin(ref: str, table: dict[str, Any], what: str, error: type[Value
     return table[name]
 
 
+def load_reference(ref: Any, what: str, forms: str, error: type[ValueError], builtins: dict[str, Any]) -> Any:
+    """The entry of `builtins` that "builtin:NAME" names, or the object a module or file reference names."""
+    if parse_reference(ref, what, forms, error).form == "builtin":
+        return lookup_builtin(ref, builtins, what, error)
+    return resolve_reference(ref, what, error)
+
+
 def is_path_source(source: str) -> bool:
     """Whether the part before ':' names a Python file rather than a module."""
     return source.endswith(".py") or "/" in source or "\\" in source

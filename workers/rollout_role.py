@@ -114,7 +114,7 @@ class RolloutWorker(Worker):
         if self._chat_delta is None:
             from transformers import AutoTokenizer
 
-            from workers.chat_delta import ChatDelta
+            from workers.chat_serving import ChatDelta
 
             self._chat_delta = ChatDelta(AutoTokenizer.from_pretrained(self.rollout_model_path))
         nt = batch.non_tensors

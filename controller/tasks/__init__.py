@@ -17,7 +17,6 @@ from controller.tasks.word_problems import WordProblemTask
 
 class Task(Protocol):
     name: str
-    reward_function: str  # the reward reference that scores this task, e.g. "builtin:arithmetic"
     default_train_size: int
     default_val_size: int
 

@@ -28,7 +28,6 @@ class ArithmeticTask:
     default_train_size: int = 5000
     default_val_size: int = 500
     name: str = "arithmetic"
-    reward_function: str = "builtin:arithmetic"
 
     def __post_init__(self) -> None:
         if self.digits < 1:
@@ -57,11 +56,9 @@ class ArithmeticTask:
 
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
         """`size` distinct problems of `split`, in an order fixed by `seed` ("response": for SFT)."""
-        check_split(split)
+        rng = split_rng(self.name, split, seed)
         if size < 0:
             raise ValueError(f"split size must be >= 0, got {size}")
-        # The seed and split both feed the stream, so train and val orders are unrelated.
-        rng = random.Random(f"{self.name}:{split}:{seed}")
         if self.space_size <= _ENUMERATE_LIMIT:
             pool = [
                 row for row in self._all_problems() if split_of(row["prompt"], self.val_fraction) == split
@@ -122,9 +119,11 @@ def split_of(prompt: str, val_fraction: float) -> str:
     return "val" if int.from_bytes(digest, "big") / 2**64 < val_fraction else "train"
 
 
-def check_split(split: str) -> None:
+def split_rng(name: str, split: str, seed: int) -> random.Random:
+    """The stream of task `name`'s `split`: seed and split both feed it, so orders are unrelated."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    return random.Random(f"{name}:{split}:{seed}")
 
 
 def arithmetic_reward(prompt: str, response: str, ground_truth: Any, extra: dict | None = None) -> dict:

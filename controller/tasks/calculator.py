@@ -45,7 +45,6 @@ class CalculatorTracesTask:
     default_train_size: int = 2000
     default_val_size: int = 64
     name: str = "calculator-traces"
-    reward_function: str = "builtin:arithmetic"
     call: Callable[[str], str] = calc_call  # the text of the tool call for an expression
     tools: tuple[dict[str, Any], ...] = ()  # shown in a system message, as the endpoint shows them
 

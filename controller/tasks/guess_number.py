@@ -7,11 +7,10 @@ secret is never shown, so validation measures the strategy, not recall.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from typing import Any
 
-from controller.tasks.arithmetic import check_split, split_of
+from controller.tasks.arithmetic import split_of, split_rng
 
 
 @dataclass(frozen=True)
@@ -22,12 +21,10 @@ class GuessNumberTask:
     default_train_size: int = 2000
     default_val_size: int = 64
     name: str = "guess_number"
-    reward_function: str = "builtin:arithmetic"  # unused: the environment scores the game
     solve_within: int | None = None  # None: log2(span) + 1
 
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, Any]]:
-        check_split(split)
-        rng = random.Random(f"{self.name}:{split}:{seed}")
+        rng = split_rng(self.name, split, seed)
         lows = [
             low
             for low in range(1, self.max_low + 1)
@@ -61,10 +58,9 @@ class GuessNumberTracesTask:
     default_train_size: int = 2000
     default_val_size: int = 64
     name: str = "guess_number-traces"
-    reward_function: str = "builtin:arithmetic"
 
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, Any]]:
-        rng = random.Random(f"{self.name}:{split}:{seed}")
+        rng = split_rng(self.name, split, seed)
         rows: list[dict[str, Any]] = []
         for game in self.game.make_split(split, size, seed):
             low = int(game["prompt"].split()[1].split("-")[0])

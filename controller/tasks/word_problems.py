@@ -6,12 +6,11 @@ last number. Splits are disjoint by a hash of the prompt, as in the arithmetic t
 
 from __future__ import annotations
 
-import random
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from controller.tasks.arithmetic import apply, check_split, distinct_rows, extract_answer_text
+from controller.tasks.arithmetic import apply, distinct_rows, extract_answer_text, split_rng
 
 NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Ivy", "Max", "Eli", "Ana", "Ben", "Kim")
 THINGS = ("apples", "shells", "stickers", "marbles", "books", "coins", "pencils", "cards", "stamps", "eggs")
@@ -44,7 +43,6 @@ class WordProblemTask:
     default_train_size: int = 2000
     default_val_size: int = 128
     name: str = "word-problems"
-    reward_function: str = "builtin:word_problems"
 
     def problem(self, story: int, a: int, b: int, name: str, things: str) -> dict[str, str]:
         template, op = STORIES[story]
@@ -54,8 +52,7 @@ class WordProblemTask:
 
     def make_split(self, split: str, size: int, seed: int = 0) -> list[dict[str, str]]:
         """`size` distinct problems of `split`, in an order fixed by `seed`."""
-        check_split(split)
-        rng = random.Random(f"{self.name}:{split}:{seed}")
+        rng = split_rng(self.name, split, seed)
 
         def draw() -> dict[str, str]:
             story = rng.randrange(len(STORIES))

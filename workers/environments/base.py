@@ -1,4 +1,5 @@
-"""The environment interface of multi-turn rollouts: the one place it is written down.
+"""The environment interface of multi-turn rollouts (the one place it is written down), and how a
+reference becomes a class that meets it (`load_environment_class`).
 
 An environment is a plain class, constructed with no arguments once per trajectory:
 
@@ -16,25 +17,22 @@ tool's output: role "tool"), rendered through the model's chat template. Steps r
 each within `rollout.env_step_timeout_s`; one that raises or times out ends its trajectory with
 score 0 and the job goes on. A trajectory also ends at `rollout.max_turns` or its token budget
 `rollout.max_response_tokens` (counted as truncated). References: "builtin:NAME",
-"package.module:Class" or "path/to/file.py:Class"; examples/my_env.py is a complete one.
+"package.module:Class" or "path/to/file.py:Class"; examples/my_env.py is a complete one. The API
+checks a reference in a sandbox at submission (controller/user_code.py), workers again.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
+
+from workers.environments.openenv_ref import is_openenv_app
+from workers.references import load_reference
 
 Message = dict[str, str]
 Observation = str | Message | list[Message]
-
-
-@runtime_checkable
-class Environment(Protocol):
-    """What a multi-turn job needs of an environment class's instances."""
-
-    def reset(self, row: dict[str, Any]) -> Observation: ...
-
-    def step(self, assistant_text: str) -> tuple[Observation | None, float, bool, dict[str, Any]]: ...
+REFERENCE_FORMS = "'builtin:NAME', 'module:Class' or 'path/to/file.py:Class'"
 
 
 class EnvironmentContractError(RuntimeError):
@@ -82,3 +80,51 @@ def as_messages(observation: Observation, default_role: str = "user") -> list[Me
         "an observation must be a string, a message {'role', 'content'} or a list of messages, "
         f"got {type(observation).__name__}"
     )
+
+
+def prompt_text(prompt: Any) -> str:
+    """A row's prompt as one turn's text: a string, or the last message's content."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        return str(prompt[-1].get("content", ""))
+    return "" if prompt is None else str(prompt)
+
+
+class EnvironmentReferenceError(ValueError):
+    """A reference that does not resolve to a usable environment class."""
+
+
+def load_environment_class(ref: str) -> Any:
+    """The class (or OpenEnv server app) `ref` names, validated; EnvironmentReferenceError says why not."""
+    from workers.environments import BUILTIN_ENVIRONMENTS
+
+    target = load_reference(
+        ref, "environment", REFERENCE_FORMS, EnvironmentReferenceError, BUILTIN_ENVIRONMENTS
+    )
+    if not is_openenv_app(target):
+        check_environment_class(ref, target)
+    return target
+
+
+def check_environment_class(ref: str, cls: Any) -> None:
+    if not inspect.isclass(cls):
+        raise EnvironmentReferenceError(f"environment '{ref}' is not a class ({type(cls).__name__})")
+    try:
+        inspect.signature(cls).bind()
+    except TypeError:
+        raise EnvironmentReferenceError(
+            f"environment '{ref}' must be constructible without arguments: {cls.__name__}"
+            f"{inspect.signature(cls)}"
+        ) from None
+    except ValueError:  # no signature to inspect (a builtin type): let construction decide
+        pass
+    for method in ("reset", "step"):
+        fn = getattr(cls, method, None)
+        if not callable(fn):
+            raise EnvironmentReferenceError(f"environment '{ref}' has no method {method}()")
+        try:
+            inspect.signature(fn).bind(None, None)  # (self, argument)
+        except TypeError:
+            raise EnvironmentReferenceError(
+                f"environment '{ref}': {method}{inspect.signature(fn)} must accept one argument "
+                f"after self ({'row' if method == 'reset' else 'assistant_text'})"
+            ) from None

@@ -12,6 +12,8 @@ import operator
 import re
 from typing import Any
 
+from workers.environments.base import prompt_text
+
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _ANSWER = re.compile(r"-?\d+")
 _OPS = {
@@ -69,8 +71,7 @@ def format_value(value: int | float) -> str:
 class CalculatorEnv:
     def reset(self, row: dict[str, Any]) -> str:
         self.answer = str(row["ground_truth"]).strip()
-        prompt = row["prompt"]
-        return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        return prompt_text(row["prompt"])
 
     def step(self, assistant_text: str) -> tuple[dict | None, float, bool, dict[str, Any]]:
         call = _CALL.search(assistant_text)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from workers.environments.base import prompt_text
+
 _GUESS = re.compile(r"-?\d+")
 
 
@@ -17,8 +19,7 @@ class GuessNumberEnv:
         self.secret = int(row["ground_truth"])
         self.solve_within = int((row.get("extra") or {}).get("solve_within", 5))
         self.turns = 0
-        prompt = row["prompt"]
-        return prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        return prompt_text(row["prompt"])
 
     def step(self, assistant_text: str) -> tuple[str | None, float, bool, dict[str, Any]]:
         self.turns += 1

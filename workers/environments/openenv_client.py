@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from workers.environments.loader import EnvironmentReferenceError
+from workers.environments.base import EnvironmentReferenceError, prompt_text
 
 MAX_MESSAGE_MB = 8.0  # a larger answer from the server is an error, not a trajectory
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
@@ -114,7 +114,7 @@ class OpenEnvEnvironment:
         kwargs = {"prompt": row.get("prompt"), "ground_truth": row.get("ground_truth"), **extra}
         result = self.server.run(self.client.reset(**kwargs), "reset")
         text = observation_text(result.observation)
-        messages = [{"role": "user", "content": text if text else _prompt_text(row.get("prompt"))}]
+        messages = [{"role": "user", "content": text if text else prompt_text(row.get("prompt"))}]
         if self.server.tools:
             listed = self.server.run(self.client.step({"type": "list_tools"}), "list_tools")
             messages.insert(0, {"role": "system", "content": tools_text(listed.observation)})
@@ -215,12 +215,6 @@ def tool_call(text: str) -> tuple[str, dict[str, Any]] | None:
         if isinstance(name, str) and isinstance(arguments, dict):
             return name, arguments
     return None
-
-
-def _prompt_text(prompt: Any) -> str:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
-        return str(prompt[-1].get("content", ""))
-    return "" if prompt is None else str(prompt)
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from schema.workers import EnvironmentConfig
-from workers.environments.loader import REFERENCE_FORMS, EnvironmentReferenceError, load_environment_class
+from workers.environments.base import REFERENCE_FORMS, EnvironmentReferenceError, load_environment_class
 from workers.environments.openenv_client import OpenEnvEnvironment, OpenEnvServer
 from workers.environments.openenv_ref import is_openenv_app, is_openenv_url, openenv_ws_url
 from workers.references import parse_reference
