@@ -80,28 +80,23 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
               "prompt_logprobs": bool(req.prompt_logprobs)}  # fmt: skip
     sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
 
-    def record(ok: dict[str, Any]) -> None:
+    def done(ok: dict[str, Any]) -> bytes:
         if req.record_stability_info:
             svc.records.record(owner, sequence_ids, prompt, ok["sequences"])
-        if req.prompt_logprobs:  # scoring (compute_logprobs), not sampling: no sample rows
-            return
-        if sampler.job_id is None or svc.store.get_job(sampler.job_id) is None:
-            return
-        model = svc.records.model_of_job(sampler.job_id)
-        step = model.step if model is not None else 0
-        decode = _decoder((host.info or {}).get("model_path"))
-        rows = [{"index": i, "uid": sid, "prompt": decode(prompt),
-                 "turns": [{"role": "assistant", "content": decode(seq["tokens"])}],
-                 "finish_reason": seq.get("stop_reason"), "sampler": sampler_id,
-                 "tokens": {"prompt": len(prompt), "response": len(seq["tokens"])}}
-                for i, (sid, seq) in enumerate(zip(sequence_ids, ok["sequences"], strict=False))]  # fmt: skip
-        svc.store.add_samples(sampler.job_id, step, rows)
-
-    def finish(ok: dict[str, Any]) -> bytes:
+        # scoring (compute_logprobs) is not sampling: no sample rows
+        if not req.prompt_logprobs and sampler.job_id is not None and svc.store.get_job(sampler.job_id):
+            model = svc.records.model_of_job(sampler.job_id)
+            decode = _decoder((host.info or {}).get("model_path"))
+            rows = [{"index": i, "uid": sid, "prompt": decode(prompt),
+                     "turns": [{"role": "assistant", "content": decode(seq["tokens"])}],
+                     "finish_reason": seq.get("stop_reason"), "sampler": sampler_id,
+                     "tokens": {"prompt": len(prompt), "response": len(seq["tokens"])}}
+                    for i, (sid, seq) in enumerate(zip(sequence_ids, ok["sequences"], strict=False))]  # fmt: skip
+            svc.store.add_samples(sampler.job_id, model.step if model is not None else 0, rows)
         return write_sample_response(ok["sequences"], ok.get("prompt_logprobs"))
 
     return {
-        "request_id": svc.submit(host, owner, sampler_id, SessionWorker.sample, kwargs, finish, record).id,
+        "request_id": svc.submit(host, owner, sampler_id, SessionWorker.sample, kwargs, done).id,
         "sample_sequence_ids": sequence_ids,
     }
 
