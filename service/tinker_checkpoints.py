@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.tinker_requests import SaveWeights, TinkerError
+from service.tinker_requests import SaveWeights, TinkerError, not_found
 from service.tinker_sessions import Future, Sampler
 from workers.session_host import SessionWorker
 
@@ -32,10 +32,6 @@ KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 REAP_EVERY_S = 60.0
 URL_TTL_S = 3600
-
-
-def not_found(what: str, ident: str, field: str) -> TinkerError:
-    return TinkerError(404, f"{field}: no {what} '{ident}' (or it is another owner's)", field)
 
 
 def checkpoint_folder(workdir: Path | str, kind: str, name: str) -> Path:

@@ -9,7 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from service.tinker_checkpoints import not_found, resolve_state
+from service.tinker_checkpoints import resolve_state
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams
 from service.tinker_service import TinkerError, TinkerService
 from service.tinker_sessions import Sampler
@@ -23,7 +23,7 @@ UNSUPPORTED_SAMPLE_FIELDS = {
 
 
 def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingSession) -> dict[str, Any]:
-    session = svc.session(req.session_id, owner)
+    session = svc.records.sessions.find(req.session_id, owner)
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}:{uuid.uuid4().hex[:6]}"
     path = req.model_path
     if path:
@@ -39,9 +39,7 @@ def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingS
 
 
 def sampler_view(svc: TinkerService, owner: str | None, sampler_id: str) -> dict[str, Any]:
-    sampler = svc.records.samplers.seen(sampler_id, owner)
-    if sampler is None:
-        raise not_found("sampler", sampler_id, "sampler_id")
+    sampler = svc.records.samplers.find(sampler_id, owner, "sampler_id")
     return {"sampler_id": sampler.id, "base_model": sampler.base_model, "model_path": sampler.tinker_path}
 
 
@@ -66,9 +64,7 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
         raise TinkerError(
             400, "sampling_session_id: required (create a sampling client first)", "sampling_session_id"
         )
-    sampler = svc.records.samplers.seen(sampler_id, owner)
-    if sampler is None:
-        raise not_found("sampler", sampler_id, "sampling_session_id")
+    sampler = svc.records.samplers.find(sampler_id, owner)
     host = svc.hosts[sampler.base_model]
     prompt = req.prompt.tokens("prompt")
     if not prompt:

@@ -109,14 +109,8 @@ class TinkerService:
 
     def heartbeat(self, owner: str | None, req: bodies.SessionRef) -> dict[str, Any]:
         self.expire_sessions()
-        self.session(req.session_id, owner).last_heartbeat = time.time()
+        self.records.sessions.find(req.session_id, owner).last_heartbeat = time.time()
         return {"type": "session_heartbeat"}
-
-    def session(self, session_id: str, owner: str | None) -> ClientSession:
-        found = self.records.sessions.seen(session_id, owner)
-        if found is None:
-            raise saved.not_found("session", session_id, "session_id")
-        return found
 
     # ---- hosts ------------------------------------------------------------------------------------
 
@@ -158,18 +152,16 @@ class TinkerService:
 
     def model(self, model_id: str, owner: str | None) -> TrainingModel:
         """The caller's live training model; a run lost in a restart is a 400 naming its last state."""
-        found = self.records.models.seen(model_id, owner)
-        if found is not None:
-            return found
-        rows, _ = self.store.list_jobs(metadata={"tinker_model_id": model_id}, owner=owner, limit=1)
-        if rows:  # its error says why it is gone (a restart, an ended session) and its last saved state
-            raise TinkerError(
-                400, rows[0].error or saved.lost_message(rows[0].id, Path(rows[0].workdir)), "model_id"
-            )
-        raise saved.not_found("training model", model_id, "model_id")
+        if self.records.models.seen(model_id, owner) is None:
+            rows, _ = self.store.list_jobs(metadata={"tinker_model_id": model_id}, owner=owner, limit=1)
+            if rows:  # its error says why it is gone (a restart, an ended session) and its last saved state
+                raise TinkerError(
+                    400, rows[0].error or saved.lost_message(rows[0].id, Path(rows[0].workdir)), "model_id"
+                )
+        return self.records.models.find(model_id, owner)
 
     def create_model(self, owner: str, req: bodies.CreateModel) -> Future:
-        session = self.session(req.session_id, owner)
+        session = self.records.sessions.find(req.session_id, owner)
         host = self.host(req.base_model, "base_model")
         lora = req.lora_config or bodies.LoraConfig()
         rank = lora.rank
@@ -251,8 +243,9 @@ class TinkerService:
                 raise TinkerError(400, f"{field}[{i}]: token id {token} is outside the vocabulary [0, {vocab})",
                                   field)  # fmt: skip
 
-    def forward_backward(self, owner: str, req: dict[str, Any], forward_only: bool) -> Future:
-        model = self.model(req["model_id"], owner)
+    def forward_backward(self, owner: str, req: dict[str, Any]) -> Future:
+        """A forward (`forward_only`: no gradients), its body as `ForwardBackward.plain` makes it."""
+        model, forward_only = self.model(req["model_id"], owner), req["forward_only"]
         host = self.hosts[model.base_model]
         data = req["data"]
         for i, datum in enumerate(data):
@@ -313,7 +306,7 @@ class TinkerService:
         if req.session_id is None:
             raise TinkerError(400, "session_id: required when model_id is not given", "session_id")
         # a new model from the state: a create_model whose queue runs the load right after
-        self.session(req.session_id, owner)
+        self.records.sessions.find(req.session_id, owner)
         job, folder = saved.resolve_state(self.store, req.path, owner)
         spec = job.spec["model"]
         host = self.host(req.base_model or spec["builtin"], "base_model")
