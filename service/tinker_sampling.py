@@ -98,14 +98,10 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
 
 
 @lru_cache(maxsize=16)
-def _tokenizer(folder: str) -> Any:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-
-
 def _decoder(folder: str | None) -> Any:
     if folder and (Path(folder) / "tokenizer.json").exists():
-        tokenizer = _tokenizer(folder)
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)[:2000]
     return lambda ids: " ".join(map(str, ids))[:2000]

@@ -1,7 +1,6 @@
 """The Tinker API's training side: a request is checked before anything is queued (a bad one is a 4xx
 naming the field), then becomes one operation of its base's session host, answered by a future. A
-training model is a record of the scheduler's Tinker workload, whose `launch` sends its creation to the
-host. The sampling side is service/tinker_sampling.py, the saves service/tinker_checkpoints.py."""
+training model is a run of the scheduler's Tinker workload: its ops wait until the scheduler launches it."""
 
 from __future__ import annotations
 
@@ -84,9 +83,7 @@ class TinkerService:
     def _pause(self, models: list[TrainingModel], cause: str, drop: bool) -> None:
         """The models are forgotten (`drop`: and leave their live host); their runs pause, naming why."""
         for model in models:
-            if drop:
-                self._drop(model)
-            self.records.models.pop(model.model_id, None)
+            self._drop(model) if drop else self.records.models.pop(model.model_id, None)
             self.scheduler.end(
                 model.job_id, JobStatus.PAUSED, saved.lost_message(model.job_id, model.workdir, cause)
             )
