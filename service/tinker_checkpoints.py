@@ -6,6 +6,7 @@ so a client downloads them without its key."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import hmac
@@ -20,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from service.tinker_requests import SaveWeights, TinkerError
+from service.tinker_requests import SaveWeights, TinkerError, not_found
 from service.tinker_sessions import Future, Sampler
 from workers.session_host import SessionWorker
 
@@ -32,10 +33,6 @@ KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 REAP_EVERY_S = 60.0
 URL_TTL_S = 3600
-
-
-def not_found(what: str, ident: str, field: str) -> TinkerError:
-    return TinkerError(404, f"{field}: no {what} '{ident}' (or it is another owner's)", field)
 
 
 def checkpoint_folder(workdir: Path | str, kind: str, name: str) -> Path:
@@ -192,10 +189,12 @@ def save_state(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
     path, folder = _named(name, model.job_id, "weights"), checkpoint_folder(model.workdir, "weights", name)
     if is_complete(folder) and not req.overwrite:
         raise TinkerError(400, f"path: checkpoint '{name}' exists (pass overwrite)", "path")
-    return svc.on_model(
-        model, SessionWorker.save_state, {"path": str(folder)}, {"path": path, "type": "save_weights"},
-        lambda ok: commit(svc.store, model.job_id, folder, path, req.ttl_seconds, "state"),
-    )  # fmt: skip
+
+    def saved(ok: Any) -> dict[str, Any]:
+        commit(svc.store, model.job_id, folder, path, req.ttl_seconds, "state")
+        return {"path": path, "type": "save_weights"}
+
+    return svc.on_model(model, SessionWorker.save_state, {"path": str(folder)}, saved)
 
 
 def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
@@ -207,20 +206,19 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
     path = _named(name, model.job_id, "sampler_weights") if name is not None else None
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
 
-    def saved(ok: dict[str, Any]) -> None:
+    def saved(ok: dict[str, Any]) -> dict[str, Any]:
         svc.records.samplers[sampler_id] = Sampler(sampler_id, owner, model.base_model, ok["path"], path,
                                                    model.job_id)  # fmt: skip
-        if name:
-            folder = checkpoint_folder(model.workdir, "sampler_weights", name)
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "SOURCE").write_text(ok["path"])
-            commit(svc.store, model.job_id, folder, path, req.ttl_seconds, "")
+        if not name:
+            return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
+        folder = checkpoint_folder(model.workdir, "sampler_weights", name)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "SOURCE").write_text(ok["path"])
+        commit(svc.store, model.job_id, folder, path, req.ttl_seconds, "")
+        return {"path": path, "type": "save_weights_for_sampler"}
 
-    answer = {"path": path} if name else {"sampling_session_id": sampler_id}
-    answer["type"] = "save_weights_for_sampler"
-    return svc.on_model(
-        model, SessionWorker.save_for_sampler, {"name": name or sampler_id.replace(":", "-")}, answer, saved
-    )
+    kwargs = {"name": name or sampler_id.replace(":", "-")}
+    return svc.on_model(model, SessionWorker.save_for_sampler, kwargs, saved)
 
 
 def save_external(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
@@ -232,9 +230,8 @@ def save_external(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
         raise TinkerError(400, f"path: external weights '{req.path}' exist (delete them first)", "path")
     shutil.rmtree(folder, ignore_errors=True)  # an expired or unfinished export of that name
     staging = folder.parent / f".{req.path}.{secrets.token_hex(4)}"
-    answer = {"path": path, "type": "save_weights_external"}
 
-    def exported(ok: Any) -> None:
+    def exported(ok: Any) -> dict[str, Any]:
         folder.mkdir(parents=True)
         for item in sorted(staging.glob("adapter_*")):
             if recipients:
@@ -244,11 +241,12 @@ def save_external(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
             else:
                 shutil.copyfile(item, folder / item.name)
         shutil.rmtree(staging, ignore_errors=True)
-        answer["size_bytes"] = sum(f.stat().st_size for f in folder.iterdir())
+        size = sum(f.stat().st_size for f in folder.iterdir())
         commit(svc.store, model.job_id, folder, path, req.ttl_seconds, "external weights")
+        return {"path": path, "type": "save_weights_external", "size_bytes": size}
 
     kwargs = {"path": str(staging), "optimizer": False}
-    return svc.on_model(model, SessionWorker.save_state, kwargs, answer, exported)
+    return svc.on_model(model, SessionWorker.save_state, kwargs, exported)
 
 
 def age_recipients(given: list[str] | None) -> list[Any]:
@@ -287,10 +285,10 @@ def signed_urls(secret: bytes, base_url: str, run_id: str, name: str, folder: Pa
 def signed_file(secret: bytes, store: Any, run_id: str, name: str, file: str, expires: int, sig: str) -> Path:
     """The file a signed URL names, if its signature holds and it has not expired; else a 404."""
     if hmac.compare_digest(sig, signature(secret, run_id, name, file, expires)) and expires > time.time():
-        job = run_row(store, run_id, None)
-        folder = checkpoint_folder(job.workdir, "external_weights", name) if job is not None else None
-        if folder is not None and is_complete(folder) and file in {f.name for f in folder.iterdir()}:
-            return folder / file
+        with contextlib.suppress(TinkerError):  # a checkpoint gone since: the same 404
+            folder = saved_folder(store, None, run_id, "external_weights", name)[1]
+            if file in {f.name for f in folder.iterdir()}:
+                return folder / file
     raise not_found(
         "signed external weights file (or the URL expired)", f"{run_id}/{name}/{file}", "signature"
     )

@@ -28,7 +28,8 @@ log = logging.getLogger("tandem.tinker")
 # the host's batched operations: each takes a list of calls' keyword arguments
 BATCHED = (SessionWorker.forward_backward_calls, SessionWorker.sample)
 
-# What a future answers: JSON, protobuf bytes, or either made from the host's ok result.
+# What a future answers: JSON, protobuf bytes, or either made from the host's ok result (after the
+# bookkeeping of its success: store rows).
 Answer = dict[str, Any] | bytes
 Finish = Answer | Callable[[Any], Answer]
 
@@ -43,7 +44,6 @@ class Op:
     operation: Callable[..., Any]  # a registered method of SessionWorker
     kwargs: dict[str, Any]
     finish: Finish
-    on_ok: Callable[[Any], None] | None = None  # bookkeeping after success (store rows)
     on_fail: Callable[[], None] | None = None  # undo after a failure (a refused create stores nothing)
 
 
@@ -204,8 +204,6 @@ class Host:
             self.futures.fail(op.future, message, err.get("category", "server"))
             return
         try:
-            if op.on_ok is not None:
-                op.on_ok(result["ok"])
             answer = op.finish(result["ok"]) if callable(op.finish) else op.finish
         except Exception as err:  # noqa: BLE001 - a result the API cannot read fails that op only
             name = op.operation.__name__

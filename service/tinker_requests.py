@@ -38,6 +38,10 @@ class TinkerError(ServiceError):
         super().__init__(message, status, field)
 
 
+def not_found(what: str, ident: str, field: str) -> TinkerError:
+    return TinkerError(404, f"{field}: no {what} '{ident}' (or it is another owner's)", field)
+
+
 class Body(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore", protected_namespaces=())
 
@@ -198,7 +202,7 @@ class ForwardInput(Body):
 class ForwardBackward(Body):
     """Sent as JSON (curl) or protobuf (the SDK; read into this shape: a refusal names the same field)."""
 
-    model_id: str = Field("", max_length=512)
+    model_id: Id
     forward_backward_input: ForwardInput = Field(default_factory=ForwardInput)
     forward_only: bool = False
 
@@ -212,6 +216,17 @@ class ForwardBackward(Body):
                 for i, d in enumerate(given.data)]  # fmt: skip
         return {"model_id": self.model_id, "data": data, "loss_fn": given.loss_fn,
                 "loss_fn_config": given.loss_fn_config, "forward_only": self.forward_only}  # fmt: skip
+
+
+class Forward(ForwardBackward):
+    """`forward`: forward_backward's body, whatever its forward_only; a missing model is a 404."""
+
+    model_id: str = Field("", max_length=512)
+
+    @model_validator(mode="after")
+    def _only(self) -> Forward:
+        self.forward_only = True
+        return self
 
 
 class SamplingParams(Body):
@@ -293,7 +308,9 @@ def decompressed(raw: bytes, cap: int) -> bytes:
     return bytes(out)
 
 
-def forward_request(raw: bytes, encoding: str, content_type: str, cap: int) -> dict[str, Any]:
+def forward_request(
+    model: type[ForwardBackward], raw: bytes, encoding: str, content_type: str, cap: int
+) -> dict[str, Any]:
     """A forward/forward_backward body (zstd or not, protobuf or JSON) typed (finite floats, whole token
     ids, consistent tensor shapes), in the shape the host's forward takes."""
     if encoding == "zstd":
@@ -307,4 +324,4 @@ def forward_request(raw: bytes, encoding: str, content_type: str, cap: int) -> d
             raw = read_forward_backward(raw)
         except WireError as err:
             raise TinkerError(400, str(err), err.field) from None
-    return parse_body(ForwardBackward, raw).plain()
+    return parse_body(model, raw).plain()

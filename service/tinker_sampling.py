@@ -9,7 +9,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from service.tinker_checkpoints import not_found, resolve_state
+from service.tinker_checkpoints import resolve_state
 from service.tinker_requests import CreateSamplingSession, Sample, SamplingParams
 from service.tinker_service import TinkerError, TinkerService
 from service.tinker_sessions import Sampler
@@ -23,7 +23,7 @@ UNSUPPORTED_SAMPLE_FIELDS = {
 
 
 def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingSession) -> dict[str, Any]:
-    session = svc.session(req.session_id, owner)
+    session = svc.records.sessions.find(req.session_id, owner)
     sampler_id = f"{session.id}:sample:{req.sampling_session_seq_id}:{uuid.uuid4().hex[:6]}"
     path = req.model_path
     if path:
@@ -39,9 +39,7 @@ def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingS
 
 
 def sampler_view(svc: TinkerService, owner: str | None, sampler_id: str) -> dict[str, Any]:
-    sampler = svc.records.samplers.seen(sampler_id, owner)
-    if sampler is None:
-        raise not_found("sampler", sampler_id, "sampler_id")
+    sampler = svc.records.samplers.find(sampler_id, owner, "sampler_id")
     return {"sampler_id": sampler.id, "base_model": sampler.base_model, "model_path": sampler.tinker_path}
 
 
@@ -66,9 +64,7 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
         raise TinkerError(
             400, "sampling_session_id: required (create a sampling client first)", "sampling_session_id"
         )
-    sampler = svc.records.samplers.seen(sampler_id, owner)
-    if sampler is None:
-        raise not_found("sampler", sampler_id, "sampling_session_id")
+    sampler = svc.records.samplers.find(sampler_id, owner)
     host = svc.hosts[sampler.base_model]
     prompt = req.prompt.tokens("prompt")
     if not prompt:
@@ -80,41 +76,32 @@ def asample(svc: TinkerService, owner: str, req: Sample) -> dict[str, Any]:
               "prompt_logprobs": bool(req.prompt_logprobs)}  # fmt: skip
     sequence_ids = [f"{sampler_id}:{uuid.uuid4().hex[:10]}" for _ in range(num)]
 
-    def record(ok: dict[str, Any]) -> None:
+    def done(ok: dict[str, Any]) -> bytes:
         if req.record_stability_info:
             svc.records.record(owner, sequence_ids, prompt, ok["sequences"])
-        if req.prompt_logprobs:  # scoring (compute_logprobs), not sampling: no sample rows
-            return
-        if sampler.job_id is None or svc.store.get_job(sampler.job_id) is None:
-            return
-        model = svc.records.model_of_job(sampler.job_id)
-        step = model.step if model is not None else 0
-        decode = _decoder((host.info or {}).get("model_path"))
-        rows = [{"index": i, "uid": sid, "prompt": decode(prompt),
-                 "turns": [{"role": "assistant", "content": decode(seq["tokens"])}],
-                 "finish_reason": seq.get("stop_reason"), "sampler": sampler_id,
-                 "tokens": {"prompt": len(prompt), "response": len(seq["tokens"])}}
-                for i, (sid, seq) in enumerate(zip(sequence_ids, ok["sequences"], strict=False))]  # fmt: skip
-        svc.store.add_samples(sampler.job_id, step, rows)
-
-    def finish(ok: dict[str, Any]) -> bytes:
+        # scoring (compute_logprobs) is not sampling: no sample rows
+        if not req.prompt_logprobs and sampler.job_id is not None and svc.store.get_job(sampler.job_id):
+            model = svc.records.model_of_job(sampler.job_id)
+            decode = _decoder((host.info or {}).get("model_path"))
+            rows = [{"index": i, "uid": sid, "prompt": decode(prompt),
+                     "turns": [{"role": "assistant", "content": decode(seq["tokens"])}],
+                     "finish_reason": seq.get("stop_reason"), "sampler": sampler_id,
+                     "tokens": {"prompt": len(prompt), "response": len(seq["tokens"])}}
+                    for i, (sid, seq) in enumerate(zip(sequence_ids, ok["sequences"], strict=False))]  # fmt: skip
+            svc.store.add_samples(sampler.job_id, model.step if model is not None else 0, rows)
         return write_sample_response(ok["sequences"], ok.get("prompt_logprobs"))
 
     return {
-        "request_id": svc.submit(host, owner, sampler_id, SessionWorker.sample, kwargs, finish, record).id,
+        "request_id": svc.submit(host, owner, sampler_id, SessionWorker.sample, kwargs, done).id,
         "sample_sequence_ids": sequence_ids,
     }
 
 
 @lru_cache(maxsize=16)
-def _tokenizer(folder: str) -> Any:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-
-
 def _decoder(folder: str | None) -> Any:
     if folder and (Path(folder) / "tokenizer.json").exists():
-        tokenizer = _tokenizer(folder)
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
         return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)[:2000]
     return lambda ids: " ".join(map(str, ids))[:2000]

@@ -1,7 +1,6 @@
 """The Tinker API's training side: a request is checked before anything is queued (a bad one is a 4xx
 naming the field), then becomes one operation of its base's session host, answered by a future. A
-training model is a record of the scheduler's Tinker workload, whose `launch` sends its creation to the
-host. The sampling side is service/tinker_sampling.py, the saves service/tinker_checkpoints.py."""
+training model is a run of the scheduler's Tinker workload: its ops wait until the scheduler launches it."""
 
 from __future__ import annotations
 
@@ -49,7 +48,8 @@ class TinkerService:
         self.aliases = {str(root / "models" / name): name for name in base_models if "/" not in name
                         for root in {self.home, self.home.resolve()}}  # fmt: skip
         self._admit = threading.Lock()
-        self._launches: dict[str, Any] = {}  # model id -> what its launch sends to the host
+        self._launches: dict[str, list[Op]] = {}  # model id -> its ops held until the scheduler launches it
+        self._held = threading.Lock()
         self.session_ttl_s = SESSION_TTL_S
         self.url_secret = secrets.token_bytes(32)  # signs external weights' download URLs
         self._reaped = 0.0
@@ -83,9 +83,7 @@ class TinkerService:
     def _pause(self, models: list[TrainingModel], cause: str, drop: bool) -> None:
         """The models are forgotten (`drop`: and leave their live host); their runs pause, naming why."""
         for model in models:
-            if drop:
-                self._drop(model)
-            self.records.models.pop(model.model_id, None)
+            self._drop(model) if drop else self.records.models.pop(model.model_id, None)
             self.scheduler.end(
                 model.job_id, JobStatus.PAUSED, saved.lost_message(model.job_id, model.workdir, cause)
             )
@@ -108,14 +106,8 @@ class TinkerService:
 
     def heartbeat(self, owner: str | None, req: bodies.SessionRef) -> dict[str, Any]:
         self.expire_sessions()
-        self.session(req.session_id, owner).last_heartbeat = time.time()
+        self.records.sessions.find(req.session_id, owner).last_heartbeat = time.time()
         return {"type": "session_heartbeat"}
-
-    def session(self, session_id: str, owner: str | None) -> ClientSession:
-        found = self.records.sessions.seen(session_id, owner)
-        if found is None:
-            raise saved.not_found("session", session_id, "session_id")
-        return found
 
     # ---- hosts ------------------------------------------------------------------------------------
 
@@ -134,37 +126,39 @@ class TinkerService:
             for name in [*self.hosts, *built]
         ]}  # fmt: skip
 
-    def submit(self, host: Host, owner: str, queue: str, operation: Any, kwargs: dict[str, Any], finish: Finish,
-               on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
-        """Queue one op on `host` (or on `deferred`, sent later); the caller's future for it."""
-        future = self.futures.create(owner, operation.__name__)
-        op = Op(future, owner, queue, operation, kwargs, finish, on_ok, on_fail)
-        host.submit(op) if deferred is None else deferred.append(op)
+    def submit(self, to: Host | list[Op], owner: str, queue: str, operation: Any, kwargs: dict[str, Any],
+               finish: Finish, on_fail: Any = None) -> Future:  # fmt: skip
+        """Queue one op on a host (or on a held list); the caller's future for it."""
+        op = Op(
+            self.futures.create(owner, operation.__name__), owner, queue, operation, kwargs, finish, on_fail
+        )
+        to.append(op) if isinstance(to, list) else to.submit(op)
         return op.future
 
     def on_model(self, model: TrainingModel, operation: Any, kwargs: dict[str, Any], finish: Finish,
-                 on_ok: Any = None, on_fail: Any = None, deferred: list[Op] | None = None) -> Future:  # fmt: skip
-        """Queue `operation` on the model's adapter, after the model's earlier ops."""
+                 on_fail: Any = None) -> Future:  # fmt: skip
+        """Queue `operation` on the model's adapter after its earlier ops; a run the scheduler has not
+        launched yet keeps them until it does (`launch`)."""
         kwargs = {"adapter": host_id(model.model_id), **kwargs}
-        return self.submit(self.hosts[model.base_model], model.owner, model.model_id, operation, kwargs, finish,
-                           on_ok, on_fail, deferred)  # fmt: skip
+        with self._held:
+            held = self._launches.get(model.model_id)
+            to = held if held is not None else self.hosts[model.base_model]
+            return self.submit(to, model.owner, model.model_id, operation, kwargs, finish, on_fail)
 
     # ---- training models --------------------------------------------------------------------------
 
     def model(self, model_id: str, owner: str | None) -> TrainingModel:
         """The caller's live training model; a run lost in a restart is a 400 naming its last state."""
-        found = self.records.models.seen(model_id, owner)
-        if found is not None:
-            return found
-        rows, _ = self.store.list_jobs(metadata={"tinker_model_id": model_id}, owner=owner, limit=1)
-        if rows:  # its error says why it is gone (a restart, an ended session) and its last saved state
-            raise TinkerError(
-                400, rows[0].error or saved.lost_message(rows[0].id, Path(rows[0].workdir)), "model_id"
-            )
-        raise saved.not_found("training model", model_id, "model_id")
+        if self.records.models.seen(model_id, owner) is None:
+            rows, _ = self.store.list_jobs(metadata={"tinker_model_id": model_id}, owner=owner, limit=1)
+            if rows:  # its error says why it is gone (a restart, an ended session) and its last saved state
+                raise TinkerError(
+                    400, rows[0].error or saved.lost_message(rows[0].id, Path(rows[0].workdir)), "model_id"
+                )
+        return self.records.models.find(model_id, owner)
 
     def create_model(self, owner: str, req: bodies.CreateModel) -> Future:
-        session = self.session(req.session_id, owner)
+        session = self.records.sessions.find(req.session_id, owner)
         host = self.host(req.base_model, "base_model")
         lora = req.lora_config or bodies.LoraConfig()
         rank = lora.rank
@@ -183,44 +177,42 @@ class TinkerService:
                 self.service.check_quota(owner)
                 job = self.store.create_tinker_run(owner, model_id, session.id, host.base_model, rank, targets,
                                                    self.home / "jobs")  # fmt: skip
+            with self._held:
+                self._launches[model_id] = []  # its ops wait for the scheduler to launch the run
             model = TrainingModel(model_id, job.id, owner, session.id, host.base_model, rank, Path(job.workdir),
                                   optimizer)  # fmt: skip
             self.records.models[model_id] = model  # now: a second create_model of this id is refused
         model.workdir.mkdir(parents=True, exist_ok=True)
         (model.workdir / "user_metadata.json").write_text(json.dumps(req.user_metadata or {}))
 
-        def created(ok: dict[str, Any]) -> None:
+        def created(ok: dict[str, Any]) -> dict[str, Any]:
             self.store.add_event(job.id, "created", f"LoRA rank {rank} on {host.base_model}: "
                                  f"{ok.get('trainable_params')} trainable parameters")  # fmt: skip
+            return {"model_id": model_id, "type": "create_model"}
 
-        def forget() -> None:  # a model the host refused goes with its row: a failed create stores nothing
-            self.records.models.pop(model_id, None)
-            self.scheduler.forget(job.id)
-
-        load = req if isinstance(req, bodies.LoadWeights) else None
-        answer = {"model_id": model_id, "type": "create_model"} if load is None else {}
-        ops: list[Op] = []  # sent when the scheduler launches the run
         future = self.on_model(model, SessionWorker.create_adapter, {"rank": rank, "seed": lora.seed, **trains},
-                               answer, created, forget, ops)  # fmt: skip
-        if load is not None:  # create_training_client_from_state: the same queue runs the load right after
-            try:
-                future = self._load(model, load.path, load.optimizer, owner, forget, ops)
-            except TinkerError:
-                forget()
-                raise
-        self._launches[model_id] = lambda: [host.submit(op) for op in ops]
+                               created, lambda: self._forget(model))  # fmt: skip
         self.scheduler.admit(job.id)  # else it waits in the queue for its owner's quota or for room
         return future
 
+    def _forget(self, model: TrainingModel) -> None:
+        """A model the host refused goes with its row: a failed create stores nothing."""
+        self.records.models.pop(model.model_id, None)
+        self.scheduler.forget(model.job_id)
+
     def launch(self, record: Any) -> None:
-        """The scheduler admitted a run: its creation (and a load) go to its host."""
-        self._launches.pop(record.metadata["tinker_model_id"])()
+        """The scheduler admitted a run: its held ops (its creation, a load) go to its host."""
+        host = self.hosts[record.spec["model"]["builtin"]]
+        with self._held:
+            for op in self._launches.pop(record.metadata["tinker_model_id"]):
+                host.submit(op)
 
     def stop(self, record_id: str) -> None:
         """A run cancelled through Tandem's API: its model leaves its host (its checkpoints stay)."""
         model = self.records.model_of_job(record_id)
         if model is not None:
-            self._launches.pop(model.model_id, None)
+            with self._held:
+                self._launches.pop(model.model_id, None)
             self._drop(model)
 
     def info(self, owner: str | None, req: bodies.ModelRef) -> dict[str, Any]:
@@ -248,16 +240,15 @@ class TinkerService:
                 raise TinkerError(400, f"{field}[{i}]: token id {token} is outside the vocabulary [0, {vocab})",
                                   field)  # fmt: skip
 
-    def forward_backward(self, owner: str, req: dict[str, Any], forward_only: bool) -> Future:
-        model = self.model(req["model_id"], owner)
+    def forward_backward(self, owner: str, req: dict[str, Any]) -> Future:
+        """A forward (`forward_only`: no gradients), its body as `ForwardBackward.plain` makes it."""
+        model, forward_only = self.model(req["model_id"], owner), req["forward_only"]
         host = self.hosts[model.base_model]
         data = req["data"]
         for i, datum in enumerate(data):
             self.check_tokens(host, datum["tokens"], f"forward_backward_input.data[{i}].model_input")
-        inputs = [
-            {name: (t["dtype"], list(t["shape"])) for name, t in d["loss_fn_inputs"].items()} for d in data
-        ]
-        shapes = [(len(d["tokens"]), shaped) for d, shaped in zip(data, inputs, strict=True)]
+        shapes = [(len(d["tokens"]), {name: (t["dtype"], t["shape"]) for name, t in d["loss_fn_inputs"].items()})
+                  for d in data]  # fmt: skip
         try:
             check_request(req["loss_fn"], shapes, req.get("loss_fn_config"))
         except LossInputError as err:
@@ -272,16 +263,14 @@ class TinkerService:
         for datum in data:
             datum.pop("spans", None)
 
-        def record(ok: dict[str, Any]) -> None:
+        def done(ok: dict[str, Any]) -> bytes:
             if not forward_only:
                 self._metrics(model, ok.get("metrics") or {})
-
-        def finish(ok: dict[str, Any]) -> bytes:
             return write_forward_backward_output(ok["loss_fn_outputs"], ok.get("metrics") or {})
 
         kwargs = {"data": data, "loss_fn": req["loss_fn"], "loss_fn_config": req.get("loss_fn_config"),
                   "backward": not forward_only}  # fmt: skip
-        return self.on_model(model, SessionWorker.forward_backward_calls, kwargs, finish, record)
+        return self.on_model(model, SessionWorker.forward_backward_calls, kwargs, done)
 
     def _metrics(self, model: TrainingModel, values: dict[str, float]) -> None:
         with model.lock:
@@ -292,62 +281,70 @@ class TinkerService:
     def optim_step(self, owner: str, req: bodies.OptimStep) -> Future:
         model = self.model(req.model_id, owner)
         adam = req.adam_params.model_dump(exclude={"type"})  # bounds and finiteness: its type
-        metrics: dict[str, float] = {}
 
-        def stepped(grad_norm: float) -> None:
-            metrics.update(grad_norm=grad_norm, learning_rate=adam["learning_rate"])
+        def stepped(grad_norm: float) -> dict[str, Any]:
+            metrics = {"grad_norm": grad_norm, "learning_rate": adam["learning_rate"]}
             self._metrics(model, metrics)
             with model.lock:
                 model.step += 1
                 model.step_metrics = {}
             self.store.bump_step(model.job_id, model.step)
+            return {"metrics": metrics, "type": "optim_step"}
 
-        answer = {"metrics": metrics, "type": "optim_step"}
-        return self.on_model(model, SessionWorker.optim_step, {"params": adam}, answer, stepped)
+        return self.on_model(model, SessionWorker.optim_step, {"params": adam}, stepped)
 
     # ---- state ------------------------------------------------------------------------------------
 
     def load_state(self, owner: str, req: bodies.LoadWeights) -> Future:
         if req.model_id:
-            return self._load(self.model(req.model_id, owner), req.path, req.optimizer, owner)
+            model = self.model(req.model_id, owner)
+            job, folder = saved.resolve_state(self.store, req.path, owner)
+            return self._load(model, req.path, job.spec["model"], folder, req.optimizer)
         if req.session_id is None:
             raise TinkerError(400, "session_id: required when model_id is not given", "session_id")
-        spec = saved.resolve_state(self.store, req.path, owner)[0].spec["model"]  # a new model from a state
-        lora = bodies.LoraConfig(rank=spec["lora"]["rank"])
-        return self.create_model(owner, req.model_copy(update={"base_model": req.base_model or spec["builtin"],
-                                                               "lora_config": lora}))  # fmt: skip
-
-    def _load(self, model: TrainingModel, path: str, optimizer: bool, owner: str, on_fail: Any = None,
-              deferred: list[Op] | None = None) -> Future:  # fmt: skip
-        job, folder = saved.resolve_state(self.store, path, owner)
+        # a new model from the state: a create_model whose queue runs the load right after
+        self.records.sessions.find(req.session_id, owner)
+        job, folder = saved.resolve_state(self.store, req.path, owner)
         spec = job.spec["model"]
-        if (spec["builtin"], spec["lora"]["rank"]) != (model.base_model, model.rank):
-            raise TinkerError(400, f"path: {path} is a rank-{spec['lora']['rank']} adapter of "
-                              f"{spec['builtin']}; this model is rank {model.rank} on {model.base_model}",
-                              "path")  # fmt: skip
+        host = self.host(req.base_model or spec["builtin"], "base_model")
+        _state_fits(req.path, spec, host.base_model, spec["lora"]["rank"])
+        lora = bodies.LoraConfig(rank=spec["lora"]["rank"])
+        self.create_model(owner, req.model_copy(update={"base_model": host.base_model, "lora_config": lora}))
+        model = self.records.models[f"{req.session_id}:train:{req.model_seq_id}"]
+        return self._load(model, req.path, spec, folder, req.optimizer, lambda: self._forget(model))
 
-        def loaded(ok: Any) -> None:
+    def _load(self, model: TrainingModel, path: str, spec: dict[str, Any], folder: Path, optimizer: bool,
+              on_fail: Any = None) -> Future:  # fmt: skip
+        _state_fits(path, spec, model.base_model, model.rank)
+
+        def loaded(ok: Any) -> dict[str, Any]:
             self.store.add_event(model.job_id, "resumed", f"loaded {path} ({'with' if optimizer else 'without'} "
                                  "optimizer state)")  # fmt: skip
+            return {"path": path, "model_id": model.model_id, "type": "load_weights"}
 
-        answer = {"path": path, "model_id": model.model_id, "type": "load_weights"}
-        return self.on_model(model, SessionWorker.load_state, {"path": str(folder), "optimizer": optimizer},
-                             answer, loaded, on_fail, deferred)  # fmt: skip
+        kwargs = {"path": str(folder), "optimizer": optimizer}
+        return self.on_model(model, SessionWorker.load_state, kwargs, loaded, on_fail)
 
     def unload(self, owner: str, req: bodies.ModelRef) -> Future:
         model = self.model(req.model_id, owner)
 
-        def dropped(ok: Any) -> None:
+        def dropped(ok: Any) -> dict[str, Any]:
             self.records.models.pop(model.model_id, None)
             self.scheduler.end(model.job_id, JobStatus.SUCCEEDED)
+            return {"model_id": req.model_id, "type": "unload_model"}
 
-        return self._drop(model, {"model_id": req.model_id, "type": "unload_model"}, dropped)
+        return self.on_model(model, SessionWorker.drop_adapter, {}, dropped)
 
-    def _drop(self, model: TrainingModel, answer: dict[str, Any] | None = None, on_ok: Any = None) -> Future:
-        """Drop a model from its host (queued after its pending ops); without `on_ok`, forget it now."""
-        if on_ok is None:
-            self.records.models.pop(model.model_id, None)
-        return self.on_model(model, SessionWorker.drop_adapter, {}, answer or {}, on_ok)
+    def _drop(self, model: TrainingModel) -> None:
+        """The model is forgotten now, and leaves its host after its pending ops."""
+        self.records.models.pop(model.model_id, None)
+        self.on_model(model, SessionWorker.drop_adapter, {}, {})
+
+
+def _state_fits(path: str, spec: dict[str, Any], base_model: str, rank: int) -> None:
+    if (spec["builtin"], spec["lora"]["rank"]) != (base_model, rank):
+        raise TinkerError(400, f"path: {path} is a rank-{spec['lora']['rank']} adapter of {spec['builtin']}; "
+                          f"this model is rank {rank} on {base_model}", "path")  # fmt: skip
 
 
 def host_id(model_id: str) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from service.tinker_requests import TinkerError
+from service.tinker_requests import TinkerError, not_found
 
 # Samples kept for `record_stability_info` (prompt and sampled tokens in all), oldest dropped first.
 MAX_RECORDED_TOKENS = 4_000_000
@@ -24,7 +24,18 @@ V = TypeVar("V")
 
 
 class Owned(dict[str, V], Generic[V]):
-    """Records by id, each with an `owner`."""
+    """Records by id, each with an `owner`; `what` they are, and the field that names one."""
+
+    def __init__(self, what: str, field: str) -> None:
+        super().__init__()
+        self.what, self.field = what, field
+
+    def find(self, key: str, owner: str | None, field: str | None = None) -> V:
+        """The caller's record; another owner's is a 404 like an unknown one."""
+        found = self.seen(key, owner)
+        if found is None:
+            raise not_found(self.what, key, field or self.field)
+        return found
 
     def seen(self, key: str, owner: str | None) -> V | None:
         """None for another owner's id (None: the admin sees all), so that it is a 404 like an unknown one."""
@@ -96,7 +107,7 @@ class Future:
 
 class FutureTable(Owned[Future]):
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__("future", "request_id")
         self._lock = threading.Lock()
 
     def create(self, owner: str, kind: str) -> Future:
@@ -129,9 +140,9 @@ class FutureTable(Owned[Future]):
 class Records:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.sessions: Owned[ClientSession] = Owned()
-        self.models: Owned[TrainingModel] = Owned()
-        self.samplers: Owned[Sampler] = Owned()
+        self.sessions: Owned[ClientSession] = Owned("session", "session_id")
+        self.models: Owned[TrainingModel] = Owned("training model", "model_id")
+        self.samplers: Owned[Sampler] = Owned("sampler", "sampling_session_id")
         self.sequences: OrderedDict[str, Recorded] = OrderedDict()
         self._recorded_tokens = 0
 

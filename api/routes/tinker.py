@@ -70,19 +70,17 @@ async def off_loop(work: Callable[[], Any], size: int) -> Any:
     return await anyio.to_thread.run_sync(work, limiter=_limiter)
 
 
-async def parsed(request: Request, model: type[Model]) -> Model:
-    """The JSON body as `model`, or a 400 naming the field."""
+async def parsed(request: Request, model: type[Model]) -> Model | dict[str, Any]:
+    """The body as `model`, or a 400 naming the field; a forward's (`ForwardBackward`: protobuf or JSON,
+    zstd or not) in the shape the host's forward takes."""
     raw = await request.body()
-    return await off_loop(lambda: parse_body(model, raw), len(raw))
-
-
-async def forward_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+    if not issubclass(model, bodies.ForwardBackward):
+        return await off_loop(lambda: parse_body(model, raw), len(raw))
     cap = request.app.state.settings.tinker_max_decompressed_bytes
     encoding = request.headers.get("content-encoding", "").strip().lower()
     kind = request.headers.get("content-type", "")
     size = len(raw) * (MAX_RATIO if encoding == "zstd" else 1)  # what it may become
-    return await off_loop(lambda: forward_request(raw, encoding, kind, cap), size)
+    return await off_loop(lambda: forward_request(model, raw, encoding, kind, cap), size)
 
 
 def tinker(request: Request) -> TinkerService:
@@ -91,11 +89,6 @@ def tinker(request: Request) -> TinkerService:
 
 async def caller(request: Request, scope: str = "write") -> Caller:
     return await request.app.state.auth.require(request, scope)
-
-
-def future_answer(future: Any, **extra: Any) -> dict[str, Any]:
-    """An `UntypedAPIFuture`: what every queued piece of work answers at once."""
-    return {"request_id": future.id, **{k: v for k, v in extra.items() if v is not None}}
 
 
 # path -> (scope, answer): the calls whose answer is the same for every request; the SDK's telemetry
@@ -128,6 +121,10 @@ ROUTES: dict[str, tuple[type, Callable[..., Any], str]] = {
     "session_heartbeat": (bodies.SessionRef, TinkerService.heartbeat, "keep a client session alive"),
     "get_info": (bodies.ModelRef, TinkerService.info, "a training model's base, rank and tokenizer"),
     "create_model": (bodies.CreateModel, TinkerService.create_model, "a LoRA training model on a served base"),
+    "forward_backward": (bodies.ForwardBackward, TinkerService.forward_backward,
+                         "forward and backward of a batch (accumulates gradients)"),
+    "forward": (bodies.Forward, TinkerService.forward_backward,
+                "forward only (log-probs and the loss, no gradients)"),
     "optim_step": (bodies.OptimStep, TinkerService.optim_step, "one Adam step on the accumulated gradients"),
     "save_weights": (bodies.SaveWeights, saved.save_state, "save_state (adapter and optimizer state)"),
     "save_weights_external": (bodies.SaveWeights, saved.save_external, "the adapter's PEFT files, for signed URLs"),
@@ -147,9 +144,11 @@ def work_route(path: str, model: type, work: Callable[..., Any]) -> Callable[...
         who = await caller(request, "read" if path in READS else "write")
         body = await parsed(request, model)
         out = await in_thread(work, tinker(request), who.sees if path in SEES else who.owner, body)
-        return (
-            future_answer(out, model_id=getattr(body, "model_id", None)) if isinstance(out, Future) else out
-        )
+        if not isinstance(out, Future):
+            return out
+        # an `UntypedAPIFuture`: what every queued piece of work answers at once
+        model_id = body["model_id"] if isinstance(body, dict) else getattr(body, "model_id", None)
+        return {"request_id": out.id, **({} if model_id is None else {"model_id": model_id})}
 
     return route
 
@@ -158,27 +157,6 @@ for path, (model, work, summary) in ROUTES.items():
     router.add_api_route(
         f"/{path}", work_route(path, model, work), methods=["POST"], summary=f"Tinker: {summary}"
     )
-
-
-def forward_route(only: bool) -> Callable[..., Any]:
-    """`forward_backward`, or `forward` (its `forward_only`); a forward's missing model is a 404."""
-
-    async def route(request: Request) -> dict[str, Any]:
-        who, req = await caller(request), await forward_body(request)
-        if not (only or req["model_id"]):
-            raise TinkerError(400, "model_id: required", "model_id")
-        future = await in_thread(
-            tinker(request).forward_backward, who.owner, req, only or req["forward_only"]
-        )
-        return future_answer(future, model_id=req["model_id"])
-
-    return route
-
-
-router.add_api_route("/forward_backward", forward_route(False), methods=["POST"],
-                     summary="Tinker: forward and backward of a batch (accumulates gradients)")  # fmt: skip
-router.add_api_route("/forward", forward_route(True), methods=["POST"],
-                     summary="Tinker: forward only (log-probs and the loss, no gradients)")  # fmt: skip
 
 
 @router.get("/get_server_capabilities", summary="Tinker: the base models served here")
@@ -190,7 +168,7 @@ async def capabilities(request: Request) -> dict[str, Any]:
 @router.post("/sessions/{session_id}/finish", include_in_schema=False)
 async def finish_session(request: Request, session_id: str) -> dict[str, Any]:
     who = await caller(request)
-    tinker(request).session(session_id, who.sees)
+    tinker(request).records.sessions.find(session_id, who.sees)
     return {}
 
 
@@ -204,7 +182,7 @@ async def list_sessions(request: Request) -> dict[str, Any]:
 async def get_session(request: Request, session_id: str) -> dict[str, Any]:
     who = await caller(request, "read")
     svc = tinker(request)
-    session = svc.session(session_id, who.sees)
+    session = svc.records.sessions.find(session_id, who.sees)
     runs = [m.job_id for m in svc.records.models.of(None) if m.session_id == session.id]
     samplers = [s.id for s in svc.records.samplers.of(None) if s.id.startswith(session.id + ":")]
     return {"training_run_ids": runs, "sampler_ids": samplers}
@@ -214,10 +192,7 @@ async def _future(request: Request) -> Any:
     """The caller's future named by the body's request_id; another owner's is a 404 like an unknown one."""
     who = await caller(request)
     request_id = (await parsed(request, bodies.FutureRef)).request_id
-    future = tinker(request).futures.seen(request_id, who.sees)
-    if future is None:
-        raise saved.not_found("future", request_id, "request_id")
-    return future
+    return tinker(request).futures.find(request_id, who.sees)
 
 
 @router.post("/retrieve_future", summary="Tinker: a future's result, or try_again")
@@ -250,7 +225,7 @@ def run_of(svc: TinkerService, owner: str | None, run_id: str) -> Any:
     job = saved.run_row(svc.store, run_id, owner)
     model = svc.records.models.seen(run_id, owner) if job is None else None
     if job is None and model is None:
-        raise saved.not_found("training run", run_id, "training_run_id")
+        raise bodies.not_found("training run", run_id, "training_run_id")
     return job or svc.store.get_job(model.job_id)
 
 
