@@ -209,33 +209,17 @@ def apply_kl_penalty(
     return token_rewards - coef * kl, float(seq_kl.mean()) if seq_kl.numel() else 0.0
 
 
-class FixedKLController:
-    def __init__(self, coef: float) -> None:
-        self.value = coef
+class KLController:
+    """The KL-in-reward coefficient beta: fixed, or with a `target_kl` adapted after each step of n
+    samples, beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon."""
 
-    def update(self, current_kl: float, n_steps: int) -> float:
-        return self.value
-
-
-class AdaptiveKLController(FixedKLController):
-    """beta *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon after each step of n samples."""
-
-    def __init__(self, init_coef: float, target_kl: float, horizon: int) -> None:
-        if target_kl <= 0 or horizon <= 0:
+    def __init__(self, coef: float, target_kl: float | None = None, horizon: int = 10_000) -> None:
+        if target_kl is not None and (target_kl <= 0 or horizon <= 0):
             raise ValueError(f"adaptive KL needs target_kl > 0 and horizon > 0, got {target_kl}, {horizon}")
-        self.value = init_coef
-        self.target_kl = target_kl
-        self.horizon = horizon
+        self.value, self.target_kl, self.horizon = coef, target_kl, horizon
 
     def update(self, current_kl: float, n_steps: int) -> float:
-        error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
+        if self.target_kl is not None:
+            error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
+            self.value *= 1.0 + error * n_steps / self.horizon
         return self.value
-
-
-def make_kl_controller(
-    coef: float, target_kl: float | None = None, horizon: int = 10_000
-) -> FixedKLController:
-    if target_kl is None:
-        return FixedKLController(coef)
-    return AdaptiveKLController(coef, target_kl, horizon)

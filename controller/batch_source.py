@@ -1,5 +1,5 @@
 """Where a step's scored samples come from, chosen once per job by `make_source` with its publisher:
-`GeneratedSource` (sync, generated in the step), `LaneSource` (async, controller/async_loop.py) and
+`GeneratedSource` (sync, generated in the step), `LaneSource` (async: lanes ahead of the trainer, controller/async_loop.py) and
 `AgentSource` (rollout.source external). Async sources keep the buffer's one staleness filter
 (`rollout_buffer.too_stale`), reported by `staleness_metrics`.
 """

@@ -119,7 +119,7 @@ class JobGroups:
         if self.rollout_pool is None or self.rollout_plan is None:
             raise RuntimeError("only a split placement's rollout group can be replaced on its own")
         self.actor.rollout.shutdown()  # the survivors too: the new group is formed whole
-        rollout = start_rollout(self.rollout_pool, self.rollout_plan, start_timeout_s)
+        rollout = launch_rollout(self.rollout_pool, self.rollout_plan, start_timeout_s).ready()
         try:
             link_rollout(self.actor.group, rollout, self.rollout_plan)
         except Exception:
@@ -146,12 +146,8 @@ class RolloutPlan:
     call_timeout_s: float
 
 
-def start_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> RayWorkerGroup:
-    """The rollout workers of a split placement, on their own pool."""
-    return launch_rollout(pool, plan, start_timeout_s).ready()
-
-
 def launch_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> PendingGroup:
+    """The rollout workers of a split placement, on their own pool."""
     return RayWorkerGroup.launch(
         pool,
         RolloutWorker,

@@ -25,6 +25,7 @@ from controller.worker_output import OutputTail
 from schema.job import JobSpec
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+QUEUES = ("events", "metrics", "checkpoints", "samples")  # what a drain hands the service
 
 
 class BufferSink:
@@ -37,38 +38,35 @@ class BufferSink:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._stored = threading.Condition(self._lock)
-        self._events: deque = deque()
-        self._metrics: deque = deque()
-        self._checkpoints: deque = deque()
-        self._samples: deque = deque()
+        self._queues: dict[str, deque] = {name: deque() for name in QUEUES}
         self._rewind: int | None = None  # a restart went back to this step: the store forgets later metrics
         self._appended = 0  # records appended so far (events, metrics, samples)
         self._committed = 0  # of those, how many the service has stored
         self.step = 0
         self.total = 0
 
-    def event(self, kind: str, message: str, **data: Any) -> None:
-        with self._lock:
-            self._events.append((time.time(), kind, message, data))
+    def _append(self, queue: str, record: tuple, checkpoint: tuple | None = None) -> None:
+        with self._lock:  # a checkpoint's record is drained with its event
+            self._queues[queue].append(record)
             self._appended += 1
-            if kind == "checkpoint":
-                self._checkpoints.append((data["step"], data["path"]))
+            if checkpoint is not None:
+                self._queues["checkpoints"].append(checkpoint)
+
+    def event(self, kind: str, message: str, **data: Any) -> None:
+        checkpoint = (data["step"], data["path"]) if kind == "checkpoint" else None
+        self._append("events", (time.time(), kind, message, data), checkpoint)
         logging.getLogger("tandem.job").info("[%s] %s", kind, message)
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
-        with self._lock:
-            self._metrics.append((time.time(), step, values))
-            self._appended += 1
+        self._append("metrics", (time.time(), step, values))
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        with self._lock:
-            self._samples.append((time.time(), step, rows))
-            self._appended += 1
+        self._append("samples", (time.time(), step, rows))
 
     def rewind(self, step: int) -> None:
         """Metrics after `step` are dropped here, and the next drain tells the service to forget its own."""
         with self._lock:
-            self._metrics = deque(m for m in self._metrics if m[1] <= step)
+            self._queues["metrics"] = deque(m for m in self._queues["metrics"] if m[1] <= step)
             self._rewind = step if self._rewind is None else min(self._rewind, step)
 
     def flush(self) -> None:
@@ -95,16 +93,10 @@ class BufferSink:
 
     def drain(self) -> dict[str, list]:
         with self._lock:
-            queues = {
-                "events": self._events,
-                "metrics": self._metrics,
-                "checkpoints": self._checkpoints,
-                "samples": self._samples,
-            }
-            out: dict[str, Any] = {name: list(q) for name, q in queues.items()}
+            out: dict[str, Any] = {name: list(q) for name, q in self._queues.items()}
             out.update(rewind=self._rewind, seq=self._appended)
             self._rewind = None
-            for q in queues.values():
+            for q in self._queues.values():
                 q.clear()
         return out
 

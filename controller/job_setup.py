@@ -206,7 +206,7 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
     def launch(worker_cls: type, config: object, role: str) -> PendingGroup:
         if in_turn:  # the groups already launched on these GPUs are up first
             for group in pending.values():
-                if group.hosts.pool is pool:
+                if group.pool is pool:
                     group.wait()
         return RayWorkerGroup.launch(
             pool, worker_cls, config, group_name=f"{name}-{role}", share=share, call_timeout_s=call_timeout_s

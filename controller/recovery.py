@@ -4,7 +4,7 @@ died counts as the peer's loss) or the job's own, `Recovery` keeps the restart b
 status, and `AttemptSink` marks what a restarted attempt records.
 
 A split placement's rollout workers hold no training state, so one that dies while every training
-rank answers is replaced alone (`replace_lost_rollout`: a new rollout group, connected anew and sent
+rank answers is replaced alone (`Recovery.replace_rollout`: a new rollout group, connected anew and sent
 the current weights) within the same budget; a replacement that fails falls back to the restart.
 """
 
@@ -36,7 +36,7 @@ from ray.exceptions import (
 from controller.groups import TRANSFER_TIMEOUT_S
 from controller.resource_pool import ResourcePool, ResourcePoolError
 from controller.sink import JobSink
-from controller.worker_group import RayWorkerGroup, RoleGroup, WorkerGroupError, wait_all
+from controller.worker_group import RayWorkerGroup, RoleGroup, WorkerGroupError
 from schema.resources import ResourcesSpec
 from schema.training import TrainerSpec
 
@@ -147,11 +147,8 @@ def find_dead(groups: JobGroups, timeout_s: float = PING_TIMEOUT_S) -> list[tupl
     return sorted(dead, key=lambda d: (d[0], d[1]))
 
 
-def worker_pids(groups: JobGroups, timeout_s: float = 30.0) -> dict[str, list[int]]:
-    return {
-        role: wait_all(group.name, "pid", [a.pid.remote() for a in group.actors], timeout_s)
-        for role, group in worker_groups(groups).items()
-    }
+def worker_pids(groups: JobGroups) -> dict[str, list[int]]:
+    return {role: group.pids() for role, group in worker_groups(groups).items()}
 
 
 class Recovery:
@@ -226,6 +223,30 @@ class Recovery:
         )
         log.warning("%s (%s)", message, lost.error)
         self.status = None
+
+    def replace_rollout(
+        self, err: BaseException, groups: JobGroups, sink: JobSink, step: int
+    ) -> dict[str, float]:
+        """Replace the rollout group when `err` is its worker's loss alone (else re-raise `err`); returns
+        the transfer's measurements. A replacement that fails is a WorkerLost (a whole-job restart)."""
+        lost = rollout_lost(err, groups)
+        if lost is None:
+            raise err
+        self.begin_replacement(lost)  # RestartsExhausted past trainer.max_restarts
+        try:
+            groups.replace_rollout(start_timeout_s=min(self.wait_s, TRANSFER_TIMEOUT_S))
+            synced: dict[str, Any] = groups.actor.sync_weights()
+            pids = groups.actor.own_rollout.pids()
+        except Exception as failed:
+            self.replacement_failed()
+            raise WorkerLost(
+                "could not be replaced",
+                f"{lost.error}; replacing the rollout group '{lost.group}' failed: {type(failed).__name__}: {failed}",
+                lost.group,
+                lost.rank,
+            ) from failed
+        self.replaced_rollout(lost, sink, step, pids=pids, weight_version=synced.get("weight_sync/version"))
+        return synced
 
     def replacement_failed(self) -> None:
         """The replacement did not come up: the restart after it counts the loss."""
@@ -315,29 +336,3 @@ def rollout_lost(err: BaseException, groups: JobGroups) -> WorkerLost | None:
     if any(group != rollout.name for group, _, _ in dead):
         return None
     return lost
-
-
-def replace_lost_rollout(
-    err: BaseException, groups: JobGroups, recovery: Recovery, sink: JobSink, step: int, trainer: TrainerSpec
-) -> dict[str, float]:
-    """Replace the rollout group when `err` is its worker's loss alone (else re-raise `err`); returns
-    the transfer's measurements. A replacement that fails is a WorkerLost (a whole-job restart)."""
-    lost = rollout_lost(err, groups)
-    if lost is None:
-        raise err
-    recovery.begin_replacement(lost)  # RestartsExhausted past trainer.max_restarts
-    try:
-        groups.replace_rollout(start_timeout_s=min(trainer.restart_wait_s, TRANSFER_TIMEOUT_S))
-        synced: dict[str, Any] = groups.actor.sync_weights()
-        rollout = groups.actor.own_rollout
-        pids = wait_all(rollout.name, "pid", [a.pid.remote() for a in rollout.actors], 30.0)
-    except Exception as failed:
-        recovery.replacement_failed()
-        raise WorkerLost(
-            "could not be replaced",
-            f"{lost.error}; replacing the rollout group '{lost.group}' failed: {type(failed).__name__}: {failed}",
-            lost.group,
-            lost.rank,
-        ) from failed
-    recovery.replaced_rollout(lost, sink, step, pids=pids, weight_version=synced.get("weight_sync/version"))
-    return synced

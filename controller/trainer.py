@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from controller import checkpoints
-from controller.advantages import make_kl_controller
+from controller.advantages import KLController
 from controller.batch_source import make_source
 from controller.hyperparameters import hyperparameter_overrides
 from controller.job_setup import JobSetup
 from controller.off_policy import actor_inputs, corrected_spec, needs_old_log_probs
-from controller.recovery import AttemptSink, Recovery, WorkerLost, replace_lost_rollout, worker_lost
+from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
 from controller.resource_pool import ResourcePoolError
 from controller.sink import JobSink
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched
@@ -260,9 +260,7 @@ class Trainer:
         """Re-raises `err` unless a sync job's split rollout worker was lost alone (async restarts)."""
         if self.spec.trainer.mode == "async":
             raise err
-        return replace_lost_rollout(
-            err, self.job.groups, self.recovery, self.sink, self.step_index, self.spec.trainer
-        )
+        return self.recovery.replace_rollout(err, self.job.groups, self.sink, self.step_index)
 
     def state_dict(self) -> dict[str, Any]:
         state = {"step": self.step_index, "loader": self.job.loader.state_dict(), "kl_coef": self.kl.value}
@@ -351,7 +349,7 @@ class Trainer:
             critic.set_hyperparameters(lr=self.spec.algorithm.critic_lr)
 
     def _reset_kl(self) -> None:
-        self.kl = make_kl_controller(self.spec.algorithm.kl_reward_coef, self.spec.algorithm.kl_target)
+        self.kl = KLController(self.spec.algorithm.kl_reward_coef, self.spec.algorithm.kl_target)
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:

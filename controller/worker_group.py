@@ -71,17 +71,30 @@ class WorkerHost:
         return os.getpid()
 
 
-class _Hosts:
-    """The actors of one placement, made in two phases so that several groups start at once: the
-    constructor asks Ray for the actors, `begin()` sends each its worker, `wait()` waits for them."""
+class PendingGroup:
+    """A group's actors on one placement, made in two phases so that several groups start at once: the
+    constructor asks Ray for the actors, `begin()` sends each its worker, `ready()` waits for them."""
 
     def __init__(
-        self, pool: ResourcePool, worker: tuple, name: str, share: float, start_timeout_s: float
+        self,
+        pool: ResourcePool,
+        worker_cls: type,
+        *args: Any,
+        group_name: str = "workers",
+        share: float = 1.0,
+        call_timeout_s: float = 3600.0,
+        start_timeout_s: float = 300.0,
+        **kwargs: Any,
     ) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
-        self.name, self.pool, self.worker = name, pool, worker
-        self.start_timeout_s = start_timeout_s
+        self.name, self.pool, self.worker_cls, self.worker = (
+            group_name,
+            pool,
+            worker_cls,
+            (worker_cls, args, kwargs),
+        )
+        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self.starts: list[ray.ObjectRef] | None = None
         remote_host, env = ray.remote(WorkerHost), _rank_env(share)
         self.actors = [
@@ -124,65 +137,40 @@ class _Hosts:
             for rank, actor in enumerate(self.actors)
         ]
 
-    def wait(self) -> None:
+    def wait(self) -> PendingGroup:
         self.begin()
         assert self.starts is not None
         wait_all(self.name, "__init__", self.starts, self.start_timeout_s)
+        return self
 
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
 
-
-class PendingGroup:
-    def __init__(self, hosts: _Hosts, worker_cls: type, call_timeout_s: float) -> None:
-        self.hosts, self.worker_cls, self.call_timeout_s = hosts, worker_cls, call_timeout_s
-
-    def wait(self) -> _Hosts:
-        self.hosts.wait()
-        return self.hosts
-
     def ready(self) -> RayWorkerGroup:
-        return RayWorkerGroup._view(self.wait(), self.worker_cls, self.call_timeout_s)
+        group = RayWorkerGroup.__new__(RayWorkerGroup)
+        group._init_view(self.wait())
+        return group
 
 
 def ready_all(pending: dict[str, PendingGroup]) -> dict[str, RayWorkerGroup]:
     """Every launched group, started side by side; the first failure raises (the caller removes the
     pools, and with them the other groups' actors)."""
     for group in pending.values():
-        group.hosts.begin()
+        group.begin()
     return {name: group.ready() for name, group in pending.items()}
 
 
 class RayWorkerGroup:
     def __init__(self, pool: ResourcePool, worker_cls: type, *args: Any, **kwargs: Any) -> None:
-        pending = RayWorkerGroup.launch(pool, worker_cls, *args, **kwargs)
-        self._init_view(pending.wait(), worker_cls, pending.call_timeout_s)
+        self._init_view(PendingGroup(pool, worker_cls, *args, **kwargs).wait())
 
-    @staticmethod
-    def launch(
-        pool: ResourcePool,
-        worker_cls: type,
-        *args: Any,
-        group_name: str = "workers",
-        share: float = 1.0,
-        call_timeout_s: float = 3600.0,
-        start_timeout_s: float = 300.0,
-        **kwargs: Any,
-    ) -> PendingGroup:
-        """Start a group without waiting for it (`PendingGroup.ready()` returns it)."""
-        hosts = _Hosts(pool, (worker_cls, args, kwargs), group_name, share, start_timeout_s)
-        return PendingGroup(hosts, worker_cls, call_timeout_s)
+    launch = PendingGroup  # a group started without waiting for it (`PendingGroup.ready()` returns it)
 
-    @classmethod
-    def _view(cls, hosts: _Hosts, worker_cls: type, call_timeout_s: float) -> RayWorkerGroup:
-        group = cls.__new__(cls)
-        group._init_view(hosts, worker_cls, call_timeout_s)
-        return group
-
-    def _init_view(self, hosts: _Hosts, worker_cls: type, call_timeout_s: float) -> None:
-        self._hosts, self.worker_cls, self.name = hosts, worker_cls, hosts.name
-        self.call_timeout_s = call_timeout_s
+    def _init_view(self, hosts: PendingGroup) -> None:
+        self._hosts, self.worker_cls, self.name = hosts, hosts.worker_cls, hosts.name
+        self.call_timeout_s = hosts.call_timeout_s
+        worker_cls = hosts.worker_cls
         self._layouts: dict[str, MeshLayout] = {}
         for method, spec in registered_methods(worker_cls).items():
             if hasattr(type(self), method):
@@ -209,6 +197,9 @@ class RayWorkerGroup:
         if spec is None:
             raise AttributeError(f"{self.worker_cls.__name__} registers no method '{method}'")
         return self._submit(method, spec, args, kwargs)
+
+    def pids(self, timeout_s: float = 30.0) -> list[int]:
+        return wait_all(self.name, "pid", [a.pid.remote() for a in self._hosts.actors], timeout_s)
 
     def shutdown(self) -> None:
         self._hosts.kill()

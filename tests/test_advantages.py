@@ -11,8 +11,7 @@ import torch
 
 from controller.advantages import (
     ADVANTAGE_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
+    KLController,
     apply_kl_penalty,
     compute_advantages,
     compute_gae,
@@ -20,7 +19,6 @@ from controller.advantages import (
     compute_reinforce_pp,
     compute_reinforce_pp_baseline,
     compute_rloo,
-    make_kl_controller,
     masked_whiten,
     scores_to_token_rewards,
 )
@@ -233,13 +231,11 @@ def test_kl_penalty_hand_values():
 
 
 def test_kl_controllers():
-    fixed = FixedKLController(0.05)
-    assert fixed.update(10.0, 100) == 0.05
-    ctl = AdaptiveKLController(0.1, target_kl=1.0, horizon=100)
+    fixed = KLController(0.05)  # no target: the coefficient stays
+    assert fixed.update(10.0, 100) == 0.05 and fixed.update(0.0, 100) == 0.05
+    ctl = KLController(0.1, target_kl=1.0, horizon=100)
     assert ctl.update(1.5, 10) == pytest.approx(0.1 * (1 + 0.2 * 0.1))  # error clipped at +0.2
     assert ctl.update(0.9, 10) == pytest.approx(0.102 * (1 - 0.1 * 0.1))
     assert ctl.update(0.0, 10) == pytest.approx(0.10098 * (1 - 0.2 * 0.1))  # clipped at -0.2
-    assert isinstance(make_kl_controller(0.1), FixedKLController)
-    assert isinstance(make_kl_controller(0.1, target_kl=0.5), AdaptiveKLController)
     with pytest.raises(ValueError, match="target_kl > 0"):
-        AdaptiveKLController(0.1, target_kl=0.0, horizon=10)
+        KLController(0.1, target_kl=0.0, horizon=10)
