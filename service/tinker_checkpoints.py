@@ -138,10 +138,10 @@ def resolve_state(
     return saved_folder(store, owner, parts[0], kind, parts[2], field)
 
 
-def delete(store: Any, owner: str | None, run_id: str, kind: str, name: str) -> None:
-    job, folder = saved_folder(store, owner, run_id, kind, name)
+def delete(svc: TinkerService, owner: str | None, run_id: str, kind: str, name: str) -> None:
+    job, folder = saved_folder(svc.store, owner, run_id, kind, name)
     shutil.rmtree(folder, ignore_errors=True)
-    store.add_event(job.id, "checkpoint", f"deleted tinker://{run_id}/{kind}/{name}")
+    svc.store.add_event(job.id, "checkpoint", f"deleted tinker://{run_id}/{kind}/{name}")
 
 
 def run_view(job: Any) -> dict[str, Any]:

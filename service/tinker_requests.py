@@ -21,8 +21,7 @@ MAX_RATIO = 64  # a real body compresses a few times; FLOOR_BYTES is always allo
 FLOOR_BYTES = 1024 * 1024
 READ_BYTES = 256 * 1024
 Id = Annotated[str, Field(min_length=1, max_length=512)]
-Token = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
-Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+Whole = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]  # a token id, seed, sequence number or span position
 # the SDK reads a run's user_metadata as text values: anything else would break every listing
 UserMetadata = Annotated[dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
                          Field(max_length=64)]  # fmt: skip
@@ -65,7 +64,7 @@ class ModelRef(Body):
 
 class LoraConfig(Body):
     rank: int = Field(32, ge=1, le=1 << 20)
-    seed: Seed | None = None
+    seed: Whole | None = None
     train_attn: bool = True  # the order of the stored target modules
     train_mlp: bool = True
     train_unembed: bool = True
@@ -77,7 +76,7 @@ class OptimizerConfig(Body):
 
 class CreateModel(Body):
     session_id: Id
-    model_seq_id: int = Field(..., ge=0, lt=SEED_LIMIT)
+    model_seq_id: Whole
     base_model: Id
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig | None = None
@@ -125,13 +124,13 @@ class LoadWeights(CreateModel):
     optimizer: bool = False
     model_id: Id | None = None
     session_id: Id | None = None
-    model_seq_id: int = Field(0, ge=0, lt=SEED_LIMIT)
+    model_seq_id: Whole = 0
     base_model: Id | None = None
 
 
 class CreateSamplingSession(Body):
     session_id: Id
-    sampling_session_seq_id: int = Field(0, ge=0, lt=SEED_LIMIT)
+    sampling_session_seq_id: Whole = 0
     base_model: Id | None = None
     model_path: Id | None = None
 
@@ -140,7 +139,7 @@ class Chunk(Body):
     """Text, or an image or audio chunk: typed so that the refusal says which kind is not served."""
 
     type: Literal["encoded_text", "image", "image_asset_pointer", "dmel"] = "encoded_text"
-    tokens: list[Token] = Field(default_factory=list)
+    tokens: list[Whole] = Field(default_factory=list)
 
 
 class ModelInput(Body):
@@ -179,8 +178,8 @@ class Span(Body):
 
     kind: Literal["prompt", "sampled"]
     sequence_id: Id
-    offset: int = Field(0, ge=0, lt=SEED_LIMIT)
-    length: int = Field(..., ge=0, lt=SEED_LIMIT)
+    offset: Whole = 0
+    length: Whole
 
 
 class Datum(Body):
@@ -231,8 +230,8 @@ class Forward(ForwardBackward):
 
 class SamplingParams(Body):
     max_tokens: int | None = Field(None, ge=1, le=MAX_NEW_TOKENS)
-    seed: Seed | None = None
-    stop: Annotated[str, Field(max_length=1024)] | list[Annotated[str, Field(max_length=1024)]] | list[Token] | None = (
+    seed: Whole | None = None
+    stop: Annotated[str, Field(max_length=1024)] | list[Annotated[str, Field(max_length=1024)]] | list[Whole] | None = (
         Field(None, max_length=64)
     )  # fmt: skip
     temperature: float = Field(1.0, ge=0, le=100)

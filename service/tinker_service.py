@@ -139,7 +139,7 @@ class TinkerService:
                  on_fail: Any = None) -> Future:  # fmt: skip
         """Queue `operation` on the model's adapter after its earlier ops; a run the scheduler has not
         launched yet keeps them until it does (`launch`)."""
-        kwargs = {"adapter": host_id(model.model_id), **kwargs}
+        kwargs = {"adapter": _safe(model.model_id), **kwargs}
         with self._held:
             held = self._launches.get(model.model_id)
             to = held if held is not None else self.hosts[model.base_model]
@@ -347,10 +347,6 @@ def _state_fits(path: str, spec: dict[str, Any], base_model: str, rank: int) -> 
                           f"this model is rank {rank} on {base_model}", "path")  # fmt: skip
 
 
-def host_id(model_id: str) -> str:
-    """The id a host knows a model by: the SDK's ids carry ':' (`SESSION:train:N`), the host's may not."""
-    return re.sub(r"[^A-Za-z0-9._-]", "-", model_id)
-
-
 def _safe(name: str) -> str:
+    """A name as a folder's, and a model's id as its host knows it (the SDK's carry ':')."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)[-100:]

@@ -31,9 +31,10 @@ router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)  
 LONG_POLL_S = 10.0
 INLINE_BYTES = 64 * 1024  # smaller bodies parse in well under a millisecond: no thread hop
 PARSE_THREADS = 4  # bodies decoded at once: bounds the memory their decoded forms take
-T = TypeVar("T")
 Model = TypeVar("Model", bound=BaseModel)
 _limiter: anyio.CapacityLimiter | None = None
+# service work that may wait on a lock, the store or the disk: long polls are answered meanwhile
+in_thread = anyio.to_thread.run_sync
 
 # The SDK's feature flags (tinker/types/client_config_response.py): plain API keys, httpx, protobuf
 # forward_backward in chunks, per-request future polling, client-side custom losses.
@@ -53,11 +54,6 @@ DYNAMIC_CONFIG = {
     "sample_cancel_enabled": True,
     "sample_cancel_max_batch_size": 64,
 }
-
-
-async def in_thread(work: Callable[..., T], *args: Any) -> T:
-    """Service work that may wait on a lock, the store or the disk: long polls are answered meanwhile."""
-    return await anyio.to_thread.run_sync(work, *args)
 
 
 async def off_loop(work: Callable[[], Any], size: int) -> Any:
@@ -159,35 +155,6 @@ for path, (model, work, summary) in ROUTES.items():
     )
 
 
-@router.get("/get_server_capabilities", summary="Tinker: the base models served here")
-async def capabilities(request: Request) -> dict[str, Any]:
-    await caller(request, "read")
-    return tinker(request).capabilities()
-
-
-@router.post("/sessions/{session_id}/finish", include_in_schema=False)
-async def finish_session(request: Request, session_id: str) -> dict[str, Any]:
-    who = await caller(request)
-    tinker(request).records.sessions.find(session_id, who.sees)
-    return {}
-
-
-@router.get("/sessions", summary="Tinker: the caller's client sessions")
-async def list_sessions(request: Request) -> dict[str, Any]:
-    who = await caller(request, "read")
-    return {"sessions": [s.id for s in tinker(request).records.sessions.of(who.sees)]}
-
-
-@router.get("/sessions/{session_id}", summary="Tinker: one client session")
-async def get_session(request: Request, session_id: str) -> dict[str, Any]:
-    who = await caller(request, "read")
-    svc = tinker(request)
-    session = svc.records.sessions.find(session_id, who.sees)
-    runs = [m.job_id for m in svc.records.models.of(None) if m.session_id == session.id]
-    samplers = [s.id for s in svc.records.samplers.of(None) if s.id.startswith(session.id + ":")]
-    return {"training_run_ids": runs, "sampler_ids": samplers}
-
-
 async def _future(request: Request) -> Any:
     """The caller's future named by the body's request_id; another owner's is a 404 like an unknown one."""
     who = await caller(request)
@@ -214,12 +181,6 @@ async def cancel_future(request: Request) -> dict[str, Any]:
     return {"cancelled": tinker(request).futures.cancel(await _future(request))}
 
 
-@router.get("/samplers/{sampler_id}", summary="Tinker: one sampler")
-async def get_sampler(request: Request, sampler_id: str) -> dict[str, Any]:
-    who = await caller(request, "read")
-    return sampling.sampler_view(tinker(request), who.sees, sampler_id)
-
-
 def run_of(svc: TinkerService, owner: str | None, run_id: str) -> Any:
     """The caller's training run, named by its id or by its model's id."""
     job = saved.run_row(svc.store, run_id, owner)
@@ -238,24 +199,45 @@ async def training_runs(request: Request, limit: int = Query(20, ge=1, le=1000),
     return {"training_runs": views, "cursor": {"offset": offset, "limit": limit, "total_count": len(rows)}}
 
 
-@router.get("/training_runs/{run_id}", summary="Tinker: one training run")
-async def training_run(request: Request, run_id: str) -> dict[str, Any]:
-    who = await caller(request, "read")
-    return await in_thread(lambda: saved.run_view(run_of(tinker(request), who.sees, run_id)))
+def session_view(svc: TinkerService, owner: str | None, session_id: str) -> dict[str, Any]:
+    session = svc.records.sessions.find(session_id, owner)
+    runs = [m.job_id for m in svc.records.models.of(None) if m.session_id == session.id]
+    samplers = [s.id for s in svc.records.samplers.of(None) if s.id.startswith(session.id + ":")]
+    return {"training_run_ids": runs, "sampler_ids": samplers}
 
 
-@router.get("/training_runs/{run_id}/checkpoints", summary="Tinker: a training run's checkpoints")
-async def run_checkpoints(request: Request, run_id: str) -> dict[str, Any]:
-    who = await caller(request, "read")
-    job = run_of(tinker(request), who.sees, run_id)
-    return {"checkpoints": await in_thread(saved.list_checkpoints, job.id, job.workdir)}
+def checkpoints(svc: TinkerService, owner: str | None, run_id: str) -> dict[str, Any]:
+    job = run_of(svc, owner, run_id)
+    return {"checkpoints": saved.list_checkpoints(job.id, job.workdir)}
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", summary="Tinker: delete a checkpoint")
-async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str) -> dict[str, Any]:
-    who = await caller(request)
-    await in_thread(saved.delete, tinker(request).store, who.sees, run_id, kind, name)
-    return {}
+# "METHOD path" -> (scope, (service, the owner the caller sees, path parameters) -> answer; None is {}):
+# the calls without a body
+PLAIN: dict[str, tuple[str, Callable[..., Any]]] = {
+    "GET get_server_capabilities": ("read", lambda svc, _: svc.capabilities()),
+    "POST sessions/{session_id}/finish": ("write", lambda svc, owner, session_id: svc.records.sessions.find(
+        session_id, owner) and {}),
+    "GET sessions": ("read", lambda svc, owner: {"sessions": [s.id for s in svc.records.sessions.of(owner)]}),
+    "GET sessions/{session_id}": ("read", session_view),
+    "GET samplers/{sampler_id}": ("read", sampling.sampler_view),
+    "GET training_runs/{run_id}": ("read", lambda svc, owner, run_id: saved.run_view(run_of(svc, owner, run_id))),
+    "GET training_runs/{run_id}/checkpoints": ("read", checkpoints),
+    "DELETE training_runs/{run_id}/checkpoints/{kind}/{name}": ("write", saved.delete),
+}  # fmt: skip
+
+
+def plain_route(scope: str, work: Callable[..., Any]) -> Callable[..., Any]:
+    async def route(request: Request) -> Any:
+        who = await caller(request, scope)
+        out = await in_thread(lambda: work(tinker(request), who.sees, **request.path_params))
+        return {} if out is None else out
+
+    return route
+
+
+for key, (scope, work) in PLAIN.items():
+    method, path = key.split(" ")
+    router.add_api_route(f"/{path}", plain_route(scope, work), methods=[method])
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", summary="Tinker: set or clear a TTL")
