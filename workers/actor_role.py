@@ -22,7 +22,7 @@ from schema.workers import HybridWorkerConfig, UpdateSchedule
 from workers.base import Dispatch, Reduce, Worker, register
 from workers.batch import Batch
 from workers.object_store_transfer import RemoteAdapterTransfer, probe_all_ranks
-from workers.operations import TrainingOperations, TrainOps, prepare_loss, temperature_of
+from workers.operations import TrainingOperations, TrainOps, temperature_of
 from workers.rollout_role import RolloutWorker
 from workers.training import train_on_batch
 from workers.transfer_choice import RolloutLink, connect, in_process
@@ -72,16 +72,8 @@ class ActorRefWorker(TrainingOperations):
     def compute_log_prob(self, batch: Batch) -> Batch:
         """old_log_probs (and entropy) of the responses under the current actor."""
         with self.actor.eval_mode():
-            out = self.actor.forward_backward_batch(
-                batch.tensors,
-                None,
-                forward_only=True,
-                compute_entropy=True,
-                temperature=temperature_of(batch),
-            )
-        return _with_outputs(
-            batch, {"old_log_probs": out.outputs["log_probs"], "entropy": out.outputs["entropy"]}
-        )
+            out = self.ops.forward(batch.tensors, compute_entropy=True, temperature=temperature_of(batch))
+        return batch.with_tensors({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.MESH, mesh="actor")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -92,33 +84,22 @@ class ActorRefWorker(TrainingOperations):
         else:
             raise RuntimeError("this worker group has no reference model: set a ref engine config to use KL")
         with engine.eval_mode(), base:
-            out = engine.forward_backward_batch(
-                batch.tensors, None, forward_only=True, temperature=temperature_of(batch)
-            )
-        return _with_outputs(batch, {"ref_log_probs": out.outputs["log_probs"]})
+            out = TrainOps(engine).forward(batch.tensors, temperature=temperature_of(batch))
+        return batch.with_tensors({"ref_log_probs": out["log_probs"]})
 
     @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
     def update_actor(
         self, batch: Batch, loss_config: PolicyLossConfig | dict, schedule: UpdateSchedule | dict
     ) -> dict[str, float]:
         """PPO-style update; the metrics are global (the engine sums them over ranks)."""
-        loss = prepare_loss(batch, PolicyLossConfig.model_validate(loss_config))
-        rows = Batch(loss.tensors, batch.non_tensors, batch.meta)
         return train_on_batch(
-            self.actor,
-            rows,
-            loss.loss_fn,
-            schedule,
-            "actor",
-            compute_entropy=loss.compute_entropy,
-            temperature=loss.temperature,
+            self.actor, batch, PolicyLossConfig.model_validate(loss_config), schedule, "actor"
         )
 
     @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
     def update_sft(self, batch: Batch, agg_mode: str, schedule: UpdateSchedule | dict) -> dict[str, float]:
         """Supervised fine-tuning on prompt/response rows: cross-entropy on the response tokens."""
-        loss = prepare_loss(batch, SFTLossConfig(loss_agg_mode=agg_mode))
-        return train_on_batch(self.actor, batch, loss.loss_fn, schedule, "sft")
+        return train_on_batch(self.actor, batch, SFTLossConfig(loss_agg_mode=agg_mode), schedule, "sft")
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
     def sync_weights(self, names: list[str] | None = None) -> dict[str, float]:
@@ -224,10 +205,3 @@ def _dtype_of(name: str, device: torch.device) -> torch.dtype | None:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
-
-
-def _with_outputs(batch: Batch, outputs: dict[str, torch.Tensor]) -> Batch:
-    tensors = batch.tensors.clone(recurse=False)
-    for key, value in outputs.items():
-        tensors[key] = value
-    return Batch(tensors, batch.non_tensors, batch.meta)

@@ -37,7 +37,6 @@ class TrainOps:
 
     def __init__(self, engine: TrainEngine) -> None:
         self.engine = engine
-        self.pending_calls = 0  # forward_backward calls whose gradients wait for the next step
 
     def forward_backward(
         self,
@@ -49,7 +48,7 @@ class TrainOps:
         adapter: str | None = None,
     ) -> EngineOutput:
         """Add this batch's gradient; `counts`: the whole accumulated batch's (engines/training/base.py)."""
-        out = self.engine.forward_backward_batch(
+        return self.engine.forward_backward_batch(
             tensors,
             loss_fn,
             compute_entropy=compute_entropy,
@@ -57,13 +56,10 @@ class TrainOps:
             counts=counts,
             **_on(adapter),
         )
-        self.pending_calls += 1
-        return out
 
     def optim_step(self, params: OptimizerConfig | dict | None = None, adapter: str | None = None) -> float:
         """Step on the accumulated gradient and zero it; returns the global grad norm before clipping.
         `params`: AdamW's settings for this step (an adapter also takes the SDK's AdamParams)."""
-        self.pending_calls = 0
         return self.engine.optimizer_step(params, **_on(adapter))
 
     def lr_scheduler_step(self) -> float:
@@ -206,14 +202,10 @@ class TrainingOperations(Worker):
     @register(Dispatch.MESH, mesh="actor")
     def forward(self, batch: Batch, adapter: str | None = None) -> Batch:
         """Adds log_probs [B, R] at the batch's sampling temperature (values [B, R] for a critic)."""
-        from workers.batch import Batch
-
         with self.ops.engine.eval_mode():
-            outputs = self.ops.forward(batch.tensors, temperature=temperature_of(batch), adapter=adapter)
-        tensors = batch.tensors.clone(recurse=False)
-        for key, value in outputs.items():
-            tensors[key] = value
-        return Batch(tensors, batch.non_tensors, batch.meta)
+            return batch.with_tensors(
+                self.ops.forward(batch.tensors, temperature=temperature_of(batch), adapter=adapter)
+            )
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
     def save_state(
