@@ -8,11 +8,13 @@ role in one process, the weights moving between them in process (engines/transfe
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from contextlib import nullcontext
 
 import torch
 
+from engines.rollout.hf import resolve_dtype
 from engines.threads import limit_threads_for_model
 from engines.training.base import TrainEngine
 from engines.training.registry import build_train_engine
@@ -63,7 +65,7 @@ class ActorRefWorker(TrainingOperations):
             if self.weight_sync is not None:  # a replaced rollout group: the old transfer's peers are gone
                 self.weight_sync.close()
                 self.weight_sync = None
-            dtype = _dtype_of(self.config.rollout.dtype, self.actor.device)
+            dtype = resolve_dtype(self.config.rollout.dtype, self.actor.device.type)
             self.weight_sync = connect(
                 link, self.config.rollout.bucket_mb, dtype, self.actor.device, self.actor
             )
@@ -130,17 +132,12 @@ class ActorRefWorker(TrainingOperations):
         return metrics
 
     def _send_weights(self, stream: Iterator[NamedTensor]) -> dict[str, float]:
-        if self.weight_sync is None:
-            for _ in stream:  # gather with the sending rank, keep nothing
-                pass
-            return {}
         try:
-            return self.weight_sync.transfer(stream).metrics()
-        except Exception:
-            # Gather the rest with the other ranks, so a lost receiver leaves them in step.
-            for _ in stream:
-                pass
-            raise
+            return {} if self.weight_sync is None else self.weight_sync.transfer(stream).metrics()
+        finally:
+            # A rank that only gathers, or a lost receiver: gather the rest with the other ranks,
+            # keeping nothing, so that they stay in step (a whole transfer left nothing to gather).
+            deque(stream, maxlen=0)
 
     def after_load_checkpoint(self) -> None:
         """Bring the rollout role to the restored weights."""
@@ -198,10 +195,3 @@ class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
         metrics = super()._send_weights(stream)
         self.settle_rollout_memory()
         return metrics
-
-
-def _dtype_of(name: str, device: torch.device) -> torch.dtype | None:
-    """The rollout's weight dtype for a config name ('auto': bf16 on CUDA, fp32 on CPU)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
