@@ -159,11 +159,6 @@ class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
         Worker.__init__(self)  # the two roles' build steps, in one process, in this order
         self.config = HybridWorkerConfig.model_validate(config)
         rc = self.config.rollout
-        if self.world_size % rc.tensor_parallel_size:
-            raise ValueError(
-                f"world size {self.world_size} is not a multiple of rollout tensor_parallel_size "
-                f"{rc.tensor_parallel_size}"
-            )
         self.build_training()
         lora = self.config.actor.lora
         self.build_rollout(

@@ -46,19 +46,14 @@ def train_on_batch(
 
     The engine has already reduced each step's metrics over micro-batches and dp ranks (the loss
     contract of engines/training/base.py), so every rank returns the same, global, metrics."""
-    prepared = prepare_loss(batch, loss)
+    tensors, loss_fn, options = prepare_loss(batch, loss)
     sums: dict[str, float] = {}
     plan = mini_batches(len(batch), engine.dp_size, UpdateSchedule.model_validate(schedule))
     ops = TrainOps(engine)
     with engine.train_mode():
         lr = engine.learning_rate
         for index in plan:
-            out = ops.forward_backward(
-                prepared.tensors[torch.tensor(index)],
-                prepared.loss_fn,
-                compute_entropy=prepared.compute_entropy,
-                temperature=prepared.temperature,
-            )
+            out = ops.forward_backward(tensors[torch.tensor(index)], loss_fn, **options)
             for key, value in out.metrics.items():
                 name = key if "/" in key else f"{prefix}/{key}"
                 if name != key and name in out.metrics:
