@@ -92,10 +92,10 @@ def test_an_sft_update_reports_its_loss_once(tiny_model_dir):
     rows (before the step), not twice it (the engine's `loss` and the SFT loss's own `sft/loss`)."""
     from transformers import AutoModelForCausalLM
 
+    from schema.losses import SFTLossConfig
     from schema.workers import UpdateSchedule
     from tests.engine_util import reference_log_probs
     from workers.batch import Batch
-    from workers.losses import make_sft_loss
     from workers.training import train_on_batch
 
     rows = make_batch(seed=3)
@@ -105,6 +105,6 @@ def test_an_sft_update_reports_its_loss_once(tiny_model_dir):
     expected = float(nll.sum() / rows["response_mask"].sum())
     schedule = UpdateSchedule(mini_batch_size=None, epochs=1, shuffle=False, seed=0)
     metrics = train_on_batch(
-        _engine(tiny_model_dir), Batch(rows), make_sft_loss("token-mean"), schedule, "sft"
+        _engine(tiny_model_dir), Batch(rows), SFTLossConfig(loss_agg_mode="token-mean"), schedule, "sft"
     )
     assert metrics["sft/loss"] == pytest.approx(expected, rel=1e-5)

@@ -8,11 +8,13 @@ role in one process, the weights moving between them in process (engines/transfe
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from contextlib import nullcontext
 
 import torch
 
+from engines.rollout.hf import resolve_dtype
 from engines.threads import limit_threads_for_model
 from engines.training.base import TrainEngine
 from engines.training.registry import build_train_engine
@@ -22,7 +24,7 @@ from schema.workers import HybridWorkerConfig, UpdateSchedule
 from workers.base import Dispatch, Reduce, Worker, register
 from workers.batch import Batch
 from workers.object_store_transfer import RemoteAdapterTransfer, probe_all_ranks
-from workers.operations import TrainingOperations, TrainOps, prepare_loss, temperature_of
+from workers.operations import TrainingOperations, TrainOps, temperature_of
 from workers.rollout_role import RolloutWorker
 from workers.training import train_on_batch
 from workers.transfer_choice import RolloutLink, connect, in_process
@@ -63,7 +65,7 @@ class ActorRefWorker(TrainingOperations):
             if self.weight_sync is not None:  # a replaced rollout group: the old transfer's peers are gone
                 self.weight_sync.close()
                 self.weight_sync = None
-            dtype = _dtype_of(self.config.rollout.dtype, self.actor.device)
+            dtype = resolve_dtype(self.config.rollout.dtype, self.actor.device.type)
             self.weight_sync = connect(
                 link, self.config.rollout.bucket_mb, dtype, self.actor.device, self.actor
             )
@@ -72,16 +74,8 @@ class ActorRefWorker(TrainingOperations):
     def compute_log_prob(self, batch: Batch) -> Batch:
         """old_log_probs (and entropy) of the responses under the current actor."""
         with self.actor.eval_mode():
-            out = self.actor.forward_backward_batch(
-                batch.tensors,
-                None,
-                forward_only=True,
-                compute_entropy=True,
-                temperature=temperature_of(batch),
-            )
-        return _with_outputs(
-            batch, {"old_log_probs": out.outputs["log_probs"], "entropy": out.outputs["entropy"]}
-        )
+            out = self.ops.forward(batch.tensors, compute_entropy=True, temperature=temperature_of(batch))
+        return batch.with_tensors({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.MESH, mesh="actor")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -92,33 +86,22 @@ class ActorRefWorker(TrainingOperations):
         else:
             raise RuntimeError("this worker group has no reference model: set a ref engine config to use KL")
         with engine.eval_mode(), base:
-            out = engine.forward_backward_batch(
-                batch.tensors, None, forward_only=True, temperature=temperature_of(batch)
-            )
-        return _with_outputs(batch, {"ref_log_probs": out.outputs["log_probs"]})
+            out = TrainOps(engine).forward(batch.tensors, temperature=temperature_of(batch))
+        return batch.with_tensors({"ref_log_probs": out["log_probs"]})
 
     @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
     def update_actor(
         self, batch: Batch, loss_config: PolicyLossConfig | dict, schedule: UpdateSchedule | dict
     ) -> dict[str, float]:
         """PPO-style update; the metrics are global (the engine sums them over ranks)."""
-        loss = prepare_loss(batch, PolicyLossConfig.model_validate(loss_config))
-        rows = Batch(loss.tensors, batch.non_tensors, batch.meta)
         return train_on_batch(
-            self.actor,
-            rows,
-            loss.loss_fn,
-            schedule,
-            "actor",
-            compute_entropy=loss.compute_entropy,
-            temperature=loss.temperature,
+            self.actor, batch, PolicyLossConfig.model_validate(loss_config), schedule, "actor"
         )
 
     @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
     def update_sft(self, batch: Batch, agg_mode: str, schedule: UpdateSchedule | dict) -> dict[str, float]:
         """Supervised fine-tuning on prompt/response rows: cross-entropy on the response tokens."""
-        loss = prepare_loss(batch, SFTLossConfig(loss_agg_mode=agg_mode))
-        return train_on_batch(self.actor, batch, loss.loss_fn, schedule, "sft")
+        return train_on_batch(self.actor, batch, SFTLossConfig(loss_agg_mode=agg_mode), schedule, "sft")
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
     def sync_weights(self, names: list[str] | None = None) -> dict[str, float]:
@@ -149,17 +132,12 @@ class ActorRefWorker(TrainingOperations):
         return metrics
 
     def _send_weights(self, stream: Iterator[NamedTensor]) -> dict[str, float]:
-        if self.weight_sync is None:
-            for _ in stream:  # gather with the sending rank, keep nothing
-                pass
-            return {}
         try:
-            return self.weight_sync.transfer(stream).metrics()
-        except Exception:
-            # Gather the rest with the other ranks, so a lost receiver leaves them in step.
-            for _ in stream:
-                pass
-            raise
+            return {} if self.weight_sync is None else self.weight_sync.transfer(stream).metrics()
+        finally:
+            # A rank that only gathers, or a lost receiver: gather the rest with the other ranks,
+            # keeping nothing, so that they stay in step (a whole transfer left nothing to gather).
+            deque(stream, maxlen=0)
 
     def after_load_checkpoint(self) -> None:
         """Bring the rollout role to the restored weights."""
@@ -181,11 +159,6 @@ class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
         Worker.__init__(self)  # the two roles' build steps, in one process, in this order
         self.config = HybridWorkerConfig.model_validate(config)
         rc = self.config.rollout
-        if self.world_size % rc.tensor_parallel_size:
-            raise ValueError(
-                f"world size {self.world_size} is not a multiple of rollout tensor_parallel_size "
-                f"{rc.tensor_parallel_size}"
-            )
         self.build_training()
         lora = self.config.actor.lora
         self.build_rollout(
@@ -217,17 +190,3 @@ class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
         metrics = super()._send_weights(stream)
         self.settle_rollout_memory()
         return metrics
-
-
-def _dtype_of(name: str, device: torch.device) -> torch.dtype | None:
-    """The rollout's weight dtype for a config name ('auto': bf16 on CUDA, fp32 on CPU)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def _with_outputs(batch: Batch, outputs: dict[str, torch.Tensor]) -> Batch:
-    tensors = batch.tensors.clone(recurse=False)
-    for key, value in outputs.items():
-        tensors[key] = value
-    return Batch(tensors, batch.non_tensors, batch.meta)

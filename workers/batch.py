@@ -98,6 +98,12 @@ class Batch:
             copy.deepcopy(self.meta),
         )
 
+    def with_tensors(self, tensors: dict[str, torch.Tensor]) -> Batch:
+        """The same rows with `tensors` added (or replaced); the other tensors are shared, not copied."""
+        merged = self.tensors.clone(recurse=False)
+        merged.update(tensors)
+        return Batch(merged, self.non_tensors, self.meta)
+
     def keys(self) -> list[str]:
         return list(self.tensors.keys()) + list(self.non_tensors.keys())
 

@@ -10,7 +10,7 @@ from schema.losses import ValueLossConfig
 from schema.workers import UpdateSchedule
 from workers.base import Dispatch, Reduce, register
 from workers.batch import Batch
-from workers.operations import TrainingOperations, TrainOps, prepare_loss
+from workers.operations import TrainingOperations, TrainOps
 from workers.training import train_on_batch
 
 
@@ -32,14 +32,11 @@ class CriticWorker(TrainingOperations):
     def compute_values(self, batch: Batch) -> Batch:
         """values [B, R]: the critic's estimate before each response token."""
         with self.critic.eval_mode():
-            out = self.critic.forward_backward_batch(batch.tensors, None, forward_only=True)
-        tensors = batch.tensors.clone(recurse=False)
-        tensors["values"] = out.outputs["values"]
-        return Batch(tensors, batch.non_tensors, batch.meta)
+            return batch.with_tensors({"values": self.ops.forward(batch.tensors)["values"]})
 
     @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
     def update_critic(
         self, batch: Batch, vf_clip: float | None, agg_mode: str, schedule: UpdateSchedule | dict
     ) -> dict[str, float]:
-        loss = prepare_loss(batch, ValueLossConfig(vf_clip=vf_clip, loss_agg_mode=agg_mode))
-        return train_on_batch(self.critic, batch, loss.loss_fn, schedule, "critic")
+        loss = ValueLossConfig(vf_clip=vf_clip, loss_agg_mode=agg_mode)
+        return train_on_batch(self.critic, batch, loss, schedule, "critic")

@@ -1,7 +1,7 @@
 """Multi-turn rollouts: per turn one batched `generate` over the live trajectories, then their
 environments stepped concurrently, each with a time limit; observations are appended as token deltas
-(chat_serving.py). `trajectory_tensors` lays them out like single-turn rollouts, response_mask 1 on
-sampled tokens only.
+(chat_serving.py). `trajectory_tensors` lays them out as single-turn rollouts are (rollout_layout.py),
+response_mask 1 on sampled tokens only.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from schema.workers import EnvironmentConfig
 from workers.chat_serving import ChatDelta
 from workers.environments.base import StepResult, as_messages
 from workers.environments.sandboxed import environment_factory, release
+from workers.rollout_layout import layout, place_rows
 
 TRUNCATED = ("max_turns", "budget")
-FAILED = ("env_error", "env_timeout")
 
 
 @dataclass
@@ -156,26 +156,20 @@ def _step_env(env: Any, text: str) -> StepResult:
 def trajectory_tensors(
     trajectories: list[Trajectory], prompt_width: int, response_width: int, pad: int
 ) -> TensorDict:
-    rows = len(trajectories)
-    input_ids = torch.full((rows, prompt_width + response_width), pad, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros(rows, response_width, dtype=torch.long)
-    log_probs = torch.zeros(rows, response_width)
-    for i, t in enumerate(trajectories):
-        p, n = len(t.prompt_ids), len(t.tokens)
-        input_ids[i, prompt_width - p : prompt_width] = torch.tensor(t.prompt_ids, dtype=torch.long)
-        attention_mask[i, prompt_width - p : prompt_width + n] = 1
-        if n:
-            input_ids[i, prompt_width : prompt_width + n] = torch.tensor(t.tokens, dtype=torch.long)
-            response_mask[i, :n] = torch.tensor(t.loss_mask, dtype=torch.long)
-            log_probs[i, :n] = torch.tensor(t.log_probs)
+    tensors = layout(
+        [t.prompt_ids for t in trajectories],
+        [t.tokens for t in trajectories],
+        [t.log_probs for t in trajectories],
+        prompt_width,
+        response_width,
+        pad,
+    )
+    response_mask = torch.zeros(len(trajectories), response_width, dtype=torch.long)
+    place_rows(response_mask, [t.loss_mask for t in trajectories])
     return TensorDict(
         {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "responses": input_ids[:, prompt_width:].clone(),
+            **tensors,
             "response_mask": response_mask,
-            "rollout_log_probs": log_probs,
             "weight_version": torch.tensor([t.weight_version for t in trajectories], dtype=torch.long),
             "env_rewards": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
             "num_turns": torch.tensor([t.turns for t in trajectories], dtype=torch.long),
@@ -183,7 +177,7 @@ def trajectory_tensors(
             # 1 where the turn or token budget ended the trajectory (over-long handling reads it).
             "truncated": torch.tensor([t.finish_reason in TRUNCATED for t in trajectories], dtype=torch.long),
         },
-        batch_size=[rows],
+        batch_size=[len(trajectories)],
     )
 
 

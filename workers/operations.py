@@ -16,8 +16,7 @@ binds the session host's methods through this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from schema.engine import OptimizerConfig
 from schema.losses import LossSpec, PolicyLossConfig
@@ -37,7 +36,6 @@ class TrainOps:
 
     def __init__(self, engine: TrainEngine) -> None:
         self.engine = engine
-        self.pending_calls = 0  # forward_backward calls whose gradients wait for the next step
 
     def forward_backward(
         self,
@@ -49,7 +47,7 @@ class TrainOps:
         adapter: str | None = None,
     ) -> EngineOutput:
         """Add this batch's gradient; `counts`: the whole accumulated batch's (engines/training/base.py)."""
-        out = self.engine.forward_backward_batch(
+        return self.engine.forward_backward_batch(
             tensors,
             loss_fn,
             compute_entropy=compute_entropy,
@@ -57,13 +55,10 @@ class TrainOps:
             counts=counts,
             **_on(adapter),
         )
-        self.pending_calls += 1
-        return out
 
     def optim_step(self, params: OptimizerConfig | dict | None = None, adapter: str | None = None) -> float:
         """Step on the accumulated gradient and zero it; returns the global grad norm before clipping.
         `params`: AdamW's settings for this step (an adapter also takes the SDK's AdamParams)."""
-        self.pending_calls = 0
         return self.engine.optimizer_step(params, **_on(adapter))
 
     def lr_scheduler_step(self) -> float:
@@ -106,24 +101,15 @@ def _on(adapter: str | None) -> dict[str, str]:
     return {} if adapter is None else {"adapter": adapter}
 
 
-@dataclass
-class PreparedLoss:
-    """A loss ready for `forward_backward`: the batch it reads, the LossFn and how to run the forward."""
-
-    tensors: TensorDict
-    loss_fn: LossFn
-    compute_entropy: bool = False
-    temperature: float = 1.0
-
-
-def prepare_loss(batch: Batch, spec: LossSpec) -> PreparedLoss:
-    """The LossFn of `spec` and the forward it needs, the same for the RL update and a client call."""
+def prepare_loss(batch: Batch, spec: LossSpec) -> tuple[TensorDict, LossFn, dict[str, Any]]:
+    """The rows, the LossFn of `spec` and the keywords of the forward it needs (compute_entropy,
+    temperature), the same for the RL update and a client call."""
     from engines.training.base import NEEDS_BACKWARD
     from workers.losses import make_loss, rows_with_gradient
 
-    if not isinstance(spec, PolicyLossConfig):
-        return PreparedLoss(batch.tensors, make_loss(spec))
     loss_fn = make_loss(spec)
+    if not isinstance(spec, PolicyLossConfig):
+        return batch.tensors, loss_fn, {}
     if "old_log_probs" not in batch.tensors.keys():
         loss_fn = old_log_probs_from_current(loss_fn)
     tensors = batch.tensors
@@ -134,7 +120,7 @@ def prepare_loss(batch: Batch, spec: LossSpec) -> PreparedLoss:
         tensors[NEEDS_BACKWARD] = with_gradient
     # Entropy is always computed so the dashboard's Entropy chart has actor/entropy; it joins the
     # loss only with a non-zero entropy_coeff.
-    return PreparedLoss(tensors, loss_fn, compute_entropy=True, temperature=temperature_of(batch))
+    return tensors, loss_fn, {"compute_entropy": True, "temperature": temperature_of(batch)}
 
 
 def old_log_probs_from_current(loss_fn: LossFn) -> LossFn:
@@ -177,17 +163,9 @@ class TrainingOperations(Worker):
         self, batch: Batch, loss: LossSpec, counts: GlobalCounts | None = None, adapter: str | None = None
     ) -> dict[str, float]:
         """Add the batch's gradient under `loss`, no optimizer step; metrics summed over ranks."""
-        prepared = prepare_loss(batch, loss)
+        tensors, loss_fn, options = prepare_loss(batch, loss)
         with self.ops.engine.train_mode():
-            out = self.ops.forward_backward(
-                prepared.tensors,
-                prepared.loss_fn,
-                counts,
-                compute_entropy=prepared.compute_entropy,
-                temperature=prepared.temperature,
-                adapter=adapter,
-            )
-        return out.metrics
+            return self.ops.forward_backward(tensors, loss_fn, counts, adapter=adapter, **options).metrics
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.GLOBAL)
     def optim_step(self, params: OptimizerConfig | dict | None = None, adapter: str | None = None) -> float:
@@ -206,14 +184,10 @@ class TrainingOperations(Worker):
     @register(Dispatch.MESH, mesh="actor")
     def forward(self, batch: Batch, adapter: str | None = None) -> Batch:
         """Adds log_probs [B, R] at the batch's sampling temperature (values [B, R] for a critic)."""
-        from workers.batch import Batch
-
         with self.ops.engine.eval_mode():
-            outputs = self.ops.forward(batch.tensors, temperature=temperature_of(batch), adapter=adapter)
-        tensors = batch.tensors.clone(recurse=False)
-        for key, value in outputs.items():
-            tensors[key] = value
-        return Batch(tensors, batch.non_tensors, batch.meta)
+            return batch.with_tensors(
+                self.ops.forward(batch.tensors, temperature=temperature_of(batch), adapter=adapter)
+            )
 
     @register(Dispatch.ONE_TO_ALL, reduce=Reduce.RANK_ZERO)
     def save_state(

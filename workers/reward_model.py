@@ -137,11 +137,10 @@ class RewardModelWorker(Worker):
     def compute_rm_score(self, batch: Batch) -> Batch:
         """rm_scores [B] (and rm_token_scores [B, R] when the batch has a response_mask)."""
         scores = self.reward_model.score(batch.tensors["input_ids"], batch.tensors["attention_mask"])
-        tensors = batch.tensors.clone(recurse=False)
-        tensors["rm_scores"] = scores
-        if "response_mask" in tensors.keys():
-            tensors["rm_token_scores"] = scores_on_last_token(scores, tensors["response_mask"])
-        return Batch(tensors, batch.non_tensors, batch.meta)
+        added = {"rm_scores": scores}
+        if "response_mask" in batch.tensors.keys():
+            added["rm_token_scores"] = scores_on_last_token(scores, batch.tensors["response_mask"])
+        return batch.with_tensors(added)
 
 
 def scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -12,37 +12,47 @@ from tensordict import TensorDict
 def rollout_tensors(
     prompts: list[list[int]], completions: list, width: int, new_tokens: int, pad: int
 ) -> TensorDict:
+    tokens = [c.token_ids[:new_tokens] for c in completions]
+    log_probs = [c.log_probs[: len(t)] for c, t in zip(completions, tokens, strict=True)]
+    tensors = layout(prompts, tokens, log_probs, width, new_tokens, pad)
+    tensors["response_mask"] = tensors["attention_mask"][:, width:].clone()
+    tensors["weight_version"] = torch.tensor([c.weight_version for c in completions], dtype=torch.long)
+    # 1 where generation stopped at the token budget (finish reason "length"), for over-long handling.
+    tensors["truncated"] = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.long)
+    return TensorDict(tensors, batch_size=[len(prompts)])
+
+
+def layout(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    log_probs: list[list[float]],
+    width: int,
+    new_tokens: int,
+    pad: int,
+) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask, responses and rollout_log_probs of the rows (each response fits)."""
     rows = len(prompts)
     prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     if rows and int(prompt_lengths.max()) > width:
         raise ValueError(
             f"prompt of {int(prompt_lengths.max())} tokens is longer than max_prompt_length={width}"
         )
-    tokens = [c.token_ids[:new_tokens] for c in completions]
-    token_lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+    token_lengths = torch.tensor([len(t) for t in responses], dtype=torch.long)
     input_ids = torch.full((rows, width + new_tokens), pad, dtype=torch.long)
     place_rows(input_ids, prompts, width - prompt_lengths)
-    place_rows(input_ids, tokens, torch.full((rows,), width))
+    place_rows(input_ids, responses, torch.full((rows,), width))
     columns = torch.arange(width + new_tokens)
     attention_mask = (
         (columns >= (width - prompt_lengths)[:, None]) & (columns < (width + token_lengths)[:, None])
     ).long()
-    log_probs = torch.zeros(rows, new_tokens)
-    place_rows(log_probs, [c.log_probs[: len(t)] for c, t in zip(completions, tokens, strict=True)])
-    # 1 where generation stopped at the token budget (finish reason "length"), for over-long handling.
-    truncated = torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.long)
-    return TensorDict(
-        {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "responses": input_ids[:, width:].clone(),
-            "response_mask": attention_mask[:, width:].clone(),
-            "rollout_log_probs": log_probs,
-            "weight_version": torch.tensor([c.weight_version for c in completions], dtype=torch.long),
-            "truncated": truncated,
-        },
-        batch_size=[rows],
-    )
+    rollout_log_probs = torch.zeros(rows, new_tokens)
+    place_rows(rollout_log_probs, log_probs)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "responses": input_ids[:, width:].clone(),
+        "rollout_log_probs": rollout_log_probs,
+    }
 
 
 def place_rows(out: torch.Tensor, rows: list[list], starts: torch.Tensor | None = None) -> None:

@@ -48,6 +48,11 @@ class RolloutWorker(Worker):
         self, rc: RolloutConfig, model_path: str, device: str, lora_rank: int | None = None
     ) -> None:
         """`lora_rank`: the engine serves LoRA adapters up to this rank (vllm, sglang need it up front)."""
+        if self.world_size % rc.tensor_parallel_size:
+            raise ValueError(
+                f"world size {self.world_size} is not a multiple of rollout tensor_parallel_size "
+                f"{rc.tensor_parallel_size}"
+            )
         self.rollout_config, self.rollout_model_path = rc, model_path
         lora = {"max_lora_rank": lora_rank} if lora_rank is not None else {}
         self.rollout = build_rollout_engine(
@@ -59,12 +64,7 @@ class RolloutWorker(Worker):
         self._exit_after_buckets: int | None = None  # a test hook: die mid-transfer
 
     def register_rollout_mesh(self) -> None:
-        tp = self.rollout_config.tensor_parallel_size
-        if self.world_size % tp:
-            raise ValueError(
-                f"world size {self.world_size} is not a multiple of rollout tensor_parallel_size {tp}"
-            )
-        dp, collect = rollout_mesh_coords(self.rank, tp)
+        dp, collect = rollout_mesh_coords(self.rank, self.rollout_config.tensor_parallel_size)
         self.register_mesh("rollout", dp_rank=dp, is_collect=collect)
 
     def settle_rollout_memory(self) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from engines.training.base import MAX_SUFFIX, LossFn, TrainEngine, combine_metric
+from engines.training.base import MAX_SUFFIX, TrainEngine, combine_metric
+from schema.losses import LossSpec
 from schema.workers import UpdateSchedule
 from workers.batch import Batch
-from workers.operations import TrainOps
+from workers.operations import TrainOps, prepare_loss
 
 
 def mini_batches(num_rows: int, dp_size: int, schedule: UpdateSchedule) -> list[list[int]]:
@@ -38,28 +39,21 @@ def mini_batches(num_rows: int, dp_size: int, schedule: UpdateSchedule) -> list[
 
 
 def train_on_batch(
-    engine: TrainEngine,
-    batch: Batch,
-    loss_fn: LossFn,
-    schedule: UpdateSchedule | dict,
-    prefix: str,
-    compute_entropy: bool = False,
-    temperature: float = 1.0,
+    engine: TrainEngine, batch: Batch, loss: LossSpec, schedule: UpdateSchedule | dict, prefix: str
 ) -> dict[str, float]:
-    """Run every mini-batch of every epoch; metrics are averaged over the optimizer steps.
+    """Run every mini-batch of every epoch under `loss` (built as for a client's forward_backward);
+    metrics are averaged over the optimizer steps.
 
     The engine has already reduced each step's metrics over micro-batches and dp ranks (the loss
     contract of engines/training/base.py), so every rank returns the same, global, metrics."""
+    tensors, loss_fn, options = prepare_loss(batch, loss)
     sums: dict[str, float] = {}
     plan = mini_batches(len(batch), engine.dp_size, UpdateSchedule.model_validate(schedule))
     ops = TrainOps(engine)
     with engine.train_mode():
         lr = engine.learning_rate
         for index in plan:
-            rows = batch.tensors[torch.tensor(index)]
-            out = ops.forward_backward(
-                rows, loss_fn, compute_entropy=compute_entropy, temperature=temperature
-            )
+            out = ops.forward_backward(tensors[torch.tensor(index)], loss_fn, **options)
             for key, value in out.metrics.items():
                 name = key if "/" in key else f"{prefix}/{key}"
                 if name != key and name in out.metrics:

@@ -6,15 +6,10 @@ micro-batches and ranks. tinker.py is the Tinker API's `compute_loss`.
 
 from engines.training.base import LossFn
 from schema.losses import LossSpec, SFTLossConfig, ValueLossConfig
-from workers.losses.aggregation import AGG_MODES, AggMode, aggregate, check_agg_mode
-from workers.losses.kl import KL_TYPES, KLType, kl_estimate
-from workers.losses.policy import (
-    PolicyLossConfig,
-    make_policy_loss,
-    make_token_objective,
-    rows_with_gradient,
-)
-from workers.losses.registry import LOSSES, TokenInputs, TokenLoss, objective
+from workers.losses.aggregation import AGG_MODES, aggregate
+from workers.losses.kl import kl_estimate
+from workers.losses.policy import PolicyLossConfig, make_policy_loss, rows_with_gradient
+from workers.losses.registry import LOSSES, objective
 from workers.losses.sft import make_sft_loss
 from workers.losses.value import make_value_loss
 
@@ -31,20 +26,13 @@ def make_loss(spec: LossSpec) -> LossFn:
 
 __all__ = [
     "AGG_MODES",
-    "KL_TYPES",
     "LOSSES",
-    "AggMode",
-    "KLType",
     "PolicyLossConfig",
-    "TokenInputs",
-    "TokenLoss",
     "aggregate",
-    "check_agg_mode",
     "kl_estimate",
-    "make_policy_loss",
     "make_loss",
+    "make_policy_loss",
     "make_sft_loss",
-    "make_token_objective",
     "make_value_loss",
     "objective",
     "rows_with_gradient",

@@ -16,7 +16,7 @@ KL_TYPES: tuple[str, ...] = get_args(KLType)
 _ALIASES = {"low_var_kl": "k3", "kl": "k1", "mse": "k2"}
 
 # exp of a log-ratio past this overflows in bf16/fp16; the clamp only bites for absurd policies.
-_MAX_LOG_RATIO = 20.0
+MAX_LOG_RATIO = 20.0
 _K3_BOUND = 10.0
 
 
@@ -29,6 +29,6 @@ def kl_estimate(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kl_type: s
     if kind == "k2":
         return 0.5 * diff.square()
     if kind == "k3":
-        neg = (-diff).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        neg = (-diff).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         return (neg.exp() - neg - 1.0).clamp(-_K3_BOUND, _K3_BOUND)
     raise ValueError(f"unknown KL estimator {kl_type!r}; choose one of {', '.join(KL_TYPES)} (or low_var_kl)")

@@ -16,12 +16,9 @@ from tensordict import TensorDict
 from engines.training.base import GlobalCounts, LossFn
 from schema.losses import PolicyLossConfig, RolloutCorrectionConfig
 from workers.losses.aggregation import aggregate, check_agg_mode, token_fraction, token_mean
-from workers.losses.kl import kl_estimate
+from workers.losses.kl import MAX_LOG_RATIO, kl_estimate
 from workers.losses.registry import TokenInputs, TokenLoss, objective
-from workers.losses.rollout_correction import is_weight_metrics, is_weights, mismatch_metrics
-
-# Bounds the log-ratio before exp: beyond it the ratio is clipped anyway, and exp would overflow.
-_MAX_LOG_RATIO = 20.0
+from workers.losses.rollout_correction import is_weights, mismatch_metrics
 
 
 def _rollout_corrected(
@@ -39,9 +36,11 @@ def _rollout_corrected(
     mask, rollout_log_probs = micro_batch["response_mask"], micro_batch["rollout_log_probs"]
     metrics = mismatch_metrics(old_log_probs, rollout_log_probs, mask, counts)
     if correction.is_weights != "off":
-        terms = is_weights(old_log_probs, rollout_log_probs, mask, correction.is_weights, correction.is_cap)
-        token_loss = token_loss * terms.weights.to(token_loss.dtype)
-        metrics.update(is_weight_metrics(terms, mask, counts))
+        weights, weight_metrics = is_weights(
+            old_log_probs, rollout_log_probs, mask, correction.is_weights, correction.is_cap, counts
+        )
+        token_loss = token_loss * weights.to(token_loss.dtype)
+        metrics.update(weight_metrics)
     return token_loss, metrics
 
 
@@ -58,7 +57,7 @@ def make_token_objective(cfg: PolicyLossConfig) -> TokenObjective:
     bounds = {
         "low": 1.0 - cfg.clip_ratio_low,
         "high": 1.0 + cfg.clip_ratio_high,
-        "max_log_ratio": _MAX_LOG_RATIO,
+        "max_log_ratio": MAX_LOG_RATIO,
     }
     options = {"ppo": {**bounds, "dual_clip": cfg.clip_ratio_c}, "gspo": bounds, "cispo": bounds}
     if cfg.policy_loss not in options:

@@ -16,43 +16,46 @@ the loss's global normaliser, so it is applied to `response_mask` beforehand (`a
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
 from engines.training.base import GlobalCounts
 from schema.losses import RolloutCorrectionConfig
-from workers.losses.kl import kl_estimate
-
-# exp(delta) past this overflows in low precision; ratios this far out are truncated or rejected anyway.
-_MAX_LOG_RATIO = 20.0
+from workers.losses.aggregation import token_mean
+from workers.losses.kl import MAX_LOG_RATIO, kl_estimate
 
 
-class ISWeights(NamedTuple):
-    weights: torch.Tensor  # [mb, R] the truncated IS weight of every token (1 where masked)
-    truncated: torch.Tensor  # [mb, R] bool: the cap C was active
-
-
-def _log_ratio(
-    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor
+def _log_rho(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, level: str
 ) -> torch.Tensor:
-    """delta = log pi_old - log pi_rollout on the valid tokens, 0 elsewhere; detached."""
-    return ((old_log_probs - rollout_log_probs) * mask.to(old_log_probs.dtype)).detach()
+    """Detached log rho of each valid token ([B, R], 0 elsewhere) or of its sequence ([B, 1]) at `level`."""
+    delta = ((old_log_probs - rollout_log_probs) * mask.to(old_log_probs.dtype)).detach()
+    if level == "token":
+        return delta
+    if level == "sequence":
+        return delta.sum(-1, keepdim=True)
+    if level == "geometric":
+        return delta.sum(-1, keepdim=True) / mask.bool().sum(-1, keepdim=True).clamp(min=1)
+    raise ValueError(f"unknown rollout-correction level {level!r}; choose token, sequence or geometric")
 
 
 def is_weights(
-    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor, level: str, cap: float
-) -> ISWeights:
-    """The truncated importance weights of `level` ('token' or 'sequence'); see the module doc."""
-    delta = _log_ratio(old_log_probs, rollout_log_probs, mask)
-    if level == "token":
-        log_rho = delta
-    elif level == "sequence":
-        log_rho = delta.sum(-1, keepdim=True).expand_as(delta)
-    else:
-        raise ValueError(f"unknown is_weights level {level!r}; choose token or sequence")
-    rho = log_rho.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()
-    return ISWeights(rho.clamp(max=cap), rho > cap)
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    level: str,
+    cap: float,
+    counts: GlobalCounts,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """[mb, R] truncated importance weights of `level` (see the module doc), and as additive shares
+    their mean and the share of tokens where the cap C was active."""
+    log_rho = _log_rho(old_log_probs, rollout_log_probs, mask, level)
+    rho = log_rho.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp().expand_as(old_log_probs)
+    weights = rho.clamp(max=cap)
+    return weights, {
+        "rollout_corr/is_weight_mean": token_mean(weights, mask, counts),
+        "rollout_corr/token_clipped_frac": token_mean((rho > cap).to(weights.dtype), mask, counts),
+    }
 
 
 def rejection_keep(
@@ -64,19 +67,9 @@ def rejection_keep(
     high: float,
 ) -> torch.Tensor:
     """[B, R] bool: the valid tokens that stay in the loss under rejection `level`; see the module doc."""
-    m = mask.bool()
-    delta = _log_ratio(old_log_probs, rollout_log_probs, mask)
-    if level == "token":
-        log_rho = delta
-    elif level == "sequence":
-        log_rho = delta.sum(-1, keepdim=True)
-    elif level == "geometric":
-        log_rho = delta.sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
-    else:
-        raise ValueError(f"unknown rejection level {level!r}; choose token, sequence or geometric")
+    log_rho = _log_rho(old_log_probs, rollout_log_probs, mask, level)
     # Compared in log space: no overflow for long sequences.
-    inside = (log_rho >= math.log(low)) & (log_rho <= math.log(high))
-    return m & inside
+    return mask.bool() & (log_rho >= math.log(low)) & (log_rho <= math.log(high))
 
 
 def apply_rejection(
@@ -103,22 +96,10 @@ def mismatch_metrics(
 ) -> dict[str, float]:
     """This micro-batch's share of the train/inference mismatch: |delta| mean and max, and the k3
     estimate of KL(pi_rollout || pi_old)."""
-    m = mask.to(old_log_probs.dtype)
-    gap = _log_ratio(old_log_probs, rollout_log_probs, mask).abs()
-    kl = kl_estimate(rollout_log_probs.detach(), old_log_probs.detach(), "k3") * m
-    tokens = max(counts.tokens, 1)
+    gap = _log_rho(old_log_probs, rollout_log_probs, mask, "token").abs()
+    kl = kl_estimate(rollout_log_probs.detach(), old_log_probs.detach(), "k3")
     return {
-        "rollout/log_prob_diff_mean": float(gap.sum()) / tokens,
+        "rollout/log_prob_diff_mean": token_mean(gap, mask, counts),
         "rollout/log_prob_diff_max": float(gap.max()) if gap.numel() else 0.0,
-        "rollout/kl_rollout_trainer": float(kl.sum()) / tokens,
-    }
-
-
-def is_weight_metrics(terms: ISWeights, mask: torch.Tensor, counts: GlobalCounts) -> dict[str, float]:
-    """rollout_corr/is_weight_mean and rollout_corr/token_clipped_frac, as additive shares."""
-    m = mask.to(terms.weights.dtype)
-    tokens = max(counts.tokens, 1)
-    return {
-        "rollout_corr/is_weight_mean": float((terms.weights * m).sum()) / tokens,
-        "rollout_corr/token_clipped_frac": float((terms.truncated.to(m.dtype) * m).sum()) / tokens,
+        "rollout/kl_rollout_trainer": token_mean(kl, mask, counts),
     }
