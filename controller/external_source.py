@@ -24,23 +24,21 @@ from workers.multiturn import trajectory_non_tensors, trajectory_tensors
 
 POLL_S = 0.2
 CALL_TIMEOUT_S = 60.0
-START_CHECK_S = 120.0
 
 
 class ExternalSource:
     def __init__(self, job_id: str, spec: JobSpec, model_path: str, version: int = 0) -> None:
         self.spec, self.config, self.job_id = spec, spec.rollout.external_config, job_id
         self.agents = None  # rollout.external.agent's pool
+        buffer = None  # trainer.mode async: admission by the rollout buffer, before any call is served
+        if spec.trainer.mode == "async":  # `version`: a resumed job's checkpoint step, already trained
+            k, per_step = staleness_bound(spec), self.config.trajectories_per_step
+            buffer = (k, buffer_capacity(spec, per_step), version)
         self.actor = (
             ray.remote(ExternalServer)
             .options(name=server_name(job_id), get_if_exists=True, num_cpus=0, max_concurrency=10_000)
-            .remote(job_id, model_path, self.config.model_dump())
+            .remote(job_id, model_path, self.config.model_dump(), buffer)
         )
-        if spec.trainer.mode == "async":  # admission by the rollout buffer, before any call is served
-            # `version`: a resumed job's checkpoint step, which the new buffer has trained
-            k, per_step = staleness_bound(spec), self.config.trajectories_per_step
-            ray.get(self.actor.use_buffer.remote(k, buffer_capacity(spec, per_step), version),
-                    timeout=CALL_TIMEOUT_S)  # fmt: skip
 
     def attach(self, groups: Any, version: int) -> None:
         """Serve from this attempt's rollout replicas (one per tensor-parallel group), at `version`."""
@@ -49,13 +47,8 @@ class ExternalSource:
         ray.get(self.actor.attach.remote(rollout.actors[::tp], version), timeout=CALL_TIMEOUT_S)
         if self.config.agent is not None and self.agents is None:  # rollout.external.agent: the job's own
             from controller.external_agents import AgentPool
-            from controller.user_code import run_sandboxed
 
-            c = self.config
-            # once, before any worker: an agent that cannot load fails the job here, saying why
-            run_sandboxed("controller.agent_sandbox:check_agent", c.agent, [c.agent_args], START_CHECK_S,
-                          f"agent '{c.agent}'")  # fmt: skip
-            self.agents = AgentPool(c, self.actor, server_name(self.job_id), self.job_id)
+            self.agents = AgentPool(self.config, self.actor, self.job_id)
 
     def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch | None:
         """Sync: the next step's trajectories once rewarded; None when asked to stop."""
