@@ -1,12 +1,12 @@
 """Where a step's scored samples come from, chosen once per job by `make_source` with its publisher:
-`GeneratedSource` (sync, generated in the step), `LaneSource` (async: lanes ahead of the trainer, controller/async_loop.py) and
-`AgentSource` (rollout.source external). Async sources keep the buffer's one staleness filter
-(`rollout_buffer.too_stale`), reported by `staleness_metrics`.
+`GeneratedSource` (sync, generated in the step), `LaneSource` (async: lanes ahead of the trainer,
+controller/async_loop.py) and `AgentSource` (rollout.source external, controller/external_source.py).
+Async sources keep the buffer's one staleness filter (`rollout_buffer.too_stale`), reported by
+`staleness_metrics`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +15,6 @@ import torch
 from controller.dynamic_sampling import sample_signal_groups
 from controller.rollout_buffer import too_stale
 from controller.weight_publisher import WeightPublisher
-from schema.async_rl import staleness_bound
 from workers.batch import Batch
 
 if TYPE_CHECKING:
@@ -52,6 +51,8 @@ class BatchSource:
 
 def make_source(trainer: Trainer) -> tuple[BatchSource, WeightPublisher]:
     if trainer.spec.rollout.source == "external":
+        from controller.external_source import AgentSource
+
         source = AgentSource(trainer)
         return source, WeightPublisher(trainer, sent=source.sent)
     if trainer.spec.trainer.mode == "async":
@@ -86,68 +87,6 @@ class GeneratedSource(BatchSource):
     def next_batch(self) -> Scored:
         t = self.trainer
         return in_rounds(t, lambda round_index: t.generate(t.job.next_prompts(t.step_index, round_index)))
-
-
-class AgentSource(BatchSource):
-    """A step's rewarded trajectories from the job's endpoint (controller/external_source.py, kept
-    across restarts): sync, the first whole groups; async, the groups young enough."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.endpoint: Any = None
-        self.dropped_total = 0
-        self.max_staleness = staleness_bound(trainer.spec)
-
-    def start(self) -> None:
-        from controller.external_source import ExternalSource
-
-        t = self.trainer
-        if self.endpoint is None:
-            self.endpoint = ExternalSource(t.name, t.spec, t.job.model_path, t.step_index)
-        self.endpoint.attach(t.job.groups, t.step_index)
-        t.sink.event("endpoint", "the OpenAI-compatible endpoint serves this job's rollout workers")
-
-    def close(self) -> None:
-        """rollout.external.agent's pool: its thread would outlive the run in a long-lived process."""
-        if self.endpoint is not None and self.endpoint.agents is not None:
-            self.endpoint.agents.stop()
-
-    def next_batch(self) -> Scored:
-        if self.trainer.spec.trainer.mode == "async":
-            return self._young_groups()
-        return in_rounds(self.trainer, lambda _: self._trajectories())
-
-    def _trajectories(self) -> Batch:
-        t = self.trainer
-        batch = self.endpoint.next_batch(lambda: t.control.stop_reason is not None, self._pad())
-        if batch is None:
-            t.stop_while_waiting()
-        return batch
-
-    def _young_groups(self) -> Scored:
-        t = self.trainer
-        version, start = t.step_index - 1, time.perf_counter()
-        with t.timed("wait_rollout"):
-            got = self.endpoint.next_async(version, lambda: t.control.stop_reason is not None, self._pad())
-        if got is None:
-            t.stop_while_waiting()
-        batch, counts = got
-        batch, scores, metrics = t.job.scored(batch)
-        dropped, self.dropped_total = counts["dropped_total"] - self.dropped_total, counts["dropped_total"]
-        metrics.update(
-            buffer_metrics(counts["fill"], dropped, self.dropped_total, time.perf_counter() - start)
-        )
-        return batch, scores, staleness_metrics(metrics, batch, version, self.max_staleness)
-
-    def sent(self, version: int) -> None:
-        if self.trainer.spec.trainer.mode == "async":
-            self.endpoint.set_version(version)
-
-    def _pad(self) -> int:
-        return self.trainer.job.tokenizer.pad_token_id or 0
-
-    def stats(self) -> dict[str, float]:
-        return self.endpoint.stats()
 
 
 def buffer_metrics(fill: float, dropped: int, dropped_total: int, waited: float) -> dict[str, float]:

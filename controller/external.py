@@ -36,7 +36,9 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 class ExternalServer:
     """Ray actor body (async: one event loop, many calls at once)."""
 
-    def __init__(self, job_id: str, model_path: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, job_id: str, model_path: str, config: dict[str, Any], buffer: tuple[int, int, int] | None = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         from workers.chat_serving import ChatRenderer
@@ -48,6 +50,8 @@ class ExternalServer:
         # The tokenizer is only read here (its truncation and padding never change): threads may share it.
         self._templating = ThreadPoolExecutor(TEMPLATING_THREADS, thread_name_prefix="templating")
         self.store = TrajectoryStore(self.config)
+        if buffer is not None:  # trainer.mode async: (max_staleness, capacity, version) of its buffer
+            self.store.use_buffer(*buffer)
         self._locks: dict[str, asyncio.Lock] = {}
         self.batcher = ReplicaBatcher(self.config.batch_window_ms)
         self.requests = 0
@@ -58,9 +62,6 @@ class ExternalServer:
         if self.store.buffer is not None:  # a buffer that outlived the workers (a restart from a checkpoint)
             self.store.rewind(version)
         await self.batcher.attach(hosts, version)
-
-    async def use_buffer(self, max_staleness: int, capacity: int, version: int) -> None:
-        self.store.use_buffer(max_staleness, capacity, version)
 
     async def set_version(self, version: int) -> None:
         self.store.buffer.set_version(version)
@@ -89,12 +90,9 @@ class ExternalServer:
                 self.store.forget(tid)
             elif traj is not None and traj.state == "open":
                 traj.segments = segments
-            if isinstance(err, TrajectoryError):
-                return {"error": err.as_dict()}
-            # the chat template refused the messages
-            return {
-                "error": {"status": 422, "message": str(err), "param": "messages", "code": "invalid_value"}
-            }
+            if not isinstance(err, TrajectoryError):  # the chat template refused the messages
+                err = TrajectoryError(422, str(err), "messages", "invalid_value")
+            return {"error": err.as_dict()}
 
     async def reward(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
         try:

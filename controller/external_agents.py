@@ -17,11 +17,13 @@ from typing import Any
 import ray
 
 from controller.agent_sandbox import AgentError
+from controller.user_code import run_sandboxed
 from schema.external import ExternalSpec
 from workers.sandbox.channel import SandboxError, UserCode
 
 log = logging.getLogger("tandem.job")
 CALL_TIMEOUT_S = 900.0
+START_CHECK_S = 120.0
 
 
 def _ok(body: dict[str, Any]) -> dict[str, Any]:
@@ -37,10 +39,9 @@ class AgentWorker(UserCode):
     """Ray actor body: the user's agent in a sandbox of its own, one trajectory per call; the actor
     answers the sandbox's HTTP requests from the job's endpoint, and its death ends the sandbox."""
 
-    def __init__(self, ref: str, server_name: str, model: str, args: dict[str, Any] | None = None) -> None:
-        self.model, self.args = model, args
+    def __init__(self, ref: str, server: Any, model: str, args: dict[str, Any] | None = None) -> None:
+        self.server, self.model, self.args = server, model, args
         self.trajectory: str | None = None  # the one a call under way records
-        self.server = ray.get_actor(server_name)
         super().__init__(ref, f"agent '{ref}'", AgentError, "controller.agent_sandbox:check_agent", [args],
                          asker=self._ask)  # fmt: skip
 
@@ -86,9 +87,12 @@ class AgentWorker(UserCode):
 
 
 class AgentPool:
-    def __init__(self, config: ExternalSpec, server: Any, server_name: str, model: str) -> None:
-        self.ref, self.server, self.server_name, self.model = config.agent, server, server_name, model
+    def __init__(self, config: ExternalSpec, server: Any, model: str) -> None:
+        self.ref, self.server, self.model = config.agent, server, model
         self.args, self.timeout_s = config.agent_args, config.agent_timeout_s
+        # once, before any worker: an agent that cannot load fails the job here, saying why
+        run_sandboxed("controller.agent_sandbox:check_agent", self.ref, [self.args], START_CHECK_S,
+                      f"agent '{self.ref}'")  # fmt: skip
         self.group_size, self.workers = config.group_size, config.agent_workers
         self.started = self.finished = self.failed = self.timed_out = 0
         self._stop = threading.Event()
@@ -97,7 +101,7 @@ class AgentPool:
 
     def _new_worker(self) -> Any:
         worker = ray.remote(AgentWorker).options(num_cpus=0)
-        return worker.remote(self.ref, self.server_name, self.model, self.args)
+        return worker.remote(self.ref, self.server, self.model, self.args)
 
     def _loop(self) -> None:
         idle = [self._new_worker() for _ in range(self.workers)]

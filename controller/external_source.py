@@ -1,87 +1,112 @@
-"""The trainer's side of `rollout.source: external`: the endpoint's actor (found again after a restart
-of the workers), pointed at each attempt's rollout workers, and a step's rewarded trajectories in the
-training layout of multi-turn rollouts (one row per segment, a multi-turn `Trajectory` already, the
-reward as `env_rewards`, the task id as the GRPO group id).
+"""`AgentSource`, the batch source of `rollout.source: external`: the job's endpoint actor (found again
+after a restart of the workers), pointed at each attempt's rollout workers, and a step's rewarded
+trajectories in the training layout of multi-turn rollouts (one row per segment, a multi-turn
+`Trajectory` already, the reward as `env_rewards`, the task id as the GRPO group id).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
 
+from controller.batch_source import BatchSource, Scored, buffer_metrics, in_rounds, staleness_metrics
 from controller.external import ExternalServer
 from controller.external_store import Segment
 from controller.trajectory_view import split_turns
 from schema.async_rl import buffer_capacity, staleness_bound
 from schema.external import server_name
-from schema.job import JobSpec
 from workers.batch import Batch
 from workers.multiturn import trajectory_non_tensors, trajectory_tensors
 
+if TYPE_CHECKING:
+    from controller.trainer import Trainer
+
 POLL_S = 0.2
 CALL_TIMEOUT_S = 60.0
-START_CHECK_S = 120.0
 
 
-class ExternalSource:
-    def __init__(self, job_id: str, spec: JobSpec, model_path: str, version: int = 0) -> None:
-        self.spec, self.config, self.job_id = spec, spec.rollout.external_config, job_id
+class AgentSource(BatchSource):
+    """Sync: the first whole groups of rewarded trajectories; async: the groups young enough. The actor
+    and the agent pool are kept across restarts."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.config = trainer, trainer.spec.rollout.external_config
+        self.actor: Any = None
         self.agents = None  # rollout.external.agent's pool
-        self.actor = (
-            ray.remote(ExternalServer)
-            .options(name=server_name(job_id), get_if_exists=True, num_cpus=0, max_concurrency=10_000)
-            .remote(job_id, model_path, self.config.model_dump())
-        )
-        if spec.trainer.mode == "async":  # admission by the rollout buffer, before any call is served
-            # `version`: a resumed job's checkpoint step, which the new buffer has trained
-            k, per_step = staleness_bound(spec), self.config.trajectories_per_step
-            ray.get(self.actor.use_buffer.remote(k, buffer_capacity(spec, per_step), version),
-                    timeout=CALL_TIMEOUT_S)  # fmt: skip
+        self.dropped_total = 0
+        self.max_staleness = staleness_bound(trainer.spec)
 
-    def attach(self, groups: Any, version: int) -> None:
-        """Serve from this attempt's rollout replicas (one per tensor-parallel group), at `version`."""
-        rollout = groups.actor.rollout.group
-        tp = self.spec.rollout.tensor_parallel_size
-        ray.get(self.actor.attach.remote(rollout.actors[::tp], version), timeout=CALL_TIMEOUT_S)
+    def start(self) -> None:
+        """Serve from this attempt's rollout replicas (one per tensor-parallel group), at its version."""
+        t, spec = self.trainer, self.trainer.spec
+        if self.actor is None:
+            buffer = None  # trainer.mode async: admission by the rollout buffer, before any call is served
+            if spec.trainer.mode == "async":  # step_index: a resumed job's checkpoint step, already trained
+                per_step = self.config.trajectories_per_step
+                buffer = (self.max_staleness, buffer_capacity(spec, per_step), t.step_index)
+            self.actor = (
+                ray.remote(ExternalServer)
+                .options(name=server_name(t.name), get_if_exists=True, num_cpus=0, max_concurrency=10_000)
+                .remote(t.name, t.job.model_path, self.config.model_dump(), buffer)
+            )
+        rollout = t.job.groups.actor.rollout.group
+        replicas = rollout.actors[:: spec.rollout.tensor_parallel_size]
+        ray.get(self.actor.attach.remote(replicas, t.step_index), timeout=CALL_TIMEOUT_S)
         if self.config.agent is not None and self.agents is None:  # rollout.external.agent: the job's own
             from controller.external_agents import AgentPool
-            from controller.user_code import run_sandboxed
 
-            c = self.config
-            # once, before any worker: an agent that cannot load fails the job here, saying why
-            run_sandboxed("controller.agent_sandbox:check_agent", c.agent, [c.agent_args], START_CHECK_S,
-                          f"agent '{c.agent}'")  # fmt: skip
-            self.agents = AgentPool(c, self.actor, server_name(self.job_id), self.job_id)
+            self.agents = AgentPool(self.config, self.actor, t.name)
+        t.sink.event("endpoint", "the OpenAI-compatible endpoint serves this job's rollout workers")
 
-    def next_batch(self, stopping: Callable[[], bool], pad: int) -> Batch | None:
-        """Sync: the next step's trajectories once rewarded; None when asked to stop."""
-        rows = self._poll(self.actor.take.remote, stopping)
-        return None if rows is None else rows_batch(whole_ranks(rows, self.spec.resources.workers), pad)
+    def close(self) -> None:
+        """rollout.external.agent's pool: its thread would outlive the run in a long-lived process."""
+        if self.agents is not None:
+            self.agents.stop()
 
-    def next_async(self, version: int, stopping: Callable[[], bool], pad: int) -> tuple[Batch, dict] | None:
-        """Async: the next step's groups trainable at `version` (each row's `policy_version`: its
-        trajectory's oldest token's) and the buffer's counts; None when asked to stop."""
-        got = self._poll(lambda: self.actor.take_step.remote(version), stopping)
-        if got is None:
-            return None
-        rows = whole_ranks(got.pop("rows"), self.spec.resources.workers)
-        batch = rows_batch(rows, pad)
-        batch.tensors["policy_version"] = torch.tensor([r.policy_version for r in rows], dtype=torch.long)
-        return batch, got
+    def next_batch(self) -> Scored:
+        if self.trainer.spec.trainer.mode == "async":
+            return self._young_groups()
+        return in_rounds(self.trainer, lambda _: self._trajectories())
 
-    def set_version(self, version: int) -> None:
-        ray.get(self.actor.set_version.remote(version), timeout=CALL_TIMEOUT_S)
+    def _trajectories(self) -> Batch:
+        rows = self._poll(self.actor.take.remote)
+        return rows_batch(whole_ranks(rows, self.trainer.spec.resources.workers), self._pad())
 
-    def _poll(self, call: Callable[[], Any], stopping: Callable[[], bool]) -> Any:
-        while True:
-            got = ray.get(call(), timeout=CALL_TIMEOUT_S)
-            if got is not None or stopping():
-                return got
+    def _young_groups(self) -> Scored:
+        """The groups trainable at the step's version (each row's `policy_version`: its trajectory's
+        oldest token's), scored, with the buffer's counts."""
+        t = self.trainer
+        version, start = t.step_index - 1, time.perf_counter()
+        with t.timed("wait_rollout"):
+            counts = self._poll(lambda: self.actor.take_step.remote(version))
+            rows = whole_ranks(counts.pop("rows"), t.spec.resources.workers)
+            batch = rows_batch(rows, self._pad())
+            batch.tensors["policy_version"] = torch.tensor([r.policy_version for r in rows], dtype=torch.long)
+        batch, scores, metrics = t.job.scored(batch)
+        dropped, self.dropped_total = counts["dropped_total"] - self.dropped_total, counts["dropped_total"]
+        metrics.update(
+            buffer_metrics(counts["fill"], dropped, self.dropped_total, time.perf_counter() - start)
+        )
+        return batch, scores, staleness_metrics(metrics, batch, version, self.max_staleness)
+
+    def _poll(self, call: Any) -> Any:
+        """`call()`'s answer once it is not None; a stop that arrives meanwhile stops the trainer."""
+        t = self.trainer
+        while (got := ray.get(call(), timeout=CALL_TIMEOUT_S)) is None:
+            if t.control.stop_reason is not None:
+                t.stop_while_waiting()
             time.sleep(POLL_S)
+        return got
+
+    def sent(self, version: int) -> None:
+        if self.trainer.spec.trainer.mode == "async":
+            ray.get(self.actor.set_version.remote(version), timeout=CALL_TIMEOUT_S)
+
+    def _pad(self) -> int:
+        return self.trainer.job.tokenizer.pad_token_id or 0
 
     def stats(self) -> dict[str, float]:
         stats = ray.get(self.actor.stats.remote(), timeout=CALL_TIMEOUT_S)

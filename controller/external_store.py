@@ -72,7 +72,6 @@ class Segment(multiturn.Trajectory):
 @dataclass
 class Trajectory:
     id: str
-    created: float
     last_call: float
     segments: list[Segment] = field(default_factory=list)
     state: str = "open"  # open | rewarded | consumed | dropped
@@ -141,8 +140,7 @@ class TrajectoryStore:
                 f"{self.buffer.max_staleness}, trainer.buffer_size = {self.buffer.capacity}); retry later",
                 "trajectory_id", "staleness_bound", retry_after=wait,
             )  # fmt: skip
-        now = time.time()
-        traj = self.trajectories[tid] = self.live[tid] = Trajectory(tid, now, now)
+        traj = self.trajectories[tid] = self.live[tid] = Trajectory(tid, time.time())
         return traj
 
     def get(self, tid: str) -> Trajectory:

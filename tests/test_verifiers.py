@@ -43,7 +43,7 @@ def test_the_example_environment_learns(tmp_path, monkeypatch):
     trainer = Trainer(spec, tmp_path, sink, name="verifiers")
     trainer.run()
     # the run's end stops its agent pool (AgentSource.close): no thread left in this process
-    assert not trainer.source.endpoint.agents._thread.is_alive()
+    assert not trainer.source.agents._thread.is_alive()
     assert not [t for t in threading.enumerate() if t.name == "tandem-agents"]
     scores = [r["values"]["critic/score/mean"] for r in sink.history if "critic/score/mean" in r["values"]]
     assert len(scores) == spec.trainer.total_steps
