@@ -12,7 +12,7 @@ rollout engine beside it, as the hybrid worker does, then measures:
 
 Last, PEFT's LoRA layer against a minimal own one (`layer_cost`): the reason to use PEFT or not.
 The LoRA child also measures the two ways the hf engine can serve an adapter (engines/rollout/
-lora_merge.py): generation with the adapter merged into its weights (fused decode) against the
+hf.py): generation with the adapter merged into its weights (fused decode) against the
 same generation with PEFT's LoRA layers in its forward (transformers' forward), and the base engine
 without the fused step, which separates the two effects. One JSON line per mode and one of ratios
 (LoRA / full, measured in this run); progress to stderr. The modes run one after the other, so a
