@@ -78,7 +78,7 @@ def child(args: argparse.Namespace) -> dict:
     from engines.rollout.base import SamplingParams
     from engines.rollout.hf import HFRolloutEngine
     from engines.training.fsdp.engine import FSDPEngine
-    from engines.transfer.adapter import AdapterTransfer, probe
+    from engines.transfer.adapter import AdapterTransfer, probe_difference, probe_sequence
     from engines.transfer.in_process import InProcessTransfer
     from schema.engine import EngineConfig
 
@@ -128,7 +128,7 @@ def child(args: argparse.Namespace) -> dict:
     if lora:
         start = time.perf_counter()
         with engine.eval_mode():
-            probe(engine, rollout)
+            probe_difference(engine, *probe_sequence(rollout))
         line["probe_s"] = time.perf_counter() - start
         line.update(serve_ways(args, engine, rollout, SamplingParams))
     return line
