@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
+from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's is the same
 
 SUPPORTED = {"Qwen2ForCausalLM", "LlamaForCausalLM"}
 
@@ -73,11 +74,6 @@ def full_attention_only(config) -> bool:
 def preallocated_cache(config, capacity: int) -> Cache:
     layers = config.get_text_config(decoder=True).num_hidden_layers
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(layers)])
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 def _fused_rows(linears: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
@@ -153,8 +149,8 @@ class FusedDecoder:
             q, k, v = F.linear(x, qkv_w, qkv_b).split((heads * dim, kv_heads * dim, kv_heads * dim), -1)
             q = q.view(rows, heads, 1, dim)
             k = k.view(rows, kv_heads, 1, dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             keys, values = layer.update(k, v.view(rows, kv_heads, 1, dim))
             # Grouped-query attention for one query: the heads sharing a kv head form its rows.
             scores = torch.matmul(q.view(rows, kv_heads, heads // kv_heads, dim), keys.transpose(-1, -2))
