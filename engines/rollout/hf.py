@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache
 from engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from engines.rollout.constrained import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder, full_attention_only, preallocated_cache
-from engines.rollout.sampling import filter_logits, sample_next  # noqa: F401 (filter_logits: tests import it here)
+from engines.rollout.sampling import sample_next
 from engines.training.lora_targets import base_module
 from engines.training.multi_lora import from_peft_tensors
 
@@ -82,14 +82,6 @@ class DecodeMask:
         return self.mask_4d[..., :length] if self.padded else None
 
 
-@torch.no_grad()
-def own_weights(model: torch.nn.Module) -> None:
-    """Give every parameter its own aligned storage: on CPU from_pretrained leaves views into an mmap
-    of the file, misaligned, which slows every weight sync's copy (tied weights stay tied)."""
-    for param in model.parameters():
-        param.data = param.data.clone()
-
-
 def scaling_of(config: dict) -> float:
     """alpha / r from a PEFT adapter_config.json (rsLoRA: alpha / sqrt(r))."""
     rank = config["r"]
@@ -148,22 +140,22 @@ class HFRolloutEngine(RolloutEngine):
         super().__init__(model_path, eos_token_ids, pad_token_id)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
-        self.model = self._load_model(str(model_path))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_path), dtype=self.dtype, attn_implementation="sdpa"
+        ).to(self.device)
+        if self.device.type == "cpu":
+            # Own aligned storage: on CPU from_pretrained leaves views into a misaligned mmap of the file,
+            # which slows every weight sync's copy (tied weights stay tied).
+            with torch.no_grad():
+                for param in self.model.parameters():
+                    param.data = param.data.clone()
+        self.model.eval().requires_grad_(False)
         # Sliding-window (or other non-full) attention keeps transformers' own cache and masks.
         self._plain_mask = not full_attention_only(self.model.config)
         self._fused = None if self._plain_mask else FusedDecoder.build(self.model)
         self._targets = self._update_targets()
         self._merger = AdapterMerger()
         self._grammars = GrammarCompilers(model_path, self.model.config.vocab_size)
-
-    def _load_model(self, model_path: str) -> torch.nn.Module:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation="sdpa")
-        model.to(self.device)
-        if self.device.type == "cpu":
-            own_weights(model)
-        model.eval()
-        model.requires_grad_(False)
-        return model
 
     def _update_targets(self) -> dict[str, torch.Tensor]:
         # Both names of a tied weight (embed_tokens / lm_head): a stream may carry either.
