@@ -119,9 +119,6 @@ class AdapterTransfer(ProbedAdapterTransfer):
         moved = super().transfer(named_tensors)
         return self.checked(moved, [probe_difference(self.train, *served) for served in self.served])
 
-    def sync(self) -> ProbedSyncStats:
-        return self.transfer(self.train.get_per_tensor_param())
-
 
 def serve_adapter(rollout: RolloutEngine, config: dict, tensors: list[NamedTensor]) -> dict:
     """The receiving side: load the adapter, close the update, generate the probe's greedy sequence;
