@@ -105,7 +105,7 @@ def shared_prompt(args: argparse.Namespace) -> None:
         shapes = ((1, heads, tokens, dim), (1, kv_heads, tokens, dim), (1, kv_heads, tokens, dim))
         return [torch.randn(*shape, generator=g).requires_grad_() for shape in shapes]
 
-    shared_in, plain_in = inputs(pack.num_tokens), inputs(edges[-1])
+    shared_in, plain_in = inputs(pack.input_ids.shape[1]), inputs(edges[-1])
     max_keys = shared_attention.MAX_KEYS
 
     def shared_sdpa() -> (
@@ -126,7 +126,7 @@ def shared_prompt(args: argparse.Namespace) -> None:
     print(json.dumps({
         "bench": "attention_shared_prompt", "groups": args.groups, "n": args.n, "prompt_len": prompt_len,
         "response_len_max": width, "heads": heads, "kv_heads": kv_heads, "dim": dim, "threads": args.threads,
-        "shared_tokens": pack.num_tokens, "unshared_tokens": edges[-1], "unshared_s": round(base, 5),
+        "shared_tokens": int(pack.input_ids.shape[1]), "unshared_tokens": edges[-1], "unshared_s": round(base, 5),
         "shared_s": round(new, 5), "ratio_shared_vs_unshared": round(new / base, 3),
         "shared_products": shared_attention.fits(shared_in[0], pack.attention, 0.0), "shared_sdpa_s": round(sdpa, 5),
         "ratio_shared_vs_shared_sdpa": round(new / sdpa, 3),

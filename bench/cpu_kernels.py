@@ -42,10 +42,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args()
     from engines.host_memory import keep_freed_memory
-    from engines.kernels import cpu_kernels, swiglu
+    from engines.kernels import cpu_kernels, fused_layers
+    from engines.kernels.fused_layers import RMSNormFunction, RotaryFunction
     from engines.kernels.logprobs import token_log_probs
-    from engines.kernels.rms_norm import RMSNormFunction
-    from engines.kernels.rotary import RotaryFunction
 
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as a rank runs
@@ -61,7 +60,7 @@ def main() -> None:
 
     def run_swiglu() -> None:
         a, b = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
-        swiglu.swiglu(a, b, torch.nn.functional.silu).backward(grad_mlp)
+        fused_layers.swiglu(a, b, torch.nn.functional.silu).backward(grad_mlp)
 
     def run_norm() -> None:
         a, w = x.detach().requires_grad_(True), weight.detach().requires_grad_(True)

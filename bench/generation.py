@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from bench.flops import machine_peak, model_shape  # noqa: E402
 from engines.rollout import hf as hf_module  # noqa: E402
 from engines.rollout.base import SamplingParams  # noqa: E402
-from engines.rollout.kv_cache import PreallocatedLayer  # noqa: E402
+from engines.rollout.fused_decode import PreallocatedLayer  # noqa: E402
 from engines.rollout.sampling import filter_logits  # noqa: E402
 
 
@@ -213,7 +213,7 @@ def weight_sync_seconds(engine, tensors: list[tuple[str, torch.Tensor]]) -> floa
 
 def lora_merge_seconds(engine, rank: int) -> float:
     """One LoRA sync into the hf engine: a random rank-`rank` adapter on every linear layer of the
-    decoder, merged into the weights (engines/rollout/lora_merge.py), then `finish_update`."""
+    decoder, merged into the weights (`AdapterMerger`, engines/rollout/hf.py), then `finish_update`."""
     generator = torch.Generator().manual_seed(0)
     tensors = []
     for name, module in engine.model.model.layers.named_modules():

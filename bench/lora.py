@@ -12,7 +12,7 @@ rollout engine beside it, as the hybrid worker does, then measures:
 
 Last, PEFT's LoRA layer against a minimal own one (`layer_cost`): the reason to use PEFT or not.
 The LoRA child also measures the two ways the hf engine can serve an adapter (engines/rollout/
-lora_merge.py): generation with the adapter merged into its weights (fused decode) against the
+hf.py): generation with the adapter merged into its weights (fused decode) against the
 same generation with PEFT's LoRA layers in its forward (transformers' forward), and the base engine
 without the fused step, which separates the two effects. One JSON line per mode and one of ratios
 (LoRA / full, measured in this run); progress to stderr. The modes run one after the other, so a
@@ -78,7 +78,7 @@ def child(args: argparse.Namespace) -> dict:
     from engines.rollout.base import SamplingParams
     from engines.rollout.hf import HFRolloutEngine
     from engines.training.fsdp.engine import FSDPEngine
-    from engines.transfer.adapter import AdapterTransfer, probe
+    from engines.transfer.adapter import AdapterTransfer, probe_difference, probe_sequence
     from engines.transfer.in_process import InProcessTransfer
     from schema.engine import EngineConfig
 
@@ -128,7 +128,7 @@ def child(args: argparse.Namespace) -> dict:
     if lora:
         start = time.perf_counter()
         with engine.eval_mode():
-            probe(engine, rollout)
+            probe_difference(engine, *probe_sequence(rollout))
         line["probe_s"] = time.perf_counter() - start
         line.update(serve_ways(args, engine, rollout, SamplingParams))
     return line

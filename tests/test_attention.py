@@ -89,7 +89,7 @@ def test_shared_prompt_attention_equals_each_row_alone(
         for row in rows:
             sequences.append(prompt + list(range(cursor, cursor + response_lens[row])))
             cursor += response_lens[row]
-    assert cursor == pack.num_tokens
+    assert cursor == pack.input_ids.shape[1]
     dim = 8
     q = torch.randn(1, heads, cursor, dim, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(1, kv_heads, cursor, dim, dtype=torch.float64, generator=g, requires_grad=True)

@@ -1,6 +1,6 @@
-"""engines/kernels/cpu_kernels.py and engines/kernels/swiglu.py: the fused SwiGLU against an fp64 reference and the
-eager expression, a model with the fused MLPs against one without, what loading the library leaves
-alone (denormals), and a failed build falling back to eager PyTorch."""
+"""engines/kernels/cpu_kernels.py and the SwiGLU of engines/kernels/fused_layers.py: the fused SwiGLU
+against an fp64 reference and the eager expression, a model with the fused MLPs against one without,
+what loading the library leaves alone (denormals), and a failed build falling back to eager PyTorch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from engines.kernels import cpu_kernels, swiglu
+from engines.kernels import cpu_kernels, fused_layers
 from tests.engine_util import assert_same_model_outputs, log_probs_and_grads, small_llama
 
 needs_compiler = pytest.mark.skipif(
@@ -45,7 +45,7 @@ def test_swiglu_equals_the_definition(shape):
         return y, a.grad.double(), b.grad.double()
 
     want = run(lambda a, b: a * torch.sigmoid(a) * b, torch.float64)
-    got = run(lambda a, b: swiglu.swiglu(a, b, torch.nn.functional.silu), torch.float32)
+    got = run(lambda a, b: fused_layers.swiglu(a, b, torch.nn.functional.silu), torch.float32)
     assert type(got[0].grad_fn).__name__ == "SwiGLUFunctionBackward"  # the fused path ran
     eager = run(lambda a, b: torch.nn.functional.silu(a) * b, torch.float32)
     for name, mine, exact, theirs in zip(("y", "d gate", "d up"), got, want, eager, strict=True):
@@ -59,32 +59,34 @@ def test_swiglu_equals_the_definition(shape):
 @needs_compiler
 def test_what_the_fused_path_leaves_to_eager():
     fused = []
-    real = swiglu.SwiGLUFunction.apply
+    real = fused_layers.SwiGLUFunction.apply
 
     def spy(*args):
         fused.append(args)
         return real(*args)
 
-    swiglu.SwiGLUFunction.apply = spy
+    fused_layers.SwiGLUFunction.apply = spy
     try:
         act = torch.nn.functional.silu
-        swiglu.swiglu(torch.randn(4, 8), torch.randn(4, 8), act)
+        fused_layers.swiglu(torch.randn(4, 8), torch.randn(4, 8), act)
         assert len(fused) == 1
-        swiglu.swiglu(torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), act)
-        swiglu.swiglu(torch.randn(8, 4).t(), torch.randn(4, 8), act)  # not contiguous
+        fused_layers.swiglu(
+            torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), act
+        )
+        fused_layers.swiglu(torch.randn(8, 4).t(), torch.randn(4, 8), act)  # not contiguous
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            swiglu.swiglu(torch.randn(4, 8), torch.randn(4, 8), act)
+            fused_layers.swiglu(torch.randn(4, 8), torch.randn(4, 8), act)
         assert len(fused) == 1
     finally:
-        swiglu.SwiGLUFunction.apply = real
+        fused_layers.SwiGLUFunction.apply = real
 
 
 @needs_compiler
 def test_a_model_with_the_fused_mlps_gives_the_same_log_probs_and_gradients():
     plain = small_llama()
     fused = copy.deepcopy(plain)
-    assert swiglu.install(fused) == 4
-    assert swiglu.install(fused) == 0  # once
+    assert fused_layers.install_swiglu(fused) == 4
+    assert fused_layers.install_swiglu(fused) == 0  # once
     assert_same_model_outputs(log_probs_and_grads(fused), log_probs_and_grads(plain))
 
 
@@ -95,13 +97,13 @@ def test_install_takes_silu_mlps_only():
             num_attention_heads=4, num_key_value_heads=2, hidden_act=act,
         ))  # fmt: skip
 
-    assert swiglu.install(qwen2("silu")) == 2
-    assert swiglu.install(qwen2("gelu")) == 0  # another activation: the module's own forward
+    assert fused_layers.install_swiglu(qwen2("silu")) == 2
+    assert fused_layers.install_swiglu(qwen2("gelu")) == 0  # another activation: the module's own forward
     llama = modeling_llama.LlamaForCausalLM(modeling_llama.LlamaConfig(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=4,
     ))  # fmt: skip
-    assert swiglu.install(llama.model.layers[0].self_attn) == 0  # no MLP in it
+    assert fused_layers.install_swiglu(llama.model.layers[0].self_attn) == 0  # no MLP in it
 
 
 @needs_compiler
@@ -123,7 +125,7 @@ def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path, caplog):
     assert cpu_kernels.kernels() is None
     # and the model's MLP then runs the eager expression
     gate = torch.randn(3, 8, requires_grad=True)
-    out = swiglu.swiglu(gate, torch.randn(3, 8), torch.nn.functional.silu)
+    out = fused_layers.swiglu(gate, torch.randn(3, 8), torch.nn.functional.silu)
     assert type(out.grad_fn).__name__ == "MulBackward0"
 
 

@@ -236,7 +236,7 @@ def test_the_adapter_sync_serves_the_trainers_policy_on_the_hf_engine(tiny_model
     rollout = HFRolloutEngine(tiny_model_dir, device="cpu", dtype="float32")
     assert rollout._fused is not None  # decoding reads the fused q/k/v and gate/up buffers the merge writes
     sync = AdapterTransfer(trained, rollout, probe_tolerance=1e-4)
-    stats = sync.sync()
+    stats = sync.transfer(trained.get_per_tensor_param())
     adapter_bytes = sum(t.numel() * 4 for _, t in trained.get_per_tensor_param())
     assert stats.bytes == adapter_bytes and stats.metrics()["weight_sync/bytes"] == adapter_bytes
     assert stats.probe_max_abs_diff < 1e-4
@@ -249,7 +249,7 @@ def test_the_adapter_sync_serves_the_trainers_policy_on_the_hf_engine(tiny_model
         trainer = log_probs(trained, batch)[0]
         assert torch.allclose(trainer, torch.tensor(completion.log_probs), atol=1e-4)
     # A second sync merges onto the base, not onto the first merge.
-    assert sync.sync().probe_max_abs_diff < 1e-4
+    assert sync.transfer(trained.get_per_tensor_param()).probe_max_abs_diff < 1e-4
 
 
 def test_a_sync_that_leaves_the_base_policy_fails_loudly(tiny_model_dir, trained):
@@ -259,7 +259,7 @@ def test_a_sync_that_leaves_the_base_policy_fails_loudly(tiny_model_dir, trained
 
     rollout = Dropped(tiny_model_dir, device="cpu", dtype="float32")
     with pytest.raises(AdapterSyncError, match="does not serve the trainer's adapter"):
-        AdapterTransfer(trained, rollout, probe_tolerance=1e-3).sync()
+        AdapterTransfer(trained, rollout, probe_tolerance=1e-3).transfer(trained.get_per_tensor_param())
 
 
 def two_rank_main(rank: int, port: int, model_dir: str, out_file: str) -> None:

@@ -65,7 +65,7 @@ def trainer_log_probs(trainer: FSDPEngine, prompt: list[int], tokens: list[int])
 
 def test_the_adapter_sync_serves_the_trainers_policy_on_vllm(trainer, vllm):
     base = vllm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0))[0]
-    stats = AdapterTransfer(trainer, vllm, probe_tolerance=ATOL).sync()
+    stats = AdapterTransfer(trainer, vllm, probe_tolerance=ATOL).transfer(trainer.get_per_tensor_param())
     assert stats.bytes == sum(t.numel() * 4 for _, t in trainer.get_per_tensor_param())
     assert stats.probe_max_abs_diff < ATOL
     params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1)
@@ -80,7 +80,12 @@ def test_the_adapter_sync_serves_the_trainers_policy_on_vllm(trainer, vllm):
     with trainer.train_mode():
         trainer.forward_backward_batch(make_batch(seed=9), pg_loss("token-mean"))
         trainer.optimizer_step()
-    assert AdapterTransfer(trainer, vllm, probe_tolerance=ATOL).sync().probe_max_abs_diff < ATOL
+    assert (
+        AdapterTransfer(trainer, vllm, probe_tolerance=ATOL)
+        .transfer(trainer.get_per_tensor_param())
+        .probe_max_abs_diff
+        < ATOL
+    )
     again = vllm.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=6, temperature=0))[0]
     assert again.log_probs != tuned.log_probs
 

@@ -1,6 +1,6 @@
-"""engines/kernels/rms_norm.py against transformers' RMSNorm and an fp64 reference written out by hand:
-outputs, input and weight gradients on the fused and the eager path, what it leaves alone, and a
-whole model with and without it."""
+"""The RMSNorm of engines/kernels/fused_layers.py against transformers' RMSNorm and an fp64 reference
+written out by hand: outputs, input and weight gradients on the fused and the eager path, what it leaves
+alone, and a whole model with and without it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from engines.kernels import cpu_kernels, rms_norm
+from engines.kernels import cpu_kernels, fused_layers
 from tests.engine_util import assert_same_model_outputs, log_probs_and_grads, small_llama
 
 
@@ -47,7 +47,7 @@ def test_function_equals_the_definition_and_transformers(shape, path, monkeypatc
         return y.detach().double(), xs.grad.double(), w.grad.double()
 
     want = run(lambda a, b: reference(a, b, eps), torch.float64)
-    got = run(lambda a, b: rms_norm.RMSNormFunction.apply(a, b, eps), torch.float32)
+    got = run(lambda a, b: fused_layers.RMSNormFunction.apply(a, b, eps), torch.float32)
     norm = modeling_llama.LlamaRMSNorm(shape[-1], eps=eps)
 
     def transformers_norm(a, b):
@@ -70,11 +70,11 @@ def test_install_routes_the_models_norms_and_nothing_else(monkeypatch):
         num_attention_heads=4, num_key_value_heads=2,
     )  # fmt: skip
     model = modeling_qwen2.Qwen2ForCausalLM(config)
-    assert rms_norm.install(model) == 2 * 2 + 1  # two a layer and the final one
-    assert rms_norm.install(model) == 0  # once
+    assert fused_layers.install_rms_norm(model) == 2 * 2 + 1  # two a layer and the final one
+    assert fused_layers.install_rms_norm(model) == 0  # once
     norm = model.model.norm
     calls = []
-    monkeypatch.setattr(rms_norm.RMSNormFunction, "apply", lambda *a: calls.append(a) or a[0])
+    monkeypatch.setattr(fused_layers.RMSNormFunction, "apply", lambda *a: calls.append(a) or a[0])
     norm(torch.randn(2, 32))
     assert len(calls) == 1
     norm(torch.randn(2, 32, dtype=torch.float64))  # not fp32: the module's own forward
@@ -93,7 +93,7 @@ def test_install_routes_the_models_norms_and_nothing_else(monkeypatch):
         num_attention_heads=4, num_key_value_heads=4,
     ))  # fmt: skip
     before = {name: type(m) for name, m in other.named_modules()}
-    assert rms_norm.install(other.model.layers[0].mlp) == 0  # no norm in it
+    assert fused_layers.install_rms_norm(other.model.layers[0].mlp) == 0  # no norm in it
     assert {name: type(m) for name, m in other.named_modules()} == before
 
 
@@ -105,5 +105,5 @@ def test_a_model_gives_the_same_log_probs_and_gradients():
         if param.dim() == 1:
             param.data.uniform_(0.5, 1.5)
     fused = copy.deepcopy(plain)
-    assert rms_norm.install(fused) == 9
+    assert fused_layers.install_rms_norm(fused) == 9
     assert_same_model_outputs(log_probs_and_grads(fused), log_probs_and_grads(plain))

@@ -8,7 +8,8 @@ import torch
 
 from engines.models.tiny_models import TinyModelSpec, build_tiny_model
 from engines.rollout.base import RolloutEngineError, SamplingParams
-from engines.rollout.hf import HFRolloutEngine, filter_logits
+from engines.rollout.hf import HFRolloutEngine
+from engines.rollout.sampling import filter_logits
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40]]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0)

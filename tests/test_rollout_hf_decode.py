@@ -12,8 +12,8 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from engines.rollout.base import SamplingParams
+from engines.rollout.fused_decode import PreallocatedLayer
 from engines.rollout.hf import DROP_FINISHED_AT, HFRolloutEngine, left_pad
-from engines.rollout.kv_cache import PreallocatedLayer
 
 RAGGED = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40], [12, 13], [5, 6, 7, 8, 9, 10, 11]]
 EVEN = [[5, 6, 7], [8, 9, 10], [5, 6, 7], [30, 31, 32]]

@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 from engines.models.tiny_models import build_builtin_model
 from engines.rollout import available_backends, build_rollout_engine
 from engines.rollout.base import RolloutEngineError, SamplingParams
-from engines.rollout.hf import HFRolloutEngine, filter_logits
+from engines.rollout.hf import HFRolloutEngine
+from engines.rollout.sampling import filter_logits
 from engines.rollout.vllm import VLLMRolloutEngine, probe_vllm
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40]]

@@ -1,5 +1,6 @@
-"""engines/kernels/rotary.py against transformers' own rotary embedding: outputs, gradients, layouts, and a
-whole model's log-probs and gradients with one and the other (no Ray)."""
+"""The rotary embedding of engines/kernels/fused_layers.py against transformers' own rotary embedding:
+outputs, gradients, layouts, and a whole model's log-probs and gradients with one and the other (no
+Ray)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 
-from engines.kernels import cpu_kernels, rotary
+from engines.kernels import cpu_kernels, fused_layers
 from tests.engine_util import assert_same_model_outputs, log_probs_and_grads, small_llama
 
 # transformers' function, whatever an engine built earlier in this process installed
-ORIGINAL = getattr(modeling_llama.apply_rotary_pos_emb, rotary.MARK, modeling_llama.apply_rotary_pos_emb)
+ORIGINAL = getattr(
+    modeling_llama.apply_rotary_pos_emb, fused_layers.ROTARY_MARK, modeling_llama.apply_rotary_pos_emb
+)
 
 
 def cos_sin(tokens: int, dim: int, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +40,7 @@ def test_equals_transformers_forward_and_backward(heads, kv_heads, dim):
     tokens = 37
     cos, sin = cos_sin(tokens, dim)
     results = []
-    for fn in (ORIGINAL, rotary.fused(ORIGINAL)):
+    for fn in (ORIGINAL, fused_layers.fused_rotary(ORIGINAL)):
         g.manual_seed(1)
         q_leaf, q = projected(tokens, heads, dim, g)
         k_leaf, k = projected(tokens, kv_heads, dim, g)
@@ -73,7 +76,7 @@ def test_fp32_on_both_paths_against_float64(path, unsqueeze_dim, monkeypatch):
     cos, sin = cos_sin(tokens, dim)
     g = torch.Generator().manual_seed(unsqueeze_dim)
     results = []
-    for fn, dtype in ((ORIGINAL, torch.float64), (rotary.fused(ORIGINAL), torch.float32)):
+    for fn, dtype in ((ORIGINAL, torch.float64), (fused_layers.fused_rotary(ORIGINAL), torch.float32)):
         g.manual_seed(5)
         q_leaf, q = projected(tokens, 9, dim, g)
         k_leaf, k = projected(tokens, 3, dim, g)
@@ -98,7 +101,7 @@ def test_heads_last_layout():
     q = torch.randn(1, 11, 4, 16, generator=g, dtype=torch.float64)
     k = torch.randn(1, 11, 2, 16, generator=g, dtype=torch.float64)
     want = ORIGINAL(q, k, cos, sin, unsqueeze_dim=2)
-    got = rotary.fused(ORIGINAL)(q, k, cos, sin, unsqueeze_dim=2)
+    got = fused_layers.fused_rotary(ORIGINAL)(q, k, cos, sin, unsqueeze_dim=2)
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
 
@@ -110,7 +113,7 @@ def test_what_does_not_fit_goes_to_the_original():
     cos, sin = cos_sin(5, 8, torch.float32)
     q = torch.randn(1, 2, 5, 8, generator=g).to(torch.bfloat16)
     k = torch.randn(1, 1, 5, 8, generator=g).to(torch.bfloat16)
-    got = rotary.fused(ORIGINAL)(q, k, cos, sin)
+    got = fused_layers.fused_rotary(ORIGINAL)(q, k, cos, sin)
     assert got[0].dtype == torch.float32
     assert torch.equal(got[0], ORIGINAL(q, k, cos, sin)[0])
 
@@ -121,27 +124,31 @@ def test_what_does_not_fit_goes_to_the_original():
         return ORIGINAL(*args)
 
     cos_leaf = cos.clone().requires_grad_(True)
-    rotary.fused(spy)(q.float(), k.float(), cos_leaf, sin)
+    fused_layers.fused_rotary(spy)(q.float(), k.float(), cos_leaf, sin)
     assert len(calls) == 1
-    rotary.fused(spy)(q.float(), k.float(), cos, sin)
+    fused_layers.fused_rotary(spy)(q.float(), k.float(), cos, sin)
     assert len(calls) == 1  # this one fits: the Function ran
 
 
 def test_install_changes_standard_modules_only(monkeypatch):
-    original = getattr(modeling_qwen2.apply_rotary_pos_emb, rotary.MARK, modeling_qwen2.apply_rotary_pos_emb)
+    original = getattr(
+        modeling_qwen2.apply_rotary_pos_emb, fused_layers.ROTARY_MARK, modeling_qwen2.apply_rotary_pos_emb
+    )
     monkeypatch.setattr(modeling_qwen2, "apply_rotary_pos_emb", original)
-    assert rotary.install(modeling_qwen2)
+    assert fused_layers.install_rotary(modeling_qwen2)
     installed = modeling_qwen2.apply_rotary_pos_emb
-    assert getattr(installed, rotary.MARK) is original
-    assert rotary.install(modeling_qwen2) and modeling_qwen2.apply_rotary_pos_emb is installed  # once
+    assert getattr(installed, fused_layers.ROTARY_MARK) is original
+    assert (
+        fused_layers.install_rotary(modeling_qwen2) and modeling_qwen2.apply_rotary_pos_emb is installed
+    )  # once
 
     def partial_rotary(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):  # another contract
         return q, k
 
     other = types.ModuleType("other_modeling")
     other.apply_rotary_pos_emb = partial_rotary
-    assert not rotary.install(other) and other.apply_rotary_pos_emb is partial_rotary
-    assert not rotary.install(types.ModuleType("no_rotary"))
+    assert not fused_layers.install_rotary(other) and other.apply_rotary_pos_emb is partial_rotary
+    assert not fused_layers.install_rotary(types.ModuleType("no_rotary"))
 
 
 def test_a_model_gives_the_same_log_probs_and_gradients(monkeypatch):
@@ -149,7 +156,7 @@ def test_a_model_gives_the_same_log_probs_and_gradients(monkeypatch):
     Function equal those with transformers' function."""
     model = small_llama()
     results = []
-    for fn in (rotary.fused(ORIGINAL), ORIGINAL):
+    for fn in (fused_layers.fused_rotary(ORIGINAL), ORIGINAL):
         monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", fn)
         results.append(log_probs_and_grads(model))
     assert_same_model_outputs(*results)

@@ -33,32 +33,24 @@ class CpuKernels:
     """The compiled library, called on contiguous fp32 CPU tensors."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        p, n, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        lib.tandem_max_threads.restype = ctypes.c_int
-        lib.tandem_swiglu_forward.argtypes = [p, p, p, n]
-        lib.tandem_swiglu_backward.argtypes = [p, p, p, p, p, n]
-        lib.tandem_rms_norm_forward.argtypes = [p, p, p, p, n, n, f]
-        lib.tandem_rms_norm_backward.argtypes = [p, p, p, p, p, p, n, n]
-        lib.tandem_rotary.argtypes = [p, p, p, p, p, p, ctypes.c_int]
-        lib.tandem_log_softmax_stats.argtypes = [p, p, p, p, p, n, n, ctypes.c_int]
-        lib.tandem_log_softmax_grad.argtypes = [p, p, p, p, p, p, n, n]
-        self.lib, self.path = lib, path
+        self.lib, self.path = ctypes.CDLL(str(path)), path
+        self.lib.tandem_max_threads.restype = ctypes.c_int
+
+    def _call(self, name: str, *args: object) -> None:
+        """tandem_<name>(*args) in C's types: a tensor as its data pointer, None as NULL, a bool as an
+        int, an int as an int64, a float as a float (ctypes arrays as they are)."""
+        getattr(self.lib, f"tandem_{name}")(*(_c_value(a) for a in args))
 
     def swiglu_forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(gate)
-        self.lib.tandem_swiglu_forward(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        self._call("swiglu_forward", gate, up, out, gate.numel())
         return out
 
     def swiglu_backward(
         self, grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        grad = grad.contiguous()
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
-        self.lib.tandem_swiglu_backward(
-            grad.data_ptr(), gate.data_ptr(), up.data_ptr(), grad_gate.data_ptr(), grad_up.data_ptr(),
-            gate.numel(),
-        )  # fmt: skip
+        self._call("swiglu_backward", grad.contiguous(), gate, up, grad_gate, grad_up, gate.numel())
         return grad_gate, grad_up
 
     def rms_norm_forward(
@@ -68,23 +60,18 @@ class CpuKernels:
         width = x.shape[-1]
         rows = x.numel() // width
         y, rstd = torch.empty_like(x), torch.empty(rows, dtype=x.dtype)
-        self.lib.tandem_rms_norm_forward(
-            x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, width, eps
-        )
+        self._call("rms_norm_forward", x, weight, y, rstd, rows, width, float(eps))
         return y, rstd
 
     def rms_norm_backward(
         self, grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        grad = grad.contiguous()
         width = x.shape[-1]
-        rows = x.numel() // width
         grad_x = torch.empty_like(x)
         parts = torch.empty(self.lib.tandem_max_threads(), width, dtype=x.dtype)
-        self.lib.tandem_rms_norm_backward(
-            grad.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), grad_x.data_ptr(),
-            parts.data_ptr(), rows, width,
-        )  # fmt: skip
+        self._call(
+            "rms_norm_backward", grad.contiguous(), x, weight, rstd, grad_x, parts, x.numel() // width, width
+        )
         return grad_x, parts.sum(0)
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -94,9 +81,7 @@ class CpuKernels:
         views = [t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t for t in views]
         dims = (ctypes.c_int64 * 4)(*views[0].shape)
         strides = (ctypes.c_int64 * 12)(*(s for t in views for s in t.stride()[:3]))
-        self.lib.tandem_rotary(
-            x.data_ptr(), cos.data_ptr(), sin.data_ptr(), y.data_ptr(), dims, strides, int(inverse)
-        )
+        self._call("rotary", x, cos, sin, y, dims, strides, inverse)
         return y
 
     def log_softmax_stats(
@@ -108,10 +93,9 @@ class CpuKernels:
         targets = _checked_targets(targets, vocab)
         log_prob, lse = torch.empty(rows), torch.empty(rows)
         entropy = torch.empty(rows) if with_entropy else None
-        self.lib.tandem_log_softmax_stats(
-            logits.data_ptr(), targets.data_ptr(), log_prob.data_ptr(), lse.data_ptr(),
-            None if entropy is None else entropy.data_ptr(), rows, vocab, int(write_log_p),
-        )  # fmt: skip
+        self._call(
+            "log_softmax_stats", logits, targets, log_prob, lse, entropy, rows, vocab, int(write_log_p)
+        )
         return log_prob, lse, entropy
 
     def log_softmax_grad(
@@ -125,15 +109,26 @@ class CpuKernels:
     ) -> None:
         """Overwrite rows of log p + shift (None: log p) with the loss's gradient w.r.t. the logits."""
         rows, vocab = values.shape
-        parts = [
+        shift, grad_log_prob, entropy, grad_entropy = (
             None if t is None else t.reshape(-1).contiguous()
             for t in (shift, grad_log_prob, entropy, grad_entropy)
-        ]
-        targets = _checked_targets(targets, vocab)
-        ptrs = [None if t is None else t.data_ptr() for t in parts]
-        self.lib.tandem_log_softmax_grad(
-            values.data_ptr(), ptrs[0], targets.data_ptr(), ptrs[1], ptrs[2], ptrs[3], rows, vocab
         )
+        targets = _checked_targets(targets, vocab)
+        self._call(
+            "log_softmax_grad", values, shift, targets, grad_log_prob, entropy, grad_entropy, rows, vocab
+        )
+
+
+def _c_value(arg: object) -> object:
+    if isinstance(arg, torch.Tensor):
+        return ctypes.c_void_p(arg.data_ptr())
+    if isinstance(arg, bool):
+        return ctypes.c_int(arg)
+    if isinstance(arg, int):
+        return ctypes.c_int64(arg)
+    if isinstance(arg, float):
+        return ctypes.c_float(arg)
+    return arg
 
 
 def _checked_targets(targets: torch.Tensor, vocab: int) -> torch.Tensor:

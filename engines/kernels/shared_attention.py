@@ -53,14 +53,8 @@ def grid_plan(
 ) -> GridPlan:
     """The plan for this layout and shape, built once per micro-batch."""
     key = (tokens, heads, kv_heads, dtype)
-    if key not in layout.plans:
-        layout.plans[key] = _build_plan(layout, tokens, heads, kv_heads, dtype)
-    return layout.plans[key]
-
-
-def _build_plan(
-    layout: AttentionLayout, tokens: int, heads: int, kv_heads: int, dtype: torch.dtype
-) -> GridPlan:
+    if key in layout.plans:
+        return layout.plans[key]
     g, p, r = layout.groups, layout.prompt_len, layout.response_len
     s = layout.response_group.shape[0]
     device = layout.slot.device
@@ -93,7 +87,7 @@ def _build_plan(
     prompt_bias = torch.zeros(p, p, dtype=dtype, device=device).masked_fill_(~causal, float("-inf"))
     response_bias = torch.zeros(layout.response_mask.shape, dtype=dtype, device=device)
     response_bias.masked_fill_(~layout.response_mask, float("-inf"))
-    return GridPlan(
+    layout.plans[key] = GridPlan(
         query_rows=query_rows,
         query_pad=query_pad.nonzero().flatten(),
         output_rows=output_rows,
@@ -102,6 +96,7 @@ def _build_plan(
         response_bias=response_bias[:, :, None],
         sizes=(g, s, p, r, heads, kv_heads),
     )
+    return layout.plans[key]
 
 
 def _grids(rows: torch.Tensor, plan: GridPlan, queries: bool, dim: int):

@@ -40,10 +40,6 @@ class SharedPromptPack:
     grid_index: torch.Tensor  # [M]: its place in the flattened [mb * R] response grid
     shape: tuple[int, int]  # (mb, R)
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[1])
-
 
 def prompt_groups(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int

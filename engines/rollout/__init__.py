@@ -63,12 +63,11 @@ def probe_vllm() -> str | None:
 def probe_sglang() -> str | None:
     """None when an sglang module can be found (importing it is left to the worker)."""
     try:
-        found = importlib.util.find_spec("sglang") is not None
+        if importlib.util.find_spec("sglang") is not None:
+            return None
     except ValueError:  # a module object without a spec stands in for sglang: it is there
-        found = True
-    if not found:
-        return f"rollout backend 'sglang' needs the sglang package: {SGLANG_INSTALL_HINT} (import failed: not installed)"
-    return None
+        return None
+    return f"rollout backend 'sglang' needs the sglang package: {SGLANG_INSTALL_HINT} (import failed: not installed)"
 
 
 def installed_for_cuda() -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -62,7 +62,6 @@ class Completion:
     finish_reason: FinishReason
     weight_version: int = 0
     prompt_index: int = 0
-    extras: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutEngineError(RuntimeError):

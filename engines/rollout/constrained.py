@@ -267,12 +267,8 @@ class GrammarCompilers:
             info = xgrammar.TokenizerInfo.from_huggingface(
                 self._load_tokenizer(), vocab_size=self.vocab_size, stop_token_ids=list(stops)
             )
-            self._compilers[stops] = _compile_with(xgrammar.GrammarCompiler(info))
+            self._compilers[stops] = lru_cache(maxsize=64)(xgrammar.GrammarCompiler(info).compile_grammar)
         return self._compilers[stops](constraint.grammar)
-
-
-def _compile_with(compiler: Any) -> Any:
-    return lru_cache(maxsize=64)(compiler.compile_grammar)
 
 
 class GrammarMask:

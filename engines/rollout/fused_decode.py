@@ -1,25 +1,79 @@
-"""One decode step of a Qwen2 or Llama model in a few fused operations (the hf engine's decode loop).
+"""The hf engine's fast decode: a preallocated KV cache and a one-step decode in a few fused operations.
 
-Through transformers' modules a one-token step is ~20 operator calls per layer, and on a small model
-on a CPU the calls, not their arithmetic, dominate. `FusedDecoder.step` uses one projection for
-q/k/v and one for gate/up, whose parameters become views of the fused buffers, so a weight sync
-into `q_proj.weight` writes the fused buffer too. Only float32, full-attention models of the
-`SUPPORTED` classes; for others `build` returns None.
+transformers' `DynamicCache` grows by concatenation, copying every layer's cache at every step; a
+`PreallocatedLayer` is one buffer per layer for the whole generation, written in place, and attention
+reads a view of the columns written so far. Through transformers' modules a one-token step is ~20
+operator calls per layer, and on a small model on a CPU the calls, not their arithmetic, dominate.
+`FusedDecoder.step` uses one projection for q/k/v and one for gate/up, whose parameters become views
+of the fused buffers, so a weight sync into `q_proj.weight` writes the fused buffer too. Only float32,
+full-attention models of the `SUPPORTED` classes; for others `build` returns None.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from engines.rollout.kv_cache import full_attention_only
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+from transformers.models.llama.modeling_llama import rotate_half  # Qwen2's is the same
 
 SUPPORTED = {"Qwen2ForCausalLM", "LlamaForCausalLM"}
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention layer's keys and values in buffers of `capacity` positions."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._keys = self._buffer(key_states)
+        self._values = self._buffer(value_states)
+        self.is_initialized = True
+
+    def _buffer(self, states: torch.Tensor) -> torch.Tensor:
+        batch, heads, _, dim = states.shape
+        return states.new_empty(batch, heads, self.capacity, dim)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot hold {end}")
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:  # transformers' layer protocol
+        return self.capacity
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+
+def full_attention_only(config) -> bool:
+    """Whether every layer attends to the whole past (no sliding window): what this cache serves."""
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None) or ["full_attention"]
+    return all(kind == "full_attention" for kind in types)
+
+
+def preallocated_cache(config, capacity: int) -> Cache:
+    layers = config.get_text_config(decoder=True).num_hidden_layers
+    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(layers)])
 
 
 def _fused_rows(linears: list[torch.nn.Linear], name: str) -> torch.Tensor | None:
@@ -95,8 +149,8 @@ class FusedDecoder:
             q, k, v = F.linear(x, qkv_w, qkv_b).split((heads * dim, kv_heads * dim, kv_heads * dim), -1)
             q = q.view(rows, heads, 1, dim)
             k = k.view(rows, kv_heads, 1, dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
             keys, values = layer.update(k, v.view(rows, kv_heads, 1, dim))
             # Grouped-query attention for one query: the heads sharing a kv head form its rows.
             scores = torch.matmul(q.view(rows, kv_heads, heads // kv_heads, dim), keys.transpose(-1, -2))

@@ -2,8 +2,11 @@
 
 Prompts are left-padded into one batch with positions restarting at each row's first real token, so
 greedy batched output equals one-by-one output. Each distinct prompt is prefilled once into a
-preallocated KV cache (kv_cache.py); a decode step runs fused where it can (fused_decode.py).
-Sampling (sampling.py) follows the `Completion` contract, from a private `torch.Generator`.
+preallocated KV cache; a decode step runs fused where it can (both in fused_decode.py).
+Sampling (sampling.py) follows the `Completion` contract, from a private `torch.Generator`. A LoRA
+adapter is merged into the weights (W = W0 + scaling * B @ A), so decoding runs at the base model's
+speed; each merge is recomputed in fp32 from a copy of the base weight, since merging onto the
+previous merge would accumulate rounding over many syncs.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
 from engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from engines.rollout.constrained import GrammarCompilers, GrammarMask
-from engines.rollout.fused_decode import FusedDecoder
-from engines.rollout.kv_cache import full_attention_only, preallocated_cache
-from engines.rollout.lora_merge import AdapterMerger
-from engines.rollout.sampling import filter_logits, sample_next  # noqa: F401 (filter_logits: tests import it here)
+from engines.rollout.fused_decode import FusedDecoder, full_attention_only, preallocated_cache
+from engines.rollout.sampling import sample_next
+from engines.training.lora_targets import base_module
+from engines.training.multi_lora import from_peft_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,12 +82,47 @@ class DecodeMask:
         return self.mask_4d[..., :length] if self.padded else None
 
 
-@torch.no_grad()
-def own_weights(model: torch.nn.Module) -> None:
-    """Give every parameter its own aligned storage: on CPU from_pretrained leaves views into an mmap
-    of the file, misaligned, which slows every weight sync's copy (tied weights stay tied)."""
-    for param in model.parameters():
-        param.data = param.data.clone()
+def scaling_of(config: dict) -> float:
+    """alpha / r from a PEFT adapter_config.json (rsLoRA: alpha / sqrt(r))."""
+    rank = config["r"]
+    return config["lora_alpha"] / (rank**0.5 if config.get("use_rslora") else rank)
+
+
+class AdapterMerger:
+    """Merges successive adapters into `weights` (HF name -> live tensor), each onto the base."""
+
+    def __init__(self) -> None:
+        self.base: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def merge(self, weights: dict[str, torch.Tensor], config: dict, named_tensors: Iterable) -> int:
+        """Write base + scaling * B @ A into every adapted layer's weight; returns how many."""
+        scaling = scaling_of(config)
+        tensors = dict(named_tensors)
+        stray = [name for name in tensors if base_module(name) is None]
+        if stray:
+            raise KeyError(
+                f"'{stray[0]}' is not a LoRA tensor (expected PEFT names ending in lora_A/lora_B.weight)"
+            )
+        pairs = from_peft_tensors(tensors)
+        for module, (a, b) in pairs.items():
+            key = f"{module}.weight"
+            target = weights.get(key)
+            if target is None:
+                raise KeyError(f"the adapter adapts '{module}', which the rollout model does not have")
+            a, b = a.to(target.device, torch.float32), b.to(target.device, torch.float32)
+            if (b.shape[0], a.shape[1]) != tuple(target.shape):
+                raise ValueError(
+                    f"adapter layer '{module}' is [{b.shape[0]}, {a.shape[1]}] but the rollout model's "
+                    f"weight is {list(target.shape)}"
+                )
+            base = self.base.setdefault(key, target.detach().clone())
+            target.copy_(torch.addmm(base.float(), b, a, alpha=scaling))
+        return len(pairs)
+
+    def to(self, device: torch.device | str) -> None:
+        """Follow the weights when the engine moves them (release / resume memory)."""
+        self.base = {k: v.to(device) for k, v in self.base.items()}
 
 
 class HFRolloutEngine(RolloutEngine):
@@ -102,22 +140,22 @@ class HFRolloutEngine(RolloutEngine):
         super().__init__(model_path, eos_token_ids, pad_token_id)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
-        self.model = self._load_model(str(model_path))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(model_path), dtype=self.dtype, attn_implementation="sdpa"
+        ).to(self.device)
+        if self.device.type == "cpu":
+            # Own aligned storage: on CPU from_pretrained leaves views into a misaligned mmap of the file,
+            # which slows every weight sync's copy (tied weights stay tied).
+            with torch.no_grad():
+                for param in self.model.parameters():
+                    param.data = param.data.clone()
+        self.model.eval().requires_grad_(False)
         # Sliding-window (or other non-full) attention keeps transformers' own cache and masks.
         self._plain_mask = not full_attention_only(self.model.config)
         self._fused = None if self._plain_mask else FusedDecoder.build(self.model)
         self._targets = self._update_targets()
         self._merger = AdapterMerger()
         self._grammars = GrammarCompilers(model_path, self.model.config.vocab_size)
-
-    def _load_model(self, model_path: str) -> torch.nn.Module:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype, attn_implementation="sdpa")
-        model.to(self.device)
-        if self.device.type == "cpu":
-            own_weights(model)
-        model.eval()
-        model.requires_grad_(False)
-        return model
 
     def _update_targets(self) -> dict[str, torch.Tensor]:
         # Both names of a tied weight (embed_tokens / lm_head): a stream may carry either.
@@ -263,7 +301,7 @@ class HFRolloutEngine(RolloutEngine):
             target.data.copy_(tensor)
 
     def load_adapter(self, config: dict, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Merged into the weights (lora_merge.py): decoding runs at the base model's speed."""
+        """Merged into the weights (`AdapterMerger`)."""
         self._merger.merge(self._targets, config, named_tensors)
 
     def memory_is_short(self) -> bool:

@@ -27,7 +27,7 @@ from engines.rollout.constrained import ConstraintError
 from engines.training.fsdp.lora import write_adapter
 
 TRANSFER_BACKEND = "tandem-inproc"
-CPU_PREFILL_TOKENS = 65536  # prompt tokens one vLLM step takes on CPU (see _start)
+CPU_PREFILL_TOKENS = 65536  # prompt tokens one vLLM step takes on CPU (see __init__)
 LORA_ID = 1  # one adapter per engine: the job's
 
 
@@ -95,7 +95,7 @@ def register_inproc_transfer_backend() -> None:
         )
 
 
-def check_cpu_head_size(model_path: str) -> None:
+def check_cpu_head_size(model_path: str | Path) -> None:
     """vLLM's CPU attention has kernels for some head sizes only; others start, then die on the
     first request. Refuse them up front."""
     import json
@@ -165,31 +165,25 @@ class VLLMRolloutEngine(RolloutEngine):
                 "max_lora_rank": vllm_max_lora_rank(max_lora_rank),
                 "max_loras": 1,
             }
-        self._llm = self._start(str(model_path), max_model_len, kv_cache_gib, seed, llm_args)
-
-    def _start(
-        self, model_path: str, max_model_len: int | None, kv_cache_gib: int, seed: int, llm_args: dict
-    ) -> Any:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # Its INFO lines and warnings would flood the worker's log on every start.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         if self.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
-        from vllm import LLM
-        from vllm.config import WeightTransferConfig
-
-        register_inproc_transfer_backend()
-        if self.device.type == "cpu":
             check_cpu_head_size(model_path)
             # A chunked prefill rewinds each seeded request's generator, which CPU generators cannot
             # do (the engine dies): take a whole batch's prompts in one step.
             llm_args = {"max_num_batched_tokens": CPU_PREFILL_TOKENS, **llm_args}
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        register_inproc_transfer_backend()
         # vLLM's CPU worker replaces torch.set_num_threads process-wide and may lower the thread
         # count; the trainer beside it in this process keeps both.
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         try:
-            return LLM(
-                model=model_path,
+            self._llm = LLM(
+                model=str(model_path),
                 skip_tokenizer_init=not self.has_tokenizer,
                 dtype=str(self.dtype).removeprefix("torch."),
                 enforce_eager=True,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from engines.rollout.base import Completion, RolloutEngine, SamplingParams
+from engines.rollout.base import RolloutEngine, SamplingParams
 from engines.training.base import TrainEngine
 from engines.transfer.base import NamedTensor, TransferStats, WeightTransfer
 
@@ -119,29 +119,21 @@ class AdapterTransfer(ProbedAdapterTransfer):
         moved = super().transfer(named_tensors)
         return self.checked(moved, [probe_difference(self.train, *served) for served in self.served])
 
-    def sync(self) -> ProbedSyncStats:
-        return self.transfer(self.train.get_per_tensor_param())
-
 
 def serve_adapter(rollout: RolloutEngine, config: dict, tensors: list[NamedTensor]) -> dict:
     """The receiving side: load the adapter, close the update, generate the probe's greedy sequence;
     {"version", "tokens", "log_probs"}."""
     rollout.load_adapter(config, tensors)
     version = rollout.finish_update()
-    completion = probe_completion(rollout)
-    return {"version": version, "tokens": list(completion.token_ids), "log_probs": list(completion.log_probs)}
+    tokens, log_probs = probe_sequence(rollout)
+    return {"version": version, "tokens": tokens, "log_probs": log_probs}
 
 
-def probe(train: TrainEngine, rollout: RolloutEngine) -> float:
-    """max |rollout log-prob - trainer log-prob| over one short greedy sequence of the rollout engine."""
-    completion = probe_completion(rollout)
-    return probe_difference(train, list(completion.token_ids), list(completion.log_probs))
-
-
-def probe_completion(rollout: RolloutEngine) -> Completion:
+def probe_sequence(rollout: RolloutEngine) -> tuple[list[int], list[float]]:
     """The rollout engine's half of the probe: one short greedy sequence and its log-probs."""
     params = SamplingParams(max_new_tokens=PROBE_TOKENS, temperature=0, seed=0)
-    return rollout.generate([PROBE_PROMPT], params)[0]
+    completion = rollout.generate([PROBE_PROMPT], params)[0]
+    return list(completion.token_ids), list(completion.log_probs)
 
 
 def probe_difference(train: TrainEngine, tokens: list[int], served: list[float]) -> float:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from engines.kernels import rms_norm, rotary, swiglu
+from engines.kernels import fused_layers
 from engines.kernels.attention import register as segment_attention_name
 from engines.training.fsdp import lora
 from engines.training.fsdp.modules import (
@@ -54,10 +54,10 @@ class ModelBuildMixin:
         self.attn_implementation = self._attn_implementation()
         is_value = self.config.role == "value"
         hf_model = load_hf_model(self.config.model_path, self.attn_implementation, value_head=is_value)
-        # One autograd Function each on a CPU (engines/kernels/rotary.py, engines/kernels/rms_norm.py, engines/kernels/swiglu.py).
-        rotary.install(sys.modules[type(hf_model).__module__])
-        rms_norm.install(hf_model)
-        swiglu.install(hf_model)
+        # One autograd Function each on a CPU (engines/kernels/fused_layers.py).
+        fused_layers.install_rotary(sys.modules[type(hf_model).__module__])
+        fused_layers.install_rms_norm(hf_model)
+        fused_layers.install_swiglu(hf_model)
         self.adapted_modules: list[str] = []
         if self.config.lora is not None:
             self._attach_adapters(hf_model)
