@@ -70,7 +70,7 @@ def test_groups_and_layout():
     assert groups == [[0, 3, 6], [1, 4, 7], [2, 5, 8]]
     packed = pack_shared(batch["input_ids"], batch["attention_mask"], RESPONSE_WIDTH, groups)
     responses = int(batch["response_mask"].sum())
-    assert packed.num_tokens == 3 + 5 + 4 + responses
+    assert packed.input_ids.shape[1] == 3 + 5 + 4 + responses
     assert len(packed.select) == responses == len(packed.targets)
     # Right padding inside the prompt columns, or a response with a hole, cannot be shared.
     broken = batch["attention_mask"].clone()
@@ -159,7 +159,9 @@ def test_the_budget_counts_what_pack_shared_packs():
         )
         micro = batch[torch.tensor(subset)]
         within = prompt_groups(micro["input_ids"], micro["attention_mask"], RESPONSE_WIDTH)
-        built = pack_shared(micro["input_ids"], micro["attention_mask"], RESPONSE_WIDTH, within).num_tokens
+        built = pack_shared(
+            micro["input_ids"], micro["attention_mask"], RESPONSE_WIDTH, within
+        ).input_ids.shape[1]
         assert groups.packed_tokens(lengths, subset) == built, subset
 
 
