@@ -83,7 +83,10 @@ class TinkerService:
     def _pause(self, models: list[TrainingModel], cause: str, drop: bool) -> None:
         """The models are forgotten (`drop`: and leave their live host); their runs pause, naming why."""
         for model in models:
-            self._drop(model) if drop else self.records.models.pop(model.model_id, None)
+            if drop:
+                self._drop(model)
+            else:
+                self.records.models.pop(model.model_id, None)
             self.scheduler.end(
                 model.job_id, JobStatus.PAUSED, saved.lost_message(model.job_id, model.workdir, cause)
             )
@@ -132,7 +135,10 @@ class TinkerService:
         op = Op(
             self.futures.create(owner, operation.__name__), owner, queue, operation, kwargs, finish, on_fail
         )
-        to.append(op) if isinstance(to, list) else to.submit(op)
+        if isinstance(to, list):
+            to.append(op)
+        else:
+            to.submit(op)
         return op.future
 
     def on_model(self, model: TrainingModel, operation: Any, kwargs: dict[str, Any], finish: Finish,
@@ -173,12 +179,17 @@ class TinkerService:
             if model_id in self.records.models:
                 raise TinkerError(400, f"model_seq_id: model {model_id} exists already", "model_seq_id")
             self._quota(owner, "tinker_models", self.records.models.of(owner), "live training models")
-            with self.service.admitting():  # the owner's queued and stored quotas, as a job's submission
-                self.service.check_quota(owner)
-                job = self.store.create_tinker_run(owner, model_id, session.id, host.base_model, rank, targets,
-                                                   self.home / "jobs")  # fmt: skip
-            with self._held:
+            with self._held:  # before its row: the scheduler may launch the run as soon as the row exists
                 self._launches[model_id] = []  # its ops wait for the scheduler to launch the run
+            try:
+                with self.service.admitting():  # the owner's queued and stored quotas, as a job's submission
+                    self.service.check_quota(owner)
+                    job = self.store.create_tinker_run(owner, model_id, session.id, host.base_model, rank,
+                                                       targets, self.home / "jobs")  # fmt: skip
+            except BaseException:
+                with self._held:
+                    self._launches.pop(model_id, None)
+                raise
             model = TrainingModel(model_id, job.id, owner, session.id, host.base_model, rank, Path(job.workdir),
                                   optimizer)  # fmt: skip
             self.records.models[model_id] = model  # now: a second create_model of this id is refused

@@ -61,7 +61,7 @@ class Sandbox:
                  pass_fds: Sequence[int] = ()) -> None:  # fmt: skip
         """`pass_fds`: descriptors the process inherits (a listening socket for a server in it)."""
         self.limits = limits or Limits.from_env()
-        self.mode = mode or sandbox_mode(allow_unsandboxed).name  # `mode`: a test's choice
+        self.mode = mode or sandbox_mode(allow_unsandboxed).name  # "none": our own code, or a test
         self.staging = Path(tempfile.mkdtemp(prefix="tandem-sandbox-"))
         self.code = CODE if self.mode != "none" else str(self.staging)
         self.places = {str(Path(f).expanduser().resolve()): self._stage(i, f) for i, f in enumerate(files)}
