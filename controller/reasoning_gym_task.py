@@ -198,8 +198,9 @@ def _generate_in_child(spec: ReasoningGymSpec, directory: Path) -> None:
                 f"({err.message})"
             ) from None
         except SandboxError as err:  # a DataError of ours already says which setting to change
-            raise DataError(err.message if err.type == "DataError" else
-                            f"data.reasoning_gym: generating rows of {names} failed: {err.type}: {err.message}") from None  # fmt: skip
+            ours = err.type == "DataError"
+            why = f"data.reasoning_gym: generating rows of {names} failed: {err.type}: {err.message}"
+            raise DataError(err.message if ours else why) from None
 
 
 def _generate(spec_json: str, directory: str) -> dict[str, int]:
