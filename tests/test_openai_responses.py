@@ -49,7 +49,7 @@ def live(ray_cluster, tmp_path_factory, model_dir):
 def job(live, api, model_dir):
     spec = tiny_job(
         model={"builtin": None, "path": str(model_dir)},
-        rollout={"source": "external", "external": {"group_size": 2, "trajectories_per_step": 2, "max_pending": 32},
+        rollout={"source": "external", "external": {"group_size": 2, "trajectories_per_step": 4, "max_pending": 32},
                  "free_cache_after_generate": False},
         trainer={"total_steps": 2, "val_every": 0, "samples_per_step": 2},
         algorithm={"recompute_old_log_probs": True},
@@ -292,11 +292,16 @@ def test_an_agents_sdk_agent_with_its_default_model_and_output_type_trains_the_j
     a json_schema text.format), one group of runs: every final output parses into `Answer`; every
     run's calls are one trajectory whose first prompt is the templated instructions + task
     (tool_choice none: no tools shown), whose sampled tokens decode to the JSON the SDK parsed, whose
-    record states the constraint; and a step trains on them."""
-    runs = agent_agents_sdk.main(["--url", live.url, "--job", job, "--key", live.token, "--task", "arithmetic",
-                                  "--reward", "digits", "--problems", "1", "--group-size", "2", "--agents", "2",
-                                  "--max-tokens", "48", "--max-turns", "2", "--seed", "3",
-                                  "--output-type", "answer", "--tool-choice", "none"])  # fmt: skip
+    record states the constraint. A step takes two groups (the job's trajectories_per_step), so the
+    first group's records are read before any step can consume them; a second group fills step 1."""
+
+    def agents(seed: int) -> list[tuple[str, float, str]]:
+        return agent_agents_sdk.main(["--url", live.url, "--job", job, "--key", live.token, "--task", "arithmetic",
+                                      "--reward", "digits", "--problems", "1", "--group-size", "2", "--agents", "2",
+                                      "--max-tokens", "48", "--max-turns", "2", "--seed", str(seed),
+                                      "--output-type", "answer", "--tool-choice", "none"])  # fmt: skip
+
+    runs = agents(3)
     assert len(runs) == 2
     system = {"role": "system", "content": "Solve the arithmetic problem; use the calculator."}
     for trajectory, reward, answer in runs:
@@ -311,11 +316,12 @@ def test_an_agents_sdk_agent_with_its_default_model_and_output_type_trains_the_j
         assert seg["tokens"] == tokenizer.encode(text, add_special_tokens=False) + [seg["tokens"][-1]]
         assert seg["constraints"][0]["kind"] == "json_schema"
         assert len(seg["log_probs"]) == len(seg["tokens"]) == len(seg["loss_mask"])
+    runs += agents(4)
     step = wait_for_step(api, job, 1, timeout_s=240)
     assert step["step"] >= 1, step
     metrics = api.get(f"/v1/jobs/{job}/metrics", params={"keys": "critic/score/mean"})
     row = next(r for r in metrics.json()["data"] if r["step"] == 1)["values"]
-    assert row["critic/score/mean"] == pytest.approx(sum(r for _, r, _ in runs) / 2, abs=1e-6)
+    assert row["critic/score/mean"] == pytest.approx(sum(r for _, r, _ in runs) / 4, abs=1e-6)
 
 
 def test_a_client_with_default_retries_reaches_a_job_that_just_started(live, api):
