@@ -83,13 +83,20 @@ class TinkerService:
     def _pause(self, models: list[TrainingModel], cause: str, drop: bool) -> None:
         """The models are forgotten (`drop`: and leave their live host); their runs pause, naming why."""
         for model in models:
-            if drop:
-                self._drop(model)
-            else:
-                self.records.models.pop(model.model_id, None)
-            self.scheduler.end(
-                model.job_id, JobStatus.PAUSED, saved.lost_message(model.job_id, model.workdir, cause)
-            )
+            why = saved.lost_message(model.job_id, model.workdir, cause)
+            self._forget_live(model, why, drop)
+            self.scheduler.end(model.job_id, JobStatus.PAUSED, why)
+
+    def _forget_live(self, model: TrainingModel, why: str, drop: bool) -> None:
+        """The model is forgotten. A run the scheduler never launched fails its held ops, saying why;
+        a launched one's adapter leaves its host after its pending ops (`drop`)."""
+        self.records.models.pop(model.model_id, None)
+        with self._held:
+            held = self._launches.pop(model.model_id, None)
+        for op in held or []:
+            self.futures.fail(op.future, why, "user")
+        if held is None and drop:
+            self.on_model(model, SessionWorker.drop_adapter, {}, {})
 
     def _quota(self, owner: str, name: str, have: list, what: str) -> None:
         limit = getattr(self.quotas.of(owner), name)
@@ -222,9 +229,7 @@ class TinkerService:
         """A run cancelled through Tandem's API: its model leaves its host (its checkpoints stay)."""
         model = self.records.model_of_job(record_id)
         if model is not None:
-            with self._held:
-                self._launches.pop(model.model_id, None)
-            self._drop(model)
+            self._forget_live(model, f"training run {record_id} was cancelled through Tandem's API", True)
 
     def info(self, owner: str | None, req: bodies.ModelRef) -> dict[str, Any]:
         model = self.model(req.model_id, owner)
@@ -345,11 +350,6 @@ class TinkerService:
             return {"model_id": req.model_id, "type": "unload_model"}
 
         return self.on_model(model, SessionWorker.drop_adapter, {}, dropped)
-
-    def _drop(self, model: TrainingModel) -> None:
-        """The model is forgotten now, and leaves its host after its pending ops."""
-        self.records.models.pop(model.model_id, None)
-        self.on_model(model, SessionWorker.drop_adapter, {}, {})
 
 
 def _state_fits(path: str, spec: dict[str, Any], base_model: str, rank: int) -> None:

@@ -110,6 +110,39 @@ def test_the_jobs_table_holds_no_tinker_rows_while_the_listing_shows_runs(svc):
     assert store._db().execute("SELECT COUNT(*) FROM tinker_runs WHERE owner = 'sven'").fetchone()[0] == 1
 
 
+def failure(svc, request_id: str) -> str:
+    future = svc.server.config.app.state.tinker.futures[request_id]
+    assert future.done and isinstance(future.answer, dict), future
+    return future.answer["error"]
+
+
+def test_a_run_that_ends_before_its_launch_fails_its_held_requests_and_holds_nothing(svc):
+    """A run waiting in the queue (its owner at quota) holds its client's requests until the scheduler
+    launches it. Cancelled through Tandem's API, or paused when its session expires, it never will:
+    each held request fails at once, naming why, and the service keeps nothing of it."""
+    tinker = svc.server.config.app.state.tinker
+    with owner_client(svc, "uma", running_jobs=0) as uma:
+        session = uma.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        cancelled = create_model(uma, session, 0).json()["request_id"]
+        expired = create_model(uma, session, 1).json()["request_id"]
+        assert not done(svc, cancelled, 1.0)
+        run = run_of(svc, f"{session}:train:0")
+        assert run.status == "queued" and f"{session}:train:0" in tinker._launches
+        assert uma.post(f"/v1/jobs/{run.id}/cancel").json()["status"] == "cancelled"
+        assert "cancelled through Tandem's API" in failure(svc, cancelled)
+        ttl = tinker.session_ttl_s
+        tinker.session_ttl_s = 0.0
+        try:
+            time.sleep(0.05)
+            tinker.expire_sessions()
+        finally:
+            tinker.session_ttl_s = ttl
+        assert f"session {session} ended" in failure(svc, expired)
+        assert run_of(svc, f"{session}:train:1").status == "paused"
+    assert not any(k.startswith(session) for k in tinker._launches)
+    assert not tinker.records.models.of("uma")
+
+
 def test_a_store_with_tinker_rows_in_the_jobs_table_opens_with_them_moved(ray_cluster, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
