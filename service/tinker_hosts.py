@@ -57,13 +57,15 @@ class HostOptions:
 
 
 class Host:
-    """One base model's actor and dispatcher; while it runs, the scheduler (`accounts`) counts its CPUs."""
+    """One base model's actor and dispatcher; while it runs, the scheduler (`accounts`) counts its CPUs.
+    It starts with its first batch; one that dies or fails to start fails its batch, and the next starts it
+    again (a model folder copied in late, a cluster that was full)."""
 
     def __init__(self, base_model: str, workdir: Path, futures: FutureTable, options: HostOptions,
                  on_lost: Callable[[Host], None] | None = None, accounts: Any = None) -> None:  # fmt: skip
         self.base_model, self.workdir, self.futures, self.options = base_model, workdir, futures, options
         self.on_lost, self.accounts = on_lost, accounts
-        self.restarts = 0
+        self.restarts, self.started = 0, False
         self.name = f"session host '{base_model}'"
         self._cond = threading.Condition()
         self._queues: OrderedDict[str, OrderedDict[str, deque[Op]]] = OrderedDict()  # owner -> key -> ops
@@ -124,6 +126,7 @@ class Host:
         return batch
 
     def _start(self) -> None:
+        self.error = None
         try:
             if self.base_model not in BUILTIN_MODELS and not Path(self.base_model, "config.json").is_file():
                 raise FileNotFoundError(f"{self.base_model} is neither a built-in model nor a model folder")
@@ -150,7 +153,6 @@ class Host:
             self._release()
 
     def _run(self) -> None:
-        self._start()
         while True:
             with self._cond:
                 while not self._stop and not self._queues:
@@ -162,8 +164,9 @@ class Host:
                 self._dispatch(batch)
 
     def _dispatch(self, batch: list[Op]) -> None:
-        if self.group is None and self.error is None:  # the last one died: a fresh host for this batch
-            self.restarts += 1
+        if self.group is None:  # not started yet, or the last one died or failed to start: a fresh one
+            self.restarts += self.started
+            self.started = True
             self._start()
         batched = [[op for op in batch if op.operation is kind] for kind in BATCHED]
         singles = [[op] for op in batch if op.operation not in BATCHED]

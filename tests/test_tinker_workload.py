@@ -26,10 +26,15 @@ RUNNING_RUN, DONE_RUN, RL_JOB = "job-1892f8386ed3", "job-6c8585b5170a", "job-835
 
 
 @pytest.fixture(scope="module")
-def svc(ray_cluster, tmp_path_factory):
-    live = start_service(
-        tmp_path_factory.mktemp("tinker-workload"), settings=ServeSettings(tinker_base_models=[BASE])
-    )
+def late_base(tmp_path_factory) -> Path:
+    """A served model folder that does not exist when the service starts."""
+    return tmp_path_factory.mktemp("late") / "base"
+
+
+@pytest.fixture(scope="module")
+def svc(ray_cluster, tmp_path_factory, late_base):
+    settings = ServeSettings(tinker_base_models=[BASE, str(late_base)])
+    live = start_service(tmp_path_factory.mktemp("tinker-workload"), settings=settings)
     yield live
     live.stop()
 
@@ -141,6 +146,29 @@ def test_a_run_that_ends_before_its_launch_fails_its_held_requests_and_holds_not
         assert run_of(svc, f"{session}:train:1").status == "paused"
     assert not any(k.startswith(session) for k in tinker._launches)
     assert not tinker.records.models.of("uma")
+
+
+def test_a_host_that_failed_to_start_starts_with_the_next_request(svc, late_base):
+    """Its model folder is copied in after the first request: that request fails naming the host, and
+    the next one starts it."""
+    from engines.models.tiny_models import TinyModelSpec, build_tiny_model
+
+    with owner_client(svc, "vera") as vera:
+        session = vera.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        body = {
+            "session_id": session,
+            "model_seq_id": 0,
+            "base_model": str(late_base),
+            "lora_config": {"rank": 2},
+        }
+        first = vera.post("/api/v1/create_model", json=body).json()["request_id"]
+        assert not done(svc, first, 60)
+        assert f"session host '{late_base}' failed to start" in failure(svc, first)
+        build_tiny_model(late_base, TinyModelSpec())
+        second = vera.post("/api/v1/create_model", json=body).json()["request_id"]
+        assert done(svc, second, 120), failure(svc, second)
+        assert run_of(svc, f"{session}:train:0").status == "running"
+        assert vera.post("/api/v1/unload_model", json={"model_id": f"{session}:train:0"}).status_code == 200
 
 
 def test_a_store_with_tinker_rows_in_the_jobs_table_opens_with_them_moved(ray_cluster, tmp_path):
