@@ -38,9 +38,7 @@ class Service:
         self.store = JobStore(self.home / "tandem.db")
         self.files = FileStore(self.home / "files")
         self.quotas = quotas or QuotaBook()
-        self.scheduler = Scheduler(
-            self.store, poll_s, runtime_env, self.files, self.quotas, warm_controllers=warm_controllers
-        )
+        self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.quotas, warm_controllers)
         self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
 
     @property

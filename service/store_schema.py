@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sqlite3
 
-from service.audit import AUDIT_SCHEMA
 from service.keys import ADMIN_OWNER, KEY_COLUMNS_ADDED, KEYS_SCHEMA
 from service.store_metrics import METRICS_SCHEMA
 from service.store_tinker import MIGRATE, TINKER_SCHEMA
@@ -27,15 +26,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT,
     parent_id TEXT,
     workdir TEXT NOT NULL,
-    idempotency TEXT,
     request_hash TEXT,
-    stop_reason TEXT,
-    name TEXT,
-    tags TEXT NOT NULL DEFAULT '[]',
-    notes TEXT NOT NULL DEFAULT '',
-    active_s REAL NOT NULL DEFAULT 0,
-    run_started_at REAL,
-    restart TEXT NOT NULL DEFAULT 'null'
+    stop_reason TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
 CREATE TABLE IF NOT EXISTS events (
@@ -70,9 +62,24 @@ CREATE TABLE IF NOT EXISTS samples (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS samples_job ON samples(job_id, step, id);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    owner TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    action TEXT NOT NULL,
+    method TEXT NOT NULL,
+    path TEXT NOT NULL,
+    target TEXT,
+    target_owner TEXT,
+    status INTEGER NOT NULL,
+    request_id TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS audit_owner ON audit(owner, id);
 """
 
-ADDED_COLUMNS = {  # columns added since the first schema: a database made before gets them on open
+ADDED_COLUMNS = {  # columns added since the first schema: every database gets them on open, a new one too
     "name": "TEXT",
     "tags": "TEXT NOT NULL DEFAULT '[]'",
     "notes": "TEXT NOT NULL DEFAULT ''",
@@ -105,7 +112,6 @@ def migrate(db: sqlite3.Connection) -> None:
     db.executescript(METRICS_SCHEMA)
     db.executescript(KEYS_SCHEMA)
     add_columns(db, "tokens", KEY_COLUMNS_ADDED)
-    db.executescript(AUDIT_SCHEMA)
 
 
 def add_columns(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> set[str]:
