@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from service.keys import ADMIN_OWNER, KEY_COLUMNS_ADDED, KEYS_SCHEMA
-from service.store_metrics import METRICS_SCHEMA
+from service.keys import ADMIN_OWNER
 from service.store_tinker import MIGRATE, TINKER_SCHEMA
 
 SCHEMA = """
@@ -77,6 +76,25 @@ CREATE TABLE IF NOT EXISTS audit (
     data TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS audit_owner ON audit(owner, id);
+CREATE TABLE IF NOT EXISTS tokens (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE,
+    scopes TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS metrics (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    time REAL NOT NULL,
+    data TEXT NOT NULL
+);
+-- one row per (job, step): a store made before keeps each step's latest
+DELETE FROM metrics WHERE id NOT IN (SELECT MAX(id) FROM metrics GROUP BY job_id, step);
+DROP INDEX IF EXISTS metrics_job;
+CREATE UNIQUE INDEX IF NOT EXISTS metrics_job_step ON metrics(job_id, step);
+CREATE INDEX IF NOT EXISTS metrics_job_id ON metrics(job_id, id);
 """
 
 ADDED_COLUMNS = {  # columns added since the first schema: every database gets them on open, a new one too
@@ -88,6 +106,13 @@ ADDED_COLUMNS = {  # columns added since the first schema: every database gets t
     "owner": "TEXT NOT NULL DEFAULT 'admin'",  # jobs made before owners existed are the admin's
     "restart": "TEXT NOT NULL DEFAULT 'null'",
     "idempotency": "TEXT",  # the client's Idempotency-Key; unique per owner (jobs_idempotency)
+}
+KEY_COLUMNS_ADDED = {  # the same for API keys: keys made before them belong to admin and see everything
+    "owner": "TEXT NOT NULL DEFAULT 'admin'",
+    "admin": "INTEGER NOT NULL DEFAULT 1",
+    "expires_at": "REAL",
+    "revoked_at": "REAL",
+    "last_used_at": "REAL",
 }
 # The key as sent, unique per (owner, key): an "owner/key" encoding could be imitated by an admin's
 # key. Older stores' `idempotency_key` ("owner/key", the admin's as sent) is read once into it.
@@ -109,8 +134,6 @@ def migrate(db: sqlite3.Connection) -> None:
     db.execute(IDEMPOTENCY_INDEX)
     db.executescript(TINKER_SCHEMA)
     db.executescript(MIGRATE)
-    db.executescript(METRICS_SCHEMA)
-    db.executescript(KEYS_SCHEMA)
     add_columns(db, "tokens", KEY_COLUMNS_ADDED)
 
 
