@@ -22,8 +22,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.errors import TINKER_PREFIX, error_json
-from service.audit import AuditEntry
 from service.store import JobStore
+from service.store_outputs import AuditEntry
 
 
 class BodyTooLarge(HTTPException):

@@ -21,21 +21,19 @@ from service.store import JobStore
 def same_weights_shape(parent: JobSpec, child: JobSpec) -> None:
     """A fork keeps the parent's base model and, with LoRA, its adapter shape (a checkpoint of rank-8
     adapters cannot load into rank-16 ones)."""
-    for field in ("path", "builtin"):
-        if getattr(parent.model, field) != getattr(child.model, field):
-            raise ServiceError(f"model.{field}: a fork keeps its parent's base model", 422,
-                               f"model.{field}", "invalid_value")  # fmt: skip
     before, after = parent.model.lora, child.model.lora
-    if (before is None) != (after is None):
-        raise ServiceError("model.lora: a fork keeps its parent's choice of LoRA or full fine-tuning", 422,
-                           "model.lora", "invalid_value")  # fmt: skip
-    if before is None or after is None:
-        return
-    for field in ("rank", "target_modules"):
-        if getattr(before, field) != getattr(after, field):
-            raise ServiceError(f"model.lora.{field}: a fork keeps its parent's adapter shape "
-                               f"({field} = {getattr(before, field)})", 422, f"model.lora.{field}",
-                               "invalid_value")  # fmt: skip
+    kept = [
+        (f"model.{f}", getattr(parent.model, f), getattr(child.model, f), "base model")
+        for f in ("path", "builtin")
+    ]
+    kept.append(("model.lora", before is None, after is None, "choice of LoRA or full fine-tuning"))
+    if before is not None and after is not None:
+        for f in ("rank", "target_modules"):
+            shape = f"adapter shape ({f} = {getattr(before, f)})"
+            kept.append((f"model.lora.{f}", getattr(before, f), getattr(after, f), shape))
+    for param, was, now, what in kept:
+        if was != now:
+            raise ServiceError(f"{param}: a fork keeps its parent's {what}", 422, param, "invalid_value")
 
 
 def fork_point(store: JobStore, job_id: str, step: int | None) -> dict[str, Any]:

@@ -17,24 +17,6 @@ from typing import Any
 
 from service.store_db import StoreDb
 
-KEYS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS tokens (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    hash TEXT NOT NULL UNIQUE,
-    scopes TEXT NOT NULL,
-    created_at REAL NOT NULL
-);
-"""
-# columns added since the first schema (service/store_schema.py adds them to an older store); keys made
-# before them belong to admin and see everything
-KEY_COLUMNS_ADDED = {
-    "owner": "TEXT NOT NULL DEFAULT 'admin'",
-    "admin": "INTEGER NOT NULL DEFAULT 1",
-    "expires_at": "REAL",
-    "revoked_at": "REAL",
-    "last_used_at": "REAL",
-}
 KEY_FIELDS = "id, name, hash, scopes, created_at, owner, admin, expires_at, revoked_at, last_used_at"
 ADMIN_OWNER = "admin"
 OWNER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")

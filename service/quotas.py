@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.errors import ServiceError
+from service.errors import ServiceError, first_error
 from service.keys import ADMIN_OWNER
 
 if TYPE_CHECKING:
@@ -94,8 +94,7 @@ class QuotaBook:
         try:
             quotas = QuotaFile.model_validate(raw)
         except ValidationError as err:  # one line naming the field, as a serve flag's error would
-            first = err.errors()[0]
-            raise ValueError(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}") from None
+            raise ValueError(first_error(err)[0]) from None
         given = {k: v for k, v in (default or {}).items() if v is not None}
         if given:
             quotas.default = quotas.default.model_copy(

@@ -22,7 +22,6 @@ from schema.job import JobSpec
 from schema.section import changed_values, with_values
 from service.controller_pool import ControllerPool
 from service.errors import ServiceError
-from service.files import FileStore
 from service.job_state import RUN_HOLDING, JobStatus, allowed
 from service.keys import ADMIN_OWNER
 from service.owned_paths import OwnedPaths
@@ -41,7 +40,6 @@ class Scheduler(RunSettlement):
         store: JobStore,
         poll_s: float = 0.3,
         runtime_env: dict | None = None,
-        files: FileStore | None = None,
         quotas: QuotaBook | None = None,
         warm_controllers: int = 1,
     ) -> None:
@@ -49,7 +47,6 @@ class Scheduler(RunSettlement):
         self.workload = RL_JOB  # what the jobs table holds
         self.hosted: dict[str, Any] = {"tinker": TinkerRunWorkload()}  # kinds with a table of their own
         self.held: dict[str, float] = {}  # CPUs of the processes serving hosted records
-        self.files = files
         self.paths: OwnedPaths | None = None  # set by the API (api/app.py), which knows the shared folders
         self.quotas = quotas or QuotaBook()
         self.poll_s = poll_s
@@ -298,9 +295,10 @@ class Scheduler(RunSettlement):
     def spec_to_run(self, job: JobRecord, own_checkpoint: bool) -> JobSpec:
         """The job's spec as its run gets it: uploads by path, each path resolved and still the owner's
         to name (service/owned_paths.py); the resolved values replace checked ones, not parsed again."""
+        if self.paths is None:  # no API: nothing names an upload or a path to check
+            return job.job_spec
         sees = None if job.owner == ADMIN_OWNER else job.owner
-        spec = self.files.resolve_refs(job.spec, sees) if self.files else job.spec
-        spec = self.paths.check_spec(spec, sees, own_checkpoint) if self.paths is not None else spec
+        spec = self.paths.check_spec(self.paths.files.resolve_refs(job.spec, sees), sees, own_checkpoint)
         return with_values(job.job_spec, changed_values(job.spec, spec))
 
     # ---- hosted records ------------------------------------------------------------------------

@@ -141,27 +141,15 @@ class RunSettlement:
         n = self.store.count_events(job_id, "restart") + 1
         if self._draining or n > most or not self.store.transition(job_id, (S.RUNNING,), S.QUEUED):
             return False
-        message, resume = (
-            f"restarting ({n}/{most}): the job's controller died",
-            self.workload.resume_step(job.workdir),
-        )
+        message = f"restarting ({n}/{most}): the job's controller died"
+        resume = self.workload.resume_step(job.workdir)
+        why = f"{message}; it waits in queued for room, then resumes from step {resume}: {result['error']}"
+        data = {"cause": "controller died", "error": result["error"], "restart": n, "max_restarts": most}
         self.store.add_event(
-            job_id,
-            "restart",
-            f"{message}; it waits in queued for room, then resumes from step {resume}: {result['error']}",
-            {
-                "cause": "controller died",
-                "error": result["error"],
-                "restart": n,
-                "max_restarts": most,
-                "attempt": n + 1,
-                "step": job.step,
-                "resume_step": resume,
-            },  # fmt: skip
+            job_id, "restart", why, data | {"attempt": n + 1, "step": job.step, "resume_step": resume}
         )
-        self.store.set_restart(
-            job_id, {"message": message, "phase": "queued", "restart": n, "max_restarts": most}
-        )
+        restart = {"message": message, "phase": "queued", "restart": n, "max_restarts": most}
+        self.store.set_restart(job_id, restart)
         return True
 
     def _result(self, run: RunningJob) -> dict[str, Any]:

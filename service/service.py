@@ -38,9 +38,7 @@ class Service:
         self.store = JobStore(self.home / "tandem.db")
         self.files = FileStore(self.home / "files")
         self.quotas = quotas or QuotaBook()
-        self.scheduler = Scheduler(
-            self.store, poll_s, runtime_env, self.files, self.quotas, warm_controllers=warm_controllers
-        )
+        self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.quotas, warm_controllers)
         self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
 
     @property
@@ -236,10 +234,9 @@ class Service:
         same_weights_shape(parent.job_spec, spec)
         return spec
 
-    def fork(self, job_id: str, step: int | None, overrides: dict[str, Any], sees: str | None = None,
-             owner: str = ADMIN_OWNER) -> JobRecord:  # fmt: skip
-        """A new job of `owner` (the forking key's) from one of the job's checkpoints."""
-        spec = self.merged_spec(job_id, overrides, sees)
+    def fork(self, job_id: str, step: int | None, spec: JobSpec, owner: str = ADMIN_OWNER) -> JobRecord:
+        """A new job of `owner` (the forking key's) from one of the job's checkpoints; `spec` is the one
+        `merged_spec` checked (the caller may see the job, and its kind forks)."""
         chosen = fork_point(self.store, job_id, step)
         if spec.trainer.total_steps <= chosen["step"]:
             raise ServiceError(

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from schema.job import JobSpec
-from service.audit import AuditTable
 from service.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
 from service.keys import ADMIN_OWNER, KeyTable
 from service.store_metrics import MetricsQuery, MetricsTable, metrics_topic
@@ -103,7 +102,7 @@ def _remember(stored: str, spec: JobSpec) -> JobSpec:
     return spec
 
 
-class JobStore(JobOutputs, MetricsTable, KeyTable, AuditTable):
+class JobStore(JobOutputs, MetricsTable, KeyTable):
     def __init__(self, path: str | Path) -> None:
         super().__init__(path)
         with self._write_lock:

@@ -16,19 +16,6 @@ from typing import Any
 
 from service.store_db import StoreDb
 
-METRICS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS metrics (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    time REAL NOT NULL,
-    data TEXT NOT NULL
-);
-DELETE FROM metrics WHERE id NOT IN (SELECT MAX(id) FROM metrics GROUP BY job_id, step);
-DROP INDEX IF EXISTS metrics_job;
-CREATE UNIQUE INDEX IF NOT EXISTS metrics_job_step ON metrics(job_id, step);
-CREATE INDEX IF NOT EXISTS metrics_job_id ON metrics(job_id, id);
-"""
 SELECT = "SELECT id, step, time, data FROM metrics WHERE job_id = ?"
 
 

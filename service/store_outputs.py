@@ -1,21 +1,38 @@
-"""What a job produced, in the store: its events, sampled trajectories, log lines and checkpoints.
+"""The store's append-only rows: what a job produced (its events, sampled trajectories, log lines and
+checkpoints) and the audit log.
 
-Append-only with increasing ids, which double as the Last-Event-ID of the live streams (api/streams.py);
-only deleting a job removes its rows.
+A job's rows have increasing ids, which double as the Last-Event-ID of the live streams (api/streams.py);
+only deleting a job removes them. The audit log has one row per write the API accepted (who, the route's
+name as action, the resource and its owner, the request id): not even deleting a job removes those.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from service.store_db import StoreDb
 
 
+@dataclass(frozen=True)
+class AuditEntry:
+    owner: str
+    key_id: str
+    action: str
+    method: str
+    path: str
+    target: str | None
+    target_owner: str | None
+    status: int
+    request_id: str
+    data: dict[str, Any]
+
+
 class JobOutputs(StoreDb):
-    """The store's events, samples, logs and checkpoints (mixed into JobStore)."""
+    """The store's events, samples, logs, checkpoints and audit log (mixed into JobStore)."""
 
     def add_event(self, job_id: str, kind: str, message: str, data: dict[str, Any] | None = None,
                   at: float | None = None) -> int:  # fmt: skip
@@ -71,3 +88,29 @@ class JobOutputs(StoreDb):
             "SELECT step, path, time FROM checkpoints WHERE job_id = ? ORDER BY step", (job_id,)
         )
         return [dict(r) for r in rows if Path(r["path"], "trainer_state.json").exists()]
+
+    def add_audit(self, entry: AuditEntry, at: float | None = None) -> int:
+        row = {"time": at or time.time(), **asdict(entry), "data": json.dumps(entry.data, default=str)}
+        return self._insert("audit", ", ".join(row), tuple(row.values()))
+
+    def audit(
+        self,
+        before: int | None = None,
+        limit: int = 100,
+        owner: str | None = None,
+        action: str | None = None,
+        target: str | None = None,
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """(page, has_more), newest first; `before` is the last id of the previous page."""
+        where, args = [], []
+        for column, value in (("owner", owner), ("action", action), ("target", target)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                args.append(value)
+        if before is not None:
+            where.append("id < ?")
+            args.append(before)
+        sql = "SELECT * FROM audit" + (" WHERE " + " AND ".join(where) if where else "")
+        rows = self._rows(sql + " ORDER BY id DESC LIMIT ?", (*args, limit + 1))
+        page = [{"object": "audit_entry", **dict(r), "data": json.loads(r["data"])} for r in rows[:limit]]
+        return page, len(rows) > limit

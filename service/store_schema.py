@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from service.audit import AUDIT_SCHEMA
-from service.keys import ADMIN_OWNER, KEY_COLUMNS_ADDED, KEYS_SCHEMA
-from service.store_metrics import METRICS_SCHEMA
+from service.keys import ADMIN_OWNER
 from service.store_tinker import MIGRATE, TINKER_SCHEMA
 
 SCHEMA = """
@@ -27,15 +25,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT,
     parent_id TEXT,
     workdir TEXT NOT NULL,
-    idempotency TEXT,
     request_hash TEXT,
-    stop_reason TEXT,
-    name TEXT,
-    tags TEXT NOT NULL DEFAULT '[]',
-    notes TEXT NOT NULL DEFAULT '',
-    active_s REAL NOT NULL DEFAULT 0,
-    run_started_at REAL,
-    restart TEXT NOT NULL DEFAULT 'null'
+    stop_reason TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs(status);
 CREATE TABLE IF NOT EXISTS events (
@@ -70,9 +61,43 @@ CREATE TABLE IF NOT EXISTS samples (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS samples_job ON samples(job_id, step, id);
+CREATE TABLE IF NOT EXISTS audit (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time REAL NOT NULL,
+    owner TEXT NOT NULL,
+    key_id TEXT NOT NULL,
+    action TEXT NOT NULL,
+    method TEXT NOT NULL,
+    path TEXT NOT NULL,
+    target TEXT,
+    target_owner TEXT,
+    status INTEGER NOT NULL,
+    request_id TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS audit_owner ON audit(owner, id);
+CREATE TABLE IF NOT EXISTS tokens (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    hash TEXT NOT NULL UNIQUE,
+    scopes TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS metrics (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    time REAL NOT NULL,
+    data TEXT NOT NULL
+);
+-- one row per (job, step): a store made before keeps each step's latest
+DELETE FROM metrics WHERE id NOT IN (SELECT MAX(id) FROM metrics GROUP BY job_id, step);
+DROP INDEX IF EXISTS metrics_job;
+CREATE UNIQUE INDEX IF NOT EXISTS metrics_job_step ON metrics(job_id, step);
+CREATE INDEX IF NOT EXISTS metrics_job_id ON metrics(job_id, id);
 """
 
-ADDED_COLUMNS = {  # columns added since the first schema: a database made before gets them on open
+ADDED_COLUMNS = {  # columns added since the first schema: every database gets them on open, a new one too
     "name": "TEXT",
     "tags": "TEXT NOT NULL DEFAULT '[]'",
     "notes": "TEXT NOT NULL DEFAULT ''",
@@ -81,6 +106,13 @@ ADDED_COLUMNS = {  # columns added since the first schema: a database made befor
     "owner": "TEXT NOT NULL DEFAULT 'admin'",  # jobs made before owners existed are the admin's
     "restart": "TEXT NOT NULL DEFAULT 'null'",
     "idempotency": "TEXT",  # the client's Idempotency-Key; unique per owner (jobs_idempotency)
+}
+KEY_COLUMNS_ADDED = {  # the same for API keys: keys made before them belong to admin and see everything
+    "owner": "TEXT NOT NULL DEFAULT 'admin'",
+    "admin": "INTEGER NOT NULL DEFAULT 1",
+    "expires_at": "REAL",
+    "revoked_at": "REAL",
+    "last_used_at": "REAL",
 }
 # The key as sent, unique per (owner, key): an "owner/key" encoding could be imitated by an admin's
 # key. Older stores' `idempotency_key` ("owner/key", the admin's as sent) is read once into it.
@@ -102,10 +134,7 @@ def migrate(db: sqlite3.Connection) -> None:
     db.execute(IDEMPOTENCY_INDEX)
     db.executescript(TINKER_SCHEMA)
     db.executescript(MIGRATE)
-    db.executescript(METRICS_SCHEMA)
-    db.executescript(KEYS_SCHEMA)
     add_columns(db, "tokens", KEY_COLUMNS_ADDED)
-    db.executescript(AUDIT_SCHEMA)
 
 
 def add_columns(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> set[str]:

@@ -119,10 +119,7 @@ for _name in ("run", "drain", "committed", "request_stop", "set_hyperparameters"
 class RLJobWorkload:
     """An RL or SFT job (controller/): a JobSpec run by `controller.job_actor.JobController`."""
 
-    hosted = False
     refusal = "an RL job"
-
-    kind = "job"
     runner = "controller.job_actor:JobController"  # imported in the record's actor process only
     actions = frozenset(  # the requests that steer its records
         {"pause", "resume", "fork", "hyperparameters", "checkpoint", "labels", "cancel", "delete"}
@@ -159,8 +156,6 @@ class TinkerRunWorkload:
     held once per base (`Scheduler.hold`). Its client drives it: Tandem's API only labels, cancels and
     deletes it."""
 
-    kind = "tinker"
-    hosted = True
     actions = frozenset({"labels", "cancel", "delete"})
     refusal = "a Tinker training run: its client drives it through the Tinker API"
 

@@ -126,13 +126,12 @@ def test_a_store_made_before_owners_gives_its_rows_and_keys_to_the_admin(tmp_pat
     import sqlite3
 
     from api.auth import hash_token
-    from service.keys import KEYS_SCHEMA
     from service.store import JobStore
     from service.store_schema import SCHEMA
 
     path = tmp_path / "tandem.db"
     with sqlite3.connect(path) as db:
-        db.executescript(SCHEMA + KEYS_SCHEMA)
+        db.executescript(SCHEMA)  # jobs and keys as the first schema had them
         db.execute("INSERT INTO jobs (id, seq, status, method, spec, created_at, total_steps, workdir) "
                    "VALUES ('job-000000000001', 1, 'succeeded', 'grpo', '{}', 1.0, 3, '/tmp/x')")  # fmt: skip
         db.execute(

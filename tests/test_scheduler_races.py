@@ -12,6 +12,7 @@ import ray
 
 from service.files import FileStore
 from service.job_state import JobStatus as S
+from service.owned_paths import OwnedPaths
 from service.scheduler import Scheduler
 from service.scheduler_runs import RunningJob
 from service.store import JobStore
@@ -51,7 +52,8 @@ def test_a_run_that_had_paused_when_its_cancel_came_ends_cancelled(ray_cluster, 
 
 def test_a_start_refused_after_its_cancel_came_ends_failed_naming_why(tmp_path: Path):
     store = JobStore(tmp_path / "t.db")
-    scheduler = Scheduler(store, files=FileStore(tmp_path / "files"), warm_controllers=0)
+    scheduler = Scheduler(store, warm_controllers=0)
+    scheduler.paths = OwnedPaths(tmp_path, FileStore(tmp_path / "files"), store)  # set by the API
     job = store.create_job(tiny_job(data={"train_path": "file-0123456789ab"}), tmp_path / "jobs")
     real = scheduler.spec_to_run
 

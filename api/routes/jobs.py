@@ -199,7 +199,7 @@ def fork(
     spec = service.merged_spec(job_id, body.overrides, caller.sees)
     # The fork resumes from its own copy of the parent's checkpoint, whatever resume_from said.
     checker.submittable(spec.merged({"checkpoint": {"resume_from": None}}), caller.sees)
-    return job_view(service.fork(job_id, body.checkpoint_step, body.overrides, caller.sees, caller.owner))
+    return job_view(service.fork(job_id, body.checkpoint_step, spec, caller.owner))
 
 
 @router.patch("/{job_id}/hyperparameters", dependencies=WRITE, responses={**BODY_ERRORS, **documented(409)})
