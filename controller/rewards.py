@@ -9,7 +9,6 @@ scoring processes import this module.
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import re
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from controller.reasoning_gym_task import reasoning_gym_reward
 from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
-from workers.references import describe_exception, load_reference, parse_reference
+from workers.references import check_function, describe_exception, load_reference, parse_reference
 from workers.sandbox.channel import SandboxTimeout, UserCode
 from workers.sandbox.limits import Limits
 
@@ -30,7 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 RewardFn = Callable[[str, str, Any, dict | None], float | dict[str, float]]
-EXPECTED_SIGNATURE = "(prompt, response, ground_truth, extra)"
+REWARD_PARAMS = ("prompt", "response", "ground_truth", "extra")
 REFERENCE_FORMS = "'builtin:NAME', 'module:function' or 'path/to/file.py:function'"
 
 
@@ -114,25 +113,9 @@ SANDBOXED_BUILTINS = ("builtin:reasoning_gym",)
 def load_reward_fn(ref: str) -> RewardFn:
     """Resolve `ref` into a validated reward function; raises RewardFunctionError saying why not."""
     fn = load_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError, BUILTIN_REWARDS)
-    _check_signature(ref, fn)
-    return fn
-
-
-def _check_signature(ref: str, fn: Any) -> None:
-    if inspect.isclass(fn):
-        raise RewardFunctionError(f"reward function '{ref}' is a class, not a function")
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function '{ref}' is not callable (type {type(fn).__name__})")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # builtins without introspectable signatures: trust them; failures count per sample
-    try:
-        signature.bind("prompt", "response", "ground_truth", None)
-    except TypeError:
-        raise RewardFunctionError(
-            f"reward function '{ref}' has signature {signature}; expected {EXPECTED_SIGNATURE}"
-        ) from None
+    return check_function(
+        ref, fn, "reward function", RewardFunctionError, REWARD_PARAMS, trust_unreadable=True
+    )
 
 
 # (score, extra metrics, error message or None)
