@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from workers.references import load_reference
+from workers.references import check_function, load_reference
 from workers.sandbox.child import ask
 
 REFERENCE_FORMS = "'module:function' or 'path/to/file.py:function'"
@@ -103,21 +103,7 @@ def load_agent_fn(ref: str) -> Any:
     fn = load_reference(ref, "agent", REFERENCE_FORMS, AgentError, BUILTIN_AGENTS)
     if is_taskset(fn):
         return fn
-    if inspect.isclass(fn) or not callable(fn):
-        raise AgentError(f"agent '{ref}' is not a function (type {type(fn).__name__})")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature to read (a C function): not an agent of ours
-        raise AgentError(
-            f"agent '{ref}' has no readable signature; expected (client, model, index)"
-        ) from None
-    try:
-        signature.bind("client", "model", 0)
-    except TypeError:
-        raise AgentError(
-            f"agent '{ref}' has signature {signature}; expected (client, model, index)"
-        ) from None
-    return fn
+    return check_function(ref, fn, "agent", AgentError, ("client", "model", "index"), trust_unreadable=False)
 
 
 MAX_TASK_INDEX = 1 << 20  # an infinite taskset is read this far at most

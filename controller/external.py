@@ -37,13 +37,13 @@ class ExternalServer:
     """Ray actor body (async: one event loop, many calls at once)."""
 
     def __init__(
-        self, job_id: str, model_path: str, config: dict[str, Any], buffer: tuple[int, int, int] | None = None
+        self, job_id: str, model_path: str, config: ExternalSpec, buffer: tuple[int, int, int] | None = None
     ) -> None:
         from transformers import AutoTokenizer
 
         from workers.chat_serving import ChatRenderer
 
-        self.job_id, self.config = job_id, ExternalSpec.model_validate(config)
+        self.job_id, self.config = job_id, config
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.renderer = ChatRenderer(self.tokenizer)
         self.context = context_length(model_path)
@@ -170,14 +170,15 @@ class ExternalServer:
     async def _constraint(self, body: dict[str, Any]) -> Constraint | None:
         """The grammar the call's output must follow, built off the event loop; a 422 naming the field."""
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
-        build = lambda: build_constraint(body.get("response_format"), tools, body.get("tool_choice"))  # noqa: E731
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._templating, build)
+            return await self._template(
+                build_constraint, body.get("response_format"), tools, body.get("tool_choice")
+            )
         except ConstraintError as err:
             raise TrajectoryError(422, str(err), err.param, "unsupported_value") from None
 
-    async def _template(self, render: Any, *args: Any) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._templating, render, *args)
+    async def _template(self, work: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._templating, work, *args)
 
     async def _place_chat(
         self, traj: Any, messages: list[dict], tools: list[dict] | None

@@ -50,7 +50,7 @@ class AgentSource(BatchSource):
             self.actor = (
                 ray.remote(ExternalServer)
                 .options(name=server_name(t.name), get_if_exists=True, num_cpus=0, max_concurrency=10_000)
-                .remote(t.name, t.job.model_path, self.config.model_dump(), buffer)
+                .remote(t.name, t.job.model_path, self.config, buffer)
             )
         rollout = t.job.groups.actor.rollout.group
         replicas = rollout.actors[:: spec.rollout.tensor_parallel_size]

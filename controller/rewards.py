@@ -3,31 +3,33 @@ reference string ("builtin:NAME", "module:function", "path/to/file.py:function")
 
 A dict result carries "score" plus extra numeric metrics (logged as "reward/<name>/mean"). A sample
 whose function raises or returns a non-number scores 0.0 and counts in "reward/errors". User code and
-SANDBOXED_BUILTINS run in sandboxes (controller/reward_sandbox.py); no torch or Ray at the top, because
+SANDBOXED_BUILTINS run in long-lived sandboxes (workers/sandbox/); no torch or Ray at the top, because
 scoring processes import this module.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import re
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from controller.reasoning_gym_task import reasoning_gym_reward
 from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
-from workers.references import describe_exception, load_reference, parse_reference
+from workers.references import check_function, describe_exception, load_reference, parse_reference
+from workers.sandbox.channel import SandboxTimeout, UserCode
+from workers.sandbox.limits import Limits
 
 if TYPE_CHECKING:
     import torch
 
 RewardFn = Callable[[str, str, Any, dict | None], float | dict[str, float]]
-EXPECTED_SIGNATURE = "(prompt, response, ground_truth, extra)"
+REWARD_PARAMS = ("prompt", "response", "ground_truth", "extra")
 REFERENCE_FORMS = "'builtin:NAME', 'module:function' or 'path/to/file.py:function'"
 
 
@@ -111,25 +113,9 @@ SANDBOXED_BUILTINS = ("builtin:reasoning_gym",)
 def load_reward_fn(ref: str) -> RewardFn:
     """Resolve `ref` into a validated reward function; raises RewardFunctionError saying why not."""
     fn = load_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError, BUILTIN_REWARDS)
-    _check_signature(ref, fn)
-    return fn
-
-
-def _check_signature(ref: str, fn: Any) -> None:
-    if inspect.isclass(fn):
-        raise RewardFunctionError(f"reward function '{ref}' is a class, not a function")
-    if not callable(fn):
-        raise RewardFunctionError(f"reward function '{ref}' is not callable (type {type(fn).__name__})")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # builtins without introspectable signatures: trust them; failures count per sample
-    try:
-        signature.bind("prompt", "response", "ground_truth", None)
-    except TypeError:
-        raise RewardFunctionError(
-            f"reward function '{ref}' has signature {signature}; expected {EXPECTED_SIGNATURE}"
-        ) from None
+    return check_function(
+        ref, fn, "reward function", RewardFunctionError, REWARD_PARAMS, trust_unreadable=True
+    )
 
 
 # (score, extra metrics, error message or None)
@@ -146,27 +132,28 @@ class RewardResult:
 
 
 class RewardScorer:
-    """Scores batches with one reward function: user code (and SANDBOXED_BUILTINS) in sandboxes; a
-    built-in here or, with num_workers > 0 on batches over `parallel_threshold`, in worker processes
-    (reward_sandbox.py, unsandboxed: the service's own code). A call past `timeout_s` scores its rows
-    as errors and its process is replaced."""
+    """Scores batches with one reward function: a built-in here; user code (and SANDBOXED_BUILTINS) in
+    sandboxes, checked at once when the first starts. With num_workers > 0, batches over
+    `parallel_threshold` split over that many processes (a built-in's unsandboxed: the service's own
+    code). A call past `timeout_s` ends its process and its rows score 0.0 as errors."""
 
     MAX_ERROR_MESSAGES = 5
 
     def __init__(
         self, ref: str, num_workers: int = 0, parallel_threshold: int = 64, timeout_s: float | None = 300.0
     ) -> None:
-        from controller.reward_sandbox import SandboxedRewards
-
-        self.ref, self.parallel_threshold = ref, parallel_threshold
+        self.ref, self.parallel_threshold, self.timeout_s = ref, parallel_threshold, timeout_s or 7 * 86400.0
         form = parse_reference(ref, "reward function", REFERENCE_FORMS, RewardFunctionError).form
         trusted = form == "builtin" and ref not in SANDBOXED_BUILTINS
         self.fn = load_reward_fn(ref) if trusted else None
-        self.sandboxed = (
-            None
-            if trusted and num_workers == 0
-            else SandboxedRewards(ref, num_workers, timeout_s, parallel_threshold, trusted=trusted)
-        )
+        # The service's own code needs no sandbox, nor limits beyond each call's time.
+        self.mode = "none" if trusted else None
+        self.limits = Limits(None, None) if trusted else Limits.from_env().long_lived()
+        boxes = 0 if trusted and num_workers == 0 else max(1, num_workers)
+        self.boxes: list[UserCode | None] = [None] * boxes
+        self._lock = threading.Lock()
+        if boxes:
+            self._box(0)
 
     def score(
         self,
@@ -185,26 +172,87 @@ class RewardScorer:
                 strict=True,  # a length mismatch is a bug upstream: fail, never truncate
             )
         )
-        if self.fn is not None and (self.sandboxed is None or n <= self.parallel_threshold):
+        if self.fn is not None and (not self.boxes or n <= self.parallel_threshold):
             results = [score_sample(self.fn, *row) for row in rows]
         else:
-            assert self.sandboxed is not None
-            results = self.sandboxed.score(rows)
+            results = self._score_in_boxes(rows)
         import torch  # here, not at the top: sandboxed scoring processes never need it
 
         scores, log, errors, messages = _summary(results, self.MAX_ERROR_MESSAGES)
         row_errors = [error for _, _, error in results]
         return RewardResult(torch.tensor(scores, dtype=torch.float32), log, errors, messages, row_errors)
 
+    def _box(self, index: int) -> UserCode:
+        """The index-th sandbox, started again after its process ended."""
+        with self._lock:
+            box = self.boxes[index]
+            if box is None or not box.alive:
+                what, check = f"reward function '{self.ref}'", "controller.user_code:check_here"
+                box = UserCode(self.ref, what, RewardFunctionError, check, ["reward"],
+                               limits=self.limits, mode=self.mode)  # fmt: skip
+                self.boxes[index] = box
+            return box
+
+    def _score_in_boxes(self, rows: list[tuple]) -> list[SampleResult]:
+        count = len(self.boxes) if len(rows) > self.parallel_threshold else 1
+        size = max(1, math.ceil(len(rows) / count))
+        chunks = [rows[i : i + size] for i in range(0, len(rows), size)]
+        if len(chunks) == 1:
+            return self._score_chunk(0, chunks[0])
+        with ThreadPoolExecutor(len(chunks), thread_name_prefix="tandem-reward") as pool:
+            parts = pool.map(self._score_chunk, range(len(chunks)), chunks)
+            return [result for part in parts for result in part]
+
+    def _score_chunk(self, index: int, rows: list[tuple]) -> list[SampleResult]:
+        try:
+            box = self._box(index)
+            out = box.call("controller.rewards:score_in_sandbox", [box.placed, rows], self.timeout_s)
+        except SandboxTimeout:
+            return [(0.0, {}, f"timed out after {self.timeout_s:g}s in the reward sandbox")] * len(rows)
+        except Exception as err:  # the sandbox ended, or a row is not plain data: these rows only
+            return [(0.0, {}, f"the reward sandbox failed: {err}"[:500])] * len(rows)
+        return _checked(out, len(rows))
+
     def close(self) -> None:
-        if self.sandboxed is not None:
-            self.sandboxed.close()
+        with self._lock:
+            boxes, self.boxes = self.boxes, [None] * len(self.boxes)
+        for box in boxes:
+            if box is not None:
+                box.close()
 
     def __enter__(self) -> RewardScorer:
         return self
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _checked(out: Any, n: int) -> list[SampleResult]:
+    """The sandbox's answer as results, trusting nothing: it is the user's process that wrote it."""
+    if not isinstance(out, list) or len(out) != n:
+        return [(0.0, {}, "the reward sandbox answered something other than one result per row")] * n
+    results: list[SampleResult] = []
+    for item in out:
+        try:
+            score, metrics, error = item
+            score = float(score)
+            metrics = {str(k): float(v) for k, v in dict(metrics).items() if math.isfinite(float(v))}
+            results.append(
+                (score if math.isfinite(score) else 0.0, metrics, None if error is None else str(error)[:500])
+            )
+        except (TypeError, ValueError):
+            results.append((0.0, {}, "the reward sandbox answered a malformed result"))
+    return results
+
+
+_FUNCTIONS: dict[str, RewardFn] = {}
+
+
+def score_in_sandbox(ref: str, rows: list[list[Any]]) -> list[SampleResult]:
+    """The sandbox's side of RewardScorer (the function resolved once per process)."""
+    if ref not in _FUNCTIONS:
+        _FUNCTIONS[ref] = load_reward_fn(ref)
+    return [score_sample(_FUNCTIONS[ref], *row) for row in rows]
 
 
 def score_sample(

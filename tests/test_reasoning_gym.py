@@ -215,7 +215,7 @@ def test_the_scorer_runs_in_the_sandbox_where_an_evaluated_completion_cannot_wri
     (row,) = make_rows(spec, "train", 1)
     payload = f"<answer>open({str(marker)!r}, 'w').write('x') and [[]]</answer>"
     with RewardScorer("builtin:reasoning_gym") as scorer:
-        assert scorer.sandboxed is not None and scorer.fn is None
+        assert len(scorer.boxes) == 1 and scorer.fn is None
         result = scorer.score(
             ["", ""], [payload, f"<answer>{row['ground_truth']}</answer>"], None, [row["extra"]] * 2
         )

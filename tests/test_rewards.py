@@ -218,7 +218,7 @@ def test_a_builtin_with_workers_scores_large_batches_in_unsandboxed_processes():
     args = (["p"] * 30, responses, ["1"] * 30, [None] * 30)
     serial = RewardScorer("builtin:exact_match").score(*args)
     with RewardScorer("builtin:exact_match", num_workers=2, parallel_threshold=10) as scorer:
-        assert scorer.sandboxed is not None and scorer.sandboxed.mode == "none"  # the service's code
+        assert scorer.boxes[0].box.mode == "none"  # the service's code: a process, no sandbox
         parallel = scorer.score(*args)
         small = scorer.score(["p"], ["1"], ["1"])  # at most the threshold: scored here
     assert torch.equal(serial.scores, parallel.scores) and parallel.scores.sum() == 10

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,29 @@ def resolve_reference(ref: str, what: str, error: type[ValueError]) -> Any:
             raise error(f"{what} '{ref}' not found: '{owner}' has no attribute '{part}'")
         target, owner = getattr(target, part), f"{owner}:{part}" if owner == source else f"{owner}.{part}"
     return target
+
+
+def check_function(
+    ref: str, fn: Any, what: str, error: type[ValueError], params: tuple[str, ...], trust_unreadable: bool
+) -> Any:
+    """`fn` when it is a function that takes `params`, else `error` saying why; a signature that cannot
+    be read (a C function) passes when `trust_unreadable` (its failures then count per call)."""
+    expected = f"({', '.join(params)})"
+    if inspect.isclass(fn):
+        raise error(f"{what} '{ref}' is a class, not a function")
+    if not callable(fn):
+        raise error(f"{what} '{ref}' is not callable (type {type(fn).__name__})")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        if trust_unreadable:
+            return fn
+        raise error(f"{what} '{ref}' has no readable signature; expected {expected}") from None
+    try:
+        signature.bind(*params)
+    except TypeError:
+        raise error(f"{what} '{ref}' has signature {signature}; expected {expected}") from None
+    return fn
 
 
 def describe_exception(exc: BaseException) -> str:
