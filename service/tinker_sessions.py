@@ -20,6 +20,7 @@ from service.tinker_requests import TinkerError, not_found
 # Samples kept for `record_stability_info` (prompt and sampled tokens in all), oldest dropped first.
 MAX_RECORDED_TOKENS = 4_000_000
 KEEP_S = 3600.0  # how long a finished future stays readable
+SWEEP_EVERY_S = 10.0
 V = TypeVar("V")
 
 
@@ -109,13 +110,16 @@ class FutureTable(Owned[Future]):
     def __init__(self) -> None:
         super().__init__("future", "request_id")
         self._lock = threading.Lock()
+        self._swept = 0.0
 
     def create(self, owner: str, kind: str) -> Future:
         future = Future(f"req-{uuid.uuid4().hex[:16]}", owner, kind)
         with self._lock:
-            cutoff = time.time() - KEEP_S
-            for key in [k for k, f in self.items() if f.done_at is not None and f.done_at < cutoff]:
-                del self[key]
+            now = time.time()
+            if now - self._swept >= SWEEP_EVERY_S:  # a sweep visits every future: not on every request
+                self._swept = now
+                for key in [k for k, f in self.items() if f.done_at is not None and f.done_at < now - KEEP_S]:
+                    del self[key]
             self[future.id] = future
         return future
 
