@@ -13,6 +13,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from pydantic import ValidationError
+
 from controller.external_batcher import ReplicaBatcher
 from controller.external_store import (
     Segment,
@@ -25,12 +27,15 @@ from controller.external_store import (
 )
 from engines.rollout.constrained import Constraint, ConstraintError, build_constraint
 from schema.external import ExternalSpec
+from schema.openai_bodies import ChatCompletionRequest, CompletionRequest
+from schema.section import error_message
 from workers.chat_serving import TOOL_CALL_END, cut_at_stop, strip_stop
 
 TEMPLATING_THREADS = 4
 DEFAULT_MAX_TOKENS = 256
 CALL_TOKEN_BUDGET = 1 << 19  # n x (prompt + new tokens): what one call may put on a replica
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+BODIES = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
 
 
 class ExternalServer:
@@ -74,6 +79,16 @@ class ExternalServer:
         """The answer of a `kind` (chat | completion) call; a refused or failed call leaves its trajectory
         as it was."""
         self.requests += 1
+        try:  # the API checked an HTTP caller's body; an agent the job runs reaches here without it
+            body = BODIES[kind].model_validate(body).model_dump(exclude_none=True)
+        except ValidationError as err:
+            first = err.errors(include_url=False)[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            return {
+                "error": TrajectoryError(
+                    422, error_message(first["msg"], param), param, "invalid_value"
+                ).as_dict()
+            }
         tid = tid or f"traj-{uuid.uuid4().hex[:16]}"
         known = self.store.trajectories.get(tid)
         segments = None if known is None else [s.copy() for s in known.segments]

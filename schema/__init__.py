@@ -11,6 +11,8 @@ the JobSpec section that a user writes:
 - `engine.py`, `workers.py`, `losses.py`, `async_rl.py`, `external.py`: what the training engine,
   the workers, the losses, the async loop and the agents' endpoint are built with;
 - `tinker_losses.py`: what each Tinker built-in loss accepts;
+- `openai_bodies.py`: the bounded bodies of a job's OpenAI calls, checked by the API and again by the
+  job's endpoint actor (an agent the job runs calls it without the API);
 - `section.py`: the base of every section and the helpers of cross-section rules.
 
 Besides pydantic, it reads only the engines' registries (names and limits of each engine, no engine

@@ -1,7 +1,7 @@
 """`rollout.external`: a job fed by agents through its OpenAI-compatible endpoint (torch-free).
 
 With `rollout.source: external` the job does not draw prompts from its data: agents call
-`/v1/jobs/{id}/openai/...` (api/routes/openai_chat.py), every call is recorded token-exact in its
+`/v1/jobs/{id}/openai/...` (schema/openai_bodies.py), every call is recorded token-exact in its
 trajectory (controller/external.py), and a step trains once `trajectories_per_step` rewarded
 trajectories form complete groups of `group_size` with the same task id. An agent the job runs
 itself (`agent`) is loaded by controller/agent_sandbox.py.

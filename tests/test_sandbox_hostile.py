@@ -1,9 +1,10 @@
 """Hostile user code against a real service: an owner's uploaded module tries to read the admin
 token, the SQLite store and another owner's upload, to find secrets in its environment, to reach the
 service's port, and to exhaust CPU, memory and processes; as a reward (validated, and inside a job),
-as an environment (validated, and as the workers host it), as an agent, and at submission. Every read
-fails, nothing secret comes back in an error, the service stays up, and the API process never imports
-the module (it writes a marker with its pid wherever it is imported and can)."""
+as an environment (validated, and as the workers host it), as an agent (whose out-of-bounds call is
+refused as the API refuses it), and at submission. Every read fails, nothing secret comes back in an
+error, the service stays up, and the API process never imports the module (it writes a marker with
+its pid wherever it is imported and can)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,14 @@ class Env:
 
 def agent(client, model, index):
     found = leaks()
-    client.chat.completions.create(model=model, messages=[{{"role": "user", "content": "1+1="}}], max_tokens=2)
+    asked = {{"model": model, "messages": [{{"role": "user", "content": "1+1="}}], "max_tokens": 2}}
+    client.chat.completions.create(**asked)
+    try:  # a body the API would refuse: the endpoint refuses it too, naming the field
+        client.chat.completions.create(**asked, temperature=50.0)
+        found.append("a temperature of 50 was answered")
+    except Exception as err:
+        if "422" not in str(err) or "temperature" not in str(err):
+            found.append(f"refused without naming the field: {{err}}")
     return {{"reward": 0.0 if found else 1.0, "task_id": f"t{{index}}"}}
 """
 
@@ -233,7 +241,7 @@ def test_a_jobs_reward_reads_nothing_during_training(world):
 
 
 @pytest.mark.slow
-def test_an_agent_the_job_runs_reads_nothing(world):
+def test_an_agent_the_job_runs_reads_nothing_and_an_unbounded_call_is_refused(world):
     spec = tiny_job(
         model={"builtin": "tiny-qwen2-chat"},
         rollout={"source": "external", "free_cache_after_generate": False,

@@ -21,10 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, CallerDep, ServiceDep
 from api.errors import APIError, documented
-from api.routes.openai_chat import ChatCompletionRequest, CompletionRequest
 from api.routes.openai_responses import ResponsesRequest, chat_request, name_responses_field, response_object
 from api.routes.openai_responses import stream_events as responses_events
 from schema.external import server_name
+from schema.openai_bodies import ChatCompletionRequest, CompletionRequest
 from service.service import Service
 
 REQUEST_TIMEOUT_S = 900.0  # a call may wait for a training step's update on a colocated worker

@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from api.errors import APIError, invalid
-from api.routes.openai_chat import ChatCompletionRequest, Lenient
+from schema.openai_bodies import ChatCompletionRequest, Lenient
 
 LOGPROBS = "message.output_text.logprobs"
 TEXT_PARTS = ("input_text", "output_text", "text")

@@ -1,5 +1,6 @@
-"""The bodies of a job's OpenAI chat and text completion calls (api/routes/openai_endpoint.py): OpenAI's
-fields, bounded, and text content only."""
+"""The bodies of a job's OpenAI chat and text completion calls: OpenAI's fields, bounded, and text content
+only. The API checks them (api/routes/openai_endpoint.py), and so does the job's endpoint actor
+(controller/external.py), which an agent the job runs in its sandbox calls without the API."""
 
 from __future__ import annotations
 
