@@ -1,4 +1,4 @@
-"""Process-group set-up for the engines: gloo on CPU, NCCL (plus gloo for CPU tensors) on CUDA.
+"""Device, dtype and process-group set-up for the engines: gloo on CPU, NCCL (plus gloo for CPU tensors) on CUDA.
 
 A process started by hand (a test, a benchmark) gets a single-rank group on a free local port.
 """
@@ -22,6 +22,20 @@ def resolve_device(device: str) -> torch.device:
             raise RuntimeError("engine device 'cuda' was asked for but torch sees no CUDA device")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """'auto' (or None): bfloat16 on CUDA, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype '{dtype}': choose 'auto' or one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def _free_port() -> int:

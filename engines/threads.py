@@ -50,13 +50,6 @@ def set_torch_threads(bundle_cpus: float, ranks_on_node: int = 1) -> int:
 ONE_THREAD_BELOW_HIDDEN = 256  # models narrower than this compute on one thread
 
 
-def threads_for_model(threads: int, hidden_size: int | None) -> int:
-    """`threads`, or 1 for a model of hidden size below ONE_THREAD_BELOW_HIDDEN (None: unknown)."""
-    if hidden_size is not None and hidden_size < ONE_THREAD_BELOW_HIDDEN:
-        return 1
-    return threads
-
-
 def hidden_size_of(model_path: str | Path) -> int | None:
     """The hidden size in an HF folder's config.json (a multimodal model's text_config), or None."""
     path = Path(model_path) / "config.json"
@@ -67,12 +60,14 @@ def hidden_size_of(model_path: str | Path) -> int | None:
 
 
 def limit_threads_for_model(model_path: str | Path) -> int:
-    """Lower torch's thread count to one for a small model; returns it."""
+    """Lower torch's thread count to one for a model of hidden size below ONE_THREAD_BELOW_HIDDEN;
+    returns the count."""
     import torch
 
-    threads = threads_for_model(torch.get_num_threads(), hidden_size_of(model_path))
-    torch.set_num_threads(threads)
-    return threads
+    hidden = hidden_size_of(model_path)
+    if hidden is not None and hidden < ONE_THREAD_BELOW_HIDDEN:
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
 
 
 # What a user may set for OpenMP's waiting threads; a rank keeps theirs.

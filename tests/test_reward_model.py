@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.models.tiny_models import build_tiny_reward_model
+from engines.models.tiny_models import build_tiny_model
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
 from workers.reward_model import RewardModel, RewardModelError, RewardModelWorker, scores_on_last_token
@@ -19,7 +19,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def rm_dir(tmp_path_factory) -> Path:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    return build_tiny_reward_model(tmp_path_factory.mktemp("models") / "tiny-rm")
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-rm", reward=True)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from engines.threads import (
     ONE_THREAD_BELOW_HIDDEN,
     hidden_size_of,
     limit_threads_for_model,
-    threads_for_model,
 )
 from workers.rollout_layout import rollout_tensors as _rollout_tensors
 
@@ -73,13 +72,10 @@ def test_a_prompt_longer_than_the_width_is_refused():
 
 
 def test_a_small_model_computes_on_one_thread(tmp_path):
-    assert threads_for_model(2, ONE_THREAD_BELOW_HIDDEN - 1) == 1
-    assert threads_for_model(2, ONE_THREAD_BELOW_HIDDEN) == 2
-    assert threads_for_model(2, None) == 2
     small, wide, vlm = tmp_path / "small", tmp_path / "wide", tmp_path / "vlm"
     for folder, config in (
-        (small, {"hidden_size": 128}),
-        (wide, {"hidden_size": 512}),
+        (small, {"hidden_size": ONE_THREAD_BELOW_HIDDEN - 1}),
+        (wide, {"hidden_size": ONE_THREAD_BELOW_HIDDEN}),
         (vlm, {"text_config": {"hidden_size": 64}}),
     ):
         folder.mkdir()
@@ -89,6 +85,9 @@ def test_a_small_model_computes_on_one_thread(tmp_path):
     try:
         torch.set_num_threads(2)
         assert limit_threads_for_model(wide) == 2 and torch.get_num_threads() == 2
+        assert limit_threads_for_model(tmp_path) == 2  # no config.json: unknown size, left as it is
         assert limit_threads_for_model(small) == 1 and torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        assert limit_threads_for_model(vlm) == 1
     finally:
         torch.set_num_threads(before)

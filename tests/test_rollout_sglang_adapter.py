@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engines.rollout import available_backends, build_rollout_engine, probe_sglang
-from engines.rollout.base import RolloutEngineError, SamplingParams, expand_prompts
+from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams
 from engines.rollout.sglang import (
     SGLangRolloutEngine,
     bucket_named_tensors,
@@ -108,8 +108,22 @@ def test_sampling_params_translation():
     assert to_sglang_sampling_params(SamplingParams(top_k=20))["top_k"] == 20
 
 
-def test_n_repeats_prompts_prompt_major_and_seeds_differ_per_row():
-    assert expand_prompts([[1, 2], [3]], n=2) == [[1, 2], [1, 2], [3], [3]]
+class RowEcho(RolloutEngine):
+    """Answers each row with its own tokens: shows what `RolloutEngine.generate` does around `_generate`."""
+
+    def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return [Completion(list(row), [0.0] * len(row), "length") for row in rows]
+
+    def update_weights(self, named_tensors) -> None:
+        pass
+
+
+def test_n_repeats_prompts_prompt_major_and_seeds_differ_per_row(tiny_model_dir):
+    engine = RowEcho(tiny_model_dir)
+    engine.finish_update()
+    out = engine.generate([[1, 2], [3]], SamplingParams(n=2))
+    assert [c.token_ids for c in out] == [[1, 2], [1, 2], [3], [3]]
+    assert [(c.prompt_index, c.weight_version) for c in out] == [(0, 1), (0, 1), (1, 1), (1, 1)]
     assert isinstance(sampling_params_per_row(SamplingParams(), 4), dict)
     seeded = sampling_params_per_row(SamplingParams(seed=10), 4)
     assert [p["sampling_seed"] for p in seeded] == [10, 11, 12, 13]
@@ -120,22 +134,21 @@ def test_n_repeats_prompts_prompt_major_and_seeds_differ_per_row():
 
 def test_completion_from_a_stopped_output():
     out = sglang_output([5, 6, 2], [-0.5, -1.25, -0.1], {"type": "stop", "matched": 2})
-    completion = completion_from_sglang(out, prompt_index=3, weight_version=7)
+    completion = completion_from_sglang(out)
     assert completion.token_ids == [5, 6, 2]
     assert completion.log_probs == [-0.5, -1.25, -0.1]
     assert completion.finish_reason == "stop"
-    assert (completion.prompt_index, completion.weight_version) == (3, 7)
 
 
 def test_completion_from_a_length_output_after_a_json_round_trip():
     out = sglang_output([8, 8], [-2.0, -3.0], {"type": "length", "length": 2}, as_lists=True)
-    completion = completion_from_sglang(out, prompt_index=0, weight_version=0)
+    completion = completion_from_sglang(out)
     assert completion.finish_reason == "length" and completion.token_ids == [8, 8]
 
 
 def test_stop_string_matches_map_to_stop():
     out = sglang_output([5], [-0.1], {"type": "stop", "matched": "</answer>"})
-    assert completion_from_sglang(out, 0, 0).finish_reason == "stop"
+    assert completion_from_sglang(out).finish_reason == "stop"
 
 
 @pytest.mark.parametrize(
@@ -150,18 +163,18 @@ def test_stop_string_matches_map_to_stop():
 )
 def test_aborted_or_unfinished_outputs_raise(finish, message):
     with pytest.raises(RolloutEngineError, match=message):
-        completion_from_sglang(sglang_output([5], [-0.1], finish), 0, 0)
+        completion_from_sglang(sglang_output([5], [-0.1], finish))
 
 
 def test_outputs_without_log_probs_or_with_disagreeing_ids_raise():
     out = sglang_output([5], [-0.1], {"type": "length", "length": 1})
     del out["meta_info"]["output_token_logprobs"]
     with pytest.raises(RolloutEngineError, match="return_logprob=True"):
-        completion_from_sglang(out, 0, 0)
+        completion_from_sglang(out)
     out = sglang_output([5, 6], [-0.1, -0.2], {"type": "length", "length": 2})
     out["output_ids"] = [5]
     with pytest.raises(RolloutEngineError, match="disagree"):
-        completion_from_sglang(out, 0, 0)
+        completion_from_sglang(out)
 
 
 # ---- weights ------------------------------------------------------------------------------------

@@ -258,12 +258,17 @@ def test_checkpoint_resume_is_bitwise_and_saves_are_atomic(tiny_model_dir, tmp_p
     assert make_engine(tiny_model_dir).load_checkpoint(str(path)) == 3
 
 
-def test_prune_keeps_the_newest(tmp_path):
-    for step in (1, 5, 12, 30):
+def test_checkpoint_folders_are_listed_oldest_first(tmp_path):
+    for step in (30, 1, 12):
         checkpoint_paths.step_dir(tmp_path, step).mkdir()
-    deleted = checkpoint_paths.prune(tmp_path, keep_last=2)
-    assert sorted(p.name for p in deleted) == ["step_00000001", "step_00000005"]
-    assert [s for s, _ in checkpoint_paths.list_checkpoints(tmp_path)] == [12, 30]
+    (tmp_path / "step_x").mkdir()
+    listed = checkpoint_paths.list_checkpoints(tmp_path)
+    assert [(s, p.name) for s, p in listed] == [
+        (1, "step_00000001"),
+        (12, "step_00000012"),
+        (30, "step_00000030"),
+    ]
+    assert checkpoint_paths.list_checkpoints(tmp_path / "absent") == []
 
 
 def test_offload_runs_the_same_path_and_gives_the_same_result(tiny_model_dir):

@@ -153,9 +153,9 @@ def test_hyperparameter_edits_and_pause_act_at_step_boundaries(ray_cluster, tmp_
 
 
 def test_a_reward_model_scores_the_job(ray_cluster, tmp_path):
-    from engines.models.tiny_models import build_tiny_reward_model
+    from engines.models.tiny_models import build_tiny_model
 
-    rm = build_tiny_reward_model(tmp_path / "rm")
+    rm = build_tiny_model(tmp_path / "rm", reward=True)
     spec = job_spec(
         reward={"function": None, "model_path": str(rm)},
         trainer={"total_steps": 1, "val_every": 0},

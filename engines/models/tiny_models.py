@@ -6,6 +6,7 @@ tokenizer and a randomly initialised Qwen2 or Llama (a causal LM, or a one-label
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -130,30 +131,19 @@ def _model_config(spec: TinyModelSpec, vocab_size: int, pad_id: int, eos_id: int
     raise ValueError(f"unknown tiny-model arch '{spec.arch}': use 'qwen2' or 'llama'")
 
 
-def build_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False) -> Path:
-    """Write a random model and its tokenizer to `path` (HF format), unless already built from `spec`."""
-    return _build(path, spec or TinyModelSpec(), "causal-lm", overwrite)
-
-
-def build_tiny_reward_model(
-    path: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False
+def build_tiny_model(
+    path: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False, reward: bool = False
 ) -> Path:
-    """Like `build_tiny_model`, a one-label sequence classifier (a reward model)."""
-    return _build(path, spec or TinyModelSpec(), "reward", overwrite)
-
-
-def _build(path: str | Path, spec: TinyModelSpec, head: str, overwrite: bool) -> Path:
-    path = Path(path)
+    """Write a random model (`reward`: a one-label sequence classifier) and its tokenizer to `path` (HF
+    format), unless already built from `spec`."""
+    spec = spec or TinyModelSpec()
     # The causal-LM marker is the bare spec without None fields: older folders keep matching.
-    dump = spec.model_dump(exclude_none=True)
-    wanted = dump if head == "causal-lm" else {**dump, "head": head}
-
-    return build_atomically(
-        path, "tandem_spec.json", wanted, lambda staging: _write_model(staging, spec, head), overwrite
-    )
+    wanted = spec.model_dump(exclude_none=True) | ({"head": "reward"} if reward else {})
+    build = partial(_write_model, spec=spec, reward=reward)
+    return build_atomically(Path(path), "tandem_spec.json", wanted, build, overwrite)
 
 
-def _write_model(path: Path, spec: TinyModelSpec, head: str) -> None:
+def _write_model(path: Path, spec: TinyModelSpec, reward: bool) -> None:
     # Imported here: the service lists the built-in names without torch.
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -164,7 +154,7 @@ def _write_model(path: Path, spec: TinyModelSpec, head: str) -> None:
         raise ValueError(f"vocab_size {vocab} is smaller than the tokenizer's {len(tokenizer)} tokens")
     config = _model_config(spec, vocab, tokenizer.pad_token_id, tokenizer.eos_token_id)
     torch.manual_seed(spec.seed)
-    if head == "reward":
+    if reward:
         config.num_labels = 1
         model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     else:

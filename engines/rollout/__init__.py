@@ -96,16 +96,9 @@ def resolve_backend(backend: str, device: str) -> str:
     return choose_backend(device, installed_for_cuda() if device.startswith("cuda") else ())
 
 
-def _lazy_builder(module: str, cls: str, default_device: str) -> Callable[..., RolloutEngine]:
+def _lazy_builder(module: str, cls: str) -> Callable[..., RolloutEngine]:
     """A builder that imports engines/rollout/<module>.py only when called (it needs torch)."""
-
-    def build(
-        model_path: str | Path, device: str = default_device, dtype: str = "auto", **kw: Any
-    ) -> RolloutEngine:
-        engine = getattr(importlib.import_module(f"engines.rollout.{module}"), cls)
-        return engine(model_path, device=device, dtype=dtype, **kw)
-
-    return build
+    return lambda *args, **kw: getattr(importlib.import_module(f"engines.rollout.{module}"), cls)(*args, **kw)
 
 
 ROLLOUT_ENGINES: Registry[RolloutEngine] = Registry("rollout backend")
@@ -113,16 +106,16 @@ register_rollout_engine = ROLLOUT_ENGINES.register
 
 
 @register_rollout_engine(AUTO)
-def _build_auto(model_path: str | Path, device: str = "cpu", **kw: Any) -> RolloutEngine:
+def _build_auto(model_path: str | Path, device: str, **kw: Any) -> RolloutEngine:
     return build_rollout_engine(resolve_backend(AUTO, device), model_path, device=device, **kw)
 
 
-for _name, _cls, _device, _options in (
-    ("hf", "HFRolloutEngine", "cpu", {}),
-    ("sglang", "SGLangRolloutEngine", "cuda", {"probe": probe_sglang, "tensor_parallel": True}),
-    ("vllm", "VLLMRolloutEngine", "cpu", {"probe": probe_vllm, "max_lora_rank": 512}),  # VLLM_LORA_RANKS[-1]
+for _name, _cls, _options in (
+    ("hf", "HFRolloutEngine", {}),
+    ("sglang", "SGLangRolloutEngine", {"probe": probe_sglang, "tensor_parallel": True}),
+    ("vllm", "VLLMRolloutEngine", {"probe": probe_vllm, "max_lora_rank": 512}),  # VLLM_LORA_RANKS[-1]
 ):
-    register_rollout_engine(_name, **_options)(_lazy_builder(_name, _cls, _device))
+    register_rollout_engine(_name, **_options)(_lazy_builder(_name, _cls))
 
 
 def available_backends() -> dict[str, str | None]:

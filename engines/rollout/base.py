@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -88,9 +88,13 @@ def read_special_token_ids(model_path: str | Path) -> tuple[list[int], int]:
     return eos_ids, eos_ids[0] if pad is None else pad
 
 
-def expand_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
-    """Each prompt repeated n times, prompt-major: one row per Completion."""
-    return [list(prompt) for prompt in prompts for _ in range(n)]
+def finish_reason(backend: str, reason: object, kind: object, abort_detail: str) -> FinishReason:
+    """A backend's finish reason `kind` as ours; an abort or an unknown `reason` raises."""
+    if kind in ("stop", "length"):
+        return kind
+    if kind == "abort":
+        raise RolloutEngineError(f"{backend} aborted a request{abort_detail}")
+    raise RolloutEngineError(f"{backend} returned an unfinished or unknown finish_reason: {reason!r}")
 
 
 class RolloutEngine(ABC):
@@ -123,11 +127,15 @@ class RolloutEngine(ABC):
             return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token; got an empty prompt")
-        return self._generate(expand_prompts(prompts, params.n), params)
+        completions = self._generate([list(p) for p in prompts for _ in range(params.n)], params)
+        for row, completion in enumerate(completions):
+            completion.prompt_index, completion.weight_version = row // params.n, self.weight_version
+        return completions
 
     @abstractmethod
     def _generate(self, rows: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """One completion per row (row i is prompt i // params.n)."""
+        """One completion per row, each prompt repeated params.n times (its prompt_index and
+        weight_version are set by `generate`)."""
 
     def stop_ids(self, params: SamplingParams) -> list[int]:
         """The tokens that end a completion: the model's EOS and the call's own."""

@@ -18,25 +18,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
+from engines.distributed import resolve_dtype
 from engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from engines.rollout.constrained import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder, full_attention_only, preallocated_cache
 from engines.rollout.sampling import sample_next
 from engines.training.lora_targets import base_module
 from engines.training.multi_lora import from_peft_tensors
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
-    """'auto' (or None): bfloat16 on CUDA, float32 on CPU."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype '{dtype}': choose 'auto' or one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +166,6 @@ class HFRolloutEngine(RolloutEngine):
                 token_ids=tokens_rows[i][: lengths[i]],
                 log_probs=log_prob_rows[i][: lengths[i]],
                 finish_reason="stop" if stopped[i] else "length",
-                weight_version=self.weight_version,
-                prompt_index=i // params.n,
             )
             for i in range(len(rows))
         ]

@@ -16,7 +16,14 @@ from typing import Any
 import torch
 
 from engines.rollout import probe_sglang
-from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.base import (
+    Completion,
+    FinishReason,
+    RolloutEngine,
+    RolloutEngineError,
+    SamplingParams,
+    finish_reason,
+)
 from engines.rollout.constrained import ConstraintError
 from engines.transfer.base import iter_buckets as bucket_named_tensors
 
@@ -53,14 +60,11 @@ def sampling_params_per_row(
 def finish_reason_from_sglang(finish: dict[str, Any] | None) -> FinishReason:
     """sglang's meta_info["finish_reason"] dict to ours; an abort or a missing reason raises."""
     kind = finish.get("type") if isinstance(finish, dict) else None
-    if kind in ("stop", "length"):
-        return kind
-    if kind == "abort":
-        raise RolloutEngineError(f"sglang aborted a request: {finish.get('message', 'no message')}")
-    raise RolloutEngineError(f"sglang returned an unfinished or unknown finish_reason: {finish!r}")
+    detail = f": {finish.get('message', 'no message')}" if kind == "abort" else ""
+    return finish_reason("sglang", finish, kind, detail)
 
 
-def completion_from_sglang(output: dict[str, Any], prompt_index: int, weight_version: int) -> Completion:
+def completion_from_sglang(output: dict[str, Any]) -> Completion:
     """One sglang output dict (generated with return_logprob=True) as a Completion; ids and log-probs
     from meta_info["output_token_logprobs"]: (logprob, token_id, text) entries."""
     meta = output["meta_info"]
@@ -80,8 +84,6 @@ def completion_from_sglang(output: dict[str, Any], prompt_index: int, weight_ver
         token_ids=token_ids,
         log_probs=[float(entry[0]) for entry in entries],
         finish_reason=finish_reason_from_sglang(meta.get("finish_reason")),
-        weight_version=weight_version,
-        prompt_index=prompt_index,
     )
 
 
@@ -168,10 +170,7 @@ class SGLangRolloutEngine(RolloutEngine):
             return_logprob=True,
             lora_path=None if self._lora_name is None else [self._lora_name] * len(rows),
         )
-        return [
-            completion_from_sglang(output, prompt_index=i // params.n, weight_version=self.weight_version)
-            for i, output in enumerate(outputs)
-        ]
+        return [completion_from_sglang(output) for output in outputs]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Tensors go over as CUDA IPC handles, so they must live on the engine's GPU.

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
+from engines.distributed import resolve_dtype
 from engines.rollout import probe_vllm
-from engines.rollout.base import Completion, FinishReason, RolloutEngine, RolloutEngineError, SamplingParams
+from engines.rollout.base import Completion, RolloutEngine, RolloutEngineError, SamplingParams, finish_reason
 from engines.rollout.constrained import ConstraintError
 from engines.training.fsdp.lora import write_adapter
 
@@ -57,17 +58,7 @@ def to_vllm_sampling_params(
     )
 
 
-def finish_reason_from_vllm(reason: str | None) -> FinishReason:
-    if reason in ("stop", "length"):
-        return reason
-    if reason == "abort":
-        raise RolloutEngineError(
-            "vllm aborted a request (the engine was stopped or put to sleep mid-generation)"
-        )
-    raise RolloutEngineError(f"vllm returned an unfinished or unknown finish_reason: {reason!r}")
-
-
-def completion_from_vllm(output: Any, prompt_index: int, weight_version: int) -> Completion:
+def completion_from_vllm(output: Any) -> Completion:
     """One vllm CompletionOutput (generated with logprobs=0) as a Completion."""
     token_ids = [int(t) for t in output.token_ids]
     if output.logprobs is None or len(output.logprobs) != len(token_ids):
@@ -76,13 +67,9 @@ def completion_from_vllm(output: Any, prompt_index: int, weight_version: int) ->
             f"{len(token_ids)} tokens: generate with logprobs=0"
         )
     log_probs = [float(step[token].logprob) for step, token in zip(output.logprobs, token_ids, strict=True)]
-    return Completion(
-        token_ids=token_ids,
-        log_probs=log_probs,
-        finish_reason=finish_reason_from_vllm(output.finish_reason),
-        weight_version=weight_version,
-        prompt_index=prompt_index,
-    )
+    reason = output.finish_reason
+    aborted = " (the engine was stopped or put to sleep mid-generation)"
+    return Completion(token_ids, log_probs, finish_reason("vllm", reason, reason, aborted))
 
 
 def register_inproc_transfer_backend() -> None:
@@ -144,8 +131,6 @@ class VLLMRolloutEngine(RolloutEngine):
         problem = probe_vllm()
         if problem is not None:
             raise ImportError(problem)
-        from engines.rollout.hf import resolve_dtype
-
         super().__init__(model_path, eos_token_ids)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
@@ -221,12 +206,7 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         except Exception as exc:
             raise RolloutEngineError(f"vllm generate failed: {type(exc).__name__}: {exc}") from exc
-        return [
-            completion_from_vllm(
-                out.outputs[0], prompt_index=i // params.n, weight_version=self.weight_version
-            )
-            for i, out in enumerate(outputs)
-        ]
+        return [completion_from_vllm(out.outputs[0]) for out in outputs]
 
     def _allowed_ids(self, stop_ids: list[int]) -> list[int]:
         """All tokens but the special ones other than the stop tokens, as the hf engine's

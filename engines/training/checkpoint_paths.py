@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -20,13 +19,3 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
     return sorted(found)
-
-
-def prune(root: str | Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` step folders; returns what was deleted."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be at least 1, got {keep_last}")
-    doomed = [p for _, p in list_checkpoints(root)[:-keep_last]]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    return doomed

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from engines.distributed import resolve_dtype
 from engines.kernels import fused_layers
 from engines.kernels.attention import register as segment_attention_name
 from engines.training.fsdp import lora
@@ -28,13 +29,8 @@ from engines.training.fsdp.modules import (
 
 
 class ModelBuildMixin:
-    """The model half of `FSDPEngine.initialize`, over the engine's `config`, `device`, `dp_size`
-    and `mesh`; it sets `model`'s companions `hf_config`, `adapted_modules`, `attn_implementation`."""
-
-    def _compute_dtype(self) -> torch.dtype:
-        if self.config.dtype == "auto":
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.config.dtype]
+    """The model half of `FSDPEngine.initialize`, over the engine's `config`, `device`, `dp_size` and
+    `mesh`; it sets `hf_config`, `adapted_modules`, `attn_implementation` and `compute_dtype`."""
 
     def _attn_implementation(self) -> str:
         """flash-attention's varlen kernel on CUDA when installed; else per-sequence SDPA on the packed row."""
@@ -52,6 +48,7 @@ class ModelBuildMixin:
 
     def _build_model(self) -> torch.nn.Module:
         self.attn_implementation = self._attn_implementation()
+        self.compute_dtype = resolve_dtype(self.config.dtype, self.device.type)
         is_value = self.config.role == "value"
         hf_model = load_hf_model(self.config.model_path, self.attn_implementation, value_head=is_value)
         # One autograd Function each on a CPU (engines/kernels/fused_layers.py).

@@ -46,7 +46,6 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, PlacementMixin, TrainEngine):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        self.compute_dtype = self._compute_dtype()
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
