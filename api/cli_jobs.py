@@ -24,6 +24,7 @@ from api.cli_spec import (
 from api.cli_watch import follow, print_events, print_logs
 from api.client import TandemClient, TandemError
 from controller.metric_format import format_metric
+from service.job_state import ACTIVE
 
 METRIC_KEYS = ("critic/score/mean", "val/accuracy", "actor/pg_loss", "sft/loss", "actor/lr", "timing_s/step")
 
@@ -65,7 +66,7 @@ def shown_status(job: dict) -> str:
     """The job's state, or, while its workers restart, what happened: 'restarting (1/3): worker rank 0
     died (waiting for resources)'."""
     restart = job.get("restart")
-    if not restart or job["status"] not in ("queued", "running", "pausing", "cancelling"):
+    if not restart or job["status"] not in ACTIVE:
         return job["status"]
     return f"{restart['message']} ({restart['phase']})"
 

@@ -160,7 +160,4 @@ class HotReadPath:
         if body is None:
             await self.app(scope, receive, send)
             return
-        # the headers of json_response's Response, in its order
-        headers = [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await json_response(body)(scope, receive, send)

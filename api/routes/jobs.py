@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,14 +27,12 @@ from api.errors import APIError, documented, invalid
 from api.settings import ServeSettings
 from api.views import EncodedSummary, job_view, listing_json
 from schema.job import METADATA_KEY, JobSpec
+from service.job_state import JobStatus
 
 router = APIRouter(
     prefix="/v1/jobs", tags=["jobs"], route_class=CheckedRoute, responses={**AUTH_ERRORS, **documented(404)}
 )
 IDEMPOTENCY_KEY_MAX_CHARS = 255
-JobStatus = Literal[
-    "queued", "running", "pausing", "paused", "cancelling", "succeeded", "failed", "cancelled"
-]
 
 
 class ForkRequest(BaseModel):
