@@ -13,7 +13,7 @@ from api.auth import Authenticator
 from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
 from api.middleware import BodyLimit, RequestLog
-from api.read_cache import HotReadPath, HotReads, ReadCache
+from api.read_cache import HotReads, ReadCache
 from api.routes import (
     audit,
     files,
@@ -86,7 +86,7 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         path = scope["path"].rstrip("/") if scope["method"] == "POST" else ""
         return limits.get(path, settings.max_body_bytes)
 
-    app.add_middleware(HotReadPath, hot=app.state.hot_reads)  # innermost: inside RequestLog
+    app.add_middleware(app.state.hot_reads.middleware)  # innermost: inside RequestLog
     app.add_middleware(RequestLog, latency=latency, store=service.store)
     app.add_middleware(BodyLimit, limit_for=body_limit)  # outermost: refuses before anything reads
     for router in ROUTERS:
