@@ -39,7 +39,7 @@ QUOTA_FLAGS = {  # --quota-NAME: a Quota field
 }
 
 
-def serve_command(args: argparse.Namespace) -> int:
+def serve_command(args: argparse.Namespace) -> None:
     from pydantic import ValidationError
 
     from api.server import serve
@@ -49,7 +49,6 @@ def serve_command(args: argparse.Namespace) -> int:
     except ValidationError as err:  # a bad option is one line naming it, not a traceback
         raise UsageError(f"tandem serve: {describe(err)}") from None
     serve(args.host, args.port, args.home, args.ray_address, args.num_cpus, settings=settings)
-    return 0
 
 
 def given_settings(args: argparse.Namespace) -> dict[str, Any]:
