@@ -6,8 +6,6 @@ Conventions: docs/ARCHITECTURE.md §5.
 from __future__ import annotations
 
 from fastapi import FastAPI
-from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse
 
 from api.auth import Authenticator
 from api.dashboard import mount_dashboard
@@ -56,7 +54,7 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         title="Tandem",
         version=VERSION,
         description="RL post-training jobs: submit, watch, steer.",
-        docs_url=None,  # served below from vendored assets: /docs works offline
+        docs_url=None,  # served by mount_dashboard from vendored assets: /docs works offline
         redoc_url=None,
         # A REST client should get the route or a 404 in the error shape, never a 307 it must follow.
         redirect_slashes=False,
@@ -92,20 +90,4 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     for router in ROUTERS:
         app.include_router(router)
     mount_dashboard(app)
-    mount_docs(app)
     return app
-
-
-def mount_docs(app: FastAPI) -> None:
-    """Swagger UI at /docs from the assets vendored in api/static/vendor (no CDN)."""
-
-    @app.get("/docs", include_in_schema=False)
-    def docs() -> HTMLResponse:
-        return get_swagger_ui_html(
-            openapi_url=app.openapi_url or "/openapi.json",
-            title="Tandem API",
-            swagger_js_url="/static/vendor/swagger-ui-bundle.js",
-            swagger_css_url="/static/vendor/swagger-ui.css",
-            swagger_favicon_url="/static/vendor/swagger-ui-favicon-32x32.png",
-            swagger_ui_parameters={"persistAuthorization": False},
-        )

@@ -79,10 +79,9 @@ def resolve_url(url: str | None = None) -> str:
 
 def resolve_token(token: str | None = None) -> str | None:
     """The token to send: the argument, else TANDEM_TOKEN, else $TANDEM_HOME/admin_token if readable."""
+    token = token or os.environ.get("TANDEM_TOKEN")
     if token:
         return token
-    if os.environ.get("TANDEM_TOKEN"):
-        return os.environ["TANDEM_TOKEN"]
     try:
         return (client_home() / "admin_token").read_text().strip() or None
     except OSError:
