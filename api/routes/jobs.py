@@ -145,8 +145,8 @@ class LabelsPatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, description="a short human name; null clears it")
-    tags: list[str] | None = Field(None, description="the whole new list of tags")
-    notes: str | None = Field(None, description="free text")
+    tags: list[str] = Field(default_factory=list, description="the whole new list of tags")
+    notes: str = Field("", description="free text")
 
 
 @router.patch("/{job_id}", dependencies=WRITE, responses=BODY_ERRORS)
@@ -157,9 +157,6 @@ def update_job(
     changes = body.model_dump(exclude_unset=True)
     if not changes:
         raise APIError(422, "give at least one of name, tags, notes", None, "empty_body")
-    for field in ("tags", "notes"):
-        if field in changes and changes[field] is None:
-            raise APIError(422, f"{field} cannot be null: give a value", field, "invalid_value")
     return job_view(service.update_labels(job_id, changes, caller.sees))
 
 
