@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args, get_origin
 
+from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from api.cli_spec import UsageError, describe
@@ -40,9 +41,7 @@ QUOTA_FLAGS = {  # --quota-NAME: a Quota field
 
 
 def serve_command(args: argparse.Namespace) -> None:
-    from pydantic import ValidationError
-
-    from api.server import serve
+    from api.server import serve  # Ray and uvicorn: only `tandem serve` imports them
 
     try:
         settings = ServeSettings(**given_settings(args))
