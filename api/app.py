@@ -6,14 +6,12 @@ Conventions: docs/ARCHITECTURE.md §5.
 from __future__ import annotations
 
 from fastapi import FastAPI
-from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse
 
 from api.auth import Authenticator
 from api.dashboard import mount_dashboard
 from api.errors import install_error_handlers
 from api.middleware import BodyLimit, RequestLog
-from api.read_cache import HotReadPath, HotReads, ReadCache
+from api.read_cache import HotReads, ReadCache
 from api.routes import (
     audit,
     files,
@@ -56,7 +54,7 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         title="Tandem",
         version=VERSION,
         description="RL post-training jobs: submit, watch, steer.",
-        docs_url=None,  # served below from vendored assets: /docs works offline
+        docs_url=None,  # served by mount_dashboard from vendored assets: /docs works offline
         redoc_url=None,
         # A REST client should get the route or a 404 in the error shape, never a 307 it must follow.
         redirect_slashes=False,
@@ -86,26 +84,10 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
         path = scope["path"].rstrip("/") if scope["method"] == "POST" else ""
         return limits.get(path, settings.max_body_bytes)
 
-    app.add_middleware(HotReadPath, hot=app.state.hot_reads)  # innermost: inside RequestLog
+    app.add_middleware(app.state.hot_reads.middleware)  # innermost: inside RequestLog
     app.add_middleware(RequestLog, latency=latency, store=service.store)
     app.add_middleware(BodyLimit, limit_for=body_limit)  # outermost: refuses before anything reads
     for router in ROUTERS:
         app.include_router(router)
     mount_dashboard(app)
-    mount_docs(app)
     return app
-
-
-def mount_docs(app: FastAPI) -> None:
-    """Swagger UI at /docs from the assets vendored in api/static/vendor (no CDN)."""
-
-    @app.get("/docs", include_in_schema=False)
-    def docs() -> HTMLResponse:
-        return get_swagger_ui_html(
-            openapi_url=app.openapi_url or "/openapi.json",
-            title="Tandem API",
-            swagger_js_url="/static/vendor/swagger-ui-bundle.js",
-            swagger_css_url="/static/vendor/swagger-ui.css",
-            swagger_favicon_url="/static/vendor/swagger-ui-favicon-32x32.png",
-            swagger_ui_parameters={"persistAuthorization": False},
-        )

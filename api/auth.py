@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 
 from api.errors import APIError
 from api.read_cache import MISSING, ReadCache
@@ -84,13 +85,10 @@ class Authenticator:
         self.cache = cache
         self._touched: dict[str, float] = {}  # key id -> when last_used_at was last written
 
-    async def caller_of(self, token: str) -> Caller | None:
-        return _caller(await self.cache.get("tokens", "tokens", self.cache.store.tokens), token)
-
     def cached_caller(self, headers: list[tuple[bytes, bytes]]) -> Caller | None | object:
         """The caller of a request's raw headers from the cached key table, without waiting: None for
         no or an unknown key, MISSING when the table is not cached."""
-        token = token_of(lambda name: next((v.decode("latin-1") for k, v in headers if k == name), ""))
+        token = token_of(Headers(raw=headers))
         if token is None:
             return None
         records = self.cache.peek("tokens", "tokens")
@@ -98,11 +96,11 @@ class Authenticator:
 
     async def require(self, request: Request, scope: str) -> Caller:
         """The request's caller, kept in `request.state.caller`; a 401 or 403 when it may not."""
-        token = token_of(lambda name: request.headers.get(name.decode(), ""))
+        token = token_of(request.headers)
         if token is None:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
                            "Authorization", "missing_token", CHALLENGE)  # fmt: skip
-        caller = await self.caller_of(token)
+        caller = _caller(await self.cache.get("tokens", "tokens", self.cache.store.tokens), token)
         if caller is None:
             raise APIError(401, "invalid bearer token", "Authorization", "invalid_token", CHALLENGE)
         if scope == "admin":
@@ -125,12 +123,12 @@ class Authenticator:
             await run_in_threadpool(self.cache.store.touch_key, key_id, now)
 
 
-def token_of(header: Any) -> str | None:
+def token_of(headers: Headers) -> str | None:
     """The key a request sends: its `Authorization: Bearer` token, else its `X-API-Key`."""
-    kind, _, token = header(b"authorization").partition(" ")
+    kind, _, token = headers.get("authorization", "").partition(" ")
     if kind.lower() == "bearer" and token.strip():
         return token.strip()
-    return header(b"x-api-key").strip() or None
+    return headers.get("x-api-key", "").strip() or None
 
 
 def _caller(records: list[dict[str, Any]], token: str) -> Caller | None:

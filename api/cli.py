@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         client: bool = True,
         json: bool = False,
     ) -> argparse.ArgumentParser:
-        """A subcommand (of `under`: the top level or a group's) calling `func(args, client)`; `json`: it
-        takes --json."""
+        """A subcommand (of `under`: the top level or a group's) calling `func(args, client)`, whose answer
+        is the exit code (None: 0); `json`: it takes --json."""
         p = under.add_parser(
             name, help=help, description=help, parents=[conn] if client else [], allow_abbrev=False
         )
@@ -92,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         if not args.client:
-            return args.func(args)
+            return args.func(args) or 0
         with TandemClient(args.url, args.token) as client:
             if getattr(args, "job_id", None):
                 args.job_id = resolve_job_id(client, args.job_id)
-            return args.func(args, client)
+            return args.func(args, client) or 0
     except UsageError as err:  # a SpecError too
         return _fail(str(err), 2)
     except TandemAPIError as err:

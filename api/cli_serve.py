@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, get_args, get_origin
 
+from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
 from api.cli_spec import UsageError, describe
@@ -39,17 +40,14 @@ QUOTA_FLAGS = {  # --quota-NAME: a Quota field
 }
 
 
-def serve_command(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from api.server import serve
+def serve_command(args: argparse.Namespace) -> None:
+    from api.server import serve  # Ray and uvicorn: only `tandem serve` imports them
 
     try:
         settings = ServeSettings(**given_settings(args))
     except ValidationError as err:  # a bad option is one line naming it, not a traceback
         raise UsageError(f"tandem serve: {describe(err)}") from None
     serve(args.host, args.port, args.home, args.ray_address, args.num_cpus, settings=settings)
-    return 0
 
 
 def given_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -118,13 +118,13 @@ def event_line(event: dict[str, Any]) -> str:
     return f"{clock(event['time'])}  {event['kind']:<26} {event['message']}"
 
 
-def print_events(args: argparse.Namespace, client: TandemClient) -> int:
+def print_events(args: argparse.Namespace, client: TandemClient) -> None:
     """`tandem events`: every event of the job; with --follow, then new ones until the job ends."""
     events = _all_events(client, args.job_id)
     return _print_rows(args, client, "events", events, event_line)
 
 
-def print_logs(args: argparse.Namespace, client: TandemClient) -> int:
+def print_logs(args: argparse.Namespace, client: TandemClient) -> None:
     """`tandem logs`: the job's last --tail lines; with --follow, then new ones until the job ends."""
     rows = client.logs(args.job_id, tail=args.tail)["data"]
     return _print_rows(args, client, "logs", rows, lambda row: row["line"])
@@ -136,11 +136,10 @@ def _print_rows(
     what: str,
     rows: list[dict[str, Any]],
     line: Callable[[dict[str, Any]], str],
-) -> int:
+) -> None:
     for row in rows:
         print(line(row), flush=True)
     if args.follow:
         for sse in client.stream(args.job_id, what, after=rows[-1]["id"] if rows else 0):
             if sse.event != "end":
                 print(line(sse.data), flush=True)
-    return 0

@@ -79,10 +79,9 @@ def resolve_url(url: str | None = None) -> str:
 
 def resolve_token(token: str | None = None) -> str | None:
     """The token to send: the argument, else TANDEM_TOKEN, else $TANDEM_HOME/admin_token if readable."""
+    token = token or os.environ.get("TANDEM_TOKEN")
     if token:
         return token
-    if os.environ.get("TANDEM_TOKEN"):
-        return os.environ["TANDEM_TOKEN"]
     try:
         return (client_home() / "admin_token").read_text().strip() or None
     except OSError:
@@ -203,16 +202,9 @@ class TandemClient:
     def upload_file(self, path: str | Path) -> JSON:
         """Upload a data file or a .py module; returns its record (its `id` is what specs name)."""
         path = Path(path)
-
-        def chunks() -> Iterator[bytes]:
-            with path.open("rb") as f:
-                while chunk := f.read(1 << 20):
-                    yield chunk
-
         headers = {"content-type": "application/octet-stream"}
-        return self.call(
-            "POST", "/v1/files", params={"filename": path.name}, content=chunks(), headers=headers
-        )
+        with path.open("rb") as content:  # httpx sends a file in chunks, never whole
+            return self.call("POST", "/v1/files", {"filename": path.name}, content=content, headers=headers)
 
     def call(self, method: str, path: str, params: JSON | None = None, **kwargs: Any) -> JSON:
         """Any route's decoded answer (the files' and keys' routes are called so); `params` left empty

@@ -1,5 +1,6 @@
-"""The web dashboard: one static page and its assets, served by the API itself (no CDN, no build step).
-The page carries no data, so it loads without a token; it calls /v1 with the user's token.
+"""The web pages: the dashboard (one static page and its assets) and the API docs, served by the API
+itself from api/static (no CDN, no build step). The pages carry no data, so they load without a token;
+the dashboard calls /v1 with the user's token.
 """
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
 from controller.hyperparameters import HYPERPARAMETERS
@@ -28,7 +30,8 @@ PAGE_HEADERS = {
 
 
 def mount_dashboard(app: FastAPI) -> None:
-    """Serve the page at `/`, its settings at `/dashboard/config` and its assets under `/static/`."""
+    """Serve the page at `/`, its settings at `/dashboard/config`, Swagger UI at `/docs` and the assets
+    under `/static/`."""
     index = STATIC_DIR / "index.html"
 
     @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
@@ -39,5 +42,16 @@ def mount_dashboard(app: FastAPI) -> None:
     def config() -> dict[str, object]:
         """What the page needs that is not job data: the hyper-parameters a running job accepts."""
         return {"hyperparameters": {name: ".".join(path) for name, path in HYPERPARAMETERS.items()}}
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title="Tandem API",
+            swagger_js_url="/static/vendor/swagger-ui-bundle.js",
+            swagger_css_url="/static/vendor/swagger-ui.css",
+            swagger_favicon_url="/static/vendor/swagger-ui-favicon-32x32.png",
+            swagger_ui_parameters={"persistAuthorization": False},
+        )
 
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

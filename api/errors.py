@@ -71,8 +71,12 @@ def invalid(param: str, why: str, code: str = "invalid_value", status: int = 422
     return APIError(status, f"{param}: {why}", param, code)
 
 
+def media_type(content_type: str | None) -> str:
+    return (content_type or "").split(";")[0].strip().lower()
+
+
 def is_json_media(content_type: str) -> bool:
-    media = content_type.split(";")[0].strip().lower()
+    media = media_type(content_type)
     return media == "application/json" or media.endswith("+json")
 
 
@@ -108,9 +112,8 @@ def validation_refusal(request: Request, first: dict[str, Any]) -> tuple[int, st
     else (curl's `-d` alone sends a form) is a 415 that says so: FastAPI validates the raw bytes then."""
     kind, loc = request.headers.get("content-type"), tuple(first.get("loc", ()))
     if kind and loc and loc[0] == "body" and not is_json_media(kind):
-        media = kind.split(";")[0].strip().lower()
         header = "`Content-Type: application/json`"
-        why = f"send it with the header {header} (this request's Content-Type is '{media}')"
+        why = f"send it with the header {header} (this request's Content-Type is '{media_type(kind)}')"
         return 415, f"body: this route reads a JSON body; {why}", "body", "unsupported_media_type"
     if first.get("type") == "json_invalid":  # loc is ("body", character offset): the body is at fault
         why = (first.get("ctx") or {}).get("error", "invalid JSON")

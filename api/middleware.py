@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import HTTPException
+from fastapi.responses import JSONResponse
 from prometheus_client import Histogram
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -50,7 +51,7 @@ class BodyLimit:
         limit = self.limit_for(scope)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _refuse(send, limit, scope["path"])
+            await _refuse(scope, receive, send, limit)
             return
         received = 0
         started = False
@@ -73,19 +74,15 @@ class BodyLimit:
             await self.app(scope, counted, watched)
         except BodyTooLarge:
             if not started:
-                await _refuse(send, limit, scope["path"])
+                await _refuse(scope, receive, send, limit)
 
 
-async def _refuse(send: Send, limit: int, path: str) -> None:
+async def _refuse(scope: Scope, receive: Receive, send: Send, limit: int) -> None:
     param, code = BodyTooLarge.param, BodyTooLarge.code
-    tinker = path.startswith(TINKER_PREFIX)  # the SDK's message names the field itself
+    tinker = scope["path"].startswith(TINKER_PREFIX)  # the SDK's message names the field itself
     message = f"{param}: {_message(limit)}" if tinker else _message(limit)
-    _, shaped = error_json(path, 413, message, param, code)
-    body = json.dumps(shaped).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               (b"connection", b"close")]  # fmt: skip
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    status, body = error_json(scope["path"], 413, message, param, code)
+    await JSONResponse(body, status, headers={"connection": "close"})(scope, receive, send)
 
 
 # A client's x-request-id is kept (in the response and the audit log) only when it looks like an id:

@@ -148,19 +148,11 @@ class HotReads:
         self.hits += 1
         return learned.render(value)
 
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        """ASGI middleware: answers what `hit` can, passes the rest on to `app`."""
 
-class HotReadPath:
-    """ASGI middleware: answers what `HotReads.hit` can, passes the rest on."""
+        async def hot_path(scope: Scope, receive: Receive, send: Send) -> None:
+            body = await self.hit(scope) if scope["type"] == "http" else None
+            await (app if body is None else json_response(body))(scope, receive, send)
 
-    def __init__(self, app: ASGIApp, hot: HotReads) -> None:
-        self.app, self.hot = app, hot
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await self.hot.hit(scope) if scope["type"] == "http" else None
-        if body is None:
-            await self.app(scope, receive, send)
-            return
-        # the headers of json_response's Response, in its order
-        headers = [(b"content-length", str(len(body)).encode()), (b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        return hot_path

@@ -19,22 +19,22 @@ POLL_S = 1.0
 Proc = tuple[int, int]  # (pid, start time in clock ticks since boot)
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time) of a live process, from /proc/PID/stat."""
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, start time) of a process, from /proc/PID/stat; None when it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
-    return int(fields[1]), int(fields[19])
+    return fields[0], int(fields[1]), int(fields[19])
 
 
 def descendants(root: int) -> set[Proc]:
     children: dict[int, list[Proc]] = {}
     for entry in Path("/proc").glob("[0-9]*"):
-        info = _stat(int(entry.name))
+        info = proc_stat(int(entry.name))
         if info is not None:
-            children.setdefault(info[0], []).append((int(entry.name), info[1]))
+            children.setdefault(info[1], []).append((int(entry.name), info[2]))
     found: set[Proc] = set()
     todo = [root]
     while todo:
@@ -51,8 +51,8 @@ def kill_all(procs: set[Proc]) -> int:
     for pid, started in procs:
         if pid == os.getpid():
             continue
-        info = _stat(pid)
-        if info is not None and info[1] == started:
+        info = proc_stat(pid)
+        if info is not None and info[2] == started:
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed += 1
@@ -67,7 +67,7 @@ def run(pid: int) -> None:
         ready, _, _ = select.select([sys.stdin], [], [], POLL_S)
         if ready and not sys.stdin.buffer.read1(1):  # EOF: the service's end of the pipe closed
             break
-        if _stat(pid) is None:
+        if proc_stat(pid) is None:
             break
         seen |= descendants(pid)
     kill_all(seen)

@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from api.reaper import proc_stat
+
 RECORD = "service.json"
 
 
@@ -72,14 +74,8 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, owned by another user
         return True
-    return not _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:  # Linux: a process that exited but was not reaped yet still answers kill(pid, 0)
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    stat = proc_stat(pid)  # a process that exited but was not reaped yet still answers kill(pid, 0)
+    return stat is None or stat[0] != "Z"
 
 
 def choose_port(host: str, preferred: int) -> int:

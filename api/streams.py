@@ -17,6 +17,7 @@ from service.store import TERMINAL, JobStore
 
 POLL_S = 0.5
 HEARTBEAT_S = 15.0
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def stream_route(
@@ -43,41 +44,38 @@ def stream_route(
         header = request.headers.get("last-event-id")
         start = int(header) if header and header.isdigit() else after
         fetch = partial(getattr(service.store, reads), job_id, limit=limit)
-        return sse(request, service.store, job_id, lambda last: fetch(after_id=last), event, start)
+        rows = _events(request, service.store, job_id, fetch, event, start)
+        return StreamingResponse(rows, media_type="text/event-stream", headers=HEADERS)
 
 
-def sse(
+async def _events(
     request: Request,
     store: JobStore,
     job_id: str,
-    fetch: Callable[[int], list[dict]],
+    fetch: Callable[..., list[dict]],
     event: str | Callable[[dict], str],
-    after: int,
-) -> StreamingResponse:
-    async def generate() -> AsyncIterator[str]:
-        last, idle_since = after, time.monotonic()
-        while True:
-            if await request.is_disconnected():
+    last: int,
+) -> AsyncIterator[str]:
+    idle_since = time.monotonic()
+    while True:
+        if await request.is_disconnected():
+            return
+        rows = await asyncio.to_thread(fetch, after_id=last)
+        for row in rows:
+            last = row["id"]
+            name = event if isinstance(event, str) else event(row)
+            yield f"id: {last}\nevent: {name}\ndata: {json.dumps(row, default=str)}\n\n"
+        if rows:
+            idle_since = time.monotonic()
+            continue
+        job = await asyncio.to_thread(store.get_job, job_id)
+        if job is None or job.status in TERMINAL:
+            final = await asyncio.to_thread(fetch, after_id=last)
+            if not final:
+                yield f"event: end\ndata: {json.dumps({'status': job.status if job else 'deleted'})}\n\n"
                 return
-            rows = await asyncio.to_thread(fetch, last)
-            for row in rows:
-                last = row["id"]
-                name = event if isinstance(event, str) else event(row)
-                yield f"id: {last}\nevent: {name}\ndata: {json.dumps(row, default=str)}\n\n"
-            if rows:
-                idle_since = time.monotonic()
-                continue
-            job = await asyncio.to_thread(store.get_job, job_id)
-            if job is None or job.status in TERMINAL:
-                final = await asyncio.to_thread(fetch, last)
-                if not final:
-                    yield f"event: end\ndata: {json.dumps({'status': job.status if job else 'deleted'})}\n\n"
-                    return
-                continue
-            if time.monotonic() - idle_since > HEARTBEAT_S:
-                idle_since = time.monotonic()
-                yield ": heartbeat\n\n"
-            await asyncio.sleep(POLL_S)
-
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(generate(), media_type="text/event-stream", headers=headers)
+            continue
+        if time.monotonic() - idle_since > HEARTBEAT_S:
+            idle_since = time.monotonic()
+            yield ": heartbeat\n\n"
+        await asyncio.sleep(POLL_S)

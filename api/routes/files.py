@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 
 from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, CallerDep, OwnerQuery, ServiceDep
-from api.errors import APIError, documented, invalid
+from api.errors import APIError, documented, invalid, media_type
 from api.views import listing
 from service.errors import ServiceError
 from service.files import FileError, check_filename
@@ -25,11 +25,6 @@ except ImportError:  # pragma: no cover
     MultipartParser = None
 
 FIELD = "file"
-
-
-def is_multipart(request: Request) -> bool:
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    return kind == "multipart/form-data"
 
 
 class _Parts:
@@ -151,7 +146,7 @@ async def upload(
         description="the file's name, its suffix says what it is (a form: its file's name)",
     ),
 ) -> dict[str, Any]:
-    if is_multipart(request):
+    if media_type(request.headers.get("content-type")) == "multipart/form-data":
         sent_as, chunks = await multipart_file(request)
         name, field = filename or sent_as, FIELD
     elif filename is None:

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
 from api.deps import ADMIN, AUTH_ERRORS, READ, CallerDep, ServiceDep
-from service.store import ACTIVE, JobStore
+from service.store import ACTIVE, JobStatus, JobStore
 
 VERSION = "0.1.0"
 
@@ -103,7 +103,6 @@ def prometheus(request: Request) -> Response:
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-STATES = ("queued", "running", "pausing", "paused", "cancelling", "succeeded", "failed", "cancelled")
 PER_JOB = {
     "tandem_job_step": ("step", "current step of an active job"),
     "tandem_job_step_seconds": ("timing_s/step", "seconds of the job's latest step"),
@@ -119,7 +118,7 @@ class StoreCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         counts = self.store.counts_by_status()
         jobs = GaugeMetricFamily("tandem_jobs", "jobs by state", labels=["state"])
-        for state in STATES:
+        for state in JobStatus:
             jobs.add_metric([state], counts.get(state, 0))
         yield jobs
         active = self.store.jobs_in(ACTIVE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Body, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,14 +27,12 @@ from api.errors import APIError, documented, invalid
 from api.settings import ServeSettings
 from api.views import EncodedSummary, job_view, listing_json
 from schema.job import METADATA_KEY, JobSpec
+from service.job_state import JobStatus
 
 router = APIRouter(
     prefix="/v1/jobs", tags=["jobs"], route_class=CheckedRoute, responses={**AUTH_ERRORS, **documented(404)}
 )
 IDEMPOTENCY_KEY_MAX_CHARS = 255
-JobStatus = Literal[
-    "queued", "running", "pausing", "paused", "cancelling", "succeeded", "failed", "cancelled"
-]
 
 
 class ForkRequest(BaseModel):
@@ -147,8 +145,8 @@ class LabelsPatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     name: str | None = Field(None, description="a short human name; null clears it")
-    tags: list[str] | None = Field(None, description="the whole new list of tags")
-    notes: str | None = Field(None, description="free text")
+    tags: list[str] = Field(default_factory=list, description="the whole new list of tags")
+    notes: str = Field("", description="free text")
 
 
 @router.patch("/{job_id}", dependencies=WRITE, responses=BODY_ERRORS)
@@ -159,9 +157,6 @@ def update_job(
     changes = body.model_dump(exclude_unset=True)
     if not changes:
         raise APIError(422, "give at least one of name, tags, notes", None, "empty_body")
-    for field in ("tags", "notes"):
-        if field in changes and changes[field] is None:
-            raise APIError(422, f"{field} cannot be null: give a value", field, "invalid_value")
     return job_view(service.update_labels(job_id, changes, caller.sees))
 
 
