@@ -13,7 +13,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from controller.external_batcher import ReplicaBatcher
 from controller.external_store import (
@@ -27,7 +27,7 @@ from controller.external_store import (
 )
 from engines.rollout.constrained import Constraint, ConstraintError, build_constraint
 from schema.external import ExternalSpec
-from schema.openai_bodies import ChatCompletionRequest, CompletionRequest
+from schema.openai_bodies import ChatCompletionRequest, CompletionRequest, RewardRequest
 from schema.section import error_message
 from workers.chat_serving import TOOL_CALL_END, cut_at_stop, strip_stop
 
@@ -79,16 +79,10 @@ class ExternalServer:
         """The answer of a `kind` (chat | completion) call; a refused or failed call leaves its trajectory
         as it was."""
         self.requests += 1
-        try:  # the API checked an HTTP caller's body; an agent the job runs reaches here without it
-            body = BODIES[kind].model_validate(body).model_dump(exclude_none=True)
-        except ValidationError as err:
-            first = err.errors(include_url=False)[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            return {
-                "error": TrajectoryError(
-                    422, error_message(first["msg"], param), param, "invalid_value"
-                ).as_dict()
-            }
+        try:
+            body = _checked(BODIES[kind], body)
+        except TrajectoryError as err:
+            return {"error": err.as_dict()}
         tid = tid or f"traj-{uuid.uuid4().hex[:16]}"
         known = self.store.trajectories.get(tid)
         segments = None if known is None else [s.copy() for s in known.segments]
@@ -111,6 +105,7 @@ class ExternalServer:
 
     async def reward(self, tid: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
+            body = _checked(RewardRequest, body)
             t = self.store.reward(
                 tid, body["reward"], body.get("task_id"), body.get("turn_rewards"), body.get("metadata") or {}
             )
@@ -331,3 +326,14 @@ def new_tokens(prompt_len: int, body: dict[str, Any], context: int | None, promp
 
 def _refused(field: str, message: str, code: str = "context_length_exceeded") -> TrajectoryError:
     return TrajectoryError(400, f"{field}: {message}", field, code)
+
+
+def _checked(model: type[BaseModel], body: dict[str, Any]) -> dict[str, Any]:
+    """The body as the API checks it (an agent the job runs reaches here without the API); a 422 naming
+    the field otherwise."""
+    try:
+        return model.model_validate(body).model_dump(exclude_none=True)
+    except ValidationError as err:
+        first = err.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise TrajectoryError(422, error_message(first["msg"], param), param, "invalid_value") from None

@@ -137,7 +137,10 @@ class AgentPool:
             self.failed += 1
             log.warning("agent %s failed for %s: %s", self.ref, trajectory, str(err)[-500:])
             return
-        answer = ray.get(self.server.reward.remote(trajectory, result), timeout=60)
+        try:
+            answer = ray.get(self.server.reward.remote(trajectory, result), timeout=60)
+        except Exception as err:  # noqa: BLE001 - the endpoint did not answer: counted, the loop goes on
+            answer = {"error": {"message": f"the job's endpoint did not take it: {err}"[:500]}}
         if "error" in answer:
             self.failed += 1
             log.warning(

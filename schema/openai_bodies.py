@@ -1,5 +1,5 @@
-"""The bodies of a job's OpenAI chat and text completion calls: OpenAI's fields, bounded, and text content
-only. The API checks them (api/routes/openai_endpoint.py), and so does the job's endpoint actor
+"""The bodies of a job's OpenAI chat and text completion calls (OpenAI's fields, bounded, and text content
+only) and of a trajectory's reward. The API checks them (api/routes/openai_endpoint.py), and so does the job's endpoint actor
 (controller/external.py), which an agent the job runs in its sandbox calls without the API."""
 
 from __future__ import annotations
@@ -96,3 +96,15 @@ class ChatCompletionRequest(Sampling):
 class CompletionRequest(Sampling):
     prompt: str = Field(..., max_length=10_000_000)
     logprobs: int | None = Field(None, ge=0, le=20, description="any value: the sampled tokens' log-probs")
+
+
+class RewardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    reward: float = Field(..., ge=-1e6, le=1e6, description="the trajectory's reward (its GRPO score)")
+    task_id: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="trajectories with the same task id form a GRPO group; default: the trajectory's id",
+    )  # fmt: skip
+    turn_rewards: list[float] | None = Field(None, max_length=100_000, description="optional, per call")
+    metadata: dict[str, Any] | None = Field(None, description="kept with the trajectory")

@@ -14,3 +14,14 @@ def digits_agent(client, model: str, index: int) -> dict:
 
 
 not_a_function = 42
+
+
+def unruly_agent(client, model: str, index: int) -> dict:
+    """digits_agent, but task 0 answers a NaN reward and task 1 a list for its task id: the endpoint
+    refuses both as the API would."""
+    out = digits_agent(client, model, index)
+    if index == 0:
+        out["reward"] = float("nan")
+    elif index == 1:
+        out["task_id"] = [out["task_id"]]
+    return out

@@ -38,6 +38,20 @@ def test_a_job_trains_on_the_agent_it_runs(api):
     assert sample["trajectory"]["id"].startswith("agent-") and sample["uid"].startswith("t")
 
 
+def test_an_agents_reward_the_api_would_refuse_is_refused_and_the_job_trains_on(api):
+    """A NaN reward or a task id that is not text, from an agent the job runs, is refused as the API
+    refuses it (it would poison the step or stop the agents' loop), and counted as a failure."""
+    job = api.post("/v1/jobs", json=agent_job("tests.agent_fns:unruly_agent")).json()["id"]
+    final = wait_for(api, job, TERMINAL, timeout_s=240)
+    assert final["status"] == "succeeded", final
+    rows = api.get(f"/v1/jobs/{job}/metrics", params={"keys": "external/*,critic/score/mean"}).json()["data"]
+    last = rows[-1]["values"]
+    # tasks 0 and 1 (four runs) never train; two workers run them first, one run at a time each, so
+    # by the step that trained on tasks 2 and 3 at most one of the four is still running
+    assert last["external/agent_failures"] >= 3
+    assert 0.0 <= last["critic/score/mean"] <= 1.0  # NaN fails this
+
+
 @pytest.mark.parametrize("agent", ["tests.agent_fns:not_a_function", "os:system", "json:dumps"])
 def test_an_agent_that_is_not_an_agent_function_is_refused_at_submission(api, agent):
     before = len(api.get("/v1/jobs").json()["data"])

@@ -16,7 +16,6 @@ from typing import Annotated, Any
 import ray
 from fastapi import APIRouter, Depends, Header, Path, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, BODY_ERRORS, READ, WRITE, CallerDep, ServiceDep
@@ -24,7 +23,7 @@ from api.errors import APIError, documented
 from api.routes.openai_responses import ResponsesRequest, chat_request, name_responses_field, response_object
 from api.routes.openai_responses import stream_events as responses_events
 from schema.external import server_name
-from schema.openai_bodies import ChatCompletionRequest, CompletionRequest
+from schema.openai_bodies import ChatCompletionRequest, CompletionRequest, RewardRequest
 from service.service import Service
 
 REQUEST_TIMEOUT_S = 900.0  # a call may wait for a training step's update on a colocated worker
@@ -189,18 +188,6 @@ async def responses(
 
 router.include_router(calls, prefix="/v1", dependencies=[Depends(_by_header)])
 router.include_router(calls, prefix="/trajectories/{trajectory_id}/v1", dependencies=[Depends(_by_path)])
-
-
-class RewardRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    reward: float = Field(..., ge=-1e6, le=1e6, description="the trajectory's reward (its GRPO score)")
-    task_id: str | None = Field(
-        None, min_length=1, max_length=256,
-        description="trajectories with the same task id form a GRPO group; default: the trajectory's id",
-    )  # fmt: skip
-    turn_rewards: list[float] | None = Field(None, max_length=100_000, description="optional, per call")
-    metadata: dict[str, Any] | None = Field(None, description="kept with the trajectory")
 
 
 @trajectories.post("/{trajectory_id}/reward", dependencies=WRITE)
