@@ -21,7 +21,7 @@ class _Config(BaseModel):
 
 
 class UpdateSchedule(_Config):
-    """How one update call walks its batch (workers/training.py): mini-batches, epochs, order."""
+    """How one update call walks its batch (workers/operations.train_on_batch): mini-batches, epochs, order."""
 
     mini_batch_size: int | None = Field(
         None, gt=0, description="samples per optimizer step over all dp ranks; None = the whole batch"

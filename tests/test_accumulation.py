@@ -96,7 +96,7 @@ def test_an_sft_update_reports_its_loss_once(tiny_model_dir):
     from schema.workers import UpdateSchedule
     from tests.engine_util import reference_log_probs
     from workers.batch import Batch
-    from workers.training import train_on_batch
+    from workers.operations import train_on_batch
 
     rows = make_batch(seed=3)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)

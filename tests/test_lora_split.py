@@ -18,8 +18,7 @@ from engines.transfer.adapter import AdapterSyncError, default_tolerance
 from engines.transfer.base import TransferStats
 from schema.job import JobSpec
 from tests.test_placement import assert_same_steps, greedy_spec, run_job
-from workers.object_store_transfer import RemoteAdapterTransfer
-from workers.transfer_choice import RolloutPeers
+from workers.transfer_choice import RemoteAdapterTransfer, RolloutPeers
 
 RANK = 4
 # Seeded sampling at temperature 1, not greedy: greedy groups are identical, their advantages zero,

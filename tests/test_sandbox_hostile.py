@@ -204,7 +204,7 @@ def test_an_environment_as_workers_host_it_reads_nothing(world):
         assert env.step("hello")[1] == 1.0
     finally:
         release([env])
-        env.host.box.close()
+        env.host.close()
 
 
 def test_without_a_sandbox_user_code_is_refused_naming_the_field(world, monkeypatch, tmp_path):

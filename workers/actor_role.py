@@ -23,11 +23,9 @@ from schema.losses import PolicyLossConfig, SFTLossConfig
 from schema.workers import HybridWorkerConfig, UpdateSchedule
 from workers.base import Dispatch, Reduce, Worker, register
 from workers.batch import Batch
-from workers.object_store_transfer import RemoteAdapterTransfer, probe_all_ranks
-from workers.operations import TrainingOperations, TrainOps, temperature_of
+from workers.operations import TrainingOperations, TrainOps, temperature_of, train_on_batch
 from workers.rollout_role import RolloutWorker
-from workers.training import train_on_batch
-from workers.transfer_choice import RolloutLink, connect, in_process
+from workers.transfer_choice import RemoteAdapterTransfer, RolloutLink, connect, in_process, probe_all_ranks
 
 
 class ActorRefWorker(TrainingOperations):
@@ -40,12 +38,6 @@ class ActorRefWorker(TrainingOperations):
     def __init__(self, config: HybridWorkerConfig | dict) -> None:
         Worker.__init__(self)
         self.config = HybridWorkerConfig.model_validate(config)
-        self.build_training()
-        self.weight_sync: WeightTransfer | None = None  # rank 0, once connect_rollout has run
-        limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
-        self.register_actor_mesh()
-
-    def build_training(self) -> None:
         self.actor = build_train_engine(self.config.actor)
         self.actor.initialize()
         self.ops = TrainOps(self.actor)
@@ -53,9 +45,13 @@ class ActorRefWorker(TrainingOperations):
         if self.config.ref is not None:
             self.ref = build_train_engine(self.config.ref.model_copy(update={"trainable": False}))
             self.ref.initialize()
-
-    def register_actor_mesh(self) -> None:
+        self.weight_sync: WeightTransfer | None = self.local_transfer()
+        limit_threads_for_model(self.config.actor.model_path)  # a small model: one thread
         self.register_mesh("actor", dp_rank=self.actor.dp_rank, is_collect=self.actor.is_collect_rank)
+
+    def local_transfer(self) -> WeightTransfer | None:
+        """None: rank 0 connects to rollout workers elsewhere (connect_rollout)."""
+        return None
 
     @register(Dispatch.ONE_TO_ALL)
     def connect_rollout(self, link: RolloutLink) -> None:
@@ -156,22 +152,17 @@ class ActorRefWorker(TrainingOperations):
 
 class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
     def __init__(self, config: HybridWorkerConfig | dict) -> None:
-        Worker.__init__(self)  # the two roles' build steps, in one process, in this order
-        self.config = HybridWorkerConfig.model_validate(config)
-        rc = self.config.rollout
-        self.build_training()
-        lora = self.config.actor.lora
-        self.build_rollout(
-            rc,
-            self.config.actor.model_path,
-            device=str(self.actor.device),
-            lora_rank=lora.rank if lora is not None else None,
-        )
-        self.weight_sync = in_process(self.rollout, rc.bucket_mb, self.actor)
-        limit_threads_for_model(self.config.actor.model_path)
-        self.register_actor_mesh()
+        ActorRefWorker.__init__(self, config)
         self.register_rollout_mesh()
         self.settle_rollout_memory()
+
+    def local_transfer(self) -> WeightTransfer:
+        """The rollout role, built in this process after the training role; weights move in process."""
+        lora = self.config.actor.lora
+        lora_rank = lora.rank if lora is not None else None
+        rc = self.config.rollout
+        self.build_rollout(rc, self.config.actor.model_path, str(self.actor.device), lora_rank)
+        return in_process(self.rollout, rc.bucket_mb, self.actor)
 
     def _before_rollout(self) -> None:
         if self.rollout_config.offload_trainer_during_rollout:

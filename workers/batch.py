@@ -8,6 +8,7 @@ end). Every operation that produces several batches deep-copies `meta` into each
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,22 +144,16 @@ class Batch:
         if len(self) != len(other):
             raise ValueError(f"cannot union batches of {len(self)} and {len(other)} rows")
         tensors = self.tensors.clone(recurse=False)
-        for key, value in other.tensors.items():
-            if key in tensors.keys() and not torch.equal(tensors[key], value):
-                raise ValueError(f"union: tensor '{key}' differs between the two batches")
-            tensors[key] = value
-        non_tensors = dict(self.non_tensors)
-        for key, value in other.non_tensors.items():
-            if key in non_tensors and not _object_arrays_equal(non_tensors[key], value):
-                raise ValueError(f"union: non-tensor '{key}' differs between the two batches")
-            non_tensors[key] = value
-        meta = copy.deepcopy(self.meta)
-        for key, value in other.meta.items():
-            if key in meta and meta[key] != value:
-                raise ValueError(
-                    f"union: meta '{key}' differs between the two batches ({meta[key]!r} vs {value!r})"
-                )
-            meta[key] = copy.deepcopy(value)
+        non_tensors, meta = dict(self.non_tensors), copy.deepcopy(self.meta)
+        for kind, mine, theirs, same in (
+            ("tensor", tensors, other.tensors, torch.equal),
+            ("non-tensor", non_tensors, other.non_tensors, _object_arrays_equal),
+            ("meta", meta, copy.deepcopy(other.meta), operator.eq),
+        ):
+            for key, value in theirs.items():
+                if key in mine.keys() and not same(mine[key], value):
+                    raise ValueError(f"union: {kind} '{key}' differs between the two batches")
+                mine[key] = value
         return Batch(tensors, non_tensors, meta)
 
     def select(self, keys: Iterable[str]) -> Batch:

@@ -10,8 +10,7 @@ from schema.losses import ValueLossConfig
 from schema.workers import UpdateSchedule
 from workers.base import Dispatch, Reduce, register
 from workers.batch import Batch
-from workers.operations import TrainingOperations, TrainOps
-from workers.training import train_on_batch
+from workers.operations import TrainingOperations, TrainOps, train_on_batch
 
 
 class CriticWorker(TrainingOperations):
@@ -30,9 +29,8 @@ class CriticWorker(TrainingOperations):
 
     @register(Dispatch.MESH, mesh="actor")
     def compute_values(self, batch: Batch) -> Batch:
-        """values [B, R]: the critic's estimate before each response token."""
-        with self.critic.eval_mode():
-            return batch.with_tensors({"values": self.ops.forward(batch.tensors)["values"]})
+        """values [B, R]: the critic's estimate before each response token (a value head's forward)."""
+        return self.forward(batch)
 
     @register(Dispatch.MESH, mesh="actor", reduce=Reduce.GLOBAL)
     def update_critic(

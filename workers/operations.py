@@ -1,17 +1,11 @@
 """Fine-grained training operations: what the RL loop, a low-level client and the Tinker host build on.
 
-`TrainOps` is one training engine's operations for a caller that already holds it in train mode:
-`forward_backward` (gradients accumulate over calls until the next step), `optim_step` (with
-optional AdamW settings for that step alone; returns the grad norm), `lr_scheduler_step` and
-`forward`, each with an optional adapter key for an engine that holds many adapters. The RL update
-(`workers/training.train_on_batch`) is mini-batches of `forward_backward` + `optim_step`.
-
-`TrainingOperations` registers the same operations as worker-group methods, for RL roles and the
-Tinker session host (workers/session_host.py) alike. A caller that accumulates over several
-`forward_backward` calls before one `optim_step` passes the counts of all of them
-(`GlobalCounts.of`, engines/training/base.py); since padding rows would count twice in a gradient,
-`forward_backward` is registered with pad=False. Torch is imported where used: the API process
-binds the session host's methods through this module.
+`TrainOps` is one engine's operations, each with an optional adapter key (an engine holding many
+adapters); the RL update (`train_on_batch`) is mini-batches of its `forward_backward` + `optim_step`
+in a seeded order, the learning-rate schedule advancing once per call. `TrainingOperations` registers them as worker-group methods. A caller accumulating over
+several `forward_backward` calls passes the counts of all of them (`GlobalCounts.of`); padding rows
+would count twice in a gradient, hence pad=False. Torch is imported where used: the API process binds
+the session host's methods through this module.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from schema.engine import OptimizerConfig
 from schema.losses import LossSpec, PolicyLossConfig
+from schema.workers import UpdateSchedule
 from workers.base import Dispatch, Reduce, Worker, register
 
 if TYPE_CHECKING:
@@ -145,6 +140,66 @@ def temperature_of(batch: Batch) -> float:
     params = sampling_of(batch)
     temperature = params.temperature if params is not None else 1.0
     return temperature if temperature > 0 else 1.0  # greedy: log-probs of the plain model
+
+
+def mini_batches(num_rows: int, dp_size: int, schedule: UpdateSchedule) -> list[list[int]]:
+    """Index lists of this rank's mini-batches, all epochs in order."""
+    global_size = schedule.mini_batch_size or num_rows * dp_size
+    if global_size % dp_size:
+        raise ValueError(f"mini_batch_size {global_size} must be a multiple of the dp size {dp_size}")
+    local = global_size // dp_size
+    if num_rows % local:
+        raise ValueError(
+            f"this rank holds {num_rows} samples, not a multiple of its mini-batch share {local} "
+            f"(mini_batch_size {global_size} over {dp_size} ranks)"
+        )
+    import torch
+
+    plan: list[list[int]] = []
+    for epoch in range(schedule.epochs):
+        if schedule.shuffle:
+            gen = torch.Generator().manual_seed(schedule.seed * 1000 + epoch)
+            order = torch.randperm(num_rows, generator=gen).tolist()
+        else:
+            order = list(range(num_rows))
+        plan.extend(order[i : i + local] for i in range(0, num_rows, local))
+    return plan
+
+
+def train_on_batch(
+    engine: TrainEngine, batch: Batch, loss: LossSpec, schedule: UpdateSchedule | dict, prefix: str
+) -> dict[str, float]:
+    """Run every mini-batch of every epoch under `loss` (built as for a client's forward_backward);
+    metrics are averaged over the optimizer steps.
+
+    The engine has already reduced each step's metrics over micro-batches and dp ranks (the loss
+    contract of engines/training/base.py), so every rank returns the same, global, metrics."""
+    import torch
+
+    from engines.training.base import MAX_SUFFIX, combine_metric
+
+    tensors, loss_fn, options = prepare_loss(batch, loss)
+    sums: dict[str, float] = {}
+    plan = mini_batches(len(batch), engine.dp_size, UpdateSchedule.model_validate(schedule))
+    ops = TrainOps(engine)
+    with engine.train_mode():
+        lr = engine.learning_rate
+        for index in plan:
+            out = ops.forward_backward(tensors[torch.tensor(index)], loss_fn, **options)
+            for key, value in out.metrics.items():
+                name = key if "/" in key else f"{prefix}/{key}"
+                if name != key and name in out.metrics:
+                    continue  # the loss reports its own total under this name (sft/loss): once, not twice
+                combine_metric(sums, name, value)
+            norm = ops.optim_step()
+            combine_metric(sums, f"{prefix}/grad_norm", norm)
+            combine_metric(sums, f"{prefix}/grad_norm_max", norm)  # the largest optimizer step's
+        ops.lr_scheduler_step()
+    # Averaged over the optimizer steps; maxima (engines/training/base.py) stay maxima.
+    metrics = {key: value if key.endswith(MAX_SUFFIX) else value / len(plan) for key, value in sums.items()}
+    metrics[f"{prefix}/lr"] = lr
+    metrics[f"{prefix}/optimizer_steps"] = float(len(plan))
+    return metrics
 
 
 class TrainingOperations(Worker):

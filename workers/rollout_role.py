@@ -25,8 +25,8 @@ from engines.transfer.collective import TransferGroup
 from schema.workers import EnvironmentConfig, RolloutConfig, RolloutWorkerConfig
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch, environment_of, prompt_length_of, sampling_of
-from workers.object_store_transfer import decode_bucket
 from workers.rollout_layout import rollout_tensors
+from workers.transfer_choice import decode_bucket
 
 
 def rollout_mesh_coords(rank: int, tp: int) -> tuple[int, bool]:
@@ -90,8 +90,7 @@ class RolloutWorker(Worker):
             return self._generate_trajectories(batch, params, environment)
         prompts = [list(map(int, p)) for p in batch.non_tensors["prompt_ids"]]
         width = prompt_length_of(batch) or max(len(p) for p in prompts)
-        with self._rolling():
-            completions = self.rollout.generate(prompts, params)
+        completions = self.generate(prompts, params)
         return Batch(
             rollout_tensors(prompts, completions, width, params.max_new_tokens, self.rollout.pad_token_id),
             batch.non_tensors,
@@ -169,18 +168,18 @@ class RolloutWorker(Worker):
     def receive_bucket(self, ref: ray.ObjectRef, last: bool = False, timeout_s: float = 300.0) -> int | None:
         """One object-store bucket, applied by name; the `last` one also closes the transfer and returns
         the new weight version."""
-        bucket = decode_bucket(ray.get(ref, timeout=timeout_s))
-        self._apply([(name, t.to(self.rollout_device)) for name, t in bucket])
+        self._apply(self._fetch(ref, timeout_s))
         return self.finish_transfer() if last else None
 
     def receive_adapter(self, ref: ray.ObjectRef, config: dict, timeout_s: float = 300.0) -> dict:
         """A LoRA adapter in one object-store object, served and probed (engines/transfer/adapter.py)."""
-        tensors = [
-            (n, t.to(self.rollout_device, copy=True))
-            for n, t in decode_bucket(ray.get(ref, timeout=timeout_s))
-        ]
+        tensors = self._fetch(ref, timeout_s, copy=True)
         with self._rolling():
             return serve_adapter(self.rollout, config, tensors)
+
+    def _fetch(self, ref: ray.ObjectRef, timeout_s: float, copy: bool = False) -> list[NamedTensor]:
+        device = torch.device(getattr(self.rollout, "device", None) or "cpu")
+        return [(n, t.to(device, copy=copy)) for n, t in decode_bucket(ray.get(ref, timeout=timeout_s))]
 
     def finish_transfer(self) -> int:
         version = self.rollout.finish_update()
@@ -195,10 +194,6 @@ class RolloutWorker(Worker):
         self._buckets_received += 1
         if self._exit_after_buckets is not None and self._buckets_received >= self._exit_after_buckets:
             os._exit(1)  # the test hook below: this worker dies in the middle of a transfer
-
-    @property
-    def rollout_device(self) -> torch.device:
-        return torch.device(getattr(self.rollout, "device", None) or "cpu")
 
     @register(Dispatch.ONE_TO_ALL)
     def weight_version(self) -> int:

@@ -4,7 +4,7 @@ An adapter that never reaches the rollout engine leaves it sampling the base mod
 learns, silently. So every transfer ends with a probe: each receiving engine generates one short
 greedy sequence (`serve_adapter`), the trainer recomputes its log-probs; past `probe_tolerance` the
 transfer raises `AdapterSyncError`. The trainer's forward is collective, so every rank runs it.
-`AdapterTransfer` serves an engine of this process; workers/object_store_transfer.py one elsewhere.
+`AdapterTransfer` serves an engine of this process; workers/transfer_choice.py one elsewhere.
 """
 
 from __future__ import annotations

@@ -132,11 +132,7 @@ class OpenEnvEnvironment:
             action = {self.server.text_field: assistant_text}
         result = self.server.run(self.client.step(action), "step")
         reward = 0.0 if result.reward is None else float(result.reward)
-        text = (
-            tool_result_text(result.observation)
-            if self.server.tools
-            else observation_text(result.observation)
-        )
+        text = (tool_result_text if self.server.tools else observation_text)(result.observation)
         message = {"role": "tool" if self.server.tools else "user", "content": text} if text else None
         return message, reward, bool(result.done), {"tool_call": True} if self.server.tools else {}
 

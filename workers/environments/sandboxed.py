@@ -91,7 +91,7 @@ class EnvironmentHost(UserCode):
 
     def run(self, function: str, args: list[Any]) -> Any:
         try:
-            return self.box.call(f"{HOST}:{function}", args, self.timeout_s, kill_on_timeout=False)
+            return self.call(f"{HOST}:{function}", args, self.timeout_s, kill_on_timeout=False)
         except SandboxTimeout:
             self.timed_out = True
             raise
@@ -132,7 +132,7 @@ class OpenEnvHost(UserCode):
         return self.server.new()
 
     def close(self, reason: str = "the OpenEnv server was stopped") -> None:
-        if hasattr(self, "box"):
+        if hasattr(self, "proc"):  # the sandbox started
             super().close(reason)
         shutil.rmtree(self.folder, ignore_errors=True)
 

@@ -222,7 +222,7 @@ class Sandbox:
         self.close()
 
 
-class UserCode:
+class UserCode(Sandbox):
     """A user's reference (reward function, environment, agent) in a sandbox of its own, loaded there at
     once by `check` ("module:function" called with the reference as the sandbox names it, then `args`):
     one that cannot load raises `error` naming it (`what`: "agent 'x.py:f'") and leaves no process."""
@@ -231,25 +231,14 @@ class UserCode:
                  timeout_s: float = CHECK_TIMEOUT_S, limits: Limits | None = None, stderr: int | None = None,
                  **options: Any) -> None:  # fmt: skip
         """`stderr` None: what the code prints goes to the job's log; `options`: the Sandbox's."""
-        self.ref = ref
-        limits = limits or Limits.from_env().long_lived()
-        self.box = Sandbox(staged_files(ref), limits, stderr=stderr, **options)
-        self.placed = self.box.place(ref)
+        self.ref, limits = ref, limits or Limits.from_env().long_lived()
+        super().__init__(staged_files(ref), limits, stderr=stderr, **options)
+        self.placed = self.place(ref)
         try:
-            self.checked = self.box.call(check, [self.placed, *args], timeout_s)
+            self.checked = self.call(check, [self.placed, *args], timeout_s)
         except SandboxError as err:
-            self.box.close()
+            self.close()
             raise error(failure(err, what)) from None
-
-    @property
-    def alive(self) -> bool:
-        return self.box.alive
-
-    def call(self, target: str, args: list[Any], timeout_s: float, kill_on_timeout: bool = True) -> Any:
-        return self.box.call(target, args, timeout_s, kill_on_timeout)
-
-    def close(self, reason: str = "the sandbox was closed") -> None:
-        self.box.close(reason)
 
 
 def staged_files(ref: str) -> list[str]:
