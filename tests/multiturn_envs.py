@@ -32,7 +32,7 @@ class NeverDoneEnv:
 
 
 class FaultyEnv:
-    """Raises on prompts containing 'raise', hangs on 'hang', else ends after one step."""
+    """Raises on prompts containing 'raise', hangs on 'hang', rewards NaN on 'nan', else ends after one step."""
 
     def reset(self, row: dict[str, Any]) -> str:
         self.prompt = str(row["prompt"])
@@ -43,7 +43,7 @@ class FaultyEnv:
             raise RuntimeError("tool crashed")
         if "hang" in self.prompt:
             time.sleep(3)
-        return None, 1.0, True, {}
+        return None, float("nan") if "nan" in self.prompt else 1.0, True, {}
 
 
 class NeedsArgs:

@@ -116,12 +116,20 @@ def test_truncation_by_turns_and_by_budget_is_marked(engine, delta):
     assert td["truncated"].tolist() == [1, 1, 1]
 
 
-def test_a_failing_or_hanging_step_ends_only_its_trajectory(engine, delta):
-    rows = [{"prompt": p, "ground_truth": None, "extra": None} for p in ("ok", "raise", "hang", "ok")]
+def test_a_failing_hanging_or_nan_rewarding_step_ends_only_its_trajectory(engine, delta):
+    prompts = ("ok", "raise", "hang", "ok", "nan")
+    rows = [{"prompt": p, "ground_truth": None, "extra": None} for p in prompts]
     trajectories = run(engine, delta, "tests.multiturn_envs:FaultyEnv", rows, step_timeout_s=1.0)
-    assert [t.finish_reason for t in trajectories] == ["done", "env_error", "env_timeout", "done"]
-    assert [t.reward for t in trajectories] == [1.0, 0.0, 0.0, 1.0]
+    assert [t.finish_reason for t in trajectories] == [
+        "done",
+        "env_error",
+        "env_timeout",
+        "done",
+        "env_error",
+    ]
+    assert [t.reward for t in trajectories] == [1.0, 0.0, 0.0, 1.0, 0.0]  # a NaN reward never trains
     assert "tool crashed" in trajectories[1].error
+    assert "not a finite number: nan" in trajectories[4].error
 
 
 def test_calculator_env_answers_tool_calls_and_scores_the_final_answer(engine, delta):

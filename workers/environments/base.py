@@ -24,6 +24,7 @@ checks a reference in a sandbox at submission (controller/user_code.py), workers
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,10 @@ class StepResult:
             raise EnvironmentContractError(
                 f"step() returned a reward that is not a number: {reward!r}"
             ) from None
+        if not math.isfinite(reward):  # it would reach the advantages and the gradient
+            raise EnvironmentContractError(
+                f"step() returned a reward that is not a finite number: {reward!r}"
+            )
         messages = [] if observation is None else as_messages(observation, default_role="user")
         return cls(messages, reward, bool(done), info if isinstance(info, dict) else {})
 
