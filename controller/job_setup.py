@@ -63,7 +63,10 @@ class JobSetup:
     scoring: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, spec: JobSpec, workdir: Path, sink: JobSink, name: str) -> JobSetup:
+    def build(
+        cls, spec: JobSpec, workdir: Path, sink: JobSink, name: str, pool: ResourcePool | None = None
+    ) -> JobSetup:
+        """`pool`: the training pool a restart placed while it waited, else placed here."""
         from transformers import AutoTokenizer
 
         model_path = resolve_model_path(spec.model)
@@ -91,7 +94,7 @@ class JobSetup:
             f"(rollout backend {spec.rollout.backend})",
             rollout_backend=spec.rollout.backend,
         )
-        groups = start_groups(spec, model_path, name)
+        groups = start_groups(spec, model_path, name, pool)
         sink.event("workers_started", "worker groups are up", workers=spec.resources.workers)
         where = groups.pool.placement()
         sink.event(
@@ -194,11 +197,17 @@ def hybrid_config(spec: JobSpec, model_path: str) -> HybridWorkerConfig:
     )
 
 
-def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: float = 3600.0) -> JobGroups:
+def start_groups(
+    spec: JobSpec,
+    model_path: str,
+    name: str,
+    pool: ResourcePool | None = None,
+    call_timeout_s: float = 3600.0,
+) -> JobGroups:
     """Every worker group of the job, started side by side (a group's start is mostly its processes'
     imports and model loads, which need not wait for each other's). Groups sharing GPUs start in
     turn: a vLLM or SGLang engine sizes its cache from the free GPU memory it sees while it starts."""
-    pool = ResourcePool.for_resources(spec.resources, name=f"{name}-pool")
+    pool = pool or ResourcePool.for_resources(spec.resources, name=f"{name}-pool")
     # Colocated groups split every bundle evenly.
     share = 1.0 / (1 + needs_critic(spec) + (spec.reward.model_path is not None))
     in_turn = share < 1 and pool.gpus_per_bundle > 0

@@ -23,7 +23,7 @@ from controller.hyperparameters import hyperparameter_overrides
 from controller.job_setup import JobSetup
 from controller.off_policy import actor_inputs, corrected_spec, needs_old_log_probs
 from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
-from controller.resource_pool import ResourcePoolError
+from controller.resource_pool import ResourcePool, ResourcePoolError
 from controller.sink import JobSink
 from controller.step_math import add_advantages, batch_metrics, reject_mismatched
 from controller.trajectory_view import step_samples
@@ -73,6 +73,7 @@ class Trainer:
         self.recovery = Recovery(spec.trainer, earlier=restarts)
         self.sink.attempt = self.recovery.attempt
         self.job: JobSetup | None = None  # the current attempt's model, data and workers
+        self._placed: ResourcePool | None = None  # a restart's training pool, placed while it waited
         self.step_index = 0  # the step being run, or the last one run
         self.completed_steps = 0  # steps whose metrics are recorded (or restored from a checkpoint)
         self._reset_kl()
@@ -96,10 +97,10 @@ class Trainer:
             self.source.close()
 
     def _run_attempt(self) -> dict[str, float]:
-        self.job = None
+        self.job, pool, self._placed = None, self._placed, None
         last: dict[str, float] = {}
         try:
-            self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name)
+            self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name, pool)
             self._resume()
             self.source.start()  # after the checkpoint's weights reached the rollout workers
             self.recovery.resumed()
@@ -135,6 +136,8 @@ class Trainer:
             self.source.stop()
             if self.job is not None:
                 self.job.shutdown()
+            elif pool is not None:  # removing it twice (start_groups did on its failure) is harmless
+                pool.remove()
 
     def _recover(self, lost: WorkerLost) -> None:
         """Restart the job from its last checkpoint; RestartsExhausted past the budget."""
@@ -145,11 +148,14 @@ class Trainer:
         self.step_index = self.completed_steps = resume
         self._reset_kl()
         try:
-            self.recovery.wait(self.spec.resources, self.name, lambda: self.control.stop_reason)
+            pool = self.recovery.wait(self.spec.resources, self.name, lambda: self.control.stop_reason)
         except ResourcePoolError as err:  # no room within restart_wait_s: a failed restart, the next one
             raise WorkerLost("could not be placed", str(err)) from err
         if self.control.stop_reason is not None:
+            if pool is not None:
+                pool.remove()
             raise StopRequested(self.control.stop_reason)
+        self._placed = pool
         self.sink.attempt = self.recovery.attempt
 
     def step(self) -> dict[str, float]:
