@@ -106,14 +106,6 @@ class JobSetup:
         )
         return cls(spec, model_path, tokenizer, loader, val_batch, scorer, groups)
 
-    @property
-    def uses_reference(self) -> bool:
-        return needs_reference(self.spec)
-
-    @property
-    def epoch(self) -> int:
-        return self.loader.epoch
-
     def next_prompts(self, step: int, round_index: int = 0) -> Batch:
         """The step's prompts, each repeated rollout.n times (a group is contiguous); `round_index`
         counts dynamic sampling's extra draws."""
@@ -135,7 +127,7 @@ class JobSetup:
             if self.groups.reward is not None:
                 batch = self.groups.reward.compute_rm_score(batch)
                 return batch, batch.tensors["rm_scores"].float(), {}
-            scores, metrics, _ = score(batch, self.scorer, self.tokenizer)
+            scores, metrics = score(batch, self.scorer, self.tokenizer)
             return batch, scores, metrics
 
     def scored(self, batch: Batch) -> tuple[Batch, torch.Tensor, dict[str, float]]:
@@ -145,9 +137,6 @@ class JobSetup:
             batch, scores, self.spec.algorithm.overlong, self.spec.rollout.response_budget
         )
         return batch, scores, {**metrics, **overlong}
-
-    def next_sft_batch(self) -> Batch:
-        return next(self.loader)
 
     def shutdown(self) -> None:
         if self.scorer is not None:

@@ -20,12 +20,18 @@ from controller import checkpoints
 from controller.advantages import KLController
 from controller.batch_source import make_source
 from controller.hyperparameters import hyperparameter_overrides
-from controller.job_setup import JobSetup
-from controller.off_policy import actor_inputs, corrected_spec, needs_old_log_probs
+from controller.job_setup import JobSetup, needs_reference
 from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
 from controller.resource_pool import ResourcePool, ResourcePoolError
 from controller.sink import JobSink
-from controller.step_math import add_advantages, batch_metrics, reject_mismatched
+from controller.step_math import (
+    actor_inputs,
+    add_advantages,
+    batch_metrics,
+    corrected_spec,
+    needs_old_log_probs,
+    reject_mismatched,
+)
 from controller.trajectory_view import step_samples
 from schema.job import JobSpec
 from schema.workers import UpdateSchedule
@@ -167,7 +173,7 @@ class Trainer:
             if needs_old_log_probs(spec, len(batch), self.asked_proximal):
                 with self.timed("old_log_prob"):
                     batch = actor.compute_log_prob(batch)
-            if self.job.uses_reference:
+            if needs_reference(spec):
                 with self.timed("ref"):
                     batch = actor.compute_ref_log_prob(batch)
             if critic is not None:
@@ -217,7 +223,7 @@ class Trainer:
         actor = self.job.groups.actor
         self._timings = {}
         with self.timed("step"):
-            batch = self.job.next_sft_batch()
+            batch = next(self.job.loader)
             with self.timed("update_actor"):
                 metrics = actor.update_sft(batch, self.spec.algorithm.loss_agg_mode, self._schedule())
             with self.timed("sync"):
@@ -374,7 +380,7 @@ class Trainer:
             busy = self._timings.get("step", 0.0) - self._timings.get("wait_rollout", 0.0)
             metrics["perf/trainer_tokens_per_s"] = tokens / max(busy, 1e-9)
         metrics["training/step"] = float(self.step_index)
-        metrics["training/epoch"] = float(self.job.epoch)
+        metrics["training/epoch"] = float(self.job.loader.epoch)
         return metrics
 
 
