@@ -29,8 +29,6 @@ from controller.groups import (
     JobGroups,
     RewardGroup,
     RolloutPlan,
-    launch_rollout,
-    link_rollout,
 )
 from controller.models import resolve_model_path
 from controller.resource_pool import ResourcePool, describe_placement
@@ -217,7 +215,9 @@ def start_groups(
         if spec.resources.rollout_workers is None:
             pending["actor"] = launch(ActorRolloutRefWorker, config, "actor")
         else:
-            rollout_pool = rollout_pool_of(spec, name)
+            rollout_pool = ResourcePool.for_resources(
+                spec.resources, name=f"{name}-rollout-pool", role="rollout"
+            )
             plan = RolloutPlan(
                 RolloutWorkerConfig(
                     model_path=model_path,
@@ -228,7 +228,7 @@ def start_groups(
                 spec.rollout.weight_transfer,
                 call_timeout_s,
             )
-            pending["rollout"] = launch_rollout(rollout_pool, plan)
+            pending["rollout"] = plan.launch(rollout_pool)
             pending["actor"] = launch(ActorRefWorker, config, "actor")
         if needs_critic(spec):
             critic_optim = spec.optim.model_copy(update={"lr": spec.algorithm.critic_lr})
@@ -242,7 +242,7 @@ def start_groups(
             actor = ActorGroup(groups["actor"])
         else:
             actor = ActorGroup(groups["actor"], groups["rollout"])
-            link_rollout(groups["actor"], groups["rollout"], plan)
+            plan.link(groups["actor"], groups["rollout"])
         critic = CriticGroup(groups["critic"]) if "critic" in groups else None
         reward = RewardGroup(groups["reward"]) if "reward" in groups else None
     except Exception:
@@ -251,8 +251,3 @@ def start_groups(
             rollout_pool.remove()
         raise
     return JobGroups(pool, actor, critic, reward, rollout_pool, plan)
-
-
-def rollout_pool_of(spec: JobSpec, name: str) -> ResourcePool:
-    """The rollout workers' own pool (placement 'split'), with resources.rollout's sizes."""
-    return ResourcePool.for_resources(spec.resources, name=f"{name}-rollout-pool", role="rollout")
