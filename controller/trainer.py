@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from controller import checkpoints
+from controller import checkpoints, step_math
 from controller.advantages import KLController
 from controller.batch_source import make_source
 from controller.hyperparameters import hyperparameter_overrides
@@ -24,14 +24,6 @@ from controller.job_setup import JobSetup, needs_reference
 from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
 from controller.resource_pool import ResourcePool, ResourcePoolError
 from controller.sink import JobSink
-from controller.step_math import (
-    actor_inputs,
-    add_advantages,
-    batch_metrics,
-    corrected_spec,
-    needs_old_log_probs,
-    reject_mismatched,
-)
 from controller.trajectory_view import step_samples
 from schema.job import JobSpec
 from schema.workers import UpdateSchedule
@@ -73,7 +65,7 @@ class Trainer:
     ) -> None:
         # `restarts`: the job's restarts before this run (trainer.max_restarts is the job's budget).
         self.asked_proximal = spec.algorithm.recompute_old_log_probs  # the user's, before the correction's
-        self.spec, self.workdir, self.name = corrected_spec(spec), Path(workdir), name
+        self.spec, self.workdir, self.name = step_math.corrected_spec(spec), Path(workdir), name
         self.sink = AttemptSink(sink)  # marks what a restarted attempt records
         self.control = TrainerControl()
         self.recovery = Recovery(spec.trainer, earlier=restarts)
@@ -170,7 +162,7 @@ class Trainer:
         self._timings = {}
         with self.timed("step"):
             batch, scores, metrics = self.source.next_batch()
-            if needs_old_log_probs(spec, len(batch), self.asked_proximal):
+            if step_math.needs_old_log_probs(spec, len(batch), self.asked_proximal):
                 with self.timed("old_log_prob"):
                     batch = actor.compute_log_prob(batch)
             if needs_reference(spec):
@@ -180,7 +172,7 @@ class Trainer:
                 with self.timed("values"):
                     batch = critic.compute_values(batch)
             with self.timed("adv"):
-                batch, adv_metrics = add_advantages(batch, scores, spec, self.kl.value)
+                batch, adv_metrics = step_math.add_advantages(batch, scores, spec, self.kl.value)
             if critic is not None:
                 with self.timed("update_critic"):
                     metrics.update(
@@ -188,8 +180,8 @@ class Trainer:
                             batch, spec.algorithm.vf_clip, spec.algorithm.loss_agg_mode, self._schedule()
                         )
                     )
-            actor_batch, rejection = reject_mismatched(batch, spec.algorithm.rollout_correction)
-            actor_batch = actor_inputs(spec, actor_batch)
+            actor_batch, rejection = step_math.reject_mismatched(batch, spec.algorithm.rollout_correction)
+            actor_batch = step_math.actor_inputs(spec, actor_batch)
             with self.timed("update_actor"):
                 metrics.update(
                     actor.update_actor(actor_batch, spec.algorithm.policy_loss_config(), self._schedule())
@@ -211,7 +203,7 @@ class Trainer:
         if spec.algorithm.kl_in_reward:
             self.kl.update(adv_metrics["actor/reward_kl_penalty"], len(batch))
         metrics.update(adv_metrics)
-        metrics.update(batch_metrics(batch, scores, spec.rollout.response_budget))
+        metrics.update(step_math.batch_metrics(batch, scores, spec.rollout.response_budget))
         if spec.trainer.samples_per_step:
             self.sink.samples(
                 self.step_index,
