@@ -119,9 +119,9 @@ class JobGroups:
         if self.rollout_pool is None or self.rollout_plan is None:
             raise RuntimeError("only a split placement's rollout group can be replaced on its own")
         self.actor.rollout.shutdown()  # the survivors too: the new group is formed whole
-        rollout = launch_rollout(self.rollout_pool, self.rollout_plan, start_timeout_s).ready()
+        rollout = self.rollout_plan.launch(self.rollout_pool, start_timeout_s).ready()
         try:
-            link_rollout(self.actor.group, rollout, self.rollout_plan)
+            self.rollout_plan.link(self.actor.group, rollout)
         except Exception:
             rollout.shutdown()
             raise
@@ -145,21 +145,19 @@ class RolloutPlan:
     strategy: str  # rollout.weight_transfer
     call_timeout_s: float
 
+    def launch(self, pool: ResourcePool, start_timeout_s: float = 300.0) -> PendingGroup:
+        """The rollout workers, on their own pool."""
+        return RayWorkerGroup.launch(
+            pool,
+            RolloutWorker,
+            self.config,
+            group_name=self.name,
+            call_timeout_s=self.call_timeout_s,
+            start_timeout_s=start_timeout_s,
+        )
 
-def launch_rollout(pool: ResourcePool, plan: RolloutPlan, start_timeout_s: float = 300.0) -> PendingGroup:
-    """The rollout workers of a split placement, on their own pool."""
-    return RayWorkerGroup.launch(
-        pool,
-        RolloutWorker,
-        plan.config,
-        group_name=plan.name,
-        call_timeout_s=plan.call_timeout_s,
-        start_timeout_s=start_timeout_s,
-    )
-
-
-def link_rollout(training: RayWorkerGroup, rollout: RayWorkerGroup, plan: RolloutPlan) -> None:
-    """Connect the training rank 0 to `rollout` with the plan's strategy (a collective group is formed
-    with its workers; an earlier one is closed first, workers/actor_role.py)."""
-    timeout_s = min(plan.call_timeout_s, TRANSFER_TIMEOUT_S)
-    training.connect_rollout(RolloutLink(rollout.actors, rollout.name, plan.strategy, timeout_s))
+    def link(self, training: RayWorkerGroup, rollout: RayWorkerGroup) -> None:
+        """Connect the training rank 0 to `rollout` with the plan's strategy (a collective group is
+        formed with its workers; an earlier one is closed first, workers/actor_role.py)."""
+        timeout_s = min(self.call_timeout_s, TRANSFER_TIMEOUT_S)
+        training.connect_rollout(RolloutLink(rollout.actors, rollout.name, self.strategy, timeout_s))

@@ -29,8 +29,6 @@ from controller.groups import (
     JobGroups,
     RewardGroup,
     RolloutPlan,
-    launch_rollout,
-    link_rollout,
 )
 from controller.models import resolve_model_path
 from controller.resource_pool import ResourcePool, describe_placement
@@ -63,7 +61,10 @@ class JobSetup:
     scoring: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
-    def build(cls, spec: JobSpec, workdir: Path, sink: JobSink, name: str) -> JobSetup:
+    def build(
+        cls, spec: JobSpec, workdir: Path, sink: JobSink, name: str, pool: ResourcePool | None = None
+    ) -> JobSetup:
+        """`pool`: the training pool a restart placed while it waited, else placed here."""
         from transformers import AutoTokenizer
 
         model_path = resolve_model_path(spec.model)
@@ -91,7 +92,7 @@ class JobSetup:
             f"(rollout backend {spec.rollout.backend})",
             rollout_backend=spec.rollout.backend,
         )
-        groups = start_groups(spec, model_path, name)
+        groups = start_groups(spec, model_path, name, pool)
         sink.event("workers_started", "worker groups are up", workers=spec.resources.workers)
         where = groups.pool.placement()
         sink.event(
@@ -102,14 +103,6 @@ class JobSetup:
             **where,
         )
         return cls(spec, model_path, tokenizer, loader, val_batch, scorer, groups)
-
-    @property
-    def uses_reference(self) -> bool:
-        return needs_reference(self.spec)
-
-    @property
-    def epoch(self) -> int:
-        return self.loader.epoch
 
     def next_prompts(self, step: int, round_index: int = 0) -> Batch:
         """The step's prompts, each repeated rollout.n times (a group is contiguous); `round_index`
@@ -132,7 +125,7 @@ class JobSetup:
             if self.groups.reward is not None:
                 batch = self.groups.reward.compute_rm_score(batch)
                 return batch, batch.tensors["rm_scores"].float(), {}
-            scores, metrics, _ = score(batch, self.scorer, self.tokenizer)
+            scores, metrics = score(batch, self.scorer, self.tokenizer)
             return batch, scores, metrics
 
     def scored(self, batch: Batch) -> tuple[Batch, torch.Tensor, dict[str, float]]:
@@ -142,9 +135,6 @@ class JobSetup:
             batch, scores, self.spec.algorithm.overlong, self.spec.rollout.response_budget
         )
         return batch, scores, {**metrics, **overlong}
-
-    def next_sft_batch(self) -> Batch:
-        return next(self.loader)
 
     def shutdown(self) -> None:
         if self.scorer is not None:
@@ -194,11 +184,17 @@ def hybrid_config(spec: JobSpec, model_path: str) -> HybridWorkerConfig:
     )
 
 
-def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: float = 3600.0) -> JobGroups:
+def start_groups(
+    spec: JobSpec,
+    model_path: str,
+    name: str,
+    pool: ResourcePool | None = None,
+    call_timeout_s: float = 3600.0,
+) -> JobGroups:
     """Every worker group of the job, started side by side (a group's start is mostly its processes'
     imports and model loads, which need not wait for each other's). Groups sharing GPUs start in
     turn: a vLLM or SGLang engine sizes its cache from the free GPU memory it sees while it starts."""
-    pool = ResourcePool.for_resources(spec.resources, name=f"{name}-pool")
+    pool = pool or ResourcePool.for_resources(spec.resources, name=f"{name}-pool")
     # Colocated groups split every bundle evenly.
     share = 1.0 / (1 + needs_critic(spec) + (spec.reward.model_path is not None))
     in_turn = share < 1 and pool.gpus_per_bundle > 0
@@ -219,7 +215,9 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
         if spec.resources.rollout_workers is None:
             pending["actor"] = launch(ActorRolloutRefWorker, config, "actor")
         else:
-            rollout_pool = rollout_pool_of(spec, name)
+            rollout_pool = ResourcePool.for_resources(
+                spec.resources, name=f"{name}-rollout-pool", role="rollout"
+            )
             plan = RolloutPlan(
                 RolloutWorkerConfig(
                     model_path=model_path,
@@ -230,7 +228,7 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
                 spec.rollout.weight_transfer,
                 call_timeout_s,
             )
-            pending["rollout"] = launch_rollout(rollout_pool, plan)
+            pending["rollout"] = plan.launch(rollout_pool)
             pending["actor"] = launch(ActorRefWorker, config, "actor")
         if needs_critic(spec):
             critic_optim = spec.optim.model_copy(update={"lr": spec.algorithm.critic_lr})
@@ -244,7 +242,7 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
             actor = ActorGroup(groups["actor"])
         else:
             actor = ActorGroup(groups["actor"], groups["rollout"])
-            link_rollout(groups["actor"], groups["rollout"], plan)
+            plan.link(groups["actor"], groups["rollout"])
         critic = CriticGroup(groups["critic"]) if "critic" in groups else None
         reward = RewardGroup(groups["reward"]) if "reward" in groups else None
     except Exception:
@@ -253,8 +251,3 @@ def start_groups(spec: JobSpec, model_path: str, name: str, call_timeout_s: floa
             rollout_pool.remove()
         raise
     return JobGroups(pool, actor, critic, reward, rollout_pool, plan)
-
-
-def rollout_pool_of(spec: JobSpec, name: str) -> ResourcePool:
-    """The rollout workers' own pool (placement 'split'), with resources.rollout's sizes."""
-    return ResourcePool.for_resources(spec.resources, name=f"{name}-rollout-pool", role="rollout")

@@ -262,16 +262,19 @@ class Recovery:
             raise RestartsExhausted(self.losses, most, self.earlier) from lost
         return n, most
 
-    def wait(self, resources: ResourcesSpec, name: str, should_stop: Callable[[], str | None]) -> None:
-        """The backoff, then until the cluster can place the job's workers again; both end early
-        when `should_stop()` names a stop request."""
+    def wait(
+        self, resources: ResourcesSpec, name: str, should_stop: Callable[[], str | None]
+    ) -> ResourcePool | None:
+        """The backoff, then the job's training pool placed again (None when `should_stop()` named a
+        stop request first): the next attempt starts its workers on it."""
         backoff = self.backoff_s * 2 ** (self.restarts - 1)
         deadline = time.monotonic() + backoff
         while time.monotonic() < deadline and should_stop() is None:
             time.sleep(min(0.2, max(deadline - time.monotonic(), 0)))
         self._phase("waiting for resources")
-        wait_for_capacity(resources, name, self.wait_s, should_stop)
+        pool = wait_for_capacity(resources, name, self.wait_s, should_stop)
         self._phase("starting workers")
+        return pool
 
     def resumed(self) -> None:
         self.status = None
@@ -283,24 +286,24 @@ class Recovery:
 
 def wait_for_capacity(
     resources: ResourcesSpec, name: str, timeout_s: float, should_stop: Callable[[], str | None]
-) -> None:
-    """Until a placement group of the job's shape can be scheduled (then removed again), a stop, or
-    `timeout_s` (ResourcePoolError)."""
+) -> ResourcePool | None:
+    """The job's training pool once the cluster can schedule it; None on a stop; ResourcePoolError
+    past `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while should_stop() is None:
         remaining = deadline - time.monotonic()
         try:
             # The job's pool name: the scheduler removes a pool left behind by a controller that died.
-            ResourcePool.for_resources(
+            return ResourcePool.for_resources(
                 resources, name=f"{name}-pool", ready_timeout_s=min(5.0, max(remaining, 0.1))
-            ).remove()
-            return
+            )
         except ResourcePoolError:
             if deadline - time.monotonic() <= 0:
                 raise ResourcePoolError(
                     f"no room for the job's {resources.workers} worker(s) within trainer.restart_wait_s "
                     f"({timeout_s:.0f}s); the cluster has {ray.available_resources()} available"
                 ) from None
+    return None
 
 
 class AttemptSink:

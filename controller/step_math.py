@@ -9,6 +9,10 @@ Over-long responses (DAPO, Yu et al. 2025): a response that stopped at its token
                    their group's baseline
 
 Scores first, then the filter: the penalty shapes what the advantages see, the filter what is trained.
+
+The off-policy correction of an async job (trainer.off_policy_correction): pi_behav, the rollout
+engine's log-probs; pi_prox, the trainer's before the update; pi_theta, the policy being updated;
+C = algorithm.rollout_correction.is_cap; clip(r) = clip(r, 1 - eps_low, 1 + eps_high).
 """
 
 from __future__ import annotations
@@ -40,11 +44,9 @@ def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
     return tokenizer.batch_decode(sampled, skip_special_tokens=True)
 
 
-def score(
-    batch: Batch, scorer: RewardScorer, tokenizer: Any
-) -> tuple[torch.Tensor, dict[str, float], list[str]]:
-    """Sequence scores [B] from the rule reward, its metrics, and the decoded responses; each row's
-    error goes with the batch as `reward_error` (stored samples), the first few to the job's log."""
+def score(batch: Batch, scorer: RewardScorer, tokenizer: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sequence scores [B] from the rule reward and its metrics; each row's error goes with the batch
+    as `reward_error` (stored samples), the first few to the job's log."""
     texts = decode_responses(batch, tokenizer)
     extras = [e if isinstance(e, dict) else None for e in batch.non_tensors.get("extra", [None] * len(batch))]
     result = scorer.score(
@@ -57,7 +59,7 @@ def score(
     if result.errors:
         log.warning("reward function %s failed on %d of %d samples (scored 0.0): %s", scorer.ref,
                     result.errors, len(batch), "; ".join(result.error_messages))  # fmt: skip
-    return result.scores.float(), result.metrics, texts
+    return result.scores.float(), result.metrics
 
 
 def with_tensors(batch: Batch, **tensors: torch.Tensor) -> Batch:
@@ -180,3 +182,61 @@ def apply_overlong(
         batch = with_tensors(batch, response_mask=t["response_mask"] * keep)
         metrics["overlong/masked_frac"] = float(t["truncated"].float().mean())
     return batch, scores, metrics
+
+
+def corrected_spec(spec: JobSpec) -> JobSpec:
+    """The spec whose loss applies trainer.off_policy_correction, with r = pi_theta / pi_prox:
+
+    decoupled      L = - min(pi_prox / pi_behav, C) * min(r A, clip(r) A)  (AReaL, Fu et al. 2025, eq. 5,
+                   truncated rather than masked past the cap); needs pi_prox: recompute_old_log_probs.
+    tis            the same with pi_prox = pi_theta.detach(): for one epoch an unclipped, truncated
+                   importance-sampling loss (Yao et al. 2025).
+    behaviour_ppo  L = - min(rho A, clip(rho) A), rho = pi_theta / pi_behav: PPO around whatever weights
+                   sampled each token (AReaL's baseline); no behaviour weight, no proximal pass.
+    none           the sync loss unchanged.
+
+    decoupled is the default: its trust region is around the proximal policy and its weight truncated,
+    where behaviour_ppo clips around stale weights. decoupled and tis use token-level TIS unless the
+    user set another level."""
+    choice = spec.trainer.off_policy_correction
+    if spec.trainer.mode != "async" or choice in ("none", "behaviour_ppo"):
+        return spec
+    correction = spec.algorithm.rollout_correction
+    level = correction.is_weights if correction.is_weights != "off" else "token"
+    algorithm: dict[str, Any] = {"rollout_correction": {"is_weights": level}}
+    if choice == "decoupled":
+        algorithm["recompute_old_log_probs"] = True
+    return spec.merged({"algorithm": algorithm})
+
+
+def needs_old_log_probs(spec: JobSpec, samples: int, asked_proximal: bool) -> bool:
+    """Whether the step runs the old (proximal) log-prob pass (`asked_proximal`: the user's setting).
+    Not for a one-optimizer-step update (its first forward gives the same numbers) unless something
+    reads them first (KL in the reward, rollout rejection)."""
+    a, choice = spec.algorithm, spec.trainer.off_policy_correction
+    rejection = a.rollout_correction.rejection != "off"
+    single_step = a.ppo_epochs == 1 and a.ppo_mini_batch_size in (None, samples)
+    if spec.trainer.mode == "async" and choice == "behaviour_ppo":
+        return a.recompute_old_log_probs or a.kl_in_reward or rejection
+    if spec.trainer.mode == "async" and choice == "decoupled" and not asked_proximal:
+        return not single_step or a.kl_in_reward or rejection
+    return a.recompute_old_log_probs or not single_step or a.kl_in_reward or rejection
+
+
+def actor_inputs(spec: JobSpec, batch: Batch) -> Batch:
+    """The batch the actor's loss reads: behaviour_ppo's has the behaviour log-probs as its old ones."""
+    if spec.trainer.mode == "async" and spec.trainer.off_policy_correction == "behaviour_ppo":
+        return behaviour_as_old(batch)
+    return batch
+
+
+def behaviour_as_old(batch: Batch) -> Batch:
+    """old_log_probs = rollout_log_probs, and no rollout_log_probs left (no trivial mismatch report)."""
+    if "rollout_log_probs" not in batch.tensors.keys():
+        raise KeyError(
+            "off_policy_correction behaviour_ppo needs the rollout engine's log-probs in the batch"
+        )
+    tensors = batch.tensors.clone(recurse=False)
+    tensors["old_log_probs"] = tensors["rollout_log_probs"]
+    del tensors["rollout_log_probs"]
+    return Batch(tensors, batch.non_tensors, batch.meta)

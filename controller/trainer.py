@@ -16,16 +16,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from controller import checkpoints
+from controller import checkpoints, step_math
 from controller.advantages import KLController
 from controller.batch_source import make_source
 from controller.hyperparameters import hyperparameter_overrides
-from controller.job_setup import JobSetup
-from controller.off_policy import actor_inputs, corrected_spec, needs_old_log_probs
+from controller.job_setup import JobSetup, needs_reference
 from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
-from controller.resource_pool import ResourcePoolError
+from controller.resource_pool import ResourcePool, ResourcePoolError
 from controller.sink import JobSink
-from controller.step_math import add_advantages, batch_metrics, reject_mismatched
 from controller.trajectory_view import step_samples
 from schema.job import JobSpec
 from schema.workers import UpdateSchedule
@@ -67,12 +65,13 @@ class Trainer:
     ) -> None:
         # `restarts`: the job's restarts before this run (trainer.max_restarts is the job's budget).
         self.asked_proximal = spec.algorithm.recompute_old_log_probs  # the user's, before the correction's
-        self.spec, self.workdir, self.name = corrected_spec(spec), Path(workdir), name
+        self.spec, self.workdir, self.name = step_math.corrected_spec(spec), Path(workdir), name
         self.sink = AttemptSink(sink)  # marks what a restarted attempt records
         self.control = TrainerControl()
         self.recovery = Recovery(spec.trainer, earlier=restarts)
         self.sink.attempt = self.recovery.attempt
         self.job: JobSetup | None = None  # the current attempt's model, data and workers
+        self._placed: ResourcePool | None = None  # a restart's training pool, placed while it waited
         self.step_index = 0  # the step being run, or the last one run
         self.completed_steps = 0  # steps whose metrics are recorded (or restored from a checkpoint)
         self._reset_kl()
@@ -96,10 +95,10 @@ class Trainer:
             self.source.close()
 
     def _run_attempt(self) -> dict[str, float]:
-        self.job = None
+        self.job, pool, self._placed = None, self._placed, None
         last: dict[str, float] = {}
         try:
-            self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name)
+            self.job = JobSetup.build(self.spec, self.workdir, self.sink, self.name, pool)
             self._resume()
             self.source.start()  # after the checkpoint's weights reached the rollout workers
             self.recovery.resumed()
@@ -135,6 +134,8 @@ class Trainer:
             self.source.stop()
             if self.job is not None:
                 self.job.shutdown()
+            elif pool is not None:  # removing it twice (start_groups did on its failure) is harmless
+                pool.remove()
 
     def _recover(self, lost: WorkerLost) -> None:
         """Restart the job from its last checkpoint; RestartsExhausted past the budget."""
@@ -145,11 +146,14 @@ class Trainer:
         self.step_index = self.completed_steps = resume
         self._reset_kl()
         try:
-            self.recovery.wait(self.spec.resources, self.name, lambda: self.control.stop_reason)
+            pool = self.recovery.wait(self.spec.resources, self.name, lambda: self.control.stop_reason)
         except ResourcePoolError as err:  # no room within restart_wait_s: a failed restart, the next one
             raise WorkerLost("could not be placed", str(err)) from err
         if self.control.stop_reason is not None:
+            if pool is not None:
+                pool.remove()
             raise StopRequested(self.control.stop_reason)
+        self._placed = pool
         self.sink.attempt = self.recovery.attempt
 
     def step(self) -> dict[str, float]:
@@ -158,17 +162,17 @@ class Trainer:
         self._timings = {}
         with self.timed("step"):
             batch, scores, metrics = self.source.next_batch()
-            if needs_old_log_probs(spec, len(batch), self.asked_proximal):
+            if step_math.needs_old_log_probs(spec, len(batch), self.asked_proximal):
                 with self.timed("old_log_prob"):
                     batch = actor.compute_log_prob(batch)
-            if self.job.uses_reference:
+            if needs_reference(spec):
                 with self.timed("ref"):
                     batch = actor.compute_ref_log_prob(batch)
             if critic is not None:
                 with self.timed("values"):
                     batch = critic.compute_values(batch)
             with self.timed("adv"):
-                batch, adv_metrics = add_advantages(batch, scores, spec, self.kl.value)
+                batch, adv_metrics = step_math.add_advantages(batch, scores, spec, self.kl.value)
             if critic is not None:
                 with self.timed("update_critic"):
                     metrics.update(
@@ -176,8 +180,8 @@ class Trainer:
                             batch, spec.algorithm.vf_clip, spec.algorithm.loss_agg_mode, self._schedule()
                         )
                     )
-            actor_batch, rejection = reject_mismatched(batch, spec.algorithm.rollout_correction)
-            actor_batch = actor_inputs(spec, actor_batch)
+            actor_batch, rejection = step_math.reject_mismatched(batch, spec.algorithm.rollout_correction)
+            actor_batch = step_math.actor_inputs(spec, actor_batch)
             with self.timed("update_actor"):
                 metrics.update(
                     actor.update_actor(actor_batch, spec.algorithm.policy_loss_config(), self._schedule())
@@ -199,7 +203,7 @@ class Trainer:
         if spec.algorithm.kl_in_reward:
             self.kl.update(adv_metrics["actor/reward_kl_penalty"], len(batch))
         metrics.update(adv_metrics)
-        metrics.update(batch_metrics(batch, scores, spec.rollout.response_budget))
+        metrics.update(step_math.batch_metrics(batch, scores, spec.rollout.response_budget))
         if spec.trainer.samples_per_step:
             self.sink.samples(
                 self.step_index,
@@ -211,7 +215,7 @@ class Trainer:
         actor = self.job.groups.actor
         self._timings = {}
         with self.timed("step"):
-            batch = self.job.next_sft_batch()
+            batch = next(self.job.loader)
             with self.timed("update_actor"):
                 metrics = actor.update_sft(batch, self.spec.algorithm.loss_agg_mode, self._schedule())
             with self.timed("sync"):
@@ -368,7 +372,7 @@ class Trainer:
             busy = self._timings.get("step", 0.0) - self._timings.get("wait_rollout", 0.0)
             metrics["perf/trainer_tokens_per_s"] = tokens / max(busy, 1e-9)
         metrics["training/step"] = float(self.step_index)
-        metrics["training/epoch"] = float(self.job.epoch)
+        metrics["training/epoch"] = float(self.job.loader.epoch)
         return metrics
 
 

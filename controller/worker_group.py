@@ -88,12 +88,8 @@ class PendingGroup:
     ) -> None:
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
-        self.name, self.pool, self.worker_cls, self.worker = (
-            group_name,
-            pool,
-            worker_cls,
-            (worker_cls, args, kwargs),
-        )
+        self.name, self.pool, self.worker_cls = group_name, pool, worker_cls
+        self.worker = (worker_cls, args, kwargs)
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self.starts: list[ray.ObjectRef] | None = None
         remote_host, env = ray.remote(WorkerHost), _rank_env(share)
@@ -187,7 +183,8 @@ class RayWorkerGroup:
 
     def mesh_layout(self, mesh: str) -> MeshLayout:
         if mesh not in self._layouts:
-            info = self._run_all("mesh_info", [((mesh,), {})] * self.world_size)
+            refs = [a.execute.remote("mesh_info", ((mesh,), {})) for a in self._hosts.actors]
+            info = wait_all(self.name, "mesh_info", refs, self.call_timeout_s)
             self._layouts[mesh] = MeshLayout.from_info(mesh, info)
         return self._layouts[mesh]
 
@@ -243,10 +240,6 @@ class RayWorkerGroup:
             for rank, actor in enumerate(self._hosts.actors)
         ]
         return PendingCall(self, method, refs, lambda outs: collect_from_mesh(layout, outs, pad))
-
-    def _run_all(self, method: str, per_rank: list[tuple[tuple, dict]]) -> list[Any]:
-        refs = [a.execute.remote(method, p) for a, p in zip(self._hosts.actors, per_rank, strict=True)]
-        return wait_all(self.name, method, refs, self.call_timeout_s)
 
 
 def _shared(value: Any, readers: int) -> Any:

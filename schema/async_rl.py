@@ -74,7 +74,7 @@ class AsyncOptions(BaseModel):
         "recomputed proximal policy (with one update per batch the same gradient as decoupled; with more "
         "mini-batches or epochs the same loss); behaviour_ppo = PPO clipped against the behaviour "
         "log-probs pi_behav (no proximal pass, no weight: AReaL's plain-PPO baseline); none = the sync "
-        "loss as it is (controller/off_policy.py)",
+        "loss as it is (controller/step_math.py)",
     )
 
 

@@ -55,7 +55,7 @@ class OverlongSpec(Section):
 
 
 class DynamicSamplingSpec(Section):
-    """DAPO dynamic sampling (controller/dynamic_sampling.py)."""
+    """DAPO dynamic sampling (controller/batch_source.py)."""
 
     enabled: bool = Field(
         False,
@@ -154,7 +154,7 @@ class TrainerSpec(Section, AsyncOptions):
         default_factory=list,
         max_length=3,
         description="experiment trackers that also receive every step's metrics, hyper-parameter changes "
-        "and samples, off the step's critical path (controller/trackers/): any of tensorboard (event files "
+        "and samples, off the step's critical path (controller/trackers.py): any of tensorboard (event files "
         "in the job's folder), wandb (online when logged in, else offline in the job's folder), mlflow",
     )
     tracker_project: str = Field(

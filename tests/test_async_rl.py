@@ -227,7 +227,7 @@ def test_the_decoupled_objective_matches_its_formula_computed_per_token():
 
     import torch
 
-    from controller.off_policy import corrected_spec
+    from controller.step_math import corrected_spec
     from tests.test_losses import batch, run
     from workers.losses.policy import make_policy_loss
 
@@ -270,7 +270,7 @@ def test_behaviour_ppo_is_ppo_clipped_against_the_behaviour_log_probs_per_token(
 
     import torch
 
-    from controller.off_policy import behaviour_as_old, corrected_spec
+    from controller.step_math import behaviour_as_old, corrected_spec
     from tests.test_losses import batch, run
     from workers.batch import Batch
     from workers.losses.policy import make_policy_loss

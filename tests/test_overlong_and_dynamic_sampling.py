@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from controller.dynamic_sampling import sample_signal_groups, uniform_groups
+from controller.batch_source import sample_signal_groups, uniform_groups
 from controller.step_math import apply_overlong, overlong_penalty
 from schema.job import JobSpec
 from schema.training import OverlongSpec

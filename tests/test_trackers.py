@@ -1,4 +1,4 @@
-"""Experiment trackers (controller/trackers/): TensorBoard, W&B (offline) and MLflow (a local folder)
+"""Experiment trackers (controller/trackers.py): TensorBoard, W&B (offline) and MLflow (a local folder)
 receive a job's metrics, hyper-parameter changes and samples, read back with each library's reader.
 
 The TrackerSink is driven directly with the records a trainer makes (the job's own JsonlSink inside),
