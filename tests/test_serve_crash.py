@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from api.reaper import _stat, descendants
+from api.reaper import descendants, proc_stat
 from controller import checkpoints
 from tests.api_util import tiny_job, wait_for, wait_for_step
 from tests.serve_util import cluster_env, kill_leftovers, start_serve, stop, wait_until
@@ -47,7 +47,7 @@ def crash_dir() -> Iterator[tuple[Path, dict[str, str]]]:
 
 
 def alive(procs: set[tuple[int, int]]) -> set[tuple[int, int]]:
-    return {p for p in procs if (info := _stat(p[0])) is not None and info[1] == p[1]}
+    return {p for p in procs if (info := proc_stat(p[0])) is not None and info[2] == p[1]}
 
 
 def recorded_step(db: Path, job_id: str) -> int:
