@@ -178,6 +178,10 @@ class JobSpec(JobLabels):
         if rollout_workers is not None and rollout_workers.workers % self.rollout.tensor_parallel_size:
             raise field_error(("resources", "rollout", "workers"), "resources.rollout.workers must be a multiple "
                               "of rollout.tensor_parallel_size", rollout_workers.workers, named=False)  # fmt: skip
+        if rollout_workers is not None and self.rollout.offload_trainer_during_rollout:
+            raise field_error(("rollout", "offload_trainer_during_rollout"), "frees the device of a trainer "
+                              "that generates in its own process; with resources.placement 'split' the rollout "
+                              "runs on workers of its own and the trainer has nothing to free: remove it", True)  # fmt: skip
         # Every rank must get the same number of real samples: padded rows would be trained on.
         samples = self.trainer.prompts_per_step * (1 if self.method == "sft" else self.rollout.n)
         if self.rollout.external_config is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from schema.async_rl import AsyncOptions
 from schema.engine import MicroBatchConfig, OptimizerConfig, ScheduleKind, SchedulerConfig, WarmupDecay
@@ -130,7 +130,11 @@ class TrainerSpec(Section, AsyncOptions):
     prompts_per_step: int = Field(
         16, gt=0, le=MAX_SAMPLES, description="prompts a step (RL: x rollout.n samples), or pairs (SFT)"
     )
-    epochs: int = Field(1, ge=1, le=100_000, description="SFT: passes over the data")
+    epochs: int = Field(
+        1,
+        description="must be 1 (older specs carry it): a job passes over its data as many times as "
+        "trainer.total_steps x prompts_per_step rows need, in a new order each pass",
+    )
     val_every: int = Field(5, ge=0, le=100_000_000, description="0 disables validation")
     val_size: int = Field(64, gt=0, le=MAX_SAMPLES, description="validation prompts per evaluation")
     val_greedy: bool = Field(
@@ -183,6 +187,14 @@ class TrainerSpec(Section, AsyncOptions):
         le=7 * 86400,
         description="how long a restart waits for the cluster to have room for the job's workers again",
     )
+
+    @field_validator("epochs")
+    @classmethod
+    def _no_pass_count(cls, value: int) -> int:
+        if value != 1:  # nothing reads it: an accepted count would be silently ignored
+            raise ValueError("passes over the data are not counted: they follow from trainer.total_steps x "
+                             "prompts_per_step; set trainer.total_steps (and leave epochs at 1)")  # fmt: skip
+        return value
 
     @model_validator(mode="after")
     def _target_needs_validation(self) -> TrainerSpec:

@@ -50,7 +50,10 @@ class RolloutOptions(_Config):
         "on CUDA when under a quarter of the device is free, never on a CPU)",
     )
     offload_trainer_during_rollout: bool = Field(
-        False, description="move trainer state to CPU while generating"
+        False,
+        description="placement 'colocated' only: move the training role's engines (the actor's parameters "
+        "and optimizer state, the reference model's parameters) to host memory while the rollout engine "
+        "generates, and back after it; on a CPU they are in host memory already and nothing moves",
     )
     weight_transfer: Literal["collective", "object_store"] = Field(
         "collective",

@@ -14,6 +14,7 @@ from controller.resource_pool import ResourcePool
 from controller.worker_group import RayWorkerGroup, ready_all
 from schema.workers import RolloutConfig
 from workers.actor_role import ActorRolloutRefWorker
+from workers.base import Dispatch, register
 from workers.batch import Batch
 from workers.critic import CriticWorker
 from workers.rollout_role import rollout_mesh_coords
@@ -122,6 +123,76 @@ def test_two_ranks_share_identical_weights_and_collect_in_order(ray_cluster, tin
     finally:
         wg.shutdown()
         pool.remove()
+
+
+def trainer_devices(worker: ActorRolloutRefWorker) -> dict[str, set[str]]:
+    """The device types of the actor's parameters and optimizer state and of the reference's parameters."""
+    state = worker.actor.optimizer.state.values()
+    return {
+        "actor": {p.device.type for p in worker.actor.model.parameters()},
+        "optimizer": {v.device.type for s in state for v in s.values() if torch.is_tensor(v)},
+        "ref": {p.device.type for p in worker.ref.model.parameters()},
+    }
+
+
+class OffloadProbeWorker(ActorRolloutRefWorker):
+    """The hybrid worker, noting where the training role's tensors are while its rollout engine generates."""
+
+    def _before_rollout(self) -> None:
+        super()._before_rollout()
+        self.during_rollout = trainer_devices(self)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def trainer_devices(self) -> dict[str, dict[str, set[str]]]:
+        return {"during_rollout": self.during_rollout, "now": trainer_devices(self)}
+
+
+def train_twice(wg: RayWorkerGroup) -> tuple[list[Batch], list[dict], dict[str, torch.Tensor]]:
+    """Two generate / log-prob / update / sync rounds: the rollouts, the update metrics, the weights."""
+    rollouts, metrics = [], []
+    for _ in range(2):
+        batch = wg.compute_ref_log_prob(wg.compute_log_prob(wg.generate_sequences(prompt_batch())))
+        rollouts.append(batch)
+        metrics.append(
+            wg.update_actor(
+                with_advantages(batch), {"policy_loss": "ppo", "use_kl_loss": True, "kl_loss_coef": 0.1}, {}
+            )[0]
+        )
+        wg.sync_weights()
+    return rollouts, metrics, wg.actor_state_dict()[0]
+
+
+def test_offloading_the_trainer_during_rollout_changes_no_number(ray_cluster, tiny_model_dir):
+    """rollout.offload_trainer_during_rollout: while the rollout engine generates, the actor's parameters
+    and optimizer state and the reference's parameters are in host memory (on a CPU they always are),
+    back on the training device after it; the rollouts, losses and weights are those of a run without it."""
+    runs = {}
+    for offload, worker_cls in ((False, ActorRolloutRefWorker), (True, OffloadProbeWorker)):
+        pool = ResourcePool(1, cpus_per_bundle=1, name=f"offload-{offload}")
+        config = worker_config(tiny_model_dir, offload_trainer_during_rollout=offload)
+        wg = RayWorkerGroup(pool, worker_cls, config, group_name=f"offload-{offload}")
+        try:
+            runs[offload] = train_twice(wg)
+            if offload:
+                devices = wg.trainer_devices()[0]
+        finally:
+            wg.shutdown()
+            pool.remove()
+    assert devices["during_rollout"] == {"actor": {"cpu"}, "optimizer": {"cpu"}, "ref": {"cpu"}}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert devices["now"] == {"actor": {device}, "optimizer": {device}, "ref": {device}}
+    (rollouts_off, metrics_off, weights_off), (rollouts_on, metrics_on, weights_on) = runs[False], runs[True]
+    tolerance = 1e-6  # the same computation on the same device: only a move's rounding could differ (none)
+    for off, on in zip(rollouts_off, rollouts_on, strict=True):
+        assert torch.equal(off.tensors["responses"], on.tensors["responses"])
+        for key in ("rollout_log_probs", "old_log_probs", "ref_log_probs"):
+            torch.testing.assert_close(on.tensors[key], off.tensors[key], atol=tolerance, rtol=0)
+    for off, on in zip(metrics_off, metrics_on, strict=True):
+        assert off.keys() == on.keys() and off["actor/optimizer_steps"] == 1
+        assert all(abs(off[k] - on[k]) <= tolerance * max(1.0, abs(off[k])) for k in off), (off, on)
+    assert weights_off.keys() == weights_on.keys()
+    for name, tensor in weights_off.items():
+        torch.testing.assert_close(weights_on[name], tensor, atol=tolerance, rtol=0)
 
 
 def test_colocated_critic_learns_returns(ray_cluster, tiny_model_dir):

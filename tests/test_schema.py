@@ -65,6 +65,38 @@ def test_the_api_refuses_the_rank_with_a_4xx_naming_model_lora_rank(unscheduled)
         assert client.get("/v1/jobs").json()["data"] == []
 
 
+def test_offloading_the_trainer_is_refused_on_placement_split_naming_the_field(unscheduled) -> None:
+    """The trainer of a split job generates nothing, so the setting would free nothing: a 422, not a no-op."""
+    split = {"placement": "split", "rollout": {"workers": 1}}
+    with pytest.raises(ValidationError) as err:
+        JobSpec.model_validate(tiny_job(rollout={"offload_trainer_during_rollout": True}, resources=split))
+    first = err.value.errors()[0]
+    assert first["loc"] == ("rollout", "offload_trainer_during_rollout") and "split" in first["msg"]
+    assert JobSpec.model_validate(tiny_job(rollout={"offload_trainer_during_rollout": True})).rollout
+    with unscheduled.client() as client:
+        answer = client.post(
+            "/v1/jobs", json=tiny_job(rollout={"offload_trainer_during_rollout": True}, resources=split)
+        )
+        assert answer.status_code == 422, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == "rollout.offload_trainer_during_rollout" and "split" in error["message"]
+
+
+def test_a_pass_count_is_refused_naming_trainer_epochs(unscheduled) -> None:
+    """trainer.epochs was accepted and read by nothing: 3 passes ran as many steps as 1."""
+    assert JobSpec.model_validate(tiny_job(trainer={"epochs": 1})).trainer.epochs == 1
+    for epochs in (0, 3, -1):
+        with pytest.raises(ValidationError) as err:
+            JobSpec.model_validate(tiny_job(trainer={"epochs": epochs}))
+        first = err.value.errors()[0]
+        assert first["loc"] == ("trainer", "epochs") and "trainer.total_steps" in first["msg"]
+    with unscheduled.client() as client:
+        answer = client.post("/v1/jobs", json=tiny_job(method="sft", trainer={"epochs": 3}))
+        assert answer.status_code == 422, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == "trainer.epochs" and "trainer.total_steps" in error["message"]
+
+
 @contextmanager
 def counted_parses() -> Iterator[list[int]]:
     """Counts JobSpec validations in this thread: its cross-section rule runs once per parse."""

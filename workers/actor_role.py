@@ -166,13 +166,19 @@ class ActorRolloutRefWorker(ActorRefWorker, RolloutWorker):
 
     def _before_rollout(self) -> None:
         if self.rollout_config.offload_trainer_during_rollout:
-            self.actor.to("cpu")
+            for engine in self._training_engines():
+                engine.to("cpu")
         super()._before_rollout()
 
     def _after_rollout(self) -> None:
         super()._after_rollout()
         if self.rollout_config.offload_trainer_during_rollout:
-            self.actor.to(str(self.actor.device))
+            for engine in self._training_engines():
+                engine.to(str(engine.device))
+
+    def _training_engines(self) -> list[TrainEngine]:
+        """What offload_trainer_during_rollout moves: the actor, and a reference model of its own."""
+        return [self.actor] if self.ref is None else [self.actor, self.ref]
 
     def _send_weights(self, stream: Iterator[NamedTensor]) -> dict[str, float]:
         """Into this process's rollout engine, resumed for the copy and released after it."""
