@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=36)
     parser.add_argument("--response-len", type=int, default=16)
     args = parser.parse_args()
+    if args.iters < 2:
+        parser.error("--iters must be at least 2: the first repeat is a warm-up, dropped from the median")
     torch.set_num_threads(args.threads)
     if args.shared_prompt:
         shared_prompt(args)
