@@ -172,6 +172,8 @@ class Scheduler(RunSettlement):
         while not self._stop.is_set():
             try:
                 self._collect()
+                for kind in self.hosted.values():
+                    kind.tend()
                 self._schedule()
                 self._warm_up()
             except Exception:  # the loop must survive anything a job does

@@ -148,6 +148,8 @@ class RunServer(Protocol):
 
     def stop(self, record_id: str) -> None: ...
 
+    def expire_sessions(self) -> None: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -173,6 +175,11 @@ class TinkerRunWorkload:
     def stop(self, record_id: str) -> None:
         if self.server is not None:
             self.server.stop(record_id)
+
+    def tend(self) -> None:
+        """On every scheduler pass: silent clients' sessions end even when no other client calls."""
+        if self.server is not None:
+            self.server.expire_sessions()
 
     def recover(self, record: Any) -> tuple[JobStatus, str]:
         """At a service start: a running run's host went with the old service (paused, naming its last

@@ -148,6 +148,27 @@ def test_a_run_that_ends_before_its_launch_fails_its_held_requests_and_holds_not
     assert not tinker.records.models.of("uma")
 
 
+def test_a_silent_session_ends_though_no_other_client_calls(svc):
+    """Its client stopped (no heartbeat) and nobody else calls the Tinker API: the session still ends
+    within its TTL, and its run pauses, freeing its owner's running slot."""
+    tinker = svc.server.config.app.state.tinker
+    with owner_client(svc, "walt") as walt:
+        session = walt.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        assert done(svc, create_model(walt, session, 0).json()["request_id"], 120)
+    ttl = tinker.session_ttl_s
+    tinker.session_ttl_s = 1.0
+    try:
+        deadline = time.monotonic() + 30
+        while session in tinker.records.sessions and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        tinker.session_ttl_s = ttl
+    assert session not in tinker.records.sessions
+    run = run_of(svc, f"{session}:train:0")
+    assert run.status == "paused" and f"session {session} ended" in run.error
+    assert run.id not in svc.service.scheduler.running
+
+
 def test_a_host_that_failed_to_start_starts_with_the_next_request(svc, late_base):
     """Its model folder is copied in after the first request: that request fails naming the host, and
     the next one starts it."""
