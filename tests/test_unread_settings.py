@@ -59,6 +59,11 @@ CASES = [
         "checkpoint.export_merged",
     ),
     ({"trainer": {"mlflow_uri": "/tmp/mlruns"}}, {"trainer": {"loggers": ["mlflow"]}}, "trainer.mlflow_uri"),
+    (
+        {"reward": {"function": None, "model_path": "/models/rm", "num_workers": 2}},
+        {"reward": {"function": "tests.reward_fns:digit_reward", "model_path": None}},
+        "reward.num_workers",
+    ),  # fmt: skip
 ]
 
 
