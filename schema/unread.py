@@ -36,8 +36,8 @@ def _unread(spec: JobSpec) -> list[tuple[str, tuple[str, ...], str]]:
     rl_only = tuple(n for n in type(a).model_fields if n not in SFT_ALGORITHM)
     return [
         ("algorithm", rl_only if sft else (), "method sft trains on the pairs' cross-entropy alone"),
-        ("model", () if critic else ("critic_path",), "only GAE advantages (method ppo) train a critic"),
-        ("algorithm", () if critic else ("critic_lr", "vf_clip"), "only GAE advantages (method ppo) train a critic"),
+        ("model", () if critic else ("critic_path",), "only GAE advantages (method ppo, or algorithm.advantage gae) train a critic"),
+        ("algorithm", () if critic else ("critic_lr", "vf_clip"), "only GAE advantages (method ppo, or algorithm.advantage gae) train a critic"),
         ("algorithm", () if a.kl_in_reward else ("kl_reward_coef", "kl_target"), "needs algorithm.kl_in_reward"),
         ("algorithm", () if a.use_kl_loss else ("kl_loss_coef",), "needs algorithm.use_kl_loss"),
         ("trainer", () if t.mode == "async" else ASYNC_ONLY, "needs trainer.mode 'async'"),
