@@ -37,7 +37,7 @@ def run_job(steps: int, loggers: list[str]) -> tuple[list[float], float]:
     spec = JobSpec.model_validate({
         "method": "grpo", "model": {"builtin": "qwen2-1m"},
         "trainer": {"total_steps": steps, "prompts_per_step": 16, "val_every": 0, "samples_per_step": 4,
-                    "loggers": loggers, "mlflow_uri": str(workdir / "mlruns")},
+                    "loggers": loggers, "mlflow_uri": str(workdir / "mlruns") if "mlflow" in loggers else None},
         "rollout": {"n": 8, "max_new_tokens": 8}, "optim": {"lr": 5e-4},
         "checkpoint": {"every": 0, "export_hf": False},
     })  # fmt: skip

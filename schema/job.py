@@ -26,6 +26,7 @@ from schema.resources import ResourcesSpec
 from schema.rollout import RolloutSpec
 from schema.section import MAX_SAMPLES, Section, deep_merge, field_error
 from schema.training import AlgorithmSpec, OptimSpec, TrainerSpec
+from schema.unread import check_unread
 
 Method = Literal["sft", "grpo", "ppo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
 # A metadata key: what `?metadata=key:value` can name (no ':', which ends the key there).
@@ -213,6 +214,7 @@ class JobSpec(JobLabels):
         self._check_backend_limits()
         check_async(self, samples)
         check_reward(self)
+        check_unread(self)
         return self
 
     def _check_backend_limits(self) -> None:

@@ -210,5 +210,5 @@ def test_the_penalty_buffer_of_a_multiturn_job_is_checked_against_its_trajectory
         ValueError, match="penalty_buffer = 41 must not exceed rollout.max_response_tokens = 40"
     ):
         multiturn_spec(penalty_buffer=41)
-    single = JobSpec.model_validate({"rollout": {"max_new_tokens": 8, "max_response_tokens": 40}})
+    single = JobSpec.model_validate({"rollout": {"max_new_tokens": 8}})
     assert (single.rollout.response_budget_field, single.rollout.response_budget) == ("max_new_tokens", 8)
