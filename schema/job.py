@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StringConstraints, field_validator, model_validator
+from pydantic import Field, StringConstraints, ValidationInfo, field_validator, model_validator
 
 from engines.rollout import ROLLOUT_ENGINES
 from schema.async_rl import check_async
@@ -24,7 +24,7 @@ from schema.engine import Dtype, LoraConfig
 from schema.reasoning_gym import ReasoningGymSpec, check_data_source, check_reward
 from schema.resources import ResourcesSpec
 from schema.rollout import RolloutSpec
-from schema.section import MAX_SAMPLES, Section, deep_merge, field_error
+from schema.section import MAX_SAMPLES, Section, at_submission, deep_merge, field_error
 from schema.training import AlgorithmSpec, OptimSpec, TrainerSpec
 from schema.unread import check_unread
 
@@ -168,7 +168,7 @@ class JobSpec(JobLabels):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> JobSpec:
+    def _consistent(self, info: ValidationInfo) -> JobSpec:
         if self.method == "ppo" and self.algorithm.advantage not in (None, "gae"):
             raise field_error(("algorithm", "advantage"), "method 'ppo' uses GAE: leave it unset or 'gae'",
                               self.algorithm.advantage)  # fmt: skip
@@ -179,7 +179,11 @@ class JobSpec(JobLabels):
         if rollout_workers is not None and rollout_workers.workers % self.rollout.tensor_parallel_size:
             raise field_error(("resources", "rollout", "workers"), "resources.rollout.workers must be a multiple "
                               "of rollout.tensor_parallel_size", rollout_workers.workers, named=False)  # fmt: skip
-        if rollout_workers is not None and self.rollout.offload_trainer_during_rollout:
+        if (
+            rollout_workers is not None
+            and self.rollout.offload_trainer_during_rollout
+            and at_submission(info)
+        ):
             raise field_error(("rollout", "offload_trainer_during_rollout"), "frees the device of a trainer "
                               "that generates in its own process; with resources.placement 'split' the rollout "
                               "runs on workers of its own and the trainer has nothing to free: remove it", True)  # fmt: skip
@@ -214,7 +218,8 @@ class JobSpec(JobLabels):
         self._check_backend_limits()
         check_async(self, samples)
         check_reward(self)
-        check_unread(self)
+        if at_submission(info):
+            check_unread(self)
         return self
 
     def _check_backend_limits(self) -> None:

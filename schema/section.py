@@ -35,6 +35,16 @@ def _kinds(annotation: Any) -> set[Any]:
     return {annotation} if not args else set().union(*(_kinds(a) for a in args))
 
 
+# The validation context a stored spec is read with: a setting refused since it was stored (one its job
+# would ignore) stays readable, so the job can still be listed, resumed and forked with the field fixed.
+STORED = {"stored": True}
+
+
+def at_submission(info: ValidationInfo) -> bool:
+    """Whether this validation checks a new spec (or edit), not one read back from the store."""
+    return not (info.context or {}).get("stored")
+
+
 def field_error(loc: tuple[str, ...], message: str, value: Any, named: bool = True) -> ValidationError:
     """A validation error located at `loc` (a cross-field rule still names its field in the 422).
     `named`: the message starts with the dotted `loc`; a section's own rule, whose `loc` is relative

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from schema.async_rl import AsyncOptions
 from schema.engine import MicroBatchConfig, OptimizerConfig, ScheduleKind, SchedulerConfig, WarmupDecay
 from schema.losses import PolicyLossConfig
-from schema.section import MAX_SAMPLES, Section, field_error, fields_of
+from schema.section import MAX_SAMPLES, Section, at_submission, field_error, fields_of
 from schema.workers import UpdateSchedule
 
 Tracker = Literal["tensorboard", "wandb", "mlflow"]
@@ -190,8 +190,8 @@ class TrainerSpec(Section, AsyncOptions):
 
     @field_validator("epochs")
     @classmethod
-    def _no_pass_count(cls, value: int) -> int:
-        if value != 1:  # nothing reads it: an accepted count would be silently ignored
+    def _no_pass_count(cls, value: int, info: ValidationInfo) -> int:
+        if value != 1 and at_submission(info):  # nothing reads it: an accepted count would be ignored
             raise ValueError("passes over the data are not counted: they follow from trainer.total_steps x "
                              "prompts_per_step; set trainer.total_steps (and leave epochs at 1)")  # fmt: skip
         return value

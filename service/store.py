@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from schema.job import JobSpec
+from schema.section import STORED
 from service.job_state import ACTIVE, RUN_HOLDING, TERMINAL, JobStatus, check_moves
 from service.keys import ADMIN_OWNER, KeyTable
 from service.store_metrics import MetricsQuery, MetricsTable, metrics_topic
@@ -91,7 +92,7 @@ def parse_spec(stored: str) -> JobSpec:
         if stored in _PARSED:
             _PARSED.move_to_end(stored)
             return _PARSED[stored]
-    return _remember(stored, JobSpec.model_validate_json(stored))
+    return _remember(stored, JobSpec.model_validate_json(stored, context=STORED))
 
 
 def _remember(stored: str, spec: JobSpec) -> JobSpec:

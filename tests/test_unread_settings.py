@@ -110,3 +110,21 @@ def test_the_service_answers_an_unread_setting_and_an_edit_of_one_with_a_422_nam
         assert edit.status_code == 422, edit.text
         assert edit.json()["error"]["param"] == "algorithm.critic_lr"
         assert client.patch(f"/v1/jobs/{job_id}/hyperparameters", json={"lr": 1e-4}).status_code == 200
+
+
+def test_a_job_stored_before_its_setting_was_refused_still_runs_and_reads(unscheduled) -> None:
+    """A spec is checked when it arrives; one read back from the store is not refused for a rule made
+    after it was stored: the scheduler parses it to start (or resume) the job, and a refusal there
+    would fail every scheduler pass."""
+    service = unscheduled.service
+    old = spec_with({"algorithm": {"kl_target": 0.01}, "trainer": {"epochs": 3}})  # both refused today
+    job_id = service.store.create_job(old, service.jobs_root).id  # stored as it arrived back then
+    record = service.store.get_job(job_id)
+    run = service.scheduler.spec_to_run(record, own_checkpoint=False)  # what a start hands the controller
+    assert (run.algorithm.kl_target, run.trainer.epochs) == (0.01, 3)
+    with unscheduled.client() as client:
+        got = client.get(f"/v1/jobs/{job_id}")
+        assert got.status_code == 200, got.text
+        assert got.json()["spec"]["algorithm"]["kl_target"] == 0.01
+        assert job_id in [j["id"] for j in client.get("/v1/jobs").json()["data"]]
+        assert client.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
