@@ -282,7 +282,7 @@ class Scheduler(RunSettlement):
             first_step = self.workload.resume_step(job.workdir)
             try:  # upload ids -> stored paths and every path checked again, now that it starts
                 spec = self.spec_to_run(job, first_step > 0)
-            except ServiceError as err:  # a file, path or tracker refused
+            except (ServiceError, ValueError) as err:  # a path refused, or a spec that no longer parses
                 # from RUN_HOLDING: a cancel or pause may have come in since the job went running
                 self.store.transition(job.id, RUN_HOLDING, S.FAILED, ("failed", str(err)), error=str(err))
                 return

@@ -1,4 +1,5 @@
-"""A cancel that lands while the scheduler is between two moves of the same job: the job still ends.
+"""A cancel that lands while the scheduler is between two moves of the same job: the job still ends;
+a start whose stored spec cannot be read fails naming why.
 
 Each test places the user's cancel (the store move Service.cancel makes) inside the window it names;
 on a live service the window is a few milliseconds wide, so the test puts the cancel there itself.
@@ -68,4 +69,19 @@ def test_a_start_refused_after_its_cancel_came_ends_failed_naming_why(tmp_path: 
     assert record.status == S.FAILED
     assert "no uploaded file 'file-0123456789ab'" in record.error
     assert [e["kind"] for e in store.events(job.id)][-1] == "failed"
+    assert job.id not in scheduler.running
+
+
+def test_a_stored_spec_that_no_longer_parses_fails_its_start_naming_the_field(tmp_path: Path):
+    """A row whose spec this version cannot read (a section's field it no longer has) fails when the
+    scheduler starts it, naming the field, instead of leaving it running with no run."""
+    store = JobStore(tmp_path / "t.db")
+    scheduler = Scheduler(store, warm_controllers=0)
+    spec = tiny_job()
+    spec["trainer"]["retired_knob"] = 1  # a field an older version had: sections forbid unknown fields
+    job = store.create_job(spec, tmp_path / "jobs")
+    scheduler._launch(store.get_job(job.id), 1.0, 0.0)
+
+    record = store.get_job(job.id)
+    assert record.status == S.FAILED and "trainer.retired_knob" in record.error, record.error
     assert job.id not in scheduler.running
