@@ -96,7 +96,7 @@ class TinkerService:
         for op in held or []:
             self.futures.fail(op.future, why, "user")
         if held is None and drop:
-            self.on_model(model, SessionWorker.drop_adapter, {}, {})
+            self.on_model(model, SessionWorker.drop_adapter, {}, {}, bounded=False)
 
     def _quota(self, owner: str, name: str, have: list, what: str) -> None:
         limit = getattr(self.quotas.of(owner), name)
@@ -137,11 +137,12 @@ class TinkerService:
         ]}  # fmt: skip
 
     def submit(self, to: Host | list[Op], owner: str, queue: str, operation: Any, kwargs: dict[str, Any],
-               finish: Finish, on_fail: Any = None) -> Future:  # fmt: skip
-        """Queue one op on a host (or on a held list); the caller's future for it."""
-        op = Op(
-            self.futures.create(owner, operation.__name__), owner, queue, operation, kwargs, finish, on_fail
-        )
+               finish: Finish, on_fail: Any = None, bounded: bool = True) -> Future:  # fmt: skip
+        """Queue one op on a host (or on a held list); the caller's future for it. A `bounded` one is a
+        429 when its owner has too many queued (the service's own, and a model's creation, are not)."""
+        limit = self.options.max_pending if bounded else None
+        future = self.futures.create(owner, operation.__name__, limit)
+        op = Op(future, owner, queue, operation, kwargs, finish, on_fail)
         if isinstance(to, list):
             to.append(op)
         else:
@@ -149,14 +150,14 @@ class TinkerService:
         return op.future
 
     def on_model(self, model: TrainingModel, operation: Any, kwargs: dict[str, Any], finish: Finish,
-                 on_fail: Any = None) -> Future:  # fmt: skip
+                 on_fail: Any = None, bounded: bool = True) -> Future:  # fmt: skip
         """Queue `operation` on the model's adapter after its earlier ops; a run the scheduler has not
         launched yet keeps them until it does (`launch`)."""
         kwargs = {"adapter": _safe(model.model_id), **kwargs}
         with self._held:
             held = self._launches.get(model.model_id)
             to = held if held is not None else self.hosts[model.base_model]
-            return self.submit(to, model.owner, model.model_id, operation, kwargs, finish, on_fail)
+            return self.submit(to, model.owner, model.model_id, operation, kwargs, finish, on_fail, bounded)
 
     # ---- training models --------------------------------------------------------------------------
 
@@ -209,7 +210,7 @@ class TinkerService:
             return {"model_id": model_id, "type": "create_model"}
 
         future = self.on_model(model, SessionWorker.create_adapter, {"rank": rank, "seed": lora.seed, **trains},
-                               created, lambda: self._forget(model))  # fmt: skip
+                               created, lambda: self._forget(model), bounded=False)  # fmt: skip
         self.scheduler.admit(job.id)  # else it waits in the queue for its owner's quota or for room
         return future
 
@@ -339,7 +340,8 @@ class TinkerService:
             return {"path": path, "model_id": model.model_id, "type": "load_weights"}
 
         kwargs = {"path": str(folder), "optimizer": optimizer}
-        return self.on_model(model, SessionWorker.load_state, kwargs, loaded, on_fail)
+        # a new model's load (on_fail) goes with its creation, which the models quota bounds
+        return self.on_model(model, SessionWorker.load_state, kwargs, loaded, on_fail, on_fail is None)
 
     def unload(self, owner: str, req: bodies.ModelRef) -> Future:
         model = self.model(req.model_id, owner)

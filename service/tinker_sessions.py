@@ -100,6 +100,7 @@ class Future:
     done_at: float | None = None
     answer: dict[str, Any] | bytes | None = None
     cancelled: bool = False
+    queued: bool = False  # its op holds its request's data in a queue: it counts against its owner
 
     @property
     def done(self) -> bool:
@@ -111,10 +112,20 @@ class FutureTable(Owned[Future]):
         super().__init__("future", "request_id")
         self._lock = threading.Lock()
         self._swept = 0.0
+        self._queued: dict[str, int] = {}  # owner -> their futures whose op is still queued or running
 
-    def create(self, owner: str, kind: str) -> Future:
-        future = Future(f"req-{uuid.uuid4().hex[:16]}", owner, kind)
+    def create(self, owner: str, kind: str, limit: int | None = None) -> Future:
+        """A future for an op about to be queued; a 429 (the SDK backs off and retries) when the owner
+        has `limit` queued already, each holding its request's data."""
+        future = Future(f"req-{uuid.uuid4().hex[:16]}", owner, kind, queued=True)
         with self._lock:
+            have = self._queued.get(owner, 0)
+            if limit is not None and have >= limit:
+                field = "tinker_max_pending_requests"
+                raise TinkerError(429, f"{field}: owner '{owner}' has {have} requests queued or running, the "
+                                  f"most this service holds for one owner ({limit}); retry as they are answered",
+                                  field)  # fmt: skip
+            self._queued[owner] = have + 1
             now = time.time()
             if now - self._swept >= SWEEP_EVERY_S:  # a sweep visits every future: not on every request
                 self._swept = now
@@ -125,14 +136,28 @@ class FutureTable(Owned[Future]):
 
     def finish(self, future: Future, answer: dict[str, Any] | bytes) -> None:
         with self._lock:
+            self._release(future)
             if not future.done:  # cancelled first: the late result is dropped
                 future.answer, future.done_at = answer, time.time()
+
+    def release(self, future: Future) -> None:
+        """Its op left its queue unanswered (cancelled while queued)."""
+        with self._lock:
+            self._release(future)
+
+    def _release(self, future: Future) -> None:
+        if future.queued:
+            future.queued = False
+            self._queued[future.owner] -= 1
+            if not self._queued[future.owner]:
+                del self._queued[future.owner]
 
     def fail(self, future: Future, message: str, category: str = "server") -> None:
         self.finish(future, {"error": message, "category": category})
 
     def cancel(self, future: Future) -> bool:
-        """Marks a pending future cancelled (its queued work is skipped); False if it had finished."""
+        """Marks a pending future cancelled (its queued work is skipped, and counts until then); False if
+        it had finished."""
         with self._lock:
             if future.done:
                 return False

@@ -19,6 +19,7 @@ pytest.importorskip("tinker")
 zstandard = pytest.importorskip("zstandard")
 
 from api.settings import ServeSettings  # noqa: E402
+from service.quotas import Quota  # noqa: E402
 from service.tinker_requests import FLOOR_BYTES, decompressed  # noqa: E402
 from service.tinker_service import TinkerError  # noqa: E402
 from tests.api_util import start_service, tiny_job  # noqa: E402
@@ -26,12 +27,15 @@ from tests.tinker_loops import owner_keys  # noqa: E402
 
 BASE = "/nonexistent/tinker-base"  # served, but its host cannot start: nothing here needs one
 PROTO = {"content-type": "application/x-protobuf"}
+PENDING = 4  # requests an owner may have unanswered
 
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    live = start_service(tmp_path_factory.mktemp("tinker-bad"), schedule=False,
-                         settings=ServeSettings(tinker_base_models=[BASE]))  # fmt: skip
+    # no owner's run starts (running_jobs 0), so a training model's ops stay held, as behind a busy host
+    settings = ServeSettings(tinker_base_models=[BASE], tinker_max_pending_requests=PENDING,
+                             default_quota=Quota(running_jobs=0))  # fmt: skip
+    live = start_service(tmp_path_factory.mktemp("tinker-bad"), schedule=False, settings=settings)
     yield live
     live.stop()
 
@@ -307,3 +311,37 @@ def test_an_unexpected_error_answers_500_in_the_error_shape_with_its_request_id(
     assert plain.status_code == 500, plain.text
     error = plain.json()["error"]
     assert error["type"] == "server_error" and "req-probe-2" in error["message"]
+
+
+def test_an_owner_with_too_many_unanswered_requests_gets_a_429_the_sdk_retries(svc):
+    """Each queued op holds its body until dispatched: past the bound the owner is told to back off (a 429,
+    which the SDK retries); a cancelled op still queued counts, and another owner is not held back."""
+    keys = owner_keys(svc, ("carol", "dave"))
+    with httpx.Client(base_url=svc.url, timeout=60) as http:
+        models = {}
+        for owner, key in keys.items():
+            http.headers["X-API-Key"] = key
+            session = http.post("/api/v1/create_session", json={}).json()["session_id"]
+            made = http.post(
+                "/api/v1/create_model",
+                json={
+                    "session_id": session,
+                    "base_model": BASE,
+                    "model_seq_id": 0,
+                    "lora_config": {"rank": 4},
+                },
+            )
+            assert made.status_code == 200, made.text
+            models[owner] = f"{session}:train:0"
+        http.headers["X-API-Key"] = keys["carol"]
+        step = {"model_id": models["carol"]}
+        queued = [http.post("/api/v1/optim_step", json=step) for _ in range(PENDING - 1)]  # and its creation
+        assert all(r.status_code == 200 for r in queued), [r.text for r in queued]
+        http.post("/api/v1/cancel_future", json={"request_id": queued[0].json()["request_id"]})
+        refused = _refused(http.post("/api/v1/optim_step", json=step), "tinker_max_pending_requests", 429)
+        assert str(PENDING) in refused["error"]
+        targets = {"target_tokens": {"data": [2, 3], "dtype": "int64"}, "weights": {"data": [1.0, 1.0]}}
+        fwd = _fwd({**_chunks([1, 2]), "loss_fn_inputs": targets}, model_id=models["carol"])
+        _refused(http.post("/api/v1/forward_backward", json=fwd), "tinker_max_pending_requests", 429)
+        http.headers["X-API-Key"] = keys["dave"]
+        assert http.post("/api/v1/optim_step", json={"model_id": models["dave"]}).status_code == 200

@@ -40,3 +40,32 @@ def test_a_request_between_sweeps_leaves_the_table_alone(clock, monkeypatch):
     clock[0] += tinker_sessions.SWEEP_EVERY_S
     table.create("ann", "forward")
     assert expired.id not in table
+
+
+def test_an_owners_requests_count_until_answered_or_dropped_from_their_queue(tmp_path):
+    """A cancelled op still holds its request in its queue: it counts until the dispatcher drops it."""
+    from collections import OrderedDict, deque
+
+    from service.tinker_hosts import Host, HostOptions, Op
+    from service.tinker_requests import TinkerError
+    from workers.session_host import SessionWorker
+
+    table = FutureTable()
+    host = Host("tiny-qwen2", tmp_path, table, HostOptions())
+    queue = host._queues.setdefault("ann", OrderedDict()).setdefault("m", deque())
+    for _ in range(2):
+        queue.append(Op(table.create("ann", "forward", 2), "ann", "m", SessionWorker.optim_step, {}, {}))
+    with pytest.raises(TinkerError) as refused:
+        table.create("ann", "forward", 2)
+    assert refused.value.status == 429 and refused.value.param == "tinker_max_pending_requests"
+    table.create("bob", "forward", 2)  # another owner's count
+    table.cancel(queue[0].future)
+    with pytest.raises(TinkerError):
+        table.create("ann", "forward", 2)
+    [taken] = host._next_batch()  # the cancelled op is dropped, the other one runs
+    extra = table.create("ann", "forward", 2)
+    with pytest.raises(TinkerError):
+        table.create("ann", "forward", 2)
+    table.finish(taken.future, {})
+    table.fail(extra, "failed")
+    assert [table.create("ann", "forward", 2) for _ in range(2)]
