@@ -17,7 +17,8 @@ from typing import Any, Generic, TypeVar
 
 from service.tinker_requests import TinkerError, not_found
 
-# Samples kept for `record_stability_info` (prompt and sampled tokens in all), oldest dropped first.
+# Samples kept per owner for `record_stability_info` (prompt and sampled tokens in all), the owner's oldest
+# dropped first: one owner's samples never push out another's.
 MAX_RECORDED_TOKENS = 4_000_000
 KEEP_S = 3600.0  # how long a finished future stays readable
 SWEEP_EVERY_S = 10.0
@@ -173,7 +174,7 @@ class Records:
         self.models: Owned[TrainingModel] = Owned("training model", "model_id")
         self.samplers: Owned[Sampler] = Owned("sampler", "sampling_session_id")
         self.sequences: OrderedDict[str, Recorded] = OrderedDict()
-        self._recorded_tokens = 0
+        self._recorded_tokens: dict[str, int] = {}  # owner -> tokens of their recorded samples
 
     def model_of_job(self, job_id: str) -> TrainingModel | None:
         return next((m for m in list(self.models.values()) if m.job_id == job_id), None)
@@ -184,18 +185,29 @@ class Records:
             for sequence_id, seq in zip(ids, sequences, strict=False):
                 logprobs = array("f", [float("nan") if v is None else v for v in seq.get("logprobs") or []])
                 self.sequences[sequence_id] = Recorded(owner, shared, array("i", seq["tokens"]), logprobs)
-                self._recorded_tokens += len(prompt) + len(seq["tokens"])
-            while self._recorded_tokens > MAX_RECORDED_TOKENS and self.sequences:
-                _, old = self.sequences.popitem(last=False)
-                self._recorded_tokens -= len(old.prompt) + len(old.tokens)
+                self._recorded_tokens[owner] = (
+                    self._recorded_tokens.get(owner, 0) + len(prompt) + len(seq["tokens"])
+                )
+            over, oldest = self._recorded_tokens[owner] - MAX_RECORDED_TOKENS, []
+            for key, old in self.sequences.items():  # the owner's oldest, no more than it is over by
+                if over <= 0:
+                    break
+                if old.owner == owner:
+                    oldest.append(key)
+                    over -= len(old.prompt) + len(old.tokens)
+            for key in oldest:
+                self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        old = self.sequences.pop(key)
+        self._recorded_tokens[old.owner] -= len(old.prompt) + len(old.tokens)
 
     def end_session(self, session_id: str) -> None:
         """The session's recorded samples go with it (their ids start with its id)."""
         with self._lock:
             self.sessions.pop(session_id, None)
             for key in [k for k in self.sequences if k.startswith(session_id + ":")]:
-                old = self.sequences.pop(key)
-                self._recorded_tokens -= len(old.prompt) + len(old.tokens)
+                self._drop(key)
 
 
 def use_recorded(records: Records, owner: str, data: list[dict[str, Any]]) -> None:

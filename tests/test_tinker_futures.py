@@ -69,3 +69,17 @@ def test_an_owners_requests_count_until_answered_or_dropped_from_their_queue(tmp
     table.finish(taken.future, {})
     table.fail(extra, "failed")
     assert [table.create("ann", "forward", 2) for _ in range(2)]
+
+
+def test_recorded_samples_are_bounded_per_owner_so_one_cannot_push_out_anothers(monkeypatch):
+    from service.tinker_sessions import Records
+
+    monkeypatch.setattr(tinker_sessions, "MAX_RECORDED_TOKENS", 10)
+    records = Records()
+    records.record("ann", ["ann:0"], [1, 2], [{"tokens": [3, 4], "logprobs": [-0.5, None]}])
+    for i in range(20):  # bob samples a flood with record_stability_info
+        records.record("bob", [f"bob:{i}"], [1, 2], [{"tokens": [3, 4]}])
+    assert "ann:0" in records.sequences and list(records.sequences["ann:0"].tokens) == [3, 4]
+    assert [k for k in records.sequences if k.startswith("bob")] == ["bob:18", "bob:19"]  # his newest
+    records.record("ann", ["ann:1", "ann:2"], [1] * 6, [{"tokens": [5]}, {"tokens": [6]}])
+    assert [k for k in records.sequences if k.startswith("ann")] == ["ann:2"]
