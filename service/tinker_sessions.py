@@ -20,6 +20,7 @@ from service.tinker_requests import TinkerError, not_found
 # Samples kept per owner for `record_stability_info` (prompt and sampled tokens in all), the owner's oldest
 # dropped first: one owner's samples never push out another's.
 MAX_RECORDED_TOKENS = 4_000_000
+MAX_SAMPLERS = 1024  # per owner, the oldest dropped first (an RL loop makes one a step and uses the newest)
 KEEP_S = 3600.0  # how long a finished future stays readable
 SWEEP_EVERY_S = 10.0
 V = TypeVar("V")
@@ -176,6 +177,12 @@ class Records:
         self.sequences: OrderedDict[str, Recorded] = OrderedDict()
         self._recorded_tokens: dict[str, int] = {}  # owner -> tokens of their recorded samples
 
+    def add_sampler(self, sampler: Sampler) -> None:
+        with self._lock:
+            self.samplers[sampler.id] = sampler
+            for old in self.samplers.of(sampler.owner)[:-MAX_SAMPLERS]:
+                self.samplers.pop(old.id, None)
+
     def model_of_job(self, job_id: str) -> TrainingModel | None:
         return next((m for m in list(self.models.values()) if m.job_id == job_id), None)
 
@@ -203,9 +210,11 @@ class Records:
         self._recorded_tokens[old.owner] -= len(old.prompt) + len(old.tokens)
 
     def end_session(self, session_id: str) -> None:
-        """The session's recorded samples go with it (their ids start with its id)."""
+        """The session's samplers and recorded samples go with it (their ids start with its id)."""
         with self._lock:
             self.sessions.pop(session_id, None)
+            for key in [k for k in self.samplers if k.startswith(session_id + ":")]:
+                del self.samplers[key]
             for key in [k for k in self.sequences if k.startswith(session_id + ":")]:
                 self._drop(key)
 

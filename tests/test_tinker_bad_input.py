@@ -345,3 +345,21 @@ def test_an_owner_with_too_many_unanswered_requests_gets_a_429_the_sdk_retries(s
         _refused(http.post("/api/v1/forward_backward", json=fwd), "tinker_max_pending_requests", 429)
         http.headers["X-API-Key"] = keys["dave"]
         assert http.post("/api/v1/optim_step", json={"model_id": models["dave"]}).status_code == 200
+
+
+def test_an_owners_samplers_are_bounded_and_end_with_their_session(svc, monkeypatch):
+    """A sampler costs its owner one cheap request: the oldest beyond the bound go, and a session's go
+    when it ends (before, they stayed for the life of the service)."""
+    from service import tinker_sessions
+
+    monkeypatch.setattr(tinker_sessions, "MAX_SAMPLERS", 3, raising=False)
+    tinker_svc = svc.server.config.app.state.tinker
+    with httpx.Client(base_url=svc.url, headers={"X-API-Key": owner_keys(svc, ("erin",))["erin"]}) as erin:
+        session = erin.post("/api/v1/create_session", json={}).json()["session_id"]
+        made = [erin.post("/api/v1/create_sampling_session", json={"session_id": session, "base_model": BASE})
+                .json()["sampling_session_id"] for _ in range(5)]  # fmt: skip
+        seen = [erin.get(f"/api/v1/samplers/{sampler}").status_code for sampler in made]
+        assert seen == [404, 404, 200, 200, 200], seen
+        tinker_svc.records.sessions[session].last_heartbeat -= tinker_svc.session_ttl_s + 1  # silent since
+        erin.post("/api/v1/create_session", json={})  # which ends it
+        assert erin.get(f"/api/v1/samplers/{made[-1]}").status_code == 404
