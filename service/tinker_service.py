@@ -263,7 +263,10 @@ class TinkerService:
         host = self.hosts[model.base_model]
         data = req["data"]
         for i, datum in enumerate(data):
-            self.check_tokens(host, datum["tokens"], f"forward_backward_input.data[{i}].model_input")
+            field = f"forward_backward_input.data[{i}].model_input"
+            if not datum["tokens"]:  # the host would fail it as its own error, naming no field
+                raise TinkerError(400, f"{field}: must hold at least one token", field)
+            self.check_tokens(host, datum["tokens"], field)
         shapes = [(len(d["tokens"]), {name: (t["dtype"], t["shape"]) for name, t in d["loss_fn_inputs"].items()})
                   for d in data]  # fmt: skip
         try:

@@ -363,3 +363,22 @@ def test_an_owners_samplers_are_bounded_and_end_with_their_session(svc, monkeypa
         tinker_svc.records.sessions[session].last_heartbeat -= tinker_svc.session_ttl_s + 1  # silent since
         erin.post("/api/v1/create_session", json={})  # which ends it
         assert erin.get(f"/api/v1/samplers/{made[-1]}").status_code == 404
+
+
+def test_a_datum_without_tokens_is_400_naming_it(svc):
+    """The host could not lay it out (a torch error as the service's own): refused before it is queued."""
+    with httpx.Client(base_url=svc.url, headers={"X-API-Key": owner_keys(svc, ("gus",))["gus"]}) as gus:
+        session = gus.post("/api/v1/create_session", json={}).json()["session_id"]
+        made = gus.post(
+            "/api/v1/create_model", json={"session_id": session, "base_model": BASE, "model_seq_id": 0}
+        )
+        assert made.status_code == 200, made.text
+        empty = {"target_tokens": {"data": [], "dtype": "int64"}, "weights": {"data": []}}
+        for chunks in ([], [{"tokens": []}]):
+            datum = {"model_input": {"chunks": chunks}, "loss_fn_inputs": empty}
+            full = {"target_tokens": {"data": [2], "dtype": "int64"}, "weights": {"data": [1.0]}}
+            body = _fwd({**_chunks([1]), "loss_fn_inputs": full}, model_id=f"{session}:train:0")
+            body["forward_backward_input"]["data"].append(datum)
+            _refused(
+                gus.post("/api/v1/forward_backward", json=body), "forward_backward_input.data[1].model_input"
+            )
