@@ -22,6 +22,7 @@ from service.tinker_requests import TinkerError, not_found
 MAX_RECORDED_TOKENS = 4_000_000
 MAX_SAMPLERS = 1024  # per owner, the oldest dropped first (an RL loop makes one a step and uses the newest)
 KEEP_S = 3600.0  # how long a finished future stays readable
+READ_KEEP_S = 60.0  # and once its answer was read: long enough for the SDK to poll again after a lost reply
 SWEEP_EVERY_S = 10.0
 V = TypeVar("V")
 
@@ -101,6 +102,7 @@ class Future:
     created: float = field(default_factory=time.time)
     done_at: float | None = None
     answer: dict[str, Any] | bytes | None = None
+    read_at: float | None = None  # when its answer was first read
     cancelled: bool = False
     queued: bool = False  # its op holds its request's data in a queue: it counts against its owner
 
@@ -131,7 +133,7 @@ class FutureTable(Owned[Future]):
             now = time.time()
             if now - self._swept >= SWEEP_EVERY_S:  # a sweep visits every future: not on every request
                 self._swept = now
-                for key in [k for k, f in self.items() if f.done_at is not None and f.done_at < now - KEEP_S]:
+                for key in [k for k, f in self.items() if _expired(f, now)]:
                     del self[key]
             self[future.id] = future
         return future
@@ -141,6 +143,10 @@ class FutureTable(Owned[Future]):
             self._release(future)
             if not future.done:  # cancelled first: the late result is dropped
                 future.answer, future.done_at = answer, time.time()
+
+    def read(self, future: Future) -> None:
+        """Its answer was read: the answer (a forward's may be megabytes) need not stay for an hour."""
+        future.read_at = future.read_at or time.time()
 
     def release(self, future: Future) -> None:
         """Its op left its queue unanswered (cancelled while queued)."""
@@ -166,6 +172,12 @@ class FutureTable(Owned[Future]):
             future.cancelled, future.done_at = True, time.time()
             future.answer = {"error": "cancelled by the client", "category": "user"}
             return True
+
+
+def _expired(future: Future, now: float) -> bool:
+    if future.read_at is not None and future.read_at < now - READ_KEEP_S:
+        return True
+    return future.done_at is not None and future.done_at < now - KEEP_S
 
 
 class Records:

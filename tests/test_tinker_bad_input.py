@@ -382,3 +382,27 @@ def test_a_datum_without_tokens_is_400_naming_it(svc):
             _refused(
                 gus.post("/api/v1/forward_backward", json=body), "forward_backward_input.data[1].model_input"
             )
+
+
+def test_a_read_answer_is_dropped_soon_and_an_unread_one_is_kept(alice, ids, svc, monkeypatch):
+    """A forward's answer may be megabytes: once read it stays READ_KEEP_S (a lost reply's retry), not an hour."""
+    from service import tinker_sessions
+
+    monkeypatch.setattr(tinker_sessions, "READ_KEEP_S", 0.0, raising=False)
+    monkeypatch.setattr(tinker_sessions, "SWEEP_EVERY_S", 0.0)
+    futures = svc.server.config.app.state.tinker.futures
+
+    def sample() -> str:  # its host cannot start: it fails at once, a finished future all the same
+        request_id = alice.post("/api/v1/asample", json={"sampling_session_id": ids["sampler"], **SAMPLE})
+        request_id = request_id.json()["request_id"]
+        deadline = time.time() + 30
+        while not futures[request_id].done and time.time() < deadline:
+            time.sleep(0.01)
+        return request_id
+
+    read, unread = sample(), sample()
+    assert alice.post("/api/v1/retrieve_future", json={"request_id": read}).json()["category"] == "server"
+    time.sleep(0.01)
+    sample()  # a new future sweeps the table
+    _refused(alice.post("/api/v1/retrieve_future", json={"request_id": read}), "request_id", 404)
+    assert alice.post("/api/v1/retrieve_future", json={"request_id": unread}).json()["category"] == "server"
