@@ -207,7 +207,8 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
 
     def saved(ok: dict[str, Any]) -> dict[str, Any]:
-        svc.records.add_sampler(Sampler(sampler_id, owner, model.base_model, ok["path"], path, model.job_id))
+        sampler = Sampler(sampler_id, owner, model.base_model, ok["path"], path, model.job_id)
+        svc.drop_snapshots(svc.records.add_sampler(sampler))
         if not name:
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
         folder = checkpoint_folder(model.workdir, "sampler_weights", name)

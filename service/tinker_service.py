@@ -20,7 +20,15 @@ from service.job_state import JobStatus
 from service.service import Service
 from service.tinker_hosts import Finish, Host, HostOptions, Op
 from service.tinker_requests import TinkerError
-from service.tinker_sessions import ClientSession, Future, FutureTable, Records, TrainingModel, use_recorded
+from service.tinker_sessions import (
+    ClientSession,
+    Future,
+    FutureTable,
+    Records,
+    Sampler,
+    TrainingModel,
+    use_recorded,
+)
 from service.tinker_wire import write_forward_backward_output
 from workers.session_host import SessionWorker
 
@@ -71,9 +79,16 @@ class TinkerService:
         for session in [
             s for s in self.records.sessions.of(None) if now - s.last_heartbeat > self.session_ttl_s
         ]:
-            self.records.end_session(session.id)
+            self.drop_snapshots(self.records.end_session(session.id))
             cause = f"session {session.id} ended (no heartbeat for {self.session_ttl_s:g} s)"
             self._pause([m for m in self.records.models.of(None) if m.session_id == session.id], cause, True)
+
+    def drop_snapshots(self, samplers: list[Sampler]) -> None:
+        """Dropped samplers' unnamed snapshots leave their host's disk, after the samples queued on them
+        (a named one is a checkpoint and stays)."""
+        for sampler in [s for s in samplers if s.path is not None and s.tinker_path is None]:
+            self.submit(self.hosts[sampler.base_model], sampler.owner, sampler.id, SessionWorker.drop_sampler,
+                        {"path": sampler.path}, {}, bounded=False)  # fmt: skip
 
     def _host_lost(self, host: Host) -> None:
         """A host's process died with its adapters: their runs pause, each naming its last saved state."""

@@ -189,11 +189,14 @@ class Records:
         self.sequences: OrderedDict[str, Recorded] = OrderedDict()
         self._recorded_tokens: dict[str, int] = {}  # owner -> tokens of their recorded samples
 
-    def add_sampler(self, sampler: Sampler) -> None:
+    def add_sampler(self, sampler: Sampler) -> list[Sampler]:
+        """The owner's samplers beyond MAX_SAMPLERS, oldest first, are dropped and returned."""
         with self._lock:
             self.samplers[sampler.id] = sampler
-            for old in self.samplers.of(sampler.owner)[:-MAX_SAMPLERS]:
+            dropped = self.samplers.of(sampler.owner)[:-MAX_SAMPLERS]
+            for old in dropped:
                 self.samplers.pop(old.id, None)
+        return dropped
 
     def model_of_job(self, job_id: str) -> TrainingModel | None:
         return next((m for m in list(self.models.values()) if m.job_id == job_id), None)
@@ -221,14 +224,14 @@ class Records:
         old = self.sequences.pop(key)
         self._recorded_tokens[old.owner] -= len(old.prompt) + len(old.tokens)
 
-    def end_session(self, session_id: str) -> None:
-        """The session's samplers and recorded samples go with it (their ids start with its id)."""
+    def end_session(self, session_id: str) -> list[Sampler]:
+        """The session's samplers (returned) and recorded samples go with it (their ids start with its id)."""
         with self._lock:
             self.sessions.pop(session_id, None)
-            for key in [k for k in self.samplers if k.startswith(session_id + ":")]:
-                del self.samplers[key]
+            dropped = [self.samplers.pop(k) for k in list(self.samplers) if k.startswith(session_id + ":")]
             for key in [k for k in self.sequences if k.startswith(session_id + ":")]:
                 self._drop(key)
+        return dropped
 
 
 def use_recorded(records: Records, owner: str, data: list[dict[str, Any]]) -> None:

@@ -251,3 +251,36 @@ def test_hostile_checkpoint_requests_are_4xx_naming_the_field(svc, keys, sdk, tr
         )
         assert 400 <= answer.status_code < 500, answer.text
     assert "weights/hostile" in names(svc, keys["alice"], run)
+
+
+def test_a_dropped_samplers_snapshot_leaves_the_hosts_disk_and_a_named_one_stays(svc, keys, monkeypatch):
+    """An RL loop saves a snapshot a step: one whose sampler is dropped (here beyond the owner's bound of
+    one) is deleted after its queued samples; a named one is a checkpoint and stays."""
+    from service import tinker_sessions
+
+    monkeypatch.setattr(tinker_sessions, "MAX_SAMPLERS", 1)
+    point_sdk(monkeypatch, svc.url, keys["bob"])
+    training = service_client().create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    samplers = svc.server.config.app.state.tinker.records.samplers
+
+    def save(name: str | None = None) -> Path:
+        if name is None:
+            training.save_weights_and_get_sampling_client().result()
+        else:
+            training.save_weights_for_sampler(name).result()
+        [sampler] = samplers.of("bob")
+        assert Path(sampler.path).is_dir()
+        return Path(sampler.path)
+
+    def gone(folder: Path) -> bool:
+        deadline = time.time() + 60
+        while folder.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        return not folder.exists()
+
+    unnamed = save()
+    named = save("kept")
+    assert gone(unnamed)
+    third = save()  # the named one's sampler is dropped
+    save()
+    assert gone(third) and named.is_dir()  # a drop of the named one would have run before the third's
