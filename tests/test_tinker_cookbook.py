@@ -284,3 +284,19 @@ def test_a_dropped_samplers_snapshot_leaves_the_hosts_disk_and_a_named_one_stays
     third = save()  # the named one's sampler is dropped
     save()
     assert gone(third) and named.is_dir()  # a drop of the named one would have run before the third's
+
+
+def test_a_named_sampler_snapshot_counts_in_its_owners_stored_bytes_and_goes_with_its_checkpoint(
+    svc, keys, sdk, trained
+):
+    from service.quotas import folder_bytes
+
+    before = svc.service.usage("alice").stored["checkpoints"]
+    path = trained.save_weights_for_sampler("counted").result().path
+    [sampler] = [
+        s for s in svc.server.config.app.state.tinker.records.samplers.of("alice") if s.tinker_path == path
+    ]
+    snapshot = folder_bytes(Path(sampler.path))
+    assert snapshot > 1000 and svc.service.usage("alice").stored["checkpoints"] - before >= snapshot
+    rest(svc, keys["alice"]).delete_checkpoint_from_tinker_path(path).result()
+    assert not Path(sampler.path).exists()

@@ -134,9 +134,10 @@ class SessionWorker(TrainingOperations):
         return self.engine.drop_adapter(adapter) or {}
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def save_for_sampler(self, adapter: str, name: str) -> dict[str, Any]:
-        """A frozen snapshot of the adapter (no optimizer state) that `sample` can name."""
-        folder = str(self.engine.workdir / "samplers" / adapter / name)
+    def save_for_sampler(self, adapter: str, name: str, path: str | None = None) -> dict[str, Any]:
+        """A frozen snapshot of the adapter (no optimizer state) that `sample` can name: in `path` (a named
+        one's checkpoint folder, so that it counts in its owner's stored bytes), else the host's own."""
+        folder = path or str(self.engine.workdir / "samplers" / adapter / name)
         return self.ops.save_state(folder, 0, adapter, False) or {"path": folder}
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
