@@ -183,8 +183,15 @@ def _named(name: str | None, job_id: str, kind: str) -> str:
     return f"tinker://{job_id}/{kind}/{name}"
 
 
+def _has_room(svc: TinkerService, owner: str) -> None:
+    """A checkpoint's save past its owner's stored bytes is a 403 naming the quota, as a job's submission."""
+    if svc.quotas.of(owner).stored_bytes is not None:
+        svc.service.check_storage(owner, adding=1)
+
+
 def save_state(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
     model = svc.model(req.model_id, owner)
+    _has_room(svc, owner)
     name = req.path or f"step-{model.step:06d}"
     path, folder = _named(name, model.job_id, "weights"), checkpoint_folder(model.workdir, "weights", name)
     if is_complete(folder) and not req.overwrite:
@@ -206,6 +213,8 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
     name = req.path
     path = _named(name, model.job_id, "sampler_weights") if name is not None else None
     folder = checkpoint_folder(model.workdir, "sampler_weights", name) if path else None
+    if folder is not None:
+        _has_room(svc, owner)
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
 
     def saved(ok: dict[str, Any]) -> dict[str, Any]:
@@ -223,6 +232,7 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
 
 def save_external(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
     model = svc.model(req.model_id, owner)
+    _has_room(svc, owner)
     path = _named(req.path, model.job_id, "external_weights")
     recipients = age_recipients(req.age_encryption_recipients)
     folder = checkpoint_folder(model.workdir, "external_weights", req.path)

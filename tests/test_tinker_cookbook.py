@@ -300,3 +300,17 @@ def test_a_named_sampler_snapshot_counts_in_its_owners_stored_bytes_and_goes_wit
     assert snapshot > 1000 and svc.service.usage("alice").stored["checkpoints"] - before >= snapshot
     rest(svc, keys["alice"]).delete_checkpoint_from_tinker_path(path).result()
     assert not Path(sampler.path).exists()
+
+
+def test_a_save_past_the_owners_stored_bytes_is_403_naming_the_quota(svc, monkeypatch):
+    """The quota was checked when the model was made only: its saves could then fill the disk."""
+    key = owner_keys(svc, ("carol",))["carol"]
+    with svc.client() as admin:
+        assert admin.put("/v1/quotas/carol", json={"stored_bytes": 1}).status_code == 200
+    point_sdk(monkeypatch, svc.url, key)
+    training = service_client().create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    training.save_state("first").result()  # from nothing: past the quota only once saved
+    for save in (training.save_state, training.save_weights_for_sampler, training.save_weights_external):
+        with pytest.raises(tinker.PermissionDeniedError, match="quota stored_bytes"):
+            save("more").result()
+    training.save_weights_and_get_sampling_client().result()  # an unnamed sampler is no checkpoint
