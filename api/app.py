@@ -70,7 +70,9 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     app.state.checker = Checker(settings, service.home, service.files, service.store)
     service.scheduler.paths = app.state.checker.paths  # a job's paths are checked again when it starts
     app.state.tinker = TinkerService(
-        service, settings.tinker_models(), HostOptions(max_rank=settings.tinker_max_rank)
+        service,
+        settings.tinker_models(),
+        HostOptions(max_rank=settings.tinker_max_rank, max_pending=settings.tinker_max_pending_requests),
     )
 
     tinker_data = settings.tinker_max_body_bytes

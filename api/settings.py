@@ -74,6 +74,12 @@ class ServeSettings(BaseModel):
     tinker_max_decompressed_bytes: int = Field(
         128 * MiB, gt=0, description="largest Tinker forward/forward_backward body after zstd; more is a 413"
     )
+    tinker_max_pending_requests: int = Field(
+        256,
+        ge=1,
+        description="Tinker requests one owner may have queued or running at once (each holds "
+        "its body until done); more are a 429, which the SDK retries after a pause",
+    )
 
     warm_controllers: int = Field(
         default_factory=lambda: os.environ.get("TANDEM_WARM_CONTROLLERS", "1"),

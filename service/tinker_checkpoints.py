@@ -183,8 +183,15 @@ def _named(name: str | None, job_id: str, kind: str) -> str:
     return f"tinker://{job_id}/{kind}/{name}"
 
 
+def _has_room(svc: TinkerService, owner: str) -> None:
+    """A checkpoint's save past its owner's stored bytes is a 403 naming the quota, as a job's submission."""
+    if svc.quotas.of(owner).stored_bytes is not None:
+        svc.service.check_storage(owner, adding=1)
+
+
 def save_state(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
     model = svc.model(req.model_id, owner)
+    _has_room(svc, owner)
     name = req.path or f"step-{model.step:06d}"
     path, folder = _named(name, model.job_id, "weights"), checkpoint_folder(model.workdir, "weights", name)
     if is_complete(folder) and not req.overwrite:
@@ -198,31 +205,34 @@ def save_state(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
 
 
 def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
-    """A frozen snapshot to sample; named, it is also a listed checkpoint pointing at the host's copy."""
+    """A frozen snapshot to sample; named, it is saved as a listed checkpoint (in its owner's stored bytes,
+    and gone when that is deleted)."""
     model = svc.model(req.model_id, owner)
     if req.kind != "snapshot":
         raise TinkerError(400, f"kind: only 'snapshot' samplers are served (not {req.kind!r})", "kind")
     name = req.path
     path = _named(name, model.job_id, "sampler_weights") if name is not None else None
+    folder = checkpoint_folder(model.workdir, "sampler_weights", name) if path else None
+    if folder is not None:
+        _has_room(svc, owner)
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
 
     def saved(ok: dict[str, Any]) -> dict[str, Any]:
-        svc.records.samplers[sampler_id] = Sampler(sampler_id, owner, model.base_model, ok["path"], path,
-                                                   model.job_id)  # fmt: skip
-        if not name:
+        sampler = Sampler(sampler_id, owner, model.base_model, ok["path"], path, model.job_id)
+        svc.drop_snapshots(svc.records.add_sampler(sampler))
+        if folder is None:
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
-        folder = checkpoint_folder(model.workdir, "sampler_weights", name)
-        folder.mkdir(parents=True, exist_ok=True)
         (folder / "SOURCE").write_text(ok["path"])
         commit(svc.store, model.job_id, folder, path, req.ttl_seconds, "")
         return {"path": path, "type": "save_weights_for_sampler"}
 
-    kwargs = {"name": name or sampler_id.replace(":", "-")}
+    kwargs = {"name": name or sampler_id.replace(":", "-"), "path": folder and str(folder)}
     return svc.on_model(model, SessionWorker.save_for_sampler, kwargs, saved)
 
 
 def save_external(svc: TinkerService, owner: str, req: SaveWeights) -> Future:
     model = svc.model(req.model_id, owner)
+    _has_room(svc, owner)
     path = _named(req.path, model.job_id, "external_weights")
     recipients = age_recipients(req.age_encryption_recipients)
     folder = checkpoint_folder(model.workdir, "external_weights", req.path)

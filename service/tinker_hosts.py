@@ -51,6 +51,7 @@ class Op:
 class HostOptions:
     max_rank: int = 64
     max_batch: int = 16
+    max_pending: int | None = 256  # an owner's ops queued or running at once (each holds its request)
     batch_timeout_s: float = 600.0
     start_timeout_s: float = 600.0
     cpus: float = 1.0
@@ -108,7 +109,7 @@ class Host:
         while len(batch) < self.options.max_batch:
             size = len(batch)
             for owner, queues in list(self._queues.items()):
-                for key in [k for k, ops in queues.items() if not _live(ops)]:
+                for key in [k for k, ops in queues.items() if not _live(ops, self.futures.release)]:
                     del queues[key]
                 key = next((k for k in queues if k not in taken), None)
                 if key is not None:
@@ -216,8 +217,8 @@ class Host:
         self.futures.finish(op.future, answer)
 
 
-def _live(ops: deque[Op]) -> bool:
+def _live(ops: deque[Op], release: Callable[[Future], None]) -> bool:
     """Whether a queue holds an op once its cancelled ones at the head are dropped (they get no turn)."""
     while ops and ops[0].future.cancelled:
-        ops.popleft()
+        release(ops.popleft().future)
     return bool(ops)

@@ -34,7 +34,7 @@ def create_sampling_session(svc: TinkerService, owner: str, req: CreateSamplingS
     else:
         base = svc.host(req.base_model or "", "base_model").base_model
         sampler = Sampler(sampler_id, owner, base, None, None, None)
-    svc.records.samplers[sampler_id] = sampler
+    svc.drop_snapshots(svc.records.add_sampler(sampler))
     return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
 
 

@@ -20,7 +20,15 @@ from service.job_state import JobStatus
 from service.service import Service
 from service.tinker_hosts import Finish, Host, HostOptions, Op
 from service.tinker_requests import TinkerError
-from service.tinker_sessions import ClientSession, Future, FutureTable, Records, TrainingModel, use_recorded
+from service.tinker_sessions import (
+    ClientSession,
+    Future,
+    FutureTable,
+    Records,
+    Sampler,
+    TrainingModel,
+    use_recorded,
+)
 from service.tinker_wire import write_forward_backward_output
 from workers.session_host import SessionWorker
 
@@ -71,9 +79,16 @@ class TinkerService:
         for session in [
             s for s in self.records.sessions.of(None) if now - s.last_heartbeat > self.session_ttl_s
         ]:
-            self.records.end_session(session.id)
+            self.drop_snapshots(self.records.end_session(session.id))
             cause = f"session {session.id} ended (no heartbeat for {self.session_ttl_s:g} s)"
             self._pause([m for m in self.records.models.of(None) if m.session_id == session.id], cause, True)
+
+    def drop_snapshots(self, samplers: list[Sampler]) -> None:
+        """Dropped samplers' unnamed snapshots leave their host's disk, after the samples queued on them
+        (a named one is a checkpoint and stays)."""
+        for sampler in [s for s in samplers if s.path is not None and s.tinker_path is None]:
+            self.submit(self.hosts[sampler.base_model], sampler.owner, sampler.id, SessionWorker.drop_sampler,
+                        {"path": sampler.path}, {}, bounded=False)  # fmt: skip
 
     def _host_lost(self, host: Host) -> None:
         """A host's process died with its adapters: their runs pause, each naming its last saved state."""
@@ -96,7 +111,7 @@ class TinkerService:
         for op in held or []:
             self.futures.fail(op.future, why, "user")
         if held is None and drop:
-            self.on_model(model, SessionWorker.drop_adapter, {}, {})
+            self.on_model(model, SessionWorker.drop_adapter, {}, {}, bounded=False)
 
     def _quota(self, owner: str, name: str, have: list, what: str) -> None:
         limit = getattr(self.quotas.of(owner), name)
@@ -137,11 +152,12 @@ class TinkerService:
         ]}  # fmt: skip
 
     def submit(self, to: Host | list[Op], owner: str, queue: str, operation: Any, kwargs: dict[str, Any],
-               finish: Finish, on_fail: Any = None) -> Future:  # fmt: skip
-        """Queue one op on a host (or on a held list); the caller's future for it."""
-        op = Op(
-            self.futures.create(owner, operation.__name__), owner, queue, operation, kwargs, finish, on_fail
-        )
+               finish: Finish, on_fail: Any = None, bounded: bool = True) -> Future:  # fmt: skip
+        """Queue one op on a host (or on a held list); the caller's future for it. A `bounded` one is a
+        429 when its owner has too many queued (the service's own, and a model's creation, are not)."""
+        limit = self.options.max_pending if bounded else None
+        future = self.futures.create(owner, operation.__name__, limit)
+        op = Op(future, owner, queue, operation, kwargs, finish, on_fail)
         if isinstance(to, list):
             to.append(op)
         else:
@@ -149,14 +165,14 @@ class TinkerService:
         return op.future
 
     def on_model(self, model: TrainingModel, operation: Any, kwargs: dict[str, Any], finish: Finish,
-                 on_fail: Any = None) -> Future:  # fmt: skip
+                 on_fail: Any = None, bounded: bool = True) -> Future:  # fmt: skip
         """Queue `operation` on the model's adapter after its earlier ops; a run the scheduler has not
         launched yet keeps them until it does (`launch`)."""
         kwargs = {"adapter": _safe(model.model_id), **kwargs}
         with self._held:
             held = self._launches.get(model.model_id)
             to = held if held is not None else self.hosts[model.base_model]
-            return self.submit(to, model.owner, model.model_id, operation, kwargs, finish, on_fail)
+            return self.submit(to, model.owner, model.model_id, operation, kwargs, finish, on_fail, bounded)
 
     # ---- training models --------------------------------------------------------------------------
 
@@ -209,7 +225,7 @@ class TinkerService:
             return {"model_id": model_id, "type": "create_model"}
 
         future = self.on_model(model, SessionWorker.create_adapter, {"rank": rank, "seed": lora.seed, **trains},
-                               created, lambda: self._forget(model))  # fmt: skip
+                               created, lambda: self._forget(model), bounded=False)  # fmt: skip
         self.scheduler.admit(job.id)  # else it waits in the queue for its owner's quota or for room
         return future
 
@@ -262,7 +278,10 @@ class TinkerService:
         host = self.hosts[model.base_model]
         data = req["data"]
         for i, datum in enumerate(data):
-            self.check_tokens(host, datum["tokens"], f"forward_backward_input.data[{i}].model_input")
+            field = f"forward_backward_input.data[{i}].model_input"
+            if not datum["tokens"]:  # the host would fail it as its own error, naming no field
+                raise TinkerError(400, f"{field}: must hold at least one token", field)
+            self.check_tokens(host, datum["tokens"], field)
         shapes = [(len(d["tokens"]), {name: (t["dtype"], t["shape"]) for name, t in d["loss_fn_inputs"].items()})
                   for d in data]  # fmt: skip
         try:
@@ -339,7 +358,8 @@ class TinkerService:
             return {"path": path, "model_id": model.model_id, "type": "load_weights"}
 
         kwargs = {"path": str(folder), "optimizer": optimizer}
-        return self.on_model(model, SessionWorker.load_state, kwargs, loaded, on_fail)
+        # a new model's load (on_fail) goes with its creation, which the models quota bounds
+        return self.on_model(model, SessionWorker.load_state, kwargs, loaded, on_fail, on_fail is None)
 
     def unload(self, owner: str, req: bodies.ModelRef) -> Future:
         model = self.model(req.model_id, owner)

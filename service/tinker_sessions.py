@@ -17,9 +17,12 @@ from typing import Any, Generic, TypeVar
 
 from service.tinker_requests import TinkerError, not_found
 
-# Samples kept for `record_stability_info` (prompt and sampled tokens in all), oldest dropped first.
+# Samples kept per owner for `record_stability_info` (prompt and sampled tokens in all), the owner's oldest
+# dropped first: one owner's samples never push out another's.
 MAX_RECORDED_TOKENS = 4_000_000
+MAX_SAMPLERS = 1024  # per owner, the oldest dropped first (an RL loop makes one a step and uses the newest)
 KEEP_S = 3600.0  # how long a finished future stays readable
+READ_KEEP_S = 60.0  # and once its answer was read: long enough for the SDK to poll again after a lost reply
 SWEEP_EVERY_S = 10.0
 V = TypeVar("V")
 
@@ -99,7 +102,9 @@ class Future:
     created: float = field(default_factory=time.time)
     done_at: float | None = None
     answer: dict[str, Any] | bytes | None = None
+    read_at: float | None = None  # when its answer was first read
     cancelled: bool = False
+    queued: bool = False  # its op holds its request's data in a queue: it counts against its owner
 
     @property
     def done(self) -> bool:
@@ -111,34 +116,68 @@ class FutureTable(Owned[Future]):
         super().__init__("future", "request_id")
         self._lock = threading.Lock()
         self._swept = 0.0
+        self._queued: dict[str, int] = {}  # owner -> their futures whose op is still queued or running
 
-    def create(self, owner: str, kind: str) -> Future:
-        future = Future(f"req-{uuid.uuid4().hex[:16]}", owner, kind)
+    def create(self, owner: str, kind: str, limit: int | None = None) -> Future:
+        """A future for an op about to be queued; a 429 (the SDK backs off and retries) when the owner
+        has `limit` queued already, each holding its request's data."""
+        future = Future(f"req-{uuid.uuid4().hex[:16]}", owner, kind, queued=True)
         with self._lock:
+            have = self._queued.get(owner, 0)
+            if limit is not None and have >= limit:
+                field = "tinker_max_pending_requests"
+                raise TinkerError(429, f"{field}: owner '{owner}' has {have} requests queued or running, the "
+                                  f"most this service holds for one owner ({limit}); retry as they are answered",
+                                  field)  # fmt: skip
+            self._queued[owner] = have + 1
             now = time.time()
             if now - self._swept >= SWEEP_EVERY_S:  # a sweep visits every future: not on every request
                 self._swept = now
-                for key in [k for k, f in self.items() if f.done_at is not None and f.done_at < now - KEEP_S]:
+                for key in [k for k, f in self.items() if _expired(f, now)]:
                     del self[key]
             self[future.id] = future
         return future
 
     def finish(self, future: Future, answer: dict[str, Any] | bytes) -> None:
         with self._lock:
+            self._release(future)
             if not future.done:  # cancelled first: the late result is dropped
                 future.answer, future.done_at = answer, time.time()
+
+    def read(self, future: Future) -> None:
+        """Its answer was read: the answer (a forward's may be megabytes) need not stay for an hour."""
+        future.read_at = future.read_at or time.time()
+
+    def release(self, future: Future) -> None:
+        """Its op left its queue unanswered (cancelled while queued)."""
+        with self._lock:
+            self._release(future)
+
+    def _release(self, future: Future) -> None:
+        if future.queued:
+            future.queued = False
+            self._queued[future.owner] -= 1
+            if not self._queued[future.owner]:
+                del self._queued[future.owner]
 
     def fail(self, future: Future, message: str, category: str = "server") -> None:
         self.finish(future, {"error": message, "category": category})
 
     def cancel(self, future: Future) -> bool:
-        """Marks a pending future cancelled (its queued work is skipped); False if it had finished."""
+        """Marks a pending future cancelled (its queued work is skipped, and counts until then); False if
+        it had finished."""
         with self._lock:
             if future.done:
                 return False
             future.cancelled, future.done_at = True, time.time()
             future.answer = {"error": "cancelled by the client", "category": "user"}
             return True
+
+
+def _expired(future: Future, now: float) -> bool:
+    if future.read_at is not None and future.read_at < now - READ_KEEP_S:
+        return True
+    return future.done_at is not None and future.done_at < now - KEEP_S
 
 
 class Records:
@@ -148,7 +187,16 @@ class Records:
         self.models: Owned[TrainingModel] = Owned("training model", "model_id")
         self.samplers: Owned[Sampler] = Owned("sampler", "sampling_session_id")
         self.sequences: OrderedDict[str, Recorded] = OrderedDict()
-        self._recorded_tokens = 0
+        self._recorded_tokens: dict[str, int] = {}  # owner -> tokens of their recorded samples
+
+    def add_sampler(self, sampler: Sampler) -> list[Sampler]:
+        """The owner's samplers beyond MAX_SAMPLERS, oldest first, are dropped and returned."""
+        with self._lock:
+            self.samplers[sampler.id] = sampler
+            dropped = self.samplers.of(sampler.owner)[:-MAX_SAMPLERS]
+            for old in dropped:
+                self.samplers.pop(old.id, None)
+        return dropped
 
     def model_of_job(self, job_id: str) -> TrainingModel | None:
         return next((m for m in list(self.models.values()) if m.job_id == job_id), None)
@@ -159,18 +207,31 @@ class Records:
             for sequence_id, seq in zip(ids, sequences, strict=False):
                 logprobs = array("f", [float("nan") if v is None else v for v in seq.get("logprobs") or []])
                 self.sequences[sequence_id] = Recorded(owner, shared, array("i", seq["tokens"]), logprobs)
-                self._recorded_tokens += len(prompt) + len(seq["tokens"])
-            while self._recorded_tokens > MAX_RECORDED_TOKENS and self.sequences:
-                _, old = self.sequences.popitem(last=False)
-                self._recorded_tokens -= len(old.prompt) + len(old.tokens)
+                self._recorded_tokens[owner] = (
+                    self._recorded_tokens.get(owner, 0) + len(prompt) + len(seq["tokens"])
+                )
+            over, oldest = self._recorded_tokens[owner] - MAX_RECORDED_TOKENS, []
+            for key, old in self.sequences.items():  # the owner's oldest, no more than it is over by
+                if over <= 0:
+                    break
+                if old.owner == owner:
+                    oldest.append(key)
+                    over -= len(old.prompt) + len(old.tokens)
+            for key in oldest:
+                self._drop(key)
 
-    def end_session(self, session_id: str) -> None:
-        """The session's recorded samples go with it (their ids start with its id)."""
+    def _drop(self, key: str) -> None:
+        old = self.sequences.pop(key)
+        self._recorded_tokens[old.owner] -= len(old.prompt) + len(old.tokens)
+
+    def end_session(self, session_id: str) -> list[Sampler]:
+        """The session's samplers (returned) and recorded samples go with it (their ids start with its id)."""
         with self._lock:
             self.sessions.pop(session_id, None)
+            dropped = [self.samplers.pop(k) for k in list(self.samplers) if k.startswith(session_id + ":")]
             for key in [k for k in self.sequences if k.startswith(session_id + ":")]:
-                old = self.sequences.pop(key)
-                self._recorded_tokens -= len(old.prompt) + len(old.tokens)
+                self._drop(key)
+        return dropped
 
 
 def use_recorded(records: Records, owner: str, data: list[dict[str, Any]]) -> None:

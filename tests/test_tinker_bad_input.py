@@ -19,6 +19,7 @@ pytest.importorskip("tinker")
 zstandard = pytest.importorskip("zstandard")
 
 from api.settings import ServeSettings  # noqa: E402
+from service.quotas import Quota  # noqa: E402
 from service.tinker_requests import FLOOR_BYTES, decompressed  # noqa: E402
 from service.tinker_service import TinkerError  # noqa: E402
 from tests.api_util import start_service, tiny_job  # noqa: E402
@@ -26,12 +27,15 @@ from tests.tinker_loops import owner_keys  # noqa: E402
 
 BASE = "/nonexistent/tinker-base"  # served, but its host cannot start: nothing here needs one
 PROTO = {"content-type": "application/x-protobuf"}
+PENDING = 4  # requests an owner may have unanswered
 
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    live = start_service(tmp_path_factory.mktemp("tinker-bad"), schedule=False,
-                         settings=ServeSettings(tinker_base_models=[BASE]))  # fmt: skip
+    # no owner's run starts (running_jobs 0), so a training model's ops stay held, as behind a busy host
+    settings = ServeSettings(tinker_base_models=[BASE], tinker_max_pending_requests=PENDING,
+                             default_quota=Quota(running_jobs=0))  # fmt: skip
+    live = start_service(tmp_path_factory.mktemp("tinker-bad"), schedule=False, settings=settings)
     yield live
     live.stop()
 
@@ -307,3 +311,98 @@ def test_an_unexpected_error_answers_500_in_the_error_shape_with_its_request_id(
     assert plain.status_code == 500, plain.text
     error = plain.json()["error"]
     assert error["type"] == "server_error" and "req-probe-2" in error["message"]
+
+
+def test_an_owner_with_too_many_unanswered_requests_gets_a_429_the_sdk_retries(svc):
+    """Each queued op holds its body until dispatched: past the bound the owner is told to back off (a 429,
+    which the SDK retries); a cancelled op still queued counts, and another owner is not held back."""
+    keys = owner_keys(svc, ("carol", "dave"))
+    with httpx.Client(base_url=svc.url, timeout=60) as http:
+        models = {}
+        for owner, key in keys.items():
+            http.headers["X-API-Key"] = key
+            session = http.post("/api/v1/create_session", json={}).json()["session_id"]
+            made = http.post(
+                "/api/v1/create_model",
+                json={
+                    "session_id": session,
+                    "base_model": BASE,
+                    "model_seq_id": 0,
+                    "lora_config": {"rank": 4},
+                },
+            )
+            assert made.status_code == 200, made.text
+            models[owner] = f"{session}:train:0"
+        http.headers["X-API-Key"] = keys["carol"]
+        step = {"model_id": models["carol"]}
+        queued = [http.post("/api/v1/optim_step", json=step) for _ in range(PENDING - 1)]  # and its creation
+        assert all(r.status_code == 200 for r in queued), [r.text for r in queued]
+        http.post("/api/v1/cancel_future", json={"request_id": queued[0].json()["request_id"]})
+        refused = _refused(http.post("/api/v1/optim_step", json=step), "tinker_max_pending_requests", 429)
+        assert str(PENDING) in refused["error"]
+        targets = {"target_tokens": {"data": [2, 3], "dtype": "int64"}, "weights": {"data": [1.0, 1.0]}}
+        fwd = _fwd({**_chunks([1, 2]), "loss_fn_inputs": targets}, model_id=models["carol"])
+        _refused(http.post("/api/v1/forward_backward", json=fwd), "tinker_max_pending_requests", 429)
+        http.headers["X-API-Key"] = keys["dave"]
+        assert http.post("/api/v1/optim_step", json={"model_id": models["dave"]}).status_code == 200
+
+
+def test_an_owners_samplers_are_bounded_and_end_with_their_session(svc, monkeypatch):
+    """A sampler costs its owner one cheap request: the oldest beyond the bound go, and a session's go
+    when it ends (before, they stayed for the life of the service)."""
+    from service import tinker_sessions
+
+    monkeypatch.setattr(tinker_sessions, "MAX_SAMPLERS", 3, raising=False)
+    tinker_svc = svc.server.config.app.state.tinker
+    with httpx.Client(base_url=svc.url, headers={"X-API-Key": owner_keys(svc, ("erin",))["erin"]}) as erin:
+        session = erin.post("/api/v1/create_session", json={}).json()["session_id"]
+        made = [erin.post("/api/v1/create_sampling_session", json={"session_id": session, "base_model": BASE})
+                .json()["sampling_session_id"] for _ in range(5)]  # fmt: skip
+        seen = [erin.get(f"/api/v1/samplers/{sampler}").status_code for sampler in made]
+        assert seen == [404, 404, 200, 200, 200], seen
+        tinker_svc.records.sessions[session].last_heartbeat -= tinker_svc.session_ttl_s + 1  # silent since
+        erin.post("/api/v1/create_session", json={})  # which ends it
+        assert erin.get(f"/api/v1/samplers/{made[-1]}").status_code == 404
+
+
+def test_a_datum_without_tokens_is_400_naming_it(svc):
+    """The host could not lay it out (a torch error as the service's own): refused before it is queued."""
+    with httpx.Client(base_url=svc.url, headers={"X-API-Key": owner_keys(svc, ("gus",))["gus"]}) as gus:
+        session = gus.post("/api/v1/create_session", json={}).json()["session_id"]
+        made = gus.post(
+            "/api/v1/create_model", json={"session_id": session, "base_model": BASE, "model_seq_id": 0}
+        )
+        assert made.status_code == 200, made.text
+        empty = {"target_tokens": {"data": [], "dtype": "int64"}, "weights": {"data": []}}
+        for chunks in ([], [{"tokens": []}]):
+            datum = {"model_input": {"chunks": chunks}, "loss_fn_inputs": empty}
+            full = {"target_tokens": {"data": [2], "dtype": "int64"}, "weights": {"data": [1.0]}}
+            body = _fwd({**_chunks([1]), "loss_fn_inputs": full}, model_id=f"{session}:train:0")
+            body["forward_backward_input"]["data"].append(datum)
+            _refused(
+                gus.post("/api/v1/forward_backward", json=body), "forward_backward_input.data[1].model_input"
+            )
+
+
+def test_a_read_answer_is_dropped_soon_and_an_unread_one_is_kept(alice, ids, svc, monkeypatch):
+    """A forward's answer may be megabytes: once read it stays READ_KEEP_S (a lost reply's retry), not an hour."""
+    from service import tinker_sessions
+
+    monkeypatch.setattr(tinker_sessions, "READ_KEEP_S", 0.0, raising=False)
+    monkeypatch.setattr(tinker_sessions, "SWEEP_EVERY_S", 0.0)
+    futures = svc.server.config.app.state.tinker.futures
+
+    def sample() -> str:  # its host cannot start: it fails at once, a finished future all the same
+        request_id = alice.post("/api/v1/asample", json={"sampling_session_id": ids["sampler"], **SAMPLE})
+        request_id = request_id.json()["request_id"]
+        deadline = time.time() + 30
+        while not futures[request_id].done and time.time() < deadline:
+            time.sleep(0.01)
+        return request_id
+
+    read, unread = sample(), sample()
+    assert alice.post("/api/v1/retrieve_future", json={"request_id": read}).json()["category"] == "server"
+    time.sleep(0.01)
+    sample()  # a new future sweeps the table
+    _refused(alice.post("/api/v1/retrieve_future", json={"request_id": read}), "request_id", 404)
+    assert alice.post("/api/v1/retrieve_future", json={"request_id": unread}).json()["category"] == "server"

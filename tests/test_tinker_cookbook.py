@@ -251,3 +251,66 @@ def test_hostile_checkpoint_requests_are_4xx_naming_the_field(svc, keys, sdk, tr
         )
         assert 400 <= answer.status_code < 500, answer.text
     assert "weights/hostile" in names(svc, keys["alice"], run)
+
+
+def test_a_dropped_samplers_snapshot_leaves_the_hosts_disk_and_a_named_one_stays(svc, keys, monkeypatch):
+    """An RL loop saves a snapshot a step: one whose sampler is dropped (here beyond the owner's bound of
+    one) is deleted after its queued samples; a named one is a checkpoint and stays."""
+    from service import tinker_sessions
+
+    monkeypatch.setattr(tinker_sessions, "MAX_SAMPLERS", 1)
+    point_sdk(monkeypatch, svc.url, keys["bob"])
+    training = service_client().create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    samplers = svc.server.config.app.state.tinker.records.samplers
+
+    def save(name: str | None = None) -> Path:
+        if name is None:
+            training.save_weights_and_get_sampling_client().result()
+        else:
+            training.save_weights_for_sampler(name).result()
+        [sampler] = samplers.of("bob")
+        assert Path(sampler.path).is_dir()
+        return Path(sampler.path)
+
+    def gone(folder: Path) -> bool:
+        deadline = time.time() + 60
+        while folder.exists() and time.time() < deadline:
+            time.sleep(0.05)
+        return not folder.exists()
+
+    unnamed = save()
+    named = save("kept")
+    assert gone(unnamed)
+    third = save()  # the named one's sampler is dropped
+    save()
+    assert gone(third) and named.is_dir()  # a drop of the named one would have run before the third's
+
+
+def test_a_named_sampler_snapshot_counts_in_its_owners_stored_bytes_and_goes_with_its_checkpoint(
+    svc, keys, sdk, trained
+):
+    from service.quotas import folder_bytes
+
+    before = svc.service.usage("alice").stored["checkpoints"]
+    path = trained.save_weights_for_sampler("counted").result().path
+    [sampler] = [
+        s for s in svc.server.config.app.state.tinker.records.samplers.of("alice") if s.tinker_path == path
+    ]
+    snapshot = folder_bytes(Path(sampler.path))
+    assert snapshot > 1000 and svc.service.usage("alice").stored["checkpoints"] - before >= snapshot
+    rest(svc, keys["alice"]).delete_checkpoint_from_tinker_path(path).result()
+    assert not Path(sampler.path).exists()
+
+
+def test_a_save_past_the_owners_stored_bytes_is_403_naming_the_quota(svc, monkeypatch):
+    """The quota was checked when the model was made only: its saves could then fill the disk."""
+    key = owner_keys(svc, ("carol",))["carol"]
+    with svc.client() as admin:
+        assert admin.put("/v1/quotas/carol", json={"stored_bytes": 1}).status_code == 200
+    point_sdk(monkeypatch, svc.url, key)
+    training = service_client().create_lora_training_client(base_model=BASE, rank=4, seed=0).result()
+    training.save_state("first").result()  # from nothing: past the quota only once saved
+    for save in (training.save_state, training.save_weights_for_sampler, training.save_weights_external):
+        with pytest.raises(tinker.PermissionDeniedError, match="quota stored_bytes"):
+            save("more").result()
+    training.save_weights_and_get_sampling_client().result()  # an unnamed sampler is no checkpoint

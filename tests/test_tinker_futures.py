@@ -40,3 +40,46 @@ def test_a_request_between_sweeps_leaves_the_table_alone(clock, monkeypatch):
     clock[0] += tinker_sessions.SWEEP_EVERY_S
     table.create("ann", "forward")
     assert expired.id not in table
+
+
+def test_an_owners_requests_count_until_answered_or_dropped_from_their_queue(tmp_path):
+    """A cancelled op still holds its request in its queue: it counts until the dispatcher drops it."""
+    from collections import OrderedDict, deque
+
+    from service.tinker_hosts import Host, HostOptions, Op
+    from service.tinker_requests import TinkerError
+    from workers.session_host import SessionWorker
+
+    table = FutureTable()
+    host = Host("tiny-qwen2", tmp_path, table, HostOptions())
+    queue = host._queues.setdefault("ann", OrderedDict()).setdefault("m", deque())
+    for _ in range(2):
+        queue.append(Op(table.create("ann", "forward", 2), "ann", "m", SessionWorker.optim_step, {}, {}))
+    with pytest.raises(TinkerError) as refused:
+        table.create("ann", "forward", 2)
+    assert refused.value.status == 429 and refused.value.param == "tinker_max_pending_requests"
+    table.create("bob", "forward", 2)  # another owner's count
+    table.cancel(queue[0].future)
+    with pytest.raises(TinkerError):
+        table.create("ann", "forward", 2)
+    [taken] = host._next_batch()  # the cancelled op is dropped, the other one runs
+    extra = table.create("ann", "forward", 2)
+    with pytest.raises(TinkerError):
+        table.create("ann", "forward", 2)
+    table.finish(taken.future, {})
+    table.fail(extra, "failed")
+    assert [table.create("ann", "forward", 2) for _ in range(2)]
+
+
+def test_recorded_samples_are_bounded_per_owner_so_one_cannot_push_out_anothers(monkeypatch):
+    from service.tinker_sessions import Records
+
+    monkeypatch.setattr(tinker_sessions, "MAX_RECORDED_TOKENS", 10)
+    records = Records()
+    records.record("ann", ["ann:0"], [1, 2], [{"tokens": [3, 4], "logprobs": [-0.5, None]}])
+    for i in range(20):  # bob samples a flood with record_stability_info
+        records.record("bob", [f"bob:{i}"], [1, 2], [{"tokens": [3, 4]}])
+    assert "ann:0" in records.sequences and list(records.sequences["ann:0"].tokens) == [3, 4]
+    assert [k for k in records.sequences if k.startswith("bob")] == ["bob:18", "bob:19"]  # his newest
+    records.record("ann", ["ann:1", "ann:2"], [1] * 6, [{"tokens": [5]}, {"tokens": [6]}])
+    assert [k for k in records.sequences if k.startswith("ann")] == ["ann:2"]

@@ -18,7 +18,8 @@ from workers.operations import TrainingOperations
 Result = dict[str, Any]  # {"ok": ...} or {"error": {"category", "field", "message"}}
 Call = dict[str, Any]  # one request of a batched form, as service/tinker_service.py builds it
 # the single operations: they raise, the API reads their answers
-GUARDED = ("optim_step", "save_state", "load_state", "create_adapter", "drop_adapter", "save_for_sampler")
+GUARDED = ("optim_step", "save_state", "load_state", "create_adapter", "drop_adapter", "save_for_sampler",
+           "drop_sampler")  # fmt: skip
 
 
 def error(category: str, field: str | None, message: str) -> Result:
@@ -133,10 +134,21 @@ class SessionWorker(TrainingOperations):
         return self.engine.drop_adapter(adapter) or {}
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
-    def save_for_sampler(self, adapter: str, name: str) -> dict[str, Any]:
-        """A frozen snapshot of the adapter (no optimizer state) that `sample` can name."""
-        folder = str(self.engine.workdir / "samplers" / adapter / name)
+    def save_for_sampler(self, adapter: str, name: str, path: str | None = None) -> dict[str, Any]:
+        """A frozen snapshot of the adapter (no optimizer state) that `sample` can name: in `path` (a named
+        one's checkpoint folder, so that it counts in its owner's stored bytes), else the host's own."""
+        folder = path or str(self.engine.workdir / "samplers" / adapter / name)
         return self.ops.save_state(folder, 0, adapter, False) or {"path": folder}
+
+    @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
+    def drop_sampler(self, path: str) -> dict[str, Any]:
+        """A snapshot whose sampler is gone leaves the disk (only a folder save_for_sampler made)."""
+        import shutil
+
+        folder, root = Path(path).resolve(), (self.engine.workdir / "samplers").resolve()
+        if folder.is_relative_to(root) and folder != root:
+            shutil.rmtree(folder, ignore_errors=True)
+        return {}
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def forward_backward_calls(self, calls: list[Call]) -> list[Result]:

@@ -171,6 +171,7 @@ async def retrieve_future(request: Request) -> Any:
         pause = min(pause * 1.5, 0.05)
     if not future.done:
         return {"type": "try_again", "request_id": future.id, "queue_state": "active"}
+    tinker(request).futures.read(future)
     if isinstance(future.answer, bytes):
         return Response(future.answer, media_type="application/x-protobuf")
     return future.answer
