@@ -4,6 +4,7 @@ submission, and the client against real servers (examples/openenv_server.py unde
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -182,3 +183,32 @@ def test_a_server_that_answers_garbage_is_named() -> None:
         EnvironmentReferenceError, match=f"'{ref}' answered GET /schema with status 200 and no action"
     ):
         env_of(ref)
+
+
+def _schema_answer(chunks: Any, pause_s: float = 0.0) -> Any:
+    """An ASGI app answering every request 200 with `chunks` as its body, `pause_s` between them."""
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(pause_s)
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("chunks", "pause_s", "words"),
+    [
+        ([b" "] * 40, 0.2, "did not answer GET /schema within 1 s"),  # each byte in time, the whole never
+        ([b" " * (1 << 20)] * 12, 0.0, "answered GET /schema with more than 8 MB"),
+        ([b"[" * 100_000], 0.0, "answered GET /schema with status 200 and no action schema"),
+    ],
+)
+def test_a_schema_dripped_huge_or_nested_past_the_parser_is_refused_in_time(chunks, pause_s, words) -> None:
+    ref = serve(_schema_answer(chunks, pause_s))
+    started = time.monotonic()
+    with pytest.raises(EnvironmentReferenceError, match=words):
+        env_of(ref, timeout_s=1.0)
+    assert time.monotonic() - started < 5
