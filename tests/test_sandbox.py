@@ -198,3 +198,24 @@ def test_a_sandbox_outlives_the_thread_that_started_it():
         assert run(boxes[0], "result = 'alive'") == "alive"
     finally:
         boxes[0].close()
+
+
+CALL_ID = "f = sys._getframe()\nwhile not isinstance(f.f_locals.get('message'), dict):\n    f = f.f_back\n"
+HOSTILE_LINES = {  # written on the channel itself, as code in the sandbox can
+    "nested past the parser": "b'[' * 100_000 + b'\\n'",
+    "an error of megabytes": "json.dumps({'id': f.f_locals['message']['id'], "
+    "'error': {'message': 'x' * 8_000_000, 'type': 'E' * 8_000_000}}).encode() + b'\\n'",
+}
+
+
+@pytest.mark.parametrize("line", HOSTILE_LINES.values(), ids=HOSTILE_LINES.keys())
+def test_a_hostile_reply_ends_the_call_at_once_and_bounded(line):
+    code = (
+        f"import json, sys, time\nfrom workers.sandbox import child\n{CALL_ID}c = child._CHANNEL\n"
+        f"with c.lock:\n    c.writer.write({line})\n    c.writer.flush()\ntime.sleep(30)"
+    )
+    with Sandbox() as box:
+        with pytest.raises(SandboxError) as raised:
+            run(box, code, timeout_s=10)
+    assert not isinstance(raised.value, SandboxTimeout)  # the reader saw it: no wait for the limit
+    assert len(raised.value.message) <= 2000 and len(raised.value.type) <= 2000

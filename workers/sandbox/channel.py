@@ -143,7 +143,7 @@ class Sandbox:
                 if len(line) > MAX_LINE or not self._take(json.loads(line)):
                     self._end("the sandbox broke its protocol (a reply too long or not understood)")
                     return
-        except (ValueError, TypeError, OSError):  # not JSON, or an id that is no key: the child's doing
+        except (ValueError, TypeError, OSError, RecursionError):  # not JSON, too deep, a bad id: the child's
             self._end("the sandbox broke its protocol (a line that is not a message)")
             return
         self._end(self._exit_reason())
@@ -161,9 +161,9 @@ class Sandbox:
         if future is not None:
             error = message.get("error")
             if isinstance(error, dict):
-                future.set_exception(
-                    SandboxError(*(self.unplace(str(error.get(k, ""))) for k in ("message", "type", "trace")))
-                )
+                # bounded here: the child may write any size
+                fields = (str(error.get(k, ""))[:MESSAGE_CHARS] for k in ("message", "type", "trace"))
+                future.set_exception(SandboxError(*map(self.unplace, fields)))
             else:
                 future.set_result(message.get("ok"))
         return True
