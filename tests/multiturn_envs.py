@@ -70,6 +70,8 @@ class HostileEnv:
 
     def reset(self, row: dict[str, Any]) -> Any:
         self.prompt = str(row["prompt"])
+        if self.prompt == "reset_raise":
+            raise RuntimeError("no such task")
         return {"reset_empty": [], "reset_bad_role": {"role": "narrator", "content": "hi"}}.get(
             self.prompt, self.prompt
         )

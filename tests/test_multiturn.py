@@ -146,6 +146,18 @@ def test_answers_outside_the_interface_end_only_their_trajectory(engine, delta):
     assert len(trajectories[5].messages) == 2  # the huge observation is not kept
 
 
+def test_an_environment_whose_reset_failed_is_released_from_its_sandbox(engine, delta):
+    from workers.environments.sandboxed import _hosts
+
+    ref = "tests.multiturn_envs:HostileEnv"
+    rows = [{"prompt": p, "ground_truth": None, "extra": None} for p in ("reset_raise", "reset_empty", "ok")]
+    trajectories = run(engine, delta, ref, rows)
+    assert [t.finish_reason for t in trajectories] == ["env_error", "env_error", "done"]
+    assert "no such task" in trajectories[0].error
+    count = "from workers.environments import sandboxed\nresult = len(sandboxed._instances)"
+    assert _hosts[ref].call("tests.sandbox_probes:run", [count], 30) == 0  # none left behind
+
+
 def test_an_observation_the_chat_template_refuses_ends_only_its_trajectory(chat_model, engine):
     from transformers import AutoTokenizer
 

@@ -75,21 +75,21 @@ class MultiTurnRollout:
     def _reset(
         self, pool: ThreadPoolExecutor, trajectories: list[Trajectory], rows: list, width: int
     ) -> None:
-        def reset(row: dict[str, Any]) -> tuple[Any, list[dict[str, str]]]:
-            env = self.env_class()
-            messages = as_messages(env.reset(row))
+        def reset(traj: Trajectory, row: dict[str, Any]) -> list[dict[str, str]]:
+            traj.env = self.env_class()  # kept before reset runs: one that fails is released too
+            messages = as_messages(traj.env.reset(row))
             if not messages:
                 raise EnvironmentContractError(
                     "reset() returned no messages: the conversation needs a first turn"
                 )
-            return env, messages
+            return messages
 
         deadline = time.monotonic() + self.config.env_step_timeout_s
-        futures = [pool.submit(reset, row) for row in rows]
+        futures = [pool.submit(reset, traj, row) for traj, row in zip(trajectories, rows, strict=True)]
         for traj, future in zip(trajectories, futures, strict=True):
             outcome, ids = self._result(traj, future, deadline), None
             if outcome is not None:
-                traj.env, traj.messages = outcome
+                traj.messages = outcome
                 if _too_long(traj.messages, width):  # not tokenized: megabytes would take seconds
                     raise ValueError(
                         f"the environment's first observation ({len(traj.messages)} messages) is longer than "
