@@ -23,6 +23,24 @@ def agent_job(agent: str) -> dict:
     )  # fmt: skip
 
 
+def test_an_agent_worker_whose_sandbox_ended_starts_a_fresh_one():
+    """A call that ends the agent's process (a limit, an exit) fails that trajectory only: the worker's
+    later calls run in a new sandbox instead of failing at once for the rest of the job."""
+    import ray
+
+    from controller.external_agents import AgentWorker
+
+    worker = (
+        ray.remote(AgentWorker).options(num_cpus=0).remote("tests.agent_fns:exits_on_task_zero", None, "m")
+    )
+    try:
+        with pytest.raises(Exception, match="exit code 3"):
+            ray.get(worker.run.remote(0, "agent-0"), timeout=120)
+        assert ray.get(worker.run.remote(1, "agent-1"), timeout=120) == {"reward": 1.0}
+    finally:
+        ray.kill(worker)
+
+
 # slow (make test-slow): the endpoint itself is in make test (tests/test_openai_endpoint.py); this runs
 # the user agent inside the job
 @pytest.mark.slow
