@@ -5,6 +5,7 @@ submission, and the client against real servers (examples/openenv_server.py unde
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -212,3 +213,34 @@ def test_a_schema_dripped_huge_or_nested_past_the_parser_is_refused_in_time(chun
     with pytest.raises(EnvironmentReferenceError, match=words):
         env_of(ref, timeout_s=1.0)
     assert time.monotonic() - started < 5
+
+
+def _answers_errors(message: str) -> Any:
+    """An OpenEnv server in protocol: a schema, then every WebSocket message answered as an error."""
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+        elif scope["type"] == "http":
+            body = json.dumps({"action": {"properties": {"message": {"type": "string"}}}}).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": body})
+        else:
+            await receive()
+            await send({"type": "websocket.accept"})
+            while (await receive())["type"] == "websocket.receive":
+                error = {"type": "error", "data": {"message": message, "code": "E"}}
+                await send({"type": "websocket.send", "text": json.dumps(error)})
+
+    return app
+
+
+def test_a_servers_error_of_megabytes_comes_back_bounded_naming_the_environment() -> None:
+    ref = serve(_answers_errors("x" * 5_000_000))
+    env = env_of(ref, timeout_s=5.0)
+    with pytest.raises(RuntimeError) as raised:
+        env.reset(ROW)
+    assert f"OpenEnv environment '{ref}' failed reset" in str(raised.value) and len(str(raised.value)) < 1000
+    release([env])

@@ -103,6 +103,10 @@ class OpenEnvServer:
             raise TimeoutError(
                 f"OpenEnv environment '{self.name}' did not answer {what} within {self.timeout_s:g} s"
             ) from None
+        except Exception as err:  # its message is the server's, of any size
+            raise RuntimeError(
+                f"OpenEnv environment '{self.name}' failed {what}: {type(err).__name__}: {str(err)[:500]}"
+            ) from None
 
     def release(self, envs: list[OpenEnvEnvironment]) -> None:
         """End these trajectories' sessions, all at once (one time limit for them together)."""
