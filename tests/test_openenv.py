@@ -186,6 +186,10 @@ def test_a_server_that_answers_garbage_is_named() -> None:
         env_of(ref)
 
 
+TWO_TEXTS_REQUIRED_7 = json.dumps({"action": {"properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+                                               "required": 7}}).encode()  # fmt: skip
+
+
 def _schema_answer(chunks: Any, pause_s: float = 0.0) -> Any:
     """An ASGI app answering every request 200 with `chunks` as its body, `pause_s` between them."""
 
@@ -205,9 +209,10 @@ def _schema_answer(chunks: Any, pause_s: float = 0.0) -> Any:
         ([b" "] * 40, 0.2, "did not answer GET /schema within 1 s"),  # each byte in time, the whole never
         ([b" " * (1 << 20)] * 12, 0.0, "answered GET /schema with more than 8 MB"),
         ([b"[" * 100_000], 0.0, "answered GET /schema with status 200 and no action schema"),
+        ([TWO_TEXTS_REQUIRED_7], 0.0, r"its action has fields \['a', 'b'\]"),
     ],
 )
-def test_a_schema_dripped_huge_or_nested_past_the_parser_is_refused_in_time(chunks, pause_s, words) -> None:
+def test_a_schema_dripped_huge_nested_or_malformed_is_refused_in_time(chunks, pause_s, words) -> None:
     ref = serve(_schema_answer(chunks, pause_s))
     started = time.monotonic()
     with pytest.raises(EnvironmentReferenceError, match=words):

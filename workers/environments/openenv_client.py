@@ -170,7 +170,7 @@ def action_shape(schema: dict[str, Any], name: str) -> tuple[str | None, bool]:
         for k, p in properties.items()
         if k != "metadata" and isinstance(p, dict) and p.get("type") == "string"
     ]
-    required = [k for k in texts if k in (action.get("required") or [])]
+    required = [k for k in texts if k in _list(action.get("required"))]
     for candidates in (required, texts):
         if len(candidates) == 1:
             return candidates[0], False
@@ -179,6 +179,10 @@ def action_shape(schema: dict[str, Any], name: str) -> tuple[str | None, bool]:
         f"OpenEnv environment '{name}': its action has fields {fields}; Tandem sends the model's turn "
         "as an action with one text field, or as an MCP tool call"
     )
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def observation_text(observation: Any) -> str:
