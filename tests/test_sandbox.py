@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,26 @@ def test_a_hostile_reply_ends_the_call_at_once_and_bounded(line):
             run(box, code, timeout_s=10)
     assert not isinstance(raised.value, SandboxTimeout)  # the reader saw it: no wait for the limit
     assert len(raised.value.message) <= 2000 and len(raised.value.type) <= 2000
+
+
+def test_a_flood_of_questions_is_refused_past_a_bound_not_queued():
+    """Each queued question holds its line (up to 16 MB) in the parent: a sandbox asking without end
+    must be told no at once, not queued until the parent runs out of memory."""
+    release = threading.Event()
+
+    def slow_asker(topic, payload):
+        release.wait(5)
+        return "late"
+
+    flood = (
+        "import threading\nfrom workers.sandbox.child import ask\nanswers = []\n"
+        "def one():\n    try:\n        answers.append(ask('q', None, 3))\n"
+        "    except Exception as err:\n        answers.append(str(err))\n"
+        "threads = [threading.Thread(target=one) for _ in range(200)]\n"
+        "[t.start() for t in threads]\n[t.join() for t in threads]\n"
+        "result = sum('questions at once' in str(a) for a in answers)"
+    )
+    with Sandbox(asker=slow_asker) as box:
+        refused = run(box, flood, timeout_s=30)
+        release.set()
+    assert refused >= 200 - 32
