@@ -123,8 +123,11 @@ class AgentPool:
             done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
             for ref in done:
                 worker, trajectory, _ = running.pop(ref)
-                idle.append(worker)
-                self._settle(ref, trajectory)
+                if self._settle(ref, trajectory):
+                    idle.append(worker)
+                else:  # its process died: every later call on it would fail at once, the loop spinning
+                    ray.kill(worker, no_restart=True)
+                    idle.append(self._new_worker())
             for ref, (worker, trajectory, started) in list(running.items()):
                 if time.monotonic() - started > self.timeout_s:
                     running.pop(ref)
@@ -138,13 +141,14 @@ class AgentPool:
         for worker in idle:
             ray.kill(worker, no_restart=True)
 
-    def _settle(self, ref: Any, trajectory: str) -> None:
+    def _settle(self, ref: Any, trajectory: str) -> bool:
+        """Count the call's outcome (its reward to the endpoint); False when its worker died."""
         try:
             result = ray.get(ref)
         except Exception as err:  # user code: counted and logged, the job goes on
             self.failed += 1
             log.warning("agent %s failed for %s: %s", self.ref, trajectory, str(err)[-500:])
-            return
+            return not isinstance(err, ray.exceptions.RayActorError)
         try:
             answer = ray.get(self.server.reward.remote(trajectory, result), timeout=60)
         except Exception as err:  # noqa: BLE001 - the endpoint did not answer: counted, the loop goes on
@@ -156,6 +160,7 @@ class AgentPool:
             )
         else:
             self.finished += 1
+        return True
 
     def stats(self) -> dict[str, float]:
         return {"external/agent_calls_done": float(self.finished), "external/agent_failures": float(self.failed),

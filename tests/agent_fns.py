@@ -34,3 +34,11 @@ def exits_on_task_zero(client, model: str, index: int) -> float:
 
         os._exit(3)
     return 1.0
+
+
+def paced_agent(client, model: str, index: int) -> float:
+    """Makes no call: a reward after a short wait (the endpoint refuses it: no trajectory recorded)."""
+    import time
+
+    time.sleep(0.2)
+    return 1.0

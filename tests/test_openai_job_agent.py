@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -39,6 +40,39 @@ def test_an_agent_worker_whose_sandbox_ended_starts_a_fresh_one():
         assert ray.get(worker.run.remote(1, "agent-1"), timeout=120) == {"reward": 1.0}
     finally:
         ray.kill(worker)
+
+
+def test_an_agent_worker_whose_process_died_is_replaced_not_called_again(tmp_path):
+    """A dead AgentWorker actor (its process killed) answers every call at once with an error: reused,
+    it would spin the agents' loop through failures for the rest of the job."""
+    import ray
+    from ray._private import state
+
+    from controller.external import ExternalServer
+    from controller.external_agents import AgentPool
+    from engines.models.tiny_models import build_builtin_model
+    from schema.external import ExternalSpec
+
+    model = str(build_builtin_model("tiny-qwen2-chat", tmp_path))
+    config = ExternalSpec(agent="tests.agent_fns:paced_agent", agent_workers=1, group_size=1,
+                          trajectories_per_step=1)  # fmt: skip
+    server = ray.remote(ExternalServer).remote("agent-test", model, config)
+    pool = AgentPool(config, server, model)
+    try:
+        wait = time.monotonic() + 60
+        while not (pids := [a["Pid"] for a in state.actors().values()
+                            if a["ActorClassName"] == "AgentWorker" and a["State"] == "ALIVE" and a["Pid"]]):  # fmt: skip
+            assert time.monotonic() < wait, "no agent worker came up"
+            time.sleep(0.2)
+        os.kill(pids[0], signal.SIGKILL)
+        time.sleep(4)
+        assert pool.failed < 40, pool.stats()  # the calls of a worker replaced, not thousands on a dead one
+        started = pool.started
+        time.sleep(2)
+        assert pool.started > started  # the new worker runs calls
+    finally:
+        pool.stop()
+        ray.kill(server)
 
 
 # slow (make test-slow): the endpoint itself is in make test (tests/test_openai_endpoint.py); this runs
