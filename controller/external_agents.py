@@ -2,7 +2,8 @@
 job runs itself, in sandboxes without a network (workers/sandbox/): its client's transport sends each
 request over the sandbox's pipe to its `AgentWorker`, which has the job's endpoint answer it over Ray.
 The task index repeats `group_size` times (a GRPO group is one task solved that often). `AgentPool`
-keeps `agent_workers` calls under way; a call past `agent_timeout_s` has its process replaced.
+keeps `agent_workers` calls under way; a call past `agent_timeout_s` has its process replaced, and one
+that ended its sandbox (a limit, an exit) leaves the next call a fresh sandbox.
 """
 
 from __future__ import annotations
@@ -42,7 +43,11 @@ class AgentWorker(UserCode):
     def __init__(self, ref: str, server: Any, model: str, args: dict[str, Any] | None = None) -> None:
         self.server, self.model, self.args = server, model, args
         self.trajectory: str | None = None  # the one a call under way records
-        super().__init__(ref, f"agent '{ref}'", AgentError, "controller.agent_sandbox:check_agent", [args],
+        self._start(ref)
+
+    def _start(self, ref: str) -> None:
+        """The sandbox with the agent loaded: at first, and again after a call ended its process."""
+        super().__init__(ref, f"agent '{ref}'", AgentError, "controller.agent_sandbox:check_agent", [self.args],
                          asker=self._ask)  # fmt: skip
 
     def _ask(self, topic: str, payload: Any) -> dict[str, Any]:
@@ -71,6 +76,9 @@ class AgentWorker(UserCode):
         return _ok(out)
 
     def run(self, index: int, trajectory: str) -> dict[str, Any]:
+        if not self.alive:  # a limit or an exit ended it: else every later call would fail at once
+            self.close()
+            self._start(self.ref)
         self.trajectory = trajectory
         try:
             args = [self.placed, self.model, index, self.args]
@@ -115,8 +123,11 @@ class AgentPool:
             done, _ = ray.wait(list(running), num_returns=1, timeout=0.5)
             for ref in done:
                 worker, trajectory, _ = running.pop(ref)
-                idle.append(worker)
-                self._settle(ref, trajectory)
+                if self._settle(ref, trajectory):
+                    idle.append(worker)
+                else:  # its process died: every later call on it would fail at once, the loop spinning
+                    ray.kill(worker, no_restart=True)
+                    idle.append(self._new_worker())
             for ref, (worker, trajectory, started) in list(running.items()):
                 if time.monotonic() - started > self.timeout_s:
                     running.pop(ref)
@@ -130,13 +141,14 @@ class AgentPool:
         for worker in idle:
             ray.kill(worker, no_restart=True)
 
-    def _settle(self, ref: Any, trajectory: str) -> None:
+    def _settle(self, ref: Any, trajectory: str) -> bool:
+        """Count the call's outcome (its reward to the endpoint); False when its worker died."""
         try:
             result = ray.get(ref)
         except Exception as err:  # user code: counted and logged, the job goes on
             self.failed += 1
             log.warning("agent %s failed for %s: %s", self.ref, trajectory, str(err)[-500:])
-            return
+            return not isinstance(err, ray.exceptions.RayActorError)
         try:
             answer = ray.get(self.server.reward.remote(trajectory, result), timeout=60)
         except Exception as err:  # noqa: BLE001 - the endpoint did not answer: counted, the loop goes on
@@ -148,6 +160,7 @@ class AgentPool:
             )
         else:
             self.finished += 1
+        return True
 
     def stats(self) -> dict[str, float]:
         return {"external/agent_calls_done": float(self.finished), "external/agent_failures": float(self.failed),

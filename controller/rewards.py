@@ -1,8 +1,9 @@
 """Rule rewards: functions `fn(prompt, response, ground_truth, extra) -> float | dict` addressed by a
 reference string ("builtin:NAME", "module:function", "path/to/file.py:function"), scored in batches.
 
-A dict result carries "score" plus extra numeric metrics (logged as "reward/<name>/mean"). A sample
-whose function raises or returns a non-number scores 0.0 and counts in "reward/errors". User code and
+A dict result carries "score" plus at most MAX_METRICS extra numeric metrics (logged as
+"reward/<name>/mean"). A sample whose function raises or returns anything but a number within
+±MAX_ABS_REWARD scores 0.0 and counts in "reward/errors"; the others of its batch are scored. User code and
 SANDBOXED_BUILTINS run in long-lived sandboxes (workers/sandbox/); no torch or Ray at the top, because
 scoring processes import this module.
 """
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from controller.reasoning_gym_task import reasoning_gym_reward
 from controller.tasks.arithmetic import arithmetic_partial_reward, arithmetic_reward
 from controller.tasks.word_problems import word_problem_reward
+from schema.openai_bodies import MAX_ABS_REWARD
 from workers.references import check_function, describe_exception, load_reference, parse_reference
 from workers.sandbox.channel import SandboxTimeout, UserCode
 from workers.sandbox.limits import Limits
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 RewardFn = Callable[[str, str, Any, dict | None], float | dict[str, float]]
 REWARD_PARAMS = ("prompt", "response", "ground_truth", "extra")
 REFERENCE_FORMS = "'builtin:NAME', 'module:function' or 'path/to/file.py:function'"
+MAX_METRICS = 32  # extra metrics of one result: each becomes a series of the job's metrics
 
 
 class RewardFunctionError(ValueError):
@@ -235,12 +238,10 @@ def _checked(out: Any, n: int) -> list[SampleResult]:
     for item in out:
         try:
             score, metrics, error = item
-            score = float(score)
-            metrics = {str(k): float(v) for k, v in dict(metrics).items() if math.isfinite(float(v))}
             results.append(
-                (score if math.isfinite(score) else 0.0, metrics, None if error is None else str(error)[:500])
+                (0.0, {}, str(error)[:500]) if error is not None else _result({**metrics, "score": score})
             )
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, ArithmeticError):
             results.append((0.0, {}, "the reward sandbox answered a malformed result"))
     return results
 
@@ -258,21 +259,31 @@ def score_in_sandbox(ref: str, rows: list[list[Any]]) -> list[SampleResult]:
 def score_sample(
     fn: RewardFn, prompt: str, response: str, ground_truth: Any, extra: dict | None
 ) -> SampleResult:
+    """One row's result; whatever the function returns or raises fails this row only."""
     try:
-        out = fn(prompt, response, ground_truth, extra)
+        return _result(fn(prompt, response, ground_truth, extra))
     except Exception as exc:
-        return 0.0, {}, describe_exception(exc)
+        try:
+            return 0.0, {}, describe_exception(exc)[:500]
+        except Exception:  # an exception whose message itself raises
+            return 0.0, {}, f"{type(exc).__name__} (its message could not be read)"
+
+
+def _result(out: Any) -> SampleResult:
     metrics: dict[str, float] = {}
     if isinstance(out, dict):
         if "score" not in out:
-            return 0.0, {}, f"returned a dict without a 'score' key (keys: {sorted(out)})"
+            return 0.0, {}, f"returned a dict without a 'score' key (keys: {sorted(map(str, out))[:10]})"
+        if len(out) > MAX_METRICS + 1 or any(len(str(k)) > 100 for k in out):
+            return 0.0, {}, f"returned {len(out) - 1} metrics; at most {MAX_METRICS}, named in 100 characters"
         metrics = {
-            k: v for k, v in ((k, _as_float(v)) for k, v in out.items() if k != "score") if v is not None
+            str(k): v for k, v in ((k, _as_float(v)) for k, v in out.items() if k != "score") if v is not None
         }
         out = out["score"]
     score = _as_float(out)
-    if score is None:
-        return 0.0, {}, f"returned {out!r}; expected a finite number or a dict with a 'score' key"
+    if score is None or abs(score) > MAX_ABS_REWARD:  # float32 scores: a larger one ends up inf or NaN
+        expected = f"expected a number within ±{MAX_ABS_REWARD:g} or a dict with a 'score' key"
+        return 0.0, {}, f"returned {repr(out)[:200]}; {expected}"
     return score, metrics, None
 
 
@@ -307,9 +318,9 @@ def _summary(
         if error is not None and len(messages) < max_messages:
             messages.append(f"sample {i}: {error}")
         for key, value in metrics.items():
-            sums[key] = sums.get(key, 0.0) + value
-            counts[key] = counts.get(key, 0) + 1
+            if key in sums or len(sums) < MAX_METRICS:  # rows that each name their own: a bounded few
+                sums[key], counts[key] = sums.get(key, 0.0) + value, counts.get(key, 0) + 1
     errors = sum(error is not None for _, _, error in results)
-    log = {f"reward/{key}/mean": sums[key] / counts[key] for key in sorted(sums)}
+    log = {f"reward/{key}/mean": sums[key] / counts[key] for key in sorted(sums) if math.isfinite(sums[key])}
     log["reward/errors"] = float(errors)
     return [score for score, _, _ in results], log, errors, messages

@@ -8,6 +8,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# Any reward (posted, a reward function's, an environment's): advantages in float32 stay finite.
+MAX_ABS_REWARD = 1e6
+
 
 class Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI's optional fields a job does not use are accepted
@@ -101,7 +104,9 @@ class CompletionRequest(Sampling):
 class RewardRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    reward: float = Field(..., ge=-1e6, le=1e6, description="the trajectory's reward (its GRPO score)")
+    reward: float = Field(
+        ..., ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD, description="the trajectory's reward (its GRPO score)"
+    )
     task_id: str | None = Field(
         None, min_length=1, max_length=256,
         description="trajectories with the same task id form a GRPO group; default: the trajectory's id",

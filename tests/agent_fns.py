@@ -25,3 +25,20 @@ def unruly_agent(client, model: str, index: int) -> dict:
     elif index == 1:
         out["task_id"] = [out["task_id"]]
     return out
+
+
+def exits_on_task_zero(client, model: str, index: int) -> float:
+    """Ends its own process on task 0 (as a memory limit would), answers 1.0 on the others."""
+    if index == 0:
+        import os
+
+        os._exit(3)
+    return 1.0
+
+
+def paced_agent(client, model: str, index: int) -> float:
+    """Makes no call: a reward after a short wait (the endpoint refuses it: no trajectory recorded)."""
+    import time
+
+    time.sleep(0.2)
+    return 1.0

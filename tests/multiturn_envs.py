@@ -63,3 +63,21 @@ class BadStep:
 
     def step(self):
         return None, 0.0, True, {}
+
+
+class HostileEnv:
+    """Answers outside the interface, as its prompt says; 'ok' ends after one step rewarded 1."""
+
+    def reset(self, row: dict[str, Any]) -> Any:
+        self.prompt = str(row["prompt"])
+        if self.prompt == "reset_raise":
+            raise RuntimeError("no such task")
+        return {"reset_empty": [], "reset_bad_role": {"role": "narrator", "content": "hi"}}.get(
+            self.prompt, self.prompt
+        )
+
+    def step(self, assistant_text: str):
+        observations = {"bad_role": [{"role": "narrator", "content": "x"}], "huge": "y " * 2_000_000}
+        if self.prompt in observations:
+            return observations[self.prompt], 0.0, False, {}
+        return None, 1e39 if self.prompt == "past_float32" else 1.0, True, {}

@@ -129,7 +129,50 @@ def test_a_failing_hanging_or_nan_rewarding_step_ends_only_its_trajectory(engine
     ]
     assert [t.reward for t in trajectories] == [1.0, 0.0, 0.0, 1.0, 0.0]  # a NaN reward never trains
     assert "tool crashed" in trajectories[1].error
-    assert "not a finite number: nan" in trajectories[4].error
+    assert "not a number within ±1e+06: nan" in trajectories[4].error
+
+
+def test_answers_outside_the_interface_end_only_their_trajectory(engine, delta):
+    prompts = ("ok", "past_float32", "bad_role", "reset_empty", "reset_bad_role", "huge")
+    rows = [{"prompt": p, "ground_truth": None, "extra": None} for p in prompts]
+    trajectories = run(engine, delta, "tests.multiturn_envs:HostileEnv", rows, max_response_tokens=200)
+    reasons = ["done", "env_error", "env_error", "env_error", "env_error", "budget"]
+    assert [t.finish_reason for t in trajectories] == reasons
+    td = trajectory_tensors(trajectories, WIDTH, 200, pad=0)
+    assert td["env_rewards"].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # 1e39 is inf in float32
+    assert "within ±1e+06: 1e+39" in trajectories[1].error
+    assert "role 'narrator'" in trajectories[2].error and "role 'narrator'" in trajectories[4].error
+    assert "no messages" in trajectories[3].error
+    assert len(trajectories[5].messages) == 2  # the huge observation is not kept
+
+
+def test_an_environment_whose_reset_failed_is_released_from_its_sandbox(engine, delta):
+    from workers.environments.sandboxed import _hosts
+
+    ref = "tests.multiturn_envs:HostileEnv"
+    rows = [{"prompt": p, "ground_truth": None, "extra": None} for p in ("reset_raise", "reset_empty", "ok")]
+    trajectories = run(engine, delta, ref, rows)
+    assert [t.finish_reason for t in trajectories] == ["env_error", "env_error", "done"]
+    assert "no such task" in trajectories[0].error
+    count = "from workers.environments import sandboxed\nresult = len(sandboxed._instances)"
+    assert _hosts[ref].call("tests.sandbox_probes:run", [count], 30) == 0  # none left behind
+
+
+def test_an_observation_the_chat_template_refuses_ends_only_its_trajectory(chat_model, engine):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    # as templates that know no tool turns do (Mistral's, Gemma's): raise_exception
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{% for message in messages %}",
+        "{% for message in messages %}{% if message['role'] == 'tool' %}"
+        "{{ raise_exception('tool turns are not supported') }}{% endif %}",
+    )
+    rows = [{"prompt": "q", "ground_truth": None, "extra": {"turns": 3}}, {"prompt": "r", "ground_truth": None,
+            "extra": {"turns": 1}}]  # fmt: skip
+    trajectories = run(engine, ChatDelta(tokenizer), "tests.multiturn_envs:ScriptedEnv", rows)
+    assert [t.finish_reason for t in trajectories] == ["env_error", "done"]
+    assert "could not render the observation: tool turns are not supported" in trajectories[0].error
 
 
 def test_calculator_env_answers_tool_calls_and_scores_the_final_answer(engine, delta):

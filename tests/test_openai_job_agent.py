@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -21,6 +22,57 @@ def agent_job(agent: str) -> dict:
         trainer={"total_steps": 1, "val_every": 0, "samples_per_step": 2},
         checkpoint={"every": 0},
     )  # fmt: skip
+
+
+def test_an_agent_worker_whose_sandbox_ended_starts_a_fresh_one():
+    """A call that ends the agent's process (a limit, an exit) fails that trajectory only: the worker's
+    later calls run in a new sandbox instead of failing at once for the rest of the job."""
+    import ray
+
+    from controller.external_agents import AgentWorker
+
+    worker = (
+        ray.remote(AgentWorker).options(num_cpus=0).remote("tests.agent_fns:exits_on_task_zero", None, "m")
+    )
+    try:
+        with pytest.raises(Exception, match="exit code 3"):
+            ray.get(worker.run.remote(0, "agent-0"), timeout=120)
+        assert ray.get(worker.run.remote(1, "agent-1"), timeout=120) == {"reward": 1.0}
+    finally:
+        ray.kill(worker)
+
+
+def test_an_agent_worker_whose_process_died_is_replaced_not_called_again(tmp_path):
+    """A dead AgentWorker actor (its process killed) answers every call at once with an error: reused,
+    it would spin the agents' loop through failures for the rest of the job."""
+    import ray
+    from ray._private import state
+
+    from controller.external import ExternalServer
+    from controller.external_agents import AgentPool
+    from engines.models.tiny_models import build_builtin_model
+    from schema.external import ExternalSpec
+
+    model = str(build_builtin_model("tiny-qwen2-chat", tmp_path))
+    config = ExternalSpec(agent="tests.agent_fns:paced_agent", agent_workers=1, group_size=1,
+                          trajectories_per_step=1)  # fmt: skip
+    server = ray.remote(ExternalServer).remote("agent-test", model, config)
+    pool = AgentPool(config, server, model)
+    try:
+        wait = time.monotonic() + 60
+        while not (pids := [a["Pid"] for a in state.actors().values()
+                            if a["ActorClassName"] == "AgentWorker" and a["State"] == "ALIVE" and a["Pid"]]):  # fmt: skip
+            assert time.monotonic() < wait, "no agent worker came up"
+            time.sleep(0.2)
+        os.kill(pids[0], signal.SIGKILL)
+        time.sleep(4)
+        assert pool.failed < 40, pool.stats()  # the calls of a worker replaced, not thousands on a dead one
+        started = pool.started
+        time.sleep(2)
+        assert pool.started > started  # the new worker runs calls
+    finally:
+        pool.stop()
+        ray.kill(server)
 
 
 # slow (make test-slow): the endpoint itself is in make test (tests/test_openai_endpoint.py); this runs

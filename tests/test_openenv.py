@@ -4,6 +4,8 @@ submission, and the client against real servers (examples/openenv_server.py unde
 
 from __future__ import annotations
 
+import asyncio
+import json
 import socket
 import threading
 import time
@@ -182,3 +184,68 @@ def test_a_server_that_answers_garbage_is_named() -> None:
         EnvironmentReferenceError, match=f"'{ref}' answered GET /schema with status 200 and no action"
     ):
         env_of(ref)
+
+
+TWO_TEXTS_REQUIRED_7 = json.dumps({"action": {"properties": {"a": {"type": "string"}, "b": {"type": "string"}},
+                                               "required": 7}}).encode()  # fmt: skip
+
+
+def _schema_answer(chunks: Any, pause_s: float = 0.0) -> Any:
+    """An ASGI app answering every request 200 with `chunks` as its body, `pause_s` between them."""
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(pause_s)
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+@pytest.mark.parametrize(
+    ("chunks", "pause_s", "words"),
+    [
+        ([b" "] * 40, 0.2, "did not answer GET /schema within 1 s"),  # each byte in time, the whole never
+        ([b" " * (1 << 20)] * 12, 0.0, "answered GET /schema with more than 8 MB"),
+        ([b"[" * 100_000], 0.0, "answered GET /schema with status 200 and no action schema"),
+        ([TWO_TEXTS_REQUIRED_7], 0.0, r"its action has fields \['a', 'b'\]"),
+    ],
+)
+def test_a_schema_dripped_huge_nested_or_malformed_is_refused_in_time(chunks, pause_s, words) -> None:
+    ref = serve(_schema_answer(chunks, pause_s))
+    started = time.monotonic()
+    with pytest.raises(EnvironmentReferenceError, match=words):
+        env_of(ref, timeout_s=1.0)
+    assert time.monotonic() - started < 5
+
+
+def _answers_errors(message: str) -> Any:
+    """An OpenEnv server in protocol: a schema, then every WebSocket message answered as an error."""
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+        elif scope["type"] == "http":
+            body = json.dumps({"action": {"properties": {"message": {"type": "string"}}}}).encode()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": body})
+        else:
+            await receive()
+            await send({"type": "websocket.accept"})
+            while (await receive())["type"] == "websocket.receive":
+                error = {"type": "error", "data": {"message": message, "code": "E"}}
+                await send({"type": "websocket.send", "text": json.dumps(error)})
+
+    return app
+
+
+def test_a_servers_error_of_megabytes_comes_back_bounded_naming_the_environment() -> None:
+    ref = serve(_answers_errors("x" * 5_000_000))
+    env = env_of(ref, timeout_s=5.0)
+    with pytest.raises(RuntimeError) as raised:
+        env.reset(ROW)
+    assert f"OpenEnv environment '{ref}' failed reset" in str(raised.value) and len(str(raised.value)) < 1000
+    release([env])

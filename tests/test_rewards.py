@@ -144,6 +144,54 @@ def test_non_numbers_and_nan_count_as_errors(user_module):
     assert result.errors == 4 and not any(math.isnan(s) for s in result.scores.tolist())
 
 
+HOSTILE_RETURNS = """
+class EvilFloat(float):
+    def __float__(self):
+        raise RuntimeError("evil float")
+
+class Mute(Exception):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+def score(prompt, response, ground_truth, extra):
+    if response == "mute":
+        raise Mute()
+    return {
+        "huge_int": 10**400,
+        "past_float32": 1e39,
+        "evil_float": EvilFloat(1.0),
+        "mixed_keys": {1: 2.0, "a": 3.0},
+        "many_metrics": {"score": 1.0, **{f"m{i}": 1.0 for i in range(100_000)}},
+        "tuple_key": {"score": 0.5, (1, 2): 3.0},
+    }.get(response, 1.0)
+"""
+
+
+def test_hostile_returns_fail_their_own_row_and_never_reach_the_scores_as_inf(tmp_path):
+    path = tmp_path / "hostile_rewards.py"
+    path.write_text(HOSTILE_RETURNS)
+    responses = [
+        "ok",
+        "huge_int",
+        "past_float32",
+        "evil_float",
+        "mixed_keys",
+        "many_metrics",
+        "mute",
+        "tuple_key",
+    ]
+    with RewardScorer(f"{path}:score") as scorer:  # one sandbox: a row's failure must not be its batch's
+        result = scorer.score(["p"] * 8, responses, [None] * 8)
+        alone = scorer.score(["p"], ["past_float32"], [None])  # finite here, inf once in float32
+    assert alone.scores.tolist() == [0.0] and alone.errors == 1
+    assert result.scores.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5]
+    assert result.errors == 6 and result.row_errors[0] is None and result.row_errors[-1] is None
+    assert "OverflowError" in result.row_errors[1] and "within ±1e+06" in result.row_errors[2]
+    assert "evil float" in result.row_errors[3] and "without a 'score' key" in result.row_errors[4]
+    assert "at most 32" in result.row_errors[5] and "Mute" in result.row_errors[6]
+    assert result.metrics == {"reward/(1, 2)/mean": 3.0, "reward/errors": 6.0}
+
+
 @pytest.mark.parametrize(
     ("suffix", "message"),
     [
@@ -218,7 +266,7 @@ def test_a_builtin_with_workers_scores_large_batches_in_unsandboxed_processes():
     args = (["p"] * 30, responses, ["1"] * 30, [None] * 30)
     serial = RewardScorer("builtin:exact_match").score(*args)
     with RewardScorer("builtin:exact_match", num_workers=2, parallel_threshold=10) as scorer:
-        assert scorer.boxes[0].box.mode == "none"  # the service's code: a process, no sandbox
+        assert scorer.boxes[0].mode == "none"  # the service's code: a process, no sandbox
         parallel = scorer.score(*args)
         small = scorer.score(["p"], ["1"], ["1"])  # at most the threshold: scored here
     assert torch.equal(serial.scores, parallel.scores) and parallel.scores.sum() == 10

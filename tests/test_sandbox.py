@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,47 @@ def test_a_sandbox_outlives_the_thread_that_started_it():
         assert run(boxes[0], "result = 'alive'") == "alive"
     finally:
         boxes[0].close()
+
+
+CALL_ID = "f = sys._getframe()\nwhile not isinstance(f.f_locals.get('message'), dict):\n    f = f.f_back\n"
+HOSTILE_LINES = {  # written on the channel itself, as code in the sandbox can
+    "nested past the parser": "b'[' * 100_000 + b'\\n'",
+    "an error of megabytes": "json.dumps({'id': f.f_locals['message']['id'], "
+    "'error': {'message': 'x' * 8_000_000, 'type': 'E' * 8_000_000}}).encode() + b'\\n'",
+}
+
+
+@pytest.mark.parametrize("line", HOSTILE_LINES.values(), ids=HOSTILE_LINES.keys())
+def test_a_hostile_reply_ends_the_call_at_once_and_bounded(line):
+    code = (
+        f"import json, sys, time\nfrom workers.sandbox import child\n{CALL_ID}c = child._CHANNEL\n"
+        f"with c.lock:\n    c.writer.write({line})\n    c.writer.flush()\ntime.sleep(30)"
+    )
+    with Sandbox() as box:
+        with pytest.raises(SandboxError) as raised:
+            run(box, code, timeout_s=10)
+    assert not isinstance(raised.value, SandboxTimeout)  # the reader saw it: no wait for the limit
+    assert len(raised.value.message) <= 2000 and len(raised.value.type) <= 2000
+
+
+def test_a_flood_of_questions_is_refused_past_a_bound_not_queued():
+    """Each queued question holds its line (up to 16 MB) in the parent: a sandbox asking without end
+    must be told no at once, not queued until the parent runs out of memory."""
+    release = threading.Event()
+
+    def slow_asker(topic, payload):
+        release.wait(5)
+        return "late"
+
+    flood = (
+        "import threading\nfrom workers.sandbox.child import ask\nanswers = []\n"
+        "def one():\n    try:\n        answers.append(ask('q', None, 3))\n"
+        "    except Exception as err:\n        answers.append(str(err))\n"
+        "threads = [threading.Thread(target=one) for _ in range(200)]\n"
+        "[t.start() for t in threads]\n[t.join() for t in threads]\n"
+        "result = sum('questions at once' in str(a) for a in answers)"
+    )
+    with Sandbox(asker=slow_asker) as box:
+        refused = run(box, flood, timeout_s=30)
+        release.set()
+    assert refused >= 200 - 32

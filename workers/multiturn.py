@@ -18,11 +18,12 @@ from tensordict import TensorDict
 from engines.rollout import RolloutEngine, SamplingParams
 from schema.workers import EnvironmentConfig
 from workers.chat_serving import ChatDelta
-from workers.environments.base import StepResult, as_messages
+from workers.environments.base import EnvironmentContractError, StepResult, as_messages
 from workers.environments.sandboxed import environment_factory, release
 from workers.rollout_layout import layout, place_rows
 
 TRUNCATED = ("max_turns", "budget")
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -74,19 +75,28 @@ class MultiTurnRollout:
     def _reset(
         self, pool: ThreadPoolExecutor, trajectories: list[Trajectory], rows: list, width: int
     ) -> None:
-        def reset(row: dict[str, Any]) -> tuple[Any, list[dict[str, str]]]:
-            env = self.env_class()
-            return env, as_messages(env.reset(row))
+        def reset(traj: Trajectory, row: dict[str, Any]) -> list[dict[str, str]]:
+            traj.env = self.env_class()  # kept before reset runs: one that fails is released too
+            messages = as_messages(traj.env.reset(row))
+            if not messages:
+                raise EnvironmentContractError(
+                    "reset() returned no messages: the conversation needs a first turn"
+                )
+            return messages
 
         deadline = time.monotonic() + self.config.env_step_timeout_s
-        futures = [pool.submit(reset, row) for row in rows]
+        futures = [pool.submit(reset, traj, row) for traj, row in zip(trajectories, rows, strict=True)]
         for traj, future in zip(trajectories, futures, strict=True):
-            outcome = self._result(traj, future, deadline)
-            if outcome is None:
-                traj.prompt_ids = self.delta.prompt_ids([{"role": "user", "content": ""}])
-                continue
-            traj.env, traj.messages = outcome
-            traj.prompt_ids = self.delta.prompt_ids(traj.messages)
+            outcome, ids = self._result(traj, future, deadline), None
+            if outcome is not None:
+                traj.messages = outcome
+                if _too_long(traj.messages, width):  # not tokenized: megabytes would take seconds
+                    raise ValueError(
+                        f"the environment's first observation ({len(traj.messages)} messages) is longer than "
+                        f"data.max_prompt_length={width} tokens"
+                    )
+                ids = self._rendered(traj, self.delta.prompt_ids, traj.messages)
+            traj.prompt_ids = self.delta.prompt_ids([{"role": "user", "content": ""}]) if ids is None else ids
             if len(traj.prompt_ids) > width:
                 raise ValueError(
                     f"the environment's first observation is {len(traj.prompt_ids)} tokens, longer than "
@@ -129,13 +139,26 @@ class MultiTurnRollout:
                 traj.finish_reason = "done"
             elif traj.turns >= self.config.max_turns:
                 traj.finish_reason = "max_turns"
+            elif _too_long(result.messages, self.config.max_response_tokens - len(traj.tokens)):
+                traj.finish_reason = "budget"  # not tokenized: megabytes would take seconds
             else:
-                ids = self.delta.observation_ids(result.messages, traj.tokens[-1] if traj.tokens else None)
+                last = traj.tokens[-1] if traj.tokens else None
+                ids = self._rendered(traj, self.delta.observation_ids, result.messages, last)
+                if ids is None:
+                    continue
                 if len(traj.tokens) + len(ids) >= self.config.max_response_tokens:
                     traj.finish_reason = "budget"  # no room left for another assistant token
                     continue
                 traj.append(ids, sampled=False)
                 traj.messages += result.messages
+
+    def _rendered(self, traj: Trajectory, render: Any, *args: Any) -> Any:
+        """The environment's messages through the chat template, or None after failing the trajectory."""
+        try:
+            return render(*args)
+        except Exception as exc:  # the template refused what the environment answered
+            traj.fail("env_error", f"the chat template could not render the observation: {exc}"[:500])
+            return None
 
     def _result(self, traj: Trajectory, future: Future, deadline: float) -> Any:
         """The call's value, or None after marking the trajectory failed; all of a turn's calls start
@@ -147,6 +170,12 @@ class MultiTurnRollout:
         except Exception as exc:  # user code: any failure ends this trajectory only
             traj.fail("env_error", f"{type(exc).__name__}: {exc}")
         return None
+
+
+def _too_long(messages: list[dict[str, str]], room: int) -> bool:
+    """Whether messages cannot fit `room` tokens: each costs a token at least, and no usual
+    tokenizer's tokens average more than MAX_CHARS_PER_TOKEN characters."""
+    return len(messages) > room or sum(len(m["content"]) for m in messages) > MAX_CHARS_PER_TOKEN * room
 
 
 def _step_env(env: Any, text: str) -> StepResult:

@@ -13,9 +13,10 @@ An environment is a plain class, constructed with no arguments once per trajecto
         a tool call.
 
 An observation is a string (one "user" turn), a message {"role", "content"} or a list of them (a
-tool's output: role "tool"), rendered through the model's chat template. Steps run concurrently,
-each within `rollout.env_step_timeout_s`; one that raises or times out ends its trajectory with
-score 0 and the job goes on. A trajectory also ends at `rollout.max_turns` or its token budget
+tool's output: role "tool"; roles are ROLES), rendered through the model's chat template. Steps run
+concurrently, each within `rollout.env_step_timeout_s`; one that raises, times out or answers outside
+this interface (a reward beyond ±MAX_ABS_REWARD, a first observation of no messages) ends its
+trajectory with score 0 and the job goes on. A trajectory also ends at `rollout.max_turns` or its token budget
 `rollout.max_response_tokens` (counted as truncated). References: "builtin:NAME",
 "package.module:Class" or "path/to/file.py:Class"; examples/my_env.py is a complete one. The API
 checks a reference in a sandbox at submission (controller/user_code.py), workers again.
@@ -24,15 +25,16 @@ checks a reference in a sandbox at submission (controller/user_code.py), workers
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from schema.openai_bodies import MAX_ABS_REWARD
 from workers.environments.openenv_ref import is_openenv_app
 from workers.references import load_reference
 
 Message = dict[str, str]
 Observation = str | Message | list[Message]
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates render; others they drop or refuse
 REFERENCE_FORMS = "'builtin:NAME', 'module:Class' or 'path/to/file.py:Class'"
 
 
@@ -62,9 +64,9 @@ class StepResult:
             raise EnvironmentContractError(
                 f"step() returned a reward that is not a number: {reward!r}"
             ) from None
-        if not math.isfinite(reward):  # it would reach the advantages and the gradient
+        if not abs(reward) <= MAX_ABS_REWARD:  # NaN, inf, or inf once in float32: the advantages
             raise EnvironmentContractError(
-                f"step() returned a reward that is not a finite number: {reward!r}"
+                f"step() returned a reward that is not a number within ±{MAX_ABS_REWARD:g}: {reward!r}"
             )
         messages = [] if observation is None else as_messages(observation, default_role="user")
         return cls(messages, reward, bool(done), info if isinstance(info, dict) else {})
@@ -77,14 +79,22 @@ def as_messages(observation: Observation, default_role: str = "user") -> list[Me
     if isinstance(observation, dict):
         observation = [observation]
     if isinstance(observation, list) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)
         for m in observation
     ):
-        return [{"role": m["role"], "content": m["content"]} for m in observation]
+        return [{"role": str(m["role"]), "content": str(m["content"])} for m in observation]
     raise EnvironmentContractError(
-        "an observation must be a string, a message {'role', 'content'} or a list of messages, "
-        f"got {type(observation).__name__}"
+        "an observation must be a string, a message {'role', 'content'} or a list of messages, with "
+        f"roles {', '.join(ROLES)} and string contents; got {_shape(observation)}"
     )
+
+
+def _shape(observation: Any) -> str:
+    if isinstance(observation, list):
+        bad = next((m for m in observation if not (isinstance(m, dict) and m.get("role") in ROLES)), None)
+        if isinstance(bad, dict):
+            return f"a message with role {str(bad.get('role'))[:50]!r}"
+    return type(observation).__name__
 
 
 def prompt_text(prompt: Any) -> str:

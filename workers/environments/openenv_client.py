@@ -14,6 +14,7 @@ import json
 import re
 import sys
 import threading
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -42,9 +43,22 @@ class OpenEnvServer:
     def _schema(self) -> dict[str, Any]:
         transport = httpx.HTTPTransport(uds=self.socket_path) if self.socket_path else None
         base = "http://localhost" if self.socket_path else self.ws_url.replace("ws", "http", 1)
+        deadline = time.monotonic() + self.timeout_s  # for the whole answer: a server may drip it
+        body = bytearray()
         try:
-            with httpx.Client(transport=transport, timeout=self.timeout_s, trust_env=False) as client:
-                response = client.get(f"{base}/schema")
+            with (
+                httpx.Client(transport=transport, timeout=self.timeout_s, trust_env=False) as client,
+                client.stream("GET", f"{base}/schema") as response,
+            ):
+                for chunk in response.iter_bytes():
+                    body += chunk
+                    if len(body) > MAX_MESSAGE_MB * 2**20:
+                        raise EnvironmentReferenceError(
+                            f"OpenEnv environment '{self.name}' answered GET /schema with more than "
+                            f"{MAX_MESSAGE_MB:g} MB"
+                        )
+                    if time.monotonic() > deadline:
+                        raise httpx.ReadTimeout("the answer did not end in time")
         except httpx.TimeoutException:
             raise EnvironmentReferenceError(
                 f"OpenEnv environment '{self.name}' did not answer GET /schema within {self.timeout_s:g} s"
@@ -54,8 +68,8 @@ class OpenEnvServer:
                 f"OpenEnv environment '{self.name}' could not be reached: {type(err).__name__}: {err}"
             ) from None
         try:
-            schema = response.json()
-        except ValueError:
+            schema = json.loads(body)
+        except (ValueError, RecursionError):
             schema = None
         if (
             response.status_code != 200
@@ -88,6 +102,10 @@ class OpenEnvServer:
             future.cancel()
             raise TimeoutError(
                 f"OpenEnv environment '{self.name}' did not answer {what} within {self.timeout_s:g} s"
+            ) from None
+        except Exception as err:  # its message is the server's, of any size
+            raise RuntimeError(
+                f"OpenEnv environment '{self.name}' failed {what}: {type(err).__name__}: {str(err)[:500]}"
             ) from None
 
     def release(self, envs: list[OpenEnvEnvironment]) -> None:
@@ -152,7 +170,7 @@ def action_shape(schema: dict[str, Any], name: str) -> tuple[str | None, bool]:
         for k, p in properties.items()
         if k != "metadata" and isinstance(p, dict) and p.get("type") == "string"
     ]
-    required = [k for k in texts if k in (action.get("required") or [])]
+    required = [k for k in texts if k in _list(action.get("required"))]
     for candidates in (required, texts):
         if len(candidates) == 1:
             return candidates[0], False
@@ -161,6 +179,10 @@ def action_shape(schema: dict[str, Any], name: str) -> tuple[str | None, bool]:
         f"OpenEnv environment '{name}': its action has fields {fields}; Tandem sends the model's turn "
         "as an action with one text field, or as an MCP tool call"
     )
+
+
+def _list(value: Any) -> list:
+    return value if isinstance(value, list) else []
 
 
 def observation_text(observation: Any) -> str:

@@ -32,6 +32,7 @@ log = logging.getLogger("tandem.sandbox")
 _LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="tandem-sandbox-launcher")  # never shut down
 MESSAGE_CHARS = 2000
 CHECK_TIMEOUT_S = 120.0
+MAX_ASKS = 32  # questions from one sandbox waiting for or getting an answer
 # what the loaders raise: their messages name the reference and say what is wrong
 LOADER_ERRORS = {"RewardFunctionError", "EnvironmentReferenceError", "AgentError"}
 Asker = Callable[[str, Any], Any]  # (topic, payload) -> answer, for what the sandbox asks
@@ -74,6 +75,7 @@ class Sandbox:
         self._write_lock = threading.Lock()
         self._reap_lock = threading.Lock()
         self._askers = ThreadPoolExecutor(4, thread_name_prefix="tandem-sandbox-ask") if asker else None
+        self._ask_slots = threading.BoundedSemaphore(MAX_ASKS)  # each queued ask holds its line in memory
         self.ended: str | None = None
         popen = functools.partial(subprocess.Popen, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   stderr=stderr, cwd=self.staging if self.mode == "none" else None,
@@ -143,7 +145,7 @@ class Sandbox:
                 if len(line) > MAX_LINE or not self._take(json.loads(line)):
                     self._end("the sandbox broke its protocol (a reply too long or not understood)")
                     return
-        except (ValueError, TypeError, OSError):  # not JSON, or an id that is no key: the child's doing
+        except (ValueError, TypeError, OSError, RecursionError):  # not JSON, too deep, a bad id: the child's
             self._end("the sandbox broke its protocol (a line that is not a message)")
             return
         self._end(self._exit_reason())
@@ -154,6 +156,8 @@ class Sandbox:
         if "ask" in message:
             if self._askers is None:
                 self._reply(message.get("id"), None, "this sandbox answers no questions")
+            elif not self._ask_slots.acquire(blocking=False):
+                self._reply(message.get("id"), None, f"more than {MAX_ASKS} questions at once: ask fewer")
             else:
                 self._askers.submit(self._answer, message)
             return True
@@ -161,9 +165,9 @@ class Sandbox:
         if future is not None:
             error = message.get("error")
             if isinstance(error, dict):
-                future.set_exception(
-                    SandboxError(*(self.unplace(str(error.get(k, ""))) for k in ("message", "type", "trace")))
-                )
+                # bounded here: the child may write any size
+                fields = (str(error.get(k, ""))[:MESSAGE_CHARS] for k in ("message", "type", "trace"))
+                future.set_exception(SandboxError(*map(self.unplace, fields)))
             else:
                 future.set_result(message.get("ok"))
         return True
@@ -173,6 +177,8 @@ class Sandbox:
             self._reply(message.get("id"), self.asker(str(message["ask"]), message.get("args")), None)  # type: ignore[misc]
         except Exception as err:  # the asker's failure is the sandbox's to see, the parent goes on
             self._reply(message.get("id"), None, f"{type(err).__name__}: {err}")
+        finally:
+            self._ask_slots.release()
 
     def _reply(self, ask_id: Any, value: Any, error: str | None) -> None:
         self._send({"id": ask_id, "error": {"message": error}} if error else {"id": ask_id, "ok": value})
