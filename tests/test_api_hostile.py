@@ -1,6 +1,7 @@
 """A hostile tenant against the REST control plane, where the fuzzer and the owner tests do not reach:
 a body sent without a Content-Type, a hyper-parameter edit naming one unknown name among known ones,
-more live streams than one owner may hold, and a request body that never finishes.
+more live streams than one owner may hold, a request body that never finishes, and a metrics filter of
+thousands of names.
 
 The service runs without Ray (jobs stay queued, so their streams stay live); `tests/owners_util.py`
 puts the jobs in its store.
@@ -87,3 +88,17 @@ def test_a_request_body_that_stops_coming_is_a_408_not_a_request_held_for_ever(u
         answer = sock.recv(65536).decode()
     assert answer.startswith("HTTP/1.1 408"), answer
     assert '"param":"body"' in answer and '"code":"body_timeout"' in answer
+
+
+def test_a_metrics_filter_of_too_many_names_is_a_422_naming_keys(unscheduled, owners):
+    """Every row of a page is matched against every name: 6000 prefixes held a thread for half a minute."""
+    _, alice, _ = owners
+    job_id = owned_job(unscheduled, "alice", checkpoint=False)
+    many = ",".join(f"group{i}/*" for i in range(101))
+    for path in (f"/v1/jobs/{job_id}/metrics", f"/v1/jobs/{job_id}/metrics/export"):
+        error = _error(alice.get(path, params={"keys": many}), 422)
+        assert error["param"] == "keys" and error["code"] == "too_many_keys", error
+    fits = ",".join(["reward/*", *(f"group{i}/*" for i in range(99))])
+    assert alice.get(f"/v1/jobs/{job_id}/metrics", params={"keys": fits}).json()["data"][0]["values"] == {
+        "reward/mean": 0.5
+    }
