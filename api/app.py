@@ -27,6 +27,7 @@ from api.routes import (
 )
 from api.routes.health import VERSION, make_registry
 from api.settings import ServeSettings
+from api.streams import StreamSlots
 from api.validation import Checker
 from service.service import Service
 from service.tinker_hosts import HostOptions
@@ -65,6 +66,7 @@ def create_app(service: Service, settings: ServeSettings | None = None) -> FastA
     app.state.read_cache = ReadCache(service.store)
     app.state.auth = Authenticator(app.state.read_cache)
     app.state.hot_reads = HotReads(app.state.read_cache, app.state.auth)
+    app.state.streams = StreamSlots()
     app.state.registry = registry
     app.state.settings = settings = settings or ServeSettings()
     app.state.checker = Checker(settings, service.home, service.files, service.store)

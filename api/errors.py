@@ -27,6 +27,7 @@ STATUSES = {
     ),
     404: ("not_found_error", "No such resource"),
     405: ("invalid_request_error", None),
+    408: ("timeout_error", "The request body paused too long before it was complete"),
     409: ("conflict_error", "The resource is in a state that does not allow this"),
     413: ("request_too_large", "The request body is larger than the service accepts"),
     415: ("invalid_request_error", "A JSON body sent without `Content-Type: application/json`"),
@@ -111,9 +112,12 @@ def validation_refusal(request: Request, first: dict[str, Any]) -> tuple[int, st
     """(status, message, param, code) of a request's first validation error. A JSON body sent as something
     else (curl's `-d` alone sends a form) is a 415 that says so: FastAPI validates the raw bytes then."""
     kind, loc = request.headers.get("content-type"), tuple(first.get("loc", ()))
-    if kind and loc and loc[0] == "body" and not is_json_media(kind):
+    # FastAPI reads a body sent without a Content-Type as bytes too (Python's requests with data=)
+    sent = first.get("type") != "missing"
+    if sent and loc and loc[0] == "body" and not is_json_media(kind or ""):
         header = "`Content-Type: application/json`"
-        why = f"send it with the header {header} (this request's Content-Type is '{media_type(kind)}')"
+        given = f"this request's Content-Type is '{media_type(kind)}'" if kind else "this request has none"
+        why = f"send it with the header {header} ({given})"
         return 415, f"body: this route reads a JSON body; {why}", "body", "unsupported_media_type"
     if first.get("type") == "json_invalid":  # loc is ("body", character offset): the body is at fault
         why = (first.get("ctx") or {}).get("error", "invalid JSON")

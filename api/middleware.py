@@ -1,5 +1,6 @@
-"""The app's ASGI middleware: request ids and latency, the request body size limit (413 before a
-declared Content-Length is read, or once a chunked body passes it), and the audit trail: every write a
+"""The app's ASGI middleware: request ids and latency, the request body limits (413 before a declared
+Content-Length is read, or once a chunked body passes it; 408 once a body pauses longer than
+BODY_IDLE_S, so a client that never finishes one holds no request for ever), and the audit trail: every write a
 route accepted from an identified caller is recorded here, once, so a write route added later is
 audited without being told to.
 
@@ -9,6 +10,7 @@ ExceptionGroup.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -26,18 +28,27 @@ from api.errors import TINKER_PREFIX, error_json
 from service.store import JobStore
 from service.store_outputs import AuditEntry
 
+BODY_IDLE_S = 30.0  # the longest a request body may pause between two of its chunks
 
-class BodyTooLarge(HTTPException):
+
+class BodyRefused(HTTPException):
     """Raised while a route reads its body (FastAPI passes HTTPExceptions through its body parsing)."""
 
-    param, code = "body", "body_too_large"
+    param = "body"
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, _message(limit))
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(status, message)
+        self.code = code
 
 
-def _message(limit: int) -> str:
-    return f"the request body is larger than {limit} bytes, the limit of this service"
+def too_large(limit: int) -> BodyRefused:
+    why = f"the request body is larger than {limit} bytes, the limit of this service"
+    return BodyRefused(413, why, "body_too_large")
+
+
+def stalled(idle_s: float) -> BodyRefused:
+    why = f"the request body paused for more than {idle_s:g} s before it was complete; send it whole"
+    return BodyRefused(408, why, "body_timeout")
 
 
 class BodyLimit:
@@ -51,18 +62,24 @@ class BodyLimit:
         limit = self.limit_for(scope)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _refuse(scope, receive, send, limit)
+            await _refuse(scope, receive, send, too_large(limit))
             return
         received = 0
-        started = False
+        started = complete = False
 
         async def counted() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete:  # what follows the body is the client's disconnect, which may come whenever
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_IDLE_S)
+            except TimeoutError:
+                raise stalled(BODY_IDLE_S) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > limit:
-                    raise BodyTooLarge(limit)
+                    raise too_large(limit)
             return message
 
         async def watched(message: Message) -> None:
@@ -72,16 +89,16 @@ class BodyLimit:
 
         try:
             await self.app(scope, counted, watched)
-        except BodyTooLarge:
+        except BodyRefused as refused:
             if not started:
-                await _refuse(scope, receive, send, limit)
+                await _refuse(scope, receive, send, refused)
 
 
-async def _refuse(scope: Scope, receive: Receive, send: Send, limit: int) -> None:
-    param, code = BodyTooLarge.param, BodyTooLarge.code
+async def _refuse(scope: Scope, receive: Receive, send: Send, refused: BodyRefused) -> None:
+    param, code, why = refused.param, refused.code, str(refused.detail)
     tinker = scope["path"].startswith(TINKER_PREFIX)  # the SDK's message names the field itself
-    message = f"{param}: {_message(limit)}" if tinker else _message(limit)
-    status, body = error_json(scope["path"], 413, message, param, code)
+    message = f"{param}: {why}" if tinker else why
+    status, body = error_json(scope["path"], refused.status_code, message, param, code)
     await JSONResponse(body, status, headers={"connection": "close"})(scope, receive, send)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from pydantic import ValidationError
 
-from controller.hyperparameters import hyperparameter_overrides
+from controller.hyperparameters import HYPERPARAMETERS, hyperparameter_overrides
 from schema.job import JobLabels, JobSpec
 from service.errors import ServiceError, invalid_state, invalid_value
 from service.files import FileStore
@@ -209,9 +209,8 @@ class Service:
         try:
             overrides = hyperparameter_overrides(changes)
         except KeyError as err:
-            raise ServiceError(
-                str(err.args[0]), 400, next(iter(changes), None), "unknown_hyperparameter"
-            ) from None
+            unknown = next(name for name in changes if name not in HYPERPARAMETERS)
+            raise ServiceError(str(err.args[0]), 400, unknown, "unknown_hyperparameter") from None
         spec = _validated_merge(job, overrides)
         self.store.update_job(job_id, spec=spec.model_dump(mode="json"))
         self.store.add_event(

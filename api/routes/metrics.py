@@ -15,7 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from api.body_checks import CheckedRoute
 from api.deps import AUTH_ERRORS, INT64_MAX, READ, CallerDep, HotReadsDep, ServiceDep
-from api.errors import documented
+from api.errors import documented, invalid
 from api.streams import stream_route
 from api.views import listing_json
 from service.store import MetricsQuery, metrics_topic
@@ -27,10 +27,16 @@ router = APIRouter(
     responses={**AUTH_ERRORS, **documented(404)},
 )
 MAX_STEP = INT64_MAX - 1  # after_step + 1 must still be a SQLite integer
+MAX_KEYS = 100
 
 
 def parse_keys(keys: str | None) -> tuple[str, ...]:
-    return tuple(k.strip() for k in (keys or "").split(",") if k.strip())
+    """The names asked for; each row of a page is matched against every one, so they are bounded."""
+    names = tuple(k.strip() for k in (keys or "").split(",") if k.strip())
+    if len(names) > MAX_KEYS:
+        why = f"{len(names)} names; at most {MAX_KEYS} are allowed ('prefix/*' matches a whole group)"
+        raise invalid("keys", why, "too_many_keys")
+    return names
 
 
 @router.get("", dependencies=READ, response_model=dict[str, Any])
