@@ -40,6 +40,7 @@ class Service:
         self.quotas = quotas or QuotaBook()
         self.scheduler = Scheduler(self.store, poll_s, runtime_env, self.quotas, warm_controllers)
         self._admit = threading.Lock()  # a quota check and the row it admits, one request at a time
+        self._edit = threading.Lock()  # a stored spec's read, change and write: two edits never lose one
 
     @property
     def is_alive(self) -> bool:
@@ -192,31 +193,33 @@ class Service:
 
     def update_labels(self, job_id: str, labels: dict[str, Any], sees: str | None = None) -> JobRecord:
         """Change a job's name, tags or notes (any status); `labels` holds only the fields to change."""
-        job = self.get(job_id, sees)
-        current = {"name": job.name, "tags": job.tags, "notes": job.notes}
-        try:
-            merged = JobLabels.model_validate({**current, **labels})
-        except ValidationError as err:
-            raise invalid_value(err) from None
-        changed = {k: v for k, v in merged.model_dump().items() if k in labels}
-        self.store.update_job(job_id, **changed, spec={**job.spec, **changed})
+        with self._edit:
+            job = self.get(job_id, sees)
+            current = {"name": job.name, "tags": job.tags, "notes": job.notes}
+            try:
+                merged = JobLabels.model_validate({**current, **labels})
+            except ValidationError as err:
+                raise invalid_value(err) from None
+            changed = {k: v for k, v in merged.model_dump().items() if k in labels}
+            self.store.update_job(job_id, **changed, spec={**job.spec, **changed})
         return self.get(job_id, sees)
 
     def set_hyperparameters(self, job_id: str, changes: dict[str, Any], sees: str | None = None) -> JobRecord:
-        job = self.steered(job_id, sees, "hyperparameters")
-        if job.status in TERMINAL:
-            raise invalid_state(job, "it has no next step")
-        try:
-            overrides = hyperparameter_overrides(changes)
-        except KeyError as err:
-            unknown = next(name for name in changes if name not in HYPERPARAMETERS)
-            raise ServiceError(str(err.args[0]), 400, unknown, "unknown_hyperparameter") from None
-        spec = _validated_merge(job, overrides)
-        self.store.update_job(job_id, spec=spec.model_dump(mode="json"))
-        self.store.add_event(
-            job_id, "hyperparameters_requested", f"requested for the next step: {changes}", changes
-        )
-        self.scheduler.tell(job_id, "set_hyperparameters", changes)
+        with self._edit:  # the stored spec and the controller's order of edits agree
+            job = self.steered(job_id, sees, "hyperparameters")
+            if job.status in TERMINAL:
+                raise invalid_state(job, "it has no next step")
+            try:
+                overrides = hyperparameter_overrides(changes)
+            except KeyError as err:
+                unknown = next(name for name in changes if name not in HYPERPARAMETERS)
+                raise ServiceError(str(err.args[0]), 400, unknown, "unknown_hyperparameter") from None
+            spec = _validated_merge(job, overrides)
+            self.store.update_job(job_id, spec=spec.model_dump(mode="json"))
+            self.store.add_event(
+                job_id, "hyperparameters_requested", f"requested for the next step: {changes}", changes
+            )
+            self.scheduler.tell(job_id, "set_hyperparameters", changes)
         return self.get(job_id, sees)
 
     def checkpoint_now(self, job_id: str, sees: str | None = None) -> None:

@@ -1,7 +1,7 @@
 """A hostile tenant against the REST control plane, where the fuzzer and the owner tests do not reach:
 a body sent without a Content-Type, a hyper-parameter edit naming one unknown name among known ones,
 more live streams than one owner may hold, a request body that never finishes, and a metrics filter of
-thousands of names.
+thousands of names, and two edits of one job at once.
 
 The service runs without Ray (jobs stay queued, so their streams stay live); `tests/owners_util.py`
 puts the jobs in its store.
@@ -102,3 +102,35 @@ def test_a_metrics_filter_of_too_many_names_is_a_422_naming_keys(unscheduled, ow
     assert alice.get(f"/v1/jobs/{job_id}/metrics", params={"keys": fits}).json()["data"][0]["values"] == {
         "reward/mean": 0.5
     }
+
+
+def test_two_edits_at_once_both_stay_in_the_stored_spec(unscheduled, owners, monkeypatch):
+    """Each edit reads the stored spec, changes it and writes it back (what GET shows and a restart runs):
+    two at once must not lose one. The merge is slowed so that the two always overlap."""
+    import threading
+
+    from service import service as service_module
+
+    _, alice, _ = owners
+    job_id = owned_job(unscheduled, "alice", checkpoint=False)
+    merge = service_module._validated_merge
+
+    def slow_merge(*args, **kwargs):
+        time.sleep(0.3)
+        return merge(*args, **kwargs)
+
+    monkeypatch.setattr(service_module, "_validated_merge", slow_merge)
+    edits = [{"lr": 3e-4}, {"entropy_coeff": 0.01}]
+    answers: list[httpx.Response] = []
+
+    def edit(changes: dict) -> None:
+        answers.append(alice.patch(f"/v1/jobs/{job_id}/hyperparameters", json=changes))
+
+    threads = [threading.Thread(target=edit, args=(e,)) for e in edits]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+    stored = unscheduled.service.store.get_job(job_id).spec
+    assert (stored["optim"]["lr"], stored["algorithm"]["entropy_coeff"]) == (3e-4, 0.01)
