@@ -1,6 +1,6 @@
 """A hostile tenant against the REST control plane, where the fuzzer and the owner tests do not reach:
 a body sent without a Content-Type, a hyper-parameter edit naming one unknown name among known ones,
-more live streams than one owner may hold, a request body that never finishes, and a metrics filter of
+more live streams than one owner may hold, a request body that never finishes, a metrics filter of
 thousands of names, and two edits of one job at once.
 
 The service runs without Ray (jobs stay queued, so their streams stay live); `tests/owners_util.py`
