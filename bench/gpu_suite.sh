@@ -5,7 +5,8 @@
 # transformers loops at qwen2-0.5b (Qwen2-0.5B's shapes, built from its config); then the GRPO step
 # against TRL's (bench/vs_trl.py --device cuda: Tandem through `tandem serve` and a submitted job,
 # 64 and 256 new tokens with every row trained, 64 with the exact-answer reward). Each step has its
-# own time limit, so one hang costs only its share. JSON lines go to $OUT (or ./gpu-out).
+# own time limit, so one hang costs only its share. The rollout steps set the default decode (a CUDA
+# graph) beside the step-by-step loop: speed in bf16, greedy tokens equal in fp32. JSON lines go to $OUT (or ./gpu-out).
 #
 #   bash bench/gpu_suite.sh            # the machine's python3 (torch with CUDA)
 #   CHECKS=0 bash bench/gpu_suite.sh   # the comparison with TRL alone
@@ -43,8 +44,10 @@ python3 -c "from engines.models.tiny_models import build_builtin_model as b; pri
 M=/tmp/models/qwen2-0.5b
 if [ "${CHECKS:-1}" != 0 ]; then
 step train_engine_05b 200 python3 bench/train_engine.py --device cuda --model "$M" ${TRAIN_ARGS:-}
-step rollout_05b 120 python3 bench/rollout.py --device cuda --models "$M" --batch 64 --group 8 \
-    --new-tokens 128 --threads 8 --no-vllm
+step rollout_05b 120 python3 bench/rollout.py --device cuda --models "$M" --batch 128 --group 8 \
+    --new-tokens 64 --threads 8 --no-vllm --loop --repeats 2
+step rollout_05b_fp32 90 python3 bench/rollout.py --device cuda --models "$M" --batch 32 --group 4 \
+    --new-tokens 64 --threads 8 --no-vllm --loop --repeats 1 --dtype float32
 step gpu_check_05b 120 python3 bench/gpu_check.py --model "$M"
 step gpu_check_20m 90 python3 bench/gpu_check.py --model qwen2-20m
 fi

