@@ -44,9 +44,9 @@ python3 -c "from engines.models.tiny_models import build_builtin_model as b; pri
 M=/tmp/models/qwen2-0.5b
 if [ "${CHECKS:-1}" != 0 ]; then
 step train_engine_05b 200 python3 bench/train_engine.py --device cuda --model "$M" ${TRAIN_ARGS:-}
-step rollout_05b 120 python3 bench/rollout.py --device cuda --models "$M" --batch 128 --group 8 \
+step rollout_05b 100 python3 bench/rollout.py --device cuda --models "$M" --batch 128 --group 8 \
     --new-tokens 64 --threads 8 --no-vllm --loop --repeats 2
-step rollout_05b_fp32 90 python3 bench/rollout.py --device cuda --models "$M" --batch 32 --group 4 \
+step rollout_05b_fp32 60 python3 bench/rollout.py --device cuda --models "$M" --batch 32 --group 4 \
     --new-tokens 64 --threads 8 --no-vllm --loop --repeats 1 --dtype float32
 step gpu_check_05b 120 python3 bench/gpu_check.py --model "$M"
 step gpu_check_20m 90 python3 bench/gpu_check.py --model qwen2-20m
