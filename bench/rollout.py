@@ -149,7 +149,7 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
             "dtype": str(engine.dtype).removeprefix("torch."),
             "threads": args.threads,
             "graph_decode": engine._graph_decode,
-            "graph_captured": engine._static is not None and engine._static.graph is not None,
+            "graph_captured": any(d.graph is not None for d in engine._decoders.values()),
             "tandem_tokens_per_s": round(ours_tokens / ours_s, 1),
             "hf_generate_tokens_per_s": round(hf_tokens / hf_s, 1),
             "ratio": round((ours_tokens / ours_s) / (hf_tokens / hf_s), 3),

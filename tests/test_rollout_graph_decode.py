@@ -1,7 +1,8 @@
 """The hf engine's static decode (engines/rollout/graph_decode.py), the step a CUDA graph captures on a
 GPU, run eagerly on the CPU: its logits against transformers' forward on ragged padded batches, and
 whole generations against the step-by-step loop (`_decode`) for both architectures: greedy tokens equal,
-log-probs within 1e-5, stops, shared prompts, a decoder kept between calls and rebuilt for new shapes,
+log-probs within 1e-5, stops, shared prompts, rows padded to a power of two, decoders kept between calls
+(at most `KEPT_DECODERS`) and built for new shapes,
 weight syncs seen by a kept decoder, and grammar-constrained calls left to the loop."""
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def engines(model_dir) -> tuple[HFRolloutEngine, HFRolloutEngine]:
     return static, loop
 
 
+def last(engine: HFRolloutEngine) -> StaticDecoder:
+    """The decoder the engine used last."""
+    return next(reversed(engine._decoders.values()))
+
+
 def assert_same(static, loop):
     assert [c.token_ids for c in static] == [c.token_ids for c in loop]
     assert [c.finish_reason for c in static] == [c.finish_reason for c in loop]
@@ -64,7 +70,7 @@ def test_greedy_generations_equal_the_step_by_step_loop(engines):
     static, loop = engines
     assert static._graph_decode and not loop._graph_decode
     assert_same(static.generate(RAGGED, GREEDY), loop.generate(RAGGED, GREEDY))
-    assert static._static is not None and static._static.key()[0] == len(RAGGED)
+    assert last(static).key()[0] == 8  # 5 rows, decoded as 8
 
 
 def test_stops_end_rows_alone_and_the_batch_ends_when_all_stopped(engines):
@@ -81,22 +87,33 @@ def test_stops_end_rows_alone_and_the_batch_ends_when_all_stopped(engines):
     assert all(len(c.token_ids) == 1 and c.finish_reason == "stop" for c in ours)
 
 
-def test_a_kept_decoder_serves_a_call_of_its_shape_and_a_new_shape_builds_another(engines):
+def test_a_kept_decoder_serves_calls_of_near_shapes_and_a_new_shape_builds_another(engines):
     static, loop = engines
     static.generate(RAGGED, GREEDY)
-    kept = static._static
-    again = [[30, 31], [32], [33, 34, 35], [36], [37, 38]]  # same rows, capacity in the same step
+    kept = last(static)
+    again = [[30, 31], [32], [33, 34, 35], [36], [37, 38], [39], [40, 41]]  # 7 rows: also 8
     assert_same(static.generate(again, GREEDY), loop.generate(again, GREEDY))
-    assert static._static is kept
+    assert last(static) is kept
     longer = SamplingParams(max_new_tokens=CAPACITY_STEP + 4, temperature=0)
-    assert_same(static.generate(RAGGED[:2], longer), loop.generate(RAGGED[:2], longer))
-    assert static._static is not kept and static._static.key() == (2, 2 * CAPACITY_STEP)
+    assert_same(static.generate(RAGGED[:3], longer), loop.generate(RAGGED[:3], longer))
+    assert last(static) is not kept and last(static).key() == (4, 2 * CAPACITY_STEP)
+    assert static._decoders[kept.key()] is kept  # the earlier shape is still kept
+
+
+def test_at_most_the_kept_number_of_decoders_stay_the_least_recent_going_first(engines):
+    static, loop = engines
+    static._decoders.clear()
+    shapes = [1, 2, 3, 5, 9]  # 1, 2, 4, 8, 16 rows
+    for n in shapes:
+        prompts = [[7 + i, 8] for i in range(n)]
+        assert_same(static.generate(prompts, GREEDY), loop.generate(prompts, GREEDY))
+    assert [key[0] for key in static._decoders] == [2, 4, 8, 16]
 
 
 def test_a_weight_sync_reaches_a_kept_decoder(engines):
     static, loop = engines
     static.generate(RAGGED, GREEDY)
-    kept = static._static
+    kept = last(static)
     name = "model.layers.0.mlp.down_proj.weight"
     weight = dict(loop.model.named_parameters())[name]
     changed = weight.detach() + 0.5 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0))
@@ -105,7 +122,7 @@ def test_a_weight_sync_reaches_a_kept_decoder(engines):
         for engine in (static, loop):
             engine.update_weights([(name, changed)])
         after = static.generate(RAGGED, GREEDY)
-        assert static._static is kept
+        assert last(static) is kept
         assert_same(after, loop.generate(RAGGED, GREEDY))
         assert [c.token_ids for c in after] != [c.token_ids for c in before]
     finally:

@@ -6,7 +6,8 @@ step touches at a fixed address and shape: the batch's keys and values in one bu
 `capacity` positions, written at `position` (a device scalar) with `index_copy_`; attention reads all
 `capacity` positions under a mask of the prompt's real tokens and the positions written so far. One
 step is then captured once as a CUDA graph and replayed per token: one launch instead of hundreds.
-The graph is kept for the next call of the same (rows, capacity) and rebuilt when the weights move;
+The engine keeps a few graphs, by (rows rounded up to a power of two, capacity), for later calls of
+those shapes, and drops them when the weights move;
 weight syncs and merged adapters write the same tensors in place, so the graph sees them.
 
 On a CPU (tests) or when capture fails the same step runs eagerly. Only full-attention models of the
@@ -32,6 +33,11 @@ def supports(model: torch.nn.Module) -> bool:
 
 def capacity_for(positions: int) -> int:
     return -(-positions // CAPACITY_STEP) * CAPACITY_STEP
+
+
+def rows_for(rows: int) -> int:
+    """The batch a decoder is built for: the next power of two."""
+    return 1 << (rows - 1).bit_length()
 
 
 class StaticDecoder:

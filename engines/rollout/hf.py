@@ -13,6 +13,7 @@ previous merge would accumulate rounding over many syncs.
 from __future__ import annotations
 
 import gc
+from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from engines.distributed import resolve_dtype
 from engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from engines.rollout.constrained import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder, full_attention_only, preallocated_cache
-from engines.rollout.graph_decode import StaticDecoder, capacity_for, supports
+from engines.rollout.graph_decode import StaticDecoder, capacity_for, rows_for, supports
 from engines.rollout.sampling import sample_next
 from engines.training.lora_targets import base_module
 from engines.training.multi_lora import from_peft_tensors
@@ -43,6 +44,7 @@ def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[
 # Finished rows are dropped from the batch once they are at least 1 / DROP_FINISHED_AT of it: each
 # drop copies the KV cache, so dropping every row the moment it stops would cost more than it saves.
 DROP_FINISHED_AT = 4
+KEPT_DECODERS = 4  # static decoders (each a KV cache and a graph) kept for later calls of their shapes
 DONE_CHECK_EVERY = 8  # static decode: steps between reading back whether every row has stopped
 SHORT_OF_MEMORY = 0.25  # free share of the device under which memory_is_short
 
@@ -150,7 +152,7 @@ class HFRolloutEngine(RolloutEngine):
         if graph_decode is None:
             graph_decode = self.device.type == "cuda"
         self._graph_decode = graph_decode and supports(self.model)
-        self._static: StaticDecoder | None = None  # kept for the next call of its shape
+        self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()  # by (rows, capacity)
         self._targets = self._update_targets()
         self._merger = AdapterMerger()
         self._grammars = GrammarCompilers(model_path, self.model.config.vocab_size)
@@ -239,12 +241,17 @@ class HFRolloutEngine(RolloutEngine):
         """`_decode`'s results through a `StaticDecoder`: the batch keeps its rows (a finished row feeds
         padding, as in `_decode`) and the loop reads nothing back but, every few steps, whether all
         rows have stopped."""
-        batch, steps, pad = len(rows), params.max_new_tokens, self.pad_token_id
+        real, steps, pad = len(rows), params.max_new_tokens, self.pad_token_id
+        # Rows up to a power of two, so calls of near sizes share a graph: the added rows repeat the
+        # first prompt (prefilled once with it) and count as stopped from the start.
+        rows = rows + [rows[0]] * (rows_for(real) - real)
+        batch = len(rows)
         stop_ids = torch.tensor(self.stop_ids(params), device=self.device)
         out_tokens = torch.full((batch, steps), pad, dtype=torch.long, device=self.device)
         out_log_probs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
         lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
         stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        stopped[real:] = True
         logits, cache, prompt_mask, positions = self._prefill(rows, steps)
         width = prompt_mask.shape[1]
         decoder = self._static_decoder(batch, capacity_for(width + steps))
@@ -262,13 +269,27 @@ class HFRolloutEngine(RolloutEngine):
                 break
             logits = decoder.step(token.masked_fill(stopped, pad)[:, None], next_position, width + step)
             next_position = next_position + 1
-        return out_tokens.cpu(), out_log_probs.cpu(), lengths.tolist(), stopped.tolist()
+        return (
+            out_tokens[:real].cpu(),
+            out_log_probs[:real].cpu(),
+            lengths[:real].tolist(),
+            stopped[:real].tolist(),
+        )
 
     def _static_decoder(self, rows: int, capacity: int) -> StaticDecoder:
-        if self._static is None or self._static.key() != (rows, capacity):
-            self._static = None  # its buffers go before the next ones are taken
-            self._static = StaticDecoder(self.model, rows, capacity, capture=self.device.type == "cuda")
-        return self._static
+        """The kept decoder of this shape, or a new one (the least recently used of `KEPT_DECODERS`
+        goes; all others go first when the device is short of memory)."""
+        key = (rows, capacity)
+        if key in self._decoders:
+            self._decoders.move_to_end(key)
+            return self._decoders[key]
+        if self.memory_is_short():
+            self._decoders.clear()
+        while len(self._decoders) >= KEPT_DECODERS:
+            self._decoders.popitem(last=False)
+        decoder = StaticDecoder(self.model, rows, capacity, capture=self.device.type == "cuda")
+        self._decoders[key] = decoder
+        return decoder
 
     def _prefill(
         self, rows: list[list[int]], steps: int
@@ -353,7 +374,7 @@ class HFRolloutEngine(RolloutEngine):
     def release_memory(self) -> None:
         """On CUDA the weights move to host memory and the static decoder (cache and graph) goes."""
         if not self.is_released and self.device.type == "cuda":
-            self._static = None
+            self._decoders.clear()
             self.model.to("cpu")
             self._refresh_after_move()
             gc.collect()  # drop the last references before the cache is emptied (slow: CUDA only)
@@ -369,7 +390,7 @@ class HFRolloutEngine(RolloutEngine):
     def _refresh_after_move(self) -> None:
         """.to() gave the parameters new tensors: point the targets at them and fuse again."""
         self._targets = self._update_targets()
-        self._static = None  # its graph read the old tensors
+        self._decoders.clear()  # their graphs read the old tensors
         self._merger.to(next(self.model.parameters()).device)
         if self._fused is not None:
             self._fused.fuse()
