@@ -10,6 +10,8 @@ greedy whether they produced the same tokens. `--no-vllm` leaves vLLM out (it is
 itself where it is not installed). `--loop` adds the engine's step-by-step loop on the same weights
 (`graph_decode=False`): on CUDA the default decode is a CUDA graph, and `tandem_vs_loop_time` is its
 time per token against the loop's, `greedy_equal_loop` whether greedy tokens agree (exact in fp32).
+`ops_per_token` counts the operators Python dispatches per generated token (each a kernel launch on
+CUDA; a captured graph's step is one), `graph_step_ops` those inside the graph's step.
 
     .venv/bin/python bench/rollout.py [--models qwen2-1m qwen2-20m FOLDER] [--group 8] [--threads 1] [--device cuda]
 """
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engines.models.tiny_models import build_builtin_model
 from engines.rollout import available_backends, build_rollout_engine
@@ -63,6 +66,39 @@ def best_times(
     return list(zip(best, best_cpu, results, strict=True))
 
 
+class OpCount(TorchDispatchMode):
+    """Operators dispatched (views, which launch no kernel, left out): on CUDA each one a launch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_token(engine: HFRolloutEngine, prompts: list[list[int]]) -> int:
+    """Operators dispatched from Python for one more generated token (a 3-token call less a 2-token
+    one, greedy): with a captured graph the step's own operators are one replay."""
+    counts = []
+    for tokens in (2, 3):
+        with OpCount() as count:
+            engine.generate(prompts, SamplingParams(max_new_tokens=tokens, temperature=0.0))
+        counts.append(count.ops)
+    return counts[1] - counts[0]
+
+
+def graph_step_ops(engine: HFRolloutEngine) -> int | None:
+    """Operators in the decode step a graph captures (run once eagerly), None without one."""
+    decoder = next(reversed(engine._decoders.values()), None)
+    if decoder is None:
+        return None
+    with torch.inference_mode(), OpCount() as count:
+        decoder._forward()
+    return count.ops
+
+
 def count_hf_tokens(generated: torch.Tensor, eos_ids: list[int]) -> tuple[int, list[list[int]]]:
     """Generated tokens per row of model.generate's output, cut after the first EOS."""
     rows = []
@@ -75,7 +111,8 @@ def count_hf_tokens(generated: torch.Tensor, eos_ids: list[int]) -> tuple[int, l
 def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
     batch, new_tokens, repeats = args.batch, args.new_tokens, args.repeats
     folder = Path(name) if Path(name).is_dir() else build_builtin_model(name, root)  # a model folder too
-    engine = HFRolloutEngine(folder, device=args.device, dtype=args.dtype)  # auto: fp32 on CPU, bf16 on CUDA
+    graph = True if args.static else None  # None: the default (a graph on CUDA, the loop on a CPU)
+    engine = HFRolloutEngine(folder, device=args.device, dtype=args.dtype, graph_decode=graph)
     model = engine.model  # the same weights for both
     # The step-by-step loop beside the default decode (a CUDA graph on CUDA), on the same weights.
     loop = (
@@ -101,6 +138,9 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
         engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, temperature=0.0))
         sync()
         first_calls.append(round(time.perf_counter() - start, 4))
+    ops = {"ops_per_token": ops_per_token(engine, prompts), "graph_step_ops": graph_step_ops(engine)}
+    if loop is not None:
+        ops["loop_ops_per_token"] = ops_per_token(loop, prompts)
     for mode in ("greedy", "sampled"):
         sampled = mode == "sampled"
         params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0 if sampled else 0.0, seed=0)
@@ -160,6 +200,7 @@ def bench_model(name: str, root: str, args: argparse.Namespace) -> None:
         }
         if not sampled:
             line["first_call_s"], line["second_call_s"] = first_calls
+            line.update(ops)
             line["greedy_outputs_equal"] = [c.token_ids for c in completions] == hf_rows
         if loop is not None:
             loop_tokens = sum(len(c.token_ids) for c in loop_completions)
@@ -198,6 +239,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="auto: fp32 on CPU, bf16 on CUDA")
     parser.add_argument(
         "--loop", action="store_true", help="also the step-by-step decode loop (graph_decode=False)"
+    )
+    parser.add_argument(
+        "--static", action="store_true", help="the graph's static decode step on a CPU too (run eagerly)"
     )
     parser.add_argument("--no-vllm", dest="vllm", action="store_false", help="leave the vLLM engine out")
     args = parser.parse_args()

@@ -54,7 +54,7 @@ def test_the_static_step_gives_transformers_logits_on_a_padded_batch(engines):
     with torch.inference_mode():
         logits, cache, prompt_mask, positions = engine._prefill(RAGGED, steps)
         width = prompt_mask.shape[1]
-        decoder = StaticDecoder(engine.model, len(RAGGED), capacity_for(width + steps), capture=False)
+        decoder = StaticDecoder(engine._weights, len(RAGGED), capacity_for(width + steps), capture=False)
         decoder.start(cache, prompt_mask)
         mask = DecodeMask(prompt_mask, steps, plain=False)
         position = positions[:, -1:] + 1

@@ -101,17 +101,19 @@ class FusedDecoder:
         self.layers: list[tuple] = []
         self.fuse()
 
+    @staticmethod
+    def fusable(model: torch.nn.Module) -> bool:
+        """Whether `model`'s layers are what the fused steps compute (here and in graph_decode.py)."""
+        config = model.config
+        if type(model).__name__ not in SUPPORTED or not full_attention_only(config):
+            return False
+        return getattr(config, "hidden_act", None) == "silu" and not getattr(config, "mlp_bias", False)
+
     @classmethod
     def build(cls, model: torch.nn.Module) -> FusedDecoder | None:
-        """The decoder for `model`, or None where this step would not be exactly its forward."""
-        config = model.config
-        if type(model).__name__ not in SUPPORTED or model.dtype != torch.float32:
-            return None
-        if not full_attention_only(config) or getattr(config, "hidden_act", None) != "silu":
-            return None
-        if getattr(config, "mlp_bias", False):
-            return None
-        return cls(model)
+        """The decoder for `model`, or None where this step would not be exactly its forward (its
+        step is exact in float32 only; the fused weights serve graph_decode.py in any dtype)."""
+        return cls(model) if cls.fusable(model) and model.dtype == torch.float32 else None
 
     def fuse(self) -> None:
         """(Re)build the fused buffers; call again after `model.to(device)` replaces the parameters."""

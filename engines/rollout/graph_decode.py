@@ -6,12 +6,13 @@ step touches at a fixed address and shape: the batch's keys and values in one bu
 `capacity` positions, written at `position` (a device scalar) with `index_copy_`; attention reads all
 `capacity` positions under a mask of the prompt's real tokens and the positions written so far. One
 step is then captured once as a CUDA graph and replayed per token: one launch instead of hundreds.
-The engine keeps a few graphs, by (rows rounded up to a power of two, capacity), for later calls of
+The step itself runs on `FusedDecoder`'s fused weights in a fraction of the modules' kernels: a
+graph removes the launches' CPU cost, not the GPU's cost per kernel. The engine keeps a few graphs, by (rows rounded up to a power of two, capacity), for later calls of
 those shapes, and drops them when the weights move;
 weight syncs and merged adapters write the same tensors in place, so the graph sees them.
 
-On a CPU (tests) or when capture fails the same step runs eagerly. Only full-attention models of the
-`SUPPORTED` classes; no sliding windows, no grammar masks (those keep the step-by-step loop).
+On a CPU (tests) or when capture fails the same step runs eagerly. Only models `FusedDecoder.fusable`
+takes; no grammar masks (those keep the step-by-step loop).
 """
 
 from __future__ import annotations
@@ -19,16 +20,12 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+import torch.nn.functional as F
 
-from engines.rollout.fused_decode import SUPPORTED, full_attention_only
+from engines.rollout.fused_decode import FusedDecoder
 
 log = logging.getLogger(__name__)
 CAPACITY_STEP = 128  # capacities round up to this, so calls with near prompt lengths share a graph
-
-
-def supports(model: torch.nn.Module) -> bool:
-    return type(model).__name__ in SUPPORTED and full_attention_only(model.config)
 
 
 def capacity_for(positions: int) -> int:
@@ -43,12 +40,11 @@ def rows_for(rows: int) -> int:
 class StaticDecoder:
     """One decode step for `rows` rows over `capacity` positions; `capture`: as a CUDA graph."""
 
-    def __init__(self, model: torch.nn.Module, rows: int, capacity: int, capture: bool) -> None:
-        self.model, self.rows, self.capacity = model, rows, capacity
-        config = model.config
-        attention = model.model.layers[0].self_attn
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = attention.head_dim
+    def __init__(self, weights: FusedDecoder, rows: int, capacity: int, capture: bool) -> None:
+        self.weights, self.model, self.rows, self.capacity = weights, weights.model, rows, capacity
+        model = self.model
+        self.heads, self.kv_heads, self.head_dim = weights.heads, weights.kv_heads, weights.head_dim
+        half = self.head_dim // 2
         param = next(model.parameters())
         device, dtype = param.device, param.dtype
         shape = (rows, self.kv_heads, capacity, self.head_dim)
@@ -60,6 +56,10 @@ class StaticDecoder:
         self.position = torch.zeros(1, dtype=torch.long, device=device)  # the cache column written
         self.attend = torch.zeros((rows, capacity), dtype=torch.bool, device=device)  # real tokens
         self.span = torch.arange(capacity, device=device)
+        # rotate_half(x) * sin == flip(x's halves) * (sin with its first half negated)
+        self.sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(device, dtype)
+        scale = [weights.scaling] * self.heads + [1.0] * self.kv_heads  # q's softmax scaling, k's none
+        self.scale = torch.tensor(scale, dtype=dtype, device=device)[:, None]
         self.capture = capture and device.type == "cuda"
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
@@ -115,25 +115,36 @@ class StaticDecoder:
             return None
 
     def _forward(self) -> torch.Tensor:
-        body = self.model.model
+        """The step in few kernels (each one launch): q/k/v and gate/up as one product each over
+        `FusedDecoder`'s fused weights; q and k rotated together, with q's scaling folded into its
+        cos/sin; the mask added as a bias made once per step; the residual adds inside the products."""
+        w, body = self.weights, self.model.model
         rows, heads, kv_heads, dim = self.rows, self.heads, self.kv_heads, self.head_dim
-        hidden = body.embed_tokens(self.tokens)  # [B, 1, H]
-        cos, sin = body.rotary_emb(hidden, self.positions)
-        mask = (self.attend & (self.span <= self.position))[:, None, None, :]  # [B, 1, 1, C]
-        for layer, keys, values in zip(body.layers, self.keys, self.values, strict=True):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(rows, 1, heads, dim).transpose(1, 2)
-            k = attn.k_proj(x).view(rows, 1, kv_heads, dim).transpose(1, 2)
-            v = attn.v_proj(x).view(rows, 1, kv_heads, dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            keys.index_copy_(2, self.position, k)
-            values.index_copy_(2, self.position, v)
+        width, eps = body.embed_tokens.embedding_dim, w.eps
+        hidden = body.embed_tokens(self.tokens).view(rows, width)
+        cos, sin = body.rotary_emb(hidden, self.positions)  # [B, 1, D]
+        cos, sin = cos * self.scale, sin * self.sign * self.scale  # [B, heads + kv_heads, D]
+        bias = torch.zeros(self.attend.shape, dtype=cos.dtype, device=cos.device)
+        bias = bias.masked_fill(~(self.attend & (self.span <= self.position)), float("-inf"))[:, None, None]
+        rotated = heads + kv_heads
+        for (norm_in, qkv_w, qkv_b, o_proj, norm_post, gate_up_w, down_w), keys, values in zip(
+            w.layers, self.keys, self.values, strict=True
+        ):
+            x = F.rms_norm(hidden, (width,), norm_in, eps)
+            qkv = F.linear(x, qkv_w, qkv_b)  # [B, (heads + 2 kv_heads) * D]
+            qk = qkv[:, : rotated * dim].view(rows, rotated, dim)
+            qk = torch.addcmul(qk * cos, qk.view(rows, rotated, 2, dim // 2).flip(-2).view(qk.shape), sin)
+            keys.index_copy_(2, self.position, qk[:, heads:, None])
+            values.index_copy_(2, self.position, qkv[:, rotated * dim :].view(rows, kv_heads, 1, dim))
             # Grouped-query attention for one query: the heads sharing a kv head form its rows.
-            scores = torch.matmul(q.reshape(rows, kv_heads, heads // kv_heads, dim), keys.transpose(-1, -2))
-            scores = (scores * attn.scaling).masked_fill(~mask, float("-inf"))
-            probs = scores.softmax(-1, dtype=torch.float32).to(values.dtype)
-            out = torch.matmul(probs, values).reshape(rows, 1, heads * dim)
-            hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.model.lm_head(body.norm(hidden))[:, -1, :]
+            q = qk[:, :heads].view(rows, kv_heads, heads // kv_heads, dim)
+            probs = (torch.matmul(q, keys.transpose(-1, -2)) + bias).softmax(-1)
+            out = torch.matmul(probs, values).view(rows, heads * dim)
+            hidden = torch.addmm(hidden, out, o_proj.weight.t())
+            if o_proj.bias is not None:
+                hidden = hidden + o_proj.bias
+            gate, up = F.linear(F.rms_norm(hidden, (width,), norm_post, eps), gate_up_w).split(
+                w.intermediate, -1
+            )
+            hidden = torch.addmm(hidden, F.silu(gate) * up, down_w.t())
+        return self.model.lm_head(F.rms_norm(hidden, (width,), body.norm.weight, eps))

@@ -24,7 +24,7 @@ from engines.distributed import resolve_dtype
 from engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from engines.rollout.constrained import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder, full_attention_only, preallocated_cache
-from engines.rollout.graph_decode import StaticDecoder, capacity_for, rows_for, supports
+from engines.rollout.graph_decode import StaticDecoder, capacity_for, rows_for
 from engines.rollout.sampling import sample_next
 from engines.training.lora_targets import base_module
 from engines.training.multi_lora import from_peft_tensors
@@ -148,10 +148,15 @@ class HFRolloutEngine(RolloutEngine):
         self.model.eval().requires_grad_(False)
         # Sliding-window (or other non-full) attention keeps transformers' own cache and masks.
         self._plain_mask = not full_attention_only(self.model.config)
-        self._fused = None if self._plain_mask else FusedDecoder.build(self.model)
         if graph_decode is None:
             graph_decode = self.device.type == "cuda"
-        self._graph_decode = graph_decode and supports(self.model)
+        fusable = FusedDecoder.fusable(self.model)
+        # One set of fused weights (their parameters become views of it): the fp32 step's and the graph's.
+        self._weights = (
+            FusedDecoder(self.model) if fusable and (graph_decode or self.dtype == torch.float32) else None
+        )
+        self._fused = self._weights if self.dtype == torch.float32 else None
+        self._graph_decode = self._weights is not None and graph_decode
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()  # by (rows, capacity)
         self._targets = self._update_targets()
         self._merger = AdapterMerger()
@@ -287,7 +292,7 @@ class HFRolloutEngine(RolloutEngine):
             self._decoders.clear()
         while len(self._decoders) >= KEPT_DECODERS:
             self._decoders.popitem(last=False)
-        decoder = StaticDecoder(self.model, rows, capacity, capture=self.device.type == "cuda")
+        decoder = StaticDecoder(self._weights, rows, capacity, capture=self.device.type == "cuda")
         self._decoders[key] = decoder
         return decoder
 
@@ -392,5 +397,5 @@ class HFRolloutEngine(RolloutEngine):
         self._targets = self._update_targets()
         self._decoders.clear()  # their graphs read the old tensors
         self._merger.to(next(self.model.parameters()).device)
-        if self._fused is not None:
-            self._fused.fuse()
+        if self._weights is not None:
+            self._weights.fuse()
