@@ -90,6 +90,8 @@ def tiny_job(**overrides) -> dict:
             spec[key] = {**spec.get(key, {}), **value}
         else:
             spec[key] = value
+    if spec["rollout"].get("source") == "external":  # agents' trajectories make the step: no n, no prompts
+        spec["rollout"].pop("n", None), spec["trainer"].pop("prompts_per_step", None)
     return spec
 
 

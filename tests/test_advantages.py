@@ -22,6 +22,9 @@ from controller.advantages import (
     masked_whiten,
     scores_to_token_rewards,
 )
+from controller.step_math import add_advantages
+from schema.job import JobSpec
+from workers.batch import Batch
 
 D = torch.float64
 
@@ -239,3 +242,40 @@ def test_kl_controllers():
     assert ctl.update(0.0, 10) == pytest.approx(0.10098 * (1 - 0.2 * 0.1))  # clipped at -0.2
     with pytest.raises(ValueError, match="target_kl > 0"):
         KLController(0.1, target_kl=0.0, horizon=10)
+
+
+# ---- the spec's settings reach the step's arithmetic (controller/step_math.py) ----------------------
+
+
+def step_batch(old: list[list[float]], ref: list[list[float]]) -> Batch:
+    """Four samples of one prompt, two response tokens each (the second row's last one masked out)."""
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]], dtype=torch.float32)
+    tensors = {"response_mask": mask, "old_log_probs": torch.tensor(old), "ref_log_probs": torch.tensor(ref)}
+    return Batch.from_dict(tensors=tensors, non_tensors={"uid": ["p"] * 4})
+
+
+def test_norm_adv_by_std_divides_by_the_group_std_or_not():
+    # scores [1, 0, 0, 0]: mean 0.25, unbiased std sqrt((0.75^2 + 3 * 0.25^2) / 3) = 0.5
+    batch, scores = step_batch([[0.0] * 2] * 4, [[0.0] * 2] * 4), torch.tensor([1.0, 0.0, 0.0, 0.0])
+    mask = batch.tensors["response_mask"]
+    for norm, expected in ((True, [1.5, -0.5, -0.5, -0.5]), (False, [0.75, -0.25, -0.25, -0.25])):
+        spec = JobSpec.model_validate({"algorithm": {"norm_adv_by_std": norm}})
+        out, _ = add_advantages(batch, scores, spec, kl_coef=0.0)
+        want = torch.tensor(expected)[:, None] * mask
+        torch.testing.assert_close(out.tensors["advantages"], want, rtol=0, atol=1e-5)
+
+
+def test_kl_in_reward_takes_the_coefficient_times_the_token_kl_off_the_rewards():
+    old = [[-1.0, -2.0], [-1.0, -9.0], [-0.5, -0.5], [-2.0, -1.0]]
+    ref = [[-1.5, -1.0], [-1.0, -1.0], [-0.5, -0.5], [-1.0, -1.0]]
+    batch, scores = step_batch(old, ref), torch.tensor([1.0, 0.0, 0.0, 0.0])
+    spec = JobSpec.model_validate({"algorithm": {"kl_in_reward": True, "kl_loss_type": "k1"}})
+    out, metrics = add_advantages(batch, scores, spec, kl_coef=0.1)
+    # k1 = old - ref on the response tokens: [[.5, -1], [0, (masked)], [0, 0], [-1, 0]]
+    rewards = [[-0.05, 1.0 + 0.1], [0.0, 0.0], [0.0, 0.0], [0.1, 0.0]]
+    torch.testing.assert_close(out.tensors["token_level_rewards"], torch.tensor(rewards))
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx((-0.25 + 0 + 0 - 0.5) / 4)
+    assert metrics["actor/reward_kl_penalty_coeff"] == 0.1
+    plain, none = add_advantages(batch, scores, JobSpec.model_validate({}), kl_coef=0.1)
+    torch.testing.assert_close(plain.tensors["token_level_rewards"][:, 1], torch.tensor([1.0, 0, 0, 0]))
+    assert none == {}

@@ -192,12 +192,17 @@ def test_auto_lanes_and_staleness_resolve_by_the_rule(rollout, resources, traine
     assert buffer_capacity(spec, 8) == (k + 1) * 8  # buffer_size None: (k + 1) steps' worth
 
 
+# An external job's step is its agents' trajectories: rollout.n and prompts_per_step at their defaults.
+EXTERNAL = {
+    "rollout": {"source": "external", "n": 8, "external": {"group_size": 2, "trajectories_per_step": 4}},
+    "trainer": {"prompts_per_step": 16},
+}
+
+
 def test_auto_lanes_resolve_to_group_for_an_external_source():
     from schema.async_rl import resolved_lanes, staleness_bound
 
-    spec = small_spec(mode="async").merged(
-        {"rollout": {"source": "external", "external": {"group_size": 2, "trajectories_per_step": 4}}}
-    )
+    spec = small_spec(mode="async").merged(EXTERNAL)
     assert (resolved_lanes(spec), staleness_bound(spec)) == ("group", 1)
 
 
@@ -211,10 +216,9 @@ def test_lanes_validation_names_the_field():
         small_spec(mode="async", rollout_lanes="per_worker").merged(
             {"rollout": {**ENV, **BACKEND_TP2}, "resources": rollout_workers(2)}
         )
-    external = {"rollout": {"source": "external", "external": {"group_size": 2, "trajectories_per_step": 4}}}
     with pytest.raises(ValidationError, match="trainer.rollout_lanes: not with rollout.source external"):
-        small_spec(mode="async", rollout_lanes="per_worker").merged(external)
-    small_spec(mode="async", rollout_lanes="group").merged(external)  # the old default: still a job
+        small_spec(mode="async", rollout_lanes="per_worker").merged(EXTERNAL)
+    small_spec(mode="async", rollout_lanes="group").merged(EXTERNAL)  # the old default: still a job
     with pytest.raises(ValidationError, match="rollout_lanes"):
         small_spec(mode="async", rollout_lanes="fastest")
 

@@ -25,6 +25,8 @@ from tests.tracker_records import (
     tensorboard_texts,
     wandb_config,
     wandb_history,
+    wandb_records,
+    wandb_run_files,
     wandb_run_ids,
     wandb_tables,
 )
@@ -109,6 +111,18 @@ def test_three_trackers_get_every_step_and_a_resumed_job_continues_its_runs(tmp_
     ]
     artifacts = {a.path for a in client.list_artifacts(ids["mlflow"], "samples")}
     assert artifacts == {f"samples/step_{s}.json" for s in (2, 4, 6)}
+
+
+def test_the_runs_go_to_the_tracker_project(tmp_path: Path) -> None:
+    """trainer.tracker_project names the W&B project and the MLflow experiment of the job's runs."""
+    workdir, uri = tmp_path / "job-t", str(tmp_path / "mlruns")
+    spec = spec_for(["wandb", "mlflow"], uri).merged({"trainer": {"tracker_project": "arith-sweep"}})
+    run_steps(with_trackers(JsonlSink(workdir), spec, workdir, "job-t"), range(1, 2))
+    ids = json.loads((workdir / RUN_IDS_FILE).read_text())
+    client = mlflow_client(uri)
+    assert client.get_experiment(client.get_run(ids["mlflow"]).info.experiment_id).name == "arith-sweep"
+    runs = [r.run for f in wandb_run_files(workdir) for r in wandb_records(f) if r.HasField("run")]
+    assert runs and {r.project for r in runs} == {"arith-sweep"}
 
 
 def test_a_fork_links_its_runs_to_its_parents(tmp_path: Path) -> None:

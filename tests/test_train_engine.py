@@ -391,3 +391,22 @@ def test_under_cpu_autocast_attention_and_the_log_prob_head_stay_fp32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, _ = segment_attention(module, q, k, v, None, cu_seq_lens_q=bounds)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_gradient_checkpointing_recomputes_each_layer_in_backward_with_the_same_gradients(tiny_model_dir):
+    """model.gradient_checkpointing: each decoder layer's forward runs again in the backward pass
+    (its activations were not kept), and the gradients are the plain engine's."""
+    batch = make_batch()
+    grads, calls = {}, {}
+    for checkpointed in (False, True):
+        engine = make_engine(tiny_model_dir, gradient_checkpointing=checkpointed)
+        layers = [m for n, m in engine.model.named_modules() if type(m).__name__.endswith("DecoderLayer")]
+        runs: list[int] = []
+        for layer in layers:
+            layer.register_forward_pre_hook(lambda *_, runs=runs: runs.append(1))
+        with engine.train_mode():
+            engine.forward_backward_batch(batch, pg_loss("token-mean"))
+            grads[checkpointed] = full_grads(engine)
+        calls[checkpointed] = len(runs) / len(layers)
+    assert calls[True] == 2 * calls[False] > 0, calls
+    assert max_rel_diff(grads[True], grads[False]) <= 1e-5

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from controller.sink import JsonlSink
 from controller.trainer import StopRequested, Trainer
 from schema.job import JobSpec
+from workers.batch import sampling_of
 
 # Metrics that measure time, or count syncs since the process started, legitimately differ on resume.
 NONDETERMINISTIC = (
@@ -234,6 +235,27 @@ def test_a_reached_val_accuracy_target_finishes_the_job_early(ray_cluster, tmp_p
     assert last["val/accuracy"] == 1.0
     assert [e["data"]["step"] for e in sink.events if e["kind"] == "target_reached"] == [2]
     assert (tmp_path / "export" / "config.json").exists()  # finished as at the end: export written
+
+
+def test_the_in_reward_kl_coefficient_adapts_to_its_target_and_validation_samples_as_asked(
+    ray_cluster, tmp_path
+):
+    """algorithm.kl_reward_coef starts the KL penalty's weight and kl_target adapts it after each step
+    of 16 samples, beta *= 1 + clip(KL / target - 1, -0.2, 0.2) * 16 / 10000 (the hand computation
+    against each step's logged KL); trainer.val_greedy false samples validation at
+    rollout.temperature with seed 0."""
+    spec = job_spec(algorithm={"kl_in_reward": True, "kl_reward_coef": 0.05, "kl_target": 0.001},
+                    trainer={"val_every": 3, "val_size": 4, "val_greedy": False}, checkpoint={"every": 0})  # fmt: skip
+    trainer, sink, _ = run(spec, tmp_path)
+    steps = [r["values"] for r in sink.history if r["step"] > 0]
+    beta = 0.05
+    for values in steps:
+        assert values["actor/reward_kl_penalty_coeff"] == pytest.approx(beta, rel=1e-12)
+        error = min(max(values["actor/reward_kl_penalty"] / 0.001 - 1.0, -0.2), 0.2)
+        beta *= 1.0 + error * 16 / 10_000
+    assert len(steps) == 3 and trainer.kl.value == pytest.approx(beta, rel=1e-12) and beta != 0.05
+    sampling = sampling_of(trainer.job.val_batch)
+    assert (sampling.temperature, sampling.seed) == (spec.rollout.temperature, 0) and sampling.temperature > 0
 
 
 def test_a_val_accuracy_target_needs_validation():

@@ -11,11 +11,16 @@ import pytest
 from pydantic import ValidationError
 
 from schema.job import JobSpec
+from schema.section import STORED
 from tests.api_util import tiny_job
 
 SPLIT = {"placement": "split", "rollout": {"workers": 1}}
 ASYNC = {"trainer": {"mode": "async"}, "resources": SPLIT}
 LORA = {"model": {"lora": {"rank": 4}}}
+# An agent-fed job (its step: rollout.external's trajectories), and the same job drawing its prompts.
+EXTERNAL = {"source": "external", "external": {"group_size": 2, "trajectories_per_step": 4}}
+PROMPTS = {"rollout": {"source": "prompts", "external": None}}
+AT_DEFAULTS = {"rollout": {**EXTERNAL, "n": 8}, "trainer": {"prompts_per_step": 16}}
 
 # (the ignored setting, the context that reads it, the field the 422 names)
 CASES = [
@@ -59,6 +64,26 @@ CASES = [
         "checkpoint.export_merged",
     ),
     ({"trainer": {"mlflow_uri": "/tmp/mlruns"}}, {"trainer": {"loggers": ["mlflow"]}}, "trainer.mlflow_uri"),
+    (
+        {"trainer": {"tracker_project": "mine", "loggers": ["tensorboard"]}},
+        {"trainer": {"loggers": ["tensorboard", "mlflow"]}},
+        "trainer.tracker_project",
+    ),
+    (
+        {"algorithm": {"advantage": "rloo", "norm_adv_by_std": False}},
+        {"algorithm": {"advantage": "grpo"}},
+        "algorithm.norm_adv_by_std",
+    ),
+    ({"algorithm": {"lam": 0.95}}, {"method": "ppo"}, "algorithm.lam"),
+    ({"algorithm": {"gamma": 0.9}}, {"algorithm": {"advantage": "reinforce_pp"}}, "algorithm.gamma"),
+    ({"trainer": {"rollout_lanes": "per_worker"}}, ASYNC, "trainer.rollout_lanes"),
+    ({"rollout": EXTERNAL}, PROMPTS, "rollout.n"),
+    ({"rollout": {**EXTERNAL, "n": 8}}, PROMPTS, "trainer.prompts_per_step"),
+    (
+        {**AT_DEFAULTS, "algorithm": {"dynamic_sampling": {"enabled": True}}},
+        PROMPTS,
+        "algorithm.dynamic_sampling",
+    ),
     (
         {"reward": {"function": None, "model_path": "/models/rm", "num_workers": 2}},
         {"reward": {"function": "tests.reward_fns:digit_reward", "model_path": None}},
@@ -128,3 +153,13 @@ def test_a_job_stored_before_its_setting_was_refused_still_runs_and_reads(unsche
         assert got.json()["spec"]["algorithm"]["kl_target"] == 0.01
         assert job_id in [j["id"] for j in client.get("/v1/jobs").json()["data"]]
         assert client.post(f"/v1/jobs/{job_id}/cancel").json()["status"] == "cancelled"
+
+
+def test_an_agent_fed_job_takes_the_generated_rollouts_defaults_and_a_stored_one_still_reads() -> None:
+    """rollout.n and trainer.prompts_per_step size a step of generated rollouts; an external job's step
+    is rollout.external.trajectories_per_step. Left at their defaults they are accepted, and a spec
+    stored with other values before the rule (tiny_job's n = 4) still parses for the scheduler."""
+    spec = JobSpec.model_validate(spec_with(AT_DEFAULTS))
+    assert spec.rollout.source == "external" and (spec.rollout.n, spec.trainer.prompts_per_step) == (8, 16)
+    stored = JobSpec.model_validate(spec_with({"rollout": EXTERNAL}), context=STORED)
+    assert (stored.rollout.n, stored.trainer.prompts_per_step) == (4, 4)
