@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shutil
 import threading
 import time
 import uuid
@@ -51,6 +52,9 @@ class TinkerService:
                        on_lost=self._host_lost, accounts=self.scheduler)
             for name in base_models
         }  # fmt: skip
+        # samplers live in memory: the last run's unnamed snapshots (SessionWorker.save_for_sampler's) are nobody's
+        for host in self.hosts.values():
+            shutil.rmtree(host.workdir / "samplers", ignore_errors=True)
         # a built-in base is also served under its folder (`tandem models build NAME`), a name that
         # Hugging Face loaders (the cookbook's get_tokenizer) read offline
         self.aliases = {str(root / "models" / name): name for name in base_models if "/" not in name
