@@ -303,3 +303,18 @@ def test_an_owner_without_a_session_quota_still_has_a_bounded_number_of_sessions
             assert frank.post("/api/v1/create_session", json={"tags": []}).status_code == 200
         refused = frank.post("/api/v1/create_session", json={"tags": []})
     assert refused.status_code == 403 and refused.json()["param"] == "quota.tinker_sessions", refused.text
+
+
+def test_a_finished_session_no_longer_counts_in_the_session_quota(svc):
+    """The SDK's close() finishes its session: before, it stayed (and counted) until its heartbeats had
+    been missing for 10 minutes, so a script that opened and closed clients met the quota."""
+    with svc.client() as admin:
+        key = make_key(admin, "gail")["key"]
+        assert admin.put("/v1/quotas/gail", json={"tinker_sessions": 1}).status_code == 200
+    with http(svc, key) as gail:
+        for _ in range(3):
+            session = gail.post("/api/v1/create_session", json={"tags": []})
+            assert session.status_code == 200, session.text
+            assert gail.post(f"/api/v1/sessions/{session.json()['session_id']}/finish").status_code == 200
+        gone = gail.post("/api/v1/session_heartbeat", json={"session_id": session.json()["session_id"]})
+    assert gone.status_code == 404 and gone.json()["param"] == "session_id"
