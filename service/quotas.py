@@ -26,7 +26,7 @@ QUEUED_RETRY_AFTER_S = 30  # a queued job usually starts within a few scheduler 
 
 
 class Quota(BaseModel):
-    """One owner's limits; None = unlimited."""
+    """One owner's limits; None = unlimited (the default of all but `tinker_sessions`)."""
 
     model_config = ConfigDict(extra="forbid")
     running_jobs: int | None = Field(None, ge=0, le=1_000_000, description="jobs running at once")
@@ -39,8 +39,9 @@ class Quota(BaseModel):
     stored_bytes: int | None = Field(
         None, ge=0, le=2**62, description="bytes of uploads, checkpoints and exports kept for the owner"
     )
+    # a session is kept in memory until 10 minutes after its last heartbeat: never unbounded by default
     tinker_sessions: int | None = Field(
-        None, ge=0, le=1_000_000, description="Tinker API client sessions at once"
+        64, ge=0, le=1_000_000, description="Tinker API client sessions at once (None: unlimited)"
     )
     tinker_models: int | None = Field(
         None, ge=0, le=1_000_000, description="Tinker API training models (LoRA adapters) live at once"

@@ -215,6 +215,8 @@ def save_for_sampler(svc: TinkerService, owner: str, req: SaveWeights) -> Future
     folder = checkpoint_folder(model.workdir, "sampler_weights", name) if path else None
     if folder is not None:
         _has_room(svc, owner)
+        if is_complete(folder):  # the SDK's call has no `overwrite`: samplers and downloads may use it
+            raise TinkerError(400, f"path: sampler weights '{name}' exist (delete them first)", "path")
     sampler_id = f"{model.session_id}:sample:{uuid.uuid4().hex[:8]}"
 
     def saved(ok: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shutil
 import threading
 import time
 import uuid
@@ -51,6 +52,9 @@ class TinkerService:
                        on_lost=self._host_lost, accounts=self.scheduler)
             for name in base_models
         }  # fmt: skip
+        # samplers live in memory: the last run's unnamed snapshots (SessionWorker.save_for_sampler's) are nobody's
+        for host in self.hosts.values():
+            shutil.rmtree(host.workdir / "samplers", ignore_errors=True)
         # a built-in base is also served under its folder (`tandem models build NAME`), a name that
         # Hugging Face loaders (the cookbook's get_tokenizer) read offline
         self.aliases = {str(root / "models" / name): name for name in base_models if "/" not in name
@@ -79,9 +83,21 @@ class TinkerService:
         for session in [
             s for s in self.records.sessions.of(None) if now - s.last_heartbeat > self.session_ttl_s
         ]:
-            self.drop_snapshots(self.records.end_session(session.id))
-            cause = f"session {session.id} ended (no heartbeat for {self.session_ttl_s:g} s)"
-            self._pause([m for m in self.records.models.of(None) if m.session_id == session.id], cause, True)
+            self._end_session(
+                session.id, f"session {session.id} ended (no heartbeat for {self.session_ttl_s:g} s)"
+            )
+
+    def finish_session(self, owner: str | None, session_id: str) -> dict[str, Any]:
+        """The SDK's close(): the session ends now, as a silent one would later (and leaves its quota)."""
+        self._end_session(
+            self.records.sessions.find(session_id, owner).id, f"session {session_id} was finished"
+        )
+        return {}
+
+    def _end_session(self, session_id: str, cause: str) -> None:
+        """Its samplers and their snapshots go; its models leave the host and their runs pause."""
+        self.drop_snapshots(self.records.end_session(session_id))
+        self._pause([m for m in self.records.models.of(None) if m.session_id == session_id], cause, True)
 
     def drop_snapshots(self, samplers: list[Sampler]) -> None:
         """Dropped samplers' unnamed snapshots leave their host's disk, after the samples queued on them

@@ -23,6 +23,7 @@ MAX_RECORDED_TOKENS = 4_000_000
 MAX_SAMPLERS = 1024  # per owner, the oldest dropped first (an RL loop makes one a step and uses the newest)
 KEEP_S = 3600.0  # how long a finished future stays readable
 READ_KEEP_S = 60.0  # and once its answer was read: long enough for the SDK to poll again after a lost reply
+MAX_UNREAD = 1024  # finished answers kept unread per owner, oldest dropped first (the SDK polls each at once)
 SWEEP_EVERY_S = 10.0
 V = TypeVar("V")
 
@@ -133,10 +134,18 @@ class FutureTable(Owned[Future]):
             now = time.time()
             if now - self._swept >= SWEEP_EVERY_S:  # a sweep visits every future: not on every request
                 self._swept = now
-                for key in [k for k, f in self.items() if _expired(f, now)]:
-                    del self[key]
+                for key in [k for k, f in self.items() if _expired(f, now)] + self._unread_beyond_bound():
+                    self.pop(key, None)
             self[future.id] = future
         return future
+
+    def _unread_beyond_bound(self) -> list[str]:
+        """Each owner's finished, unread futures beyond MAX_UNREAD, oldest first."""
+        unread: dict[str, list[Future]] = {}
+        for future in self.values():
+            if future.done and future.read_at is None:
+                unread.setdefault(future.owner, []).append(future)
+        return [f.id for kept in unread.values() for f in sorted(kept, key=lambda f: f.done_at)[:-MAX_UNREAD]]
 
     def finish(self, future: Future, answer: dict[str, Any] | bytes) -> None:
         with self._lock:

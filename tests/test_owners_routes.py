@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.deps import TokenScope
 from tests.owners_util import make_key, owned_job, two_owners, upload
@@ -230,3 +231,26 @@ def test_every_write_is_in_the_audit_log_with_its_owner_key_and_request_id(unsch
     assert {
         e["owner"] for e in admin.get("/v1/audit", params={"owner": "bob", "limit": 1000}).json()["data"]
     } <= {"bob"}
+
+
+def test_the_prometheus_scrape_of_an_owner_holds_only_that_owners_jobs(unscheduled, owners):
+    admin, alice, bob = owners
+    a_job, b_job = owned_job(unscheduled, "alice"), owned_job(unscheduled, "bob")
+    store = unscheduled.service.store
+    store.update_job(a_job, latest_metrics={"critic/score/mean": 0.25})
+    store.update_job(b_job, latest_metrics={"critic/score/mean": 0.75})
+    scraped = {
+        name: client.get("/metrics") for name, client in (("admin", admin), ("alice", alice), ("bob", bob))
+    }
+    assert all(
+        r.status_code == 200 and r.headers["content-type"].startswith("text/plain") for r in scraped.values()
+    )
+    families = {name: list(text_string_to_metric_families(r.text)) for name, r in scraped.items()}
+    for name, mine, theirs in (("alice", a_job, b_job), ("bob", b_job, a_job)):
+        jobs = {s.labels.get("job") for f in families[name] for s in f.samples}
+        assert mine in jobs and theirs not in jobs, f"{name} scraped {jobs}"
+        (queued,) = [s.value for f in families[name] for s in f.samples if s.labels == {"state": "queued"}]
+        assert queued == len(store.list_jobs(status=["queued"], owner=name, limit=1000)[0])
+        assert not any(f.name == "tandem_request_seconds" for f in families[name])  # everyone's traffic
+    seen = {s.labels.get("job") for f in families["admin"] for s in f.samples}
+    assert {a_job, b_job} <= seen and any(f.name == "tandem_request_seconds" for f in families["admin"])

@@ -406,3 +406,26 @@ def test_a_read_answer_is_dropped_soon_and_an_unread_one_is_kept(alice, ids, svc
     sample()  # a new future sweeps the table
     _refused(alice.post("/api/v1/retrieve_future", json={"request_id": read}), "request_id", 404)
     assert alice.post("/api/v1/retrieve_future", json={"request_id": unread}).json()["category"] == "server"
+
+
+def test_a_sampler_save_under_a_saved_name_is_refused_not_overwritten(svc):
+    """The SDK's save_weights_for_sampler has no `overwrite` (save_state has): a second save of a name
+    would silently replace the first checkpoint under the samplers and downloads already using it."""
+    from service.tinker_checkpoints import checkpoint_folder, commit
+
+    tinker_svc = svc.server.config.app.state.tinker
+    with httpx.Client(base_url=svc.url, headers={"X-API-Key": owner_keys(svc, ("hal",))["hal"]}) as hal:
+        session = hal.post("/api/v1/create_session", json={}).json()["session_id"]
+        made = hal.post(
+            "/api/v1/create_model", json={"session_id": session, "base_model": BASE, "model_seq_id": 0}
+        )
+        assert made.status_code == 200, made.text
+        model = tinker_svc.records.models[f"{session}:train:0"]
+        folder = checkpoint_folder(model.workdir, "sampler_weights", "best")  # as a first save leaves it
+        commit(
+            svc.service.store, model.job_id, folder, f"tinker://{model.job_id}/sampler_weights/best", None, ""
+        )
+        body = {"model_id": model.model_id, "path": "best"}
+        refused = _refused(hal.post("/api/v1/save_weights_for_sampler", json=body), "path")
+        assert "best" in refused["error"]
+        assert hal.post("/api/v1/save_weights_for_sampler", json={**body, "path": "other"}).status_code == 200

@@ -83,3 +83,19 @@ def test_recorded_samples_are_bounded_per_owner_so_one_cannot_push_out_anothers(
     assert [k for k in records.sequences if k.startswith("bob")] == ["bob:18", "bob:19"]  # his newest
     records.record("ann", ["ann:1", "ann:2"], [1] * 6, [{"tokens": [5]}, {"tokens": [6]}])
     assert [k for k in records.sequences if k.startswith("ann")] == ["ann:2"]
+
+
+def test_an_owners_unread_answers_are_bounded_oldest_dropped_first(clock, monkeypatch):
+    """An answer nobody reads stays an hour: a client that never polls could pile them up (a forward's
+    may be megabytes); past MAX_UNREAD its oldest go, and another owner's are not touched."""
+    monkeypatch.setattr(tinker_sessions, "MAX_UNREAD", 2, raising=False)
+    table = FutureTable()
+    ann = [table.create("ann", "forward") for _ in range(4)]
+    bob = table.create("bob", "forward")
+    for future in [*ann, bob]:
+        clock[0] += 1
+        table.finish(future, {"ok": 1})
+    table.read(ann[0])  # read: it goes after READ_KEEP_S, and does not count
+    clock[0] += tinker_sessions.SWEEP_EVERY_S
+    table.create("ann", "forward")
+    assert [f.id in table for f in ann] == [True, False, True, True] and bob.id in table

@@ -17,6 +17,7 @@ from tinker import types  # noqa: E402
 
 from api.auth import hash_token  # noqa: E402
 from api.settings import ServeSettings  # noqa: E402
+from service.quotas import Quota  # noqa: E402
 from service.tinker_wire import (  # noqa: E402
     read_forward_backward,
     write_forward_backward_output,
@@ -288,3 +289,32 @@ def test_session_quota_is_refused_at_once_naming_it(svc):
         refused = erin.post("/api/v1/create_session", json={"tags": []})
     # 403, not 429: the SDK retries a 429 for minutes instead of showing it
     assert refused.status_code == 403 and refused.json()["param"] == "quota.tinker_sessions"
+
+
+def test_an_owner_without_a_session_quota_still_has_a_bounded_number_of_sessions(svc):
+    """Sessions live in memory until 10 minutes after their last heartbeat: unbounded, one key could
+    open them in a loop until the service runs out of memory."""
+    with svc.client() as admin:
+        key = make_key(admin, "frank")["key"]
+    limit = Quota().tinker_sessions
+    assert limit is not None and limit > 0
+    with http(svc, key) as frank:
+        for _ in range(limit):
+            assert frank.post("/api/v1/create_session", json={"tags": []}).status_code == 200
+        refused = frank.post("/api/v1/create_session", json={"tags": []})
+    assert refused.status_code == 403 and refused.json()["param"] == "quota.tinker_sessions", refused.text
+
+
+def test_a_finished_session_no_longer_counts_in_the_session_quota(svc):
+    """The SDK's close() finishes its session: before, it stayed (and counted) until its heartbeats had
+    been missing for 10 minutes, so a script that opened and closed clients met the quota."""
+    with svc.client() as admin:
+        key = make_key(admin, "gail")["key"]
+        assert admin.put("/v1/quotas/gail", json={"tinker_sessions": 1}).status_code == 200
+    with http(svc, key) as gail:
+        for _ in range(3):
+            session = gail.post("/api/v1/create_session", json={"tags": []})
+            assert session.status_code == 200, session.text
+            assert gail.post(f"/api/v1/sessions/{session.json()['session_id']}/finish").status_code == 200
+        gone = gail.post("/api/v1/session_heartbeat", json={"session_id": session.json()["session_id"]})
+    assert gone.status_code == 404 and gone.json()["param"] == "session_id"

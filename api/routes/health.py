@@ -99,8 +99,13 @@ def cluster(service: ServiceDep, caller: CallerDep) -> dict[str, Any]:
 
 
 @router.get("/metrics", dependencies=READ, include_in_schema=False)
-def prometheus(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
+def prometheus(request: Request, service: ServiceDep, caller: CallerDep) -> Response:
+    """An admin scrapes everything; any other key only its own jobs (not the service's traffic either)."""
+    registry = request.app.state.registry
+    if not caller.admin:
+        registry = CollectorRegistry()
+        registry.register(StoreCollector(service.store, caller.owner))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 PER_JOB = {
@@ -112,16 +117,18 @@ PER_JOB = {
 
 
 class StoreCollector(Collector):
-    def __init__(self, store: JobStore) -> None:
-        self.store = store
+    """Job states and per-job gauges of every owner's jobs, or of `owner`'s only."""
+
+    def __init__(self, store: JobStore, owner: str | None = None) -> None:
+        self.store, self.owner = store, owner
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        counts = self.store.counts_by_status()
+        counts = self.store.counts_by_status(self.owner)
         jobs = GaugeMetricFamily("tandem_jobs", "jobs by state", labels=["state"])
         for state in JobStatus:
             jobs.add_metric([state], counts.get(state, 0))
         yield jobs
-        active = self.store.jobs_in(ACTIVE)
+        active = [j for j in self.store.jobs_in(ACTIVE) if self.owner in (None, j.owner)]
         for name, (key, doc) in PER_JOB.items():
             family = GaugeMetricFamily(name, doc, labels=["job"])
             for job in active:

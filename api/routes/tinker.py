@@ -216,8 +216,7 @@ def checkpoints(svc: TinkerService, owner: str | None, run_id: str) -> dict[str,
 # the calls without a body
 PLAIN: dict[str, tuple[str, Callable[..., Any]]] = {
     "GET get_server_capabilities": ("read", lambda svc, _: svc.capabilities()),
-    "POST sessions/{session_id}/finish": ("write", lambda svc, owner, session_id: svc.records.sessions.find(
-        session_id, owner) and {}),
+    "POST sessions/{session_id}/finish": ("write", TinkerService.finish_session),
     "GET sessions": ("read", lambda svc, owner: {"sessions": [s.id for s in svc.records.sessions.of(owner)]}),
     "GET sessions/{session_id}": ("read", session_view),
     "GET samplers/{sampler_id}": ("read", sampling.sampler_view),
