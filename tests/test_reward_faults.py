@@ -10,9 +10,17 @@ import pytest
 from controller.rewards import RETRY_FAILURES, RewardScorer
 
 FAULTY = """
-import ctypes, os, sys, time
+import ctypes, os, sys, threading, time
+
+def flood():
+    for _ in range(200):
+        print("spam " * 10_000)
 
 def score(prompt, response, ground_truth, extra):
+    if response == "flood":  # 10 MB after the call returned, 6 MB in it, on both streams
+        threading.Thread(target=flood, daemon=True).start()
+        sys.stdout.write("x" * 3_000_000)
+        os.write(2, b"y" * 3_000_000)
     if response == "exit":
         sys.exit(3)
     if response == "interrupt":
@@ -65,3 +73,13 @@ def test_a_function_that_crashes_on_every_sample_gives_up_after_a_few_restarts(f
         e.startswith("not scored: reward sandbox 0 failed on") for e in result.row_errors[RETRY_FAILURES:]
     )
     assert time.monotonic() - started < 30  # a restart per failed row, a few of them: not one per row
+
+
+def test_what_the_function_prints_reaches_the_log_bounded(faulty, capfd):
+    with RewardScorer(faulty, timeout_s=30) as scorer:
+        result = scorer.score(["p"] * 3, ["a", "flood", "bb"], [None] * 3)
+        time.sleep(2)  # the thread goes on printing after the call returned
+        again = scorer.score(["p"], ["ccc"], [None])
+    assert result.scores.tolist() == [1.0, 5.0, 2.0] and again.scores.tolist() == [3.0]
+    out, err = capfd.readouterr()
+    assert len(out) + len(err) < 2 * 1024 * 1024 and "[sandbox output past 1 MiB dropped]" in err
