@@ -10,10 +10,12 @@ scoring processes import this module.
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,6 +36,8 @@ RewardFn = Callable[[str, str, Any, dict | None], float | dict[str, float]]
 REWARD_PARAMS = ("prompt", "response", "ground_truth", "extra")
 REFERENCE_FORMS = "'builtin:NAME', 'module:function' or 'path/to/file.py:function'"
 MAX_METRICS = 32  # extra metrics of one result: each becomes a series of the job's metrics
+RETRY_FAILURES = 3  # rows of a failed chunk whose own call fails too, before the rest are given up
+log = logging.getLogger("tandem.job")
 
 
 class RewardFunctionError(ValueError):
@@ -138,7 +142,8 @@ class RewardScorer:
     """Scores batches with one reward function: a built-in here; user code (and SANDBOXED_BUILTINS) in
     sandboxes, checked at once when the first starts. With num_workers > 0, batches over
     `parallel_threshold` split over that many processes (a built-in's unsandboxed: the service's own
-    code). A call past `timeout_s` ends its process and its rows score 0.0 as errors."""
+    code). A chunk whose call fails as a whole (its process died, or overran `timeout_s` and was ended)
+    is scored again a row per call, so that only the rows that fail score 0.0 as errors."""
 
     MAX_ERROR_MESSAGES = 5
 
@@ -190,6 +195,10 @@ class RewardScorer:
         with self._lock:
             box = self.boxes[index]
             if box is None or not box.alive:
+                if box is not None:
+                    log.warning(
+                        "reward sandbox %d of %s ended (%s): starting another", index, self.ref, box.ended
+                    )
                 what, check = f"reward function '{self.ref}'", "controller.user_code:check_here"
                 box = UserCode(self.ref, what, RewardFunctionError, check, ["reward"],
                                limits=self.limits, mode=self.mode)  # fmt: skip
@@ -208,13 +217,38 @@ class RewardScorer:
 
     def _score_chunk(self, index: int, rows: list[tuple]) -> list[SampleResult]:
         try:
-            box = self._box(index)
-            out = box.call("controller.rewards:score_in_sandbox", [box.placed, rows], self.timeout_s)
-        except SandboxTimeout:
-            return [(0.0, {}, f"timed out after {self.timeout_s:g}s in the reward sandbox")] * len(rows)
-        except Exception as err:  # the sandbox ended, or a row is not plain data: these rows only
-            return [(0.0, {}, f"the reward sandbox failed: {err}"[:500])] * len(rows)
-        return _checked(out, len(rows))
+            return _checked(self._call(index, rows, self.timeout_s), len(rows))
+        except Exception as err:  # the sandbox ended or overran, or a row is not plain data
+            if len(rows) == 1:
+                return [(0.0, {}, self._failure(index, err))]
+        return self._score_one_by_one(index, rows)
+
+    def _score_one_by_one(self, index: int, rows: list[tuple]) -> list[SampleResult]:
+        """A chunk that failed as a whole, again a row per call (each within `timeout_s`, a new sandbox
+        after each failure) so that the failure is the row's that caused it; after RETRY_FAILURES failed
+        rows, or that many time limits in all, the rest are not scored."""
+        deadline, failures, results = time.monotonic() + RETRY_FAILURES * self.timeout_s, 0, []
+        for row in rows:
+            left = min(self.timeout_s, deadline - time.monotonic())
+            if failures >= RETRY_FAILURES or left <= 0:
+                why = f"failed on {failures} samples" if failures >= RETRY_FAILURES else "ran out of time"
+                results.append((0.0, {}, f"not scored: reward sandbox {index} {why} of this batch"))
+                continue
+            try:
+                results += _checked(self._call(index, [row], left), 1)
+            except Exception as err:
+                failures += 1
+                results.append((0.0, {}, self._failure(index, err)))
+        return results
+
+    def _call(self, index: int, rows: list[tuple], timeout_s: float) -> Any:
+        box = self._box(index)
+        return box.call("controller.rewards:score_in_sandbox", [box.placed, rows], timeout_s)
+
+    def _failure(self, index: int, err: Exception) -> str:
+        if isinstance(err, SandboxTimeout):
+            return f"reward sandbox {index} {err.message}"
+        return f"reward sandbox {index} failed: {err}"[:500]
 
     def close(self) -> None:
         with self._lock:
@@ -262,7 +296,7 @@ def score_sample(
     """One row's result; whatever the function returns or raises fails this row only."""
     try:
         return _result(fn(prompt, response, ground_truth, extra))
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a reward function: this row's failure too
         try:
             return 0.0, {}, describe_exception(exc)[:500]
         except Exception:  # an exception whose message itself raises

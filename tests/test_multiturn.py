@@ -186,3 +186,14 @@ def test_calculator_env_answers_tool_calls_and_scores_the_final_answer(engine, d
     assert env.step("75645")[1] == 0.0
     rendered = delta.observation_ids([obs], delta.turn_end_id)
     assert delta.tokenizer.decode(rendered) == "\n<|im_start|>tool\n75646<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_first_observation_longer_than_the_prompt_width_ends_only_its_trajectory(engine, delta):
+    prompts = ("ok", "word " * 100, "z" * 5000, "ok")  # past WIDTH tokens; past it in characters too
+    rows = [{"prompt": p, "ground_truth": None, "extra": None} for p in prompts]
+    trajectories = run(engine, delta, "tests.multiturn_envs:HostileEnv", rows)
+    assert [t.finish_reason for t in trajectories] == ["done", "env_error", "env_error", "done"]
+    assert "tokens, longer than data.max_prompt_length=48" in trajectories[1].error
+    assert "5000 characters) is longer than data.max_prompt_length=48" in trajectories[2].error
+    assert all(len(t.prompt_ids) <= WIDTH for t in trajectories)
+    assert trajectory_tensors(trajectories, WIDTH, 64, pad=0)["env_rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]

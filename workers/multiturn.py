@@ -91,17 +91,17 @@ class MultiTurnRollout:
             if outcome is not None:
                 traj.messages = outcome
                 if _too_long(traj.messages, width):  # not tokenized: megabytes would take seconds
-                    raise ValueError(
-                        f"the environment's first observation ({len(traj.messages)} messages) is longer than "
-                        f"data.max_prompt_length={width} tokens"
-                    )
-                ids = self._rendered(traj, self.delta.prompt_ids, traj.messages)
-            traj.prompt_ids = self.delta.prompt_ids([{"role": "user", "content": ""}]) if ids is None else ids
-            if len(traj.prompt_ids) > width:
-                raise ValueError(
-                    f"the environment's first observation is {len(traj.prompt_ids)} tokens, longer than "
-                    f"data.max_prompt_length={width}"
-                )
+                    traj.fail("env_error", f"the environment's first observation ({len(outcome)} messages, "
+                              f"{sum(len(m['content']) for m in outcome)} characters) is longer than "
+                              f"data.max_prompt_length={width} tokens")  # fmt: skip
+                else:
+                    ids = self._rendered(traj, self.delta.prompt_ids, traj.messages)
+            if ids is not None and len(ids) > width:
+                traj.fail("env_error", f"the environment's first observation is {len(ids)} tokens, longer "
+                          f"than data.max_prompt_length={width}")  # fmt: skip
+            if ids is None or traj.finish_reason is not None:  # a failed one still takes a row of the batch
+                ids = self.delta.prompt_ids([{"role": "user", "content": ""}])
+            traj.prompt_ids = ids
 
     def _generate(self, live: list[Trajectory], params: SamplingParams, turn: int) -> None:
         budget = self.config.max_response_tokens

@@ -33,6 +33,7 @@ _LAUNCHER = ThreadPoolExecutor(1, thread_name_prefix="tandem-sandbox-launcher") 
 MESSAGE_CHARS = 2000
 CHECK_TIMEOUT_S = 120.0
 MAX_ASKS = 32  # questions from one sandbox waiting for or getting an answer
+OUTPUT_BYTES = 1 << 20  # what one sandbox's prints may add to the log; the rest is read and dropped
 # what the loaders raise: their messages name the reference and say what is wrong
 LOADER_ERRORS = {"RewardFunctionError", "EnvironmentReferenceError", "AgentError"}
 Asker = Callable[[str, Any], Any]  # (topic, payload) -> answer, for what the sandbox asks
@@ -60,7 +61,8 @@ class Sandbox:
                  asker: Asker | None = None, stderr: int | None = subprocess.DEVNULL,
                  allow_unsandboxed: bool | None = None, mode: str | None = None,
                  pass_fds: Sequence[int] = ()) -> None:  # fmt: skip
-        """`pass_fds`: descriptors the process inherits (a listening socket for a server in it)."""
+        """`stderr` None: what the code prints goes to this process's stderr, the first OUTPUT_BYTES of it;
+        `pass_fds`: descriptors the process inherits (a listening socket for a server in it)."""
         self.limits = limits or Limits.from_env()
         self.mode = mode or sandbox_mode(allow_unsandboxed).name  # "none": our own code, or a test
         self.staging = Path(tempfile.mkdtemp(prefix="tandem-sandbox-"))
@@ -78,13 +80,15 @@ class Sandbox:
         self._ask_slots = threading.BoundedSemaphore(MAX_ASKS)  # each queued ask holds its line in memory
         self.ended: str | None = None
         popen = functools.partial(subprocess.Popen, argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=stderr, cwd=self.staging if self.mode == "none" else None,
+                                  stderr=subprocess.PIPE if stderr is None else stderr, cwd=self.staging if self.mode == "none" else None,
                                   start_new_session=True, pass_fds=tuple(pass_fds))  # fmt: skip
         # bwrap's --die-with-parent follows the thread that started it: a pool thread that ends would
         # take a job's sandbox with it, so every sandbox is started by one thread that lives on.
         self.proc = _LAUNCHER.submit(popen).result()
         self._reader = threading.Thread(target=self._read, name="tandem-sandbox-read", daemon=True)
         self._reader.start()
+        if stderr is None:
+            threading.Thread(target=self._forward, name="tandem-sandbox-output", daemon=True).start()
 
     def _stage(self, index: int, file: str | Path) -> str:
         source = Path(file).expanduser().resolve()
@@ -149,6 +153,21 @@ class Sandbox:
             self._end("the sandbox broke its protocol (a line that is not a message)")
             return
         self._end(self._exit_reason())
+
+    def _forward(self) -> None:
+        """The code's prints to this process's stderr, up to OUTPUT_BYTES; past them, read and dropped, so
+        that a loop printing forever neither fills the log nor blocks on a full pipe."""
+        assert self.proc.stderr is not None
+        left = OUTPUT_BYTES
+        with open(2, "wb", closefd=False) as out:
+            while chunk := self.proc.stderr.read1(1 << 16):
+                if left > 0:
+                    out.write(
+                        chunk[:left]
+                        + (b"\n[sandbox output past 1 MiB dropped]\n" if len(chunk) > left else b"")
+                    )
+                    out.flush()
+                left -= len(chunk)
 
     def _take(self, message: Any) -> bool:
         if not isinstance(message, dict):
