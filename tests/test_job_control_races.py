@@ -3,11 +3,13 @@ job has when it is answered, and a request the job's status already satisfies is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import ray
 
 from tests.api_util import tiny_job, wait_for
 
@@ -37,3 +39,24 @@ def test_fifty_resumes_or_cancels_at_once_name_the_status_they_found(held):
         for refused in (a for a in answers if a.status_code == 409):
             assert refused.json()["error"]["message"].startswith(f"job '{job_id}' is {after}:"), refused.text
         assert wait_for(held, job_id, (after,))["status"] == after
+
+
+def test_a_hyperparameter_edit_between_the_schedulers_read_and_the_start_reaches_the_run(unscheduled, held):
+    """The scheduler's loop reads the queued jobs, then starts one: an edit accepted in between (its
+    message finds no controller yet) must be in the spec the run starts with."""
+    scheduler = unscheduled.service.scheduler
+    job_id = queued_job(held)
+    read = next(j for j in unscheduled.service.store.jobs_in(("queued",)) if j.id == job_id)
+    assert held.patch(f"/v1/jobs/{job_id}/hyperparameters", json={"lr": 5e-4}).status_code == 200
+    assert scheduler._try_start(read, scheduler.owner_usage()) == "started"
+    try:
+        actor = scheduler.controller(job_id)
+        lr = ray.get(actor.__ray_call__.remote(lambda a: a.runner.trainer.spec.optim.lr), timeout=180)
+    finally:
+        assert held.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+        deadline = time.time() + 120
+        while scheduler.controller(job_id) is not None and time.time() < deadline:
+            scheduler._collect()  # this service has no scheduler loop: settle the cancelled run here
+            time.sleep(0.2)
+    assert lr == 5e-4
+    assert held.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
