@@ -3,9 +3,13 @@ job has when it is answered, and a request the job's status already satisfies is
 
 from __future__ import annotations
 
+import json
+import shutil
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -60,3 +64,33 @@ def test_a_hyperparameter_edit_between_the_schedulers_read_and_the_start_reaches
             time.sleep(0.2)
     assert lr == 5e-4
     assert held.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
+
+
+def test_a_fork_whose_checkpoint_goes_while_it_is_copied_is_409_and_leaves_no_partial_copy(unscheduled, held):
+    """The parent prunes its checkpoint (or is deleted) while a fork copies it: the fork is told to pick a
+    newer one, and no half copy stays under fork-sources/."""
+    job_id = queued_job(held)
+    held.post(f"/v1/jobs/{job_id}/pause")
+    folder = Path(wait_for(held, job_id, ("paused",))["outputs"]["workdir"]) / "checkpoints" / "step_2"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"step": 2}))
+    for i in range(4000):  # enough files that the copy is under way when the folder goes
+        (folder / f"shard_{i}").write_text("w")
+    unscheduled.service.store.add_checkpoint(job_id, 2, str(folder))
+    sources = unscheduled.service.jobs_root / "fork-sources"
+    sources.mkdir(exist_ok=True)
+    before = sorted(sources.iterdir())
+
+    def prune_once_the_copy_began() -> None:
+        deadline = time.time() + 60
+        while sorted(sources.iterdir()) == before and time.time() < deadline:
+            time.sleep(0.001)
+        shutil.rmtree(folder)
+
+    pruner = threading.Thread(target=prune_once_the_copy_began)
+    pruner.start()
+    fork = held.post(f"/v1/jobs/{job_id}/fork", json={"overrides": {"trainer": {"total_steps": 9}}})
+    pruner.join()
+    assert fork.status_code == 409, fork.text
+    assert fork.json()["error"]["code"] == "checkpoint_pruned"
+    assert sorted(sources.iterdir()) == before
