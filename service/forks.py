@@ -49,7 +49,7 @@ def fork_point(store: JobStore, job_id: str, step: int | None) -> dict[str, Any]
 
 
 def snapshot_checkpoint(jobs_root: Path, folder: Path) -> Path:
-    """The fork's private copy of `folder`."""
+    """The fork's private copy of `folder` (FileNotFoundError, and no copy, when it goes meanwhile)."""
     target = jobs_root / FORK_SOURCES / uuid.uuid4().hex[:12] / folder.name
 
     def link_or_copy(src: str, dst: str) -> None:
@@ -58,7 +58,11 @@ def snapshot_checkpoint(jobs_root: Path, folder: Path) -> Path:
         except OSError:
             shutil.copy2(src, dst)
 
-    shutil.copytree(folder, target, copy_function=link_or_copy)
+    try:
+        shutil.copytree(folder, target, copy_function=link_or_copy)
+    except (FileNotFoundError, shutil.Error):  # files went while they were copied: pruned, or the job deleted
+        shutil.rmtree(target.parent, ignore_errors=True)
+        raise FileNotFoundError(f"checkpoint {folder} went while it was copied") from None
     return target
 
 

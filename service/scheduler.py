@@ -275,6 +275,8 @@ class Scheduler(RunSettlement):
         with self._lock:
             if not self.store.transition(job.id, (S.QUEUED,), S.RUNNING, error=None):
                 return
+            # its spec as it is now: a hyper-parameter edit may have come in since the loop read the queue
+            job = self.store.get_job(job.id) or job
             self.store.started(job.id, time.time())
             if job.method in self.hosted:
                 self._launch_hosted(job, cpus, gpus)

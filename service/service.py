@@ -156,7 +156,7 @@ class Service:
             job_id, (S.QUEUED, S.PAUSED), S.CANCELLED, ("cancelled", "cancelled before it ran again")
         ) or self.store.transition(job_id, (S.RUNNING, S.PAUSING), S.CANCELLING, stopping):
             self.scheduler.stop(job_id, "cancel")  # a hosted record's server forgets it
-        elif job.status != S.CANCELLING:
+        elif (job := self.get(job_id, sees)).status != S.CANCELLING:  # as it is now, after a racing request
             raise invalid_state(job, "only an active or paused job can be cancelled")
         return self.get(job_id, sees)
 
@@ -167,7 +167,7 @@ class Service:
             return self.get(job_id, sees)
         if self.store.transition(job_id, (S.RUNNING,), S.PAUSING, pausing):
             self.scheduler.stop(job_id, "pause")
-        elif job.status not in (S.PAUSING, S.PAUSED):
+        elif (job := self.get(job_id, sees)).status not in (S.PAUSING, S.PAUSED):
             raise invalid_state(job, "only a queued or running job can be paused")
         return self.get(job_id, sees)
 
@@ -178,7 +178,7 @@ class Service:
                 needs = self.scheduler.workload_of(job).needs(job.spec)
                 self.check_quota(job.owner, needs.cpus, needs.gpus)
             if not self.store.transition(job_id, (S.PAUSED,), S.QUEUED):
-                raise invalid_state(job, "only a paused job can be resumed")
+                raise invalid_state(self.get(job_id, sees), "only a paused job can be resumed")
         self.store.add_event(job_id, "resumed", "queued again; it continues from its last checkpoint")
         return self.get(job_id, sees)
 
