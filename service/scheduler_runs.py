@@ -126,7 +126,8 @@ class RunSettlement:
             self.store.add_event(
                 job_id, status, result.get("message") or f"{status} at step {result.get('step')}"
             )
-        if self.store.get_job(job_id).status != S.QUEUED:
+        settled = self.store.get_job(job_id)  # None: deleted the moment it ended
+        if settled is not None and settled.status != S.QUEUED:
             self.store.set_restart(job_id, None)
         ray.kill(run.actor, no_restart=True)
         _remove_placement_group(f"{job_id}-pool")
