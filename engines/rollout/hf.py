@@ -5,9 +5,7 @@ greedy batched output equals one-by-one output. Each distinct prompt is prefille
 preallocated KV cache; a decode step runs fused where it can (both in fused_decode.py). On CUDA the
 decode step is a CUDA graph over a static cache instead (graph_decode.py), one launch per token.
 Sampling (sampling.py) follows the `Completion` contract, from a private `torch.Generator`. A LoRA
-adapter is merged into the weights (W = W0 + scaling * B @ A), so decoding runs at the base model's
-speed; each merge is recomputed in fp32 from a copy of the base weight, since merging onto the
-previous merge would accumulate rounding over many syncs.
+adapter is merged into the weights (adapter_merge.py).
 """
 
 from __future__ import annotations
@@ -21,13 +19,12 @@ import torch
 from transformers import AutoModelForCausalLM, Cache, DynamicCache
 
 from engines.distributed import resolve_dtype
+from engines.rollout.adapter_merge import AdapterMerger
 from engines.rollout.base import Completion, RolloutEngine, SamplingParams
 from engines.rollout.constrained import GrammarCompilers, GrammarMask
 from engines.rollout.fused_decode import FusedDecoder, full_attention_only, preallocated_cache
 from engines.rollout.graph_decode import StaticDecoder, capacity_for, rows_for
 from engines.rollout.sampling import sample_next
-from engines.training.lora_targets import base_module
-from engines.training.multi_lora import from_peft_tensors
 
 
 def left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,49 +70,6 @@ class DecodeMask:
         if self.plain:
             return self.mask[:, :length]
         return self.mask_4d[..., :length] if self.padded else None
-
-
-def scaling_of(config: dict) -> float:
-    """alpha / r from a PEFT adapter_config.json (rsLoRA: alpha / sqrt(r))."""
-    rank = config["r"]
-    return config["lora_alpha"] / (rank**0.5 if config.get("use_rslora") else rank)
-
-
-class AdapterMerger:
-    """Merges successive adapters into `weights` (HF name -> live tensor), each onto the base."""
-
-    def __init__(self) -> None:
-        self.base: dict[str, torch.Tensor] = {}
-
-    @torch.no_grad()
-    def merge(self, weights: dict[str, torch.Tensor], config: dict, named_tensors: Iterable) -> int:
-        """Write base + scaling * B @ A into every adapted layer's weight; returns how many."""
-        scaling = scaling_of(config)
-        tensors = dict(named_tensors)
-        stray = [name for name in tensors if base_module(name) is None]
-        if stray:
-            raise KeyError(
-                f"'{stray[0]}' is not a LoRA tensor (expected PEFT names ending in lora_A/lora_B.weight)"
-            )
-        pairs = from_peft_tensors(tensors)
-        for module, (a, b) in pairs.items():
-            key = f"{module}.weight"
-            target = weights.get(key)
-            if target is None:
-                raise KeyError(f"the adapter adapts '{module}', which the rollout model does not have")
-            a, b = a.to(target.device, torch.float32), b.to(target.device, torch.float32)
-            if (b.shape[0], a.shape[1]) != tuple(target.shape):
-                raise ValueError(
-                    f"adapter layer '{module}' is [{b.shape[0]}, {a.shape[1]}] but the rollout model's "
-                    f"weight is {list(target.shape)}"
-                )
-            base = self.base.setdefault(key, target.detach().clone())
-            target.copy_(torch.addmm(base.float(), b, a, alpha=scaling))
-        return len(pairs)
-
-    def to(self, device: torch.device | str) -> None:
-        """Follow the weights when the engine moves them (release / resume memory)."""
-        self.base = {k: v.to(device) for k, v in self.base.items()}
 
 
 class HFRolloutEngine(RolloutEngine):
