@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from api.cli_format import printable
 from api.cli_jobs import add_job_parsers
 from api.cli_resources import add_resource_parsers
 from api.cli_serve import add_serve_parser
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"tandem: error: {message}", file=sys.stderr)
+    print(f"tandem: error: {printable(message)}", file=sys.stderr)  # one line, whatever the server said
     return code
 
 
