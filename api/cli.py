@@ -10,6 +10,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import httpx
+
+from api.cli_format import printable
 from api.cli_jobs import add_job_parsers
 from api.cli_resources import add_resource_parsers
 from api.cli_serve import add_serve_parser
@@ -94,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.client:
             return args.func(args) or 0
         with TandemClient(args.url, args.token) as client:
+            if client.token_in_clear:
+                host = printable(httpx.URL(client.url).host)
+                print(f"tandem: warning: sending the token over plain http to {host}, readable on the way; "
+                      "use https", file=sys.stderr)  # fmt: skip
             if getattr(args, "job_id", None):
                 args.job_id = resolve_job_id(client, args.job_id)
             return args.func(args, client) or 0
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"tandem: error: {message}", file=sys.stderr)
+    print(f"tandem: error: {printable(message)}", file=sys.stderr)  # one line, whatever the server said
     return code
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from api.cli_format import clock, duration, table
+from api.cli_format import clock, duration, printable, table
 from api.cli_spec import (
     UsageError,
     absolutize_paths,
@@ -37,10 +37,10 @@ def _submit(args: argparse.Namespace, client: TandemClient) -> int | None:
         print(json.dumps(client.validate_job(given)["spec"], indent=2))
         return None
     job = client.create_job(given, args.idempotency_key)
-    print(job["id"], flush=True)
+    print(printable(job["id"]), flush=True)
     if args.follow:
         return follow(client, job["id"])
-    print(f"{job['status']}: follow it with `tandem follow {job['id']}`", file=sys.stderr)
+    print(printable(f"{job['status']}: follow it with `tandem follow {job['id']}`"), file=sys.stderr)
 
 
 def shown(args: argparse.Namespace, data: Any, render: Callable[[Any], str]) -> None:
@@ -101,7 +101,7 @@ def _facts(job: dict[str, Any]) -> str:
         {k: format_metric(k, latest[k]) for k in METRIC_KEYS if k in latest}
     )  # `tandem metrics` has all
     width = max(len(k) for k in facts)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in facts.items())
+    return "\n".join(f"{k:<{width}}  {printable(v)}" for k, v in facts.items())
 
 
 def _follow(args: argparse.Namespace, client: TandemClient) -> int:
@@ -137,7 +137,7 @@ def _control(args: argparse.Namespace, client: TandemClient) -> None:
     job = client.control(args.job_id, args.command)  # cancel, pause or resume
     if getattr(args, "wait", False):
         job = _settled(client, job)
-    print(f"{job['id']}: {job['status']}")
+    print(printable(f"{job['id']}: {job['status']}"))
 
 
 def _settled(client: TandemClient, job: dict, timeout_s: float = 600.0) -> dict:
@@ -159,7 +159,7 @@ def _fork(args: argparse.Namespace, client: TandemClient) -> int:
     if overrides:  # the child's spec, validated here so a bad override names its field
         validate(deep_merge(client.get_job(args.job_id)["spec"], overrides))
     child = client.fork(args.job_id, args.step, overrides)
-    print(child["id"], flush=True)
+    print(printable(child["id"]), flush=True)
     return follow(client, child["id"]) if args.follow else 0
 
 
@@ -171,7 +171,8 @@ def _set(args: argparse.Namespace, client: TandemClient) -> None:
             raise UsageError(f"'{item}' must be 'name=value', e.g. lr=1e-4")
         changes[key] = parse_value(value)
     client.set_hyperparameters(args.job_id, changes)
-    print(f"{args.job_id}: requested for the next step: " + ", ".join(f"{k}={v}" for k, v in changes.items()))
+    done = ", ".join(f"{k}={v}" for k, v in changes.items())
+    print(printable(f"{args.job_id}: requested for the next step: {done}"))
 
 
 def _checkpoints(args: argparse.Namespace, client: TandemClient) -> None:
@@ -201,10 +202,13 @@ def format_sample(row: dict[str, Any]) -> str:
     parts.append(f"{trained}/{tokens.get('response', '?')} response tokens trained" if trained is not None
                  else f"{tokens.get('response', '?')} response tokens")  # fmt: skip
     head = " · ".join(parts)
-    lines = [head, f"[prompt] {row.get('prompt', '')}"]
-    lines += [f"[{turn['role']}] {turn['content']}" for turn in row.get("turns", [])]
+    lines = [printable(head), f"[prompt] {printable(row.get('prompt', ''), lines=True)}"]
+    lines += [
+        f"[{printable(turn['role'])}] {printable(turn['content'], lines=True)}"
+        for turn in row.get("turns", [])
+    ]
     if row.get("error"):
-        lines.append(f"[error] {row['error']}")
+        lines.append(f"[error] {printable(row['error'], lines=True)}")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from api.cli_format import MINUTES, clock, table
+from api.cli_format import MINUTES, clock, printable, table
 from api.cli_spec import UsageError
 from api.client import TandemClient
 
@@ -18,7 +18,7 @@ from api.client import TandemClient
 def upload_command(args: argparse.Namespace, client: TandemClient) -> None:
     for path in args.paths:
         record = client.upload_file(path)
-        print(f"{record['id']}  {record['filename']}  {record['bytes']} bytes", flush=True)
+        print(printable(f"{record['id']}  {record['filename']}  {record['bytes']} bytes"), flush=True)
 
 
 def list_files_command(args: argparse.Namespace, client: TandemClient) -> None:
@@ -36,9 +36,9 @@ def create_key_command(args: argparse.Namespace, client: TandemClient) -> None:
     body = {"owner": args.owner, "scope": args.scope, "expires_days": args.expires, "name": args.name or ""}
     made = client.call("POST", "/v1/keys", json=body)
     expires = clock(made["expires_at"], MINUTES) if made["expires_at"] else "never"
-    print(f"created {made['id']} for owner '{made['owner']}' (scopes {','.join(made['scopes'])}; "
-          f"expires {expires}); the key is shown once, on the next line:")  # fmt: skip
-    print(made["key"])
+    print(printable(f"created {made['id']} for owner '{made['owner']}' (scopes {','.join(made['scopes'])}; "
+                    f"expires {expires}); the key is shown once, on the next line:"))  # fmt: skip
+    print(printable(made["key"]))
 
 
 def list_keys_command(args: argparse.Namespace, client: TandemClient) -> None:
@@ -54,7 +54,7 @@ def list_keys_command(args: argparse.Namespace, client: TandemClient) -> None:
 
 def revoke_key_command(args: argparse.Namespace, client: TandemClient) -> None:
     revoked = client.call("DELETE", f"/v1/keys/{args.key_id}")
-    print(f"{revoked['id']} ({revoked['owner']}) revoked")
+    print(printable(f"{revoked['id']} ({revoked['owner']}) revoked"))
 
 
 def build_model_command(args: argparse.Namespace) -> None:

@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from api.cli_format import clock
+from api.cli_format import clock, printable
 from api.client import TandemClient, every_page
 from controller.metric_format import format_metric
 
@@ -29,7 +29,7 @@ class ProgressView:
             self.values.update(row["values"])
         # Paced from the last step already recorded: time spent queued or starting is not a step's.
         self.since = (history[-1]["step"], history[-1]["time"]) if history else None
-        self.bar = tqdm(total=job["total_steps"], initial=job["step"], desc=f"{job['id']} step",
+        self.bar = tqdm(total=job["total_steps"], initial=job["step"], desc=f"{printable(job['id'])} step",
                         bar_format=BAR_FORMAT, file=out, dynamic_ncols=True, mininterval=0.2)  # fmt: skip
         self._show(eta=None)
 
@@ -52,7 +52,7 @@ class ProgressView:
                 break
         if VAL_KEY in self.values:
             parts.append(f"val_acc={format_metric(VAL_KEY, self.values[VAL_KEY])}")
-        self.bar.set_postfix_str(", ".join(parts), refresh=True)
+        self.bar.set_postfix_str(printable(", ".join(parts)), refresh=True)
 
     def close(self, step: int) -> None:
         if step > self.bar.n:
@@ -109,13 +109,14 @@ def summary(job: dict[str, Any], stopped: str | None = None) -> str:
     if job.get("error"):
         line += f": {job['error']}"
     export = (job.get("outputs") or {}).get("export")
+    line = printable(line)
     if export:  # the next stage's `--model`, e.g. GRPO after SFT
-        line += f"\nexport: {export}"
+        line += f"\nexport: {printable(export)}"
     return line
 
 
 def event_line(event: dict[str, Any]) -> str:
-    return f"{clock(event['time'])}  {event['kind']:<26} {event['message']}"
+    return printable(f"{clock(event['time'])}  {event['kind']:<26} {event['message']}")
 
 
 def print_events(args: argparse.Namespace, client: TandemClient) -> None:
@@ -127,7 +128,7 @@ def print_events(args: argparse.Namespace, client: TandemClient) -> None:
 def print_logs(args: argparse.Namespace, client: TandemClient) -> None:
     """`tandem logs`: the job's last --tail lines; with --follow, then new ones until the job ends."""
     rows = client.logs(args.job_id, tail=args.tail)["data"]
-    return _print_rows(args, client, "logs", rows, lambda row: row["line"])
+    return _print_rows(args, client, "logs", rows, lambda row: printable(row["line"]))
 
 
 def _print_rows(

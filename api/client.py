@@ -3,10 +3,12 @@
 It connects to the URL given, else TANDEM_URL, else the service running on $TANDEM_HOME
 (api/service_record.py), else http://127.0.0.1:8000, with the token given, else TANDEM_TOKEN, else
 $TANDEM_HOME/admin_token. `stream` resumes a dropped Server-Sent Events stream from the last event id.
+A redirect is an error, never followed: the token would go wherever it points.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import time
@@ -117,6 +119,7 @@ class TandemClient:
         resolved = resolve_token(token)
         if resolved:
             headers["Authorization"] = f"Bearer {resolved}"
+        self.token_in_clear = bool(resolved) and not _private(httpx.URL(self.url))
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=TIMEOUT)
 
     def close(self) -> None:
@@ -210,13 +213,16 @@ class TandemClient:
         """Any route's decoded answer (the files' and keys' routes are called so); `params` left empty
         (None, "" or []) are not sent."""
         sent = {k: v for k, v in (params or {}).items() if v not in (None, "", [])}
+        request = f"{method} {self.url}{path}"
         try:
             response = self._http.request(method, path, params=sent or None, **kwargs)
+        except (httpx.ReadTimeout, httpx.WriteTimeout):
+            raise TandemError(f"{request}: no answer within {self._http.timeout.read:g} s") from None
         except httpx.TransportError as err:
             raise TandemConnectionError(self.url, _reason(err)) from None
         if response.is_error:
             raise _api_error(response)
-        return response.json()
+        return _decoded(response, request)
 
 
 def every_page(page: Callable[[Any], JSON]) -> list[JSON]:
@@ -229,6 +235,32 @@ def every_page(page: Callable[[Any], JSON]) -> list[JSON]:
         if not got["has_more"] or not got["data"]:
             return rows
         after = got["data"][-1]["id"]
+
+
+def _decoded(response: httpx.Response, request: str) -> JSON:
+    """A success's JSON object. A redirect is not followed: the token would go wherever it points."""
+    if response.is_redirect:
+        raise TandemError(f"{request} was redirected ({response.status_code}) to {response.headers.get('location')}; "
+                          "not followed, so the token stays here: point TANDEM_URL at the service itself")  # fmt: skip
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        kind = response.headers.get("content-type") or "no content type"
+        raise TandemError(f"{request}: the answer (HTTP {response.status_code}, {kind}) is not a JSON object; "
+                          "is that URL a Tandem service?")  # fmt: skip
+    return body
+
+
+def _private(url: httpx.URL) -> bool:
+    """Whether what is sent to `url` stays off the network: https, or plain http to this machine."""
+    if url.scheme == "https" or url.host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(url.host).is_loopback
+    except ValueError:
+        return False
 
 
 def _api_error(response: httpx.Response) -> TandemAPIError:
