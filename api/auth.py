@@ -73,8 +73,12 @@ def ensure_admin_token(store: JobStore, home: Path) -> Path:
     token = new_key()
     store.add_token("admin", hash_token(token), list(SCOPES), ADMIN_OWNER, True)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(token + "\n")
-    path.chmod(0o600)
+    # Created 0600 and renamed into place: never readable by others, not even for a moment.
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part.unlink(missing_ok=True)
+    with os.fdopen(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(token + "\n")
+    os.replace(part, path)
     return path
 
 

@@ -7,6 +7,8 @@ The service runs without its scheduler (no Ray): nothing here needs a job to run
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 
 import pytest
@@ -142,3 +144,25 @@ def test_a_store_made_before_owners_gives_its_rows_and_keys_to_the_admin(tmp_pat
     assert store.get_job("job-000000000001").owner == "admin"
     (old,) = store.tokens()
     assert (old["owner"], old["admin"], old["expires_at"], old["revoked_at"]) == ("admin", True, None, None)
+
+
+def test_the_admin_token_file_is_the_owners_alone_and_a_stale_one_is_replaced(tmp_path, monkeypatch):
+    from api.auth import ensure_admin_token, hash_token
+    from service.store import JobStore
+
+    monkeypatch.delenv("TANDEM_ADMIN_TOKEN", raising=False)
+    store = JobStore(tmp_path / "t.db")
+    stale = tmp_path / "home" / "admin_token"
+    stale.parent.mkdir()
+    stale.write_text("tml-not-a-registered-key\n")
+    stale.chmod(0o644)
+    previous = os.umask(0)  # the most open umask: the file's mode must not come from it
+    try:
+        path = ensure_admin_token(store, tmp_path / "home")
+    finally:
+        os.umask(previous)
+    token = path.read_text().strip()
+    assert path == stale and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert hash_token(token) in {t["hash"] for t in store.tokens()}
+    assert [p.name for p in path.parent.iterdir()] == ["admin_token"]  # no part file left
+    assert ensure_admin_token(store, tmp_path / "home").read_text().strip() == token  # kept once registered
