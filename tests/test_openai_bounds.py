@@ -17,6 +17,7 @@ from controller.external_store import TrajectoryError
 from schema.external import server_name
 from tests.api_util import tiny_job
 from tests.test_openai_endpoint import submit_external
+from workers.chat_serving import cut_at_stop
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -134,3 +135,23 @@ def test_the_bounds_of_one_call():
     with pytest.raises(TrajectoryError) as err:
         new_tokens(1000, {"n": 64, "max_tokens": 10_000}, None, "messages")
     assert err.value.param == "n" and str(CALL_TOKEN_BUDGET) in str(err.value)
+
+
+def test_a_stop_string_costs_a_few_decodes_of_a_long_reply_not_one_per_token():
+    from engines.models.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer(chat_template=True)
+    ids = tokenizer.encode("12+34=46. " * 400 + "STOP then more", add_special_tokens=False)
+    decoded = []
+
+    def text_of(prefix: list[int]) -> str:
+        decoded.append(len(prefix))
+        return tokenizer.decode(prefix)
+
+    cut, stopped = cut_at_stop(text_of, ids, ["STOP", "never"])
+    assert (
+        stopped and tokenizer.decode(cut).endswith("STOP") and not tokenizer.decode(cut[:-1]).endswith("STOP")
+    )
+    assert sum(decoded) < 20 * len(ids), f"{len(decoded)} decodes of a {len(ids)}-token reply"
+    assert cut_at_stop(text_of, ids, ["never"]) == (ids, False)
+    assert cut_at_stop(text_of, ids, []) == (ids, False)
