@@ -155,3 +155,21 @@ def test_a_stop_string_costs_a_few_decodes_of_a_long_reply_not_one_per_token():
     assert sum(decoded) < 20 * len(ids), f"{len(decoded)} decodes of a {len(ids)}-token reply"
     assert cut_at_stop(text_of, ids, ["never"]) == (ids, False)
     assert cut_at_stop(text_of, ids, []) == (ids, False)
+
+
+def _tools(count: int) -> list[dict]:
+    """`count` functions, each of sixty fields: under the per-schema bound, many together."""
+    field = {"type": ["string", "integer", "null"]}
+    params = {"type": "object", "properties": {f"p{j}": {"type": "object", "properties": {f"q{k}": field
+              for k in range(5)}} for j in range(12)}}  # fmt: skip
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": params}} for i in range(count)]
+
+
+@pytest.mark.parametrize("count", [64, 200])  # a grammar too big to compile soon; tools too many to build it
+def test_tools_whose_grammar_would_hold_a_replica_are_a_422_naming_tools(api, job, count):
+    response = chat(api, job, f"many-tools-{count}", "1+1=", tools=_tools(count), tool_choice="required")
+    assert response.status_code == 422, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "characters" in error["message"], error
+    assert api.get(f"/v1/jobs/{job}/trajectories/many-tools-{count}").status_code == 404
+    assert chat(api, job, f"after-tools-{count}", "1+1=", max_tokens=2).status_code == 200
