@@ -88,6 +88,13 @@ class ExternalServer:
         except TrajectoryError as err:
             return {"error": err.as_dict()}
         tid = tid or f"traj-{uuid.uuid4().hex[:16]}"
+        forks = [
+            f"{tid}.{k}" for k in range(1, body.get("n") or 1) if f"{tid}.{k}" in self.store.trajectories
+        ]
+        if kind == "chat" and forks:  # choice k of n records trajectory '<id>.<k>': never another's
+            return {"error": TrajectoryError(409, f"n: choice {forks[0].rsplit('.', 1)[1]} would be recorded "
+                    f"as trajectory '{forks[0]}', which already exists: ask for n = 1 here, or name the "
+                    "trajectory so that '<id>.<k>' is free", "n", "trajectory_exists").as_dict()}  # fmt: skip
         known = self.store.trajectories.get(tid)
         segments = None if known is None else [s.copy() for s in known.segments]
         try:

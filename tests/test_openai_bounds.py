@@ -173,3 +173,15 @@ def test_tools_whose_grammar_would_hold_a_replica_are_a_422_naming_tools(api, jo
     assert error["param"] == "tools" and "characters" in error["message"], error
     assert api.get(f"/v1/jobs/{job}/trajectories/many-tools-{count}").status_code == 404
     assert chat(api, job, f"after-tools-{count}", "1+1=", max_tokens=2).status_code == 200
+
+
+def test_choices_of_n_never_overwrite_a_trajectory_that_already_has_their_id(api, job):
+    assert chat(api, job, "taken.1", "another agent's conversation", max_tokens=2).status_code == 200
+    before = api.get(f"/v1/jobs/{job}/trajectories/taken.1").json()
+    response = chat(api, job, "taken", "1+1=", n=2, max_tokens=2)
+    assert response.status_code == 409, response.text
+    error = response.json()["error"]
+    assert error["param"] == "n" and "'taken.1'" in error["message"], error
+    assert api.get(f"/v1/jobs/{job}/trajectories/taken.1").json() == before
+    assert api.get(f"/v1/jobs/{job}/trajectories/taken").status_code == 404
+    assert chat(api, job, "taken", "1+1=", max_tokens=2).status_code == 200  # n = 1 is served
