@@ -14,6 +14,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jinja2 import TemplateError  # a real model's chat template raises it on a conversation it refuses
 from pydantic import BaseModel, ValidationError
 
 from controller.external_batcher import ReplicaBatcher
@@ -104,7 +105,7 @@ class ExternalServer:
                 if kind == "chat":
                     return await self._chat(traj, body, constraint)
                 return await self._completion(traj, body)
-        except (TrajectoryError, ValueError) as err:
+        except (TrajectoryError, ValueError, TemplateError) as err:
             traj = self.store.trajectories.get(tid)
             if traj is not None and traj is not known:
                 self.store.forget(tid)

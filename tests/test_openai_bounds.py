@@ -185,3 +185,23 @@ def test_choices_of_n_never_overwrite_a_trajectory_that_already_has_their_id(api
     assert api.get(f"/v1/jobs/{job}/trajectories/taken.1").json() == before
     assert api.get(f"/v1/jobs/{job}/trajectories/taken").status_code == 404
     assert chat(api, job, "taken", "1+1=", max_tokens=2).status_code == 200  # n = 1 is served
+
+
+def test_a_chat_template_that_raises_on_the_messages_is_a_422_naming_them(tmp_path):
+    """Real models' templates refuse some conversations (`raise_exception`); that is the caller's 422."""
+    import asyncio
+
+    from controller.external import ExternalServer
+    from engines.models.tiny_models import build_builtin_model
+    from schema.external import ExternalSpec
+
+    path = build_builtin_model("tiny-qwen2-chat", tmp_path)
+    template = path / "chat_template.jinja"
+    refuse = "{% if messages[-1]['role'] == 'system' %}{{ raise_exception('System message must be first') }}{% endif %}"
+    template.write_text(refuse + template.read_text())
+    server = ExternalServer("job-x", str(path), ExternalSpec())
+    messages = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
+    out = asyncio.run(server.answer("chat", "late-system", {"model": "job-x", "messages": messages}))
+    assert out["error"]["status"] == 422 and out["error"]["param"] == "messages", out
+    assert "System message must be first" in out["error"]["message"]
+    assert "late-system" not in server.store.trajectories
