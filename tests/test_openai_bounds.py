@@ -205,3 +205,17 @@ def test_a_chat_template_that_raises_on_the_messages_is_a_422_naming_them(tmp_pa
     assert out["error"]["status"] == 422 and out["error"]["param"] == "messages", out
     assert "System message must be first" in out["error"]["message"]
     assert "late-system" not in server.store.trajectories
+
+
+def test_reward_metadata_nested_past_the_bound_is_a_422_and_leaves_the_trajectory_open(api, job):
+    assert chat(api, job, "deep-meta", "1+1=", max_tokens=2).status_code == 200
+    deep: dict = {}
+    inner = deep
+    for _ in range(300):  # a body may nest this deep; the answer's JSON may not
+        inner["a"] = inner = {}
+    url = f"/v1/jobs/{job}/trajectories/deep-meta/reward"
+    response = api.post(url, json={"reward": 1.0, "metadata": deep})
+    assert response.status_code == 422, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "metadata" and "deeper than" in error["message"], error
+    assert api.post(url, json={"reward": 1.0, "metadata": {"a": {"b": [1]}}}).status_code == 200
