@@ -8,11 +8,13 @@ every call token-exact. Errors come back as {"error": {...}}, so the API answers
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jinja2 import TemplateError  # a real model's chat template raises it on a conversation it refuses
 from pydantic import BaseModel, ValidationError
 
 from controller.external_batcher import ReplicaBatcher
@@ -34,6 +36,9 @@ from workers.chat_serving import TOOL_CALL_END, cut_at_stop, strip_stop
 TEMPLATING_THREADS = 4
 DEFAULT_MAX_TOKENS = 256
 CALL_TOKEN_BUDGET = 1 << 19  # n x (prompt + new tokens): what one call may put on a replica
+# A grammar's compile time on the replica grows faster than its size; these bound it to seconds.
+MAX_TOOLS_CHARS = 1 << 18
+MAX_GRAMMAR_CHARS = 1 << 20
 _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 BODIES = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
 
@@ -84,6 +89,13 @@ class ExternalServer:
         except TrajectoryError as err:
             return {"error": err.as_dict()}
         tid = tid or f"traj-{uuid.uuid4().hex[:16]}"
+        forks = [
+            f"{tid}.{k}" for k in range(1, body.get("n") or 1) if f"{tid}.{k}" in self.store.trajectories
+        ]
+        if kind == "chat" and forks:  # choice k of n records trajectory '<id>.<k>': never another's
+            return {"error": TrajectoryError(409, f"n: choice {forks[0].rsplit('.', 1)[1]} would be recorded "
+                    f"as trajectory '{forks[0]}', which already exists: ask for n = 1 here, or name the "
+                    "trajectory so that '<id>.<k>' is free", "n", "trajectory_exists").as_dict()}  # fmt: skip
         known = self.store.trajectories.get(tid)
         segments = None if known is None else [s.copy() for s in known.segments]
         try:
@@ -93,7 +105,7 @@ class ExternalServer:
                 if kind == "chat":
                     return await self._chat(traj, body, constraint)
                 return await self._completion(traj, body)
-        except (TrajectoryError, ValueError) as err:
+        except (TrajectoryError, ValueError, TemplateError) as err:
             traj = self.store.trajectories.get(tid)
             if traj is not None and traj is not known:
                 self.store.forget(tid)
@@ -180,12 +192,21 @@ class ExternalServer:
     async def _constraint(self, body: dict[str, Any]) -> Constraint | None:
         """The grammar the call's output must follow, built off the event loop; a 422 naming the field."""
         tools = body.get("tools") if body.get("tool_choice") != "none" else None
+        param = "tools" if tools else "response_format"
+        if tools and len(json.dumps(tools)) > MAX_TOOLS_CHARS:  # each schema is bounded, their sum here
+            raise TrajectoryError(422, f"tools: the tools' JSON has more than {MAX_TOOLS_CHARS} characters, "
+                                  "too many to constrain decoding by", param, "unsupported_value")  # fmt: skip
         try:
-            return await self._template(
+            made = await self._template(
                 build_constraint, body.get("response_format"), tools, body.get("tool_choice")
             )
         except ConstraintError as err:
             raise TrajectoryError(422, str(err), err.param, "unsupported_value") from None
+        if made is not None and len(made.grammar) > MAX_GRAMMAR_CHARS:  # its compile would hold a replica
+            raise TrajectoryError(422, f"{param}: the grammar they make has {len(made.grammar)} characters; "
+                                  f"at most {MAX_GRAMMAR_CHARS}: offer fewer or smaller schemas", param,
+                                  "unsupported_value")  # fmt: skip
+        return made
 
     async def _template(self, work: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._templating, work, *args)

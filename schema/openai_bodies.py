@@ -6,10 +6,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Any reward (posted, a reward function's, an environment's): advantages in float32 stay finite.
 MAX_ABS_REWARD = 1e6
+MAX_METADATA_DEPTH = (
+    32  # a reward's metadata is answered back as JSON, which stops far deeper than a body may nest
+)
 
 
 class Lenient(BaseModel):
@@ -113,3 +116,15 @@ class RewardRequest(BaseModel):
     )  # fmt: skip
     turn_rewards: list[float] | None = Field(None, max_length=100_000, description="optional, per call")
     metadata: dict[str, Any] | None = Field(None, description="kept with the trajectory")
+
+    @field_validator("metadata")
+    @classmethod
+    def _shallow(cls, metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+        stack = [(metadata, 1)]
+        while stack:
+            value, depth = stack.pop()
+            if depth > MAX_METADATA_DEPTH:
+                raise ValueError(f"nests deeper than {MAX_METADATA_DEPTH} levels")
+            children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+            stack.extend((child, depth + 1) for child in children)
+        return metadata

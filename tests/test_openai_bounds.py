@@ -17,6 +17,7 @@ from controller.external_store import TrajectoryError
 from schema.external import server_name
 from tests.api_util import tiny_job
 from tests.test_openai_endpoint import submit_external
+from workers.chat_serving import cut_at_stop
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -134,3 +135,87 @@ def test_the_bounds_of_one_call():
     with pytest.raises(TrajectoryError) as err:
         new_tokens(1000, {"n": 64, "max_tokens": 10_000}, None, "messages")
     assert err.value.param == "n" and str(CALL_TOKEN_BUDGET) in str(err.value)
+
+
+def test_a_stop_string_costs_a_few_decodes_of_a_long_reply_not_one_per_token():
+    from engines.models.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer(chat_template=True)
+    ids = tokenizer.encode("12+34=46. " * 400 + "STOP then more", add_special_tokens=False)
+    decoded = []
+
+    def text_of(prefix: list[int]) -> str:
+        decoded.append(len(prefix))
+        return tokenizer.decode(prefix)
+
+    cut, stopped = cut_at_stop(text_of, ids, ["STOP", "never"])
+    assert (
+        stopped and tokenizer.decode(cut).endswith("STOP") and not tokenizer.decode(cut[:-1]).endswith("STOP")
+    )
+    assert sum(decoded) < 20 * len(ids), f"{len(decoded)} decodes of a {len(ids)}-token reply"
+    assert cut_at_stop(text_of, ids, ["never"]) == (ids, False)
+    assert cut_at_stop(text_of, ids, []) == (ids, False)
+
+
+def _tools(count: int) -> list[dict]:
+    """`count` functions, each of sixty fields: under the per-schema bound, many together."""
+    field = {"type": ["string", "integer", "null"]}
+    params = {"type": "object", "properties": {f"p{j}": {"type": "object", "properties": {f"q{k}": field
+              for k in range(5)}} for j in range(12)}}  # fmt: skip
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": params}} for i in range(count)]
+
+
+@pytest.mark.parametrize("count", [64, 200])  # a grammar too big to compile soon; tools too many to build it
+def test_tools_whose_grammar_would_hold_a_replica_are_a_422_naming_tools(api, job, count):
+    response = chat(api, job, f"many-tools-{count}", "1+1=", tools=_tools(count), tool_choice="required")
+    assert response.status_code == 422, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "characters" in error["message"], error
+    assert api.get(f"/v1/jobs/{job}/trajectories/many-tools-{count}").status_code == 404
+    assert chat(api, job, f"after-tools-{count}", "1+1=", max_tokens=2).status_code == 200
+
+
+def test_choices_of_n_never_overwrite_a_trajectory_that_already_has_their_id(api, job):
+    assert chat(api, job, "taken.1", "another agent's conversation", max_tokens=2).status_code == 200
+    before = api.get(f"/v1/jobs/{job}/trajectories/taken.1").json()
+    response = chat(api, job, "taken", "1+1=", n=2, max_tokens=2)
+    assert response.status_code == 409, response.text
+    error = response.json()["error"]
+    assert error["param"] == "n" and "'taken.1'" in error["message"], error
+    assert api.get(f"/v1/jobs/{job}/trajectories/taken.1").json() == before
+    assert api.get(f"/v1/jobs/{job}/trajectories/taken").status_code == 404
+    assert chat(api, job, "taken", "1+1=", max_tokens=2).status_code == 200  # n = 1 is served
+
+
+def test_a_chat_template_that_raises_on_the_messages_is_a_422_naming_them(tmp_path):
+    """Real models' templates refuse some conversations (`raise_exception`); that is the caller's 422."""
+    import asyncio
+
+    from controller.external import ExternalServer
+    from engines.models.tiny_models import build_builtin_model
+    from schema.external import ExternalSpec
+
+    path = build_builtin_model("tiny-qwen2-chat", tmp_path)
+    template = path / "chat_template.jinja"
+    refuse = "{% if messages[-1]['role'] == 'system' %}{{ raise_exception('System message must be first') }}{% endif %}"
+    template.write_text(refuse + template.read_text())
+    server = ExternalServer("job-x", str(path), ExternalSpec())
+    messages = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
+    out = asyncio.run(server.answer("chat", "late-system", {"model": "job-x", "messages": messages}))
+    assert out["error"]["status"] == 422 and out["error"]["param"] == "messages", out
+    assert "System message must be first" in out["error"]["message"]
+    assert "late-system" not in server.store.trajectories
+
+
+def test_reward_metadata_nested_past_the_bound_is_a_422_and_leaves_the_trajectory_open(api, job):
+    assert chat(api, job, "deep-meta", "1+1=", max_tokens=2).status_code == 200
+    deep: dict = {}
+    inner = deep
+    for _ in range(300):  # a body may nest this deep; the answer's JSON may not
+        inner["a"] = inner = {}
+    url = f"/v1/jobs/{job}/trajectories/deep-meta/reward"
+    response = api.post(url, json={"reward": 1.0, "metadata": deep})
+    assert response.status_code == 422, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "metadata" and "deeper than" in error["message"], error
+    assert api.post(url, json={"reward": 1.0, "metadata": {"a": {"b": [1]}}}).status_code == 200

@@ -183,14 +183,17 @@ def _native_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def cut_at_stop(text_of: Any, ids: list[int], stops: list[str]) -> tuple[list[int], bool]:
-    """(the sampled ids up to the token that completes the first stop string, whether one did)."""
-    if not stops:
+    """(the sampled ids up to the token that completes the first stop string, whether one did).
+    A prefix's text only grows, so the shortest one holding a stop is bisected: O(log n) decodes, not
+    one per token (which, on a long reply, held the endpoint's event loop for minutes)."""
+    holds = lambda end: any(s in text_of(ids[:end]) for s in stops)  # noqa: E731
+    if not stops or not holds(len(ids)):
         return ids, False
-    for end in range(1, len(ids) + 1):
-        text = text_of(ids[:end])
-        if any(s in text for s in stops):
-            return ids[:end], True
-    return ids, False
+    low, high = 1, len(ids)  # holds(high); the answer is the least such end
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if holds(mid) else (mid + 1, high)
+    return ids[:high], True
 
 
 def strip_stop(text: str, stops: list[str]) -> str:
