@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Any reward (posted, a reward function's, an environment's): advantages in float32 stay finite.
 MAX_ABS_REWARD = 1e6
@@ -73,6 +73,24 @@ class Sampling(Lenient):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    # Served as no-ops only: a penalty or bias would sample from another distribution than the
+    # policy's, and no alternatives to the sampled tokens are computed.
+    logit_bias: dict[str, float] | None = Field(None, description="not served: only empty")
+    presence_penalty: float | None = Field(None, description="not served: only 0")
+    frequency_penalty: float | None = Field(None, description="not served: only 0")
+    top_logprobs: int | None = Field(
+        None, description="not served: only 0 (the sampled tokens' own log-probs are)"
+    )
+
+    @field_validator("logit_bias", "presence_penalty", "frequency_penalty", "top_logprobs")
+    @classmethod
+    def _not_served(cls, value: Any, info: ValidationInfo) -> Any:
+        if value:
+            raise ValueError(
+                f"{info.field_name} is not served: the job samples from its policy's own distribution, "
+                "which is what it trains on (leave it out, or 0)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _stops(self) -> Sampling:

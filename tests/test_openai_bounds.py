@@ -219,3 +219,25 @@ def test_reward_metadata_nested_past_the_bound_is_a_422_and_leaves_the_trajector
     error = response.json()["error"]
     assert error["param"] == "metadata" and "deeper than" in error["message"], error
     assert api.post(url, json={"reward": 1.0, "metadata": {"a": {"b": [1]}}}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logit_bias", {"5": 10.0}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1.0),
+        ("top_logprobs", 3),
+    ],
+)
+def test_a_sampling_change_the_policy_does_not_serve_is_a_422_naming_it_and_its_zero_passes(
+    api, job, field, value
+):
+    body = {"logprobs": True} if field == "top_logprobs" else {}
+    before = engine_calls(job)
+    answer = chat(api, job, f"unserved-{field}", "hi", max_tokens=2, **body, **{field: value})
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["param"] == field and "not served" in answer.json()["error"]["message"]
+    assert engine_calls(job) == before  # refused before generating
+    zero = {} if field == "logit_bias" else {field: 0}
+    assert chat(api, job, f"served-{field}", "hi", max_tokens=2, **body, **zero).status_code == 200

@@ -161,6 +161,7 @@ def test_streaming_sends_the_events_the_sdk_accumulates(live, api, job, tokenize
     ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"input": 7}, "input"),
+    ({"input": "x", "top_logprobs": 5}, "top_logprobs"),
 ])  # fmt: skip
 def test_hostile_bodies_are_refused_naming_the_field_and_store_nothing(live, api, job, body, param):
     got = api.post(f"/v1/jobs/{job}/openai/trajectories/resp-bad/v1/responses", json={"model": job, **body})

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from api.errors import APIError, invalid
 from schema.openai_bodies import ChatCompletionRequest, Lenient
@@ -208,6 +208,16 @@ class ResponsesRequest(Lenient):
         None, description="not served: responses are not stored"
     )
     stream: bool = False
+    top_logprobs: int | None = Field(None, description="not served: only 0")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _not_served(cls, value: int | None) -> int | None:
+        if value:
+            raise ValueError(
+                "top_logprobs is not served: only the sampled tokens' own log-probs are (leave it out, or 0)"
+            )
+        return value
 
 
 def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
