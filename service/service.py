@@ -111,6 +111,11 @@ class Service:
         """Refuse an upload of `adding` bytes beyond the owner's stored bytes (403)."""
         check_storage(self.quotas.of(owner), self.usage(owner), adding)
 
+    def storage_left(self, owner: str) -> int | None:
+        """Bytes `owner` may still store (None: no limit)."""
+        limit = self.quotas.of(owner).stored_bytes
+        return None if limit is None else limit - self.usage(owner).stored_bytes
+
     def check_fits_cluster(self, spec: JobSpec) -> None:
         """A job the cluster could never hold is refused now, not left queued or failed in Ray later."""
         needs = self.scheduler.workload.needs(spec.model_dump())

@@ -4,6 +4,8 @@ forking owner's stored bytes even once the parent is deleted. The service runs w
 
 from __future__ import annotations
 
+import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,29 @@ def test_a_forks_checkpoint_copy_counts_against_stored_bytes_after_its_parent_is
     assert admin.put("/v1/quotas/forker", json={"stored_bytes": 50_000}).status_code == 200
     refused = forker.post("/v1/jobs", json=tiny_job(**ONE_CPU))
     assert refused.status_code == 403 and refused.json()["error"]["param"] == "quota.stored_bytes"
+
+
+def test_an_upload_streamed_past_the_stored_bytes_quota_is_refused_before_its_body_ends(unscheduled, admin):
+    """A chunked body is refused once it passes the owner's room, while the client still sends: the
+    service never writes more than the quota allows plus a chunk to disk."""
+    key = make_key(admin, "streamer")["key"]
+    assert admin.put("/v1/quotas/streamer", json={"stored_bytes": 1000}).status_code == 200
+    host, port = unscheduled.url.removeprefix("http://").split(":")
+    chunk = b'{"p": "' + b"x" * 4000 + b'"}\n'
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            f"POST /v1/files?filename=big.jsonl HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+            + f"{len(chunk):x}\r\n".encode()
+            + chunk
+            + b"\r\n"
+        )  # and never the last chunk: the answer must not wait for it
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            got = sock.recv(65536)  # the socket's timeout bounds the wait
+            assert got, answer
+            answer += got
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403"), answer
+    assert json.loads(body)["error"]["param"] == "quota.stored_bytes"
+    assert unscheduled.service.files.records("streamer") == []
