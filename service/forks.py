@@ -66,10 +66,13 @@ def snapshot_checkpoint(jobs_root: Path, folder: Path) -> Path:
     return target
 
 
+def fork_source(jobs_root: Path, path: str | None) -> Path | None:
+    """The folder of a fork's private checkpoint copy that `path` (a resume_from) names, if it names one."""
+    copy = Path(path).resolve() if path else None
+    return copy.parent if copy and copy.parent.parent == (jobs_root / FORK_SOURCES).resolve() else None
+
+
 def remove_fork_source(jobs_root: Path, path: str | None) -> None:
     """Remove a fork's private checkpoint copy (only ever one under jobs/fork-sources/)."""
-    if not path:
-        return
-    copy = Path(path).resolve()
-    if copy.parent.parent == (jobs_root / FORK_SOURCES).resolve():
-        shutil.rmtree(copy.parent, ignore_errors=True)
+    if (folder := fork_source(jobs_root, path)) is not None:
+        shutil.rmtree(folder, ignore_errors=True)

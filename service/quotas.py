@@ -151,14 +151,19 @@ class Usage:
         }  # fmt: skip
 
 
-def folder_bytes(folder: Path) -> int:
-    total = 0
+def folder_bytes(folder: Path, seen: set[tuple[int, int]] | None = None) -> int:
+    """Bytes of the files under `folder`; a file whose inode is in `seen` is not counted again (a fork's
+    checkpoint copy is hard links to its parent's files)."""
+    total, seen = 0, set() if seen is None else seen
     for root, _, names in os.walk(folder):
         for name in names:
             try:
-                total += os.lstat(os.path.join(root, name)).st_size
+                stat = os.lstat(os.path.join(root, name))
             except OSError:  # removed while counted (a checkpoint pruned)
-                pass
+                continue
+            if (stat.st_dev, stat.st_ino) not in seen:
+                seen.add((stat.st_dev, stat.st_ino))
+                total += stat.st_size
     return total
 
 
@@ -170,6 +175,8 @@ def check_submission(quota: Quota, usage: Usage, cpus: float, gpus: float) -> No
         limit = getattr(quota, name)
         if limit is not None and need > limit:  # it could never start
             raise QuotaError(usage.owner, name, limit, need)
+    if quota.running_jobs == 0:  # no job of the owner's could ever start
+        raise QuotaError(usage.owner, "running_jobs", 0, usage.running_jobs)
     if quota.queued_jobs is not None and usage.queued_jobs >= quota.queued_jobs:
         raise QuotaError(
             usage.owner, "queued_jobs", quota.queued_jobs, usage.queued_jobs, QUEUED_RETRY_AFTER_S, adding=1

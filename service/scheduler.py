@@ -9,6 +9,7 @@ to the process that serves it, which ends it (`end`); those processes hold CPUs 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from service.owned_paths import OwnedPaths
 from service.quotas import QuotaBook, Usage, fair_order, may_run
 from service.scheduler_runs import RunningJob, RunSettlement
 from service.store import JobRecord, JobStore
-from service.workloads import RL_JOB, TinkerRunWorkload
+from service.workloads import RL_JOB, Needs, TinkerRunWorkload
 
 log = logging.getLogger("tandem.scheduler")
 S = JobStatus
@@ -202,8 +203,9 @@ class Scheduler(RunSettlement):
             return
         used = self.owner_usage()
         running = {o: u.running_jobs for o, u in used.items()}
+        known: dict[str, Needs] = {}  # needs ask Ray for the cluster's shape: once a pass per resources
         for job in fair_order(self.store.jobs_in((S.QUEUED,)), running, self._served):
-            if self._try_start(job, used) == "room":
+            if self._try_start(job, used, known) == "room":
                 self._say_waiting(job)
                 self._ask_autoscaler(job)
                 return  # strict order: no later job jumps the one that waits for room
@@ -234,9 +236,16 @@ class Scheduler(RunSettlement):
             and self._try_start(record, self.owner_usage()) == "started"
         )
 
-    def _try_start(self, job: JobRecord, used: defaultdict[str, Usage]) -> str:
-        """Launch `job` if its owner's quota and the free room allow: "started", "quota" or "room"."""
-        needs = self.workload_of(job).needs(job.spec)
+    def _try_start(
+        self, job: JobRecord, used: defaultdict[str, Usage], known: dict[str, Needs] | None = None
+    ) -> str:
+        """Launch `job` if its owner's quota and the free room allow: "started", "quota" or "room"
+        (`known`: needs already worked out, by method and resources)."""
+        key = f"{job.method} {json.dumps(job.spec.get('resources'), sort_keys=True)}"
+        known = {} if known is None else known
+        if key not in known:
+            known[key] = self.workload_of(job).needs(job.spec)
+        needs = known[key]
         cpus, gpus = needs.cpus, needs.gpus
         with self._lock:  # one start at a time: the loop and a request's `admit` see each other's
             if not may_run(self.quotas.of(job.owner), used[job.owner], cpus, gpus):

@@ -17,10 +17,11 @@ import ray
 from pydantic import ValidationError
 
 from controller.hyperparameters import HYPERPARAMETERS, hyperparameter_overrides
+from controller.resource_pool import Share, job_shares
 from schema.job import JobLabels, JobSpec
 from service.errors import ServiceError, invalid_state, invalid_value
 from service.files import FileStore
-from service.forks import fork_point, remove_fork_source, same_weights_shape, snapshot_checkpoint
+from service.forks import fork_point, fork_source, remove_fork_source, same_weights_shape, snapshot_checkpoint
 from service.job_state import RUN_HOLDING, TERMINAL, JobStatus
 from service.keys import ADMIN_OWNER
 from service.quotas import QuotaBook, Usage, check_storage, check_submission, folder_bytes
@@ -87,15 +88,17 @@ class Service:
     def usage(self, owner: str) -> Usage:
         """What `owner` uses now, read from the store and the disk on each call: quotas are checked
         against what is, not a counter that could drift. A Tinker run counts as a job."""
-        usage = Usage(owner)
+        usage, seen = Usage(owner), set[tuple[int, int]]()  # a fork's copy shares its parent's inodes
         for job in self.store.jobs_of(owner):
             if job.status == S.QUEUED:
                 usage.queued_jobs += 1
             elif job.status in RUN_HOLDING:
                 needs = self.scheduler.workload_of(job).needs(job.spec)
                 usage.add_running(needs.cpus, needs.gpus)
-            usage.stored["checkpoints"] += folder_bytes(Path(job.workdir, "checkpoints"))
-            usage.stored["exports"] += folder_bytes(Path(job.workdir, "export"))
+            copy = fork_source(self.jobs_root, job.spec.get("checkpoint", {}).get("resume_from"))
+            for folder in (Path(job.workdir, "checkpoints"), copy):
+                usage.stored["checkpoints"] += folder_bytes(folder, seen) if folder else 0
+            usage.stored["exports"] += folder_bytes(Path(job.workdir, "export"), seen)
         usage.stored["files"] = sum(r.bytes for r in self.files.records(owner))
         return usage
 
@@ -107,6 +110,11 @@ class Service:
     def check_storage(self, owner: str, adding: int = 0) -> None:
         """Refuse an upload of `adding` bytes beyond the owner's stored bytes (403)."""
         check_storage(self.quotas.of(owner), self.usage(owner), adding)
+
+    def storage_left(self, owner: str) -> int | None:
+        """Bytes `owner` may still store (None: no limit)."""
+        limit = self.quotas.of(owner).stored_bytes
+        return None if limit is None else limit - self.usage(owner).stored_bytes
 
     def check_fits_cluster(self, spec: JobSpec) -> None:
         """A job the cluster could never hold is refused now, not left queued or failed in Ray later."""
@@ -131,6 +139,9 @@ class Service:
                     f"{field}: {per_worker:g} CPUs; the largest node has {largest:g}",
                     422, field, "insufficient_resources",
                 )  # fmt: skip
+        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+        for role, share in job_shares(spec.resources).items():
+            _check_strict_placement(spec.resources.placement_strategy, role, share, nodes)
 
     def get(self, job_id: str, sees: str | None = None) -> JobRecord:
         """The job, when `sees` (the caller's owner; None for an admin) may see it; else a 404 that does
@@ -305,6 +316,24 @@ def _gpu_hint(spec: JobSpec, gpus: float, cluster_gpus: float) -> str:
         return ""
     return ("; a worker left to the default takes a whole GPU: give resources.gpus_per_worker (and "
             "resources.rollout.gpus_per_worker) as fractions to share GPUs, or fewer workers")  # fmt: skip
+
+
+def _check_strict_placement(strategy: str, role: str, share: Share, nodes: list[dict[str, float]]) -> None:
+    """Ray waits forever for a group's STRICT_SPREAD bundles (one per node) or STRICT_PACK ones (all on one
+    node) that no set of the cluster's nodes can hold: a 422 naming the strategy instead."""
+
+    def holds(node: dict[str, float], workers: int) -> bool:
+        return node.get("CPU", 0) >= workers * share.cpus and node.get("GPU", 0) >= workers * share.gpus
+
+    each = f"{share.workers} {role} workers ({share.cpus:g} CPUs, {share.gpus:g} GPUs each)"
+    if strategy == "STRICT_SPREAD" and share.workers > (room := sum(holds(n, 1) for n in nodes)):
+        why = f"STRICT_SPREAD puts each of the {each} on a node of its own; {room} node(s) of {len(nodes)} can hold one"
+    elif strategy == "STRICT_PACK" and not any(holds(n, share.workers) for n in nodes):
+        why = f"STRICT_PACK puts the {each} on one node; no node of {len(nodes)} can hold them all"
+    else:
+        return
+    raise ServiceError(f"resources.placement_strategy: {why}: use PACK or SPREAD, or fewer workers",
+                       422, "resources.placement_strategy", "insufficient_resources")  # fmt: skip
 
 
 def _validated_merge(job: JobRecord, overrides: dict[str, Any]) -> JobSpec:

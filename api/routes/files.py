@@ -17,6 +17,7 @@ from api.errors import APIError, documented, invalid, media_type
 from api.views import listing
 from service.errors import ServiceError
 from service.files import FileError, check_filename
+from service.service import Service
 
 try:  # pyproject pins it; without it only this way of uploading is refused, with a 415 that says so
     from python_multipart.exceptions import FormParserError
@@ -159,7 +160,7 @@ async def upload(
     check_filename(name)
     service.check_storage(caller.owner, adding=1)  # an owner at its stored bytes can add nothing
     try:
-        record = await service.files.save(name, chunks, caller.owner)
+        record = await service.files.save(name, _within_storage(chunks, service, caller.owner), caller.owner)
     except FileError as err:
         if err.param != "body" or field == "body":
             raise
@@ -170,6 +171,17 @@ async def upload(
         service.files.delete(record.id)
         raise
     return asdict(record)
+
+
+async def _within_storage(chunks: AsyncIterator[bytes], service: Service, owner: str) -> AsyncIterator[bytes]:
+    """The stream, refused (403) as soon as it passes the owner's stored bytes, not once written whole."""
+    left, sent = service.storage_left(owner), 0
+    async for chunk in chunks:
+        sent += len(chunk)
+        if left is not None and sent > left:
+            service.check_storage(owner, adding=sent)  # raises unless files were deleted meanwhile
+            left = service.storage_left(owner)
+        yield chunk
 
 
 @router.get("", dependencies=READ)
