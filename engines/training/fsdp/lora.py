@@ -152,12 +152,12 @@ def load_checkpoint_state(state: dict, folder: Path) -> dict:
     """`state` loaded from the checkpoint `folder` (torch's distributed checkpoint). A LoRA checkpoint
     written while RL jobs ran PEFT's layers names its adapters as those did: it is read under those
     names, then renamed back; tensors load in place, other values come back in the returned dict."""
-    import torch.distributed.checkpoint as dcp
+    from engines.training.fsdp.checkpoint_reader import SafeReader, load_state
 
-    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    saved = SafeReader(str(folder)).read_metadata().state_dict_metadata
     if not any(".lora_A.default." in name for name in saved):
-        dcp.load(state, checkpoint_id=str(folder))
+        load_state(state, folder)
         return state
     old = _peft_layer_names(state, to_peft=True)
-    dcp.load(old, checkpoint_id=str(folder))
+    load_state(old, folder)
     return _peft_layer_names(old, to_peft=False)
