@@ -112,3 +112,19 @@ def test_a_missing_optimizer_file_is_refused_naming_it(engine, copy):
     (copy / "trainer_state.pt").unlink()
     with pytest.raises(CheckpointError, match="trainer_state.pt"):
         engine.load_checkpoint(str(copy))
+
+
+def test_a_lora_checkpoint_with_targets_this_job_lacks_is_refused_not_half_loaded(tiny_model_dir, tmp_path):
+    """Resumed with fewer LoRA targets, the checkpoint's other adapters would be dropped: a different model."""
+    from engines.training.fsdp.engine import FSDPEngine
+    from schema.engine import EngineConfig
+
+    def lora_engine(targets: list[str]) -> FSDPEngine:
+        lora = {"rank": 4, "target_modules": targets}
+        engine = FSDPEngine(EngineConfig(model_path=str(tiny_model_dir), optim={"lr": 1e-2}, lora=lora))
+        engine.initialize()
+        return engine
+
+    lora_engine(["q_proj", "v_proj"]).save_checkpoint(str(tmp_path / "both"), 2)
+    with pytest.raises(CheckpointError, match=r"v_proj\.lora_A.*model\.lora"):
+        lora_engine(["q_proj"]).load_checkpoint(str(tmp_path / "both"))
