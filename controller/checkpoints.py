@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from controller.groups import JobGroups
 
 STATE_FILE = "trainer_state.json"
+MAX_STATE_BYTES = 16 << 20  # read whole, at submission too
 
 
 class SavedState(BaseModel):
@@ -38,6 +39,8 @@ def read_state(folder: Path) -> dict[str, Any]:
     """The trainer's state saved in `folder`; ValueError naming the file and the field at fault."""
     path = Path(folder) / STATE_FILE
     try:
+        if not path.is_file() or path.stat().st_size > MAX_STATE_BYTES:  # a FIFO would block the read
+            raise ValueError(f"not a regular file of at most {MAX_STATE_BYTES} bytes")
         state = json.loads(path.read_text())
         SavedState.model_validate(state)
     except ValidationError as err:
