@@ -78,6 +78,20 @@ def save(
 ) -> Path:
     """The workers' states, then `before_commit()` (the job's records are stored), then the trainer's."""
     folder = step_dir(root(workdir), step)
+    if not _committed(folder):  # else saved already (a job resumed at this step): a rewrite could lose it
+        _write(folder, step, groups, trainer_state, before_commit)
+    for _step, old in complete(workdir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def _write(
+    folder: Path,
+    step: int,
+    groups: JobGroups,
+    trainer_state: dict[str, Any],
+    before_commit: Callable[[], None],
+) -> None:
     if folder.exists():
         shutil.rmtree(folder)  # a leftover of an interrupted save of the same step
     folder.mkdir(parents=True)
@@ -89,9 +103,6 @@ def save(
         out.flush()
         os.fsync(out.fileno())  # on disk before the rename marks the folder complete
     tmp.replace(folder / STATE_FILE)
-    for _step, old in complete(workdir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return folder
 
 
 def find_resume_folder(spec: JobSpec, workdir: Path) -> Path | None:

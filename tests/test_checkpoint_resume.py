@@ -60,3 +60,15 @@ def test_an_edited_resume_from_state_is_refused_naming_the_file_and_field(workdi
     fork = spec(checkpoint={"resume_from": str(source)})
     with pytest.raises(ValueError, match=rf"{checkpoints.STATE_FILE}.*{field}"):
         checkpoints.find_resume_folder(fork, tmp_path / "fork")
+
+
+def test_a_job_resumed_at_its_last_step_keeps_that_checkpoint_rather_than_rewrite_it(workdir):
+    """A final save of a step already committed deleted it before writing it again: a job requeued after
+    its last checkpoint (a lost worker in the export) had, for the while, none to resume from."""
+    last = checkpoints.root(workdir) / "step_00000003"
+    written = {str(p): p.stat().st_mtime_ns for p in last.rglob("*") if p.is_file()}
+    sink = JsonlSink(workdir)
+    Trainer(spec(checkpoint={"every": 0, "keep_last": 1}), workdir, sink, name="ckpt-resume-last").run()
+    assert [e["message"] for e in sink.events if e["kind"] == "resumed"] == ["resumed from step 3"]
+    assert {str(p): p.stat().st_mtime_ns for p in last.rglob("*") if p.is_file()} == written
+    assert [s for s, _ in checkpoints.complete(workdir)] == [3]
