@@ -10,6 +10,7 @@ from pathlib import Path
 
 from api.errors import APIError, invalid
 from api.settings import ServeSettings
+from controller import checkpoints
 from controller.models import BUILTIN_MODEL_NAMES
 from controller.tasks import BUILTIN_TASKS
 from controller.user_code import UserCodeRefused, check_callable
@@ -53,6 +54,14 @@ class Checker:
             raise invalid(
                 param, f"'{path}' is not a {what} folder on the server (no config.json)", "not_found"
             )
+
+    def checkpoint(self, path: str | None) -> None:
+        """A resume_from (owned: submittable checked it) must hold a state a resume can read."""
+        if path is not None:
+            try:
+                checkpoints.read_state(Path(path))
+            except ValueError as err:
+                raise invalid("checkpoint.resume_from", str(err)) from None
 
     def file(self, path: str | None, param: str) -> None:
         if path is not None and not _exists(Path(path), Path.is_file):
@@ -121,6 +130,7 @@ class Checker:
         self.file(d.train_path, "data.train_path")
         self.file(d.val_path, "data.val_path")
         self.folder(r.model_path, "reward.model_path", "reward model")
+        self.checkpoint(spec.checkpoint.resume_from)
         if spec.method == "sft" and spec.rollout.environment is not None:
             raise invalid("rollout.environment", "SFT jobs do not roll out; remove the environment")
         external = spec.rollout.external_config

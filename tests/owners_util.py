@@ -56,7 +56,9 @@ def owned_job(svc: LiveService, owner: str, checkpoint: bool = True, **overrides
     if checkpoint:
         folder = Path(job.workdir, "checkpoints", "step_1")
         folder.mkdir(parents=True)
-        (folder / "trainer_state.json").write_text(json.dumps({"step": 1}))
+        (folder / "trainer_state.json").write_text(
+            json.dumps({"step": 1, "kl_coef": 0.0, "loader": {"epoch": 0, "position": 4}})
+        )
         store.add_checkpoint(job.id, 1, str(folder))
     return job.id
 

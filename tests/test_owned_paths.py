@@ -8,6 +8,8 @@ Two owners on one service whose jobs stay queued (no training runs): most checks
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +161,29 @@ def test_another_owners_checkpoint_is_refused_and_ones_own_resumes(owners, world
     admin, alice, bob = owners
     refused(validate(bob, checkpoint={"resume_from": world["alice_checkpoint"]}), "checkpoint.resume_from")
     assert validate(bob, checkpoint={"resume_from": world["bob_checkpoint"]}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("state", "field"), [('{"step": 1, "kl_coef": NaN, "loader": {}}', "kl_coef"), ("", "Expecting value"),
+                         ('{"step": "1", "kl_coef": 0, "loader": {}}', "step"), (None, "not a regular file"),
+                         ("fifo", "not a regular file")],
+)  # fmt: skip
+def test_ones_own_checkpoint_with_a_state_no_resume_can_read_is_refused_naming_it(
+    owners, world, state, field
+):
+    """Edited, cut short or missing: a 422 at submission, not a job that fails when it starts."""
+    admin, alice, bob = owners
+    folder = Path(world["bob_checkpoint"]).with_name("step_2")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    if state == "fifo":  # a read would wait for a writer forever
+        os.mkfifo(folder / "trainer_state.json")
+    elif state is not None:
+        (folder / "trainer_state.json").write_text(state)
+    message = refused(
+        validate(bob, checkpoint={"resume_from": str(folder)}), "checkpoint.resume_from", "invalid_value"
+    )
+    assert "trainer_state.json" in message and field in message
 
 
 def test_a_fork_of_ones_own_job_works_and_its_copy_is_its_owners(svc, owners, world):

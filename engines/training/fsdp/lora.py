@@ -152,12 +152,15 @@ def load_checkpoint_state(state: dict, folder: Path) -> dict:
     """`state` loaded from the checkpoint `folder` (torch's distributed checkpoint). A LoRA checkpoint
     written while RL jobs ran PEFT's layers names its adapters as those did: it is read under those
     names, then renamed back; tensors load in place, other values come back in the returned dict."""
-    import torch.distributed.checkpoint as dcp
+    from engines.training.fsdp.checkpoint_reader import CheckpointError, SafeReader, load_state
 
-    saved = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    if not any(".lora_A.default." in name for name in saved):
-        dcp.load(state, checkpoint_id=str(folder))
-        return state
-    old = _peft_layer_names(state, to_peft=True)
-    dcp.load(old, checkpoint_id=str(folder))
-    return _peft_layer_names(old, to_peft=False)
+    saved = SafeReader(str(folder)).read_metadata().state_dict_metadata
+    peft = any(".lora_A.default." in name for name in saved)
+    wanted = _peft_layer_names(state, to_peft=True) if peft else state
+    # A weight the job's model lacks would be dropped silently: the resumed model would not be the saved one.
+    unused = sorted({k for k in saved if k.startswith("model.")} - {f"model.{k}" for k in wanted["model"]})
+    if unused:
+        raise CheckpointError(f"checkpoint {folder} holds {len(unused)} weights this job's model lacks, e.g. "
+                              f"'{unused[0]}': its model or model.lora (rank, target_modules) differ")  # fmt: skip
+    load_state(wanted, folder)
+    return _peft_layer_names(wanted, to_peft=False) if peft else state

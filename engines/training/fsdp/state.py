@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from engines.training.fsdp import lora
+from engines.training.fsdp.checkpoint_reader import load_torch_file, reading
 from engines.training.fsdp.modules import PolicyModel
 
 META_FILE = "engine_meta.json"
@@ -127,7 +128,8 @@ class CheckpointMixin:
 
     def load_checkpoint(self, path: str, optimizer: bool = True) -> int:
         folder = resolve_checkpoint(path)
-        meta = json.loads((folder / META_FILE).read_text())
+        with reading(folder / META_FILE):
+            step = int(json.loads((folder / META_FILE).read_text())["step"])
         with_optimizer = optimizer and self.optimizer is not None
         self._onload(optimizer=with_optimizer)
         state = lora.load_checkpoint_state(self._state(with_optimizer), folder)  # PEFT's names too
@@ -140,15 +142,17 @@ class CheckpointMixin:
             options=self._state_options(),
         )
         if with_optimizer:
-            extra = torch.load(folder / "trainer_state.pt", weights_only=False)
-            if self.scheduler is not None and extra["scheduler"] is not None:
-                self.scheduler.load_state_dict(extra["scheduler"])
-            self.skipped_steps = extra["skipped_steps"]
+            with reading(folder / "trainer_state.pt"):
+                extra = load_torch_file(folder / "trainer_state.pt")
+                if self.scheduler is not None and extra["scheduler"] is not None:
+                    self.scheduler.load_state_dict(extra["scheduler"])
+                self.skipped_steps = int(extra["skipped_steps"])
         rng_file = folder / f"rng_rank{self.dp_rank}.pt"
         if rng_file.exists():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            with reading(rng_file):
+                set_rng_state(load_torch_file(rng_file, rng=True))
         self._offload_as_configured()
-        return int(meta["step"])
+        return step
 
     def export_hf(self, path: str, merged: bool = False) -> None:
         """Write the full weights as a Hugging Face folder that `from_pretrained` loads (policy only);
