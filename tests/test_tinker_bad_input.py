@@ -19,7 +19,6 @@ pytest.importorskip("tinker")
 zstandard = pytest.importorskip("zstandard")
 
 from api.settings import ServeSettings  # noqa: E402
-from service.quotas import Quota  # noqa: E402
 from service.tinker_requests import FLOOR_BYTES, decompressed  # noqa: E402
 from service.tinker_service import TinkerError  # noqa: E402
 from tests.api_util import start_service, tiny_job  # noqa: E402
@@ -32,10 +31,11 @@ PENDING = 4  # requests an owner may have unanswered
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    # no owner's run starts (running_jobs 0), so a training model's ops stay held, as behind a busy host
-    settings = ServeSettings(tinker_base_models=[BASE], tinker_max_pending_requests=PENDING,
-                             default_quota=Quota(running_jobs=0))  # fmt: skip
+    settings = ServeSettings(tinker_base_models=[BASE], tinker_max_pending_requests=PENDING)
     live = start_service(tmp_path_factory.mktemp("tinker-bad"), schedule=False, settings=settings)
+    # no run starts (the scheduler drains, as at shutdown): a training model's ops stay held, as behind
+    # a full cluster
+    live.service.scheduler._draining = True
     yield live
     live.stop()
 

@@ -126,7 +126,10 @@ def test_a_run_that_ends_before_its_launch_fails_its_held_requests_and_holds_not
     launches it. Cancelled through Tandem's API, or paused when its session expires, it never will:
     each held request fails at once, naming why, and the service keeps nothing of it."""
     tinker = svc.server.config.app.state.tinker
-    with owner_client(svc, "uma", running_jobs=0) as uma:
+    with owner_client(svc, "uma", running_jobs=1) as uma:
+        # the owner's one slot held by a run of another session, so the next runs wait in the queue
+        holder = uma.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
+        assert done(svc, create_model(uma, holder, 0).json()["request_id"], 120)
         session = uma.post("/api/v1/create_session", json={"tags": []}).json()["session_id"]
         cancelled = create_model(uma, session, 0).json()["request_id"]
         expired = create_model(uma, session, 1).json()["request_id"]
@@ -139,12 +142,12 @@ def test_a_run_that_ends_before_its_launch_fails_its_held_requests_and_holds_not
         tinker.session_ttl_s = 0.0
         try:
             time.sleep(0.05)
-            tinker.expire_sessions()
+            tinker.expire_sessions()  # both sessions: the holder's run pauses too
         finally:
             tinker.session_ttl_s = ttl
         assert f"session {session} ended" in failure(svc, expired)
         assert run_of(svc, f"{session}:train:1").status == "paused"
-    assert not any(k.startswith(session) for k in tinker._launches)
+    assert not any(k.startswith((session, holder)) for k in tinker._launches)
     assert not tinker.records.models.of("uma")
 
 
