@@ -95,6 +95,14 @@ def test_an_index_naming_a_file_outside_the_folder_is_refused(engine, copy, tmp_
         engine.load_checkpoint(str(copy))
 
 
+def test_a_data_file_linked_to_one_outside_the_folder_is_refused(engine, copy, tmp_path):
+    outside = tmp_path / "elsewhere.distcp"
+    shutil.move(copy / "__0_0.distcp", outside)  # its bytes would load as weights through the link
+    (copy / "__0_0.distcp").symlink_to(outside)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        engine.load_checkpoint(str(copy))
+
+
 @pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata", "trainer_state.pt", "rng_rank0.pt"])
 def test_a_truncated_file_is_refused_naming_it(engine, copy, name):
     (copy / name).write_bytes(b"")

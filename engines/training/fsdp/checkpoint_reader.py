@@ -69,6 +69,10 @@ class SafeReader(dcp.FileSystemReader):
         if Path(name).name != name or name in ("", ".", ".."):
             raise CheckpointError(f"checkpoint index {index} names '{name[:200]}', not a file of its folder")
         data = index.parent / name
+        if data.is_symlink():  # a link could lead to another owner's files
+            raise CheckpointError(
+                f"checkpoint file {data} is a symbolic link: a checkpoint's files are its own"
+            )
         size = data.stat().st_size if data.is_file() else -1
         if size < int(info.offset) + int(info.length):
             raise CheckpointError(f"checkpoint file {data} is missing or truncated "
