@@ -30,7 +30,7 @@ def job(live, api):
         model={"builtin": "tiny-qwen2-chat"},
         rollout={"source": "external", "external": {"group_size": 1, "trajectories_per_step": 1,
                                                      "max_pending": 64}},
-        trainer={"total_steps": 1, "val_every": 0}, checkpoint={"every": 0},
+        trainer={"total_steps": 100, "val_every": 0}, checkpoint={"every": 0},
     )  # fmt: skip
     job_id = submit_external(api, spec)
     yield job_id
