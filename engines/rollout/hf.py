@@ -129,7 +129,9 @@ class HFRolloutEngine(RolloutEngine):
             generator.seed()
         else:
             generator.manual_seed(params.seed)
-        if self._graph_decode and params.constraint is None:
+        if (
+            self._graph_decode and params.constraint is None and params.max_new_tokens > 1
+        ):  # else no step to replay
             tokens, log_probs, lengths, stopped = self._decode_static(rows, params, generator)
         else:
             tokens, log_probs, lengths, stopped = self._decode(rows, params, generator)
