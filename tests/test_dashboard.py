@@ -142,6 +142,37 @@ def test_the_page_and_its_assets_load_without_a_token_and_pin_their_sources(live
     assert httpx.get(live.url + "/v1/jobs").status_code == 401  # the data still needs the token
 
 
+@pytest.mark.parametrize(
+    "path", ["/", "/static/index.html", "/docs", "/static/js/main.js", "/static/dashboard.css"]
+)
+def test_every_page_and_asset_forbids_framing_inline_script_sniffing_and_referrers(
+    live: LiveService, path: str
+) -> None:
+    # /static/index.html is the dashboard too: served bare, another site could frame it.
+    answer = httpx.get(live.url + path)
+    assert answer.status_code == 200
+    policy = answer.headers.get("content-security-policy", "")
+    assert "frame-ancestors 'none'" in policy and "unsafe-inline" not in policy, (path, policy)
+    assert answer.headers.get("x-content-type-options") == "nosniff", path
+    assert answer.headers.get("referrer-policy") == "no-referrer", path
+
+
+def test_another_site_cannot_frame_the_page_or_the_docs_and_the_docs_still_work(
+    browser, live: LiveService
+) -> None:
+    context = browser.new_context()
+    tab = context.new_page()
+    tab.goto(live.url + "/docs")  # Swagger UI runs under its CSP: its one inline script is allowed by hash
+    expect(tab.locator(".info .title")).to_contain_text("Tandem")
+    expect(tab.locator(".opblock").first).to_be_visible()
+    tab.set_content(
+        f'<iframe src="{live.url}/static/index.html"></iframe><iframe src="{live.url}/docs"></iframe>'
+    )
+    framed = [frame.url for frame in tab.frames[1:] if frame.url.startswith(live.url)]
+    assert not framed, f"another site framed {framed}"
+    context.close()
+
+
 def test_a_wrong_token_shows_the_apis_error_on_the_sign_in_form(browser, live: LiveService) -> None:
     context = browser.new_context()
     tab = context.new_page()
