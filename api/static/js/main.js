@@ -5,7 +5,7 @@
 import { request, token, whenUnauthorized } from "./api.js";
 import { JobView } from "./job.js";
 import { JobsView } from "./jobs.js";
-import { $, hideError } from "./ui.js";
+import { $, hideError, showError } from "./ui.js";
 
 const views = { signin: $("signin-view"), jobs: $("jobs-view"), job: $("job-view") };
 const jobsView = new JobsView();
@@ -33,10 +33,16 @@ function route() {
   }
   hideError();
   const match = location.hash.match(/^#\/jobs\/([^/]+)$/);
-  if (match) {
+  let jobId = null;
+  try {
+    jobId = match && decodeURIComponent(match[1]);
+  } catch {
+    showError(`this link's job id is not valid percent-encoding: ${match[1]}`);
+  }
+  if (jobId) {
     jobsView.hide();
     showOnly("job");
-    jobView.show(decodeURIComponent(match[1]));
+    jobView.show(jobId);
   } else {
     jobView.hide();
     showOnly("jobs");
