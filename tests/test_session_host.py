@@ -396,3 +396,29 @@ def test_a_batch_that_fails_as_a_whole_runs_again_call_by_call(make_host):
         got[1]["error"]["category"] == "server" and "adapter_model.safetensors" in got[1]["error"]["message"]
     )
     assert ok(got[0]) == ok(host.sample(calls[:1])[0])
+
+
+def test_a_gradient_that_is_not_finite_is_a_user_error_not_a_nan_step(make_host):
+    """Advantages near float32's largest make a finite loss whose backward overflows: the step is skipped
+    (the weights stay finite) and answered as a user error naming the inputs, not a NaN grad norm (which
+    the API could not even write as JSON)."""
+    host = make_host()
+    create(host, "a")
+    before = weights(host, "a")
+    n = 3
+    huge = {
+        "tokens": [5, 6, 7],
+        "loss_fn_inputs": {
+            "target_tokens": {"data": [6, 7, 8], "dtype": "int64", "shape": [n]},
+            "logprobs": {"data": [-1.0] * n, "dtype": "float32", "shape": [n]},
+            "advantages": {"data": [3e38] * n, "dtype": "float32", "shape": [n]},
+        },
+    }
+    call = {"adapter": "a", "data": [huge], "loss_fn": "importance_sampling", "backward": True}
+    ok(host.forward_backward_calls([call])[0])
+    err = host.optim_step(ADAM, "a")["error"]
+    assert (err["category"], err["field"]) == ("user", "loss_fn_inputs") and "finite" in err["message"], err
+    close(weights(host, "a"), before, tol=0.0)
+    ok(host.forward_backward_calls([fwd("a")])[0])  # the bad gradient was dropped: the next step trains
+    assert torch.isfinite(torch.tensor(step(host, "a")))
+    assert any((weights(host, "a")[k] - before[k]).abs().max() > 0 for k in before)
