@@ -422,3 +422,14 @@ def test_a_gradient_that_is_not_finite_is_a_user_error_not_a_nan_step(make_host)
     ok(host.forward_backward_calls([fwd("a")])[0])  # the bad gradient was dropped: the next step trains
     assert torch.isfinite(torch.tensor(step(host, "a")))
     assert any((weights(host, "a")[k] - before[k]).abs().max() > 0 for k in before)
+
+
+def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token(make_host):
+    """top_p 1e-300 is a valid probability, but 0 in float32: the filter dropped every token and the draw
+    read past the vocabulary (a server error; an out-of-bounds index on a GPU). It keeps the top token
+    alone, as every top_p below 1 / vocabulary does."""
+    host = make_host()
+    calls = [{"sampler": None, "prompt": [5, 6], "num_samples": 2,
+              "sampling_params": {"max_tokens": 4, "seed": 1, "top_p": top_p}} for top_p in (1e-300, 1e-3)]  # fmt: skip
+    tiny, small = (ok(r)["sequences"] for r in host.sample(calls))
+    assert [s["tokens"] for s in tiny] == [s["tokens"] for s in small]
