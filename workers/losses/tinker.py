@@ -74,7 +74,7 @@ def compute_loss(
         term = _datum_loss(loss_fn, lp, inp, cfg)
         if not torch.isfinite(term):  # its backward would add NaN to the adapter's gradient
             raise LossInputError(
-                f"data[{i}].loss_fn_inputs", f"its loss is {float(term)}, not finite in float32"
+                f"data[{i}].loss_fn_inputs", f"its loss is {float(term.detach())}, not finite in float32"
             )
         total = term if total is None else total + term
         outputs.append({"logprobs": lp.detach()})
