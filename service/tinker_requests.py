@@ -14,6 +14,7 @@ from service.errors import ServiceError
 from service.tinker_wire import WireError, read_forward_backward
 
 SEED_LIMIT = 2**63
+FLOAT32_MAX = 3.4028234663852886e38
 MAX_TAGS = 32
 MAX_SAMPLES = 128
 MAX_NEW_TOKENS = 4096
@@ -166,6 +167,8 @@ class Tensor(Body):
             if not all(v.is_integer() for v in self.data):
                 raise ValueError("an int64 tensor holds whole numbers only")
             self.data = [int(v) for v in self.data]
+        elif any(abs(v) > FLOAT32_MAX for v in self.data):  # the host's tensor would hold inf
+            raise ValueError(f"a float32 tensor holds values within +-{FLOAT32_MAX:g}")
         size = math.prod(self.shape or [len(self.data)])
         if size != len(self.data):
             raise ValueError(f"shape {self.shape} holds {size} values; data has {len(self.data)}")

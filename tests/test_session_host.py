@@ -396,3 +396,40 @@ def test_a_batch_that_fails_as_a_whole_runs_again_call_by_call(make_host):
         got[1]["error"]["category"] == "server" and "adapter_model.safetensors" in got[1]["error"]["message"]
     )
     assert ok(got[0]) == ok(host.sample(calls[:1])[0])
+
+
+def test_a_gradient_that_is_not_finite_is_a_user_error_not_a_nan_step(make_host):
+    """Advantages near float32's largest make a finite loss whose backward overflows: the step is skipped
+    (the weights stay finite) and answered as a user error naming the inputs, not a NaN grad norm (which
+    the API could not even write as JSON)."""
+    host = make_host()
+    create(host, "a")
+    before = weights(host, "a")
+    n = 3
+    huge = {
+        "tokens": [5, 6, 7],
+        "loss_fn_inputs": {
+            "target_tokens": {"data": [6, 7, 8], "dtype": "int64", "shape": [n]},
+            "logprobs": {"data": [-1.0] * n, "dtype": "float32", "shape": [n]},
+            "advantages": {"data": [3e38] * n, "dtype": "float32", "shape": [n]},
+        },
+    }
+    call = {"adapter": "a", "data": [huge], "loss_fn": "importance_sampling", "backward": True}
+    ok(host.forward_backward_calls([call])[0])
+    err = host.optim_step(ADAM, "a")["error"]
+    assert (err["category"], err["field"]) == ("user", "loss_fn_inputs") and "finite" in err["message"], err
+    close(weights(host, "a"), before, tol=0.0)
+    ok(host.forward_backward_calls([fwd("a")])[0])  # the bad gradient was dropped: the next step trains
+    assert torch.isfinite(torch.tensor(step(host, "a")))
+    assert any((weights(host, "a")[k] - before[k]).abs().max() > 0 for k in before)
+
+
+def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token(make_host):
+    """top_p 1e-300 is a valid probability, but 0 in float32: the filter dropped every token and the draw
+    read past the vocabulary (a server error; an out-of-bounds index on a GPU). It keeps the top token
+    alone, as every top_p below 1 / vocabulary does."""
+    host = make_host()
+    calls = [{"sampler": None, "prompt": [5, 6], "num_samples": 2,
+              "sampling_params": {"max_tokens": 4, "seed": 1, "top_p": top_p}} for top_p in (1e-300, 1e-3)]  # fmt: skip
+    tiny, small = (ok(r)["sequences"] for r in host.sample(calls))
+    assert [s["tokens"] for s in tiny] == [s["tokens"] for s in small]

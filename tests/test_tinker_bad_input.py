@@ -91,6 +91,8 @@ JSON_CASES = [
         "target_tokens": {"data": [1.5], "dtype": "int64"}}}), "forward_backward_input.data[0].loss_fn_inputs.target_tokens"),
     ("forward_backward", _fwd({"model_input": {"chunks": []}, "loss_fn_inputs": {
         "weights": {"data": [1.0, 2.0], "shape": [3]}}}), "forward_backward_input.data[0].loss_fn_inputs.weights"),
+    ("forward_backward", _fwd({"model_input": {"chunks": []}, "loss_fn_inputs": {  # finite, but inf as float32
+        "advantages": {"data": [1.0, -1e39]}}}), "forward_backward_input.data[0].loss_fn_inputs.advantages"),
     ("forward_backward", _fwd(5), "forward_backward_input.data[0]"),
     ("forward_backward", {"model_id": "m", "forward_backward_input": 5}, "forward_backward_input"),
     ("forward_backward", _fwd({"model_input": {"chunks": [5]}}), "forward_backward_input.data[0].model_input.chunks[0]"),
@@ -107,6 +109,8 @@ JSON_CASES = [
     ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"temperature": "hot"}},
      "sampling_params.temperature"),
     ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"stop": 5}}, "sampling_params.stop"),
+    ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"temperature": 1e-40}},
+     "sampling_params.temperature"),  # logits / 1e-40 overflow float32: the draw read past the vocabulary
     ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": 5}, "sampling_params"),
     ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"top_p": 0}},
      "sampling_params.top_p"),

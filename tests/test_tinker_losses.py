@@ -299,3 +299,19 @@ def test_spec_module_is_torch_free():
 
     code = "import sys, schema.tinker_losses; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_datum_whose_loss_overflows_float32_is_refused_naming_it():
+    """Finite inputs can still make an infinite loss in float32 (a logprob of -1e30 makes the ratio
+    exp(1e30); weights of 1e38 over two tokens): its backward would add NaN to the adapter's gradient."""
+    lp = [torch.full((2,), -2.0, requires_grad=True) for _ in range(2)]
+    rl = {"target_tokens": torch.zeros(2, dtype=torch.int64), "advantages": torch.ones(2)}
+    cases = [("importance_sampling", {**rl, "logprobs": torch.tensor([-1.0, -1e30])}),
+             ("ppo", {**rl, "logprobs": torch.tensor([-1.0, -1e30]), "advantages": -torch.ones(2)}),
+             ("cross_entropy", {"target_tokens": rl["target_tokens"], "weights": torch.full((2,), 1e38)})]  # fmt: skip
+    for loss_fn, bad in cases:
+        good = {k: torch.ones(2) if k == "logprobs" else v for k, v in bad.items()}
+        good = {**good, "weights": torch.ones(2)} if loss_fn == "cross_entropy" else good
+        with pytest.raises(LossInputError) as err:
+            compute_loss(loss_fn, lp, [good, bad], None)
+        assert err.value.field == "data[1].loss_fn_inputs" and "finite" in err.value.message, loss_fn

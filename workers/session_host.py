@@ -7,6 +7,7 @@ a "user" error naming its field that fails no other call. No torch at import: th
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -127,6 +128,18 @@ class SessionWorker(TrainingOperations):
         spec = self.engine.adapter_spec(rank, seed, train_attn, train_mlp, train_unembed)
         numel = self.engine.create_adapter(adapter, spec).numel()
         return {"trainable_params": numel, "adapter_bytes": numel * 4}
+
+    @register(Dispatch.ONE_TO_ALL, reduce=Reduce.GLOBAL)
+    def optim_step(self, params: dict[str, Any] | None = None, adapter: str | None = None) -> float:
+        """The step of `TrainingOperations`; one on a gradient that is not finite was skipped (and the
+        gradient dropped): a user error, not a NaN norm the API cannot write as JSON."""
+        from engines.training.adapter_engine import InputError
+
+        norm = super().optim_step(params, adapter)
+        if not math.isfinite(norm):
+            raise InputError("loss_fn_inputs", f"the gradient since the last step is not finite (norm {norm}): "
+                             "the step was skipped and the gradient dropped; the inputs overflow float32")  # fmt: skip
+        return norm
 
     @register(Dispatch.RANK_ZERO, reduce=Reduce.RANK_ZERO)
     def drop_adapter(self, adapter: str) -> dict[str, Any]:

@@ -72,6 +72,10 @@ def compute_loss(
                     f"shape {tuple(inp[name].shape)} != log-probs {tuple(lp.shape)}",
                 )
         term = _datum_loss(loss_fn, lp, inp, cfg)
+        if not torch.isfinite(term):  # its backward would add NaN to the adapter's gradient
+            raise LossInputError(
+                f"data[{i}].loss_fn_inputs", f"its loss is {float(term.detach())}, not finite in float32"
+            )
         total = term if total is None else total + term
         outputs.append({"logprobs": lp.detach()})
     assert total is not None, "compute_loss needs at least one datum"
