@@ -3,7 +3,7 @@ array of objects, or Parquet. Every row keeps its location ("line 3", "row 2") f
 
 Files are UTF-8 (a byte-order mark is allowed); lines end at "\\n" only, since a JSON string may hold
 U+2028 or NEL raw. A file holds at most MAX_ROWS rows: a row costs kilobytes once tokenized, and the
-controller holds them all.
+controller holds them all; a Parquet file at most MAX_PARQUET_BYTES uncompressed.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 JSON_SUFFIXES = (".jsonl", ".jsonlines", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 MAX_ROWS = 2_000_000
+MAX_PARQUET_BYTES = 2 * 1024**3
 
 
 class DataError(ValueError):
@@ -45,8 +46,11 @@ def _read_parquet(path: Path) -> list[tuple[str, Any]]:
     import pyarrow.parquet as pq
 
     try:
-        rows = pq.ParquetFile(path).metadata.num_rows
-        _check_count(path, rows)
+        meta = pq.ParquetFile(path).metadata
+        _check_count(path, meta.num_rows)
+        size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+        if size > MAX_PARQUET_BYTES:  # a few compressed megabytes can hold gigabytes of one value
+            raise DataError(f"{path}: {size:,} bytes uncompressed; a job reads at most {MAX_PARQUET_BYTES:,}")
         table = pq.read_table(path)
     except DataError:
         raise

@@ -333,3 +333,13 @@ def test_a_huge_prompt_or_response_is_dropped_untokenized(tmp_path, tokenizer):
         "filtered_response_too_long": 1,
     }
     assert max(recording.lengths) < 100
+
+
+def test_a_parquet_that_expands_past_the_limit_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_files, "MAX_PARQUET_BYTES", 1_000_000)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "x" * 2_000_000}]), tmp_path / "bomb.parquet")
+    assert (tmp_path / "bomb.parquet").stat().st_size < 100_000  # compressed to almost nothing
+    with pytest.raises(
+        DataError, match="bomb.parquet: 2,0[0-9,]+ bytes uncompressed; a job reads at most 1,000,000"
+    ):
+        read_records(tmp_path / "bomb.parquet")
