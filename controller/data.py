@@ -23,6 +23,9 @@ from schema.job import DataSpec
 from workers.batch import Batch
 from workers.chat_serving import ChatDelta
 
+MAX_CHARS_PER_TOKEN = 64  # no tokenizer's text averages near this many characters a token
+TOKENIZE_CHUNK = 4096
+
 
 @dataclass(frozen=True)
 class PromptRow:
@@ -64,12 +67,11 @@ class PromptDataset:
         if not records:
             raise DataError(f"{source}: the data set has no rows")
         texts = [self._render(record, where) for where, record in records]
-        # One batched call (the Rust tokenizer encodes a list far faster); a chat template renders
-        # its own special tokens.
-        ids = tokenizer(texts, add_special_tokens=not self.use_chat_template)["input_ids"]
+        fits = [_may_fit(text, max_prompt_length) for text in texts]
+        ids = self._tokenize([text if fit else "" for text, fit in zip(texts, fits, strict=True)])
         self.rows: list[PromptRow] = []
-        for (where, record), text, prompt_ids in zip(records, texts, ids, strict=True):
-            if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+        for (where, record), text, fit, prompt_ids in zip(records, texts, fits, ids, strict=True):
+            if not fit or (max_prompt_length is not None and len(prompt_ids) > max_prompt_length):
                 self._count("prompt_too_long")
                 continue
             row = self._make_row(len(self.rows), where, record, text, list(prompt_ids))
@@ -78,6 +80,15 @@ class PromptDataset:
         self.num_records = len(records)
         if not self.rows:
             raise DataError(f"{source}: all {len(records)} rows were filtered out ({self.filtered})")
+
+    def _tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Batched calls (the Rust tokenizer encodes a list far faster), a chunk at a time so that its
+        encodings are not all held at once; a chat template renders its own special tokens."""
+        special = not self.use_chat_template
+        chunks = (texts[i : i + TOKENIZE_CHUNK] for i in range(0, len(texts), TOKENIZE_CHUNK))
+        return [
+            ids for chunk in chunks for ids in self.tokenizer(chunk, add_special_tokens=special)["input_ids"]
+        ]
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer: Any, **options: Any) -> PromptDataset:
@@ -121,15 +132,27 @@ class PromptDataset:
         prompt = record[self.prompt_key]
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt):
+        elif isinstance(prompt, list) and prompt and all(map(_is_message, prompt)):
             messages = prompt
         else:
+            got = (
+                next((repr(m)[:100] for m in prompt if not _is_message(m)), "[]")
+                if isinstance(prompt, list)
+                else type(prompt).__name__
+            )
             raise DataError(
                 f"{self.source} {where}: '{self.prompt_key}' must be a string or a list of chat messages "
-                f"({{'role', 'content'}}), got {type(prompt).__name__}"
+                f"({{'role': str, 'content': str}}), got {got}"
             )
         if self.use_chat_template:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            try:
+                return self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as err:  # the template's own checks (roles that must alternate, ...)
+                raise DataError(
+                    f"{self.source} {where}: the chat template refused the messages: {err}"
+                ) from None
         if not isinstance(prompt, str):
             raise DataError(
                 f"{self.source} {where}: the prompt is a list of chat messages but the tokenizer has no "
@@ -193,6 +216,9 @@ class SFTDataset(PromptDataset):
         if not isinstance(response, str):
             problem = "missing" if response is None else f"a {type(response).__name__}, not a string"
             raise DataError(f"{self.source} {where}: the response key '{self.response_key}' is {problem}")
+        if not _may_fit(response, self.max_response_length):
+            self._count("response_too_long")
+            return None
         response_ids = list(self.tokenizer(response, add_special_tokens=False)["input_ids"])
         if not response_ids or response_ids[-1] != self.end_id:
             response_ids.append(self.end_id)
@@ -216,6 +242,16 @@ class SFTDataset(PromptDataset):
             "response_mask": response_mask,
         }
         return Batch.from_dict(tensors, non_tensors)
+
+
+def _may_fit(text: str, max_tokens: int | None) -> bool:
+    """False for a text too long to fit `max_tokens` at any tokenizer's rate: it is dropped untokenized,
+    since tokenizing a line of hundreds of megabytes takes tens of gigabytes."""
+    return max_tokens is None or len(text) <= max_tokens * MAX_CHARS_PER_TOKEN
+
+
+def _is_message(message: Any) -> bool:
+    return isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))
 
 
 def _decide_chat_template(tokenizer: Any, requested: bool | None, source: str) -> bool:

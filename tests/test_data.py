@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
+from controller import data_files
 from controller.data import (
     DataError,
     PromptDataset,
@@ -232,3 +235,111 @@ def test_builtin_task_goes_through_the_file_path(tmp_path, tokenizer):
     assert batch.non_tensors["prompt"][0].endswith("=") and len(batch) == 16
     user = DataSpec(train_path=str(tmp_path / "mine.jsonl"))
     assert resolve_data_files(user, tmp_path) == (tmp_path / "mine.jsonl", None)
+
+
+# ---- hostile files ----------------------------------------------------------------------------
+
+
+def test_encodings_line_ends_and_nesting(tmp_path, tokenizer):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\r\n\r\n{"prompt": "b\xe2\x80\xa8c\xc2\x85d"}\r\n')
+    assert [(where, row["prompt"]) for where, row in read_records(bom)] == [
+        ("line 1", "a"),
+        ("line 3", "b\u2028c\x85d"),  # a JSON string may hold U+2028 and NEL raw: no line ends there
+    ]
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(DataError, match="latin1.jsonl line 2: not UTF-8 text"):
+        read_records(tmp_path / "latin1.jsonl")
+    parquet = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(ROWS), parquet)
+    (tmp_path / "lies.jsonl").write_bytes(parquet.read_bytes())  # the suffix says JSON lines
+    with pytest.raises(DataError, match="lies.jsonl line 1: "):
+        read_records(tmp_path / "lies.jsonl")
+    (tmp_path / "deep.jsonl").write_text('{"prompt": "a", "extra": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(DataError, match="deep.jsonl line 1: invalid JSON: nested too deeply"):
+        read_records(tmp_path / "deep.jsonl")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(DataError, match="deep.json: invalid JSON: nested too deeply"):
+        read_records(tmp_path / "deep.json")
+
+
+def test_row_limit_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_files, "MAX_ROWS", 3)
+    rows = [{"prompt": str(i)} for i in range(4)]
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    for path in (write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "d.json", tmp_path / "d.parquet"):
+        with pytest.raises(DataError, match=f"{path.name}: more than 3 rows"):
+            read_records(path)
+    assert len(read_records(write_jsonl(tmp_path / "ok.jsonl", rows[:3]))) == 3
+
+
+@pytest.mark.parametrize(
+    "prompt, shown",
+    [
+        ([], "got []"),
+        ([{"content": "hi"}], "got {'content': 'hi'}"),
+        ([{"role": "user", "content": 5}], "got {'role': 'user', 'content': 5}"),
+        ([{"role": "user", "content": None}], "'content': None}"),
+        ([{"role": "user", "content": {"text": "hi"}}], "'content': {'text': 'hi'}}"),
+    ],
+)
+def test_chat_messages_need_string_roles_and_contents(tmp_path, chat_tokenizer, prompt, shown):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": "fine"}, {"prompt": prompt}])
+    with pytest.raises(DataError, match=r"chat.jsonl line 2: 'prompt' must be .*" + re.escape(shown)):
+        PromptDataset.from_file(path, chat_tokenizer)
+
+
+def test_a_template_refusal_names_the_row(tmp_path, chat_tokenizer):
+    strict = copy.deepcopy(chat_tokenizer)
+    strict.chat_template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('users first') }}{% endif %}x"
+    )
+    rows = [{"prompt": "fine"}, {"prompt": [{"role": "assistant", "content": "hi"}]}]
+    with pytest.raises(
+        DataError, match="chat.jsonl line 2: the chat template refused the messages: users first"
+    ):
+        PromptDataset.from_file(write_jsonl(tmp_path / "chat.jsonl", rows), strict)
+
+
+class RecordingTokenizer:
+    """A tokenizer that notes the length of every text it is asked to encode."""
+
+    def __init__(self, inner):
+        self.inner, self.lengths = inner, []
+
+    def __call__(self, texts, **options):
+        self.lengths += [len(t) for t in ([texts] if isinstance(texts, str) else texts)]
+        return self.inner(texts, **options)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_huge_prompt_or_response_is_dropped_untokenized(tmp_path, tokenizer):
+    huge = "1+1 " * 250_000  # a million characters: no 8 tokens hold it
+    rows = [
+        {"prompt": "1+1=", "response": "2"},
+        {"prompt": huge, "response": "2"},
+        {"prompt": "2", "response": huge},
+    ]
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    recording = RecordingTokenizer(tokenizer)
+    dataset = SFTDataset.from_file(path, recording, max_prompt_length=8, max_response_length=8)
+    assert dataset.stats == {
+        "rows": 3,
+        "kept": 1,
+        "filtered_prompt_too_long": 1,
+        "filtered_response_too_long": 1,
+    }
+    assert max(recording.lengths) < 100
+
+
+def test_a_parquet_that_expands_past_the_limit_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_files, "MAX_PARQUET_BYTES", 1_000_000)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "x" * 2_000_000}]), tmp_path / "bomb.parquet")
+    assert (tmp_path / "bomb.parquet").stat().st_size < 100_000  # compressed to almost nothing
+    with pytest.raises(
+        DataError, match="bomb.parquet: 2,0[0-9,]+ bytes uncompressed; a job reads at most 1,000,000"
+    ):
+        read_records(tmp_path / "bomb.parquet")
