@@ -16,7 +16,6 @@ from service.tinker_sessions import Sampler
 from service.tinker_wire import write_sample_response
 from workers.session_host import SessionWorker
 
-MIN_TEMPERATURE = 1e-5  # logits divided by a smaller one can overflow float32 (a NaN draw)
 UNSUPPORTED_SAMPLE_FIELDS = {
     "topk_prompt_logprobs": 0, "topk_sample_logprobs": 0, "target_prompt_logprobs": None,
     "prompt_alt_tokens_k": 0, "prompt_logprobs_last_n": None,
@@ -50,9 +49,6 @@ def _sampling_params(params: SamplingParams) -> dict[str, Any]:
     out["max_tokens"] = params.max_tokens or 16
     if out["top_k"] == 0:
         raise TinkerError(400, "sampling_params.top_k: 0 must be -1 or >= 1", "sampling_params.top_k")
-    if 0 < out["temperature"] < MIN_TEMPERATURE:
-        raise TinkerError(400, f"sampling_params.temperature: {out['temperature']:g} must be 0 (greedy) or at "
-                          f"least {MIN_TEMPERATURE:g}", "sampling_params.temperature")  # fmt: skip
     if isinstance(out["stop"], str):
         out["stop"] = [out["stop"]]
     return out

@@ -95,3 +95,20 @@ def test_draws_across_blocks_of_the_two_level_search():
     sigma = (expected * (1 - expected / draws)).sqrt()
     assert ((seen[places] - expected).abs() <= 5 * sigma + 1e-9).all(), (seen[places], expected)
     assert seen.sum() == seen[places].sum() == draws  # nothing outside the kept tokens
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-8])
+def test_a_tiny_temperature_draws_the_top_token_with_a_finite_log_prob(temperature):
+    """Logits over a tiny temperature overflow float32: the top one became inf, its shift NaN, and the draw
+    read past the vocabulary (an out-of-bounds index on a GPU)."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(0)) * 5
+    tokens, log_probs = sample_next(logits, SamplingParams(temperature=temperature), torch.Generator())
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+    assert torch.isfinite(log_probs).all() and log_probs.abs().max() < 1e-6
+
+
+def test_a_top_p_that_is_zero_in_float32_keeps_the_top_token_alone():
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(1))
+    kept = filter_logits(logits, top_k=0, top_p=1e-300)  # a valid probability, but 0.0 in float32
+    assert torch.isfinite(kept).sum(-1).tolist() == [1] * 4
+    assert kept.argmax(-1).tolist() == logits.argmax(-1).tolist()

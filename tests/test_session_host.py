@@ -424,12 +424,13 @@ def test_a_gradient_that_is_not_finite_is_a_user_error_not_a_nan_step(make_host)
     assert any((weights(host, "a")[k] - before[k]).abs().max() > 0 for k in before)
 
 
-def test_a_top_p_that_rounds_to_zero_in_float32_keeps_the_top_token(make_host):
-    """top_p 1e-300 is a valid probability, but 0 in float32: the filter dropped every token and the draw
-    read past the vocabulary (a server error; an out-of-bounds index on a GPU). It keeps the top token
-    alone, as every top_p below 1 / vocabulary does."""
+def test_a_top_p_or_temperature_past_float32s_range_samples_the_top_token(make_host):
+    """top_p 1e-300 is a valid probability, but 0 in float32: the filter dropped every token; logits over
+    temperature 1e-40 overflow float32. Either way the draw read past the vocabulary (a server error; an
+    out-of-bounds index on a GPU). Both now keep the top token alone, as top_p 1e-3 and greedy do."""
     host = make_host()
+    params = [{"top_p": 1e-300}, {"top_p": 1e-3}, {"temperature": 1e-40}, {"temperature": 0.0}]
     calls = [{"sampler": None, "prompt": [5, 6], "num_samples": 2,
-              "sampling_params": {"max_tokens": 4, "seed": 1, "top_p": top_p}} for top_p in (1e-300, 1e-3)]  # fmt: skip
-    tiny, small = (ok(r)["sequences"] for r in host.sample(calls))
-    assert [s["tokens"] for s in tiny] == [s["tokens"] for s in small]
+              "sampling_params": {"max_tokens": 4, "seed": 1, **p}} for p in params]  # fmt: skip
+    tiny_p, small_p, tiny_t, greedy = ([s["tokens"] for s in ok(r)["sequences"]] for r in host.sample(calls))
+    assert tiny_p == small_p and tiny_t == greedy

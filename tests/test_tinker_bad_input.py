@@ -109,8 +109,6 @@ JSON_CASES = [
     ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"temperature": "hot"}},
      "sampling_params.temperature"),
     ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"stop": 5}}, "sampling_params.stop"),
-    ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"temperature": 1e-40}},
-     "sampling_params.temperature"),  # logits / 1e-40 overflow float32: the draw read past the vocabulary
     ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": 5}, "sampling_params"),
     ("asample", {"sampling_session_id": "{sampler}", **SAMPLE, "sampling_params": {"top_p": 0}},
      "sampling_params.top_p"),

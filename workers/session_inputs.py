@@ -98,9 +98,6 @@ def sample_request(
             stop_ids, stop_strings = [], list(stop)
         else:
             stop_ids = tokens_of(list(stop), "sampling_params.stop", vocab, len(stop))
-    # a top_p that is 0 in float32 drops every token; the smallest float32 keeps the top one alone, as any
-    # top_p below 1 / vocabulary does
-    top_p = max(float(params.get("top_p", 1.0)), torch.finfo(torch.float32).tiny)
     return SampleRequest(adapter, prompt, call.get("num_samples", 1), max_tokens,
-                         float(params.get("temperature", 1.0)), top_p,
+                         float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0)),
                          params.get("top_k", -1), stop_ids, stop_strings, params.get("seed"))  # fmt: skip

@@ -23,6 +23,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
+        top_p = max(top_p, torch.finfo(logits.dtype).tiny)  # one that is 0 in the logits' dtype drops all
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         # Drop a token when the mass before it reaches top_p: the first token is always kept.
@@ -66,7 +67,8 @@ def sample_next(
     """Pick one token per row from [B, V] logits; returns (tokens [B], their log-probs [B])."""
     scaled = logits.float()
     if params.temperature > 0 and params.temperature != 1.0:
-        scaled = scaled / params.temperature
+        # shifted first, so that a tiny temperature sends the others to -inf, never the top to inf
+        scaled = (scaled - scaled.amax(-1, keepdim=True)) / params.temperature
     scaled = filter_logits(scaled, params.top_k, params.top_p)
     top = scaled.amax(-1, keepdim=True)
     terms = (scaled - top).exp_()  # unnormalised probabilities, 0 for filtered tokens
