@@ -120,6 +120,13 @@ class Authenticator:
         await self._touch(caller.key_id)
         return caller
 
+    async def current(self, request: Request) -> Caller | None:
+        """The request's caller as the key table stands now (a live stream asks while it lasts): None once
+        its key is revoked or has expired."""
+        token = token_of(request.headers)
+        records = await self.cache.get("tokens", "tokens", self.cache.store.tokens)
+        return None if token is None else _caller(records, token)
+
     async def _touch(self, key_id: str) -> None:
         now = time.time()
         if now - self._touched.get(key_id, 0.0) >= TOUCH_EVERY_S:

@@ -1,6 +1,7 @@
 """Server-Sent Events over the store's append-only tables (a row's id is its SSE id, so Last-Event-ID
 resumes), with heartbeats when idle and an `end` event once the job is terminal and all is sent.
-Each live stream polls the store, so an owner holds at most MAX_STREAMS_PER_OWNER at once."""
+Each live stream polls the store, so an owner holds at most MAX_STREAMS_PER_OWNER at once, and checks
+its key at every poll: a key revoked or expired ends its streams within a poll."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ async def _events(
 ) -> AsyncIterator[str]:
     idle_since = time.monotonic()
     while True:
-        if await request.is_disconnected():
+        # A key revoked (or expired) while its stream is open ends it here; the client's reconnect is a 401.
+        if await request.is_disconnected() or await request.app.state.auth.current(request) is None:
             return
         rows = await asyncio.to_thread(fetch, after_id=last)
         for row in rows:
