@@ -189,3 +189,33 @@ def test_the_admin_token_file_is_the_owners_alone_and_a_stale_one_is_replaced(tm
     assert hash_token(token) in {t["hash"] for t in store.tokens()}
     assert [p.name for p in path.parent.iterdir()] == ["admin_token"]  # no part file left
     assert ensure_admin_token(store, tmp_path / "home").read_text().strip() == token  # kept once registered
+
+
+def test_a_new_admin_token_revokes_the_one_it_replaces(tmp_path, monkeypatch):
+    """The one way to rotate a stolen admin token (the API refuses to revoke it): set a new
+    TANDEM_ADMIN_TOKEN, or delete the file, and restart. The old token must stop working."""
+    from api.auth import ensure_admin_token, hash_token
+    from service.store import JobStore
+
+    def valid(token: str) -> bool:
+        return any(t["hash"] == hash_token(token) and t["revoked_at"] is None for t in store.tokens())
+
+    monkeypatch.delenv("TANDEM_ADMIN_TOKEN", raising=False)
+    store, home = JobStore(tmp_path / "t.db"), tmp_path / "home"
+    first = ensure_admin_token(store, home).read_text().strip()
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", "tml-rotated-by-the-operator")
+    ensure_admin_token(store, home)
+    assert valid("tml-rotated-by-the-operator") and not valid(first)
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", "tml-rotated-again")
+    ensure_admin_token(store, home)
+    assert valid("tml-rotated-again") and not valid("tml-rotated-by-the-operator")
+    monkeypatch.delenv("TANDEM_ADMIN_TOKEN")  # back to the file, whose token was replaced: a new one
+    fresh = ensure_admin_token(store, home).read_text().strip()
+    assert fresh != first and valid(fresh) and not valid("tml-rotated-again") and not valid(first)
+    (home / "admin_token").unlink()  # the file's token leaked: delete it and restart
+    newest = ensure_admin_token(store, home).read_text().strip()
+    assert valid(newest) and not valid(fresh)
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", "tml-rotated-again")  # a revoked token stays revoked
+    with pytest.raises(ValueError, match="TANDEM_ADMIN_TOKEN"):
+        ensure_admin_token(store, home)
+    assert valid(newest)
