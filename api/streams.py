@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -78,10 +78,12 @@ def stream_route(
         service: ServiceDep,
         caller: CallerDep,
         after: int = Query(0, ge=0, le=most),
+        last_event_id: int | None = Header(
+            None, ge=0, le=most, description="the last id a reconnecting client had; it replaces `after`"
+        ),
     ):
         service.get(job_id, caller.sees)
-        header = request.headers.get("last-event-id")
-        start = int(header) if header and header.isdigit() else after
+        start = after if last_event_id is None else last_event_id
         fetch = partial(getattr(service.store, reads), job_id, limit=limit)
         slots: StreamSlots = request.app.state.streams
         slots.take(caller.owner)
