@@ -3,7 +3,7 @@
 A key is sent as `Authorization: Bearer <key>` or `X-API-Key: <key>` (the tinker SDK's). Keys are 32
 random bytes, so a plain SHA-256 hash is enough at rest; they start with `tml-`, the only prefix the
 tinker SDK accepts. The first start writes the admin token to `$TANDEM_HOME/admin_token` (mode 600),
-unless TANDEM_ADMIN_TOKEN is set.
+unless TANDEM_ADMIN_TOKEN is set; a start with another admin token revokes the one it replaces.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from service.store import JobStore
 SCOPES = ("read", "write")
 CHALLENGE = {"WWW-Authenticate": 'Bearer realm="tandem"'}
 KEY_PREFIX = "tml-"
+ADMIN_NAMES = ("admin", "admin (TANDEM_ADMIN_TOKEN)")  # the names ensure_admin_token registers
 TOUCH_EVERY_S = 60.0  # last_used_at is written at most this often per key
 
 
@@ -60,18 +61,35 @@ def new_key() -> str:
 
 
 def ensure_admin_token(store: JobStore, home: Path) -> Path:
-    """Register the admin token once; returns the file that holds it."""
+    """Register the admin token once, and revoke the admin tokens it replaces (the API cannot revoke
+    one: a new TANDEM_ADMIN_TOKEN, or a deleted file, is how a leaked one is rotated); returns the file."""
     path = home / "admin_token"
     given = os.environ.get("TANDEM_ADMIN_TOKEN")
-    known = {t["hash"] for t in store.tokens()}
+    tokens = {t["hash"]: t for t in store.tokens()}
     if given:
-        if hash_token(given) not in known:
-            store.add_token("admin (TANDEM_ADMIN_TOKEN)", hash_token(given), list(SCOPES), ADMIN_OWNER, True)
-        return path
-    if path.exists() and hash_token(path.read_text().strip()) in known:
-        return path
+        token, known = given, tokens.get(hash_token(given))
+        if known is None:
+            store.add_token(ADMIN_NAMES[1], hash_token(given), list(SCOPES), ADMIN_OWNER, True)
+        elif known["revoked_at"] is not None:
+            raise ValueError("TANDEM_ADMIN_TOKEN: this admin token was revoked when another replaced it; "
+                             "set a new one (e.g. tml- and 43 random URL-safe characters)")  # fmt: skip
+    elif path.exists() and _active(tokens.get(hash_token(path.read_text().strip()))):
+        token = path.read_text().strip()
+    else:
+        token = _write_admin_token(store, path)
+    for old in tokens.values():
+        if old["name"] in ADMIN_NAMES and old["hash"] != hash_token(token) and old["revoked_at"] is None:
+            store.revoke_key(old["id"])
+    return path
+
+
+def _active(record: dict[str, Any] | None) -> bool:
+    return record is not None and record["revoked_at"] is None
+
+
+def _write_admin_token(store: JobStore, path: Path) -> str:
     token = new_key()
-    store.add_token("admin", hash_token(token), list(SCOPES), ADMIN_OWNER, True)
+    store.add_token(ADMIN_NAMES[0], hash_token(token), list(SCOPES), ADMIN_OWNER, True)
     path.parent.mkdir(parents=True, exist_ok=True)
     # Created 0600 and renamed into place: never readable by others, not even for a moment.
     part = path.with_name(f".{path.name}.{os.getpid()}")
@@ -79,7 +97,7 @@ def ensure_admin_token(store: JobStore, home: Path) -> Path:
     with os.fdopen(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
         file.write(token + "\n")
     os.replace(part, path)
-    return path
+    return token
 
 
 class Authenticator:
@@ -119,6 +137,13 @@ class Authenticator:
         request.state.caller = caller
         await self._touch(caller.key_id)
         return caller
+
+    async def current(self, request: Request) -> Caller | None:
+        """The request's caller as the key table stands now (a live stream asks while it lasts): None once
+        its key is revoked or has expired."""
+        token = token_of(request.headers)
+        records = await self.cache.get("tokens", "tokens", self.cache.store.tokens)
+        return None if token is None else _caller(records, token)
 
     async def _touch(self, key_id: str) -> None:
         now = time.time()

@@ -1,6 +1,7 @@
 """Server-Sent Events over the store's append-only tables (a row's id is its SSE id, so Last-Event-ID
 resumes), with heartbeats when idle and an `end` event once the job is terminal and all is sent.
-Each live stream polls the store, so an owner holds at most MAX_STREAMS_PER_OWNER at once."""
+Each live stream polls the store, so an owner holds at most MAX_STREAMS_PER_OWNER at once, and checks
+its key at every poll: a key revoked or expired ends its streams within a poll."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -77,10 +78,12 @@ def stream_route(
         service: ServiceDep,
         caller: CallerDep,
         after: int = Query(0, ge=0, le=most),
+        last_event_id: int | None = Header(
+            None, ge=0, le=most, description="the last id a reconnecting client had; it replaces `after`"
+        ),
     ):
         service.get(job_id, caller.sees)
-        header = request.headers.get("last-event-id")
-        start = int(header) if header and header.isdigit() else after
+        start = after if last_event_id is None else last_event_id
         fetch = partial(getattr(service.store, reads), job_id, limit=limit)
         slots: StreamSlots = request.app.state.streams
         slots.take(caller.owner)
@@ -98,7 +101,8 @@ async def _events(
 ) -> AsyncIterator[str]:
     idle_since = time.monotonic()
     while True:
-        if await request.is_disconnected():
+        # A key revoked (or expired) while its stream is open ends it here; the client's reconnect is a 401.
+        if await request.is_disconnected() or await request.app.state.auth.current(request) is None:
             return
         rows = await asyncio.to_thread(fetch, after_id=last)
         for row in rows:

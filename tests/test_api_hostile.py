@@ -57,7 +57,8 @@ def test_an_owner_holds_a_bounded_number_of_live_streams(unscheduled, owners, mo
     """Each live stream polls the store: one owner opening streams without end would starve the rest."""
     from api.streams import StreamSlots
 
-    monkeypatch.setattr(unscheduled.server.config.app.state, "streams", StreamSlots(2), raising=False)
+    # setitem: monkeypatch.setattr reads a Starlette State's attribute as absent and deletes it on undo
+    monkeypatch.setitem(unscheduled.server.config.app.state._state, "streams", StreamSlots(2))
     _, alice, bob = owners
     mine, theirs = owned_job(unscheduled, "alice"), owned_job(unscheduled, "bob")
     paths = [f"/v1/jobs/{mine}/{kind}/stream" for kind in ("events", "logs", "metrics")]
@@ -134,3 +135,17 @@ def test_two_edits_at_once_both_stay_in_the_stored_spec(unscheduled, owners, mon
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
     stored = unscheduled.service.store.get_job(job_id).spec
     assert (stored["optim"]["lr"], stored["algorithm"]["entropy_coeff"]) == (3e-4, 0.01)
+
+
+def test_a_last_event_id_that_is_not_a_row_id_is_a_422_naming_the_header(unscheduled, owners):
+    """`'²'.isdigit()` holds but int() refuses it; 5000 digits pass isdigit() too; a 20-digit id passed
+    int() and overflowed SQLite inside the open stream."""
+    _, alice, _ = owners
+    job_id = owned_job(unscheduled, "alice", checkpoint=False)
+    url = f"/v1/jobs/{job_id}/logs/stream"
+    for value in (b"\xb2", b"9" * 5000, b"9" * 20, b"-1", b"abc"):
+        refused = alice.get(url, headers=[(b"Last-Event-ID", value)], timeout=10)
+        error = _error(refused, 422)
+        assert error["param"].lower() == "last-event-id", (value[:20], error)
+    with alice.stream("GET", url, headers={"Last-Event-ID": "0"}, timeout=10) as resumed:
+        assert resumed.status_code == 200 and next(resumed.iter_lines()).startswith("id: ")

@@ -11,10 +11,11 @@ import os
 import stat
 import time
 
+import httpx
 import pytest
 
 from api.cli import main
-from tests.owners_util import as_key, make_key
+from tests.owners_util import as_key, make_key, owned_job
 
 
 @pytest.fixture
@@ -55,6 +56,28 @@ def test_a_revoked_key_is_refused_at_once_on_every_path(unscheduled, admin):
     assert admin.delete("/v1/keys/key-000000000000").status_code == 404
     admin_key = next(k for k in admin.get("/v1/keys").json()["data"] if k["admin"])
     assert admin.delete(f"/v1/keys/{admin_key['id']}").status_code == 409  # the admin cannot lock itself out
+
+
+def test_a_stream_open_on_a_key_ends_soon_after_the_key_is_revoked(unscheduled, admin):
+    """A queued job's streams would stay open for ever: revoking the key that opened one must end it."""
+    job = owned_job(unscheduled, "grace", checkpoint=False)
+    for kind in ("logs", "events", "metrics"):
+        made = make_key(admin, "grace")
+        headers = {"Authorization": f"Bearer {made['key']}"}
+        url = f"{unscheduled.url}/v1/jobs/{job}/{kind}/stream"
+        with httpx.stream("GET", url, headers=headers, timeout=httpx.Timeout(30, read=8)) as stream:
+            assert stream.status_code == 200, kind
+            lines = stream.iter_lines()
+            assert next(lines).startswith("id: "), kind  # the job's row: the stream is live
+            assert admin.delete(f"/v1/keys/{made['id']}").status_code == 200
+            revoked_at = time.monotonic()
+            try:
+                rest = list(lines)
+            except httpx.ReadTimeout:
+                pytest.fail(f"the {kind} stream of a revoked key was still open 8 s after its revocation")
+            assert time.monotonic() - revoked_at < 5 and not any(line.startswith("id: ") for line in rest)
+        again = httpx.get(url, headers=headers, timeout=30)  # the client's reconnect is refused
+        assert (again.status_code, again.json()["error"]["code"]) == (401, "invalid_token"), kind
 
 
 def test_an_expired_key_is_refused_from_the_moment_it_expires(unscheduled, admin):
@@ -166,3 +189,33 @@ def test_the_admin_token_file_is_the_owners_alone_and_a_stale_one_is_replaced(tm
     assert hash_token(token) in {t["hash"] for t in store.tokens()}
     assert [p.name for p in path.parent.iterdir()] == ["admin_token"]  # no part file left
     assert ensure_admin_token(store, tmp_path / "home").read_text().strip() == token  # kept once registered
+
+
+def test_a_new_admin_token_revokes_the_one_it_replaces(tmp_path, monkeypatch):
+    """The one way to rotate a stolen admin token (the API refuses to revoke it): set a new
+    TANDEM_ADMIN_TOKEN, or delete the file, and restart. The old token must stop working."""
+    from api.auth import ensure_admin_token, hash_token
+    from service.store import JobStore
+
+    def valid(token: str) -> bool:
+        return any(t["hash"] == hash_token(token) and t["revoked_at"] is None for t in store.tokens())
+
+    monkeypatch.delenv("TANDEM_ADMIN_TOKEN", raising=False)
+    store, home = JobStore(tmp_path / "t.db"), tmp_path / "home"
+    first = ensure_admin_token(store, home).read_text().strip()
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", "tml-rotated-by-the-operator")
+    ensure_admin_token(store, home)
+    assert valid("tml-rotated-by-the-operator") and not valid(first)
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", "tml-rotated-again")
+    ensure_admin_token(store, home)
+    assert valid("tml-rotated-again") and not valid("tml-rotated-by-the-operator")
+    monkeypatch.delenv("TANDEM_ADMIN_TOKEN")  # back to the file, whose token was replaced: a new one
+    fresh = ensure_admin_token(store, home).read_text().strip()
+    assert fresh != first and valid(fresh) and not valid("tml-rotated-again") and not valid(first)
+    (home / "admin_token").unlink()  # the file's token leaked: delete it and restart
+    newest = ensure_admin_token(store, home).read_text().strip()
+    assert valid(newest) and not valid(fresh)
+    monkeypatch.setenv("TANDEM_ADMIN_TOKEN", "tml-rotated-again")  # a revoked token stays revoked
+    with pytest.raises(ValueError, match="TANDEM_ADMIN_TOKEN"):
+        ensure_admin_token(store, home)
+    assert valid(newest)

@@ -62,7 +62,8 @@ def revoke_key(key_id: str, service: ServiceDep) -> dict[str, Any]:
     if record is None:
         raise APIError(404, f"no key '{key_id[:64]}'", "key_id", "not_found")
     if record["admin"]:
-        raise APIError(409, f"key '{key_id}' is the admin token: it cannot be revoked (set TANDEM_ADMIN_TOKEN "
-                       "to replace it)", "key_id", "admin_key")  # fmt: skip
+        raise APIError(409, f"key '{key_id}' is the admin token: it cannot be revoked here (restart the service "
+                       "with a new TANDEM_ADMIN_TOKEN, or its admin_token file deleted, to replace it)", "key_id",
+                       "admin_key")  # fmt: skip
     service.store.revoke_key(key_id)
     return public_key(service.store.key(key_id))
