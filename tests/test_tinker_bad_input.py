@@ -431,3 +431,23 @@ def test_a_sampler_save_under_a_saved_name_is_refused_not_overwritten(svc):
         refused = _refused(hal.post("/api/v1/save_weights_for_sampler", json=body), "path")
         assert "best" in refused["error"]
         assert hal.post("/api/v1/save_weights_for_sampler", json={**body, "path": "other"}).status_code == 200
+
+
+def test_tinker_auth_login_reads_a_key_and_logout_revokes_it(svc):
+    """The SDK's `tinker auth login` checks a pasted key with GET /auth/apikey/me, and `logout` revokes it
+    with DELETE; both were refused as unsupported, so an owner could not revoke a leaked key of theirs."""
+    from tinker.cli.auth_api import AuthApiError, TinkerAuthApi
+
+    key = owner_keys(svc, owners=("carol",))["carol"]
+    with httpx.Client(timeout=30) as http, svc.client() as admin:
+        auth = TinkerAuthApi(http, base_url=svc.url)
+        me = auth.get_self_api_key(key)  # the SDK's own response model checks the shape
+        listed = {k["id"]: k for k in admin.get("/v1/keys", params={"owner": "carol"}).json()["data"]}
+        assert me.details.user_details.email == "carol" and f"key-{me.key_id:012x}" in listed
+        auth.delete_self_api_key(key)
+        assert listed[f"key-{me.key_id:012x}"]["revoked_at"] is None
+        assert admin.get("/v1/keys", params={"owner": "carol"}).json()["data"][0]["revoked_at"] is not None
+        with pytest.raises(AuthApiError, match="HTTP 401"):
+            auth.get_self_api_key(key)
+        got = http.delete(svc.url + "/api/v1/auth/apikey/me", headers={"X-API-Key": svc.token})
+        assert got.status_code == 400 and "TANDEM_ADMIN_TOKEN" in got.json()["error"]

@@ -162,6 +162,25 @@ async def _future(request: Request) -> Any:
     return tinker(request).futures.find(request_id, who.sees)
 
 
+@router.get("/auth/apikey/me", summary="Tinker: the presented key's public record (`tinker auth login`)")
+async def own_key(request: Request) -> dict[str, Any]:
+    who = await caller(request, "read")
+    record = tinker(request).store.key(who.key_id) or {}
+    return {"key_id": int(who.key_id.removeprefix("key-"), 16), "name": record.get("name", ""), "note": "",
+            "details": {"org_details": {"name": "tandem"}, "user_details": {"email": who.owner}}}  # fmt: skip
+
+
+@router.delete("/auth/apikey/me", summary="Tinker: revoke the presented key (`tinker auth logout`)")
+async def revoke_own_key(request: Request) -> dict[str, Any]:
+    """Whoever holds a key may revoke it, a read-only one too; the admin token is replaced, not revoked."""
+    who = await caller(request, "read")
+    if who.admin:
+        raise TinkerError(400, "the admin token cannot revoke itself: restart the service with a new "
+                          "TANDEM_ADMIN_TOKEN, or its admin_token file deleted, to replace it", "X-API-Key")  # fmt: skip
+    tinker(request).store.revoke_key(who.key_id)
+    return {"revoked": who.key_id}
+
+
 @router.post("/retrieve_future", summary="Tinker: a future's result, or try_again")
 async def retrieve_future(request: Request) -> Any:
     future = await _future(request)
