@@ -161,7 +161,7 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> di
     }
     if "values" in t.keys():
         metrics.update(_masked_stats("critic/values", t["values"], mask))
-    if "entropy" in t.keys():
+    if "entropy" in t.keys() and mask.any():  # no token left (every reward failed): no mean, not NaN
         metrics["actor/rollout_entropy"] = float(t["entropy"][mask.bool()].mean())
     return metrics
 

@@ -23,7 +23,7 @@ from controller.advantages import (
     scores_to_token_rewards,
 )
 from controller.step_math import add_advantages, batch_metrics
-from engines.training.base import SCORED
+from engines.training.base import SCORED, GlobalCounts
 from schema.job import JobSpec
 from workers.batch import Batch
 
@@ -333,3 +333,15 @@ def test_failed_rows_stay_out_of_the_batch_whitening():
     for row, value in zip([0, 1, 3, 5], whitened[::2], strict=True):
         want[row] = value
     torch.testing.assert_close(out.tensors["advantages"], want, rtol=0, atol=1e-5)
+
+
+def test_a_batch_whose_every_reward_failed_trains_nothing_and_reports_no_score():
+    batch, scores = failed_rows_batch()
+    batch.tensors[SCORED] = torch.zeros(12, dtype=torch.bool)
+    batch.tensors["entropy"] = torch.ones(12, 2)  # the rollout's, when it reports one
+    out, _ = add_advantages(batch, scores, JobSpec.model_validate({}), kl_coef=0.0)
+    assert not out.tensors["advantages"].any() and not out.tensors["response_mask"].any()
+    assert GlobalCounts.of([out.tensors]) == GlobalCounts(tokens=0, sequences=0, response_width=2)
+    metrics = batch_metrics(out, scores, max_new_tokens=2)
+    assert "critic/score/mean" not in metrics and "actor/rollout_entropy" not in metrics
+    assert all(math.isfinite(v) for v in metrics.values())
