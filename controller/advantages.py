@@ -4,7 +4,9 @@ in the reward.
 Every estimator maps token rewards [B, R] and the response mask (with critic values or group ids) to
 per-token advantages [B, R], zero on masked positions: GAE and REINFORCE++ from a reward per token;
 GRPO, RLOO and REINFORCE++-baseline compare the n samples of one prompt (one "uid") by their summed
-token rewards, and a group of one sample gets 0. KL in the reward is r'_t = r_t - beta * KL_t, beta
+token rewards, and a group of one sample gets 0. A row whose reward could not be computed (`scored`
+False) is not scored: it gets no advantage and stays out of its group's statistics and the batch's
+whitening, so its group counts the rows that scored only. KL in the reward is r'_t = r_t - beta * KL_t, beta
 fixed or adapted toward a target KL (Ziegler et al., 2019).
 """
 
@@ -82,17 +84,19 @@ def _as_float(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_floating_point() else x.to(torch.float32)
 
 
-def _group_stats(scores: torch.Tensor, uids: Uids) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: the size, mean and unbiased std of its group's scores."""
+def _group_stats(
+    scores: torch.Tensor, uids: Uids, scored: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the size, mean and unbiased std of its group's scored rows; size 0 for a row not
+    scored, so that `size > 1` picks the rows that get an advantage."""
     group, n_groups = _group_index(uids, scores.shape[0])
     group = group.to(scores.device)
-    size = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
-        0, group, torch.ones_like(scores)
-    )
-    mean = torch.zeros_like(size).index_add_(0, group, scores) / size
-    sq_dev = torch.zeros_like(size).index_add_(0, group, (scores - mean[group]).square())
+    weight = torch.ones_like(scores) if scored is None else scored.to(scores)
+    size = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, group, weight)
+    mean = torch.zeros_like(size).index_add_(0, group, scores * weight) / size.clamp(min=1)
+    sq_dev = torch.zeros_like(size).index_add_(0, group, (scores - mean[group]).square() * weight)
     std = (sq_dev / (size - 1).clamp(min=1)).sqrt()
-    return size[group], mean[group], std[group]
+    return size[group] * weight, mean[group], std[group]
 
 
 @torch.no_grad()
@@ -102,11 +106,12 @@ def compute_grpo(
     response_mask: torch.Tensor,
     norm_by_std: bool = True,
     epsilon: float = 1e-6,
+    scored: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO: A_i = (s_i - mean_g) / (std_g + epsilon) on the valid tokens; norm_by_std=False is
     Dr.GRPO (no std division, so near-equal groups are not blown up)."""
     scores = _as_float(scores)
-    size, mean, std = _group_stats(scores, uids)
+    size, mean, std = _group_stats(scores, uids, scored)
     adv = scores - mean
     if norm_by_std:
         adv = adv / (std + epsilon)
@@ -115,10 +120,12 @@ def compute_grpo(
 
 
 @torch.no_grad()
-def compute_rloo(scores: torch.Tensor, uids: Uids, response_mask: torch.Tensor) -> torch.Tensor:
+def compute_rloo(
+    scores: torch.Tensor, uids: Uids, response_mask: torch.Tensor, scored: torch.Tensor | None = None
+) -> torch.Tensor:
     """RLOO: A_i = s_i - mean of the group's other scores = n / (n - 1) * (s_i - mean_g)."""
     scores = _as_float(scores)
-    size, mean, _ = _group_stats(scores, uids)
+    size, mean, _ = _group_stats(scores, uids, scored)
     adv = torch.where(size > 1, (scores - mean) * size / (size - 1).clamp(min=1), 0.0)
     return adv.unsqueeze(-1) * response_mask
 
@@ -140,12 +147,12 @@ def compute_reinforce_pp(
 
 @torch.no_grad()
 def compute_reinforce_pp_baseline(
-    scores: torch.Tensor, uids: Uids, response_mask: torch.Tensor
+    scores: torch.Tensor, uids: Uids, response_mask: torch.Tensor, scored: torch.Tensor | None = None
 ) -> torch.Tensor:
     """REINFORCE++-baseline: A = whiten(s_i - mean_g) over the batch's valid tokens (the batch sets
     the scale, steadier than GRPO's per-group std)."""
     scores = _as_float(scores)
-    size, mean, _ = _group_stats(scores, uids)
+    size, mean, _ = _group_stats(scores, uids, scored)
     centred = torch.where(size > 1, scores - mean, 0.0)
     return masked_whiten(centred.unsqueeze(-1) * response_mask, response_mask)
 
@@ -170,12 +177,16 @@ def compute_advantages(
     norm_by_std: bool = True,
     whiten: bool = True,
     epsilon: float = 1e-6,
+    scored: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both [B, R], from the estimator `name` (an AlgorithmSpec.advantage)."""
+    """(advantages, returns), both [B, R], from the estimator `name` (an AlgorithmSpec.advantage);
+    `scored` [B] bool: the rows whose reward was computed (None: all)."""
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
             f"unknown advantage estimator {name!r}; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}"
         )
+    if scored is not None:
+        response_mask = response_mask * scored.unsqueeze(-1).to(response_mask.dtype)
     if name == "gae":
         if values is None:
             raise ValueError(f"advantage estimator {name!r} needs critic values (values=[B, R])")
@@ -186,7 +197,7 @@ def compute_advantages(
         raise ValueError(f"advantage estimator {name!r} needs group ids (uids), one per sequence")
     scores = (token_rewards * response_mask).sum(dim=-1)
     options = {"norm_by_std": norm_by_std, "epsilon": epsilon} if name == "grpo" else {}
-    adv = _GROUP_ESTIMATORS[name](scores, uids, response_mask, **options)
+    adv = _GROUP_ESTIMATORS[name](scores, uids, response_mask, scored=scored, **options)
     return adv, adv  # outcome methods have no critic: "returns" are the advantages, as is customary
 
 

@@ -7,7 +7,8 @@ Async sources keep the buffer's one staleness filter (`rollout_buffer.too_stale`
 DAPO dynamic sampling (Yu et al. 2025, `sample_signal_groups`): a group whose n samples scored the same
 (after the over-long penalty) has zero group-relative advantage, so it is dropped and more prompts are
 drawn, one full loader batch a round (the loader's position always counts the prompts drawn), until
-enough groups or `max_rounds`. Extra groups are discarded; a short batch is topped up with dropped
+enough groups or `max_rounds`. Only the rows that scored count: a group with fewer than two (its
+reward function failed on the others) has no signal either. Extra groups are discarded; a short batch is topped up with dropped
 groups (groups_padded), keeping the step's size. A group's uid gets the round as a suffix: one prompt
 can come up twice in a step across epochs.
 """
@@ -22,6 +23,7 @@ import torch
 
 from controller.rollout_buffer import too_stale
 from controller.weight_publisher import WeightPublisher
+from engines.training.base import SCORED
 from workers.batch import Batch
 
 if TYPE_CHECKING:
@@ -86,10 +88,14 @@ def in_rounds(trainer: Trainer, draw: Callable[[int], Batch]) -> Scored:
     return sample_signal_groups(scored_round, spec.trainer.prompts_per_step, spec.rollout.n, ds.max_rounds)
 
 
-def uniform_groups(scores: torch.Tensor, n: int) -> torch.Tensor:
-    """[G] bool: the groups of `n` consecutive samples whose scores are all equal."""
+def uniform_groups(scores: torch.Tensor, n: int, scored: torch.Tensor | None = None) -> torch.Tensor:
+    """[G] bool: the groups of `n` consecutive samples whose scored rows (all, for None) are fewer
+    than two or all equal."""
     grouped = scores.reshape(-1, n)
-    return grouped.max(dim=1).values == grouped.min(dim=1).values
+    kept = torch.ones_like(grouped, dtype=torch.bool) if scored is None else scored.reshape(-1, n).bool()
+    high = grouped.masked_fill(~kept, -torch.inf).max(dim=1).values
+    low = grouped.masked_fill(~kept, torch.inf).min(dim=1).values
+    return (kept.sum(dim=1) < 2) | (high == low)
 
 
 def _with_round_uids(batch: Batch, round_index: int) -> Batch:
@@ -107,7 +113,7 @@ def sample_signal_groups(draw: Round, groups_wanted: int, n: int, max_rounds: in
         batch, round_scores, metrics = draw(len(batches))
         batches.append(_with_round_uids(batch, len(batches)))
         scores.append(round_scores)
-        signal.append(~uniform_groups(round_scores, n))
+        signal.append(~uniform_groups(round_scores, n, batch.tensors.get(SCORED, None)))
         round_metrics.append(metrics)
     has_signal = torch.cat(signal)
     kept, dropped = torch.nonzero(has_signal).squeeze(1), torch.nonzero(~has_signal).squeeze(1)

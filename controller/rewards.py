@@ -3,7 +3,8 @@ reference string ("builtin:NAME", "module:function", "path/to/file.py:function")
 
 A dict result carries "score" plus at most MAX_METRICS extra numeric metrics (logged as
 "reward/<name>/mean"). A sample whose function raises or returns anything but a number within
-±MAX_ABS_REWARD scores 0.0 and counts in "reward/errors"; the others of its batch are scored. User code and
+±MAX_ABS_REWARD is not scored (a 0.0 placeholder, its error in `row_errors`; the step leaves it out,
+controller/step_math.py) and counts in "reward/errors"; the others of its batch are scored. User code and
 SANDBOXED_BUILTINS run in long-lived sandboxes (workers/sandbox/); no torch or Ray at the top, because
 scoring processes import this module.
 """
@@ -131,7 +132,7 @@ SampleResult = tuple[float, dict[str, float], str | None]
 
 @dataclass
 class RewardResult:
-    scores: torch.Tensor  # [N] float32; 0.0 where scoring failed
+    scores: torch.Tensor  # [N] float32; a 0.0 placeholder where scoring failed (row_errors says where)
     metrics: dict[str, float]  # "reward/<name>/mean" per extra metric, "reward/errors"
     errors: int
     error_messages: list[str] = field(default_factory=list)  # the first few, "sample i: ..."
@@ -143,7 +144,7 @@ class RewardScorer:
     sandboxes, checked at once when the first starts. With num_workers > 0, batches over
     `parallel_threshold` split over that many processes (a built-in's unsandboxed: the service's own
     code). A chunk whose call fails as a whole (its process died, or overran `timeout_s` and was ended)
-    is scored again a row per call, so that only the rows that fail score 0.0 as errors."""
+    is scored again a row per call, so that only the rows that fail are errors."""
 
     MAX_ERROR_MESSAGES = 5
 

@@ -10,6 +10,11 @@ Over-long responses (DAPO, Yu et al. 2025): a response that stopped at its token
 
 Scores first, then the filter: the penalty shapes what the advantages see, the filter what is trained.
 
+A row whose reward function failed (raised, overran, returned no number) is not scored: `score` flags
+it in the batch (`scored` False, its score a 0.0 placeholder), and `add_advantages` takes it out of the
+advantages, its group's statistics and the loss (response mask 0; the engine's N_seqs leaves it out too),
+so a failure neither trains nor moves its group's baseline. The step's score metrics skip it.
+
 The off-policy correction of an async job (trainer.off_policy_correction): pi_behav, the rollout
 engine's log-probs; pi_prox, the trainer's before the update; pi_theta, the policy being updated;
 C = algorithm.rollout_correction.is_cap; clip(r) = clip(r, 1 - eps_low, 1 + eps_high).
@@ -25,7 +30,7 @@ import torch
 
 from controller.advantages import apply_kl_penalty, compute_advantages, scores_to_token_rewards
 from controller.rewards import RewardScorer
-from engines.training.base import GlobalCounts
+from engines.training.base import SCORED, GlobalCounts, loss_rows
 from schema.job import JobSpec
 from schema.losses import RolloutCorrectionConfig
 from schema.training import OverlongSpec
@@ -46,7 +51,8 @@ def decode_responses(batch: Batch, tokenizer: Any) -> list[str]:
 
 def score(batch: Batch, scorer: RewardScorer, tokenizer: Any) -> tuple[torch.Tensor, dict[str, float]]:
     """Sequence scores [B] from the rule reward and its metrics; each row's error goes with the batch
-    as `reward_error` (stored samples), the first few to the job's log."""
+    as `reward_error` (stored samples), the first few to the job's log, and whether it scored as
+    SCORED."""
     texts = decode_responses(batch, tokenizer)
     extras = [e if isinstance(e, dict) else None for e in batch.non_tensors.get("extra", [None] * len(batch))]
     result = scorer.score(
@@ -56,8 +62,9 @@ def score(batch: Batch, scorer: RewardScorer, tokenizer: Any) -> tuple[torch.Ten
         extras,
     )
     batch.non_tensors["reward_error"] = np.array(result.row_errors or [None] * len(batch), dtype=object)
+    batch.tensors[SCORED] = torch.tensor([e is None for e in batch.non_tensors["reward_error"]])
     if result.errors:
-        log.warning("reward function %s failed on %d of %d samples (scored 0.0): %s", scorer.ref,
+        log.warning("reward function %s failed on %d of %d samples (not trained on): %s", scorer.ref,
                     result.errors, len(batch), "; ".join(result.error_messages))  # fmt: skip
     return result.scores.float(), result.metrics
 
@@ -78,9 +85,10 @@ def response_lengths(batch: Batch) -> torch.Tensor:
 def add_advantages(
     batch: Batch, scores: torch.Tensor, spec: JobSpec, kl_coef: float
 ) -> tuple[Batch, dict[str, float]]:
-    """Token rewards (with the KL penalty when it is in the reward), then the job's estimator."""
+    """Token rewards (with the KL penalty when it is in the reward), then the job's estimator; rows not
+    scored leave the loss (response mask 0)."""
     t, a = batch.tensors, spec.algorithm
-    mask = t["response_mask"]
+    mask, scored = t["response_mask"], t.get(SCORED, None)
     rewards = scores_to_token_rewards(scores, mask)
     metrics: dict[str, float] = {}
     if a.kl_in_reward:
@@ -97,8 +105,13 @@ def add_advantages(
         gamma=a.gamma,
         lam=a.lam,
         norm_by_std=a.norm_adv_by_std,
+        scored=scored,
     )
-    batch = with_tensors(batch, token_level_rewards=rewards, advantages=advantages, returns=returns)
+    if scored is not None:
+        mask = mask * scored.unsqueeze(1).to(mask.dtype)
+    batch = with_tensors(
+        batch, token_level_rewards=rewards, advantages=advantages, returns=returns, response_mask=mask
+    )
     return batch, metrics
 
 
@@ -110,7 +123,7 @@ def reject_mismatched(batch: Batch, cfg: RolloutCorrectionConfig) -> tuple[Batch
     t = batch.tensors
     old, rollout, mask = t["old_log_probs"], t["rollout_log_probs"], t["response_mask"]
     kept, metrics = apply_rejection(mask, old, rollout, cfg)
-    counts = GlobalCounts(int(mask.sum()), len(batch), mask.shape[1])
+    counts = GlobalCounts(int(mask.sum()), loss_rows(batch.tensors), mask.shape[1])
     metrics.update(mismatch_metrics(old, rollout, mask, counts))
     return with_tensors(batch, response_mask=kept), metrics
 
@@ -132,9 +145,10 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> di
     lengths = response_lengths(batch).float()
     prompt_lengths = t["attention_mask"].sum(1).float() - lengths
     ones = torch.ones_like(scores, dtype=torch.bool)
+    scored = t.get(SCORED, ones)  # a failed reward's 0.0 placeholder is no score
     metrics = {
-        **_masked_stats("critic/score", scores, ones),
-        **_masked_stats("critic/rewards", t["token_level_rewards"].sum(1), ones),
+        **_masked_stats("critic/score", scores, scored),
+        **_masked_stats("critic/rewards", t["token_level_rewards"].sum(1), scored),
         **_masked_stats("critic/advantages", t["advantages"], mask),
         **_masked_stats("critic/returns", t["returns"], mask),
         **_masked_stats("response_length", lengths, ones),
@@ -147,7 +161,7 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> di
     }
     if "values" in t.keys():
         metrics.update(_masked_stats("critic/values", t["values"], mask))
-    if "entropy" in t.keys():
+    if "entropy" in t.keys() and mask.any():  # no token left (every reward failed): no mean, not NaN
         metrics["actor/rollout_entropy"] = float(t["entropy"][mask.bool()].mean())
     return metrics
 

@@ -22,7 +22,8 @@ from controller.advantages import (
     masked_whiten,
     scores_to_token_rewards,
 )
-from controller.step_math import add_advantages
+from controller.step_math import add_advantages, batch_metrics
+from engines.training.base import SCORED, GlobalCounts
 from schema.job import JobSpec
 from workers.batch import Batch
 
@@ -279,3 +280,68 @@ def test_kl_in_reward_takes_the_coefficient_times_the_token_kl_off_the_rewards()
     plain, none = add_advantages(batch, scores, JobSpec.model_validate({}), kl_coef=0.1)
     torch.testing.assert_close(plain.tensors["token_level_rewards"][:, 1], torch.tensor([1.0, 0, 0, 0]))
     assert none == {}
+
+
+# ---- rows whose reward failed ----------------------------------------------------------------------
+
+
+def failed_rows_batch() -> tuple[Batch, torch.Tensor]:
+    """Three prompts of four samples, two response tokens each; False in SCORED: the reward failed
+    (its score a 0.0 placeholder). Prompt a: scored [1, 0, 0.5] and one failure; b: one scored row;
+    c: none."""
+    scored = torch.tensor([True, True, False, True, False, True, False, False, False, False, False, False])
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.0, 0.7, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    tensors = {
+        "response_mask": torch.ones(12, 2),
+        "attention_mask": torch.ones(12, 3, dtype=torch.long),
+        SCORED: scored,
+    }
+    return Batch.from_dict(tensors=tensors, non_tensors={"uid": list("aaaabbbbcccc")}), scores
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "prompt_a"),
+    [
+        # scored [1, 0, 0.5]: mean 0.5, unbiased std sqrt((0.25 + 0.25 + 0) / 2) = 0.5
+        ({"advantage": "grpo"}, [1.0, -1.0, 0.0, 0.0]),
+        ({"advantage": "grpo", "norm_adv_by_std": False}, [0.5, -0.5, 0.0, 0.0]),  # Dr.GRPO
+        ({"advantage": "rloo"}, [0.75, -0.75, 0.0, 0.0]),  # 3 / 2 * (s - 0.5)
+    ],
+)
+def test_failed_rows_get_no_advantage_no_loss_mask_and_stay_out_of_their_group(algorithm, prompt_a):
+    batch, scores = failed_rows_batch()
+    out, _ = add_advantages(batch, scores, JobSpec.model_validate({"algorithm": algorithm}), kl_coef=0.0)
+    advantages = out.tensors["advantages"]
+    # Prompt b has one scored row, as a one-sample group: 0; prompt c none: 0, not NaN.
+    want = torch.tensor(prompt_a + [0.0] * 8)[:, None].expand(12, 2)
+    torch.testing.assert_close(advantages, want, rtol=0, atol=1e-5)
+    assert out.tensors["response_mask"].sum(1).tolist() == [2, 2, 0, 2, 0, 2] + [0] * 6
+    metrics = batch_metrics(out, scores, max_new_tokens=2)
+    assert metrics["critic/score/mean"] == pytest.approx((1.0 + 0.0 + 0.5 + 0.7) / 4, abs=1e-6)
+    assert metrics["critic/score/min"] == 0.0 and metrics["critic/score/max"] == 1.0
+
+
+def test_failed_rows_stay_out_of_the_batch_whitening():
+    """REINFORCE++-baseline: centred scores of prompt a [0.5, -0.5, 0] (b and c: 0) whitened over the
+    8 tokens of the 4 rows that scored (two tokens each), not the batch's 24."""
+    batch, scores = failed_rows_batch()
+    spec = JobSpec.model_validate({"algorithm": {"advantage": "reinforce_pp_baseline"}})
+    out, _ = add_advantages(batch, scores, spec, kl_coef=0.0)
+    tokens = [0.5, 0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0]
+    whitened = naive_whiten(tokens)
+    want = torch.zeros(12, 2)
+    for row, value in zip([0, 1, 3, 5], whitened[::2], strict=True):
+        want[row] = value
+    torch.testing.assert_close(out.tensors["advantages"], want, rtol=0, atol=1e-5)
+
+
+def test_a_batch_whose_every_reward_failed_trains_nothing_and_reports_no_score():
+    batch, scores = failed_rows_batch()
+    batch.tensors[SCORED] = torch.zeros(12, dtype=torch.bool)
+    batch.tensors["entropy"] = torch.ones(12, 2)  # the rollout's, when it reports one
+    out, _ = add_advantages(batch, scores, JobSpec.model_validate({}), kl_coef=0.0)
+    assert not out.tensors["advantages"].any() and not out.tensors["response_mask"].any()
+    assert GlobalCounts.of([out.tensors]) == GlobalCounts(tokens=0, sequences=0, response_width=2)
+    metrics = batch_metrics(out, scores, max_new_tokens=2)
+    assert "critic/score/mean" not in metrics and "actor/rollout_entropy" not in metrics
+    assert all(math.isfinite(v) for v in metrics.values())

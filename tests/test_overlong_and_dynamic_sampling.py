@@ -9,6 +9,7 @@ import torch
 
 from controller.batch_source import sample_signal_groups, uniform_groups
 from controller.step_math import apply_overlong, overlong_penalty
+from engines.training.base import SCORED
 from schema.job import JobSpec
 from schema.training import OverlongSpec
 from workers.batch import Batch
@@ -212,3 +213,23 @@ def test_the_penalty_buffer_of_a_multiturn_job_is_checked_against_its_trajectory
         multiturn_spec(penalty_buffer=41)
     single = JobSpec.model_validate({"rollout": {"max_new_tokens": 8}})
     assert (single.rollout.response_budget_field, single.rollout.response_budget) == ("max_new_tokens", 8)
+
+
+def test_a_group_with_fewer_than_two_scored_rows_or_equal_scored_rows_has_no_signal():
+    """A failed reward's 0.0 placeholder (SCORED False) is no score: [1, failed] has one scored row,
+    [0.5, 0.5, failed] is uniform over the rows that scored, [1, 0] has signal."""
+    threes = torch.tensor([0.5, 0.5, 0.0, 1.0, 0.0, 1.0])
+    scored_threes = torch.tensor([True, True, False, True, False, True])
+    assert uniform_groups(threes, 3, scored_threes).tolist() == [True, True]
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.0, 0.0, 1.0, 0.0])
+    scored = torch.tensor([True, False, True, True, False, False, True, True])
+    assert uniform_groups(scores, 2, scored).tolist() == [True, True, True, False]
+
+    def draw(round_index: int):
+        batch = rollout_batch([1] * 8, [0] * 8, uids=[f"p{i // 2}" for i in range(8)])
+        batch.tensors[SCORED] = scored
+        return batch, scores, {}
+
+    batch, kept, metrics = sample_signal_groups(draw, groups_wanted=1, n=N, max_rounds=1)
+    assert kept.tolist() == [1.0, 0.0] and list(batch.non_tensors["uid"]) == ["p3/0", "p3/0"]
+    assert metrics["dynamic_sampling/groups_dropped"] == 3.0

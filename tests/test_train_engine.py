@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from engines.training import checkpoint_paths
+from engines.training.base import SCORED
 from engines.training.fsdp import state as ckpt
 from engines.training.fsdp.engine import FSDPEngine
 from engines.training.fsdp.modules import ModelLoadError
@@ -70,6 +71,26 @@ def test_gradients_do_not_depend_on_the_micro_batch_split(tiny_model_dir, hf_ref
         # The logged loss is the whole-batch loss, whatever the split.
         assert out.metrics["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-7), f"{mode}/{split_name}"
         assert out.metrics["pg_loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+
+
+def test_rows_not_scored_leave_the_loss_and_its_sequence_count(tiny_model_dir, hf_reference):
+    """Rows whose reward failed (SCORED False, response mask 0, as controller/step_math.py leaves
+    them) add nothing and are not counted: the loss and gradients are those of the scored rows alone,
+    in every aggregation mode (token-mean by the mask; the seq-mean modes by N_seqs)."""
+    batch, failed, scored_rows = make_batch(), [1, 4], [0, 2, 3, 5]
+    batch[SCORED] = torch.ones(len(batch), dtype=torch.bool)
+    batch[SCORED][failed] = False
+    batch["response_mask"][failed] = 0
+    alone = batch[torch.tensor(scored_rows)].exclude(SCORED)
+    engine = make_engine(tiny_model_dir, micro_batch=SPLITS["mbs2"])
+    for mode in MODES:
+        ref_loss, ref = reference_grads(hf_reference, alone, mode)
+        with engine.train_mode():
+            engine.optimizer_zero_grad()
+            out = engine.forward_backward_batch(batch, pg_loss(mode))
+            grads = full_grads(engine)
+        assert out.metrics["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-7), mode
+        assert max_rel_diff(grads, ref) <= 1e-5, mode
 
 
 def test_dynamic_batching_respects_the_budget_and_keeps_order(tiny_model_dir, hf_reference):

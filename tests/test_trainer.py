@@ -4,6 +4,7 @@ the next step exactly; hyper-parameter edits and stop requests act at step bound
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 
@@ -54,13 +55,27 @@ def comparable(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.startswith(NONDETERMINISTIC)}
 
 
+def digits_or_failure(prompt: str, response: str, ground_truth, extra) -> dict:
+    """digit_reward, raising on about a quarter of the responses (by a hash of their text)."""
+    if zlib.crc32(response.encode()) % 4 == 0:
+        raise ValueError("no score for this one")
+    return {"score": sum(ch.isdigit() for ch in response) / max(len(response), 1)}
+
+
+# Every sample of a step stored, and a reward function that fails on some of them.
+GRPO_RUN = {
+    "reward": {"function": "tests.test_trainer:digits_or_failure"},
+    "trainer": {"samples_per_step": 16},
+}
+
+
 @pytest.fixture(scope="module")
 def grpo_run(ray_cluster, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("grpo")
     monkey = pytest.MonkeyPatch()
     monkey.setenv("TANDEM_HOME", str(tmp_path_factory.getbasetemp() / "home"))
     try:
-        return (workdir, *run(job_spec(), workdir))
+        return (workdir, *run(job_spec(**GRPO_RUN), workdir))
     finally:
         monkey.undo()
 
@@ -100,10 +115,27 @@ def test_grpo_runs_end_to_end(grpo_run):
     assert kinds.count("checkpoint") == 2 and "exported" in kinds  # steps 2 and 3 (the end)
 
 
+def test_rows_whose_reward_failed_are_not_trained_on_nor_scored(grpo_run):
+    workdir, _, sink, _ = grpo_run
+    stored = [json.loads(line) for line in (workdir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in stored] == [1, 2, 3]
+    for record, step in zip(stored, sink.history[1:], strict=True):
+        failed = [s for s in record["samples"] if "no score for this one" in s.get("error", "")]
+        scored = [s for s in record["samples"] if "error" not in s]
+        assert len(failed) + len(scored) == 16 and len(failed) == step["values"]["reward/errors"]
+        assert all(s["tokens"]["trained"] == 0 for s in failed)  # no gradient from their tokens
+        assert all(s["tokens"]["trained"] > 0 for s in scored)
+        mean = sum(s["reward"] for s in scored) / len(scored)
+        assert step["values"]["critic/score/mean"] == pytest.approx(mean, abs=1e-6)
+    assert sum(r["values"]["reward/errors"] for r in sink.history[1:]) > 0
+
+
 def test_resumed_job_reproduces_the_next_step(grpo_run, tmp_path):
     workdir, _, sink, _ = grpo_run
     step3 = next(r["values"] for r in sink.history if r["step"] == 3)
-    resumed_spec = job_spec(checkpoint={"resume_from": str(workdir / "checkpoints" / "step_00000002")})
+    resumed_spec = job_spec(
+        **GRPO_RUN, checkpoint={"resume_from": str(workdir / "checkpoints" / "step_00000002")}
+    )
     _, resumed_sink, last = run(resumed_spec, tmp_path / "resumed")
     assert [r["step"] for r in resumed_sink.history] == [3]
     assert "resumed" in [e["kind"] for e in resumed_sink.events]

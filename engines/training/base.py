@@ -3,8 +3,9 @@ touches a model.
 
 A batch is a TensorDict over samples: input_ids / attention_mask [B, T] (prompt left-padded, response
 right-padded, T = P + R), optional position_ids, responses / response_mask [B, R], optional
-needs_backward [B] (False: the row's loss has zero gradient, so it runs forward only), and whatever
-the loss reads.
+needs_backward [B] (False: the row's loss has zero gradient, so it runs forward only), optional
+scored [B] (False: a row left out of the loss, its response mask 0, not counted in N_seqs either), and
+whatever the loss reads.
 
 The loss contract: `loss_fn(micro_batch, outputs, counts)` runs once per micro-batch on [mb, R]
 outputs ("log_probs", "entropy" when asked, "values" for a value head) and normalises by `counts`,
@@ -41,13 +42,19 @@ class GlobalCounts:
         """The counts of several calls' rows taken together (all of them, over every rank)."""
         return cls(
             tokens=int(sum(int(b["response_mask"].sum()) for b in batches)),
-            sequences=sum(int(b.batch_size[0]) for b in batches),
+            sequences=sum(loss_rows(b) for b in batches),
             response_width=max(int(b["response_mask"].shape[1]) for b in batches),
         )
 
 
 MAX_SUFFIX = "_max"
-NEEDS_BACKWARD = "needs_backward"  # the optional batch key of the module docstring
+NEEDS_BACKWARD = "needs_backward"  # the optional batch keys of the module docstring
+SCORED = "scored"
+
+
+def loss_rows(batch: TensorDict) -> int:
+    """The rows a loss averages over (N_seqs): all but those flagged not SCORED."""
+    return int(batch[SCORED].sum()) if SCORED in batch.keys() else int(batch.batch_size[0])
 
 
 def combine_metric(metrics: dict[str, float], key: str, value: float) -> None:

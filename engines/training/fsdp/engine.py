@@ -28,6 +28,7 @@ from engines.training.base import (
     LossFn,
     TrainEngine,
     combine_metric,
+    loss_rows,
 )
 from engines.training.fsdp import lora
 from engines.training.fsdp.build import ModelBuildMixin, PlacementMixin
@@ -190,9 +191,7 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, PlacementMixin, TrainEngine):
                 param.grad = torch.zeros_like(param)
 
     def _global_counts(self, batch: TensorDict, width: int) -> GlobalCounts:
-        tokens, sequences = all_reduce(
-            [float(batch["response_mask"].sum()), batch.batch_size[0]], self.device
-        )
+        tokens, sequences = all_reduce([float(batch["response_mask"].sum()), loss_rows(batch)], self.device)
         return GlobalCounts(int(tokens), int(sequences), self._agree(width))
 
     def _agree(self, count: int) -> int:
