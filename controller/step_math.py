@@ -86,7 +86,7 @@ def add_advantages(
     batch: Batch, scores: torch.Tensor, spec: JobSpec, kl_coef: float
 ) -> tuple[Batch, dict[str, float]]:
     """Token rewards (with the KL penalty when it is in the reward), then the job's estimator; rows not
-    scored leave the loss (response mask 0)."""
+    scored, and those the over-long filter keeps out, leave the loss (response mask 0)."""
     t, a = batch.tensors, spec.algorithm
     mask, scored = t["response_mask"], t.get(SCORED, None)
     rewards = scores_to_token_rewards(scores, mask)
@@ -107,8 +107,9 @@ def add_advantages(
         norm_by_std=a.norm_adv_by_std,
         scored=scored,
     )
-    if scored is not None:
-        mask = mask * scored.unsqueeze(1).to(mask.dtype)
+    for rows in (scored, t.get(OVERLONG_KEPT, None)):  # out of the loss now, after their group used them
+        if rows is not None:
+            mask = mask * rows.unsqueeze(1).to(mask.dtype)
     batch = with_tensors(
         batch, token_level_rewards=rewards, advantages=advantages, returns=returns, response_mask=mask
     )
@@ -174,11 +175,14 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, fa
     return -factor * excess / buffer
 
 
+OVERLONG_KEPT = "overlong_kept"  # [B] bool: False for a row the over-long filter keeps out of the loss
+
+
 def apply_overlong(
     batch: Batch, scores: torch.Tensor, cfg: OverlongSpec, max_new_tokens: int
 ) -> tuple[Batch, torch.Tensor, dict[str, float]]:
-    """The penalised scores and the filtered batch, with overlong/truncated_frac, masked_frac and
-    penalty_mean; `max_new_tokens` is the samples' budget L_max."""
+    """The penalised scores and the batch with the filter's rows flagged (OVERLONG_KEPT), with
+    overlong/truncated_frac, masked_frac and penalty_mean; `max_new_tokens` is the samples' budget L_max."""
     t = batch.tensors
     metrics: dict[str, float] = {}
     if "truncated" in t.keys():
@@ -192,8 +196,7 @@ def apply_overlong(
     if cfg.filter:
         if "truncated" not in t.keys():
             raise KeyError("algorithm.overlong.filter needs the rollout's 'truncated' flags in the batch")
-        keep = (t["truncated"] == 0).unsqueeze(1).to(t["response_mask"].dtype)
-        batch = with_tensors(batch, response_mask=t["response_mask"] * keep)
+        batch = with_tensors(batch, **{OVERLONG_KEPT: t["truncated"] == 0})  # add_advantages masks them
         metrics["overlong/masked_frac"] = float(t["truncated"].float().mean())
     return batch, scores, metrics
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from controller.batch_source import sample_signal_groups, uniform_groups
-from controller.step_math import apply_overlong, overlong_penalty
+from controller.step_math import OVERLONG_KEPT, add_advantages, apply_overlong, overlong_penalty
 from engines.training.base import SCORED
 from schema.job import JobSpec
 from schema.training import OverlongSpec
@@ -46,14 +46,29 @@ def test_overlong_filter_and_penalty_on_a_batch():
     cfg = OverlongSpec(filter=True, penalty_buffer=2, penalty_factor=1.0)
     out, penalised, metrics = apply_overlong(batch, scores, cfg, max_new_tokens=4)
     torch.testing.assert_close(penalised, torch.tensor([0.0, 1.0, -0.5, -0.5]))
-    assert out.tensors["response_mask"].sum(1).tolist() == [0, 2, 3, 4]  # only the truncated row is out
-    assert batch.tensors["response_mask"].sum() == 13  # the input batch is untouched
+    assert out.tensors[OVERLONG_KEPT].tolist() == [False, True, True, True]  # only the truncated row is out
+    assert "overlong_kept" not in batch.tensors.keys()  # the input batch is untouched
     assert metrics == pytest.approx(
         {"overlong/truncated_frac": 0.25, "overlong/masked_frac": 0.25, "overlong/penalty_mean": -2.5 / 4}
     )
     unchanged, same, metrics = apply_overlong(batch, scores, OverlongSpec(), max_new_tokens=4)
     assert torch.equal(unchanged.tensors["response_mask"], batch.tensors["response_mask"])
     assert torch.equal(same, scores) and metrics == {"overlong/truncated_frac": 0.25}
+
+
+def test_a_filtered_row_leaves_the_loss_but_its_penalised_score_stays_in_its_groups_baseline():
+    """GRPO over one group of 4, the first row truncated: its penalised score -1.0 enters the group's mean
+    and std (it entered as 0, its response mask cleared before the rewards were placed), and it leaves
+    the loss alone."""
+    batch = rollout_batch(lengths=[4, 2, 3, 1], truncated=[1, 0, 0, 0], uids=["g"] * 4)
+    cfg = OverlongSpec(filter=True, penalty_buffer=2, penalty_factor=1.0)
+    out, penalised, _ = apply_overlong(batch, torch.tensor([0.0, 1.0, 0.5, 0.5]), cfg, max_new_tokens=4)
+    trained, _ = add_advantages(out, penalised, JobSpec.model_validate({}), kl_coef=0.0)
+    s = torch.tensor([-1.0, 1.0, 0.0, 0.5])  # penalties: 4 tokens -1, 3 tokens -0.5
+    want = (s - s.mean()) / (s.std() + 1e-6)
+    got = trained.tensors["advantages"][:, 0]
+    torch.testing.assert_close(got[1:], want[1:], rtol=0, atol=1e-5)
+    assert trained.tensors["response_mask"].sum(1).tolist() == [0, 2, 3, 1]
 
 
 def test_overlong_options_are_checked_against_the_budget():
@@ -199,7 +214,7 @@ def test_a_trajectory_is_penalised_against_its_response_token_budget_not_max_new
         batch, batch.tensors["env_rewards"], spec.algorithm.overlong, spec.rollout.response_budget
     )
     torch.testing.assert_close(penalised, torch.tensor([1.0, 1.0 - 0.4, 1.0 - 1.0]))
-    assert out.tensors["response_mask"].sum(1).tolist() == [6, 0, 0]  # truncated by turns or budget
+    assert out.tensors[OVERLONG_KEPT].tolist() == [True, False, False]  # truncated by turns or budget
     assert metrics == pytest.approx(
         {"overlong/truncated_frac": 2 / 3, "overlong/masked_frac": 2 / 3, "overlong/penalty_mean": -1.4 / 3}
     )
