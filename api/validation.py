@@ -11,7 +11,7 @@ from pathlib import Path
 from api.errors import APIError, invalid
 from api.settings import ServeSettings
 from controller import checkpoints
-from controller.models import BUILTIN_MODEL_NAMES
+from controller.models import BUILTIN_MODEL_NAMES, context_length
 from controller.tasks import BUILTIN_TASKS
 from controller.user_code import UserCodeRefused, check_callable
 from engines.models.pretrained import PACKAGED_MODELS, PackagedModelMissing, packaged_gguf
@@ -124,6 +124,7 @@ class Checker:
                 raise invalid("model.builtin", str(err), "extra_not_installed") from None
         self.folder(m.path, "model.path", "Hugging Face model")
         self.folder(m.critic_path, "model.critic_path", "Hugging Face model")
+        self.context(spec)
         if d.train_path is None and d.builtin_task not in BUILTIN_TASKS:
             why = f"unknown task '{d.builtin_task}'; choose one of {sorted(BUILTIN_TASKS)}"
             raise invalid("data.builtin_task", why)
@@ -147,6 +148,23 @@ class Checker:
         why = available_backends().get(spec.rollout.backend)
         if why is not None:
             raise invalid("rollout.backend", why, "backend_unavailable")
+
+    def context(self, spec: JobSpec) -> None:
+        """A prompt and its response must fit the model's positions: past them a rope model degrades
+        without a word, and vLLM refuses the prompt. A context that cannot be read is let through."""
+        m, rollout = spec.model, spec.rollout
+        if rollout.source == "external":  # the endpoint bounds each agent's call by the context itself
+            return
+        folder = Path(m.path).expanduser() if m.path else self.home / "models" / str(m.builtin)
+        context = context_length(folder)
+        if context is None and m.builtin in BUILTIN_MODELS:  # not built yet: its shape is known
+            context = BUILTIN_MODELS[m.builtin].max_position_embeddings
+        field, prompt = f"rollout.{rollout.response_budget_field}", spec.data.max_prompt_length
+        longest = prompt + rollout.response_budget
+        if context is not None and longest > context:
+            why = (f"data.max_prompt_length ({prompt}) + {field} ({rollout.response_budget}) = {longest} "
+                   f"tokens, past the model's context of {context}: lower one of them")  # fmt: skip
+            raise invalid(field, why, "context_length_exceeded")
 
     def lora(self, spec: JobSpec) -> None:
         """model.lora against the base's linear layers (torch-free: safetensors headers)."""

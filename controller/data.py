@@ -19,12 +19,17 @@ import torch
 from controller.data_files import DataError, read_records
 from controller.reasoning_gym_task import write_reasoning_gym_files
 from controller.tasks import write_splits
-from schema.job import DataSpec
+from schema.job import DataSpec, JobSpec
 from workers.batch import Batch
 from workers.chat_serving import ChatDelta
 
 MAX_CHARS_PER_TOKEN = 64  # no tokenizer's text averages near this many characters a token
 TOKENIZE_CHUNK = 4096
+# Built-ins that score a response against its row's ground truth (a missing one reads as "None"): the
+# rule rewards, and the environments that score a multi-turn job in their place.
+_TRUTH_REWARDS = "exact_match numeric_match math_verify arithmetic arithmetic_partial word_problems"
+GROUND_TRUTH_REWARDS = frozenset(f"builtin:{name}" for name in _TRUTH_REWARDS.split())
+GROUND_TRUTH_ENVIRONMENTS = frozenset({"builtin:calculator", "builtin:guess_number"})
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class PromptDataset:
         max_prompt_length: int | None = None,
         chat_template: bool | None = None,
         source: str = "<rows>",
+        require_ground_truth: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.prompt_key, self.ground_truth_key, self.extra_key = prompt_key, ground_truth_key, extra_key
@@ -66,6 +72,8 @@ class PromptDataset:
         self.filtered: dict[str, int] = {}
         if not records:
             raise DataError(f"{source}: the data set has no rows")
+        if require_ground_truth:
+            self._check_ground_truth(records)
         texts = [self._render(record, where) for where, record in records]
         fits = [_may_fit(text, max_prompt_length) for text in texts]
         ids = self._tokenize([text if fit else "" for text, fit in zip(texts, fits, strict=True)])
@@ -159,6 +167,15 @@ class PromptDataset:
                 "chat template: give plain-string prompts or a tokenizer with a chat template"
             )
         return prompt
+
+    def _check_ground_truth(self, records: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        lacking = [where for where, record in records if record.get(self.ground_truth_key) is None]
+        if lacking:
+            raise DataError(
+                f"{self.source} {lacking[0]}: no ground truth '{self.ground_truth_key}' ({len(lacking)} of "
+                f"{len(records)} rows lack it); the job's reward compares every response with it: give each "
+                "row one, or name the column that holds it in data.ground_truth_key"
+            )
 
     def _make_row(
         self, index: int, where: str, record: dict[str, Any], text: str, ids: list[int]
@@ -361,9 +378,21 @@ def build_dataset(
     spec: DataSpec,
     sft: bool = False,
     max_response_length: int | None = None,
+    ground_truth: bool = False,
 ) -> PromptDataset:
+    """`ground_truth`: every row must have one (`needs_ground_truth`)."""
     keys = ("prompt_key", "ground_truth_key", "extra_key", "max_prompt_length")
     options: dict[str, Any] = {key: getattr(spec, key) for key in keys}
+    options["require_ground_truth"] = ground_truth
     if sft:
         options.update(response_key=spec.response_key, max_response_length=max_response_length)
     return (SFTDataset if sft else PromptDataset).from_file(path, tokenizer, **options)
+
+
+def needs_ground_truth(spec: JobSpec) -> bool:
+    """Whether the job scores its rows with a built-in that compares responses with their ground truth."""
+    if spec.method == "sft" or spec.rollout.source != "prompts":
+        return False
+    if spec.rollout.environment is not None:
+        return spec.rollout.environment in GROUND_TRUTH_ENVIRONMENTS
+    return spec.reward.function in GROUND_TRUTH_REWARDS

@@ -27,6 +27,7 @@ from controller.external_store import (
     tools_key,
     trajectory_view,
 )
+from controller.models import context_length
 from engines.rollout.constrained import Constraint, ConstraintError, build_constraint
 from schema.external import ExternalSpec
 from schema.openai_bodies import ChatCompletionRequest, CompletionRequest, RewardRequest
@@ -39,7 +40,6 @@ CALL_TOKEN_BUDGET = 1 << 19  # n x (prompt + new tokens): what one call may put 
 # A grammar's compile time on the replica grows faster than its size; these bound it to seconds.
 MAX_TOOLS_CHARS = 1 << 18
 MAX_GRAMMAR_CHARS = 1 << 20
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 BODIES = {"chat": ChatCompletionRequest, "completion": CompletionRequest}
 
 
@@ -310,19 +310,6 @@ def _answer(
     usage = {"prompt_tokens": prompt, "completion_tokens": sampled, "total_tokens": prompt + sampled}
     return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
             "model": body["model"], "choices": choices, "usage": usage, "tandem": tandem}  # fmt: skip
-
-
-def context_length(model_path: str) -> int | None:
-    """The longest sequence the model takes, from its config (None: it does not say)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
-    config = getattr(config, "text_config", None) or config
-    for key in _CONTEXT_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def new_tokens(prompt_len: int, body: dict[str, Any], context: int | None, prompt_field: str) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 import torch
 
-from controller.data import PromptLoader, build_dataset, resolve_data_files
+from controller.data import PromptLoader, build_dataset, needs_ground_truth, resolve_data_files
 from controller.groups import (
     ActorGroup,
     CriticGroup,
@@ -70,15 +70,15 @@ class JobSetup:
         model_path = resolve_model_path(spec.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         train_file, val_file = resolve_data_files(spec.data, workdir, seed=spec.trainer.seed)
-        sft = spec.method == "sft"
-        train = build_dataset(train_file, tokenizer, spec.data, sft, spec.rollout.max_new_tokens)
+        sft, truth = spec.method == "sft", needs_ground_truth(spec)
+        train = build_dataset(train_file, tokenizer, spec.data, sft, spec.rollout.max_new_tokens, truth)
         if train.num_filtered:
             why = f"{train.num_filtered} training prompts longer than {spec.data.max_prompt_length} tokens"
             sink.event("data_filtered", f"{why} were dropped", **train.stats)
         loader = PromptLoader(train, spec.trainer.prompts_per_step, spec.trainer.seed, spec.data.shuffle)
         val_batch = None
         if val_file is not None and spec.trainer.val_every:
-            val = build_dataset(val_file, tokenizer, spec.data)
+            val = build_dataset(val_file, tokenizer, spec.data, ground_truth=truth)
             val_batch = val.head(spec.trainer.val_size)
             put_sampling(val_batch, spec.rollout.sampling_params(seed=0, greedy=spec.trainer.val_greedy))
             put_prompt_length(val_batch, spec.data.max_prompt_length)

@@ -4,6 +4,8 @@ engines/models/pretrained.py) built on first use under `$TANDEM_HOME/models/<nam
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 
@@ -12,6 +14,9 @@ from engines.models.tiny_models import BUILTIN_MODELS, build_builtin_model
 from schema.job import ModelSpec
 
 BUILTIN_MODEL_NAMES: tuple[str, ...] = tuple(sorted([*BUILTIN_MODELS, *PACKAGED_MODELS]))
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+_STRETCHING = ("linear", "dynamic", "yarn")  # rope scalings whose factor multiplies the positions
+MAX_CONFIG_BYTES = 1 << 20  # a model's config.json is kilobytes; a larger one is not read
 
 
 def tandem_home() -> Path:
@@ -36,3 +41,29 @@ def resolve_model_path(spec: ModelSpec, home: Path | None = None) -> str:
             f"model.path '{spec.path}' is not a Hugging Face model folder (no config.json there)"
         )
     return str(folder)
+
+
+def context_length(folder: str | Path) -> int | None:
+    """The longest sequence the model in `folder` takes, from its config.json, read as JSON (the API
+    process has no transformers); a rope scaled by a factor stretches it, as vLLM counts it. None: the
+    config does not say, or cannot be read."""
+    path = Path(folder) / "config.json"
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:
+            return None
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    config = config if isinstance(config, dict) else {}
+    config = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    length = next((v for k in _CONTEXT_KEYS if _positive_int(v := config.get(k))), None)
+    scaling = config.get("rope_scaling")
+    if length and isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in _STRETCHING:
+        factor = scaling.get("factor")
+        if isinstance(factor, int | float) and 1 < factor and math.isfinite(factor):
+            length = int(length * factor)
+    return length
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

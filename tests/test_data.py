@@ -18,11 +18,12 @@ from controller.data import (
     PromptLoader,
     SFTDataset,
     build_dataset,
+    needs_ground_truth,
     read_records,
     resolve_data_files,
 )
 from engines.models.tiny_models import build_tokenizer
-from schema.job import DataSpec
+from schema.job import DataSpec, JobSpec
 
 ROWS = [
     {"question": "1+1=", "answer": "2", "meta": {"level": 1}},
@@ -343,3 +344,45 @@ def test_a_parquet_that_expands_past_the_limit_is_refused(tmp_path, monkeypatch)
         DataError, match="bomb.parquet: 2,0[0-9,]+ bytes uncompressed; a job reads at most 1,000,000"
     ):
         read_records(tmp_path / "bomb.parquet")
+
+
+# ---- rows a built-in reward cannot score ------------------------------------------------------
+
+
+def test_a_row_without_ground_truth_is_refused_for_a_builtin_reward(tmp_path, tokenizer):
+    rows = [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(10)]
+    rows[6] = {"question": "6+1="}  # line 7: no answer
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    spec = JobSpec(data={"train_path": str(path), "prompt_key": "question", "ground_truth_key": "answer"})
+    assert needs_ground_truth(spec)  # builtin:arithmetic, the default
+    with pytest.raises(DataError, match=r"d.jsonl line 7: no ground truth 'answer' \(1 of 10 rows lack it\)"):
+        build_dataset(path, tokenizer, spec.data, ground_truth=True)
+    rows[2]["answer"] = None  # a null is no ground truth either; the first such row is named
+    with pytest.raises(DataError, match=r"line 3: no ground truth 'answer' \(2 of 10 rows"):
+        build_dataset(write_jsonl(path, rows), tokenizer, spec.data, ground_truth=True)
+    rows[2]["answer"] = rows[6]["answer"] = "0"
+    assert len(build_dataset(write_jsonl(path, rows), tokenizer, spec.data, ground_truth=True)) == 10
+
+
+@pytest.mark.parametrize(
+    "section, wanted",
+    [
+        ({"reward": {"function": "builtin:exact_match"}}, True),
+        ({"reward": {"function": "builtin:numeric_match"}}, True),
+        ({"reward": {"function": "builtin:format_boxed"}}, False),  # reads the response alone
+        ({"reward": {"function": "tests.reward_fns:digit_reward"}}, False),  # user code decides
+        ({"reward": {"function": None, "model_path": "/m"}}, False),
+        ({"rollout": {"environment": "builtin:calculator"}}, True),  # the environment scores
+        ({"rollout": {"environment": "tests.multiturn_envs:ScriptedEnv"}}, False),
+        ({"method": "sft"}, False),
+        ({"rollout": {"source": "external"}}, False),  # agents report the rewards
+    ],
+)
+def test_which_jobs_need_a_ground_truth(section, wanted, tmp_path, tokenizer):
+    spec = JobSpec(**section)
+    assert needs_ground_truth(spec) is wanted
+    if not wanted:  # such a job loads rows without one, as before
+        path = write_jsonl(
+            tmp_path / "d.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2=", "ground_truth": None}]
+        )
+        assert len(build_dataset(path, tokenizer, spec.data, ground_truth=needs_ground_truth(spec))) == 2

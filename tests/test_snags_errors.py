@@ -43,6 +43,7 @@ CROSS_FIELD = [
     ({"algorithm": {"ppo_mini_batch_size": 3}}, "algorithm.ppo_mini_batch_size"),
     ({"resources": {"rollout": {"workers": 1}}}, "resources.rollout"),
     ({"metadata": {".hidden": "x"}}, "metadata"),
+    ({"rollout": {"max_new_tokens": 449}}, "rollout.max_new_tokens"),  # 64 + 449 past tiny-qwen2's 512
 ]  # fmt: skip
 
 
