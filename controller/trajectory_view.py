@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from engines.training.base import SCORED
 from workers.batch import Batch
 
 log = logging.getLogger("tandem.job")
@@ -45,9 +46,10 @@ MAX_TEXT = 2000  # characters kept of any one text field of a stored sample
 
 
 def step_samples(batch: Batch, scores: Any, tokenizer: Any, count: int) -> list[dict[str, Any]]:
-    """The first `count` trajectories of a step, readable: prompt, turns, reward, tokens trained on
-    (a single-turn row: the prompt and one assistant turn)."""
+    """The first `count` trajectories of a step, readable: prompt, turns, reward (None where it was not
+    scored: its reward failed), tokens trained on (a single-turn row: the prompt and one assistant turn)."""
     t, nt = batch.tensors, batch.non_tensors
+    scored = t.get(SCORED, None)
     width = t["response_mask"].shape[1]
     out = []
     for i in range(min(count, len(batch))):
@@ -65,7 +67,7 @@ def step_samples(batch: Batch, scores: Any, tokenizer: Any, count: int) -> list[
                 "uid": str(nt["uid"][i]) if "uid" in nt else str(i),
                 "prompt": _cut(prompt),
                 "turns": [{"role": m["role"], "content": _cut(m["content"])} for m in turns],
-                "reward": float(scores[i]),
+                "reward": float(scores[i]) if scored is None or bool(scored[i]) else None,
                 "finish_reason": _finish_reason(nt, i, response, trained, width, tokenizer),
                 "tokens": {
                     "prompt": int(t["attention_mask"][i].sum()) - len(response),

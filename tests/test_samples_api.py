@@ -67,8 +67,8 @@ def test_cli_prints_a_step_as_a_chat(live, env_job):
 
 
 def test_single_turn_jobs_store_prompt_response_and_reward(api, error_jobs):
-    # The raising reward's job is a plain single-turn job whose samples score 0.0: it is read here too
-    # rather than a third job started (each job's workers take most of its run to start).
+    # The raising reward's job is a plain single-turn job whose samples are not scored (no reward, no
+    # token trained): it is read here rather than a third job started (workers take most of a run to start).
     job = wait_for(api, error_jobs["reward"], TERMINAL, timeout_s=300)
     assert job["status"] == "succeeded"
     rows = api.get(f"/v1/jobs/{job['id']}/samples").json()["data"]
@@ -78,8 +78,8 @@ def test_single_turn_jobs_store_prompt_response_and_reward(api, error_jobs):
             "stop",
             "length",
         )
-        assert row["tokens"]["trained"] == row["tokens"]["response"] <= 4
-        assert "=" in row["prompt"] and row["reward"] == 0.0
+        assert row["tokens"]["trained"] == 0 < row["tokens"]["response"] <= 4
+        assert "=" in row["prompt"] and row["reward"] is None
 
 
 RAISING_REWARD = b"""
@@ -116,8 +116,9 @@ def error_jobs(live, api) -> dict[str, str]:
 
 
 def test_reward_and_environment_errors_reach_the_log_and_the_samples(api, error_jobs):
-    """A failing user function scores 0.0 and the job goes on; what it raised is in the job's log (the
-    first few per step) and on each stored sample it failed on."""
+    """A failing user function's rows are not scored (a reward function's: no reward; an environment's:
+    0.0) and the job goes on; what it raised is in the job's log (the first few per step) and on each
+    stored sample it failed on."""
     ids = error_jobs
     for kind, words in (("reward", "ValueError: reward broke on purpose for"),
                         ("environment", "KeyError: 'the environment broke on purpose'")):  # fmt: skip
@@ -128,7 +129,7 @@ def test_reward_and_environment_errors_reach_the_log_and_the_samples(api, error_
         assert failed and f"{kind} " in failed[0], lines[-20:]
         samples = api.get(f"/v1/jobs/{job['id']}/samples").json()["data"]
         assert len(samples) == 2 and all(words in sample["error"] for sample in samples), samples
-        assert all(sample["reward"] == 0.0 for sample in samples)
+        assert all(sample["reward"] == (None if kind == "reward" else 0.0) for sample in samples)
 
 
 def test_a_bad_environment_is_refused_at_submission(live, api):
