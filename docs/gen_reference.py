@@ -90,6 +90,14 @@ def _is_section(schema: dict, defs: dict) -> bool:
     return "properties" in _resolve(schema, defs)
 
 
+def _optional_section(schema: dict, defs: dict) -> dict | None:
+    """The section of a field that is a section or null (`model.lora`): its row says null, its fields follow."""
+    sections = [_resolve(o, defs) for o in _options(schema) if o.get("type") != "null"]
+    if "anyOf" in schema and len(sections) == 1 and "properties" in sections[0]:
+        return sections[0]
+    return None
+
+
 def _rows(schema: dict, defs: dict, prefix: str) -> tuple[list[str], list[tuple[str, dict]]]:
     """Table rows for a section's plain fields, and its nested sections (path, schema) to list after."""
     rows, nested = [], []
@@ -99,6 +107,8 @@ def _rows(schema: dict, defs: dict, prefix: str) -> tuple[list[str], list[tuple[
         if _is_section(field, defs):
             nested.append((path, _resolve(field, defs)))
             continue
+        if (optional := _optional_section(field, defs)) is not None:
+            nested.append((path, optional))
         description = field.get("description") or _resolve(_options(field)[0], defs).get("description", "")
         rows.append(f"| `{path}` | {_escape(_type(field, defs))} | {_escape(_default(field, name in required))} | "
                     f"{_escape(_bounds(field, defs))} | {_escape(description)} |")  # fmt: skip

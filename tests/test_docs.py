@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -44,16 +45,20 @@ def test_the_generated_reference_pages_are_current(page: str) -> None:
 
 
 def field_paths(model: type, prefix: str = "") -> list[str]:
-    """Every leaf field of a pydantic model, dotted (sections are walked into)."""
+    """Every field of a pydantic model, dotted: sections are walked into, and an optional section
+    (`model.lora`, null unless given) is a field whose own fields follow."""
     from pydantic import BaseModel
 
     paths = []
     for name, field in model.model_fields.items():
-        kind = field.annotation
-        if isinstance(kind, type) and issubclass(kind, BaseModel):
-            paths += field_paths(kind, f"{prefix}{name}.")
-        else:
-            paths.append(f"{prefix}{name}")
+        optional = type(None) in typing.get_args(field.annotation)
+        kinds = [k for k in typing.get_args(field.annotation) if k is not type(None)] if optional else []
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            paths += field_paths(field.annotation, f"{prefix}{name}.")
+            continue
+        paths.append(f"{prefix}{name}")
+        if len(kinds) == 1 and isinstance(kinds[0], type) and issubclass(kinds[0], BaseModel):
+            paths += field_paths(kinds[0], f"{prefix}{name}.")
     return paths
 
 
@@ -63,6 +68,7 @@ def test_the_config_reference_lists_every_jobspec_field_with_its_bounds() -> Non
     text = (ROOT / "docs" / "reference" / "config.md").read_text()
     paths = field_paths(JobSpec)
     assert len(paths) > 80 and "algorithm.overlong.penalty_factor" in paths
+    assert {"model.lora.alpha", "rollout.external.group_size", "resources.rollout.workers"} <= set(paths)
     for path in paths:
         assert f"| `{path}` |" in text, path
     undescribed = [

@@ -172,3 +172,15 @@ def test_a_version_is_told_from_a_ratio() -> None:
     text = "Since Ray 2.5x a cluster asks for a token; with Python 3.1x a step took 0.88x, vLLM 1.2x 2.1x"
     assert ratios(text) == ["0.88x", "2.1x"]
     assert ratios("Tandem 2.5x, a model 1.5x as large") == ["2.5x", "1.5x"]  # not a dependency's name
+
+
+def test_the_quickstart_names_what_make_install_installs() -> None:
+    """The extras and system packages `make install` adds, each named where the quickstart says what
+    it installs: a user installing by hand, or offline, goes by that list."""
+    makefile = (ROOT / "Makefile").read_text()
+    extras = re.search(r"pip install -e '\.\[([\w,-]+)\$", makefile).group(1).split(",")
+    packages = re.search(r'MISSING="\$\$\(([^\n]*)', makefile).group(1)
+    page = (ROOT / "docs" / "quickstart.md").read_text()
+    assert len(extras) > 4 and "chromium" in packages and "bubblewrap" in packages
+    for name in [*extras, "chromium", "bubblewrap"]:
+        assert f"`{name}`" in page, f"docs/quickstart.md does not name `{name}`, which make install installs"
