@@ -126,7 +126,7 @@ def test_a_controller_that_stops_answering_is_ended_naming_it_and_the_loop_goes_
     killed and its job requeued (a controller's loss), its event naming the controller and the wait."""
     store = JobStore(tmp_path / "t.db")
     scheduler = Scheduler(store, warm_controllers=0)
-    scheduler.DRAIN_WAIT_S, scheduler.CONTROLLER_SILENT_S = 0.5, 2.0
+    scheduler.DRAIN_WAIT_S, scheduler.CONTROLLER_SILENT_S = 0.25, 1.0
     job = store.create_job(tiny_job(), tmp_path / "jobs")
     assert store.transition(job.id, (S.QUEUED,), S.RUNNING)
     actor = Silent.remote()
@@ -148,7 +148,7 @@ def test_a_controller_that_stops_answering_is_ended_naming_it_and_the_loop_goes_
         record = store.get_job(job.id)
         assert record.status == S.QUEUED and job.id not in scheduler.running
         restart = [e for e in store.events(job.id) if e["kind"] == "restart"][-1]
-        assert "the job's controller answered no drain for 2 s" in restart["message"], restart["message"]
+        assert "the job's controller answered no drain for 1 s" in restart["message"], restart["message"]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
