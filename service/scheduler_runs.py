@@ -1,20 +1,23 @@
 """How a job's run reaches the store: what it produced while it ran (`_drain`), and its record when it
 ended (`_settle`), or back to queued when the service stops or its controller died within its restart
 budget. A job resumes from its last complete checkpoint, and the store forgets what was recorded after
-that step, so re-run steps are stored once.
+that step, so re-run steps are stored once. A pass waits briefly for each drain (one not answered yet is
+taken at a later pass, its records kept); a controller that answers none for CONTROLLER_SILENT_S is
+hung: it is killed and its job handled as a controller's loss.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from service.job_state import RUN_HOLDING, JobStatus
 from service.store import JobRecord, JobStore
-from service.workloads import RLJobWorkload
+from service.workloads import BEGIN_WAIT_S, RLJobWorkload
 
 S = JobStatus
 
@@ -28,6 +31,8 @@ class RunningJob:
     first_step: int  # the step it resumed from: until it passes it, the job is starting up
     owner: str
     killed_for: str | None = None  # "cancel" when stopped by killing its actor during start-up
+    drain_ref: Any = None  # a drain asked for and not taken yet
+    answered_at: float = field(default_factory=time.monotonic)  # its last drain's answer
 
 
 class RunSettlement:
@@ -40,6 +45,11 @@ class RunSettlement:
     _draining: bool
     _requeue_on_pause: set[str]  # jobs paused by a service shutdown, not by a user
     _paused_for_shutdown: list[str]  # the shutdown's log line lists them
+    DRAIN_WAIT_S = 2.0  # what a pass waits for one controller's drain
+    LAST_DRAIN_WAIT_S = 30.0  # the drain after its run ended (its last records; the actor is killed next)
+    # A controller that answered no drain for this long is hung (a drain during a slow `begin` answers
+    # within BEGIN_WAIT_S).
+    CONTROLLER_SILENT_S = BEGIN_WAIT_S + 300.0
 
     def _requeue_after_restart(self, job: JobRecord) -> None:
         """A job the old service left running resumes from its last checkpoint when it runs again."""
@@ -69,15 +79,31 @@ class RunSettlement:
                 continue
             done = bool(ray.wait([run.run_ref], timeout=0)[0])
             if run.killed_for is None:
-                self._drain(job_id, run)
+                self._drain(job_id, run, final=done)
             if done:
                 self._settle(job_id, run)
+            elif run.killed_for is None and time.monotonic() - run.answered_at > self.CONTROLLER_SILENT_S:
+                run.killed_for = "silent"
+                ray.kill(run.actor, no_restart=True)  # its run ends with an error: settled at the next pass
 
-    def _drain(self, job_id: str, run: RunningJob) -> None:
-        try:
-            out = ray.get(run.actor.drain.remote(), timeout=30)
-        except Exception:  # a dead actor is settled from its run result
-            return
+    def _drain(self, job_id: str, run: RunningJob, final: bool = False) -> None:
+        """Store what the job produced since the last drain; `final` (its run ended): a drain asked
+        before the end is followed by one more, for the last records."""
+        for _ in range(2 if final else 1):
+            if run.drain_ref is None:
+                run.drain_ref = run.actor.drain.remote()
+            if not ray.wait([run.drain_ref], timeout=self.LAST_DRAIN_WAIT_S if final else self.DRAIN_WAIT_S)[
+                0
+            ]:
+                return
+            ref, run.drain_ref, run.answered_at = run.drain_ref, None, time.monotonic()
+            try:
+                out = ray.get(ref, timeout=self.DRAIN_WAIT_S)
+            except Exception:  # a dead actor is settled from its run result
+                return
+            self._store_drained(job_id, run, out)
+
+    def _store_drained(self, job_id: str, run: RunningJob, out: dict[str, Any]) -> None:
         for at, kind, message, data in out["events"]:
             self.store.add_event(job_id, kind, message, data, at=at)
         if out.get("rewind") is not None:  # the job restarted from a checkpoint: later steps are re-run
@@ -156,6 +182,10 @@ class RunSettlement:
     def _result(self, run: RunningJob) -> dict[str, Any]:
         if run.killed_for == "cancel":
             return {"status": "cancelled", "message": "cancelled while it was starting up"}
+        if run.killed_for == "silent":
+            error = (f"the job's controller answered no drain for {self.CONTROLLER_SILENT_S:.0f} s "
+                     f"(actor {run.actor._actor_id.hex()}): killed as hung")  # fmt: skip
+            return {"status": "failed", "error": error, "controller_lost": True}
         try:
             return ray.get(run.run_ref, timeout=30)
         except Exception as err:

@@ -1,5 +1,5 @@
 """A cancel that lands while the scheduler is between two moves of the same job: the job still ends;
-a start whose stored spec cannot be read fails naming why.
+a start whose stored spec cannot be read fails naming why; a controller that stops answering is ended.
 
 Each test places the user's cancel (the store move Service.cancel makes) inside the window it names;
 on a live service the window is a few milliseconds wide, so the test puts the cancel there itself.
@@ -7,6 +7,11 @@ on a live service the window is a few milliseconds wide, so the test puts the ca
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import ray
@@ -85,3 +90,65 @@ def test_a_stored_spec_that_no_longer_parses_fails_its_start_naming_the_field(tm
     record = store.get_job(job.id)
     assert record.status == S.FAILED and "trainer.retired_knob" in record.error, record.error
     assert job.id not in scheduler.running
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class Silent:
+    """Stands for a job's controller actor: its run never ends; its drains answer until it is stopped."""
+
+    def run(self) -> dict:
+        threading.Event().wait()
+        return {}
+
+    def drain(self) -> dict:
+        return {
+            "events": [],
+            "metrics": [],
+            "samples": [],
+            "checkpoints": [],
+            "logs": [],
+            "step": 0,
+            "seq": 0,
+        }
+
+    def committed(self, seq: int) -> None:
+        pass
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def test_a_controller_that_stops_answering_is_ended_naming_it_and_the_loop_goes_on(
+    ray_cluster, tmp_path: Path
+):
+    """A hung controller (SIGSTOP) answered no drain: each scheduler pass waited 30 s on it, and the job
+    stayed running for ever. Now a pass waits briefly, and past CONTROLLER_SILENT_S the controller is
+    killed and its job requeued (a controller's loss), its event naming the controller and the wait."""
+    store = JobStore(tmp_path / "t.db")
+    scheduler = Scheduler(store, warm_controllers=0)
+    scheduler.DRAIN_WAIT_S, scheduler.CONTROLLER_SILENT_S = 0.25, 1.0
+    job = store.create_job(tiny_job(), tmp_path / "jobs")
+    assert store.transition(job.id, (S.QUEUED,), S.RUNNING)
+    actor = Silent.remote()
+    pid = ray.get(actor.pid.remote(), timeout=30)
+    scheduler.running[job.id] = RunningJob(actor, actor.run.remote(), 1.0, 0.0, 0, job.owner)
+    scheduler._collect()  # answered: nothing to settle
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 20
+
+        def passes_until_settled() -> None:
+            while job.id in scheduler.running and time.monotonic() < deadline:
+                scheduler._collect()
+
+        passes = threading.Thread(target=passes_until_settled, daemon=True)
+        passes.start()
+        passes.join(timeout=25)
+        assert not passes.is_alive(), "a scheduler pass is still waiting on the stopped controller"
+        record = store.get_job(job.id)
+        assert record.status == S.QUEUED and job.id not in scheduler.running
+        restart = [e for e in store.events(job.id) if e["kind"] == "restart"][-1]
+        assert "the job's controller answered no drain for 1 s" in restart["message"], restart["message"]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
