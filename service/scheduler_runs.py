@@ -92,9 +92,8 @@ class RunSettlement:
         for _ in range(2 if final else 1):
             if run.drain_ref is None:
                 run.drain_ref = run.actor.drain.remote()
-            if not ray.wait([run.drain_ref], timeout=self.LAST_DRAIN_WAIT_S if final else self.DRAIN_WAIT_S)[
-                0
-            ]:
+            wait_s = self.LAST_DRAIN_WAIT_S if final else self.DRAIN_WAIT_S
+            if not ray.wait([run.drain_ref], timeout=wait_s)[0]:
                 return
             ref, run.drain_ref, run.answered_at = run.drain_ref, None, time.monotonic()
             try:
