@@ -13,7 +13,8 @@ Scores first, then the filter: the penalty shapes what the advantages see, the f
 A row whose reward function failed (raised, overran, returned no number) is not scored: `score` flags
 it in the batch (`scored` False, its score a 0.0 placeholder), and `add_advantages` takes it out of the
 advantages, its group's statistics and the loss (response mask 0; the engine's N_seqs leaves it out too),
-so a failure neither trains nor moves its group's baseline. The step's score metrics skip it.
+so a failure neither trains nor moves its group's baseline. The step's score metrics and validation's
+skip it. A multi-turn trajectory its environment failed comes flagged so (workers/multiturn.py).
 
 The off-policy correction of an async job (trainer.off_policy_correction): pi_behav, the rollout
 engine's log-probs; pi_prox, the trainer's before the update; pi_theta, the policy being updated;
@@ -164,6 +165,19 @@ def batch_metrics(batch: Batch, scores: torch.Tensor, max_new_tokens: int) -> di
         metrics.update(_masked_stats("critic/values", t["values"], mask))
     if "entropy" in t.keys() and mask.any():  # no token left (every reward failed): no mean, not NaN
         metrics["actor/rollout_entropy"] = float(t["entropy"][mask.bool()].mean())
+    return metrics
+
+
+def validation_metrics(batch: Batch, scores: torch.Tensor) -> dict[str, float]:
+    """val/score/mean and val/accuracy (a score of 1 or more) over the rows that scored, none when no row
+    did, and val/unscored: the rows whose reward function or environment failed."""
+    scored = batch.tensors.get(SCORED, torch.ones_like(scores, dtype=torch.bool))
+    kept = scores[scored]
+    metrics = {"val/unscored": float(len(scores) - len(kept))}
+    if len(kept):
+        metrics.update(
+            {"val/score/mean": float(kept.mean()), "val/accuracy": float((kept >= 1.0).float().mean())}
+        )
     return metrics
 
 

@@ -21,6 +21,7 @@ from controller.advantages import KLController
 from controller.batch_source import make_source
 from controller.hyperparameters import hyperparameter_overrides
 from controller.job_setup import JobSetup, needs_reference
+from controller.metric_format import format_metric
 from controller.recovery import AttemptSink, Recovery, WorkerLost, worker_lost
 from controller.resource_pool import ResourcePool, ResourcePoolError
 from controller.sink import JobSink
@@ -223,7 +224,8 @@ class Trainer:
         return self._finish_metrics(metrics, batch)
 
     def validate(self) -> dict[str, float]:
-        """val/score/mean and val/accuracy on the validation prompts (trainer.val_greedy)."""
+        """val/score/mean and val/accuracy on the validation prompts (trainer.val_greedy), over the rows
+        that scored (step_math.validation_metrics)."""
         if self.job.val_batch is None:
             return {}
         with self.timed("validate"):
@@ -231,12 +233,9 @@ class Trainer:
                 batch = self.generate(self.job.val_batch)
             batch, scores, metrics = self.job.rewards(batch)
         out = {f"val/{k}": v for k, v in metrics.items()}
-        out.update(
-            {"val/score/mean": float(scores.mean()), "val/accuracy": float((scores >= 1.0).float().mean())}
-        )
-        self.sink.event(
-            "validation", f"step {self.step_index}: val accuracy {out['val/accuracy']:.3f}", **out
-        )
+        out.update(step_math.validation_metrics(batch, scores))
+        accuracy = format_metric("val/accuracy", out.get("val/accuracy"))  # none: no row scored
+        self.sink.event("validation", f"step {self.step_index}: val accuracy {accuracy}", **out)
         return out
 
     def generate(self, prompts: Any) -> Any:

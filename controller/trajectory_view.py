@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import numpy as np
+import torch
 
 from engines.training.base import SCORED
 from workers.batch import Batch
@@ -19,6 +20,8 @@ def multiturn_metrics(batch: Batch) -> dict[str, float]:
     finish = np.asarray(nt["finish_reason"], dtype=object)
     sampled = t["response_mask"].sum(1).float()
     count = max(len(batch), 1)
+    scored = t.get(SCORED, torch.ones(len(batch), dtype=torch.bool))  # False: the environment failed
+    rewards = t["env_rewards"].float()[scored]
     return {
         "multiturn/num_turns/mean": float(turns.mean()),
         "multiturn/num_turns/max": float(turns.max()),
@@ -27,7 +30,7 @@ def multiturn_metrics(batch: Batch) -> dict[str, float]:
         "multiturn/env_timeouts": float((finish == "env_timeout").sum()),
         "multiturn/truncated_ratio": float(np.isin(finish, ["max_turns", "budget"]).sum()) / count,
         "multiturn/response_tokens_per_turn": float((sampled / turns.clamp(min=1)).mean()),
-        "multiturn/reward/mean": float(t["env_rewards"].float().mean()),
+        **({"multiturn/reward/mean": float(rewards.mean())} if len(rewards) else {}),
     }
 
 
@@ -38,7 +41,7 @@ def log_env_errors(batch: Batch, environment: str | None) -> None:
     errors = [(i, e) for i, e in enumerate(batch.non_tensors.get("env_error", [])) if e]
     if errors:
         shown = "; ".join(f"trajectory {i}: {e}" for i, e in errors[:MAX_LOGGED_ERRORS])
-        log.warning("environment %s failed in %d of %d trajectories (scored 0.0): %s", environment,
+        log.warning("environment %s failed in %d of %d trajectories (not scored): %s", environment,
                     len(errors), len(batch), shown)  # fmt: skip
 
 

@@ -345,3 +345,18 @@ def test_a_batch_whose_every_reward_failed_trains_nothing_and_reports_no_score()
     metrics = batch_metrics(out, scores, max_new_tokens=2)
     assert "critic/score/mean" not in metrics and "actor/rollout_entropy" not in metrics
     assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_validation_scores_the_rows_that_scored_and_counts_the_others():
+    """failed_rows_batch's scored rows are 1, 0, 0.5 and 0.7: mean 0.55, one of four at 1 or more; a
+    validation whose every row failed has no mean and no accuracy (neither 0 nor NaN)."""
+    from controller.step_math import validation_metrics
+
+    batch, scores = failed_rows_batch()
+    assert validation_metrics(batch, scores) == pytest.approx(
+        {"val/score/mean": 0.55, "val/accuracy": 0.25, "val/unscored": 8.0}
+    )
+    batch.tensors[SCORED] = torch.zeros(12, dtype=torch.bool)
+    assert validation_metrics(batch, scores) == {"val/unscored": 12.0}
+    del batch.tensors[SCORED]  # a reward model's scores: every row
+    assert validation_metrics(batch, scores)["val/score/mean"] == pytest.approx(2.2 / 12)

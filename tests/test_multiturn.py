@@ -11,6 +11,7 @@ import torch
 
 from engines.models.tiny_models import build_builtin_model
 from engines.rollout import SamplingParams, build_rollout_engine
+from engines.training.base import SCORED
 from workers.chat_serving import ChatDelta
 from workers.multiturn import EnvironmentConfig, MultiTurnRollout, trajectory_tensors
 
@@ -128,6 +129,8 @@ def test_a_failing_hanging_or_nan_rewarding_step_ends_only_its_trajectory(engine
         "env_error",
     ]
     assert [t.reward for t in trajectories] == [1.0, 0.0, 0.0, 1.0, 0.0]  # a NaN reward never trains
+    scored = trajectory_tensors(trajectories, WIDTH, 64, pad=0)[SCORED]
+    assert scored.tolist() == [True, False, False, True, False]  # the environment's failures
     assert "tool crashed" in trajectories[1].error
     assert "not a number within ±1e+06: nan" in trajectories[4].error
 

@@ -248,3 +248,49 @@ def test_a_group_with_fewer_than_two_scored_rows_or_equal_scored_rows_has_no_sig
     batch, kept, metrics = sample_signal_groups(draw, groups_wanted=1, n=N, max_rounds=1)
     assert kept.tolist() == [1.0, 0.0] and list(batch.non_tensors["uid"]) == ["p3/0", "p3/0"]
     assert metrics["dynamic_sampling/groups_dropped"] == 3.0
+
+
+def failed_environment_batch() -> Batch:
+    """Trajectories of two prompts, each two sampled tokens and an observation token: a = done 1.0, the
+    environment raised, max_turns 0.5, budget 0.0; b = the environment hung, done 1.0. A failed one's
+    reward is `fail`'s 0.0, whatever it had gathered before."""
+    from workers.multiturn import Trajectory, trajectory_non_tensors, trajectory_tensors
+
+    ends = [("done", 1.0), ("env_error", None), ("max_turns", 0.5), ("budget", 0.0), ("env_timeout", None),
+            ("done", 1.0)]  # fmt: skip
+    trajectories = []
+    for finish, reward in ends:
+        traj = Trajectory(env=None, prompt_ids=[5, 6], reward=0.7)
+        traj.append([1, 2], sampled=True, log_probs=[-1.0, -1.0])
+        traj.append([3], sampled=False)
+        if reward is None:
+            traj.fail(finish, "the environment broke")
+        else:
+            traj.finish_reason, traj.reward = finish, reward
+        trajectories.append(traj)
+    tensors = trajectory_tensors(trajectories, prompt_width=2, response_width=4, pad=0)
+    return Batch(tensors, {**trajectory_non_tensors(trajectories), "uid": list("aaaabb")})
+
+
+def test_a_trajectory_its_environment_failed_is_not_scored_but_truncated_ones_are():
+    """GRPO: prompt a's scored rows [1, 0.5, 0] have mean 0.5 and unbiased std 0.5, so advantages
+    [1, 0, -1]; the failure gets none and stays out of the mean. Prompt b has one scored row: 0. The
+    failures leave the loss and its sequence count; the score means are over the 4 that scored."""
+    from controller.step_math import batch_metrics, validation_metrics
+    from controller.trajectory_view import multiturn_metrics
+    from engines.training.base import GlobalCounts
+
+    batch = failed_environment_batch()
+    assert batch.tensors[SCORED].tolist() == [True, False, True, True, False, True]
+    scores = batch.tensors["env_rewards"]
+    out, _ = add_advantages(batch, scores, JobSpec.model_validate({}), kl_coef=0.0)
+    want = torch.tensor([1.0, 0.0, 0.0, -1.0, 0.0, 0.0])
+    torch.testing.assert_close(out.tensors["advantages"][:, 0], want, rtol=0, atol=1e-5)
+    assert out.tensors["response_mask"].sum(1).tolist() == [2, 0, 2, 2, 0, 2]
+    assert GlobalCounts.of([out.tensors]).sequences == 4
+    metrics = {**multiturn_metrics(batch), **batch_metrics(out, scores, max_new_tokens=4)}
+    assert metrics["multiturn/env_errors"] == 1 and metrics["multiturn/env_timeouts"] == 1
+    assert metrics["multiturn/reward/mean"] == metrics["critic/score/mean"] == pytest.approx(2.5 / 4)
+    assert validation_metrics(batch, scores) == pytest.approx(
+        {"val/score/mean": 2.5 / 4, "val/accuracy": 2 / 4, "val/unscored": 2.0}
+    )

@@ -128,6 +128,9 @@ def test_rows_whose_reward_failed_are_not_trained_on_nor_scored(grpo_run):
         mean = sum(s["reward"] for s in scored) / len(scored)
         assert step["values"]["critic/score/mean"] == pytest.approx(mean, abs=1e-6)
     assert sum(r["values"]["reward/errors"] for r in sink.history[1:]) > 0
+    validations = [r["values"] for r in sink.history if "val/reward/errors" in r["values"]]
+    assert [v["val/unscored"] for v in validations] == [v["val/reward/errors"] for v in validations]
+    assert len(validations) >= 2 and sum(v["val/unscored"] for v in validations) > 0
 
 
 def test_resumed_job_reproduces_the_next_step(grpo_run, tmp_path):

@@ -1,7 +1,10 @@
 """Multi-turn rollouts: per turn one batched `generate` over the live trajectories, then their
 environments stepped concurrently, each with a time limit; observations are appended as token deltas
 (chat_serving.py). `trajectory_tensors` lays them out as single-turn rollouts are (rollout_layout.py),
-response_mask 1 on sampled tokens only.
+response_mask 1 on sampled tokens only. A trajectory its environment failed (ENV_FAILURES: it raised, hung,
+answered outside the interface or past the prompt width) is not scored (SCORED False, its reward a 0.0
+placeholder): the failure is the environment's, not the policy's, so it neither trains nor moves its
+group's baseline (controller/step_math.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from tensordict import TensorDict
 
 from engines.rollout import RolloutEngine, SamplingParams
+from engines.training.base import SCORED
 from schema.workers import EnvironmentConfig
 from workers.chat_serving import ChatDelta
 from workers.environments.base import EnvironmentContractError, StepResult, as_messages
@@ -23,6 +27,7 @@ from workers.environments.sandboxed import environment_factory, release
 from workers.rollout_layout import layout, place_rows
 
 TRUNCATED = ("max_turns", "budget")
+ENV_FAILURES = ("env_error", "env_timeout")
 MAX_CHARS_PER_TOKEN = 64
 
 
@@ -205,6 +210,9 @@ def trajectory_tensors(
             "tool_calls": torch.tensor([t.tool_calls for t in trajectories], dtype=torch.long),
             # 1 where the turn or token budget ended the trajectory (over-long handling reads it).
             "truncated": torch.tensor([t.finish_reason in TRUNCATED for t in trajectories], dtype=torch.long),
+            SCORED: torch.tensor(
+                [t.finish_reason not in ENV_FAILURES for t in trajectories], dtype=torch.bool
+            ),
         },
         batch_size=[len(trajectories)],
     )
