@@ -116,9 +116,8 @@ def error_jobs(live, api) -> dict[str, str]:
 
 
 def test_reward_and_environment_errors_reach_the_log_and_the_samples(api, error_jobs):
-    """A failing user function's rows are not scored (a reward function's: no reward; an environment's:
-    0.0) and the job goes on; what it raised is in the job's log (the first few per step) and on each
-    stored sample it failed on."""
+    """A failing user function's rows are not scored (no reward, no token trained) and the job goes on;
+    what it raised is in the job's log (the first few per step) and on each stored sample it failed on."""
     ids = error_jobs
     for kind, words in (("reward", "ValueError: reward broke on purpose for"),
                         ("environment", "KeyError: 'the environment broke on purpose'")):  # fmt: skip
@@ -129,7 +128,7 @@ def test_reward_and_environment_errors_reach_the_log_and_the_samples(api, error_
         assert failed and f"{kind} " in failed[0], lines[-20:]
         samples = api.get(f"/v1/jobs/{job['id']}/samples").json()["data"]
         assert len(samples) == 2 and all(words in sample["error"] for sample in samples), samples
-        assert all(sample["reward"] == (None if kind == "reward" else 0.0) for sample in samples)
+        assert all(sample["reward"] is None and sample["tokens"]["trained"] == 0 for sample in samples)
 
 
 def test_a_bad_environment_is_refused_at_submission(live, api):

@@ -69,8 +69,8 @@ def samples(
     limit: int = Query(20, ge=1, le=200),
 ) -> dict[str, Any]:
     """Each sample: prompt, turns, reward, finish_reason, token counts, the response as spans of trained
-    and untrained tokens, and `error` where the reward function or the environment failed on it (a
-    failed reward function's sample has reward null and trains no token)."""
+    and untrained tokens, and `error` where the reward function or the environment failed on it (such a
+    sample has reward null and trains no token)."""
     service.get(job_id, caller.sees)
     rows = service.store.samples(job_id, step, after, limit + 1)
     return listing(rows[:limit], len(rows) > limit)
