@@ -170,6 +170,7 @@ def engine_config(
         scheduler=spec.optim.scheduler_config(spec.trainer.total_steps),
         micro_batch=spec.algorithm.micro_batch_config(),
         seed=spec.trainer.seed,
+        collective_timeout_s=spec.trainer.collective_timeout_s,
     )
 
 

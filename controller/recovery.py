@@ -98,6 +98,9 @@ def worker_lost(err: BaseException, groups: JobGroups | None) -> WorkerLost | No
     if isinstance(err, WorkerGroupError):
         if err.kind == "died":
             return WorkerLost("died", str(err), err.group, err.rank)
+        if err.kind == "hung":
+            slow = "a rank merely slower than trainer.collective_timeout_s reads the same: raise it"
+            return WorkerLost("hung", f"{err}; {slow}", err.group, err.rank)
         if err.kind == "timeout":
             return WorkerLost("did not answer in time", str(err), err.group, err.rank)
         return _peer_died(err, groups)  # a rank raised: its own error, unless a peer died under it

@@ -49,7 +49,7 @@ class WorkerHost:
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def start(self, env: dict[str, str], worker: tuple[type, tuple, dict], bundle_cpus: float = 1.0) -> None:
+    def start(self, env: dict[str, str], worker: tuple[type, tuple, dict], bundle_cpus: float = 1.0) -> int:
         os.environ.update(env)
         # Colocated groups ask for a share of the bundle but take turns: each uses the whole bundle.
         set_torch_threads(bundle_cpus, int(env.get("LOCAL_WORLD_SIZE", "1")))
@@ -58,6 +58,7 @@ class WorkerHost:
             redirect_output(env[WORKER_OUTPUT_ENV])
         cls, args, kwargs = worker
         self.worker = cls(*args, **kwargs)
+        return os.getpid()
 
     def execute(self, method: str, payload: tuple[tuple, dict]) -> Any:
         args, kwargs = payload
@@ -92,6 +93,7 @@ class PendingGroup:
         self.worker = (worker_cls, args, kwargs)
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         self.starts: list[ray.ObjectRef] | None = None
+        self.hosts: list[str] = []  # "pid 123 on 10.0.0.1" for each rank, once started
         remote_host, env = ray.remote(WorkerHost), _rank_env(share)
         self.actors = [
             remote_host.options(
@@ -136,7 +138,10 @@ class PendingGroup:
     def wait(self) -> PendingGroup:
         self.begin()
         assert self.starts is not None
-        wait_all(self.name, "__init__", self.starts, self.start_timeout_s)
+        pids = wait_all(self.name, "__init__", self.starts, self.start_timeout_s)
+        if not self.hosts:
+            ips = self.pool.placement()["node_ips"]
+            self.hosts = [f"pid {pid} on {ip or 'its node'}" for pid, ip in zip(pids, ips, strict=True)]
         return self
 
     def kill(self) -> None:
@@ -165,7 +170,7 @@ class RayWorkerGroup:
 
     def _init_view(self, hosts: PendingGroup) -> None:
         self._hosts, self.worker_cls, self.name = hosts, hosts.worker_cls, hosts.name
-        self.call_timeout_s = hosts.call_timeout_s
+        self.call_timeout_s, self.hosts = hosts.call_timeout_s, hosts.hosts
         worker_cls = hosts.worker_cls
         self._layouts: dict[str, MeshLayout] = {}
         for method, spec in registered_methods(worker_cls).items():
@@ -260,7 +265,8 @@ class PendingCall:
         self.group, self.method, self.refs, self._collect = group, method, refs, collect
 
     def result(self, timeout_s: float | None = None) -> Any:
-        outputs = wait_all(self.group.name, self.method, self.refs, timeout_s or self.group.call_timeout_s)
+        timeout_s = timeout_s or self.group.call_timeout_s
+        outputs = wait_all(self.group.name, self.method, self.refs, timeout_s, self.group.hosts)
         return self._collect(outputs)
 
 

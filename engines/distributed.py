@@ -45,9 +45,10 @@ def _free_port() -> int:
 
 
 _own_port: str | None = None  # the port this process chose for its single-rank group, if it did
+JOIN_TIMEOUT_S = 600.0  # the start's collectives: ranks on several nodes may load their models minutes apart
 
 
-def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
+def init_distributed(device: torch.device, timeout_s: float = JOIN_TIMEOUT_S) -> None:
     global _own_port
     if dist.is_initialized():
         return
@@ -69,6 +70,15 @@ def init_distributed(device: torch.device, timeout_s: float = 600.0) -> None:
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def set_collective_timeout(timeout_s: float) -> None:
+    """Collectives from now on fail after `timeout_s`; every rank first waits here for the others, so a
+    rank that started late is not taken for a hung one."""
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    # torch's one way to change a started group's timeout (torchtitan shortens it after the start too).
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
 
 
 def data_parallel_mesh(device: torch.device) -> DeviceMesh:

@@ -157,7 +157,20 @@ class LoraConfig(_Section):
         return self.alpha / self.rank
 
 
-class EngineConfig(_Section):
+class CollectiveTimeout(_Section):
+    """How long a training rank waits for its peers in one collective."""
+
+    collective_timeout_s: float = Field(
+        600.0,
+        ge=1,
+        le=86_400,
+        description="seconds a training rank waits for its peers in a collective (a gather, a reduce) before it "
+        "fails; a peer that then neither answers nor fails is hung: it is killed and the job restarts from "
+        "its last checkpoint (trainer.max_restarts). The ranks' start is not bound by it",
+    )
+
+
+class EngineConfig(CollectiveTimeout):
     """Everything an FSDP training engine needs; defaults train a tiny model on a laptop CPU."""
 
     model_path: str = Field(

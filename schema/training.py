@@ -13,7 +13,14 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from schema.async_rl import AsyncOptions
-from schema.engine import MicroBatchConfig, OptimizerConfig, ScheduleKind, SchedulerConfig, WarmupDecay
+from schema.engine import (
+    CollectiveTimeout,
+    MicroBatchConfig,
+    OptimizerConfig,
+    ScheduleKind,
+    SchedulerConfig,
+    WarmupDecay,
+)
 from schema.losses import PolicyLossConfig
 from schema.section import MAX_SAMPLES, Section, at_submission, field_error, fields_of
 from schema.workers import UpdateSchedule
@@ -123,7 +130,7 @@ class AlgorithmSpec(Section, PolicyLossConfig, MicroBatchConfig):
         return UpdateSchedule(mini_batch_size=self.ppo_mini_batch_size, epochs=self.ppo_epochs, seed=seed)
 
 
-class TrainerSpec(Section, AsyncOptions):
+class TrainerSpec(Section, AsyncOptions, CollectiveTimeout):
     """The loop: steps, validation, trackers, restarts, and sync or async RL (AsyncOptions)."""
 
     total_steps: int = Field(20, gt=0, le=100_000_000, description="training steps of the job")

@@ -11,8 +11,10 @@ keeps), the others in a Trainer in this process (cheaper: no controller actor to
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -45,7 +47,7 @@ def recovery_job(**overrides) -> dict:
     }
     spec = tiny_job(**base)
     for key, value in overrides.items():
-        spec[key] = {**spec.get(key, {}), **value}
+        spec[key] = {**spec.get(key, {}), **value} if isinstance(value, dict) else value
     return spec
 
 
@@ -252,12 +254,46 @@ def test_an_error_of_the_job_itself_is_not_retried(ray_cluster, tmp_path):
     assert "restart" not in [e["kind"] for e in sink.events]
 
 
+def test_a_hung_rank_is_named_killed_and_the_job_resumes(ray_cluster, tmp_path):
+    """Rank 1 of two SIGSTOPped after the first checkpoint (SFT: every call is collective). Rank 0's
+    collective times out after trainer.collective_timeout_s; rank 1, silent past the grace, is named
+    hung with its pid, killed, and the job resumes on new workers and finishes."""
+    job = InProcess(
+        tmp_path,
+        method="sft",
+        trainer={"total_steps": 4, "collective_timeout_s": 5, "max_restarts": 1},
+        checkpoint={"every": 1, "export_hf": False},
+        resources={"workers": 2},
+    )
+    stopped = job.pids()[1]
+    while job.trainer.completed_steps < 2 and job.thread.is_alive():
+        time.sleep(0.02)  # step 1's checkpoint is saved
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        job.wait(timeout_s=240)
+        killed = not os.path.exists(f"/proc/{stopped}")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGKILL)  # a stopped process never ends by itself
+    assert job.error is None, job.error
+    assert killed  # by the restart, not by this test
+    (restart,) = [e for e in job.sink.events if e["kind"] == "restart"]
+    assert restart["data"]["cause"] == "hung" and restart["data"]["rank"] == 1
+    assert restart["message"].startswith("restarting (1/1): worker rank 1 hung; resuming from checkpoint")
+    assert restart["data"]["resume_step"] >= 1
+    assert re.search(rf"rank 1, method '\w+': hung \(pid {stopped} on ", restart["data"]["error"])
+    assert "Timed out waiting 5000ms" in restart["data"]["error"]
+    assert [r["step"] for r in job.sink.history] == [1, 2, 3, 4]
+
+
 def test_what_is_retried_and_what_is_not():
     died = WorkerGroupError("job-actor", "update_actor", 1, "the worker actor died", kind="died")
     late = WorkerGroupError("job-actor", "generate_sequences", None, "did not answer", kind="timeout")
+    hung = WorkerGroupError("job-actor", "update_actor", 1, "hung (pid 7 on 10.0.0.2)", kind="hung")
     raised = WorkerGroupError("job-actor", "update_actor", 0, "raised ValueError: nan loss")
     assert worker_lost(died, None).summary == "worker rank 1 died"
     assert worker_lost(late, None).summary == "a worker did not answer in time"
+    assert worker_lost(hung, None).summary == "worker rank 1 hung"
     assert worker_lost(RayActorError(), None).cause == "died"
     assert worker_lost(ResourcePoolError("no room"), None).cause == "could not be placed"
     for own in (raised, ValueError("bad reward"), FileNotFoundError("no model"), KeyError("lr")):

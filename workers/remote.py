@@ -1,4 +1,9 @@
-"""Waiting for calls on Ray worker actors: bounded, and a failure names the group, rank and method."""
+"""Waiting for calls on Ray worker actors: bounded, and a failure names the group, rank and method.
+
+A rank whose collective timed out waited for a peer: the ranks blocked in the same collective fail
+with it, while the peer they waited for, hung, neither answers nor fails. So such a failure waits
+HUNG_GRACE_S for the other ranks and names any that stay silent as hung, not the rank that raised.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,12 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+HUNG_GRACE_S = 5.0  # the ranks blocked in one collective time out within moments of each other
+
 
 class WorkerGroupError(RuntimeError):
-    """A worker-group call failed; `kind` "raised", "died" or "timeout" (job recovery retries the last two)."""
+    """A worker-group call failed; `kind` "raised", "died", "hung" or "timeout" (job recovery retries
+    all but the first)."""
 
     def __init__(self, group: str, method: str, rank: int | None, message: str, kind: str = "raised") -> None:
         where = f"rank {rank}" if rank is not None else "ranks"
@@ -18,8 +26,11 @@ class WorkerGroupError(RuntimeError):
         self.group, self.method, self.rank, self.kind = group, method, rank, kind
 
 
-def wait_all(group: str, method: str, refs: list[ray.ObjectRef], timeout_s: float) -> list[Any]:
-    """Results in rank order; the first failing rank raises at once, nothing waits past the timeout."""
+def wait_all(
+    group: str, method: str, refs: list[ray.ObjectRef], timeout_s: float, hosts: list[str] | None = None
+) -> list[Any]:
+    """Results in rank order; the first failing rank raises at once (a collective's timeout after
+    HUNG_GRACE_S), nothing waits past the timeout. `hosts`: where each rank runs, for the errors."""
     pending = {ref: rank for rank, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     deadline = time.monotonic() + timeout_s
@@ -40,6 +51,8 @@ def wait_all(group: str, method: str, refs: list[ray.ObjectRef], timeout_s: floa
                 results[rank] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
             except RayTaskError as err:
                 cause = err.cause if getattr(err, "cause", None) is not None else err
+                if pending and _collective_timed_out(cause):
+                    _raise_hung(group, method, rank, pending, hosts, cause)
                 raise WorkerGroupError(
                     group, method, rank, f"raised {type(cause).__name__}: {cause}"
                 ) from err
@@ -50,3 +63,33 @@ def wait_all(group: str, method: str, refs: list[ray.ObjectRef], timeout_s: floa
             except GetTimeoutError as err:
                 raise WorkerGroupError(group, method, rank, "did not answer in time", kind="timeout") from err
     return results
+
+
+def _collective_timed_out(cause: BaseException) -> bool:
+    """gloo's words for a collective that waited past its process group's timeout."""
+    return isinstance(cause, RuntimeError) and "Timed out waiting" in str(cause)
+
+
+def _raise_hung(
+    group: str,
+    method: str,
+    rank: int,
+    pending: dict[ray.ObjectRef, int],
+    hosts: list[str] | None,
+    cause: BaseException,
+) -> None:
+    """Raise naming the ranks still silent HUNG_GRACE_S after `rank`'s collective timed out, if any."""
+    _, silent = ray.wait(list(pending), num_returns=len(pending), timeout=HUNG_GRACE_S)
+    hung = sorted(pending[ref] for ref in silent)
+    if not hung:
+        return
+    where = f" ({hosts[hung[0]]})" if hosts else ""
+    others = f" (ranks {hung} are silent)" if len(hung) > 1 else ""
+    raise WorkerGroupError(
+        group,
+        method,
+        hung[0],
+        f"hung{where}: neither answered nor failed within {HUNG_GRACE_S:.0f}s of rank {rank}'s collective "
+        f"timing out waiting for it{others} (rank {rank} raised {type(cause).__name__}: {cause})",
+        kind="hung",
+    )

@@ -16,7 +16,13 @@ from tensordict import TensorDict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from engines.distributed import all_reduce, data_parallel_mesh, init_distributed, resolve_device
+from engines.distributed import (
+    all_reduce,
+    data_parallel_mesh,
+    init_distributed,
+    resolve_device,
+    set_collective_timeout,
+)
 from engines.kernels.attention import register as segment_attention_name
 from engines.kernels.shared_prompt import pack_shared, prompt_groups
 from engines.training.adamw import AdamWSettings, adamw_step, build_adamw
@@ -77,6 +83,7 @@ class FSDPEngine(ModelBuildMixin, CheckpointMixin, PlacementMixin, TrainEngine):
             schedule = warmup_then_decay(self.config.scheduler)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self._offload_as_configured()
+        set_collective_timeout(self.config.collective_timeout_s)
 
     # ---- optimizer and schedule ----------------------------------------------------------------
 
