@@ -77,13 +77,18 @@ def external_job(service: Service, job_id: str, sees: str | None, model: str | N
     if (job.spec.get("rollout") or {}).get("source") != "external":
         raise APIError(409, f"job '{job_id}' is not fed externally: submit it with rollout.source: external",
                        "job_id", "not_external")  # fmt: skip
-    if job.status != "running":
-        raise APIError(409, f"job '{job_id}' is {job.status}: its endpoint serves only while it runs",
-                       "job_id", "not_running")  # fmt: skip
+    running(job)
     if model is not None and model not in model_names(job):
         raise APIError(404, f"model '{model}' is not served here; this endpoint serves '{job.id}'",
                        "model", "model_not_found")  # fmt: skip
     return job
+
+
+def running(job: Any) -> None:
+    """A 409 naming the job's state unless it runs (its endpoint and trajectories go with its run)."""
+    if job.status != "running":
+        raise APIError(409, f"job '{job.id}' is {job.status}: its endpoint serves only while it runs",
+                       "job_id", "not_running")  # fmt: skip
 
 
 def model_names(job: Any) -> list[str]:
@@ -93,9 +98,9 @@ def model_names(job: Any) -> list[str]:
     return [n for n in names if n]
 
 
-async def _find_server(job_id: str) -> Any:
+async def _find_server(service: Service, job_id: str) -> Any:
     """The job's endpoint actor; a job's first calls wait for it rather than answer 503, so that a client
-    with default retries reaches a job that has just started."""
+    with default retries reaches a job that has just started (a 409 as soon as the job stops running)."""
     deadline = time.monotonic() + STARTING_WAIT_S
     while True:
         try:
@@ -103,6 +108,7 @@ async def _find_server(job_id: str) -> Any:
             server = await asyncio.wait_for(lookup, LOOKUP_TIMEOUT_S)
             break
         except ValueError:
+            running(service.get(job_id))
             if time.monotonic() >= deadline:
                 raise APIError(503, f"job '{job_id}' is starting: its endpoint did not come up within "
                                f"{STARTING_WAIT_S:.0f} s", None, "endpoint_starting", {"Retry-After": "2"}) from None  # fmt: skip
@@ -115,13 +121,18 @@ async def _find_server(job_id: str) -> Any:
     return server
 
 
-async def call(job_id: str, method: str, *args: Any) -> dict[str, Any]:
-    """`ExternalServer.<method>(*args)` of the job, its error answer raised as an APIError."""
-    server = _servers.get(job_id) or await _find_server(job_id)
+async def call(service: Service, job_id: str, method: str, *args: Any) -> dict[str, Any]:
+    """`ExternalServer.<method>(*args)` of the job, its error answer raised as an APIError; a call that
+    its job's end (a pause, a cancel) cut off is a 409 naming the job's state, not a 503."""
+    known = _servers.get(job_id)
+    server = known or await _find_server(service, job_id)
     try:
         out = await asyncio.wait_for(getattr(server, method).remote(*args), REQUEST_TIMEOUT_S)
     except (ray.exceptions.RayActorError, asyncio.TimeoutError) as err:
         _servers.pop(job_id, None)
+        running(service.get(job_id))
+        if known is not None and isinstance(err, ray.exceptions.RayActorError):  # an earlier run's endpoint
+            return await call(service, job_id, method, *args)
         raise APIError(503, f"job '{job_id}''s endpoint did not answer: {type(err).__name__}", None,
                        "endpoint_unavailable", {"Retry-After": "2"}) from None  # fmt: skip
     e = out.get("error") if isinstance(out, dict) else None
@@ -152,7 +163,7 @@ async def chat_completions(
 ) -> Any:
     """A chat completion from the job's policy, recorded in the trajectory the URL or header names (or a new one)."""
     external_job(service, job_id, caller.sees, body.model)
-    out = await call(job_id, "answer", "chat", tid, body.model_dump(exclude_none=True))
+    out = await call(service, job_id, "answer", "chat", tid, body.model_dump(exclude_none=True))
     if not body.stream:
         return JSONResponse(out)  # a plain dict: no encoder walk
     return _chunks(out, body, "chat.completion.chunk", _chat_deltas)
@@ -166,7 +177,7 @@ async def completions(
     external_job(service, job_id, caller.sees, body.model)
     payload = body.model_dump(exclude_none=True)
     payload["logprobs"] = body.logprobs is not None
-    out = await call(job_id, "answer", "completion", tid, payload)
+    out = await call(service, job_id, "answer", "completion", tid, payload)
     return _chunks(out, body, "text_completion", _text_deltas) if body.stream else JSONResponse(out)
 
 
@@ -178,7 +189,7 @@ async def responses(
     external_job(service, job_id, caller.sees, body.model)
     chat = chat_request(body)
     try:
-        out = await call(job_id, "answer", "chat", tid, chat.model_dump(exclude_none=True))
+        out = await call(service, job_id, "answer", "chat", tid, chat.model_dump(exclude_none=True))
     except APIError as err:  # the endpoint names the chat field: name the Responses one
         name_responses_field(err)
         raise
@@ -200,7 +211,7 @@ async def reward(
 ) -> dict[str, Any]:
     """Close the trajectory with its reward: 404 unknown, 409 already rewarded, dropped or trained on."""
     external_job(service, job_id, caller.sees)
-    return await call(job_id, "reward", trajectory_id, body.model_dump(exclude_none=True))
+    return await call(service, job_id, "reward", trajectory_id, body.model_dump(exclude_none=True))
 
 
 @trajectories.get("/{trajectory_id}", dependencies=READ)
@@ -209,7 +220,7 @@ async def trajectory(
 ) -> dict[str, Any]:
     """The trajectory's record, token by token, while the job runs (a step's samples keep it after)."""
     external_job(service, job_id, caller.sees)
-    return await call(job_id, "trajectory", trajectory_id)
+    return await call(service, job_id, "trajectory", trajectory_id)
 
 
 def _sse(events: list[dict[str, Any]], named: bool = False) -> StreamingResponse:
