@@ -104,19 +104,13 @@ def test_a_call_waiting_for_a_starting_endpoint_is_a_409_once_the_job_is_cancell
     answered_409(thread, answers, "cancelling")
 
 
-def test_a_call_in_flight_when_the_job_pauses_is_a_409_naming_the_state(ray_cluster, unscheduled, model_path):
+def test_a_resumed_runs_endpoint_is_reached_and_a_call_cut_by_a_pause_is_a_409(
+    ray_cluster, unscheduled, model_path
+):
+    """One job's two runs: the API keeps a handle to the first run's endpoint, so the first call after a
+    resume reached that dead actor (a 503); then a call in flight when the job pauses is a 409 naming the
+    state, not a 503 naming the dead actor."""
     job_id, answers = running_job(unscheduled), {}
-    actor = endpoint(job_id, model_path)
-    thread = post_chat(unscheduled, job_id, answers)
-    time.sleep(1.0)  # in the endpoint, waiting for rollout workers
-    assert thread.is_alive()
-    unscheduled.service.store.transition(job_id, (JobStatus.RUNNING,), JobStatus.PAUSING)
-    ray.kill(actor, no_restart=True)  # the run's end takes its endpoint with it
-    answered_409(thread, answers, "pausing")
-
-
-def test_the_first_call_after_a_resume_reaches_the_new_runs_endpoint(ray_cluster, unscheduled, model_path):
-    job_id = running_job(unscheduled)
     first = endpoint(job_id, model_path)
     url = f"/v1/jobs/{job_id}/trajectories/probe"
     with unscheduled.client() as client:
@@ -125,5 +119,10 @@ def test_the_first_call_after_a_resume_reaches_the_new_runs_endpoint(ray_cluster
         gone(server_name(job_id))
         second = endpoint(job_id, model_path)  # held: an actor lives while its handle does
         again = client.get(url)
-    ray.kill(second, no_restart=True)
     assert again.status_code == 404 and again.json()["error"]["code"] == "not_found", again.text
+    thread = post_chat(unscheduled, job_id, answers)
+    time.sleep(1.0)  # in the endpoint, waiting for rollout workers
+    assert thread.is_alive()
+    unscheduled.service.store.transition(job_id, (JobStatus.RUNNING,), JobStatus.PAUSING)
+    ray.kill(second, no_restart=True)  # the run's end takes its endpoint with it
+    answered_409(thread, answers, "pausing")
