@@ -1,6 +1,7 @@
 """The dashboard signed in as each of two owners, in real headless Chromium: each sees only their own
 jobs (with the owner column) and their own usage, and another owner's job page is "no job"; the
-admin sees both. The service runs on the tests' Ray without its scheduler (jobs stay queued)."""
+admin sees both, and a link whose job id is broken shows the jobs. The service runs on the tests' Ray
+without its scheduler (jobs stay queued)."""
 
 from __future__ import annotations
 
@@ -65,4 +66,16 @@ def test_the_admin_sees_every_owners_jobs_and_usage(browser, two_owners) -> None
     for owner, job_id in jobs.items():
         expect(tab.locator(f"#job-rows tr[data-job-id='{job_id}'] td.owner")).to_have_text(owner)
         expect(tab.locator(f"#usage-rows tr[data-owner='{owner}']")).to_be_visible()
+    context.close()
+
+
+def test_a_link_with_a_broken_job_id_shows_the_jobs_and_says_why(browser, two_owners) -> None:
+    svc, _, _ = two_owners
+    context, tab = signed_in(browser, svc.url, svc.token)
+    errors: list[str] = []
+    tab.on("pageerror", lambda err: errors.append(str(err)))
+    tab.evaluate("location.hash = '#/jobs/%E0'")  # not UTF-8 once decoded: decodeURIComponent throws
+    expect(tab.locator("#banner-text")).to_contain_text("not valid percent-encoding: %E0")
+    expect(tab.locator("#jobs-view")).to_be_visible()
+    assert not errors, errors
     context.close()
