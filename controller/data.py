@@ -18,18 +18,15 @@ import torch
 
 from controller.data_files import DataError, read_records
 from controller.reasoning_gym_task import write_reasoning_gym_files
+from controller.rewards import GROUND_TRUTH_REWARDS
 from controller.tasks import write_splits
 from schema.job import DataSpec, JobSpec
 from workers.batch import Batch
 from workers.chat_serving import ChatDelta
+from workers.environments import GROUND_TRUTH_ENVIRONMENTS
 
 MAX_CHARS_PER_TOKEN = 64  # no tokenizer's text averages near this many characters a token
 TOKENIZE_CHUNK = 4096
-# Built-ins that score a response against its row's ground truth (a missing one reads as "None"): the
-# rule rewards, and the environments that score a multi-turn job in their place.
-_TRUTH_REWARDS = "exact_match numeric_match math_verify arithmetic arithmetic_partial word_problems"
-GROUND_TRUTH_REWARDS = frozenset(f"builtin:{name}" for name in _TRUTH_REWARDS.split())
-GROUND_TRUTH_ENVIRONMENTS = frozenset({"builtin:calculator", "builtin:guess_number"})
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,10 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
 }
 # Built-ins whose scoring runs code on the completion (reasoning-gym's scorers eval answers).
 SANDBOXED_BUILTINS = ("builtin:reasoning_gym",)
+# Built-ins that compare a response with its row's ground truth (a row without one would be scored
+# against the text "None": the data loader refuses it).
+_TRUTH = ("exact_match", "numeric_match", "math_verify", "arithmetic", "arithmetic_partial", "word_problems")
+GROUND_TRUTH_REWARDS = frozenset(f"builtin:{name}" for name in _TRUTH)
 
 
 def load_reward_fn(ref: str) -> RewardFn:

@@ -22,8 +22,10 @@ from controller.data import (
     read_records,
     resolve_data_files,
 )
+from controller.rewards import BUILTIN_REWARDS, GROUND_TRUTH_REWARDS
 from engines.models.tiny_models import build_tokenizer
 from schema.job import DataSpec, JobSpec
+from workers.environments import BUILTIN_ENVIRONMENTS, GROUND_TRUTH_ENVIRONMENTS
 
 ROWS = [
     {"question": "1+1=", "answer": "2", "meta": {"level": 1}},
@@ -362,6 +364,11 @@ def test_a_row_without_ground_truth_is_refused_for_a_builtin_reward(tmp_path, to
         build_dataset(write_jsonl(path, rows), tokenizer, spec.data, ground_truth=True)
     rows[2]["answer"] = rows[6]["answer"] = "0"
     assert len(build_dataset(write_jsonl(path, rows), tokenizer, spec.data, ground_truth=True)) == 10
+
+
+def test_the_rewards_and_environments_said_to_need_ground_truth_are_built_ins():
+    assert {name.removeprefix("builtin:") for name in GROUND_TRUTH_REWARDS} <= set(BUILTIN_REWARDS)
+    assert {name.removeprefix("builtin:") for name in GROUND_TRUTH_ENVIRONMENTS} <= set(BUILTIN_ENVIRONMENTS)
 
 
 @pytest.mark.parametrize(
