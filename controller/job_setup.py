@@ -190,7 +190,6 @@ def start_groups(
     model_path: str,
     name: str,
     pool: ResourcePool | None = None,
-    call_timeout_s: float = 3600.0,
 ) -> JobGroups:
     """Every worker group of the job, started side by side (a group's start is mostly its processes'
     imports and model loads, which need not wait for each other's). Groups sharing GPUs start in
@@ -199,6 +198,7 @@ def start_groups(
     # Colocated groups split every bundle evenly.
     share = 1.0 / (1 + needs_critic(spec) + (spec.reward.model_path is not None))
     in_turn = share < 1 and pool.gpus_per_bundle > 0
+    call_timeout_s = spec.trainer.call_timeout_s  # every call of a step, on every group
 
     def launch(worker_cls: type, config: object, role: str) -> PendingGroup:
         if in_turn:  # the groups already launched on these GPUs are up first

@@ -102,7 +102,8 @@ def worker_lost(err: BaseException, groups: JobGroups | None) -> WorkerLost | No
             slow = "a rank merely slower than trainer.collective_timeout_s reads the same: raise it"
             return WorkerLost("hung", f"{err}; {slow}", err.group, err.rank)
         if err.kind == "timeout":
-            return WorkerLost("did not answer in time", str(err), err.group, err.rank)
+            slow = "a worker merely slower than its limit reads the same (a step's calls: trainer.call_timeout_s)"
+            return WorkerLost("did not answer in time", f"{err}; {slow}", err.group, err.rank)
         return _peer_died(err, groups)  # a rank raised: its own error, unless a peer died under it
     if isinstance(err, RayTaskError):  # raised in another actor of the job (its endpoint, say)
         return _peer_died(err, groups)
@@ -134,10 +135,15 @@ def worker_groups(groups: JobGroups) -> dict[str, RayWorkerGroup]:
     return found
 
 
-def find_dead(groups: JobGroups, timeout_s: float = PING_TIMEOUT_S) -> list[tuple[str, int, str]]:
-    """(group, rank, why) of every worker actor Ray reports dead (a rank merely busy is not dead)."""
+def find_dead(
+    groups: JobGroups, timeout_s: float = PING_TIMEOUT_S, skip: str | None = None
+) -> list[tuple[str, int, str]]:
+    """(group, rank, why) of every worker actor Ray reports dead (a rank merely busy is not dead), the
+    group named `skip` left out."""
     where: dict[Any, tuple[str, int]] = {}
     for group in worker_groups(groups).values():
+        if group.name == skip:
+            continue
         for rank, actor in enumerate(group.actors):
             where[actor.pid.remote()] = (group.name, rank)
     ready, _ = ray.wait(list(where), num_returns=len(where), timeout=timeout_s)
@@ -338,7 +344,7 @@ def rollout_lost(err: BaseException, groups: JobGroups) -> WorkerLost | None:
     lost = worker_lost(err, groups)
     if lost is None or lost.group != rollout.name:
         return None
-    dead = find_dead(groups)
-    if any(group != rollout.name for group, _, _ in dead):
+    # Its own group is not pinged: a hung worker would hold the ping for the whole of its timeout.
+    if find_dead(groups, skip=rollout.name):
         return None
     return lost

@@ -185,6 +185,16 @@ class TrainerSpec(Section, AsyncOptions, CollectiveTimeout):
         description="times the job restarts its workers from its last checkpoint after a worker dies (process "
         "gone, node lost, a call timed out); an error in the job's own code is never retried; 0 = fail at once",
     )
+    call_timeout_s: float = Field(
+        3600.0,
+        ge=1,
+        le=3600,
+        description="seconds one call of a step on a worker group may take (a generation, log-probs, an update, "
+        "a weight sync, a reward model's scores); a worker that has not answered by then is named (rank, pid, "
+        "node, the call) and the job restarts from its last checkpoint as for a dead worker "
+        "(trainer.max_restarts). Must exceed trainer.collective_timeout_s, which bounds the collectives "
+        "inside a call. The workers' start is not bound by it",
+    )
     restart_backoff_s: float = Field(
         5.0, ge=0, le=3600, description="seconds before the first restart, doubled for each further one"
     )
@@ -202,6 +212,16 @@ class TrainerSpec(Section, AsyncOptions, CollectiveTimeout):
             raise ValueError("passes over the data are not counted: they follow from trainer.total_steps x "
                              "prompts_per_step; set trainer.total_steps (and leave epochs at 1)")  # fmt: skip
         return value
+
+    @model_validator(mode="after")
+    def _calls_outlast_collectives(self, info: ValidationInfo) -> TrainerSpec:
+        # A call that ends first would name every rank of a collective silent, not the hung one.
+        if self.call_timeout_s <= self.collective_timeout_s and at_submission(info):
+            raise field_error(("call_timeout_s",), f"trainer.call_timeout_s ({self.call_timeout_s:g}s) must "
+                              f"exceed trainer.collective_timeout_s ({self.collective_timeout_s:g}s), which "
+                              "bounds the collectives inside a call: raise the first or lower the second",
+                              self.call_timeout_s, named=False)  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _target_needs_validation(self) -> TrainerSpec:

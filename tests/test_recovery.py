@@ -289,6 +289,50 @@ def test_a_hung_rank_is_named_and_spends_the_restart_budget_as_a_lost_worker(
     assert killed  # by the job's end, not by this test
 
 
+class StopRollout(JsonlSink):
+    """A real sink that SIGSTOPs the split placement's rollout worker once step 1 is recorded (its
+    weights synced): step 2's generation never returns."""
+
+    def __init__(self, folder) -> None:
+        super().__init__(folder)
+        self.trainer: Trainer | None = None
+        self.stopped, self.at = 0, 0.0
+
+    def metrics(self, step: int, values: dict) -> None:
+        super().metrics(step, values)
+        if step == 1:
+            (self.stopped,) = recovery_worker_pids(self.trainer.job.groups)["rollout"]
+            os.kill(self.stopped, signal.SIGSTOP)
+            self.at = time.monotonic()
+
+
+def test_a_rollout_worker_hung_in_generation_is_named_when_the_call_times_out(ray_cluster, tmp_path):
+    """No collective waits for a split rollout worker: trainer.call_timeout_s ends the generation call,
+    naming the worker (rank, pid, the call), and the loss is a lost worker's: with max_restarts 0 at once
+    RestartsExhausted (the job's own error would have ended it unretried)."""
+    split = {"placement": "split", "rollout": {"workers": 1}}
+    spec = recovery_job(
+        trainer={"total_steps": 3, "max_restarts": 0, "call_timeout_s": 5, "collective_timeout_s": 2},
+        checkpoint={"every": 0, "export_hf": False},
+        resources=split,
+    )
+    sink = StopRollout(tmp_path)
+    trainer = sink.trainer = Trainer(JobSpec.model_validate(spec), tmp_path, sink, name="stoproll")
+    try:
+        with pytest.raises(RestartsExhausted) as exhausted:
+            trainer.run()
+        waited = time.monotonic() - sink.at
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(sink.stopped, signal.SIGKILL)  # a stopped process never ends by itself
+    error = str(exhausted.value)
+    named = rf"'stoproll-rollout', rank 0, method 'generate_sequences': did not answer within 5s \(pid {sink.stopped} on "
+    assert re.search(named, error), error
+    assert "trainer.call_timeout_s" in error and "more than trainer.max_restarts (0)" in error
+    assert 5 <= waited < 30, waited  # bounded by the setting, not by the 3600 s of before
+    assert [r["step"] for r in sink.history] == [1]
+
+
 def test_what_is_retried_and_what_is_not():
     died = WorkerGroupError("job-actor", "update_actor", 1, "the worker actor died", kind="died")
     late = WorkerGroupError("job-actor", "generate_sequences", None, "did not answer", kind="timeout")

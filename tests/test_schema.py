@@ -97,6 +97,26 @@ def test_a_pass_count_is_refused_naming_trainer_epochs(unscheduled) -> None:
         assert error["param"] == "trainer.epochs" and "trainer.total_steps" in error["message"]
 
 
+def test_trainer_call_timeout_s_is_bounded_and_outlasts_the_collectives(unscheduled) -> None:
+    """A step's calls end within trainer.call_timeout_s: 1..3600 s, and longer than a collective may wait
+    (else a call would end first and name every rank of the collective silent, not the hung one)."""
+    assert JobSpec.model_validate(tiny_job()).trainer.call_timeout_s == 3600  # the limit before the field
+    short = {"call_timeout_s": 5, "collective_timeout_s": 2}
+    assert JobSpec.model_validate(tiny_job(trainer=short)).trainer.call_timeout_s == 5
+    for value, words in [(0, "greater than or equal to 1"), (3601, "less than or equal to 3600"),
+                         ("soon", "valid number"), (600, "must exceed trainer.collective_timeout_s (600s)")]:  # fmt: skip
+        with pytest.raises(ValidationError) as err:
+            JobSpec.model_validate(tiny_job(trainer={"call_timeout_s": value}))
+        first = err.value.errors()[0]
+        assert first["loc"] == ("trainer", "call_timeout_s") and words in first["msg"], first
+    with unscheduled.client() as client:
+        answer = client.post("/v1/jobs/validate", json=tiny_job(trainer={"call_timeout_s": 60}))
+        assert answer.status_code == 422, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == "trainer.call_timeout_s", error
+        assert error["message"].startswith("trainer.call_timeout_s (60s) must exceed"), error
+
+
 @contextmanager
 def counted_parses() -> Iterator[list[int]]:
     """Counts JobSpec validations in this thread: its cross-section rule runs once per parse."""

@@ -37,11 +37,12 @@ def wait_all(
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
+            silent = sorted(pending.values())
             raise WorkerGroupError(
                 group,
                 method,
-                None,
-                f"ranks {sorted(pending.values())} did not answer within {timeout_s:.0f}s",
+                silent[0],
+                f"did not answer within {timeout_s:g}s{_where(silent, hosts)}",
                 kind="timeout",
             )
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, 5.0))
@@ -83,13 +84,17 @@ def _raise_hung(
     hung = sorted(pending[ref] for ref in silent)
     if not hung:
         return
-    where = f" ({hosts[hung[0]]})" if hosts else ""
-    others = f" (ranks {hung} are silent)" if len(hung) > 1 else ""
     raise WorkerGroupError(
         group,
         method,
         hung[0],
-        f"hung{where}: neither answered nor failed within {HUNG_GRACE_S:.0f}s of rank {rank}'s collective "
-        f"timing out waiting for it{others} (rank {rank} raised {type(cause).__name__}: {cause})",
+        f"hung{_where(hung, hosts)}: neither answered nor failed within {HUNG_GRACE_S:.0f}s of rank {rank}'s "
+        f"collective timing out waiting for it (rank {rank} raised {type(cause).__name__}: {cause})",
         kind="hung",
     )
+
+
+def _where(silent: list[int], hosts: list[str] | None) -> str:
+    """' (pid 123 on 10.0.0.2)' for the first silent rank, and the others' ranks when there are more."""
+    where = f" ({hosts[silent[0]]})" if hosts else ""
+    return where + (f" (ranks {silent} are silent)" if len(silent) > 1 else "")
