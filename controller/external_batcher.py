@@ -26,6 +26,8 @@ class ReplicaBatcher:
         self.free: asyncio.Queue | None = None
         self.hosts: list[Any] = []
         self.task: asyncio.Task | None = None
+        self.held: list[tuple] = []  # calls the loop took off the queue, not yet on a replica (see attach)
+        self.running: set[asyncio.Task] = set()  # the loop keeps no other reference to a batch's task
         self.offset = 0  # trainer version - engine version of the attached workers (see attach)
         self.engine_calls = 0
         self.attached = asyncio.Event()
@@ -36,14 +38,15 @@ class ReplicaBatcher:
         engine = hosts[0].execute.remote("weight_version", ((), {}))
         self.offset = version - int(await asyncio.wait_for(engine, ATTACH_TIMEOUT_S))
         self.hosts = list(hosts)
-        self.free = asyncio.Queue()
+        free: asyncio.Queue = asyncio.Queue()
         for host in hosts:
-            self.free.put_nowait(host)
+            free.put_nowait(host)
+        self.free = free
         if self.queue is None:
             self.queue = asyncio.Queue()
-        if self.task is not None:
+        if self.task is not None:  # the calls it held (every replica was busy) go to the new replicas
             self.task.cancel()
-        self.task = asyncio.get_running_loop().create_task(self._batch_loop())
+        self.task = asyncio.get_running_loop().create_task(self._batch_loop(free))
         self.attached.set()
 
     async def generate(self, prompt: list[int], params: Any) -> list[Any]:
@@ -57,32 +60,49 @@ class ReplicaBatcher:
         await self.queue.put((prompt, params, future))
         return await future
 
-    async def _batch_loop(self) -> None:
+    async def _batch_loop(self, free: asyncio.Queue) -> None:
         """From the first call, gather until as many arrived as the last batch held (agents answered
-        together call again together) or batch_window_ms passed; then a free replica takes them all."""
-        queue, free, loop = self.queue, self.free, asyncio.get_running_loop()
+        together call again together) or batch_window_ms passed; then a free replica takes them all.
+        The calls taken wait in `held`, where a re-attach's new loop finds them."""
+        queue, loop, held = self.queue, asyncio.get_running_loop(), self.held
         expected = 1
-        while True:
-            items = [await queue.get()]
+        while self.free is free:  # wait_for may swallow attach's cancel: a loop ends with its replicas
+            if not held:
+                held.append(await queue.get())
             deadline = loop.time() + self.window_ms / 1000
-            while len(items) < expected and (left := deadline - loop.time()) > 0:
+            while len(held) < expected and (left := deadline - loop.time()) > 0:
                 try:
-                    items.append(await asyncio.wait_for(queue.get(), left))
+                    held.append(await asyncio.wait_for(queue.get(), left))
                 except asyncio.TimeoutError:
                     break
             host = await free.get()
+            if self.free is not free:
+                return
             while not queue.empty():
-                items.append(queue.get_nowait())
-            expected = len(items)
-            loop.create_task(self._run(host, items))
+                held.append(queue.get_nowait())
+            items, expected = list(held), len(held)
+            held.clear()
+            task = loop.create_task(self._run(host, items, free))
+            self.running.add(task)
+            task.add_done_callback(self.running.discard)
 
-    async def _run(self, host: Any, items: list[tuple]) -> None:
+    async def _run(self, host: Any, items: list[tuple], free: asyncio.Queue) -> None:
+        """`items` on `host`; every caller hears an answer or an error, whatever fails; the host goes back
+        to the replicas it came from (an earlier attempt's, after a re-attach, serve no more)."""
+        why = "its batch was cancelled"
         try:
             key = lambda item: item[1].model_dump_json()  # noqa: E731
             for _, group in itertools.groupby(sorted(items, key=key), key=key):
                 await self._run_group(host, list(group))
+        except Exception as err:  # its callers hear it below, as a cancellation's do
+            why = f"{type(err).__name__}: {err}"
         finally:
-            self.free.put_nowait(host)
+            free.put_nowait(host)
+            unanswered = [future for _, _, future in items if not future.done()]
+            error = TrajectoryError(503, f"the rollout worker {_named(host)} gave no answer to this call: "
+                                    f"{why}"[:2000], None, "rollout_failed", 5.0)  # fmt: skip
+            for future in unanswered:
+                future.set_exception(error)
 
     async def _run_group(self, host: Any, group: list[tuple]) -> None:
         params, offset = group[0][1], self.offset
@@ -91,10 +111,12 @@ class ReplicaBatcher:
             ref = host.execute.remote("generate", ((prompts, params.model_dump()), {}))
             self.engine_calls += 1
             completions = await asyncio.wait_for(ref, GENERATE_TIMEOUT_S)
+            if len(completions) != len(group) * params.n:  # a caller would get another's, or none
+                raise ValueError(f"{len(completions)} completions for {len(group)} prompts x n = {params.n}")
         except Exception as err:  # every caller of the batch hears it
             refused = err if isinstance(err, ConstraintError) else getattr(err, "cause", None)
-            failure = TrajectoryError(503, f"the rollout worker failed: {type(err).__name__}: {err}"[:2000],
-                                      None, "rollout_failed", 5.0)  # fmt: skip
+            failure = TrajectoryError(503, f"the rollout worker {_named(host)} failed: {type(err).__name__}: "
+                                      f"{err}"[:2000], None, "rollout_failed", 5.0)  # fmt: skip
             if isinstance(refused, ConstraintError):  # the engine cannot enforce the call's constraint
                 param = "tool_choice" if params.constraint.kind == "tool_call" else "response_format"
                 failure = TrajectoryError(
@@ -109,3 +131,9 @@ class ReplicaBatcher:
         for i, (_, _, future) in enumerate(group):
             if not future.done():
                 future.set_result(completions[i * params.n : (i + 1) * params.n])
+
+
+def _named(host: Any) -> str:
+    """A replica as its error names it: its Ray actor id."""
+    actor_id = getattr(host, "_actor_id", None)
+    return actor_id.hex()[:16] if actor_id is not None else repr(host)

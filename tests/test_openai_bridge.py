@@ -17,6 +17,7 @@ from controller.external import ExternalServer
 from schema.external import ExternalSpec, server_name
 from service.job_state import JobStatus
 from tests.api_util import tiny_job
+from tests.test_external_batcher import Replica
 
 
 def test_an_actor_lookup_that_hangs_is_a_503_naming_the_job(monkeypatch):
@@ -104,13 +105,16 @@ def test_a_call_waiting_for_a_starting_endpoint_is_a_409_once_the_job_is_cancell
     answered_409(thread, answers, "cancelling")
 
 
-def test_a_resumed_runs_endpoint_is_reached_and_a_call_cut_by_a_pause_is_a_409(
+def test_a_resumed_runs_endpoint_is_reached_and_calls_cut_by_a_pause_are_409s(
     ray_cluster, unscheduled, model_path
 ):
     """One job's two runs: the API keeps a handle to the first run's endpoint, so the first call after a
-    resume reached that dead actor (a 503); then a call in flight when the job pauses is a 409 naming the
-    state, not a 503 naming the dead actor."""
-    job_id, answers = running_job(unscheduled), {}
+    resume reached that dead actor (a 503). Then a pause cuts two calls in flight: it stops the rollout
+    workers first, and the endpoint answered the call on a stopped one with a 503 rollout_failed (which a
+    client retries for ever against a paused job); then the endpoint goes, under the other call. Both
+    are 409s naming the state. Replicas stand in for rollout workers busy on cue
+    (tests/test_external_batcher.py)."""
+    job_id, cut, waiting = running_job(unscheduled), {}, {}
     first = endpoint(job_id, model_path)
     url = f"/v1/jobs/{job_id}/trajectories/probe"
     with unscheduled.client() as client:
@@ -120,9 +124,16 @@ def test_a_resumed_runs_endpoint_is_reached_and_a_call_cut_by_a_pause_is_a_409(
         second = endpoint(job_id, model_path)  # held: an actor lives while its handle does
         again = client.get(url)
     assert again.status_code == 404 and again.json()["error"]["code"] == "not_found", again.text
-    thread = post_chat(unscheduled, job_id, answers)
-    time.sleep(1.0)  # in the endpoint, waiting for rollout workers
-    assert thread.is_alive()
+    replicas = [Replica.remote(name) for name in ("stopped", "kept")]
+    ray.get([r.hold.remote(True) for r in replicas], timeout=60)
+    ray.get(second.attach.remote(replicas, 0), timeout=60)
+    on_stopped = post_chat(unscheduled, job_id, cut)
+    time.sleep(1.0)  # on the first free replica, which holds it
+    in_endpoint = post_chat(unscheduled, job_id, waiting)  # waits for its trajectory's first call
+    time.sleep(0.5)
+    assert on_stopped.is_alive() and in_endpoint.is_alive()
     unscheduled.service.store.transition(job_id, (JobStatus.RUNNING,), JobStatus.PAUSING)
-    ray.kill(second, no_restart=True)  # the run's end takes its endpoint with it
-    answered_409(thread, answers, "pausing")
+    ray.kill(replicas[0], no_restart=True)  # the pause stops the rollout workers first
+    answered_409(on_stopped, cut, "pausing")
+    ray.kill(second, no_restart=True)  # then the run's end takes its endpoint with it
+    answered_409(in_endpoint, waiting, "pausing")

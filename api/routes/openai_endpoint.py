@@ -138,6 +138,8 @@ async def call(service: Service, job_id: str, method: str, *args: Any) -> dict[s
     e = out.get("error") if isinstance(out, dict) else None
     if not isinstance(e, dict) or "status" not in e:
         return out
+    if e["status"] == 503:  # its rollout workers failed under it: a pause or a cancel stops them first
+        running(service.get(job_id))
     retry = {"Retry-After": str(max(1, round(e.get("retry_after") or 1)))}
     raise APIError(
         e["status"], e["message"], e.get("param"), e.get("code"), retry if e["status"] in (429, 503) else None
