@@ -26,7 +26,7 @@ from engines.transfer.base import (
 )
 
 Header = list[tuple[str, str, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
-ABORT_GRACE_S = 5.0  # a failed broadcast waits this long for the receivers to say which failed
+ABORT_GRACE_S = 30.0  # a failed broadcast waits at most this long for the receivers to say which failed
 ALIGN = 64  # every tensor starts on a 64-byte boundary: viewable as any dtype, and copied at full speed
 
 
@@ -175,8 +175,8 @@ class CollectiveTransfer(WeightTransfer):
         if isinstance(error, TransferError):
             return error
         try:
-            # Receivers blocked in the same broadcast fail within moments of the sender: a short grace
-            # keeps the sender's named error inside the caller's limit for the whole sync.
+            # Receivers blocked in the same broadcast fail within moments of the sender, a dead one is
+            # reported by Ray: half the limit keeps the sender's named error inside the sync call's.
             self.receivers.wait(timeout_s=min(self.group.timeout_s / 2, ABORT_GRACE_S))
         except TransferTimeout as silent:
             waited = f"{silent}, after the sender waited {self.group.timeout_s:g}s for it"
