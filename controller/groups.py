@@ -159,5 +159,7 @@ class RolloutPlan:
     def link(self, training: RayWorkerGroup, rollout: RayWorkerGroup) -> None:
         """Connect the training rank 0 to `rollout` with the plan's strategy (a collective group is
         formed with its workers; an earlier one is closed first, workers/actor_role.py)."""
-        timeout_s = min(self.call_timeout_s, TRANSFER_TIMEOUT_S)
-        training.connect_rollout(RolloutLink(rollout.actors, rollout.name, self.strategy, timeout_s))
+        # Half the sync call's limit: the sender's wait for a silent receiver, and its naming, end within it.
+        timeout_s = min(self.call_timeout_s / 2, TRANSFER_TIMEOUT_S)
+        link = RolloutLink(rollout.actors, rollout.name, self.strategy, timeout_s, rollout.hosts)
+        training.connect_rollout(link)

@@ -1,6 +1,7 @@
 """Recovery: a job that survives its workers. The trainer drives the restart (`Trainer.run`); here
 `worker_lost` decides whether an error is a lost worker (retried; a rank that raised because a peer
-died counts as the peer's loss) or the job's own, `Recovery` keeps the restart budget, backoff and
+died, or because a rollout worker stopped answering in its weight transfer, counts as the peer's loss)
+or the job's own, `Recovery` keeps the restart budget, backoff and
 status, and `AttemptSink` marks what a restarted attempt records.
 
 A split placement's rollout workers hold no training state, so one that dies while every training
@@ -37,6 +38,7 @@ from controller.groups import TRANSFER_TIMEOUT_S
 from controller.resource_pool import ResourcePool, ResourcePoolError
 from controller.sink import JobSink
 from controller.worker_group import RayWorkerGroup, RoleGroup, WorkerGroupError
+from engines.transfer.base import TransferTimeout
 from schema.resources import ResourcesSpec
 from schema.training import TrainerSpec
 
@@ -95,6 +97,12 @@ def worker_lost(err: BaseException, groups: JobGroups | None) -> WorkerLost | No
     """The lost worker `err` reports, or None when `err` is the job's own error (never retried)."""
     if isinstance(err, WorkerLost):
         return err
+    if (silent := _transfer_timeout(err)) is not None:  # a sender named the receiver that went silent
+        slow = (
+            "a receiver merely slower than the transfer's limit (from trainer.call_timeout_s) reads the same"
+        )
+        cause = "stopped answering in a weight transfer"
+        return WorkerLost(cause, f"{err}; {slow}", silent.group, silent.rank)
     if isinstance(err, WorkerGroupError):
         if err.kind == "died":
             return WorkerLost("died", str(err), err.group, err.rank)
@@ -110,6 +118,21 @@ def worker_lost(err: BaseException, groups: JobGroups | None) -> WorkerLost | No
     if isinstance(err, _LOST):
         cause = "could not be placed" if isinstance(err, ResourcePoolError) else "died"
         return WorkerLost(cause, f"{type(err).__name__}: {err}")
+    return None
+
+
+def _transfer_timeout(err: BaseException) -> TransferTimeout | None:
+    """The TransferTimeout a rank raised (Ray's RayTaskError holds it as `cause`), if `err` is one."""
+    seen: BaseException | None = err
+    for _ in range(4):  # WorkerGroupError <- RayTaskError(cause=TransferTimeout): a short chain
+        if seen is None:
+            return None
+        raised = getattr(seen, "cause", None)  # a RayTaskError's: what the worker raised
+        if isinstance(raised, TransferTimeout):
+            return raised
+        if isinstance(seen, TransferTimeout):
+            return seen
+        seen = seen.__cause__
     return None
 
 

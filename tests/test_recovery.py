@@ -32,6 +32,7 @@ from controller.resource_pool import ResourcePoolError
 from controller.sink import JsonlSink
 from controller.trainer import Trainer
 from controller.worker_group import WorkerGroupError
+from engines.transfer.base import TransferError, TransferTimeout
 from schema.job import JobSpec
 from tests.api_util import TERMINAL, tiny_job, wait_for, wait_for_step
 from workers import remote
@@ -343,7 +344,13 @@ def test_what_is_retried_and_what_is_not():
     assert worker_lost(hung, None).summary == "worker rank 1 hung"
     assert worker_lost(RayActorError(), None).cause == "died"
     assert worker_lost(ResourcePoolError("no room"), None).cause == "could not be placed"
-    for own in (raised, ValueError("bad reward"), FileNotFoundError("no model"), KeyError("lr")):
+    silent = TransferTimeout(
+        "weight transfer timed out: rank 0 did not answer", "job-rollout", 0, "receive_weights"
+    )
+    assert worker_lost(silent, None).summary == "worker rank 0 stopped answering in a weight transfer"
+    assert worker_lost(silent, None).group == "job-rollout"
+    bad = TransferError("weight transfer failed: rank 0 raised ValueError: shape (7,)")
+    for own in (raised, bad, ValueError("bad reward"), FileNotFoundError("no model"), KeyError("lr")):
         assert worker_lost(own, None) is None
     losses = [WorkerLost("died", "first"), WorkerLost("died", "second")]
     assert str(RestartsExhausted(losses, 1)).endswith("[attempt 1] first; [attempt 2] second")

@@ -2,21 +2,32 @@
 a training rank sends to a rollout worker in another process, over a torch.distributed group made
 for it (gloo) or Ray's object store. The rollout worker ends bitwise equal to the trainer, for the
 whole model and for a named subset (the other tensors keep their old values, and generation uses
-the new ones: the fused decode buffers saw the update). A rollout worker dying mid-transfer is
-tests/test_placement.py's (in a job, with its checkpoint)."""
+the new ones: the fused decode buffers saw the update). A rollout worker that stops answering (SIGSTOP)
+fails either strategy's sync within its limit with a `TransferTimeout` naming the worker (group, rank,
+pid) and its call, which recovery retries as that worker's loss; a receiver that raises (a bad tensor)
+stays the job's own error. A rollout worker dying mid-transfer is tests/test_placement.py's (in a job,
+with its checkpoint)."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
 
 import pytest
 import torch
 
+from controller.recovery import worker_lost
 from controller.resource_pool import ResourcePool
-from controller.worker_group import RayWorkerGroup, ready_all
+from controller.worker_group import RayWorkerGroup, WorkerGroupError, ready_all
+from engines.transfer.base import TransferError, TransferTimeout
 from engines.transfer.collective import pack, unpack
 from tests.test_hybrid_worker import prompt_batch, with_advantages
 from workers.actor_role import ActorRefWorker
 from workers.rollout_role import RolloutWorker
-from workers.transfer_choice import RolloutLink
+from workers.transfer_choice import ObjectStoreTransfer, RolloutLink, RolloutPeers
 
 GREEDY = {"max_new_tokens": 5, "temperature": 0.0}
 SUBSET = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight")
@@ -67,9 +78,9 @@ def groups(ray_cluster, tiny_model_dir):
         pool.remove()
 
 
-@pytest.fixture(scope="module", params=["collective", "object_store"])
+@pytest.fixture(params=["collective", "object_store"])
 def pair(request, groups):
-    """The two linked by the strategy (connecting again replaces the previous link)."""
+    """The two linked by the strategy, for each test (connecting again replaces the previous link)."""
     trainer, rollout = groups
     link = RolloutLink(rollout.actors, rollout.name, request.param, timeout_s=60)
     trainer.connect_rollout(link)
@@ -131,3 +142,63 @@ def reference_params():
     from engines.rollout import SamplingParams
 
     return SamplingParams(**GREEDY)
+
+
+LIMIT_S = 2.0  # a stopped receiver's transfer limit: small, so that it is named quickly
+
+
+def test_a_receiver_that_raises_is_the_jobs_own_error(groups):
+    """A bad tensor (a shape the rollout model does not have): the receiver raises at once, named; the
+    error is no timeout, and not retried."""
+    _, rollout = groups
+    peers = RolloutPeers(rollout.actors, rollout.name, LIMIT_S, rollout.hosts)
+    with pytest.raises(TransferError) as failed:
+        ObjectStoreTransfer(peers).transfer([("model.norm.weight", torch.zeros(7))])
+    assert not isinstance(failed.value, TransferTimeout)
+    assert "rank 0, method 'receive_bucket': raised ValueError: weight 'model.norm.weight'" in str(
+        failed.value
+    )
+    assert worker_lost(failed.value, None) is None
+
+
+@pytest.fixture
+def stopped_rollout(ray_cluster, tiny_model_dir):
+    """A rollout worker of its own (it is SIGSTOPped), killed at the end."""
+    pool = ResourcePool(1, cpus_per_bundle=1, name="xfer-stopped")
+    rollout = RayWorkerGroup(
+        pool, RolloutWorker, {"model_path": str(tiny_model_dir)}, group_name="xfer-stopped"
+    )
+    (pid,) = rollout.pids()
+    yield rollout, pid
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)  # a stopped process never ends by itself
+    rollout.shutdown()
+    pool.remove()
+
+
+def test_a_receiver_stopped_in_a_sync_is_named_and_retried_as_a_lost_worker(groups, stopped_rollout):
+    """The rollout worker is SIGSTOPped: each strategy's sync fails within its limit (and the collective's
+    short grace), naming the worker, its pid and the call it did not answer; recovery reads the training
+    rank's error as that worker's loss (retried), not the job's own."""
+    trainer, _ = groups
+    rollout, pid = stopped_rollout
+    calls = {"collective": "receive_weights", "object_store": "receive_bucket"}
+    trainer.connect_rollout(RolloutLink(rollout.actors, rollout.name, "collective", LIMIT_S, rollout.hosts))
+    os.kill(pid, signal.SIGSTOP)
+    for strategy, call in calls.items():
+        if strategy != "collective":  # closes the collective group without waiting on the stopped worker
+            trainer.connect_rollout(
+                RolloutLink(rollout.actors, rollout.name, strategy, LIMIT_S, rollout.hosts)
+            )
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError) as failed:
+            trainer.sync_weights()
+        assert time.monotonic() - start < 2 * LIMIT_S + 2, strategy
+        assert failed.value.group == "xfer-train" and failed.value.kind == "raised"
+        named = rf"'xfer-stopped', rank 0, method '{call}': did not answer within [\d.]+s \(pid {pid} on "
+        assert re.search(named, str(failed.value)), str(failed.value)
+        lost = worker_lost(failed.value, None)
+        assert lost is not None, str(failed.value)
+        assert (lost.group, lost.rank) == ("xfer-stopped", 0)
+        assert lost.summary == "worker rank 0 stopped answering in a weight transfer"
+        assert f"pid {pid} on " in lost.error and "method 'sync_weights'" in lost.error

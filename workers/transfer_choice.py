@@ -1,7 +1,8 @@
 """A training rank's weight transfer to rollout workers: the one place that maps a placement, LoRA and
 `rollout.weight_transfer` to a strategy (engines/transfer/base.py's interface), the connection over
-Ray (`RolloutPeers`: a receiver that died or hung fails the transfer with a `TransferError` naming the
-rollout group and rank), and the object-store strategies.
+Ray (`RolloutPeers`: a receiver that died or raised fails the transfer with a `TransferError` naming the
+rollout group and rank, one that stopped answering with a `TransferTimeout` naming its pid and node too),
+and the object-store strategies.
 
 Colocated: `InProcessTransfer`, or the adapter alone (`AdapterTransfer`). Split: `collective` or
 `object_store`, or the adapter alone in one object (`RemoteAdapterTransfer`). A new strategy is one
@@ -29,7 +30,14 @@ from engines.transfer.adapter import (
     default_tolerance,
     probe_difference,
 )
-from engines.transfer.base import NamedTensor, Receivers, TransferError, TransferStats, WeightTransfer
+from engines.transfer.base import (
+    NamedTensor,
+    Receivers,
+    TransferError,
+    TransferStats,
+    TransferTimeout,
+    WeightTransfer,
+)
 from engines.transfer.collective import CollectiveTransfer, TransferGroup
 from engines.transfer.in_process import InProcessTransfer
 from workers.remote import WorkerGroupError, wait_all
@@ -134,13 +142,16 @@ class RolloutLink:
     group: str  # the rollout group's name, for errors
     strategy: str  # "collective" or "object_store"
     timeout_s: float = 300.0
+    hosts: list[str] | None = None  # "pid 123 on 10.0.0.1" for each rank, for errors
 
 
 class RolloutPeers:
     """The `Receivers` of engines/transfer/base.py over the rollout group's Ray actors."""
 
-    def __init__(self, actors: list[Any], group: str, timeout_s: float) -> None:
-        self.actors, self.group, self.timeout_s = list(actors), group, timeout_s
+    def __init__(
+        self, actors: list[Any], group: str, timeout_s: float, hosts: list[str] | None = None
+    ) -> None:
+        self.actors, self.group, self.timeout_s, self.hosts = list(actors), group, timeout_s, hosts
         self._method = ""
         self._refs: list[ray.ObjectRef] = []
 
@@ -160,8 +171,11 @@ class RolloutPeers:
     def wait(self, timeout_s: float | None = None) -> list[Any]:
         refs, self._refs = self._refs, []
         try:
-            return wait_all(self.group, self._method, refs, timeout_s or self.timeout_s)
+            return wait_all(self.group, self._method, refs, timeout_s or self.timeout_s, self.hosts)
         except WorkerGroupError as err:
+            if err.kind in ("timeout", "hung"):  # alive to Ray but silent: stopped, or too slow
+                message = f"weight transfer to '{self.group}' timed out waiting for a receiver: {err}"
+                raise TransferTimeout(message, self.group, err.rank, self._method) from err
             raise TransferError(f"weight transfer failed: {err}") from err
 
 
@@ -181,7 +195,7 @@ def connect(
 ) -> WeightTransfer:
     """The sending side of `link.strategy`, connected to every rollout worker of the link (the adapter
     alone when `train` trains LoRA)."""
-    peers = RolloutPeers(link.actors, link.group, link.timeout_s)
+    peers = RolloutPeers(link.actors, link.group, link.timeout_s, link.hosts)
     if train is not None and train.adapter_config() is not None:
         return RemoteAdapterTransfer(peers, train.adapter_config(), default_tolerance(dtype))
     if link.strategy == "object_store":

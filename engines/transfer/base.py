@@ -24,6 +24,19 @@ class TransferError(RuntimeError):
     """A weight transfer failed; the message names the receiving worker (group, rank) at fault."""
 
 
+class TransferTimeout(TransferError):
+    """A receiver did not take part in a transfer within its limit (stopped, or too slow): `group` and
+    `rank` name it, `method` the receiving call it did not answer. Job recovery retries it as that
+    worker's loss, where any other TransferError is the job's own."""
+
+    def __init__(self, message: str, group: str, rank: int | None, method: str) -> None:
+        super().__init__(message)
+        self.group, self.rank, self.method = group, rank, method
+
+    def __reduce__(self) -> tuple:  # raised in a worker, read in the controller: pickled with its fields
+        return type(self), (str(self), self.group, self.rank, self.method)
+
+
 class Receivers(Protocol):
     """The receiving workers as a cross-process sender sees them (over Ray: workers/transfer_choice.py)."""
 
@@ -33,7 +46,8 @@ class Receivers(Protocol):
         """Start `method(*args)` on every receiver without waiting."""
 
     def wait(self, timeout_s: float | None = None) -> list[Any]:
-        """The results in rank order; TransferError names a receiver that failed or did not answer."""
+        """The results in rank order; TransferError names a receiver that failed, TransferTimeout one
+        that did not answer."""
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

@@ -16,9 +16,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engines.transfer.base import NamedTensor, Receivers, TransferError, WeightTransfer, tensor_bytes
+from engines.transfer.base import (
+    NamedTensor,
+    Receivers,
+    TransferError,
+    TransferTimeout,
+    WeightTransfer,
+    tensor_bytes,
+)
 
 Header = list[tuple[str, str, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
+ABORT_GRACE_S = 30.0  # a failed broadcast waits at most this long for the receivers to say which failed
 ALIGN = 64  # every tensor starts on a 64-byte boundary: viewable as any dtype, and copied at full speed
 
 
@@ -162,9 +170,17 @@ class CollectiveTransfer(WeightTransfer):
         self.group.close()
 
     def abort(self, error: BaseException) -> BaseException:
-        """A failed broadcast: the receivers' calls say which worker died or failed."""
+        """A failed broadcast: the receivers' calls say which worker died, failed or stopped answering
+        (a TransferTimeout); the error of the receivers' wait in `finish` already says so."""
+        if isinstance(error, TransferError):
+            return error
         try:
-            self.receivers.wait(timeout_s=min(self.group.timeout_s, 30.0))
+            # Receivers blocked in the same broadcast fail within moments of the sender, a dead one is
+            # reported by Ray: half the limit keeps the sender's named error inside the sync call's.
+            self.receivers.wait(timeout_s=min(self.group.timeout_s / 2, ABORT_GRACE_S))
+        except TransferTimeout as silent:
+            waited = f"{silent}, after the sender waited {self.group.timeout_s:g}s for it"
+            return TransferTimeout(waited, silent.group, silent.rank, silent.method)
         except TransferError as named:
             return named
         return TransferError(f"weight transfer over {self.group.name} failed on the sender: {error}")
