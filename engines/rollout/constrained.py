@@ -15,6 +15,7 @@ from __future__ import annotations
 import graphlib
 import hashlib
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
 
 MAX_SCHEMA_CHARS = 65_536
 MAX_SCHEMA_DEPTH = 24
+# Compile time grows faster than these: optional properties of one object, a pattern's repeated atoms.
+MAX_OPTIONAL_PROPERTIES = 128
+MAX_PATTERN_ATOMS = 1024
+COUNTS = ("minLength", "maxLength", "minItems", "maxItems")
 SEPARATORS = (", ", ": ")  # json.dumps' own, so a constrained call reads back as the template writes it
 # The keywords xgrammar turns into grammar rules; annotations constrain nothing and are allowed.
 ENFORCED = {
@@ -72,8 +77,8 @@ def check_schema(schema: Any, param: str) -> dict[str, Any]:
         raise ConstraintError(param, f"the JSON schema is not JSON: {err}") from None
     if size > MAX_SCHEMA_CHARS:
         raise ConstraintError(param, f"the JSON schema has {size} characters; at most {MAX_SCHEMA_CHARS}")
-    definitions = {**(schema.get("$defs") or {}), **(schema.get("definitions") or {})}
     _walk(schema, param, "#", 0)
+    definitions = {**(schema.get("$defs") or {}), **(schema.get("definitions") or {})}
     _refuse_cycles(schema, definitions, param)
     return schema
 
@@ -85,6 +90,7 @@ def _walk(node: Any, param: str, at: str, depth: int) -> None:
         raise ConstraintError(param, f"{at}: a schema must be an object or a boolean")
     if depth > MAX_SCHEMA_DEPTH:
         raise ConstraintError(param, f"{at}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    _check_object(node, param, at)
     for key, value in node.items():
         if key in ANNOTATIONS:
             continue
@@ -107,12 +113,74 @@ def _walk(node: Any, param: str, at: str, depth: int) -> None:
                 raise ConstraintError(param, f"{at}.{key}: must be a non-empty list of schemas")
             for k, sub in enumerate(value):
                 _walk(sub, param, f"{at}.{key}[{k}]", depth + 1)
+        elif key in COUNTS and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ConstraintError(
+                param, f"{at}.{key}: must be a non-negative integer, got {json.dumps(value)}"
+            )
+        elif key == "pattern":
+            _check_pattern(value, node, param, f"{at}.pattern")
         elif key == "$ref" and not (
             isinstance(value, str) and value.startswith(("#/$defs/", "#/definitions/"))
         ):
             raise ConstraintError(
                 param, f"{at}.$ref: only references into '#/$defs/' or '#/definitions/' are served"
             )
+
+
+def _check_object(node: dict[str, Any], param: str, at: str) -> None:
+    """xgrammar answers `{}` for a required property it may not write, and builds rules for each
+    ordering of optional ones."""
+    properties, required = node.get("properties") or {}, node.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise ConstraintError(param, f"{at}.required: must be a list of property names")
+    if isinstance(properties, dict) and (missing := [n for n in required if n not in properties]):
+        raise ConstraintError(param, f"{at}.required: '{missing[0]}' is not among the object's properties")
+    if isinstance(properties, dict) and len(set(properties) - set(required)) > MAX_OPTIONAL_PROPERTIES:
+        raise ConstraintError(param, f"{at}.properties: more than {MAX_OPTIONAL_PROPERTIES} optional "
+                              "properties; list more of them in 'required'")  # fmt: skip
+
+
+def _check_pattern(pattern: Any, node: dict[str, Any], param: str, at: str) -> None:
+    """xgrammar drops lookarounds, inner anchors and a pattern's length bounds, and expands counted
+    repeats: what it would not enforce, or would take long to compile, is refused."""
+    if not isinstance(pattern, str):
+        raise ConstraintError(param, f"{at}: must be a string")
+    if "minLength" in node or "maxLength" in node:
+        raise ConstraintError(param, f"{at}: with minLength / maxLength the lengths are not enforced; "
+                              "write them into the pattern ('^[a-z]{1,20}$')")  # fmt: skip
+    try:
+        atoms = _atoms(list(re._parser.parse(pattern)), param, at, top=True)
+    except (re.error, RecursionError) as err:
+        raise ConstraintError(param, f"{at}: {json.dumps(pattern)[:200]} is not a regular expression "
+                              f"constrained decoding serves: {err}") from None  # fmt: skip
+    if atoms > MAX_PATTERN_ATOMS:
+        raise ConstraintError(param, f"{at}: repeats expand to more than {MAX_PATTERN_ATOMS} characters")
+
+
+def _atoms(items: list[tuple[Any, Any]], param: str, at: str, top: bool) -> int:
+    """How many characters the pattern's counted repeats expand to (an unbounded repeat counts once)."""
+    from re import _constants as sre
+
+    total = 0
+    for k, (op, arg) in enumerate(items):
+        if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT):
+            low, high, sub = arg
+            total += max(low if high == sre.MAXREPEAT else high, 1) * _atoms(list(sub), param, at, False)
+        elif op in (sre.SUBPATTERN, sre.ATOMIC_GROUP):
+            total += _atoms(
+                list(arg[-1] if op == sre.SUBPATTERN else arg), param, at, top and len(items) == 1
+            )
+        elif op == sre.BRANCH:
+            total += sum(_atoms(list(sub), param, at, top and len(items) == 1) for sub in arg[1])
+        elif op in (sre.ASSERT, sre.ASSERT_NOT):
+            raise ConstraintError(
+                param, f"{at}: lookahead and lookbehind are not enforced by constrained decoding"
+            )
+        elif op == sre.AT and not (top and (k == 0 or k == len(items) - 1)):
+            raise ConstraintError(param, f"{at}: anchors are enforced only at the pattern's start and end")
+        else:
+            total += 1
+    return total
 
 
 def _refs(node: Any) -> set[str]:
