@@ -170,9 +170,7 @@ def test_a_killed_lane_worker_of_an_async_job_is_named_by_its_group_and_rank_and
         1,
         1,
     )
-    named = (
-        rf"worker group 'lanekill-rollout', rank 1, method '\w+': the worker actor \(pid {sink.killed} on "
-    )
+    named = rf"worker group 'lanekill-rollout', rank 1, method '\w+': the worker actor died \(pid {sink.killed} on "
     assert re.search(named, data["error"]), data["error"]
     assert event["message"].startswith("restarting (1/3): worker rank 1 died")
     assert [r["step"] for r in sink.history] == [1, 2, 3]  # resumed after step 1 and finished

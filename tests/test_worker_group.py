@@ -257,7 +257,7 @@ def test_dead_actor_fails_the_next_call_quickly(pool, ray_cluster):
         _wait_until_dead(ray_cluster, group.actors[1])
         start = time.monotonic()
         named = (
-            rf"'doomed', rank 1, method 'get_received': the worker actor \({re.escape(group.hosts[1])}\) died"
+            rf"'doomed', rank 1, method 'get_received': the worker actor died \({re.escape(group.hosts[1])}\)"
         )
         with pytest.raises(WorkerGroupError, match=named):
             group.get_received()

@@ -69,7 +69,7 @@ def wait_all(
                 ) from err
             except RayActorError as err:
                 raise WorkerGroupError(
-                    group, method, rank, f"the worker actor{_where([rank], hosts)} died: {err}", kind="died"
+                    group, method, rank, f"the worker actor died{_where([rank], hosts)}: {err}", kind="died"
                 ) from err
             except GetTimeoutError as err:
                 raise WorkerGroupError(
