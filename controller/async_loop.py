@@ -161,7 +161,8 @@ class LaneSource(BatchSource):
     def _run(self, actor: Any, lane: int) -> None:
         """One lane: admit a draw's samples, generate and score them, put them in the buffer."""
         buffer, stopping, samples = self.buffer, self.stopping, self.buffer.batch_size
-        who = f"rollout workers of job {self.trainer.name}" + ("" if actor is None else f", rank {lane}")
+        group = self.trainer.job.groups.actor.rollout.group.name
+        who = f"rollout group '{group}'" + ("" if actor is None else f", rank {lane}")
         try:
             while not stopping.is_set():
                 start = time.perf_counter()
@@ -169,7 +170,7 @@ class LaneSource(BatchSource):
                     return
                 waited = time.perf_counter() - start
                 try:
-                    item = self._produce(actor, who, buffer, stopping)
+                    item = self._produce(actor, lane, who, buffer, stopping)
                 except BaseException:
                     buffer.cancel(samples)
                     raise
@@ -202,7 +203,7 @@ class LaneSource(BatchSource):
         return None
 
     def _produce(
-        self, actor: Any, who: str, buffer: RolloutBuffer, stopping: threading.Event
+        self, actor: Any, lane: int, who: str, buffer: RolloutBuffer, stopping: threading.Event
     ) -> BufferedRollout | None:
         spec, drawn = self.trainer.spec, self._draw(stopping)
         if drawn is None:
@@ -213,7 +214,7 @@ class LaneSource(BatchSource):
             batch, busy = generate_in_segments(
                 prompts,
                 spec.trainer.segment_tokens,
-                lambda rows, params: self._call(actor, "generate", (rows, params), who),
+                lambda rows, params: self._call(actor, lane, "generate", (rows, params)),
                 lambda: self.turn.generation(WAIT_TIMEOUT_S, who),
                 lambda: buffer.version,  # the weights on the rollout workers
                 self.pad,
@@ -222,7 +223,7 @@ class LaneSource(BatchSource):
         else:
             with self.turn.generation(WAIT_TIMEOUT_S, who) as waited:
                 version, start = buffer.version, time.perf_counter()
-                batch = self._call(actor, "generate_sequences", (prompts,), who)
+                batch = self._call(actor, lane, "generate_sequences", (prompts,))
                 busy = time.perf_counter() - start
             batch.tensors["policy_version"] = torch.full((len(batch),), version, dtype=torch.long)
         batch, scores, metrics = self.trainer.job.scored(batch)
@@ -233,13 +234,15 @@ class LaneSource(BatchSource):
             self.counts["tokens"] += tokens
         return BufferedRollout(index, len(batch), version, (batch, scores, metrics), int(tokens))
 
-    def _call(self, actor: Any, method: str, args: tuple, who: str) -> Any:
-        """`method` of the rollout role: on the whole group, or on the lane's own worker."""
+    def _call(self, actor: Any, lane: int, method: str, args: tuple) -> Any:
+        """`method` of the rollout role: on the whole group, or on the lane's own worker (its rank in the
+        group: a failure names the group, that rank, its pid and node, as recovery reads them)."""
         rollout = self.trainer.job.groups.actor.rollout
         if actor is None:
             return getattr(rollout, method)(*args)
         ref = actor.execute.remote(method, (args, {}))
-        return wait_all(who, method, [ref], rollout.group.call_timeout_s)[0]
+        group = rollout.group
+        return wait_all(group.name, method, [ref], group.call_timeout_s, group.hosts, ranks=[lane])[0]
 
 
 def generate_in_segments(

@@ -260,7 +260,10 @@ class Trainer:
             return self._replace_rollout(err)
 
     def _replace_rollout(self, err: Exception) -> dict[str, float]:
-        """Re-raises `err` unless a sync job's split rollout worker was lost alone (async restarts)."""
+        """Re-raises `err` unless a sync job's split rollout worker was lost alone. An async job restarts
+        from its checkpoint instead: the replacement forms the whole rollout group anew, so the other
+        lanes' calls in flight die with it and their draws (and the buffer's weight version, which the
+        new workers lack until a sync) would need rewinding; the checkpoint regenerates them exactly."""
         if self.spec.trainer.mode == "async":
             raise err
         return self.recovery.replace_rollout(err, self.job.groups, self.sink, self.step_index)

@@ -14,6 +14,7 @@ trainer.max_restarts but is not a restart; one that failed is taken back (the re
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -41,22 +42,23 @@ def split_spec(transfer: str) -> JobSpec:
 
 
 class KillRollout(JsonlSink):
-    """A real sink that SIGKILLs the rollout worker once step `step` is recorded, and notes every
-    worker's pid then and one step later."""
+    """A real sink that SIGKILLs the rollout worker of `rank` once step `step` is recorded, and notes
+    every worker's pid then and one step later."""
 
-    def __init__(self, folder, step: int) -> None:
+    def __init__(self, folder, step: int, rank: int = 0) -> None:
         super().__init__(folder)
-        self.step = step
+        self.step, self.rank = step, rank
         self.trainer: Trainer | None = None
         self.pids: dict[int, dict[str, list[int]]] = {}
+        self.killed: int | None = None
 
     def metrics(self, step: int, values: dict) -> None:
         super().metrics(step, values)
         if step in (self.step, self.step + 1):
             self.pids[step] = worker_pids(self.trainer.job.groups)
-        if step == self.step:
-            (pid,) = self.pids[step]["rollout"]
-            os.kill(pid, signal.SIGKILL)
+        if step == self.step and self.killed is None:
+            self.killed = self.pids[step]["rollout"][self.rank]
+            os.kill(self.killed, signal.SIGKILL)
 
 
 @pytest.fixture(autouse=True)
@@ -127,3 +129,48 @@ def test_a_replacement_counts_against_the_restart_budget_but_is_not_a_restart(tm
     assert (recovery.used, recovery.replaced, recovery.status) == (0, 0, None)
     recovery.begin(lost, sink, 2, 0, None)
     assert recovery.status["message"] == "restarting (1/1): worker rank 0 died" and recovery.attempt == 2
+
+
+# Over 25 s here (each attempt starts its workers), so in make test-slow; make test names a lane's
+# worker by tests/test_worker_group.py::test_dead_actor_fails_the_next_call_quickly.
+@pytest.mark.slow
+def test_a_killed_lane_worker_of_an_async_job_is_named_by_its_group_and_rank_and_the_job_restarts(
+    ray_cluster, tmp_path
+):
+    """Async, one lane per rollout worker: the worker of lane 1 is killed once step 1 is recorded. Its
+    loss (met by its lane's call or by the next weight sync, whichever comes first) names rank 1 of the
+    rollout group with its pid, and the job restarts (async replaces no worker alone, see
+    Trainer._replace_rollout) from step 1's checkpoint and finishes."""
+    spec = job_spec(
+        rollout={"n": 2, "max_new_tokens": 2},
+        trainer={
+            "mode": "async",
+            "rollout_lanes": "per_worker",
+            "max_staleness": 1,
+            "total_steps": 3,
+            "prompts_per_step": 2,
+            "val_every": 0,
+            "samples_per_step": 0,
+            "restart_backoff_s": 0,
+        },
+        checkpoint={"every": 1, "export_hf": False},
+        resources={**SPLIT, "rollout": {"workers": 2}},
+    )
+    sink = KillRollout(tmp_path, step=1, rank=1)
+    trainer = Trainer(spec, tmp_path, sink, name="lanekill")
+    sink.trainer = trainer
+    trainer.run()
+
+    assert [e["kind"] for e in sink.events].count("restart") == 1
+    (event,) = [e for e in sink.events if e["kind"] == "restart"]
+    data = event["data"]
+    assert (data["cause"], data["group"], data["rank"], data["resume_step"]) == (
+        "died",
+        "lanekill-rollout",
+        1,
+        1,
+    )
+    named = rf"worker group 'lanekill-rollout', rank 1, method '\w+': the worker actor died \(pid {sink.killed} on "
+    assert re.search(named, data["error"]), data["error"]
+    assert event["message"].startswith("restarting (1/3): worker rank 1 died")
+    assert [r["step"] for r in sink.history] == [1, 2, 3]  # resumed after step 1 and finished

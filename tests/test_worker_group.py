@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from schema.resources import ResourcesSpec
 from tests.wait_worker import WaitWorker
 from workers.base import Dispatch, Worker, register
 from workers.batch import Batch
+from workers.remote import wait_all
 
 
 class MeshWorker(Worker):
@@ -247,14 +249,23 @@ def _wait_until_dead(ray_module, actor, timeout_s: float = 30.0) -> None:
 
 
 def test_dead_actor_fails_the_next_call_quickly(pool, ray_cluster):
+    """Named by its group, rank, pid and node: from a call on the group, and from one on that worker
+    alone (an async lane's call on its own rollout worker)."""
     group = RayWorkerGroup(pool, MeshWorker, IN_ORDER, group_name="doomed", share=0.25)
     try:
         ray_cluster.kill(group.actors[1], no_restart=True)
         _wait_until_dead(ray_cluster, group.actors[1])
         start = time.monotonic()
-        with pytest.raises(WorkerGroupError, match=r"'doomed', rank 1, method 'get_received'.*died"):
+        named = (
+            rf"'doomed', rank 1, method 'get_received': the worker actor died \({re.escape(group.hosts[1])}\)"
+        )
+        with pytest.raises(WorkerGroupError, match=named):
             group.get_received()
         assert time.monotonic() - start < 30
+        alone = group.actors[1].execute.remote("get_received", ((), {}))
+        with pytest.raises(WorkerGroupError, match=named) as failed:
+            wait_all(group.name, "get_received", [alone], 30, group.hosts, ranks=[1])
+        assert (failed.value.group, failed.value.rank, failed.value.kind) == ("doomed", 1, "died")
     finally:
         group.shutdown()
 

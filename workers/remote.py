@@ -27,17 +27,25 @@ class WorkerGroupError(RuntimeError):
 
 
 def wait_all(
-    group: str, method: str, refs: list[ray.ObjectRef], timeout_s: float, hosts: list[str] | None = None
+    group: str,
+    method: str,
+    refs: list[ray.ObjectRef],
+    timeout_s: float,
+    hosts: list[str] | None = None,
+    ranks: list[int] | None = None,
 ) -> list[Any]:
-    """Results in rank order; the first failing rank raises at once (a collective's timeout after
-    HUNG_GRACE_S), nothing waits past the timeout. `hosts`: where each rank runs, for the errors."""
-    pending = {ref: rank for rank, ref in enumerate(refs)}
+    """Results in the refs' order; the first failing rank raises at once (a collective's timeout after
+    HUNG_GRACE_S), nothing waits past the timeout. `hosts`: where each rank of the group runs, for the
+    errors; `ranks`: the group's rank of each ref when they are not all of its ranks in order (a call
+    on one worker of the group is named by that worker's rank, pid and node)."""
+    named = list(range(len(refs))) if ranks is None else list(ranks)
+    pending = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
     deadline = time.monotonic() + timeout_s
     while pending:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            silent = sorted(pending.values())
+            silent = sorted(named[i] for i in pending.values())
             raise WorkerGroupError(
                 group,
                 method,
@@ -47,22 +55,26 @@ def wait_all(
             )
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, 5.0))
         for ref in ready:
-            rank = pending.pop(ref)
+            i = pending.pop(ref)
+            rank = named[i]
             try:
-                results[rank] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
+                results[i] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1))
             except RayTaskError as err:
                 cause = err.cause if getattr(err, "cause", None) is not None else err
                 if pending and _collective_timed_out(cause):
-                    _raise_hung(group, method, rank, pending, hosts, cause)
+                    silent = {r: named[j] for r, j in pending.items()}
+                    _raise_hung(group, method, rank, silent, hosts, cause)
                 raise WorkerGroupError(
                     group, method, rank, f"raised {type(cause).__name__}: {cause}"
                 ) from err
             except RayActorError as err:
                 raise WorkerGroupError(
-                    group, method, rank, f"the worker actor died ({err})", kind="died"
+                    group, method, rank, f"the worker actor died{_where([rank], hosts)}: {err}", kind="died"
                 ) from err
             except GetTimeoutError as err:
-                raise WorkerGroupError(group, method, rank, "did not answer in time", kind="timeout") from err
+                raise WorkerGroupError(
+                    group, method, rank, f"did not answer in time{_where([rank], hosts)}", kind="timeout"
+                ) from err
     return results
 
 
