@@ -25,6 +25,15 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:
     import torch
 
+try:  # the regex parser's modules are private; Python 3.10 names them otherwise
+    from re import _constants as sre
+    from re import _parser as sre_parse
+except ImportError:  # pragma: no cover - Python 3.10
+    import sre_constants as sre  # type: ignore[no-redef]
+    import sre_parse  # type: ignore[no-redef]
+
+POSSESSIVE_REPEAT = getattr(sre, "POSSESSIVE_REPEAT", None)  # Python 3.11+
+ATOMIC_GROUP = getattr(sre, "ATOMIC_GROUP", None)
 MAX_SCHEMA_CHARS = 65_536
 MAX_SCHEMA_DEPTH = 24
 # Compile time grows faster than these: optional properties of one object, a pattern's repeated atoms.
@@ -145,33 +154,45 @@ def _check_pattern(pattern: Any, node: dict[str, Any], param: str, at: str) -> N
     repeats: what it would not enforce, or would take long to compile, is refused."""
     if not isinstance(pattern, str):
         raise ConstraintError(param, f"{at}: must be a string")
-    if "minLength" in node or "maxLength" in node:
-        raise ConstraintError(param, f"{at}: with minLength / maxLength the lengths are not enforced; "
-                              "write them into the pattern ('^[a-z]{1,20}$')")  # fmt: skip
+    # JSON Schema's regexes are ECMA-262's: a named group is `(?<name>`, Python's `(?P<name>`
+    read = re.sub(r"\(\?<(?![=!])", "(?P<", pattern)
     try:
-        atoms = _atoms(list(re._parser.parse(pattern)), param, at, top=True)
-    except (re.error, RecursionError) as err:
+        items = sre_parse.parse(read)
+        width = items.getwidth()
+    except (re.error, RecursionError, OverflowError, ValueError) as err:  # a count past 2**32: OverflowError
         raise ConstraintError(param, f"{at}: {json.dumps(pattern)[:200]} is not a regular expression "
                               f"constrained decoding serves: {err}") from None  # fmt: skip
-    if atoms > MAX_PATTERN_ATOMS:
-        raise ConstraintError(param, f"{at}: repeats expand to more than {MAX_PATTERN_ATOMS} characters")
+    try:
+        atoms, plain = _atoms(list(items), param, at, True, True), _atoms(list(items), param, at, True, False)
+    except RecursionError:
+        raise ConstraintError(param, f"{at}: the pattern nests too deeply") from None
+    if atoms - plain > MAX_PATTERN_ATOMS:
+        raise ConstraintError(param, f"{at}: its counted repeats expand it by more than {MAX_PATTERN_ATOMS} "
+                              "characters")  # fmt: skip
+    # The grammar writes a string the whole pattern matches and drops the lengths: they hold only when
+    # every such string has them already.
+    low, high = node.get("minLength", 0), node.get("maxLength")
+    if ("minLength" in node or "maxLength" in node) and not (
+        width[0] >= low and (high is None or width[1] <= high)
+    ):
+        raise ConstraintError(param, f"{at}: with minLength / maxLength the lengths are not enforced; "
+                              "write them into the pattern ('^[a-z]{1,20}$')")  # fmt: skip
 
 
-def _atoms(items: list[tuple[Any, Any]], param: str, at: str, top: bool) -> int:
-    """How many characters the pattern's counted repeats expand to (an unbounded repeat counts once)."""
-    from re import _constants as sre
-
+def _atoms(items: list[tuple[Any, Any]], param: str, at: str, top: bool, expand: bool) -> int:
+    """How many characters the pattern's counted repeats expand to (`expand`; an unbounded repeat
+    counts once), or its items counted once each."""
     total = 0
     for k, (op, arg) in enumerate(items):
-        if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT):
+        if op in (sre.MAX_REPEAT, sre.MIN_REPEAT, POSSESSIVE_REPEAT):
             low, high, sub = arg
-            total += max(low if high == sre.MAXREPEAT else high, 1) * _atoms(list(sub), param, at, False)
-        elif op in (sre.SUBPATTERN, sre.ATOMIC_GROUP):
-            total += _atoms(
-                list(arg[-1] if op == sre.SUBPATTERN else arg), param, at, top and len(items) == 1
-            )
+            times = max(low if high == sre.MAXREPEAT else high, 1) if expand else 1
+            total += times * _atoms(list(sub), param, at, False, expand)
+        elif op in (sre.SUBPATTERN, ATOMIC_GROUP):
+            inner = arg[-1] if op == sre.SUBPATTERN else arg
+            total += _atoms(list(inner), param, at, top and len(items) == 1, expand)
         elif op == sre.BRANCH:
-            total += sum(_atoms(list(sub), param, at, top and len(items) == 1) for sub in arg[1])
+            total += sum(_atoms(list(sub), param, at, top and len(items) == 1, expand) for sub in arg[1])
         elif op in (sre.ASSERT, sre.ASSERT_NOT):
             raise ConstraintError(
                 param, f"{at}: lookahead and lookbehind are not enforced by constrained decoding"
