@@ -46,7 +46,7 @@ class ReplicaBatcher:
             self.queue = asyncio.Queue()
         if self.task is not None:  # the calls it held (every replica was busy) go to the new replicas
             self.task.cancel()
-        self.task = asyncio.get_running_loop().create_task(self._batch_loop(free))
+        self.task = asyncio.get_running_loop().create_task(self._batch_loop(free, self.offset))
         self.attached.set()
 
     async def generate(self, prompt: list[int], params: Any) -> list[Any]:
@@ -60,7 +60,7 @@ class ReplicaBatcher:
         await self.queue.put((prompt, params, future))
         return await future
 
-    async def _batch_loop(self, free: asyncio.Queue) -> None:
+    async def _batch_loop(self, free: asyncio.Queue, offset: int) -> None:
         """From the first call, gather until as many arrived as the last batch held (agents answered
         together call again together) or batch_window_ms passed; then a free replica takes them all.
         The calls taken wait in `held`, where a re-attach's new loop finds them."""
@@ -82,18 +82,21 @@ class ReplicaBatcher:
                 held.append(queue.get_nowait())
             items, expected = list(held), len(held)
             held.clear()
-            task = loop.create_task(self._run(host, items, free))
+            task = loop.create_task(self._run(host, items, free, offset))
             self.running.add(task)
             task.add_done_callback(self.running.discard)
 
-    async def _run(self, host: Any, items: list[tuple], free: asyncio.Queue) -> None:
+    async def _run(self, host: Any, items: list[tuple], free: asyncio.Queue, offset: int) -> None:
         """`items` on `host`; every caller hears an answer or an error, whatever fails; the host goes back
         to the replicas it came from (an earlier attempt's, after a re-attach, serve no more)."""
         why = "its batch was cancelled"
         try:
             key = lambda item: item[1].model_dump_json()  # noqa: E731
             for _, group in itertools.groupby(sorted(items, key=key), key=key):
-                await self._run_group(host, list(group))
+                if self.free is not free:  # re-attached: this attempt's replicas serve no more
+                    why = "the job's rollout workers were started again"
+                    break
+                await self._run_group(host, list(group), offset)
         except Exception as err:  # its callers hear it below, as a cancellation's do
             why = f"{type(err).__name__}: {err}"
         finally:
@@ -104,8 +107,8 @@ class ReplicaBatcher:
             for future in unanswered:
                 future.set_exception(error)
 
-    async def _run_group(self, host: Any, group: list[tuple]) -> None:
-        params, offset = group[0][1], self.offset
+    async def _run_group(self, host: Any, group: list[tuple], offset: int) -> None:
+        params = group[0][1]
         prompts = [g[0] for g in group]
         try:
             ref = host.execute.remote("generate", ((prompts, params.model_dump()), {}))

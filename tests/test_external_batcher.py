@@ -140,3 +140,27 @@ def test_a_replica_answer_the_batcher_cannot_read_is_a_503_naming_it_and_the_rep
         assert await served_by(batcher, call(batcher)) == "old"
 
     asyncio.run(scenario())
+
+
+def test_a_batch_in_flight_across_a_re_attach_runs_no_further_group_on_the_old_replica(replicas):
+    """A batch of two sampling settings runs as two generate calls, one after the other. Re-attached
+    between them (new replicas a version ahead), the second ran on the old replica anyway, its
+    completions stamped with the new attempt's version."""
+    old, new = replicas
+
+    async def scenario() -> None:
+        batcher = ReplicaBatcher(window_ms=0)
+        await batcher.attach([old], 0)
+        ray.get(old.hold.remote(True), timeout=30)
+        loop = asyncio.get_running_loop()
+        calls = [loop.create_task(batcher.generate([1], SamplingParams(temperature=t))) for t in (0.5, 1.0)]
+        await until_taken(batcher)  # one batch, its first setting held on the old replica
+        await batcher.attach([new], 5)  # the replica answers version 0: the new attempt's offset is 5
+        ray.get(old.hold.remote(False), timeout=30)
+        done = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), ANSWER_S)
+        served = [d for d in done if not isinstance(d, BaseException)]
+        assert [(c[0].replica, c[0].weight_version) for c in served] == [("old", 0)], done
+        (refused,) = [d for d in done if isinstance(d, TrajectoryError)]
+        assert refused.status == 503 and "started again" in str(refused), str(refused)
+
+    asyncio.run(scenario())
