@@ -189,11 +189,12 @@ class TrainerSpec(Section, AsyncOptions, CollectiveTimeout):
         3600.0,
         ge=1,
         le=3600,
-        description="seconds one call of a step on a worker group may take (a generation, log-probs, an update, "
-        "a weight sync, a reward model's scores); a worker that has not answered by then is named (rank, pid, "
-        "node, the call) and the job restarts from its last checkpoint as for a dead worker "
-        "(trainer.max_restarts). Must exceed trainer.collective_timeout_s, which bounds the collectives "
-        "inside a call. The workers' start is not bound by it",
+        description="seconds any call on the job's worker groups may take once they have started (a "
+        "generation, log-probs, an update, a weight sync, a reward model's scores, a checkpoint's save, load "
+        "or export: set it above the slowest of them); a worker that has not answered by then is named (rank, "
+        "pid, node, the call) and handled as a dead worker: the job restarts from its last checkpoint, or a "
+        "split rollout worker is replaced alone (trainer.max_restarts). Set, it must exceed "
+        "trainer.collective_timeout_s, which bounds the collectives inside a call",
     )
     restart_backoff_s: float = Field(
         5.0, ge=0, le=3600, description="seconds before the first restart, doubled for each further one"
@@ -216,7 +217,8 @@ class TrainerSpec(Section, AsyncOptions, CollectiveTimeout):
     @model_validator(mode="after")
     def _calls_outlast_collectives(self, info: ValidationInfo) -> TrainerSpec:
         # A call that ends first would name every rank of a collective silent, not the hung one.
-        if self.call_timeout_s <= self.collective_timeout_s and at_submission(info):
+        given = "call_timeout_s" in self.model_fields_set  # the default leaves a longer collective as it was
+        if given and self.call_timeout_s <= self.collective_timeout_s and at_submission(info):
             raise field_error(("call_timeout_s",), f"trainer.call_timeout_s ({self.call_timeout_s:g}s) must "
                               f"exceed trainer.collective_timeout_s ({self.collective_timeout_s:g}s), which "
                               "bounds the collectives inside a call: raise the first or lower the second",

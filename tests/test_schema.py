@@ -103,6 +103,11 @@ def test_trainer_call_timeout_s_is_bounded_and_outlasts_the_collectives(unschedu
     assert JobSpec.model_validate(tiny_job()).trainer.call_timeout_s == 3600  # the limit before the field
     short = {"call_timeout_s": 5, "collective_timeout_s": 2}
     assert JobSpec.model_validate(tiny_job(trainer=short)).trainer.call_timeout_s == 5
+    # unset, it leaves a collective longer than its default as before (a 422 would ask the impossible)
+    assert (
+        JobSpec.model_validate(tiny_job(trainer={"collective_timeout_s": 7200})).trainer.call_timeout_s
+        == 3600
+    )
     for value, words in [(0, "greater than or equal to 1"), (3601, "less than or equal to 3600"),
                          ("soon", "valid number"), (600, "must exceed trainer.collective_timeout_s (600s)")]:  # fmt: skip
         with pytest.raises(ValidationError) as err:

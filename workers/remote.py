@@ -79,8 +79,10 @@ def wait_all(
 
 
 def _collective_timed_out(cause: BaseException) -> bool:
-    """gloo's words for a collective that waited past its process group's timeout."""
-    return isinstance(cause, RuntimeError) and "Timed out waiting" in str(cause)
+    """gloo's words for a collective of the group that waited past its timeout (an error that names
+    its worker itself, a weight transfer's, is not the group's)."""
+    named = getattr(cause, "names_its_worker", False)
+    return isinstance(cause, RuntimeError) and not named and "Timed out waiting" in str(cause)
 
 
 def _raise_hung(

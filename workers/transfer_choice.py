@@ -38,7 +38,7 @@ from engines.transfer.base import (
     TransferTimeout,
     WeightTransfer,
 )
-from engines.transfer.collective import CollectiveTransfer, TransferGroup
+from engines.transfer.collective import ABORT_GRACE_S, CollectiveTransfer, TransferGroup
 from engines.transfer.in_process import InProcessTransfer
 from workers.remote import WorkerGroupError, wait_all
 
@@ -216,7 +216,7 @@ def _join_group(peers: RolloutPeers, device: torch.device, timeout_s: float) -> 
     try:
         group = TransferGroup(store, 0, world, backend, timeout_s, name=f"weight transfer to '{peers.group}'")
     except Exception as exc:  # the rendezvous failed: the receivers say which of them is at fault
-        peers.wait(timeout_s=30.0)
+        peers.wait(timeout_s=min(timeout_s / 2, ABORT_GRACE_S))
         raise TransferError(f"weight-transfer group to '{peers.group}' could not form: {exc}") from exc
     peers.wait()
     return group

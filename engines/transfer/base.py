@@ -23,6 +23,8 @@ NamedTensor = tuple[str, torch.Tensor]
 class TransferError(RuntimeError):
     """A weight transfer failed; the message names the receiving worker (group, rank) at fault."""
 
+    names_its_worker = True  # a collective's timeout inside it is not its group's (workers/remote.py)
+
 
 class TransferTimeout(TransferError):
     """A receiver did not take part in a transfer within its limit (stopped, or too slow): `group` and

@@ -27,6 +27,17 @@ from engines.transfer.base import (
 
 Header = list[tuple[str, str, tuple[int, ...], int]]  # (name, dtype, shape, byte offset)
 ABORT_GRACE_S = 30.0  # a failed broadcast waits at most this long for the receivers to say which failed
+
+
+def peer_failure(error: BaseException) -> bool:
+    """Whether a collective's error reads as its peers' doing (one timed out, closed or reset the
+    connection) rather than the caller's own (out of memory, a bad dtype)."""
+    text = str(error).lower()
+    return isinstance(error, dist.DistError) or any(
+        words in text for words in ("timed out", "timeout", "connection", "peer", "broken pipe", "nccl")
+    )
+
+
 ALIGN = 64  # every tensor starts on a 64-byte boundary: viewable as any dtype, and copied at full speed
 
 
@@ -174,6 +185,8 @@ class CollectiveTransfer(WeightTransfer):
         (a TransferTimeout); the error of the receivers' wait in `finish` already says so."""
         if isinstance(error, TransferError):
             return error
+        if not peer_failure(error):  # the sender's own (out of memory, a bad dtype): receivers just wait
+            return TransferError(f"weight transfer over {self.group.name} failed on the sender: {error}")
         try:
             # Receivers blocked in the same broadcast fail within moments of the sender, a dead one is
             # reported by Ray: half the limit keeps the sender's named error inside the sync call's.
