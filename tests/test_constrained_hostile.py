@@ -43,13 +43,14 @@ HOSTILE = [
     (OPTIONAL, "#.properties: more than 128 optional properties"),
     ({"type": "string", "pattern": "(" * 2000 + ")" * 2000}, "is not a regular expression"),
     ({"type": "string", "pattern": "^a{4294967296}$"}, "is not a regular expression"),  # was a 500
+    ({"type": "string", "pattern": "^a$", "minLength": "3"}, "#.minLength: must be a non-negative"),  # a 500
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("schema", "says"), HOSTILE, ids=[
     "negative-count", "defs-list", "required-absent", "required-no-properties", "pattern-and-length",
     "lookahead", "inner-anchor", "repeat-group", "nested-repeats", "optional-properties", "deep-groups",
-    "count-overflow",
+    "count-overflow", "length-not-a-count",
 ])  # fmt: skip
 def test_hostile_schemas_are_refused_at_once_naming_the_field(schema, says):
     start = time.monotonic()

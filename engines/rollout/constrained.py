@@ -172,6 +172,8 @@ def _check_pattern(pattern: Any, node: dict[str, Any], param: str, at: str) -> N
     # The grammar writes a string the whole pattern matches and drops the lengths: they hold only when
     # every such string has them already.
     low, high = node.get("minLength", 0), node.get("maxLength")
+    if not all(isinstance(n, int) for n in (low, 0 if high is None else high)):
+        return  # not counts: refused naming them where the walk reaches them
     if ("minLength" in node or "maxLength" in node) and not (
         width[0] >= low and (high is None or width[1] <= high)
     ):
